@@ -1,0 +1,17 @@
+"""User-facing errors: each one names the problem and how to fix it."""
+
+
+class FeastError(Exception):
+    """An error caused by user input; the CLI prints it on one line and exits non-zero."""
+
+
+class PresetError(FeastError, ValueError):
+    """A preset name or preset file is unknown or invalid."""
+
+
+class ArchError(FeastError, ValueError):
+    """An architecture does not parse or does not fit its preset."""
+
+
+class CheckpointError(FeastError, ValueError):
+    """A checkpoint file is missing, malformed or belongs to another preset."""

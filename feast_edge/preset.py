@@ -1,0 +1,203 @@
+"""Presets: the constants of one elastic-ResNet family, stored as TOML data (SPEC §1).
+
+A preset is looked up by name among the built-in files in ``feast_edge/presets/``
+and the directories listed in the ``FEAST_EDGE_PRESET_PATH`` environment
+variable, or loaded directly from a ``.toml`` path. Adding a preset is adding a
+file; no code changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from feast_edge.errors import PresetError
+
+BUILTIN_DIR = Path(__file__).parent / "presets"
+PATH_ENV = "FEAST_EDGE_PRESET_PATH"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Constants of one supernet family: input geometry, stem, stages and choice sets."""
+
+    name: str
+    description: str
+    in_channels: int
+    input_size: int
+    classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    stem_channels: int
+    stem_stride: int
+    stage_channels: tuple[int, ...]
+    stage_strides: tuple[int, ...]
+    max_extra_blocks: int
+    expansion_ratios: tuple[float, ...]
+    width_multipliers: tuple[float, ...]
+    divisor: int = 8
+
+    def __post_init__(self) -> None:
+        _check_preset(self)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_channels)
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the fields that shape tensors and costs (not name or description)."""
+        shape = {k: v for k, v in asdict(self).items() if k not in ("name", "description")}
+        blob = json.dumps(shape, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (the same content as the TOML file, flattened)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Preset":
+        """Inverse of :meth:`to_dict`; validates every field."""
+        try:
+            return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        except TypeError as exc:
+            raise PresetError(f"preset record is malformed ({exc}); re-create it with this version of feast-edge") from None
+
+
+def _require(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise PresetError(f"preset {where}: {message}")
+
+
+def _check_preset(p: Preset) -> None:
+    name = p.name or "<unnamed>"
+    _require(bool(p.name) and p.name.strip() == p.name, name, "'name' must be a non-empty string without surrounding spaces")
+    _require(p.in_channels >= 1, name, f"input.channels = {p.in_channels} must be >= 1")
+    _require(p.input_size >= 1, name, f"input.size = {p.input_size} must be >= 1")
+    _require(p.classes >= 1, name, f"input.classes = {p.classes} must be >= 1")
+    _require(len(p.mean) == p.in_channels, name, f"input.mean has {len(p.mean)} values; it needs one per input channel ({p.in_channels})")
+    _require(len(p.std) == p.in_channels, name, f"input.std has {len(p.std)} values; it needs one per input channel ({p.in_channels})")
+    _require(all(s > 0 for s in p.std), name, "input.std values must all be > 0")
+    _require(p.stem_channels >= 1, name, f"stem.channels = {p.stem_channels} must be >= 1")
+    _require(p.stem_stride >= 1, name, f"stem.stride = {p.stem_stride} must be >= 1")
+    _require(len(p.stage_channels) >= 1, name, "stages.channels must list at least one stage")
+    _require(all(c >= 1 for c in p.stage_channels), name, "stages.channels must all be >= 1")
+    _require(
+        len(p.stage_strides) == len(p.stage_channels),
+        name,
+        f"stages.strides has {len(p.stage_strides)} entries but stages.channels has {len(p.stage_channels)}; give one stride per stage",
+    )
+    _require(all(s >= 1 for s in p.stage_strides), name, "stages.strides must all be >= 1")
+    _require(p.max_extra_blocks >= 0, name, f"stages.max_extra_blocks = {p.max_extra_blocks} must be >= 0")
+    _require(len(p.expansion_ratios) >= 1, name, "stages.expansion_ratios must not be empty")
+    _require(
+        list(p.expansion_ratios) == sorted(set(p.expansion_ratios)) and all(0 < e <= 4 for e in p.expansion_ratios),
+        name,
+        "stages.expansion_ratios must be strictly increasing values in (0, 4]",
+    )
+    _require(len(p.width_multipliers) >= 1, name, "stages.width_multipliers must not be empty")
+    _require(
+        list(p.width_multipliers) == sorted(set(p.width_multipliers)) and all(0 < w <= 1 for w in p.width_multipliers),
+        name,
+        "stages.width_multipliers must be strictly increasing values in (0, 1]",
+    )
+    _require(p.divisor >= 1, name, f"stages.divisor = {p.divisor} must be >= 1")
+    resolution = math.ceil(p.input_size / p.stem_stride)
+    for s in p.stage_strides:
+        resolution = math.ceil(resolution / s)
+    _require(resolution >= 1, name, "the strides reduce the input below 1x1")
+
+
+def _from_toml(data: dict[str, Any], source: str) -> Preset:
+    try:
+        inp, stem, stages = data["input"], data["stem"], data["stages"]
+        return Preset(
+            name=str(data["name"]),
+            description=str(data.get("description", "")),
+            in_channels=int(inp["channels"]),
+            input_size=int(inp["size"]),
+            classes=int(inp["classes"]),
+            mean=tuple(float(v) for v in inp["mean"]),
+            std=tuple(float(v) for v in inp["std"]),
+            stem_channels=int(stem["channels"]),
+            stem_stride=int(stem.get("stride", 1)),
+            stage_channels=tuple(int(v) for v in stages["channels"]),
+            stage_strides=tuple(int(v) for v in stages["strides"]),
+            max_extra_blocks=int(stages["max_extra_blocks"]),
+            expansion_ratios=tuple(float(v) for v in stages["expansion_ratios"]),
+            width_multipliers=tuple(float(v) for v in stages["width_multipliers"]),
+            divisor=int(stages.get("divisor", 8)),
+        )
+    except KeyError as exc:
+        raise PresetError(f"preset file {source} lacks the field {exc.args[0]!r}; see feast_edge/presets/*.toml for the format") from None
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, PresetError):
+            raise
+        raise PresetError(f"preset file {source} has a field of the wrong type ({exc}); see feast_edge/presets/*.toml for the format") from None
+
+
+def load_preset_file(path: str | os.PathLike[str]) -> Preset:
+    """Load and validate one preset TOML file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PresetError(f"preset file {path} does not exist; pass an existing .toml file or a preset name") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PresetError(f"preset file {path} cannot be read ({exc}); check the path and its permissions") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PresetError(f"preset file {path} is not valid TOML ({exc}); fix the syntax") from None
+    return _from_toml(data, str(path))
+
+
+def _search_dirs() -> list[Path]:
+    extra = [Path(p) for p in os.environ.get(PATH_ENV, "").split(os.pathsep) if p]
+    return extra + [BUILTIN_DIR]
+
+
+def available_presets() -> dict[str, Path]:
+    """Map of preset name -> file, user directories first (they may shadow built-ins)."""
+    found: dict[str, Path] = {}
+    for directory in _search_dirs():
+        if directory.is_dir():
+            for file in sorted(directory.glob("*.toml")):
+                found.setdefault(file.stem, file)
+    return found
+
+
+_CACHE: dict[tuple[str, float], Preset] = {}
+
+
+def load_preset(name_or_path: str | os.PathLike[str] | Preset) -> Preset:
+    """Resolve a preset by name (built-in or on FEAST_EDGE_PRESET_PATH) or by .toml path."""
+    if isinstance(name_or_path, Preset):
+        return name_or_path
+    text = str(name_or_path)
+    if text.endswith(".toml") or os.sep in text:
+        return load_preset_file(text)
+    presets = available_presets()
+    if text not in presets:
+        names = ", ".join(sorted(presets)) or "none"
+        raise PresetError(
+            f"unknown preset {text!r}; choose one of: {names} "
+            f"(or pass a .toml file, or add a directory of presets to ${PATH_ENV})"
+        )
+    file = presets[text]
+    key = (str(file), file.stat().st_mtime)
+    if key not in _CACHE:
+        preset = load_preset_file(file)
+        if preset.name != text:
+            raise PresetError(f"preset file {file} declares name {preset.name!r}; rename the file or the preset so they match")
+        _CACHE[key] = preset
+    return _CACHE[key]
