@@ -7,34 +7,55 @@ weight+bias. The same formulas give a routed envelope's payload size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from feast_edge.arch import Arch
 from feast_edge.geometry import Layout, arch_layout
 from feast_edge.preset import Preset
 
 
-def count_macs(layout: Layout) -> int:
-    """Per-example multiply-accumulates of the network described by ``layout``."""
-    macs = layout.in_channels * layout.stem_channels * 9 * layout.stem_resolution**2
-    for stage in layout.stages:
-        area = stage.resolution**2
+@dataclass(frozen=True)
+class PartCost:
+    """MACs and params of one part of the network (stem, a stage, the classifier)."""
+
+    part: str
+    macs: int
+    params: int
+
+
+def cost_breakdown(layout: Layout) -> list[PartCost]:
+    """Per-part cost: stem, each stage (blocks + block-0 projection), classifier."""
+    c_stem = layout.stem_channels
+    parts = [
+        PartCost(
+            "stem",
+            layout.in_channels * c_stem * 9 * layout.stem_resolution**2,
+            layout.in_channels * c_stem * 9 + 2 * c_stem,
+        )
+    ]
+    for i, stage in enumerate(layout.stages):
+        area, mid, c = stage.resolution**2, stage.mid, stage.channels
+        # block-0 projection (1x1 conv + BN)
+        macs, params = stage.in_channels * c * area, stage.in_channels * c + 2 * c
         c_in = stage.in_channels
         for _ in range(stage.blocks):
-            macs += c_in * stage.mid * 9 * area + stage.mid * stage.channels * 9 * area
-            c_in = stage.channels
-        macs += stage.in_channels * stage.channels * area  # block-0 projection
-    return macs + layout.last_channels * layout.classes
+            macs += (c_in * mid + mid * c) * 9 * area
+            params += c_in * mid * 9 + 2 * mid + mid * c * 9 + 2 * c
+            c_in = c
+        parts.append(PartCost(f"stage {i + 1}", macs, params))
+    c_last = layout.last_channels
+    parts.append(PartCost("classifier", c_last * layout.classes, c_last * layout.classes + layout.classes))
+    return parts
+
+
+def count_macs(layout: Layout) -> int:
+    """Per-example multiply-accumulates of the network described by ``layout``."""
+    return sum(p.macs for p in cost_breakdown(layout))
 
 
 def count_params(layout: Layout) -> int:
     """Trainable parameters of the network described by ``layout``."""
-    params = layout.in_channels * layout.stem_channels * 9 + 2 * layout.stem_channels
-    for stage in layout.stages:
-        c_in = stage.in_channels
-        for _ in range(stage.blocks):
-            params += c_in * stage.mid * 9 + 2 * stage.mid + stage.mid * stage.channels * 9 + 2 * stage.channels
-            c_in = stage.channels
-        params += stage.in_channels * stage.channels + 2 * stage.channels  # block-0 projection
-    return params + layout.last_channels * layout.classes + layout.classes
+    return sum(p.params for p in cost_breakdown(layout))
 
 
 def arch_cost(preset: Preset, arch: Arch, classes: int | None = None) -> tuple[int, int]:

@@ -1,0 +1,53 @@
+"""Crash-safe file writes: a reader sees the old file or the new one, never a torn one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from feast_edge.errors import FeastError
+
+
+class OutputPathError(FeastError, OSError):
+    """An output path cannot be written."""
+
+
+def check_writable(path: str | os.PathLike[str], what: str, flag: str = "--out") -> Path:
+    """Fail early, with a fix, if ``path`` cannot be created or replaced."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise OutputPathError(f"cannot write the {what} to {path}: it is a directory; pass a file path to {flag}")
+    if not parent.is_dir():
+        raise OutputPathError(f"cannot write the {what} to {path}: directory {parent} does not exist; create it or choose another {flag}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputPathError(f"cannot write the {what} to {path}: directory {parent} is not writable; fix its permissions or choose another {flag}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputPathError(f"cannot write the {what} to {path}: the file is read-only; fix its permissions or choose another {flag}")
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename over ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent if str(path.parent) else ".", os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+    return path

@@ -1,0 +1,122 @@
+"""Supernet checkpoints: safetensors tensors + a JSON header, written atomically.
+
+Nothing is unpickled: the file is a safetensors container whose metadata entry
+``feast_edge`` holds a JSON record (format, preset, class count, user fields).
+Loading validates the record, the preset and every tensor name and shape
+before a model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as safetensors_save
+
+from feast_edge.atomic import atomic_write_bytes, check_writable
+from feast_edge.errors import CheckpointError, PresetError
+from feast_edge.geometry import supernet_layout
+from feast_edge.preset import Preset
+from feast_edge.supernet import Supernet
+
+FORMAT = "feast-edge/supernet"
+VERSION = 1
+META_KEY = "feast_edge"
+
+
+def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU copies of every tensor in the state dict."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
+
+
+def save_supernet(path: str | os.PathLike[str], supernet: Supernet, **fields: Any) -> Path:
+    """Atomically write ``supernet`` (full physical tensors) with JSON-serialisable ``fields``."""
+    if supernet.layout != supernet_layout(supernet.preset, supernet.classes):
+        raise ValueError("save_supernet stores full supernets only; routed sub-supernets travel as payloads")
+    path = check_writable(path, "checkpoint")
+    record = {
+        "format": FORMAT,
+        "version": VERSION,
+        "preset": supernet.preset.to_dict(),
+        "preset_digest": supernet.preset.digest,
+        "classes": supernet.classes,
+        "fields": fields,
+    }
+    blob = safetensors_save(state_tensors(supernet), metadata={META_KEY: json.dumps(record, sort_keys=True)})
+    return atomic_write_bytes(path, blob)
+
+
+def read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The validated JSON record of a checkpoint, without reading its tensors."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass the path of a .safetensors file written by feast-edge")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a safetensors checkpoint ({exc}); pass a file written by feast-edge (pickled .pt files are never loaded)") from None
+    try:
+        record = json.loads(meta[META_KEY])
+    except (KeyError, json.JSONDecodeError):
+        raise CheckpointError(f"{path} is a safetensors file but not a feast-edge checkpoint (no valid '{META_KEY}' header); pass a checkpoint written by feast-edge") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {record.get('format') if isinstance(record, dict) else None!r}, expected {FORMAT!r}; pass a supernet checkpoint")
+    if record.get("version") != VERSION:
+        raise CheckpointError(f"{path} has checkpoint version {record.get('version')!r}; this feast-edge reads version {VERSION}, upgrade or re-export it")
+    return record
+
+
+def checkpoint_preset(record: dict[str, Any], path: str | os.PathLike[str] = "<checkpoint>") -> Preset:
+    try:
+        preset = Preset.from_dict(record["preset"])
+    except (KeyError, PresetError) as exc:
+        raise CheckpointError(f"checkpoint {path} carries an invalid preset ({exc}); re-create the checkpoint") from None
+    if preset.digest != record.get("preset_digest"):
+        raise CheckpointError(f"checkpoint {path} is corrupt: its preset digest does not match its preset; re-create the checkpoint")
+    return preset
+
+
+def load_supernet(
+    path: str | os.PathLike[str],
+    preset: Preset | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[Supernet, dict[str, Any]]:
+    """Load a checkpoint; with ``preset`` given, refuse one of another preset."""
+    record = read_record(path)
+    stored = checkpoint_preset(record, path)
+    if preset is not None and preset.digest != stored.digest:
+        raise CheckpointError(
+            f"checkpoint {path} holds a supernet of preset {stored.name!r}, not {preset.name!r}; "
+            f"pass --preset {stored.name} or a checkpoint trained with {preset.name}"
+        )
+    classes = record.get("classes")
+    if not isinstance(classes, int) or classes < 1:
+        raise CheckpointError(f"checkpoint {path} has an invalid class count {classes!r}; re-create the checkpoint")
+    model = Supernet(stored, classes=classes, seed=None)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        names = set(f.keys())
+        missing = sorted(set(expected) - names)
+        unexpected = sorted(names - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"checkpoint {path} does not match preset {stored.name!r} "
+                f"({len(missing)} tensors missing, e.g. {missing[:2]}; {len(unexpected)} unexpected, e.g. {unexpected[:2]}); "
+                "it is corrupt or was written by another program"
+            )
+        state = {}
+        for name in expected:
+            tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != expected[name]:
+                raise CheckpointError(
+                    f"checkpoint {path}: tensor {name} has shape {tuple(tensor.shape)}, preset {stored.name!r} needs {expected[name]}; "
+                    "the file is corrupt or belongs to another preset"
+                )
+            state[name] = tensor
+    model.load_state_dict(state)
+    return model.to(device), record
