@@ -128,3 +128,10 @@ def init_weights(model: nn.Module, generator: torch.Generator) -> None:
             bound = 1.0 / m.in_features**0.5
             nn.init.uniform_(m.weight, -bound, bound, generator=generator)
             nn.init.uniform_(m.bias, -bound, bound, generator=generator)
+
+
+def state_shapes(preset: Preset, layout: Layout) -> dict[str, tuple[int, ...]]:
+    """State-dict names and shapes of a (sub-)supernet of ``layout``, without allocating it."""
+    with torch.device("meta"):
+        model = Supernet(preset, layout=layout, seed=None)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -1,0 +1,136 @@
+"""Routed payloads on the wire: safetensors bytes whose header carries a JSON manifest (SPEC §5).
+
+The same container carries the server's routed sub-supernet to a client and
+the client's trained slice back. Decoding never unpickles; it checks the
+manifest, the preset, and that every tensor has exactly the name, shape and
+dtype the envelope implies, and that values are finite, before anything is
+returned.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from feast_edge.errors import FeastError
+from feast_edge.preset import Preset
+from feast_edge.route import Envelope
+from feast_edge.supernet import state_shapes
+
+FORMAT = "feast-edge/payload"
+VERSION = 1
+META_KEY = "feast_edge"
+KINDS = ("routed", "update")
+
+
+class PayloadError(FeastError, ValueError):
+    """A payload is malformed or does not match what was routed."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a payload claims to be: preset, class count, envelope, round and kind."""
+
+    preset: str
+    preset_digest: str
+    classes: int
+    envelope: Envelope
+    round: int
+    kind: str = "routed"
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "preset": self.preset,
+            "preset_digest": self.preset_digest,
+            "classes": self.classes,
+            "envelope": self.envelope.to_dict(),
+            "round": self.round,
+            "kind": self.kind,
+            "fields": dict(self.fields),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Manifest":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise PayloadError(f"payload manifest has format {data.get('format') if isinstance(data, dict) else None!r}, expected {FORMAT!r}")
+        if data.get("version") != VERSION:
+            raise PayloadError(f"payload manifest version {data.get('version')!r} is not supported (expected {VERSION}); upgrade feast-edge on both sides")
+        try:
+            manifest = cls(
+                preset=str(data["preset"]),
+                preset_digest=str(data["preset_digest"]),
+                classes=int(data["classes"]),
+                envelope=Envelope.from_dict(data["envelope"]),
+                round=int(data["round"]),
+                kind=str(data["kind"]),
+                fields=dict(data.get("fields") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PayloadError(f"payload manifest is malformed ({exc!r})") from None
+        if manifest.kind not in KINDS:
+            raise PayloadError(f"payload kind {manifest.kind!r} is not one of {KINDS}")
+        return manifest
+
+
+def expected_shapes(preset: Preset, classes: int, envelope: Envelope) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the sub-supernet an envelope routes."""
+    return state_shapes(preset, envelope.layout(preset, classes))
+
+
+def encode(state: Mapping[str, torch.Tensor], manifest: Manifest) -> bytes:
+    """Serialize a (sub-)supernet state and its manifest."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    return safetensors_save(tensors, metadata={META_KEY: json.dumps(manifest.to_dict(), sort_keys=True)})
+
+
+def read_manifest(blob: bytes) -> Manifest:
+    """The manifest of a payload, without materializing its tensors."""
+    if len(blob) < 8:
+        raise PayloadError("payload is truncated (shorter than a safetensors header)")
+    size = int.from_bytes(blob[:8], "little")
+    if size <= 0 or 8 + size > len(blob):
+        raise PayloadError("payload header length is out of range; the payload is truncated or not safetensors")
+    try:
+        header = json.loads(blob[8 : 8 + size])
+        meta = header["__metadata__"][META_KEY]
+        return Manifest.from_dict(json.loads(meta))
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise PayloadError("payload header is not a feast-edge manifest") from None
+
+
+def decode(blob: bytes, preset: Preset, expected: Manifest | None = None) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Validate and load a payload; with ``expected``, the manifest must route the same envelope and round."""
+    manifest = read_manifest(blob)
+    if manifest.preset_digest != preset.digest:
+        raise PayloadError(f"payload is for preset {manifest.preset!r}, not {preset.name!r}")
+    if expected is not None:
+        for name in ("classes", "envelope", "round"):
+            if getattr(manifest, name) != getattr(expected, name):
+                raise PayloadError(f"payload {name} {getattr(manifest, name)!r} does not match the routed {name} {getattr(expected, name)!r}")
+    try:
+        tensors = safetensors_load(blob)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise PayloadError(f"payload tensors cannot be read ({exc})") from None
+    shapes = expected_shapes(preset, manifest.classes, manifest.envelope)
+    missing, extra = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+    if missing or extra:
+        raise PayloadError(f"payload tensors do not match the envelope ({len(missing)} missing, e.g. {missing[:2]}; {len(extra)} unexpected, e.g. {extra[:2]})")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != shapes[name]:
+            raise PayloadError(f"payload tensor {name} has shape {tuple(tensor.shape)}, the envelope routes {shapes[name]}")
+        want = torch.int64 if name.endswith("num_batches_tracked") else torch.float32
+        if tensor.dtype != want:
+            raise PayloadError(f"payload tensor {name} has dtype {tensor.dtype}, expected {want}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise PayloadError(f"payload tensor {name} holds NaN or infinite values")
+    return manifest, tensors
