@@ -5,11 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import strategies as st
 
 from feast_edge.arch import Arch
 from feast_edge.data import FASHION_MNIST_DIR
 from feast_edge.preset import Preset, available_presets, load_preset, load_preset_file
+
+# Test models are small: one intra-op thread is as fast and avoids oversubscription
+# when the suite shares the machine with other work.
+torch.set_num_threads(1)
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
