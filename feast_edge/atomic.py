@@ -28,11 +28,18 @@ def check_writable(path: str | os.PathLike[str], what: str, flag: str = "--out")
     return path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to a temporary file beside ``path``, fsync it, then rename over ``path``."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file ordinary permissions
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -27,6 +27,42 @@ from feast_edge.errors import PresetError
 BUILTIN_DIR = Path(__file__).parent / "presets"
 PATH_ENV = "FEAST_EDGE_PRESET_PATH"
 
+# Search settings stored with a preset; they do not shape tensors or costs, so
+# they stay out of Preset.digest (a cache or checkpoint stays valid when they change).
+_NOT_SHAPE = ("name", "description", "cache_segments", "extraction_rho")
+
+
+@dataclass(frozen=True)
+class CacheSegment:
+    """``count`` cache targets evenly spaced from ``start`` to ``stop`` MACs, searched under ``rho0`` (SPEC §3)."""
+
+    name: str
+    start: float
+    stop: float
+    count: int
+    rho0: float
+
+    @property
+    def targets(self) -> tuple[float, ...]:
+        """The MAC targets, ``numpy.linspace(start, stop, count)`` (SPEC §3)."""
+        if self.count == 1:
+            return (float(self.start),)
+        step = (self.stop - self.start) / (self.count - 1)
+        return tuple(float(self.start + i * step) for i in range(self.count - 1)) + (float(self.stop),)
+
+
+@dataclass(frozen=True)
+class RhoStep:
+    """Effectiveness ceiling ``rho0`` for extraction budgets from ``from_macs`` up (paper supplement F)."""
+
+    from_macs: float
+    rho0: float
+
+
+def _records(value: Any, kind: type) -> tuple[Any, ...]:
+    """Coerce a list of dicts (TOML/JSON form) or of records into a tuple of ``kind``."""
+    return tuple(v if isinstance(v, kind) else kind(**v) for v in value)
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -47,8 +83,15 @@ class Preset:
     expansion_ratios: tuple[float, ...]
     width_multipliers: tuple[float, ...]
     divisor: int = 8
+    cache_segments: tuple[CacheSegment, ...] = ()
+    extraction_rho: tuple[RhoStep, ...] = ()
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "cache_segments", _records(self.cache_segments, CacheSegment))
+            object.__setattr__(self, "extraction_rho", _records(self.extraction_rho, RhoStep))
+        except TypeError as exc:
+            raise PresetError(f"preset {self.name}: a [cache] record is malformed ({exc}); see feast_edge/presets/paper-cifar100.toml for the format") from None
         _check_preset(self)
 
     @property
@@ -57,8 +100,8 @@ class Preset:
 
     @property
     def digest(self) -> str:
-        """SHA-256 of the fields that shape tensors and costs (not name or description)."""
-        shape = {k: v for k, v in asdict(self).items() if k not in ("name", "description")}
+        """SHA-256 of the fields that shape tensors and costs (not name, description or [cache] settings)."""
+        shape = {k: v for k, v in asdict(self).items() if k not in _NOT_SHAPE}
         blob = json.dumps(shape, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -117,6 +160,39 @@ def _check_preset(p: Preset) -> None:
     for s in p.stage_strides:
         resolution = math.ceil(resolution / s)
     _require(resolution >= 1, name, "the strides reduce the input below 1x1")
+    _check_cache_settings(p, name)
+
+
+def _check_cache_settings(p: Preset, name: str) -> None:
+    for seg in p.cache_segments:
+        where = f"cache.segments {seg.name!r}"
+        _require(bool(seg.name), name, "every cache.segments entry needs a non-empty 'name'")
+        _require(seg.count >= 1, name, f"{where}: count = {seg.count} must be >= 1")
+        _require(0 < seg.start <= seg.stop, name, f"{where}: needs 0 < start <= stop (got start = {seg.start:g}, stop = {seg.stop:g})")
+        _require(seg.count == 1 or seg.start < seg.stop, name, f"{where}: start == stop needs count = 1")
+        _require(seg.rho0 > 0, name, f"{where}: rho0 = {seg.rho0} must be > 0")
+    _require(len({seg.name for seg in p.cache_segments}) == len(p.cache_segments), name, "cache.segments names must be unique")
+    steps = [step.from_macs for step in p.extraction_rho]
+    if steps:
+        _require(steps[0] == 0, name, f"cache.extraction must start at from_macs = 0 (got {steps[0]:g}) so that every budget has a ceiling")
+        _require(steps == sorted(set(steps)), name, "cache.extraction from_macs values must be strictly increasing")
+        _require(all(step.rho0 > 0 for step in p.extraction_rho), name, "cache.extraction rho0 values must all be > 0")
+
+
+def _cache_from_toml(cache: dict[str, Any]) -> dict[str, Any]:
+    """The optional ``[cache]`` table: target segments and extraction ceilings (SPEC §3)."""
+    segments = tuple(
+        CacheSegment(
+            name=str(seg["name"]),
+            start=float(seg["start"]),
+            stop=float(seg["stop"]),
+            count=int(seg["count"]),
+            rho0=float(seg["rho0"]),
+        )
+        for seg in cache.get("segments", [])
+    )
+    steps = tuple(RhoStep(from_macs=float(step["from_macs"]), rho0=float(step["rho0"])) for step in cache.get("extraction", []))
+    return {"cache_segments": segments, "extraction_rho": steps}
 
 
 def _from_toml(data: dict[str, Any], source: str) -> Preset:
@@ -138,6 +214,7 @@ def _from_toml(data: dict[str, Any], source: str) -> Preset:
             expansion_ratios=tuple(float(v) for v in stages["expansion_ratios"]),
             width_multipliers=tuple(float(v) for v in stages["width_multipliers"]),
             divisor=int(stages.get("divisor", 8)),
+            **_cache_from_toml(data.get("cache", {})),
         )
     except KeyError as exc:
         raise PresetError(f"preset file {source} lacks the field {exc.args[0]!r}; see feast_edge/presets/*.toml for the format") from None
