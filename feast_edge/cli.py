@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from feast_edge.arch import Arch
-from feast_edge.cost import cost_breakdown
+from feast_edge.cost import arch_cost, cost_breakdown
 from feast_edge.errors import FeastError
 from feast_edge.geometry import arch_layout, supernet_layout
 from feast_edge.preset import BUILTIN_DIR, available_presets, load_preset
@@ -149,16 +149,21 @@ def export(
     """Extract one architecture from a checkpoint and write it as a self-describing ONNX file."""
     from feast_edge.atomic import check_writable
     from feast_edge.checkpoint import load_supernet
-    from feast_edge.extract import extract, recalibrate_bn
-    from feast_edge.onnx_export import export_onnx
 
     expected = load_preset(preset) if preset is not None else None
     a = Arch.parse(arch)
     check_writable(out, "ONNX file")
     supernet, _ = load_supernet(checkpoint, expected)
+    _export_variant(supernet, a.validated(supernet.preset), out, calibration_data, calibration_samples)
+
+
+def _export_variant(supernet, arch: Arch, out: Path, calibration_data: Optional[Path], calibration_samples: int, extra: Optional[dict] = None) -> None:
+    """Extract, optionally BN-recalibrate on Fashion-MNIST, and write one ONNX file."""
+    from feast_edge.extract import extract, recalibrate_bn
+    from feast_edge.onnx_export import export_onnx
+
     p = supernet.preset
-    a = a.validated(p)
-    model = extract(supernet, a)
+    model = extract(supernet, arch)
     class_names = None
     if calibration_data is not None:
         from feast_edge.data import load_fashion_mnist, normalize
@@ -169,8 +174,123 @@ def export(
         class_names = data.classes
         pixels = normalize(data.floats(slice(0, calibration_samples)), p.mean, p.std)
         recalibrate_bn(model, pixels.split(100))
-    meta = export_onnx(model, out, p, a, class_names=class_names, extra={"bn_recalibrated": calibration_data is not None})
-    console.print(f"wrote {out}: {p.name} {a}, {int(meta['feast.macs']):,} MACs, {int(meta['feast.params']):,} params", soft_wrap=True)
+    fields = {"bn_recalibrated": calibration_data is not None, **(extra or {})}
+    meta = export_onnx(model, out, p, arch, class_names=class_names, extra=fields)
+    console.print(f"wrote {out}: {p.name} {arch}, {int(meta['feast.macs']):,} MACs, {int(meta['feast.params']):,} params", soft_wrap=True)
+
+
+def parse_macs(text: str) -> float:
+    """MAC counts as ``25000000``, ``25e6``, ``25M``, ``1.5G`` or ``800K``."""
+    raw = text.strip().replace("_", "").replace(",", "")
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(raw[-1:].upper(), 1.0)
+    number = raw[:-1] if scale != 1.0 else raw
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise FeastError(f"cannot read {text!r} as a MAC count; write e.g. 25000000, 25e6 or 25M") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise FeastError(f"MAC count {text!r} must be a positive finite number")
+    return value
+
+
+cache_app = typer.Typer(help="Build and inspect fixed variant caches (SPEC §3).", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+def _cache_table(cache, title: str) -> Table:
+    table = Table(title=title)
+    for col in ("#", "MACs", "params", "fitness", "rho", "target(s)", "arch"):
+        table.add_column(col, justify="left" if col == "arch" else "right", no_wrap=col != "arch")
+    for i, entry in enumerate(cache.entries):
+        targets = ", ".join(_millions(int(job.target)) for job in entry.jobs)
+        table.add_row(str(i), _millions(entry.macs), _millions(entry.params), f"{entry.fitness:.1f}", f"{entry.rho:.3f}", targets, str(entry.arch))
+    return table
+
+
+@cache_app.command("build")
+def cache_build(
+    preset: PresetOpt,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Cache JSON to write.")],
+    targets: Annotated[Optional[str], typer.Option(help="Comma-separated MAC targets (e.g. 25M,50M); default: the preset's [cache] segments.")] = None,
+    rho0: Annotated[Optional[float], typer.Option(help="Effectiveness ceiling for --targets (default: the preset's extraction ceilings).")] = None,
+    seed: Annotated[int, typer.Option(help="Base seed; target k uses seed + k.")] = 42,
+    population: Annotated[int, typer.Option(min=4, help="GA population per target.")] = 256,
+    generations: Annotated[int, typer.Option(min=1, help="GA generations per target.")] = 512,
+    workers: Annotated[int, typer.Option(min=1, help="Parallel worker processes.")] = 1,
+) -> None:
+    """Search the best architecture for every MAC target and write the cache (one GA per target)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from feast_edge.atomic import check_writable
+    from feast_edge.cache import build_cache, cache_targets
+    from feast_edge.search import extraction_rho0
+
+    p = load_preset(preset)
+    check_writable(out, "cache")
+    jobs = None
+    if targets is not None:
+        values = [parse_macs(t) for t in targets.split(",") if t.strip()]
+        if not values:
+            raise FeastError("--targets is empty; give at least one MAC target, e.g. --targets 25M,50M")
+        jobs = [(v, rho0 if rho0 is not None else extraction_rho0(p, v)) for v in values]
+    with Progress(TextColumn("[bold]cache search"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("targets", total=len(jobs) if jobs is not None else len(cache_targets(p)))
+        cache = build_cache(p, jobs, seed=seed, population=population, generations=generations, workers=workers, progress=lambda done, total, _r: bar.update(task, completed=done, total=total))
+    cache.save(out)
+    console.print(_cache_table(cache, f"{p.name}: {len(cache)} variants"))
+    console.print(f"wrote {out}", soft_wrap=True)
+
+
+@cache_app.command("show")
+def cache_show(
+    preset: PresetOpt,
+    cache_file: Annotated[Optional[Path], typer.Option("--cache", help="Cache JSON (default: the one shipped for the preset).")] = None,
+) -> None:
+    """List a cache's variants: MACs, params, fitness, rho, arch."""
+    from feast_edge.cache import load_cache
+
+    p = load_preset(preset)
+    cache = load_cache(p, cache_file)
+    console.print(_cache_table(cache, f"{p.name}: {len(cache)} variants ({cache.classes}-class head)"))
+
+
+@app.command("extract")
+def extract_command(
+    preset: PresetOpt,
+    macs: Annotated[str, typer.Option("--macs", "-m", help="MAC budget, e.g. 30M or 3e7.")],
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", "-k", help="Trained supernet; with --out, export the found arch.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="ONNX file to write (needs --checkpoint).")] = None,
+    calibration_data: Annotated[Optional[Path], typer.Option("--calibration-data", help="Fashion-MNIST directory for BN recalibration.")] = None,
+    calibration_samples: Annotated[int, typer.Option(min=1, help="Calibration samples.")] = 500,
+    seed: Annotated[int, typer.Option(help="GA seed.")] = 0,
+    population: Annotated[int, typer.Option(min=4, help="GA population (paper: 512).")] = 512,
+    generations: Annotated[int, typer.Option(min=1, help="GA generations (paper: 512).")] = 512,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Post-hoc extraction: the best (possibly uncached) arch under a MAC budget, served from trained weights."""
+    from feast_edge.search import best_arch_under
+
+    p = load_preset(preset)
+    budget = parse_macs(macs)
+    if out is not None and checkpoint is None:
+        raise FeastError("--out needs --checkpoint (the trained supernet to extract the weights from)")
+    if out is not None:
+        from feast_edge.atomic import check_writable
+
+        check_writable(out, "ONNX file")
+    supernet = None
+    if checkpoint is not None:
+        from feast_edge.checkpoint import load_supernet
+
+        supernet, _ = load_supernet(checkpoint, p)
+    result = best_arch_under(p, budget, seed=seed, population=population, generations=generations)
+    found_macs, found_params = arch_cost(p, result.arch)
+    if as_json:
+        typer.echo(json.dumps({"preset": p.name, "budget": budget, "arch": result.arch.to_dict(), "macs": found_macs, "params": found_params, "fitness": result.fitness.fitness, "rho": result.fitness.rho, "rho0": result.rho0}))
+    else:
+        console.print(f"best arch under {_millions(int(budget))} MACs: {result.arch}  ({found_macs:,} MACs, {found_params:,} params, fitness {result.fitness.fitness:.1f})", soft_wrap=True)
+    if supernet is not None and out is not None:
+        _export_variant(supernet, result.arch, out, calibration_data, calibration_samples, extra={"extracted_for_macs": budget})
 
 
 def main() -> None:

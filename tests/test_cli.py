@@ -119,3 +119,44 @@ def test_export_refuses_pickle_checkpoint(tmp_path):
     bogus = tmp_path / "model.pt"
     bogus.write_bytes(b"\x80\x04\x95not-a-checkpoint")
     assert_user_error(run("export", "-k", str(bogus), "-a", SMALL_ARCH, "-o", str(tmp_path / "m.onnx")), "not a safetensors checkpoint")
+
+
+def test_cache_build_and_show(tmp_path):
+    out = tmp_path / "cache.json"
+    result = run("cache", "build", "-p", "fmnist-small", "--targets", "8M,20M", "--population", "16", "--generations", "5", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out.read_text())
+    assert record["preset"] == "fmnist-small" and len(record["entries"]) in (1, 2)
+    shown = run("cache", "show", "-p", "fmnist-small", "--cache", str(out))
+    assert shown.returncode == 0 and "fmnist-small" in shown.stdout
+
+
+def test_cache_of_another_preset_is_refused(tmp_path):
+    out = tmp_path / "cache.json"
+    assert run("cache", "build", "-p", "fmnist-small", "--targets", "8M", "--population", "8", "--generations", "2", "-o", str(out)).returncode == 0
+    assert_user_error(run("cache", "show", "-p", "paper-cifar100", "--cache", str(out)), "not 'paper-cifar100'")
+
+
+def test_extract_finds_an_arch_under_budget(small_checkpoint, tmp_path):
+    result = run("extract", "-p", "fmnist-small", "--macs", "12M", "--population", "32", "--generations", "10", "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["macs"] <= 12e6
+    onnx_out = tmp_path / "extracted.onnx"
+    result = run("extract", "-p", "fmnist-small", "--macs", "12M", "--population", "32", "--generations", "10", "-k", str(small_checkpoint), "-o", str(onnx_out))
+    assert result.returncode == 0, result.stderr
+    from feast_edge.onnx_export import read_metadata
+
+    assert int(read_metadata(onnx_out)["macs"]) <= 12e6
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["extract", "-p", "fmnist-small", "--macs", "1M"], "below the smallest architecture"),
+        (["extract", "-p", "fmnist-small", "--macs", "twelve"], "cannot read 'twelve' as a MAC count"),
+        (["cache", "build", "-p", "fmnist-small", "--targets", ",", "-o", "/tmp/x.json"], "--targets is empty"),
+    ],
+)
+def test_bad_search_input_is_one_line(args, fragment):
+    assert_user_error(run(*args), fragment)
