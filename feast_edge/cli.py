@@ -293,6 +293,115 @@ def extract_command(
         _export_variant(supernet, result.arch, out, calibration_data, calibration_samples, extra={"extracted_for_macs": budget})
 
 
+@app.command()
+def simulate(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints and results.")],
+    preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name or .toml file.")] = "fmnist-small",
+    dataset: Annotated[str, typer.Option(help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder.")] = "fashion-mnist",
+    data: Annotated[Path, typer.Option("--data", help="Local data directory (never downloaded).")] = Path("/usr/share/datasets/fashion-mnist"),
+    clients: Annotated[int, typer.Option(help="Number of simulated clients N.")] = 20,
+    per_round: Annotated[int, typer.Option(help="Clients sampled per round m.")] = 5,
+    rounds: Annotated[int, typer.Option(help="Federation rounds (also the cosine-decay horizon).")] = 30,
+    gamma: Annotated[float, typer.Option(help="Allocation exponent γ (0: data independent of budget, 1: proportional).")] = 1.0,
+    zipf_s: Annotated[float, typer.Option(help="Zipf exponent of the budget ranks.")] = 1.2,
+    alpha_eff: Annotated[float, typer.Option(help="Effective Dirichlet concentration α_eff.")] = 0.45,
+    budget_min: Annotated[Optional[str], typer.Option(help="Smallest budget (MACs, e.g. 1.5M); default from the preset.")] = None,
+    budget_max: Annotated[Optional[str], typer.Option(help="Largest budget (MACs); default from the preset.")] = None,
+    budget_cap: Annotated[Optional[str], typer.Option(help="Allocation cap B_cap (MACs); default from the preset.")] = None,
+    method: Annotated[str, typer.Option(help="full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
+    seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
+    lr: Annotated[float, typer.Option(help="Initial SGD learning rate (cosine-decayed).")] = 0.025,
+    batch_size: Annotated[int, typer.Option(help="Local batch size.")] = 64,
+    eval_every: Annotated[int, typer.Option(help="Validate every k rounds.")] = 5,
+    val_samples: Annotated[int, typer.Option(help="Server-held validation samples.")] = 5000,
+    calib_samples: Annotated[int, typer.Option(help="Server-held BN-calibration samples.")] = 500,
+    train_limit: Annotated[Optional[int], typer.Option(help="Use only this many training examples for clients.")] = None,
+    test_limit: Annotated[Optional[int], typer.Option(help="Test on only the first N test examples.")] = None,
+    cache: Annotated[Optional[Path], typer.Option(help="Variant cache JSON (default: the preset's shipped cache).")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+) -> None:
+    """Run the paper's protocol in one process: population, rounds, evaluation, results."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from feast_edge.simulate import Simulation, SimulationConfig
+
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise FeastError("--device cuda: no CUDA device is available to PyTorch here; use --device cpu")
+    config = SimulationConfig(
+        preset=preset,
+        dataset=dataset,
+        data_dir=str(data),
+        clients=clients,
+        per_round=per_round,
+        rounds=rounds,
+        gamma=gamma,
+        zipf_s=zipf_s,
+        alpha_eff=alpha_eff,
+        budget_min=None if budget_min is None else parse_macs(budget_min),
+        budget_max=None if budget_max is None else parse_macs(budget_max),
+        budget_cap=None if budget_cap is None else parse_macs(budget_cap),
+        seed=seed,
+        variants=method,
+        lr=lr,
+        batch_size=batch_size,
+        eval_every=eval_every,
+        val_samples=val_samples,
+        calib_samples=calib_samples,
+        train_limit=train_limit,
+        test_limit=test_limit,
+        cache=None if cache is None else str(cache),
+        device=device,
+    )
+    config.train_config()  # validates --method and friends before any data is read
+    sim = Simulation(config, out)
+    console.print(str(sim.setup.population), soft_wrap=True)
+    columns = (
+        TextColumn("[bold]round"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  best {task.fields[best]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    fmt = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("rounds", total=rounds, loss="-", val="-", best="-")
+
+        def on_round(p) -> None:
+            bar.update(task, completed=p.round, loss=f"{p.loss:.3f}", val=fmt(p.val_accuracy), best=fmt(p.best_val))
+
+        testing = bar.add_task("test", total=None, visible=False, loss="", val="", best="")
+
+        def on_test(done: int, total: int) -> None:
+            bar.update(testing, completed=done, total=total, visible=True, description="testing variants")
+
+        if resume:
+            from feast_edge.checkpoint import read_record
+
+            path = out / "checkpoint.safetensors"
+            if path.is_file():
+                bar.update(task, completed=read_record(path).get("fields", {}).get("round", 0))
+        results = sim.run(resume=resume, on_round=on_round, on_test=on_test)
+    table = Table(title=f"{config.preset}: per-variant test accuracy (best checkpoint, round {results['best'].get('round', '-')})")
+    for col in ("#", "MACs", "params", "accuracy", "arch"):
+        table.add_column(col, justify="left" if col == "arch" else "right")
+    for v in results["variants"]:
+        table.add_row(str(v["index"]), _millions(v["macs"]), _millions(v["params"]), f"{100 * v['test_accuracy']:.2f}%", str(Arch.from_dict(v["arch"])))
+    console.print(table)
+    comm = results["communication"]
+    console.print(
+        f"population accuracy (largest affordable variant per client): {100 * results['population_accuracy']:.2f}%\n"
+        f"traffic: routed {comm['routed_params_total'] / 1e6:,.1f}M params vs full {comm['full_params_total'] / 1e6:,.1f}M "
+        f"({comm['reduction']:.2f}x less); training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
+        f"results: {out / 'results.json'}, {out / 'variants.csv'}, {out / 'rounds.csv'}",
+        soft_wrap=True,
+    )
+
+
 def main() -> None:
     """Console-script entry: run the app, turning user errors into one line and exit status 2."""
     try:

@@ -115,3 +115,82 @@ def load_fashion_mnist(root: str | os.PathLike[str] = FASHION_MNIST_DIR, split: 
     if images.shape[0] != labels.shape[0] or images.shape[1:] != (28, 28):
         raise DataError(f"Fashion-MNIST files in {root} disagree (images {tuple(images.shape)}, labels {tuple(labels.shape)}); reinstall the data set")
     return ImageSet(images.unsqueeze(1).contiguous(), labels.long(), FASHION_MNIST_CLASSES)
+
+
+# ----------------------------------------------------------------------------- CIFAR (binary version)
+
+_CIFAR = {
+    # name: (directory inside root, train files, test files, label bytes, label offset, classes)
+    "cifar10": ("cifar-10-batches-bin", [f"data_batch_{i}.bin" for i in range(1, 6)], ["test_batch.bin"], 1, 0, 10),
+    "cifar100": ("cifar-100-binary", ["train.bin"], ["test.bin"], 2, 1, 100),
+}
+
+
+def load_cifar(root: str | os.PathLike[str], name: str, split: str = "train") -> ImageSet:
+    """CIFAR-10/100 from the official *binary* release (no pickle is ever read).
+
+    ``root`` holds ``cifar-10-batches-bin/`` or ``cifar-100-binary/`` (or is that
+    directory itself). CIFAR-100 uses its fine labels.
+    """
+    if name not in _CIFAR:
+        raise DataError(f"unknown CIFAR variant {name!r}; use 'cifar10' or 'cifar100'")
+    if split not in ("train", "test"):
+        raise DataError(f"unknown CIFAR split {split!r}; use 'train' or 'test'")
+    folder, train_files, test_files, label_bytes, label_at, classes = _CIFAR[name]
+    root = Path(root)
+    base = root / folder if (root / folder).is_dir() else root
+    files = [base / f for f in (train_files if split == "train" else test_files)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise DataError(
+            f"{name} binary files {', '.join(missing)} not found in {base}; download the *binary* release "
+            f"({folder}) on a machine with network access, unpack it under {root}, and pass that directory "
+            "(the pickled 'python' release is not read)"
+        )
+    record = label_bytes + 3 * 32 * 32
+    raw = b"".join(f.read_bytes() for f in files)
+    if len(raw) % record:
+        raise DataError(f"{name} files in {base} are truncated ({len(raw)} bytes is not a multiple of {record}); re-extract them")
+    rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, record)
+    labels = rows[:, label_at].long()
+    images = rows[:, label_bytes:].reshape(-1, 3, 32, 32).contiguous()
+    return ImageSet(images, labels, tuple(str(i) for i in range(classes)))
+
+
+# ----------------------------------------------------------------------------- ImageFolder
+
+def load_image_folder(root: str | os.PathLike[str], split: str, size: int, channels: int) -> ImageSet:
+    """``root/<split>/<class>/<image>`` through torchvision's ImageFolder, resized to ``size``x``size``."""
+    from torchvision import datasets, transforms
+
+    directory = Path(root) / split
+    if not directory.is_dir():
+        raise DataError(f"image folder {directory} does not exist; lay out images as {root}/{split}/<class name>/<file>")
+    transform = transforms.Compose(
+        [
+            transforms.Grayscale(channels) if channels == 1 else transforms.Lambda(lambda im: im.convert("RGB")),
+            transforms.Resize((size, size)),
+            transforms.PILToTensor(),
+        ]
+    )
+    try:
+        folder = datasets.ImageFolder(str(directory), transform=transform)
+    except (FileNotFoundError, OSError) as exc:
+        raise DataError(f"cannot read image folder {directory} ({exc}); it needs one sub-directory of images per class") from None
+    images = torch.stack([folder[i][0] for i in range(len(folder))])
+    labels = torch.tensor(folder.targets, dtype=torch.long)
+    return ImageSet(images, labels, tuple(folder.classes))
+
+
+DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagefolder")
+
+
+def load_dataset(name: str, root: str | os.PathLike[str], split: str, size: int = 32, channels: int = 3) -> ImageSet:
+    """One split of a supported local data set (``DATASETS``)."""
+    if name == "fashion-mnist":
+        return load_fashion_mnist(root, split)
+    if name in ("cifar10", "cifar100"):
+        return load_cifar(root, name, split)
+    if name == "imagefolder":
+        return load_image_folder(root, split, size, channels)
+    raise DataError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")

@@ -15,3 +15,7 @@ class ArchError(FeastError, ValueError):
 
 class CheckpointError(FeastError, ValueError):
     """A checkpoint file is missing, malformed or belongs to another preset."""
+
+
+class PopulationError(FeastError, ValueError):
+    """A client-population or data-partition setting cannot be realized (SPEC §4)."""

@@ -29,7 +29,7 @@ PATH_ENV = "FEAST_EDGE_PRESET_PATH"
 
 # Search settings stored with a preset; they do not shape tensors or costs, so
 # they stay out of Preset.digest (a cache or checkpoint stays valid when they change).
-_NOT_SHAPE = ("name", "description", "cache_segments", "extraction_rho")
+_NOT_SHAPE = ("name", "description", "cache_segments", "extraction_rho", "budget_min", "budget_max", "budget_cap")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,10 @@ class Preset:
     divisor: int = 8
     cache_segments: tuple[CacheSegment, ...] = ()
     extraction_rho: tuple[RhoStep, ...] = ()
+    # Simulated client budgets in MACs (SPEC §4): Zipf over [budget_min, budget_max], allocation cap budget_cap.
+    budget_min: float = 25e6
+    budget_max: float = 1500e6
+    budget_cap: float = 600e6
 
     def __post_init__(self) -> None:
         try:
@@ -161,6 +165,12 @@ def _check_preset(p: Preset) -> None:
         resolution = math.ceil(resolution / s)
     _require(resolution >= 1, name, "the strides reduce the input below 1x1")
     _check_cache_settings(p, name)
+    _require(
+        0 < p.budget_min <= p.budget_cap and p.budget_min < p.budget_max,
+        name,
+        f"population budgets need 0 < budget_min <= budget_cap and budget_min < budget_max "
+        f"(got {p.budget_min:g}, {p.budget_cap:g}, {p.budget_max:g})",
+    )
 
 
 def _check_cache_settings(p: Preset, name: str) -> None:
@@ -195,6 +205,15 @@ def _cache_from_toml(cache: dict[str, Any]) -> dict[str, Any]:
     return {"cache_segments": segments, "extraction_rho": steps}
 
 
+def _population_from_toml(table: dict[str, Any]) -> dict[str, float]:
+    """The optional ``[population]`` table: simulated budget range and allocation cap (SPEC §4)."""
+    keys = {"budget_min": "budget_min", "budget_max": "budget_max", "budget_cap": "budget_cap"}
+    unknown = sorted(set(table) - set(keys))
+    if unknown:
+        raise PresetError(f"[population] has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(keys)}")
+    return {keys[k]: float(v) for k, v in table.items()}
+
+
 def _from_toml(data: dict[str, Any], source: str) -> Preset:
     try:
         inp, stem, stages = data["input"], data["stem"], data["stages"]
@@ -215,6 +234,7 @@ def _from_toml(data: dict[str, Any], source: str) -> Preset:
             width_multipliers=tuple(float(v) for v in stages["width_multipliers"]),
             divisor=int(stages.get("divisor", 8)),
             **_cache_from_toml(data.get("cache", {})),
+            **_population_from_toml(data.get("population", {})),
         )
     except KeyError as exc:
         raise PresetError(f"preset file {source} lacks the field {exc.args[0]!r}; see feast_edge/presets/*.toml for the format") from None

@@ -1,0 +1,391 @@
+"""The paper's research protocol in one process (SPEC §4–§8), with checkpoints and exact resume.
+
+``Simulation(config, out_dir).run()`` builds the server-held splits, the
+client population and the global supernet, then runs rounds of
+cohort sampling → routing → local co-training → sparse aggregation through the
+same functions the MQTT federation uses (``feast_edge.federation``). After
+every round it writes ``checkpoint.safetensors`` atomically; every
+``eval_every`` rounds it validates and keeps ``best.safetensors``. At the end
+it tests every cached variant of the best checkpoint and writes
+``results.json``, ``variants.csv`` and ``rounds.csv``.
+
+All randomness derives from ``config.seed`` and the round index, so a resumed
+run ends with exactly the weights of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from feast_edge.atomic import atomic_write_bytes
+from feast_edge.cache import VariantCache, load_cache
+from feast_edge.checkpoint import load_supernet, read_record, save_supernet
+from feast_edge.data import FASHION_MNIST_DIR, DataError, ImageSet, load_dataset
+from feast_edge.errors import FeastError
+from feast_edge.evaluate import evaluate_variants, population_accuracy
+from feast_edge.federation import aggregate_updates, client_seed, client_update, plan_client, sample_round_cohort
+from feast_edge.geometry import supernet_layout
+from feast_edge.cost import count_params
+from feast_edge.population import Population, build_population, server_split, zipf_population
+from feast_edge.preset import Preset, load_preset
+from feast_edge.route import route_state
+from feast_edge.supernet import Supernet
+from feast_edge.train import TrainConfig, cosine_lr
+
+CHECKPOINT = "checkpoint.safetensors"
+BEST = "best.safetensors"
+KIND = "simulation"
+# Stream tags of the one-off random draws (rounds use feast_edge.federation's streams).
+_SPLIT, _POPULATION = 11, 12
+
+
+class SimulationError(FeastError, ValueError):
+    """A simulation cannot start or resume with the given settings."""
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """Everything that decides a simulation's result (``device`` aside)."""
+
+    preset: str = "fmnist-small"
+    dataset: str = "fashion-mnist"
+    data_dir: str = str(FASHION_MNIST_DIR)
+    clients: int = 20
+    per_round: int = 5
+    rounds: int = 30
+    gamma: float = 1.0
+    zipf_s: float = 1.2
+    alpha_eff: float = 0.45
+    budget_min: float | None = None  # default: the preset's [population] values
+    budget_max: float | None = None
+    budget_cap: float | None = None
+    budgets: tuple[float, ...] | None = None  # explicit budgets instead of Zipf (e.g. from device profiles)
+    seed: int = 0
+    variants: str = "full"
+    lr: float = 0.025
+    batch_size: int = 64
+    augment: bool = True
+    eval_every: int = 5
+    val_samples: int = 5000
+    calib_samples: int = 500
+    train_limit: int | None = None  # client pool size (None: all remaining training data)
+    test_limit: int | None = None
+    probe_variants: int = 3  # cached variants, evenly spaced by rank, averaged for checkpoint selection
+    cache: str | None = None  # cache JSON (None: the one shipped for the preset)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.budgets is not None:
+            object.__setattr__(self, "budgets", tuple(float(b) for b in self.budgets))
+        checks = [
+            (self.clients >= 2, f"--clients {self.clients} must be at least 2"),
+            (1 <= self.per_round <= self.clients, f"--per-round {self.per_round} must be between 1 and --clients ({self.clients})"),
+            (self.rounds >= 1, f"--rounds {self.rounds} must be at least 1"),
+            (self.gamma >= 0, f"--gamma {self.gamma} must be >= 0 (0: data independent of budget, 1: proportional)"),
+            (self.zipf_s > 0, f"--zipf-s {self.zipf_s} must be > 0"),
+            (self.alpha_eff > 0, f"--alpha-eff {self.alpha_eff} must be > 0"),
+            (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
+            (self.val_samples >= 1 and self.calib_samples >= 1, "--val-samples and --calib-samples must be at least 1"),
+            (self.probe_variants >= 1, f"--probe-variants {self.probe_variants} must be at least 1"),
+            (self.budgets is None or len(self.budgets) == self.clients, f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SimulationError(message)
+
+    def fingerprint(self) -> str:
+        """Digest of every setting that changes the trained weights or the selection (not the device)."""
+        data = {k: v for k, v in asdict(self).items() if k != "device"}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(lr=self.lr, batch_size=self.batch_size, variants=self.variants, augment=self.augment)
+
+
+@dataclass
+class RoundLog:
+    """What one round did: cohort, loss, compute and traffic."""
+
+    round: int
+    lr: float
+    cohort: list[str]
+    loss: float
+    samples: int
+    train_macs: int
+    routed_params: int  # Σ_i P_i over the cohort (one direction)
+    full_params: int  # m · P
+    variants_per_batch: dict[str, int]
+    seconds: float
+    val_accuracy: float | None = None
+
+
+@dataclass
+class Progress:
+    """What the progress display shows after each round."""
+
+    round: int
+    rounds: int
+    loss: float
+    val_accuracy: float | None
+    best_val: float | None
+
+
+def _rng(seed: int, tag: int) -> np.random.Generator:
+    return np.random.default_rng([seed, tag])
+
+
+def _m(x: float) -> str:
+    return f"{x / 1e6:.2f}M"
+
+
+@dataclass
+class Setup:
+    """Everything built once from the config: data, population, cache, client plans."""
+
+    preset: Preset
+    cache: VariantCache
+    train: ImageSet
+    test: ImageSet
+    validation: np.ndarray
+    calibration: np.ndarray
+    pool: np.ndarray
+    population: Population
+    client_ids: list[str]
+    plans: dict[str, Any] = field(default_factory=dict)
+
+    def client_data(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = self.pool[self.population.partition.shards[self.client_ids.index(client_id)]]
+        index = torch.tensor(np.asarray(shard), dtype=torch.long)
+        return self.train.images[index], self.train.labels[index]
+
+
+def build_setup(config: SimulationConfig) -> Setup:
+    """Load data, hold out server splits, draw the population and plan every client."""
+    preset = load_preset(config.preset)
+    cache = load_cache(preset, config.cache)
+    train = load_dataset(config.dataset, config.data_dir, "train", preset.input_size, preset.in_channels)
+    test = load_dataset(config.dataset, config.data_dir, "test", preset.input_size, preset.in_channels)
+    shape = tuple(train.images.shape[1:])
+    if shape != (preset.in_channels, preset.input_size, preset.input_size):
+        raise DataError(f"data set {config.dataset} has images {shape}, preset {preset.name} takes {(preset.in_channels, preset.input_size, preset.input_size)}; choose a matching --preset")
+    if int(train.labels.max()) >= preset.classes:
+        raise DataError(f"data set {config.dataset} has {int(train.labels.max()) + 1} classes, preset {preset.name} classifies {preset.classes}; choose a matching --preset")
+    split = server_split(len(train), _rng(config.seed, _SPLIT), n_val=config.val_samples, n_calib=config.calib_samples)
+    pool = split.train
+    if config.train_limit is not None:
+        if config.train_limit < 10 * config.clients:
+            raise SimulationError(f"--train-limit {config.train_limit} is too small for {config.clients} clients (each needs >= 10 examples)")
+        pool = np.sort(_rng(config.seed, _SPLIT + 100).permutation(pool)[: config.train_limit])
+    labels = train.labels.numpy()[pool]
+    rng = _rng(config.seed, _POPULATION)
+    b_min = preset.budget_min if config.budget_min is None else config.budget_min
+    b_max = preset.budget_max if config.budget_max is None else config.budget_max
+    b_cap = preset.budget_cap if config.budget_cap is None else config.budget_cap
+    if config.budgets is not None:
+        population = build_population(labels, config.budgets, rng, gamma=config.gamma, alpha_eff=config.alpha_eff, b_cap=b_cap)
+    else:
+        population = zipf_population(labels, config.clients, rng, s=config.zipf_s, b_min=b_min, b_max=b_max, gamma=config.gamma, alpha_eff=config.alpha_eff, b_cap=b_cap)
+    # Zipf budgets can land anywhere from budget_min up, so the floor itself must be affordable.
+    low = float(np.min(population.budgets)) if config.budgets is not None else min(b_min, float(np.min(population.budgets)))
+    if low < cache.smallest.macs:
+        raise SimulationError(
+            f"budget {_m(low)} MACs is below the smallest cached variant ({_m(cache.smallest.macs)}) of preset {preset.name}; "
+            f"raise the budgets (--budget-min) to at least {cache.smallest.macs}"
+        )
+    ids = [f"client-{i:03d}" for i in range(config.clients)]
+    setup = Setup(preset, cache, train, test, split.validation, split.calibration, pool, population, ids)
+    setup.plans = {cid: plan_client(cache, float(b)) for cid, b in zip(ids, population.budgets)}
+    return setup
+
+
+class Simulation:
+    """One simulated federation, checkpointed in ``out_dir``."""
+
+    def __init__(self, config: SimulationConfig, out_dir: str | Path) -> None:
+        self.config = config
+        self.out = Path(out_dir)
+        self.setup = build_setup(config)
+        self.preset = self.setup.preset
+        self.classes = self.preset.classes
+        self.model = Supernet(self.preset, seed=config.seed)
+        self.full_params = count_params(supernet_layout(self.preset))
+        self.history: list[RoundLog] = []
+        self.best: dict[str, Any] = {}
+        n = len(self.setup.cache)
+        picks = np.linspace(0, n - 1, min(config.probe_variants, n)).round().astype(int)
+        self.probes = [self.setup.cache.entries[i].arch for i in sorted(set(picks.tolist()))]
+
+    # ------------------------------------------------------------------ state
+    def _record(self) -> dict[str, Any]:
+        return {
+            "kind": KIND,
+            "fingerprint": self.config.fingerprint(),
+            "config": asdict(self.config),
+            "round": len(self.history),
+            "history": [asdict(h) for h in self.history],
+            "best": self.best,
+        }
+
+    def _save(self, name: str) -> None:
+        save_supernet(self.out / name, self.model, **self._record())
+
+    def resume(self) -> int:
+        """Load ``checkpoint.safetensors``; returns the number of completed rounds."""
+        path = self.out / CHECKPOINT
+        if not path.is_file():
+            raise SimulationError(f"--resume: no checkpoint at {path}; run without --resume to start, or point --out at the run to resume")
+        fields_ = read_record(path).get("fields", {})
+        if fields_.get("kind") != KIND:
+            raise SimulationError(f"--resume: {path} is not a simulation checkpoint; point --out at a directory written by feast-edge simulate")
+        if fields_.get("fingerprint") != self.config.fingerprint():
+            theirs = fields_.get("config", {})
+            ours = asdict(self.config)
+            differ = sorted(k for k in ours if k != "device" and json.dumps(ours[k]) != json.dumps(theirs.get(k)))
+            raise SimulationError(
+                f"--resume: {path} belongs to a simulation with other settings (differs in: {', '.join(differ) or 'unknown'}); "
+                "rerun with the same options, or use a new --out without --resume"
+            )
+        model, record = load_supernet(path, self.preset)
+        self.model.load_state_dict(model.state_dict())
+        self.history = [RoundLog(**h) for h in record["fields"]["history"]]
+        self.best = record["fields"]["best"]
+        return len(self.history)
+
+    # ----------------------------------------------------------------- rounds
+    def run_round(self, t: int) -> RoundLog:
+        """Cohort → route → local co-training → sparse aggregation for round ``t``."""
+        cfg, setup = self.config, self.setup
+        start = time.perf_counter()
+        cohort = sample_round_cohort(setup.client_ids, cfg.per_round, cfg.seed, t)
+        lr = cosine_lr(cfg.lr, t, cfg.rounds)
+        global_state = self.model.state_dict()
+        updates, loss, samples, macs, routed = [], 0.0, 0, 0, 0
+        per_batch: dict[str, int] = {}
+        for cid in cohort:
+            plan = setup.plans[cid]
+            layout = plan.layout(self.preset, self.classes)
+            state = route_state(global_state, layout, self.preset)
+            routed += count_params(layout)
+            images, labels = setup.client_data(cid)
+            new_state, result = client_update(self.preset, self.classes, plan, state, images, labels, cfg.train_config(), lr, client_seed(cfg.seed, t, cid), cfg.device)
+            updates.append((cid, new_state, result.num_samples))
+            loss += result.mean_loss * result.samples_seen
+            samples += result.samples_seen
+            macs += result.train_macs
+            for k, v in result.variants_per_batch.items():
+                per_batch[str(k)] = per_batch.get(str(k), 0) + v
+        self.model.load_state_dict(aggregate_updates(global_state, updates))
+        return RoundLog(t, lr, cohort, loss / max(1, samples), samples, macs, routed, cfg.per_round * self.full_params, per_batch, time.perf_counter() - start)
+
+    def validate(self) -> float:
+        """Mean validation accuracy of the probe variants, each BN-recalibrated (SPEC §8)."""
+        s = self.setup
+        val = torch.tensor(np.asarray(s.validation), dtype=torch.long)
+        calib = s.train.images[torch.tensor(np.asarray(s.calibration), dtype=torch.long)]
+        accs = evaluate_variants(self.model, self.probes, calib, s.train.images[val], s.train.labels[val], self.config.device)
+        return float(np.mean(accs))
+
+    def run(
+        self,
+        resume: bool = False,
+        on_round: Callable[[Progress], None] | None = None,
+        stop_after: int | None = None,
+        on_test: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any] | None:
+        """Run (or resume) to the last round, then test; ``stop_after`` rounds ends early (returns None)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        done = self.resume() if resume else 0
+        cfg = self.config
+        for t in range(done, cfg.rounds):
+            log = self.run_round(t)
+            if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
+                log.val_accuracy = self.validate()
+            self.history.append(log)
+            if log.val_accuracy is not None and log.val_accuracy > self.best.get("val_accuracy", -1.0):
+                self.best = {"round": t, "val_accuracy": log.val_accuracy}
+                self._save(BEST)
+            self._save(CHECKPOINT)
+            if on_round is not None:
+                on_round(Progress(t + 1, cfg.rounds, log.loss, log.val_accuracy, self.best.get("val_accuracy")))
+            if stop_after is not None and t + 1 >= stop_after and t + 1 < cfg.rounds:
+                return None
+        return self.finish(on_test)
+
+    # ----------------------------------------------------------------- results
+    def finish(self, on_test: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Test every cached variant of the best checkpoint; write results.json, variants.csv, rounds.csv."""
+        s, cfg = self.setup, self.config
+        best_path = self.out / BEST
+        model = load_supernet(best_path, self.preset)[0] if best_path.is_file() else self.model
+        test_images, test_labels = s.test.images, s.test.labels
+        if cfg.test_limit is not None:
+            test_images, test_labels = test_images[: cfg.test_limit], test_labels[: cfg.test_limit]
+        calib = s.train.images[torch.tensor(np.asarray(s.calibration), dtype=torch.long)]
+        entries = s.cache.entries
+        accs = evaluate_variants(model, [e.arch for e in entries], calib, test_images, test_labels, cfg.device, on_test)
+        macs = [e.macs for e in entries]
+        budgets = [float(b) for b in s.population.budgets]
+        results = {
+            "config": asdict(cfg),
+            "preset": self.preset.name,
+            "best": self.best,
+            "population": population_summary(s.population),
+            "population_accuracy": population_accuracy(budgets, macs, accs),
+            "variants": [
+                {"index": i, "macs": e.macs, "params": e.params, "arch": e.arch.to_dict(), "test_accuracy": a}
+                for i, (e, a) in enumerate(zip(entries, accs))
+            ],
+            "communication": communication_summary(self.history),
+            "compute": {"train_macs_total": sum(h.train_macs for h in self.history)},
+            "rounds": [asdict(h) for h in self.history],
+        }
+        atomic_write_bytes(self.out / "results.json", json.dumps(results, indent=2).encode())
+        _write_csv(self.out / "variants.csv", ["index", "macs", "params", "test_accuracy", "arch"], [[v["index"], v["macs"], v["params"], f"{v['test_accuracy']:.4f}", json.dumps(v["arch"])] for v in results["variants"]])
+        _write_csv(
+            self.out / "rounds.csv",
+            ["round", "lr", "loss", "samples", "train_macs", "routed_params", "full_params", "val_accuracy", "seconds"],
+            [[h.round, f"{h.lr:.6f}", f"{h.loss:.4f}", h.samples, h.train_macs, h.routed_params, h.full_params, "" if h.val_accuracy is None else f"{h.val_accuracy:.4f}", f"{h.seconds:.2f}"] for h in self.history],
+        )
+        return results
+
+
+def population_summary(population: Population) -> dict[str, Any]:
+    """α_eff, shard sizes, budgets and per-class counts of a population (SPEC §4)."""
+    sizes = population.sizes
+    return {
+        "clients": population.n_clients,
+        "gamma": population.gamma,
+        "alpha_eff": population.alpha_eff,
+        "shard_size_min": int(sizes.min()),
+        "shard_size_max": int(sizes.max()),
+        "budgets": [float(b) for b in population.budgets],
+        "shard_sizes": [int(n) for n in sizes],
+        "class_counts": population.partition.class_counts.tolist(),
+    }
+
+
+def communication_summary(history: list[RoundLog]) -> dict[str, Any]:
+    """Routed vs full-supernet traffic over the rounds run (both directions, in parameters)."""
+    routed = 2 * sum(h.routed_params for h in history)
+    full = 2 * sum(h.full_params for h in history)
+    return {"routed_params_total": routed, "full_params_total": full, "reduction": full / routed if routed else None}
+
+
+def _write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
+    import io
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(header)
+    writer.writerows(rows)
+    atomic_write_bytes(path, buffer.getvalue().encode())

@@ -1,0 +1,248 @@
+"""Sparse sample-weighted aggregation (SPEC §6)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feast_edge.aggregate import PayloadError, SparseAccumulator, aggregate, check_payload
+from feast_edge.errors import FeastError
+from feast_edge.geometry import envelope_layout
+from feast_edge.preset import load_preset
+from feast_edge.slicing import leading_index
+from feast_edge.supernet import Supernet
+
+
+def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        if t.is_floating_point():
+            out[name] = t + torch.randn(t.shape, generator=g)
+        else:
+            out[name] = t + seed + 1
+    return out
+
+
+def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def preset():
+    return load_preset("fmnist-small")
+
+
+@pytest.fixture(scope="module")
+def global_state(preset):
+    return Supernet(preset, seed=0).state_dict()
+
+
+def test_full_routing_equals_fedavg(global_state):
+    clients = [(_perturbed(global_state, i), n) for i, n in enumerate([50, 120, 7])]
+    new = aggregate(global_state, clients)
+    total = sum(n for _, n in clients)
+    for name, g in global_state.items():
+        if g.is_floating_point():
+            fedavg = sum(s[name].double() * n for s, n in clients) / total
+            torch.testing.assert_close(new[name], fedavg.to(g.dtype), rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(new[name], torch.stack([s[name] for s, _ in clients]).amax(0))
+
+
+def test_unrouted_positions_keep_their_values_exactly():
+    g = {"w": torch.randn(6, 5, 3, 3), "b": torch.randn(6), "untouched": torch.randn(4)}
+    clients = [({"w": torch.randn(2, 3, 3, 3), "b": torch.randn(2)}, 10), ({"w": torch.randn(4, 2, 3, 3)}, 5)]
+    new = aggregate(g, clients)
+    routed = torch.zeros(6, 5, 3, 3, dtype=torch.bool)
+    routed[:2, :3] = True
+    routed[:4, :2] = True
+    assert torch.equal(new["w"][~routed], g["w"][~routed])
+    assert torch.equal(new["b"][2:], g["b"][2:])
+    assert torch.equal(new["untouched"], g["untouched"])
+    assert new["untouched"] is not g["untouched"]
+
+
+def test_weights_are_sample_counts():
+    g = {"w": torch.zeros(3)}
+    new = aggregate(g, [({"w": torch.zeros(3)}, 1), ({"w": torch.ones(3)}, 3)])
+    torch.testing.assert_close(new["w"], torch.full((3,), 0.75))
+
+
+def test_numpy_sample_counts_are_accepted():
+    sizes = np.array([1, 3])  # shard sizes as a Partition reports them
+    new = aggregate({"w": torch.zeros(2)}, [({"w": torch.zeros(2)}, sizes[0]), ({"w": torch.ones(2)}, sizes[1])])
+    torch.testing.assert_close(new["w"], torch.full((2,), 0.75))
+
+
+def test_routed_but_unchanged_position_still_enters_the_average():
+    g = {"w": torch.full((4,), 2.0)}
+    unchanged = {"w": g["w"].clone()}  # routed, never activated: comes back as sent
+    trained = {"w": torch.full((4,), 4.0)}
+    new = aggregate(g, [(unchanged, 5), (trained, 5)])
+    torch.testing.assert_close(new["w"], torch.full((4,), 3.0))
+
+
+def test_single_client_gets_its_slice_back_and_nothing_else_moves(preset, global_state):
+    layout = envelope_layout(preset, preset.classes, 2, (0, 1, 0, 1), (3, 2, 4, 1))
+    local = _perturbed(Supernet(preset, layout=layout, seed=1).state_dict(), 3)
+    assert set(local) < set(global_state)  # a routed envelope drops trailing blocks
+    new = aggregate(global_state, [(local, 17)])
+    for name, g in global_state.items():
+        if name not in local:
+            assert torch.equal(new[name], g)
+            continue
+        idx = leading_index(local[name].shape)
+        assert torch.allclose(new[name][idx], local[name]) if g.is_floating_point() else torch.equal(new[name][idx], local[name])
+        outside = torch.ones(g.shape, dtype=torch.bool)
+        outside[idx] = False
+        assert torch.equal(new[name][outside], g[outside])
+
+
+def test_integer_buffers_take_the_maximum_and_keep_global_when_unsent():
+    g = {"bn.num_batches_tracked": torch.tensor(10), "other.num_batches_tracked": torch.tensor(4)}
+    new = aggregate(g, [({"bn.num_batches_tracked": torch.tensor(13)}, 100), ({"bn.num_batches_tracked": torch.tensor(11)}, 1)])
+    assert new["bn.num_batches_tracked"].item() == 13
+    assert new["other.num_batches_tracked"].item() == 4
+    assert new["bn.num_batches_tracked"].dtype == torch.int64
+
+
+def test_bn_running_stats_are_sample_weighted_over_routed_channels():
+    g = {"bn.running_var": torch.ones(4)}
+    new = aggregate(g, [({"bn.running_var": torch.full((2,), 3.0)}, 1), ({"bn.running_var": torch.full((4,), 5.0)}, 1)])
+    torch.testing.assert_close(new["bn.running_var"], torch.tensor([4.0, 4.0, 5.0, 5.0]))
+
+
+def test_count_accumulator_is_per_position():
+    acc = SparseAccumulator({"w": torch.zeros(4, 3, 3, 3)})
+    acc.add({"w": torch.zeros(2, 3, 3, 3)}, 5)
+    acc.add({"w": torch.zeros(4, 1, 3, 3)}, 2)
+    expected = torch.zeros(4, 3, 3, 3, dtype=torch.float64)
+    expected[:2] += 5
+    expected[:, :1] += 2
+    assert torch.equal(acc.count("w"), expected)
+    assert acc.clients == 2 and acc.total_samples == 7
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"w": torch.zeros(5, 2)},  # wider than global
+        {"w": torch.zeros(4)},  # wrong rank
+        {"nope": torch.zeros(1)},  # unknown name
+        {"w": torch.zeros(2, 2, dtype=torch.int64)},  # integer payload for a float tensor
+    ],
+)
+def test_rejects_payloads_that_are_not_leading_slices(payload):
+    g = {"w": torch.randn(4, 3), "b": torch.randn(4)}
+    before = _clone(g)
+    clean, rejected = SparseAccumulator(g), SparseAccumulator(g)
+    for acc in (clean, rejected):
+        acc.add({"b": torch.ones(2)}, 3)
+    with pytest.raises(PayloadError) as err:
+        rejected.add({"b": torch.full((4,), 9.0), **payload}, 3)  # its valid part must not be accumulated either
+    assert isinstance(err.value, ValueError) and isinstance(err.value, FeastError)
+    assert all(torch.equal(g[k], before[k]) for k in g)
+    assert rejected.clients == 1
+    after, reference = rejected.result(), clean.result()
+    assert all(torch.equal(after[k], reference[k]) for k in g)
+    with pytest.raises(PayloadError):
+        aggregate(g, [({"b": torch.ones(4)}, 1), (payload, 1)])
+    assert all(torch.equal(g[k], before[k]) for k in g)
+
+
+@pytest.mark.parametrize("n", [0, -3, float("nan"), float("inf"), True, "5"])
+def test_rejects_bad_sample_counts(n):
+    with pytest.raises(PayloadError, match="sample count"):
+        aggregate({"w": torch.zeros(2)}, [({"w": torch.ones(2)}, n)])
+
+
+def test_result_finalizes_the_accumulator():
+    g = {"w": torch.zeros(3)}
+    acc = SparseAccumulator(g)
+    acc.add({"w": torch.ones(2)}, 1)
+    first = acc.result()
+    assert acc.result() is first
+    assert torch.equal(g["w"], torch.zeros(3)) and first["w"] is not g["w"]
+    with pytest.raises(RuntimeError, match="new one"):
+        acc.add({"w": torch.ones(2)}, 1)
+
+
+def test_output_keeps_the_global_dtype():
+    g = {"h": torch.zeros(4, dtype=torch.float16), "d": torch.zeros(4, dtype=torch.float64)}
+    new = aggregate(g, [({"h": torch.ones(2, dtype=torch.float16), "d": torch.ones(2, dtype=torch.float64)}, 2)])
+    assert new["h"].dtype == torch.float16 and new["d"].dtype == torch.float64
+    assert new["h"].tolist() == [1, 1, 0, 0] and new["d"].tolist() == [1, 1, 0, 0]
+
+
+def test_check_payload_names_the_tensor():
+    with pytest.raises(PayloadError, match="'stem.conv.weight'.*leading slice"):
+        check_payload({"stem.conv.weight": torch.zeros(8, 3, 3, 3)}, {"stem.conv.weight": torch.zeros(8, 3, 5, 5)})
+
+
+def test_float32_default_matches_float64(global_state):
+    clients = [(_perturbed(global_state, i), n) for i, n in enumerate([3, 30])]
+    a = aggregate(global_state, clients, dtype=torch.float32)
+    b = aggregate(global_state, clients, dtype=torch.float64)
+    for name in global_state:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- property test
+
+
+def _naive(global_np: dict[str, np.ndarray], clients: list[tuple[dict[str, np.ndarray], int]]) -> tuple[dict, dict]:
+    """Per-element reference of SPEC §6, written as literally as possible: (new values, counts)."""
+    values, counts = {}, {}
+    for name, g in global_np.items():
+        new, count = g.copy(), np.zeros(g.shape)
+        for u in itertools.product(*(range(n) for n in g.shape)):
+            num = den = 0.0
+            for local, n in clients:
+                if name in local and all(i < m for i, m in zip(u, local[name].shape)):
+                    num += n * local[name][u]
+                    den += n
+            if den > 0:
+                new[u] = num / den
+            count[u] = den
+        values[name], counts[name] = new, count
+    return values, counts
+
+
+@st.composite
+def _cohort(draw):
+    shapes = draw(st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=3), min_size=1, max_size=3))
+    global_np = {f"t{i}": np.asarray(draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(s)), max_size=int(np.prod(s))))).reshape(s)
+                 for i, s in enumerate(shapes)}
+    clients = []
+    for _ in range(draw(st.integers(1, 4))):
+        local = {}
+        for name, g in global_np.items():
+            if draw(st.booleans()):
+                shape = tuple(draw(st.integers(1, n)) for n in g.shape)
+                values = draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+                local[name] = np.asarray(values).reshape(shape)
+        clients.append((local, draw(st.integers(1, 1000))))
+    return global_np, clients
+
+
+@settings(max_examples=60, deadline=None)
+@given(_cohort())
+def test_matches_naive_per_element_reference(cohort):
+    global_np, clients = cohort
+    torch_global = {k: torch.from_numpy(v) for k, v in global_np.items()}
+    acc = SparseAccumulator(torch_global, dtype=torch.float64)
+    for local, n in clients:
+        acc.add({k: torch.from_numpy(v) for k, v in local.items()}, n)
+    expected, counts = _naive(global_np, clients)
+    for name in global_np:
+        np.testing.assert_array_equal(acc.count(name).numpy(), counts[name])
+    got = acc.result()
+    for name in global_np:
+        np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-12, atol=1e-12)
+        assert torch.equal(torch_global[name], torch.from_numpy(global_np[name]))
