@@ -4,7 +4,9 @@ Clients get growing envelopes: client i of m routes width index round(9·i/(m-1)
 for the stem and every stage and depth round(d_max·i/(m-1)) in every stage, so
 the last client routes the full supernet. Both sides accumulate the same number
 of float32 payload elements; the sparse side also keeps counts, maps each
-tensor to its leading slice and writes the new global state.
+tensor to its leading slice and writes the new global state. A second dense
+reference adds what any average needs besides the adds (zero the sums, one
+divide over the model), i.e. the memory-traffic floor of SPEC §6's formula.
 
     PYTHONPATH=. python3 bench/bench_aggregate.py [--preset paper-cifar100] [--clients 10] [--threads 1]
 
