@@ -9,14 +9,14 @@ positions is, per tensor name, the local shape.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from feast_edge.arch import Arch
 from feast_edge.cost import count_params
-from feast_edge.geometry import Layout, envelope_layout
+from feast_edge.geometry import Layout, envelope_layout, supernet_layout
 from feast_edge.preset import Preset
 from feast_edge.slicing import leading_slice
 from feast_edge.supernet import Supernet, state_shapes
@@ -79,3 +79,44 @@ def sub_supernet(global_model: Supernet, envelope: Envelope) -> Supernet:
     local = Supernet(global_model.preset, layout=layout, seed=None)
     local.load_state_dict(route_state(global_model.state_dict(), layout, global_model.preset))
     return local
+
+
+@dataclass(frozen=True)
+class CommunicationReport:
+    """Routed vs full-supernet payloads over a client population (SPEC §5)."""
+
+    full_params: int
+    payloads: tuple[int, ...]  # P_i per client
+
+    @property
+    def mean_payload(self) -> float:
+        return sum(self.payloads) / len(self.payloads)
+
+    @property
+    def aggregate_reduction(self) -> float:
+        """Expected per-round traffic ratio ``2·m·P / 2·Σ P_i`` under uniform cohort sampling."""
+        return self.full_params / self.mean_payload
+
+    @property
+    def reductions(self) -> list[float]:
+        return sorted(self.full_params / p for p in self.payloads)
+
+    @property
+    def median_reduction(self) -> float:
+        r = self.reductions
+        mid = len(r) // 2
+        return r[mid] if len(r) % 2 else (r[mid - 1] + r[mid]) / 2
+
+
+def communication_report(preset: Preset, archs_by_macs: Sequence[tuple[int, Arch]], budgets: Iterable[float], classes: int | None = None) -> CommunicationReport:
+    """Payload P_i of every client's routed envelope, against the full supernet."""
+    classes = preset.classes if classes is None else classes
+    full = count_params(supernet_layout(preset, classes))
+    sizes = {}
+    payloads = []
+    for budget in budgets:
+        affordable = tuple(a for m, a in archs_by_macs if m <= budget)
+        if affordable not in sizes:
+            sizes[affordable] = Envelope.of(affordable).params(preset, classes)
+        payloads.append(sizes[affordable])
+    return CommunicationReport(full, tuple(payloads))

@@ -89,3 +89,25 @@ def test_routed_state_is_a_copy_of_leading_slices():
 def test_empty_affordable_set_is_an_error():
     with pytest.raises(ValueError, match="can afford no cached variant"):
         Envelope.of([])
+
+
+def test_communication_report(reference_archs):
+    from feast_edge.route import communication_report
+
+    archs = [(arch_cost(PAPER, a)[0], a) for a in reference_archs]
+    report = communication_report(PAPER, archs, [25e6, 50e6, 596e6, 1500e6], 100)
+    assert report.full_params == 55_682_916
+    assert [round(p / 1e6, 2) for p in report.payloads] == [0.50, 2.41, 35.60, 35.60]
+    assert report.mean_payload == pytest.approx(sum(report.payloads) / 4)
+    assert report.aggregate_reduction == pytest.approx(55_682_916 / report.mean_payload)
+    assert max(report.reductions) == pytest.approx(55_682_916 / 499_644)
+    assert report.median_reduction == pytest.approx((55_682_916 / 2_408_044 + 55_682_916 / 35_602_596) / 2)
+
+
+def test_routing_cli_prints_table9(reference_cache_csv):
+    from test_cli import run
+
+    result = run("routing", "-p", "paper-cifar100", "--reference-csv", str(reference_cache_csv), "--budgets", "25M,50M,229M,408M,596M")
+    assert result.returncode == 0, result.stderr
+    for figure in ("0.50M", "2.41M", "10.02M", "20.61M", "35.60M", "55.68M params", "aggregate reduction"):
+        assert figure in result.stdout

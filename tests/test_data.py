@@ -1,0 +1,88 @@
+"""Local data readers: Fashion-MNIST IDX (real files), CIFAR binary and ImageFolder (files made here)."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from feast_edge.data import DataError, load_cifar, load_dataset, load_fashion_mnist, load_image_folder
+
+
+def test_fashion_mnist_real_files(fashion_mnist_dir):
+    train, test = load_fashion_mnist(fashion_mnist_dir, "train"), load_fashion_mnist(fashion_mnist_dir, "test")
+    assert (len(train), len(test)) == (60000, 10000)
+    assert train.images.shape == (60000, 1, 28, 28) and train.images.dtype == torch.uint8
+    assert torch.bincount(test.labels).tolist() == [1000] * 10
+    assert train.classes[9] == "Ankle boot"
+
+
+def test_fashion_mnist_uncompressed_and_missing(fashion_mnist_dir, tmp_path):
+    for name in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        with gzip.open(fashion_mnist_dir / f"{name}.gz") as src, open(tmp_path / name, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    assert len(load_fashion_mnist(tmp_path, "test")) == 10000
+    with pytest.raises(DataError, match=r"train-images-idx3-ubyte\[\.gz\] not found .* 'apt-get install dataset-fashion-mnist'"):
+        load_fashion_mnist(tmp_path, "train")
+    with pytest.raises(DataError, match="does not exist"):
+        load_fashion_mnist(tmp_path / "nope")
+
+
+def _write_cifar(root, name, n, rng):
+    folder, label_bytes, classes, files = {
+        "cifar10": ("cifar-10-batches-bin", 1, 10, [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]),
+        "cifar100": ("cifar-100-binary", 2, 100, ["train.bin", "test.bin"]),
+    }[name]
+    base = root / folder
+    base.mkdir(parents=True)
+    truth = {}
+    for f in files:
+        labels = rng.integers(0, classes, (n, label_bytes))
+        pixels = rng.integers(0, 256, (n, 3072))
+        (base / f).write_bytes(np.concatenate([labels, pixels], 1).astype(np.uint8).tobytes())
+        truth[f] = (labels[:, -1], pixels.reshape(n, 3, 32, 32))
+    return truth
+
+
+@pytest.mark.parametrize("name, train_file", [("cifar10", "data_batch_1.bin"), ("cifar100", "train.bin")])
+def test_cifar_binary(tmp_path, name, train_file):
+    truth = _write_cifar(tmp_path, name, 7, np.random.default_rng(0))
+    train = load_cifar(tmp_path, name, "train")
+    assert train.images.shape[1:] == (3, 32, 32)
+    labels, pixels = truth[train_file]
+    assert train.labels[:7].tolist() == labels.tolist()  # CIFAR-100: the fine label
+    assert torch.equal(train.images[:7], torch.from_numpy(pixels.astype(np.uint8)))
+    assert len(load_dataset(name, tmp_path, "test")) == 7
+
+
+def test_cifar_missing_and_truncated(tmp_path):
+    with pytest.raises(DataError, match="binary files .* not found"):
+        load_cifar(tmp_path, "cifar10")
+    _write_cifar(tmp_path, "cifar10", 2, np.random.default_rng(0))
+    path = tmp_path / "cifar-10-batches-bin" / "test_batch.bin"
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(DataError, match="truncated"):
+        load_cifar(tmp_path, "cifar10", "test")
+
+
+def test_image_folder(tmp_path):
+    for split in ("train", "test"):
+        for cls, value in (("cat", 30), ("dog", 200)):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(2):
+                Image.fromarray(np.full((40, 50, 3), value, np.uint8)).save(tmp_path / split / cls / f"{i}.png")
+    data = load_image_folder(tmp_path, "train", size=28, channels=1)
+    assert data.images.shape == (4, 1, 28, 28) and data.classes == ("cat", "dog")
+    assert data.labels.tolist() == [0, 0, 1, 1]
+    assert int(data.images[0].float().mean()) == 30
+    with pytest.raises(DataError, match="does not exist"):
+        load_image_folder(tmp_path, "val", 28, 1)
+
+
+def test_unknown_dataset(tmp_path):
+    with pytest.raises(DataError, match="unknown data set 'mnist2'"):
+        load_dataset("mnist2", tmp_path, "train")
