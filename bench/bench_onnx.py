@@ -1,6 +1,6 @@
 """onnxruntime vs PyTorch latency of one exported variant (CPU).
 
-    python bench/bench_onnx.py [--preset fmnist-small] [--arch largest|JSON] [--repeats 30]
+    python bench/bench_onnx.py [--preset fmnist-small] [--arch cached|full|JSON] [--repeats 30]
 
 Prints median latency at batch 1 and batch 64 for both runtimes and the ratio
 onnxruntime / PyTorch (below 1 means onnxruntime is faster).
@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved  # noqa: E402
 
 from feast_edge.arch import Arch  # noqa: E402
+from feast_edge.cache import load_cache  # noqa: E402
 from feast_edge.cost import arch_cost  # noqa: E402
 from feast_edge.extract import extract  # noqa: E402
 from feast_edge.onnx_export import INPUT_NAME, export_onnx, onnx_session  # noqa: E402
@@ -31,11 +32,16 @@ from feast_edge.supernet import Supernet  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="fmnist-small")
-    parser.add_argument("--arch", default="largest", help="'largest' (full supernet) or an arch in JSON/text form")
+    parser.add_argument("--arch", default="cached", help="'cached' (largest cached variant), 'full' (whole supernet) or an arch in JSON/text form")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     preset = load_preset(args.preset)
-    arch = Arch.largest(preset) if args.arch == "largest" else Arch.parse(args.arch).validated(preset)
+    if args.arch == "cached":
+        arch = load_cache(preset).largest.arch
+    elif args.arch == "full":
+        arch = Arch.largest(preset)
+    else:
+        arch = Arch.parse(args.arch).validated(preset)
     model = extract(Supernet(preset), arch)
     torch_model = Normalized(model, preset.mean, preset.std).eval()
     with tempfile.TemporaryDirectory() as tmp:
