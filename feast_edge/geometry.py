@@ -42,6 +42,17 @@ class StageLayout:
 
 
 @dataclass(frozen=True)
+class BlockSpec:
+    """Constructor arguments of one residual block."""
+
+    in_channels: int
+    mid: int
+    channels: int
+    stride: int
+    projection: bool
+
+
+@dataclass(frozen=True)
 class Layout:
     """Concrete geometry of a network of the family (active variant or physical supernet)."""
 
@@ -72,6 +83,16 @@ class Layout:
             a.blocks <= b.blocks and a.channels <= b.channels and a.mid <= b.mid and a.stride == b.stride
             for a, b in zip(self.stages, other.stages)
         )
+
+    def block_specs(self) -> list[list[BlockSpec]]:
+        """Per stage, the blocks to build: block 0 strides and projects, the rest keep shape."""
+        return [
+            [
+                BlockSpec(s.in_channels if b == 0 else s.channels, s.mid, s.channels, s.stride if b == 0 else 1, b == 0)
+                for b in range(s.blocks)
+            ]
+            for s in self.stages
+        ]
 
     def summary_rows(self) -> list[tuple[str, int, int, int, int]]:
         """Rows ``(part, blocks, channels, mid, resolution)`` for tables."""

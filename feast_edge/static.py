@@ -65,17 +65,8 @@ class StaticResNet(nn.Module):
         self.layout = layout
         self.stem = Stem(layout.in_channels, layout.stem_channels, layout.stem_stride)
         self.stages = nn.ModuleList(
-            nn.ModuleList(
-                BasicBlock(
-                    stage.in_channels if b == 0 else stage.channels,
-                    stage.mid,
-                    stage.channels,
-                    stage.stride if b == 0 else 1,
-                    projection=b == 0,
-                )
-                for b in range(stage.blocks)
-            )
-            for stage in layout.stages
+            nn.ModuleList(BasicBlock(b.in_channels, b.mid, b.channels, b.stride, b.projection) for b in stage)
+            for stage in layout.block_specs()
         )
         self.classifier = nn.Linear(layout.last_channels, layout.classes)
 

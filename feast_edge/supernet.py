@@ -80,17 +80,8 @@ class Supernet(nn.Module):
         lay = self.layout
         self.stem = ElasticStem(lay.in_channels, lay.stem_channels, lay.stem_stride)
         self.stages = nn.ModuleList(
-            nn.ModuleList(
-                ElasticBlock(
-                    stage.in_channels if b == 0 else stage.channels,
-                    stage.mid,
-                    stage.channels,
-                    stage.stride if b == 0 else 1,
-                    projection=b == 0,
-                )
-                for b in range(stage.blocks)
-            )
-            for stage in lay.stages
+            nn.ModuleList(ElasticBlock(b.in_channels, b.mid, b.channels, b.stride, b.projection) for b in stage)
+            for stage in lay.block_specs()
         )
         self.classifier = ElasticLinear(lay.last_channels, lay.classes)
         if seed is not None:
