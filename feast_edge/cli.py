@@ -193,6 +193,14 @@ def parse_macs(text: str) -> float:
     return value
 
 
+def _cycled_budgets(text: str, clients: int) -> tuple[float, ...]:
+    """``--budgets`` list, repeated in order until every client has one."""
+    values = [parse_macs(t) for t in text.split(",") if t.strip()]
+    if not values:
+        raise FeastError("--budgets is empty; give at least one MAC budget, e.g. --budgets 2.79M,17.67M")
+    return tuple(values[i % len(values)] for i in range(clients))
+
+
 cache_app = typer.Typer(help="Build and inspect fixed variant caches (SPEC §3).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
@@ -359,6 +367,7 @@ def simulate(
     budget_min: Annotated[Optional[str], typer.Option(help="Smallest budget (MACs, e.g. 1.5M); default from the preset.")] = None,
     budget_max: Annotated[Optional[str], typer.Option(help="Largest budget (MACs); default from the preset.")] = None,
     budget_cap: Annotated[Optional[str], typer.Option(help="Allocation cap B_cap (MACs); default from the preset.")] = None,
+    budgets: Annotated[Optional[str], typer.Option(help="Explicit client budgets instead of Zipf, comma-separated (e.g. a device-profile mix: 2.79M,6.6M,17.67M); cycled over --clients.")] = None,
     method: Annotated[str, typer.Option(help="full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
     seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
     lr: Annotated[float, typer.Option(help="Initial SGD learning rate (cosine-decayed).")] = 0.025,
@@ -395,6 +404,7 @@ def simulate(
         budget_min=None if budget_min is None else parse_macs(budget_min),
         budget_max=None if budget_max is None else parse_macs(budget_max),
         budget_cap=None if budget_cap is None else parse_macs(budget_cap),
+        budgets=None if budgets is None else _cycled_budgets(budgets, clients),
         seed=seed,
         variants=method,
         lr=lr,
@@ -450,6 +460,81 @@ def simulate(
         f"({comm['reduction']:.2f}x less); training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
         f"results: {out / 'results.json'}, {out / 'variants.csv'}, {out / 'rounds.csv'}",
         soft_wrap=True,
+    )
+
+
+@app.command()
+def partition(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the shard files, server.safetensors and index.json.")],
+    preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name or .toml file.")] = "fmnist-small",
+    dataset: Annotated[str, typer.Option(help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder.")] = "fashion-mnist",
+    data: Annotated[Path, typer.Option("--data", help="Local data directory (never downloaded).")] = Path("/usr/share/datasets/fashion-mnist"),
+    clients: Annotated[int, typer.Option(help="Number of clients N.")] = 20,
+    budgets: Annotated[Optional[str], typer.Option(help="Comma-separated client budgets (e.g. 3M,12M,40M) instead of Zipf; one per client.")] = None,
+    gamma: Annotated[float, typer.Option(help="Allocation exponent γ.")] = 1.0,
+    zipf_s: Annotated[float, typer.Option(help="Zipf exponent of the budget ranks.")] = 1.2,
+    alpha_eff: Annotated[float, typer.Option(help="Effective Dirichlet concentration α_eff.")] = 0.45,
+    budget_min: Annotated[Optional[str], typer.Option(help="Smallest Zipf budget (MACs); default from the preset.")] = None,
+    budget_max: Annotated[Optional[str], typer.Option(help="Largest Zipf budget (MACs); default from the preset.")] = None,
+    budget_cap: Annotated[Optional[str], typer.Option(help="Allocation cap B_cap (MACs); default from the preset.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the split, budgets and partition (as in simulate).")] = 0,
+    val_samples: Annotated[int, typer.Option(help="Server-held validation samples.")] = 5000,
+    calib_samples: Annotated[int, typer.Option(help="Server-held BN-calibration samples.")] = 500,
+    train_limit: Annotated[Optional[int], typer.Option(help="Use only this many training examples for clients.")] = None,
+    cache: Annotated[Optional[Path], typer.Option(help="Variant cache JSON (default: the preset's shipped cache).")] = None,
+) -> None:
+    """Write the simulator's client shards (one file per client) and server-held splits, for feast-agent --data."""
+    from feast_edge.shards import write_partition
+    from feast_edge.simulate import SimulationConfig
+
+    values = None if budgets is None else tuple(parse_macs(b) for b in budgets.split(",") if b.strip())
+    config = SimulationConfig(
+        preset=preset,
+        dataset=dataset,
+        data_dir=str(data),
+        clients=clients if values is None else len(values),
+        per_round=1,
+        gamma=gamma,
+        zipf_s=zipf_s,
+        alpha_eff=alpha_eff,
+        budget_min=None if budget_min is None else parse_macs(budget_min),
+        budget_max=None if budget_max is None else parse_macs(budget_max),
+        budget_cap=None if budget_cap is None else parse_macs(budget_cap),
+        budgets=values,
+        seed=seed,
+        val_samples=val_samples,
+        calib_samples=calib_samples,
+        train_limit=train_limit,
+        cache=None if cache is None else str(cache),
+    )
+    index = write_partition(config, out)
+    table = Table(title=f"{index['preset']}: {len(index['clients'])} client shards in {out}")
+    for col in ("client", "budget", "samples", "file"):
+        table.add_column(col, justify="right" if col in ("budget", "samples") else "left")
+    for c in index["clients"]:
+        table.add_row(c["client_id"], _millions(int(c["budget_macs"])), str(c["samples"]), c["file"])
+    console.print(table)
+    server = index["server"]
+    console.print(f"server-held: {server['validation']} validation + {server['calibration']} calibration examples in {out / server['file']}", soft_wrap=True)
+
+
+@app.command()
+def demo(
+    broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port.")] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 3,
+    samples: Annotated[int, typer.Option(min=100, help="Training examples per device.")] = 1500,
+    profiles: Annotated[str, typer.Option(help="Comma-separated device profiles (names in profiles/ or files), one agent each.")] = "raspberry-pi-5,jetson-nano,laptop-cpu,desktop-gpu",
+    data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory.")] = Path("/usr/share/datasets/fashion-mnist"),
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (its partition/, server/, device-models/, logs/ are replaced).")] = Path("feast-demo"),
+    seed: Annotated[int, typer.Option(help="Seed of the partition and the federation.")] = 0,
+    embedded_broker: Annotated[str, typer.Option("--embedded-broker", help="Without --broker: auto (mosquitto if installed, else amqtt), mosquitto or amqtt.")] = "auto",
+) -> None:
+    """One command end to end: broker, feast-server and one feast-agent per device profile, rounds, ONNX per device."""
+    from server.demo import run_demo  # deployment code lives outside the method package; imported only here
+
+    run_demo(
+        broker=broker, rounds=rounds, samples=samples, profiles=[p.strip() for p in profiles.split(",") if p.strip()], data=data, out=out,
+        seed=seed, console=console, embedded_broker=embedded_broker,
     )
 
 

@@ -123,3 +123,13 @@ def test_cli_simulate_errors_are_one_line(tmp_path):
     assert_user_error(run("simulate", "-o", str(tmp_path), "--budget-min", "1M"), "below the smallest cached variant")
     assert_user_error(run("simulate", "-o", str(tmp_path), "--method", "bogus", "--train-limit", "400"), "variants = 'bogus' is unknown")
     assert_user_error(run("simulate", "-o", str(tmp_path / "fresh"), "--resume", "--clients", "4", "--per-round", "2", "--train-limit", "400"), "no checkpoint at")
+
+
+def test_cli_budget_list_is_cycled_over_clients():
+    from feast_edge.cli import _cycled_budgets
+
+    assert _cycled_budgets("2M, 5M", 5) == (2e6, 5e6, 2e6, 5e6, 2e6)
+    from feast_edge.errors import FeastError
+
+    with pytest.raises(FeastError, match="--budgets is empty"):
+        _cycled_budgets(" , ", 3)
