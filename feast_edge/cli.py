@@ -470,7 +470,7 @@ def partition(
     dataset: Annotated[str, typer.Option(help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder.")] = "fashion-mnist",
     data: Annotated[Path, typer.Option("--data", help="Local data directory (never downloaded).")] = Path("/usr/share/datasets/fashion-mnist"),
     clients: Annotated[int, typer.Option(help="Number of clients N.")] = 20,
-    budgets: Annotated[Optional[str], typer.Option(help="Comma-separated client budgets (e.g. 3M,12M,40M) instead of Zipf; one per client.")] = None,
+    budgets: Annotated[Optional[str], typer.Option(help="Explicit client budgets instead of Zipf, comma-separated (e.g. 2.79M,6.6M,17.67M); cycled over --clients, as in simulate.")] = None,
     gamma: Annotated[float, typer.Option(help="Allocation exponent γ.")] = 1.0,
     zipf_s: Annotated[float, typer.Option(help="Zipf exponent of the budget ranks.")] = 1.2,
     alpha_eff: Annotated[float, typer.Option(help="Effective Dirichlet concentration α_eff.")] = 0.45,
@@ -487,12 +487,11 @@ def partition(
     from feast_edge.shards import write_partition
     from feast_edge.simulate import SimulationConfig
 
-    values = None if budgets is None else tuple(parse_macs(b) for b in budgets.split(",") if b.strip())
     config = SimulationConfig(
         preset=preset,
         dataset=dataset,
         data_dir=str(data),
-        clients=clients if values is None else len(values),
+        clients=clients,
         per_round=1,
         gamma=gamma,
         zipf_s=zipf_s,
@@ -500,7 +499,7 @@ def partition(
         budget_min=None if budget_min is None else parse_macs(budget_min),
         budget_max=None if budget_max is None else parse_macs(budget_max),
         budget_cap=None if budget_cap is None else parse_macs(budget_cap),
-        budgets=values,
+        budgets=None if budgets is None else _cycled_budgets(budgets, clients),
         seed=seed,
         val_samples=val_samples,
         calib_samples=calib_samples,
@@ -522,7 +521,7 @@ def partition(
 def demo(
     broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port.")] = None,
     rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 3,
-    samples: Annotated[int, typer.Option(min=100, help="Training examples per device.")] = 1500,
+    samples: Annotated[int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")] = 800,
     profiles: Annotated[str, typer.Option(help="Comma-separated device profiles (names in profiles/ or files), one agent each.")] = "raspberry-pi-5,jetson-nano,laptop-cpu,desktop-gpu",
     data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory.")] = Path("/usr/share/datasets/fashion-mnist"),
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (its partition/, server/, device-models/, logs/ are replaced).")] = Path("feast-demo"),

@@ -19,6 +19,7 @@ from feast_mqtt.messages import (
     Nack,
     Presence,
     Receipt,
+    ModelRequest,
     Register,
     Registered,
     RoundStart,
@@ -29,15 +30,19 @@ from feast_mqtt.messages import (
 
 COMMON: dict[str, Any] = {"federation": "lab", "round": 3, "device": "jetson-1"}
 INFO = describe(b"payload", federation="lab", round=3, device="jetson-1").to_dict()
+ARCH = {"d": [0, 0, 0, 0], "e": [0.25] * 4, "w": [0] * 5}
+PLAN = {"affordable": [ARCH], "global_min": ARCH}
+ROUND = {"timeout": 60.0, "rounds": 10, "lr": 0.025, "seed": "7", "plan": PLAN}
 EXAMPLES = [
     Presence(**COMMON, state="online", role="device"),
     Nack(**COMMON, transfer="t1", missing=(0, 5, 7)),
     Receipt(**COMMON, transfer="t1", ok=False, reason="sha256 mismatch"),
-    Register(**COMMON, budget_macs=25_000_000, samples=600, profile={"cores": 4}),
-    Registered(**COMMON, accepted=False, reason="device id jetson-1 is already online"),
-    RoundStart(**COMMON, transfer=INFO, deadline=1.7e9, config={"epochs": 1}),
-    Update(**COMMON, transfer=INFO, samples=600, metrics={"loss": 1.25}),
+    Register(**COMMON, host="jetson-1", instance="a1", preset="fmnist-small", preset_digest="d", budget_macs=25_000_000, samples=600, profile={"cores": 4}),
+    Registered(**COMMON, instance="a1", accepted=False, reason="device id jetson-1 is already online"),
+    RoundStart(**COMMON, transfer=INFO, deadline=1.7e9, timeout=60.0, rounds=10, lr=0.025, seed=str(2**63 - 1), plan=PLAN, train={"batch_size": 64}),
+    Update(**COMMON, transfer=INFO, routed="t0", samples=600, metrics={"loss": 1.25}),
     Metrics(**COMMON, values={"accuracy": 0.5}),
+    ModelRequest(**COMMON),
     ModelReady(**COMMON, transfer=INFO, manifest={"macs": 24957968}),
 ]
 
@@ -104,9 +109,17 @@ def test_kind_specific_checks() -> None:
     with pytest.raises(ProtocolError, match="'state' must be one of online, offline"):
         Presence(**COMMON, state="asleep")
     with pytest.raises(ProtocolError, match="transfer description lacks"):
-        RoundStart(**COMMON, transfer={"size": 3}, deadline=1.0)
+        RoundStart(**COMMON, transfer={"size": 3}, deadline=1.0, **ROUND)
     with pytest.raises(ProtocolError, match="finite number"):
-        RoundStart(**COMMON, transfer=INFO, deadline=float("inf"))
+        RoundStart(**COMMON, transfer=INFO, deadline=float("inf"), **ROUND)
+    with pytest.raises(ProtocolError, match="'seed' must be a decimal integer"):
+        RoundStart(**COMMON, transfer=INFO, deadline=1.0, **{**ROUND, "seed": "-1"})
+    with pytest.raises(ProtocolError, match="outside the horizon"):
+        RoundStart(**COMMON, transfer=INFO, deadline=1.0, **{**ROUND, "rounds": 3})
+    with pytest.raises(ProtocolError, match="plan.affordable"):
+        RoundStart(**COMMON, transfer=INFO, deadline=1.0, **{**ROUND, "plan": {"affordable": [], "global_min": ARCH}})
+    with pytest.raises(ProtocolError, match="instance id"):
+        Registered(**COMMON, instance="a/b", accepted=True)
 
 
 @given(st.binary(max_size=300))
@@ -147,7 +160,7 @@ def test_filter_exempts_presence_and_registration_from_staleness() -> None:
     gate = MessageFilter("lab", current_round=9)
     will = Presence(**{**COMMON, "round": 0}, state="offline")
     assert gate.accept(will) and gate.accept(will)  # a last will repeats with the same id
-    assert gate.accept(Register(**{**COMMON, "round": 0}, budget_macs=1, samples=1))
+    assert gate.accept(Register(**{**COMMON, "round": 0}, host="h", instance="i", preset="p", preset_digest="d", budget_macs=1, samples=1))
 
 
 def test_filter_memory_is_bounded() -> None:

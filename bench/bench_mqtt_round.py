@@ -1,0 +1,111 @@
+"""Per-round overhead of the MQTT path: round wall time minus the slowest client's compute, 4 local agents, CPU preset.
+
+    PYTHONPATH=. python3 bench/bench_mqtt_round.py [--broker mqtt://127.0.0.1:1883] [--rounds 3] [--samples 600] [--threads 1]
+
+A partition of Fashion-MNIST over 4 clients whose budgets span the fmnist-small
+cache (3M, 8M, 17.7M, 39.2M MACs); a feast-server (in this process) and 4
+feast-agent processes (one per client, ``--threads`` each) federate through the
+broker, every client in every round. Per round the server records its wall time
+(cohort sampling to aggregated model), the time to route, encode and publish
+the 4 routed payloads, the aggregation time, and each agent's reported local
+training time. The MQTT path's overhead is the wall time minus the slowest
+client's compute: waiting for payloads, decoding, encoding, uploading,
+validation of the uploads and aggregation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from feast_edge.shards import write_partition  # noqa: E402
+from feast_edge.simulate import SimulationConfig  # noqa: E402
+from feast_mqtt.link import LinkConfig  # noqa: E402
+from server.federation import FederationServer, ServerConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+BUDGETS = (3e6, 8e6, 17.7e6, 39.2e6)
+
+
+def _clear_retained(broker: str, federation: str) -> None:
+    """Remove the presence messages this run left retained on the broker."""
+    from feast_mqtt.link import Link
+
+    link = Link(LinkConfig(broker=broker))
+    topics: list[str] = []
+    link.subscribe(f"feast/{federation}/#", lambda r: topics.append(r.topic) if r.retain and r.payload else None)
+    link.connect(timeout=5)
+    time.sleep(0.5)
+    for topic in set(topics):
+        link.publish(topic, b"", retain=True, timeout=5)
+    link.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--broker", default="mqtt://127.0.0.1:1883")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=600, help="training examples per client on average")
+    parser.add_argument("--threads", type=int, default=1, help="PyTorch threads per agent")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    n = len(BUDGETS)
+    config = SimulationConfig(clients=n, per_round=n, rounds=args.rounds, budgets=BUDGETS, train_limit=args.samples * n, val_samples=200, calib_samples=100, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        index = write_partition(config, tmp_path / "partition")
+        federation = f"bench-{uuid.uuid4().hex[:8]}"
+        server = FederationServer(
+            ServerConfig(out=str(tmp_path / "run"), rounds=args.rounds, per_round=n, min_clients=n, round_timeout=600.0, seed=0, federation=federation, wait_timeout=300.0),
+            LinkConfig(broker=args.broker),
+        )
+        server.start()
+        history: list = []
+        thread = threading.Thread(target=lambda: history.extend(server.run()), daemon=True)
+        thread.start()
+        agents = []
+        for entry in index["clients"]:
+            log = open(tmp_path / f"{entry['client_id']}.log", "w")
+            agents.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "device_agent.cli", "run", "--broker", args.broker, "--device-id", entry["client_id"],
+                     "--data", str(tmp_path / "partition" / entry["file"]), "--federation", federation, "--threads", str(args.threads), "--log-level", "warning"],
+                    cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
+            )
+        try:
+            thread.join(1800)
+        finally:
+            for a in agents:
+                a.send_signal(signal.SIGTERM)
+            for a in agents:
+                a.wait(30)
+            server.close()
+            _clear_retained(args.broker, federation)
+        sizes = [c["samples"] for c in index["clients"]]
+        print(f"fmnist-small, {n} agents (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} examples), "
+              f"broker {args.broker}, torch {torch.__version__}, {args.threads} thread(s) per agent, {os.cpu_count()} CPUs")
+        print(f"{'round':>5} {'wall s':>8} {'slowest compute s':>18} {'overhead s':>11} {'overhead %':>11} {'route+send s':>13} {'aggregate s':>12}")
+        overheads = []
+        for h in history:
+            slowest = max(h.compute_seconds.values())
+            overhead = h.seconds - slowest
+            overheads.append(overhead)
+            print(f"{h.round:>5} {h.seconds:>8.2f} {slowest:>18.2f} {overhead:>11.2f} {100 * overhead / h.seconds:>10.1f}% {h.send_seconds:>13.3f} {h.aggregate_seconds:>12.3f}")
+        print(f"mean MQTT-path overhead per round: {sum(overheads) / len(overheads):.2f} s")
+
+
+if __name__ == "__main__":
+    main()

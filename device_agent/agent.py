@@ -1,0 +1,453 @@
+"""The device agent: registers its (virtual) clients, trains each routed sub-supernet it is sent, returns the slice.
+
+One agent process holds one MQTT connection (presence ``status/{host}``) and
+hosts one or more clients, each with its own device id, data and budget. For
+every ``round`` message it receives it runs exactly what the simulator runs for
+that client (``feast_edge.federation.client_update``) with exactly the inputs
+the server sent: the routed tensors, the learning rate, the client seed, the
+affordable variants and the training settings (docs/protocol.md §7).
+
+paho's network thread only parses and queues; the agent's own thread (the
+caller of :meth:`Agent.run`) trains and uploads, so a long local epoch never
+stalls acknowledgements, nacks or presence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from feast_edge.arch import Arch
+from feast_edge.cache import load_cache
+from feast_edge.errors import FeastError
+from feast_edge.federation import ClientPlan, client_update
+from feast_edge.payload import Manifest, decode, encode
+from feast_edge.preset import load_preset
+from feast_edge.route import Envelope
+from feast_edge.train import TrainConfig
+from feast_mqtt.chunks import DEFAULT_CHUNK_SIZE, Reassembler, Status, TransferInfo, describe
+from feast_mqtt.errors import LinkError, ProtocolError, TopicError
+from feast_mqtt.link import Link, LinkConfig, Received
+from feast_mqtt.messages import Message, MessageFilter, Metrics, ModelReady, Presence, Register, Registered, RoundStart, Update, new_msg_id, parse
+from feast_mqtt.topics import Topics
+from feast_mqtt.transfer import ChunkReceiver, ChunkSender
+from device_agent.data import LocalClient
+
+log = logging.getLogger(__name__)
+
+REGISTER_RETRY = 3.0  # seconds between registration attempts while the server is silent
+
+
+class AgentError(FeastError):
+    """The agent cannot start or continue (refused registration, no server, unusable data or budget)."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Who the agent is and how it trains; the CLI flags of ``feast-agent run`` map onto these fields."""
+
+    host: str  # --device-id: the agent's presence id (and the device id of a single client)
+    federation: str = "feast"
+    preset: str = "fmnist-small"
+    device: str = "cpu"
+    budget_macs: float | None = None  # one budget for every hosted client (--budget / --profile); None: each shard's own
+    profile: dict[str, Any] = field(default_factory=dict)  # summary sent with the registration
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    register_timeout: float = 60.0
+    send_timeout: float = 120.0
+    model_dir: str | None = None  # where pushed ONNX models are saved (None: announced models are only logged)
+
+
+@dataclass
+class _Client:
+    data: LocalClient
+    budget_macs: int
+    receiver: ChunkReceiver | None = None
+    sender: ChunkSender | None = None
+    accepted: bool = False
+
+
+class Agent:
+    """One agent process: a link, its clients, a loop that trains what the server routes."""
+
+    def __init__(self, config: AgentConfig, link_config: LinkConfig, clients: list[LocalClient]) -> None:
+        if not clients:
+            raise AgentError("the agent hosts no clients; check --data and --clients")
+        self.config = config
+        self.preset = load_preset(config.preset)
+        self.cache = load_cache(self.preset)
+        self.classes = self.preset.classes
+        self.clients: dict[str, _Client] = {}
+        smallest = self.cache.smallest.macs
+        shape = (self.preset.in_channels, self.preset.input_size, self.preset.input_size)
+        for c in clients:
+            if c.preset_digest is not None and c.preset_digest != self.preset.digest:
+                raise AgentError(f"{c.source} was partitioned for preset {c.preset!r}, but the agent trains {self.preset.name!r}; pass --preset {c.preset}")
+            if tuple(c.images.shape[1:]) != shape:
+                raise AgentError(f"{c.source}: images are {tuple(c.images.shape[1:])}, preset {self.preset.name} takes {shape}; pass matching --data or --preset")
+            if c.samples and int(c.labels.max()) >= self.classes:
+                raise AgentError(f"{c.source}: labels reach {int(c.labels.max())}, preset {self.preset.name} has {self.classes} classes")
+            budget = config.budget_macs if config.budget_macs is not None else c.budget_macs
+            if budget is None:
+                raise AgentError(f"no MAC budget for device {c.device_id}: pass --budget MACS or --profile NAME|FILE (a shard file carries its own)")
+            if budget < smallest:
+                raise AgentError(
+                    f"budget {budget / 1e6:.2f}M MACs is below the smallest cached variant ({smallest / 1e6:.2f}M MACs) of preset "
+                    f"{self.preset.name}; raise --budget or use a profile of a stronger device"
+                )
+            if c.device_id in self.clients:
+                raise AgentError(f"device id {c.device_id} appears twice among the hosted clients")
+            self.clients[c.device_id] = _Client(c, int(budget))
+        self.instance = uuid.uuid4().hex[:16]
+        self.topics = Topics(config.federation)
+        self.presence = Presence(federation=config.federation, round=0, device=config.host, state="online", role="device")
+        self.link = Link(link_config, presence=self.presence)
+        self.stop = threading.Event()
+        self.current_round = 0
+        self._events: queue.Queue[tuple[str, Message, float]] = queue.Queue(maxsize=10_000)
+        self._filter = MessageFilter(config.federation)
+        self._pending: dict[str, tuple[RoundStart, float]] = {}  # device -> latest round message and when it arrived
+        self._models: list[ModelReady] = []
+        self._stash: OrderedDict[str, Any] = OrderedDict()  # finished transfers that arrived before anyone waited for them
+        self._server_online: bool | None = None
+        self._closing = False
+        self._ever_accepted = False
+        self._refused = False
+        self.training = False  # True while client_update runs (a stop signal then interrupts it)
+        self.rounds_trained = 0
+
+    # ------------------------------------------------------------------ connection
+    def start(self, timeout: float = 10.0) -> None:
+        """Connect (raises LinkError with a fix) and subscribe every client's topics."""
+        t = self.topics
+        for device_id, client in self.clients.items():
+            self.link.subscribe(t.ctrl(device_id), self._on_ctrl(device_id))
+        self.link.subscribe(t.server_status, self._on_server_status)
+        self.link.subscribe(t.status(self.config.host), self._on_own_status)
+        self.link.connect(timeout=timeout)
+        if self.config.model_dir is not None:
+            Path(self.config.model_dir).mkdir(parents=True, exist_ok=True)
+        for device_id, client in self.clients.items():
+            reassembler = Reassembler(federation=self.config.federation, max_chunk_size=self.config.chunk_size)
+            client.receiver = ChunkReceiver(self.link, t, "down", device=device_id, reassembler=reassembler)
+            client.sender = ChunkSender(self.link, t, "up", device=device_id, chunk_size=self.config.chunk_size)
+        log.info(
+            "agent %s (instance %s) connected to %s; hosting %s", self.config.host, self.instance, self.link.address,
+            ", ".join(f"{d} ({c.data.samples} samples, {c.budget_macs / 1e6:.2f}M MACs)" for d, c in self.clients.items()),
+        )
+
+    def close(self) -> None:
+        """Leave: offline presence and DISCONNECT (no offline status if the server refused us, so the agent owning the id stays online)."""
+        self._closing = True
+        if not self._ever_accepted and self._refused:
+            self.link.presence = None
+        self.link.close()
+
+    # ------------------------------------------------------------------ incoming (paho's thread)
+    def _on_ctrl(self, device_id: str):
+        def handle(received: Received) -> None:
+            message = self._parse(received)
+            if message is None:
+                return
+            if message.device != device_id:
+                log.warning("dropped %s on %s: it names device %r", message.kind, received.topic, message.device)
+                return
+            self._queue("ctrl", message)
+
+        return handle
+
+    def _on_server_status(self, received: Received) -> None:
+        if not received.payload:
+            return
+        message = self._parse(received)
+        if isinstance(message, Presence) and message.role == "server":
+            self._queue("server", message)
+
+    def _on_own_status(self, received: Received) -> None:
+        # Someone else's last will or clean exit on our presence topic (e.g. a refused duplicate agent that
+        # crashed): say again that we are here. Retained copies are history, not news.
+        if received.retain or not received.payload or self._closing or not self.link.connected:
+            return
+        message = self._parse(received)
+        if isinstance(message, Presence) and message.state == "offline":
+            log.warning("an offline status for %s appeared while this agent is online; publishing online again", self.config.host)
+            online = dataclasses.replace(self.presence, msg_id=new_msg_id())
+            self.link.publish(self.link.status_topic or self.topics.status(self.config.host), online.encode(), retain=True)
+
+    def _parse(self, received: Received) -> Message | None:
+        try:
+            self.topics.parse(received.topic)
+            return parse(received.payload)
+        except (ProtocolError, TopicError) as exc:
+            log.warning("dropped malformed message on %s: %s", received.topic, exc)
+            return None
+
+    def _queue(self, channel: str, message: Message) -> None:
+        try:
+            self._events.put_nowait((channel, message, time.monotonic()))
+        except queue.Full:
+            log.warning("agent inbox full; dropped a %s message", message.kind)
+
+    # ------------------------------------------------------------------ event handling (the agent's thread)
+    def _process(self, timeout: float) -> None:
+        """Handle queued messages; wait up to ``timeout`` for the first one."""
+        try:
+            channel, message, at = self._events.get(timeout=timeout) if timeout > 0 else self._events.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(channel, message, at)
+            try:
+                channel, message, at = self._events.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, channel: str, message: Message, at: float) -> None:
+        if channel == "server" and isinstance(message, Presence):
+            was = self._server_online
+            self._server_online = message.state == "online"
+            if self._server_online and was is False:
+                # A (re)started server: its rounds may restart from an older round id; re-register everyone.
+                log.info("the server is back online; registering again")
+                self._filter = MessageFilter(self.config.federation)
+                for client in self.clients.values():
+                    client.accepted = False
+                self._send_registrations()
+            elif self._server_online and was is None:
+                self._send_registrations()  # the server may have missed registrations sent before it subscribed
+            elif not self._server_online and was:
+                log.warning("the server went offline; waiting for it to come back")
+            return
+        verdict = self._filter.verdict(message)
+        if verdict is not None:
+            log.info("ignored %s for %s: %s", message.kind, message.device, verdict)
+            return
+        if isinstance(message, Registered):
+            if message.instance != self.instance:
+                return  # the answer to another agent claiming the same id
+            client = self.clients[message.device]
+            if not message.accepted:
+                self._refused = True
+                raise AgentError(f"the server refused device {message.device}: {message.reason}")
+            if not client.accepted:
+                log.info("server accepted %s (preset %s, %d rounds)", message.device, message.preset, message.rounds)
+            client.accepted = True
+            self._ever_accepted = True
+        elif isinstance(message, RoundStart):
+            self._filter.advance(message.round)
+            self.current_round = max(self.current_round, message.round)
+            previous = self._pending.get(message.device)
+            if previous is not None:
+                log.info("round %d for %s supersedes its unstarted round %d", message.round, message.device, previous[0].round)
+            self._pending[message.device] = (message, at)
+        elif isinstance(message, ModelReady):
+            if message.request:
+                return  # answers a fetch-model request, not ours
+            if not message.available:
+                log.info("server: no model for %s: %s", message.device, message.reason)
+            elif self.config.model_dir is None:
+                log.info("server announced the model of %s (%s); fetch it with feast-agent fetch-model", message.device, message.manifest.get("file"))
+            else:
+                self._models.append(message)
+        else:
+            log.info("ignored unexpected %s message for %s", message.kind, message.device)
+
+    # ------------------------------------------------------------------ registration
+    def _send_registrations(self) -> None:
+        summary = self.config.profile
+        for device_id, client in self.clients.items():
+            if client.accepted:
+                continue
+            message = Register(
+                federation=self.config.federation, round=0, device=device_id, host=self.config.host, instance=self.instance,
+                preset=self.preset.name, preset_digest=self.preset.digest, budget_macs=client.budget_macs, samples=client.data.samples,
+                profile=summary,
+            )
+            self.link.publish(self.topics.register, message.encode())
+
+    def register(self, timeout: float | None = None) -> bool:
+        """Register every client (False if ``stop`` was set first); AgentError when refused or when no server answers within ``timeout``."""
+        timeout = self.config.register_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        last = float("-inf")
+        while not all(c.accepted for c in self.clients.values()):
+            if self.stop.is_set():
+                return False
+            now = time.monotonic()
+            if now >= deadline:
+                state = {None: "has never reported", True: "is online but did not answer", False: "is offline"}[self._server_online]
+                raise AgentError(
+                    f"no feast-server answered the registration of {', '.join(d for d, c in self.clients.items() if not c.accepted)} within "
+                    f"{timeout:g} s: the server of federation {self.config.federation!r} at {self.link.address} {state}; start "
+                    f"'feast-server run --federation {self.config.federation}' on that broker, or check --federation/--broker"
+                )
+            if now - last >= REGISTER_RETRY:
+                self._send_registrations()
+                last = now
+            self._process(min(0.2, deadline - now))
+        return True
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, max_rounds: int | None = None) -> None:
+        """Serve rounds (and model announcements) until ``stop`` is set."""
+        while not self.stop.is_set():
+            self._process(0.2)
+            if self._pending:
+                device_id = min(self._pending, key=lambda d: (self._pending[d][0].round, self._pending[d][1]))
+                start, at = self._pending.pop(device_id)
+                self._train_round(device_id, start, at)
+                if max_rounds is not None and self.rounds_trained >= max_rounds:
+                    return
+            while self._models and not self.stop.is_set():
+                self._receive_model(self._models.pop(0))
+
+    def _await_transfer(self, device_id: str, transfer: str, deadline: float, superseded_by_round: bool = False) -> bytes | None:
+        """Payload of ``transfer`` once complete and verified; None if rejected, late, or a newer round arrived meanwhile."""
+        client = self.clients[device_id]
+        assert client.receiver is not None
+        while True:
+            progress = self._stash.pop(transfer, None)
+            if progress is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.stop.is_set():
+                    return None
+                progress = client.receiver.get(timeout=min(remaining, 0.2))  # also nacks missing chunks
+                if progress is None:
+                    self._process(0)
+                    if superseded_by_round and device_id in self._pending:
+                        return None
+                    continue
+                if progress.info.transfer != transfer:
+                    self._stash[progress.info.transfer] = progress  # e.g. a model pushed while a round was waiting
+                    while len(self._stash) > 16:
+                        self._stash.popitem(last=False)
+                    continue
+            if progress.status is Status.COMPLETE and progress.payload is not None:
+                return progress.payload
+            log.warning("transfer %s for %s failed: %s", transfer, device_id, progress.reason or progress.status.value)
+            return None
+
+    def _train_round(self, device_id: str, start: RoundStart, received_at: float) -> None:
+        t, client = start.round, self.clients[device_id]
+        deadline = received_at + start.timeout
+        try:
+            info = TransferInfo.from_dict(start.transfer)
+            if info.device != device_id or info.round != t:
+                raise AgentError(f"its transfer names device {info.device!r} round {info.round}")
+            affordable = tuple(Arch.from_dict(a).validated(self.preset) for a in start.plan["affordable"])
+            global_min = Arch.from_dict(start.plan["global_min"]).validated(self.preset)
+            train = TrainConfig(**start.train)
+            seed = int(start.seed)
+        except (FeastError, TypeError, ValueError, KeyError) as exc:
+            log.error("round %d: refused the round message for %s: %s", t, device_id, exc)
+            return
+        assert client.receiver is not None and client.sender is not None
+        client.receiver.expect(info)
+        blob = self._await_transfer(device_id, info.transfer, deadline, superseded_by_round=True)
+        if blob is None:
+            log.warning("round %d: no routed payload for %s before the deadline (or a newer round superseded it); skipped", t, device_id)
+            return
+        plan = ClientPlan(affordable, global_min, Envelope.of(affordable))
+        expected = Manifest(self.preset.name, self.preset.digest, self.classes, plan.envelope, round=t)
+        try:
+            manifest, state = decode(blob, self.preset, expected=expected)
+            if manifest.kind != "routed":
+                raise AgentError(f"payload kind {manifest.kind!r} is not 'routed'")
+        except FeastError as exc:
+            log.error("round %d: refused the routed payload for %s: %s", t, device_id, exc)
+            return
+        data = client.data
+        log.info(
+            "round %d/%d: received routed payload for %s (%d tensors, %d bytes); training %d variants' envelope on %d examples",
+            t + 1, start.rounds, device_id, len(state), len(blob), len(affordable), data.samples,
+        )
+        began = time.perf_counter()
+        self.training = True
+        try:
+            new_state, result = client_update(self.preset, self.classes, plan, state, data.images, data.labels, train, start.lr, seed, self.config.device)
+        except (FeastError, RuntimeError) as exc:  # e.g. settings this device cannot train with, or out of memory
+            log.error("round %d: local training of %s failed: %s; skipped", t, device_id, exc)
+            return
+        finally:
+            self.training = False
+        compute = time.perf_counter() - began
+        if time.monotonic() > deadline:
+            log.warning("round %d: %s finished %.1f s after the server's deadline; sending anyway", t, device_id, time.monotonic() - deadline)
+        payload = encode(new_state, Manifest(self.preset.name, self.preset.digest, self.classes, plan.envelope, round=t, kind="update", fields={"device": device_id}))
+        up = describe(payload, federation=self.config.federation, round=t, device=device_id, chunk_size=self.config.chunk_size)
+        metrics = {
+            "loss": result.mean_loss,
+            "samples_seen": result.samples_seen,
+            "num_batches": result.num_batches,
+            "train_macs": result.train_macs,
+            "compute_seconds": compute,
+            "role_losses": result.role_losses,
+            "variants_per_batch": {str(k): v for k, v in result.variants_per_batch.items()},
+            "device": str(self.config.device),
+        }
+        update = Update(
+            federation=self.config.federation, round=t, device=device_id, transfer=up.to_dict(), routed=info.transfer,
+            samples=result.num_samples, metrics=metrics,
+        )
+        try:
+            self.link.publish(self.topics.events, update.encode())
+            client.sender.send(payload, round=t, device=device_id, transfer=up.transfer, timeout=self.config.send_timeout)
+        except LinkError as exc:
+            log.error("round %d: could not send the update of %s: %s", t, device_id, exc)
+            return
+        self.rounds_trained += 1
+        log.info("round %d/%d: sent update of %s: loss %.4f, %.1f s compute, %d bytes", t + 1, start.rounds, device_id, result.mean_loss, compute, len(payload))
+
+    # ------------------------------------------------------------------ models
+    def _receive_model(self, message: ModelReady) -> None:
+        from device_agent.models import measure_latency, save_model
+
+        device_id = message.device
+        info = TransferInfo.from_dict(message.transfer)
+        client = self.clients[device_id]
+        assert client.receiver is not None
+        client.receiver.expect(info)
+        blob = self._await_transfer(device_id, info.transfer, time.monotonic() + 120.0)
+        if blob is None:
+            log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", device_id)
+            return
+        assert self.config.model_dir is not None
+        try:
+            path = save_model(blob, message.manifest, Path(self.config.model_dir) / f"{device_id}.onnx")
+            latency = measure_latency(path)
+        except FeastError as exc:
+            log.error("the model of %s is unusable: %s", device_id, exc)
+            return
+        log.info("saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms", device_id, path, message.manifest.get("macs"), latency["median_ms"])
+        values = {"onnx_latency_ms": latency["median_ms"], "model_sha256": message.manifest.get("sha256"), "model_macs": message.manifest.get("macs")}
+        self.link.publish(self.topics.events, Metrics(federation=self.config.federation, round=self.current_round, device=device_id, values=values).encode())
+
+
+def profile_summary(profile: Any) -> dict[str, Any]:
+    """The part of a DeviceProfile sent with a registration (no raw measurements)."""
+    data = profile.to_dict()
+    data.pop("measurements", None)
+    data.pop("format", None)
+    data.pop("version", None)
+    return data
+
+
+def torch_device(requested: str) -> str:
+    """Validate ``--device``; a clear error when CUDA is asked for but absent."""
+    if requested == "cpu":
+        return "cpu"
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise AgentError(f"--device {requested}: no CUDA device is available to PyTorch here; use --device cpu")
+        return requested
+    raise AgentError(f"--device {requested!r} is not cpu or cuda[:N]")

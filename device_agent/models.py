@@ -1,0 +1,135 @@
+"""A device's exported model: download it (fetch-model), verify its SHA-256, save it, time it in onnxruntime."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from feast_edge.atomic import atomic_write_bytes, check_writable
+from feast_edge.errors import FeastError
+from feast_mqtt.chunks import DEFAULT_CHUNK_SIZE, Reassembler, Status, TransferInfo
+from feast_mqtt.errors import ProtocolError, TopicError
+from feast_mqtt.link import Link, LinkConfig, Received
+from feast_mqtt.messages import ModelReady, ModelRequest, parse
+from feast_mqtt.topics import Topics
+from feast_mqtt.transfer import ChunkReceiver
+
+log = logging.getLogger(__name__)
+
+
+class ModelError(FeastError):
+    """A model could not be fetched, verified or run."""
+
+
+def save_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Check ``blob`` against the manifest's SHA-256, then write it and the manifest (``.json`` beside it) atomically."""
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != manifest.get("sha256"):
+        raise ModelError(f"the received model hashes to {digest}, its manifest says {manifest.get('sha256')}; it was not saved, fetch it again")
+    path = check_writable(path, "model file")
+    atomic_write_bytes(path, blob)
+    atomic_write_bytes(path.with_suffix(".json"), (json.dumps(manifest, indent=1) + "\n").encode())
+    return path
+
+
+def measure_latency(path: str | os.PathLike[str], repeats: int = 50, warmup: int = 5, threads: int | None = 1) -> dict[str, float]:
+    """Batch-1 latency of an exported file in onnxruntime on random pixels: median and 90th percentile in ms."""
+    from feast_edge.onnx_export import INPUT_NAME, OUTPUT_NAME, onnx_session, read_metadata
+
+    try:
+        meta = read_metadata(path)
+        shape = json.loads(meta["input_shape"])
+        session = onnx_session(path, threads=threads)
+    except Exception as exc:  # onnx/onnxruntime raise many types for a bad file
+        raise ModelError(f"{path} cannot be loaded in onnxruntime ({exc}); fetch the model again") from None
+    x = np.random.default_rng(0).random((1, *shape), dtype=np.float32)
+    for _ in range(warmup):
+        session.run([OUTPUT_NAME], {INPUT_NAME: x})
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run([OUTPUT_NAME], {INPUT_NAME: x})
+        times.append((time.perf_counter() - start) * 1000.0)
+    times.sort()
+    return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))], "repeats": float(repeats)}
+
+
+@dataclass(frozen=True)
+class FetchedModel:
+    path: Path
+    manifest: dict[str, Any]
+    latency: dict[str, float]
+
+
+def fetch_model(
+    link_config: LinkConfig,
+    federation: str,
+    device_id: str,
+    out: str | os.PathLike[str],
+    *,
+    timeout: float = 30.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    repeats: int = 50,
+) -> FetchedModel:
+    """Ask the server for ``device_id``'s ONNX model, download it in chunks, verify, save and time it."""
+    out = check_writable(out, "model file")
+    topics = Topics(federation)
+    replies: queue.Queue[ModelReady] = queue.Queue()
+    request = ModelRequest(federation=federation, round=0, device=device_id)
+
+    def on_ctrl(received: Received) -> None:
+        try:
+            message = parse(received.payload)
+        except ProtocolError as exc:
+            log.warning("dropped malformed message on %s: %s", received.topic, exc)
+            return
+        if isinstance(message, ModelReady) and message.device == device_id and message.request == request.msg_id:
+            replies.put(message)
+
+    link = Link(link_config)  # no presence: this is a tool, not the device's agent
+    try:
+        topics.ctrl(device_id)
+    except TopicError as exc:
+        raise ModelError(f"--device-id: {exc}") from None
+    link.subscribe(topics.ctrl(device_id), on_ctrl)
+    link.connect(timeout=min(timeout, 10.0))
+    try:
+        receiver = ChunkReceiver(link, topics, "down", device=device_id, reassembler=Reassembler(federation=federation, max_chunk_size=chunk_size))
+        link.publish(topics.events, request.encode(), timeout=min(timeout, 10.0))
+        try:
+            answer = replies.get(timeout=timeout)
+        except queue.Empty:
+            raise ModelError(
+                f"no feast-server answered the model request of {device_id} on federation {federation!r} within {timeout:g} s; "
+                "is 'feast-server run --serve' or 'feast-server serve' running there with the same --federation?"
+            ) from None
+        if not answer.available:
+            raise ModelError(f"the server has no model for {device_id}: {answer.reason}")
+        info = TransferInfo.from_dict(answer.transfer)
+        receiver.expect(info)
+        deadline = time.monotonic() + max(timeout, 60.0)
+        blob = None
+        while blob is None:
+            remaining = deadline - time.monotonic()
+            progress = receiver.get(timeout=max(0.0, remaining)) if remaining > 0 else None
+            if progress is None:
+                raise ModelError(f"the model of {device_id} ({info.size} bytes) did not arrive completely within {max(timeout, 60.0):g} s; try again")
+            if progress.info.transfer != info.transfer:
+                continue
+            if progress.status is not Status.COMPLETE or progress.payload is None:
+                raise ModelError(f"the model transfer was rejected: {progress.reason}; try again")
+            blob = progress.payload
+    finally:
+        link.close()
+    path = save_model(blob, answer.manifest, out)
+    return FetchedModel(path, answer.manifest, measure_latency(path, repeats=repeats))

@@ -1,0 +1,129 @@
+"""One ONNX model per registered device: its largest affordable cached variant, BN-recalibrated (SPEC §8).
+
+Each distinct variant is extracted, recalibrated on the server-held calibration
+split, validated and exported once; every device it serves gets its own copy
+``models/{device}.onnx`` and a manifest ``models/{device}.json`` with the
+device, arch, MACs, params, validation accuracy and the file's SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from feast_edge.arch import Arch
+from feast_edge.atomic import atomic_write_bytes
+from feast_edge.cache import VariantCache
+from feast_edge.errors import FeastError
+from feast_edge.evaluate import accuracy, calibrated_variant
+from feast_edge.onnx_export import export_onnx
+from feast_edge.supernet import Supernet
+from server.data import ServerData
+from server.registry import Device
+
+log = logging.getLogger(__name__)
+
+MODELS = "models"
+MANIFEST_FORMAT = "feast-edge/device-model"
+
+
+class ExportError(FeastError):
+    """A device model cannot be exported or served."""
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def export_device_models(
+    supernet: Supernet,
+    cache: VariantCache,
+    devices: Sequence[Device],
+    data: ServerData,
+    out: str | os.PathLike[str],
+    *,
+    federation: str,
+    rounds_done: int,
+    checkpoint: str,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Export every device's model into ``out/models``; returns the manifests (sorted by device id)."""
+    directory = Path(out) / MODELS
+    directory.mkdir(parents=True, exist_ok=True)
+    preset = supernet.preset
+    variants: dict[Arch, tuple[bytes, dict[str, str], float]] = {}
+    manifests = []
+    for device in sorted(devices, key=lambda d: d.device_id):
+        entry = cache.largest_affordable(device.budget_macs)
+        if entry.arch not in variants:
+            start = time.perf_counter()
+            model = calibrated_variant(supernet, entry.arch, data.calibration_images).cpu()
+            acc = accuracy(model, data.validation_images, data.validation_labels, preset)
+            tmp = directory / f".variant-{entry.arch.slug}.onnx"
+            meta = export_onnx(
+                model,
+                tmp,
+                preset,
+                entry.arch,
+                class_names=data.class_names,
+                extra={"bn_recalibrated": True, "validation_accuracy": acc, "federation": federation, "rounds": rounds_done},
+            )
+            variants[entry.arch] = (tmp.read_bytes(), meta, acc)
+            tmp.unlink()
+            message = f"exported {entry.arch} ({entry.macs / 1e6:.2f}M MACs): validation accuracy {100 * acc:.2f}% in {time.perf_counter() - start:.1f} s"
+            log.info(message)
+            if progress is not None:
+                progress(message)
+        blob, meta, acc = variants[entry.arch]
+        path = directory / f"{device.device_id}.onnx"
+        atomic_write_bytes(path, blob)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": 1,
+            "device": device.device_id,
+            "federation": federation,
+            "preset": preset.name,
+            "preset_digest": preset.digest,
+            "budget_macs": device.budget_macs,
+            "arch": entry.arch.to_dict(),
+            "macs": int(meta["feast.macs"]),
+            "params": int(meta["feast.params"]),
+            "validation_accuracy": acc,
+            "validation_samples": int(data.validation_labels.shape[0]),
+            "bn_recalibrated": True,
+            "rounds": rounds_done,
+            "checkpoint": checkpoint,
+            "file": path.name,
+            "size": len(blob),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+        }
+        atomic_write_bytes(directory / f"{device.device_id}.json", (json.dumps(manifest, indent=1) + "\n").encode())
+        manifests.append(manifest)
+    atomic_write_bytes(directory / "index.json", (json.dumps({"models": manifests}, indent=1) + "\n").encode())
+    return manifests
+
+
+def read_device_model(out: str | os.PathLike[str], device_id: str) -> tuple[bytes, dict[str, Any]] | None:
+    """The exported ONNX bytes and manifest of a device, or None if none was exported; ExportError if they disagree."""
+    directory = Path(out) / MODELS
+    manifest_path = directory / f"{device_id}.json"
+    if not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        blob = (directory / manifest["file"]).read_bytes()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ExportError(f"the exported model of {device_id} in {directory} is unreadable ({exc}); run 'feast-server export' again") from None
+    if hashlib.sha256(blob).hexdigest() != manifest.get("sha256"):
+        raise ExportError(f"{directory / manifest['file']} does not match the SHA-256 in its manifest; run 'feast-server export' again")
+    return blob, manifest
