@@ -193,6 +193,20 @@ def parse_macs(text: str) -> float:
     return value
 
 
+def _population_budgets(budgets: Optional[str], profiles: Optional[str], clients: int, preset: str) -> Optional[tuple[float, ...]]:
+    """Explicit client budgets from ``--budgets`` or ``--profiles`` (None: Zipf)."""
+    if budgets is not None and profiles is not None:
+        raise FeastError("--budgets and --profiles both set the client budgets; pass one of them")
+    if budgets is not None:
+        return _cycled_budgets(budgets, clients)
+    if profiles is not None:
+        # Profiles are device-agent data; the deployment package is imported only for this option.
+        from device_agent.profiling import budgets_from_profiles
+
+        return budgets_from_profiles([p.strip() for p in profiles.split(",") if p.strip()], clients, load_preset(preset))
+    return None
+
+
 def _cycled_budgets(text: str, clients: int) -> tuple[float, ...]:
     """``--budgets`` list, repeated in order until every client has one."""
     values = [parse_macs(t) for t in text.split(",") if t.strip()]
@@ -368,6 +382,7 @@ def simulate(
     budget_max: Annotated[Optional[str], typer.Option(help="Largest budget (MACs); default from the preset.")] = None,
     budget_cap: Annotated[Optional[str], typer.Option(help="Allocation cap B_cap (MACs); default from the preset.")] = None,
     budgets: Annotated[Optional[str], typer.Option(help="Explicit client budgets instead of Zipf, comma-separated (e.g. a device-profile mix: 2.79M,6.6M,17.67M); cycled over --clients.")] = None,
+    profiles: Annotated[Optional[str], typer.Option(help="Client budgets from device profiles instead of Zipf, comma-separated names in profiles/ or .json files; cycled over --clients.")] = None,
     method: Annotated[str, typer.Option(help="full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
     seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
     lr: Annotated[float, typer.Option(help="Initial SGD learning rate (cosine-decayed).")] = 0.025,
@@ -404,7 +419,7 @@ def simulate(
         budget_min=None if budget_min is None else parse_macs(budget_min),
         budget_max=None if budget_max is None else parse_macs(budget_max),
         budget_cap=None if budget_cap is None else parse_macs(budget_cap),
-        budgets=None if budgets is None else _cycled_budgets(budgets, clients),
+        budgets=_population_budgets(budgets, profiles, clients, preset),
         seed=seed,
         variants=method,
         lr=lr,

@@ -133,3 +133,17 @@ def test_cli_budget_list_is_cycled_over_clients():
 
     with pytest.raises(FeastError, match="--budgets is empty"):
         _cycled_budgets(" , ", 3)
+
+
+def test_cli_population_from_device_profiles():
+    from device_agent.profiling import load_profile
+    from feast_edge.cli import _population_budgets
+    from feast_edge.errors import FeastError
+
+    nano, gpu = load_profile("jetson-nano").budget_macs, load_profile("desktop-gpu").budget_macs
+    assert _population_budgets(None, "jetson-nano,desktop-gpu", 3, "fmnist-small") == (nano, gpu, nano)
+    assert _population_budgets(None, None, 3, "fmnist-small") is None
+    with pytest.raises(FeastError, match="pass one of them"):
+        _population_budgets("2M", "jetson-nano", 3, "fmnist-small")
+    with pytest.raises(FeastError, match="not paper-cifar100"):
+        _population_budgets(None, "jetson-nano", 3, "paper-cifar100")
