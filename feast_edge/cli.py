@@ -331,7 +331,7 @@ def routing(
 
     from feast_edge.cache import load_cache, read_reference_csv
     from feast_edge.population import zipf_budgets
-    from feast_edge.route import Envelope, communication_report
+    from feast_edge.route import communication_report
 
     p = load_preset(preset)
     n_classes = p.classes if classes is None else classes
@@ -342,7 +342,6 @@ def routing(
     table = Table(title=f"{p.name}: routed envelope per budget ({n_classes}-class head)")
     for col in ("budget", "affordable", "envelope params", "reduction"):
         table.add_column(col, justify="right")
-    full = None
     for text in (budgets or "").split(","):
         if not text.strip():
             continue
@@ -351,7 +350,6 @@ def routing(
         if not affordable:
             raise FeastError(f"budget {_millions(int(b))} MACs is below the smallest cached variant ({_millions(archs[0][0])}); raise it")
         report = communication_report(p, archs, [b], n_classes)
-        full = report.full_params
         table.add_row(_millions(int(b)), str(len(affordable)), _millions(report.payloads[0]), f"{report.aggregate_reduction:.1f}x")
     console.print(table)
     population = zipf_budgets(clients, np.random.default_rng(seed), s=zipf_s, b_min=p.budget_min, b_max=p.budget_max)
@@ -552,16 +550,21 @@ def demo(
     )
 
 
-def main() -> None:
-    """Console-script entry: run the app, turning user errors into one line and exit status 2."""
+def run_cli(application: typer.Typer) -> None:
+    """Run a typer app as a console script: user errors become one ``error:`` line and exit status 2."""
     try:
-        app()
+        application()
     except FeastError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def main() -> None:
+    """Console-script entry of ``feast-edge``."""
+    run_cli(app)
 
 
 if __name__ == "__main__":

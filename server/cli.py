@@ -285,14 +285,9 @@ def _threads(threads: int) -> None:
 
 def main() -> None:
     """Console-script entry: user errors become one ``error:`` line and exit status 2."""
-    try:
-        app()
-    except FeastError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    from feast_edge.cli import run_cli
+
+    run_cli(app)
 
 
 if __name__ == "__main__":
