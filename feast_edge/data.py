@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,11 +87,13 @@ def _idx_file(root: Path, name: str) -> Path:
     target = _cache_dir() / key / name
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".tmp")
+        # A private temporary name: runs started together may decompress the same file at once.
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=target.parent)
         try:
-            with gzip.open(packed, "rb") as src, open(tmp, "wb") as dst:
+            with gzip.open(packed, "rb") as src, os.fdopen(fd, "wb") as dst:
                 shutil.copyfileobj(src, dst)
         except (OSError, EOFError) as exc:
+            Path(tmp).unlink(missing_ok=True)
             raise DataError(f"Fashion-MNIST file {packed} is corrupt ({exc}); reinstall the data set") from None
         os.replace(tmp, target)
     return target

@@ -32,6 +32,25 @@ def test_fashion_mnist_uncompressed_and_missing(fashion_mnist_dir, tmp_path):
         load_fashion_mnist(tmp_path / "nope")
 
 
+def test_concurrent_decompression_into_the_cache(fashion_mnist_dir, tmp_path, monkeypatch):
+    """Two runs started together decompress the same .gz at once; both must get the file (a shared temp name lost one)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real_copy = shutil.copyfileobj
+    nested: list = []
+
+    def copy_while_another_run_finishes(src, dst, *args):
+        if not nested:  # the other run decompresses and renames its file while this one is mid-copy
+            nested.append(None)
+            nested[0] = load_fashion_mnist(fashion_mnist_dir, "test")
+        real_copy(src, dst, *args)
+
+    monkeypatch.setattr(shutil, "copyfileobj", copy_while_another_run_finishes)
+    first = load_fashion_mnist(fashion_mnist_dir, "test")
+    assert torch.equal(first.images, nested[0].images) and len(first) == 10000
+    leftovers = [p.name for p in (tmp_path / "cache").rglob("*") if p.suffix == ".tmp"]
+    assert leftovers == []
+
+
 def _write_cifar(root, name, n, rng):
     folder, label_bytes, classes, files = {
         "cifar10": ("cifar-10-batches-bin", 1, 10, [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]),
