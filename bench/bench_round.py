@@ -52,7 +52,7 @@ def main() -> None:
                 updates.append((cid, new_state, result.num_samples))
                 samples += result.samples_seen
             start = time.perf_counter()
-            sim.model.load_state_dict(aggregate_updates(global_state, updates))
+            aggregate_updates(global_state, updates, inplace=True)  # as Simulation.run_round: into the model
             t_agg = time.perf_counter() - start
             print(f"{t:>5} {samples:>8} {t_route:>8.2f} {t_train:>8.2f} {t_agg:>12.3f} {t_route + t_train + t_agg:>8.2f}")
         print(f"full supernet {count_params(sim.model.layout) / 1e6:.2f}M params")

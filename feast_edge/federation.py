@@ -94,7 +94,12 @@ def client_update(
 def aggregate_updates(
     global_state: Mapping[str, torch.Tensor],
     updates: Sequence[tuple[str, Mapping[str, torch.Tensor], int]],
+    inplace: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Sparse sample-weighted aggregation of ``(client_id, state, n_samples)`` in client-id order (SPEC §6)."""
+    """Sparse sample-weighted aggregation of ``(client_id, state, n_samples)`` in client-id order (SPEC §6).
+
+    ``inplace=True`` writes the result into ``global_state``'s tensors (pass a
+    model's ``state_dict()`` to update the model without a copy).
+    """
     ordered = sorted(updates, key=lambda u: u[0])
-    return aggregate(global_state, [(state, n) for _, state, n in ordered])
+    return aggregate(global_state, [(state, n) for _, state, n in ordered], inplace=inplace)

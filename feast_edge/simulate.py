@@ -284,7 +284,7 @@ class Simulation:
             macs += result.train_macs
             for k, v in result.variants_per_batch.items():
                 per_batch[str(k)] = per_batch.get(str(k), 0) + v
-        self.model.load_state_dict(aggregate_updates(global_state, updates))
+        aggregate_updates(global_state, updates, inplace=True)  # global_state aliases the model's tensors
         return RoundLog(t, lr, cohort, loss / max(1, samples), samples, macs, routed, cfg.per_round * self.full_params, per_batch, time.perf_counter() - start)
 
     def validate(self) -> float:

@@ -556,7 +556,7 @@ class FederationServer:
         record.samples = sum(n for _, _, n in valid)
         if len(valid) >= cfg.min_clients:
             began = time.monotonic()
-            self.model.load_state_dict(aggregate_updates(global_state, valid))
+            aggregate_updates(global_state, valid, inplace=True)  # global_state aliases the model's tensors
             record.aggregate_seconds = time.monotonic() - began
             record.applied = True
         else:

@@ -246,3 +246,99 @@ def test_matches_naive_per_element_reference(cohort):
     for name in global_np:
         np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-12, atol=1e-12)
         assert torch.equal(torch_global[name], torch.from_numpy(global_np[name]))
+    _check_inplace_matches(torch_global, [({k: torch.from_numpy(v) for k, v in local.items()}, n) for local, n in clients])
+
+
+@st.composite
+def _nested_cohort(draw):
+    """A cohort whose boxes are nested, as FEAST envelopes are (SPEC §5): the one-pass running-mean path."""
+    shapes = draw(st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=3), min_size=1, max_size=3))
+    global_np = {f"t{i}": np.asarray(draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(s)), max_size=int(np.prod(s))))).reshape(s)
+                 for i, s in enumerate(shapes)}
+    boxes = {name: [tuple(g.shape)] for name, g in global_np.items()}
+    m = draw(st.integers(1, 5))
+    for name, g in global_np.items():
+        for _ in range(m - 1):  # each client's box inside the previous (larger-budget) one
+            boxes[name].append(tuple(draw(st.integers(1, b)) for b in boxes[name][-1]))
+    clients = []
+    for i in range(m):
+        local = {}
+        for name in global_np:
+            box = boxes[name][i]
+            local[name] = np.asarray(draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(box)), max_size=int(np.prod(box))))).reshape(box)
+        clients.append((local, draw(st.integers(1, 1000))))
+    return global_np, draw(st.permutations(clients))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_nested_cohort())
+def test_nested_envelopes_in_any_arrival_order_match_the_reference(cohort):
+    global_np, clients = cohort
+    torch_global = {k: torch.from_numpy(v) for k, v in global_np.items()}
+    torch_clients = [({k: torch.from_numpy(v) for k, v in local.items()}, n) for local, n in clients]
+    expected, counts = _naive(global_np, clients)
+    streamed = SparseAccumulator(torch_global, dtype=torch.float64)  # arrival order: may switch paths mid-way
+    for local, n in torch_clients:
+        streamed.add(local, n)
+    for name in global_np:
+        np.testing.assert_array_equal(streamed.count(name).numpy(), counts[name])
+    for got in (aggregate(torch_global, torch_clients, dtype=torch.float64), streamed.result()):
+        for name in global_np:
+            np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-12, atol=1e-12)
+    assert all(torch.equal(torch_global[k], torch.from_numpy(v)) for k, v in global_np.items())
+    _check_inplace_matches(torch_global, torch_clients)
+
+
+def _check_inplace_matches(global_state, clients, dtype=torch.float64):
+    """In-place aggregation writes exactly what the allocating one returns into the global tensors themselves."""
+    expected = aggregate(global_state, clients, dtype=dtype)
+    target = _clone(global_state)
+    got = aggregate(target, clients, dtype=dtype, inplace=True)
+    for name in global_state:
+        assert got[name] is target[name]
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_float32_result_does_not_depend_on_arrival_order_beyond_rounding(preset, global_state):
+    clients = []
+    for i, w in enumerate([0, 2, 5]):
+        layout = envelope_layout(preset, preset.classes, w, (i % 2,) * preset.num_stages, (w,) * preset.num_stages)
+        clients.append((_perturbed(Supernet(preset, layout=layout, seed=i).state_dict(), i), 10 + 7 * i))
+    forward, backward = aggregate(global_state, clients), aggregate(global_state, clients[::-1])
+    reference = aggregate(global_state, clients, dtype=torch.float64)
+    for name in global_state:
+        torch.testing.assert_close(forward[name], backward[name], rtol=0, atol=0)  # aggregate orders payloads itself
+        torch.testing.assert_close(forward[name], reference[name], rtol=1e-5, atol=1e-5)
+    acc = SparseAccumulator(global_state)  # smallest first: the explicit sums-and-counts path
+    for state, n in clients:
+        acc.add(state, n)
+    for name, t in acc.result().items():
+        torch.testing.assert_close(t, reference[name], rtol=1e-5, atol=1e-5)
+    streamed = SparseAccumulator(global_state)  # largest first, payload by payload: the same arithmetic as aggregate
+    for state, n in clients[::-1]:
+        streamed.add(state, n)
+    for name, t in streamed.result().items():
+        assert torch.equal(t, forward[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_inplace_on_a_model_state_dict(preset, global_state, dtype):
+    clients = []
+    for i, w in enumerate([9, 4, 1]):
+        layout = envelope_layout(preset, preset.classes, w, (2 - i,) * preset.num_stages, (w,) * preset.num_stages)
+        clients.append((_perturbed(Supernet(preset, layout=layout, seed=i).state_dict(), i), 5 + i))
+    clients.append(({"stem.conv.weight": torch.ones(3, 1, 3, 3)}, 2))  # leaves the nested chain of one tensor
+    model = Supernet(preset, seed=0)
+    _check_inplace_matches(model.state_dict(), clients, dtype)
+    expected = aggregate(global_state, clients, dtype=dtype)
+    aggregate(model.state_dict(), clients, dtype=dtype, inplace=True)  # the federation loop's call
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, expected[name]), name
+
+
+def test_inplace_rejects_a_bad_payload_before_writing_anything():
+    g = {"w": torch.randn(4, 3), "b": torch.randn(4)}
+    before = _clone(g)
+    with pytest.raises(PayloadError):
+        aggregate(g, [({"w": torch.ones(4, 3), "b": torch.ones(4)}, 2), ({"w": torch.zeros(5, 3)}, 1)], inplace=True)
+    assert all(torch.equal(g[k], before[k]) for k in g)
