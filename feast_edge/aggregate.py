@@ -13,8 +13,9 @@ variant activated comes back unchanged and still enters the average. When every
 client routes the full model this is exactly FedAvg.
 
 Accumulation: payloads are folded in one at a time (a payload is validated in
-full first, so a rejected one changes nothing; the global state is never
-written). FEAST's envelopes are nested, so taken largest first every payload's
+full first, so a rejected one changes nothing; the global state is written
+only with ``inplace=True``, and :func:`aggregate` validates every payload
+before writing anything). FEAST's envelopes are nested, so taken largest first every payload's
 box of a tensor lies inside the previous one and all of its positions share one
 running count ``C``; the accumulator then holds the running weighted *mean* and
 folds the payload in with a single ``lerp_`` (``μ ← μ + n/(C+n)·(θ' − μ)``),
