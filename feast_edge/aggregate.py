@@ -160,7 +160,7 @@ class _Slot:
             and self.floating
             and local.dtype == self.values.dtype
             and local.device == self.values.device
-            and (box == self.last or all(map(operator.le, box, self.last)))
+            and _inside(box, self.last)
         )
 
     def note(self, box: tuple[int, ...], n: float) -> None:
@@ -252,7 +252,7 @@ class SparseAccumulator:
         dtype, device = self._dtype, glob.device
         if not (glob.is_floating_point() and x1.dtype == x2.dtype == dtype and x1.device == x2.device == device):
             return False
-        if not all(map(operator.le, b2, b1)):
+        if not _inside(b2, b1):
             return False
         aliased = self._inplace and glob.dtype == dtype
         values = glob.detach() if aliased else torch.empty(glob.shape, dtype=dtype, device=device)
@@ -274,7 +274,7 @@ class SparseAccumulator:
 
     def _fold(self, slot: _Slot, glob: torch.Tensor, local: torch.Tensor, box: tuple[int, ...], n: float) -> None:
         """Any other payload: dtype conversion, integer maximum, or a box that leaves the nested chain."""
-        if slot.mean and not (box == slot.last or all(map(operator.le, box, slot.last))):
+        if slot.mean and not _inside(box, slot.last):
             self._to_sums(slot, glob, box)
         elif not slot.mean:
             self._grow(slot, glob, box)
@@ -379,6 +379,11 @@ class SparseAccumulator:
         for slab in _outside(box, tuple(glob.shape)):
             out[slab] = glob[slab]
         return out
+
+
+def _inside(box: tuple[int, ...], outer: tuple[int, ...]) -> bool:
+    """Whether the leading ``box`` lies inside the leading ``outer`` box."""
+    return box == outer or all(map(operator.le, box, outer))
 
 
 @functools.lru_cache(maxsize=4096)
