@@ -32,8 +32,8 @@ import torch  # noqa: E402
 
 from feast_edge.shards import write_partition  # noqa: E402
 from feast_edge.simulate import SimulationConfig  # noqa: E402
-from feast_mqtt.link import LinkConfig  # noqa: E402
-from server.federation import FederationServer, ServerConfig  # noqa: E402
+from feast_edge.transport.link import LinkConfig  # noqa: E402
+from feast_edge.server.federation import FederationServer, ServerConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGETS = (3e6, 8e6, 17.7e6, 39.2e6)
@@ -41,7 +41,7 @@ BUDGETS = (3e6, 8e6, 17.7e6, 39.2e6)
 
 def _clear_retained(broker: str, federation: str) -> None:
     """Remove the presence messages this run left retained on the broker."""
-    from feast_mqtt.link import Link
+    from feast_edge.transport.link import Link
 
     link = Link(LinkConfig(broker=broker))
     topics: list[str] = []
@@ -80,7 +80,7 @@ def main() -> None:
             log = open(tmp_path / f"{entry['client_id']}.log", "w")
             agents.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "device_agent.cli", "run", "--broker", args.broker, "--device-id", entry["client_id"],
+                    [sys.executable, "-m", "feast_edge.agent.cli", "run", "--broker", args.broker, "--device-id", entry["client_id"],
                      "--data", str(tmp_path / "partition" / entry["file"]), "--federation", federation, "--threads", str(args.threads), "--log-level", "warning"],
                     cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 )

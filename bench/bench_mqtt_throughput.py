@@ -1,4 +1,4 @@
-"""Payload throughput through an MQTT broker: feast_mqtt's chunked transfer vs one raw paho publish of the same bytes.
+"""Payload throughput through an MQTT broker: feast_edge.transport's chunked transfer vs one raw paho publish of the same bytes.
 
 Both methods publish with QoS 1 from this process to a receiver in a child
 process, through the broker. The clock runs from the call that starts the
@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from feast_mqtt.chunks import DEFAULT_CHUNK_SIZE, MiB, Progress, Status  # noqa: E402
-from feast_mqtt.link import Link, LinkConfig, Received  # noqa: E402
-from feast_mqtt.topics import Topics  # noqa: E402
-from feast_mqtt.transfer import ChunkReceiver, ChunkSender  # noqa: E402
+from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE, MiB, Progress, Status  # noqa: E402
+from feast_edge.transport.link import Link, LinkConfig, Received  # noqa: E402
+from feast_edge.transport.topics import Topics  # noqa: E402
+from feast_edge.transport.transfer import ChunkReceiver, ChunkSender  # noqa: E402
 
 DEVICE = "bench"
 

@@ -2,5 +2,5 @@
 
 ``profiling`` measures a device and derives its MAC budget; the CLI
 (``feast-agent profile | run | fetch-model``) calls it and the shared
-feast_edge / feast_mqtt functions. The method itself lives in feast_edge.
+feast_edge / feast_edge.transport functions. The method itself lives in feast_edge.
 """

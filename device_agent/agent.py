@@ -35,13 +35,13 @@ from feast_edge.payload import Manifest, decode, encode
 from feast_edge.preset import load_preset
 from feast_edge.route import Envelope
 from feast_edge.train import TrainConfig
-from feast_mqtt.chunks import DEFAULT_CHUNK_SIZE, Reassembler, Status, TransferInfo, describe
-from feast_mqtt.errors import LinkError, ProtocolError, TopicError
-from feast_mqtt.link import Link, LinkConfig, Received
-from feast_mqtt.messages import Message, MessageFilter, Metrics, ModelReady, Presence, Register, Registered, RoundStart, Update, new_msg_id, parse
-from feast_mqtt.topics import Topics
-from feast_mqtt.transfer import ChunkReceiver, ChunkSender
-from device_agent.data import LocalClient
+from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE, Reassembler, Status, TransferInfo, describe
+from feast_edge.transport.errors import LinkError, ProtocolError, TopicError
+from feast_edge.transport.link import Link, LinkConfig, Received
+from feast_edge.transport.messages import Message, MessageFilter, Metrics, ModelReady, Presence, Register, Registered, RoundStart, Update, new_msg_id, parse
+from feast_edge.transport.topics import Topics
+from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
+from feast_edge.agent.data import LocalClient
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +410,8 @@ class Agent:
 
     # ------------------------------------------------------------------ models
     def _receive_model(self, message: ModelReady) -> None:
-        from device_agent.models import measure_latency, save_model
+        from feast_edge.agent.models import save_model
+        from feast_edge.onnx_export import measure_latency
 
         device_id = message.device
         info = TransferInfo.from_dict(message.transfer)
@@ -431,23 +432,3 @@ class Agent:
         log.info("saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms", device_id, path, message.manifest.get("macs"), latency["median_ms"])
         values = {"onnx_latency_ms": latency["median_ms"], "model_sha256": message.manifest.get("sha256"), "model_macs": message.manifest.get("macs")}
         self.link.publish(self.topics.events, Metrics(federation=self.config.federation, round=self.current_round, device=device_id, values=values).encode())
-
-
-def profile_summary(profile: Any) -> dict[str, Any]:
-    """The part of a DeviceProfile sent with a registration (no raw measurements)."""
-    data = profile.to_dict()
-    data.pop("measurements", None)
-    data.pop("format", None)
-    data.pop("version", None)
-    return data
-
-
-def torch_device(requested: str) -> str:
-    """Validate ``--device``; a clear error when CUDA is asked for but absent."""
-    if requested == "cpu":
-        return "cpu"
-    if requested.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise AgentError(f"--device {requested}: no CUDA device is available to PyTorch here; use --device cpu")
-        return requested
-    raise AgentError(f"--device {requested!r} is not cpu or cuda[:N]")

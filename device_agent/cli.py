@@ -8,53 +8,36 @@ cleanly (offline presence, DISCONNECT).
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 
-from feast_edge.errors import FeastError
-from feast_mqtt.chunks import DEFAULT_CHUNK_SIZE
-from feast_mqtt.link import LinkConfig
-
-app = typer.Typer(
-    name="feast-agent",
-    help="FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
+from feast_edge.cli.common import (
+    ChunkOpt,
+    DeviceOpt,
+    FederationOpt,
+    LogFileOpt,
+    LogLevelOpt,
+    ThreadsOpt,
+    make_app,
+    make_console,
+    mqtt_options,
+    parse_macs,
+    run_cli,
+    setup_logging,
+    torch_threads,
 )
-# Outside a terminal (logs, pipes) rich would wrap tables at 80 columns.
-console = Console() if sys.stdout.isatty() else Console(width=200)
+from feast_edge.errors import FeastError
+from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE
+from feast_edge.transport.link import LinkConfig
 
-BrokerOpt = Annotated[str, typer.Option("--broker", "-b", help="MQTT broker URL: mqtt://host:port or mqtts://host:port (TLS).")]
+app = make_app("feast-agent", "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model.")
+console = make_console()
+
 DeviceIdOpt = Annotated[str, typer.Option("--device-id", "-d", help="This device's id (1-64 of A-Z a-z 0-9 . _ -).")]
-FederationOpt = Annotated[str, typer.Option("--federation", help="Federation id; the server's --federation.")]
-UserOpt = Annotated[Optional[str], typer.Option("--username", help="MQTT user name.")]
-PasswordOpt = Annotated[Optional[str], typer.Option("--password", help="MQTT password.", envvar="FEAST_MQTT_PASSWORD")]
-CaOpt = Annotated[Optional[str], typer.Option("--ca-file", help="TLS: CA bundle that signed the broker's certificate.")]
-CertOpt = Annotated[Optional[str], typer.Option("--cert-file", help="TLS: client certificate (mutual TLS).")]
-KeyOpt = Annotated[Optional[str], typer.Option("--key-file", help="TLS: client key.")]
-InsecureOpt = Annotated[bool, typer.Option("--tls-insecure", help="TLS without verifying the broker's certificate (tests only).")]
-ChunkOpt = Annotated[int, typer.Option("--chunk-size", min=1024, max=16 * 1024 * 1024, help="Largest chunk accepted and chunk size sent, in bytes (as the server's).")]
-LogOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
-
-
-def setup_logging(level: str) -> None:
-    numeric = getattr(logging, level.upper(), None)
-    if not isinstance(numeric, int):
-        raise FeastError(f"--log-level {level!r} is not one of debug, info, warning, error")
-    logging.basicConfig(level=numeric, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", stream=sys.stderr, force=True)
-    for noisy in ("feast_mqtt.link.paho", "onnx_ir", "onnxscript", "torch.onnx"):
-        logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
-
-
-def _link_config(broker: str, username: Optional[str], password: Optional[str], ca_file: Optional[str], cert_file: Optional[str], key_file: Optional[str], tls_insecure: bool) -> LinkConfig:
-    return LinkConfig(broker=broker, username=username, password=password, ca_file=ca_file, cert_file=cert_file, key_file=key_file, tls_insecure=tls_insecure)
 
 
 class _Terminated(Exception):
@@ -62,13 +45,14 @@ class _Terminated(Exception):
 
 
 @app.command()
+@mqtt_options()
 def run(
-    broker: BrokerOpt,
+    link: LinkConfig,
     device_id: DeviceIdOpt,
     data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition).")],
     profile: Annotated[Optional[str], typer.Option("--profile", help="Device profile: a name from profiles/ or a .json file (gives budget, preset, device).")] = None,
     budget: Annotated[Optional[str], typer.Option("--budget", help="MAC budget, e.g. 12M (instead of --profile; shard files carry their own).")] = None,
-    device: Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: the profile's, else cpu).")] = None,
+    device: DeviceOpt = "auto",
     clients: Annotated[Optional[int], typer.Option("--clients", "-k", min=1, help="Host K virtual clients in this process (ids ID-0..ID-(K-1), or a partition's).")] = None,
     shard: Annotated[Optional[str], typer.Option("--shard", help="With a Fashion-MNIST directory: use deterministic shard i/N of its training split.")] = None,
     offset: Annotated[int, typer.Option("--offset", min=0, help="With a partition directory: first client to host.")] = 0,
@@ -76,50 +60,43 @@ def run(
     federation: FederationOpt = "feast",
     model_dir: Annotated[Optional[Path], typer.Option("--model-dir", help="Save the ONNX model the server pushes after the last round here.")] = None,
     register_timeout: Annotated[float, typer.Option("--register-timeout", min=0.1, help="Seconds to wait for the server to accept the registration.")] = 60.0,
-    threads: Annotated[int, typer.Option(min=0, help="PyTorch intra-op threads (0: PyTorch's default).")] = 0,
+    threads: ThreadsOpt = 0,
     chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
-    username: UserOpt = None,
-    password: PasswordOpt = None,
-    ca_file: CaOpt = None,
-    cert_file: CertOpt = None,
-    key_file: KeyOpt = None,
-    tls_insecure: InsecureOpt = False,
-    log_level: LogOpt = "info",
+    log_level: LogLevelOpt = "info",
+    log_file: LogFileOpt = None,
 ) -> None:
     """Register with the server and train every round it routes to this device, until SIGINT/SIGTERM."""
-    from feast_edge.cli import parse_macs
-    from device_agent.agent import Agent, AgentConfig, profile_summary, torch_device
-    from device_agent.data import load_clients
+    from feast_edge.agent.agent import Agent, AgentConfig
+    from feast_edge.agent.data import load_clients
+    from feast_edge.profile import load_profile, profile_summary
+    from feast_edge.runtime import describe_device, resolve_device
 
-    setup_logging(log_level)
+    setup_logging(log_level, log_file)
     if profile is not None and budget is not None:
         raise FeastError("give either --profile or --budget, not both (a profile carries its budget)")
     loaded = None
     if profile is not None:
-        from device_agent.profiling import load_profile
-
         loaded = load_profile(profile)
     hosted = load_clients(data, device_id, clients, shard, offset)
     shard_presets = {c.preset for c in hosted if c.preset is not None}
     chosen = preset or (loaded.preset if loaded is not None else None) or (next(iter(shard_presets)) if len(shard_presets) == 1 else None) or "fmnist-small"
     if loaded is not None and loaded.preset != chosen:
         raise FeastError(f"profile {loaded.name} was derived for preset {loaded.preset}, not {chosen}; re-profile with 'feast-agent profile --preset {chosen}'")
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    torch_threads(threads)
+    torch_device = resolve_device(device)
     config = AgentConfig(
         host=device_id,
         federation=federation,
         preset=chosen,
-        device=torch_device(device or (loaded.device if loaded is not None else "cpu")),
+        device=torch_device,
         budget_macs=parse_macs(budget) if budget is not None else (loaded.budget_macs if loaded is not None else None),
         profile=profile_summary(loaded) if loaded is not None else {},
         chunk_size=chunk_size,
         register_timeout=register_timeout,
         model_dir=None if model_dir is None else str(model_dir),
     )
-    agent = Agent(config, _link_config(broker, username, password, ca_file, cert_file, key_file, tls_insecure), hosted)
+    agent = Agent(config, link, hosted)
+    console.print(describe_device(torch_device, device), soft_wrap=True, highlight=False)
 
     def terminate(signum: int, frame: Any) -> None:
         # Loops notice the flag within 0.2 s; a local epoch can take minutes, so training is interrupted at once.
@@ -149,27 +126,23 @@ def run(
 
 
 @app.command("fetch-model")
+@mqtt_options()
 def fetch_model_command(
-    broker: BrokerOpt,
+    link: LinkConfig,
     device_id: DeviceIdOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="ONNX file to write (its manifest goes beside it as .json).")],
     federation: FederationOpt = "feast",
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the server's answer.")] = 30.0,
     repeats: Annotated[int, typer.Option(min=1, help="Timed onnxruntime runs.")] = 50,
     chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
-    username: UserOpt = None,
-    password: PasswordOpt = None,
-    ca_file: CaOpt = None,
-    cert_file: CertOpt = None,
-    key_file: KeyOpt = None,
-    tls_insecure: InsecureOpt = False,
-    log_level: LogOpt = "warning",
+    log_level: LogLevelOpt = "warning",
+    log_file: LogFileOpt = None,
 ) -> None:
     """Download this device's ONNX model from the server, verify its SHA-256, load it in onnxruntime, print its latency."""
-    from device_agent.models import fetch_model
+    from feast_edge.agent.models import fetch_model
 
-    setup_logging(log_level)
-    got = fetch_model(_link_config(broker, username, password, ca_file, cert_file, key_file, tls_insecure), federation, device_id, out, timeout=timeout, chunk_size=chunk_size, repeats=repeats)
+    setup_logging(log_level, log_file)
+    got = fetch_model(link, federation, device_id, out, timeout=timeout, chunk_size=chunk_size, repeats=repeats)
     m = got.manifest
     console.print(
         f"saved {got.path} ({m['size']:,} bytes, sha256 {m['sha256'][:16]}… verified)\n"
@@ -184,7 +157,7 @@ def fetch_model_command(
 def profile(
     out: Annotated[Path, typer.Option("--out", "-o", help="Profile file to write (.json).")],
     preset: Annotated[str, typer.Option("--preset", "-p", help="Preset whose cached variants are timed.")] = "fmnist-small",
-    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    device: DeviceOpt = "auto",
     latency_target_ms: Annotated[Optional[float], typer.Option("--latency-target-ms", min=0.001, help="Batch-1 inference latency the served variant must meet.")] = None,
     memory_fraction: Annotated[float, typer.Option("--memory-fraction", min=0.01, max=1.0, help="Share of RAM (or GPU memory) training may use.")] = 0.5,
     variants: Annotated[int, typer.Option(min=2, help="Cached variants to time.")] = 6,
@@ -194,8 +167,9 @@ def profile(
     """Measure this device: time cached variants, fit latency = a + b*MACs, derive the MAC budget; write a profile."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from feast_edge.agent import profiling
     from feast_edge.atomic import check_writable
-    from device_agent import profiling
+    from feast_edge.profile import save_profile
 
     check_writable(out, "device profile")
     kwargs: dict[str, Any] = {"device": device, "memory_fraction": memory_fraction, "variants": variants, "repeats": repeats, "name": name}
@@ -204,15 +178,13 @@ def profile(
     with Progress(TextColumn("[bold]timing variants"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("variants", total=variants)
         result = profiling.profile_device(preset, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs)
-    profiling.save_profile(result, out)
+    save_profile(result, out)
     console.print(profiling.profile_table(result))
     console.print(f"wrote {out}; use it with: feast-agent run --profile {out} ...", soft_wrap=True)
 
 
 def main() -> None:
-    """Console-script entry: user errors become one ``error:`` line and exit status 2."""
-    from feast_edge.cli import run_cli
-
+    """Console-script entry of ``feast-agent``."""
     run_cli(app)
 
 

@@ -7,22 +7,20 @@ import json
 import logging
 import os
 import queue
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from feast_edge.atomic import atomic_write_bytes, check_writable
 from feast_edge.errors import FeastError
-from feast_mqtt.chunks import DEFAULT_CHUNK_SIZE, Reassembler, Status, TransferInfo
-from feast_mqtt.errors import ProtocolError, TopicError
-from feast_mqtt.link import Link, LinkConfig, Received
-from feast_mqtt.messages import ModelReady, ModelRequest, parse
-from feast_mqtt.topics import Topics
-from feast_mqtt.transfer import ChunkReceiver
+from feast_edge.onnx_export import measure_latency
+from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE, Reassembler, Status, TransferInfo
+from feast_edge.transport.errors import ProtocolError, TopicError
+from feast_edge.transport.link import Link, LinkConfig, Received
+from feast_edge.transport.messages import ModelReady, ModelRequest, parse
+from feast_edge.transport.topics import Topics
+from feast_edge.transport.transfer import ChunkReceiver
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +38,6 @@ def save_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[st
     atomic_write_bytes(path, blob)
     atomic_write_bytes(path.with_suffix(".json"), (json.dumps(manifest, indent=1) + "\n").encode())
     return path
-
-
-def measure_latency(path: str | os.PathLike[str], repeats: int = 50, warmup: int = 5, threads: int | None = 1) -> dict[str, float]:
-    """Batch-1 latency of an exported file in onnxruntime on random pixels: median and 90th percentile in ms."""
-    from feast_edge.onnx_export import INPUT_NAME, OUTPUT_NAME, onnx_session, read_metadata
-
-    try:
-        meta = read_metadata(path)
-        shape = json.loads(meta["input_shape"])
-        session = onnx_session(path, threads=threads)
-    except Exception as exc:  # onnx/onnxruntime raise many types for a bad file
-        raise ModelError(f"{path} cannot be loaded in onnxruntime ({exc}); fetch the model again") from None
-    x = np.random.default_rng(0).random((1, *shape), dtype=np.float32)
-    for _ in range(warmup):
-        session.run([OUTPUT_NAME], {INPUT_NAME: x})
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        session.run([OUTPUT_NAME], {INPUT_NAME: x})
-        times.append((time.perf_counter() - start) * 1000.0)
-    times.sort()
-    return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))], "repeats": float(repeats)}
 
 
 @dataclass(frozen=True)

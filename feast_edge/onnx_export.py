@@ -12,6 +12,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import statistics
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 from feast_edge.arch import Arch
 from feast_edge.atomic import atomic_write_bytes, check_writable
 from feast_edge.cost import count_macs, count_params
+from feast_edge.errors import FeastError
 from feast_edge.preset import Preset
 from feast_edge.static import Normalized, StaticResNet
 
@@ -143,3 +146,27 @@ def max_abs_diff(path: str | os.PathLike[str], model: StaticResNet, preset: Pres
     with torch.no_grad():
         want = Normalized(model, preset.mean, preset.std).eval()(pixels).numpy()
     return float(np.abs(got - want).max())
+
+
+class OnnxModelError(FeastError):
+    """An exported file cannot be loaded or run in onnxruntime."""
+
+
+def measure_latency(path: str | os.PathLike[str], repeats: int = 50, warmup: int = 5, threads: int | None = 1) -> dict[str, float]:
+    """Batch-1 latency of an exported file in onnxruntime on random pixels: median and 90th percentile in ms."""
+    try:
+        meta = read_metadata(path)
+        shape = json.loads(meta["input_shape"])
+        session = onnx_session(path, threads=threads)
+    except Exception as exc:  # onnx/onnxruntime raise many types for a bad file
+        raise OnnxModelError(f"{path} cannot be loaded in onnxruntime ({exc}); fetch the model again") from None
+    x = np.random.default_rng(0).random((1, *shape), dtype=np.float32)
+    for _ in range(warmup):
+        session.run([OUTPUT_NAME], {INPUT_NAME: x})
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run([OUTPUT_NAME], {INPUT_NAME: x})
+        times.append((time.perf_counter() - start) * 1000.0)
+    times.sort()
+    return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))], "repeats": float(repeats)}

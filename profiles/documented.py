@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from device_agent.profiling import DeviceProfile, derive_budget, save_profile
+from feast_edge.profile import DeviceProfile, derive_budget, save_profile
 from feast_edge.cache import load_cache
 from feast_edge.preset import load_preset
 

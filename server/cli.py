@@ -6,59 +6,39 @@ checkpoint) print one ``error:`` line to stderr and exit with status 2.
 
 from __future__ import annotations
 
-import logging
 import signal
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from feast_edge.errors import FeastError
-from feast_mqtt.chunks import DEFAULT_CHUNK_SIZE
-from feast_mqtt.link import LinkConfig
-
-app = typer.Typer(
-    name="feast-server",
-    help="FEAST federation server: registry, rounds over MQTT, checkpoints, per-device ONNX export.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
+from feast_edge.cli.common import (
+    ChunkOpt,
+    FederationOpt,
+    LogFileOpt,
+    LogLevelOpt,
+    ThreadsOpt,
+    make_app,
+    make_console,
+    mqtt_options,
+    run_cli,
+    setup_logging,
+    torch_threads,
 )
-# Outside a terminal (logs, pipes) rich would wrap tables at 80 columns.
-console = Console() if sys.stdout.isatty() else Console(width=200)
-err_console = Console(stderr=True)
+from feast_edge.errors import FeastError
+from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE
+from feast_edge.transport.link import LinkConfig
 
-BrokerOpt = Annotated[str, typer.Option("--broker", "-b", help="MQTT broker URL: mqtt://host:port or mqtts://host:port (TLS).")]
+app = make_app("feast-server", "FEAST federation server: registry, rounds over MQTT, checkpoints, per-device ONNX export.")
+console = make_console()
+err_console = make_console(stderr=True)
+
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints, device registry, exported models.")]
-FederationOpt = Annotated[str, typer.Option("--federation", help="Federation id (topic prefix feast/<id>/); agents must use the same.")]
-UserOpt = Annotated[Optional[str], typer.Option("--username", help="MQTT user name.")]
-PasswordOpt = Annotated[Optional[str], typer.Option("--password", help="MQTT password.", envvar="FEAST_MQTT_PASSWORD")]
-CaOpt = Annotated[Optional[str], typer.Option("--ca-file", help="TLS: CA bundle that signed the broker's certificate.")]
-CertOpt = Annotated[Optional[str], typer.Option("--cert-file", help="TLS: client certificate (mutual TLS).")]
-KeyOpt = Annotated[Optional[str], typer.Option("--key-file", help="TLS: client key.")]
-InsecureOpt = Annotated[bool, typer.Option("--tls-insecure", help="TLS without verifying the broker's certificate (tests only).")]
-ChunkOpt = Annotated[int, typer.Option("--chunk-size", min=1024, max=16 * 1024 * 1024, help="Chunk size in bytes for model payloads (agents must accept it).")]
-LogOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
 DataOpt = Annotated[
     Optional[Path],
     typer.Option("--data", help="Server-held validation/calibration data: a partition directory (feast-edge partition) or a Fashion-MNIST directory (its test split)."),
 ]
-
-
-def setup_logging(level: str) -> None:
-    numeric = getattr(logging, level.upper(), None)
-    if not isinstance(numeric, int):
-        raise FeastError(f"--log-level {level!r} is not one of debug, info, warning, error")
-    logging.basicConfig(level=numeric, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", stream=sys.stderr, force=True)
-    for noisy in ("feast_mqtt.link.paho", "onnx_ir", "onnxscript", "torch.onnx"):
-        logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
-
-
-def link_config(broker: str, username: Optional[str], password: Optional[str], ca_file: Optional[str], cert_file: Optional[str], key_file: Optional[str], tls_insecure: bool) -> LinkConfig:
-    return LinkConfig(broker=broker, username=username, password=password, ca_file=ca_file, cert_file=cert_file, key_file=key_file, tls_insecure=tls_insecure)
 
 
 def _install_signal_handlers() -> None:
@@ -104,8 +84,9 @@ def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
 
 
 @app.command()
+@mqtt_options()
 def run(
-    broker: BrokerOpt,
+    link: LinkConfig,
     out: OutOpt,
     preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name or .toml file.")] = "fmnist-small",
     rounds: Annotated[int, typer.Option(min=1, help="Federation rounds R (also the cosine-decay horizon).")] = 10,
@@ -127,20 +108,15 @@ def run(
     export: Annotated[bool, typer.Option("--export/--no-export", help="After the last round, export and announce every device's ONNX model.")] = True,
     serve: Annotated[bool, typer.Option("--serve", help="Afterwards keep answering model requests (feast-agent fetch-model) until Ctrl-C.")] = False,
     chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
-    username: UserOpt = None,
-    password: PasswordOpt = None,
-    ca_file: CaOpt = None,
-    cert_file: CertOpt = None,
-    key_file: KeyOpt = None,
-    tls_insecure: InsecureOpt = False,
-    threads: Annotated[int, typer.Option(min=0, help="PyTorch threads for validation/export (0: PyTorch's default).")] = 0,
-    log_level: LogOpt = "info",
+    threads: ThreadsOpt = 0,
+    log_level: LogLevelOpt = "info",
+    log_file: LogFileOpt = None,
 ) -> None:
     """Run (or resume) a federation: wait for devices, train --rounds rounds, export ONNX per device."""
-    from server.federation import FederationServer, ServerConfig
+    from feast_edge.server.federation import FederationServer, ServerConfig
 
-    setup_logging(log_level)
-    _threads(threads)
+    setup_logging(log_level, log_file)
+    torch_threads(threads)
     config = ServerConfig(
         out=str(out), preset=preset, rounds=rounds, per_round=per_round, min_clients=min_clients, start_clients=start_clients,
         round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, method=method, eval_every=eval_every,
@@ -148,7 +124,7 @@ def run(
         cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
     )
     server = FederationServer(
-        config, link_config(broker, username, password, ca_file, cert_file, key_file, tls_insecure),
+        config, link,
         on_round=print_round, on_status=lambda text: console.print(text, soft_wrap=True, highlight=False),
     )
     _install_signal_handlers()
@@ -177,27 +153,23 @@ def run(
 
 
 @app.command("export")
+@mqtt_options(broker_help="Also push each model to its device if it is online (mqtt://host:port).", required=False)
 def export_command(
+    link: Optional[LinkConfig],
     out: OutOpt,
     data: Annotated[Optional[Path], typer.Option("--data", help="Server-held calibration/validation data (default: the run's --data).")] = None,
-    broker: Annotated[Optional[str], typer.Option("--broker", "-b", help="Also push each model to its device if it is online.")] = None,
     federation: Annotated[Optional[str], typer.Option("--federation", help="Federation id (default: the run's).")] = None,
     val_samples: Annotated[int, typer.Option("--val-samples", min=1)] = 5000,
     calib_samples: Annotated[int, typer.Option("--calib-samples", min=1)] = 500,
     chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
-    username: UserOpt = None,
-    password: PasswordOpt = None,
-    ca_file: CaOpt = None,
-    cert_file: CertOpt = None,
-    key_file: KeyOpt = None,
-    tls_insecure: InsecureOpt = False,
-    log_level: LogOpt = "info",
+    log_level: LogLevelOpt = "info",
+    log_file: LogFileOpt = None,
 ) -> None:
     """Export every registered device's largest affordable variant (BN-recalibrated) as ONNX + manifest."""
     from feast_edge.checkpoint import read_record
-    from server.federation import CHECKPOINT, FederationServer, ServerConfig, ServerError
+    from feast_edge.server.federation import CHECKPOINT, FederationServer, ServerConfig, ServerError
 
-    setup_logging(log_level)
+    setup_logging(log_level, log_file)
     path = out / CHECKPOINT
     if not path.is_file():
         raise ServerError(f"no federation checkpoint at {path}; point --out at a directory written by feast-server run")
@@ -211,11 +183,11 @@ def export_command(
         cache=stored.get("cache"), federation=federation or str(stored.get("federation", "feast")), chunk_size=chunk_size,
         rounds=int(stored.get("rounds", 1)), per_round=int(stored.get("per_round", 1)), min_clients=int(stored.get("min_clients", 1)),
     )
-    server = FederationServer(config, link_config(broker or "mqtt://127.0.0.1:1883", username, password, ca_file, cert_file, key_file, tls_insecure), on_status=lambda t: console.print(t, soft_wrap=True))
+    server = FederationServer(config, link or LinkConfig(), on_status=lambda t: console.print(t, soft_wrap=True))
     try:
         manifests = server.export()
         console.print(models_table(manifests, f"models for {len(manifests)} devices in {out / 'models'}"))
-        if broker is not None:
+        if link is not None:
             server.start()
             server.pump(1.0)  # retained presences tell who is online
             served = server.announce_models(manifests)
@@ -226,26 +198,22 @@ def export_command(
 
 
 @app.command("serve")
+@mqtt_options()
 def serve_command(
-    broker: BrokerOpt,
+    link: LinkConfig,
     out: OutOpt,
     preset: Annotated[str, typer.Option("--preset", "-p", help="Preset of the federation.")] = "fmnist-small",
     federation: FederationOpt = "feast",
     chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
-    username: UserOpt = None,
-    password: PasswordOpt = None,
-    ca_file: CaOpt = None,
-    cert_file: CertOpt = None,
-    key_file: KeyOpt = None,
-    tls_insecure: InsecureOpt = False,
-    log_level: LogOpt = "info",
+    log_level: LogLevelOpt = "info",
+    log_file: LogFileOpt = None,
 ) -> None:
     """Answer 'feast-agent fetch-model' requests with the models exported in --out, until Ctrl-C."""
-    from server.federation import FederationServer, ServerConfig
+    from feast_edge.server.federation import FederationServer, ServerConfig
 
-    setup_logging(log_level)
+    setup_logging(log_level, log_file)
     config = ServerConfig(out=str(out), preset=preset, federation=federation, chunk_size=chunk_size, rounds=1, per_round=1, min_clients=1)
-    server = FederationServer(config, link_config(broker, username, password, ca_file, cert_file, key_file, tls_insecure))
+    server = FederationServer(config, link)
     _install_signal_handlers()
     try:
         server.start()
@@ -260,8 +228,8 @@ def serve_command(
 @app.command()
 def devices(out: OutOpt) -> None:
     """List the device registry of a run directory."""
-    from server.federation import REGISTRY
-    from server.registry import Registry
+    from feast_edge.server.federation import REGISTRY
+    from feast_edge.server.registry import Registry
 
     path = out / REGISTRY
     if not path.is_file():
@@ -276,17 +244,8 @@ def devices(out: OutOpt) -> None:
     console.print(table)
 
 
-def _threads(threads: int) -> None:
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-
-
 def main() -> None:
-    """Console-script entry: user errors become one ``error:`` line and exit status 2."""
-    from feast_edge.cli import run_cli
-
+    """Console-script entry of ``feast-server``."""
     run_cli(app)
 
 

@@ -157,7 +157,7 @@ def _shown(path: Path) -> str:
 
 
 def _test_accuracy(path: Path, images: Any, labels: Any) -> float:
-    from feast_edge.onnx_export import INPUT_NAME, OUTPUT_NAME, onnx_session
+    from feast_edge.onnx_export import INPUT_NAME, OUTPUT_NAME, measure_latency, onnx_session
 
     session = onnx_session(path, threads=1)
     correct = 0
@@ -182,8 +182,7 @@ def run_demo(
     test_samples: int = 2000,
 ) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one summary row per device."""
-    from device_agent.models import measure_latency
-    from device_agent.profiling import load_profile
+    from feast_edge.profile import load_profile
     from feast_edge.data import load_fashion_mnist
     from feast_edge.shards import write_partition
     from feast_edge.simulate import SimulationConfig
@@ -230,7 +229,7 @@ def run_demo(
         federation = f"demo-{uuid.uuid4().hex[:8]}"
         python = sys.executable
         server_cmd = [
-            python, "-m", "server.cli", "run", "--broker", broker_url, "--out", str(out / "server"), "--preset", preset,
+            python, "-m", "feast_edge.server.cli", "run", "--broker", broker_url, "--out", str(out / "server"), "--preset", preset,
             "--rounds", str(rounds), "--per-round", str(n), "--min-clients", str(max(1, n // 2)), "--start-clients", str(n),
             "--round-timeout", "180", "--seed", str(seed), "--data", str(out / "partition"), "--federation", federation,
             "--eval-every", "1", "--wait-timeout", "180", "--threads", "1",
@@ -239,7 +238,7 @@ def run_demo(
         received = out / "device-models"
         for profile, entry in zip(loaded, index["clients"]):
             agent_cmd = [
-                python, "-m", "device_agent.cli", "run", "--broker", broker_url, "--device-id", profile.name,
+                python, "-m", "feast_edge.agent.cli", "run", "--broker", broker_url, "--device-id", profile.name,
                 "--data", str(out / "partition" / entry["file"]), "--profile", profiles[names.index(profile.name)], "--device", "cpu",
                 "--federation", federation, "--threads", "1", "--model-dir", str(received), "--register-timeout", "180",
             ]

@@ -24,8 +24,8 @@ from feast_edge.errors import FeastError
 from feast_edge.evaluate import accuracy, calibrated_variant
 from feast_edge.onnx_export import export_onnx
 from feast_edge.supernet import Supernet
-from server.data import ServerData
-from server.registry import Device
+from feast_edge.server.data import ServerData
+from feast_edge.server.registry import Device
 
 log = logging.getLogger(__name__)
 

@@ -41,10 +41,10 @@ from feast_edge.preset import load_preset
 from feast_edge.route import route_state
 from feast_edge.supernet import Supernet
 from feast_edge.train import TrainConfig, cosine_lr
-from feast_mqtt.chunks import DEFAULT_CHUNK_SIZE, Progress, Reassembler, Status, TransferInfo, describe
-from feast_mqtt.errors import LinkError, ProtocolError, TopicError
-from feast_mqtt.link import Link, LinkConfig, Received
-from feast_mqtt.messages import (
+from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE, Progress, Reassembler, Status, TransferInfo, describe
+from feast_edge.transport.errors import LinkError, ProtocolError, TopicError
+from feast_edge.transport.link import Link, LinkConfig, Received
+from feast_edge.transport.messages import (
     Message,
     MessageFilter,
     Metrics,
@@ -57,11 +57,11 @@ from feast_mqtt.messages import (
     Update,
     parse,
 )
-from feast_mqtt.topics import Topics
-from feast_mqtt.transfer import ChunkReceiver, ChunkSender
-from server.data import ServerData, load_server_data
-from server.export import export_device_models, read_device_model
-from server.registry import Registry
+from feast_edge.transport.topics import Topics
+from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
+from feast_edge.server.data import ServerData, load_server_data
+from feast_edge.server.export import export_device_models, read_device_model
+from feast_edge.server.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -1,26 +1,31 @@
-"""Shared fixtures: presets, reference data and the real Fashion-MNIST files."""
+"""Fixtures shared by every layer: presets, reference data and the real Fashion-MNIST files."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import strategies as st
 
-from feast_edge.arch import Arch
 from feast_edge.data import FASHION_MNIST_DIR
-from feast_edge.preset import Preset, available_presets, load_preset, load_preset_file
+from feast_edge.preset import Preset, load_preset_file
+from strategies import TINY_PRESET
 
 # Test models are small: one intra-op thread is as fast and avoids oversubscription
 # when the suite shares the machine with other work.
 torch.set_num_threads(1)
 
-TESTS = Path(__file__).parent
-REPO = TESTS.parent
+REPO = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = REPO.parent / "shared" / "reference"
-TINY_PRESET = TESTS / "presets" / "test-tiny.toml"
-BUILTIN_PRESETS = sorted(available_presets())
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    """The repository root (where pyproject.toml is)."""
+    return REPO
 
 
 @pytest.fixture(scope="session")
@@ -45,17 +50,45 @@ def fashion_mnist_dir() -> Path:
     return FASHION_MNIST_DIR
 
 
-def archs(preset: Preset) -> st.SearchStrategy[Arch]:
-    """Hypothesis strategy over every valid architecture of ``preset``."""
-    n = preset.num_stages
-    top_w = len(preset.width_multipliers) - 1
-    return st.builds(
-        Arch,
-        d=st.tuples(*[st.integers(0, preset.max_extra_blocks)] * n),
-        e=st.tuples(*[st.sampled_from(preset.expansion_ratios)] * n),
-        w=st.tuples(*[st.integers(0, top_w)] * (n + 1)),
-    )
+class Cli:
+    """A console script run as a user runs it (a subprocess), and the contract of its user errors."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def run(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", self.module, *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLUMNS": "160", **(env or {})},
+            timeout=timeout,
+            cwd=cwd,
+        )
+
+    @staticmethod
+    def assert_user_error(result: subprocess.CompletedProcess[str], fragment: str) -> None:
+        """Non-zero exit, no traceback, exactly one ``error:`` line on stderr that contains ``fragment``."""
+        assert result.returncode != 0
+        assert "Traceback" not in result.stderr + result.stdout
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        assert fragment in lines[0], lines[0]
 
 
-def all_presets() -> list[Preset]:
-    return [load_preset(name) for name in BUILTIN_PRESETS] + [load_preset_file(TINY_PRESET)]
+@pytest.fixture(scope="session")
+def cli() -> Cli:
+    """``feast-edge``, as a subprocess."""
+    return Cli("feast_edge.cli")
+
+
+@pytest.fixture(scope="session")
+def server_cli() -> Cli:
+    """``feast-server``, as a subprocess."""
+    return Cli("feast_edge.server.cli")
+
+
+@pytest.fixture(scope="session")
+def agent_cli() -> Cli:
+    """``feast-agent``, as a subprocess."""
+    return Cli("feast_edge.agent.cli")

@@ -1,0 +1,481 @@
+"""Chunked transfer of large binary payloads: frames, reassembly, resends (docs/protocol.md §Chunks).
+
+A payload is cut into ``count`` chunks of ``chunk`` bytes (the last one
+shorter). Each chunk travels as one binary frame::
+
+    [4-byte big-endian header length][compact JSON header][chunk bytes]
+
+The header names the federation, round, device and transfer, the chunk's
+index, the chunk count, the payload size, the nominal chunk size and the
+SHA-256 of the *whole* payload. The ``Reassembler`` (receiver) accepts chunks
+in any order and any number of times, keeps memory bounded, verifies the hash
+on completion and lists missing indices for a nack; the ``Outbox`` (sender)
+keeps each payload until it is acknowledged or expires, so that nacked chunks
+can be sent again. Nothing here touches MQTT.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import re
+import struct
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from feast_edge.transport.errors import ChunkError, TopicError
+from feast_edge.transport.topics import validate_id
+
+MiB = 1024 * 1024
+DEFAULT_CHUNK_SIZE = MiB
+MAX_CHUNK_SIZE = 16 * MiB  # hard ceiling for a configured chunk size
+MAX_HEADER_BYTES = 4096
+_LENGTH = struct.Struct(">I")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_INFO_FIELDS = ("federation", "round", "device", "transfer", "count", "size", "chunk", "sha256")
+
+Clock = Callable[[], float]
+
+
+def new_transfer_id() -> str:
+    """A fresh random transfer id (32 hex characters)."""
+    return uuid.uuid4().hex
+
+
+def chunk_count(size: int, chunk: int) -> int:
+    """Number of chunks of a ``size``-byte payload; an empty payload still travels as one empty chunk."""
+    return max(1, -(-size // chunk))
+
+
+def validate_chunk_size(chunk_size: int, limit: int = MAX_CHUNK_SIZE) -> int:
+    """Return ``chunk_size`` if it is an integer in [1, limit], else raise ValueError."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= limit:
+        raise ValueError(f"chunk size must be an integer between 1 and {limit} bytes, got {chunk_size!r}")
+    return chunk_size
+
+
+def _field_error(name: str, value: Any, want: str) -> ChunkError:
+    return ChunkError(f"chunk header field {name!r} must be {want}, got {str(value)[:80]!r}")
+
+
+def _nonneg_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _field_error(name, value, "a non-negative integer")
+    return value
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    """What every chunk of one transfer says about the whole payload."""
+
+    federation: str
+    round: int
+    device: str
+    transfer: str
+    count: int
+    size: int
+    chunk: int
+    sha256: str
+
+    def __post_init__(self) -> None:
+        try:
+            for name in ("federation", "device", "transfer"):
+                validate_id(getattr(self, name), f"{name} id")
+        except TopicError as exc:
+            raise ChunkError(f"chunk header: {exc}") from None
+        for name in ("round", "count", "size", "chunk"):
+            _nonneg_int(name, getattr(self, name))
+        if self.chunk < 1:
+            raise _field_error("chunk", self.chunk, "at least 1")
+        if self.count != chunk_count(self.size, self.chunk):
+            raise ChunkError(
+                f"chunk header: count {self.count} does not match size {self.size} in chunks of {self.chunk} "
+                f"(expected {chunk_count(self.size, self.chunk)})"
+            )
+        if not isinstance(self.sha256, str) or not _SHA256.fullmatch(self.sha256):
+            raise _field_error("sha256", self.sha256, "64 lowercase hex digits")
+
+    def chunk_length(self, index: int) -> int:
+        """Byte length of chunk ``index``."""
+        return max(0, min(self.chunk, self.size - index * self.chunk))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TransferInfo:
+        """Validate an untrusted mapping (a frame header or a control message field); ChunkError if malformed."""
+        if not isinstance(data, dict):
+            raise ChunkError(f"transfer description must be a JSON object, got {type(data).__name__}")
+        missing = [name for name in _INFO_FIELDS if name not in data]
+        if missing:
+            raise ChunkError(f"transfer description lacks {', '.join(missing)}")
+        return cls(**{name: data[name] for name in _INFO_FIELDS})
+
+
+def describe(
+    payload: bytes | bytearray | memoryview,
+    *,
+    federation: str,
+    round: int,
+    device: str,
+    transfer: str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> TransferInfo:
+    """Hash ``payload`` and describe its transfer in chunks of ``chunk_size`` bytes."""
+    validate_chunk_size(chunk_size)
+    size = memoryview(payload).nbytes
+    return TransferInfo(
+        federation=federation,
+        round=round,
+        device=device,
+        transfer=transfer or new_transfer_id(),
+        count=chunk_count(size, chunk_size),
+        size=size,
+        chunk=chunk_size,
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
+
+
+def _header_bytes(info: TransferInfo, index: int) -> bytes:
+    header = {**info.to_dict(), "index": index}
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def encode_frame(info: TransferInfo, index: int, data: bytes | memoryview) -> bytes:
+    """One chunk frame: header length, compact JSON header, chunk bytes (the only copy of the data)."""
+    if not 0 <= index < info.count:
+        raise ValueError(f"chunk index {index} is outside 0..{info.count - 1}")
+    if len(data) != info.chunk_length(index):
+        raise ValueError(f"chunk {index} has {len(data)} bytes, expected {info.chunk_length(index)}")
+    header = _header_bytes(info, index)
+    return b"".join((_LENGTH.pack(len(header)), header, data))
+
+
+def iter_frames(
+    info: TransferInfo, payload: bytes | bytearray | memoryview, indices: Iterable[int] | None = None
+) -> Iterator[bytes]:
+    """Frames of ``payload`` for ``indices`` (all chunks by default), built lazily one at a time."""
+    view = memoryview(payload).cast("B")
+    if view.nbytes != info.size:
+        raise ValueError(f"payload has {view.nbytes} bytes but transfer {info.transfer} describes {info.size}")
+    for index in range(info.count) if indices is None else indices:
+        start = index * info.chunk
+        yield encode_frame(info, index, view[start : start + info.chunk_length(index)])
+
+
+def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[TransferInfo, int, memoryview]:
+    """Split a frame into (transfer info, chunk index, chunk bytes without copying); ChunkError if malformed."""
+    view = memoryview(frame).cast("B")
+    if view.nbytes < _LENGTH.size:
+        raise ChunkError(f"chunk frame of {view.nbytes} bytes is shorter than its 4-byte length prefix")
+    (length,) = _LENGTH.unpack_from(view)
+    if length > MAX_HEADER_BYTES:
+        raise ChunkError(f"chunk header claims {length} bytes; the limit is {MAX_HEADER_BYTES}")
+    end = _LENGTH.size + length
+    if end > view.nbytes:
+        raise ChunkError(f"chunk header claims {length} bytes but the frame holds only {view.nbytes - _LENGTH.size}")
+    try:
+        header = json.loads(bytes(view[_LENGTH.size : end]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ChunkError(f"chunk header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or "index" not in header:
+        raise ChunkError("chunk header must be a JSON object with an 'index'")
+    index = _nonneg_int("index", header.pop("index"))
+    info = TransferInfo.from_dict(header)
+    if index >= info.count:
+        raise ChunkError(f"chunk index {index} is outside 0..{info.count - 1} of transfer {info.transfer}")
+    data = view[end:]
+    if data.nbytes != info.chunk_length(index):
+        raise ChunkError(
+            f"chunk {index} of transfer {info.transfer} carries {data.nbytes} bytes, expected {info.chunk_length(index)}"
+        )
+    return info, index, data
+
+
+class Status(enum.Enum):
+    """What adding one chunk did."""
+
+    PARTIAL = "partial"  # new chunk stored, transfer incomplete
+    DUPLICATE = "duplicate"  # chunk already held; ignored
+    COMPLETE = "complete"  # last chunk arrived and the SHA-256 matched: payload ready
+    REJECTED = "rejected"  # last chunk arrived but the SHA-256 did not match: transfer dropped
+    FINISHED = "finished"  # chunk of a transfer that already completed, was rejected or expired; ignored
+    STALE = "stale"  # chunk of a round older than the receiver's min_round; ignored
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Result of ``Reassembler.add``: the transfer, the chunk's index, the status and, when complete, the payload."""
+
+    info: TransferInfo
+    index: int
+    status: Status
+    payload: bytes | None = None
+    reason: str = ""
+
+
+@dataclass
+class _Incoming:
+    info: TransferInfo
+    started: float
+    last_activity: float
+    last_nack: float = float("-inf")
+    parts: dict[int, memoryview] = field(default_factory=dict)
+    hasher: Any = field(default_factory=hashlib.sha256)
+    hashed: int = 0  # chunks 0..hashed-1 are in the hasher already
+
+    def store(self, index: int, data: memoryview) -> None:
+        self.parts[index] = data
+        # Hash in index order as chunks arrive, so completion only has to hash the tail.
+        while self.hashed in self.parts:
+            self.hasher.update(self.parts[self.hashed])
+            self.hashed += 1
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.info.count) if i not in self.parts]
+
+
+class Reassembler:
+    """Receiver side: rebuilds payloads from chunk frames with bounded memory (thread-safe)."""
+
+    def __init__(
+        self,
+        *,
+        federation: str | None = None,
+        max_transfers: int = 32,
+        max_payload_bytes: int = 1024 * MiB,
+        max_buffered_bytes: int = 2048 * MiB,
+        max_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        ttl: float = 120.0,
+        remember: int = 1024,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.federation = federation
+        self.max_transfers = max_transfers
+        self.max_payload_bytes = max_payload_bytes
+        self.max_buffered_bytes = max_buffered_bytes
+        self.max_chunk_size = max_chunk_size
+        self.ttl = ttl
+        self.min_round = 0  # chunks of earlier rounds are stale; raise it with advance()
+        self._remember = remember
+        self._clock = clock
+        self._active: dict[str, _Incoming] = {}
+        self._finished: OrderedDict[str, tuple[Status, str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, frame: bytes | bytearray | memoryview, now: float | None = None, *, device: str | None = None) -> Progress:
+        """Take one chunk frame; ChunkError when it is malformed, foreign, over a limit or contradicts its transfer.
+
+        ``device``, when given, is the device the frame's topic names; a header naming another device is refused.
+        """
+        info, index, data = decode_frame(frame)
+        if device is not None and info.device != device:
+            raise ChunkError(f"chunk of device {info.device!r} arrived on the topic of device {device!r}")
+        now = self._clock() if now is None else now
+        with self._lock:
+            if info.round < self.min_round:
+                return Progress(info, index, Status.STALE, reason=f"round {info.round} < current round {self.min_round}")
+            finished = self._finished.get(info.transfer)
+            if finished is not None:
+                return Progress(info, index, Status.FINISHED, reason=finished[1])
+            incoming = self._open(info, now)
+            if index in incoming.parts:
+                return Progress(info, index, Status.DUPLICATE)
+            incoming.store(index, data)
+            incoming.last_activity = now
+            if len(incoming.parts) < info.count:
+                return Progress(info, index, Status.PARTIAL)
+            del self._active[info.transfer]
+            # The hash was updated chunk by chunk, so the verdict is cheap; record it before releasing the lock.
+            digest = incoming.hasher.hexdigest()
+            if digest != info.sha256:
+                reason = f"sha256 mismatch: received payload hashes to {digest}, header says {info.sha256}"
+                self._finish(info.transfer, Status.REJECTED, reason)
+                return Progress(info, index, Status.REJECTED, reason=reason)
+            self._finish(info.transfer, Status.COMPLETE, "")
+        payload = b"".join(incoming.parts[i] for i in range(info.count))
+        return Progress(info, index, Status.COMPLETE, payload=payload)
+
+    def advance(self, round_id: int) -> list[TransferInfo]:
+        """Make rounds before ``round_id`` stale: later chunks of them are ignored and their transfers dropped."""
+        with self._lock:
+            self.min_round = max(self.min_round, round_id)
+            stale = [t for t, incoming in self._active.items() if incoming.info.round < self.min_round]
+            dropped = []
+            for transfer in stale:
+                dropped.append(self._active.pop(transfer).info)
+                self._finish(transfer, Status.REJECTED, f"round ended (now round {self.min_round})")
+            return dropped
+
+    def expect(self, info: TransferInfo, now: float | None = None) -> None:
+        """Announce a transfer before its chunks arrive, so ``missing``/``stalled`` cover chunks that never came."""
+        with self._lock:
+            if info.transfer not in self._finished:
+                self._open(info, self._clock() if now is None else now)
+
+    def missing(self, transfer: str) -> list[int]:
+        """Indices of the chunks of ``transfer`` not yet received (empty when unknown or finished)."""
+        with self._lock:
+            incoming = self._active.get(transfer)
+            return incoming.missing() if incoming else []
+
+    def active(self) -> list[TransferInfo]:
+        """Transfers in progress."""
+        with self._lock:
+            return [incoming.info for incoming in self._active.values()]
+
+    def outcome(self, transfer: str) -> tuple[Status, str] | None:
+        """(COMPLETE or REJECTED, reason) for a recently finished transfer, else None."""
+        with self._lock:
+            return self._finished.get(transfer)
+
+    def stalled(self, idle: float, now: float | None = None) -> list[tuple[TransferInfo, list[int]]]:
+        """Transfers with no new chunk and no nack for ``idle`` seconds, with their missing indices; marks them nacked."""
+        now = self._clock() if now is None else now
+        due = []
+        with self._lock:
+            for incoming in self._active.values():
+                if now - max(incoming.last_activity, incoming.last_nack) >= idle:
+                    incoming.last_nack = now
+                    due.append((incoming.info, incoming.missing()))
+        return due
+
+    def expire(self, now: float | None = None) -> list[TransferInfo]:
+        """Drop transfers that received nothing for ``ttl`` seconds; return them."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            stale = [t for t, incoming in self._active.items() if now - incoming.last_activity >= self.ttl]
+            expired = []
+            for transfer in stale:
+                expired.append(self._active.pop(transfer).info)
+                self._finish(transfer, Status.REJECTED, f"expired after {self.ttl:g} s without a new chunk")
+            return expired
+
+    def discard(self, transfer: str, reason: str = "discarded by the receiver") -> bool:
+        """Forget an active transfer (its later chunks are ignored); True if it was active."""
+        with self._lock:
+            if self._active.pop(transfer, None) is None:
+                return False
+            self._finish(transfer, Status.REJECTED, reason)
+            return True
+
+    def _open(self, info: TransferInfo, now: float) -> _Incoming:
+        incoming = self._active.get(info.transfer)
+        if incoming is not None:
+            if incoming.info != info:
+                raise ChunkError(f"chunk header of transfer {info.transfer} contradicts its earlier chunks")
+            return incoming
+        if self.federation is not None and info.federation != self.federation:
+            raise ChunkError(f"chunk of federation {info.federation!r} sent to federation {self.federation!r}")
+        if info.chunk > self.max_chunk_size:
+            raise ChunkError(
+                f"transfer {info.transfer} uses {info.chunk}-byte chunks; this receiver accepts at most "
+                f"{self.max_chunk_size} (configure the same chunk size on both sides)"
+            )
+        if info.size > self.max_payload_bytes:
+            raise ChunkError(f"transfer {info.transfer} of {info.size} bytes exceeds the {self.max_payload_bytes}-byte payload limit")
+        if len(self._active) >= self.max_transfers:
+            raise ChunkError(f"refusing transfer {info.transfer}: {self.max_transfers} transfers are already in progress")
+        buffered = sum(incoming.info.size for incoming in self._active.values())
+        if buffered + info.size > self.max_buffered_bytes:
+            raise ChunkError(
+                f"refusing transfer {info.transfer} of {info.size} bytes: {buffered} bytes are already buffered "
+                f"(limit {self.max_buffered_bytes})"
+            )
+        incoming = _Incoming(info, started=now, last_activity=now)
+        self._active[info.transfer] = incoming
+        return incoming
+
+    def _finish(self, transfer: str, status: Status, reason: str) -> None:
+        self._finished[transfer] = (status, reason)
+        while len(self._finished) > self._remember:
+            self._finished.popitem(last=False)
+
+
+@dataclass
+class _Outgoing:
+    info: TransferInfo
+    payload: bytes | bytearray | memoryview
+    created: float
+
+
+class Outbox:
+    """Sender side: payloads kept for resends until acknowledged or expired (thread-safe)."""
+
+    def __init__(
+        self,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        ttl: float = 600.0,
+        max_transfers: int = 64,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.chunk_size = validate_chunk_size(chunk_size)
+        self.ttl = ttl
+        self.max_transfers = max_transfers
+        self._clock = clock
+        self._held: OrderedDict[str, _Outgoing] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(
+        self,
+        payload: bytes | bytearray | memoryview,
+        *,
+        federation: str,
+        round: int,
+        device: str,
+        transfer: str | None = None,
+    ) -> TransferInfo:
+        """Hash and hold ``payload``; the returned info names the transfer (evicts the oldest beyond max_transfers)."""
+        info = describe(payload, federation=federation, round=round, device=device, transfer=transfer, chunk_size=self.chunk_size)
+        with self._lock:
+            self._held[info.transfer] = _Outgoing(info, payload, self._clock())
+            while len(self._held) > self.max_transfers:
+                self._held.popitem(last=False)
+        return info
+
+    def get(self, transfer: str) -> TransferInfo | None:
+        """Info of a held transfer, or None."""
+        with self._lock:
+            outgoing = self._held.get(transfer)
+            return outgoing.info if outgoing else None
+
+    def frames(self, transfer: str, indices: Iterable[int] | None = None) -> Iterator[bytes]:
+        """Frames of a held transfer (all, or the nacked ``indices``); ChunkError if unknown or out of range."""
+        with self._lock:
+            outgoing = self._held.get(transfer)
+        if outgoing is None:
+            raise ChunkError(f"transfer {transfer} is not held (never sent here, acknowledged or expired)")
+        if indices is not None:
+            indices = sorted(set(indices))
+            bad = [i for i in indices if not 0 <= i < outgoing.info.count]
+            if bad:
+                raise ChunkError(f"chunk indices {bad[:5]} are outside 0..{outgoing.info.count - 1} of transfer {transfer}")
+        return iter_frames(outgoing.info, outgoing.payload, indices)
+
+    def release(self, transfer: str) -> bool:
+        """Forget an acknowledged transfer; True if it was held."""
+        with self._lock:
+            return self._held.pop(transfer, None) is not None
+
+    def expire(self, now: float | None = None) -> list[TransferInfo]:
+        """Forget transfers held longer than ``ttl`` seconds; return them."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            stale = [t for t, outgoing in self._held.items() if now - outgoing.created >= self.ttl]
+            return [self._held.pop(t).info for t in stale]
+
+    def __contains__(self, transfer: object) -> bool:
+        with self._lock:
+            return transfer in self._held
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)

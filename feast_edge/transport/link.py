@@ -1,0 +1,446 @@
+"""One MQTT connection, shared by server and device agent: a thin layer over paho-mqtt 2 (docs/protocol.md §Connection).
+
+``Link`` adds to paho's client what both sides need: broker URLs, TLS and
+credentials from one config, errors that say how to fix the connection,
+retained presence with a last will, re-subscription after paho's automatic
+reconnects, QoS 1 publishing with a bounded in-flight window for chunk
+streams, and per-filter handlers or an inbox queue. paho's network thread runs
+the handlers; they must be quick and must not wait for acknowledgements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import socket
+import ssl
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
+
+from feast_edge.transport.errors import BrokerAuthError, BrokerTlsError, BrokerUnreachableError, LinkError
+from feast_edge.transport.messages import Presence, new_msg_id
+from feast_edge.transport.topics import Topics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+PROTOCOLS = {"3.1.1": MQTTProtocolVersion.MQTTv311, "311": MQTTProtocolVersion.MQTTv311, "5": MQTTProtocolVersion.MQTTv5}
+_CREDENTIAL_CODES = {134, 135, 140}  # bad user name or password, not authorized, bad authentication method
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where the broker listens and whether the connection uses TLS."""
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    """Parse ``mqtt://[user[:password]@]host[:port]`` or ``mqtts://...``; a bare ``host[:port]`` means mqtt://."""
+    text = url.strip()
+    parts = urlsplit(text if "://" in text else f"mqtt://{text}")
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS:
+        raise LinkError(f"broker URL {url!r} has scheme {parts.scheme!r}; use mqtt://host:port or mqtts://host:port (TLS); check --broker")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise LinkError(f"broker URL {url!r} must not have a path or query; use {scheme}://host:port; check --broker")
+    try:
+        port = parts.port or DEFAULT_PORTS[scheme]
+    except ValueError:
+        raise LinkError(f"broker URL {url!r} has an invalid port; use {scheme}://host:port with 1 <= port <= 65535; check --broker") from None
+    if not parts.hostname:
+        raise LinkError(f"broker URL {url!r} names no host; use {scheme}://host:port; check --broker")
+    return BrokerAddress(
+        host=parts.hostname,
+        port=port,
+        tls=scheme == "mqtts",
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """Connection settings; the CLI flags of feast-server and feast-agent map one to one onto these fields."""
+
+    broker: str = "mqtt://127.0.0.1:1883"
+    client_id: str = ""  # empty: a random 'feast-...' id
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None  # TLS: CA bundle to verify the broker; None uses the system's
+    cert_file: str | None = None  # TLS: client certificate (mutual TLS)
+    key_file: str | None = None  # TLS: client key, if not inside cert_file
+    tls_insecure: bool = False  # TLS without verifying the broker's certificate: for tests only
+    protocol: str = "3.1.1"  # or "5"
+    keepalive: int = 30
+    clean_session: bool = True
+    reconnect_min_delay: float = 1.0
+    reconnect_max_delay: float = 30.0
+    max_inflight: int = 32  # QoS 1 messages on the wire awaiting PUBACK
+    inbox_size: int = 10000
+
+
+@dataclass(frozen=True)
+class Received:
+    """One incoming message."""
+
+    topic: str
+    payload: bytes
+    retain: bool = False
+    qos: int = 0
+
+
+Handler = Callable[[Received], None]
+
+
+def _tls_context(config: LinkConfig) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context(cafile=config.ca_file)
+    except (FileNotFoundError, ssl.SSLError) as exc:
+        raise BrokerTlsError(f"cannot load CA file {config.ca_file!r}: {exc}; check --ca-file") from None
+    if config.cert_file:
+        try:
+            context.load_cert_chain(config.cert_file, config.key_file)
+        except (FileNotFoundError, ssl.SSLError) as exc:
+            raise BrokerTlsError(
+                f"cannot load client certificate {config.cert_file!r} / key {config.key_file!r}: {exc}; check --cert-file/--key-file"
+            ) from None
+    elif config.key_file:
+        raise BrokerTlsError("--key-file was given without --cert-file; mutual TLS needs both")
+    if config.tls_insecure:
+        log.warning("TLS certificate verification is disabled (tls_insecure); use it for tests only")
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+class Link:
+    """An MQTT connection with presence, re-subscription, pipelined QoS 1 publishing and clear errors."""
+
+    def __init__(self, config: LinkConfig, *, presence: Presence | None = None) -> None:
+        self.config = config
+        self.address = parse_broker_url(config.broker)
+        self.presence = presence
+        self.status_topic = None if presence is None else _status_topic(presence)
+        if config.protocol not in PROTOCOLS:
+            raise LinkError(f"MQTT protocol {config.protocol!r} is not supported; use '3.1.1' or '5'")
+        self._v5 = PROTOCOLS[config.protocol] == MQTTProtocolVersion.MQTTv5
+        self.client_id = config.client_id or f"feast-{uuid.uuid4().hex[:16]}"
+        self.inbox: queue.Queue[Received] = queue.Queue(maxsize=config.inbox_size)
+        self._subscriptions: dict[str, int] = {}
+        self._subacks: dict[int, tuple[threading.Event, list[Any]]] = {}  # mid -> (SUBACK came, its reason codes)
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._connack = threading.Event()
+        self._connect_error: LinkError | None = None
+        self._resubscribed: threading.Event | None = None
+        self._handler_thread = threading.local()
+        self._connecting = False
+        self._started = False
+        self._closing = False
+        self._client = self._make_client()
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def _make_client(self) -> mqtt.Client:
+        config, address = self.config, self.address
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            clean_session=None if self._v5 else config.clean_session,
+            protocol=PROTOCOLS[config.protocol],
+            reconnect_on_failure=True,
+        )
+        client.enable_logger(logging.getLogger(f"{__name__}.paho"))
+        client.max_inflight_messages_set(config.max_inflight)
+        client.reconnect_delay_set(config.reconnect_min_delay, config.reconnect_max_delay)  # type: ignore[arg-type]
+        username = config.username if config.username is not None else address.username
+        password = config.password if config.password is not None else address.password
+        if username is not None:
+            client.username_pw_set(username, password)
+        tls_options = [config.ca_file, config.cert_file, config.key_file, config.tls_insecure]
+        if any(tls_options) and not address.tls:
+            raise LinkError(
+                f"TLS options (--ca-file/--cert-file/--key-file/--tls-insecure) need a TLS broker URL, "
+                f"got {config.broker!r}; use mqtts://{address}"
+            )
+        if address.tls:
+            client.tls_set_context(_tls_context(config))
+        if self.presence is not None:
+            offline = dataclasses.replace(self.presence, state="offline", msg_id=new_msg_id())
+            client.will_set(self.status_topic, offline.encode(), qos=1, retain=True)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_subscribe = self._on_subscribe
+        client.on_message = self._on_message
+        return client
+
+    # --- connection ------------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        """Block until connected (e.g. after a reconnect); False on timeout."""
+        return self._connected.wait(timeout)
+
+    def connect(self, timeout: float = 10.0) -> None:
+        """Connect, or raise a LinkError saying why not within ``timeout`` seconds; then keep reconnecting in the background."""
+        if self._started:
+            return
+        address = self.address
+        self._connack.clear()
+        self._connect_error = None
+        self._connecting = True
+        self._client.connect_timeout = timeout
+        try:
+            try:
+                self._client.connect(address.host, address.port, self.config.keepalive)
+            except ssl.SSLCertVerificationError as exc:
+                raise BrokerTlsError(
+                    f"TLS handshake with MQTT broker at {address} failed: {exc.verify_message or exc}; "
+                    f"check --ca-file (it must hold the CA that signed the broker's certificate for {address.host!r})"
+                ) from None
+            except (ssl.SSLError, ConnectionResetError) as exc:
+                if not address.tls:
+                    raise BrokerUnreachableError(f"cannot reach MQTT broker at {address}: {exc}; check --broker") from None
+                reason = getattr(exc, "reason", None) or exc.strerror or exc
+                raise BrokerTlsError(
+                    f"TLS handshake with MQTT broker at {address} failed: {reason}; is {address} a TLS listener? "
+                    f"(a plain MQTT port needs mqtt://); check --broker and --cert-file/--key-file"
+                ) from None
+            except ConnectionRefusedError:
+                raise BrokerUnreachableError(
+                    f"cannot reach MQTT broker at {address}: connection refused; is the broker running? check --broker"
+                ) from None
+            except socket.gaierror as exc:
+                raise BrokerUnreachableError(f"cannot resolve MQTT broker host {address.host!r}: {exc.strerror}; check --broker") from None
+            except (TimeoutError, socket.timeout):
+                raise BrokerUnreachableError(
+                    f"cannot reach MQTT broker at {address}: no answer within {timeout:g} s; is the host up and the port open? check --broker"
+                ) from None
+            except OSError as exc:
+                raise BrokerUnreachableError(f"cannot reach MQTT broker at {address}: {exc.strerror or exc}; check --broker") from None
+            self._await_connack(timeout)
+        finally:
+            self._connecting = False
+        self._client.loop_start()
+        self._started = True
+        log.info("connected to MQTT broker at %s as %s", address, self.client_id)
+
+    def _await_connack(self, timeout: float) -> None:
+        """Run paho's loop in this thread until CONNACK, so a refused first connection never starts the reconnect thread."""
+        deadline = time.monotonic() + timeout
+        while not self._connack.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._client.disconnect()
+                raise LinkError(
+                    f"MQTT broker at {self.address} sent no CONNACK within {timeout:g} s; is {self.address} an MQTT "
+                    f"{'TLS ' if self.address.tls else ''}port? check --broker"
+                )
+            rc = self._client.loop(timeout=min(remaining, 0.1))
+            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS and not self._connack.is_set():
+                if self.address.tls:
+                    hint = "if the broker requires a client certificate give --cert-file/--key-file; otherwise check the broker's log"
+                else:
+                    hint = f"if {self.address} is a TLS listener use mqtts://; otherwise check the broker's log"
+                raise LinkError(f"MQTT broker at {self.address} closed the connection before CONNACK ({mqtt.error_string(rc)}); {hint}")
+        if self._connect_error is not None:
+            self._client.disconnect()
+            raise self._connect_error
+        # Filters subscribed before connect() are live when it returns.
+        while self._resubscribed is not None and not self._resubscribed.is_set() and time.monotonic() < deadline:
+            self._client.loop(timeout=min(deadline - time.monotonic(), 0.1))
+
+    def _refusal(self, reason_code: Any) -> LinkError:
+        address, name = self.address, str(reason_code)
+        if reason_code.value in _CREDENTIAL_CODES:
+            user = self.config.username or self.address.username
+            who = f"user {user!r}" if user else "a client without a username"
+            return BrokerAuthError(f"MQTT broker at {address} rejected the credentials of {who} ({name}); check --username/--password")
+        return LinkError(f"MQTT broker at {address} refused the connection: {name}; check the broker's log and --client-id")
+
+    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        if reason_code.is_failure:
+            self._connect_error = self._refusal(reason_code)
+            if not self._connecting:
+                log.error("reconnect failed: %s", self._connect_error)
+            self._connack.set()
+            return
+        # Under the lock, so that a concurrent subscribe() either is in this list or sees the link connected.
+        with self._lock:
+            subscriptions = list(self._subscriptions.items())
+            if subscriptions:  # a clean session forgets them; re-subscribe after every (re)connect
+                result, mid = client.subscribe(subscriptions)
+                if result == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    self._resubscribed = threading.Event()
+                    self._subacks[mid] = (self._resubscribed, [])
+            self._connected.set()
+        if self.presence is not None:
+            online = dataclasses.replace(self.presence, state="online", msg_id=new_msg_id())
+            client.publish(self.status_topic, online.encode(), qos=1, retain=True)  # type: ignore[arg-type]
+        if not self._connecting:
+            log.info("reconnected to MQTT broker at %s; re-subscribed %d filters", self.address, len(subscriptions))
+        self._connack.set()
+
+    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        self._connected.clear()
+        if not self._closing and not self._connecting:
+            log.warning("lost connection to MQTT broker at %s (%s); reconnecting with backoff", self.address, reason_code)
+
+    # --- subscriptions ---------------------------------------------------------------------------
+
+    def subscribe(self, topic_filter: str, handler: Handler | None = None, *, qos: int = 1, timeout: float = 10.0) -> None:
+        """Subscribe ``topic_filter`` (kept across reconnects); ``handler`` runs in paho's thread, else messages go to ``inbox``."""
+        if handler is not None:
+            self._client.message_callback_add(topic_filter, self._guard(handler))
+        with self._lock:
+            self._subscriptions[topic_filter] = qos
+            if not self.connected:
+                return  # subscribed on connect
+            result, mid = self._client.subscribe(topic_filter, qos)
+            if result != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                return  # the connection dropped meanwhile; _on_connect re-subscribes
+            done, codes = self._subacks[mid] = (threading.Event(), [])
+        if not done.wait(timeout):
+            raise LinkError(f"MQTT broker at {self.address} did not acknowledge the subscription to {topic_filter!r} within {timeout:g} s")
+        if any(getattr(code, "is_failure", False) for code in codes):
+            raise LinkError(f"MQTT broker at {self.address} refused the subscription to {topic_filter!r} ({codes[0]}); check the broker's ACL")
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        """Stop receiving ``topic_filter``."""
+        with self._lock:
+            self._subscriptions.pop(topic_filter, None)
+        self._client.message_callback_remove(topic_filter)
+        if self.connected:
+            self._client.unsubscribe(topic_filter)
+
+    def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
+        with self._lock:
+            waiter = self._subacks.pop(mid, None)
+        if waiter is not None:
+            waiter[1].extend(reason_codes)
+            waiter[0].set()
+        refused = [code for code in reason_codes if getattr(code, "is_failure", False)]
+        if refused:
+            log.error("MQTT broker at %s refused a subscription (%s); check the broker's ACL", self.address, refused[0])
+
+    def _guard(self, handler: Handler) -> Callable[[mqtt.Client, Any, mqtt.MQTTMessage], None]:
+        def call(client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+            self._handler_thread.active = True
+            try:
+                handler(Received(message.topic, message.payload, bool(message.retain), message.qos))
+            except Exception:  # a handler bug must not kill paho's network thread
+                log.exception("handler for %s failed", message.topic)
+            finally:
+                self._handler_thread.active = False
+
+        return call
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        try:
+            self.inbox.put_nowait(Received(message.topic, message.payload, bool(message.retain), message.qos))
+        except queue.Full:
+            log.warning("inbox full (%d messages); dropped a message on %s", self.inbox.maxsize, message.topic)
+
+    def get(self, timeout: float | None = None) -> Received | None:
+        """Next inbox message, or None after ``timeout`` seconds."""
+        try:
+            return self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    # --- publishing ------------------------------------------------------------------------------
+
+    def publish(
+        self, topic: str, payload: bytes | bytearray, *, qos: int = 1, retain: bool = False, timeout: float | None = None
+    ) -> mqtt.MQTTMessageInfo:
+        """Publish (queued by paho while offline); with ``timeout``, wait for the PUBACK or raise LinkError."""
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+            raise LinkError(f"paho's outgoing queue is full; message to {topic!r} not sent")
+        if timeout is not None:
+            self._await(info, time.monotonic() + timeout, f"the message to {topic!r}", timeout)
+        return info
+
+    def publish_many(
+        self, topic: str, payloads: Iterable[bytes], *, qos: int = 1, window: int = 16, timeout: float = 120.0
+    ) -> int:
+        """Publish a stream with at most ``window`` messages awaiting PUBACK; return the count, LinkError on timeout."""
+        deadline = time.monotonic() + timeout
+        pending: deque[mqtt.MQTTMessageInfo] = deque()
+        count = 0
+        for payload in payloads:
+            if len(pending) >= window:
+                self._await(pending.popleft(), deadline, f"a message to {topic!r}", timeout)
+            pending.append(self.publish(topic, payload, qos=qos))
+            count += 1
+        while pending:
+            self._await(pending.popleft(), deadline, f"a message to {topic!r}", timeout)
+        return count
+
+    def _await(self, info: mqtt.MQTTMessageInfo, deadline: float, what: str, timeout: float) -> None:
+        if getattr(self._handler_thread, "active", False):
+            # The PUBACK would be read by this very thread: waiting here would always time out.
+            raise RuntimeError("a handler cannot wait for a PUBACK; publish without timeout or hand the work to another thread")
+        if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN:
+            # paho queued it and sends it after reconnecting, but wait_for_publish() refuses NO_CONN outright;
+            # AGAIN makes it wait for the PUBACK like any other message.
+            info.rc = MQTTErrorCode.MQTT_ERR_AGAIN
+        try:
+            info.wait_for_publish(max(0.0, deadline - time.monotonic()))
+            published = info.is_published()
+        except (RuntimeError, ValueError) as exc:
+            raise LinkError(f"publishing {what} failed: {exc}") from None
+        if not published:
+            state = "connected" if self.connected else "disconnected, reconnecting"
+            raise LinkError(f"MQTT broker at {self.address} did not acknowledge {what} within {timeout:g} s ({state})")
+
+    # --- shutdown --------------------------------------------------------------------------------
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Publish the retained offline status, disconnect cleanly and stop paho's thread."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._started and self.presence is not None and self.connected:
+            offline = dataclasses.replace(self.presence, state="offline", msg_id=new_msg_id())
+            try:
+                self.publish(self.status_topic, offline.encode(), retain=True, timeout=timeout)  # type: ignore[arg-type]
+            except LinkError as exc:
+                log.warning("could not publish offline status: %s", exc)
+        self._client.disconnect()
+        if self._started:
+            self._client.loop_stop()
+        self._connected.clear()
+
+    def __enter__(self) -> Link:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _status_topic(presence: Presence) -> str:
+    topics = Topics(presence.federation)
+    return topics.server_status if presence.role == "server" else topics.status(presence.device)

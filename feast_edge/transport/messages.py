@@ -1,0 +1,428 @@
+"""JSON control messages: small validated dataclasses, one ``parse`` for the wire (docs/protocol.md §Messages).
+
+Every message carries ``federation``, ``round``, ``device`` and a unique
+``msg_id``; ``parse`` turns untrusted bytes into one of the registered kinds or
+raises ProtocolError, whatever the bytes are. ``MessageFilter`` then drops
+duplicates and stale messages so that handlers only see each message once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import threading
+import typing
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
+
+from feast_edge.transport.chunks import TransferInfo
+from feast_edge.transport.errors import ProtocolError, TopicError
+from feast_edge.transport.topics import MAX_ID_LENGTH, validate_id
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_NACK_INDICES = 4096
+MAX_INT = 2**53  # JSON numbers stay exact below this in every implementation
+
+_COMMON = ("federation", "round", "device", "msg_id")
+_KINDS: dict[str, type[Message]] = {}
+
+M = TypeVar("M", bound="type[Message]")
+
+
+def new_msg_id() -> str:
+    """A fresh random message id (32 hex characters)."""
+    return uuid.uuid4().hex
+
+
+def message_kind(name: str) -> Callable[[M], M]:
+    """Class decorator registering a Message subclass under the wire ``kind`` ``name``."""
+
+    def register(cls: M) -> M:
+        if name in _KINDS:
+            raise ValueError(f"message kind {name!r} is already registered by {_KINDS[name].__name__}")
+        cls.kind = name
+        _KINDS[name] = cls
+        return cls
+
+    return register
+
+
+def known_kinds() -> list[str]:
+    """Names of every registered message kind."""
+    return sorted(_KINDS)
+
+
+def _check_value(name: str, value: Any, annotation: Any) -> Any:
+    """Check one field against its annotation; return it normalized (lists become tuples)."""
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"field {name!r} must be a string, got {type(value).__name__}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"field {name!r} must be true or false, got {type(value).__name__}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"field {name!r} must be an integer, got {type(value).__name__}")
+        if not 0 <= value <= MAX_INT:
+            raise ProtocolError(f"field {name!r} must be in [0, 2^53], got {value}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ProtocolError(f"field {name!r} must be a finite number, got {value!r}")
+        return float(value)
+    if typing.get_origin(annotation) is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ProtocolError(f"field {name!r} must be a JSON object, got {type(value).__name__}")
+        return value
+    if typing.get_origin(annotation) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(f"field {name!r} must be a list of integers, got {type(value).__name__}")
+        return tuple(_check_value(f"{name}[{i}]", v, int) for i, v in enumerate(value))
+    raise TypeError(f"unsupported message field type {annotation!r} for {name!r}")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Fields every message carries; subclasses add their own and register a ``kind``."""
+
+    kind: ClassVar[str] = ""
+    round_scoped: ClassVar[bool] = True  # stale when its round is older than the receiver's
+    deduplicated: ClassVar[bool] = True  # dropped when its msg_id was seen before
+
+    federation: str
+    round: int
+    device: str
+    msg_id: str = field(default_factory=new_msg_id)
+
+    def __post_init__(self) -> None:
+        hints = _field_types(type(self))
+        for f in fields(self):
+            value = _check_value(f.name, getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)
+        try:
+            validate_id(self.federation, "federation id")
+            validate_id(self.device, "device id")
+            validate_id(self.msg_id, "message id")
+        except TopicError as exc:
+            raise ProtocolError(str(exc)) from None
+        self.check()
+
+    def check(self) -> None:
+        """Kind-specific validation beyond field types; raise ProtocolError."""
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        for name, value in body.items():
+            if isinstance(value, tuple):
+                body[name] = list(value)
+        return {"v": PROTOCOL_VERSION, "kind": self.kind, **body}
+
+    def encode(self) -> bytes:
+        """Compact UTF-8 JSON, as sent on the wire."""
+        try:
+            data = json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"{self.kind} message is not JSON-serializable: {exc}") from None
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"{self.kind} message is {len(data)} bytes; the limit is {MAX_MESSAGE_BYTES}")
+        return data
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ProtocolError(f"field {name!r} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_transfer(value: dict[str, Any]) -> None:
+    TransferInfo.from_dict(value)  # raises ChunkError (a ProtocolError) when malformed
+
+
+# --- transport kinds --------------------------------------------------------------------------
+
+
+@message_kind("presence")
+@dataclass(frozen=True, kw_only=True)
+class Presence(Message):
+    """Retained online/offline state of a device or the server; also the last will."""
+
+    round_scoped: ClassVar[bool] = False
+    deduplicated: ClassVar[bool] = False  # a last will is fixed at connect time and may repeat
+
+    state: str
+    role: str = "device"
+
+    def check(self) -> None:
+        _check_choice("state", self.state, ("online", "offline"))
+        _check_choice("role", self.role, ("device", "server"))
+
+
+@message_kind("nack")
+@dataclass(frozen=True, kw_only=True)
+class Nack(Message):
+    """Receiver -> sender: resend these chunk indices of a transfer."""
+
+    transfer: str
+    missing: tuple[int, ...]
+
+    def check(self) -> None:
+        validate_transfer_id(self.transfer)
+        if not self.missing:
+            raise ProtocolError("a nack must list at least one missing chunk index")
+        if len(self.missing) > MAX_NACK_INDICES:
+            raise ProtocolError(f"a nack lists {len(self.missing)} indices; the limit is {MAX_NACK_INDICES}")
+
+
+@message_kind("receipt")
+@dataclass(frozen=True, kw_only=True)
+class Receipt(Message):
+    """Receiver -> sender: a transfer completed (``ok``) or was rejected (``reason``); the sender may drop it."""
+
+    transfer: str
+    ok: bool
+    reason: str = ""
+
+    def check(self) -> None:
+        validate_transfer_id(self.transfer)
+
+
+# --- round kinds (docs/protocol.md §7 "Round sequence") ---------------------------------------
+
+
+def _check_ids(message: Message, *names: str) -> None:
+    for name in names:
+        try:
+            validate_id(getattr(message, name), f"{name} id")
+        except TopicError as exc:
+            raise ProtocolError(str(exc)) from None
+
+
+@message_kind("register")
+@dataclass(frozen=True, kw_only=True)
+class Register(Message):
+    """Device -> server on ``register``: one (virtual) client's budget, sample count, preset and profile.
+
+    ``host`` is the agent process that hosts the device (its presence is ``status/{host}``);
+    ``instance`` is random per agent process, so the server can tell a reconnecting agent from a
+    second agent that claims the same device id.
+    """
+
+    round_scoped: ClassVar[bool] = False
+
+    host: str
+    instance: str
+    preset: str
+    preset_digest: str
+    budget_macs: int
+    samples: int
+    profile: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        _check_ids(self, "host", "instance")
+
+
+@message_kind("registered")
+@dataclass(frozen=True, kw_only=True)
+class Registered(Message):
+    """Server -> device on ``ctrl/{device}``: the registration of ``instance`` is accepted, or refused with a reason."""
+
+    round_scoped: ClassVar[bool] = False
+
+    instance: str
+    accepted: bool
+    reason: str = ""
+    preset: str = ""  # the server's preset
+    rounds: int = 0  # the federation's horizon
+
+    def check(self) -> None:
+        _check_ids(self, "instance")
+
+
+_PLAN_KEYS = ("affordable", "global_min")
+
+
+@message_kind("round")
+@dataclass(frozen=True, kw_only=True)
+class RoundStart(Message):
+    """Server -> device on ``ctrl/{device}``: train the routed payload of ``transfer`` with exactly these inputs.
+
+    ``lr`` is this round's cosine learning rate, ``seed`` the client's seed for the round as decimal
+    text (it needs 63 bits; JSON numbers are exact only to 2^53), ``plan`` the affordable variants
+    and the global minimum (arch objects), ``train`` the local-training hyper-parameters. The server
+    stops waiting ``timeout`` seconds after sending (``deadline`` is the same instant in Unix time,
+    for logs; agents count from receipt and never compare clocks).
+    """
+
+    transfer: dict[str, Any]
+    deadline: float
+    timeout: float
+    rounds: int
+    lr: float
+    seed: str
+    plan: dict[str, Any]
+    train: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        _check_transfer(self.transfer)
+        if not (self.seed.isascii() and self.seed.isdigit() and len(self.seed) <= 20):
+            raise ProtocolError(f"field 'seed' must be a decimal integer below 2^64, got {self.seed[:24]!r}")
+        if not self.lr > 0:
+            raise ProtocolError(f"field 'lr' must be > 0, got {self.lr}")
+        if not self.timeout > 0:
+            raise ProtocolError(f"field 'timeout' must be > 0, got {self.timeout}")
+        if self.round >= self.rounds:
+            raise ProtocolError(f"round {self.round} is outside the horizon of {self.rounds} rounds")
+        missing = [key for key in _PLAN_KEYS if key not in self.plan]
+        if missing:
+            raise ProtocolError(f"field 'plan' lacks {', '.join(missing)}")
+        if not isinstance(self.plan["affordable"], list) or not self.plan["affordable"]:
+            raise ProtocolError("field 'plan.affordable' must be a non-empty list of architectures")
+
+
+@message_kind("update")
+@dataclass(frozen=True, kw_only=True)
+class Update(Message):
+    """Device -> server on ``events``: the trained slice answering routed transfer ``routed`` is sent as ``transfer``."""
+
+    transfer: dict[str, Any]
+    routed: str
+    samples: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        _check_transfer(self.transfer)
+        validate_transfer_id(self.routed)
+
+
+@message_kind("metrics")
+@dataclass(frozen=True, kw_only=True)
+class Metrics(Message):
+    """Device -> server on ``events``: free-form numbers (e.g. the measured latency of the served ONNX model)."""
+
+    values: dict[str, Any]
+
+
+@message_kind("model_request")
+@dataclass(frozen=True, kw_only=True)
+class ModelRequest(Message):
+    """Device -> server on ``events``: send me my exported ONNX model (answered by ``model`` with ``request`` = this msg_id)."""
+
+    round_scoped: ClassVar[bool] = False
+
+
+@message_kind("model")
+@dataclass(frozen=True, kw_only=True)
+class ModelReady(Message):
+    """Server -> device on ``ctrl/{device}``: this device's ONNX model is sent as ``transfer``, or is not ``available``.
+
+    ``manifest`` describes the file (arch, MACs, params, validation accuracy, SHA-256); ``request`` is
+    the msg_id of the ``model_request`` it answers, empty when the server pushes it after the last round.
+    """
+
+    round_scoped: ClassVar[bool] = False
+
+    available: bool = True
+    transfer: dict[str, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    request: str = ""
+    reason: str = ""
+
+    def check(self) -> None:
+        if self.available:
+            _check_transfer(self.transfer)
+        if self.request:
+            _check_ids(self, "request")
+
+
+def validate_transfer_id(value: str) -> str:
+    """Return ``value`` if it is a valid transfer id, else raise ProtocolError."""
+    try:
+        return validate_id(value, "transfer id")
+    except TopicError as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ProtocolError(f"JSON constant {name} is not allowed")
+
+
+def parse(data: bytes | bytearray, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Decode one control message from the wire; ProtocolError for anything malformed, never another exception."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise ProtocolError(f"a message must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"message is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"message is not valid JSON: {exc.msg} at char {exc.pos}") from None
+    except RecursionError:
+        raise ProtocolError("message JSON is nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
+    version = obj.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"message protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    kind = obj.pop("kind", None)
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {str(kind)[:MAX_ID_LENGTH]!r}; known kinds: {', '.join(known_kinds())}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(obj) - names)
+    if unknown:
+        raise ProtocolError(f"{kind} message has unknown fields {', '.join(u[:MAX_ID_LENGTH] for u in unknown[:5])}")
+    missing = [name for name in _COMMON if name not in obj]
+    if missing:
+        raise ProtocolError(f"{kind} message lacks {', '.join(missing)}")
+    try:
+        return cls(**obj)
+    except TypeError as exc:  # a required kind-specific field is absent
+        raise ProtocolError(f"{kind} message: {exc}") from None
+
+
+class MessageFilter:
+    """Drops messages of another federation, duplicates (same msg_id) and stale ones (round older than current)."""
+
+    def __init__(self, federation: str, current_round: int = 0, memory: int = 4096) -> None:
+        self.federation = validate_id(federation, "federation id")
+        self.current_round = current_round
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._memory = memory
+        self._lock = threading.Lock()
+
+    def advance(self, round_id: int) -> None:
+        """Move to ``round_id``; messages of earlier rounds become stale. Never moves backwards."""
+        with self._lock:
+            self.current_round = max(self.current_round, round_id)
+
+    def verdict(self, message: Message) -> str | None:
+        """The reason to drop ``message``, or None when it is new and current (then it is remembered)."""
+        if message.federation != self.federation:
+            return f"federation {message.federation!r} is not {self.federation!r}"
+        with self._lock:
+            if message.round_scoped and message.round < self.current_round:
+                return f"stale: round {message.round} < current round {self.current_round}"
+            if message.deduplicated:
+                if message.msg_id in self._seen:
+                    return f"duplicate message id {message.msg_id}"
+                self._seen[message.msg_id] = None
+                if len(self._seen) > self._memory:
+                    self._seen.popitem(last=False)
+        return None
+
+    def accept(self, message: Message) -> bool:
+        """True when ``message`` should be handled (see ``verdict``)."""
+        return self.verdict(message) is None

@@ -1,0 +1,215 @@
+"""Chunked transfers over a Link: the sender answers nacks, the receiver nacks gaps and sends receipts (docs/protocol.md §Chunks).
+
+Direction 'down' is server -> device, 'up' is device -> server. For direction
+D and device X, frames go to ``xfer/D/X`` and the receiver's feedback (nacks,
+receipts) to ``xfer/nack/D/X``. The server uses ``device='+'`` to serve every
+device with one sender and one receiver per direction.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE, Outbox, Progress, Reassembler, Status, TransferInfo
+from feast_edge.transport.errors import ProtocolError, TopicError
+from feast_edge.transport.link import Link, Received
+from feast_edge.transport.messages import MAX_NACK_INDICES, Message, MessageFilter, Nack, Receipt, parse
+from feast_edge.transport.topics import WILDCARD, Topics, validate_direction
+
+log = logging.getLogger(__name__)
+
+
+class ChunkSender:
+    """Publishes payloads as chunk frames, keeps them until a receipt or expiry, and resends nacked chunks."""
+
+    def __init__(
+        self,
+        link: Link,
+        topics: Topics,
+        direction: str,
+        *,
+        device: str = WILDCARD,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        window: int = 16,
+        ttl: float = 600.0,
+    ) -> None:
+        self.link = link
+        self.topics = topics
+        self.direction = validate_direction(direction)
+        self.window = window
+        self.outbox = Outbox(chunk_size=chunk_size, ttl=ttl)
+        self._filter = MessageFilter(topics.federation)
+        self._receipts: dict[str, Receipt] = {}
+        self._changed = threading.Condition()
+        link.subscribe(topics.nack(direction, device), self._on_feedback)
+
+    def send(self, payload: bytes, *, round: int, device: str, transfer: str | None = None, timeout: float = 120.0) -> TransferInfo:
+        """Publish every chunk of ``payload`` for ``device`` (pipelined, QoS 1) and return the transfer's info."""
+        self.outbox.expire()
+        info = self.outbox.add(payload, federation=self.topics.federation, round=round, device=device, transfer=transfer)
+        topic = self.topics.xfer(self.direction, device)
+        self.link.publish_many(topic, self.outbox.frames(info.transfer), window=self.window, timeout=timeout)
+        log.debug("sent transfer %s: %d bytes in %d chunks to %s", info.transfer, info.size, info.count, topic)
+        return info
+
+    def resend(self, transfer: str, indices: list[int] | None = None) -> int:
+        """Publish chunks of a held transfer again without waiting (all by default); return how many."""
+        info = self.outbox.get(transfer)
+        if info is None:
+            return 0
+        topic = self.topics.xfer(self.direction, info.device)
+        count = 0
+        for frame in self.outbox.frames(transfer, indices):  # raises ChunkError for bad indices before publishing any
+            self.link.publish(topic, frame)
+            count += 1
+        return count
+
+    def wait_receipt(self, transfer: str, timeout: float) -> Receipt | None:
+        """The receiver's receipt for ``transfer``, or None if none came within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while transfer not in self._receipts:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._changed.wait(remaining)
+            return self._receipts[transfer]
+
+    def _on_feedback(self, received: Received) -> None:
+        message = _parse_from(received, self.topics, self._filter, "feedback")
+        if isinstance(message, Nack):
+            info = self.outbox.get(message.transfer)
+            if info is None or info.device != message.device:
+                log.info("nack for transfer %s that is not held here; ignored", message.transfer)
+                return
+            try:
+                count = self.resend(message.transfer, list(message.missing))
+            except ProtocolError as exc:
+                log.warning("dropped nack from %s: %s", message.device, exc)
+                return
+            log.info("resent %d chunks of transfer %s to %s", count, message.transfer, message.device)
+        elif isinstance(message, Receipt):
+            self.outbox.release(message.transfer)
+            if not message.ok:
+                log.warning("%s rejected transfer %s: %s", message.device, message.transfer, message.reason)
+            with self._changed:
+                self._receipts[message.transfer] = message
+                if len(self._receipts) > 4096:
+                    self._receipts.pop(next(iter(self._receipts)))
+                self._changed.notify_all()
+        elif message is not None:
+            log.warning("unexpected %s message on %s; ignored", message.kind, received.topic)
+
+
+class ChunkReceiver:
+    """Reassembles incoming transfers, nacks the chunks that do not come, and answers each transfer with a receipt."""
+
+    def __init__(
+        self,
+        link: Link,
+        topics: Topics,
+        direction: str,
+        *,
+        device: str = WILDCARD,
+        nack_after: float = 1.0,
+        reassembler: Reassembler | None = None,
+        on_result: Callable[[Progress], None] | None = None,
+    ) -> None:
+        """``on_result`` is called with each finished transfer, from paho's thread or the one calling ``poll``."""
+        self.link = link
+        self.topics = topics
+        self.direction = validate_direction(direction)
+        self.nack_after = nack_after
+        self.reassembler = reassembler or Reassembler(federation=topics.federation)
+        self.results: queue.Queue[Progress] = queue.Queue()
+        self._on_result = on_result
+        self._last_receipt: dict[str, float] = {}
+        self._receipt_lock = threading.Lock()
+        link.subscribe(topics.xfer(direction, device), self._on_frame)
+
+    def get(self, timeout: float, poll_interval: float = 0.2) -> Progress | None:
+        """Next finished transfer (COMPLETE with payload, or REJECTED with reason), nacking gaps while waiting; None on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                return self.results.get(timeout=min(remaining, poll_interval))
+            except queue.Empty:
+                self.poll()
+
+    def expect(self, info: TransferInfo) -> None:
+        """Announce a transfer (from a control message) so that it is nacked even if no chunk of it arrives."""
+        self.reassembler.expect(info)
+
+    def poll(self, now: float | None = None) -> None:
+        """Nack stalled transfers and expire dead ones; call it periodically (``get`` does)."""
+        for info, missing in self.reassembler.stalled(self.nack_after, now):
+            nack = Nack(
+                federation=info.federation, round=info.round, device=info.device, transfer=info.transfer, missing=tuple(missing[:MAX_NACK_INDICES])
+            )
+            log.info("transfer %s from %s: asking again for %d missing chunks", info.transfer, info.device, len(missing))
+            self.link.publish(self.topics.nack(self.direction, info.device), nack.encode())
+        for info in self.reassembler.expire(now):
+            reason = f"expired after {self.reassembler.ttl:g} s without a new chunk"
+            log.warning("transfer %s from %s %s", info.transfer, info.device, reason)
+            self._finish(Progress(info, -1, Status.REJECTED, reason=reason))
+
+    def _on_frame(self, received: Received) -> None:
+        try:
+            topic = self.topics.parse(received.topic)
+            progress = self.reassembler.add(received.payload, device=topic.device)
+        except (ProtocolError, TopicError) as exc:
+            log.warning("dropped chunk on %s: %s", received.topic, exc)
+            return
+        log.debug("chunk %d/%d of transfer %s: %s", progress.index, progress.info.count, progress.info.transfer, progress.status.value)
+        if progress.status in (Status.COMPLETE, Status.REJECTED):
+            if progress.status is Status.REJECTED:
+                log.warning("rejected transfer %s from %s: %s", progress.info.transfer, progress.info.device, progress.reason)
+            self._finish(progress)
+        elif progress.status is Status.FINISHED:
+            # The sender resends because our receipt got lost: answer again, at most once a second.
+            self._send_receipt(progress, throttle=1.0)
+
+    def _finish(self, progress: Progress) -> None:
+        self._send_receipt(progress)
+        self.results.put(progress)
+        if self._on_result is not None:
+            self._on_result(progress)
+
+    def _send_receipt(self, progress: Progress, throttle: float = 0.0) -> None:
+        info, now = progress.info, time.monotonic()
+        with self._receipt_lock:
+            if now - self._last_receipt.get(info.transfer, float("-inf")) < throttle:
+                return
+            self._last_receipt[info.transfer] = now
+            if len(self._last_receipt) > 4096:
+                self._last_receipt.pop(next(iter(self._last_receipt)))
+        outcome = self.reassembler.outcome(info.transfer)
+        ok = progress.status is Status.COMPLETE or (outcome is not None and outcome[0] is Status.COMPLETE)
+        reason = progress.reason or ("" if outcome is None else outcome[1])
+        receipt = Receipt(federation=info.federation, round=info.round, device=info.device, transfer=info.transfer, ok=ok, reason=reason)
+        self.link.publish(self.topics.nack(self.direction, info.device), receipt.encode())
+
+
+def _parse_from(received: Received, topics: Topics, gate: MessageFilter, what: str) -> Message | None:
+    """Parse a control message and check it against its topic; log and return None when it must be dropped."""
+    try:
+        topic = topics.parse(received.topic)
+        message = parse(received.payload)
+    except (ProtocolError, TopicError) as exc:
+        log.warning("dropped %s on %s: %s", what, received.topic, exc)
+        return None
+    if topic.device is not None and message.device != topic.device:
+        log.warning("dropped %s on %s: it names device %r", what, received.topic, message.device)
+        return None
+    reason = gate.verdict(message)
+    if reason is not None:
+        log.info("dropped %s on %s: %s", what, received.topic, reason)
+        return None
+    return message

@@ -1,0 +1,148 @@
+"""feast-edge simulate: the whole protocol in one process, reproducible and exactly resumable."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from feast_edge.cache import CacheError
+from feast_edge.checkpoint import load_supernet
+from feast_edge.data import DataError
+from feast_edge.simulate import CHECKPOINT, Simulation, SimulationConfig, SimulationError
+
+
+TINY_RUN = SimulationConfig(
+    clients=4,
+    per_round=2,
+    rounds=3,
+    train_limit=240,
+    val_samples=100,
+    calib_samples=50,
+    test_limit=100,
+    eval_every=2,
+    batch_size=32,
+    seed=3,
+)
+
+
+def _weights(path):
+    return load_supernet(path)[0].state_dict()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, fashion_mnist_dir):
+    out = tmp_path_factory.mktemp("full")
+    results = Simulation(TINY_RUN, out).run()
+    return out, results
+
+
+def test_results_cover_every_variant_and_the_population(uninterrupted):
+    out, results = uninterrupted
+    assert len(results["variants"]) == 26 and all(0 <= v["test_accuracy"] <= 1 for v in results["variants"])
+    assert [v["macs"] for v in results["variants"]] == sorted(v["macs"] for v in results["variants"])
+    assert 0 <= results["population_accuracy"] <= 1
+    pop = results["population"]
+    assert pop["clients"] == 4 and sum(pop["shard_sizes"]) == 240 and pop["shard_size_min"] >= 10
+    assert results["communication"]["reduction"] >= 1.0
+    assert len(results["rounds"]) == 3 and results["rounds"][-1]["val_accuracy"] is not None
+    assert json.loads((out / "results.json").read_text())["preset"] == "fmnist-small"
+    assert (out / "variants.csv").read_text().count("\n") == 27
+    assert (out / "rounds.csv").read_text().count("\n") == 4
+
+
+def test_resume_after_a_kill_ends_with_identical_weights(uninterrupted, tmp_path):
+    full_out, full_results = uninterrupted
+    assert Simulation(TINY_RUN, tmp_path).run(stop_after=2) is None  # "killed" after round 2
+    assert load_supernet(tmp_path / CHECKPOINT)[1]["fields"]["round"] == 2
+    resumed = Simulation(TINY_RUN, tmp_path).run(resume=True)
+    a, b = _weights(full_out / CHECKPOINT), _weights(tmp_path / CHECKPOINT)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [v["test_accuracy"] for v in resumed["variants"]] == [v["test_accuracy"] for v in full_results["variants"]]
+
+
+def test_same_seed_same_result_other_seed_differs(uninterrupted, tmp_path):
+    full_out, _ = uninterrupted
+    one_round = replace(TINY_RUN, rounds=1)
+    Simulation(one_round, tmp_path / "a").run(stop_after=1)
+    Simulation(one_round, tmp_path / "b").run(stop_after=1)
+    Simulation(replace(one_round, seed=4), tmp_path / "c").run(stop_after=1)
+    a, b, c = (_weights(tmp_path / d / CHECKPOINT) for d in "abc")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_resume_refuses_a_foreign_checkpoint(uninterrupted):
+    full_out, _ = uninterrupted
+    with pytest.raises(SimulationError, match=r"other settings \(differs in: gamma\)"):
+        Simulation(replace(TINY_RUN, gamma=0.5), full_out).run(resume=True)
+
+
+def test_resume_without_checkpoint(tmp_path):
+    with pytest.raises(SimulationError, match="no checkpoint at"):
+        Simulation(TINY_RUN, tmp_path).run(resume=True)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        ({"gamma": -0.5}, SimulationError, "--gamma -0.5 must be >= 0"),
+        ({"per_round": 9}, SimulationError, "--per-round 9 must be between 1 and --clients"),
+        ({"budget_min": 1e6}, SimulationError, "below the smallest cached variant"),
+        ({"data_dir": "/nonexistent"}, DataError, "does not exist"),
+        ({"preset": "paper-cifar100"}, DataError, "choose a matching --preset"),
+        ({"budgets": (1e6, 2e7)}, SimulationError, "2 budgets given for 4 clients"),
+    ],
+)
+def test_bad_settings_are_refused(change, error, message, fashion_mnist_dir):
+    with pytest.raises(error, match=message):
+        Simulation(replace(TINY_RUN, **change), "/tmp/never-written")
+
+
+def test_cache_of_another_preset_is_refused(tmp_path):
+    from feast_edge.cache import cache_path, load_cache
+    from feast_edge.preset import load_preset
+
+    with pytest.raises(CacheError, match="not 'fmnist-small'"):
+        Simulation(replace(TINY_RUN, cache=str(cache_path(load_preset("paper-cifar100")))), tmp_path)
+
+
+def test_explicit_budgets_population(tmp_path):
+    budgets = (1.5e6, 5e6, 2e7, 9e7)
+    sim = Simulation(replace(TINY_RUN, budgets=budgets), tmp_path)
+    assert tuple(sim.setup.population.budgets) == budgets
+    assert sim.setup.plans["client-000"].affordable == (sim.setup.cache.smallest.arch,)
+
+
+def test_cli_simulate_errors_are_one_line(cli, tmp_path):
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--gamma", "-1"), "--gamma -1.0 must be >= 0")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--data", str(tmp_path)), "Fashion-MNIST file")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--budget-min", "1M"), "below the smallest cached variant")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "bogus", "--train-limit", "400"), "variants = 'bogus' is unknown")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path / "fresh"), "--resume", "--clients", "4", "--per-round", "2", "--train-limit", "400"), "no checkpoint at")
+
+
+def test_cli_budget_list_is_cycled_over_clients():
+    from feast_edge.cli.main import _cycled_budgets
+
+    assert _cycled_budgets("2M, 5M", 5) == (2e6, 5e6, 2e6, 5e6, 2e6)
+    from feast_edge.errors import FeastError
+
+    with pytest.raises(FeastError, match="--budgets is empty"):
+        _cycled_budgets(" , ", 3)
+
+
+def test_cli_population_from_device_profiles():
+    from feast_edge.profile import load_profile
+    from feast_edge.cli.main import _population_budgets
+    from feast_edge.errors import FeastError
+
+    nano, gpu = load_profile("jetson-nano").budget_macs, load_profile("desktop-gpu").budget_macs
+    assert _population_budgets(None, "jetson-nano,desktop-gpu", 3, "fmnist-small") == (nano, gpu, nano)
+    assert _population_budgets(None, None, 3, "fmnist-small") is None
+    with pytest.raises(FeastError, match="pass one of them"):
+        _population_budgets("2M", "jetson-nano", 3, "fmnist-small")
+    with pytest.raises(FeastError, match="not paper-cifar100"):
+        _population_budgets(None, "jetson-nano", 3, "paper-cifar100")

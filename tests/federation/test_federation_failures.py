@@ -1,0 +1,432 @@
+"""What goes wrong in a real deployment, against real brokers and processes; each test is bounded in time.
+
+Misbehaving devices are scripted with the transport itself (``feast_edge.transport``) so
+they can send what a real agent never sends: duplicate and stale updates,
+corrupted chunks, tensors that do not match the routed envelope, garbage.
+Vanishing devices, server restarts and refused agents use the real
+``feast-agent`` / ``feast-server`` processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import logging
+import queue
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from feast_edge.checkpoint import read_record
+from feast_edge.data import FASHION_MNIST_DIR
+from feast_edge.federation import aggregate_updates, plan_client
+from feast_edge.payload import Manifest, decode, encode
+from feast_edge.preset import load_preset
+from feast_edge.shards import read_index, write_partition
+from feast_edge.supernet import Supernet
+from feast_edge.transport.chunks import describe, encode_frame
+from feast_edge.transport.link import Link, LinkConfig
+from feast_edge.transport.messages import Presence, Register, Registered, RoundStart, Update, parse
+from feast_edge.transport.topics import Topics
+from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
+from feast_edge.server.federation import CHECKPOINT, ServerConfig
+
+from test_federation_same_math import (
+    CONFIG,
+    LOCAL,
+    REPO,
+    ServerThread,
+    federation,  # noqa: F401 - fixture
+    free_port,
+    log_text,
+    max_abs_diff,
+    port_open,
+    simulated_weights,
+    spawn_agent,
+    stop,
+    wait_for,
+    weights,
+)
+
+PRESET = load_preset("fmnist-small")
+
+
+def scripted_server(out: Path, fed: str, rounds: int, **changes: object) -> ServerThread:
+    """A server that trains with one device per round and needs one valid update to aggregate."""
+    config = ServerConfig(
+        out=str(out), rounds=rounds, per_round=1, min_clients=1, round_timeout=20.0, seed=0, batch_size=32, federation=fed, wait_timeout=30.0, **changes  # type: ignore[arg-type]
+    )
+    return ServerThread(config).start()
+
+
+class ScriptedDevice:
+    """A device driven by the test through feast_edge.transport: registers, receives its routed payload, sends whatever it is told."""
+
+    def __init__(self, fed: str, device_id: str = "scripted-1") -> None:
+        self.fed, self.device_id = fed, device_id
+        self.topics = Topics(fed)
+        self.instance = uuid.uuid4().hex[:16]
+        self.link = Link(LinkConfig(broker=LOCAL), presence=Presence(federation=fed, round=0, device=device_id, state="online"))
+        self.ctrl: queue.Queue = queue.Queue()
+        self.link.subscribe(self.topics.ctrl(device_id), lambda r: self.ctrl.put(parse(r.payload)))
+        self.link.connect(timeout=5)
+        self.receiver = ChunkReceiver(self.link, self.topics, "down", device=device_id)
+        self.sender = ChunkSender(self.link, self.topics, "up", device=device_id, chunk_size=64 * 1024)
+
+    def close(self) -> None:
+        self.link.close()
+
+    def _next(self, kind: type, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                message = self.ctrl.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if isinstance(message, kind):
+                return message
+        raise AssertionError(f"no {kind.__name__} within {timeout} s")
+
+    def register(self, budget: int = 6_000_000, samples: int = 50, digest: str = PRESET.digest) -> Registered:
+        message = Register(
+            federation=self.fed, round=0, device=self.device_id, host=self.device_id, instance=self.instance, preset=PRESET.name,
+            preset_digest=digest, budget_macs=budget, samples=samples, profile={"name": "scripted"},
+        )
+        self.link.publish(self.topics.register, message.encode(), timeout=5)
+        return self._next(Registered)
+
+    def next_round(self) -> tuple[RoundStart, Manifest, dict[str, torch.Tensor]]:
+        start = self._next(RoundStart)
+        progress = self.receiver.get(timeout=30)
+        assert progress is not None and progress.info.transfer == start.transfer["transfer"]
+        manifest, state = decode(progress.payload, PRESET)
+        return start, manifest, state
+
+    def update(self, start: RoundStart, state: dict[str, torch.Tensor], manifest: Manifest, *, round: int | None = None, samples: int = 50) -> tuple[Update, bytes]:
+        """An update message and its payload, not yet sent."""
+        t = start.round if round is None else round
+        blob = encode(state, dataclasses.replace(manifest, kind="update", round=t))
+        info = describe(blob, federation=self.fed, round=t, device=self.device_id, chunk_size=64 * 1024)
+        message = Update(federation=self.fed, round=t, device=self.device_id, transfer=info.to_dict(), routed=start.transfer["transfer"], samples=samples, metrics={"loss": 1.0})
+        return message, blob
+
+    def send(self, message: Update, blob: bytes | None, *, raw: bytes | None = None) -> None:
+        self.link.publish(self.topics.events, raw or message.encode(), timeout=5)
+        if blob is not None:
+            self.sender.send(blob, round=message.round, device=self.device_id, transfer=message.transfer["transfer"], timeout=30)
+
+
+def shifted(state: dict[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
+    return {k: v + delta if v.is_floating_point() else v.clone() for k, v in state.items()}
+
+
+@pytest.fixture
+def device(federation: str) -> Iterator[ScriptedDevice]:
+    d = ScriptedDevice(federation)
+    yield d
+    d.close()
+
+
+# --------------------------------------------------------------------------- scripted misbehaviour
+
+
+def test_duplicate_and_stale_updates_are_ignored(tmp_path: Path, federation: str, device: ScriptedDevice) -> None:
+    server = scripted_server(tmp_path, federation, rounds=2)
+    try:
+        assert device.register().accepted
+        expected = Supernet(PRESET, seed=0).state_dict()
+        # Round 0: one valid update, the same message again (same msg_id), and a second update for the round.
+        start, manifest, routed = device.next_round()
+        first, blob = device.update(start, shifted(routed, 0.5), manifest)
+        second, other = device.update(start, shifted(routed, 2.0), manifest)
+        device.link.publish(device.topics.events, first.encode(), timeout=5)
+        device.send(first, None, raw=first.encode())
+        device.send(second, other)
+        device.sender.send(blob, round=0, device=device.device_id, transfer=first.transfer["transfer"], timeout=30)
+        expected = aggregate_updates(expected, [(device.device_id, shifted(routed, 0.5), 50)])
+        # Round 1: a late update for round 0 first (stale), then the real one.
+        start1, manifest1, routed1 = device.next_round()
+        stale, stale_blob = device.update(start, shifted(routed, 3.0), manifest)
+        device.send(stale, stale_blob)
+        update, blob1 = device.update(start1, shifted(routed1, 0.25), manifest1)
+        device.send(update, blob1)
+        expected = aggregate_updates(expected, [(device.device_id, shifted(routed1, 0.25), 50)])
+        history = server.join(timeout=60)
+    finally:
+        server.close()
+    assert [h.updated for h in history] == [[device.device_id], [device.device_id]] and all(h.applied for h in history)
+    assert any("duplicate message id" in r for r in history[0].ignored), history[0].ignored
+    assert any("duplicate update for round 0" in r for r in history[0].ignored), history[0].ignored
+    assert any("stale: round 0 < current round 1" in r for r in history[1].ignored), history[1].ignored
+    got = weights(tmp_path / CHECKPOINT)
+    assert all(torch.equal(got[k], expected[k]) for k in got), "a duplicate or stale update entered the aggregate"
+
+
+def test_a_corrupted_chunk_is_rejected_and_the_model_untouched(tmp_path: Path, federation: str, device: ScriptedDevice) -> None:
+    server = scripted_server(tmp_path, federation, rounds=1)
+    try:
+        device.register()
+        start, manifest, routed = device.next_round()
+        update, blob = device.update(start, shifted(routed, 1.0), manifest)
+        info = describe(blob, federation=federation, round=0, device=device.device_id, transfer=update.transfer["transfer"], chunk_size=64 * 1024)
+        assert info.count >= 2
+        device.link.publish(device.topics.events, update.encode(), timeout=5)
+        for i in range(info.count):
+            data = bytearray(blob[i * info.chunk : (i + 1) * info.chunk])
+            if i == 1:
+                data[7] ^= 0xFF  # one flipped byte: the whole-payload SHA-256 no longer matches
+            device.link.publish(device.topics.xfer("up", device.device_id), encode_frame(info, i, bytes(data)), timeout=5)
+        receipt = device.sender.wait_receipt(info.transfer, timeout=30)
+        history = server.join(timeout=60)
+    finally:
+        server.close()
+    assert receipt is not None and not receipt.ok and "sha256 mismatch" in receipt.reason
+    assert "sha256 mismatch" in history[0].rejected[device.device_id] and not history[0].applied and not history[0].updated
+    initial = Supernet(PRESET, seed=0).state_dict()
+    got = weights(tmp_path / CHECKPOINT)
+    assert all(torch.equal(got[k], initial[k]) for k in got)
+
+
+def test_payloads_that_do_not_match_the_routed_envelope_are_rejected(tmp_path: Path, federation: str, device: ScriptedDevice) -> None:
+    server = scripted_server(tmp_path, federation, rounds=3)
+    cache_plan = plan_client(server.server.cache, 1e12)  # every cached variant: the widest envelope
+    try:
+        device.register()
+        # Round 0: the routed envelope's manifest, but one tensor has another shape.
+        start, manifest, routed = device.next_round()
+        bad = shifted(routed, 1.0)
+        name = next(k for k, v in bad.items() if v.dim() == 4)
+        bad[name] = torch.zeros(bad[name].shape[0] + 8, *bad[name].shape[1:])
+        device.send(*device.update(start, bad, manifest))
+        # Round 1: tensors and manifest of a wider envelope than the one routed.
+        start, manifest, routed = device.next_round()
+        wider = Supernet(PRESET, layout=cache_plan.layout(PRESET, PRESET.classes), seed=1).state_dict()
+        device.send(*device.update(start, wider, dataclasses.replace(manifest, envelope=cache_plan.envelope)))
+        # Round 2: one routed tensor left out.
+        start, manifest, routed = device.next_round()
+        partial = shifted(routed, 1.0)
+        partial.pop(next(iter(partial)))
+        device.send(*device.update(start, partial, manifest))
+        history = server.join(timeout=90)
+    finally:
+        server.close()
+    reasons = [h.rejected.get(device.device_id, "") for h in history]
+    assert f"payload tensor {name} has shape" in reasons[0], reasons
+    assert "does not match the routed envelope" in reasons[1], reasons
+    assert "1 missing" in reasons[2], reasons
+    assert not any(h.applied for h in history)
+    initial = Supernet(PRESET, seed=0).state_dict()
+    got = weights(tmp_path / CHECKPOINT)
+    assert all(torch.equal(got[k], initial[k]) for k in got), "a refused payload changed the global model"
+
+
+def test_malformed_messages_are_logged_and_never_stop_the_server(tmp_path: Path, federation: str, device: ScriptedDevice, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    server = scripted_server(tmp_path, federation, rounds=1)
+    t = device.topics
+    try:
+        junk = [
+            (t.register, b"garbage"),
+            (t.register, b'{"v":1,"kind":"register"}'),
+            (t.events, b"\xff\xfe\x00"),
+            (t.events, b"[1,2,3]"),
+            (t.status("ghost"), b"{not json"),
+            (t.xfer("up", "ghost"), b"\x00\x00\x00\x05short"),
+            (t.xfer("up", device.device_id), b""),
+            (t.nack("down", "ghost"), b'{"v":1}'),
+            (f"feast/{federation}/no/such/topic", b"x"),
+        ]
+        for topic, payload in junk:
+            device.link.publish(topic, payload, timeout=5)
+        # A well-formed message on the wrong topic and a registration naming another device than its topic.
+        device.link.publish(t.events, Presence(federation=federation, round=0, device="ghost", state="online").encode(), timeout=5)
+        refused = {
+            "preset": device.register(digest="0" * 64),
+            "budget": device.register(budget=1000),
+            "samples": device.register(samples=0),
+        }
+        assert device.register().accepted
+        start, manifest, routed = device.next_round()
+        device.send(*device.update(start, routed, manifest))
+        history = server.join(timeout=60)
+    finally:
+        server.close()
+    assert history[0].applied and history[0].updated == [device.device_id]
+    assert not any(r.accepted for r in refused.values())
+    assert "preset mismatch" in refused["preset"].reason and "--preset fmnist-small" in refused["preset"].reason
+    assert "below the smallest cached variant" in refused["budget"].reason
+    assert "no training examples" in refused["samples"].reason
+    logged = caplog.text
+    assert logged.count("dropped malformed message") >= 5 and "does not belong on the events topic" in logged
+
+
+# --------------------------------------------------------------------------- real agent processes
+
+
+@pytest.fixture(scope="module")
+def partition(tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("partition")
+    write_partition(CONFIG, out)
+    return out
+
+
+def test_a_device_vanishing_mid_round_never_blocks_it(tmp_path: Path, federation: str, partition: Path) -> None:
+    entries = read_index(partition)["clients"][:2]
+    config = ServerConfig(
+        out=str(tmp_path / "run"), rounds=1, per_round=3, min_clients=2, start_clients=3, round_timeout=120.0, seed=0, batch_size=32,
+        federation=federation, wait_timeout=120.0,
+    )
+    server = ServerThread(config).start()
+    agents = [spawn_agent(tmp_path, e["client_id"], partition / e["file"], federation) for e in entries]
+    # The victim trains a large shard, so it is still training when it is killed.
+    victim = spawn_agent(tmp_path, "victim", FASHION_MNIST_DIR, federation, "--shard", "0/10", "--budget", "39M")
+    try:
+        assert wait_for(lambda: "received routed payload for victim" in log_text(victim), timeout=150), log_text(victim)
+        victim.kill()  # no clean DISCONNECT: the broker publishes its last will
+        victim.wait(10)
+        history = server.join(timeout=150)
+    finally:
+        codes = [stop(a) for a in agents]
+        stop(victim)
+        server.close()
+    record = history[0]
+    assert record.cohort == sorted([e["client_id"] for e in entries] + ["victim"])
+    assert record.dropped == ["victim"] and record.updated == [e["client_id"] for e in entries] and record.applied
+    assert record.seconds < 120.0, "the round waited for the vanished device until its deadline"
+    assert codes == [0, 0]
+
+
+def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round(tmp_path: Path, federation: str, partition: Path) -> None:
+    config = replace(CONFIG, rounds=3)
+    expected = simulated_weights(config, tmp_path / "simulation")
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", LOCAL, "--out", str(out), "--rounds", "3", "--per-round", "2",
+        "--min-clients", "2", "--start-clients", "3", "--round-timeout", "120", "--seed", str(config.seed), "--batch-size", "32",
+        "--data", str(partition), "--federation", federation, "--wait-timeout", "180", "--no-export", "--eval-every", "1", "--threads", "1",
+    ]
+    with open(tmp_path / "server-first.log", "w") as log:
+        first = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    # One agent hosts two virtual clients of the partition, another the third client's shard file.
+    host = spawn_agent(tmp_path, "lab-host", partition, federation, "--clients", "2")
+    single = spawn_agent(tmp_path, "client-002", partition / "client-002.safetensors", federation)
+    try:
+        checkpoint = out / CHECKPOINT
+        done = lambda: checkpoint.is_file() and read_record(checkpoint)["fields"]["round"] >= 1  # noqa: E731
+        assert wait_for(done, timeout=240, interval=0.02), f"no checkpoint after round 1: {log_text(host)}"
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        killed_at = read_record(checkpoint)["fields"]["round"]
+        assert killed_at < 3, "the server finished before it could be killed mid-federation"
+        second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        codes = [stop(host), stop(single)]
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"resuming from {checkpoint}: {killed_at} of 3 rounds completed" in " ".join(second.stdout.split())
+    fields = read_record(checkpoint)["fields"]
+    assert fields["round"] == 3 and [h["round"] for h in fields["history"]] == [0, 1, 2]
+    diff = max_abs_diff(weights(checkpoint), expected)
+    assert diff <= 1e-6, f"the resumed federation differs from the uninterrupted simulation by {diff}"
+    assert codes == [0, 0]
+
+
+def test_a_second_agent_with_an_online_device_id_is_refused(tmp_path: Path, federation: str, partition: Path) -> None:
+    config = ServerConfig(out=str(tmp_path / "run"), rounds=1, per_round=5, min_clients=5, federation=federation, wait_timeout=240.0)
+    server = ServerThread(config).start()  # waits for 5 devices: it only handles registrations here
+    shard = partition / "client-000.safetensors"
+    first = spawn_agent(tmp_path / "a", "twin", shard, federation)
+    try:
+        assert wait_for(lambda: "server accepted twin" in log_text(first), timeout=120), log_text(first)
+        second = subprocess.run(
+            [sys.executable, "-m", "feast_edge.agent.cli", "run", "--broker", LOCAL, "--device-id", "twin", "--data", str(shard), "--federation", federation, "--register-timeout", "60"],
+            cwd=REPO, capture_output=True, text=True, timeout=180,
+        )
+        assert second.returncode == 2
+        lines = second.stderr.strip().splitlines()
+        assert lines[-1].startswith("error: the server refused device twin: device id 'twin' is already online"), second.stderr
+        assert "Traceback" not in second.stderr
+        time.sleep(1.0)
+        assert "twin" in server.server.online_devices(), "the refused agent took the first one offline"
+        assert stop(first) == 0
+        assert wait_for(lambda: "twin" not in server.server.online_devices(), timeout=10)
+        # Once the first agent has left, the id is free again (e.g. the device restarted).
+        third = spawn_agent(tmp_path / "c", "twin", shard, federation)
+        assert wait_for(lambda: "server accepted twin" in log_text(third), timeout=120), log_text(third)
+        assert stop(third) == 0
+    finally:
+        stop(first)
+        server.close()
+
+
+# --------------------------------------------------------------------------- command-line errors
+
+
+def _one_line_error(result: subprocess.CompletedProcess, needle: str) -> None:
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0], result.stderr
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def password_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private mosquitto on a free loopback port that requires a user name and password."""
+    d = tmp_path_factory.mktemp("mosquitto")
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(d / "passwd"), "alice", "s3cret"], check=True, capture_output=True, timeout=10)
+    port = free_port()
+    (d / "mosquitto.conf").write_text(
+        f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {port} 127.0.0.1\nallow_anonymous false\npassword_file {d / 'passwd'}\n"
+    )
+    log = open(d / "mosquitto.log", "w")
+    process = subprocess.Popen(["mosquitto", "-c", str(d / "mosquitto.conf")], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        if not wait_for(lambda: port_open(port), timeout=5):
+            pytest.fail(f"private mosquitto did not start: {(d / 'mosquitto.log').read_text()}")
+        yield f"mqtt://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
+
+
+def test_unreachable_broker_is_one_line_for_both_commands(tmp_path: Path, partition: Path) -> None:
+    nowhere = f"mqtt://127.0.0.1:{free_port()}"
+    server = _cli("server.cli", "run", "--broker", nowhere, "--out", str(tmp_path / "run"), "--rounds", "1", "--per-round", "1", "--min-clients", "1")
+    _one_line_error(server, "cannot reach MQTT broker at 127.0.0.1:")
+    agent = _cli("device_agent.cli", "run", "--broker", nowhere, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"))
+    _one_line_error(agent, "connection refused; is the broker running? check --broker")
+    fetch = _cli("device_agent.cli", "fetch-model", "--broker", nowhere, "--device-id", "d1", "--out", str(tmp_path / "m.onnx"))
+    _one_line_error(fetch, "cannot reach MQTT broker")
+
+
+def test_wrong_credentials_are_one_line_for_both_commands(tmp_path: Path, partition: Path, password_broker: str) -> None:
+    creds = ["--username", "alice", "--password", "wrong"]
+    server = _cli("server.cli", "run", "--broker", password_broker, *creds, "--out", str(tmp_path / "run"), "--rounds", "1", "--per-round", "1", "--min-clients", "1")
+    _one_line_error(server, "rejected the credentials of user 'alice'")
+    agent = _cli("device_agent.cli", "run", "--broker", password_broker, *creds, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"))
+    _one_line_error(agent, "check --username/--password")
+
+
+def test_agent_input_errors_are_one_line(tmp_path: Path, partition: Path, federation: str) -> None:
+    missing = _cli("device_agent.cli", "run", "--broker", LOCAL, "--device-id", "d1", "--data", str(tmp_path / "nowhere"))
+    _one_line_error(missing, "does not exist; pass a Fashion-MNIST directory")
+    low = _cli("device_agent.cli", "run", "--broker", LOCAL, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"), "--budget", "100K")
+    _one_line_error(low, "below the smallest cached variant")
+    silent = _cli("device_agent.cli", "run", "--broker", LOCAL, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"), "--federation", federation, "--register-timeout", "3")
+    _one_line_error(silent, f"no feast-server answered the registration of d1 within 3 s: the server of federation '{federation}'")
+    fetch = _cli("device_agent.cli", "fetch-model", "--broker", LOCAL, "--device-id", "d1", "--out", str(tmp_path / "m.onnx"), "--federation", federation, "--timeout", "2")
+    _one_line_error(fetch, "no feast-server answered the model request of d1")

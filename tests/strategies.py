@@ -1,0 +1,36 @@
+"""What tests need at import time (hypothesis strategies, parametrize lists, the test preset's path).
+
+Everything else the tests share is a fixture in a ``conftest.py``; these
+values cannot be, because ``@given`` and ``@pytest.mark.parametrize`` read
+them when a module is collected. ``pyproject.toml`` puts this folder on
+``sys.path`` for pytest, so a test module writes ``from strategies import archs``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import strategies as st
+
+from feast_edge.arch import Arch
+from feast_edge.preset import Preset, available_presets, load_preset, load_preset_file
+
+TINY_PRESET = Path(__file__).resolve().parent / "presets" / "test-tiny.toml"
+BUILTIN_PRESETS = sorted(available_presets())
+
+
+def archs(preset: Preset) -> st.SearchStrategy[Arch]:
+    """Hypothesis strategy over every valid architecture of ``preset``."""
+    n = preset.num_stages
+    top_w = len(preset.width_multipliers) - 1
+    return st.builds(
+        Arch,
+        d=st.tuples(*[st.integers(0, preset.max_extra_blocks)] * n),
+        e=st.tuples(*[st.sampled_from(preset.expansion_ratios)] * n),
+        w=st.tuples(*[st.integers(0, top_w)] * (n + 1)),
+    )
+
+
+def all_presets() -> list[Preset]:
+    """Every built-in preset and the tiny test preset."""
+    return [load_preset(name) for name in BUILTIN_PRESETS] + [load_preset_file(TINY_PRESET)]

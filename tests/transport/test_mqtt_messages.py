@@ -1,0 +1,172 @@
+"""Control messages: round trips, and every kind of malformed input ends in ProtocolError."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from feast_edge.transport.chunks import describe
+from feast_edge.transport.errors import ProtocolError
+from feast_edge.transport.messages import (
+    MAX_MESSAGE_BYTES,
+    MessageFilter,
+    Metrics,
+    ModelReady,
+    Nack,
+    Presence,
+    Receipt,
+    ModelRequest,
+    Register,
+    Registered,
+    RoundStart,
+    Update,
+    known_kinds,
+    parse,
+)
+
+COMMON: dict[str, Any] = {"federation": "lab", "round": 3, "device": "jetson-1"}
+INFO = describe(b"payload", federation="lab", round=3, device="jetson-1").to_dict()
+ARCH = {"d": [0, 0, 0, 0], "e": [0.25] * 4, "w": [0] * 5}
+PLAN = {"affordable": [ARCH], "global_min": ARCH}
+ROUND = {"timeout": 60.0, "rounds": 10, "lr": 0.025, "seed": "7", "plan": PLAN}
+EXAMPLES = [
+    Presence(**COMMON, state="online", role="device"),
+    Nack(**COMMON, transfer="t1", missing=(0, 5, 7)),
+    Receipt(**COMMON, transfer="t1", ok=False, reason="sha256 mismatch"),
+    Register(**COMMON, host="jetson-1", instance="a1", preset="fmnist-small", preset_digest="d", budget_macs=25_000_000, samples=600, profile={"cores": 4}),
+    Registered(**COMMON, instance="a1", accepted=False, reason="device id jetson-1 is already online"),
+    RoundStart(**COMMON, transfer=INFO, deadline=1.7e9, timeout=60.0, rounds=10, lr=0.025, seed=str(2**63 - 1), plan=PLAN, train={"batch_size": 64}),
+    Update(**COMMON, transfer=INFO, routed="t0", samples=600, metrics={"loss": 1.25}),
+    Metrics(**COMMON, values={"accuracy": 0.5}),
+    ModelRequest(**COMMON),
+    ModelReady(**COMMON, transfer=INFO, manifest={"macs": 24957968}),
+]
+
+
+def wire(**changes: Any) -> bytes:
+    body = {"v": 1, "kind": "nack", **COMMON, "msg_id": "m1", "transfer": "t1", "missing": [1, 2]}
+    body.update(changes)
+    return json.dumps({k: v for k, v in body.items() if v is not ...}).encode()
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: m.kind)
+def test_round_trip(message: Any) -> None:
+    data = message.encode()
+    assert parse(data) == message
+    assert b" " not in data[:20]  # compact separators
+
+
+def test_every_registered_kind_has_an_example() -> None:
+    assert sorted(m.kind for m in EXAMPLES) == known_kinds()
+
+
+def test_message_ids_are_unique() -> None:
+    assert Metrics(**COMMON, values={}).msg_id != Metrics(**COMMON, values={}).msg_id
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not UTF-8"),
+        (b"[1, 2]", "must be a JSON object"),
+        (wire(v=2), "protocol version 2"),
+        (wire(v=...), "protocol version None"),
+        (wire(kind="launch"), "unknown message kind 'launch'"),
+        (wire(kind=5), "unknown message kind"),
+        (wire(round="3"), "'round' must be an integer"),
+        (wire(round=True), "'round' must be an integer"),
+        (wire(round=-1), r"must be in \[0, 2\^53\]"),
+        (wire(device="a/b"), "topic level separator"),
+        (wire(federation=""), "federation id is empty"),
+        (wire(msg_id=...), "lacks msg_id"),
+        (wire(missing=[]), "at least one missing"),
+        (wire(missing=[1, "2"]), r"'missing\[1\]' must be an integer"),
+        (wire(missing=list(range(5000))), "limit is 4096"),
+        (wire(transfer=...), "missing 1 required keyword-only argument: 'transfer'"),
+        (wire(extra=1), "unknown fields extra"),
+        (b'{"v": 1, "kind": "metrics", "federation": "lab", "round": 1, "device": "d", "msg_id": "m", "values": {"x": NaN}}', "NaN"),
+        (b"[" * 50_000, "nested too deeply"),
+        (b" " * (MAX_MESSAGE_BYTES + 1), "exceeds the 65536-byte limit"),
+    ],
+)
+def test_malformed_messages_raise_protocol_error(data: bytes, needle: str) -> None:
+    with pytest.raises(ProtocolError, match=needle):
+        parse(data)
+
+
+def test_oversize_message_is_refused_before_decoding() -> None:
+    big = Metrics(**COMMON, values={"x": "y" * 100}).encode()
+    with pytest.raises(ProtocolError, match="exceeds the 64-byte limit"):
+        parse(big, max_bytes=64)
+
+
+def test_kind_specific_checks() -> None:
+    with pytest.raises(ProtocolError, match="'state' must be one of online, offline"):
+        Presence(**COMMON, state="asleep")
+    with pytest.raises(ProtocolError, match="transfer description lacks"):
+        RoundStart(**COMMON, transfer={"size": 3}, deadline=1.0, **ROUND)
+    with pytest.raises(ProtocolError, match="finite number"):
+        RoundStart(**COMMON, transfer=INFO, deadline=float("inf"), **ROUND)
+    with pytest.raises(ProtocolError, match="'seed' must be a decimal integer"):
+        RoundStart(**COMMON, transfer=INFO, deadline=1.0, **{**ROUND, "seed": "-1"})
+    with pytest.raises(ProtocolError, match="outside the horizon"):
+        RoundStart(**COMMON, transfer=INFO, deadline=1.0, **{**ROUND, "rounds": 3})
+    with pytest.raises(ProtocolError, match="plan.affordable"):
+        RoundStart(**COMMON, transfer=INFO, deadline=1.0, **{**ROUND, "plan": {"affordable": [], "global_min": ARCH}})
+    with pytest.raises(ProtocolError, match="instance id"):
+        Registered(**COMMON, instance="a/b", accepted=True)
+
+
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_never_crash_parse(data: bytes) -> None:
+    try:
+        parse(data)
+    except ProtocolError:
+        pass
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=5), st.lists(st.integers(-2, 2), max_size=3))
+_KEYS = ["v", "kind", "federation", "round", "device", "msg_id", "transfer", "missing", "ok"]
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.fixed_dictionaries({}, optional={key: _VALUES for key in _KEYS}))
+def test_arbitrary_json_objects_never_crash_parse(body: dict[str, Any]) -> None:
+    try:
+        parse(json.dumps(body).encode())
+    except ProtocolError:
+        pass
+
+
+def test_filter_drops_duplicates_stale_and_foreign() -> None:
+    gate = MessageFilter("lab", current_round=3)
+    msg = Metrics(**COMMON, values={})
+    assert gate.verdict(msg) is None
+    assert "duplicate" in gate.verdict(msg)  # type: ignore[operator]
+    assert "stale: round 2 < current round 3" == gate.verdict(Metrics(**{**COMMON, "round": 2}, values={}))
+    assert "federation 'other'" in gate.verdict(Metrics(**{**COMMON, "federation": "other"}, values={}))  # type: ignore[operator]
+    assert gate.accept(Metrics(**{**COMMON, "round": 4}, values={}))
+    gate.advance(5)
+    gate.advance(1)  # never moves backwards
+    assert not gate.accept(Metrics(**{**COMMON, "round": 4}, values={}))
+
+
+def test_filter_exempts_presence_and_registration_from_staleness() -> None:
+    gate = MessageFilter("lab", current_round=9)
+    will = Presence(**{**COMMON, "round": 0}, state="offline")
+    assert gate.accept(will) and gate.accept(will)  # a last will repeats with the same id
+    assert gate.accept(Register(**{**COMMON, "round": 0}, host="h", instance="i", preset="p", preset_digest="d", budget_macs=1, samples=1))
+
+
+def test_filter_memory_is_bounded() -> None:
+    gate = MessageFilter("lab", memory=2)
+    first = Metrics(**COMMON, values={})
+    assert gate.accept(first)
+    for _ in range(2):
+        assert gate.accept(Metrics(**COMMON, values={}))
+    assert gate.accept(first)  # forgotten: memory holds only the last two ids
