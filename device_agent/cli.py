@@ -50,7 +50,7 @@ def run(
     link: LinkConfig,
     device_id: DeviceIdOpt,
     data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition).")],
-    profile: Annotated[Optional[str], typer.Option("--profile", help="Device profile: a name from profiles/ or a .json file (gives budget, preset, device).")] = None,
+    profile: Annotated[Optional[str], typer.Option("--profile", help="Device profile: a name (feast-agent profiles) or a .json file; gives the budget and preset.")] = None,
     budget: Annotated[Optional[str], typer.Option("--budget", help="MAC budget, e.g. 12M (instead of --profile; shard files carry their own).")] = None,
     device: DeviceOpt = "auto",
     clients: Annotated[Optional[int], typer.Option("--clients", "-k", min=1, help="Host K virtual clients in this process (ids ID-0..ID-(K-1), or a partition's).")] = None,
@@ -181,6 +181,34 @@ def profile(
     save_profile(result, out)
     console.print(profiling.profile_table(result))
     console.print(f"wrote {out}; use it with: feast-agent run --profile {out} ...", soft_wrap=True)
+
+
+@app.command("profiles")
+def profiles_command(
+    preset: Annotated[Optional[str], typer.Option("--preset", "-p", help="Only profiles derived for this preset.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per profile, one per line.")] = False,
+) -> None:
+    """List the device profiles --profile accepts: built-in ones and those on $FEAST_EDGE_PROFILE_PATH."""
+    import json
+
+    from rich.table import Table
+
+    from feast_edge.profile import available_profiles, builtin_dir, load_profile
+
+    found = [(load_profile(path), path) for path in available_profiles().values()]
+    found = [(p, path) for p, path in found if preset is None or p.preset == preset]
+    if as_json:
+        for p, path in found:
+            typer.echo(json.dumps({"name": p.name, "preset": p.preset, "device": p.device, "budget_macs": p.budget_macs, "file": str(path)}))
+        return
+    table = Table(title="device profiles (feast-agent run --profile NAME)")
+    for col in ("profile", "preset", "budget", "latency target", "kind", "description", "source"):
+        table.add_column(col, justify="right" if col in ("budget", "latency target") else "left")
+    builtin = builtin_dir().resolve()
+    for p, path in found:
+        where = "built-in" if path.resolve().parent == builtin else str(path)
+        table.add_row(p.name, p.preset, f"{p.budget_macs / 1e6:.2f}M MACs", f"{p.latency_target_ms:g} ms", "measured" if p.measurements else "documented", p.description, where)
+    console.print(table)
 
 
 def main() -> None:
