@@ -27,7 +27,13 @@ from feast_edge.cost import arch_cost  # noqa: E402
 from feast_edge.data import FASHION_MNIST_DIR, load_fashion_mnist  # noqa: E402
 from feast_edge.preset import Preset, load_preset  # noqa: E402
 from feast_edge.supernet import Supernet  # noqa: E402
-from feast_edge.train import ShapeCache, TrainConfig, cotrain_step, make_optimizer, supervised_loss  # noqa: E402
+from feast_edge.train import (  # noqa: E402
+    ShapeCache,
+    TrainConfig,
+    cotrain_step,
+    make_optimizer,
+    supervised_loss,
+)
 
 
 def bench_variants(preset: Preset) -> dict[str, Arch]:

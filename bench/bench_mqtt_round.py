@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from feast_edge.server.app import FederationServer, ServerConfig  # noqa: E402
 from feast_edge.shards import write_partition  # noqa: E402
 from feast_edge.simulate import SimulationConfig  # noqa: E402
-from feast_edge.transport.link import LinkConfig  # noqa: E402
-from feast_edge.server.federation import FederationServer, ServerConfig  # noqa: E402
+from feast_edge.transport.broker import LinkConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGETS = (3e6, 8e6, 17.7e6, 39.2e6)

@@ -24,8 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE, MiB, Progress, Status  # noqa: E402
-from feast_edge.transport.link import Link, LinkConfig, Received  # noqa: E402
+from feast_edge.transport.broker import LinkConfig  # noqa: E402
+from feast_edge.transport.chunks import Progress, Status  # noqa: E402
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MiB  # noqa: E402
+from feast_edge.transport.link import Link, Received  # noqa: E402
 from feast_edge.transport.topics import Topics  # noqa: E402
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender  # noqa: E402
 

@@ -25,27 +25,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from feast_edge.arch import Arch
+from feast_edge.agent.data import LocalClient, client_budgets
 from feast_edge.cache import load_cache
 from feast_edge.errors import FeastError
-from feast_edge.federation import ClientPlan, client_update
-from feast_edge.payload import Manifest, decode, encode
+from feast_edge.federation import client_update
+from feast_edge.payload import decode, encode
 from feast_edge.preset import load_preset
-from feast_edge.route import Envelope
-from feast_edge.train import TrainConfig
-from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE, Reassembler, Status, TransferInfo, describe
+from feast_edge.protocol import Finished, Metrics, ModelReady, Register, Registered, RoundStart, Update
+from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import LinkError, ProtocolError, TopicError
-from feast_edge.transport.link import Link, LinkConfig, Received
-from feast_edge.transport.messages import Message, MessageFilter, Metrics, ModelReady, Presence, Register, Registered, RoundStart, Update, new_msg_id, parse
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, TransferInfo
+from feast_edge.transport.link import Link, Received
+from feast_edge.transport.messages import Message, MessageFilter, Presence, new_msg_id, parse
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
-from feast_edge.agent.data import LocalClient
 
 log = logging.getLogger(__name__)
 
 REGISTER_RETRY = 3.0  # seconds between registration attempts while the server is silent
+HEARTBEAT = 10.0  # seconds between "still waiting" lines
 
 
 class AgentError(FeastError):
@@ -66,6 +65,7 @@ class AgentConfig:
     register_timeout: float = 60.0
     send_timeout: float = 120.0
     model_dir: str | None = None  # where pushed ONNX models are saved (None: announced models are only logged)
+    stay: bool = False  # after the federation finishes, keep waiting for the next run instead of exiting
 
 
 @dataclass
@@ -75,39 +75,21 @@ class _Client:
     receiver: ChunkReceiver | None = None
     sender: ChunkSender | None = None
     accepted: bool = False
+    finished: Finished | None = None  # the server's word that the federation is over
+    rounds_trained: int = 0
+    model_path: Path | None = None
 
 
 class Agent:
     """One agent process: a link, its clients, a loop that trains what the server routes."""
 
     def __init__(self, config: AgentConfig, link_config: LinkConfig, clients: list[LocalClient]) -> None:
-        if not clients:
-            raise AgentError("the agent hosts no clients; check --data and --clients")
         self.config = config
         self.preset = load_preset(config.preset)
         self.cache = load_cache(self.preset)
         self.classes = self.preset.classes
-        self.clients: dict[str, _Client] = {}
-        smallest = self.cache.smallest.macs
-        shape = (self.preset.in_channels, self.preset.input_size, self.preset.input_size)
-        for c in clients:
-            if c.preset_digest is not None and c.preset_digest != self.preset.digest:
-                raise AgentError(f"{c.source} was partitioned for preset {c.preset!r}, but the agent trains {self.preset.name!r}; pass --preset {c.preset}")
-            if tuple(c.images.shape[1:]) != shape:
-                raise AgentError(f"{c.source}: images are {tuple(c.images.shape[1:])}, preset {self.preset.name} takes {shape}; pass matching --data or --preset")
-            if c.samples and int(c.labels.max()) >= self.classes:
-                raise AgentError(f"{c.source}: labels reach {int(c.labels.max())}, preset {self.preset.name} has {self.classes} classes")
-            budget = config.budget_macs if config.budget_macs is not None else c.budget_macs
-            if budget is None:
-                raise AgentError(f"no MAC budget for device {c.device_id}: pass --budget MACS or --profile NAME|FILE (a shard file carries its own)")
-            if budget < smallest:
-                raise AgentError(
-                    f"budget {budget / 1e6:.2f}M MACs is below the smallest cached variant ({smallest / 1e6:.2f}M MACs) of preset "
-                    f"{self.preset.name}; raise --budget or use a profile of a stronger device"
-                )
-            if c.device_id in self.clients:
-                raise AgentError(f"device id {c.device_id} appears twice among the hosted clients")
-            self.clients[c.device_id] = _Client(c, int(budget))
+        budgets = client_budgets(clients, self.preset, self.cache, config.budget_macs)
+        self.clients = {c.device_id: _Client(c, budgets[c.device_id]) for c in clients}
         self.instance = uuid.uuid4().hex[:16]
         self.topics = Topics(config.federation)
         self.presence = Presence(federation=config.federation, round=0, device=config.host, state="online", role="device")
@@ -222,10 +204,11 @@ class Agent:
                 self._filter = MessageFilter(self.config.federation)
                 for client in self.clients.values():
                     client.accepted = False
+                    client.finished = None
                 self._send_registrations()
             elif self._server_online and was is None:
                 self._send_registrations()  # the server may have missed registrations sent before it subscribed
-            elif not self._server_online and was:
+            elif not self._server_online and was and not self.finished:
                 log.warning("the server went offline; waiting for it to come back")
             return
         verdict = self._filter.verdict(message)
@@ -239,10 +222,19 @@ class Agent:
             if not message.accepted:
                 self._refused = True
                 raise AgentError(f"the server refused device {message.device}: {message.reason}")
-            if not client.accepted:
-                log.info("server accepted %s (preset %s, %d rounds)", message.device, message.preset, message.rounds)
+            if message.finished:
+                log.info("federation %r has already finished (%d rounds); nothing to train for %s", self.config.federation, message.rounds, message.device)
+                client.finished = Finished(federation=message.federation, round=0, device=message.device, rounds=message.rounds, completed=message.rounds)
+            elif not client.accepted:
+                log.debug("server accepted %s (preset %s, %d rounds)", message.device, message.preset, message.rounds)
             client.accepted = True
             self._ever_accepted = True
+        elif isinstance(message, Finished):
+            self.clients[message.device].finished = message
+            log.info(
+                "federation %r finished after %d of %d rounds%s", self.config.federation, message.completed, message.rounds,
+                "" if self.config.stay else "; leaving",
+            )
         elif isinstance(message, RoundStart):
             self._filter.advance(message.round)
             self.current_round = max(self.current_round, message.round)
@@ -268,24 +260,27 @@ class Agent:
         for device_id, client in self.clients.items():
             if client.accepted:
                 continue
-            message = Register(
-                federation=self.config.federation, round=0, device=device_id, host=self.config.host, instance=self.instance,
-                preset=self.preset.name, preset_digest=self.preset.digest, budget_macs=client.budget_macs, samples=client.data.samples,
-                profile=summary,
+            message = Register.for_client(
+                federation=self.config.federation, device=device_id, host=self.config.host, instance=self.instance, preset=self.preset,
+                budget_macs=client.budget_macs, samples=client.data.samples, profile=summary,
             )
             self.link.publish(self.topics.register, message.encode())
 
     def register(self, timeout: float | None = None) -> bool:
         """Register every client (False if ``stop`` was set first); AgentError when refused or when no server answers within ``timeout``."""
         timeout = self.config.register_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        last = float("-inf")
+        began = time.monotonic()
+        deadline = began + timeout
+        last, last_note = float("-inf"), began
         while not all(c.accepted for c in self.clients.values()):
             if self.stop.is_set():
                 return False
             now = time.monotonic()
+            state = {None: "has never reported", True: "is online but did not answer", False: "is offline"}[self._server_online]
+            if now - last_note >= HEARTBEAT:
+                log.info("waiting for the server of federation %r to answer the registration (the server %s); %.0f s", self.config.federation, state, now - began)
+                last_note = now
             if now >= deadline:
-                state = {None: "has never reported", True: "is online but did not answer", False: "is offline"}[self._server_online]
                 raise AgentError(
                     f"no feast-server answered the registration of {', '.join(d for d, c in self.clients.items() if not c.accepted)} within "
                     f"{timeout:g} s: the server of federation {self.config.federation!r} at {self.link.address} {state}; start "
@@ -298,10 +293,24 @@ class Agent:
         return True
 
     # ------------------------------------------------------------------ main loop
+    @property
+    def finished(self) -> bool:
+        """The server said the federation is over, for every hosted client."""
+        return all(c.finished is not None for c in self.clients.values())
+
     def run(self, max_rounds: int | None = None) -> None:
-        """Serve rounds (and model announcements) until ``stop`` is set."""
+        """Serve rounds (and model announcements) until the federation finishes (unless ``stay``) or ``stop`` is set."""
+        idle_since = last_note = time.monotonic()
         while not self.stop.is_set():
             self._process(0.2)
+            now = time.monotonic()
+            if self._pending or self._models:
+                idle_since = last_note = now
+            elif now - last_note >= HEARTBEAT:
+                server = {None: "not seen yet", True: "online", False: "offline"}[self._server_online]
+                what = "the server's next run" if self.finished else "the next round"
+                log.info("waiting for %s (server %s; %d round(s) trained so far); %.0f s", what, server, self.rounds_trained, now - idle_since)
+                last_note = now
             if self._pending:
                 device_id = min(self._pending, key=lambda d: (self._pending[d][0].round, self._pending[d][1]))
                 start, at = self._pending.pop(device_id)
@@ -310,6 +319,17 @@ class Agent:
                     return
             while self._models and not self.stop.is_set():
                 self._receive_model(self._models.pop(0))
+            if self.finished and not self._pending and not self._models and not self.config.stay:
+                return
+
+    def summary(self) -> str:
+        """One line for people: what each hosted client did in this federation."""
+        parts = []
+        for device_id, c in self.clients.items():
+            done = f"{c.finished.completed}/{c.finished.rounds} rounds" if c.finished is not None else "unfinished"
+            model = f", model {c.model_path}" if c.model_path is not None else ""
+            parts.append(f"{device_id}: trained {c.rounds_trained} rounds of the federation's {done}{model}")
+        return f"federation {self.config.federation!r}: " + "; ".join(parts)
 
     def _await_transfer(self, device_id: str, transfer: str, deadline: float, superseded_by_round: bool = False) -> bytes | None:
         """Payload of ``transfer`` once complete and verified; None if rejected, late, or a newer round arrived meanwhile."""
@@ -339,74 +359,58 @@ class Agent:
 
     def _train_round(self, device_id: str, start: RoundStart, received_at: float) -> None:
         t, client = start.round, self.clients[device_id]
+        shown = f"round {t + 1}/{start.rounds}"
         deadline = received_at + start.timeout
         try:
-            info = TransferInfo.from_dict(start.transfer)
-            if info.device != device_id or info.round != t:
-                raise AgentError(f"its transfer names device {info.device!r} round {info.round}")
-            affordable = tuple(Arch.from_dict(a).validated(self.preset) for a in start.plan["affordable"])
-            global_min = Arch.from_dict(start.plan["global_min"]).validated(self.preset)
-            train = TrainConfig(**start.train)
-            seed = int(start.seed)
-        except (FeastError, TypeError, ValueError, KeyError) as exc:
-            log.error("round %d: refused the round message for %s: %s", t, device_id, exc)
+            info = start.transfer_info()
+            plan = start.client_plan(self.preset)
+            train = start.train_config()
+        except FeastError as exc:
+            log.error("%s: refused the round message for %s: %s", shown, device_id, exc)
             return
         assert client.receiver is not None and client.sender is not None
         client.receiver.expect(info)
         blob = self._await_transfer(device_id, info.transfer, deadline, superseded_by_round=True)
         if blob is None:
-            log.warning("round %d: no routed payload for %s before the deadline (or a newer round superseded it); skipped", t, device_id)
+            log.warning("%s: no routed payload for %s before the deadline (or a newer round superseded it); skipped", shown, device_id)
             return
-        plan = ClientPlan(affordable, global_min, Envelope.of(affordable))
-        expected = Manifest(self.preset.name, self.preset.digest, self.classes, plan.envelope, round=t)
         try:
-            manifest, state = decode(blob, self.preset, expected=expected)
+            manifest, state = decode(blob, self.preset, expected=plan.manifest(self.preset, self.classes, t, "routed"))
             if manifest.kind != "routed":
                 raise AgentError(f"payload kind {manifest.kind!r} is not 'routed'")
         except FeastError as exc:
-            log.error("round %d: refused the routed payload for %s: %s", t, device_id, exc)
+            log.error("%s: refused the routed payload for %s: %s", shown, device_id, exc)
             return
         data = client.data
         log.info(
-            "round %d/%d: received routed payload for %s (%d tensors, %d bytes); training %d variants' envelope on %d examples",
-            t + 1, start.rounds, device_id, len(state), len(blob), len(affordable), data.samples,
+            "%s: %s trains %d variants on %d examples (routed payload %.2f MB)", shown, device_id, len(plan.affordable), data.samples, len(blob) / 1e6,
         )
         began = time.perf_counter()
         self.training = True
         try:
-            new_state, result = client_update(self.preset, self.classes, plan, state, data.images, data.labels, train, start.lr, seed, self.config.device)
+            new_state, result = client_update(self.preset, self.classes, plan, state, data.images, data.labels, train, start.lr, start.client_seed, self.config.device)
         except (FeastError, RuntimeError) as exc:  # e.g. settings this device cannot train with, or out of memory
-            log.error("round %d: local training of %s failed: %s; skipped", t, device_id, exc)
+            log.error("%s: local training of %s failed: %s; skipped", shown, device_id, exc)
             return
         finally:
             self.training = False
         compute = time.perf_counter() - began
         if time.monotonic() > deadline:
-            log.warning("round %d: %s finished %.1f s after the server's deadline; sending anyway", t, device_id, time.monotonic() - deadline)
-        payload = encode(new_state, Manifest(self.preset.name, self.preset.digest, self.classes, plan.envelope, round=t, kind="update", fields={"device": device_id}))
-        up = describe(payload, federation=self.config.federation, round=t, device=device_id, chunk_size=self.config.chunk_size)
-        metrics = {
-            "loss": result.mean_loss,
-            "samples_seen": result.samples_seen,
-            "num_batches": result.num_batches,
-            "train_macs": result.train_macs,
-            "compute_seconds": compute,
-            "role_losses": result.role_losses,
-            "variants_per_batch": {str(k): v for k, v in result.variants_per_batch.items()},
-            "device": str(self.config.device),
-        }
-        update = Update(
-            federation=self.config.federation, round=t, device=device_id, transfer=up.to_dict(), routed=info.transfer,
-            samples=result.num_samples, metrics=metrics,
+            log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, time.monotonic() - deadline)
+        payload = encode(new_state, plan.manifest(self.preset, self.classes, t, "update", device_id))
+        up = client.sender.describe(payload, round=t, device=device_id)
+        update = Update.from_result(
+            result, federation=self.config.federation, round=t, device=device_id, transfer=up, routed=info.transfer, compute_seconds=compute,
+            torch_device=str(self.config.device),
         )
         try:
-            self.link.publish(self.topics.events, update.encode())
-            client.sender.send(payload, round=t, device=device_id, transfer=up.transfer, timeout=self.config.send_timeout)
+            client.sender.announce_and_send(self.topics.events, update.encode(), payload, up, timeout=self.config.send_timeout)
         except LinkError as exc:
-            log.error("round %d: could not send the update of %s: %s", t, device_id, exc)
+            log.error("%s: could not send the update of %s: %s", shown, device_id, exc)
             return
         self.rounds_trained += 1
-        log.info("round %d/%d: sent update of %s: loss %.4f, %.1f s compute, %d bytes", t + 1, start.rounds, device_id, result.mean_loss, compute, len(payload))
+        client.rounds_trained += 1
+        log.info("%s: %s sent its update: loss %.4f, %.1f s training, %.2f MB", shown, device_id, result.mean_loss, compute, len(payload) / 1e6)
 
     # ------------------------------------------------------------------ models
     def _receive_model(self, message: ModelReady) -> None:
@@ -429,6 +433,7 @@ class Agent:
         except FeastError as exc:
             log.error("the model of %s is unusable: %s", device_id, exc)
             return
+        client.model_path = path
         log.info("saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms", device_id, path, message.manifest.get("macs"), latency["median_ms"])
         values = {"onnx_latency_ms": latency["median_ms"], "model_sha256": message.manifest.get("sha256"), "model_macs": message.manifest.get("macs")}
         self.link.publish(self.topics.events, Metrics(federation=self.config.federation, round=self.current_round, device=device_id, values=values).encode())

@@ -8,34 +8,22 @@ cleanly (offline presence, DISCONNECT).
 
 from __future__ import annotations
 
+import logging
 import signal
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from feast_edge.cli.common import (
-    ChunkOpt,
-    DeviceOpt,
-    FederationOpt,
-    LogFileOpt,
-    LogLevelOpt,
-    ThreadsOpt,
-    make_app,
-    make_console,
-    mqtt_options,
-    parse_macs,
-    run_cli,
-    setup_logging,
-    torch_threads,
-)
+from feast_edge.cli import common
 from feast_edge.errors import FeastError
-from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE
-from feast_edge.transport.link import LinkConfig
+from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
-app = make_app("feast-agent", "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model.")
-console = make_console()
+app = common.make_app("feast-agent", "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model.")
+console = common.make_console()
+
+log = logging.getLogger("feast_edge.agent")
 
 DeviceIdOpt = Annotated[str, typer.Option("--device-id", "-d", help="This device's id (1-64 of A-Z a-z 0-9 . _ -).")]
 
@@ -45,33 +33,34 @@ class _Terminated(Exception):
 
 
 @app.command()
-@mqtt_options()
+@common.mqtt_options()
 def run(
     link: LinkConfig,
     device_id: DeviceIdOpt,
     data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition).")],
     profile: Annotated[Optional[str], typer.Option("--profile", help="Device profile: a name (feast-agent profiles) or a .json file; gives the budget and preset.")] = None,
     budget: Annotated[Optional[str], typer.Option("--budget", help="MAC budget, e.g. 12M (instead of --profile; shard files carry their own).")] = None,
-    device: DeviceOpt = "auto",
+    device: common.DeviceOpt = "auto",
     clients: Annotated[Optional[int], typer.Option("--clients", "-k", min=1, help="Host K virtual clients in this process (ids ID-0..ID-(K-1), or a partition's).")] = None,
     shard: Annotated[Optional[str], typer.Option("--shard", help="With a Fashion-MNIST directory: use deterministic shard i/N of its training split.")] = None,
     offset: Annotated[int, typer.Option("--offset", min=0, help="With a partition directory: first client to host.")] = 0,
     preset: Annotated[Optional[str], typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small).")] = None,
-    federation: FederationOpt = "feast",
+    federation: common.FederationOpt = "feast",
     model_dir: Annotated[Optional[Path], typer.Option("--model-dir", help="Save the ONNX model the server pushes after the last round here.")] = None,
+    stay: Annotated[bool, typer.Option("--stay", help="When the federation finishes, keep waiting for the server's next run instead of exiting.")] = False,
     register_timeout: Annotated[float, typer.Option("--register-timeout", min=0.1, help="Seconds to wait for the server to accept the registration.")] = 60.0,
-    threads: ThreadsOpt = 0,
-    chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
-    log_level: LogLevelOpt = "info",
-    log_file: LogFileOpt = None,
+    threads: common.ThreadsOpt = 0,
+    chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    log_level: common.LogLevelOpt = "info",
+    log_file: common.LogFileOpt = None,
 ) -> None:
-    """Register with the server and train every round it routes to this device, until SIGINT/SIGTERM."""
+    """Register with the server and train every round it routes to this device; exit 0 when the federation finishes."""
     from feast_edge.agent.agent import Agent, AgentConfig
     from feast_edge.agent.data import load_clients
     from feast_edge.profile import load_profile, profile_summary
     from feast_edge.runtime import describe_device, resolve_device
 
-    setup_logging(log_level, log_file)
+    common.setup_logging(log_level, log_file)
     if profile is not None and budget is not None:
         raise FeastError("give either --profile or --budget, not both (a profile carries its budget)")
     loaded = None
@@ -82,21 +71,22 @@ def run(
     chosen = preset or (loaded.preset if loaded is not None else None) or (next(iter(shard_presets)) if len(shard_presets) == 1 else None) or "fmnist-small"
     if loaded is not None and loaded.preset != chosen:
         raise FeastError(f"profile {loaded.name} was derived for preset {loaded.preset}, not {chosen}; re-profile with 'feast-agent profile --preset {chosen}'")
-    torch_threads(threads)
+    common.torch_threads(threads)
     torch_device = resolve_device(device)
     config = AgentConfig(
         host=device_id,
         federation=federation,
         preset=chosen,
         device=torch_device,
-        budget_macs=parse_macs(budget) if budget is not None else (loaded.budget_macs if loaded is not None else None),
+        budget_macs=common.parse_macs(budget) if budget is not None else (loaded.budget_macs if loaded is not None else None),
         profile=profile_summary(loaded) if loaded is not None else {},
         chunk_size=chunk_size,
         register_timeout=register_timeout,
         model_dir=None if model_dir is None else str(model_dir),
+        stay=stay,
     )
     agent = Agent(config, link, hosted)
-    console.print(describe_device(torch_device, device), soft_wrap=True, highlight=False)
+    log.info(describe_device(torch_device, device))
 
     def terminate(signum: int, frame: Any) -> None:
         # Loops notice the flag within 0.2 s; a local epoch can take minutes, so training is interrupted at once.
@@ -111,7 +101,8 @@ def run(
     try:
         agent.start()
         if agent.register():
-            console.print(f"registered {', '.join(agent.clients)} with federation {federation!r}; waiting for rounds (Ctrl-C to leave)", soft_wrap=True, highlight=False)
+            if not agent.finished:
+                log.info("registered %s with federation %r; waiting for rounds (Ctrl-C to leave)", ", ".join(agent.clients), federation)
             agent.run()
     except _Terminated:
         pass
@@ -120,28 +111,30 @@ def run(
             signal.signal(s, handler)
         agent.close()
     if stopped:
-        console.print("stopped; left the federation (offline status published)", soft_wrap=True)
+        log.info("stopped; left the federation (offline status published)")
         if stopped[0] == signal.SIGINT:
             raise typer.Exit(130)
+    elif agent.finished:
+        console.print(agent.summary(), soft_wrap=True, highlight=False)
 
 
 @app.command("fetch-model")
-@mqtt_options()
+@common.mqtt_options()
 def fetch_model_command(
     link: LinkConfig,
     device_id: DeviceIdOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="ONNX file to write (its manifest goes beside it as .json).")],
-    federation: FederationOpt = "feast",
+    federation: common.FederationOpt = "feast",
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the server's answer.")] = 30.0,
     repeats: Annotated[int, typer.Option(min=1, help="Timed onnxruntime runs.")] = 50,
-    chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
-    log_level: LogLevelOpt = "warning",
-    log_file: LogFileOpt = None,
+    chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    log_level: common.LogLevelOpt = "warning",
+    log_file: common.LogFileOpt = None,
 ) -> None:
     """Download this device's ONNX model from the server, verify its SHA-256, load it in onnxruntime, print its latency."""
     from feast_edge.agent.models import fetch_model
 
-    setup_logging(log_level, log_file)
+    common.setup_logging(log_level, log_file)
     got = fetch_model(link, federation, device_id, out, timeout=timeout, chunk_size=chunk_size, repeats=repeats)
     m = got.manifest
     console.print(
@@ -157,7 +150,7 @@ def fetch_model_command(
 def profile(
     out: Annotated[Path, typer.Option("--out", "-o", help="Profile file to write (.json).")],
     preset: Annotated[str, typer.Option("--preset", "-p", help="Preset whose cached variants are timed.")] = "fmnist-small",
-    device: DeviceOpt = "auto",
+    device: common.DeviceOpt = "auto",
     latency_target_ms: Annotated[Optional[float], typer.Option("--latency-target-ms", min=0.001, help="Batch-1 inference latency the served variant must meet.")] = None,
     memory_fraction: Annotated[float, typer.Option("--memory-fraction", min=0.01, max=1.0, help="Share of RAM (or GPU memory) training may use.")] = 0.5,
     variants: Annotated[int, typer.Option(min=2, help="Cached variants to time.")] = 6,
@@ -213,7 +206,7 @@ def profiles_command(
 
 def main() -> None:
     """Console-script entry of ``feast-agent``."""
-    run_cli(app)
+    common.run_cli(app)
 
 
 if __name__ == "__main__":

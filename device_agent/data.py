@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from feast_edge.cache import VariantCache
 from feast_edge.data import DataError, load_fashion_mnist
+from feast_edge.preset import Preset
 from feast_edge.shards import is_partition, read_index, read_shard
 
 SHARD_SEED = 0  # the permutation behind --shard i/N; fixed so every agent cuts the same way
@@ -91,3 +93,30 @@ def load_clients(data: str | os.PathLike[str], device_id: str, clients: int | No
         index = torch.from_numpy(piece.astype(np.int64))
         hosted.append(LocalClient(cid, train.images[index], train.labels[index], None, None, None, f"{path} shard {i}/{n}"))
     return hosted
+
+
+def client_budgets(clients: list[LocalClient], preset: Preset, cache: VariantCache, budget_macs: float | None) -> dict[str, int]:
+    """Each hosted client's MAC budget (``budget_macs`` for all, else its shard's), after checking its data fits ``preset``.
+
+    DataError names the client, the problem and the fix (preset, shape, labels, missing or too small budget, duplicate id).
+    """
+    if not clients:
+        raise DataError("the agent hosts no clients; check --data and --clients")
+    shape = (preset.in_channels, preset.input_size, preset.input_size)
+    budgets: dict[str, int] = {}
+    for c in clients:
+        if c.preset_digest is not None and c.preset_digest != preset.digest:
+            raise DataError(f"{c.source} was partitioned for preset {c.preset!r}, but the agent trains {preset.name!r}; pass --preset {c.preset}")
+        if tuple(c.images.shape[1:]) != shape:
+            raise DataError(f"{c.source}: images are {tuple(c.images.shape[1:])}, preset {preset.name} takes {shape}; pass matching --data or --preset")
+        if c.samples and int(c.labels.max()) >= preset.classes:
+            raise DataError(f"{c.source}: labels reach {int(c.labels.max())}, preset {preset.name} has {preset.classes} classes")
+        budget = budget_macs if budget_macs is not None else c.budget_macs
+        if budget is None:
+            raise DataError(f"no MAC budget for device {c.device_id}: pass --budget MACS or --profile NAME|FILE (a shard file carries its own)")
+        if budget < cache.smallest.macs:
+            raise DataError(cache.below_smallest(budget, "raise --budget or use a profile of a stronger device"))
+        if c.device_id in budgets:
+            raise DataError(f"device id {c.device_id} appears twice among the hosted clients")
+        budgets[c.device_id] = int(budget)
+    return budgets

@@ -15,14 +15,19 @@ from typing import Any
 from feast_edge.atomic import atomic_write_bytes, check_writable
 from feast_edge.errors import FeastError
 from feast_edge.onnx_export import measure_latency
-from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE, Reassembler, Status, TransferInfo
+from feast_edge.protocol import ModelReady, ModelRequest
+from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import ProtocolError, TopicError
-from feast_edge.transport.link import Link, LinkConfig, Received
-from feast_edge.transport.messages import ModelReady, ModelRequest, parse
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, TransferInfo
+from feast_edge.transport.link import Link, Received
+from feast_edge.transport.messages import parse
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver
 
 log = logging.getLogger(__name__)
+
+REQUEST_RETRY = 3.0  # seconds between repeats of a model request nobody answered yet
 
 
 class ModelError(FeastError):
@@ -45,6 +50,18 @@ class FetchedModel:
     path: Path
     manifest: dict[str, Any]
     latency: dict[str, float]
+
+
+def _ask(link: Link, topic: str, request: bytes, replies: queue.Queue[ModelReady], timeout: float) -> ModelReady | None:
+    """Publish ``request`` every few seconds until a reply arrives (a server that starts later still hears it) or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        link.publish(topic, request, timeout=min(remaining, 10.0))  # the same msg_id each time: a server answers it once
+        try:
+            return replies.get(timeout=min(REQUEST_RETRY, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            continue
+    return None
 
 
 def fetch_model(
@@ -81,14 +98,12 @@ def fetch_model(
     link.connect(timeout=min(timeout, 10.0))
     try:
         receiver = ChunkReceiver(link, topics, "down", device=device_id, reassembler=Reassembler(federation=federation, max_chunk_size=chunk_size))
-        link.publish(topics.events, request.encode(), timeout=min(timeout, 10.0))
-        try:
-            answer = replies.get(timeout=timeout)
-        except queue.Empty:
+        answer = _ask(link, topics.events, request.encode(), replies, timeout)
+        if answer is None:
             raise ModelError(
                 f"no feast-server answered the model request of {device_id} on federation {federation!r} within {timeout:g} s; "
                 "is 'feast-server run --serve' or 'feast-server serve' running there with the same --federation?"
-            ) from None
+            )
         if not answer.available:
             raise ModelError(f"the server has no model for {device_id}: {answer.reason}")
         info = TransferInfo.from_dict(answer.transfer)

@@ -26,14 +26,7 @@ from feast_edge.cache import load_cache
 from feast_edge.errors import FeastError
 from feast_edge.extract import extract
 from feast_edge.preset import load_preset
-from feast_edge.profile import (
-    NAME_PATTERN,
-    DEFAULT_LATENCY_TARGET_MS,
-    DeviceProfile,
-    ProfileError,
-    derive_budget,
-    fit_latency,
-)
+from feast_edge.profile import DEFAULT_LATENCY_TARGET_MS, NAME_PATTERN, DeviceProfile, ProfileError, derive_budget, fit_latency
 from feast_edge.runtime import resolve_device
 from feast_edge.supernet import Supernet
 

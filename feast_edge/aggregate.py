@@ -53,14 +53,10 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from feast_edge.errors import FeastError
+from feast_edge.errors import PayloadError
 from feast_edge.slicing import leading_index
 
 StateDict = Mapping[str, torch.Tensor]
-
-
-class PayloadError(FeastError, ValueError):
-    """A returned payload does not fit the global state (unknown name, not a leading slice, bad weight)."""
 
 
 def check_payload(global_state: StateDict, local_state: StateDict) -> None:

@@ -137,11 +137,12 @@ class VariantCache:
         """The largest cached variant with MAC ≤ budget (SPEC §8 serving)."""
         affordable = self.affordable(budget)
         if not affordable:
-            raise CacheError(
-                f"budget {budget / 1e6:.2f}M MACs is below the smallest cached variant ({self.smallest.macs / 1e6:.2f}M) "
-                f"of preset {self.preset_name}; raise the budget or use a smaller preset"
-            )
+            raise CacheError(self.below_smallest(budget))
         return affordable[-1]
+
+    def below_smallest(self, budget: float, fix: str = "raise the budget or use a smaller preset") -> str:
+        """The message for a budget that affords no cached variant, ending in ``fix``."""
+        return f"budget {budget / 1e6:.2f}M MACs is below the smallest cached variant ({self.smallest.macs / 1e6:.2f}M MACs) of preset {self.preset_name}; {fix}"
 
     # -------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:

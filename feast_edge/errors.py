@@ -19,3 +19,7 @@ class CheckpointError(FeastError, ValueError):
 
 class PopulationError(FeastError, ValueError):
     """A client-population or data-partition setting cannot be realized (SPEC §4)."""
+
+
+class PayloadError(FeastError, ValueError):
+    """A payload is malformed, does not match what was routed, or does not fit the global state."""

@@ -23,6 +23,7 @@ import torch
 from feast_edge.aggregate import aggregate
 from feast_edge.arch import Arch
 from feast_edge.cache import VariantCache
+from feast_edge.payload import Manifest
 from feast_edge.population import sample_cohort
 from feast_edge.preset import Preset
 from feast_edge.route import Envelope
@@ -61,6 +62,10 @@ class ClientPlan:
 
     def layout(self, preset: Preset, classes: int):
         return self.envelope.layout(preset, classes)
+
+    def manifest(self, preset: Preset, classes: int, round_index: int, kind: str, device: str | None = None) -> Manifest:
+        """The manifest of this plan's routed payload (``kind="routed"``) or of the update it comes back as."""
+        return Manifest.of(preset, classes, self.envelope, round_index, kind, device)
 
 
 def plan_client(cache: VariantCache, budget: float) -> ClientPlan:

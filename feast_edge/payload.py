@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from feast_edge.errors import FeastError
+from feast_edge.errors import PayloadError
 from feast_edge.preset import Preset
 from feast_edge.route import Envelope
 from feast_edge.supernet import state_shapes
@@ -28,10 +28,6 @@ FORMAT = "feast-edge/payload"
 VERSION = 1
 META_KEY = "feast_edge"
 KINDS = ("routed", "update")
-
-
-class PayloadError(FeastError, ValueError):
-    """A payload is malformed or does not match what was routed."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +41,11 @@ class Manifest:
     round: int
     kind: str = "routed"
     fields: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, preset: Preset, classes: int, envelope: Envelope, round: int, kind: str = "routed", device: str | None = None) -> Manifest:
+        """The manifest of a ``kind`` payload routing ``envelope`` of ``preset`` in ``round``, optionally naming its device."""
+        return cls(preset.name, preset.digest, classes, envelope, round=round, kind=kind, fields={} if device is None else {"device": device})
 
     def to_dict(self) -> dict[str, Any]:
         return {

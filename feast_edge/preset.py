@@ -23,6 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from feast_edge.errors import PresetError
+from feast_edge.lookup import named_files
 
 BUILTIN_DIR = Path(__file__).parent / "presets"
 PATH_ENV = "FEAST_EDGE_PRESET_PATH"
@@ -258,19 +259,9 @@ def load_preset_file(path: str | os.PathLike[str]) -> Preset:
     return _from_toml(data, str(path))
 
 
-def _search_dirs() -> list[Path]:
-    extra = [Path(p) for p in os.environ.get(PATH_ENV, "").split(os.pathsep) if p]
-    return extra + [BUILTIN_DIR]
-
-
 def available_presets() -> dict[str, Path]:
     """Map of preset name -> file, user directories first (they may shadow built-ins)."""
-    found: dict[str, Path] = {}
-    for directory in _search_dirs():
-        if directory.is_dir():
-            for file in sorted(directory.glob("*.toml")):
-                found.setdefault(file.stem, file)
-    return found
+    return named_files(PATH_ENV, BUILTIN_DIR, "*.toml")
 
 
 _CACHE: dict[tuple[str, float], Preset] = {}

@@ -36,6 +36,7 @@ from feast_edge.atomic import atomic_write_bytes, check_writable
 from feast_edge.cache import VariantCache
 from feast_edge.errors import FeastError
 from feast_edge.geometry import arch_layout
+from feast_edge.lookup import named_files
 from feast_edge.preset import Preset
 from feast_edge.route import Envelope
 
@@ -349,19 +350,9 @@ def save_profile(profile: DeviceProfile, path: str | os.PathLike[str]) -> Path:
     return atomic_write_bytes(path, (json.dumps(profile.to_dict(), indent=2) + "\n").encode())
 
 
-def _search_dirs() -> list[Path]:
-    extra = [Path(p) for p in os.environ.get(PATH_ENV, "").split(os.pathsep) if p]
-    return extra + [builtin_dir()]
-
-
 def available_profiles() -> dict[str, Path]:
     """Map of profile name -> file: directories on $FEAST_EDGE_PROFILE_PATH first (they shadow), then the built-in profiles."""
-    found: dict[str, Path] = {}
-    for directory in _search_dirs():
-        if directory.is_dir():
-            for file in sorted(directory.glob("*.json")):
-                found.setdefault(file.stem, file)
-    return found
+    return named_files(PATH_ENV, builtin_dir(), "*.json")
 
 
 def _read_profile_file(path: Path) -> DeviceProfile:

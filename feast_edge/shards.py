@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,7 +26,9 @@ from safetensors.torch import save as safetensors_save
 
 from feast_edge.atomic import atomic_write_bytes
 from feast_edge.errors import FeastError
-from feast_edge.simulate import Setup, SimulationConfig, build_setup
+
+if TYPE_CHECKING:  # writing a partition needs the simulator; reading a shard (what an agent does) does not
+    from feast_edge.simulate import Setup, SimulationConfig
 
 SHARD_FORMAT = "feast-edge/shard"
 SERVER_FORMAT = "feast-edge/server-split"
@@ -67,14 +69,6 @@ class ServerSplit:
     calibration_images: torch.Tensor
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _write(path: Path, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> str:
     blob = safetensors_save({k: v.contiguous() for k, v in tensors.items()}, metadata={META_KEY: json.dumps(record, sort_keys=True)})
     atomic_write_bytes(path, blob)
@@ -83,6 +77,8 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], record: dict[str, Any])
 
 def write_partition(config: SimulationConfig, out: str | os.PathLike[str], setup: Setup | None = None) -> dict[str, Any]:
     """Write every client's shard, the server split and ``index.json`` into ``out``; returns the index."""
+    from feast_edge.simulate import build_setup
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     setup = build_setup(config) if setup is None else setup

@@ -1,13 +1,14 @@
 """The paper's research protocol in one process (SPEC §4–§8), with checkpoints and exact resume.
 
 ``Simulation(config, out_dir).run()`` builds the server-held splits, the
-client population and the global supernet, then runs rounds of
-cohort sampling → routing → local co-training → sparse aggregation through the
-same functions the MQTT federation uses (``feast_edge.federation``). After
-every round it writes ``checkpoint.safetensors`` atomically; every
-``eval_every`` rounds it validates and keeps ``best.safetensors``. At the end
-it tests every cached variant of the best checkpoint and writes
-``results.json``, ``variants.csv`` and ``rounds.csv``.
+client population and the global supernet, then runs the federation's run
+loop (``feast_edge.rounds.RunLoop``, the one ``feast-server`` runs) with an
+in-process collector: each cohort member's local co-training runs here, through
+the same functions an agent runs (``feast_edge.federation``). The loop writes
+``checkpoint.safetensors`` atomically after every round and keeps
+``best.safetensors``; at the end the simulation tests every cached variant of
+the best checkpoint and writes ``results.json``, ``variants.csv`` and
+``rounds.csv``.
 
 All randomness derives from ``config.seed`` and the round index, so a resumed
 run ends with exactly the weights of an uninterrupted one.
@@ -19,7 +20,7 @@ import csv
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,21 +30,18 @@ import torch
 
 from feast_edge.atomic import atomic_write_bytes
 from feast_edge.cache import VariantCache, load_cache
-from feast_edge.checkpoint import load_supernet, read_record, save_supernet
+from feast_edge.checkpoint import load_supernet
 from feast_edge.data import FASHION_MNIST_DIR, DataError, ImageSet, load_dataset
 from feast_edge.errors import FeastError
 from feast_edge.evaluate import evaluate_variants, population_accuracy
-from feast_edge.federation import aggregate_updates, client_seed, client_update, plan_client, sample_round_cohort
-from feast_edge.geometry import supernet_layout
-from feast_edge.cost import count_params
+from feast_edge.federation import ClientPlan, client_seed, client_update, plan_client
 from feast_edge.population import Population, build_population, server_split, zipf_population
 from feast_edge.preset import Preset, load_preset
+from feast_edge.rounds import BEST, CHECKPOINT, ClientUpdate, Collected, RoundRecord, RunError, RunLoop, RunSettings, Validation
 from feast_edge.route import route_state
 from feast_edge.supernet import Supernet
-from feast_edge.train import TrainConfig, cosine_lr
+from feast_edge.train import TrainConfig
 
-CHECKPOINT = "checkpoint.safetensors"
-BEST = "best.safetensors"
 KIND = "simulation"
 # Stream tags of the one-off random draws (rounds use feast_edge.federation's streams).
 _SPLIT, _POPULATION = 11, 12
@@ -113,25 +111,8 @@ class SimulationConfig:
 
 
 @dataclass
-class RoundLog:
-    """What one round did: cohort, loss, compute and traffic."""
-
-    round: int
-    lr: float
-    cohort: list[str]
-    loss: float
-    samples: int
-    train_macs: int
-    routed_params: int  # Σ_i P_i over the cohort (one direction)
-    full_params: int  # m · P
-    variants_per_batch: dict[str, int]
-    seconds: float
-    val_accuracy: float | None = None
-
-
-@dataclass
-class Progress:
-    """What the progress display shows after each round."""
+class RoundProgress:
+    """What the progress display shows after each round (``round`` is 1-based)."""
 
     round: int
     rounds: int
@@ -142,10 +123,6 @@ class Progress:
 
 def _rng(seed: int, tag: int) -> np.random.Generator:
     return np.random.default_rng([seed, tag])
-
-
-def _m(x: float) -> str:
-    return f"{x / 1e6:.2f}M"
 
 
 @dataclass
@@ -198,14 +175,43 @@ def build_setup(config: SimulationConfig) -> Setup:
     # Zipf budgets can land anywhere from budget_min up, so the floor itself must be affordable.
     low = float(np.min(population.budgets)) if config.budgets is not None else min(b_min, float(np.min(population.budgets)))
     if low < cache.smallest.macs:
-        raise SimulationError(
-            f"budget {_m(low)} MACs is below the smallest cached variant ({_m(cache.smallest.macs)}) of preset {preset.name}; "
-            f"raise the budgets (--budget-min) to at least {cache.smallest.macs}"
-        )
+        raise SimulationError(cache.below_smallest(low, f"raise the budgets (--budget-min) to at least {cache.smallest.macs}"))
     ids = [f"client-{i:03d}" for i in range(config.clients)]
     setup = Setup(preset, cache, train, test, split.validation, split.calibration, pool, population, ids)
     setup.plans = {cid: plan_client(cache, float(b)) for cid, b in zip(ids, population.budgets)}
     return setup
+
+
+class InProcessCollector:
+    """Collects a cohort's updates by running each client's local co-training in this process."""
+
+    def __init__(self, setup: Setup, config: SimulationConfig) -> None:
+        self.setup = setup
+        self.config = config
+        self.budgets = {cid: float(b) for cid, b in zip(setup.client_ids, setup.population.budgets)}
+
+    def clients(self, needed: int) -> list[str]:
+        return list(self.setup.client_ids)
+
+    def budget(self, client: str) -> float:
+        return self.budgets[client]
+
+    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+        cfg, preset = self.config, self.setup.preset
+        updates = []
+        for cid in cohort:
+            plan = plans[cid]
+            state = route_state(global_state, plan.layout(preset, preset.classes), preset)
+            images, labels = self.setup.client_data(cid)
+            began = time.perf_counter()
+            new_state, result = client_update(preset, preset.classes, plan, state, images, labels, cfg.train_config(), lr, client_seed(cfg.seed, t, cid), cfg.device)
+            updates.append(
+                ClientUpdate(
+                    cid, new_state, result.num_samples, loss=result.mean_loss, samples_seen=result.samples_seen, train_macs=result.train_macs,
+                    compute_seconds=time.perf_counter() - began, variants_per_batch={str(k): v for k, v in result.variants_per_batch.items()},
+                )
+            )
+        return Collected(updates)
 
 
 class Simulation:
@@ -216,109 +222,63 @@ class Simulation:
         self.out = Path(out_dir)
         self.setup = build_setup(config)
         self.preset = self.setup.preset
-        self.classes = self.preset.classes
         self.model = Supernet(self.preset, seed=config.seed)
-        self.full_params = count_params(supernet_layout(self.preset))
-        self.history: list[RoundLog] = []
-        self.best: dict[str, Any] = {}
-        n = len(self.setup.cache)
-        picks = np.linspace(0, n - 1, min(config.probe_variants, n)).round().astype(int)
-        self.probes = [self.setup.cache.entries[i].arch for i in sorted(set(picks.tolist()))]
+        s = self.setup
+        calibration = s.train.images[torch.tensor(np.asarray(s.calibration), dtype=torch.long)]
+        val = torch.tensor(np.asarray(s.validation), dtype=torch.long)
+        settings = RunSettings(
+            rounds=config.rounds, per_round=config.per_round, min_clients=1, seed=config.seed, lr=config.lr, eval_every=config.eval_every,
+            probe_variants=config.probe_variants, device=config.device,
+        )
+        self.loop = RunLoop(
+            self.model, s.cache, settings, self.out, kind=KIND, fingerprint=config.fingerprint(),
+            config={k: v for k, v in asdict(config).items() if k != "device"},
+            validation=Validation(calibration, s.train.images[val], s.train.labels[val]),
+        )
+        self.collector = InProcessCollector(s, config)
 
-    # ------------------------------------------------------------------ state
-    def _record(self) -> dict[str, Any]:
-        return {
-            "kind": KIND,
-            "fingerprint": self.config.fingerprint(),
-            "config": asdict(self.config),
-            "round": len(self.history),
-            "history": [asdict(h) for h in self.history],
-            "best": self.best,
-        }
+    @property
+    def history(self) -> list[RoundRecord]:
+        return self.loop.history
 
-    def _save(self, name: str) -> None:
-        save_supernet(self.out / name, self.model, **self._record())
+    @property
+    def best(self) -> dict[str, Any]:
+        return self.loop.best
 
     def resume(self) -> int:
         """Load ``checkpoint.safetensors``; returns the number of completed rounds."""
         path = self.out / CHECKPOINT
         if not path.is_file():
             raise SimulationError(f"--resume: no checkpoint at {path}; run without --resume to start, or point --out at the run to resume")
-        fields_ = read_record(path).get("fields", {})
-        if fields_.get("kind") != KIND:
-            raise SimulationError(f"--resume: {path} is not a simulation checkpoint; point --out at a directory written by feast-edge simulate")
-        if fields_.get("fingerprint") != self.config.fingerprint():
-            theirs = fields_.get("config", {})
-            ours = asdict(self.config)
-            differ = sorted(k for k in ours if k != "device" and json.dumps(ours[k]) != json.dumps(theirs.get(k)))
-            raise SimulationError(
-                f"--resume: {path} belongs to a simulation with other settings (differs in: {', '.join(differ) or 'unknown'}); "
-                "rerun with the same options, or use a new --out without --resume"
-            )
-        model, record = load_supernet(path, self.preset)
-        self.model.load_state_dict(model.state_dict())
-        self.history = [RoundLog(**h) for h in record["fields"]["history"]]
-        self.best = record["fields"]["best"]
-        return len(self.history)
+        try:
+            return self.loop.resume("rerun with the same options, or use a new --out without --resume")
+        except RunError as exc:
+            raise SimulationError(f"--resume: {exc}") from None
 
-    # ----------------------------------------------------------------- rounds
-    def run_round(self, t: int) -> RoundLog:
-        """Cohort → route → local co-training → sparse aggregation for round ``t``."""
-        cfg, setup = self.config, self.setup
-        start = time.perf_counter()
-        cohort = sample_round_cohort(setup.client_ids, cfg.per_round, cfg.seed, t)
-        lr = cosine_lr(cfg.lr, t, cfg.rounds)
-        global_state = self.model.state_dict()
-        updates, loss, samples, macs, routed = [], 0.0, 0, 0, 0
-        per_batch: dict[str, int] = {}
-        for cid in cohort:
-            plan = setup.plans[cid]
-            layout = plan.layout(self.preset, self.classes)
-            state = route_state(global_state, layout, self.preset)
-            routed += count_params(layout)
-            images, labels = setup.client_data(cid)
-            new_state, result = client_update(self.preset, self.classes, plan, state, images, labels, cfg.train_config(), lr, client_seed(cfg.seed, t, cid), cfg.device)
-            updates.append((cid, new_state, result.num_samples))
-            loss += result.mean_loss * result.samples_seen
-            samples += result.samples_seen
-            macs += result.train_macs
-            for k, v in result.variants_per_batch.items():
-                per_batch[str(k)] = per_batch.get(str(k), 0) + v
-        aggregate_updates(global_state, updates, inplace=True)  # global_state aliases the model's tensors
-        return RoundLog(t, lr, cohort, loss / max(1, samples), samples, macs, routed, cfg.per_round * self.full_params, per_batch, time.perf_counter() - start)
-
-    def validate(self) -> float:
-        """Mean validation accuracy of the probe variants, each BN-recalibrated (SPEC §8)."""
-        s = self.setup
-        val = torch.tensor(np.asarray(s.validation), dtype=torch.long)
-        calib = s.train.images[torch.tensor(np.asarray(s.calibration), dtype=torch.long)]
-        accs = evaluate_variants(self.model, self.probes, calib, s.train.images[val], s.train.labels[val], self.config.device)
-        return float(np.mean(accs))
+    def run_round(self, t: int) -> RoundRecord:
+        """Round ``t`` alone (no checkpoint): cohort -> route -> local co-training -> sparse aggregation."""
+        return self.loop.run_round(t, self.collector, 1)
 
     def run(
         self,
         resume: bool = False,
-        on_round: Callable[[Progress], None] | None = None,
+        on_round: Callable[[RoundProgress], None] | None = None,
         stop_after: int | None = None,
         on_test: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any] | None:
         """Run (or resume) to the last round, then test; ``stop_after`` rounds ends early (returns None)."""
         self.out.mkdir(parents=True, exist_ok=True)
-        done = self.resume() if resume else 0
-        cfg = self.config
-        for t in range(done, cfg.rounds):
-            log = self.run_round(t)
-            if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
-                log.val_accuracy = self.validate()
-            self.history.append(log)
-            if log.val_accuracy is not None and log.val_accuracy > self.best.get("val_accuracy", -1.0):
-                self.best = {"round": t, "val_accuracy": log.val_accuracy}
-                self._save(BEST)
-            self._save(CHECKPOINT)
+        if resume:
+            self.resume()
+        rounds = self.config.rounds
+
+        def progress(record: RoundRecord) -> None:
             if on_round is not None:
-                on_round(Progress(t + 1, cfg.rounds, log.loss, log.val_accuracy, self.best.get("val_accuracy")))
-            if stop_after is not None and t + 1 >= stop_after and t + 1 < cfg.rounds:
-                return None
+                on_round(RoundProgress(record.round, rounds, record.loss or 0.0, record.val_accuracy, self.best.get("val_accuracy")))
+
+        self.loop.run(self.collector, on_round=progress, stop_after=stop_after)
+        if not self.loop.finished:
+            return None
         return self.finish(on_test)
 
     # ----------------------------------------------------------------- results
@@ -354,7 +314,7 @@ class Simulation:
         _write_csv(
             self.out / "rounds.csv",
             ["round", "lr", "loss", "samples", "train_macs", "routed_params", "full_params", "val_accuracy", "seconds"],
-            [[h.round, f"{h.lr:.6f}", f"{h.loss:.4f}", h.samples, h.train_macs, h.routed_params, h.full_params, "" if h.val_accuracy is None else f"{h.val_accuracy:.4f}", f"{h.seconds:.2f}"] for h in self.history],
+            [[h.round, f"{h.lr:.6f}", "" if h.loss is None else f"{h.loss:.4f}", h.samples, h.train_macs, h.routed_params, h.full_params, "" if h.val_accuracy is None else f"{h.val_accuracy:.4f}", f"{h.seconds:.2f}"] for h in self.history],
         )
         return results
 
@@ -374,7 +334,7 @@ def population_summary(population: Population) -> dict[str, Any]:
     }
 
 
-def communication_summary(history: list[RoundLog]) -> dict[str, Any]:
+def communication_summary(history: list[RoundRecord]) -> dict[str, Any]:
     """Routed vs full-supernet traffic over the rounds run (both directions, in parameters)."""
     routed = 2 * sum(h.routed_params for h in history)
     full = 2 * sum(h.full_params for h in history)

@@ -10,6 +10,10 @@
    BN-recalibrated, ONNX) pushed to each agent;
 5. each agent's received file checked, timed in onnxruntime and tested on the
    Fashion-MNIST test split; a summary table.
+
+While it waits, the demo follows the processes' console logs (``logs/*.log``;
+everything at debug level goes to ``logs/*.debug.log``) and prints a status
+line at least every 10 s: who is up and registered, the round lines, export.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import getpass
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +43,9 @@ from feast_edge.errors import FeastError
 MOSQUITTO = "mosquitto"
 AMQTT = "amqtt"
 SERVER_TIMEOUT = 600.0  # seconds the demo waits for the federation before giving up
+HEARTBEAT_S = 9.0  # while waiting, a status line at least every 10 s (the wait polls every 0.5 s)
+_STAMP = re.compile(r"^\d\d:\d\d:\d\d ")  # the console formatter's time stamp (feast_edge.cli.common)
+_ROUND = re.compile(r"^round \d+/\d+\s")  # feast-server's line per round
 
 
 class DemoError(FeastError):
@@ -76,16 +84,17 @@ def start_broker(workdir: Path, kind: str = "auto") -> Broker:
     """An MQTT broker on a free loopback port: mosquitto if installed (or asked for), else amqtt."""
     port = _free_port()
     log = open(workdir / "broker.log", "w")
+    mosquitto = _mosquitto_binary()
     if kind == "auto":
-        kind = MOSQUITTO if shutil.which("mosquitto") else AMQTT
+        kind = MOSQUITTO if mosquitto else AMQTT
     if kind == MOSQUITTO:
-        if not shutil.which("mosquitto"):
+        if not mosquitto:
             raise DemoError("the mosquitto binary is not installed; install it (apt-get install mosquitto) or use --embedded-broker amqtt")
         conf = workdir / "mosquitto.conf"
         # mosquitto started as root drops to its own user; keep ours so it can write its log.
         conf.write_text(f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {port} 127.0.0.1\nallow_anonymous true\n")
-        command = [shutil.which("mosquitto") or "mosquitto", "-c", str(conf)]
-        label = f"mosquitto (embedded, {shutil.which('mosquitto')})"
+        command = [mosquitto, "-c", str(conf)]
+        label = f"mosquitto (embedded, {mosquitto})"
     elif kind == AMQTT:
         if importlib.util.find_spec("amqtt") is None:
             raise DemoError("no MQTT broker available: install mosquitto (apt-get install mosquitto) or amqtt (pip install amqtt), or pass --broker URL")
@@ -110,35 +119,31 @@ def start_broker(workdir: Path, kind: str = "auto") -> Broker:
     return Broker(f"mqtt://127.0.0.1:{port}", f"{label} on 127.0.0.1:{port}", process)
 
 
+def _mosquitto_binary() -> str | None:
+    """The mosquitto executable: on PATH, or in sbin (Debian installs it there, off a normal user's PATH)."""
+    found = shutil.which("mosquitto")
+    for candidate in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto"):
+        if found is None and os.access(candidate, os.X_OK):
+            found = candidate
+    return found
+
+
 def _check_data(data: Path) -> None:
     names = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
     missing = [n for n in names if not (data / n).is_file() and not (data / f"{n}.gz").is_file()]
     if missing:
         raise DemoError(
             f"Fashion-MNIST is not installed in {data} (missing {', '.join(missing)}); install it with "
-            "'sudo apt-get install dataset-fashion-mnist' (it goes to /usr/share/datasets/fashion-mnist) or pass --data DIR"
+            "'apt-get install dataset-fashion-mnist' (as root, or with sudo; it goes to /usr/share/datasets/fashion-mnist) or pass --data DIR"
         )
 
 
 def _spawn(command: list[str], log: Path) -> subprocess.Popen:
     handle = open(log, "w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    repo = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)
-    process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    # The children are this interpreter with the installed feast_edge: no path games.
+    process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     handle.close()
     return process
-
-
-def _stop(process: subprocess.Popen, timeout: float = 20.0) -> int:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-    return process.returncode
 
 
 def _tail(path: Path, lines: int = 8) -> str:
@@ -146,6 +151,76 @@ def _tail(path: Path, lines: int = 8) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def _lines(path: Path) -> list[str]:
+    """A console log's lines without their leading ``HH:MM:SS`` time stamps."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [_STAMP.sub("", line, count=1) for line in text.splitlines()]
+
+
+class _Fleet:
+    """feast-server and the feast-agent processes of the demo, followed through their console logs."""
+
+    def __init__(self, logs: Path, agents: list[str], rounds: int) -> None:
+        self.logs, self.agents, self.rounds = logs, agents, rounds
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def log(self, name: str) -> Path:
+        return self.logs / ("server.log" if name == "server" else f"agent-{name}.log")
+
+    def spawn(self, name: str, command: list[str]) -> None:
+        debug_log = self.log(name).with_suffix(".debug.log")
+        self.processes[name] = _spawn([*command, "--log-file", str(debug_log)], self.log(name))
+
+    def round_lines(self) -> list[str]:
+        return [line for line in _lines(self.log("server")) if _ROUND.match(line)]
+
+    def agent_state(self, name: str) -> tuple[str, int]:
+        """How far an agent got ('starting', 'connected', 'registered') and how many updates it sent."""
+        lines = _lines(self.log(name))
+        sent = sum("sent its update" in line for line in lines)
+        if any(line.startswith("registered") for line in lines) or sent:
+            return "registered", sent
+        return ("connected" if any("connected to" in line for line in lines) else "starting"), sent
+
+    def check_agents(self) -> None:
+        """An agent that failed ends the demo (one that finished leaves with status 0 once it has its model)."""
+        for name in self.agents:
+            process = self.processes.get(name)
+            if process is not None and process.poll() not in (None, 0):
+                raise DemoError(f"agent {name} exited with status {process.returncode}:\n{_tail(self.log(name))}")
+
+    def status(self, shown: int, since: float) -> str:
+        """What the federation is doing now, after ``shown`` round lines, for a heartbeat line."""
+        elapsed = f"{time.monotonic() - since:.0f} s"
+        if shown >= self.rounds:
+            exported = sum(line.startswith("exported ") for line in _lines(self.log("server")))
+            return f"exporting models... {exported}/{len(self.agents)} done ({elapsed})"
+        states = {name: self.agent_state(name) for name in self.agents}
+        registered = [name for name, (state, _) in states.items() if state == "registered"]
+        if shown == 0 and len(registered) < len(self.agents):
+            server = "up" if any("connected to" in line for line in _lines(self.log("server"))) else "starting"
+            waiting = ", ".join(f"{name} {state}" for name, (state, _) in states.items() if state != "registered")
+            return f"feast-server {server}; agents registered {len(registered)}/{len(self.agents)} (waiting: {waiting}) ({elapsed})"
+        sent = [name for name, (_, updates) in states.items() if updates > shown]
+        return f"round {shown + 1}/{self.rounds} running: updates sent {len(sent)}/{len(self.agents)} ({elapsed})"
+
+    def stop(self) -> None:
+        """SIGTERM to every process still running, then wait for all of them."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for name in list(self.processes):
+            process = self.processes.pop(name)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
 
 
 def _shown(path: Path) -> str:
@@ -157,7 +232,7 @@ def _shown(path: Path) -> str:
 
 
 def _test_accuracy(path: Path, images: Any, labels: Any) -> float:
-    from feast_edge.onnx_export import INPUT_NAME, OUTPUT_NAME, measure_latency, onnx_session
+    from feast_edge.onnx_export import INPUT_NAME, OUTPUT_NAME, onnx_session
 
     session = onnx_session(path, threads=1)
     correct = 0
@@ -183,9 +258,11 @@ def run_demo(
 ) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one summary row per device."""
     from feast_edge.profile import load_profile
-    from feast_edge.data import load_fashion_mnist
     from feast_edge.shards import write_partition
     from feast_edge.simulate import SimulationConfig
+
+    def say(text: str) -> None:
+        console.print(text, soft_wrap=True, highlight=False)
 
     began = time.monotonic()
     _check_data(data)
@@ -206,90 +283,49 @@ def run_demo(
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     owned: Broker | None = None
-    processes: dict[str, subprocess.Popen] = {}
+    fleet = _Fleet(logs, names, rounds)
     try:
         if broker is None:
             owned = start_broker(logs, embedded_broker)
             broker_url = owned.url
-            console.print(f"broker: {owned.kind}", soft_wrap=True, highlight=False)
+            say(f"broker: {owned.kind}")
         else:
             broker_url = broker
-            console.print(f"broker: {broker} (given with --broker)", soft_wrap=True, highlight=False)
+            say(f"broker: {broker} (given with --broker)")
         n = len(loaded)
         config = SimulationConfig(
             preset=preset, data_dir=str(data), clients=n, per_round=n, rounds=rounds, budgets=tuple(p.budget_macs for p in loaded),
             train_limit=samples * n, val_samples=1000, calib_samples=200, seed=seed,
         )
+        say(f"data: splitting {samples * n} Fashion-MNIST training examples over {n} devices by budget...")
         index = write_partition(config, out / "partition")
-        console.print(
-            f"data: {samples * n} Fashion-MNIST training examples split over {n} devices by budget "
-            f"({', '.join(str(c['samples']) for c in index['clients'])}); server holds 1000 validation + 200 calibration",
-            soft_wrap=True, highlight=False,
-        )
+        shards = ", ".join(f"{p.name} {c['samples']}" for p, c in zip(loaded, index["clients"]))
+        say(f"data: {shards} examples; the server holds 1000 validation + 200 calibration")
         federation = f"demo-{uuid.uuid4().hex[:8]}"
         python = sys.executable
-        server_cmd = [
+        fleet.spawn("server", [
             python, "-m", "feast_edge.server.cli", "run", "--broker", broker_url, "--out", str(out / "server"), "--preset", preset,
             "--rounds", str(rounds), "--per-round", str(n), "--min-clients", str(max(1, n // 2)), "--start-clients", str(n),
             "--round-timeout", "180", "--seed", str(seed), "--data", str(out / "partition"), "--federation", federation,
             "--eval-every", "1", "--wait-timeout", "180", "--threads", "1",
-        ]
-        processes["server"] = _spawn(server_cmd, logs / "server.log")
+        ])
         received = out / "device-models"
         for profile, entry in zip(loaded, index["clients"]):
-            agent_cmd = [
+            fleet.spawn(profile.name, [
                 python, "-m", "feast_edge.agent.cli", "run", "--broker", broker_url, "--device-id", profile.name,
                 "--data", str(out / "partition" / entry["file"]), "--profile", profiles[names.index(profile.name)], "--device", "cpu",
                 "--federation", federation, "--threads", "1", "--model-dir", str(received), "--register-timeout", "180",
-            ]
-            processes[profile.name] = _spawn(agent_cmd, logs / f"agent-{profile.name}.log")
-        console.print(
+            ])
+        say(
             f"started feast-server and {n} feast-agent processes ({', '.join(f'{p.name} {p.budget_macs / 1e6:.1f}M MACs' for p in loaded)}); "
-            f"federation {federation!r}, logs in {logs}",
-            soft_wrap=True, highlight=False,
+            f"federation {federation!r}; console logs in {logs}/*.log, everything in *.debug.log"
         )
-        shown = 0
-        server = processes["server"]
-        deadline = time.monotonic() + SERVER_TIMEOUT
-        while server.poll() is None:
-            for name, process in processes.items():
-                if name != "server" and process.poll() is not None:
-                    raise DemoError(f"agent {name} exited with status {process.returncode}:\n{_tail(logs / f'agent-{name}.log')}")
-            lines = [line for line in (logs / "server.log").read_text(errors="replace").splitlines() if line.startswith("round ")]
-            for line in lines[shown:]:
-                console.print(f"  {line}", soft_wrap=True, highlight=False)
-            shown = len(lines)
-            if time.monotonic() > deadline:
-                raise DemoError(f"the federation did not finish within {SERVER_TIMEOUT:g} s:\n{_tail(logs / 'server.log')}")
-            time.sleep(0.5)
-        for line in [line for line in (logs / "server.log").read_text(errors="replace").splitlines() if line.startswith("round ")][shown:]:
-            console.print(f"  {line}", soft_wrap=True, highlight=False)
-        if server.returncode != 0:
-            raise DemoError(f"feast-server exited with status {server.returncode}:\n{_tail(logs / 'server.log')}")
-        wait_until = time.monotonic() + 120
-        while not all((received / f"{name}.onnx").is_file() for name in names) and time.monotonic() < wait_until:
-            time.sleep(0.5)
-        missing = [name for name in names if not (received / f"{name}.onnx").is_file()]
-        if missing:
-            raise DemoError(f"no model reached {', '.join(missing)}; see {logs}")
-        for name in names:
-            _stop(processes.pop(name))
-        test = load_fashion_mnist(data, "test")
-        images, labels = test.images[:test_samples], test.labels[:test_samples]
-        rows = []
-        for profile in loaded:
-            path = received / f"{profile.name}.onnx"
-            manifest = json.loads(path.with_suffix(".json").read_text())
-            latency = measure_latency(path, repeats=50)
-            rows.append(
-                {
-                    "device": profile.name, "budget_macs": profile.budget_macs, "macs": manifest["macs"], "params": manifest["params"],
-                    "validation_accuracy": manifest["validation_accuracy"], "test_accuracy": _test_accuracy(path, images, labels),
-                    "onnx": _shown(path), "latency_ms": latency["median_ms"], "predicted_ms": profile.latency_ms(manifest["macs"]),
-                }
-            )
+        _follow_federation(fleet, say)
+        _await_models(fleet, received, say)
+        fleet.stop()
+        rows = _device_rows(loaded, received, data, test_samples, say)
         table = Table(title=f"feast-edge demo: {n} devices, {rounds} rounds, {preset}")
-        for col in ("device", "budget", "variant MACs", "params", "val acc", f"test acc ({len(labels)})", "ONNX file", "onnxruntime ms"):
+        for col in ("device", "budget", "variant MACs", "params", "val acc", f"test acc ({rows[0]['test_images']})", "ONNX file", "onnxruntime ms"):
             table.add_column(col, justify="left" if col in ("device", "ONNX file") else "right")
         for r in rows:
             table.add_row(
@@ -298,14 +334,79 @@ def run_demo(
             )
         # Outside a terminal rich would squeeze the table into 80 columns.
         (console if console.is_terminal else Console(file=console.file, width=200)).print(table)
-        console.print(
+        say(
             f"onnxruntime latency: batch 1, one thread, this machine's CPU (the profiles' budgets describe the real devices). "
-            f"Wall time {time.monotonic() - began:.1f} s; everything is in {out}.",
-            soft_wrap=True, highlight=False,
+            f"Wall time {time.monotonic() - began:.1f} s; everything is in {out}."
         )
         return rows
     finally:
-        for process in processes.values():
-            _stop(process)
+        fleet.stop()
         if owned is not None:
             owned.stop()
+
+
+def _follow_federation(fleet: _Fleet, say: Any) -> None:
+    """Print the server's round lines as they come, and a status line whenever nothing was printed for a while."""
+    server = fleet.processes["server"]
+    deadline = time.monotonic() + SERVER_TIMEOUT
+    shown, since, said = 0, time.monotonic(), time.monotonic()
+    while True:
+        running = server.poll() is None
+        lines = fleet.round_lines()
+        for line in lines[shown:]:
+            say(f"  {line}")
+            since = said = time.monotonic()
+        shown = len(lines)
+        if not running:
+            break
+        fleet.check_agents()
+        if time.monotonic() > deadline:
+            raise DemoError(f"the federation did not finish within {SERVER_TIMEOUT:g} s:\n{_tail(fleet.log('server'))}")
+        if time.monotonic() - said >= HEARTBEAT_S:
+            say(f"  ... {fleet.status(shown, since)}")
+            said = time.monotonic()
+        time.sleep(0.5)
+    if server.returncode != 0:
+        raise DemoError(f"feast-server exited with status {server.returncode}:\n{_tail(fleet.log('server'))}")
+
+
+def _await_models(fleet: _Fleet, received: Path, say: Any) -> None:
+    """Wait until every agent saved the model the server pushed to it."""
+    began = said = time.monotonic()
+    while True:
+        have = [name for name in fleet.agents if (received / f"{name}.onnx").is_file()]
+        if len(have) == len(fleet.agents) or time.monotonic() - began > 120:
+            break
+        if time.monotonic() - said >= HEARTBEAT_S:
+            say(f"  ... models received by {len(have)}/{len(fleet.agents)} agents ({time.monotonic() - began:.0f} s)")
+            said = time.monotonic()
+        time.sleep(0.5)
+    missing = [name for name in fleet.agents if not (received / f"{name}.onnx").is_file()]
+    if missing:
+        raise DemoError(f"no model reached {', '.join(missing)}; see {fleet.logs}")
+    say(f"models received by all {len(fleet.agents)} agents in {_shown(received)}")
+
+
+def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: int, say: Any) -> list[dict[str, Any]]:
+    """Time and test each device's received ONNX model in onnxruntime."""
+    from feast_edge.data import load_fashion_mnist
+    from feast_edge.onnx_export import measure_latency
+
+    say(f"testing each received model in onnxruntime: latency (batch 1, 50 runs) and accuracy on {test_samples} test images")
+    test = load_fashion_mnist(data, "test")
+    images, labels = test.images[:test_samples], test.labels[:test_samples]
+    rows = []
+    for i, profile in enumerate(loaded, 1):
+        say(f"  {i}/{len(loaded)} {profile.name}")
+        path = received / f"{profile.name}.onnx"
+        manifest = json.loads(path.with_suffix(".json").read_text())
+        latency = measure_latency(path, repeats=50)
+        rows.append(
+            {
+                "device": profile.name, "budget_macs": profile.budget_macs, "macs": manifest["macs"], "params": manifest["params"],
+                "validation_accuracy": manifest["validation_accuracy"], "test_accuracy": _test_accuracy(path, images, labels),
+                "test_images": len(labels), "onnx": _shown(path), "latency_ms": latency["median_ms"],
+                "predicted_ms": profile.latency_ms(manifest["macs"]),
+            }
+        )
+    return rows

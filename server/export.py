@@ -23,9 +23,9 @@ from feast_edge.cache import VariantCache
 from feast_edge.errors import FeastError
 from feast_edge.evaluate import accuracy, calibrated_variant
 from feast_edge.onnx_export import export_onnx
-from feast_edge.supernet import Supernet
 from feast_edge.server.data import ServerData
 from feast_edge.server.registry import Device
+from feast_edge.supernet import Supernet
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,6 @@ MANIFEST_FORMAT = "feast-edge/device-model"
 
 class ExportError(FeastError):
     """A device model cannot be exported or served."""
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def export_device_models(

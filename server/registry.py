@@ -61,10 +61,15 @@ class Device:
 class Registry:
     """Thread-safe access to ``devices.sqlite``."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, readonly: bool = False) -> None:
+        """Open (creating it if needed) the registry; ``readonly`` opens an existing one without writing anything."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        if readonly:
+            self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=10.0)
+            self._db.row_factory = sqlite3.Row
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10.0)
         self._db.row_factory = sqlite3.Row
         with self._lock, self._db:

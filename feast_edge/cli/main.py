@@ -1,4 +1,4 @@
-"""``feast-edge`` command line: inspect presets and architectures, create and export models.
+"""``feast-edge`` command line: inspect presets and architectures, create and export models; the run commands are in ``runs``.
 
 User errors (bad preset, arch, path, checkpoint) print one ``error:`` line to
 stderr and exit with status 2; nothing prints a traceback for them.
@@ -7,7 +7,6 @@ stderr and exit with status 2; nothing prints a traceback for them.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,7 +14,8 @@ import typer
 from rich.table import Table
 
 from feast_edge.arch import Arch
-from feast_edge.cli.common import DeviceOpt, make_app, make_console, parse_list, parse_macs, run_cli
+from feast_edge.cli.common import make_app, make_console, millions, parse_macs, run_cli
+from feast_edge.cli.runs import register as register_runs
 from feast_edge.cost import arch_cost, cost_breakdown
 from feast_edge.errors import FeastError
 from feast_edge.geometry import arch_layout, supernet_layout
@@ -36,10 +36,6 @@ ArchOpt = Annotated[
 ClassesOpt = Annotated[Optional[int], typer.Option("--classes", "-c", min=1, help="Classifier classes (default: the preset's).")]
 
 
-def _millions(n: int) -> str:
-    return f"{n / 1e6:,.2f}M"
-
-
 @app.command()
 def presets() -> None:
     """List the available presets (built-in and on $FEAST_EDGE_PRESET_PATH)."""
@@ -55,8 +51,8 @@ def presets() -> None:
             f"{p.in_channels}x{p.input_size}x{p.input_size}",
             str(p.classes),
             str(p.num_stages),
-            _millions(sum(x.macs for x in parts)),
-            _millions(sum(x.params for x in parts)),
+            millions(sum(x.macs for x in parts)),
+            millions(sum(x.params for x in parts)),
             "built-in" if file.parent == BUILTIN_DIR else str(file),
         )
     console.print(table)
@@ -173,27 +169,6 @@ def _export_variant(supernet, arch: Arch, out: Path, calibration_data: Optional[
     console.print(f"wrote {out}: {p.name} {arch}, {int(meta['feast.macs']):,} MACs, {int(meta['feast.params']):,} params", soft_wrap=True)
 
 
-def _population_budgets(budgets: Optional[str], profiles: Optional[str], clients: int, preset: str) -> Optional[tuple[float, ...]]:
-    """Explicit client budgets from ``--budgets`` or ``--profiles`` (None: Zipf)."""
-    if budgets is not None and profiles is not None:
-        raise FeastError("--budgets and --profiles both set the client budgets; pass one of them")
-    if budgets is not None:
-        return _cycled_budgets(budgets, clients)
-    if profiles is not None:
-        from feast_edge.profile import budgets_from_profiles
-
-        return budgets_from_profiles(parse_list(profiles), clients, load_preset(preset))
-    return None
-
-
-def _cycled_budgets(text: str, clients: int) -> tuple[float, ...]:
-    """``--budgets`` list, repeated in order until every client has one."""
-    values = [parse_macs(t) for t in text.split(",") if t.strip()]
-    if not values:
-        raise FeastError("--budgets is empty; give at least one MAC budget, e.g. --budgets 2.79M,17.67M")
-    return tuple(values[i % len(values)] for i in range(clients))
-
-
 cache_app = typer.Typer(help="Build and inspect fixed variant caches (SPEC §3).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
@@ -203,8 +178,8 @@ def _cache_table(cache, title: str) -> Table:
     for col in ("#", "MACs", "params", "fitness", "rho", "target(s)", "arch"):
         table.add_column(col, justify="left" if col == "arch" else "right", no_wrap=col != "arch")
     for i, entry in enumerate(cache.entries):
-        targets = ", ".join(_millions(int(job.target)) for job in entry.jobs)
-        table.add_row(str(i), _millions(entry.macs), _millions(entry.params), f"{entry.fitness:.1f}", f"{entry.rho:.3f}", targets, str(entry.arch))
+        targets = ", ".join(millions(int(job.target)) for job in entry.jobs)
+        table.add_row(str(i), millions(entry.macs), millions(entry.params), f"{entry.fitness:.1f}", f"{entry.rho:.3f}", targets, str(entry.arch))
     return table
 
 
@@ -289,242 +264,12 @@ def extract_command(
     if as_json:
         typer.echo(json.dumps({"preset": p.name, "budget": budget, "arch": result.arch.to_dict(), "macs": found_macs, "params": found_params, "fitness": result.fitness.fitness, "rho": result.fitness.rho, "rho0": result.rho0}))
     else:
-        console.print(f"best arch under {_millions(int(budget))} MACs: {result.arch}  ({found_macs:,} MACs, {found_params:,} params, fitness {result.fitness.fitness:.1f})", soft_wrap=True)
+        console.print(f"best arch under {millions(int(budget))} MACs: {result.arch}  ({found_macs:,} MACs, {found_params:,} params, fitness {result.fitness.fitness:.1f})", soft_wrap=True)
     if supernet is not None and out is not None:
         _export_variant(supernet, result.arch, out, calibration_data, calibration_samples, extra={"extracted_for_macs": budget})
 
 
-@app.command()
-def routing(
-    preset: PresetOpt,
-    cache_file: Annotated[Optional[Path], typer.Option("--cache", help="Cache JSON (default: the preset's shipped cache).")] = None,
-    reference_csv: Annotated[Optional[Path], typer.Option("--reference-csv", help="Use the paper's published cache CSV instead.")] = None,
-    clients: Annotated[int, typer.Option(help="Simulated clients N (Zipf budgets).")] = 100,
-    zipf_s: Annotated[float, typer.Option(help="Zipf exponent of the budget ranks.")] = 1.2,
-    seed: Annotated[int, typer.Option(help="Seed of the budget draw.")] = 0,
-    budgets: Annotated[Optional[str], typer.Option(help="Comma-separated budgets to tabulate (e.g. 25M,50M,229M).")] = None,
-    classes: ClassesOpt = None,
-) -> None:
-    """Routed envelope sizes and the communication report for a Zipf population (SPEC §5)."""
-    import numpy as np
-
-    from feast_edge.cache import load_cache, read_reference_csv
-    from feast_edge.population import zipf_budgets
-    from feast_edge.route import communication_report
-
-    p = load_preset(preset)
-    n_classes = p.classes if classes is None else classes
-    cache = read_reference_csv(reference_csv, p) if reference_csv is not None else load_cache(p, cache_file)
-    archs = sorted((arch_cost(p, e.arch, n_classes)[0], e.arch) for e in cache.entries)
-    if archs and budgets is None:
-        budgets = ",".join(str(m) for m in np.unique(np.quantile([m for m, _ in archs], [0, 0.25, 0.5, 0.75, 1.0]).astype(int)))
-    table = Table(title=f"{p.name}: routed envelope per budget ({n_classes}-class head)")
-    for col in ("budget", "affordable", "envelope params", "reduction"):
-        table.add_column(col, justify="right")
-    for text in (budgets or "").split(","):
-        if not text.strip():
-            continue
-        b = parse_macs(text)
-        affordable = [a for m, a in archs if m <= b]
-        if not affordable:
-            raise FeastError(f"budget {_millions(int(b))} MACs is below the smallest cached variant ({_millions(archs[0][0])}); raise it")
-        report = communication_report(p, archs, [b], n_classes)
-        table.add_row(_millions(int(b)), str(len(affordable)), _millions(report.payloads[0]), f"{report.aggregate_reduction:.1f}x")
-    console.print(table)
-    population = zipf_budgets(clients, np.random.default_rng(seed), s=zipf_s, b_min=p.budget_min, b_max=p.budget_max)
-    report = communication_report(p, archs, population, n_classes)
-    r = report.reductions
-    console.print(
-        f"{clients} clients, Zipf s={zipf_s}, budgets {_millions(p.budget_min)}..{_millions(p.budget_max)} MACs, seed {seed}:\n"
-        f"  full supernet {_millions(report.full_params)} params; mean routed payload {_millions(int(report.mean_payload))} "
-        f"-> aggregate reduction {report.aggregate_reduction:.2f}x\n"
-        f"  per-client reduction: mean {sum(r) / len(r):.1f}x, median {report.median_reduction:.1f}x, max {max(r):.1f}x",
-        soft_wrap=True,
-    )
-
-
-@app.command()
-def simulate(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints and results.")],
-    preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name or .toml file.")] = "fmnist-small",
-    dataset: Annotated[str, typer.Option(help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder.")] = "fashion-mnist",
-    data: Annotated[Path, typer.Option("--data", help="Local data directory (never downloaded).")] = Path("/usr/share/datasets/fashion-mnist"),
-    clients: Annotated[int, typer.Option(help="Number of simulated clients N.")] = 20,
-    per_round: Annotated[int, typer.Option(help="Clients sampled per round m.")] = 5,
-    rounds: Annotated[int, typer.Option(help="Federation rounds (also the cosine-decay horizon).")] = 30,
-    gamma: Annotated[float, typer.Option(help="Allocation exponent γ (0: data independent of budget, 1: proportional).")] = 1.0,
-    zipf_s: Annotated[float, typer.Option(help="Zipf exponent of the budget ranks.")] = 1.2,
-    alpha_eff: Annotated[float, typer.Option(help="Effective Dirichlet concentration α_eff.")] = 0.45,
-    budget_min: Annotated[Optional[str], typer.Option(help="Smallest budget (MACs, e.g. 1.5M); default from the preset.")] = None,
-    budget_max: Annotated[Optional[str], typer.Option(help="Largest budget (MACs); default from the preset.")] = None,
-    budget_cap: Annotated[Optional[str], typer.Option(help="Allocation cap B_cap (MACs); default from the preset.")] = None,
-    budgets: Annotated[Optional[str], typer.Option(help="Explicit client budgets instead of Zipf, comma-separated (e.g. a device-profile mix: 2.79M,6.6M,17.67M); cycled over --clients.")] = None,
-    profiles: Annotated[Optional[str], typer.Option(help="Client budgets from device profiles instead of Zipf, comma-separated names in profiles/ or .json files; cycled over --clients.")] = None,
-    method: Annotated[str, typer.Option(help="full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
-    seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
-    lr: Annotated[float, typer.Option(help="Initial SGD learning rate (cosine-decayed).")] = 0.025,
-    batch_size: Annotated[int, typer.Option(help="Local batch size.")] = 64,
-    eval_every: Annotated[int, typer.Option(help="Validate every k rounds.")] = 5,
-    val_samples: Annotated[int, typer.Option(help="Server-held validation samples.")] = 5000,
-    calib_samples: Annotated[int, typer.Option(help="Server-held BN-calibration samples.")] = 500,
-    train_limit: Annotated[Optional[int], typer.Option(help="Use only this many training examples for clients.")] = None,
-    test_limit: Annotated[Optional[int], typer.Option(help="Test on only the first N test examples.")] = None,
-    cache: Annotated[Optional[Path], typer.Option(help="Variant cache JSON (default: the preset's shipped cache).")] = None,
-    device: DeviceOpt = "auto",
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
-) -> None:
-    """Run the paper's protocol in one process: population, rounds, evaluation, results."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from feast_edge.runtime import describe_device, resolve_device
-    from feast_edge.simulate import Simulation, SimulationConfig
-
-    requested, device = device, resolve_device(device)
-    config = SimulationConfig(
-        preset=preset,
-        dataset=dataset,
-        data_dir=str(data),
-        clients=clients,
-        per_round=per_round,
-        rounds=rounds,
-        gamma=gamma,
-        zipf_s=zipf_s,
-        alpha_eff=alpha_eff,
-        budget_min=None if budget_min is None else parse_macs(budget_min),
-        budget_max=None if budget_max is None else parse_macs(budget_max),
-        budget_cap=None if budget_cap is None else parse_macs(budget_cap),
-        budgets=_population_budgets(budgets, profiles, clients, preset),
-        seed=seed,
-        variants=method,
-        lr=lr,
-        batch_size=batch_size,
-        eval_every=eval_every,
-        val_samples=val_samples,
-        calib_samples=calib_samples,
-        train_limit=train_limit,
-        test_limit=test_limit,
-        cache=None if cache is None else str(cache),
-        device=device,
-    )
-    config.train_config()  # validates --method and friends before any data is read
-    sim = Simulation(config, out)
-    console.print(str(sim.setup.population), soft_wrap=True)
-    console.print(describe_device(device, requested), soft_wrap=True, highlight=False)
-    columns = (
-        TextColumn("[bold]round"),
-        MofNCompleteColumn(),
-        BarColumn(),
-        TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  best {task.fields[best]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    fmt = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("rounds", total=rounds, loss="-", val="-", best="-")
-
-        def on_round(p) -> None:
-            bar.update(task, completed=p.round, loss=f"{p.loss:.3f}", val=fmt(p.val_accuracy), best=fmt(p.best_val))
-
-        testing = bar.add_task("test", total=None, visible=False, loss="", val="", best="")
-
-        def on_test(done: int, total: int) -> None:
-            bar.update(testing, completed=done, total=total, visible=True, description="testing variants")
-
-        if resume:
-            from feast_edge.checkpoint import read_record
-
-            path = out / "checkpoint.safetensors"
-            if path.is_file():
-                bar.update(task, completed=read_record(path).get("fields", {}).get("round", 0))
-        results = sim.run(resume=resume, on_round=on_round, on_test=on_test)
-    table = Table(title=f"{config.preset}: per-variant test accuracy (best checkpoint, round {results['best'].get('round', '-')})")
-    for col in ("#", "MACs", "params", "accuracy", "arch"):
-        table.add_column(col, justify="left" if col == "arch" else "right")
-    for v in results["variants"]:
-        table.add_row(str(v["index"]), _millions(v["macs"]), _millions(v["params"]), f"{100 * v['test_accuracy']:.2f}%", str(Arch.from_dict(v["arch"])))
-    console.print(table)
-    comm = results["communication"]
-    console.print(
-        f"population accuracy (largest affordable variant per client): {100 * results['population_accuracy']:.2f}%\n"
-        f"traffic: routed {comm['routed_params_total'] / 1e6:,.1f}M params vs full {comm['full_params_total'] / 1e6:,.1f}M "
-        f"({comm['reduction']:.2f}x less); training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
-        f"results: {out / 'results.json'}, {out / 'variants.csv'}, {out / 'rounds.csv'}",
-        soft_wrap=True,
-    )
-
-
-@app.command()
-def partition(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the shard files, server.safetensors and index.json.")],
-    preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name or .toml file.")] = "fmnist-small",
-    dataset: Annotated[str, typer.Option(help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder.")] = "fashion-mnist",
-    data: Annotated[Path, typer.Option("--data", help="Local data directory (never downloaded).")] = Path("/usr/share/datasets/fashion-mnist"),
-    clients: Annotated[int, typer.Option(help="Number of clients N.")] = 20,
-    budgets: Annotated[Optional[str], typer.Option(help="Explicit client budgets instead of Zipf, comma-separated (e.g. 2.79M,6.6M,17.67M); cycled over --clients, as in simulate.")] = None,
-    gamma: Annotated[float, typer.Option(help="Allocation exponent γ.")] = 1.0,
-    zipf_s: Annotated[float, typer.Option(help="Zipf exponent of the budget ranks.")] = 1.2,
-    alpha_eff: Annotated[float, typer.Option(help="Effective Dirichlet concentration α_eff.")] = 0.45,
-    budget_min: Annotated[Optional[str], typer.Option(help="Smallest Zipf budget (MACs); default from the preset.")] = None,
-    budget_max: Annotated[Optional[str], typer.Option(help="Largest Zipf budget (MACs); default from the preset.")] = None,
-    budget_cap: Annotated[Optional[str], typer.Option(help="Allocation cap B_cap (MACs); default from the preset.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the split, budgets and partition (as in simulate).")] = 0,
-    val_samples: Annotated[int, typer.Option(help="Server-held validation samples.")] = 5000,
-    calib_samples: Annotated[int, typer.Option(help="Server-held BN-calibration samples.")] = 500,
-    train_limit: Annotated[Optional[int], typer.Option(help="Use only this many training examples for clients.")] = None,
-    cache: Annotated[Optional[Path], typer.Option(help="Variant cache JSON (default: the preset's shipped cache).")] = None,
-) -> None:
-    """Write the simulator's client shards (one file per client) and server-held splits, for feast-agent --data."""
-    from feast_edge.shards import write_partition
-    from feast_edge.simulate import SimulationConfig
-
-    config = SimulationConfig(
-        preset=preset,
-        dataset=dataset,
-        data_dir=str(data),
-        clients=clients,
-        per_round=1,
-        gamma=gamma,
-        zipf_s=zipf_s,
-        alpha_eff=alpha_eff,
-        budget_min=None if budget_min is None else parse_macs(budget_min),
-        budget_max=None if budget_max is None else parse_macs(budget_max),
-        budget_cap=None if budget_cap is None else parse_macs(budget_cap),
-        budgets=None if budgets is None else _cycled_budgets(budgets, clients),
-        seed=seed,
-        val_samples=val_samples,
-        calib_samples=calib_samples,
-        train_limit=train_limit,
-        cache=None if cache is None else str(cache),
-    )
-    index = write_partition(config, out)
-    table = Table(title=f"{index['preset']}: {len(index['clients'])} client shards in {out}")
-    for col in ("client", "budget", "samples", "file"):
-        table.add_column(col, justify="right" if col in ("budget", "samples") else "left")
-    for c in index["clients"]:
-        table.add_row(c["client_id"], _millions(int(c["budget_macs"])), str(c["samples"]), c["file"])
-    console.print(table)
-    server = index["server"]
-    console.print(f"server-held: {server['validation']} validation + {server['calibration']} calibration examples in {out / server['file']}", soft_wrap=True)
-
-
-@app.command()
-def demo(
-    broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port.")] = None,
-    rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 3,
-    samples: Annotated[int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")] = 800,
-    profiles: Annotated[str, typer.Option(help="Comma-separated device profiles (names in profiles/ or files), one agent each.")] = "raspberry-pi-5,jetson-nano,laptop-cpu,desktop-gpu",
-    data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory.")] = Path("/usr/share/datasets/fashion-mnist"),
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (its partition/, server/, device-models/, logs/ are replaced).")] = Path("feast-demo"),
-    seed: Annotated[int, typer.Option(help="Seed of the partition and the federation.")] = 0,
-    embedded_broker: Annotated[str, typer.Option("--embedded-broker", help="Without --broker: auto (mosquitto if installed, else amqtt), mosquitto or amqtt.")] = "auto",
-) -> None:
-    """One command end to end: broker, feast-server and one feast-agent per device profile, rounds, ONNX per device."""
-    from feast_edge.server.demo import run_demo
-
-    run_demo(
-        broker=broker, rounds=rounds, samples=samples, profiles=parse_list(profiles), data=data, out=out,
-        seed=seed, console=console, embedded_broker=embedded_broker,
-    )
+register_runs(app)
 
 
 def main() -> None:

@@ -22,81 +22,18 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
 
+from feast_edge.transport.broker import PROTOCOLS, LinkConfig, parse_broker_url, tls_context
 from feast_edge.transport.errors import BrokerAuthError, BrokerTlsError, BrokerUnreachableError, LinkError
 from feast_edge.transport.messages import Presence, new_msg_id
 from feast_edge.transport.topics import Topics
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
-PROTOCOLS = {"3.1.1": MQTTProtocolVersion.MQTTv311, "311": MQTTProtocolVersion.MQTTv311, "5": MQTTProtocolVersion.MQTTv5}
-_CREDENTIAL_CODES = {134, 135, 140}  # bad user name or password, not authorized, bad authentication method
-
-
-@dataclass(frozen=True)
-class BrokerAddress:
-    """Where the broker listens and whether the connection uses TLS."""
-
-    host: str
-    port: int
-    tls: bool = False
-    username: str | None = None
-    password: str | None = None
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-def parse_broker_url(url: str) -> BrokerAddress:
-    """Parse ``mqtt://[user[:password]@]host[:port]`` or ``mqtts://...``; a bare ``host[:port]`` means mqtt://."""
-    text = url.strip()
-    parts = urlsplit(text if "://" in text else f"mqtt://{text}")
-    scheme = parts.scheme.lower()
-    if scheme not in DEFAULT_PORTS:
-        raise LinkError(f"broker URL {url!r} has scheme {parts.scheme!r}; use mqtt://host:port or mqtts://host:port (TLS); check --broker")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise LinkError(f"broker URL {url!r} must not have a path or query; use {scheme}://host:port; check --broker")
-    try:
-        port = parts.port or DEFAULT_PORTS[scheme]
-    except ValueError:
-        raise LinkError(f"broker URL {url!r} has an invalid port; use {scheme}://host:port with 1 <= port <= 65535; check --broker") from None
-    if not parts.hostname:
-        raise LinkError(f"broker URL {url!r} names no host; use {scheme}://host:port; check --broker")
-    return BrokerAddress(
-        host=parts.hostname,
-        port=port,
-        tls=scheme == "mqtts",
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password is not None else None,
-    )
-
-
-@dataclass(frozen=True)
-class LinkConfig:
-    """Connection settings; the CLI flags of feast-server and feast-agent map one to one onto these fields."""
-
-    broker: str = "mqtt://127.0.0.1:1883"
-    client_id: str = ""  # empty: a random 'feast-...' id
-    username: str | None = None
-    password: str | None = None
-    ca_file: str | None = None  # TLS: CA bundle to verify the broker; None uses the system's
-    cert_file: str | None = None  # TLS: client certificate (mutual TLS)
-    key_file: str | None = None  # TLS: client key, if not inside cert_file
-    tls_insecure: bool = False  # TLS without verifying the broker's certificate: for tests only
-    protocol: str = "3.1.1"  # or "5"
-    keepalive: int = 30
-    clean_session: bool = True
-    reconnect_min_delay: float = 1.0
-    reconnect_max_delay: float = 30.0
-    max_inflight: int = 32  # QoS 1 messages on the wire awaiting PUBACK
-    inbox_size: int = 10000
-
+paho_log = logging.getLogger(f"{__name__}.paho")  # paho's own lines
+_CREDENTIAL_CODES = {134, 135, 140}  # CONNACK: bad user name or password, not authorized, bad authentication method
 
 @dataclass(frozen=True)
 class Received:
@@ -109,27 +46,6 @@ class Received:
 
 
 Handler = Callable[[Received], None]
-
-
-def _tls_context(config: LinkConfig) -> ssl.SSLContext:
-    try:
-        context = ssl.create_default_context(cafile=config.ca_file)
-    except (FileNotFoundError, ssl.SSLError) as exc:
-        raise BrokerTlsError(f"cannot load CA file {config.ca_file!r}: {exc}; check --ca-file") from None
-    if config.cert_file:
-        try:
-            context.load_cert_chain(config.cert_file, config.key_file)
-        except (FileNotFoundError, ssl.SSLError) as exc:
-            raise BrokerTlsError(
-                f"cannot load client certificate {config.cert_file!r} / key {config.key_file!r}: {exc}; check --cert-file/--key-file"
-            ) from None
-    elif config.key_file:
-        raise BrokerTlsError("--key-file was given without --cert-file; mutual TLS needs both")
-    if config.tls_insecure:
-        log.warning("TLS certificate verification is disabled (tls_insecure); use it for tests only")
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
 
 
 class Link:
@@ -147,6 +63,7 @@ class Link:
         self.inbox: queue.Queue[Received] = queue.Queue(maxsize=config.inbox_size)
         self._subscriptions: dict[str, int] = {}
         self._subacks: dict[int, tuple[threading.Event, list[Any]]] = {}  # mid -> (SUBACK came, its reason codes)
+        self._last_qos1: mqtt.MQTTMessageInfo | None = None  # the latest QoS 1 message published
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._connack = threading.Event()
@@ -169,7 +86,7 @@ class Link:
             protocol=PROTOCOLS[config.protocol],
             reconnect_on_failure=True,
         )
-        client.enable_logger(logging.getLogger(f"{__name__}.paho"))
+        client.on_log = self._on_log
         client.max_inflight_messages_set(config.max_inflight)
         client.reconnect_delay_set(config.reconnect_min_delay, config.reconnect_max_delay)  # type: ignore[arg-type]
         username = config.username if config.username is not None else address.username
@@ -183,7 +100,7 @@ class Link:
                 f"got {config.broker!r}; use mqtts://{address}"
             )
         if address.tls:
-            client.tls_set_context(_tls_context(config))
+            client.tls_set_context(tls_context(config))
         if self.presence is not None:
             offline = dataclasses.replace(self.presence, state="offline", msg_id=new_msg_id())
             client.will_set(self.status_topic, offline.encode(), qos=1, retain=True)
@@ -308,6 +225,16 @@ class Link:
         if not self._closing and not self._connecting:
             log.warning("lost connection to MQTT broker at %s (%s); reconnecting with backoff", self.address, reason_code)
 
+    def _on_log(self, client: mqtt.Client, userdata: Any, level: int, text: str) -> None:
+        """paho's lines, into ``paho_log``."""
+        if self._closing and text.startswith("Client is not connected"):
+            # After our DISCONNECT paho's thread polls the closed socket once more unless loop_stop() came first (a race
+            # close() cannot win: a PUBACK for a message arriving meanwhile keeps the thread running) and says so at error
+            # level (paho 2.2). Expected while closing; anywhere else it is a real failure and stays an error.
+            paho_log.debug("%s", text)
+        else:
+            paho_log.log(mqtt.LOGGING_LEVEL[level], "%s", text)
+
     # --- subscriptions ---------------------------------------------------------------------------
 
     def subscribe(self, topic_filter: str, handler: Handler | None = None, *, qos: int = 1, timeout: float = 10.0) -> None:
@@ -379,6 +306,8 @@ class Link:
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
             raise LinkError(f"paho's outgoing queue is full; message to {topic!r} not sent")
+        if qos > 0:
+            self._last_qos1 = info
         if timeout is not None:
             self._await(info, time.monotonic() + timeout, f"the message to {topic!r}", timeout)
         return info
@@ -419,16 +348,21 @@ class Link:
     # --- shutdown --------------------------------------------------------------------------------
 
     def close(self, timeout: float = 5.0) -> None:
-        """Publish the retained offline status, disconnect cleanly and stop paho's thread."""
+        """Publish the retained offline status, wait for pending PUBACKs, disconnect cleanly and stop paho's thread."""
         if self._closing:
             return
         self._closing = True
-        if self._started and self.presence is not None and self.connected:
-            offline = dataclasses.replace(self.presence, state="offline", msg_id=new_msg_id())
+        if self._started and self.connected:
             try:
-                self.publish(self.status_topic, offline.encode(), retain=True, timeout=timeout)  # type: ignore[arg-type]
+                if self.presence is not None:
+                    offline = dataclasses.replace(self.presence, state="offline", msg_id=new_msg_id())
+                    self.publish(self.status_topic, offline.encode(), retain=True)  # type: ignore[arg-type]
+                # The broker acknowledges QoS 1 messages in order (MQTT 3.1.1 §4.6): after the last PUBACK none is in
+                # flight; messages still queued behind paho's in-flight window would be dropped at DISCONNECT.
+                if self._last_qos1 is not None:
+                    self._await(self._last_qos1, time.monotonic() + timeout, "the messages published before closing", timeout)
             except LinkError as exc:
-                log.warning("could not publish offline status: %s", exc)
+                log.warning("closing before the MQTT broker acknowledged every message: %s", exc)
         self._client.disconnect()
         if self._started:
             self._client.loop_stop()

@@ -4,6 +4,9 @@ Every message carries ``federation``, ``round``, ``device`` and a unique
 ``msg_id``; ``parse`` turns untrusted bytes into one of the registered kinds or
 raises ProtocolError, whatever the bytes are. ``MessageFilter`` then drops
 duplicates and stale messages so that handlers only see each message once.
+
+This module defines the transport's own kinds (presence, nack, receipt);
+FEAST's round protocol registers its kinds in ``feast_edge.protocol``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
-from feast_edge.transport.chunks import TransferInfo
 from feast_edge.transport.errors import ProtocolError, TopicError
+from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.topics import MAX_ID_LENGTH, validate_id
 
 PROTOCOL_VERSION = 1
@@ -140,13 +143,23 @@ class Message:
         return data
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ProtocolError(f"field {name!r} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def _check_transfer(value: dict[str, Any]) -> None:
-    TransferInfo.from_dict(value)  # raises ChunkError (a ProtocolError) when malformed
+def check_transfer(value: dict[str, Any]) -> TransferInfo:
+    """The transfer a message describes; ChunkError (a ProtocolError) when malformed."""
+    return TransferInfo.from_dict(value)
+
+
+def check_ids(message: Message, *names: str) -> None:
+    """Each named field of ``message`` must be a valid id (ProtocolError otherwise)."""
+    for name in names:
+        try:
+            validate_id(getattr(message, name), f"{name} id")
+        except TopicError as exc:
+            raise ProtocolError(str(exc)) from None
 
 
 # --- transport kinds --------------------------------------------------------------------------
@@ -164,8 +177,8 @@ class Presence(Message):
     role: str = "device"
 
     def check(self) -> None:
-        _check_choice("state", self.state, ("online", "offline"))
-        _check_choice("role", self.role, ("device", "server"))
+        check_choice("state", self.state, ("online", "offline"))
+        check_choice("role", self.role, ("device", "server"))
 
 
 @message_kind("nack")
@@ -195,154 +208,6 @@ class Receipt(Message):
 
     def check(self) -> None:
         validate_transfer_id(self.transfer)
-
-
-# --- round kinds (docs/protocol.md §7 "Round sequence") ---------------------------------------
-
-
-def _check_ids(message: Message, *names: str) -> None:
-    for name in names:
-        try:
-            validate_id(getattr(message, name), f"{name} id")
-        except TopicError as exc:
-            raise ProtocolError(str(exc)) from None
-
-
-@message_kind("register")
-@dataclass(frozen=True, kw_only=True)
-class Register(Message):
-    """Device -> server on ``register``: one (virtual) client's budget, sample count, preset and profile.
-
-    ``host`` is the agent process that hosts the device (its presence is ``status/{host}``);
-    ``instance`` is random per agent process, so the server can tell a reconnecting agent from a
-    second agent that claims the same device id.
-    """
-
-    round_scoped: ClassVar[bool] = False
-
-    host: str
-    instance: str
-    preset: str
-    preset_digest: str
-    budget_macs: int
-    samples: int
-    profile: dict[str, Any] = field(default_factory=dict)
-
-    def check(self) -> None:
-        _check_ids(self, "host", "instance")
-
-
-@message_kind("registered")
-@dataclass(frozen=True, kw_only=True)
-class Registered(Message):
-    """Server -> device on ``ctrl/{device}``: the registration of ``instance`` is accepted, or refused with a reason."""
-
-    round_scoped: ClassVar[bool] = False
-
-    instance: str
-    accepted: bool
-    reason: str = ""
-    preset: str = ""  # the server's preset
-    rounds: int = 0  # the federation's horizon
-
-    def check(self) -> None:
-        _check_ids(self, "instance")
-
-
-_PLAN_KEYS = ("affordable", "global_min")
-
-
-@message_kind("round")
-@dataclass(frozen=True, kw_only=True)
-class RoundStart(Message):
-    """Server -> device on ``ctrl/{device}``: train the routed payload of ``transfer`` with exactly these inputs.
-
-    ``lr`` is this round's cosine learning rate, ``seed`` the client's seed for the round as decimal
-    text (it needs 63 bits; JSON numbers are exact only to 2^53), ``plan`` the affordable variants
-    and the global minimum (arch objects), ``train`` the local-training hyper-parameters. The server
-    stops waiting ``timeout`` seconds after sending (``deadline`` is the same instant in Unix time,
-    for logs; agents count from receipt and never compare clocks).
-    """
-
-    transfer: dict[str, Any]
-    deadline: float
-    timeout: float
-    rounds: int
-    lr: float
-    seed: str
-    plan: dict[str, Any]
-    train: dict[str, Any] = field(default_factory=dict)
-
-    def check(self) -> None:
-        _check_transfer(self.transfer)
-        if not (self.seed.isascii() and self.seed.isdigit() and len(self.seed) <= 20):
-            raise ProtocolError(f"field 'seed' must be a decimal integer below 2^64, got {self.seed[:24]!r}")
-        if not self.lr > 0:
-            raise ProtocolError(f"field 'lr' must be > 0, got {self.lr}")
-        if not self.timeout > 0:
-            raise ProtocolError(f"field 'timeout' must be > 0, got {self.timeout}")
-        if self.round >= self.rounds:
-            raise ProtocolError(f"round {self.round} is outside the horizon of {self.rounds} rounds")
-        missing = [key for key in _PLAN_KEYS if key not in self.plan]
-        if missing:
-            raise ProtocolError(f"field 'plan' lacks {', '.join(missing)}")
-        if not isinstance(self.plan["affordable"], list) or not self.plan["affordable"]:
-            raise ProtocolError("field 'plan.affordable' must be a non-empty list of architectures")
-
-
-@message_kind("update")
-@dataclass(frozen=True, kw_only=True)
-class Update(Message):
-    """Device -> server on ``events``: the trained slice answering routed transfer ``routed`` is sent as ``transfer``."""
-
-    transfer: dict[str, Any]
-    routed: str
-    samples: int
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-    def check(self) -> None:
-        _check_transfer(self.transfer)
-        validate_transfer_id(self.routed)
-
-
-@message_kind("metrics")
-@dataclass(frozen=True, kw_only=True)
-class Metrics(Message):
-    """Device -> server on ``events``: free-form numbers (e.g. the measured latency of the served ONNX model)."""
-
-    values: dict[str, Any]
-
-
-@message_kind("model_request")
-@dataclass(frozen=True, kw_only=True)
-class ModelRequest(Message):
-    """Device -> server on ``events``: send me my exported ONNX model (answered by ``model`` with ``request`` = this msg_id)."""
-
-    round_scoped: ClassVar[bool] = False
-
-
-@message_kind("model")
-@dataclass(frozen=True, kw_only=True)
-class ModelReady(Message):
-    """Server -> device on ``ctrl/{device}``: this device's ONNX model is sent as ``transfer``, or is not ``available``.
-
-    ``manifest`` describes the file (arch, MACs, params, validation accuracy, SHA-256); ``request`` is
-    the msg_id of the ``model_request`` it answers, empty when the server pushes it after the last round.
-    """
-
-    round_scoped: ClassVar[bool] = False
-
-    available: bool = True
-    transfer: dict[str, Any] = field(default_factory=dict)
-    manifest: dict[str, Any] = field(default_factory=dict)
-    request: str = ""
-    reason: str = ""
-
-    def check(self) -> None:
-        if self.available:
-            _check_transfer(self.transfer)
-        if self.request:
-            _check_ids(self, "request")
 
 
 def validate_transfer_id(value: str) -> str:
@@ -414,7 +279,7 @@ class MessageFilter:
             return f"federation {message.federation!r} is not {self.federation!r}"
         with self._lock:
             if message.round_scoped and message.round < self.current_round:
-                return f"stale: round {message.round} < current round {self.current_round}"
+                return f"stale: round {message.round + 1} < current round {self.current_round + 1}"  # 1-based, as people read rounds
             if message.deduplicated:
                 if message.msg_id in self._seen:
                     return f"duplicate message id {message.msg_id}"

@@ -14,8 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from feast_edge.transport.chunks import DEFAULT_CHUNK_SIZE, Outbox, Progress, Reassembler, Status, TransferInfo
+from feast_edge.transport.chunks import Outbox, Progress, Reassembler, Status
 from feast_edge.transport.errors import ProtocolError, TopicError
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, TransferInfo, describe
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import MAX_NACK_INDICES, Message, MessageFilter, Nack, Receipt, parse
 from feast_edge.transport.topics import WILDCARD, Topics, validate_direction
@@ -41,6 +42,7 @@ class ChunkSender:
         self.topics = topics
         self.direction = validate_direction(direction)
         self.window = window
+        self.chunk_size = chunk_size
         self.outbox = Outbox(chunk_size=chunk_size, ttl=ttl)
         self._filter = MessageFilter(topics.federation)
         self._receipts: dict[str, Receipt] = {}
@@ -55,6 +57,18 @@ class ChunkSender:
         self.link.publish_many(topic, self.outbox.frames(info.transfer), window=self.window, timeout=timeout)
         log.debug("sent transfer %s: %d bytes in %d chunks to %s", info.transfer, info.size, info.count, topic)
         return info
+
+    def describe(self, payload: bytes, *, round: int, device: str) -> TransferInfo:
+        """The transfer of ``payload`` in this sender's chunk size, to name in an announcement before :meth:`announce_and_send`."""
+        return describe(payload, federation=self.topics.federation, round=round, device=device, chunk_size=self.chunk_size)
+
+    def announce_and_send(self, topic: str, announcement: bytes, payload: bytes, info: TransferInfo, timeout: float = 120.0) -> TransferInfo:
+        """Publish ``announcement`` (a message naming ``info``) on ``topic``, then the chunks of ``payload``.
+
+        Announcing first lets the receiver expect, and nack, the transfer even if its first chunks are lost.
+        """
+        self.link.publish(topic, announcement)
+        return self.send(payload, round=info.round, device=info.device, transfer=info.transfer, timeout=timeout)
 
     def resend(self, transfer: str, indices: list[int] | None = None) -> int:
         """Publish chunks of a held transfer again without waiting (all by default); return how many."""

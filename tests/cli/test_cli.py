@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import subprocess
-import sys
+import re
+import time
+from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from feast_edge.cli.common import Stage, cycled_budgets, population_budgets
+from feast_edge.errors import FeastError
+from feast_edge.profile import load_profile
+from feast_edge.server.demo import _Fleet
 from strategies import TINY_PRESET
 
 JSON_ARCH = '{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,0]}'
@@ -144,3 +151,117 @@ def test_extract_finds_an_arch_under_budget(cli, small_checkpoint, tmp_path):
 )
 def test_bad_search_input_is_one_line(cli, args, fragment):
     cli.assert_user_error(cli.run(*args), fragment)
+
+
+# --- simulate and partition ----------------------------------------------------------------------
+
+TINY_SIMULATION = ["--clients", "4", "--per-round", "2", "--train-limit", "240", "--val-samples", "100", "--calib-samples", "50", "--seed", "3"]
+
+
+def test_simulate_says_each_stage_and_the_one_based_best_round(cli, tmp_path, fashion_mnist_dir):
+    result = cli.run("simulate", "-o", str(tmp_path), *TINY_SIMULATION, "--rounds", "2", "--eval-every", "1", "--test-limit", "100", "--batch-size", "32", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("loading fashion-mnist from ") and lines[1].startswith("population of 4 clients")  # said before the slow start-up
+    rounds = [line for line in lines if line.startswith("round ")]  # a start line, one per round, heartbeats between
+    assert rounds[0].startswith("round 0/2 ") and [line.split()[1] for line in rounds] == sorted(line.split()[1] for line in rounds)
+    reported = [line for line in rounds if " loss " in line]
+    assert [line.split()[1] for line in reported] == ["1/2", "2/2"]
+    assert re.search(r"loss \d+\.\d{3}  val \d+\.\d{2}%  best \d+\.\d{2}%", reported[-1])
+    testing = [line for line in lines if line.startswith("testing 26 cached variants (BN recalibration + test set) ")]
+    assert testing[0].split(") ")[1].startswith("0/26") and testing[-1].split(") ")[1].startswith("26/26")
+    results = json.loads((tmp_path / "results.json").read_text())
+    validated = {r["round"]: r["val_accuracy"] for r in results["rounds"]}
+    assert sorted(validated) == [1, 2] and results["best"]["round"] == max(validated, key=validated.get)
+    assert f"(best checkpoint, round {results['best']['round']})" in result.stdout
+
+
+def test_simulate_errors_are_one_line(cli, tmp_path):
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--gamma", "-1"), "--gamma -1.0 must be >= 0")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--data", str(tmp_path)), "Fashion-MNIST file")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--budget-min", "1M"), "below the smallest cached variant")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "bogus", "--train-limit", "400"), "variants = 'bogus' is unknown")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path / "fresh"), "--resume", "--clients", "4", "--per-round", "2", "--train-limit", "400"), "no checkpoint at")
+
+
+def test_partition_takes_the_population_options_of_simulate(cli, tmp_path, fashion_mnist_dir):
+    result = cli.run("partition", "-o", str(tmp_path), "--clients", "3", "--profiles", "jetson-nano,desktop-gpu", "--train-limit", "90", "--val-samples", "50", "--calib-samples", "20")
+    assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "index.json").read_text())
+    nano, gpu = load_profile("jetson-nano").budget_macs, load_profile("desktop-gpu").budget_macs
+    assert [c["budget_macs"] for c in index["clients"]] == [nano, gpu, nano]
+    assert sum(c["samples"] for c in index["clients"]) == 90
+    helps = {command: cli.run(command, "--help").stdout for command in ("simulate", "partition")}
+    for option in ("--budgets", "--profiles", "--gamma", "--zipf-s", "--alpha-eff", "--budget-cap", "--val-samples", "--train-limit", "--cache"):
+        assert all(text.count(f"{option} ") == 1 for text in helps.values()), option
+
+
+def test_budget_list_is_cycled_over_clients():
+    assert cycled_budgets("2M, 5M", 5) == (2e6, 5e6, 2e6, 5e6, 2e6)
+    with pytest.raises(FeastError, match="--budgets is empty"):
+        cycled_budgets(" , ", 3)
+
+
+def test_population_from_device_profiles():
+    nano, gpu = load_profile("jetson-nano").budget_macs, load_profile("desktop-gpu").budget_macs
+    assert population_budgets(None, "jetson-nano,desktop-gpu", 3, "fmnist-small") == (nano, gpu, nano)
+    assert population_budgets(None, None, 3, "fmnist-small") is None
+    with pytest.raises(FeastError, match="pass one of them"):
+        population_budgets("2M", "jetson-nano", 3, "fmnist-small")
+    with pytest.raises(FeastError, match="not paper-cifar100"):
+        population_budgets(None, "jetson-nano", 3, "paper-cifar100")
+
+
+def test_a_stage_outside_a_terminal_says_where_it_stands_and_keeps_a_heartbeat():
+    out = io.StringIO()
+    with Stage(Console(file=out, width=200), "round", 3, heartbeat=0.05) as stage:  # a StringIO is no terminal
+        stage.update(1, "loss 2.000", line=True)
+        deadline = time.monotonic() + 30
+        while len(out.getvalue().splitlines()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stage.update(2)  # no line of its own
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("round 0/3  (") and lines[1].startswith("round 1/3  loss 2.000  (")
+    assert lines[2].startswith("round 1/3  (")  # a heartbeat: the count and the time, not the last round's figures again
+    assert lines[-1].startswith("round 2/3  (")  # the last line says where the step ended
+
+
+# --- demo: following its processes through their console logs -------------------------------------
+
+
+def test_demo_reads_round_lines_with_or_without_time_stamps_and_says_what_it_waits_for(tmp_path: Path):
+    fleet = _Fleet(tmp_path, ["pi", "nano", "gpu"], rounds=2)
+    (tmp_path / "server.log").write_text(
+        "10:00:00 connected to MQTT broker at 127.0.0.1:1883 as feast-1\n"
+        "10:00:09 round 1/2  replies 3/3  aggregated  loss 2.1000  val 12.00%  4.0 s\n"
+        "10:00:10 warning: round 2: nano went offline; not waiting for its update\n"
+        "round 2/2  replies 2/3  aggregated  loss 2.0000  val 13.00%  4.0 s\n"
+    )
+    assert fleet.round_lines() == ["round 1/2  replies 3/3  aggregated  loss 2.1000  val 12.00%  4.0 s", "round 2/2  replies 2/3  aggregated  loss 2.0000  val 13.00%  4.0 s"]
+    (tmp_path / "agent-pi.log").write_text("10:00:01 registered pi with federation 'f'; waiting for rounds\n10:00:05 round 1/2: pi sent its update: loss 2.2\n")
+    (tmp_path / "agent-nano.log").write_text("10:00:01 connected to MQTT broker at 127.0.0.1:1883 as feast-2\n")
+    since = 0.0
+    assert re.fullmatch(r"feast-server up; agents registered 1/3 \(waiting: nano connected, gpu starting\) \(\d+ s\)", fleet.status(0, since))
+    (tmp_path / "agent-nano.log").write_text("registered nano with federation 'f'\n")
+    (tmp_path / "agent-gpu.log").write_text("registered gpu with federation 'f'\n")
+    assert fleet.status(0, since).startswith("round 1/2 running: updates sent 1/3 ")
+    assert fleet.status(2, since).startswith("exporting models... 0/3 done ")
+
+
+def test_heartbeat_speaks_while_a_step_runs_and_stops_after(caplog) -> None:
+    import logging
+    import threading
+
+    from feast_edge.cli.common import heartbeat
+
+    logger = logging.getLogger("feast_edge.test")
+    with caplog.at_level(logging.INFO, logger="feast_edge.test"):
+        with heartbeat(logger, "still exporting", every=0.01):
+            for _ in range(500):  # the block waits until the heartbeat has spoken (or 5 s pass)
+                if any(r.getMessage().startswith("still exporting (") for r in caplog.records):
+                    break
+                threading.Event().wait(0.01)
+        count = len(caplog.records)
+        threading.Event().wait(0.05)
+    assert count >= 1 and caplog.records[0].getMessage().startswith("still exporting (")
+    assert len(caplog.records) == count  # nothing after the block ended

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from feast_edge.arch import Arch
 from feast_edge.errors import ArchError
 from feast_edge.preset import load_preset
-
 from strategies import archs
 
 PAPER = load_preset("paper-cifar100")

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from feast_edge.arch import Arch
 from feast_edge.cache import (
     CacheError,
+    SearchJob,
     VariantCache,
     build_cache,
     cache_jobs,
     cache_path,
     cache_targets,
-    SearchJob,
     load_cache,
     merge_entries,
     read_reference_csv,
@@ -26,7 +26,6 @@ from feast_edge.cost import arch_cost
 from feast_edge.errors import FeastError, PresetError
 from feast_edge.fitness import evaluate
 from feast_edge.preset import Preset, available_presets, load_preset, load_preset_file
-
 from strategies import BUILTIN_PRESETS, TINY_PRESET
 
 FAST = dict(population=16, generations=8)

@@ -15,7 +15,6 @@ from feast_edge.counting import measure_macs, measure_params
 from feast_edge.geometry import arch_layout, make_divisible, supernet_layout
 from feast_edge.preset import load_preset
 from feast_edge.static import StaticResNet
-
 from strategies import all_presets, archs
 
 PAPER = load_preset("paper-cifar100")

@@ -13,7 +13,6 @@ from feast_edge.elastic import ElasticBatchNorm2d, ElasticConv2d, ElasticLinear
 from feast_edge.extract import extract
 from feast_edge.preset import load_preset
 from feast_edge.supernet import Supernet
-
 from strategies import TINY_PRESET, archs
 
 SMALL = load_preset("fmnist-small")

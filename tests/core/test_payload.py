@@ -13,7 +13,6 @@ from feast_edge.payload import Manifest, PayloadError, decode, encode, read_mani
 from feast_edge.preset import load_preset
 from feast_edge.route import Envelope, route_state
 from feast_edge.supernet import Supernet
-
 from strategies import TINY_PRESET
 
 TINY = load_preset(str(TINY_PRESET))

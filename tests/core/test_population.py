@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from feast_edge.errors import FeastError, PopulationError
 from feast_edge.population import (
+    allocation,
     alpha_data_for,
     alpha_eff_for,
-    allocation,
     budgets_from_list,
     build_population,
     dirichlet_partition,

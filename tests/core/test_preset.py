@@ -8,7 +8,6 @@ import pytest
 
 from feast_edge.errors import PresetError
 from feast_edge.preset import available_presets, load_preset, load_preset_file
-
 from strategies import TINY_PRESET
 
 

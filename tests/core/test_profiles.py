@@ -15,9 +15,9 @@ from feast_edge.profile import (
     ProfileError,
     available_profiles,
     budgets_from_profiles,
+    builtin_dir,
     derive_budget,
     fit_latency,
-    builtin_dir,
     load_profile,
     save_profile,
 )

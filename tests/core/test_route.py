@@ -16,7 +16,6 @@ from feast_edge.preset import load_preset
 from feast_edge.route import Envelope, route_state, sub_supernet
 from feast_edge.slicing import leading_slice
 from feast_edge.supernet import Supernet
-
 from strategies import TINY_PRESET, archs
 
 PAPER = load_preset("paper-cifar100")

@@ -25,7 +25,6 @@ from feast_edge.search import (
     split_genes,
     tournament,
 )
-
 from strategies import archs
 
 FMNIST = load_preset("fmnist-small")

@@ -13,7 +13,6 @@ from feast_edge.checkpoint import load_supernet
 from feast_edge.data import DataError
 from feast_edge.simulate import CHECKPOINT, Simulation, SimulationConfig, SimulationError
 
-
 TINY_RUN = SimulationConfig(
     clients=4,
     per_round=2,
@@ -102,7 +101,7 @@ def test_bad_settings_are_refused(change, error, message, fashion_mnist_dir):
 
 
 def test_cache_of_another_preset_is_refused(tmp_path):
-    from feast_edge.cache import cache_path, load_cache
+    from feast_edge.cache import cache_path
     from feast_edge.preset import load_preset
 
     with pytest.raises(CacheError, match="not 'fmnist-small'"):
@@ -114,35 +113,3 @@ def test_explicit_budgets_population(tmp_path):
     sim = Simulation(replace(TINY_RUN, budgets=budgets), tmp_path)
     assert tuple(sim.setup.population.budgets) == budgets
     assert sim.setup.plans["client-000"].affordable == (sim.setup.cache.smallest.arch,)
-
-
-def test_cli_simulate_errors_are_one_line(cli, tmp_path):
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--gamma", "-1"), "--gamma -1.0 must be >= 0")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--data", str(tmp_path)), "Fashion-MNIST file")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--budget-min", "1M"), "below the smallest cached variant")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "bogus", "--train-limit", "400"), "variants = 'bogus' is unknown")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path / "fresh"), "--resume", "--clients", "4", "--per-round", "2", "--train-limit", "400"), "no checkpoint at")
-
-
-def test_cli_budget_list_is_cycled_over_clients():
-    from feast_edge.cli.main import _cycled_budgets
-
-    assert _cycled_budgets("2M, 5M", 5) == (2e6, 5e6, 2e6, 5e6, 2e6)
-    from feast_edge.errors import FeastError
-
-    with pytest.raises(FeastError, match="--budgets is empty"):
-        _cycled_budgets(" , ", 3)
-
-
-def test_cli_population_from_device_profiles():
-    from feast_edge.profile import load_profile
-    from feast_edge.cli.main import _population_budgets
-    from feast_edge.errors import FeastError
-
-    nano, gpu = load_profile("jetson-nano").budget_macs, load_profile("desktop-gpu").budget_macs
-    assert _population_budgets(None, "jetson-nano,desktop-gpu", 3, "fmnist-small") == (nano, gpu, nano)
-    assert _population_budgets(None, None, 3, "fmnist-small") is None
-    with pytest.raises(FeastError, match="pass one of them"):
-        _population_budgets("2M", "jetson-nano", 3, "fmnist-small")
-    with pytest.raises(FeastError, match="not paper-cifar100"):
-        _population_budgets(None, "jetson-nano", 3, "paper-cifar100")

@@ -14,7 +14,6 @@ from feast_edge.geometry import arch_layout, envelope_layout
 from feast_edge.preset import load_preset
 from feast_edge.static import StaticResNet
 from feast_edge.supernet import Supernet
-
 from strategies import TINY_PRESET, archs
 
 SMALL = load_preset("fmnist-small")

@@ -21,17 +21,7 @@ from feast_edge.geometry import envelope_layout
 from feast_edge.preset import load_preset, load_preset_file
 from feast_edge.static import StaticResNet
 from feast_edge.supernet import Supernet
-from feast_edge.train import (
-    VARIANT_MODES,
-    TrainConfig,
-    TrainError,
-    add_masked_weight_decay,
-    cosine_lr,
-    kd_loss,
-    local_train,
-    plan_variants,
-)
-
+from feast_edge.train import VARIANT_MODES, TrainConfig, TrainError, add_masked_weight_decay, cosine_lr, kd_loss, local_train, plan_variants
 from strategies import TINY_PRESET, archs
 
 TINY = load_preset_file(TINY_PRESET)

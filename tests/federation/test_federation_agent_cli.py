@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from feast_edge.agent.data import client_budgets, load_clients, parse_shard
+from feast_edge.cache import load_cache
 from feast_edge.data import DataError
+from feast_edge.preset import load_preset
 from feast_edge.shards import read_index, read_shard, write_partition
-from feast_edge.agent.data import load_clients, parse_shard
-
-from test_federation_same_math import CONFIG, REPO
 
 
 @pytest.fixture(scope="module")
-def partition(tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
+def partition(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
     out = tmp_path_factory.mktemp("partition")
-    write_partition(replace(CONFIG, clients=4, per_round=2), out)
+    write_partition(replace(kit.CONFIG, clients=4, per_round=2), out)
     return out
 
 
@@ -75,16 +75,16 @@ def test_a_corrupt_shard_file_is_refused(partition: Path, tmp_path: Path) -> Non
         load_clients(bad, "d")
 
 
-def test_profile_command_measures_this_device_and_writes_a_usable_profile(tmp_path: Path) -> None:
+def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, tmp_path: Path) -> None:
     out = tmp_path / "here.json"
     result = subprocess.run(
         [sys.executable, "-m", "feast_edge.agent.cli", "profile", "--out", str(out), "--variants", "3", "--repeats", "3", "--name", "ci-host", "--latency-target-ms", "100000"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=kit.REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    from feast_edge.agent.profiling import load_profile
     from feast_edge.cache import load_cache
     from feast_edge.preset import load_preset
+    from feast_edge.profile import load_profile
 
     profile = load_profile(out)
     assert profile.name == "ci-host" and profile.device == "cpu" and len(profile.measurements) == 3
@@ -92,14 +92,14 @@ def test_profile_command_measures_this_device_and_writes_a_usable_profile(tmp_pa
     assert "use it with: feast-agent run --profile" in result.stdout
 
 
-def test_partition_command_writes_exactly_the_simulators_shards(tmp_path: Path, fashion_mnist_dir: Path) -> None:
+def test_partition_command_writes_exactly_the_simulators_shards(kit, tmp_path: Path, fashion_mnist_dir: Path) -> None:
     from feast_edge.simulate import SimulationConfig, build_setup
 
     out = tmp_path / "part"
     result = subprocess.run(
         [sys.executable, "-m", "feast_edge.cli", "partition", "--out", str(out), "--clients", "3", "--budgets", "3M,40M",
          "--train-limit", "300", "--val-samples", "50", "--calib-samples", "20", "--seed", "3"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=kit.REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     setup = build_setup(SimulationConfig(clients=3, per_round=1, budgets=(3e6, 40e6, 3e6), train_limit=300, val_samples=50, calib_samples=20, seed=3))
@@ -109,3 +109,22 @@ def test_partition_command_writes_exactly_the_simulators_shards(tmp_path: Path, 
         shard = read_shard(out / entry["file"])
         images, labels = setup.client_data(entry["client_id"])
         assert shard.budget_macs == float(budget) and torch.equal(shard.images, images) and torch.equal(shard.labels, labels)
+
+
+def test_client_budgets_check_each_hosted_client(partition: Path) -> None:
+    preset = load_preset("fmnist-small")
+    cache = load_cache(preset)
+    hosted = load_clients(partition, "host", clients=2)
+    index = read_index(partition)["clients"]
+    assert client_budgets(hosted, preset, cache, None) == {e["client_id"]: int(e["budget_macs"]) for e in index[:2]}
+    assert set(client_budgets(hosted, preset, cache, 20e6).values()) == {20_000_000}  # --budget overrides the shards'
+    with pytest.raises(DataError, match="below the smallest cached variant"):
+        client_budgets(hosted, preset, cache, 1e5)
+    with pytest.raises(DataError, match="appears twice"):
+        client_budgets([hosted[0], hosted[0]], preset, cache, None)
+    with pytest.raises(DataError, match="no MAC budget for device d"):
+        client_budgets([replace(hosted[0], device_id="d", budget_macs=None)], preset, cache, None)
+    with pytest.raises(DataError, match="pass --preset fmnist-small"):
+        client_budgets(hosted, load_preset("paper-cifar100"), load_cache(load_preset("paper-cifar100")), 600e6)
+    with pytest.raises(DataError, match="hosts no clients"):
+        client_budgets([], preset, cache, None)

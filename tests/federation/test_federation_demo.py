@@ -8,23 +8,15 @@ export, push, onnxruntime, summary table.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_federation_same_math import REPO
-
 PROFILES = ("raspberry-pi-5", "jetson-nano", "laptop-cpu", "desktop-gpu")
 
 
-def _demo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "feast_edge.cli", "demo", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
-
-
-def test_demo_trains_exports_and_times_a_model_for_every_device(tmp_path: Path, fashion_mnist_dir: Path) -> None:
-    result = _demo("--rounds", "1", "--samples", "150", "--out", str(tmp_path / "demo"))
+def test_demo_trains_exports_and_times_a_model_for_every_device(cli, tmp_path: Path, fashion_mnist_dir: Path) -> None:
+    result = cli.run("demo", "--rounds", "1", "--samples", "150", "--out", str(tmp_path / "demo"), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "broker: mosquitto (embedded" in out
@@ -36,16 +28,16 @@ def test_demo_trains_exports_and_times_a_model_for_every_device(tmp_path: Path, 
     assert "Wall time" in out
 
 
-def test_demo_runs_on_the_pure_python_broker(tmp_path: Path, fashion_mnist_dir: Path) -> None:
+def test_demo_runs_on_the_pure_python_broker(cli, tmp_path: Path, fashion_mnist_dir: Path) -> None:
     pytest.importorskip("amqtt")
-    result = _demo("--rounds", "1", "--samples", "100", "--profiles", "jetson-nano,raspberry-pi-5", "--embedded-broker", "amqtt", "--out", str(tmp_path / "demo"))
+    result = cli.run("demo", "--rounds", "1", "--samples", "100", "--profiles", "jetson-nano,raspberry-pi-5", "--embedded-broker", "amqtt", "--out", str(tmp_path / "demo"), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "broker: amqtt (embedded, pure Python)" in result.stdout
     assert "round 1/1  replies 2/2  aggregated" in result.stdout
 
 
-def test_demo_without_the_data_set_says_how_to_get_it(tmp_path: Path) -> None:
-    result = _demo("--data", str(tmp_path / "missing"), "--out", str(tmp_path / "demo"), timeout=120)
+def test_demo_without_the_data_set_says_how_to_get_it(cli, tmp_path: Path) -> None:
+    result = cli.run("demo", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "demo"), timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("error: Fashion-MNIST is not installed in")
     assert "apt-get install dataset-fashion-mnist" in result.stderr

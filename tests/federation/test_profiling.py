@@ -11,11 +11,12 @@ from rich.console import Console
 from torch import nn
 
 from feast_edge.agent.profiling import profile_device, profile_table, read_hardware, time_variant
-from feast_edge.profile import DeviceProfile, ProfileError, activation_elements, derive_budget, fit_latency, training_memory_bytes
 from feast_edge.cache import VariantCache, load_cache
 from feast_edge.extract import extract
 from feast_edge.preset import Preset, load_preset
+from feast_edge.profile import DeviceProfile, ProfileError, activation_elements, derive_budget, fit_latency, training_memory_bytes
 from feast_edge.route import Envelope
+from feast_edge.runtime import DeviceError
 from feast_edge.supernet import Supernet
 from strategies import archs
 
@@ -176,7 +177,7 @@ def test_time_variant_returns_a_positive_median() -> None:
 def test_time_variant_rejects_bad_settings() -> None:
     with pytest.raises(ProfileError, match="repeats >= 1"):
         time_variant(nn.Identity(), (1, 1), "cpu", repeats=0, warmup=0)
-    with pytest.raises(ProfileError, match="--device cpu or --device cuda"):
+    with pytest.raises(DeviceError, match="'tpu' is not one of auto, cpu, cuda"):
         time_variant(nn.Identity(), (1, 1), "tpu", repeats=1, warmup=0)
 
 
@@ -211,7 +212,7 @@ def test_profile_device_rejects_bad_settings() -> None:
         profile_device("fmnist-small", variants=1)
     with pytest.raises(ProfileError, match="--memory-fraction"):
         profile_device("fmnist-small", memory_fraction=0.0)
-    with pytest.raises(ProfileError, match="--device cpu or --device cuda"):
+    with pytest.raises(DeviceError, match="'gpu' is not one of auto, cpu, cuda"):
         profile_device("fmnist-small", device="gpu")
     with pytest.raises(ProfileError, match="profile name"):
         profile_device("fmnist-small", variants=2, repeats=1, latency_target_ms=1e4, name="bad name")
@@ -219,9 +220,9 @@ def test_profile_device_rejects_bad_settings() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_cuda_requested_without_a_cuda_device_is_a_clear_error() -> None:
-    with pytest.raises(ProfileError, match="no CUDA device; use --device cpu"):
+    with pytest.raises(DeviceError, match="no CUDA device is available to PyTorch here; use --device auto or cpu"):
         read_hardware("cuda")
-    with pytest.raises(ProfileError, match="no CUDA device"):
+    with pytest.raises(DeviceError, match="no CUDA device"):
         profile_device("fmnist-small", device="cuda")
 
 

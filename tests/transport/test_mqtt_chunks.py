@@ -11,20 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.transport.chunks import (
-    DEFAULT_CHUNK_SIZE,
-    MAX_HEADER_BYTES,
-    Outbox,
-    Reassembler,
-    Status,
-    TransferInfo,
-    chunk_count,
-    decode_frame,
-    describe,
-    encode_frame,
-    iter_frames,
-)
+from feast_edge.transport.chunks import Outbox, Reassembler, Status
 from feast_edge.transport.errors import ChunkError
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MAX_HEADER_BYTES, TransferInfo, chunk_count, decode_frame, describe, encode_frame, iter_frames
 
 IDS = {"federation": "lab", "round": 2, "device": "pi5"}
 

@@ -1,4 +1,4 @@
-"""Control messages: round trips, and every kind of malformed input ends in ProtocolError."""
+"""Control messages (transport kinds and FEAST's round protocol): round trips, conversions, and every malformed input ends in ProtocolError."""
 
 from __future__ import annotations
 
@@ -9,24 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from feast_edge.transport.chunks import describe
+from feast_edge.protocol import Finished, Metrics, ModelReady, ModelRequest, Register, Registered, RoundStart, Update
 from feast_edge.transport.errors import ProtocolError
-from feast_edge.transport.messages import (
-    MAX_MESSAGE_BYTES,
-    MessageFilter,
-    Metrics,
-    ModelReady,
-    Nack,
-    Presence,
-    Receipt,
-    ModelRequest,
-    Register,
-    Registered,
-    RoundStart,
-    Update,
-    known_kinds,
-    parse,
-)
+from feast_edge.transport.frames import describe
+from feast_edge.transport.messages import MAX_MESSAGE_BYTES, MessageFilter, Nack, Presence, Receipt, known_kinds, parse
 
 COMMON: dict[str, Any] = {"federation": "lab", "round": 3, "device": "jetson-1"}
 INFO = describe(b"payload", federation="lab", round=3, device="jetson-1").to_dict()
@@ -44,6 +30,7 @@ EXAMPLES = [
     Metrics(**COMMON, values={"accuracy": 0.5}),
     ModelRequest(**COMMON),
     ModelReady(**COMMON, transfer=INFO, manifest={"macs": 24957968}),
+    Finished(**COMMON, rounds=10, completed=10, model=True),
 ]
 
 
@@ -145,21 +132,26 @@ def test_arbitrary_json_objects_never_crash_parse(body: dict[str, Any]) -> None:
 
 def test_filter_drops_duplicates_stale_and_foreign() -> None:
     gate = MessageFilter("lab", current_round=3)
-    msg = Metrics(**COMMON, values={})
+
+    def nack(**changes: Any) -> Nack:
+        return Nack(**{**COMMON, **changes}, transfer="t1", missing=(1,))
+
+    msg = nack()
     assert gate.verdict(msg) is None
     assert "duplicate" in gate.verdict(msg)  # type: ignore[operator]
-    assert "stale: round 2 < current round 3" == gate.verdict(Metrics(**{**COMMON, "round": 2}, values={}))
-    assert "federation 'other'" in gate.verdict(Metrics(**{**COMMON, "federation": "other"}, values={}))  # type: ignore[operator]
-    assert gate.accept(Metrics(**{**COMMON, "round": 4}, values={}))
+    assert "stale: round 3 < current round 4" == gate.verdict(nack(round=2))  # rounds read 1-based
+    assert "federation 'other'" in gate.verdict(nack(federation="other"))  # type: ignore[operator]
+    assert gate.accept(nack(round=4))
     gate.advance(5)
     gate.advance(1)  # never moves backwards
-    assert not gate.accept(Metrics(**{**COMMON, "round": 4}, values={}))
+    assert not gate.accept(nack(round=4))
 
 
-def test_filter_exempts_presence_and_registration_from_staleness() -> None:
+def test_filter_exempts_presence_registration_and_metrics_from_staleness() -> None:
     gate = MessageFilter("lab", current_round=9)
     will = Presence(**{**COMMON, "round": 0}, state="offline")
     assert gate.accept(will) and gate.accept(will)  # a last will repeats with the same id
+    assert gate.accept(Metrics(**{**COMMON, "round": 0}, values={"onnx_latency_ms": 0.9}))  # e.g. after the last round
     assert gate.accept(Register(**{**COMMON, "round": 0}, host="h", instance="i", preset="p", preset_digest="d", budget_macs=1, samples=1))
 
 
@@ -170,3 +162,60 @@ def test_filter_memory_is_bounded() -> None:
     for _ in range(2):
         assert gate.accept(Metrics(**COMMON, values={}))
     assert gate.accept(first)  # forgotten: memory holds only the last two ids
+
+
+def test_round_start_carries_the_plan_and_settings_exactly() -> None:
+    from feast_edge.cache import load_cache
+    from feast_edge.federation import plan_client
+    from feast_edge.preset import load_preset
+    from feast_edge.train import TrainConfig
+
+    preset = load_preset("fmnist-small")
+    plan = plan_client(load_cache(preset), 12e6)
+    train = TrainConfig(lr=0.01, batch_size=32, variants="min+max", augment=False)
+    info = describe(b"routed", federation="lab", round=3, device="jetson-1")
+    sent = RoundStart.from_plan(
+        plan, federation="lab", round=3, device="jetson-1", transfer=info, sent_at=1.7e9, timeout=60.0, rounds=10, lr=0.02, seed=2**63 - 5, train=train
+    )
+    received = parse(sent.encode())
+    assert isinstance(received, RoundStart)
+    assert received.client_plan(preset) == plan
+    assert received.train_config() == train
+    assert received.client_seed == 2**63 - 5
+    assert received.transfer_info() == info
+    assert received.deadline == 1.7e9 + 60.0
+
+
+def test_round_start_plan_of_another_preset_is_refused() -> None:
+    from feast_edge.cache import load_cache
+    from feast_edge.errors import FeastError
+    from feast_edge.federation import plan_client
+    from feast_edge.preset import load_preset
+    from feast_edge.train import TrainConfig
+
+    plan = plan_client(load_cache(load_preset("paper-cifar100")), 600e6)
+    info = describe(b"routed", federation="lab", round=0, device="d")
+    message = RoundStart.from_plan(
+        plan, federation="lab", round=0, device="d", transfer=info, sent_at=0.0, timeout=5.0, rounds=1, lr=0.1, seed=1, train=TrainConfig()
+    )
+    with pytest.raises(FeastError, match="out of range"):
+        message.client_plan(load_preset("fmnist-small"))
+    with pytest.raises(ProtocolError, match="unknown training settings"):
+        RoundStart(**{**{k: getattr(message, k) for k in ("federation", "round", "device", "transfer", "deadline", "timeout", "rounds", "lr", "seed", "plan")}, "train": {"bogus": 1}}).train_config()
+
+
+def test_update_reports_the_local_result() -> None:
+    from feast_edge.train import LocalResult
+
+    result = LocalResult(
+        num_samples=600, samples_seen=1200, num_batches=19, mean_loss=1.5, role_losses={"max": 1.0}, variants_per_batch={3: 19},
+        arch_batches={}, train_macs=123_456, lr=0.02,
+    )
+    info = describe(b"update", federation="lab", round=3, device="jetson-1")
+    update = parse(Update.from_result(result, federation="lab", round=3, device="jetson-1", transfer=info, routed="t0", compute_seconds=2.5, torch_device="cpu").encode())
+    assert isinstance(update, Update)
+    assert (update.samples, update.loss, update.samples_seen, update.compute_seconds, update.train_macs) == (600, 1.5, 1200, 2.5, 123_456)
+    assert update.transfer_info() == info
+    other = describe(b"update", federation="lab", round=2, device="jetson-1")
+    with pytest.raises(ProtocolError, match="round 2"):
+        Update(federation="lab", round=3, device="jetson-1", transfer=other.to_dict(), routed="t0", samples=1).transfer_info()

@@ -1,0 +1,203 @@
+"""``feast-edge`` commands that run the method on data: routing report, simulation, partition, the end-to-end demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from feast_edge.arch import Arch
+from feast_edge.cli.common import DeviceOpt, Stage, make_console, millions, parse_list, parse_macs, population_options
+from feast_edge.cost import arch_cost
+from feast_edge.errors import FeastError
+from feast_edge.preset import load_preset
+
+console = make_console()
+
+
+def register(app: typer.Typer) -> None:
+    """Add the run commands to the ``feast-edge`` app."""
+    for command in (routing, simulate, partition, demo):
+        app.command()(command)
+
+
+def routing(
+    preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name (see 'feast-edge presets') or a .toml file.")],
+    cache_file: Annotated[Optional[Path], typer.Option("--cache", help="Cache JSON (default: the preset's shipped cache).")] = None,
+    reference_csv: Annotated[Optional[Path], typer.Option("--reference-csv", help="Use the paper's published cache CSV instead.")] = None,
+    clients: Annotated[int, typer.Option(help="Simulated clients N (Zipf budgets).")] = 100,
+    zipf_s: Annotated[float, typer.Option(help="Zipf exponent of the budget ranks.")] = 1.2,
+    seed: Annotated[int, typer.Option(help="Seed of the budget draw.")] = 0,
+    budgets: Annotated[Optional[str], typer.Option(help="Comma-separated budgets to tabulate (e.g. 25M,50M,229M).")] = None,
+    classes: Annotated[Optional[int], typer.Option("--classes", "-c", min=1, help="Classifier classes (default: the preset's).")] = None,
+) -> None:
+    """Routed envelope sizes and the communication report for a Zipf population (SPEC §5)."""
+    import numpy as np
+
+    from feast_edge.cache import load_cache, read_reference_csv
+    from feast_edge.population import zipf_budgets
+    from feast_edge.route import communication_report
+
+    p = load_preset(preset)
+    n_classes = p.classes if classes is None else classes
+    cache = read_reference_csv(reference_csv, p) if reference_csv is not None else load_cache(p, cache_file)
+    archs = sorted((arch_cost(p, e.arch, n_classes)[0], e.arch) for e in cache.entries)
+    if archs and budgets is None:
+        budgets = ",".join(str(m) for m in np.unique(np.quantile([m for m, _ in archs], [0, 0.25, 0.5, 0.75, 1.0]).astype(int)))
+    table = Table(title=f"{p.name}: routed envelope per budget ({n_classes}-class head)")
+    for col in ("budget", "affordable", "envelope params", "reduction"):
+        table.add_column(col, justify="right")
+    for text in (budgets or "").split(","):
+        if not text.strip():
+            continue
+        b = parse_macs(text)
+        affordable = [a for m, a in archs if m <= b]
+        if not affordable:
+            raise FeastError(cache.below_smallest(b, "raise it"))
+        report = communication_report(p, archs, [b], n_classes)
+        table.add_row(millions(int(b)), str(len(affordable)), millions(report.payloads[0]), f"{report.aggregate_reduction:.1f}x")
+    console.print(table)
+    population = zipf_budgets(clients, np.random.default_rng(seed), s=zipf_s, b_min=p.budget_min, b_max=p.budget_max)
+    report = communication_report(p, archs, population, n_classes)
+    r = report.reductions
+    console.print(
+        f"{clients} clients, Zipf s={zipf_s}, budgets {millions(p.budget_min)}..{millions(p.budget_max)} MACs, seed {seed}:\n"
+        f"  full supernet {millions(report.full_params)} params; mean routed payload {millions(int(report.mean_payload))} "
+        f"-> aggregate reduction {report.aggregate_reduction:.2f}x\n"
+        f"  per-client reduction: mean {sum(r) / len(r):.1f}x, median {report.median_reduction:.1f}x, max {max(r):.1f}x",
+        soft_wrap=True,
+    )
+
+
+@population_options
+def simulate(
+    population: dict[str, Any],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints and results.")],
+    per_round: Annotated[int, typer.Option(help="Clients sampled per round m.")] = 5,
+    rounds: Annotated[int, typer.Option(help="Federation rounds (also the cosine-decay horizon).")] = 30,
+    method: Annotated[str, typer.Option(help="full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
+    lr: Annotated[float, typer.Option(help="Initial SGD learning rate (cosine-decayed).")] = 0.025,
+    batch_size: Annotated[int, typer.Option(help="Local batch size.")] = 64,
+    eval_every: Annotated[int, typer.Option(help="Validate every k rounds.")] = 5,
+    test_limit: Annotated[Optional[int], typer.Option(help="Test on only the first N test examples.")] = None,
+    device: DeviceOpt = "auto",
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+) -> None:
+    """Run the paper's protocol in one process: population, rounds, evaluation, results."""
+    from feast_edge.runtime import describe_device, resolve_device
+    from feast_edge.simulate import Simulation, SimulationConfig
+
+    requested, device = device, resolve_device(device)
+    config = SimulationConfig(
+        **population, per_round=per_round, rounds=rounds, variants=method, lr=lr, batch_size=batch_size, eval_every=eval_every,
+        test_limit=test_limit, device=device,
+    )
+    config.train_config()  # validates --method and friends before any data is read
+    _say(f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients")
+    sim = Simulation(config, out)
+    _say(str(sim.setup.population))
+    _say(describe_device(device, requested))
+    done = _completed_rounds(out) if resume else 0
+    if done:
+        _say(f"resuming after round {done}/{rounds} from {out / 'checkpoint.safetensors'}")
+    display = _SimulationDisplay(rounds, done, len(sim.setup.cache.entries))
+    try:
+        results = sim.run(resume=resume, on_round=display.on_round, on_test=display.on_test)
+    except BaseException:
+        display.stage.finish(ok=False)
+        raise
+    display.stage.finish()
+    table = Table(title=f"{config.preset}: per-variant test accuracy (best checkpoint, round {results['best'].get('round', '-')})")
+    for col in ("#", "MACs", "params", "accuracy", "arch"):
+        table.add_column(col, justify="left" if col == "arch" else "right")
+    for v in results["variants"]:
+        table.add_row(str(v["index"]), millions(v["macs"]), millions(v["params"]), f"{100 * v['test_accuracy']:.2f}%", str(Arch.from_dict(v["arch"])))
+    console.print(table)
+    comm = results["communication"]
+    console.print(
+        f"population accuracy (largest affordable variant per client): {100 * results['population_accuracy']:.2f}%\n"
+        f"traffic: routed {comm['routed_params_total'] / 1e6:,.1f}M params vs full {comm['full_params_total'] / 1e6:,.1f}M "
+        f"({comm['reduction']:.2f}x less); training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
+        f"results: {out / 'results.json'}, {out / 'variants.csv'}, {out / 'rounds.csv'}",
+        soft_wrap=True,
+    )
+
+
+def _say(text: str) -> None:
+    console.print(text, soft_wrap=True, highlight=False)
+
+
+def _completed_rounds(out: Path) -> int:
+    """Rounds the checkpoint in ``out`` holds (0 without one; --resume then says what is missing)."""
+    from feast_edge.checkpoint import read_record
+
+    path = out / "checkpoint.safetensors"
+    return int(read_record(path).get("fields", {}).get("round", 0)) if path.is_file() else 0
+
+
+class _SimulationDisplay:
+    """``simulate``'s progress: the rounds, then the final test of every cached variant, each a labelled :class:`Stage`."""
+
+    def __init__(self, rounds: int, done: int, variants: int) -> None:
+        self.variants = variants
+        self.stage = Stage(console, "round", rounds, done=done).start()
+        self.testing = False
+
+    def on_round(self, p: Any) -> None:
+        pct = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+        self.stage.update(p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  best {pct(p.best_val)}", line=True)
+        if p.round == p.rounds:
+            self._start_testing()  # say so at once: the first variant takes a while
+
+    def on_test(self, done: int, total: int) -> None:
+        self._start_testing()
+        self.stage.update(done)
+
+    def _start_testing(self) -> None:
+        if not self.testing:
+            self.testing = True
+            self.stage.finish()
+            self.stage = Stage(console, f"testing {self.variants} cached variants (BN recalibration + test set)", self.variants).start()
+
+
+@population_options
+def partition(
+    population: dict[str, Any],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the shard files, server.safetensors and index.json.")],
+) -> None:
+    """Write the simulator's client shards (one file per client) and server-held splits, for feast-agent --data."""
+    from feast_edge.shards import write_partition
+    from feast_edge.simulate import SimulationConfig
+
+    config = SimulationConfig(**population, per_round=1)
+    _say(f"loading {config.dataset} from {config.data_dir}; splitting it over {config.clients} clients")
+    index = write_partition(config, out)
+    table = Table(title=f"{index['preset']}: {len(index['clients'])} client shards in {out}")
+    for col in ("client", "budget", "samples", "file"):
+        table.add_column(col, justify="right" if col in ("budget", "samples") else "left")
+    for c in index["clients"]:
+        table.add_row(c["client_id"], millions(int(c["budget_macs"])), str(c["samples"]), c["file"])
+    console.print(table)
+    server = index["server"]
+    console.print(f"server-held: {server['validation']} validation + {server['calibration']} calibration examples in {out / server['file']}", soft_wrap=True)
+
+
+def demo(
+    broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port.")] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 3,
+    samples: Annotated[int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")] = 800,
+    profiles: Annotated[str, typer.Option(help="Comma-separated device profiles (names in profiles/ or files), one agent each.")] = "raspberry-pi-5,jetson-nano,laptop-cpu,desktop-gpu",
+    data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory.")] = Path("/usr/share/datasets/fashion-mnist"),
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (its partition/, server/, device-models/, logs/ are replaced).")] = Path("feast-demo"),
+    seed: Annotated[int, typer.Option(help="Seed of the partition and the federation.")] = 0,
+    embedded_broker: Annotated[str, typer.Option("--embedded-broker", help="Without --broker: auto (mosquitto if installed, else amqtt), mosquitto or amqtt.")] = "auto",
+) -> None:
+    """One command end to end: broker, feast-server and one feast-agent per device profile, rounds, ONNX per device."""
+    from feast_edge.server.demo import run_demo
+
+    run_demo(
+        broker=broker, rounds=rounds, samples=samples, profiles=parse_list(profiles), data=data, out=out,
+        seed=seed, console=console, embedded_broker=embedded_broker,
+    )

@@ -1,0 +1,297 @@
+"""FEAST's application protocol: the round messages, as types that convert to and from the method's objects.
+
+The transport (``feast_edge.transport``) moves validated JSON messages and
+chunked payloads; this module says what a federation says with them
+(docs/protocol.md §7 "Round sequence"):
+
+    device -> server  Register      one (virtual) client: budget, samples, preset, profile
+    server -> device  Registered    accepted, or refused with a reason; ``finished`` when the run is over
+    server -> device  RoundStart    RoundStart.from_plan(plan, ...)  ->  .client_plan(preset), .train_config(), .client_seed
+    device -> server  Update        Update.from_result(result, ...)  ->  .loss, .samples_seen, .compute_seconds
+    device -> server  Metrics       free-form numbers (e.g. the served model's latency)
+    device -> server  ModelRequest  send me my exported model
+    server -> device  ModelReady    the model follows as a transfer, or is not available
+    server -> device  Finished      the federation is over: rounds done, whether a model was exported
+
+Neither side packs or unpacks a dict by hand: the server builds a
+``RoundStart`` from the ``ClientPlan`` the core computed and the agent gets the
+same plan back, validated against its preset.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from feast_edge.arch import Arch
+from feast_edge.federation import ClientPlan
+from feast_edge.preset import Preset
+from feast_edge.route import Envelope
+from feast_edge.train import LocalResult, TrainConfig
+from feast_edge.transport.errors import ProtocolError
+from feast_edge.transport.frames import TransferInfo
+from feast_edge.transport.messages import Message, check_ids, check_transfer, message_kind, validate_transfer_id
+
+_PLAN_KEYS = ("affordable", "global_min")
+
+
+@message_kind("register")
+@dataclass(frozen=True, kw_only=True)
+class Register(Message):
+    """Device -> server on ``register``: one (virtual) client's budget, sample count, preset and profile.
+
+    ``host`` is the agent process that hosts the device (its presence is ``status/{host}``);
+    ``instance`` is random per agent process, so the server can tell a reconnecting agent from a
+    second agent that claims the same device id.
+    """
+
+    round_scoped: ClassVar[bool] = False
+
+    host: str
+    instance: str
+    preset: str
+    preset_digest: str
+    budget_macs: int
+    samples: int
+    profile: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        check_ids(self, "host", "instance")
+
+    @classmethod
+    def for_client(
+        cls, *, federation: str, device: str, host: str, instance: str, preset: Preset, budget_macs: int, samples: int, profile: dict[str, Any]
+    ) -> Register:
+        """The registration of one hosted client training ``preset``."""
+        return cls(
+            federation=federation, round=0, device=device, host=host, instance=instance, preset=preset.name,
+            preset_digest=preset.digest, budget_macs=int(budget_macs), samples=samples, profile=profile,
+        )
+
+
+@message_kind("registered")
+@dataclass(frozen=True, kw_only=True)
+class Registered(Message):
+    """Server -> device on ``ctrl/{device}``: the registration of ``instance`` is accepted, or refused with a reason.
+
+    ``finished``: the federation has already run all its rounds (the server only serves models now).
+    """
+
+    round_scoped: ClassVar[bool] = False
+
+    instance: str
+    accepted: bool
+    reason: str = ""
+    preset: str = ""  # the server's preset
+    rounds: int = 0  # the federation's horizon
+    finished: bool = False
+
+    def check(self) -> None:
+        check_ids(self, "instance")
+
+
+@message_kind("round")
+@dataclass(frozen=True, kw_only=True)
+class RoundStart(Message):
+    """Server -> device on ``ctrl/{device}``: train the routed payload of ``transfer`` with exactly these inputs.
+
+    ``lr`` is this round's cosine learning rate, ``seed`` the client's seed for the round as decimal
+    text (it needs 63 bits; JSON numbers are exact only to 2^53), ``plan`` the affordable variants
+    and the global minimum (arch objects), ``train`` the local-training hyper-parameters. The server
+    stops waiting ``timeout`` seconds after sending (``deadline`` is the same instant in Unix time,
+    for logs; agents count from receipt and never compare clocks).
+    """
+
+    transfer: dict[str, Any]
+    deadline: float
+    timeout: float
+    rounds: int
+    lr: float
+    seed: str
+    plan: dict[str, Any]
+    train: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        check_transfer(self.transfer)
+        if not (self.seed.isascii() and self.seed.isdigit() and len(self.seed) <= 20):
+            raise ProtocolError(f"field 'seed' must be a decimal integer below 2^64, got {self.seed[:24]!r}")
+        if not self.lr > 0:
+            raise ProtocolError(f"field 'lr' must be > 0, got {self.lr}")
+        if not self.timeout > 0:
+            raise ProtocolError(f"field 'timeout' must be > 0, got {self.timeout}")
+        if self.round >= self.rounds:
+            raise ProtocolError(f"round {self.round} is outside the horizon of {self.rounds} rounds")
+        missing = [key for key in _PLAN_KEYS if key not in self.plan]
+        if missing:
+            raise ProtocolError(f"field 'plan' lacks {', '.join(missing)}")
+        if not isinstance(self.plan["affordable"], list) or not self.plan["affordable"]:
+            raise ProtocolError("field 'plan.affordable' must be a non-empty list of architectures")
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: ClientPlan,
+        *,
+        federation: str,
+        round: int,
+        device: str,
+        transfer: TransferInfo,
+        sent_at: float,
+        timeout: float,
+        rounds: int,
+        lr: float,
+        seed: int,
+        train: TrainConfig,
+    ) -> RoundStart:
+        """Round ``round`` of ``device``: its plan, the routed transfer, the lr, its client seed and the training settings."""
+        settings = asdict(train)
+        settings["randaugment"] = list(settings["randaugment"])
+        return cls(
+            federation=federation, round=round, device=device, transfer=transfer.to_dict(), deadline=sent_at + timeout, timeout=timeout,
+            rounds=rounds, lr=lr, seed=str(seed), train=settings,
+            plan={"affordable": [a.to_dict() for a in plan.affordable], "global_min": plan.global_min.to_dict()},
+        )
+
+    def client_plan(self, preset: Preset) -> ClientPlan:
+        """The plan this message carries, every arch validated against ``preset`` (ArchError / ProtocolError when it does not fit)."""
+        try:
+            affordable = tuple(Arch.from_dict(a).validated(preset) for a in self.plan["affordable"])
+            global_min = Arch.from_dict(self.plan["global_min"]).validated(preset)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ProtocolError(f"round message has a malformed plan ({exc})") from None
+        return ClientPlan(affordable, global_min, Envelope.of(affordable))
+
+    def train_config(self) -> TrainConfig:
+        """The local-training settings (TrainError / ProtocolError when they are not valid settings)."""
+        try:
+            return TrainConfig(**self.train)
+        except TypeError as exc:
+            raise ProtocolError(f"round message has unknown training settings ({exc})") from None
+
+    @property
+    def client_seed(self) -> int:
+        return int(self.seed)
+
+    def transfer_info(self) -> TransferInfo:
+        """The routed transfer, which must be this round's and this device's."""
+        info = check_transfer(self.transfer)
+        if info.device != self.device or info.round != self.round:
+            raise ProtocolError(f"the round message's transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}")
+        return info
+
+
+def _finite(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else default
+
+
+@message_kind("update")
+@dataclass(frozen=True, kw_only=True)
+class Update(Message):
+    """Device -> server on ``events``: the trained slice answering routed transfer ``routed`` is sent as ``transfer``."""
+
+    transfer: dict[str, Any]
+    routed: str
+    samples: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        check_transfer(self.transfer)
+        validate_transfer_id(self.routed)
+
+    @classmethod
+    def from_result(
+        cls, result: LocalResult, *, federation: str, round: int, device: str, transfer: TransferInfo, routed: str, compute_seconds: float, torch_device: str
+    ) -> Update:
+        """The update announcing ``transfer`` (the trained slice) with the local result's figures."""
+        metrics = {
+            "loss": result.mean_loss,
+            "samples_seen": result.samples_seen,
+            "num_batches": result.num_batches,
+            "train_macs": result.train_macs,
+            "compute_seconds": compute_seconds,
+            "role_losses": result.role_losses,
+            "variants_per_batch": {str(k): v for k, v in result.variants_per_batch.items()},
+            "device": torch_device,
+        }
+        return cls(federation=federation, round=round, device=device, transfer=transfer.to_dict(), routed=routed, samples=result.num_samples, metrics=metrics)
+
+    def transfer_info(self) -> TransferInfo:
+        """The announced transfer, which must be this round's and this device's."""
+        info = check_transfer(self.transfer)
+        if info.device != self.device or info.round != self.round:
+            raise ProtocolError(f"its transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}")
+        return info
+
+    @property
+    def loss(self) -> float | None:
+        return _finite(self.metrics["loss"], 0.0) if "loss" in self.metrics else None
+
+    @property
+    def samples_seen(self) -> float:
+        return _finite(self.metrics.get("samples_seen"), self.samples)
+
+    @property
+    def compute_seconds(self) -> float | None:
+        return _finite(self.metrics["compute_seconds"], 0.0) if "compute_seconds" in self.metrics else None
+
+    @property
+    def train_macs(self) -> int:
+        return int(_finite(self.metrics.get("train_macs"), 0.0))
+
+
+@message_kind("metrics")
+@dataclass(frozen=True, kw_only=True)
+class Metrics(Message):
+    """Device -> server on ``events``: free-form numbers (e.g. the measured latency of the served ONNX model)."""
+
+    round_scoped: ClassVar[bool] = False  # e.g. sent after the last round, when the model arrives
+
+    values: dict[str, Any]
+
+
+@message_kind("model_request")
+@dataclass(frozen=True, kw_only=True)
+class ModelRequest(Message):
+    """Device -> server on ``events``: send me my exported ONNX model (answered by ``model`` with ``request`` = this msg_id)."""
+
+    round_scoped: ClassVar[bool] = False
+
+
+@message_kind("model")
+@dataclass(frozen=True, kw_only=True)
+class ModelReady(Message):
+    """Server -> device on ``ctrl/{device}``: this device's ONNX model is sent as ``transfer``, or is not ``available``.
+
+    ``manifest`` describes the file (arch, MACs, params, validation accuracy, SHA-256); ``request`` is
+    the msg_id of the ``model_request`` it answers, empty when the server pushes it after the last round.
+    """
+
+    round_scoped: ClassVar[bool] = False
+
+    available: bool = True
+    transfer: dict[str, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    request: str = ""
+    reason: str = ""
+
+    def check(self) -> None:
+        if self.available:
+            check_transfer(self.transfer)
+        if self.request:
+            check_ids(self, "request")
+
+
+@message_kind("finished")
+@dataclass(frozen=True, kw_only=True)
+class Finished(Message):
+    """Server -> device on ``ctrl/{device}``: the federation ran ``completed`` of ``rounds`` rounds and is over.
+
+    ``model``: whether a model was exported for the device (it follows as ``model`` or can be fetched).
+    """
+
+    round_scoped: ClassVar[bool] = False
+
+    rounds: int
+    completed: int
+    model: bool = False

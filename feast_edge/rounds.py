@@ -1,0 +1,294 @@
+"""The run loop shared by ``feast-edge simulate`` and ``feast-server``: rounds, checkpoints, resume, validation.
+
+    for t in remaining rounds:
+        clients = collector.clients(needed)                  # simulation: every client; server: online devices
+        cohort  = sample_round_cohort(clients, m, seed, t)   # SPEC §4
+        plans   = {c: plan_client(cache, collector.budget(c))}
+        got     = collector.collect(t, cohort, plans, global_state, lr)   # in process, or over MQTT
+        >= min_clients valid updates: aggregate_updates (in place, client-id order); else unchanged
+        every eval_every rounds: validate the probe variants (BN-recalibrated, SPEC §8), keep best.safetensors
+        checkpoint.safetensors (atomic): weights, round, history, best, the caller's extra fields
+
+Only the :class:`Collector` differs between simulation and deployment, so the
+two cannot drift apart (tests/federation/test_federation_same_math.py checks
+they end bit-identical). Rounds are 0-based inside (``t``, seeds, the wire)
+and 1-based wherever a person reads them (:attr:`RoundRecord.round`, logs).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from feast_edge.cache import VariantCache
+from feast_edge.checkpoint import load_supernet, read_record, save_supernet
+from feast_edge.cost import count_params
+from feast_edge.errors import FeastError
+from feast_edge.evaluate import evaluate_variants
+from feast_edge.federation import ClientPlan, aggregate_updates, plan_client, sample_round_cohort
+from feast_edge.geometry import supernet_layout
+from feast_edge.supernet import Supernet
+from feast_edge.train import cosine_lr
+
+CHECKPOINT = "checkpoint.safetensors"
+BEST = "best.safetensors"
+HISTORY_FORMAT = 2  # 2: RoundRecord with 1-based rounds (1: 0-based RoundLog / server RoundRecord)
+
+
+class RunError(FeastError):
+    """A run cannot start or resume with the given settings."""
+
+
+@dataclass
+class RoundRecord:
+    """What one round did, for simulation and deployment alike; stored in every checkpoint."""
+
+    round: int  # 1-based
+    lr: float
+    cohort: list[str]
+    updated: list[str] = field(default_factory=list)  # clients whose valid update entered the aggregate
+    rejected: dict[str, str] = field(default_factory=dict)  # client -> why its update was refused
+    missing: list[str] = field(default_factory=list)  # no reply by the deadline
+    dropped: list[str] = field(default_factory=list)  # went offline during the round
+    ignored: list[str] = field(default_factory=list)  # duplicate, stale or foreign messages, with the reason
+    applied: bool = False  # the aggregate replaced the global model
+    loss: float | None = None  # sample-weighted mean local loss of the valid updates
+    samples: int = 0  # Σ n_i of the valid updates (the aggregation weights)
+    train_macs: int = 0  # local training compute reported by the cohort
+    routed_params: int = 0  # Σ_i P_i over the cohort (one direction)
+    full_params: int = 0  # m · P: what broadcasting the full supernet would have sent
+    variants_per_batch: dict[str, int] = field(default_factory=dict)
+    compute_seconds: dict[str, float] = field(default_factory=dict)  # local training time per client
+    send_seconds: float = 0.0  # routing, encoding and sending every routed payload
+    aggregate_seconds: float = 0.0
+    seconds: float = 0.0  # the whole round, from cohort sampling to the aggregated model
+    val_accuracy: float | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], zero_based: bool = False) -> RoundRecord:
+        """A stored record; unknown keys (from other versions) are ignored."""
+        known = {f.name for f in fields(cls)}
+        record = cls(**{k: v for k, v in data.items() if k in known})
+        if zero_based:
+            record.round += 1
+        return record
+
+
+@dataclass
+class ClientUpdate:
+    """One valid update a collector gathered: the trained slice and what the client reported."""
+
+    client: str
+    state: dict[str, torch.Tensor]
+    samples: int  # n_i, the aggregation weight
+    loss: float | None = None
+    samples_seen: float = 0.0
+    train_macs: int = 0
+    compute_seconds: float | None = None
+    variants_per_batch: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Collected:
+    """What collecting one round's cohort produced."""
+
+    updates: list[ClientUpdate]
+    rejected: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    send_seconds: float = 0.0
+
+
+class Collector(Protocol):
+    """How a cohort's updates are collected: in process (simulation) or over MQTT (deployment)."""
+
+    def clients(self, needed: int) -> list[str]:
+        """The clients a cohort may be drawn from, once at least ``needed`` are available."""
+
+    def budget(self, client: str) -> float:
+        """The client's MAC budget."""
+
+    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+        """Round ``t``: route each cohort member its plan's slice of ``global_state``, return the valid updates."""
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Server-held data for checkpoint selection: BN-calibration images and a labelled validation split."""
+
+    calibration_images: torch.Tensor
+    images: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The settings of the loop itself (everything else the caller records in ``config``)."""
+
+    rounds: int
+    per_round: int
+    min_clients: int
+    seed: int
+    lr: float
+    eval_every: int = 5
+    probe_variants: int = 3
+    device: str = "cpu"
+
+
+def probe_archs(cache: VariantCache, k: int) -> list:
+    """``k`` cached variants evenly spaced by rank (smallest and largest included): the validation probes."""
+    n = len(cache)
+    picks = np.linspace(0, n - 1, min(k, n)).round().astype(int)
+    return [cache.entries[i].arch for i in sorted(set(picks.tolist()))]
+
+
+class RunLoop:
+    """Rounds of one federation over a ``Collector``, checkpointed in ``out`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Supernet,
+        cache: VariantCache,
+        settings: RunSettings,
+        out: str | Path,
+        *,
+        kind: str,
+        fingerprint: str,
+        config: Mapping[str, Any],
+        validation: Validation | None = None,
+        extra_fields: Callable[[], Mapping[str, Any]] = dict,
+    ) -> None:
+        self.model = model
+        self.preset = model.preset
+        self.cache = cache
+        self.settings = settings
+        self.out = Path(out)
+        self.kind = kind
+        self.fingerprint = fingerprint
+        self.config = dict(config)
+        self.validation = validation
+        self.extra_fields = extra_fields
+        self.probes = probe_archs(cache, settings.probe_variants)
+        self.full_params = count_params(supernet_layout(self.preset, model.classes))
+        self.history: list[RoundRecord] = []
+        self.best: dict[str, Any] = {}
+        self.stop = threading.Event()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, name: str) -> None:
+        save_supernet(
+            self.out / name, self.model, kind=self.kind, fingerprint=self.fingerprint, config=self.config, round=len(self.history),
+            history=[asdict(h) for h in self.history], history_format=HISTORY_FORMAT, best=self.best, **self.extra_fields(),
+        )
+
+    def resume(self, hint: str) -> int:
+        """Load ``checkpoint.safetensors`` from ``out`` if there is one; returns the completed rounds.
+
+        ``hint`` finishes the error when the checkpoint belongs to another run ("use another --out", ...).
+        """
+        path = self.out / CHECKPOINT
+        if not path.is_file():
+            return 0
+        stored = read_record(path).get("fields", {})
+        if stored.get("kind") != self.kind:
+            raise RunError(f"{path} is not a {self.kind} checkpoint; {hint}")
+        if stored.get("fingerprint") != self.fingerprint:
+            theirs = stored.get("config", {})
+            differ = sorted(k for k in self.config if json.dumps(self.config[k]) != json.dumps(theirs.get(k)))
+            raise RunError(f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(differ) or 'the preset'}); {hint}")
+        model, record = load_supernet(path, self.preset)
+        self.model.load_state_dict(model.state_dict())
+        zero_based = record["fields"].get("history_format", 1) < HISTORY_FORMAT
+        self.history = [RoundRecord.from_dict(h, zero_based) for h in record["fields"]["history"]]
+        self.best = dict(record["fields"].get("best", {}))
+        if zero_based and "round" in self.best:
+            self.best["round"] += 1
+        return len(self.history)
+
+    # ------------------------------------------------------------------ rounds
+    def validate(self) -> float:
+        """Mean validation accuracy of the probe variants, each BN-recalibrated (SPEC §8)."""
+        v = self.validation
+        assert v is not None
+        return float(np.mean(evaluate_variants(self.model, self.probes, v.calibration_images, v.images, v.labels, self.settings.device)))
+
+    def run_round(self, t: int, collector: Collector, needed: int) -> RoundRecord:
+        """Cohort -> plans -> collection -> sparse aggregation (or unchanged) for round ``t``."""
+        s = self.settings
+        clients = collector.clients(needed)
+        start = time.monotonic()
+        cohort = sample_round_cohort(clients, min(s.per_round, len(clients)), s.seed, t)
+        lr = cosine_lr(s.lr, t, s.rounds)
+        plans = {c: plan_client(self.cache, collector.budget(c)) for c in cohort}
+        global_state = self.model.state_dict()  # aliases the model's tensors: aggregation writes into the model
+        got = collector.collect(t, cohort, plans, global_state, lr)
+        record = RoundRecord(
+            round=t + 1, lr=lr, cohort=list(cohort), rejected=got.rejected, missing=got.missing, dropped=got.dropped, ignored=got.ignored,
+            send_seconds=got.send_seconds,
+            routed_params=sum(count_params(plans[c].layout(self.preset, self.model.classes)) for c in cohort),
+            full_params=len(cohort) * self.full_params,
+        )
+        valid = sorted(got.updates, key=lambda u: u.client)
+        record.updated = [u.client for u in valid]
+        record.samples = sum(u.samples for u in valid)
+        seen = sum(u.samples_seen for u in valid if u.loss is not None)
+        record.loss = sum(u.loss * u.samples_seen for u in valid if u.loss is not None) / seen if seen else None
+        record.train_macs = sum(u.train_macs for u in valid)
+        for u in valid:
+            if u.compute_seconds is not None:
+                record.compute_seconds[u.client] = u.compute_seconds
+            for k, v in u.variants_per_batch.items():
+                record.variants_per_batch[str(k)] = record.variants_per_batch.get(str(k), 0) + int(v)
+        if len(valid) >= s.min_clients:
+            began = time.monotonic()
+            aggregate_updates(global_state, [(u.client, u.state, u.samples) for u in valid], inplace=True)
+            record.aggregate_seconds = time.monotonic() - began
+            record.applied = True
+        record.seconds = time.monotonic() - start
+        return record
+
+    def run(
+        self,
+        collector: Collector,
+        *,
+        start_clients: int | None = None,
+        on_round: Callable[[RoundRecord], None] | None = None,
+        stop_after: int | None = None,
+    ) -> list[RoundRecord]:
+        """Run the remaining rounds, checkpointing each; ``stop_after`` completed rounds ends early."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        s = self.settings
+        first = len(self.history)
+        for t in range(first, s.rounds):
+            needed = (start_clients or s.min_clients) if t == first else s.min_clients
+            record = self.run_round(t, collector, needed)
+            if self.validation is not None and ((t + 1) % s.eval_every == 0 or t + 1 == s.rounds):
+                record.val_accuracy = self.validate()
+            self.history.append(record)
+            if record.val_accuracy is not None and record.val_accuracy > self.best.get("val_accuracy", -1.0):
+                self.best = {"round": t + 1, "val_accuracy": record.val_accuracy}
+                self.save(BEST)
+            self.save(CHECKPOINT)
+            if on_round is not None:
+                on_round(record)
+            if stop_after is not None and t + 1 >= stop_after:
+                break
+        return self.history
+
+    @property
+    def finished(self) -> bool:
+        return len(self.history) >= self.settings.rounds
+
+    def selected_checkpoint(self) -> Path:
+        """``best.safetensors`` when validation chose one, else the last checkpoint."""
+        best = self.out / BEST
+        return best if best.is_file() else self.out / CHECKPOINT

@@ -1,0 +1,98 @@
+"""Where the broker is and how to connect to it: broker URLs, connection settings, TLS (docs/protocol.md §1)."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from paho.mqtt.enums import MQTTProtocolVersion
+
+from feast_edge.transport.errors import BrokerTlsError, LinkError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+PROTOCOLS = {"3.1.1": MQTTProtocolVersion.MQTTv311, "311": MQTTProtocolVersion.MQTTv311, "5": MQTTProtocolVersion.MQTTv5}
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where the broker listens and whether the connection uses TLS."""
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    """Parse ``mqtt://[user[:password]@]host[:port]`` or ``mqtts://...``; a bare ``host[:port]`` means mqtt://."""
+    text = url.strip()
+    parts = urlsplit(text if "://" in text else f"mqtt://{text}")
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS:
+        raise LinkError(f"broker URL {url!r} has scheme {parts.scheme!r}; use mqtt://host:port or mqtts://host:port (TLS); check --broker")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise LinkError(f"broker URL {url!r} must not have a path or query; use {scheme}://host:port; check --broker")
+    try:
+        port = parts.port or DEFAULT_PORTS[scheme]
+    except ValueError:
+        raise LinkError(f"broker URL {url!r} has an invalid port; use {scheme}://host:port with 1 <= port <= 65535; check --broker") from None
+    if not parts.hostname:
+        raise LinkError(f"broker URL {url!r} names no host; use {scheme}://host:port; check --broker")
+    return BrokerAddress(
+        host=parts.hostname,
+        port=port,
+        tls=scheme == "mqtts",
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """Connection settings; the CLI flags of feast-server and feast-agent map one to one onto these fields."""
+
+    broker: str = "mqtt://127.0.0.1:1883"
+    client_id: str = ""  # empty: a random 'feast-...' id
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None  # TLS: CA bundle to verify the broker; None uses the system's
+    cert_file: str | None = None  # TLS: client certificate (mutual TLS)
+    key_file: str | None = None  # TLS: client key, if not inside cert_file
+    tls_insecure: bool = False  # TLS without verifying the broker's certificate: for tests only
+    protocol: str = "3.1.1"  # or "5"
+    keepalive: int = 30
+    clean_session: bool = True
+    reconnect_min_delay: float = 1.0
+    reconnect_max_delay: float = 30.0
+    max_inflight: int = 32  # QoS 1 messages on the wire awaiting PUBACK
+    inbox_size: int = 10000
+
+
+def tls_context(config: LinkConfig) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context(cafile=config.ca_file)
+    except (FileNotFoundError, ssl.SSLError) as exc:
+        raise BrokerTlsError(f"cannot load CA file {config.ca_file!r}: {exc}; check --ca-file") from None
+    if config.cert_file:
+        try:
+            context.load_cert_chain(config.cert_file, config.key_file)
+        except (FileNotFoundError, ssl.SSLError) as exc:
+            raise BrokerTlsError(
+                f"cannot load client certificate {config.cert_file!r} / key {config.key_file!r}: {exc}; check --cert-file/--key-file"
+            ) from None
+    elif config.key_file:
+        raise BrokerTlsError("--key-file was given without --cert-file; mutual TLS needs both")
+    if config.tls_insecure:
+        log.warning("TLS certificate verification is disabled (tls_insecure); use it for tests only")
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context

@@ -1,0 +1,271 @@
+"""Collecting a round over MQTT: route each cohort device its slice, take back valid updates (docs/protocol.md §7).
+
+The run loop (``feast_edge.rounds.RunLoop``) asks this collector for one
+round's updates, exactly as the simulation asks its in-process one:
+
+    per device: route_state -> payload.encode -> RoundStart announced, then the chunks
+    until every device replied, was rejected or went offline, or the deadline:
+        Update announced + chunks -> decode(upload, expected = the routed manifest)
+    -> Collected(valid updates, rejected with reasons, missing, dropped, ignored)
+
+Devices that never reply do not block the round past ``round_timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from feast_edge.errors import FeastError
+from feast_edge.federation import ClientPlan, client_seed
+from feast_edge.payload import Manifest, decode, encode
+from feast_edge.preset import Preset
+from feast_edge.protocol import RoundStart, Update
+from feast_edge.rounds import ClientUpdate, Collected
+from feast_edge.route import route_state
+from feast_edge.server.devices import DeviceBook
+from feast_edge.server.registry import Registry
+from feast_edge.train import TrainConfig
+from feast_edge.transport.chunks import Progress, Status
+from feast_edge.transport.errors import LinkError, ProtocolError
+from feast_edge.transport.link import Link
+from feast_edge.transport.topics import Topics
+from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT = 10.0  # seconds between "still waiting" lines
+
+
+class WaitTimeout(Exception):
+    """Not enough devices came online within ``wait_timeout``."""
+
+
+@dataclass
+class _Pending:
+    """The server's side of one cohort device in the current round."""
+
+    manifest: Manifest
+    routed: str  # transfer id of the routed payload
+    update: Update | None = None
+    state: dict[str, torch.Tensor] | None = None
+    error: str | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self.state is not None or self.error is not None
+
+
+@dataclass
+class _Round:
+    t: int
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    collected: Collected = field(default_factory=lambda: Collected([]))
+
+
+class MqttCollector:
+    """The deployment's collector: cohorts among online devices, payloads and updates over one link."""
+
+    def __init__(
+        self,
+        link: Link,
+        topics: Topics,
+        sender: ChunkSender,
+        receiver: ChunkReceiver,
+        devices: DeviceBook,
+        registry: Registry,
+        preset: Preset,
+        train: TrainConfig,
+        *,
+        seed: int,
+        rounds: int,
+        round_timeout: float,
+        send_timeout: float,
+        wait_timeout: float | None,
+        pump: Callable[[float], None],
+        stopped: Callable[[], bool],
+    ) -> None:
+        self.link, self.topics, self.sender, self.receiver = link, topics, sender, receiver
+        self.devices, self.registry, self.preset, self.train = devices, registry, preset, train
+        self.seed, self.rounds = seed, rounds
+        self.round_timeout, self.send_timeout, self.wait_timeout = round_timeout, send_timeout, wait_timeout
+        self.pump, self.stopped = pump, stopped
+        self.current: _Round | None = None
+        self._unclaimed: OrderedDict[str, Progress] = OrderedDict()  # completed uploads whose announcement has not arrived
+
+    # ------------------------------------------------------------------ Collector
+    def clients(self, needed: int) -> list[str]:
+        """Block until ``needed`` registered devices are online, saying who is missing at least every 10 s."""
+        start = time.monotonic()
+        last_note, last_online = float("-inf"), None
+        while not self.stopped():
+            online = self.devices.online()
+            if len(online) >= needed:
+                return online
+            now = time.monotonic()
+            if online != last_online or now - last_note >= HEARTBEAT:
+                offline = self.devices.offline()
+                log.info(
+                    "waiting for devices: %d of %d online (%s)%s; %.0f s", len(online), needed, ", ".join(online) or "none yet",
+                    f"; registered but offline: {', '.join(offline)}" if offline else "", now - start,
+                )
+                last_note, last_online = now, online
+            if self.wait_timeout is not None and now - start > self.wait_timeout:
+                raise WaitTimeout(f"only {len(online)} of the {needed} devices needed were online after {self.wait_timeout:g} s")
+            self.pump(0.2)
+        raise KeyboardInterrupt
+
+    def budget(self, client: str) -> float:
+        device = self.registry.get(client)
+        assert device is not None, f"{client} was sampled but is not registered"
+        return float(device.budget_macs)
+
+    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+        self.receiver.reassembler.advance(t)
+        current = self.current = _Round(t)
+        self._unclaimed.clear()
+        start = time.monotonic()
+        deadline = start + self.round_timeout
+        classes = self.preset.classes
+        for device in cohort:
+            plan = plans[device]
+            manifest = plan.manifest(self.preset, classes, t, "routed", device)
+            blob = encode(route_state(global_state, plan.layout(self.preset, classes), self.preset), manifest)
+            info = self.sender.describe(blob, round=t, device=device)
+            current.pending[device] = _Pending(manifest, info.transfer)
+            remaining = max(1.0, deadline - time.monotonic())
+            message = RoundStart.from_plan(
+                plan, federation=self.topics.federation, round=t, device=device, transfer=info, sent_at=time.time(), timeout=remaining,
+                rounds=self.rounds, lr=lr, seed=client_seed(self.seed, t, device), train=self.train,
+            )
+            try:
+                self.sender.announce_and_send(self.topics.ctrl(device), message.encode(), blob, info, timeout=self.send_timeout)
+            except LinkError as exc:
+                self.reject(device, f"could not send its routed payload: {exc}")
+            self.pump(0)
+        current.collected.send_seconds = time.monotonic() - start
+        log.debug("round %d: routed payloads sent to %s", t + 1, ", ".join(cohort))
+        got = current.collected
+        last_note = time.monotonic()
+        while time.monotonic() < deadline and not self.stopped():
+            waiting = [d for d, p in current.pending.items() if not p.settled and d not in got.dropped]
+            if not waiting:
+                break
+            now = time.monotonic()
+            if now - last_note >= HEARTBEAT:
+                log.info(
+                    "round %d/%d: %d of %d updates in; waiting for %s (%.0f s left)", t + 1, self.rounds, len(cohort) - len(waiting), len(cohort),
+                    ", ".join(waiting), deadline - now,
+                )
+                last_note = now
+            self.pump(min(0.1, max(0.0, deadline - time.monotonic())))
+        if self.stopped():
+            raise KeyboardInterrupt
+        self.drain()
+        for device, p in sorted(current.pending.items()):
+            if p.state is not None and p.update is not None:
+                u = p.update
+                got.updates.append(ClientUpdate(device, p.state, u.samples, loss=u.loss, samples_seen=u.samples_seen, train_macs=u.train_macs, compute_seconds=u.compute_seconds))
+        got.missing = [d for d, p in current.pending.items() if p.update is None and p.error is None and d not in got.dropped]
+        self.current = None
+        return got
+
+    # ------------------------------------------------------------------ events (called by the server's pump)
+    def ignore(self, what: str) -> None:
+        log.info("ignored %s", what)
+        if self.current is not None:
+            self.current.collected.ignored.append(what)
+
+    def on_offline(self, devices: list[str]) -> None:
+        """Devices whose host went offline: a round in flight stops waiting for them."""
+        current = self.current
+        if current is None:
+            return
+        for device in devices:
+            pending = current.pending.get(device)
+            if pending is not None and not pending.settled and device not in current.collected.dropped:
+                current.collected.dropped.append(device)
+                log.warning("round %d: %s went offline; not waiting for its update", current.t + 1, device)
+
+    def on_update(self, message: Update) -> None:
+        device, current = message.device, self.current
+        if current is None or message.round != current.t:
+            self.ignore(f"update from {device}: round {message.round + 1} is not the round in flight")
+            return
+        pending = current.pending.get(device)
+        if pending is None:
+            self.ignore(f"update from {device}: not in round {current.t + 1}'s cohort")
+            return
+        if message.routed != pending.routed:
+            self.ignore(f"update from {device}: it answers routed transfer {message.routed}, not this round's {pending.routed} (sent before a server restart?)")
+            return
+        if pending.update is not None:
+            self.ignore(f"update from {device}: duplicate for round {current.t + 1} (the first one counts)")
+            return
+        try:
+            info = message.transfer_info()
+        except ProtocolError as exc:
+            self.reject(device, f"invalid transfer description: {exc}")
+            return
+        pending.update = message
+        finished = self._unclaimed.pop(info.transfer, None)
+        if finished is not None:
+            self._accept(device, pending, finished)
+        else:
+            self.receiver.expect(info)
+
+    def drain(self) -> None:
+        """Match finished upload transfers with their announcements."""
+        while True:
+            try:
+                progress = self.receiver.results.get_nowait()
+            except queue.Empty:
+                return
+            info, current = progress.info, self.current
+            pending = current.pending.get(info.device) if current is not None else None
+            if current is None or info.round != current.t or pending is None:
+                log.info("dropped upload %s from %s: not expected in the round in flight", info.transfer, info.device)
+                continue
+            if pending.update is None:
+                self._unclaimed[info.transfer] = progress  # the update message may still be on its way
+                while len(self._unclaimed) > 64:
+                    self._unclaimed.popitem(last=False)
+                continue
+            if pending.update.transfer.get("transfer") != info.transfer:
+                log.info("dropped upload %s from %s: its update announced transfer %s", info.transfer, info.device, pending.update.transfer.get("transfer"))
+                continue
+            self._accept(info.device, pending, progress)
+
+    def _accept(self, device: str, pending: _Pending, progress: Progress) -> None:
+        if pending.settled:
+            return
+        if progress.status is not Status.COMPLETE or progress.payload is None:
+            self.reject(device, progress.reason or f"transfer {progress.status.value}")
+            return
+        try:
+            manifest, state = decode(progress.payload, self.preset, expected=pending.manifest)
+        except FeastError as exc:
+            self.reject(device, str(exc))
+            return
+        if manifest.kind != "update":
+            self.reject(device, f"payload kind {manifest.kind!r} is not 'update'")
+            return
+        pending.state = state
+        log.debug("round %d: valid update from %s (%d samples)", pending.manifest.round + 1, device, pending.update.samples if pending.update else 0)
+
+    def reject(self, device: str, reason: str) -> None:
+        """Refuse ``device``'s update of the round in flight; the global model is untouched by it."""
+        current = self.current
+        if current is None:
+            return
+        pending = current.pending.get(device)
+        if pending is not None and not pending.settled:
+            pending.error = reason
+        current.collected.rejected[device] = reason
+        log.warning("round %d: rejected the update of %s: %s; the global model is untouched by it", current.t + 1, device, reason)

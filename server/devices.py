@@ -1,0 +1,120 @@
+"""Who is in the federation: registrations (accepted or refused, with the reason) and presence (online hosts).
+
+The registry (``registry.py``) stores devices; this module decides on each
+``register`` message and follows the retained ``status`` messages of the agent
+processes (hosts) that carry them. A device id is taken while the host that
+registered it is online; once that host goes offline a new agent instance may
+take the id over.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from feast_edge.cache import VariantCache
+from feast_edge.preset import Preset
+from feast_edge.protocol import Register, Registered
+from feast_edge.server.registry import Registry
+from feast_edge.transport.messages import Presence
+
+log = logging.getLogger(__name__)
+
+
+class DeviceBook:
+    """Registration decisions and host presence over one registry."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        preset: Preset,
+        cache: VariantCache,
+        *,
+        federation: str,
+        rounds: int,
+        reply: Callable[[str, Registered], None],
+        on_offline: Callable[[list[str]], None] = lambda devices: None,
+    ) -> None:
+        self.registry = registry
+        self.preset = preset
+        self.cache = cache
+        self.federation = federation
+        self.rounds = rounds
+        self.reply = reply  # sends a Registered answer to a device
+        self.on_offline = on_offline  # told which devices just went offline (a round in flight stops waiting for them)
+        self.finished = False  # the federation ran all its rounds: registrations are answered with finished=True
+        self.hosts_online: set[str] = set()
+        # Devices whose host went offline since they registered: a new agent instance may take over their id.
+        self._released: set[str] = set()
+        registry.mark_all_offline()
+
+    def online(self) -> list[str]:
+        """Registered devices whose host is online, sorted."""
+        return sorted(d.device_id for d in self.registry.devices() if d.host in self.hosts_online)
+
+    def offline(self) -> list[str]:
+        """Registered devices whose host is not online, sorted."""
+        return sorted(d.device_id for d in self.registry.devices() if d.host not in self.hosts_online)
+
+    def on_presence(self, message: Presence) -> None:
+        if message.role != "device":
+            return
+        host = message.device
+        if message.state == "online":
+            if host not in self.hosts_online:
+                self.hosts_online.add(host)
+                devices = self.registry.set_host_status(host, "online")
+                if devices:
+                    log.info("%s online", ", ".join(devices))
+            return
+        self.hosts_online.discard(host)
+        devices = self.registry.set_host_status(host, "offline")
+        self._released.update(devices)
+        if devices:
+            log.info("%s offline", ", ".join(devices))
+            self.on_offline(devices)
+
+    def refusal(self, message: Register) -> str:
+        """Why ``message`` cannot be accepted, or "" when it can."""
+        device = message.device
+        if message.preset_digest != self.preset.digest:
+            return (
+                f"preset mismatch: the device trains preset {message.preset!r}, this federation trains {self.preset.name!r}; "
+                f"start feast-agent with --preset {self.preset.name} (or a profile measured for it)"
+            )
+        if message.samples < 1:
+            return "the device has no training examples; check --data"
+        if not self.cache.affordable(message.budget_macs):
+            return self.cache.below_smallest(message.budget_macs, "raise --budget or use a profile of a stronger device")
+        existing = self.registry.get(device)
+        taken = existing is not None and existing.instance != message.instance and existing.host in self.hosts_online
+        if taken and device not in self._released:
+            return f"device id {device!r} is already online (hosted by agent {existing.host!r}); give this agent another --device-id, or stop the other agent first"
+        return ""
+
+    def on_register(self, message: Register) -> None:
+        device = message.device
+        reason = self.refusal(message)
+        if not reason:
+            self._released.discard(device)
+            status = "online" if message.host in self.hosts_online else "offline"
+            before = self.registry.get(device)
+            self.registry.register(
+                device, host=message.host, instance=message.instance, budget_macs=message.budget_macs, samples=message.samples,
+                preset=message.preset, profile=message.profile, status=status,
+            )
+            # Agents repeat a registration until it is answered: say it once per agent instance.
+            repeat = before is not None and before.instance == message.instance and before.budget_macs == message.budget_macs
+            log.log(
+                logging.DEBUG if repeat else logging.INFO, "registered %s (host %s): budget %.2fM MACs, %d samples",
+                device, message.host, message.budget_macs / 1e6, message.samples,
+            )
+        else:
+            log.warning("refused the registration of %s: %s", device, reason)
+        self.reply(
+            device,
+            Registered(
+                federation=self.federation, round=0, device=device, instance=message.instance, accepted=not reason, reason=reason,
+                preset=self.preset.name, rounds=self.rounds, finished=self.finished and not reason,
+            ),
+        )

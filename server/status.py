@@ -1,0 +1,107 @@
+"""``feast-server status``: where a run stands, read from its run directory (like ``flwr ls``).
+
+Only reads what ``feast-server run`` keeps in ``--out``: the device registry
+(``devices.sqlite``: who registered, online or not, last seen, rounds taken
+part in) and the record of the latest checkpoint (completed rounds, the round
+history, the best validation accuracy). A running server is not disturbed:
+the registry is SQLite in WAL mode, which serves readers beside the writer,
+and checkpoints are replaced atomically.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from feast_edge.checkpoint import read_record
+from feast_edge.errors import FeastError
+from feast_edge.rounds import CHECKPOINT, HISTORY_FORMAT
+from feast_edge.server.app import REGISTRY
+from feast_edge.server.registry import Registry
+
+
+class StatusError(FeastError):
+    """``--out`` is not the run directory of a feast-server run."""
+
+
+def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
+    """The state of the run in ``out`` as one JSON-ready dict: rounds, last and best round, devices."""
+    out = Path(out)
+    if not out.is_dir():
+        raise StatusError(f"run directory {out} does not exist; point --out at the directory of a feast-server run")
+    registry_path = out / REGISTRY
+    if not registry_path.is_file():
+        raise StatusError(f"{out} has no device registry ({REGISTRY}); point --out at the directory of a feast-server run (not a simulation's)")
+    registry = Registry(registry_path, readonly=True)
+    try:
+        devices = registry.devices()
+    finally:
+        registry.close()
+    now = time.time() if now is None else now
+    fields = read_record(out / CHECKPOINT).get("fields", {}) if (out / CHECKPOINT).is_file() else {}
+    config = fields.get("config", {})
+    shift = 1 if fields.get("history_format", 1) < HISTORY_FORMAT else 0  # older checkpoints counted rounds from 0
+    history = fields.get("history", [])
+    last = history[-1] if history else None
+    best = fields.get("best") or None
+    return {
+        "out": str(out),
+        "federation": config.get("federation"),
+        "preset": config.get("preset"),
+        "rounds": {"completed": int(fields.get("round", 0)), "total": config.get("rounds")},
+        "last_round": None if last is None else {
+            "round": last["round"] + shift, "applied": last.get("applied"), "loss": last.get("loss"), "val_accuracy": last.get("val_accuracy"),
+        },
+        "best": None if best is None or "round" not in best else {"round": best["round"] + shift, "val_accuracy": best.get("val_accuracy")},
+        "online": sum(d.status == "online" for d in devices),
+        "devices": [
+            {
+                "device": d.device_id, "host": d.host, "status": d.status, "last_seen": d.last_seen, "seconds_since_seen": max(0.0, now - d.last_seen),
+                "budget_macs": d.budget_macs, "samples": d.samples, "rounds": d.rounds, "profile": d.profile.get("name"),
+            }
+            for d in devices
+        ],
+    }
+
+
+def ago(seconds: float) -> str:
+    """``12 s ago``, ``3 min ago``, ``5 h ago``, ``2 d ago``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 1.5 * size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{max(0.0, seconds):.0f} s ago"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def status_lines(status: dict[str, Any]) -> list[str]:
+    """The run, its rounds and its best validation accuracy, in a few lines for people."""
+    run = f"run {status['out']}"
+    if status["federation"] is not None:
+        run += f": federation {status['federation']!r}, preset {status['preset']}"
+    rounds, last, best = status["rounds"], status["last_round"], status["best"]
+    if last is None:
+        progress = f"rounds: none completed yet (of {rounds['total'] or '?'})"
+    else:
+        state = "aggregated" if last["applied"] else "unchanged"
+        progress = f"rounds: {rounds['completed']}/{rounds['total'] or '?'} completed; last, round {last['round']}: {state}, val {_pct(last['val_accuracy'])}"
+    best_line = "best validation accuracy: none yet" if best is None else f"best validation accuracy: {_pct(best['val_accuracy'])} (round {best['round']})"
+    return [run, progress, best_line, f"devices: {status['online']} of {len(status['devices'])} online"]
+
+
+def status_table(status: dict[str, Any]) -> Table:
+    """One row per registered device."""
+    table = Table(title=f"devices registered in {status['out']}")
+    for col in ("device", "host", "status", "last seen", "budget", "samples", "rounds", "profile"):
+        table.add_column(col, justify="right" if col in ("budget", "samples", "rounds") else "left")
+    for d in status["devices"]:
+        table.add_row(
+            d["device"], d["host"], d["status"], ago(d["seconds_since_seen"]), f"{d['budget_macs'] / 1e6:.2f}M", str(d["samples"]),
+            str(d["rounds"]), d["profile"] or "-",
+        )
+    return table

@@ -1,0 +1,142 @@
+"""The package's import direction and module sizes, read from the source with ``ast`` (nothing is imported).
+
+Imports run one way (STYLE.md): core (``feast_edge.*``, ``feast_edge.profiles``)
+<- transport (``feast_edge.transport``) <- protocol (``feast_edge.protocol``)
+<- apps (``feast_edge.server``, ``feast_edge.agent``) <- console scripts
+(``feast_edge.cli``, ``feast_edge.server.cli``, ``feast_edge.agent.cli``).
+Every import counts, including those inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# Source folder -> the package it is installed as (pyproject.toml [tool.setuptools.package-dir]).
+PACKAGES = {"feast_edge": "feast_edge", "server": "feast_edge.server", "device_agent": "feast_edge.agent", "profiles": "feast_edge.profiles"}
+OLD_NAMES = ("server", "device_agent", "feast_mqtt")  # top-level import names before there was one, feast_edge
+CORE, TRANSPORT, PROTOCOL, APPS, CONSOLE = range(5)
+LAYER_NAMES = ("core", "transport", "protocol", "apps", "console")
+MAX_LINES = 450  # "no module much over 400 lines": past 450 a module holds more than one job
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layer(module: str) -> int:
+    """The layer of a ``feast_edge`` module."""
+    if any(_within(module, p) for p in ("feast_edge.cli", "feast_edge.server.cli", "feast_edge.agent.cli")):
+        return CONSOLE
+    if _within(module, "feast_edge.server") or _within(module, "feast_edge.agent"):
+        return APPS
+    if _within(module, "feast_edge.protocol"):
+        return PROTOCOL
+    if _within(module, "feast_edge.transport"):
+        return TRANSPORT
+    return CORE
+
+
+def _app(module: str) -> str | None:
+    return next((app for app in ("feast_edge.server", "feast_edge.agent") if _within(module, app)), None)
+
+
+@dataclass(frozen=True)
+class Import:
+    target: str  # the module imported (for ``from m import name``: ``m.name`` when that is a module)
+    line: int
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    lines: int
+    imports: tuple[Import, ...]
+
+
+def _module_name(path: Path) -> str:
+    folder = path.relative_to(REPO).parts[0]
+    parts = [PACKAGES[folder], *path.relative_to(REPO / folder).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> tuple[Import, ...]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.append(Import(candidate if candidate in known else base, node.lineno))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__"):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found.append(Import(node.args[0].value, node.lineno))
+    return tuple(found)
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, Module]:
+    files = sorted(path for folder in PACKAGES for path in (REPO / folder).rglob("*.py"))
+    names = {path: _module_name(path) for path in files}
+    known = set(names.values())
+    table = {}
+    for path, name in names.items():
+        source = path.read_text(encoding="utf-8")
+        imports = _imports(ast.parse(source, str(path)), name, path.name == "__init__.py", known)
+        table[name] = Module(name, path, source.count("\n"), imports)
+    return table
+
+
+def _where(module: Module, item: Import) -> str:
+    return f"{module.path.relative_to(REPO)}:{item.line}"
+
+
+def test_every_layer_is_found(modules: dict[str, Module]) -> None:
+    """The walk sees the whole package (else the other tests would pass on nothing)."""
+    assert {layer(name) for name in modules} == set(range(5))
+    assert {"feast_edge.server.cli", "feast_edge.agent.agent", "feast_edge.profiles", "feast_edge.transport.link", "feast_edge.cli.main"} <= set(modules)
+
+
+def test_imports_run_from_the_console_down_to_the_core(modules: dict[str, Module]) -> None:
+    upward = [
+        f"{_where(m, i)}: {m.name} ({LAYER_NAMES[layer(m.name)]}) imports {i.target} ({LAYER_NAMES[layer(i.target)]})"
+        for m in modules.values()
+        for i in m.imports
+        if _within(i.target, "feast_edge") and layer(i.target) > layer(m.name)
+    ]
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
+def test_server_and_agent_do_not_import_each_other(modules: dict[str, Module]) -> None:
+    crossing = [
+        f"{_where(m, i)}: {m.name} imports {i.target}"
+        for m in modules.values()
+        for i in m.imports
+        if _app(m.name) and _app(i.target) and _app(m.name) != _app(i.target)
+    ]
+    assert not crossing, "the two applications import each other:\n" + "\n".join(crossing)
+
+
+def test_nothing_imports_the_old_top_level_names(modules: dict[str, Module]) -> None:
+    scripts = [path for folder in ("tests", "bench") for path in sorted((REPO / folder).rglob("*.py"))]
+    stale = [f"{_where(m, i)}: imports {i.target}" for m in modules.values() for i in m.imports if i.target.split(".")[0] in OLD_NAMES]
+    for path in scripts:
+        for i in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path)), "__main__", False, set()):
+            if i.target.split(".")[0] in OLD_NAMES:
+                stale.append(f"{path.relative_to(REPO)}:{i.line}: imports {i.target}")
+    assert not stale, f"imports of {', '.join(OLD_NAMES)} (now feast_edge.server, feast_edge.agent, feast_edge.transport):\n" + "\n".join(stale)
+
+
+def test_no_module_is_much_over_400_lines(modules: dict[str, Module]) -> None:
+    long = sorted((m.lines, str(m.path.relative_to(REPO))) for m in modules.values() if m.lines > MAX_LINES)
+    assert not long, f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(f"{path}: {n} lines" for n, path in reversed(long))

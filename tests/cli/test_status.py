@@ -1,0 +1,110 @@
+"""``feast-server status``: devices, rounds and best accuracy of a run directory, for people and (``--json``) for scripts."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from feast_edge.checkpoint import save_supernet
+from feast_edge.preset import load_preset_file
+from feast_edge.rounds import CHECKPOINT, RoundRecord
+from feast_edge.server.registry import Registry
+from feast_edge.server.status import ago, read_status
+from feast_edge.supernet import Supernet
+from strategies import TINY_PRESET
+
+CONFIG = {"rounds": 3, "preset": "test-tiny", "federation": "lab"}
+
+
+def _register(out: Path) -> None:
+    """Two devices, both heard from; pi-5 is online and took part in two aggregates, nano in none."""
+    registry = Registry(out / "devices.sqlite")
+    common = {"instance": "i0", "preset": "test-tiny", "status": "offline"}
+    registry.register("pi-5", host="rack-a", budget_macs=6_600_000, samples=59, profile={"name": "raspberry-pi-5"}, **common)
+    registry.register("nano", host="rack-b", budget_macs=2_790_000, samples=31, profile={"name": "jetson-nano"}, **common)
+    registry.set_host_status("rack-a", "online")
+    registry.touch("pi-5", participated=True)
+    registry.touch("pi-5", participated=True)
+    registry.close()
+
+
+def _checkpoint(out: Path, history: list[dict], best: dict, **fields: object) -> None:
+    model = Supernet(load_preset_file(TINY_PRESET), seed=0)
+    save_supernet(out / CHECKPOINT, model, kind="federation", round=len(history), history=history, best=best, config=CONFIG, **fields)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A run after round 2 of 3: round 1 validated best (40%), round 2 left the model unchanged."""
+    _register(tmp_path)
+    history = [
+        asdict(RoundRecord(round=1, lr=0.02, cohort=["nano", "pi-5"], updated=["pi-5"], applied=True, loss=2.1, val_accuracy=0.4)),
+        asdict(RoundRecord(round=2, lr=0.01, cohort=["nano", "pi-5"], applied=False, val_accuracy=0.35)),
+    ]
+    _checkpoint(tmp_path, history, {"round": 1, "val_accuracy": 0.4}, history_format=2)
+    return tmp_path
+
+
+def _row(stdout: str, device: str) -> list[str]:
+    line = next(line for line in stdout.splitlines() if line.startswith(f"│ {device} "))
+    return [cell.strip() for cell in line.strip("│").split("│")]
+
+
+def test_status_lists_devices_rounds_and_the_best_round(server_cli, run_dir: Path) -> None:
+    result = server_cli.run("status", "--out", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert f"run {run_dir}: federation 'lab', preset test-tiny" in result.stdout
+    assert "rounds: 2/3 completed; last, round 2: unchanged, val 35.00%" in result.stdout
+    assert "best validation accuracy: 40.00% (round 1)" in result.stdout
+    assert "devices: 1 of 2 online" in result.stdout
+    device, host, status, seen, budget, samples, rounds, profile = _row(result.stdout, "pi-5")
+    assert (device, host, status, budget, samples, rounds, profile) == ("pi-5", "rack-a", "online", "6.60M", "59", "2", "raspberry-pi-5")
+    assert re.fullmatch(r"\d+ (s|min|h) ago", seen)
+    assert _row(result.stdout, "nano")[2::4] == ["offline", "0"]  # status, rounds
+
+
+def test_status_json_is_one_object_for_scripts(server_cli, run_dir: Path) -> None:
+    result = server_cli.run("status", "--out", str(run_dir), "--json")
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["rounds"] == {"completed": 2, "total": 3}
+    assert status["best"] == {"round": 1, "val_accuracy": 0.4}
+    assert status["last_round"]["round"] == 2 and status["last_round"]["applied"] is False
+    assert [(d["device"], d["status"], d["rounds"], d["profile"]) for d in status["devices"]] == [
+        ("nano", "offline", 0, "jetson-nano"),
+        ("pi-5", "online", 2, "raspberry-pi-5"),
+    ]
+    assert all(d["seconds_since_seen"] >= 0 for d in status["devices"])
+
+
+def test_missing_run_directory_or_registry_is_one_error_line(server_cli, tmp_path: Path) -> None:
+    server_cli.assert_user_error(server_cli.run("status", "--out", str(tmp_path / "nowhere")), "does not exist; point --out at")
+    server_cli.assert_user_error(server_cli.run("status", "--out", str(tmp_path)), "has no device registry (devices.sqlite)")
+    assert not (tmp_path / "devices.sqlite").exists()  # status reads; it never creates a registry
+
+
+def test_a_run_before_its_first_round(tmp_path: Path) -> None:
+    _register(tmp_path)
+    status = read_status(tmp_path)
+    assert status["rounds"] == {"completed": 0, "total": None} and status["last_round"] is None and status["best"] is None
+    assert len(status["devices"]) == 2
+
+
+def test_checkpoints_that_counted_rounds_from_zero_are_shown_from_one(tmp_path: Path) -> None:
+    _register(tmp_path)
+    old = [{"round": 0, "applied": True, "val_accuracy": 0.3}, {"round": 1, "applied": True, "val_accuracy": 0.5}]
+    _checkpoint(tmp_path, old, {"round": 1, "val_accuracy": 0.5})  # no history_format: format 1
+    status = read_status(tmp_path)
+    assert status["last_round"]["round"] == 2 and status["best"] == {"round": 2, "val_accuracy": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.2, "0 s ago"), (12, "12 s ago"), (89, "89 s ago"), (180, "3 min ago"), (5 * 3600, "5 h ago"), (3 * 86400, "3 d ago"), (-2, "0 s ago")],
+)
+def test_last_seen_reads_as_elapsed_time(seconds: float, text: str) -> None:
+    assert ago(seconds) == text

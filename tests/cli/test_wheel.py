@@ -1,0 +1,171 @@
+"""The wheel as a user installs it: built from the repository's files, installed in a fresh venv, run outside the checkout.
+
+Nothing is downloaded: the wheel is built without build isolation (setuptools of
+this environment) and installed with ``--no-deps --no-index``; its dependencies
+(torch, onnx, typer, ...) come from the environment running the tests, which the
+venv sees through ``--system-site-packages`` and, when the tests themselves run
+in a venv (``make test``), through a ``.pth`` file naming that venv's
+site-packages. Both come after the venv's own site-packages, so the venv's copy
+of ``feast_edge`` wins over an editable install of the checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+IGNORED_DIRS = (".git", ".venv", "venv", "build", "dist", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", ".benchmarks", "runs", "feast-demo")
+
+
+def _copy_sources(repo: Path, dest: Path) -> None:
+    """The repository's files (tracked, plus untracked ones git does not ignore), without build outputs or the venv."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo, capture_output=True, check=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):  # no git, not a work tree, or an owner git refuses
+        shutil.copytree(repo, dest, ignore=shutil.ignore_patterns(*IGNORED_DIRS), symlinks=True)
+        return
+    for name in filter(None, listed.decode().split("\0")):
+        source = repo / name
+        if source.is_file():  # a tracked file deleted in the work tree is not part of it
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+
+
+def _outer_site_dirs() -> list[str]:
+    """Site-packages of the interpreter running the tests (its venv's and the system's)."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
+
+
+@dataclass(frozen=True)
+class Installed:
+    repo: Path
+    src: Path
+    wheel: Path
+    venv: Path
+    site_packages: Path
+    cwd: Path  # empty: nothing in it to import
+    env: dict[str, str]
+
+    def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(argv), cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def script(self, name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return self.run(str(self.venv / "bin" / name), *args, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def installed(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    if find_spec("venv") is None or find_spec("ensurepip") is None:
+        pytest.skip("this Python has no venv/ensurepip module (on Debian/Ubuntu: apt-get install python3-venv)")
+    base = tmp_path_factory.mktemp("wheel")
+    src, dist, venv, cwd = base / "src", base / "dist", base / "venv", base / "cwd"
+    for d in (src, dist, cwd):
+        d.mkdir()
+    _copy_sources(repo, src)
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "VIRTUAL_ENV")}
+    env.update({"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "COLUMNS": "160"})
+    env.pop("FEAST_EDGE_PRESET_PATH", None)
+    env.pop("FEAST_EDGE_PROFILE_PATH", None)
+
+    def check(argv: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        assert result.returncode == 0, f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        return result
+
+    check([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(dist), str(src)])
+    wheels = sorted(dist.glob("feast_edge-*.whl"))
+    assert len(wheels) == 1, [p.name for p in dist.iterdir()]
+
+    made = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    if made.returncode != 0 and "ensurepip" in made.stdout + made.stderr:
+        pytest.skip(f"venv cannot install pip here (ensurepip unavailable): {(made.stdout + made.stderr).strip()[-300:]}")
+    assert made.returncode == 0, made.stdout + made.stderr
+    python = str(venv / "bin" / "python")
+    site_packages = Path(check([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    # When the tests run in a venv, --system-site-packages reaches the base interpreter's packages only; add the
+    # running environment's, after the venv's own (lines of a .pth file are appended to sys.path).
+    (site_packages / "_feast_test_outer_env.pth").write_text("".join(f"{d}\n" for d in _outer_site_dirs()))
+    check([python, "-m", "pip", "install", "--no-deps", "--no-index", str(wheels[0])])
+    return Installed(repo.resolve(), src, wheels[0], venv, site_packages.resolve(), cwd, env)
+
+
+def test_wheel_holds_one_package_and_its_data(installed: Installed) -> None:
+    with zipfile.ZipFile(installed.wheel) as archive:
+        names = set(archive.namelist())
+    top = {name.split("/", 1)[0] for name in names}
+    assert [t for t in top if t != "feast_edge" and not (t.startswith("feast_edge-") and t.endswith(".dist-info"))] == [], sorted(top)
+    assert not top & {"server", "device_agent", "feast_mqtt", "profiles", "tests", "bench"}
+
+    src = installed.src
+    data = {
+        "presets": sorted((src / "feast_edge" / "presets").glob("*.toml")),
+        "caches": sorted((src / "feast_edge" / "caches").glob("*.json")),
+        "profiles": sorted((src / "profiles").glob("*.json")),
+    }
+    assert all(data.values()), data
+    expected = {f"feast_edge/{kind}/{p.name}" for kind, files in data.items() for p in files}
+    # The applications' folders are installed inside the namespace, every module of them.
+    for folder, package in (("server", "server"), ("device_agent", "agent"), ("profiles", "profiles"), ("feast_edge/transport", "transport"), ("feast_edge/cli", "cli")):
+        expected |= {f"feast_edge/{package}/{p.name}" for p in (src / folder).glob("*.py")}
+    assert sorted(expected - names) == []
+    assert {"feast_edge/presets/fmnist-small.toml", "feast_edge/profiles/jetson-nano.json", "feast_edge/caches/fmnist-small.json"} <= names
+
+    entry_points = next(archive_name for archive_name in names if archive_name.endswith(".dist-info/entry_points.txt"))
+    with zipfile.ZipFile(installed.wheel) as archive:
+        scripts = archive.read(entry_points).decode()
+    for line in ("feast-edge = feast_edge.cli.main:main", "feast-server = feast_edge.server.cli:main", "feast-agent = feast_edge.agent.cli:main"):
+        assert line in scripts
+
+
+def test_venv_imports_its_own_copy(installed: Installed) -> None:
+    code = "import json, feast_edge, feast_edge.server, feast_edge.agent, feast_edge.transport, feast_edge.profiles as p; " \
+        "print(json.dumps([m.__file__ for m in (feast_edge, feast_edge.server, feast_edge.agent, feast_edge.transport, p)]))"
+    result = installed.run(str(installed.venv / "bin" / "python"), "-c", code)
+    assert result.returncode == 0, result.stderr
+    for file in map(Path, json.loads(result.stdout)):
+        assert installed.site_packages in file.resolve().parents, (file, installed.site_packages)
+        assert installed.repo not in file.resolve().parents, file
+
+
+def test_presets_are_package_data(installed: Installed) -> None:
+    result = installed.script("feast-edge", "presets")
+    assert result.returncode == 0, result.stderr
+    assert "fmnist-small" in result.stdout and "paper-cifar100" in result.stdout
+
+
+def test_profiles_are_package_data(installed: Installed) -> None:
+    result = installed.script("feast-agent", "profiles", "--json")
+    assert result.returncode == 0, result.stderr
+    listed = {record["name"]: Path(record["file"]) for record in map(json.loads, result.stdout.splitlines())}
+    assert {"jetson-nano", "raspberry-pi-5", "desktop-gpu"} <= set(listed)
+    assert installed.site_packages in listed["jetson-nano"].resolve().parents
+    table = installed.script("feast-agent", "profiles")
+    assert table.returncode == 0 and "jetson-nano" in table.stdout, table.stderr
+
+
+def test_agent_finds_its_profile_and_reports_the_real_problem(installed: Installed) -> None:
+    result = installed.script(
+        "feast-agent", "run", "--profile", "jetson-nano", "--device-id", "d1", "--data", "/nonexistent", "--broker", "mqtt://127.0.0.1:1"
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "unknown device profile" not in lines[0] and "jetson-nano" not in lines[0], lines[0]
+    assert "/nonexistent" in lines[0] or "broker" in lines[0], lines[0]

@@ -1,0 +1,211 @@
+"""Fixtures of the federation tests: a real broker at 127.0.0.1:1883, server threads, real agent processes.
+
+``kit`` bundles the helpers (run a server in a thread, spawn a real
+``feast-agent`` process, compare weights, wait for a condition, the shared
+small simulation config); ``federation`` is a fresh federation id whose
+retained messages are cleared afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from feast_edge.checkpoint import load_supernet
+from feast_edge.server.app import FederationServer, RoundRecord, ServerConfig
+from feast_edge.simulate import Simulation, SimulationConfig
+from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.link import Link
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL = "mqtt://127.0.0.1:1883"
+CONFIG = SimulationConfig(
+    clients=3,
+    per_round=2,
+    rounds=2,
+    train_limit=300,
+    val_samples=100,
+    calib_samples=50,
+    test_limit=50,
+    eval_every=2,
+    batch_size=32,
+    seed=3,
+)
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def new_federation() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+def clear_retained(federation: str, broker: str = LOCAL) -> None:
+    """Remove the retained presence messages a test federation left on the shared broker."""
+    link = Link(LinkConfig(broker=broker))
+    topics: list[str] = []
+    link.subscribe(f"feast/{federation}/#", lambda r: topics.append(r.topic) if r.retain and r.payload else None)
+    link.connect(timeout=5)
+    time.sleep(0.5)
+    for topic in set(topics):
+        link.publish(topic, b"", retain=True, timeout=5)
+    link.close()
+
+
+class ServerThread:
+    """A FederationServer running its rounds in a background thread of the test process."""
+
+    def __init__(self, config: ServerConfig, broker: str = LOCAL, export: bool = False) -> None:
+        self.server = FederationServer(config, LinkConfig(broker=broker))
+        self.export = export
+        self.history: list[RoundRecord] | None = None
+        self.manifests: list[dict] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="feast-server", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.history = self.server.run()
+            if self.export:
+                self.manifests = self.server.export()
+        except BaseException as exc:  # noqa: BLE001 - reported by join()
+            self.error = exc
+
+    def start(self) -> "ServerThread":
+        self.server.start(timeout=5)
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float) -> list[RoundRecord]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the server did not finish within {timeout} s"
+        if self.error is not None:
+            raise self.error
+        assert self.history is not None
+        return self.history
+
+    def close(self) -> None:
+        self.server.stop.set()
+        self.thread.join(30)
+        self.server.close()
+
+
+def spawn_agent(logs: Path, device_id: str, data: Path | str, federation: str, *extra: str, broker: str = LOCAL) -> subprocess.Popen:
+    """A real ``feast-agent run`` process, logging to ``logs/agent-<id>.log``."""
+    logs.mkdir(parents=True, exist_ok=True)
+    log = open(logs / f"agent-{device_id}.log", "w")
+    cmd = [
+        sys.executable, "-m", "feast_edge.agent.cli", "run", "--broker", broker, "--device-id", device_id, "--data", str(data),
+        "--federation", federation, "--threads", "1", "--register-timeout", "120", *extra,
+    ]
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process.log_path = logs / f"agent-{device_id}.log"  # type: ignore[attr-defined]
+    log.close()
+    return process
+
+
+def log_text(process: subprocess.Popen) -> str:
+    return Path(process.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+def stop(process: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM (clean leave), then SIGKILL if it hangs; the exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    return process.returncode
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_supernet(path)[0].state_dict()
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def simulated_weights(config: SimulationConfig, out: Path) -> dict[str, torch.Tensor]:
+    Simulation(config, out).run()
+    return weights(out / "checkpoint.safetensors")
+
+
+def server_config(config: SimulationConfig, out: Path, partition: Path, federation: str, **changes: object) -> ServerConfig:
+    """The server settings that reproduce ``config``'s simulation."""
+    settings = dict(
+        out=str(out), preset=config.preset, rounds=config.rounds, per_round=config.per_round, min_clients=config.per_round,
+        start_clients=config.clients, round_timeout=120.0, seed=config.seed, lr=config.lr, batch_size=config.batch_size,
+        method=config.variants, augment=config.augment, eval_every=1, data=str(partition), federation=federation, wait_timeout=180.0,
+    )
+    settings.update(changes)
+    return ServerConfig(**settings)  # type: ignore[arg-type]
+
+
+class Kit:
+    """The federation tests' shared helpers and settings, handed to tests as the ``kit`` fixture."""
+
+    REPO = REPO
+    LOCAL = LOCAL
+    CONFIG = CONFIG
+    ServerThread = ServerThread
+    port_open = staticmethod(port_open)
+    free_port = staticmethod(free_port)
+    wait_for = staticmethod(wait_for)
+    new_federation = staticmethod(new_federation)
+    clear_retained = staticmethod(clear_retained)
+    spawn_agent = staticmethod(spawn_agent)
+    log_text = staticmethod(log_text)
+    stop = staticmethod(stop)
+    weights = staticmethod(weights)
+    max_abs_diff = staticmethod(max_abs_diff)
+    simulated_weights = staticmethod(simulated_weights)
+    server_config = staticmethod(server_config)
+
+
+@pytest.fixture(scope="session")
+def kit() -> Kit:
+    return Kit()
+
+
+@pytest.fixture
+def federation() -> Iterator[str]:
+    assert port_open(1883), "no MQTT broker at 127.0.0.1:1883: start it with 'mosquitto -d -c /etc/mosquitto/mosquitto.conf' ('make broker' does)"
+    fed = new_federation()
+    yield fed
+    clear_retained(fed)
