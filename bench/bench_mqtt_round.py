@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -34,23 +33,10 @@ from feast_edge.server.app import FederationServer, ServerConfig  # noqa: E402
 from feast_edge.shards import write_partition  # noqa: E402
 from feast_edge.simulate import SimulationConfig  # noqa: E402
 from feast_edge.transport.broker import LinkConfig  # noqa: E402
+from feast_edge.transport.link import clear_retained  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGETS = (3e6, 8e6, 17.7e6, 39.2e6)
-
-
-def _clear_retained(broker: str, federation: str) -> None:
-    """Remove the presence messages this run left retained on the broker."""
-    from feast_edge.transport.link import Link
-
-    link = Link(LinkConfig(broker=broker))
-    topics: list[str] = []
-    link.subscribe(f"feast/{federation}/#", lambda r: topics.append(r.topic) if r.retain and r.payload else None)
-    link.connect(timeout=5)
-    time.sleep(0.5)
-    for topic in set(topics):
-        link.publish(topic, b"", retain=True, timeout=5)
-    link.close()
 
 
 def main() -> None:
@@ -93,7 +79,7 @@ def main() -> None:
             for a in agents:
                 a.wait(30)
             server.close()
-            _clear_retained(args.broker, federation)
+            clear_retained(LinkConfig(broker=args.broker), f"feast/{federation}/#")  # the presences this run left retained
         sizes = [c["samples"] for c in index["clients"]]
         print(f"fmnist-small, {n} agents (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} examples), "
               f"broker {args.broker}, torch {torch.__version__}, {args.threads} thread(s) per agent, {os.cpu_count()} CPUs")

@@ -105,6 +105,7 @@ class Agent:
         self._closing = False
         self._ever_accepted = False
         self._refused = False
+        self._horizon: int | None = None  # the federation's rounds, from its round messages
         self.training = False  # True while client_update runs (a stop signal then interrupts it)
         self.rounds_trained = 0
 
@@ -236,6 +237,7 @@ class Agent:
                 "" if self.config.stay else "; leaving",
             )
         elif isinstance(message, RoundStart):
+            self._horizon = message.rounds
             self._filter.advance(message.round)
             self.current_round = max(self.current_round, message.round)
             previous = self._pending.get(message.device)
@@ -308,7 +310,8 @@ class Agent:
                 idle_since = last_note = now
             elif now - last_note >= HEARTBEAT:
                 server = {None: "not seen yet", True: "online", False: "offline"}[self._server_online]
-                what = "the server's next run" if self.finished else "the next round"
+                last = self._horizon is not None and self.current_round + 1 >= self._horizon
+                what = "the server's next run" if self.finished else "the end of the federation (export, models)" if last else "the next round"
                 log.info("waiting for %s (server %s; %d round(s) trained so far); %.0f s", what, server, self.rounds_trained, now - idle_since)
                 last_note = now
             if self._pending:
@@ -324,12 +327,13 @@ class Agent:
 
     def summary(self) -> str:
         """One line for people: what each hosted client did in this federation."""
-        parts = []
-        for device_id, c in self.clients.items():
-            done = f"{c.finished.completed}/{c.finished.rounds} rounds" if c.finished is not None else "unfinished"
-            model = f", model {c.model_path}" if c.model_path is not None else ""
-            parts.append(f"{device_id}: trained {c.rounds_trained} rounds of the federation's {done}{model}")
-        return f"federation {self.config.federation!r}: " + "; ".join(parts)
+        ends = {(c.finished.completed, c.finished.rounds) for c in self.clients.values() if c.finished is not None}
+        state = "finished after " + ", ".join(f"{done} of {total} rounds" for done, total in sorted(ends)) if ends else "did not finish"
+        parts = [
+            f"{device_id} trained in {c.rounds_trained} round{'s' * (c.rounds_trained != 1)}" + (f", model saved to {c.model_path}" if c.model_path else ", no model received")
+            for device_id, c in self.clients.items()
+        ]
+        return f"federation {self.config.federation!r} {state}: " + "; ".join(parts)
 
     def _await_transfer(self, device_id: str, transfer: str, deadline: float, superseded_by_round: bool = False) -> bytes | None:
         """Payload of ``transfer`` once complete and verified; None if rejected, late, or a newer round arrived meanwhile."""

@@ -23,7 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from feast_edge.errors import PresetError
-from feast_edge.lookup import named_files
+from feast_edge.lookup import named_files, read_text
 
 BUILTIN_DIR = Path(__file__).parent / "presets"
 PATH_ENV = "FEAST_EDGE_PRESET_PATH"
@@ -248,12 +248,9 @@ def _from_toml(data: dict[str, Any], source: str) -> Preset:
 def load_preset_file(path: str | os.PathLike[str]) -> Preset:
     """Load and validate one preset TOML file."""
     path = Path(path)
+    text = read_text(path, "preset file", PresetError, "a preset name")
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PresetError(f"preset file {path} does not exist; pass an existing .toml file or a preset name") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PresetError(f"preset file {path} cannot be read ({exc}); check the path and its permissions") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PresetError(f"preset file {path} is not valid TOML ({exc}); fix the syntax") from None
     return _from_toml(data, str(path))

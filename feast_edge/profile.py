@@ -36,7 +36,7 @@ from feast_edge.atomic import atomic_write_bytes, check_writable
 from feast_edge.cache import VariantCache
 from feast_edge.errors import FeastError
 from feast_edge.geometry import arch_layout
-from feast_edge.lookup import named_files
+from feast_edge.lookup import named_files, read_text
 from feast_edge.preset import Preset
 from feast_edge.route import Envelope
 
@@ -356,12 +356,9 @@ def available_profiles() -> dict[str, Path]:
 
 
 def _read_profile_file(path: Path) -> DeviceProfile:
+    text = read_text(path, "device profile", ProfileError, "a profile name")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ProfileError(f"device profile {path} does not exist; pass an existing .json file or a profile name") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"device profile {path} cannot be read ({exc}); check the path and its permissions") from None
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ProfileError(f"device profile {path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix it or re-create it with 'feast-agent profile'") from None
     return DeviceProfile.from_dict(data, source=str(path))

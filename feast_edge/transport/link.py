@@ -162,7 +162,7 @@ class Link:
             self._connecting = False
         self._client.loop_start()
         self._started = True
-        log.info("connected to MQTT broker at %s as %s", address, self.client_id)
+        log.debug("connected to MQTT broker at %s as %s", address, self.client_id)  # the applications say who they are
 
     def _await_connack(self, timeout: float) -> None:
         """Run paho's loop in this thread until CONNACK, so a refused first connection never starts the reconnect thread."""
@@ -373,6 +373,21 @@ class Link:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def clear_retained(config: LinkConfig, topic_filter: str, settle: float = 0.5) -> int:
+    """Remove every retained message under ``topic_filter`` (e.g. ``feast/<federation>/#``); returns how many there were."""
+    link = Link(config)
+    topics: set[str] = set()
+    link.subscribe(topic_filter, lambda r: topics.add(r.topic) if r.retain and r.payload else None)
+    link.connect(timeout=5)
+    try:
+        time.sleep(settle)  # retained messages arrive right after the subscription
+        for topic in sorted(topics):
+            link.publish(topic, b"", retain=True, timeout=5)
+    finally:
+        link.close()
+    return len(topics)
 
 
 def _status_topic(presence: Presence) -> str:

@@ -26,7 +26,7 @@ from feast_edge.checkpoint import load_supernet
 from feast_edge.server.app import FederationServer, RoundRecord, ServerConfig
 from feast_edge.simulate import Simulation, SimulationConfig
 from feast_edge.transport.broker import LinkConfig
-from feast_edge.transport.link import Link
+from feast_edge.transport.link import clear_retained as transport_clear_retained
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = "mqtt://127.0.0.1:1883"
@@ -74,14 +74,7 @@ def new_federation() -> str:
 
 def clear_retained(federation: str, broker: str = LOCAL) -> None:
     """Remove the retained presence messages a test federation left on the shared broker."""
-    link = Link(LinkConfig(broker=broker))
-    topics: list[str] = []
-    link.subscribe(f"feast/{federation}/#", lambda r: topics.append(r.topic) if r.retain and r.payload else None)
-    link.connect(timeout=5)
-    time.sleep(0.5)
-    for topic in set(topics):
-        link.publish(topic, b"", retain=True, timeout=5)
-    link.close()
+    transport_clear_retained(LinkConfig(broker=broker), f"feast/{federation}/#")
 
 
 class ServerThread:

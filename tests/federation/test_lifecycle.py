@@ -46,7 +46,7 @@ def test_agents_leave_when_the_federation_finishes(kit, tmp_path: Path, federati
         assert kit.wait_for(lambda: _exited(first), timeout=300), f"the agent did not leave after the last round:\n{kit.log_text(first)}\n{server_log.read_text()}"
         assert first.returncode == 0, kit.log_text(first)
         summary = kit.log_text(first)
-        assert f"federation '{federation}': {clients[0]['client_id']}: trained 1 rounds of the federation's 1/1 rounds, model " in summary, summary
+        assert f"federation '{federation}' finished after 1 of 1 rounds: {clients[0]['client_id']} trained in 1 round, model saved to " in summary, summary
         assert (tmp_path / "models" / f"{clients[0]['client_id']}.onnx").is_file()
         # --stay: told the run is over, it keeps waiting for the next one.
         assert kit.wait_for(lambda: "finished after 1 of 1 rounds" in kit.log_text(staying), timeout=30), kit.log_text(staying)
