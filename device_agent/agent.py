@@ -32,6 +32,7 @@ from feast_edge.federation import client_update
 from feast_edge.payload import decode, encode
 from feast_edge.preset import load_preset
 from feast_edge.protocol import Finished, Metrics, ModelReady, Register, Registered, RoundStart, Update
+from feast_edge.train import stayed_finite
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import LinkError, ProtocolError, TopicError
@@ -399,6 +400,9 @@ class Agent:
         finally:
             self.training = False
         compute = time.perf_counter() - began
+        if not stayed_finite(new_state, result.mean_loss):
+            log.warning("%s: the training of %s diverged (loss %s, or non-finite weights); no update sent for this round", shown, device_id, result.mean_loss)
+            return
         if time.monotonic() > deadline:
             log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, time.monotonic() - deadline)
         payload = encode(new_state, plan.manifest(self.preset, self.classes, t, "update", device_id))
@@ -418,8 +422,7 @@ class Agent:
 
     # ------------------------------------------------------------------ models
     def _receive_model(self, message: ModelReady) -> None:
-        from feast_edge.agent.models import save_model
-        from feast_edge.onnx_export import measure_latency
+        from feast_edge.agent.models import keep_model
 
         device_id = message.device
         info = TransferInfo.from_dict(message.transfer)
@@ -432,8 +435,7 @@ class Agent:
             return
         assert self.config.model_dir is not None
         try:
-            path = save_model(blob, message.manifest, Path(self.config.model_dir) / f"{device_id}.onnx")
-            latency = measure_latency(path)
+            path, latency = keep_model(blob, message.manifest, Path(self.config.model_dir) / f"{device_id}.onnx")
         except FeastError as exc:
             log.error("the model of %s is unusable: %s", device_id, exc)
             return

@@ -45,6 +45,12 @@ def save_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[st
     return path
 
 
+def keep_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[str]) -> tuple[Path, dict[str, float]]:
+    """Save a received model (SHA-256 checked) and time it in onnxruntime: the saved path and its latency."""
+    saved = save_model(blob, manifest, path)
+    return saved, measure_latency(saved)
+
+
 @dataclass(frozen=True)
 class FetchedModel:
     path: Path

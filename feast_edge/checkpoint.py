@@ -8,6 +8,7 @@ before a model is built.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -33,20 +34,33 @@ def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
 
 
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order: what a checkpoint's record vouches for."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        if tensor.numel():
+            digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
 def save_supernet(path: str | os.PathLike[str], supernet: Supernet, **fields: Any) -> Path:
-    """Atomically write ``supernet`` (full physical tensors) with JSON-serialisable ``fields``."""
+    """Atomically write ``supernet`` (full physical tensors) with JSON-serialisable ``fields`` and the tensors' digest."""
     if supernet.layout != supernet_layout(supernet.preset, supernet.classes):
         raise ValueError("save_supernet stores full supernets only; routed sub-supernets travel as payloads")
     path = check_writable(path, "checkpoint")
+    tensors = state_tensors(supernet)
     record = {
         "format": FORMAT,
         "version": VERSION,
         "preset": supernet.preset.to_dict(),
         "preset_digest": supernet.preset.digest,
         "classes": supernet.classes,
+        "content_sha256": tensors_digest(tensors),
         "fields": fields,
     }
-    blob = safetensors_save(state_tensors(supernet), metadata={META_KEY: json.dumps(record, sort_keys=True)})
+    blob = safetensors_save(tensors, metadata={META_KEY: json.dumps(record, sort_keys=True)})
     return atomic_write_bytes(path, blob)
 
 
@@ -62,7 +76,7 @@ def read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a safetensors checkpoint ({exc}); pass a file written by feast-edge (pickled .pt files are never loaded)") from None
     try:
         record = json.loads(meta[META_KEY])
-    except (KeyError, json.JSONDecodeError):
+    except (KeyError, json.JSONDecodeError, RecursionError):
         raise CheckpointError(f"{path} is a safetensors file but not a feast-edge checkpoint (no valid '{META_KEY}' header); pass a checkpoint written by feast-edge") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {record.get('format') if isinstance(record, dict) else None!r}, expected {FORMAT!r}; pass a supernet checkpoint")
@@ -118,5 +132,12 @@ def load_supernet(
                     "the file is corrupt or belongs to another preset"
                 )
             state[name] = tensor
+    # The bytes on disk must be the ones written: a flipped or overwritten tensor keeps the file's size and structure.
+    stored_digest = record.get("content_sha256")
+    if stored_digest is not None and tensors_digest(state) != stored_digest:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its tensors do not match the SHA-256 its record was written with (the file changed on disk)")
+    broken = [name for name, tensor in state.items() if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if broken:
+        raise CheckpointError(f"checkpoint {path} holds NaN or infinite values (in {len(broken)} tensors, e.g. {broken[0]}); it cannot be resumed or exported")
     model.load_state_dict(state)
     return model.to(device), record

@@ -28,6 +28,7 @@ FORMAT = "feast-edge/payload"
 VERSION = 1
 META_KEY = "feast_edge"
 KINDS = ("routed", "update")
+MAX_HEADER_BYTES = 8 * 1024 * 1024  # a full paper-cifar100 supernet's safetensors header is ~0.1 MB
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ class Manifest:
                 kind=str(data["kind"]),
                 fields=dict(data.get("fields") or {}),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PayloadError(f"payload manifest is malformed ({exc!r})") from None
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            raise PayloadError(f"payload manifest is malformed ({type(exc).__name__})") from None
         if manifest.kind not in KINDS:
             raise PayloadError(f"payload kind {manifest.kind!r} is not one of {KINDS}")
         return manifest
@@ -95,17 +96,23 @@ def encode(state: Mapping[str, torch.Tensor], manifest: Manifest) -> bytes:
 
 
 def read_manifest(blob: bytes) -> Manifest:
-    """The manifest of a payload, without materializing its tensors."""
+    """The manifest of a payload, without materializing its tensors (bounded: the header is at most ``MAX_HEADER_BYTES``)."""
     if len(blob) < 8:
         raise PayloadError("payload is truncated (shorter than a safetensors header)")
     size = int.from_bytes(blob[:8], "little")
     if size <= 0 or 8 + size > len(blob):
         raise PayloadError("payload header length is out of range; the payload is truncated or not safetensors")
+    if size > MAX_HEADER_BYTES:
+        raise PayloadError(f"payload header is {size} bytes; the limit is {MAX_HEADER_BYTES}")
     try:
         header = json.loads(blob[8 : 8 + size])
         meta = header["__metadata__"][META_KEY]
+        if not isinstance(meta, str) or len(meta) > MAX_HEADER_BYTES:
+            raise TypeError("manifest is not a bounded string")
         return Manifest.from_dict(json.loads(meta))
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError, OverflowError) as exc:
+        if isinstance(exc, PayloadError):
+            raise
         raise PayloadError("payload header is not a feast-edge manifest") from None
 
 

@@ -181,6 +181,11 @@ class RoundStart(Message):
         return info
 
 
+def _json_number(value: float) -> float | None:
+    """``value``, or None where JSON has no number for it (NaN, infinities): a diverged loss must not stop the message."""
+    return float(value) if math.isfinite(value) else None
+
+
 def _finite(value: Any, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else default
 
@@ -205,12 +210,12 @@ class Update(Message):
     ) -> Update:
         """The update announcing ``transfer`` (the trained slice) with the local result's figures."""
         metrics = {
-            "loss": result.mean_loss,
+            "loss": _json_number(result.mean_loss),
             "samples_seen": result.samples_seen,
             "num_batches": result.num_batches,
             "train_macs": result.train_macs,
             "compute_seconds": compute_seconds,
-            "role_losses": result.role_losses,
+            "role_losses": {k: _json_number(v) for k, v in result.role_losses.items()},
             "variants_per_batch": {str(k): v for k, v in result.variants_per_batch.items()},
             "device": torch_device,
         }

@@ -18,6 +18,8 @@ and 1-based wherever a person reads them (:attr:`RoundRecord.round`, logs).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +33,7 @@ import torch
 from feast_edge.cache import VariantCache
 from feast_edge.checkpoint import load_supernet, read_record, save_supernet
 from feast_edge.cost import count_params
-from feast_edge.errors import FeastError
+from feast_edge.errors import CheckpointError, FeastError
 from feast_edge.evaluate import evaluate_variants
 from feast_edge.federation import ClientPlan, aggregate_updates, plan_client, sample_round_cohort
 from feast_edge.geometry import supernet_layout
@@ -39,6 +41,7 @@ from feast_edge.supernet import Supernet
 from feast_edge.train import cosine_lr
 
 CHECKPOINT = "checkpoint.safetensors"
+PREVIOUS = "checkpoint.prev.safetensors"  # the last good checkpoint before the current one
 BEST = "best.safetensors"
 HISTORY_FORMAT = 2  # 2: RoundRecord with 1-based rounds (1: 0-based RoundLog / server RoundRecord)
 
@@ -144,6 +147,19 @@ class RunSettings:
     device: str = "cpu"
 
 
+def _keep_previous(current: Path, previous: Path) -> None:
+    """Keep ``current`` as ``previous`` before it is replaced: a hard link (no copy), the new file is then written beside it."""
+    if not current.is_file():
+        return
+    staging = previous.with_name(previous.name + ".tmp")
+    staging.unlink(missing_ok=True)
+    try:
+        os.link(current, staging)
+    except OSError:  # a file system without hard links: copy instead
+        shutil.copyfile(current, staging)
+    os.replace(staging, previous)
+
+
 def probe_archs(cache: VariantCache, k: int) -> list:
     """``k`` cached variants evenly spaced by rank (smallest and largest included): the validation probes."""
     n = len(cache)
@@ -185,6 +201,8 @@ class RunLoop:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, name: str) -> None:
+        if name == CHECKPOINT:
+            _keep_previous(self.out / CHECKPOINT, self.out / PREVIOUS)
         save_supernet(
             self.out / name, self.model, kind=self.kind, fingerprint=self.fingerprint, config=self.config, round=len(self.history),
             history=[asdict(h) for h in self.history], history_format=HISTORY_FORMAT, best=self.best, **self.extra_fields(),
@@ -205,7 +223,15 @@ class RunLoop:
             theirs = stored.get("config", {})
             differ = sorted(k for k in self.config if json.dumps(self.config[k]) != json.dumps(theirs.get(k)))
             raise RunError(f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(differ) or 'the preset'}); {hint}")
-        model, record = load_supernet(path, self.preset)
+        try:
+            model, record = load_supernet(path, self.preset)
+        except CheckpointError as exc:
+            previous = self.out / PREVIOUS
+            fix = (
+                f"the previous good checkpoint is kept beside it: to resume from there, run 'mv {previous} {path}' and start again with the same options"
+                if previous.is_file() else "no previous checkpoint is kept; start a new run in another --out"
+            )
+            raise RunError(f"cannot resume: {exc}; {fix}") from None
         self.model.load_state_dict(model.state_dict())
         zero_based = record["fields"].get("history_format", 1) < HISTORY_FORMAT
         self.history = [RoundRecord.from_dict(h, zero_based) for h in record["fields"]["history"]]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,6 +110,11 @@ class LocalResult:
     arch_batches: dict[Arch, int]  # batches each variant was trained on
     train_macs: int  # 3 · Σ_batches n_batch · Σ_{a∈V} MAC(a)
     lr: float
+
+
+def stayed_finite(state: Mapping[str, torch.Tensor], loss: float) -> bool:
+    """True when local training stayed finite: its loss and every floating-point tensor it returns (else it diverged)."""
+    return math.isfinite(loss) and all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
 
 
 def cosine_lr(base_lr: float, round_index: int, total_rounds: int) -> float:

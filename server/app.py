@@ -43,7 +43,7 @@ from feast_edge.train import TrainConfig
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler
 from feast_edge.transport.errors import ProtocolError, TopicError
-from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Message, MessageFilter, Presence, parse
 from feast_edge.transport.topics import Topics
@@ -88,6 +88,7 @@ class ServerConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     wait_timeout: float | None = None  # seconds to wait for enough devices (None: forever)
     send_timeout: float = 120.0
+    max_update_norm: float = 1e4  # L2 bound on an update's change of its routed slice (0: none); honest fmnist-small epochs: 14-62
 
     def __post_init__(self) -> None:
         checks = [
@@ -98,6 +99,7 @@ class ServerConfig:
             (self.round_timeout > 0, f"--round-timeout {self.round_timeout} must be > 0 seconds"),
             (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
             (self.wait_timeout is None or self.wait_timeout > 0, f"--wait-timeout {self.wait_timeout} must be > 0 seconds"),
+            (self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -185,10 +187,14 @@ class FederationServer:
         self.link.subscribe(t.register, self._on_message("register"))
         self.link.subscribe(t.events, self._on_message("events"))
         sender = ChunkSender(self.link, t, "down", chunk_size=cfg.chunk_size)
-        receiver = ChunkReceiver(self.link, t, "up", reassembler=Reassembler(federation=cfg.federation, max_chunk_size=cfg.chunk_size))
+        # Uploads are taken only when announced by a cohort device's update (which also bounds their size): nothing a
+        # stranger sends on xfer/up allocates anything here.
+        reassembler = Reassembler(federation=cfg.federation, max_chunk_size=cfg.chunk_size, min_chunk_size=MIN_CHUNK_SIZE, expected_only=True)
+        receiver = ChunkReceiver(self.link, t, "up", reassembler=reassembler)
         self.collector = MqttCollector(
             self.link, t, sender, receiver, self.devices, self.registry, self.preset, cfg.train_config(), seed=cfg.seed, rounds=cfg.rounds,
-            round_timeout=cfg.round_timeout, send_timeout=cfg.send_timeout, wait_timeout=cfg.wait_timeout, pump=self.pump, stopped=self.stop.is_set,
+            round_timeout=cfg.round_timeout, send_timeout=cfg.send_timeout, wait_timeout=cfg.wait_timeout, max_update_norm=cfg.max_update_norm,
+            pump=self.pump, stopped=self.stop.is_set,
         )
         self.models = ModelServer(self.out, self.link, t, sender, cfg.send_timeout)
         log.info("connected to %s as federation %r; preset %s, %d cached variants", self.link.address, cfg.federation, self.preset.name, len(self.cache))
@@ -212,6 +218,8 @@ class FederationServer:
             if topic.device is not None and message.device != topic.device:
                 log.warning("dropped %s message on %s: it names device %r", message.kind, received.topic, message.device)
                 return
+            if isinstance(message, Update) and self.collector is not None:
+                self.collector.pre_expect(message)  # its chunks follow at once, in this thread
             try:
                 self._inbox.put_nowait((channel, message))
             except queue.Full:
@@ -225,11 +233,14 @@ class FederationServer:
         end = time.monotonic() + seconds
         while True:
             if self.collector is not None:
-                self.collector.drain()
-                now = time.monotonic()
-                if now - self._last_poll >= 0.5:
-                    self.collector.receiver.poll()
-                    self._last_poll = now
+                try:
+                    self.collector.drain()
+                    now = time.monotonic()
+                    if now - self._last_poll >= 0.5:
+                        self.collector.receiver.poll()
+                        self._last_poll = now
+                except Exception:  # finished uploads are the network's input too: never let one stop the server
+                    log.exception("failed to handle a finished transfer")
             try:
                 channel, message = self._inbox.get_nowait()
             except queue.Empty:

@@ -93,6 +93,9 @@ def run(
     calib_samples: Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration examples when --data is a Fashion-MNIST directory.")] = 500,
     cache: Annotated[Optional[Path], typer.Option(help="Variant cache JSON (default: the preset's shipped cache).")] = None,
     wait_timeout: Annotated[Optional[float], typer.Option("--wait-timeout", min=0.1, help="Give up if not enough devices are online after this many seconds (default: wait).")] = None,
+    max_update_norm: Annotated[
+        float, typer.Option("--max-update-norm", min=0.0, help="Reject an update that changes its routed slice by more than this L2 norm (0: no bound).")
+    ] = 1e4,
     export: Annotated[bool, typer.Option("--export/--no-export", help="After the last round, export and announce every device's ONNX model.")] = True,
     serve: Annotated[bool, typer.Option("--serve", help="Afterwards keep answering model requests (feast-agent fetch-model) until Ctrl-C.")] = False,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
@@ -110,6 +113,7 @@ def run(
         round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, method=method, eval_every=eval_every,
         data=None if data is None else str(data), val_samples=val_samples, calib_samples=calib_samples,
         cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
+        max_update_norm=max_update_norm,
     )
     server = FederationServer(config, link, on_round=print_round)
     _install_signal_handlers()

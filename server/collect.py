@@ -41,6 +41,16 @@ from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 log = logging.getLogger(__name__)
 
 HEARTBEAT = 10.0  # seconds between "still waiting" lines
+UPLOAD_SLACK = 4096  # bytes an update's header may exceed the routed one's (the manifest names the device)
+
+
+def update_norm(state: Mapping[str, torch.Tensor], routed: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm of the change an update makes to the routed slice, over its floating-point tensors (float64 sums)."""
+    total = 0.0
+    for name, tensor in state.items():
+        if tensor.is_floating_point():
+            total += float((tensor.double() - routed[name].double()).square().sum())
+    return total**0.5
 
 
 class WaitTimeout(Exception):
@@ -53,6 +63,8 @@ class _Pending:
 
     manifest: Manifest
     routed: str  # transfer id of the routed payload
+    routed_state: dict[str, torch.Tensor]  # what was routed, to measure the update's change against
+    max_bytes: int  # an upload encodes the same tensors as the routed payload: it cannot be larger
     update: Update | None = None
     state: dict[str, torch.Tensor] | None = None
     error: str | None = None
@@ -88,6 +100,7 @@ class MqttCollector:
         round_timeout: float,
         send_timeout: float,
         wait_timeout: float | None,
+        max_update_norm: float,
         pump: Callable[[float], None],
         stopped: Callable[[], bool],
     ) -> None:
@@ -95,8 +108,11 @@ class MqttCollector:
         self.devices, self.registry, self.preset, self.train = devices, registry, preset, train
         self.seed, self.rounds = seed, rounds
         self.round_timeout, self.send_timeout, self.wait_timeout = round_timeout, send_timeout, wait_timeout
+        self.max_update_norm = max_update_norm  # 0: no bound
         self.pump, self.stopped = pump, stopped
         self.current: _Round | None = None
+        # device -> (round, routed transfer, upload size bound) of the round in flight; read by paho's thread (pre_expect)
+        self.announced: dict[str, tuple[int, str, int]] = {}
         self._unclaimed: OrderedDict[str, Progress] = OrderedDict()  # completed uploads whose announcement has not arrived
 
     # ------------------------------------------------------------------ Collector
@@ -136,9 +152,11 @@ class MqttCollector:
         for device in cohort:
             plan = plans[device]
             manifest = plan.manifest(self.preset, classes, t, "routed", device)
-            blob = encode(route_state(global_state, plan.layout(self.preset, classes), self.preset), manifest)
+            routed = route_state(global_state, plan.layout(self.preset, classes), self.preset)
+            blob = encode(routed, manifest)
             info = self.sender.describe(blob, round=t, device=device)
-            current.pending[device] = _Pending(manifest, info.transfer)
+            current.pending[device] = _Pending(manifest, info.transfer, routed, len(blob) + UPLOAD_SLACK)
+            self.announced[device] = (t, info.transfer, len(blob) + UPLOAD_SLACK)
             remaining = max(1.0, deadline - time.monotonic())
             message = RoundStart.from_plan(
                 plan, federation=self.topics.federation, round=t, device=device, transfer=info, sent_at=time.time(), timeout=remaining,
@@ -174,6 +192,7 @@ class MqttCollector:
                 got.updates.append(ClientUpdate(device, p.state, u.samples, loss=u.loss, samples_seen=u.samples_seen, train_macs=u.train_macs, compute_seconds=u.compute_seconds))
         got.missing = [d for d, p in current.pending.items() if p.update is None and p.error is None and d not in got.dropped]
         self.current = None
+        self.announced = {}
         return got
 
     # ------------------------------------------------------------------ events (called by the server's pump)
@@ -192,6 +211,22 @@ class MqttCollector:
             if pending is not None and not pending.settled and device not in current.collected.dropped:
                 current.collected.dropped.append(device)
                 log.warning("round %d: %s went offline; not waiting for its update", current.t + 1, device)
+
+    def pre_expect(self, message: Update) -> None:
+        """Paho's thread: take the chunks of an upload a cohort device just announced from the first one on.
+
+        The reassembler takes only announced transfers (a stranger's frames cost nothing), and the chunks
+        follow the announcement at once; :meth:`on_update` checks the rest in the run thread.
+        """
+        slot = self.announced.get(message.device)
+        if slot is None or slot[:2] != (message.round, message.routed):
+            return
+        try:
+            info = message.transfer_info()
+        except ProtocolError:
+            return
+        if info.size <= slot[2]:
+            self.receiver.expect(info)
 
     def on_update(self, message: Update) -> None:
         device, current = message.device, self.current
@@ -212,6 +247,18 @@ class MqttCollector:
             info = message.transfer_info()
         except ProtocolError as exc:
             self.reject(device, f"invalid transfer description: {exc}")
+            return
+        registered = self.registry.get(device)
+        limit = registered.samples if registered is not None else 0
+        problem = ""
+        if not 1 <= message.samples <= limit:
+            # The sample count is the aggregation weight: more than the device registered would let it outweigh everyone.
+            problem = f"it claims {message.samples} samples; the aggregation weight must be between 1 and the {limit} it registered"
+        elif info.size > pending.max_bytes:
+            problem = f"its upload declares {info.size} bytes; the slice routed to it encodes to at most {pending.max_bytes}"
+        if problem:
+            self.receiver.reassembler.discard(info.transfer, problem)
+            self.reject(device, problem)
             return
         pending.update = message
         finished = self._unclaimed.pop(info.transfer, None)
@@ -253,8 +300,15 @@ class MqttCollector:
         except FeastError as exc:
             self.reject(device, str(exc))
             return
+        except Exception as exc:  # noqa: BLE001 - whatever an upload holds, it is the upload's fault: refuse it, never stop
+            self.reject(device, f"undecodable payload ({type(exc).__name__})")
+            return
         if manifest.kind != "update":
             self.reject(device, f"payload kind {manifest.kind!r} is not 'update'")
+            return
+        change = update_norm(state, pending.routed_state)
+        if self.max_update_norm and not change <= self.max_update_norm:
+            self.reject(device, f"its update changes the routed slice by {change:.3g} (L2 norm); the limit is --max-update-norm {self.max_update_norm:g}")
             return
         pending.state = state
         log.debug("round %d: valid update from %s (%d samples)", pending.manifest.round + 1, device, pending.update.samples if pending.update else 0)

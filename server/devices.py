@@ -3,8 +3,8 @@
 The registry (``registry.py``) stores devices; this module decides on each
 ``register`` message and follows the retained ``status`` messages of the agent
 processes (hosts) that carry them. A device id is taken while the host that
-registered it is online; once that host goes offline a new agent instance may
-take the id over.
+registered it with this server process is online; once that host goes offline
+(or the server restarts) a new agent instance may take the id over.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ class DeviceBook:
         self.on_offline = on_offline  # told which devices just went offline (a round in flight stops waiting for them)
         self.finished = False  # the federation ran all its rounds: registrations are answered with finished=True
         self.hosts_online: set[str] = set()
-        # Devices whose host went offline since they registered: a new agent instance may take over their id.
-        self._released: set[str] = set()
+        # Devices a new agent instance may take over: those whose host went offline since they registered, and, at a
+        # (re)start, every device in the registry (no agent has registered with this server process yet, so an agent
+        # that came back first replaces its own stale registration instead of being refused as a duplicate).
+        self._released: set[str] = {d.device_id for d in registry.devices()}
         registry.mark_all_offline()
 
     def online(self) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ class Status(enum.Enum):
     REJECTED = "rejected"  # last chunk arrived but the SHA-256 did not match: transfer dropped
     FINISHED = "finished"  # chunk of a transfer that already completed, was rejected or expired; ignored
     STALE = "stale"  # chunk of a round older than the receiver's min_round; ignored
+    UNEXPECTED = "unexpected"  # chunk of a transfer nobody announced, on a receiver that takes only expected ones; ignored
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,10 @@ class _Incoming:
             self.hasher.update(self.parts[self.hashed])
             self.hashed += 1
 
-    def missing(self) -> list[int]:
-        return [i for i in range(self.info.count) if i not in self.parts]
+    def missing(self, limit: int | None = None) -> list[int]:
+        """The first ``limit`` missing indices (all when None): work and memory follow what a nack can carry, not the declared count."""
+        gaps = (i for i in range(self.info.count) if i not in self.parts)
+        return list(gaps) if limit is None else list(itertools.islice(gaps, limit))
 
 
 class Reassembler:
@@ -78,15 +82,21 @@ class Reassembler:
         max_payload_bytes: int = 1024 * MiB,
         max_buffered_bytes: int = 2048 * MiB,
         max_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        min_chunk_size: int = 1,
+        expected_only: bool = False,
         ttl: float = 120.0,
         remember: int = 1024,
         clock: Clock = time.monotonic,
     ) -> None:
+        """Limits on what a sender may declare; ``expected_only``: chunks of transfers not announced with :meth:`expect` are ignored
+        without allocating anything (a stranger's frames cost the receiver nothing)."""
         self.federation = federation
         self.max_transfers = max_transfers
         self.max_payload_bytes = max_payload_bytes
         self.max_buffered_bytes = max_buffered_bytes
         self.max_chunk_size = max_chunk_size
+        self.min_chunk_size = min_chunk_size
+        self.expected_only = expected_only
         self.ttl = ttl
         self.min_round = 0  # chunks of earlier rounds are stale; raise it with advance()
         self._remember = remember
@@ -110,6 +120,8 @@ class Reassembler:
             finished = self._finished.get(info.transfer)
             if finished is not None:
                 return Progress(info, index, Status.FINISHED, reason=finished[1])
+            if self.expected_only and info.transfer not in self._active:
+                return Progress(info, index, Status.UNEXPECTED, reason="no announcement named this transfer")
             incoming = self._open(info, now)
             if index in incoming.parts:
                 return Progress(info, index, Status.DUPLICATE)
@@ -145,11 +157,11 @@ class Reassembler:
             if info.transfer not in self._finished:
                 self._open(info, self._clock() if now is None else now)
 
-    def missing(self, transfer: str) -> list[int]:
-        """Indices of the chunks of ``transfer`` not yet received (empty when unknown or finished)."""
+    def missing(self, transfer: str, limit: int | None = None) -> list[int]:
+        """Indices of the chunks of ``transfer`` not yet received, the first ``limit`` of them (empty when unknown or finished)."""
         with self._lock:
             incoming = self._active.get(transfer)
-            return incoming.missing() if incoming else []
+            return incoming.missing(limit) if incoming else []
 
     def active(self) -> list[TransferInfo]:
         """Transfers in progress."""
@@ -161,15 +173,15 @@ class Reassembler:
         with self._lock:
             return self._finished.get(transfer)
 
-    def stalled(self, idle: float, now: float | None = None) -> list[tuple[TransferInfo, list[int]]]:
-        """Transfers with no new chunk and no nack for ``idle`` seconds, with their missing indices; marks them nacked."""
+    def stalled(self, idle: float, now: float | None = None, limit: int | None = None) -> list[tuple[TransferInfo, list[int]]]:
+        """Transfers with no new chunk and no nack for ``idle`` seconds, with (the first ``limit`` of) their missing indices; marks them nacked."""
         now = self._clock() if now is None else now
         due = []
         with self._lock:
             for incoming in self._active.values():
                 if now - max(incoming.last_activity, incoming.last_nack) >= idle:
                     incoming.last_nack = now
-                    due.append((incoming.info, incoming.missing()))
+                    due.append((incoming.info, incoming.missing(limit)))
         return due
 
     def expire(self, now: float | None = None) -> list[TransferInfo]:
@@ -204,6 +216,8 @@ class Reassembler:
                 f"transfer {info.transfer} uses {info.chunk}-byte chunks; this receiver accepts at most "
                 f"{self.max_chunk_size} (configure the same chunk size on both sides)"
             )
+        if info.chunk < self.min_chunk_size and info.count > 1:
+            raise ChunkError(f"transfer {info.transfer} uses {info.chunk}-byte chunks; this receiver takes chunks of at least {self.min_chunk_size} bytes")
         if info.size > self.max_payload_bytes:
             raise ChunkError(f"transfer {info.transfer} of {info.size} bytes exceeds the {self.max_payload_bytes}-byte payload limit")
         if len(self._active) >= self.max_transfers:
@@ -229,6 +243,7 @@ class _Outgoing:
     info: TransferInfo
     payload: bytes | bytearray | memoryview
     created: float
+    resent: int = 0  # chunks sent again on request
 
 
 class Outbox:
@@ -240,11 +255,14 @@ class Outbox:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         ttl: float = 600.0,
         max_transfers: int = 64,
+        resend_factor: float = 3.0,
         clock: Clock = time.monotonic,
     ) -> None:
+        """``resend_factor``: nacks may ask for at most this many times a transfer's chunks in all; past that it is dropped."""
         self.chunk_size = validate_chunk_size(chunk_size)
         self.ttl = ttl
         self.max_transfers = max_transfers
+        self.resend_factor = resend_factor
         self._clock = clock
         self._held: OrderedDict[str, _Outgoing] = OrderedDict()
         self._lock = threading.Lock()
@@ -284,6 +302,18 @@ class Outbox:
             if bad:
                 raise ChunkError(f"chunk indices {bad[:5]} are outside 0..{outgoing.info.count - 1} of transfer {transfer}")
         return iter_frames(outgoing.info, outgoing.payload, indices)
+
+    def charge_resend(self, transfer: str, chunks: int) -> bool:
+        """Count ``chunks`` against the transfer's resend budget; False (and the transfer dropped) once it is spent."""
+        with self._lock:
+            outgoing = self._held.get(transfer)
+            if outgoing is None:
+                return False
+            if outgoing.resent + chunks > self.resend_factor * outgoing.info.count:
+                del self._held[transfer]
+                return False
+            outgoing.resent += chunks
+            return True
 
     def release(self, transfer: str) -> bool:
         """Forget an acknowledged transfer; True if it was held."""

@@ -100,6 +100,12 @@ class ChunkSender:
             if info is None or info.device != message.device:
                 log.info("nack for transfer %s that is not held here; ignored", message.transfer)
                 return
+            if not self.outbox.charge_resend(message.transfer, len(set(message.missing))):
+                log.warning(
+                    "%s asked for more of transfer %s than %g times its chunks; dropped it (no more resends)",
+                    message.device, message.transfer, self.outbox.resend_factor,
+                )
+                return
             try:
                 count = self.resend(message.transfer, list(message.missing))
             except ProtocolError as exc:
@@ -163,11 +169,11 @@ class ChunkReceiver:
 
     def poll(self, now: float | None = None) -> None:
         """Nack stalled transfers and expire dead ones; call it periodically (``get`` does)."""
-        for info, missing in self.reassembler.stalled(self.nack_after, now):
+        for info, missing in self.reassembler.stalled(self.nack_after, now, limit=MAX_NACK_INDICES):
             nack = Nack(
                 federation=info.federation, round=info.round, device=info.device, transfer=info.transfer, missing=tuple(missing[:MAX_NACK_INDICES])
             )
-            log.info("transfer %s from %s: asking again for %d missing chunks", info.transfer, info.device, len(missing))
+            log.info("transfer %s from %s: asking again for %d missing chunks", info.transfer, info.device, len(missing))  # at most one nack's worth
             self.link.publish(self.topics.nack(self.direction, info.device), nack.encode())
         for info in self.reassembler.expire(now):
             reason = f"expired after {self.reassembler.ttl:g} s without a new chunk"
@@ -186,6 +192,8 @@ class ChunkReceiver:
             if progress.status is Status.REJECTED:
                 log.warning("rejected transfer %s from %s: %s", progress.info.transfer, progress.info.device, progress.reason)
             self._finish(progress)
+        elif progress.status is Status.UNEXPECTED:
+            log.debug("ignored chunk %d of unannounced transfer %s from %s", progress.index, progress.info.transfer, progress.info.device)
         elif progress.status is Status.FINISHED:
             # The sender resends because our receipt got lost: answer again, at most once a second.
             self._send_receipt(progress, throttle=1.0)

@@ -78,3 +78,37 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
         save_supernet(path, Supernet(TINY, seed=2))
     assert path.read_bytes() == good
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def _overwrite_tensor_bytes(path, name: str, value: float) -> None:
+    """Overwrite one float32 tensor's bytes in place: the file keeps its size and its header."""
+    import json as _json
+    import struct
+
+    blob = bytearray(path.read_bytes())
+    size = int.from_bytes(blob[:8], "little")
+    header = _json.loads(blob[8 : 8 + size])
+    begin, end = header[name]["data_offsets"]
+    start = 8 + size + begin
+    blob[start : 8 + size + end] = struct.pack("<f", value) * ((end - begin) // 4)
+    path.write_bytes(bytes(blob))
+
+
+@pytest.mark.parametrize("value", [float("nan"), 1e30], ids=["nan", "scaled"])
+def test_tensor_bytes_changed_on_disk_are_detected(tmp_path, value):
+    path = save_supernet(tmp_path / "ckpt.safetensors", Supernet(TINY, seed=1))
+    name = next(k for k, v in Supernet(TINY).state_dict().items() if v.is_floating_point() and v.dim() == 4)
+    size = path.stat().st_size
+    _overwrite_tensor_bytes(path, name, value)
+    assert path.stat().st_size == size
+    with pytest.raises(CheckpointError, match="is corrupt: its tensors do not match the SHA-256"):
+        load_supernet(path, TINY)
+
+
+def test_a_checkpoint_written_with_nan_is_refused(tmp_path):
+    model = Supernet(TINY, seed=1)
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.dim() == 4).fill_(float("nan"))
+    path = save_supernet(tmp_path / "nan.safetensors", model)  # its digest vouches for the NaN bytes: still refused
+    with pytest.raises(CheckpointError, match="holds NaN or infinite values"):
+        load_supernet(path, TINY)

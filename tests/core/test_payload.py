@@ -95,3 +95,29 @@ def test_other_preset_is_refused():
 )
 def test_garbage_is_refused(blob, match):
     _assert_refused(blob, match)
+
+
+@pytest.mark.parametrize(
+    ("header", "needle"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "not a feast-edge manifest"),  # nested too deeply for json: RecursionError inside
+        (json.dumps({"__metadata__": {"feast_edge": "[" * 50_000 + "]" * 50_000}}).encode(), "not a feast-edge manifest"),
+        (
+            json.dumps({"__metadata__": {"feast_edge": json.dumps({"format": "feast-edge/payload", "version": 1, "preset": "p", "preset_digest": "d",
+                                                                   "classes": 1e999, "envelope": {}, "round": 0, "kind": "routed"})}}).encode().replace(b"Infinity", b"1e999"),
+            "manifest",
+        ),
+    ],
+    ids=["deep-header", "deep-manifest", "huge-number"],
+)
+def test_hostile_headers_are_payload_errors_never_crashes(header: bytes, needle: str):
+    with pytest.raises(PayloadError, match=needle):
+        read_manifest(len(header).to_bytes(8, "little") + header)
+
+
+def test_a_header_over_the_limit_is_refused_before_it_is_parsed():
+    from feast_edge.payload import MAX_HEADER_BYTES
+
+    size = MAX_HEADER_BYTES + 1
+    with pytest.raises(PayloadError, match=f"payload header is {size} bytes; the limit is {MAX_HEADER_BYTES}"):
+        read_manifest(size.to_bytes(8, "little") + b" " * size)

@@ -113,3 +113,19 @@ def test_explicit_budgets_population(tmp_path):
     sim = Simulation(replace(TINY_RUN, budgets=budgets), tmp_path)
     assert tuple(sim.setup.population.budgets) == budgets
     assert sim.setup.plans["client-000"].affordable == (sim.setup.cache.smallest.arch,)
+
+
+def test_a_damaged_checkpoint_stops_the_resume_and_names_the_previous_one(uninterrupted, tmp_path):
+    import shutil
+
+    full_out, _ = uninterrupted
+    out = tmp_path / "run"
+    shutil.copytree(full_out, out)
+    previous = out / "checkpoint.prev.safetensors"
+    assert previous.is_file(), "the run keeps the checkpoint before the last one"
+    blob = bytearray((out / CHECKPOINT).read_bytes())
+    middle = len(blob) // 2  # inside the tensor data: the header is a small part of the file
+    blob[middle : middle + 16] = bytes(b ^ 0xFF for b in blob[middle : middle + 16])  # same size, other bytes
+    (out / CHECKPOINT).write_bytes(bytes(blob))
+    with pytest.raises(SimulationError, match=r"is corrupt.*to resume from there, run 'mv .*checkpoint\.prev\.safetensors .*checkpoint\.safetensors'"):
+        Simulation(TINY_RUN, out).run(resume=True)

@@ -206,12 +206,44 @@ def test_payloads_that_do_not_match_the_routed_envelope_are_rejected(kit, tmp_pa
         server.close()
     reasons = [h.rejected.get(device.device_id, "") for h in history]
     assert f"payload tensor {name} has shape" in reasons[0], reasons
-    assert "does not match the routed envelope" in reasons[1], reasons
+    assert "the slice routed to it encodes to at most" in reasons[1], reasons  # refused from its announcement, before any chunk is kept
     assert "1 missing" in reasons[2], reasons
     assert not any(h.applied for h in history)
     initial = Supernet(PRESET, seed=0).state_dict()
     got = kit.weights(tmp_path / CHECKPOINT)
     assert all(torch.equal(got[k], initial[k]) for k in got), "a refused payload changed the global model"
+
+
+def test_poisoned_and_hostile_updates_are_refused_and_the_server_goes_on(kit, tmp_path: Path, federation: str, device: ScriptedDevice) -> None:
+    """Weights outside 1..registered samples, a finite but absurd update, a header nested 100k deep: refused; then an honest update counts."""
+    server = scripted_server(kit, tmp_path, federation, rounds=5)
+    expected = Supernet(PRESET, seed=0).state_dict()
+    try:
+        device.register(samples=50)
+        start, manifest, routed = device.next_round()
+        device.send(*device.update(start, shifted(routed, 0.1), manifest, samples=0))
+        start, manifest, routed = device.next_round()
+        device.send(*device.update(start, shifted(routed, 0.1), manifest, samples=2**53))
+        start, manifest, routed = device.next_round()
+        device.send(*device.update(start, shifted(routed, 1e30), manifest))
+        start, manifest, routed = device.next_round()
+        deep = b"[" * 100_000 + b"]" * 100_000
+        evil = len(deep).to_bytes(8, "little") + deep
+        info = describe(evil, federation=federation, round=start.round, device=device.device_id, chunk_size=64 * 1024)
+        device.send(Update(federation=federation, round=start.round, device=device.device_id, transfer=info.to_dict(), routed=start.transfer["transfer"], samples=50), evil)
+        start, manifest, routed = device.next_round()
+        device.send(*device.update(start, shifted(routed, 0.25), manifest))
+        expected = aggregate_updates(expected, [(device.device_id, shifted(routed, 0.25), 50)])
+        history = server.join(timeout=120)
+    finally:
+        server.close()
+    reasons = [h.rejected.get(device.device_id, "") for h in history]
+    assert "claims 0 samples" in reasons[0] and "claims 9007199254740992 samples" in reasons[1], reasons
+    assert "changes the routed slice by" in reasons[2] and "--max-update-norm" in reasons[2], reasons
+    assert "not a feast-edge manifest" in reasons[3], reasons
+    assert [h.applied for h in history] == [False, False, False, False, True]
+    got = kit.weights(tmp_path / CHECKPOINT)
+    assert all(torch.equal(got[k], expected[k]) for k in got), "a refused update reached the global model"
 
 
 def test_malformed_messages_are_logged_and_never_stop_the_server(kit, tmp_path: Path, federation: str, device: ScriptedDevice, caplog: pytest.LogCaptureFixture) -> None:

@@ -219,3 +219,26 @@ def test_update_reports_the_local_result() -> None:
     other = describe(b"update", federation="lab", round=2, device="jetson-1")
     with pytest.raises(ProtocolError, match="round 2"):
         Update(federation="lab", round=3, device="jetson-1", transfer=other.to_dict(), routed="t0", samples=1).transfer_info()
+
+
+def test_a_diverged_loss_still_makes_a_valid_message() -> None:
+    from feast_edge.train import LocalResult
+
+    result = LocalResult(
+        num_samples=10, samples_seen=10, num_batches=1, mean_loss=float("nan"), role_losses={"max": float("inf")}, variants_per_batch={1: 1},
+        arch_batches={}, train_macs=1, lr=0.1,
+    )
+    info = describe(b"update", federation="lab", round=3, device="jetson-1")
+    message = Update.from_result(result, federation="lab", round=3, device="jetson-1", transfer=info, routed="t0", compute_seconds=1.0, torch_device="cpu")
+    again = parse(message.encode())  # NaN and infinities have no JSON number: they travel as null
+    assert again.metrics["loss"] is None and again.metrics["role_losses"] == {"max": None}
+
+
+def test_an_agent_sends_nothing_for_diverged_training() -> None:
+    import torch
+
+    from feast_edge.train import stayed_finite
+
+    assert stayed_finite({"w": torch.ones(3), "n": torch.tensor(1)}, 0.5)
+    assert not stayed_finite({"w": torch.ones(3)}, float("nan"))
+    assert not stayed_finite({"w": torch.tensor([1.0, float("inf")])}, 0.5)

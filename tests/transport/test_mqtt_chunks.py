@@ -273,3 +273,43 @@ def test_one_mib_chunks_of_a_large_payload() -> None:
     reassembler = Reassembler()
     results = [reassembler.add(f) for f in reversed(frames)]
     assert results[-1].payload == payload
+
+
+def test_an_expected_only_receiver_keeps_nothing_of_unannounced_transfers() -> None:
+    """A stranger's frame declaring a gigabyte costs nothing: no transfer opens, no bookkeeping grows."""
+    r = Reassembler(federation="lab", expected_only=True, max_payload_bytes=2 * 1024**3)
+    huge = TransferInfo(federation="lab", round=2, device="pi5", transfer="evil", count=1024**2, size=1024**3, chunk=1024, sha256="0" * 64)
+    for index in (0, 17, 1024**2 - 1):
+        assert r.add(encode_frame(huge, index, b"x" * (1024 if index < 1024**2 - 1 else 1024))).status is Status.UNEXPECTED
+    assert r.active() == [] and r.missing("evil") == []
+    payload = b"payload" * 500
+    info = describe(payload, **IDS, chunk_size=1024)
+    r.expect(info)
+    for frame in iter_frames(info, payload):
+        progress = r.add(frame)
+    assert progress.status is Status.COMPLETE and progress.payload == payload
+
+
+def test_missing_indices_follow_the_limit_not_the_declared_count() -> None:
+    r = Reassembler(federation="lab", max_payload_bytes=2 * 1024**3)
+    info = TransferInfo(federation="lab", round=2, device="pi5", transfer="big", count=1024**2, size=1024**3, chunk=1024, sha256="0" * 64)
+    r.expect(info)
+    assert r.missing("big", limit=5) == [0, 1, 2, 3, 4]
+    assert [len(missing) for _, missing in r.stalled(0.0, limit=4096)] == [4096]
+
+
+def test_tiny_chunks_are_refused_where_a_minimum_is_set() -> None:
+    r = Reassembler(federation="lab", min_chunk_size=1024)
+    payload = b"z" * 5000
+    with pytest.raises(ChunkError, match="chunks of at least 1024 bytes"):
+        r.add(next(iter_frames(describe(payload, **IDS, chunk_size=1), payload)))
+    small = describe(b"tiny", **IDS, chunk_size=8)  # a single chunk is as small as its payload: allowed
+    assert r.add(next(iter_frames(small, b"tiny"))).status is Status.COMPLETE
+
+
+def test_resends_are_capped_per_transfer() -> None:
+    box = Outbox(chunk_size=1024, resend_factor=2.0)
+    info = box.add(b"q" * 4096, **IDS)  # 4 chunks: at most 8 resent in all
+    assert box.charge_resend(info.transfer, 4) and box.charge_resend(info.transfer, 4)
+    assert not box.charge_resend(info.transfer, 1) and info.transfer not in box  # spent: dropped, memory released
+    assert not box.charge_resend("unknown", 1)

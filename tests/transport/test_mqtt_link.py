@@ -21,8 +21,8 @@ import pytest
 
 from feast_edge.transport.broker import LinkConfig, parse_broker_url
 from feast_edge.transport.chunks import Status
-from feast_edge.transport.frames import TransferInfo, encode_frame
 from feast_edge.transport.errors import BrokerAuthError, BrokerTlsError, BrokerUnreachableError, LinkError
+from feast_edge.transport.frames import TransferInfo, encode_frame
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Nack, Presence, parse
 from feast_edge.transport.topics import Topics

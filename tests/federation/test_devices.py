@@ -1,0 +1,71 @@
+"""Who may be in the federation: registrations and presence, in any restart order (server/devices.py, over a real registry)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from feast_edge.cache import load_cache
+from feast_edge.preset import load_preset
+from feast_edge.protocol import Register, Registered
+from feast_edge.server.devices import DeviceBook
+from feast_edge.server.registry import Registry
+from feast_edge.transport.messages import Presence
+
+PRESET = load_preset("fmnist-small")
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Registry:
+    return Registry(tmp_path / "devices.sqlite")
+
+
+def _book(registry: Registry, replies: list[Registered]) -> DeviceBook:
+    return DeviceBook(registry, PRESET, load_cache(PRESET), federation="lab", rounds=3, reply=lambda device, message: replies.append(message))
+
+
+def _register(book: DeviceBook, device: str, instance: str, host: str | None = None, samples: int = 50) -> None:
+    book.on_register(
+        Register.for_client(federation="lab", device=device, host=host or device, instance=instance, preset=PRESET, budget_macs=6_000_000, samples=samples, profile={})
+    )
+
+
+def _online(book: DeviceBook, host: str) -> None:
+    book.on_presence(Presence(federation="lab", round=0, device=host, state="online"))
+
+
+def test_an_agent_back_before_the_server_replaces_its_own_stale_registration(registry: Registry) -> None:
+    replies: list[Registered] = []
+    first = _book(registry, replies)
+    _online(first, "pi")
+    _register(first, "pi", "before-the-stop")
+    assert replies[-1].accepted
+    # Everything stops; the agent comes back first (its retained presence is online), then the server restarts.
+    restarted = _book(registry, replies)
+    _online(restarted, "pi")
+    _register(restarted, "pi", "after-the-stop")
+    assert replies[-1].accepted, replies[-1].reason
+    assert registry.get("pi").instance == "after-the-stop"
+    # Once it registered with this server, a second agent claiming the id while it is online is refused.
+    _register(restarted, "pi", "an-impostor")
+    assert not replies[-1].accepted and "already online" in replies[-1].reason
+
+
+def test_a_device_whose_host_left_may_be_taken_over(registry: Registry) -> None:
+    replies: list[Registered] = []
+    book = _book(registry, replies)
+    _online(book, "pi")
+    _register(book, "pi", "one")
+    book.on_presence(Presence(federation="lab", round=0, device="pi", state="offline"))
+    _online(book, "pi")
+    _register(book, "pi", "two")
+    assert replies[-1].accepted and registry.get("pi").instance == "two"
+
+
+def test_a_finished_federation_says_so_to_a_late_device(registry: Registry) -> None:
+    replies: list[Registered] = []
+    book = _book(registry, replies)
+    book.finished = True
+    _register(book, "late", "x")
+    assert replies[-1].accepted and replies[-1].finished and replies[-1].rounds == 3
