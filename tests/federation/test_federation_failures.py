@@ -365,6 +365,7 @@ def test_a_second_agent_with_an_online_device_id_is_refused(kit, tmp_path: Path,
     server = kit.ServerThread(config).start()  # waits for 5 devices: it only handles registrations here
     shard = partition / "client-000.safetensors"
     first = kit.spawn_agent(tmp_path / "a", "twin", shard, federation)
+    third = None
     try:
         assert kit.wait_for(lambda: "registered twin with federation" in kit.log_text(first), timeout=120), kit.log_text(first)
         second = subprocess.run(
@@ -384,7 +385,9 @@ def test_a_second_agent_with_an_online_device_id_is_refused(kit, tmp_path: Path,
         assert kit.wait_for(lambda: "registered twin with federation" in kit.log_text(third), timeout=120), kit.log_text(third)
         assert kit.stop(third) == 0
     finally:
-        kit.stop(first)
+        for process in (first, third):
+            if process is not None:
+                kit.stop(process)  # also when an assertion failed: no agent outlives its test
         server.close()
 
 
