@@ -31,6 +31,7 @@ from feast_edge.rounds import ClientUpdate, Collected
 from feast_edge.route import route_state
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.registry import Registry
+from feast_edge.slicing import leading_slice
 from feast_edge.train import TrainConfig
 from feast_edge.transport.chunks import Progress, Status
 from feast_edge.transport.errors import LinkError, ProtocolError
@@ -44,12 +45,13 @@ HEARTBEAT = 10.0  # seconds between "still waiting" lines
 UPLOAD_SLACK = 4096  # bytes an update's header may exceed the routed one's (the manifest names the device)
 
 
-def update_norm(state: Mapping[str, torch.Tensor], routed: Mapping[str, torch.Tensor]) -> float:
-    """L2 norm of the change an update makes to the routed slice, over its floating-point tensors (float64 sums)."""
+def update_norm(state: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm of the change an update makes to the slice it was routed: its tensors against the leading slices of the
+    (not yet aggregated) global state, over the floating-point ones, summed in float64."""
     total = 0.0
     for name, tensor in state.items():
         if tensor.is_floating_point():
-            total += float((tensor.double() - routed[name].double()).square().sum())
+            total += float((tensor.double() - leading_slice(global_state[name], tensor.shape).double()).square().sum())
     return total**0.5
 
 
@@ -63,7 +65,6 @@ class _Pending:
 
     manifest: Manifest
     routed: str  # transfer id of the routed payload
-    routed_state: dict[str, torch.Tensor]  # what was routed, to measure the update's change against
     max_bytes: int  # an upload encodes the same tensors as the routed payload: it cannot be larger
     update: Update | None = None
     state: dict[str, torch.Tensor] | None = None
@@ -77,6 +78,7 @@ class _Pending:
 @dataclass
 class _Round:
     t: int
+    global_state: Mapping[str, torch.Tensor]  # what was routed from; unchanged until the round's aggregation
     pending: dict[str, _Pending] = field(default_factory=dict)
     collected: Collected = field(default_factory=lambda: Collected([]))
 
@@ -144,7 +146,7 @@ class MqttCollector:
 
     def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
         self.receiver.reassembler.advance(t)
-        current = self.current = _Round(t)
+        current = self.current = _Round(t, global_state)
         self._unclaimed.clear()
         start = time.monotonic()
         deadline = start + self.round_timeout
@@ -155,7 +157,7 @@ class MqttCollector:
             routed = route_state(global_state, plan.layout(self.preset, classes), self.preset)
             blob = encode(routed, manifest)
             info = self.sender.describe(blob, round=t, device=device)
-            current.pending[device] = _Pending(manifest, info.transfer, routed, len(blob) + UPLOAD_SLACK)
+            current.pending[device] = _Pending(manifest, info.transfer, len(blob) + UPLOAD_SLACK)
             self.announced[device] = (t, info.transfer, len(blob) + UPLOAD_SLACK)
             remaining = max(1.0, deadline - time.monotonic())
             message = RoundStart.from_plan(
@@ -306,7 +308,8 @@ class MqttCollector:
         if manifest.kind != "update":
             self.reject(device, f"payload kind {manifest.kind!r} is not 'update'")
             return
-        change = update_norm(state, pending.routed_state)
+        assert self.current is not None
+        change = update_norm(state, self.current.global_state)
         if self.max_update_norm and not change <= self.max_update_norm:
             self.reject(device, f"its update changes the routed slice by {change:.3g} (L2 norm); the limit is --max-update-norm {self.max_update_norm:g}")
             return
