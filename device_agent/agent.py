@@ -267,7 +267,7 @@ class Agent:
                 federation=self.config.federation, device=device_id, host=self.config.host, instance=self.instance, preset=self.preset,
                 budget_macs=client.budget_macs, samples=client.data.samples, profile=summary,
             )
-            self.link.publish(self.topics.register, message.encode())
+            self.link.publish(self.topics.register(device_id), message.encode())
 
     def register(self, timeout: float | None = None) -> bool:
         """Register every client (False if ``stop`` was set first); AgentError when refused or when no server answers within ``timeout``."""
@@ -412,7 +412,7 @@ class Agent:
             torch_device=str(self.config.device),
         )
         try:
-            client.sender.announce_and_send(self.topics.events, update.encode(), payload, up, timeout=self.config.send_timeout)
+            client.sender.announce_and_send(self.topics.events(device_id), update.encode(), payload, up, timeout=self.config.send_timeout)
         except LinkError as exc:
             log.error("%s: could not send the update of %s: %s", shown, device_id, exc)
             return
@@ -442,4 +442,4 @@ class Agent:
         client.model_path = path
         log.info("saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms", device_id, path, message.manifest.get("macs"), latency["median_ms"])
         values = {"onnx_latency_ms": latency["median_ms"], "model_sha256": message.manifest.get("sha256"), "model_macs": message.manifest.get("macs")}
-        self.link.publish(self.topics.events, Metrics(federation=self.config.federation, round=self.current_round, device=device_id, values=values).encode())
+        self.link.publish(self.topics.events(device_id), Metrics(federation=self.config.federation, round=self.current_round, device=device_id, values=values).encode())

@@ -104,7 +104,7 @@ def fetch_model(
     link.connect(timeout=min(timeout, 10.0))
     try:
         receiver = ChunkReceiver(link, topics, "down", device=device_id, reassembler=Reassembler(federation=federation, max_chunk_size=chunk_size))
-        answer = _ask(link, topics.events, request.encode(), replies, timeout)
+        answer = _ask(link, topics.events(device_id), request.encode(), replies, timeout)
         if answer is None:
             raise ModelError(
                 f"no feast-server answered the model request of {device_id} on federation {federation!r} within {timeout:g} s; "

@@ -184,8 +184,8 @@ class FederationServer:
         self.link.connect(timeout=timeout)
         # Presence first: retained statuses then arrive before any registration that follows.
         self.link.subscribe(t.status("+"), self._on_message("status"))
-        self.link.subscribe(t.register, self._on_message("register"))
-        self.link.subscribe(t.events, self._on_message("events"))
+        self.link.subscribe(t.register("+"), self._on_message("register"))
+        self.link.subscribe(t.events("+"), self._on_message("events"))
         sender = ChunkSender(self.link, t, "down", chunk_size=cfg.chunk_size)
         # Uploads are taken only when announced by a cohort device's update (which also bounds their size): nothing a
         # stranger sends on xfer/up allocates anything here.

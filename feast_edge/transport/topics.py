@@ -1,12 +1,14 @@
 """Topic names of one federation: the only place that builds or parses them (docs/protocol.md §Topics).
 
-Every topic lives under ``feast/{federation}/``::
+Every topic lives under ``feast/{federation}/``, and every topic a device
+publishes on names that device, so a broker ACL can pin each identity to its
+own topics (``feast-server provision`` writes one)::
 
     status/{device}            retained device presence; the device's last will
     server/status              retained server presence; the server's last will
-    register                   device -> server registration requests
+    register/{device}          device -> server registration requests
     ctrl/{device}              server -> one device control messages (JSON)
-    events                     devices -> server events: metrics, acknowledgements (JSON)
+    events/{device}            device -> server events: updates, metrics, model requests (JSON)
     xfer/down/{device}         server -> device chunk frames of large payloads
     xfer/up/{device}           device -> server chunk frames of large payloads
     xfer/nack/down/{device}    device -> server: missing-chunk requests and receipts for xfer/down
@@ -95,16 +97,14 @@ class Topics:
     def server_status(self) -> str:
         return f"{self.root}/server/status"
 
-    @property
-    def register(self) -> str:
-        return f"{self.root}/register"
+    def register(self, device: str) -> str:
+        return f"{self.root}/register/{_device_or_wildcard(device)}"
 
     def ctrl(self, device: str) -> str:
         return f"{self.root}/ctrl/{_device_or_wildcard(device)}"
 
-    @property
-    def events(self) -> str:
-        return f"{self.root}/events"
+    def events(self, device: str) -> str:
+        return f"{self.root}/events/{_device_or_wildcard(device)}"
 
     def xfer(self, direction: str, device: str) -> str:
         """Chunk frames of payloads travelling ``direction`` to or from ``device``."""
@@ -134,12 +134,12 @@ def parse_topic(topic: str) -> Topic:
             return Topic(federation, "status", validate_id(device, "device id"))
         case ["server", "status"]:
             return Topic(federation, "server_status")
-        case ["register"]:
-            return Topic(federation, "register")
+        case ["register", device]:
+            return Topic(federation, "register", validate_id(device, "device id"))
         case ["ctrl", device]:
             return Topic(federation, "ctrl", validate_id(device, "device id"))
-        case ["events"]:
-            return Topic(federation, "events")
+        case ["events", device]:
+            return Topic(federation, "events", validate_id(device, "device id"))
         case ["xfer", "nack", direction, device]:
             return Topic(federation, "nack", validate_id(device, "device id"), validate_direction(direction))
         case ["xfer", direction, device]:

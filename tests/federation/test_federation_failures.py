@@ -86,7 +86,7 @@ class ScriptedDevice:
             federation=self.fed, round=0, device=self.device_id, host=self.device_id, instance=self.instance, preset=PRESET.name,
             preset_digest=digest, budget_macs=budget, samples=samples, profile={"name": "scripted"},
         )
-        self.link.publish(self.topics.register, message.encode(), timeout=5)
+        self.link.publish(self.topics.register(message.device), message.encode(), timeout=5)
         return self._next(Registered)
 
     def next_round(self) -> tuple[RoundStart, Manifest, dict[str, torch.Tensor]]:
@@ -105,7 +105,7 @@ class ScriptedDevice:
         return message, blob
 
     def send(self, message: Update, blob: bytes | None, *, raw: bytes | None = None) -> None:
-        self.link.publish(self.topics.events, raw or message.encode(), timeout=5)
+        self.link.publish(self.topics.events(self.device_id), raw or message.encode(), timeout=5)
         if blob is not None:
             self.sender.send(blob, round=message.round, device=self.device_id, transfer=message.transfer["transfer"], timeout=30)
 
@@ -133,7 +133,7 @@ def test_duplicate_and_stale_updates_are_ignored(kit, tmp_path: Path, federation
         start, manifest, routed = device.next_round()
         first, blob = device.update(start, shifted(routed, 0.5), manifest)
         second, other = device.update(start, shifted(routed, 2.0), manifest)
-        device.link.publish(device.topics.events, first.encode(), timeout=5)
+        device.link.publish(device.topics.events(device.device_id), first.encode(), timeout=5)
         device.send(first, None, raw=first.encode())
         device.send(second, other)
         device.sender.send(blob, round=0, device=device.device_id, transfer=first.transfer["transfer"], timeout=30)
@@ -164,7 +164,7 @@ def test_a_corrupted_chunk_is_rejected_and_the_model_untouched(kit, tmp_path: Pa
         update, blob = device.update(start, shifted(routed, 1.0), manifest)
         info = describe(blob, federation=federation, round=0, device=device.device_id, transfer=update.transfer["transfer"], chunk_size=64 * 1024)
         assert info.count >= 2
-        device.link.publish(device.topics.events, update.encode(), timeout=5)
+        device.link.publish(device.topics.events(device.device_id), update.encode(), timeout=5)
         for i in range(info.count):
             data = bytearray(blob[i * info.chunk : (i + 1) * info.chunk])
             if i == 1:
@@ -253,10 +253,10 @@ def test_malformed_messages_are_logged_and_never_stop_the_server(kit, tmp_path: 
     t = device.topics
     try:
         junk = [
-            (t.register, b"garbage"),
-            (t.register, b'{"v":1,"kind":"register"}'),
-            (t.events, b"\xff\xfe\x00"),
-            (t.events, b"[1,2,3]"),
+            (t.register("ghost"), b"garbage"),
+            (t.register("ghost"), b'{"v":1,"kind":"register"}'),
+            (t.events("ghost"), b"\xff\xfe\x00"),
+            (t.events("ghost"), b"[1,2,3]"),
             (t.status("ghost"), b"{not json"),
             (t.xfer("up", "ghost"), b"\x00\x00\x00\x05short"),
             (t.xfer("up", device.device_id), b""),
@@ -266,7 +266,7 @@ def test_malformed_messages_are_logged_and_never_stop_the_server(kit, tmp_path: 
         for topic, payload in junk:
             device.link.publish(topic, payload, timeout=5)
         # A well-formed message on the wrong topic and a registration naming another device than its topic.
-        device.link.publish(t.events, Presence(federation=federation, round=0, device="ghost", state="online").encode(), timeout=5)
+        device.link.publish(t.events("ghost"), Presence(federation=federation, round=0, device="ghost", state="online").encode(), timeout=5)
         refused = {
             "preset": device.register(digest="0" * 64),
             "budget": device.register(budget=1000),

@@ -310,7 +310,7 @@ def test_reconnects_resubscribes_and_delivers_queued_messages(make_link: Callabl
     before = len(presences.messages)
     link._client.socket().shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]  # the network drops
     assert wait_for(lambda: not link.connected, timeout=5)
-    link.publish(topics.events, b"queued while offline", timeout=10)  # waits through the reconnect
+    link.publish(topics.events("d1"), b"queued while offline", timeout=10)  # waits through the reconnect
     assert link.wait_connected(timeout=10)
     assert wait_for(lambda: len(presences.messages) > before, timeout=5)  # online status published again
     other.publish(topics.ctrl("flaky"), b"after reconnect", timeout=5)
@@ -320,14 +320,14 @@ def test_reconnects_resubscribes_and_delivers_queued_messages(make_link: Callabl
 def test_unhandled_topics_go_to_the_inbox_and_handler_errors_are_contained(make_link: Callable[..., Link], fed: str) -> None:
     topics = Topics(fed)
     link, other = make_link(), make_link()
-    link.subscribe(topics.events)
+    link.subscribe(topics.events("d1"))
 
     def broken(message: Received) -> None:
         raise RuntimeError("handler bug")
 
-    link.subscribe(topics.register, broken)
-    other.publish(topics.register, b"boom", timeout=5)
-    other.publish(topics.events, b"hello", timeout=5)
+    link.subscribe(topics.register("d1"), broken)
+    other.publish(topics.register("d1"), b"boom", timeout=5)
+    other.publish(topics.events("d1"), b"hello", timeout=5)
     received = link.get(timeout=5)
     assert received is not None and received.payload == b"hello"
     assert link.connected
@@ -336,10 +336,10 @@ def test_unhandled_topics_go_to_the_inbox_and_handler_errors_are_contained(make_
 def test_filters_subscribed_before_connect_are_live_when_it_returns(local_broker: str, make_link: Callable[..., Link], fed: str) -> None:
     topics = Topics(fed)
     link = Link(LinkConfig(broker=local_broker))
-    link.subscribe(topics.events)
+    link.subscribe(topics.events("d1"))
     link.connect(timeout=5)
     try:
-        make_link().publish(topics.events, b"early", timeout=5)
+        make_link().publish(topics.events("d1"), b"early", timeout=5)
         received = link.get(timeout=5)
         assert received is not None and received.payload == b"early"
     finally:
@@ -349,9 +349,9 @@ def test_filters_subscribed_before_connect_are_live_when_it_returns(local_broker
 def test_a_handler_cannot_block_on_a_puback(make_link: Callable[..., Link], fed: str, caplog: pytest.LogCaptureFixture) -> None:
     topics = Topics(fed)
     link = make_link()
-    link.subscribe(topics.events, lambda message: link.publish(topics.register, b"x", timeout=5))
+    link.subscribe(topics.events("d1"), lambda message: link.publish(topics.register("d1"), b"x", timeout=5))
     with caplog.at_level(logging.ERROR, logger="feast_edge.transport"):
-        link.publish(topics.events, b"trigger", timeout=5)
+        link.publish(topics.events("d1"), b"trigger", timeout=5)
         assert wait_for(lambda: "a handler cannot wait for a PUBACK" in caplog.text, timeout=5)
     assert link.connected
 
@@ -360,7 +360,7 @@ def test_clean_close_logs_nothing_at_error_level(make_link: Callable[..., Link],
     topics = Topics(fed)
     observer = make_link()
     seen = Collector()
-    observer.subscribe(topics.events, seen)
+    observer.subscribe(topics.events("d1"), seen)
     link = Link(LinkConfig(broker=LOCAL), presence=Presence(federation=fed, round=0, device="leaving", state="online"))
     with caplog.at_level(logging.DEBUG, logger="feast_edge.transport"):
         link.connect(timeout=5)
@@ -372,9 +372,9 @@ def test_clean_close_logs_nothing_at_error_level(make_link: Callable[..., Link],
             return stop_loop()
 
         link._client.loop_stop = late_loop_stop  # type: ignore[method-assign]
-        link.publish(topics.events, b"last words")  # not awaited: close() still delivers it
+        link.publish(topics.events("d1"), b"last words")  # not awaited: close() still delivers it
         link.close()
-    assert seen.wait(lambda m: m.payload == b"last words").topic == topics.events
+    assert seen.wait(lambda m: m.payload == b"last words").topic == topics.events("d1")
     assert "Sending DISCONNECT" in caplog.text
     assert [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR] == []
     observer.publish(topics.status("leaving"), b"", retain=True, timeout=5)
@@ -383,8 +383,8 @@ def test_clean_close_logs_nothing_at_error_level(make_link: Callable[..., Link],
 def test_mqtt5_protocol_option(make_link: Callable[..., Link], fed: str) -> None:
     topics = Topics(fed)
     link = make_link(protocol="5")
-    link.subscribe(topics.events)
-    link.publish(topics.events, b"v5", timeout=5)
+    link.subscribe(topics.events("d1"))
+    link.publish(topics.events("d1"), b"v5", timeout=5)
     received = link.get(timeout=5)
     assert received is not None and received.payload == b"v5"
 

@@ -16,9 +16,10 @@ def test_topic_names() -> None:
     t = Topics("lab1")
     assert t.status("jetson-01") == "feast/lab1/status/jetson-01"
     assert t.server_status == "feast/lab1/server/status"
-    assert t.register == "feast/lab1/register"
+    assert t.register("d") == "feast/lab1/register/d"
     assert t.ctrl("d") == "feast/lab1/ctrl/d"
-    assert t.events == "feast/lab1/events"
+    assert t.events("d") == "feast/lab1/events/d"
+    assert t.events("+") == "feast/lab1/events/+"
     assert t.xfer("down", "d") == "feast/lab1/xfer/down/d"
     assert t.xfer("up", "+") == "feast/lab1/xfer/up/+"
     assert t.nack("up", "d") == "feast/lab1/xfer/nack/up/d"
@@ -30,9 +31,9 @@ def test_every_topic_parses_back(federation: str, device: str, direction: str) -
     t = Topics(federation)
     assert t.parse(t.status(device)) == Topic(federation, "status", device)
     assert t.parse(t.server_status) == Topic(federation, "server_status")
-    assert t.parse(t.register) == Topic(federation, "register")
+    assert t.parse(t.register(device)) == Topic(federation, "register", device)
     assert t.parse(t.ctrl(device)) == Topic(federation, "ctrl", device)
-    assert t.parse(t.events) == Topic(federation, "events")
+    assert t.parse(t.events(device)) == Topic(federation, "events", device)
     assert t.parse(t.xfer(direction, device)) == Topic(federation, "xfer", device, direction)
     assert t.parse(t.nack(direction, device)) == Topic(federation, "nack", device, direction)
 
@@ -64,7 +65,7 @@ def test_non_string_id_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "topic",
-    ["other/lab/events", "feast/lab", "feast/lab/unknown", "feast/lab/xfer/sideways/d", "feast/lab/ctrl/a/b", "feast/l+b/events"],
+    ["other/lab/events", "feast/lab", "feast/lab/unknown", "feast/lab/xfer/sideways/d", "feast/lab/ctrl/a/b", "feast/l+b/events/d", "feast/lab/events", "feast/lab/register"],
 )
 def test_foreign_topics_do_not_parse(topic: str) -> None:
     with pytest.raises(TopicError):
@@ -73,7 +74,7 @@ def test_foreign_topics_do_not_parse(topic: str) -> None:
 
 def test_topic_of_another_federation_is_refused() -> None:
     with pytest.raises(TopicError, match="belongs to federation 'other'"):
-        Topics("lab").parse("feast/other/events")
+        Topics("lab").parse("feast/other/events/d")
 
 
 def test_bad_direction() -> None:
