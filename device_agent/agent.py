@@ -28,11 +28,11 @@ from typing import Any
 from feast_edge.agent.data import LocalClient, client_budgets
 from feast_edge.cache import load_cache
 from feast_edge.errors import FeastError
-from feast_edge.federation import client_update
+from feast_edge.federation import ClientPlan, client_update
 from feast_edge.payload import decode, encode
 from feast_edge.preset import load_preset
-from feast_edge.protocol import Finished, Metrics, ModelReady, Register, Registered, RoundStart, Update
-from feast_edge.train import stayed_finite
+from feast_edge.protocol import MAX_REASON, Declined, Finished, Metrics, ModelReady, Register, Registered, RoundStart, Update
+from feast_edge.train import TrainConfig, stayed_finite
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import LinkError, ProtocolError, TopicError
@@ -379,13 +379,25 @@ class Agent:
         if blob is None:
             log.warning("%s: no routed payload for %s before the deadline (or a newer round superseded it); skipped", shown, device_id)
             return
+        reason = self._train_and_send(device_id, start, info, plan, train, blob, deadline)
+        if reason:
+            self.link.publish(
+                self.topics.events(device_id),
+                Declined(federation=self.config.federation, round=t, device=device_id, routed=info.transfer, reason=reason[:MAX_REASON]).encode(),
+            )
+
+    def _train_and_send(self, device_id: str, start: RoundStart, info: TransferInfo, plan: ClientPlan, train: TrainConfig, blob: bytes, deadline: float) -> str:
+        """Train on the routed payload and upload the update; the reason it could not (told to the server), or ""."""
+        t, client = start.round, self.clients[device_id]
+        shown = f"round {t + 1}/{start.rounds}"
+        assert client.sender is not None
         try:
             manifest, state = decode(blob, self.preset, expected=plan.manifest(self.preset, self.classes, t, "routed"))
             if manifest.kind != "routed":
                 raise AgentError(f"payload kind {manifest.kind!r} is not 'routed'")
         except FeastError as exc:
             log.error("%s: refused the routed payload for %s: %s", shown, device_id, exc)
-            return
+            return f"refused the routed payload: {exc}"
         data = client.data
         log.info(
             "%s: %s trains %d variants on %d examples (routed payload %.2f MB)", shown, device_id, len(plan.affordable), data.samples, len(blob) / 1e6,
@@ -396,13 +408,13 @@ class Agent:
             new_state, result = client_update(self.preset, self.classes, plan, state, data.images, data.labels, train, start.lr, start.client_seed, self.config.device)
         except (FeastError, RuntimeError) as exc:  # e.g. settings this device cannot train with, or out of memory
             log.error("%s: local training of %s failed: %s; skipped", shown, device_id, exc)
-            return
+            return f"local training failed: {exc}"
         finally:
             self.training = False
         compute = time.perf_counter() - began
         if not stayed_finite(new_state, result.mean_loss):
             log.warning("%s: the training of %s diverged (loss %s, or non-finite weights); no update sent for this round", shown, device_id, result.mean_loss)
-            return
+            return f"training diverged (loss {result.mean_loss}, or non-finite weights)"
         if time.monotonic() > deadline:
             log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, time.monotonic() - deadline)
         payload = encode(new_state, plan.manifest(self.preset, self.classes, t, "update", device_id))
@@ -415,10 +427,11 @@ class Agent:
             client.sender.announce_and_send(self.topics.events(device_id), update.encode(), payload, up, timeout=self.config.send_timeout)
         except LinkError as exc:
             log.error("%s: could not send the update of %s: %s", shown, device_id, exc)
-            return
+            return ""  # the broker is unreachable: a declined message would not get through either
         self.rounds_trained += 1
         client.rounds_trained += 1
         log.info("%s: %s sent its update: loss %.4f, %.1f s training, %.2f MB", shown, device_id, result.mean_loss, compute, len(payload) / 1e6)
+        return ""
 
     # ------------------------------------------------------------------ models
     def _receive_model(self, message: ModelReady) -> None:

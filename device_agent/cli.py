@@ -25,7 +25,23 @@ console = common.make_console()
 
 log = logging.getLogger("feast_edge.agent")
 
-DeviceIdOpt = Annotated[str, typer.Option("--device-id", "-d", help="This device's id (1-64 of A-Z a-z 0-9 . _ -).")]
+DeviceIdOpt = Annotated[
+    Optional[str], typer.Option("--device-id", "-d", help="This device's id (1-64 of A-Z a-z 0-9 . _ -); with --credentials, the bundle's identity.")
+]
+
+
+def _identity(link: Optional[LinkConfig], device_id: Optional[str], federation: Optional[str]) -> tuple[str, str]:
+    """The device id and federation: from the credentials bundle when given (the options may only repeat them), else the options."""
+    bundle = None if link is None else link.credentials
+    if bundle is None:
+        if device_id is None:
+            raise FeastError("give --device-id NAME (or --credentials with a device bundle from feast-server provision)")
+        return device_id, common.federation_of(link, federation)
+    if bundle.role != "device":
+        raise FeastError(f"--credentials {bundle.path} is the server's bundle; a device takes its own (…/devices/NAME)")
+    if device_id is not None and device_id != bundle.identity:
+        raise FeastError(f"--device-id {device_id} differs from the credentials bundle's identity {bundle.identity!r}; drop --device-id")
+    return bundle.identity, common.federation_of(link, federation)
 
 
 class _Terminated(Exception):
@@ -36,7 +52,6 @@ class _Terminated(Exception):
 @common.mqtt_options()
 def run(
     link: LinkConfig,
-    device_id: DeviceIdOpt,
     data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition).")],
     profile: Annotated[Optional[str], typer.Option("--profile", help="Device profile: a name (feast-agent profiles) or a .json file; gives the budget and preset.")] = None,
     budget: Annotated[Optional[str], typer.Option("--budget", help="MAC budget, e.g. 12M (instead of --profile; shard files carry their own).")] = None,
@@ -45,7 +60,8 @@ def run(
     shard: Annotated[Optional[str], typer.Option("--shard", help="With a Fashion-MNIST directory: use deterministic shard i/N of its training split.")] = None,
     offset: Annotated[int, typer.Option("--offset", min=0, help="With a partition directory: first client to host.")] = 0,
     preset: Annotated[Optional[str], typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small).")] = None,
-    federation: common.FederationOpt = "feast",
+    device_id: DeviceIdOpt = None,
+    federation: common.BundleFederationOpt = None,
     model_dir: Annotated[Optional[Path], typer.Option("--model-dir", help="Save the ONNX model the server pushes after the last round here.")] = None,
     stay: Annotated[bool, typer.Option("--stay", help="When the federation finishes, keep waiting for the server's next run instead of exiting.")] = False,
     register_timeout: Annotated[float, typer.Option("--register-timeout", min=0.1, help="Seconds to wait for the server to accept the registration.")] = 60.0,
@@ -61,12 +77,18 @@ def run(
     from feast_edge.runtime import describe_device, resolve_device
 
     common.setup_logging(log_level, log_file)
+    device_id, federation = _identity(link, device_id, federation)
     if profile is not None and budget is not None:
         raise FeastError("give either --profile or --budget, not both (a profile carries its budget)")
     loaded = None
     if profile is not None:
         loaded = load_profile(profile)
     hosted = load_clients(data, device_id, clients, shard, offset)
+    if link.credentials is not None and [c.device_id for c in hosted] != [device_id]:
+        raise FeastError(
+            f"--credentials make this agent device {device_id!r} alone, but --data/--clients give it {len(hosted)} clients "
+            f"({', '.join(c.device_id for c in hosted[:3])}{', ...' if len(hosted) > 3 else ''}); give one shard and no --clients"
+        )
     shard_presets = {c.preset for c in hosted if c.preset is not None}
     chosen = preset or (loaded.preset if loaded is not None else None) or (next(iter(shard_presets)) if len(shard_presets) == 1 else None) or "fmnist-small"
     if loaded is not None and loaded.preset != chosen:
@@ -122,9 +144,9 @@ def run(
 @common.mqtt_options()
 def fetch_model_command(
     link: LinkConfig,
-    device_id: DeviceIdOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="ONNX file to write (its manifest goes beside it as .json).")],
-    federation: common.FederationOpt = "feast",
+    device_id: DeviceIdOpt = None,
+    federation: common.BundleFederationOpt = None,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the server's answer.")] = 30.0,
     repeats: Annotated[int, typer.Option(min=1, help="Timed onnxruntime runs.")] = 50,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
@@ -135,6 +157,7 @@ def fetch_model_command(
     from feast_edge.agent.models import fetch_model
 
     common.setup_logging(log_level, log_file)
+    device_id, federation = _identity(link, device_id, federation)
     got = fetch_model(link, federation, device_id, out, timeout=timeout, chunk_size=chunk_size, repeats=repeats)
     m = got.manifest
     console.print(

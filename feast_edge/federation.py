@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from feast_edge.aggregate import aggregate
 from feast_edge.arch import Arch
 from feast_edge.cache import VariantCache
 from feast_edge.payload import Manifest
 from feast_edge.population import sample_cohort
 from feast_edge.preset import Preset
+from feast_edge.robust import robust_aggregate
 from feast_edge.route import Envelope
 from feast_edge.supernet import Supernet
 from feast_edge.train import LocalResult, TrainConfig, local_train
@@ -100,11 +100,17 @@ def aggregate_updates(
     global_state: Mapping[str, torch.Tensor],
     updates: Sequence[tuple[str, Mapping[str, torch.Tensor], int]],
     inplace: bool = False,
+    *,
+    rule: str = "mean",
+    trim: float = 0.1,
+    clip_norm: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Sparse sample-weighted aggregation of ``(client_id, state, n_samples)`` in client-id order (SPEC §6).
+    """Aggregation of ``(client_id, state, n_samples)`` in client-id order: SPEC §6's sparse sample-weighted mean by default.
 
-    ``inplace=True`` writes the result into ``global_state``'s tensors (pass a
-    model's ``state_dict()`` to update the model without a copy).
+    ``rule``, ``trim`` and ``clip_norm`` choose a robust rule instead
+    (:mod:`feast_edge.robust`). ``inplace=True`` writes the result into
+    ``global_state``'s tensors (pass a model's ``state_dict()`` to update the
+    model without a copy).
     """
     ordered = sorted(updates, key=lambda u: u[0])
-    return aggregate(global_state, [(state, n) for _, state, n in ordered], inplace=inplace)
+    return robust_aggregate(global_state, [(state, n) for _, state, n in ordered], rule, trim=trim, clip_norm=clip_norm, inplace=inplace)

@@ -33,6 +33,8 @@ from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.messages import Message, check_ids, check_transfer, message_kind, validate_transfer_id
 
+MAX_REASON = 500  # characters in a device's reason for declining a round
+
 _PLAN_KEYS = ("affordable", "global_min")
 
 
@@ -243,6 +245,20 @@ class Update(Message):
     @property
     def train_macs(self) -> int:
         return int(_finite(self.metrics.get("train_macs"), 0.0))
+
+
+@message_kind("declined")
+@dataclass(frozen=True, kw_only=True)
+class Declined(Message):
+    """Device -> server on ``events/{device}``: no update will come for this round's routed transfer, and why."""
+
+    routed: str  # the transfer id of the routed payload it answers
+    reason: str
+
+    def check(self) -> None:
+        check_ids(self, "routed")
+        if not 1 <= len(self.reason) <= MAX_REASON:
+            raise ProtocolError(f"a declined message needs a reason of 1-{MAX_REASON} characters, got {len(self.reason)}")
 
 
 @message_kind("metrics")

@@ -5,7 +5,7 @@
         cohort  = sample_round_cohort(clients, m, seed, t)   # SPEC §4
         plans   = {c: plan_client(cache, collector.budget(c))}
         got     = collector.collect(t, cohort, plans, global_state, lr)   # in process, or over MQTT
-        >= min_clients valid updates: aggregate_updates (in place, client-id order); else unchanged
+        >= min_clients valid updates: aggregate_updates (in place, client-id order, settings.aggregation); else unchanged
         every eval_every rounds: validate the probe variants (BN-recalibrated, SPEC §8), keep best.safetensors
         checkpoint.safetensors (atomic): weights, round, history, best, the caller's extra fields
 
@@ -37,6 +37,7 @@ from feast_edge.errors import CheckpointError, FeastError
 from feast_edge.evaluate import evaluate_variants
 from feast_edge.federation import ClientPlan, aggregate_updates, plan_client, sample_round_cohort
 from feast_edge.geometry import supernet_layout
+from feast_edge.robust import check_rule
 from feast_edge.supernet import Supernet
 from feast_edge.train import cosine_lr
 
@@ -145,6 +146,15 @@ class RunSettings:
     eval_every: int = 5
     probe_variants: int = 3
     device: str = "cpu"
+    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.robust)
+    trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
+    clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
+
+    def __post_init__(self) -> None:
+        try:
+            check_rule(self.aggregation, self.trim, self.clip_norm)
+        except ValueError as exc:
+            raise RunError(str(exc)) from None
 
 
 def _keep_previous(current: Path, previous: Path) -> None:
@@ -221,7 +231,7 @@ class RunLoop:
             raise RunError(f"{path} is not a {self.kind} checkpoint; {hint}")
         if stored.get("fingerprint") != self.fingerprint:
             theirs = stored.get("config", {})
-            differ = sorted(k for k in self.config if json.dumps(self.config[k]) != json.dumps(theirs.get(k)))
+            differ = sorted(k for k in {*self.config, *theirs} if json.dumps(self.config.get(k)) != json.dumps(theirs.get(k)))
             raise RunError(f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(differ) or 'the preset'}); {hint}")
         try:
             model, record = load_supernet(path, self.preset)
@@ -276,7 +286,8 @@ class RunLoop:
                 record.variants_per_batch[str(k)] = record.variants_per_batch.get(str(k), 0) + int(v)
         if len(valid) >= s.min_clients:
             began = time.monotonic()
-            aggregate_updates(global_state, [(u.client, u.state, u.samples) for u in valid], inplace=True)
+            updates = [(u.client, u.state, u.samples) for u in valid]
+            aggregate_updates(global_state, updates, inplace=True, rule=s.aggregation, trim=s.trim, clip_norm=s.clip_norm)
             record.aggregate_seconds = time.monotonic() - began
             record.applied = True
         record.seconds = time.monotonic() - start

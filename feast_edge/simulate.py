@@ -37,12 +37,14 @@ from feast_edge.evaluate import evaluate_variants, population_accuracy
 from feast_edge.federation import ClientPlan, client_seed, client_update, plan_client
 from feast_edge.population import Population, build_population, server_split, zipf_population
 from feast_edge.preset import Preset, load_preset
+from feast_edge.robust import check_rule
 from feast_edge.rounds import BEST, CHECKPOINT, ClientUpdate, Collected, RoundRecord, RunError, RunLoop, RunSettings, Validation
 from feast_edge.route import route_state
 from feast_edge.supernet import Supernet
 from feast_edge.train import TrainConfig
 
 KIND = "simulation"
+_AGGREGATION = ("aggregation", "trim", "clip_norm")
 # Stream tags of the one-off random draws (rounds use feast_edge.federation's streams).
 _SPLIT, _POPULATION = 11, 12
 
@@ -80,6 +82,9 @@ class SimulationConfig:
     test_limit: int | None = None
     probe_variants: int = 3  # cached variants, evenly spaced by rank, averaged for checkpoint selection
     cache: str | None = None  # cache JSON (None: the one shipped for the preset)
+    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.robust)
+    trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
+    clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -100,11 +105,21 @@ class SimulationConfig:
         for ok, message in checks:
             if not ok:
                 raise SimulationError(message)
+        try:
+            check_rule(self.aggregation, self.trim, self.clip_norm)
+        except ValueError as exc:
+            raise SimulationError(str(exc)) from None
+
+    def decisive(self) -> dict[str, Any]:
+        """Every setting that changes the trained weights or the selection (not the device)."""
+        data = {k: v for k, v in asdict(self).items() if k not in ("device", *_AGGREGATION)}
+        # Only the aggregation settings the rule reads, none for the mean: runs from before the rules existed keep their digest.
+        used = {"mean": (), "clip": ("aggregation", "clip_norm"), "trimmed-mean": ("aggregation", "trim"), "median": ("aggregation",)}
+        return {**data, **{k: getattr(self, k) for k in used[self.aggregation]}}
 
     def fingerprint(self) -> str:
-        """Digest of every setting that changes the trained weights or the selection (not the device)."""
-        data = {k: v for k, v in asdict(self).items() if k != "device"}
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+        """Digest of :meth:`decisive`."""
+        return hashlib.sha256(json.dumps(self.decisive(), sort_keys=True).encode()).hexdigest()
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(lr=self.lr, batch_size=self.batch_size, variants=self.variants, augment=self.augment)
@@ -228,11 +243,11 @@ class Simulation:
         val = torch.tensor(np.asarray(s.validation), dtype=torch.long)
         settings = RunSettings(
             rounds=config.rounds, per_round=config.per_round, min_clients=1, seed=config.seed, lr=config.lr, eval_every=config.eval_every,
-            probe_variants=config.probe_variants, device=config.device,
+            probe_variants=config.probe_variants, device=config.device, aggregation=config.aggregation, trim=config.trim, clip_norm=config.clip_norm,
         )
         self.loop = RunLoop(
             self.model, s.cache, settings, self.out, kind=KIND, fingerprint=config.fingerprint(),
-            config={k: v for k, v in asdict(config).items() if k != "device"},
+            config=config.decisive(),
             validation=Validation(calibration, s.train.images[val], s.train.labels[val]),
         )
         self.collector = InProcessCollector(s, config)

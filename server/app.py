@@ -30,7 +30,7 @@ from feast_edge.cache import load_cache
 from feast_edge.checkpoint import load_supernet, read_record
 from feast_edge.errors import FeastError
 from feast_edge.preset import load_preset
-from feast_edge.protocol import Metrics, ModelRequest, Register, Update
+from feast_edge.protocol import Declined, Metrics, ModelRequest, Register, Update
 from feast_edge.rounds import CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings, Validation
 from feast_edge.server.collect import MqttCollector, WaitTimeout
 from feast_edge.server.data import ServerData, load_server_data
@@ -157,6 +157,7 @@ class FederationServer:
             self.registry, self.preset, self.cache, federation=config.federation, rounds=config.rounds,
             reply=lambda device, message: self.link.publish(self.topics.ctrl(device), message.encode()),
             on_offline=lambda devices: self.collector.on_offline(devices) if self.collector is not None else None,
+            authenticated=link_config.credentials is not None,
         )
         self.loop = RunLoop(
             self.model, self.cache, config.settings(), self.out, kind=KIND, fingerprint=self.fingerprint(), config=config.decisive(),
@@ -269,6 +270,8 @@ class FederationServer:
             self.devices.on_register(message)
         elif channel == "events" and isinstance(message, Update) and self.collector is not None:
             self.collector.on_update(message)
+        elif channel == "events" and isinstance(message, Declined) and self.collector is not None:
+            self.collector.on_declined(message)
         elif channel == "events" and isinstance(message, Metrics):
             if self.registry.get(message.device) is not None:
                 self.registry.touch(message.device, metrics=message.values)

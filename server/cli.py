@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from feast_edge.cli import common
+from feast_edge.errors import FeastError
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
@@ -84,7 +85,7 @@ def run(
     round_timeout: Annotated[float, typer.Option("--round-timeout", min=0.1, help="Seconds a round waits for updates (stragglers never block).")] = 300.0,
     seed: Annotated[int, typer.Option(help="Seed of the model init, cohorts and client seeds.")] = 0,
     data: DataOpt = None,
-    federation: common.FederationOpt = "feast",
+    federation: common.BundleFederationOpt = None,
     lr: Annotated[float, typer.Option(help="Initial SGD learning rate (cosine-decayed over --rounds).")] = 0.025,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Local batch size.")] = 64,
     method: Annotated[str, typer.Option(help="full, min, max, min+max or min+max+kd (SPEC §7 ablations).")] = "full",
@@ -108,6 +109,8 @@ def run(
 
     common.setup_logging(log_level, log_file)
     common.torch_threads(threads)
+    federation = common.federation_of(link, federation)
+    _server_bundle(link)
     config = ServerConfig(
         out=str(out), preset=preset, rounds=rounds, per_round=per_round, min_clients=min_clients, start_clients=start_clients,
         round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, method=method, eval_every=eval_every,
@@ -143,6 +146,58 @@ def run(
         raise typer.Exit(130)
     finally:
         server.close()
+
+
+def _server_bundle(link: Optional[LinkConfig]) -> None:
+    bundle = None if link is None else link.credentials
+    if bundle is not None and bundle.role != "server":
+        raise FeastError(f"--credentials {bundle.path} is device {bundle.identity!r}'s bundle; the server takes the 'server' bundle (…/server)")
+
+
+@app.command("provision")
+def provision_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Provisioning directory (CA, broker configuration, server and device bundles); re-run to add devices.")],
+    devices: Annotated[Optional[list[str]], typer.Option("--device", "-d", help="A device id to provision (repeat the option for each).")] = None,
+    devices_file: Annotated[Optional[Path], typer.Option("--devices-file", help="A text file with one device id per line (# comments allowed).")] = None,
+    federation: Annotated[str, typer.Option("--federation", help="Federation id the credentials are for.")] = "feast",
+    auth: Annotated[str, typer.Option("--auth", help="How devices prove who they are to the broker: certificate (TLS client certificates) or password.")] = "certificate",
+    broker_host: Annotated[Optional[list[str]], typer.Option("--broker-host", help="Name or address devices use to reach the broker (repeat; the first goes into the bundles' URL). Default: localhost, 127.0.0.1.")] = None,
+    broker_port: Annotated[int, typer.Option("--broker-port", min=1, max=65535, help="The broker's TLS port.")] = 8883,
+    broker_user: Annotated[Optional[str], typer.Option("--broker-user", help="System user Mosquitto runs as (its 'user' setting); default: Mosquitto's own.")] = None,
+    revoke: Annotated[Optional[list[str]], typer.Option("--revoke", help="Remove a device: its bundle goes, its certificate enters the CRL (repeat).")] = None,
+    days: Annotated[int, typer.Option("--days", min=1, help="Validity of the certificates issued now, in days.")] = 825,
+) -> None:
+    """Create identities for a federation: a CA, a broker configuration with an ACL, and one credentials bundle per device."""
+    from feast_edge.server.provision import provision
+
+    names = list(devices or [])
+    if devices_file is not None:
+        try:
+            lines = devices_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FeastError(f"--devices-file {devices_file}: cannot read it ({exc})") from None
+        names += [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
+    if not names and not revoke and not (out / "server").is_dir():
+        raise FeastError("no devices: give --device NAME (repeat it) or --devices-file FILE")
+    done = provision(
+        out, federation, names, auth=auth, hosts=tuple(broker_host or ("localhost", "127.0.0.1")), port=broker_port, days=days,
+        broker_user=broker_user, revoke=tuple(revoke or ()),
+    )
+    table = Table(title=f"federation {federation!r}: {len(done.devices)} devices ({auth} authentication)")
+    table.add_column("identity")
+    table.add_column("bundle (--credentials)")
+    table.add_column("new", justify="center")
+    table.add_row("server", str(done.server), "")
+    for name, path in done.devices.items():
+        table.add_row(name, str(path), "yes" if name in done.added else "")
+    console.print(table)
+    console.print(
+        f"broker: mosquitto -c {done.broker_config}\n"
+        f"server: feast-server run --credentials {done.server} --out RUN_DIR ...\n"
+        f"device: copy its bundle to the device, then feast-agent run --credentials BUNDLE --data ...\n"
+        f"Keep {out / 'ca' / 'ca.key'} off the devices; a bundle is its device's identity (treat it like a password).",
+        soft_wrap=True, highlight=False,
+    )
 
 
 @app.command("export")

@@ -26,7 +26,7 @@ from feast_edge.errors import FeastError
 from feast_edge.federation import ClientPlan, client_seed
 from feast_edge.payload import Manifest, decode, encode
 from feast_edge.preset import Preset
-from feast_edge.protocol import RoundStart, Update
+from feast_edge.protocol import Declined, RoundStart, Update
 from feast_edge.rounds import ClientUpdate, Collected
 from feast_edge.route import route_state
 from feast_edge.server.devices import DeviceBook
@@ -229,6 +229,15 @@ class MqttCollector:
             return
         if info.size <= slot[2]:
             self.receiver.expect(info)
+
+    def on_declined(self, message: Declined) -> None:
+        """A cohort device says no update will come (training diverged or failed): stop waiting for it."""
+        current = self.current
+        pending = None if current is None or message.round != current.t else current.pending.get(message.device)
+        if pending is None or message.routed != pending.routed or pending.settled or pending.update is not None:
+            self.ignore(f"declined from {message.device}: it does not answer an open request of the round in flight")
+            return
+        self.reject(message.device, f"the device sent no update: {message.reason}")
 
     def on_update(self, message: Update) -> None:
         device, current = message.device, self.current

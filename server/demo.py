@@ -19,18 +19,15 @@ line at least every 10 s: who is up and registered, the round lines, export.
 from __future__ import annotations
 
 import getpass
-import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +36,9 @@ from rich.console import Console
 from rich.table import Table
 
 from feast_edge.errors import FeastError
+from feast_edge.server.brokers import MOSQUITTO, Broker, free_port, resolve_kind, start_broker, start_mosquitto
+from feast_edge.server.provision import provision
 
-MOSQUITTO = "mosquitto"
-AMQTT = "amqtt"
 SERVER_TIMEOUT = 600.0  # seconds the demo waits for the federation before giving up
 HEARTBEAT_S = 9.0  # while waiting, a status line at least every 10 s (the wait polls every 0.5 s)
 _STAMP = re.compile(r"^\d\d:\d\d:\d\d ")  # the console formatter's time stamp (feast_edge.cli.common)
@@ -52,80 +49,16 @@ class DemoError(FeastError):
     """The demo cannot run here (no data, no broker, a process failed)."""
 
 
-@dataclass
-class Broker:
-    url: str
-    kind: str
-    process: subprocess.Popen | None = None
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def start_broker(workdir: Path, kind: str = "auto") -> Broker:
-    """An MQTT broker on a free loopback port: mosquitto if installed (or asked for), else amqtt."""
-    port = _free_port()
-    log = open(workdir / "broker.log", "w")
-    mosquitto = _mosquitto_binary()
-    if kind == "auto":
-        kind = MOSQUITTO if mosquitto else AMQTT
+def _provisioned_broker(out: Path, logs: Path, federation: str, names: list[str], kind: str) -> tuple[Broker, Path]:
+    """Credentials for the server and every device, and an embedded broker that enforces them (as far as it can)."""
+    kind, port, credentials = resolve_kind(kind), free_port(), out / "credentials"
+    done = provision(credentials, federation, names, hosts=("127.0.0.1",), port=port, bind="127.0.0.1", broker_user=getpass.getuser())
     if kind == MOSQUITTO:
-        if not mosquitto:
-            raise DemoError("the mosquitto binary is not installed; install it (apt-get install mosquitto) or use --embedded-broker amqtt")
-        conf = workdir / "mosquitto.conf"
-        # mosquitto started as root drops to its own user; keep ours so it can write its log.
-        conf.write_text(f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {port} 127.0.0.1\nallow_anonymous true\n")
-        command = [mosquitto, "-c", str(conf)]
-        label = f"mosquitto (embedded, {mosquitto})"
-    elif kind == AMQTT:
-        if importlib.util.find_spec("amqtt") is None:
-            raise DemoError("no MQTT broker available: install mosquitto (apt-get install mosquitto) or amqtt (pip install amqtt), or pass --broker URL")
-        conf = workdir / "amqtt.yaml"
-        conf.write_text(
-            "listeners:\n  default:\n    type: tcp\n"
-            f"    bind: 127.0.0.1:{port}\n"
-            "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
-        )
-        command = [sys.executable, "-c", "from amqtt.scripts.broker_script import main; main()", "-c", str(conf)]
-        label = "amqtt (embedded, pure Python)"
-    else:
-        raise DemoError(f"--embedded-broker {kind!r} is not auto, mosquitto or amqtt")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    deadline = time.monotonic() + 15
-    while not _listening(port):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise DemoError(f"the embedded {kind} broker did not start; see {workdir / 'broker.log'}")
-        time.sleep(0.1)
-    return Broker(f"mqtt://127.0.0.1:{port}", f"{label} on 127.0.0.1:{port}", process)
-
-
-def _mosquitto_binary() -> str | None:
-    """The mosquitto executable: on PATH, or in sbin (Debian installs it there, off a normal user's PATH)."""
-    found = shutil.which("mosquitto")
-    for candidate in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto"):
-        if found is None and os.access(candidate, os.X_OK):
-            found = candidate
-    return found
+        enforces = "TLS, a client certificate per identity (CN = device id), the ACL (each device on its own topics), no anonymous clients; every message signed"
+        return start_mosquitto(done.broker_config, port, logs / "broker.log", url=f"mqtts://127.0.0.1:{port}", enforces=enforces), credentials
+    broker = start_broker(logs, kind)
+    broker.enforces = "no authentication, TLS or ACL (amqtt); only the Ed25519 signatures of the provisioned bundles: unsigned or forged messages are dropped"
+    return broker, credentials
 
 
 def _check_data(data: Path) -> None:
@@ -277,7 +210,7 @@ def run_demo(
     if len(set(names)) != len(names):
         raise DemoError("each profile may appear once (its name is the device id)")
     out = Path("feast-demo") if out is None else out
-    for part in ("partition", "server", "device-models", "logs"):  # a fresh run every time; nothing else in --out is touched
+    for part in ("partition", "server", "device-models", "logs", "credentials"):  # a fresh run every time; nothing else in --out is touched
         shutil.rmtree(out / part, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
@@ -285,13 +218,16 @@ def run_demo(
     owned: Broker | None = None
     fleet = _Fleet(logs, names, rounds)
     try:
+        federation = f"demo-{uuid.uuid4().hex[:8]}"
         if broker is None:
-            owned = start_broker(logs, embedded_broker)
-            broker_url = owned.url
-            say(f"broker: {owned.kind}")
+            owned, credentials = _provisioned_broker(out, logs, federation, names, embedded_broker)
+            say(f"broker: {owned.kind}; it enforces {owned.enforces}")
+            identity = {"server": ["--credentials", str(credentials / "server")], **{n: ["--credentials", str(credentials / "devices" / n)] for n in names}}
+            if not owned.url.startswith("mqtts://"):  # amqtt: the bundles' TLS broker URL does not apply
+                identity = {name: [*args, "--broker", owned.url] for name, args in identity.items()}
         else:
-            broker_url = broker
-            say(f"broker: {broker} (given with --broker)")
+            say(f"broker: {broker} (given with --broker; not provisioned: anonymous clients, no signatures)")
+            identity = {name: ["--broker", broker, "--federation", federation] + ([] if name == "server" else ["--device-id", name]) for name in ["server", *names]}
         n = len(loaded)
         config = SimulationConfig(
             preset=preset, data_dir=str(data), clients=n, per_round=n, rounds=rounds, budgets=tuple(p.budget_macs for p in loaded),
@@ -301,20 +237,19 @@ def run_demo(
         index = write_partition(config, out / "partition")
         shards = ", ".join(f"{p.name} {c['samples']}" for p, c in zip(loaded, index["clients"]))
         say(f"data: {shards} examples; the server holds 1000 validation + 200 calibration")
-        federation = f"demo-{uuid.uuid4().hex[:8]}"
         python = sys.executable
         fleet.spawn("server", [
-            python, "-m", "feast_edge.server.cli", "run", "--broker", broker_url, "--out", str(out / "server"), "--preset", preset,
+            python, "-m", "feast_edge.server.cli", "run", *identity["server"], "--out", str(out / "server"), "--preset", preset,
             "--rounds", str(rounds), "--per-round", str(n), "--min-clients", str(max(1, n // 2)), "--start-clients", str(n),
-            "--round-timeout", "180", "--seed", str(seed), "--data", str(out / "partition"), "--federation", federation,
+            "--round-timeout", "180", "--seed", str(seed), "--data", str(out / "partition"),
             "--eval-every", "1", "--wait-timeout", "180", "--threads", "1",
         ])
         received = out / "device-models"
         for profile, entry in zip(loaded, index["clients"]):
             fleet.spawn(profile.name, [
-                python, "-m", "feast_edge.agent.cli", "run", "--broker", broker_url, "--device-id", profile.name,
+                python, "-m", "feast_edge.agent.cli", "run", *identity[profile.name],
                 "--data", str(out / "partition" / entry["file"]), "--profile", profiles[names.index(profile.name)], "--device", "cpu",
-                "--federation", federation, "--threads", "1", "--model-dir", str(received), "--register-timeout", "180",
+                "--threads", "1", "--model-dir", str(received), "--register-timeout", "180",
             ])
         say(
             f"started feast-server and {n} feast-agent processes ({', '.join(f'{p.name} {p.budget_macs / 1e6:.1f}M MACs' for p in loaded)}); "

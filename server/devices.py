@@ -34,6 +34,7 @@ class DeviceBook:
         rounds: int,
         reply: Callable[[str, Registered], None],
         on_offline: Callable[[list[str]], None] = lambda devices: None,
+        authenticated: bool = False,
     ) -> None:
         self.registry = registry
         self.preset = preset
@@ -42,6 +43,9 @@ class DeviceBook:
         self.rounds = rounds
         self.reply = reply  # sends a Registered answer to a device
         self.on_offline = on_offline  # told which devices just went offline (a round in flight stops waiting for them)
+        # Provisioned: every message is signed by the identity its topic names, so a device is its own host (one identity,
+        # one agent); an agent cannot register devices or hosts it holds no credentials for.
+        self.authenticated = authenticated
         self.finished = False  # the federation ran all its rounds: registrations are answered with finished=True
         self.hosts_online: set[str] = set()
         # Devices a new agent instance may take over: those whose host went offline since they registered, and, at a
@@ -79,6 +83,8 @@ class DeviceBook:
     def refusal(self, message: Register) -> str:
         """Why ``message`` cannot be accepted, or "" when it can."""
         device = message.device
+        if self.authenticated and message.host != device:
+            return f"a provisioned device registers as itself: host {message.host!r} is not its identity {device!r}; run one feast-agent per bundle"
         if message.preset_digest != self.preset.digest:
             return (
                 f"preset mismatch: the device trains preset {message.preset!r}, this federation trains {self.preset.name!r}; "

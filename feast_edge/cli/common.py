@@ -151,7 +151,12 @@ def torch_threads(threads: int) -> None:
 
 # --- options shared by several commands -----------------------------------------------------------
 
+DEFAULT_FEDERATION = "feast"
 FederationOpt = Annotated[str, typer.Option("--federation", help="Federation id (topic prefix feast/<id>/); server and agents must use the same.")]
+# Commands that take --credentials: the bundle names the federation, so the option has no default of its own.
+BundleFederationOpt = Annotated[
+    Optional[str], typer.Option("--federation", help="Federation id (topic prefix feast/<id>/; default: the --credentials bundle's, else 'feast').")
+]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="Console detail: debug, info, warning or error.")]
 LogFileOpt = Annotated[Optional[Path], typer.Option("--log-file", help="Also write every log record (debug level, time-stamped) to this file.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help=f"Where PyTorch runs: {DEVICE_CHOICES} (auto: CUDA when present, else CPU).")]
@@ -174,16 +179,38 @@ def mqtt_options(broker_help: str = "MQTT broker URL: mqtt://host:port or mqtts:
     """Give a typer command the broker options; it receives them as ``link: LinkConfig`` (None when not required and absent).
 
     The decorated function declares a ``link`` parameter (and no broker
-    options); the options appear in ``--help`` after the command's own.
+    options); the options appear in ``--help`` after the command's own. With
+    ``--credentials`` the broker, TLS files, user name and signing keys come
+    from the bundle (``--broker`` still overrides the bundle's broker URL).
     """
-    broker = (str, inspect.Parameter.empty) if required else (Optional[str], None)
-    options = {"broker": (*broker, typer.Option("--broker", "-b", help=broker_help)), **_MQTT_OPTIONS}
+    options = {
+        "broker": (Optional[str], None, typer.Option("--broker", "-b", help=broker_help + (" Required unless --credentials gives it." if required else ""))),
+        "credentials": (Optional[Path], None, typer.Option("--credentials", help="Credentials bundle from 'feast-server provision' (a directory): identity, broker, TLS, signing keys.")),
+        **_MQTT_OPTIONS,
+    }
 
     def build(values: dict[str, Any]) -> LinkConfig | None:
-        url = values.pop("broker")
+        url, bundle = values.pop("broker"), values.pop("credentials")
+        if bundle is not None:
+            from feast_edge.transport.credentials import load_credentials
+
+            given = [f"--{name.replace('_', '-')}" for name in ("username", "password", "ca_file", "cert_file", "key_file") if values[name]]
+            if given:
+                raise FeastError(f"{', '.join(given)} conflict with --credentials, which carries the identity; drop them")
+            return load_credentials(bundle).link_config(LinkConfig(**values), broker=url)
+        if url is None and required:
+            raise FeastError("no broker: give --broker mqtt://host:port, or --credentials with a bundle from feast-server provision")
         return None if url is None else LinkConfig(broker=url, **values)
 
     return _option_group("link", options, build)
+
+
+def federation_of(link: LinkConfig | None, federation: str | None) -> str:
+    """The federation id: --federation, else the credentials bundle's, else 'feast'; a bundle for another federation is an error."""
+    bundle = None if link is None else link.credentials
+    if bundle is not None and federation is not None and federation != bundle.federation:
+        raise FeastError(f"--federation {federation} differs from the credentials bundle's federation {bundle.federation!r}; drop --federation")
+    return federation or (bundle.federation if bundle is not None else DEFAULT_FEDERATION)
 
 
 def _option_group(target: str, options: dict[str, tuple[Any, Any, Any]], build: Callable[[dict[str, Any]], Any]) -> Callable[[F], F]:

@@ -82,6 +82,11 @@ def simulate(
     batch_size: Annotated[int, typer.Option(help="Local batch size.")] = 64,
     eval_every: Annotated[int, typer.Option(help="Validate every k rounds.")] = 5,
     test_limit: Annotated[Optional[int], typer.Option(help="Test on only the first N test examples.")] = None,
+    aggregation: Annotated[
+        str, typer.Option("--aggregation", help="mean (SPEC §6), clip (norm clipping), trimmed-mean or median over the clients covering each position.")
+    ] = "mean",
+    trim: Annotated[float, typer.Option("--trim", help="trimmed-mean: share of the covering values dropped at each end, in [0, 0.5).")] = 0.1,
+    clip_norm: Annotated[Optional[float], typer.Option("--clip-norm", help="clip: L2 bound of an update (default: the cohort's median update norm).")] = None,
     device: DeviceOpt = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
 ) -> None:
@@ -92,7 +97,7 @@ def simulate(
     requested, device = device, resolve_device(device)
     config = SimulationConfig(
         **population, per_round=per_round, rounds=rounds, variants=method, lr=lr, batch_size=batch_size, eval_every=eval_every,
-        test_limit=test_limit, device=device,
+        test_limit=test_limit, aggregation=aggregation, trim=trim, clip_norm=clip_norm, device=device,
     )
     config.train_config()  # validates --method and friends before any data is read
     _say(f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from paho.mqtt.enums import MQTTProtocolVersion
 
 from feast_edge.transport.errors import BrokerTlsError, LinkError
+
+if TYPE_CHECKING:
+    from feast_edge.transport.credentials import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ class LinkConfig:
     reconnect_max_delay: float = 30.0
     max_inflight: int = 32  # QoS 1 messages on the wire awaiting PUBACK
     inbox_size: int = 10000
+    credentials: Credentials | None = field(default=None, repr=False)  # a provisioned identity: signs and verifies every message
 
 
 def tls_context(config: LinkConfig) -> ssl.SSLContext:

@@ -29,6 +29,8 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersi
 from feast_edge.transport.broker import PROTOCOLS, LinkConfig, parse_broker_url, tls_context
 from feast_edge.transport.errors import BrokerAuthError, BrokerTlsError, BrokerUnreachableError, LinkError
 from feast_edge.transport.messages import Presence, new_msg_id
+from feast_edge.transport.signing import SignatureError
+from feast_edge.transport.throttle import Throttle
 from feast_edge.transport.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ class Link:
             raise LinkError(f"MQTT protocol {config.protocol!r} is not supported; use '3.1.1' or '5'")
         self._v5 = PROTOCOLS[config.protocol] == MQTTProtocolVersion.MQTTv5
         self.client_id = config.client_id or f"feast-{uuid.uuid4().hex[:16]}"
+        # With credentials every message is signed, and one that does not verify never reaches a handler.
+        self.keyring = None if config.credentials is None else config.credentials.keyring()
+        self._dropped = Throttle(log)
         self.inbox: queue.Queue[Received] = queue.Queue(maxsize=config.inbox_size)
         self._subscriptions: dict[str, int] = {}
         self._subacks: dict[int, tuple[threading.Event, list[Any]]] = {}  # mid -> (SUBACK came, its reason codes)
@@ -103,7 +108,7 @@ class Link:
             client.tls_set_context(tls_context(config))
         if self.presence is not None:
             offline = dataclasses.replace(self.presence, state="offline", msg_id=new_msg_id())
-            client.will_set(self.status_topic, offline.encode(), qos=1, retain=True)
+            client.will_set(self.status_topic, self._seal(self.status_topic, offline.encode()), qos=1, retain=True)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
@@ -215,7 +220,7 @@ class Link:
             self._connected.set()
         if self.presence is not None:
             online = dataclasses.replace(self.presence, state="online", msg_id=new_msg_id())
-            client.publish(self.status_topic, online.encode(), qos=1, retain=True)  # type: ignore[arg-type]
+            client.publish(self.status_topic, self._seal(self.status_topic, online.encode()), qos=1, retain=True)  # type: ignore[arg-type]
         if not self._connecting:
             log.info("reconnected to MQTT broker at %s; re-subscribed %d filters", self.address, len(subscriptions))
         self._connack.set()
@@ -272,11 +277,28 @@ class Link:
         if refused:
             log.error("MQTT broker at %s refused a subscription (%s); check the broker's ACL", self.address, refused[0])
 
+    def _seal(self, topic: str, payload: bytes) -> bytes:
+        return payload if self.keyring is None else self.keyring.seal(topic, bytes(payload))
+
+    def _admit(self, message: mqtt.MQTTMessage) -> Received | None:
+        """The message as handlers see it: its signature checked and removed (with credentials); None when it is dropped."""
+        payload = message.payload
+        if self.keyring is not None:
+            try:
+                payload = self.keyring.open(message.topic, payload)
+            except SignatureError as exc:
+                self._dropped.warning(f"signature {message.topic}", "dropped a message: %s", exc)
+                return None
+        return Received(message.topic, payload, bool(message.retain), message.qos)
+
     def _guard(self, handler: Handler) -> Callable[[mqtt.Client, Any, mqtt.MQTTMessage], None]:
         def call(client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+            received = self._admit(message)
+            if received is None:
+                return
             self._handler_thread.active = True
             try:
-                handler(Received(message.topic, message.payload, bool(message.retain), message.qos))
+                handler(received)
             except Exception:  # a handler bug must not kill paho's network thread
                 log.exception("handler for %s failed", message.topic)
             finally:
@@ -285,10 +307,13 @@ class Link:
         return call
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        received = self._admit(message)
+        if received is None:
+            return
         try:
-            self.inbox.put_nowait(Received(message.topic, message.payload, bool(message.retain), message.qos))
+            self.inbox.put_nowait(received)
         except queue.Full:
-            log.warning("inbox full (%d messages); dropped a message on %s", self.inbox.maxsize, message.topic)
+            self._dropped.warning("inbox full", "inbox full (%d messages); dropped a message on %s", self.inbox.maxsize, message.topic)
 
     def get(self, timeout: float | None = None) -> Received | None:
         """Next inbox message, or None after ``timeout`` seconds."""
@@ -302,8 +327,8 @@ class Link:
     def publish(
         self, topic: str, payload: bytes | bytearray, *, qos: int = 1, retain: bool = False, timeout: float | None = None
     ) -> mqtt.MQTTMessageInfo:
-        """Publish (queued by paho while offline); with ``timeout``, wait for the PUBACK or raise LinkError."""
-        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        """Publish (queued by paho while offline; signed with credentials); with ``timeout``, wait for the PUBACK or raise LinkError."""
+        info = self._client.publish(topic, self._seal(topic, payload), qos=qos, retain=retain)
         if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
             raise LinkError(f"paho's outgoing queue is full; message to {topic!r} not sent")
         if qos > 0:

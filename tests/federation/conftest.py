@@ -80,8 +80,8 @@ def clear_retained(federation: str, broker: str = LOCAL) -> None:
 class ServerThread:
     """A FederationServer running its rounds in a background thread of the test process."""
 
-    def __init__(self, config: ServerConfig, broker: str = LOCAL, export: bool = False) -> None:
-        self.server = FederationServer(config, LinkConfig(broker=broker))
+    def __init__(self, config: ServerConfig, broker: str = LOCAL, export: bool = False, link: LinkConfig | None = None) -> None:
+        self.server = FederationServer(config, link or LinkConfig(broker=broker))
         self.export = export
         self.history: list[RoundRecord] | None = None
         self.manifests: list[dict] | None = None
