@@ -3,7 +3,7 @@
 One agent process holds one MQTT connection (presence ``status/{host}``) and
 hosts one or more clients, each with its own device id, data and budget. For
 every ``round`` message it receives it runs exactly what the simulator runs for
-that client (``feast_edge.federation.client_update``) with exactly the inputs
+that client (``step.local_step``, which calls ``feast_edge.federation.client_update``) with exactly the inputs
 the server sent: the routed tensors, the learning rate, the client seed, the
 affordable variants and the training settings (docs/protocol.md §7).
 
@@ -21,24 +21,24 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from feast_edge.agent.data import LocalClient, client_budgets
+from feast_edge.agent.step import largest_payload, local_step
 from feast_edge.cache import load_cache
 from feast_edge.errors import FeastError
-from feast_edge.federation import ClientPlan, client_update
-from feast_edge.payload import decode, encode
 from feast_edge.preset import load_preset
 from feast_edge.protocol import MAX_REASON, Declined, Finished, Metrics, ModelReady, Register, Registered, RoundStart, Update
-from feast_edge.train import TrainConfig, stayed_finite
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import LinkError, ProtocolError, TopicError
-from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, TransferInfo
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE, TransferInfo
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Message, MessageFilter, Presence, new_msg_id, parse
+from feast_edge.transport.throttle import Throttle
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 
@@ -87,6 +87,7 @@ class Agent:
     def __init__(self, config: AgentConfig, link_config: LinkConfig, clients: list[LocalClient]) -> None:
         self.config = config
         self.preset = load_preset(config.preset)
+        self.max_payload = largest_payload(self.preset)
         self.cache = load_cache(self.preset)
         self.classes = self.preset.classes
         budgets = client_budgets(clients, self.preset, self.cache, config.budget_macs)
@@ -98,6 +99,7 @@ class Agent:
         self.stop = threading.Event()
         self.current_round = 0
         self._events: queue.Queue[tuple[str, Message, float]] = queue.Queue(maxsize=10_000)
+        self._dropped = Throttle(log)  # bad input is logged, at most a few lines a minute per kind
         self._filter = MessageFilter(config.federation)
         self._pending: dict[str, tuple[RoundStart, float]] = {}  # device -> latest round message and when it arrived
         self._models: list[ModelReady] = []
@@ -122,7 +124,11 @@ class Agent:
         if self.config.model_dir is not None:
             Path(self.config.model_dir).mkdir(parents=True, exist_ok=True)
         for device_id, client in self.clients.items():
-            reassembler = Reassembler(federation=self.config.federation, max_chunk_size=self.config.chunk_size)
+            # Only transfers the server announced to this device, each at most the largest payload it can be sent.
+            reassembler = Reassembler(
+                federation=self.config.federation, max_chunk_size=self.config.chunk_size, min_chunk_size=MIN_CHUNK_SIZE,
+                max_payload_bytes=self.max_payload, max_buffered_bytes=2 * self.max_payload, expected_only=True,
+            )
             client.receiver = ChunkReceiver(self.link, t, "down", device=device_id, reassembler=reassembler)
             client.sender = ChunkSender(self.link, t, "up", device=device_id, chunk_size=self.config.chunk_size)
         log.info(
@@ -144,11 +150,22 @@ class Agent:
             if message is None:
                 return
             if message.device != device_id:
-                log.warning("dropped %s on %s: it names device %r", message.kind, received.topic, message.device)
+                self._dropped.warning(f"name {device_id}", "dropped %s on %s: it names device %r", message.kind, received.topic, message.device)
                 return
+            if isinstance(message, (RoundStart, ModelReady)):
+                self._pre_expect(device_id, message)
             self._queue("ctrl", message)
 
         return handle
+
+    def _pre_expect(self, device_id: str, message: RoundStart | ModelReady) -> None:
+        """Paho's thread: take the chunks of an announced transfer from the first one on (they follow the announcement at once)."""
+        try:  # a bad description is refused, with its reason, by the agent's thread
+            info, receiver = TransferInfo.from_dict(message.transfer), self.clients[device_id].receiver
+            if receiver is not None and info.device == device_id and info.round == message.round:
+                receiver.expect(info)
+        except ProtocolError:
+            pass
 
     def _on_server_status(self, received: Received) -> None:
         if not received.payload:
@@ -173,14 +190,14 @@ class Agent:
             self.topics.parse(received.topic)
             return parse(received.payload)
         except (ProtocolError, TopicError) as exc:
-            log.warning("dropped malformed message on %s: %s", received.topic, exc)
+            self._dropped.warning(f"malformed {received.topic}", "dropped malformed message on %s: %s", received.topic, exc)
             return None
 
     def _queue(self, channel: str, message: Message) -> None:
         try:
             self._events.put_nowait((channel, message, time.monotonic()))
         except queue.Full:
-            log.warning("agent inbox full; dropped a %s message", message.kind)
+            self._dropped.warning("inbox", "agent inbox full; dropped a %s message", message.kind)
 
     # ------------------------------------------------------------------ event handling (the agent's thread)
     def _process(self, timeout: float) -> None:
@@ -190,11 +207,20 @@ class Agent:
         except queue.Empty:
             return
         while True:
-            self._handle(channel, message, at)
+            self._guarded(f"{message.kind} for {message.device}", self._handle, channel, message, at)
             try:
                 channel, message, at = self._events.get_nowait()
             except queue.Empty:
                 return
+
+    def _guarded(self, what: str, step: Callable[..., None], *args: Any) -> None:
+        """Run one step on network input; whatever it holds, a bug or bad input ends that step, never the agent (refusals do)."""
+        try:
+            step(*args)
+        except AgentError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not handle %s: %s", what, exc, exc_info=not isinstance(exc, FeastError))
 
     def _handle(self, channel: str, message: Message, at: float) -> None:
         if channel == "server" and isinstance(message, Presence):
@@ -318,11 +344,12 @@ class Agent:
             if self._pending:
                 device_id = min(self._pending, key=lambda d: (self._pending[d][0].round, self._pending[d][1]))
                 start, at = self._pending.pop(device_id)
-                self._train_round(device_id, start, at)
+                self._guarded(f"round {start.round + 1} of {device_id}", self._train_round, device_id, start, at)
                 if max_rounds is not None and self.rounds_trained >= max_rounds:
                     return
             while self._models and not self.stop.is_set():
-                self._receive_model(self._models.pop(0))
+                model = self._models.pop(0)
+                self._guarded(f"the model of {model.device}", self._receive_model, model)
             if self.finished and not self._pending and not self._models and not self.config.stay:
                 return
 
@@ -368,8 +395,7 @@ class Agent:
         deadline = received_at + start.timeout
         try:
             info = start.transfer_info()
-            plan = start.client_plan(self.preset)
-            train = start.train_config()
+            start.client_plan(self.preset), start.train_config()  # refuse what this agent cannot train before waiting for the payload
         except FeastError as exc:
             log.error("%s: refused the round message for %s: %s", shown, device_id, exc)
             return
@@ -379,63 +405,32 @@ class Agent:
         if blob is None:
             log.warning("%s: no routed payload for %s before the deadline (or a newer round superseded it); skipped", shown, device_id)
             return
-        reason = self._train_and_send(device_id, start, info, plan, train, blob, deadline)
-        if reason:
-            self.link.publish(
-                self.topics.events(device_id),
-                Declined(federation=self.config.federation, round=t, device=device_id, routed=info.transfer, reason=reason[:MAX_REASON]).encode(),
-            )
-
-    def _train_and_send(self, device_id: str, start: RoundStart, info: TransferInfo, plan: ClientPlan, train: TrainConfig, blob: bytes, deadline: float) -> str:
-        """Train on the routed payload and upload the update; the reason it could not (told to the server), or ""."""
-        t, client = start.round, self.clients[device_id]
-        shown = f"round {t + 1}/{start.rounds}"
-        assert client.sender is not None
-        try:
-            manifest, state = decode(blob, self.preset, expected=plan.manifest(self.preset, self.classes, t, "routed"))
-            if manifest.kind != "routed":
-                raise AgentError(f"payload kind {manifest.kind!r} is not 'routed'")
-        except FeastError as exc:
-            log.error("%s: refused the routed payload for %s: %s", shown, device_id, exc)
-            return f"refused the routed payload: {exc}"
-        data = client.data
-        log.info(
-            "%s: %s trains %d variants on %d examples (routed payload %.2f MB)", shown, device_id, len(plan.affordable), data.samples, len(blob) / 1e6,
-        )
-        began = time.perf_counter()
-        self.training = True
-        try:
-            new_state, result = client_update(self.preset, self.classes, plan, state, data.images, data.labels, train, start.lr, start.client_seed, self.config.device)
-        except (FeastError, RuntimeError) as exc:  # e.g. settings this device cannot train with, or out of memory
-            log.error("%s: local training of %s failed: %s; skipped", shown, device_id, exc)
-            return f"local training failed: {exc}"
-        finally:
-            self.training = False
-        compute = time.perf_counter() - began
-        if not stayed_finite(new_state, result.mean_loss):
-            log.warning("%s: the training of %s diverged (loss %s, or non-finite weights); no update sent for this round", shown, device_id, result.mean_loss)
-            return f"training diverged (loss {result.mean_loss}, or non-finite weights)"
+        step = local_step(self.preset, start, blob, client.data, self.config.device, busy=lambda on: setattr(self, "training", on))
+        if step.payload is None or step.result is None:  # the server stops waiting for this device at once
+            declined = Declined(federation=self.config.federation, round=t, device=device_id, routed=info.transfer, reason=step.reason[:MAX_REASON])
+            self.link.publish(self.topics.events(device_id), declined.encode())
+            return
         if time.monotonic() > deadline:
             log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, time.monotonic() - deadline)
-        payload = encode(new_state, plan.manifest(self.preset, self.classes, t, "update", device_id))
-        up = client.sender.describe(payload, round=t, device=device_id)
+        up = client.sender.describe(step.payload, round=t, device=device_id)
         update = Update.from_result(
-            result, federation=self.config.federation, round=t, device=device_id, transfer=up, routed=info.transfer, compute_seconds=compute,
-            torch_device=str(self.config.device),
+            step.result, federation=self.config.federation, round=t, device=device_id, transfer=up, routed=info.transfer,
+            compute_seconds=step.compute_seconds, torch_device=str(self.config.device),
         )
         try:
-            client.sender.announce_and_send(self.topics.events(device_id), update.encode(), payload, up, timeout=self.config.send_timeout)
+            client.sender.announce_and_send(self.topics.events(device_id), update.encode(), step.payload, up, timeout=self.config.send_timeout)
         except LinkError as exc:
             log.error("%s: could not send the update of %s: %s", shown, device_id, exc)
-            return ""  # the broker is unreachable: a declined message would not get through either
+            return
         self.rounds_trained += 1
         client.rounds_trained += 1
-        log.info("%s: %s sent its update: loss %.4f, %.1f s training, %.2f MB", shown, device_id, result.mean_loss, compute, len(payload) / 1e6)
-        return ""
+        log.info(
+            "%s: %s sent its update: loss %.4f, %.1f s training, %.2f MB", shown, device_id, step.result.mean_loss, step.compute_seconds, len(step.payload) / 1e6,
+        )
 
     # ------------------------------------------------------------------ models
     def _receive_model(self, message: ModelReady) -> None:
-        from feast_edge.agent.models import keep_model
+        from feast_edge.agent.models import keep_pushed_model
 
         device_id = message.device
         info = TransferInfo.from_dict(message.transfer)
@@ -447,12 +442,8 @@ class Agent:
             log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", device_id)
             return
         assert self.config.model_dir is not None
-        try:
-            path, latency = keep_model(blob, message.manifest, Path(self.config.model_dir) / f"{device_id}.onnx")
-        except FeastError as exc:
-            log.error("the model of %s is unusable: %s", device_id, exc)
+        kept = keep_pushed_model(blob, message, self.config.model_dir)
+        if kept is None:
             return
-        client.model_path = path
-        log.info("saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms", device_id, path, message.manifest.get("macs"), latency["median_ms"])
-        values = {"onnx_latency_ms": latency["median_ms"], "model_sha256": message.manifest.get("sha256"), "model_macs": message.manifest.get("macs")}
+        client.model_path, values = kept
         self.link.publish(self.topics.events(device_id), Metrics(federation=self.config.federation, round=self.current_round, device=device_id, values=values).encode())

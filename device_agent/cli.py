@@ -44,7 +44,7 @@ def _identity(link: Optional[LinkConfig], device_id: Optional[str], federation: 
     return bundle.identity, common.federation_of(link, federation)
 
 
-class _Terminated(Exception):
+class _Terminated(BaseException):  # not an Exception: the agent's error boundaries must not swallow a stop
     """SIGTERM: leave like Ctrl-C, but it is a requested stop, not an interruption."""
 
 

@@ -51,6 +51,18 @@ def keep_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[st
     return saved, measure_latency(saved)
 
 
+def keep_pushed_model(blob: bytes, message: ModelReady, model_dir: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
+    """Save a model the server pushed after the last round; its path and the metrics to report, or None (logged) if unusable."""
+    device_id, manifest = message.device, message.manifest
+    try:
+        path, latency = keep_model(blob, manifest, Path(model_dir) / f"{device_id}.onnx")
+    except FeastError as exc:
+        log.error("the model of %s is unusable: %s", device_id, exc)
+        return None
+    log.info("saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms", device_id, path, manifest.get("macs"), latency["median_ms"])
+    return path, {"onnx_latency_ms": latency["median_ms"], "model_sha256": manifest.get("sha256"), "model_macs": manifest.get("macs")}
+
+
 @dataclass(frozen=True)
 class FetchedModel:
     path: Path

@@ -46,6 +46,7 @@ from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Message, MessageFilter, Presence, parse
+from feast_edge.transport.throttle import Throttle
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 
@@ -86,7 +87,7 @@ class ServerConfig:
     cache: str | None = None
     federation: str = "feast"
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    wait_timeout: float | None = None  # seconds to wait for enough devices (None: forever)
+    wait_timeout: float = 1800.0  # idle limit: seconds a round may wait for enough devices before the run ends (0: forever)
     send_timeout: float = 120.0
     max_update_norm: float = 1e4  # L2 bound on an update's change of its routed slice (0: none); honest fmnist-small epochs: 14-62
 
@@ -98,7 +99,7 @@ class ServerConfig:
             (self.start_clients is None or self.start_clients >= self.min_clients, f"--start-clients {self.start_clients} must be at least --min-clients {self.min_clients}"),
             (self.round_timeout > 0, f"--round-timeout {self.round_timeout} must be > 0 seconds"),
             (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
-            (self.wait_timeout is None or self.wait_timeout > 0, f"--wait-timeout {self.wait_timeout} must be > 0 seconds"),
+            (self.wait_timeout >= 0, f"--wait-timeout {self.wait_timeout} must be >= 0 seconds (0: wait forever)"),
             (self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)"),
         ]
         for ok, message in checks:
@@ -168,6 +169,7 @@ class FederationServer:
         self.models: ModelServer | None = None
         self._inbox: queue.Queue[tuple[str, Message]] = queue.Queue(maxsize=100_000)
         self._filter = MessageFilter(config.federation)
+        self._dropped = Throttle(log)  # bad input is logged, a few lines a minute per kind and sender
         self._last_poll = 0.0
 
     @property
@@ -194,7 +196,7 @@ class FederationServer:
         receiver = ChunkReceiver(self.link, t, "up", reassembler=reassembler)
         self.collector = MqttCollector(
             self.link, t, sender, receiver, self.devices, self.registry, self.preset, cfg.train_config(), seed=cfg.seed, rounds=cfg.rounds,
-            round_timeout=cfg.round_timeout, send_timeout=cfg.send_timeout, wait_timeout=cfg.wait_timeout, max_update_norm=cfg.max_update_norm,
+            round_timeout=cfg.round_timeout, send_timeout=cfg.send_timeout, wait_timeout=cfg.wait_timeout or None, max_update_norm=cfg.max_update_norm,
             pump=self.pump, stopped=self.stop.is_set,
         )
         self.models = ModelServer(self.out, self.link, t, sender, cfg.send_timeout)
@@ -214,17 +216,17 @@ class FederationServer:
                 topic = self.topics.parse(received.topic)
                 message = parse(received.payload)
             except (ProtocolError, TopicError) as exc:
-                log.warning("dropped malformed message on %s: %s", received.topic, exc)
+                self._dropped.warning(f"malformed {received.topic}", "dropped malformed message on %s: %s", received.topic, exc)
                 return
             if topic.device is not None and message.device != topic.device:
-                log.warning("dropped %s message on %s: it names device %r", message.kind, received.topic, message.device)
+                self._dropped.warning(f"names {received.topic}", "dropped %s message on %s: it names device %r", message.kind, received.topic, message.device)
                 return
             if isinstance(message, Update) and self.collector is not None:
                 self.collector.pre_expect(message)  # its chunks follow at once, in this thread
             try:
                 self._inbox.put_nowait((channel, message))
             except queue.Full:
-                log.warning("server inbox full; dropped a %s message from %s", message.kind, message.device)
+                self._dropped.warning("inbox", "server inbox full; dropped a %s message from %s", message.kind, message.device)
 
         return handle
 
@@ -255,7 +257,7 @@ class FederationServer:
             try:
                 self._handle(channel, message)
             except FeastError as exc:  # a bad message must never stop the server
-                log.warning("could not handle %s from %s: %s", message.kind, message.device, exc)
+                self._dropped.warning(f"handle {message.device}", "could not handle %s from %s: %s", message.kind, message.device, exc)
             except Exception:  # nor a bug in handling one: log it with its traceback and go on
                 log.exception("failed to handle %s from %s", message.kind, message.device)
 
@@ -285,7 +287,7 @@ class FederationServer:
         if self.collector is not None:
             self.collector.ignore(what)
         else:
-            log.info("ignored %s", what)
+            self._dropped.log(logging.INFO, what.split(":")[0], "ignored %s", what)
 
     def online_devices(self) -> list[str]:
         """Registered devices whose host is online, sorted."""
@@ -326,7 +328,12 @@ class FederationServer:
         try:
             self.loop.run(self.collector, start_clients=cfg.start_clients, on_round=finished_round)
         except WaitTimeout as exc:
-            raise ServerError(f"{exc} (federation {cfg.federation!r}); start more agents or lower --min-clients") from None
+            done = len(self.history)
+            saved = f"round {done} is checkpointed in {self.out / CHECKPOINT}" if done else "no round was completed"
+            raise ServerError(
+                f"{exc} (federation {cfg.federation!r}); stopping: {saved}. Start more agents or lower --min-clients, then run the same "
+                f"command again to resume (--wait-timeout 0 waits forever)"
+            ) from None
         self.devices.finished = self.loop.finished
         return self.history
 

@@ -93,7 +93,9 @@ def run(
     val_samples: Annotated[int, typer.Option("--val-samples", min=1, help="Validation examples when --data is a Fashion-MNIST directory.")] = 5000,
     calib_samples: Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration examples when --data is a Fashion-MNIST directory.")] = 500,
     cache: Annotated[Optional[Path], typer.Option(help="Variant cache JSON (default: the preset's shipped cache).")] = None,
-    wait_timeout: Annotated[Optional[float], typer.Option("--wait-timeout", min=0.1, help="Give up if not enough devices are online after this many seconds (default: wait).")] = None,
+    wait_timeout: Annotated[
+        float, typer.Option("--wait-timeout", min=0.0, help="Idle limit: end the run (last round checkpointed) when a round waited this long for enough devices (0: wait forever).")
+    ] = 1800.0,
     max_update_norm: Annotated[
         float, typer.Option("--max-update-norm", min=0.0, help="Reject an update that changes its routed slice by more than this L2 norm (0: no bound).")
     ] = 1e4,

@@ -36,6 +36,7 @@ from feast_edge.train import TrainConfig
 from feast_edge.transport.chunks import Progress, Status
 from feast_edge.transport.errors import LinkError, ProtocolError
 from feast_edge.transport.link import Link
+from feast_edge.transport.throttle import Throttle
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 
@@ -116,6 +117,7 @@ class MqttCollector:
         # device -> (round, routed transfer, upload size bound) of the round in flight; read by paho's thread (pre_expect)
         self.announced: dict[str, tuple[int, str, int]] = {}
         self._unclaimed: OrderedDict[str, Progress] = OrderedDict()  # completed uploads whose announcement has not arrived
+        self._dropped = Throttle(log)
 
     # ------------------------------------------------------------------ Collector
     def clients(self, needed: int) -> list[str]:
@@ -199,7 +201,7 @@ class MqttCollector:
 
     # ------------------------------------------------------------------ events (called by the server's pump)
     def ignore(self, what: str) -> None:
-        log.info("ignored %s", what)
+        self._dropped.log(logging.INFO, what.split(":")[0], "ignored %s", what)
         if self.current is not None:
             self.current.collected.ignored.append(what)
 
@@ -288,7 +290,7 @@ class MqttCollector:
             info, current = progress.info, self.current
             pending = current.pending.get(info.device) if current is not None else None
             if current is None or info.round != current.t or pending is None:
-                log.info("dropped upload %s from %s: not expected in the round in flight", info.transfer, info.device)
+                self._dropped.log(logging.INFO, f"upload {info.device}", "dropped upload %s from %s: not expected in the round in flight", info.transfer, info.device)
                 continue
             if pending.update is None:
                 self._unclaimed[info.transfer] = progress  # the update message may still be on its way

@@ -19,9 +19,11 @@ from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, TransferInfo, describe
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import MAX_NACK_INDICES, Message, MessageFilter, Nack, Receipt, parse
+from feast_edge.transport.throttle import Throttle
 from feast_edge.transport.topics import WILDCARD, Topics, validate_direction
 
 log = logging.getLogger(__name__)
+_dropped = Throttle(log)  # what the network sends that is dropped: a few lines a minute per kind and sender, whatever the rate
 
 
 class ChunkSender:
@@ -98,18 +100,18 @@ class ChunkSender:
         if isinstance(message, Nack):
             info = self.outbox.get(message.transfer)
             if info is None or info.device != message.device:
-                log.info("nack for transfer %s that is not held here; ignored", message.transfer)
+                _dropped.log(logging.INFO, f"nack {message.device}", "nack for transfer %s that is not held here; ignored", message.transfer)
                 return
             if not self.outbox.charge_resend(message.transfer, len(set(message.missing))):
-                log.warning(
-                    "%s asked for more of transfer %s than %g times its chunks; dropped it (no more resends)",
+                _dropped.warning(
+                    f"resends {message.device}", "%s asked for more of transfer %s than %g times its chunks; dropped it (no more resends)",
                     message.device, message.transfer, self.outbox.resend_factor,
                 )
                 return
             try:
                 count = self.resend(message.transfer, list(message.missing))
             except ProtocolError as exc:
-                log.warning("dropped nack from %s: %s", message.device, exc)
+                _dropped.warning(f"nack {message.device}", "dropped nack from %s: %s", message.device, exc)
                 return
             log.info("resent %d chunks of transfer %s to %s", count, message.transfer, message.device)
         elif isinstance(message, Receipt):
@@ -122,7 +124,7 @@ class ChunkSender:
                     self._receipts.pop(next(iter(self._receipts)))
                 self._changed.notify_all()
         elif message is not None:
-            log.warning("unexpected %s message on %s; ignored", message.kind, received.topic)
+            _dropped.warning(f"unexpected {received.topic}", "unexpected %s message on %s; ignored", message.kind, received.topic)
 
 
 class ChunkReceiver:
@@ -185,7 +187,7 @@ class ChunkReceiver:
             topic = self.topics.parse(received.topic)
             progress = self.reassembler.add(received.payload, device=topic.device)
         except (ProtocolError, TopicError) as exc:
-            log.warning("dropped chunk on %s: %s", received.topic, exc)
+            _dropped.warning(f"chunk {received.topic}", "dropped chunk on %s: %s", received.topic, exc)
             return
         log.debug("chunk %d/%d of transfer %s: %s", progress.index, progress.info.count, progress.info.transfer, progress.status.value)
         if progress.status in (Status.COMPLETE, Status.REJECTED):
@@ -225,13 +227,13 @@ def _parse_from(received: Received, topics: Topics, gate: MessageFilter, what: s
         topic = topics.parse(received.topic)
         message = parse(received.payload)
     except (ProtocolError, TopicError) as exc:
-        log.warning("dropped %s on %s: %s", what, received.topic, exc)
+        _dropped.warning(f"{what} {received.topic}", "dropped %s on %s: %s", what, received.topic, exc)
         return None
     if topic.device is not None and message.device != topic.device:
-        log.warning("dropped %s on %s: it names device %r", what, received.topic, message.device)
+        _dropped.warning(f"{what} {received.topic}", "dropped %s on %s: it names device %r", what, received.topic, message.device)
         return None
     reason = gate.verdict(message)
     if reason is not None:
-        log.info("dropped %s on %s: %s", what, received.topic, reason)
+        _dropped.log(logging.INFO, f"{what} {received.topic}", "dropped %s on %s: %s", what, received.topic, reason)
         return None
     return message

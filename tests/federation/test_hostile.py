@@ -1,0 +1,110 @@
+"""Hostile or broken input at the edges of server and agent: the idle limit, devices that decline a round, forged announcements.
+
+Each test asserts the outcome a user relies on: the process keeps running (or
+stops with a clear message and its checkpoint), nothing is allocated for what a
+stranger declares, the global model is untouched by what was refused.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from feast_edge.agent.agent import Agent, AgentConfig
+from feast_edge.agent.data import LocalClient
+from feast_edge.cache import load_cache
+from feast_edge.federation import plan_client
+from feast_edge.preset import load_preset
+from feast_edge.protocol import RoundStart
+from feast_edge.server.app import ServerConfig, ServerError
+from feast_edge.shards import read_index, write_partition
+from feast_edge.train import TrainConfig
+from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.frames import MiB, TransferInfo
+from feast_edge.transport.link import Link
+from feast_edge.transport.topics import Topics
+
+PRESET = load_preset("fmnist-small")
+
+
+@pytest.fixture(scope="module")
+def partition(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("partition")
+    write_partition(kit.CONFIG, out)
+    return out
+
+
+def test_a_server_without_enough_devices_ends_at_its_idle_limit_with_a_clear_message(kit, tmp_path: Path, federation: str) -> None:
+    config = ServerConfig(out=str(tmp_path / "run"), rounds=2, per_round=2, min_clients=2, federation=federation, wait_timeout=2.0)
+    server = kit.ServerThread(config).start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(ServerError) as caught:
+            server.join(60)
+    finally:
+        server.close()
+    assert time.monotonic() - began < 30
+    message = str(caught.value)
+    assert "only 0 of the 2 devices needed were online after 2 s" in message
+    assert "no round was completed" in message and "run the same command again to resume" in message
+    assert ServerConfig(out="x").wait_timeout > 0, "by default a server must not wait forever"
+
+
+def test_diverging_devices_decline_the_round_and_the_server_stops_waiting_for_them(kit, tmp_path: Path, federation: str, partition: Path) -> None:
+    """An absurd learning rate: a device whose training went non-finite says so at once (instead of leaving the round to its
+    timeout); one whose weights stayed finite but absurd is refused by the update-norm bound. Neither touches the model."""
+    entries = read_index(partition)["clients"][:2]
+    config = kit.server_config(kit.CONFIG, tmp_path / "run", partition, federation, rounds=1, lr=1e30, round_timeout=300.0, start_clients=2)
+    server = kit.ServerThread(config).start()
+    agents = [kit.spawn_agent(tmp_path / "logs", e["client_id"], partition / e["file"], federation) for e in entries]
+    try:
+        history = server.join(200)
+        before = kit.weights(tmp_path / "run" / "checkpoint.safetensors")
+    finally:
+        codes = [kit.stop(a) for a in agents]
+        server.close()
+    record = history[0]
+    assert not record.applied and record.updated == []
+    assert sorted(record.rejected) == sorted(e["client_id"] for e in entries)
+    declined = [d for d, reason in record.rejected.items() if "the device sent no update: training diverged" in reason]
+    assert declined, record.rejected
+    assert all(d in declined or "--max-update-norm" in reason for d, reason in record.rejected.items()), record.rejected
+    assert record.seconds < 150, f"the round waited {record.seconds:.0f} s although every device had declined"
+    assert codes == [0, 0], [kit.log_text(a)[-600:] for a in agents]
+    assert all(torch.isfinite(t.float()).all() for t in before.values())  # the global model kept its finite initial weights
+
+
+def test_a_forged_round_announcing_a_huge_payload_allocates_nothing_and_the_agent_goes_on(federation: str) -> None:
+    client = LocalClient("victim", torch.zeros(8, 1, 28, 28, dtype=torch.uint8), torch.zeros(8, dtype=torch.long), None, None, None, "memory")
+    agent = Agent(AgentConfig(host="victim", federation=federation), LinkConfig(broker="mqtt://127.0.0.1:1883"), [client])
+    agent.start(timeout=5)
+    runner = threading.Thread(target=agent.run, daemon=True)
+    runner.start()
+    attacker = Link(LinkConfig(broker="mqtt://127.0.0.1:1883"))
+    attacker.connect(timeout=5)
+    try:
+        peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        huge = 4 * 1024 * MiB
+        info = TransferInfo(federation=federation, round=0, device="victim", transfer="forged", count=huge // MiB, size=huge, chunk=MiB, sha256="0" * 64)
+        plan = plan_client(load_cache(PRESET), 6e6)
+        forged = RoundStart.from_plan(
+            plan, federation=federation, round=0, device="victim", transfer=info, sent_at=time.time(), timeout=3.0, rounds=1, lr=0.1, seed=1, train=TrainConfig()
+        )
+        attacker.publish(Topics(federation).ctrl("victim"), forged.encode(), timeout=5)
+        frame_flood = [b"\x00" * 64] * 200  # frames of a transfer nobody announced
+        attacker.publish_many(Topics(federation).xfer("down", "victim"), frame_flood)
+        time.sleep(4)
+        assert runner.is_alive(), "the forged round stopped the agent"
+        assert agent.clients["victim"].receiver is not None and agent.clients["victim"].receiver.reassembler.active() == []
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before  # KiB
+        assert grown < 200 * 1024, f"peak RSS grew by {grown / 1024:.0f} MiB after a forged 4 GiB announcement"
+    finally:
+        agent.stop.set()
+        runner.join(10)
+        attacker.close()
+        agent.close()
