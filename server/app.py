@@ -89,6 +89,7 @@ class ServerConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     wait_timeout: float = 1800.0  # idle limit: seconds a round may wait for enough devices before the run ends (0: forever)
     send_timeout: float = 120.0
+    max_samples: int = 1_000_000  # the most training examples a device may register (its aggregation weight)
     max_update_norm: float = 1e4  # L2 bound on an update's change of its routed slice (0: none); honest fmnist-small epochs: 14-62
 
     def __post_init__(self) -> None:
@@ -100,6 +101,7 @@ class ServerConfig:
             (self.round_timeout > 0, f"--round-timeout {self.round_timeout} must be > 0 seconds"),
             (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
             (self.wait_timeout >= 0, f"--wait-timeout {self.wait_timeout} must be >= 0 seconds (0: wait forever)"),
+            (self.max_samples >= 1, f"--max-samples {self.max_samples} must be at least 1"),
             (self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)"),
         ]
         for ok, message in checks:
@@ -158,7 +160,8 @@ class FederationServer:
             self.registry, self.preset, self.cache, federation=config.federation, rounds=config.rounds,
             reply=lambda device, message: self.link.publish(self.topics.ctrl(device), message.encode()),
             on_offline=lambda devices: self.collector.on_offline(devices) if self.collector is not None else None,
-            authenticated=link_config.credentials is not None,
+            authenticated=link_config.credentials is not None, max_samples=config.max_samples,
+            shard_samples=None if self.data is None else self.data.shard_samples,
         )
         self.loop = RunLoop(
             self.model, self.cache, config.settings(), self.out, kind=KIND, fingerprint=self.fingerprint(), config=config.decisive(),

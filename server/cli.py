@@ -99,6 +99,9 @@ def run(
     max_update_norm: Annotated[
         float, typer.Option("--max-update-norm", min=0.0, help="Reject an update that changes its routed slice by more than this L2 norm (0: no bound).")
     ] = 1e4,
+    max_samples: Annotated[
+        int, typer.Option("--max-samples", min=1, help="Refuse a device that registers more training examples than this (its aggregation weight); a partition's own counts apply to its clients.")
+    ] = 1_000_000,
     export: Annotated[bool, typer.Option("--export/--no-export", help="After the last round, export and announce every device's ONNX model.")] = True,
     serve: Annotated[bool, typer.Option("--serve", help="Afterwards keep answering model requests (feast-agent fetch-model) until Ctrl-C.")] = False,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
@@ -118,7 +121,7 @@ def run(
         round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, method=method, eval_every=eval_every,
         data=None if data is None else str(data), val_samples=val_samples, calib_samples=calib_samples,
         cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
-        max_update_norm=max_update_norm,
+        max_update_norm=max_update_norm, max_samples=max_samples,
     )
     server = FederationServer(config, link, on_round=print_round)
     _install_signal_handlers()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ class ServerData:
     calibration_images: torch.Tensor
     class_names: tuple[str, ...] | None
     source: str
+    shard_samples: dict[str, int] = field(default_factory=dict)  # client id -> training examples, from a partition's index
 
     def describe(self) -> str:
         return f"{len(self.validation_labels)} validation + {len(self.calibration_images)} calibration examples from {self.source}"
@@ -45,7 +46,8 @@ def load_server_data(path: str | os.PathLike[str], preset: Preset, val_samples: 
             raise DataError(f"--data {path} was partitioned for preset {index.get('preset')!r}, this server trains {preset.name!r}; partition again with --preset {preset.name}")
         split = read_server_split(path)
         names = _fashion_names(preset) if index.get("dataset") == "fashion-mnist" else None
-        return ServerData(split.validation_images, split.validation_labels, split.calibration_images, names, f"partition {path}")
+        shards = {str(c["client_id"]): int(c.get("samples", 0)) for c in index["clients"]}
+        return ServerData(split.validation_images, split.validation_labels, split.calibration_images, names, f"partition {path}", shards)
     if (preset.in_channels, preset.input_size) != (1, 28):
         raise DataError(f"--data {path} is read as Fashion-MNIST (1x28x28) but preset {preset.name} takes {preset.in_channels}x{preset.input_size}x{preset.input_size}; pass a partition directory")
     if val_samples < 1 or calib_samples < 1:

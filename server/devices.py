@@ -35,6 +35,8 @@ class DeviceBook:
         reply: Callable[[str, Registered], None],
         on_offline: Callable[[list[str]], None] = lambda devices: None,
         authenticated: bool = False,
+        max_samples: int = 1_000_000,
+        shard_samples: dict[str, int] | None = None,
     ) -> None:
         self.registry = registry
         self.preset = preset
@@ -46,6 +48,10 @@ class DeviceBook:
         # Provisioned: every message is signed by the identity its topic names, so a device is its own host (one identity,
         # one agent); an agent cannot register devices or hosts it holds no credentials for.
         self.authenticated = authenticated
+        # The registered sample count bounds every later aggregation weight: the server's own record of a device's shard
+        # (its partition) bounds it where there is one, --max-samples elsewhere.
+        self.max_samples = max_samples
+        self.shard_samples = shard_samples or {}
         self.finished = False  # the federation ran all its rounds: registrations are answered with finished=True
         self.hosts_online: set[str] = set()
         # Devices a new agent instance may take over: those whose host went offline since they registered, and, at a
@@ -92,6 +98,9 @@ class DeviceBook:
             )
         if message.samples < 1:
             return "the device has no training examples; check --data"
+        limit, source = (self.shard_samples[device], "its shard in the server's partition holds") if device in self.shard_samples else (self.max_samples, "--max-samples allows")
+        if message.samples > limit:
+            return f"the device registers {message.samples} training examples; {source} at most {limit} (it is the device's aggregation weight)"
         if not self.cache.affordable(message.budget_macs):
             return self.cache.below_smallest(message.budget_macs, "raise --budget or use a profile of a stronger device")
         existing = self.registry.get(device)

@@ -69,3 +69,28 @@ def test_a_finished_federation_says_so_to_a_late_device(registry: Registry) -> N
     book.finished = True
     _register(book, "late", "x")
     assert replies[-1].accepted and replies[-1].finished and replies[-1].rounds == 3
+
+
+def test_the_registered_sample_count_is_bounded_by_the_servers_own_record(registry: Registry) -> None:
+    """The count a device registers bounds its aggregation weight: its shard's size where the server knows it, --max-samples elsewhere."""
+    replies: list[Registered] = []
+    book = DeviceBook(
+        registry, PRESET, load_cache(PRESET), federation="lab", rounds=3, reply=lambda device, message: replies.append(message),
+        max_samples=1000, shard_samples={"client-000": 120},
+    )
+    _register(book, "client-000", "i1", samples=121)
+    _register(book, "client-000", "i2", samples=120)
+    _register(book, "stranger", "i3", samples=2**53)
+    _register(book, "laptop", "i4", samples=1000)
+    assert [r.accepted for r in replies] == [False, True, False, True]
+    assert "its shard in the server's partition holds at most 120" in replies[0].reason
+    assert "--max-samples allows at most 1000" in replies[2].reason
+
+
+def test_a_provisioned_device_registers_as_itself_only(registry: Registry) -> None:
+    replies: list[Registered] = []
+    book = DeviceBook(registry, PRESET, load_cache(PRESET), federation="lab", rounds=3, reply=lambda device, message: replies.append(message), authenticated=True)
+    _register(book, "jet", "i1", host="pi")
+    _register(book, "jet", "i2")
+    assert [r.accepted for r in replies] == [False, True]
+    assert "registers as itself" in replies[0].reason
