@@ -283,6 +283,25 @@ def acl_text(federation: str, devices: list[str], server: str = SERVER_NAME) -> 
     return "\n".join(lines) + "\n"
 
 
+def emqx_acl_text(federation: str, server: str = SERVER_NAME) -> str:
+    """The same ACL for EMQX 5's file authorizer (``acl.conf``), with ``${username}`` in place of Mosquitto's ``%u``."""
+    t, me = Topics(federation), "${username}"
+    root = f"{PREFIX}/{federation}"
+    publish = [f"{root}/status/{me}", f"{root}/register/{me}", f"{root}/events/{me}", f"{root}/xfer/up/{me}", f"{root}/xfer/nack/down/{me}"]
+    subscribe = [f"{root}/status/{me}", f"{root}/ctrl/{me}", f"{root}/xfer/down/{me}", f"{root}/xfer/nack/up/{me}", t.server_status]
+
+    def quoted(topics: list[str]) -> str:
+        return ", ".join(f'"{topic}"' for topic in topics)
+
+    return (
+        f"%% feast-edge federation {federation!r} for EMQX 5 (authorization source 'file'), written by feast-server provision.\n"
+        f'{{allow, {{user, "{server}"}}, all, ["{t.all}"]}}.\n'
+        f"{{allow, all, publish, [{quoted(publish)}]}}.\n"
+        f"{{allow, all, subscribe, [{quoted(subscribe)}]}}.\n"
+        f'{{deny, all, all, ["{t.all}"]}}.\n'
+    )
+
+
 def password_line(user: str, password: str, salt: bytes | None = None) -> str:
     """One Mosquitto 2 password-file line (PBKDF2-SHA512, the ``$7$`` format mosquitto_passwd writes)."""
     salt = secrets.token_bytes(12) if salt is None else salt
@@ -295,6 +314,7 @@ def _broker_config(
     ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, revoked: list[int],
 ) -> Path:
     (folder / "acl").write_text(acl_text(federation, [name for name in identities if name != SERVER_NAME]))
+    (folder / "emqx-acl.conf").write_text(emqx_acl_text(federation))
     crl = x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject).last_update(_now()).next_update(_now() + datetime.timedelta(days=CA_DAYS))
     for serial in revoked:
         crl = crl.add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(_now()).build())
