@@ -206,6 +206,7 @@ class RunLoop:
         self.probes = probe_archs(cache, settings.probe_variants)
         self.full_params = count_params(supernet_layout(self.preset, model.classes))
         self.history: list[RoundRecord] = []
+        self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
         self.best: dict[str, Any] = {}
         self.stop = threading.Event()
 
@@ -218,10 +219,12 @@ class RunLoop:
             history=[asdict(h) for h in self.history], history_format=HISTORY_FORMAT, best=self.best, **self.extra_fields(),
         )
 
-    def resume(self, hint: str) -> int:
+    def resume(self, hint: str, *, fall_back: bool = False) -> int:
         """Load ``checkpoint.safetensors`` from ``out`` if there is one; returns the completed rounds.
 
         ``hint`` finishes the error when the checkpoint belongs to another run ("use another --out", ...).
+        A damaged checkpoint (hash or finite-value check) stops the resume with a message naming the kept
+        previous one; with ``fall_back`` the run resumes from that one instead, keeping the damaged file renamed.
         """
         path = self.out / CHECKPOINT
         if not path.is_file():
@@ -237,11 +240,21 @@ class RunLoop:
             model, record = load_supernet(path, self.preset)
         except CheckpointError as exc:
             previous = self.out / PREVIOUS
-            fix = (
-                f"the previous good checkpoint is kept beside it: to resume from there, run 'mv {previous} {path}' and start again with the same options"
-                if previous.is_file() else "no previous checkpoint is kept; start a new run in another --out"
-            )
-            raise RunError(f"cannot resume: {exc}; {fix}") from None
+            if not previous.is_file():
+                raise RunError(f"cannot resume: {exc}; no previous checkpoint is kept; start a new run in another --out") from None
+            if not fall_back:
+                raise RunError(
+                    f"cannot resume: {exc}; the previous good checkpoint is kept beside it: to resume from there, run 'mv {previous} {path}' "
+                    f"and start again with the same options (feast-server run --resume-previous does this itself)"
+                ) from None
+            damaged = path.with_name(f"checkpoint.damaged-{time.strftime('%Y%m%d-%H%M%S')}.safetensors")
+            try:
+                model, record = load_supernet(previous, self.preset)
+            except CheckpointError as second:
+                raise RunError(f"cannot resume: {exc}; the previous checkpoint is damaged too: {second}; start a new run in another --out") from None
+            path.rename(damaged)
+            os.link(previous, path)  # the previous one becomes the last good checkpoint; it stays the previous one too
+            self.recovered = f"{path} is damaged ({exc}); kept it as {damaged.name} and resumed from the previous checkpoint {previous.name}"
         self.model.load_state_dict(model.state_dict())
         zero_based = record["fields"].get("history_format", 1) < HISTORY_FORMAT
         self.history = [RoundRecord.from_dict(h, zero_based) for h in record["fields"]["history"]]

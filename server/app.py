@@ -31,6 +31,7 @@ from feast_edge.checkpoint import load_supernet, read_record
 from feast_edge.errors import FeastError
 from feast_edge.preset import load_preset
 from feast_edge.protocol import Declined, Metrics, ModelRequest, Register, Update
+from feast_edge.robust import check_rule
 from feast_edge.rounds import CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings, Validation
 from feast_edge.server.collect import MqttCollector, WaitTimeout
 from feast_edge.server.data import ServerData, load_server_data
@@ -90,6 +91,9 @@ class ServerConfig:
     wait_timeout: float = 1800.0  # idle limit: seconds a round may wait for enough devices before the run ends (0: forever)
     send_timeout: float = 120.0
     max_samples: int = 1_000_000  # the most training examples a device may register (its aggregation weight)
+    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.robust)
+    trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
+    clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     max_update_norm: float = 1e4  # L2 bound on an update's change of its routed slice (0: none); honest fmnist-small epochs: 14-62
 
     def __post_init__(self) -> None:
@@ -107,6 +111,10 @@ class ServerConfig:
         for ok, message in checks:
             if not ok:
                 raise ServerError(message)
+        try:
+            check_rule(self.aggregation, self.trim, self.clip_norm)
+        except ValueError as exc:
+            raise ServerError(str(exc)) from None
 
     def train_config(self) -> TrainConfig:
         """The local-training settings every device receives (as ``SimulationConfig.train_config``)."""
@@ -115,7 +123,9 @@ class ServerConfig:
     def decisive(self) -> dict[str, Any]:
         """The settings that change the trained weights (a resumed run must keep them)."""
         names = ("preset", "rounds", "per_round", "min_clients", "seed", "lr", "batch_size", "method", "augment", "cache", "federation")
-        return {name: getattr(self, name) for name in names}
+        # Only the aggregation settings the rule reads, none for the mean: runs from before the rules existed keep their fingerprint.
+        used = {"mean": (), "clip": ("aggregation", "clip_norm"), "trimmed-mean": ("aggregation", "trim"), "median": ("aggregation",)}
+        return {name: getattr(self, name) for name in (*names, *used[self.aggregation])}
 
     @classmethod
     def stored(cls, out: str | Path, **overrides: Any) -> ServerConfig:
@@ -134,7 +144,7 @@ class ServerConfig:
     def settings(self) -> RunSettings:
         return RunSettings(
             rounds=self.rounds, per_round=self.per_round, min_clients=self.min_clients, seed=self.seed, lr=self.lr,
-            eval_every=self.eval_every, probe_variants=self.probe_variants,
+            eval_every=self.eval_every, probe_variants=self.probe_variants, aggregation=self.aggregation, trim=self.trim, clip_norm=self.clip_norm,
         )
 
 
@@ -297,18 +307,21 @@ class FederationServer:
         return self.devices.online()
 
     # ------------------------------------------------------------------ the whole run
-    def resume(self) -> int:
-        """Load the last completed round from ``out``, if any; returns the number of completed rounds."""
+    def resume(self, previous: bool = False) -> int:
+        """Load the last completed round from ``out``, if any (``previous``: fall back to the previous checkpoint if it is damaged)."""
         try:
-            return self.loop.resume("restart with the same options to resume it, or use another --out")
+            done = self.loop.resume("restart with the same options to resume it, or use another --out", fall_back=previous)
         except RunError as exc:
             raise ServerError(str(exc)) from None
+        if self.loop.recovered:
+            log.warning("%s", self.loop.recovered)
+        return done
 
-    def run(self) -> list[RoundRecord]:
+    def run(self, resume_previous: bool = False) -> list[RoundRecord]:
         """Resume if possible, run the remaining rounds, checkpoint each; returns the history."""
         assert self.collector is not None, "start() first"
         cfg = self.config
-        done = self.resume()
+        done = self.resume(previous=resume_previous)
         if done:
             log.info("resuming from %s: %d of %d rounds completed", self.out / CHECKPOINT, done, cfg.rounds)
         if self.data is None:

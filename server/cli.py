@@ -102,6 +102,12 @@ def run(
     max_samples: Annotated[
         int, typer.Option("--max-samples", min=1, help="Refuse a device that registers more training examples than this (its aggregation weight); a partition's own counts apply to its clients.")
     ] = 1_000_000,
+    aggregation: Annotated[str, typer.Option("--aggregation", help="mean (SPEC §6), or a robust rule: clip, trimmed-mean, median (docs/security.md §5).")] = "mean",
+    trim: Annotated[float, typer.Option("--trim", help="trimmed-mean: share of the values covering a position dropped at each end.")] = 0.1,
+    clip_norm: Annotated[Optional[float], typer.Option("--clip-norm", help="clip: L2 bound of each update's change (default: the round's median).")] = None,
+    resume_previous: Annotated[
+        bool, typer.Option("--resume-previous", help="If the last checkpoint is damaged, resume from the previous good one (the damaged file is kept, renamed).")
+    ] = False,
     export: Annotated[bool, typer.Option("--export/--no-export", help="After the last round, export and announce every device's ONNX model.")] = True,
     serve: Annotated[bool, typer.Option("--serve", help="Afterwards keep answering model requests (feast-agent fetch-model) until Ctrl-C.")] = False,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
@@ -121,13 +127,13 @@ def run(
         round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, method=method, eval_every=eval_every,
         data=None if data is None else str(data), val_samples=val_samples, calib_samples=calib_samples,
         cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
-        max_update_norm=max_update_norm, max_samples=max_samples,
+        max_update_norm=max_update_norm, max_samples=max_samples, aggregation=aggregation, trim=trim, clip_norm=clip_norm,
     )
     server = FederationServer(config, link, on_round=print_round)
     _install_signal_handlers()
     try:
         server.start()
-        history = server.run()
+        history = server.run(resume_previous=resume_previous)
         applied = sum(r.applied for r in history)
         log.info("federation finished: %d rounds (%d aggregated); checkpoint %s", len(history), applied, out / "checkpoint.safetensors")
         manifests: list[dict[str, Any]] = []

@@ -108,3 +108,11 @@ def test_a_forged_round_announcing_a_huge_payload_allocates_nothing_and_the_agen
         runner.join(10)
         attacker.close()
         agent.close()
+
+
+def test_robust_aggregation_is_part_of_the_run_settings_and_checked(tmp_path: Path) -> None:
+    assert ServerConfig(out=str(tmp_path), aggregation="median").settings().aggregation == "median"
+    assert "aggregation" not in ServerConfig(out=str(tmp_path)).decisive()  # runs from before the rules existed keep their fingerprint
+    assert ServerConfig(out=str(tmp_path), aggregation="trimmed-mean", trim=0.2).decisive()["trim"] == 0.2
+    with pytest.raises(ServerError, match="unknown; choose one of mean, clip, trimmed-mean, median"):
+        ServerConfig(out=str(tmp_path), aggregation="krum")
