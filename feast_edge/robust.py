@@ -25,22 +25,30 @@ since a client could lie about them. Trimming needs enough clients on a
 position: with β = 0.1 nothing is trimmed where fewer than 10 clients cover it
 (``⌊0.1·k⌋ = 0``), and there the rule is the unweighted mean; in general
 ``⌊β·k⌋ = 0`` for ``k < 1/β``. β lies in [0, 0.5), so at least one value is
-always kept.
+always kept. The median is the trimmed mean that drops ``⌊(k−1)/2⌋`` values at
+each end, which keeps the middle value (odd k) or the two middle ones (even
+k); with one or two clients on a position it is their mean.
 
 Integer buffers (``num_batches_tracked``) take the element-wise maximum of the
 clients that sent them under every rule, exactly as :func:`aggregate` does.
 
-Implementation: for each floating tensor the covering payloads are stacked
-into a ``(K, *box)`` buffer (``box`` the largest routed extent), NaN where a
-client's slice does not reach, and sorted along the client axis (NaN sorts
-last), so the ``k`` covering values of every position come first; memory is
-O(K × tensor) for one tensor at a time. A NaN a client itself sends counts as
-that client not covering the position: the robust rules ignore it rather than
-let one broken client poison the result.
+Implementation: for each floating tensor the payloads that sent it are stacked
+into a ``(K, *box)`` buffer (``box`` the largest routed extent), +inf where a
+client's slice does not reach, with a per-position count ``k`` of the clients
+that do; sorting along the client axis puts the ``k`` covering values of every
+position first. Memory is O(K × tensor) for one tensor at a time. Large
+tensors of a cohort of at most 32 are sorted by a compare-exchange network
+(Batcher's odd-even merge sort, element-wise ``minimum``/``maximum`` over whole
+rows, several times faster than ``torch.sort`` along a short axis); others by
+``torch.sort``. Where nothing is dropped at any ``k`` the rule is the mean and
+no stack is built. A NaN a client sends counts as that client not covering the
+position: the robust rules ignore it rather than let one broken client poison
+the result.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 
@@ -52,6 +60,10 @@ from feast_edge.slicing import leading_index, leading_slice
 
 StateDict = Mapping[str, torch.Tensor]
 RULES = ("mean", "clip", "trimmed-mean", "median")
+# Sorting K values per position: a compare-exchange network of whole-row minimum/maximum beats torch.sort along
+# a short axis for large tensors and small cohorts; on small tensors its Python loop costs more than it saves.
+NETWORK_MAX_CLIENTS = 32
+NETWORK_MIN_POSITIONS = 1 << 14
 
 
 def check_rule(rule: str, trim: float = 0.1, clip_norm: float | None = None) -> None:
@@ -103,7 +115,7 @@ def clip_updates(
 
 
 def _toward(start: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
-    """``start + weight·(end − start)`` in ``end``'s dtype; ``start`` itself when ``weight`` is 0 (``end`` may be non-finite)."""
+    """``start + weight·(end − start)`` in ``end``'s dtype; a copy of ``start`` when ``weight`` is 0 (``end`` may be non-finite)."""
     start = start.to(end.dtype)
     return start.clone() if weight == 0 else torch.lerp(start, end, weight)
 
@@ -163,34 +175,74 @@ def _coordinate_wise(
             slices = [state[name] for state, _ in results if name in state and state[name].numel() > 0]
             target = glob if inplace else glob.detach().clone()
             if slices:
-                box, values = _position_rule(slices, rule, trim, dtype, glob.device)
+                box, values, count = _position_rule(slices, rule, trim, dtype, glob.device)
                 inside = target[leading_index(box)]
-                covered = ~values.isnan()  # positions of the box that no client reached come back NaN
-                inside.copy_(torch.where(covered, values, inside.to(dtype)))
+                inside.copy_(torch.where(count > 0, values, inside.to(dtype)))  # positions of the box nobody reached keep theirs
             out[name] = target
     return out
 
 
-def _position_rule(slices: list[torch.Tensor], rule: str, trim: float, dtype: torch.dtype, device: torch.device) -> tuple[tuple[int, ...], torch.Tensor]:
-    """The rule over the clients covering each position of the slices' bounding box; NaN where none does."""
+def _position_rule(
+    slices: list[torch.Tensor], rule: str, trim: float, dtype: torch.dtype, device: torch.device
+) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+    """The rule over the clients covering each position of the slices' bounding box: ``(box, values, k)``."""
     k_max = len(slices)
     box = tuple(map(max, *(tuple(x.shape) for x in slices))) if k_max > 1 else tuple(slices[0].shape)
-    stack = torch.full((k_max, *box), math.nan, dtype=dtype, device=device)
+    # Values dropped at each end of a position covered by k clients (as Python computes ⌊β·k⌋, for every k alike).
+    drop = [max(0, (k - 1) // 2) if rule == "median" else math.floor(trim * k) for k in range(k_max + 1)]
+    count = torch.zeros(box, dtype=torch.int64, device=device)
+    if not any(drop):  # nothing is dropped at any k: the unweighted mean, in one pass without a stack
+        total = torch.zeros(box, dtype=dtype, device=device)
+        for x in slices:
+            present = ~x.isnan()
+            total[leading_index(x.shape)].add_(torch.where(present, x.to(dtype), 0))
+            count[leading_index(x.shape)] += present
+        return box, total / count, count
+    stack = torch.full((k_max, *box), math.inf, dtype=dtype, device=device)
     for row, x in zip(stack, slices):
-        row[leading_index(x.shape)].copy_(x)
-    flat = stack.view(k_max, -1)
-    count = (~flat.isnan()).sum(0)  # k: the clients covering each position
-    cut = torch.tensor([math.floor(trim * k) for k in range(k_max + 1)], device=device)  # ⌊β·k⌋, as Python floors it
-    if rule == "trimmed-mean" and not bool(cut.any()):  # nothing is trimmed anywhere: the unweighted mean, no sort
-        return box, (flat.nansum(0) / count).view(box)
-    ordered = flat.sort(dim=0).values  # NaN last: the k covering values of each position come first
-    if rule == "median":
-        lo = ordered.gather(0, ((count - 1).clamp(min=0) // 2).unsqueeze(0))[0]
-        hi = ordered.gather(0, (count // 2).clamp(max=k_max - 1).unsqueeze(0))[0]
-        middle = lo.mul_(0.5).add_(hi, alpha=0.5)  # halves first: no overflow, exact when lo == hi
-        return box, torch.where(count > 0, middle, math.nan).view(box)
-    t = cut[count]
-    rank = torch.arange(k_max, device=device).unsqueeze(1)
-    keep = (rank >= t) & (rank < count - t)
-    kept = ordered.masked_fill_(~keep, 0).sum(0) / (count - 2 * t)  # 0/0 = NaN where nobody covers
-    return box, kept.view(box)
+        present = ~x.isnan()
+        row[leading_index(x.shape)] = torch.where(present, x.to(dtype), math.inf)
+        count[leading_index(x.shape)] += present
+    rows = stack.view(k_max, -1)
+    _sort_rows(rows)  # the k covering values of each position now come first (+inf, from the gaps, last)
+    k = count.view(-1)
+    low = torch.tensor(drop, device=device)[k]
+    high = k - low  # keep ranks low <= r < high
+    total = torch.zeros_like(rows[0])
+    for r, row in enumerate(rows):
+        total.add_(torch.where((low <= r) & (r < high), row, 0))
+    return box, (total / (high - low)).view(box), count
+
+
+def _sort_rows(rows: torch.Tensor) -> None:
+    """Sort a ``(K, M)`` tensor along its first axis in place (no NaN)."""
+    k, m = rows.shape
+    if k > NETWORK_MAX_CLIENTS or m < NETWORK_MIN_POSITIONS:
+        rows.copy_(rows.sort(dim=0).values)
+        return
+    low = torch.empty_like(rows[0])
+    for a, b in _comparators(k):
+        torch.minimum(rows[a], rows[b], out=low)
+        torch.maximum(rows[a], rows[b], out=rows[b])
+        rows[a].copy_(low)
+
+
+@functools.cache
+def _comparators(n: int) -> tuple[tuple[int, int], ...]:
+    """Compare-exchange pairs ``(a, b)``, ``a < b``, of Batcher's odd-even merge sort of ``n`` values (Batcher 1968).
+
+    Pairs that reach past ``n`` are dropped: the network for the next power of
+    two with +inf in the missing inputs, which never move.
+    """
+    pairs = []
+    p = 1
+    while p < n:
+        k = p
+        while k >= 1:
+            for j in range(k % p, n - k, 2 * k):
+                for i in range(min(k, n - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return tuple(pairs)

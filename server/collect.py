@@ -27,11 +27,11 @@ from feast_edge.federation import ClientPlan, client_seed
 from feast_edge.payload import Manifest, decode, encode
 from feast_edge.preset import Preset
 from feast_edge.protocol import Declined, RoundStart, Update
+from feast_edge.robust import update_norm
 from feast_edge.rounds import ClientUpdate, Collected
 from feast_edge.route import route_state
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.registry import Registry
-from feast_edge.slicing import leading_slice
 from feast_edge.train import TrainConfig
 from feast_edge.transport.chunks import Progress, Status
 from feast_edge.transport.errors import LinkError, ProtocolError
@@ -44,16 +44,6 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT = 10.0  # seconds between "still waiting" lines
 UPLOAD_SLACK = 4096  # bytes an update's header may exceed the routed one's (the manifest names the device)
-
-
-def update_norm(state: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]) -> float:
-    """L2 norm of the change an update makes to the slice it was routed: its tensors against the leading slices of the
-    (not yet aggregated) global state, over the floating-point ones, summed in float64."""
-    total = 0.0
-    for name, tensor in state.items():
-        if tensor.is_floating_point():
-            total += float((tensor.double() - leading_slice(global_state[name], tensor.shape).double()).square().sum())
-    return total**0.5
 
 
 class WaitTimeout(Exception):
