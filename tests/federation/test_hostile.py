@@ -81,7 +81,7 @@ def test_diverging_devices_decline_the_round_and_the_server_stops_waiting_for_th
 
 def test_a_forged_round_announcing_a_huge_payload_allocates_nothing_and_the_agent_goes_on(federation: str) -> None:
     client = LocalClient("victim", torch.zeros(8, 1, 28, 28, dtype=torch.uint8), torch.zeros(8, dtype=torch.long), None, None, None, "memory")
-    agent = Agent(AgentConfig(host="victim", federation=federation), LinkConfig(broker="mqtt://127.0.0.1:1883"), [client])
+    agent = Agent(AgentConfig(host="victim", federation=federation, budget_macs=6e6), LinkConfig(broker="mqtt://127.0.0.1:1883"), [client])
     agent.start(timeout=5)
     runner = threading.Thread(target=agent.run, daemon=True)
     runner.start()
