@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import logging
+import pickle
 import queue
 import signal
 import subprocess
@@ -216,8 +217,9 @@ def test_payloads_that_do_not_match_the_routed_envelope_are_rejected(kit, tmp_pa
 
 
 def test_poisoned_and_hostile_updates_are_refused_and_the_server_goes_on(kit, tmp_path: Path, federation: str, device: ScriptedDevice) -> None:
-    """Weights outside 1..registered samples, a finite but absurd update, a header nested 100k deep: refused; then an honest update counts."""
-    server = scripted_server(kit, tmp_path, federation, rounds=5)
+    """Weights outside 1..registered samples, a finite but absurd update, a header nested 100k deep, NaN, another dtype, a pickle:
+    refused; then an honest update counts."""
+    server = scripted_server(kit, tmp_path, federation, rounds=8)
     expected = Supernet(PRESET, seed=0).state_dict()
     try:
         device.register(samples=50)
@@ -233,16 +235,31 @@ def test_poisoned_and_hostile_updates_are_refused_and_the_server_goes_on(kit, tm
         info = describe(evil, federation=federation, round=start.round, device=device.device_id, chunk_size=64 * 1024)
         device.send(Update(federation=federation, round=start.round, device=device.device_id, transfer=info.to_dict(), routed=start.transfer["transfer"], samples=50), evil)
         start, manifest, routed = device.next_round()
+        nan = shifted(routed, 0.1)
+        nan[next(k for k, v in nan.items() if v.is_floating_point())].view(-1)[0] = float("nan")
+        device.send(*device.update(start, nan, manifest))
+        start, manifest, routed = device.next_round()
+        doubled = {k: v.double() if v.is_floating_point() else v for k, v in routed.items()}
+        half = {k: v.half() if v.is_floating_point() else v for k, v in routed.items()}  # same names, a smaller upload: the decoder sees the dtype
+        device.send(*device.update(start, half, manifest))
+        start, manifest, routed = device.next_round()
+        pickled = pickle.dumps(dict(list(doubled.items())[:4]))  # what torch.save would send, within the routed size: never unpickled
+        info = describe(pickled, federation=federation, round=start.round, device=device.device_id, chunk_size=64 * 1024)
+        device.send(Update(federation=federation, round=start.round, device=device.device_id, transfer=info.to_dict(), routed=start.transfer["transfer"], samples=50), pickled)
+        start, manifest, routed = device.next_round()
         device.send(*device.update(start, shifted(routed, 0.25), manifest))
         expected = aggregate_updates(expected, [(device.device_id, shifted(routed, 0.25), 50)])
-        history = server.join(timeout=120)
+        history = server.join(timeout=150)
     finally:
         server.close()
     reasons = [h.rejected.get(device.device_id, "") for h in history]
     assert "claims 0 samples" in reasons[0] and "claims 9007199254740992 samples" in reasons[1], reasons
     assert "changes the routed slice by" in reasons[2] and "--max-update-norm" in reasons[2], reasons
     assert "not a feast-edge manifest" in reasons[3], reasons
-    assert [h.applied for h in history] == [False, False, False, False, True]
+    assert "holds NaN or infinite values" in reasons[4], reasons
+    assert "has dtype torch.float16, expected torch.float32" in reasons[5], reasons
+    assert "not safetensors" in reasons[6], reasons
+    assert [h.applied for h in history] == [False] * 7 + [True]
     got = kit.weights(tmp_path / CHECKPOINT)
     assert all(torch.equal(got[k], expected[k]) for k in got), "a refused update reached the global model"
 
