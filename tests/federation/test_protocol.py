@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from feast_edge.protocol import Finished, Metrics, ModelReady, ModelRequest, Register, Registered, RoundStart, Update
+from feast_edge.protocol import Declined, Finished, Metrics, ModelReady, ModelRequest, Register, Registered, RoundStart, Update
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.frames import describe
 from feast_edge.transport.messages import MAX_MESSAGE_BYTES, MessageFilter, Nack, Presence, Receipt, known_kinds, parse
@@ -28,6 +28,7 @@ EXAMPLES = [
     RoundStart(**COMMON, transfer=INFO, deadline=1.7e9, timeout=60.0, rounds=10, lr=0.025, seed=str(2**63 - 1), plan=PLAN, train={"batch_size": 64}),
     Update(**COMMON, transfer=INFO, routed="t0", samples=600, metrics={"loss": 1.25}),
     Metrics(**COMMON, values={"accuracy": 0.5}),
+    Declined(**COMMON, routed="t1", reason="training diverged (loss nan, or non-finite weights)"),
     ModelRequest(**COMMON),
     ModelReady(**COMMON, transfer=INFO, manifest={"macs": 24957968}),
     Finished(**COMMON, rounds=10, completed=10, model=True),
@@ -242,3 +243,11 @@ def test_an_agent_sends_nothing_for_diverged_training() -> None:
     assert stayed_finite({"w": torch.ones(3), "n": torch.tensor(1)}, 0.5)
     assert not stayed_finite({"w": torch.ones(3)}, float("nan"))
     assert not stayed_finite({"w": torch.tensor([1.0, float("inf")])}, 0.5)
+
+
+def test_a_declined_message_needs_a_bounded_reason() -> None:
+    from feast_edge.protocol import MAX_REASON
+
+    for reason in ("", "x" * (MAX_REASON + 1)):
+        with pytest.raises(ProtocolError, match="needs a reason"):
+            Declined(**COMMON, routed="t1", reason=reason)
