@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from feast_edge.aggregate import PayloadError, SparseAccumulator, aggregate, check_payload
 from feast_edge.errors import FeastError
 from feast_edge.geometry import envelope_layout
-from feast_edge.preset import load_preset
 from feast_edge.slicing import leading_index
 from feast_edge.supernet import Supernet
 
@@ -31,16 +30,6 @@ def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Ten
 
 def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state.items()}
-
-
-@pytest.fixture(scope="module")
-def preset():
-    return load_preset("fmnist-small")
-
-
-@pytest.fixture(scope="module")
-def global_state(preset):
-    return Supernet(preset, seed=0).state_dict()
 
 
 def test_full_routing_equals_fedavg(global_state):

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from feast_edge.aggregate import PayloadError, aggregate
 from feast_edge.checkpoint import load_supernet
 from feast_edge.geometry import envelope_layout
-from feast_edge.preset import load_preset
 from feast_edge.robust import NETWORK_MAX_CLIENTS, NETWORK_MIN_POSITIONS, RULES, _comparators, clip_updates, robust_aggregate, update_norm
 from feast_edge.rounds import RunError, RunSettings
 from feast_edge.simulate import CHECKPOINT, Simulation, SimulationConfig, SimulationError
@@ -37,16 +36,6 @@ def _shifted(state, seed, scale=0.01):
 def _attacked(global_state, honest, factor=1e6):
     """An attacker's payload: an honest client's update ``Δ`` sent as ``factor · Δ``."""
     return {k: global_state[k] + factor * (v - global_state[k]) if v.is_floating_point() else v for k, v in honest.items()}
-
-
-@pytest.fixture(scope="module")
-def preset():
-    return load_preset("fmnist-small")
-
-
-@pytest.fixture(scope="module")
-def global_state(preset):
-    return Supernet(preset, seed=0).state_dict()
 
 
 @pytest.fixture(scope="module")
