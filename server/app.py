@@ -91,6 +91,7 @@ class ServerConfig:
     wait_timeout: float = 1800.0  # idle limit: seconds a round may wait for enough devices before the run ends (0: forever)
     send_timeout: float = 120.0
     max_samples: int = 1_000_000  # the most training examples a device may register (its aggregation weight)
+    max_devices: int = 10_000  # the most devices the registry takes
     aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.robust)
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
@@ -106,6 +107,7 @@ class ServerConfig:
             (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
             (self.wait_timeout >= 0, f"--wait-timeout {self.wait_timeout} must be >= 0 seconds (0: wait forever)"),
             (self.max_samples >= 1, f"--max-samples {self.max_samples} must be at least 1"),
+            (self.max_devices >= 1, f"--max-devices {self.max_devices} must be at least 1"),
             (self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)"),
         ]
         for ok, message in checks:
@@ -170,7 +172,7 @@ class FederationServer:
             self.registry, self.preset, self.cache, federation=config.federation, rounds=config.rounds,
             reply=lambda device, message: self.link.publish(self.topics.ctrl(device), message.encode()),
             on_offline=lambda devices: self.collector.on_offline(devices) if self.collector is not None else None,
-            authenticated=link_config.credentials is not None, max_samples=config.max_samples,
+            authenticated=link_config.credentials is not None, max_samples=config.max_samples, max_devices=config.max_devices,
             shard_samples=None if self.data is None else self.data.shard_samples,
         )
         self.loop = RunLoop(

@@ -102,6 +102,7 @@ def run(
     max_samples: Annotated[
         int, typer.Option("--max-samples", min=1, help="Refuse a device that registers more training examples than this (its aggregation weight); a partition's own counts apply to its clients.")
     ] = 1_000_000,
+    max_devices: Annotated[int, typer.Option("--max-devices", min=1, help="Refuse registrations beyond this many devices (bounds the registry).")] = 10_000,
     aggregation: Annotated[str, typer.Option("--aggregation", help="mean (SPEC §6), or a robust rule: clip, trimmed-mean, median (docs/security.md §5).")] = "mean",
     trim: Annotated[float, typer.Option("--trim", help="trimmed-mean: share of the values covering a position dropped at each end.")] = 0.1,
     clip_norm: Annotated[Optional[float], typer.Option("--clip-norm", help="clip: L2 bound of each update's change (default: the round's median).")] = None,
@@ -127,7 +128,7 @@ def run(
         round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, method=method, eval_every=eval_every,
         data=None if data is None else str(data), val_samples=val_samples, calib_samples=calib_samples,
         cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
-        max_update_norm=max_update_norm, max_samples=max_samples, aggregation=aggregation, trim=trim, clip_norm=clip_norm,
+        max_update_norm=max_update_norm, max_samples=max_samples, max_devices=max_devices, aggregation=aggregation, trim=trim, clip_norm=clip_norm,
     )
     server = FederationServer(config, link, on_round=print_round)
     _install_signal_handlers()

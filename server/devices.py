@@ -36,6 +36,7 @@ class DeviceBook:
         on_offline: Callable[[list[str]], None] = lambda devices: None,
         authenticated: bool = False,
         max_samples: int = 1_000_000,
+        max_devices: int = 10_000,
         shard_samples: dict[str, int] | None = None,
     ) -> None:
         self.registry = registry
@@ -51,6 +52,7 @@ class DeviceBook:
         # The registered sample count bounds every later aggregation weight: the server's own record of a device's shard
         # (its partition) bounds it where there is one, --max-samples elsewhere.
         self.max_samples = max_samples
+        self.max_devices = max_devices  # the registry (and every per-device record) stays bounded whoever registers
         self.shard_samples = shard_samples or {}
         self.finished = False  # the federation ran all its rounds: registrations are answered with finished=True
         self.hosts_online: set[str] = set()
@@ -104,6 +106,8 @@ class DeviceBook:
         if not self.cache.affordable(message.budget_macs):
             return self.cache.below_smallest(message.budget_macs, "raise --budget or use a profile of a stronger device")
         existing = self.registry.get(device)
+        if existing is None and self.registry.count() >= self.max_devices:
+            return f"the federation has its maximum of {self.max_devices} registered devices (--max-devices); raise it, or run another federation"
         taken = existing is not None and existing.instance != message.instance and existing.host in self.hosts_online
         if taken and device not in self._released:
             return f"device id {device!r} is already online (hosted by agent {existing.host!r}); give this agent another --device-id, or stop the other agent first"

@@ -86,6 +86,11 @@ class Registry:
             row = self._db.execute("SELECT * FROM devices WHERE device_id = ?", (device_id,)).fetchone()
         return None if row is None else _device(row)
 
+    def count(self) -> int:
+        """How many devices are registered."""
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM devices").fetchone()[0])
+
     def devices(self) -> list[Device]:
         """Every registered device, sorted by id."""
         with self._lock:

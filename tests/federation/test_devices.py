@@ -94,3 +94,14 @@ def test_a_provisioned_device_registers_as_itself_only(registry: Registry) -> No
     _register(book, "jet", "i2")
     assert [r.accepted for r in replies] == [False, True]
     assert "registers as itself" in replies[0].reason
+
+
+def test_the_registry_is_bounded(registry: Registry) -> None:
+    replies: list[Registered] = []
+    book = DeviceBook(registry, PRESET, load_cache(PRESET), federation="lab", rounds=3, reply=lambda device, message: replies.append(message), max_devices=3)
+    for i in range(5):
+        _register(book, f"d{i}", f"i{i}")
+    _register(book, "d0", "i9")  # a device already registered may come back
+    assert [r.accepted for r in replies] == [True, True, True, False, False, True]
+    assert "maximum of 3 registered devices (--max-devices)" in replies[3].reason
+    assert registry.count() == 3
