@@ -116,3 +116,42 @@ def test_robust_aggregation_is_part_of_the_run_settings_and_checked(tmp_path: Pa
     assert ServerConfig(out=str(tmp_path), aggregation="trimmed-mean", trim=0.2).decisive()["trim"] == 0.2
     with pytest.raises(ServerError, match="unknown; choose one of mean, clip, trimmed-mean, median"):
         ServerConfig(out=str(tmp_path), aggregation="krum")
+
+
+def test_floods_from_a_stranger_cost_the_server_no_memory_and_the_round_still_completes(kit, tmp_path: Path, federation: str) -> None:
+    """Frames of a transfer nobody announced, one frame declaring 4 GiB, thousands of malformed and deeply nested messages."""
+    from test_federation_failures import ScriptedDevice, scripted_server
+
+    from feast_edge.transport.frames import encode_frame
+
+    server = scripted_server(kit, tmp_path, federation, rounds=1)
+    attacker = Link(LinkConfig(broker=kit.LOCAL))
+    attacker.connect(timeout=5)
+    device = ScriptedDevice(federation)
+    t = Topics(federation)
+    try:
+        time.sleep(0.5)
+        peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        size = 64 * MiB
+        unannounced = TransferInfo(federation=federation, round=0, device="ghost", transfer="flood", count=size // 1024, size=size, chunk=1024, sha256="0" * 64)
+        attacker.publish_many(t.xfer("up", "ghost"), (encode_frame(unannounced, i, b"\x00" * 1024) for i in range(3000)), window=64)
+        huge = TransferInfo(federation=federation, round=0, device="ghost", transfer="huge", count=4096, size=4096 * MiB, chunk=MiB, sha256="0" * 64)
+        lying = encode_frame(huge, 0, b"\x01" * MiB)[: -MiB + 1]  # a one-byte chunk that declares a 4 GiB transfer
+        attacker.publish(t.xfer("up", "ghost"), lying, timeout=5)
+        junk = [b"{" * 60_000, b"[" * 30_000 + b"]" * 30_000, b'{"v":1,"kind":"update","round":1e999}', b"\xff" * 1000]
+        attacker.publish_many(t.events("ghost"), (junk[i % len(junk)] for i in range(4000)), window=64)
+        attacker.publish_many(t.register("ghost"), (junk[i % len(junk)] for i in range(1000)), window=64)
+        time.sleep(1.0)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before  # KiB
+        assert server.thread.is_alive(), "a flood stopped the server"
+        assert grown < 150 * 1024, f"peak RSS grew by {grown / 1024:.0f} MiB under the floods"
+        assert server.server.collector is not None and server.server.collector.receiver.reassembler.active() == []
+        assert device.register().accepted  # the server still answers
+        start, manifest, routed = device.next_round()
+        device.send(*device.update(start, routed, manifest))
+        history = server.join(60)
+    finally:
+        device.close()
+        attacker.close()
+        server.close()
+    assert history[0].applied and history[0].updated == [device.device_id]
