@@ -169,3 +169,14 @@ def test_agent_finds_its_profile_and_reports_the_real_problem(installed: Install
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "unknown device profile" not in lines[0] and "jetson-nano" not in lines[0], lines[0]
     assert "/nonexistent" in lines[0] or "broker" in lines[0], lines[0]
+
+
+def test_provisioning_works_from_the_wheel(installed: Installed) -> None:
+    """A lab sets up identities on a machine with only the wheel: the bundles it writes are what the installed agent takes."""
+    pki = installed.cwd.parent / "pki"
+    result = installed.script("feast-server", "provision", "--out", str(pki), "--federation", "lab", "--device", "orin-1", "--device", "pi-2")
+    assert result.returncode == 0, result.stderr
+    assert (pki / "broker" / "mosquitto.conf").is_file() and (pki / "devices" / "orin-1" / "bundle.json").is_file()
+    assert "orin-1" in result.stdout and "mosquitto -c" in result.stdout
+    wrong = installed.script("feast-agent", "run", "--credentials", str(pki / "devices" / "orin-1"), "--device-id", "pi-2", "--data", "/nonexistent")
+    assert wrong.returncode == 2 and "differs from the credentials bundle's identity 'orin-1'" in wrong.stderr, wrong.stderr
