@@ -278,7 +278,7 @@ class Link:
             log.error("MQTT broker at %s refused a subscription (%s); check the broker's ACL", self.address, refused[0])
 
     def _seal(self, topic: str, payload: bytes) -> bytes:
-        return payload if self.keyring is None else self.keyring.seal(topic, bytes(payload))
+        return payload if self.keyring is None else self.keyring.seal(topic, payload)  # chunk frames pass through uncopied
 
     def _admit(self, message: mqtt.MQTTMessage) -> Received | None:
         """The message as handlers see it: its signature checked and removed (with credentials); None when it is dropped."""
