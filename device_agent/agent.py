@@ -417,16 +417,17 @@ class Agent:
             step.result, federation=self.config.federation, round=t, device=device_id, transfer=up, routed=info.transfer,
             compute_seconds=step.compute_seconds, torch_device=str(self.config.device),
         )
+        topic, announcement = self.topics.events(device_id), update.encode()
         try:
-            client.sender.announce_and_send(self.topics.events(device_id), update.encode(), step.payload, up, timeout=self.config.send_timeout)
+            client.sender.announce_and_send(topic, announcement, step.payload, up, timeout=self.config.send_timeout)
         except LinkError as exc:
             log.error("%s: could not send the update of %s: %s", shown, device_id, exc)
             return
         self.rounds_trained += 1
         client.rounds_trained += 1
-        log.info(
-            "%s: %s sent its update: loss %.4f, %.1f s training, %.2f MB", shown, device_id, step.result.mean_loss, step.compute_seconds, len(step.payload) / 1e6,
-        )
+        log.info("%s: %s sent its update: loss %.4f, %.1f s training, %.2f MB", shown, device_id, step.result.mean_loss, step.compute_seconds, len(step.payload) / 1e6)
+        # Until the server's receipt: what reached a restarted broker before the server subscribed again is lost.
+        client.sender.confirm(topic, announcement, up, until=deadline, idle=lambda: self._process(0), cancelled=lambda: device_id in self._pending or self.stop.is_set())
 
     # ------------------------------------------------------------------ models
     def _receive_model(self, message: ModelReady) -> None:

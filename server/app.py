@@ -14,6 +14,7 @@ queue, so no state is touched from two threads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -165,7 +166,10 @@ class FederationServer:
         self.on_round = on_round
         self.stop = threading.Event()
         self.model = Supernet(self.preset, seed=config.seed)
-        self.link = Link(link_config, presence=Presence(federation=config.federation, round=0, device=SERVER_ID, state="online", role="server"))
+        self.link = Link(
+            link_config, presence=Presence(federation=config.federation, round=0, device=SERVER_ID, state="online", role="server"),
+            on_reconnect=self._on_reconnect,
+        )
         self.out.mkdir(parents=True, exist_ok=True)
         self.registry = Registry(self.out / REGISTRY)
         self.devices = DeviceBook(
@@ -223,6 +227,12 @@ class FederationServer:
         self.registry.close()
 
     # ------------------------------------------------------------------ incoming (paho's thread)
+    def _on_reconnect(self) -> None:
+        # Queued before the statuses that the new subscription brings: what the server knew of presence may be stale
+        # (an agent that died while the broker was down left no last will), so it starts over from those statuses.
+        with contextlib.suppress(queue.Full):
+            self._inbox.put_nowait(("reconnected", Presence(federation=self.config.federation, round=0, device=SERVER_ID, state="online", role="server")))
+
     def _on_message(self, channel: str) -> Callable[[Received], None]:
         def handle(received: Received) -> None:
             if channel == "status" and not received.payload:
@@ -281,7 +291,9 @@ class FederationServer:
         if verdict is not None:
             self._ignore(f"{message.kind} from {message.device}: {verdict}")
             return
-        if channel == "status" and isinstance(message, Presence):
+        if channel == "reconnected":
+            self.devices.on_reconnect()
+        elif channel == "status" and isinstance(message, Presence):
             self.devices.on_presence(message)
         elif channel == "register" and isinstance(message, Register):
             self.devices.on_register(message)

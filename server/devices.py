@@ -88,6 +88,13 @@ class DeviceBook:
             log.info("%s offline", ", ".join(devices))
             self.on_offline(devices)
 
+    def on_reconnect(self) -> None:
+        """The server's link came back: forget who was online (the statuses that follow say it again) and, as at a
+        restart, let a new agent instance take over any device (its old agent may have died with no last will)."""
+        self.hosts_online.clear()
+        self._released = {d.device_id for d in self.registry.devices()}
+        self.registry.mark_all_offline()
+
     def refusal(self, message: Register) -> str:
         """Why ``message`` cannot be accepted, or "" when it can."""
         device = message.device

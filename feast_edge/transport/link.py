@@ -53,8 +53,10 @@ Handler = Callable[[Received], None]
 class Link:
     """An MQTT connection with presence, re-subscription, pipelined QoS 1 publishing and clear errors."""
 
-    def __init__(self, config: LinkConfig, *, presence: Presence | None = None) -> None:
+    def __init__(self, config: LinkConfig, *, presence: Presence | None = None, on_reconnect: Callable[[], None] | None = None) -> None:
         self.config = config
+        # Runs in paho's thread after a reconnect, before the filters are subscribed again (so before any retained message).
+        self.on_reconnect = on_reconnect
         self.address = parse_broker_url(config.broker)
         self.presence = presence
         self.status_topic = None if presence is None else _status_topic(presence)
@@ -209,6 +211,8 @@ class Link:
                 log.error("reconnect failed: %s", self._connect_error)
             self._connack.set()
             return
+        if not self._connecting and self.on_reconnect is not None:
+            self.on_reconnect()
         # Under the lock, so that a concurrent subscribe() either is in this list or sees the link connected.
         with self._lock:
             subscriptions = list(self._subscriptions.items())

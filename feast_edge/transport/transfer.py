@@ -72,6 +72,33 @@ class ChunkSender:
         self.link.publish(topic, announcement)
         return self.send(payload, round=info.round, device=info.device, transfer=info.transfer, timeout=timeout)
 
+    def confirm(
+        self, topic: str, announcement: bytes, info: TransferInfo, *, until: float, receipt_wait: float = 10.0, attempts: int = 3,
+        idle: Callable[[], None] = lambda: None, cancelled: Callable[[], bool] = lambda: False,
+    ) -> Receipt | None:
+        """After :meth:`announce_and_send`: wait for the receiver's receipt; without one, announce and send it all again.
+
+        A broker that restarted drops what reached it before the receiver subscribed again; the receiver drops a
+        repeated announcement (same message id) and answers repeated chunks of a finished transfer with its receipt
+        again, so sending again is always safe. At most ``attempts - 1`` repeats, none after the monotonic time
+        ``until``; ``idle`` runs while waiting, ``cancelled`` ends the wait. Returns the receipt, or None.
+        """
+        for attempt in range(1, attempts + 1):
+            end = time.monotonic() + receipt_wait
+            while time.monotonic() < end:
+                receipt = self.wait_receipt(info.transfer, 0.2)
+                if receipt is not None:
+                    return receipt
+                idle()
+                if cancelled():
+                    return None
+            if attempt == attempts or time.monotonic() > until:
+                return None
+            log.warning("no receipt for transfer %s within %g s (lost across a broker restart?); sending it again", info.transfer, receipt_wait)
+            self.link.publish(topic, announcement)
+            self.resend(info.transfer)
+        return None
+
     def resend(self, transfer: str, indices: list[int] | None = None) -> int:
         """Publish chunks of a held transfer again without waiting (all by default); return how many."""
         info = self.outbox.get(transfer)

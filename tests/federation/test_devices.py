@@ -105,3 +105,18 @@ def test_the_registry_is_bounded(registry: Registry) -> None:
     assert [r.accepted for r in replies] == [True, True, True, False, False, True]
     assert "maximum of 3 registered devices (--max-devices)" in replies[3].reason
     assert registry.count() == 3
+
+
+def test_after_the_servers_link_came_back_a_new_instance_may_take_over(registry: Registry) -> None:
+    """An agent that died while the broker was down never sent its last will: after the reconnect its id is free again."""
+    replies: list[Registered] = []
+    book = _book(registry, replies)
+    _online(book, "jet")
+    _register(book, "jet", "old")
+    _register(book, "jet", "new")
+    assert [r.accepted for r in replies] == [True, False]  # the old instance is online: a second one is refused
+    book.on_reconnect()
+    assert book.online() == []  # the statuses that follow the new subscription say who is online
+    _register(book, "jet", "new")
+    _online(book, "jet")
+    assert replies[-1].accepted and book.online() == ["jet"]
