@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 REGISTRY = "devices.sqlite"
 KIND = "federation"
+PER_DEVICE_QUEUE = 256  # messages one device may have waiting in the server's inbox
 SERVER_ID = "server"
 
 __all__ = ["CHECKPOINT", "REGISTRY", "FederationServer", "RoundRecord", "ServerConfig", "ServerError"]
@@ -189,6 +190,9 @@ class FederationServer:
         self._inbox: queue.Queue[tuple[str, Message]] = queue.Queue(maxsize=100_000)
         self._filter = MessageFilter(config.federation)
         self._dropped = Throttle(log)  # bad input is logged, a few lines a minute per kind and sender
+        self._queue_lock = threading.Lock()
+        self._queued: dict[str, int] = {}  # device -> its messages in the inbox
+        self._latest_metrics: dict[str, Metrics] = {}  # device -> its newest metrics, waiting to be handled
         self._last_poll = 0.0
 
     @property
@@ -248,27 +252,57 @@ class FederationServer:
                 return
             if isinstance(message, Update) and self.collector is not None:
                 self.collector.pre_expect(message)  # its chunks follow at once, in this thread
-            try:
-                self._inbox.put_nowait((channel, message))
-            except queue.Full:
-                self._dropped.warning("inbox", "server inbox full; dropped a %s message from %s", message.kind, message.device)
+            self._enqueue(channel, message)
 
         return handle
+
+    def _enqueue(self, channel: str, message: Message) -> None:
+        """Queue for the run thread, fairly: one device's flood never delays (or crowds out) another device's update."""
+        device = message.device
+        with self._queue_lock:
+            if isinstance(message, Metrics):  # only the latest counts: any number of them waits as one
+                waiting = device in self._latest_metrics
+                self._latest_metrics[device] = message
+                if waiting:
+                    return
+            if self._queued.get(device, 0) >= PER_DEVICE_QUEUE:
+                self._dropped.warning(f"queue {device}", "%s has %d messages waiting; dropped its %s", device, PER_DEVICE_QUEUE, message.kind)
+                return
+            self._queued[device] = self._queued.get(device, 0) + 1
+        try:
+            self._inbox.put_nowait((channel, message))
+        except queue.Full:
+            self._dequeued(message)
+            self._dropped.warning(f"inbox {message.kind}", "server inbox full; dropped a %s message from %s", message.kind, device)
+
+    def _dequeued(self, message: Message) -> Message:
+        """The message to handle for one taken from the queue (for metrics, the device's latest)."""
+        with self._queue_lock:
+            left = self._queued.get(message.device, 1) - 1
+            if left > 0:
+                self._queued[message.device] = left
+            else:
+                self._queued.pop(message.device, None)
+            if isinstance(message, Metrics):
+                return self._latest_metrics.pop(message.device, message)
+        return message
 
     # ------------------------------------------------------------------ event loop (the run thread)
     def pump(self, seconds: float) -> None:
         """Handle incoming messages and finished transfers for ``seconds`` (0: only what is queued now)."""
         end = time.monotonic() + seconds
         while True:
-            if self.collector is not None:
-                try:
+            try:
+                if self.collector is not None:
                     self.collector.drain()
                     now = time.monotonic()
                     if now - self._last_poll >= 0.5:
                         self.collector.receiver.poll()
                         self._last_poll = now
-                except Exception:  # finished uploads are the network's input too: never let one stop the server
-                    log.exception("failed to handle a finished transfer")
+                if self.models is not None:
+                    self.models.tick()  # model requests that waited for their device's interval
+            except Exception:  # finished uploads and requests are the network's input too: never let one stop the server
+                log.exception("failed to handle a finished transfer or a model request")
             try:
                 channel, message = self._inbox.get_nowait()
             except queue.Empty:
@@ -279,6 +313,7 @@ class FederationServer:
                     channel, message = self._inbox.get(timeout=min(remaining, 0.05))
                 except queue.Empty:
                     continue
+            message = self._dequeued(message)
             try:
                 self._handle(channel, message)
             except FeastError as exc:  # a bad message must never stop the server
@@ -306,7 +341,7 @@ class FederationServer:
                 self.registry.touch(message.device, metrics=message.values)
                 log.debug("metrics from %s: %s", message.device, json.dumps(message.values, sort_keys=True)[:300])
         elif channel == "events" and isinstance(message, ModelRequest) and self.models is not None:
-            self.models.send(message.device, request=message.msg_id)
+            self.models.request(message.device, message.msg_id)
         else:
             self._ignore(f"{message.kind} from {message.device}: it does not belong on the {channel} topic")
 

@@ -24,6 +24,7 @@ import torch
 
 from feast_edge.checkpoint import load_supernet
 from feast_edge.server.app import FederationServer, RoundRecord, ServerConfig
+from feast_edge.shards import write_partition
 from feast_edge.simulate import Simulation, SimulationConfig
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained as transport_clear_retained
@@ -194,6 +195,14 @@ class Kit:
 @pytest.fixture(scope="session")
 def kit() -> Kit:
     return Kit()
+
+
+@pytest.fixture(scope="session")
+def partition(kit: Kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
+    """kit.CONFIG's population written as shard files (read-only for the tests), with the server's held-out split."""
+    out = tmp_path_factory.mktemp("partition")
+    write_partition(kit.CONFIG, out)
+    return out
 
 
 @pytest.fixture

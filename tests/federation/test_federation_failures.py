@@ -34,7 +34,7 @@ from feast_edge.preset import load_preset
 from feast_edge.protocol import Register, Registered, RoundStart, Update
 from feast_edge.rounds import CHECKPOINT
 from feast_edge.server.app import ServerConfig
-from feast_edge.shards import read_index, write_partition
+from feast_edge.shards import read_index
 from feast_edge.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import describe, encode_frame
@@ -305,13 +305,6 @@ def test_malformed_messages_are_logged_and_never_stop_the_server(kit, tmp_path: 
 
 
 # --------------------------------------------------------------------------- real agent processes
-
-
-@pytest.fixture(scope="module")
-def partition(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("partition")
-    write_partition(kit.CONFIG, out)
-    return out
 
 
 def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, federation: str, partition: Path) -> None:

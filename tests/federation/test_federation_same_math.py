@@ -23,17 +23,10 @@ import torch
 from feast_edge.checkpoint import read_record
 from feast_edge.rounds import CHECKPOINT
 from feast_edge.server.registry import Registry
-from feast_edge.shards import read_index, write_partition
+from feast_edge.shards import read_index
 from feast_edge.simulate import Simulation
 
 # --------------------------------------------------------------------------- the federation under test
-
-
-@pytest.fixture(scope="module")
-def partition(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("partition")
-    write_partition(kit.CONFIG, out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from feast_edge.federation import plan_client
 from feast_edge.preset import load_preset
 from feast_edge.protocol import RoundStart
 from feast_edge.server.app import ServerConfig, ServerError
-from feast_edge.shards import read_index, write_partition
+from feast_edge.shards import read_index
 from feast_edge.train import TrainConfig
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import MiB, TransferInfo
@@ -30,13 +30,6 @@ from feast_edge.transport.link import Link
 from feast_edge.transport.topics import Topics
 
 PRESET = load_preset("fmnist-small")
-
-
-@pytest.fixture(scope="module")
-def partition(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("partition")
-    write_partition(kit.CONFIG, out)
-    return out
 
 
 def test_a_server_without_enough_devices_ends_at_its_idle_limit_with_a_clear_message(kit, tmp_path: Path, federation: str) -> None:
@@ -155,3 +148,58 @@ def test_floods_from_a_stranger_cost_the_server_no_memory_and_the_round_still_co
         attacker.close()
         server.close()
     assert history[0].applied and history[0].updated == [device.device_id]
+
+
+def test_one_devices_flood_never_crowds_out_another_devices_update(tmp_path: Path, federation: str) -> None:
+    """A registered device may flood valid messages on its own topic (ACL and signatures allow it): its metrics wait as
+    one message, anything else beyond its share is dropped, and another device's update still gets a place in the queue."""
+    from feast_edge.protocol import Metrics, Update
+    from feast_edge.server.app import PER_DEVICE_QUEUE, FederationServer
+    from feast_edge.transport.frames import describe
+
+    server = FederationServer(ServerConfig(out=str(tmp_path), federation=federation), LinkConfig(broker="mqtt://127.0.0.1:1883"))
+    try:
+        for i in range(10_000):
+            server._enqueue("events", Metrics(federation=federation, round=0, device="flooder", values={"i": i}))
+        junk = describe(b"x", federation=federation, round=0, device="flooder").to_dict()
+        for _ in range(10_000):
+            server._enqueue("events", Update(federation=federation, round=0, device="flooder", transfer=junk, routed="r", samples=1))
+        honest = Update(federation=federation, round=0, device="honest", transfer=describe(b"y", federation=federation, round=0, device="honest").to_dict(), routed="r", samples=5)
+        server._enqueue("events", honest)
+        queued = [server._inbox.get_nowait() for _ in range(server._inbox.qsize())]
+        assert len(queued) == PER_DEVICE_QUEUE + 1, len(queued)
+        assert queued[-1][1] is honest
+        metrics = [server._dequeued(m) for _, m in queued if isinstance(m, Metrics)]
+        assert len(metrics) == 1 and metrics[0].values == {"i": 9999}  # the latest of ten thousand
+    finally:
+        server.close()
+
+
+def test_model_requests_cost_one_copy_and_one_send_per_interval(tmp_path: Path, federation: str) -> None:
+    import hashlib
+    import json
+
+    from feast_edge.server.serving import REQUEST_INTERVAL, ModelServer
+    from feast_edge.transport.transfer import ChunkSender
+
+    models = tmp_path / "models"
+    models.mkdir()
+    blob = bytes(range(256)) * 4096  # 1 MiB "model"
+    (models / "jet.onnx").write_bytes(blob)
+    (models / "jet.json").write_text(json.dumps({"file": "jet.onnx", "sha256": hashlib.sha256(blob).hexdigest()}))
+    link = Link(LinkConfig(broker="mqtt://127.0.0.1:1883"))
+    link.connect(timeout=5)
+    t = Topics(federation)
+    sender = ChunkSender(link, t, "down")
+    serving = ModelServer(tmp_path, link, t, sender, send_timeout=30)
+    try:
+        for i in range(50):
+            serving.request("jet", f"req{i}")
+        assert len(sender.outbox._held) == 1, "fifty requests must not hold fifty copies"
+        first = next(iter(sender.outbox._held))
+        time.sleep(REQUEST_INTERVAL + 0.2)
+        serving.tick()  # the waiting (latest) request is answered once the interval is over, superseding the first copy
+        assert len(sender.outbox._held) == 1 and first not in sender.outbox._held
+        assert serving._waiting == {}
+    finally:
+        link.close()

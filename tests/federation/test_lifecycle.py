@@ -12,16 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from feast_edge.shards import read_index, write_partition
-
-
-@pytest.fixture(scope="module")
-def partition(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("partition")
-    write_partition(kit.CONFIG, out)
-    return out
+from feast_edge.shards import read_index
 
 
 def _exited(process: subprocess.Popen) -> bool:

@@ -25,7 +25,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from feast_edge.protocol import Register, Registered
 from feast_edge.server.brokers import Broker, free_port, start_mosquitto
 from feast_edge.server.provision import Provisioned, provision
-from feast_edge.shards import read_index, write_partition
+from feast_edge.shards import read_index
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.credentials import CredentialsError, load_credentials
 from feast_edge.transport.link import Link
@@ -249,23 +249,16 @@ def test_unsigned_and_re_addressed_messages_never_reach_the_server(tmp_path: Pat
 # --------------------------------------------------------------------------- a provisioned federation
 
 
-@pytest.fixture(scope="module")
-def shards(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("partition")
-    write_partition(kit.CONFIG, out)
-    return out
-
-
-def test_a_provisioned_federation_trains_and_refuses_what_the_identities_do_not_allow(kit, tmp_path: Path, shards: Path, agent_cli) -> None:
-    entries = read_index(shards)["clients"]
+def test_a_provisioned_federation_trains_and_refuses_what_the_identities_do_not_allow(kit, tmp_path: Path, partition: Path, agent_cli) -> None:
+    entries = read_index(partition)["clients"]
     running = start_provisioned(tmp_path / "provision", "certificate", ["jet", "pi"], federation="prov")
     try:
         server_link = load_credentials(running.done.server).link_config()
-        config = kit.server_config(kit.CONFIG, tmp_path / "run", shards, "prov", rounds=1, per_round=2, min_clients=2, start_clients=2)
+        config = kit.server_config(kit.CONFIG, tmp_path / "run", partition, "prov", rounds=1, per_round=2, min_clients=2, start_clients=2)
         server = kit.ServerThread(config, link=server_link).start()
         url = f"mqtts://127.0.0.1:{running.port}"
         agents = [
-            kit.spawn_agent(tmp_path / "logs", name, shards / entry["file"], "prov", "--credentials", str(running.done.devices[name]), broker=url)
+            kit.spawn_agent(tmp_path / "logs", name, partition / entry["file"], "prov", "--credentials", str(running.done.devices[name]), broker=url)
             for name, entry in zip(["jet", "pi"], entries)
         ]
         try:
@@ -276,7 +269,7 @@ def test_a_provisioned_federation_trains_and_refuses_what_the_identities_do_not_
         assert history[0].applied and sorted(history[0].updated) == ["jet", "pi"]
         assert codes == [0, 0], [kit.log_text(a)[-800:] for a in agents]
         # A device bundle is one identity: it cannot host another device id or be used as the server's.
-        shard = str(shards / entries[0]["file"])
+        shard = str(partition / entries[0]["file"])
         mismatch = agent_cli.run("run", "--credentials", str(running.done.devices["jet"]), "--device-id", "pi", "--data", shard)
         agent_cli.assert_user_error(mismatch, "differs from the credentials bundle's identity 'jet'")
         agent_cli.assert_user_error(agent_cli.run("run", "--credentials", str(running.done.server), "--data", shard), "the server's bundle")
