@@ -38,7 +38,7 @@ from feast_edge.transport.errors import LinkError, ProtocolError, TopicError
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE, TransferInfo
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Message, MessageFilter, Presence, new_msg_id, parse
-from feast_edge.transport.throttle import Throttle
+from feast_edge.transport.throttle import Throttle, channel_of
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 
@@ -190,7 +190,7 @@ class Agent:
             self.topics.parse(received.topic)
             return parse(received.payload)
         except (ProtocolError, TopicError) as exc:
-            self._dropped.warning(f"malformed {received.topic}", "dropped malformed message on %s: %s", received.topic, exc)
+            self._dropped.warning(f"malformed {channel_of(received.topic)}", "dropped malformed message on %s: %s", received.topic, exc)
             return None
 
     def _queue(self, channel: str, message: Message) -> None:

@@ -48,7 +48,7 @@ from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Message, MessageFilter, Presence, parse
-from feast_edge.transport.throttle import Throttle
+from feast_edge.transport.throttle import Throttle, channel_of
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 
@@ -245,10 +245,10 @@ class FederationServer:
                 topic = self.topics.parse(received.topic)
                 message = parse(received.payload)
             except (ProtocolError, TopicError) as exc:
-                self._dropped.warning(f"malformed {received.topic}", "dropped malformed message on %s: %s", received.topic, exc)
+                self._dropped.warning(f"malformed {channel_of(received.topic)}", "dropped malformed message on %s: %s", received.topic, exc)
                 return
             if topic.device is not None and message.device != topic.device:
-                self._dropped.warning(f"names {received.topic}", "dropped %s message on %s: it names device %r", message.kind, received.topic, message.device)
+                self._dropped.warning(f"names {channel_of(received.topic)}", "dropped %s message on %s: it names device %r", message.kind, received.topic, message.device)
                 return
             if isinstance(message, Update) and self.collector is not None:
                 self.collector.pre_expect(message)  # its chunks follow at once, in this thread

@@ -30,7 +30,7 @@ from feast_edge.transport.broker import PROTOCOLS, LinkConfig, parse_broker_url,
 from feast_edge.transport.errors import BrokerAuthError, BrokerTlsError, BrokerUnreachableError, LinkError
 from feast_edge.transport.messages import Presence, new_msg_id
 from feast_edge.transport.signing import SignatureError
-from feast_edge.transport.throttle import Throttle
+from feast_edge.transport.throttle import Throttle, channel_of
 from feast_edge.transport.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ class Link:
             try:
                 payload = self.keyring.open(message.topic, payload)
             except SignatureError as exc:
-                self._dropped.warning(f"signature {message.topic}", "dropped a message: %s", exc)
+                self._dropped.warning(f"signature {channel_of(message.topic)}", "dropped a message: %s", exc)
                 return None
         return Received(message.topic, payload, bool(message.retain), message.qos)
 

@@ -8,6 +8,12 @@ import time
 from collections import OrderedDict
 
 
+def channel_of(topic: str) -> str:
+    """A topic without its last level (``feast/lab/events/jet`` -> ``feast/lab/events``): a throttle key that stays
+    one key however many device ids a flood uses."""
+    return topic.rsplit("/", 1)[0]
+
+
 class Throttle:
     """At most ``burst`` lines per key every ``period`` seconds; the rest are counted and summed up in the next line."""
 

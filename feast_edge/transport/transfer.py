@@ -19,7 +19,7 @@ from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, TransferInfo, describe
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import MAX_NACK_INDICES, Message, MessageFilter, Nack, Receipt, parse
-from feast_edge.transport.throttle import Throttle
+from feast_edge.transport.throttle import Throttle, channel_of
 from feast_edge.transport.topics import WILDCARD, Topics, validate_direction
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class ChunkSender:
                     self._receipts.pop(next(iter(self._receipts)))
                 self._changed.notify_all()
         elif message is not None:
-            _dropped.warning(f"unexpected {received.topic}", "unexpected %s message on %s; ignored", message.kind, received.topic)
+            _dropped.warning(f"unexpected {channel_of(received.topic)}", "unexpected %s message on %s; ignored", message.kind, received.topic)
 
 
 class ChunkReceiver:
@@ -214,7 +214,7 @@ class ChunkReceiver:
             topic = self.topics.parse(received.topic)
             progress = self.reassembler.add(received.payload, device=topic.device)
         except (ProtocolError, TopicError) as exc:
-            _dropped.warning(f"chunk {received.topic}", "dropped chunk on %s: %s", received.topic, exc)
+            _dropped.warning(f"chunk {channel_of(received.topic)}", "dropped chunk on %s: %s", received.topic, exc)
             return
         log.debug("chunk %d/%d of transfer %s: %s", progress.index, progress.info.count, progress.info.transfer, progress.status.value)
         if progress.status in (Status.COMPLETE, Status.REJECTED):
@@ -254,13 +254,13 @@ def _parse_from(received: Received, topics: Topics, gate: MessageFilter, what: s
         topic = topics.parse(received.topic)
         message = parse(received.payload)
     except (ProtocolError, TopicError) as exc:
-        _dropped.warning(f"{what} {received.topic}", "dropped %s on %s: %s", what, received.topic, exc)
+        _dropped.warning(f"{what} {channel_of(received.topic)}", "dropped %s on %s: %s", what, received.topic, exc)
         return None
     if topic.device is not None and message.device != topic.device:
-        _dropped.warning(f"{what} {received.topic}", "dropped %s on %s: it names device %r", what, received.topic, message.device)
+        _dropped.warning(f"{what} {channel_of(received.topic)}", "dropped %s on %s: it names device %r", what, received.topic, message.device)
         return None
     reason = gate.verdict(message)
     if reason is not None:
-        _dropped.log(logging.INFO, f"{what} {received.topic}", "dropped %s on %s: %s", what, received.topic, reason)
+        _dropped.log(logging.INFO, f"{what} {channel_of(received.topic)}", "dropped %s on %s: %s", what, received.topic, reason)
         return None
     return message

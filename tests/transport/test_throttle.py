@@ -28,3 +28,13 @@ def test_memory_stays_bounded_whatever_the_keys() -> None:
     for i in range(10_000):
         throttle.warning(f"sender-{i}", "x")
     assert len(throttle._windows) == 16
+
+
+def test_a_flood_over_many_device_ids_is_still_one_key(caplog: pytest.LogCaptureFixture) -> None:
+    from feast_edge.transport.throttle import channel_of
+
+    caplog.set_level(logging.WARNING)
+    throttle = Throttle(logging.getLogger("ids"), burst=5)
+    for i in range(1000):
+        throttle.warning(f"malformed {channel_of(f'feast/lab/events/ghost-{i}')}", "dropped malformed message on %s", i)
+    assert len(caplog.records) == 5
