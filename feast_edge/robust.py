@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +65,14 @@ RULES = ("mean", "clip", "trimmed-mean", "median")
 # a short axis for large tensors and small cohorts; on small tensors its Python loop costs more than it saves.
 NETWORK_MAX_CLIENTS = 32
 NETWORK_MIN_POSITIONS = 1 << 14
+
+
+def rule_settings(rule: str, trim: float, clip_norm: float | None) -> dict[str, Any]:
+    """The aggregation settings ``rule`` reads, for a run's fingerprint: none for the mean, so runs from before the
+    robust rules existed keep their fingerprint."""
+    used = {"mean": (), "clip": ("aggregation", "clip_norm"), "trimmed-mean": ("aggregation", "trim"), "median": ("aggregation",)}
+    values = {"aggregation": rule, "trim": trim, "clip_norm": clip_norm}
+    return {name: values[name] for name in used[rule]}
 
 
 def check_rule(rule: str, trim: float = 0.1, clip_norm: float | None = None) -> None:

@@ -37,7 +37,7 @@ from feast_edge.evaluate import evaluate_variants, population_accuracy
 from feast_edge.federation import ClientPlan, client_seed, client_update, plan_client
 from feast_edge.population import Population, build_population, server_split, zipf_population
 from feast_edge.preset import Preset, load_preset
-from feast_edge.robust import check_rule
+from feast_edge.robust import check_rule, rule_settings
 from feast_edge.rounds import BEST, CHECKPOINT, ClientUpdate, Collected, RoundRecord, RunError, RunLoop, RunSettings, Validation
 from feast_edge.route import route_state
 from feast_edge.supernet import Supernet
@@ -113,9 +113,7 @@ class SimulationConfig:
     def decisive(self) -> dict[str, Any]:
         """Every setting that changes the trained weights or the selection (not the device)."""
         data = {k: v for k, v in asdict(self).items() if k not in ("device", *_AGGREGATION)}
-        # Only the aggregation settings the rule reads, none for the mean: runs from before the rules existed keep their digest.
-        used = {"mean": (), "clip": ("aggregation", "clip_norm"), "trimmed-mean": ("aggregation", "trim"), "median": ("aggregation",)}
-        return {**data, **{k: getattr(self, k) for k in used[self.aggregation]}}
+        return {**data, **rule_settings(self.aggregation, self.trim, self.clip_norm)}
 
     def fingerprint(self) -> str:
         """Digest of :meth:`decisive`."""

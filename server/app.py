@@ -32,7 +32,7 @@ from feast_edge.checkpoint import load_supernet, read_record
 from feast_edge.errors import FeastError
 from feast_edge.preset import load_preset
 from feast_edge.protocol import Declined, Metrics, ModelRequest, Register, Update
-from feast_edge.robust import check_rule
+from feast_edge.robust import check_rule, rule_settings
 from feast_edge.rounds import CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings, Validation
 from feast_edge.server.collect import MqttCollector, WaitTimeout
 from feast_edge.server.data import ServerData, load_server_data
@@ -127,9 +127,7 @@ class ServerConfig:
     def decisive(self) -> dict[str, Any]:
         """The settings that change the trained weights (a resumed run must keep them)."""
         names = ("preset", "rounds", "per_round", "min_clients", "seed", "lr", "batch_size", "method", "augment", "cache", "federation")
-        # Only the aggregation settings the rule reads, none for the mean: runs from before the rules existed keep their fingerprint.
-        used = {"mean": (), "clip": ("aggregation", "clip_norm"), "trimmed-mean": ("aggregation", "trim"), "median": ("aggregation",)}
-        return {name: getattr(self, name) for name in (*names, *used[self.aggregation])}
+        return {**{name: getattr(self, name) for name in names}, **rule_settings(self.aggregation, self.trim, self.clip_norm)}
 
     @classmethod
     def stored(cls, out: str | Path, **overrides: Any) -> ServerConfig:
