@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +89,10 @@ def start_mosquitto(config: Path, port: int, log: Path, *, url: str, enforces: s
     binary = mosquitto_binary()
     if binary is None:
         raise BrokerError("the mosquitto binary is not installed; install it (apt-get install mosquitto)")
-    return _start([binary, "-c", str(config)], port, log, Broker(url, f"mosquitto (embedded, {binary}) on 127.0.0.1:{port}", enforces=enforces))
+    broker = Broker(url, f"mosquitto (embedded, {binary}) on 127.0.0.1:{port}", enforces=enforces)
+    # Ready when it says so ("mosquitto version … running", after its listeners opened): a test connection to a TLS
+    # listener would only add a failed-handshake line to its log.
+    return _start([binary, "-c", str(config)], log, broker, ready=lambda: " running" in log.read_text(errors="replace"))
 
 
 def start_broker(workdir: Path, kind: str = "auto") -> Broker:
@@ -107,14 +111,14 @@ def start_broker(workdir: Path, kind: str = "auto") -> Broker:
     )
     command = [sys.executable, "-c", "from amqtt.scripts.broker_script import main; main()", "-c", str(conf)]
     broker = Broker(f"mqtt://127.0.0.1:{port}", f"amqtt (embedded, pure Python) on 127.0.0.1:{port}", enforces="nothing: anonymous, plain TCP, no ACL")
-    return _start(command, port, workdir / "broker.log", broker)
+    return _start(command, workdir / "broker.log", broker, ready=lambda: listening(port))
 
 
-def _start(command: list[str], port: int, log_path: Path, broker: Broker) -> Broker:
+def _start(command: list[str], log_path: Path, broker: Broker, ready: Callable[[], bool]) -> Broker:
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 15
-    while not listening(port):
+    while not ready():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             raise BrokerError(f"the embedded broker did not start; see {log_path}")
