@@ -27,6 +27,9 @@ from torchvision.transforms import v2
 from feast_edge.data import normalize
 
 MIXERS = ("mixup", "cutmix")
+# Augmentation policies a training recipe can name: per-image transform, then (``+mix``) Mixup/CutMix.
+POLICIES = ("randaugment+mix", "crop-flip+mix", "crop-flip", "randaugment", "none")
+DEFAULT_POLICY = "randaugment+mix"  # SPEC §7
 _SEED_BOUND = 2**62
 
 
@@ -53,8 +56,37 @@ def plain_batch(images: torch.Tensor, labels: torch.Tensor, mean: tuple[float, .
     return MixedBatch(pixels, F.one_hot(labels, classes).float(), "none")
 
 
+def check_policy(policy: str) -> str:
+    """``policy`` if it is one of :data:`POLICIES`, else a ValueError naming them."""
+    if policy not in POLICIES:
+        raise ValueError(f"augmentation policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+    return policy
+
+
+class _CropFlip:
+    """Random crop of the image's own size after zero padding, then a horizontal flip with p = 0.5."""
+
+    def __init__(self, padding: int) -> None:
+        self.padding = padding
+        self.flip = v2.RandomHorizontalFlip()
+        self.crops: dict[tuple[int, int], v2.RandomCrop] = {}
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        if self.padding:
+            size = (int(image.shape[-2]), int(image.shape[-1]))
+            crop = self.crops.setdefault(size, v2.RandomCrop(size, padding=self.padding))
+            image = crop(image)
+        return self.flip(image)
+
+
 class BatchAugmenter:
-    """RandAugment per image, then Mixup/CutMix alternating by batch index, then normalization (SPEC §7)."""
+    """A per-image transform, then Mixup/CutMix alternating by batch index, then normalization.
+
+    ``policy`` (:data:`POLICIES`): ``randaugment+mix`` is SPEC §7 (RandAugment(ops, magnitude) per
+    image, Mixup/CutMix between batches); ``crop-flip`` is a random crop after zero padding by
+    ``crop_padding`` pixels and a horizontal flip; ``+mix`` adds the Mixup/CutMix alternation; a
+    policy without it keeps one-hot targets (``mixer`` ``"none"``).
+    """
 
     def __init__(
         self,
@@ -64,12 +96,21 @@ class BatchAugmenter:
         randaugment: tuple[int, int] = (2, 6),
         mixup_alpha: float = 0.4,
         cutmix_alpha: float = 1.0,
+        policy: str = DEFAULT_POLICY,
+        crop_padding: int = 2,
     ) -> None:
         self.mean = tuple(mean)
         self.std = tuple(std)
         self.classes = classes
+        self.policy = check_policy(policy)
+        self.mix = policy.endswith("+mix")
         ops, magnitude = randaugment
-        self.randaugment = v2.RandAugment(num_ops=ops, magnitude=magnitude)
+        if policy.startswith("randaugment"):
+            self.transform = v2.RandAugment(num_ops=ops, magnitude=magnitude)
+        elif policy.startswith("crop-flip"):
+            self.transform = _CropFlip(crop_padding)
+        else:
+            self.transform = None
         self.mixers = {
             "mixup": v2.MixUp(alpha=mixup_alpha, num_classes=classes),
             "cutmix": v2.CutMix(alpha=cutmix_alpha, num_classes=classes),
@@ -82,10 +123,14 @@ class BatchAugmenter:
         if images.device.type != "cpu":
             raise ValueError(f"augment on the CPU and move the mixed batch to the device afterwards (got images on {images.device})")
         seed = int(torch.randint(_SEED_BOUND, (1,), generator=generator))
-        mixer = mixer_for(batch_index)
+        mixer = mixer_for(batch_index) if self.mix else "none"
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            # One RandAugment draw per image (a batch tensor would share one draw across the batch).
-            augmented = torch.stack([self.randaugment(image) for image in images])
-            pixels, targets = self.mixers[mixer](augmented.float().div_(255.0), labels)
+            # One draw per image (a batch tensor would share one draw across the batch).
+            augmented = images if self.transform is None else torch.stack([self.transform(image) for image in images])
+            pixels = augmented.float().div_(255.0)
+            if self.mix:
+                pixels, targets = self.mixers[mixer](pixels, labels)
+            else:
+                targets = F.one_hot(labels, self.classes).float()
         return MixedBatch(normalize(pixels, self.mean, self.std), targets, mixer)

@@ -25,6 +25,7 @@ from feast_edge.preset import Preset
 from feast_edge.supernet import Supernet
 
 FORMAT = "feast-edge/supernet"
+MODEL_FORMAT = "feast-edge/model"  # any other module (the harness's baseline networks), described by its model record
 VERSION = 1
 META_KEY = "feast_edge"
 
@@ -64,7 +65,61 @@ def save_supernet(path: str | os.PathLike[str], supernet: Supernet, **fields: An
     return atomic_write_bytes(path, blob)
 
 
-def read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+def save_module(path: str | os.PathLike[str], module: torch.nn.Module, model: dict[str, Any], **fields: Any) -> Path:
+    """Atomically write a module that is not a supernet; ``model`` (JSON) describes its architecture and is checked on load."""
+    path = check_writable(path, "checkpoint")
+    tensors = state_tensors(module)
+    record = {"format": MODEL_FORMAT, "version": VERSION, "model": model, "content_sha256": tensors_digest(tensors), "fields": fields}
+    return atomic_write_bytes(path, safetensors_save(tensors, metadata={META_KEY: json.dumps(record, sort_keys=True)}))
+
+
+def load_module(path: str | os.PathLike[str], module: torch.nn.Module, model: dict[str, Any]) -> dict[str, Any]:
+    """Load a :func:`save_module` checkpoint into ``module`` after checking its model record, names, shapes, digest and values."""
+    record = read_record(path, MODEL_FORMAT)
+    if json.dumps(record.get("model"), sort_keys=True) != json.dumps(model, sort_keys=True):
+        raise CheckpointError(f"checkpoint {path} holds another model ({record.get('model')}), not {model}; pass the checkpoint of this run")
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    state = _read_tensors(path, expected, f"model {model.get('method', '')}".strip())
+    _check_content(path, record, state)
+    module.load_state_dict(state)
+    return record
+
+
+def _read_tensors(path: str | os.PathLike[str], expected: dict[str, tuple[int, ...]], what: str) -> dict[str, torch.Tensor]:
+    """Every expected tensor of a checkpoint, refusing missing, unexpected or mis-shaped ones."""
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        names = set(f.keys())
+        missing = sorted(set(expected) - names)
+        unexpected = sorted(names - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"checkpoint {path} does not match {what} "
+                f"({len(missing)} tensors missing, e.g. {missing[:2]}; {len(unexpected)} unexpected, e.g. {unexpected[:2]}); "
+                "it is corrupt or was written by another program"
+            )
+        state = {}
+        for name, shape in expected.items():
+            tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(
+                    f"checkpoint {path}: tensor {name} has shape {tuple(tensor.shape)}, {what} needs {shape}; "
+                    "the file is corrupt or belongs to another model"
+                )
+            state[name] = tensor
+    return state
+
+
+def _check_content(path: str | os.PathLike[str], record: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+    """The bytes on disk must be the ones written, and finite: a flipped tensor keeps the file's size and structure."""
+    stored_digest = record.get("content_sha256")
+    if stored_digest is not None and tensors_digest(state) != stored_digest:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its tensors do not match the SHA-256 its record was written with (the file changed on disk)")
+    broken = [name for name, tensor in state.items() if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if broken:
+        raise CheckpointError(f"checkpoint {path} holds NaN or infinite values (in {len(broken)} tensors, e.g. {broken[0]}); it cannot be resumed or exported")
+
+
+def read_record(path: str | os.PathLike[str], format: str | None = FORMAT) -> dict[str, Any]:
     """The validated JSON record of a checkpoint, without reading its tensors."""
     path = Path(path)
     if not path.is_file():
@@ -78,8 +133,11 @@ def read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
         record = json.loads(meta[META_KEY])
     except (KeyError, json.JSONDecodeError, RecursionError):
         raise CheckpointError(f"{path} is a safetensors file but not a feast-edge checkpoint (no valid '{META_KEY}' header); pass a checkpoint written by feast-edge") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {record.get('format') if isinstance(record, dict) else None!r}, expected {FORMAT!r}; pass a supernet checkpoint")
+    if not isinstance(record, dict) or record.get("format") not in (FORMAT, MODEL_FORMAT):
+        raise CheckpointError(f"{path} has format {record.get('format') if isinstance(record, dict) else None!r}, expected {format!r}; pass a feast-edge checkpoint")
+    if format is not None and record["format"] != format:
+        what = "a supernet" if format == FORMAT else "a baseline model"
+        raise CheckpointError(f"{path} holds a {record['format']!r} checkpoint, not {what}; pass a checkpoint of the right kind")
     if record.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint version {record.get('version')!r}; this feast-edge reads version {VERSION}, upgrade or re-export it")
     return record
@@ -113,31 +171,7 @@ def load_supernet(
         raise CheckpointError(f"checkpoint {path} has an invalid class count {classes!r}; re-create the checkpoint")
     model = Supernet(stored, classes=classes, seed=None)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        names = set(f.keys())
-        missing = sorted(set(expected) - names)
-        unexpected = sorted(names - set(expected))
-        if missing or unexpected:
-            raise CheckpointError(
-                f"checkpoint {path} does not match preset {stored.name!r} "
-                f"({len(missing)} tensors missing, e.g. {missing[:2]}; {len(unexpected)} unexpected, e.g. {unexpected[:2]}); "
-                "it is corrupt or was written by another program"
-            )
-        state = {}
-        for name in expected:
-            tensor = f.get_tensor(name)
-            if tuple(tensor.shape) != expected[name]:
-                raise CheckpointError(
-                    f"checkpoint {path}: tensor {name} has shape {tuple(tensor.shape)}, preset {stored.name!r} needs {expected[name]}; "
-                    "the file is corrupt or belongs to another preset"
-                )
-            state[name] = tensor
-    # The bytes on disk must be the ones written: a flipped or overwritten tensor keeps the file's size and structure.
-    stored_digest = record.get("content_sha256")
-    if stored_digest is not None and tensors_digest(state) != stored_digest:
-        raise CheckpointError(f"checkpoint {path} is corrupt: its tensors do not match the SHA-256 its record was written with (the file changed on disk)")
-    broken = [name for name, tensor in state.items() if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
-    if broken:
-        raise CheckpointError(f"checkpoint {path} holds NaN or infinite values (in {len(broken)} tensors, e.g. {broken[0]}); it cannot be resumed or exported")
+    state = _read_tensors(path, expected, f"preset {stored.name!r}")
+    _check_content(path, record, state)
     model.load_state_dict(state)
     return model.to(device), record

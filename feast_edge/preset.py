@@ -30,7 +30,13 @@ PATH_ENV = "FEAST_EDGE_PRESET_PATH"
 
 # Search settings stored with a preset; they do not shape tensors or costs, so
 # they stay out of Preset.digest (a cache or checkpoint stays valid when they change).
-_NOT_SHAPE = ("name", "description", "cache_segments", "extraction_rho", "budget_min", "budget_max", "budget_cap")
+_NOT_SHAPE = ("name", "description", "cache_segments", "extraction_rho", "budget_min", "budget_max", "budget_cap", "train")
+# Keys of the optional [train] table: the preset's training recipe (feast_edge.train.TrainConfig fields,
+# plus lr_schedule for the run loop); values are checked by TrainConfig when a run starts.
+RECIPE_KEYS = (
+    "lr", "lr_schedule", "batch_size", "epochs", "momentum", "weight_decay", "clip_norm",
+    "augment", "randaugment", "mixup_alpha", "cutmix_alpha", "crop_padding", "kd_weight",
+)
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,11 @@ class Preset:
     budget_min: float = 25e6
     budget_max: float = 1500e6
     budget_cap: float = 600e6
+    # Training recipe ([train] table): (key, value) pairs sorted by key; empty means SPEC §7's defaults.
+    train: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "train", _recipe_pairs(self.name, self.train))
         try:
             object.__setattr__(self, "cache_segments", _records(self.cache_segments, CacheSegment))
             object.__setattr__(self, "extraction_rho", _records(self.extraction_rho, RhoStep))
@@ -110,17 +119,35 @@ class Preset:
         blob = json.dumps(shape, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
+    @property
+    def recipe(self) -> dict[str, Any]:
+        """The [train] table as a dict (what the preset overrides of SPEC §7's training defaults)."""
+        return dict(self.train)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (the same content as the TOML file, flattened)."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Preset":
+    def from_dict(cls, data: dict[str, Any]) -> Preset:
         """Inverse of :meth:`to_dict`; validates every field."""
         try:
             return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
         except TypeError as exc:
             raise PresetError(f"preset record is malformed ({exc}); re-create it with this version of feast-edge") from None
+
+
+def _recipe_pairs(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
+    """Normalise a [train] table (dict or pairs, lists as tuples) and refuse unknown keys."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = {str(k): tuple(v) if isinstance(v, list) else v for k, v in items}
+    except (TypeError, ValueError):
+        raise PresetError(f"preset {name}: [train] must be a table of key = value") from None
+    unknown = sorted(set(pairs) - set(RECIPE_KEYS))
+    if unknown:
+        raise PresetError(f"preset {name}: [train] has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(RECIPE_KEYS)}")
+    return tuple(sorted(pairs.items()))
 
 
 def _require(ok: bool, where: str, message: str) -> None:
@@ -236,6 +263,7 @@ def _from_toml(data: dict[str, Any], source: str) -> Preset:
             divisor=int(stages.get("divisor", 8)),
             **_cache_from_toml(data.get("cache", {})),
             **_population_from_toml(data.get("population", {})),
+            train=tuple(data.get("train", {}).items()),
         )
     except KeyError as exc:
         raise PresetError(f"preset file {source} lacks the field {exc.args[0]!r}; see feast_edge/presets/*.toml for the format") from None

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from feast_edge.cache import VariantCache
-from feast_edge.checkpoint import load_supernet, read_record, save_supernet
+from feast_edge.checkpoint import FORMAT, MODEL_FORMAT, load_module, load_supernet, read_record, save_module, save_supernet
 from feast_edge.cost import count_params
 from feast_edge.errors import CheckpointError, FeastError
 from feast_edge.evaluate import evaluate_variants
@@ -39,7 +39,7 @@ from feast_edge.federation import ClientPlan, aggregate_updates, plan_client, sa
 from feast_edge.geometry import supernet_layout
 from feast_edge.robust import check_rule
 from feast_edge.supernet import Supernet
-from feast_edge.train import cosine_lr
+from feast_edge.train import scheduled_lr
 
 CHECKPOINT = "checkpoint.safetensors"
 PREVIOUS = "checkpoint.prev.safetensors"  # the last good checkpoint before the current one
@@ -149,12 +149,58 @@ class RunSettings:
     aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.robust)
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
+    lr_schedule: str = "cosine"  # feast_edge.train.SCHEDULES, over the federation horizon
 
     def __post_init__(self) -> None:
         try:
             check_rule(self.aggregation, self.trim, self.clip_norm)
         except ValueError as exc:
             raise RunError(str(exc)) from None
+
+
+class RoundMethod(Protocol):
+    """What the loop asks of a training method (FEAST by default; the harness's baselines, feast_edge.methods)."""
+
+    def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, Any]:
+        """What each cohort member trains in round ``t``."""
+
+    def payload_params(self, plan: Any) -> int:
+        """Parameters sent to a client with this plan (one direction)."""
+
+    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+        """Fold the valid updates (client-id order) into ``global_state`` in place."""
+
+    def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
+        """Mean validation accuracy of ``k`` probe operating points."""
+
+    def full_params(self) -> int:
+        """Parameters of the whole global model (what broadcasting it to one client sends)."""
+
+
+class FeastRounds:
+    """FEAST's round steps (SPEC §5–§8): affordable sets and envelopes, sparse aggregation, probe variants."""
+
+    def __init__(self, model: Supernet, cache: VariantCache, settings: RunSettings) -> None:
+        self.model, self.cache, self.settings = model, cache, settings
+
+    def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, ClientPlan]:
+        return {c: plan_client(self.cache, budget(c)) for c in cohort}
+
+    def payload_params(self, plan: ClientPlan) -> int:
+        return count_params(plan.layout(self.model.preset, self.model.classes))
+
+    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+        s = self.settings
+        aggregate_updates(global_state, [(u.client, u.state, u.samples) for u in updates], inplace=True, rule=s.aggregation, trim=s.trim, clip_norm=s.clip_norm)
+
+    def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
+        """Mean validation accuracy of the probe variants, each BN-recalibrated (SPEC §8)."""
+        v = validation
+        accs = evaluate_variants(self.model, probe_archs(self.cache, k), v.calibration_images, v.images, v.labels, device)
+        return float(np.mean(accs))
+
+    def full_params(self) -> int:
+        return count_params(supernet_layout(self.model.preset, self.model.classes))
 
 
 def _keep_previous(current: Path, previous: Path) -> None:
@@ -192,19 +238,23 @@ class RunLoop:
         config: Mapping[str, Any],
         validation: Validation | None = None,
         extra_fields: Callable[[], Mapping[str, Any]] = dict,
+        method: RoundMethod | None = None,
+        model_record: Mapping[str, Any] | None = None,
     ) -> None:
+        """``method`` defaults to FEAST's steps; a model that is not a full Supernet needs ``model_record`` (its checkpoint header)."""
         self.model = model
-        self.preset = model.preset
+        self.preset = model.preset if isinstance(model, Supernet) else None
         self.cache = cache
         self.settings = settings
+        self.method: RoundMethod = method if method is not None else FeastRounds(model, cache, settings)
+        self.model_record = None if isinstance(model, Supernet) else dict(model_record or {})
         self.out = Path(out)
         self.kind = kind
         self.fingerprint = fingerprint
         self.config = dict(config)
         self.validation = validation
         self.extra_fields = extra_fields
-        self.probes = probe_archs(cache, settings.probe_variants)
-        self.full_params = count_params(supernet_layout(self.preset, model.classes))
+        self.full_params = self.method.full_params()
         self.history: list[RoundRecord] = []
         self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
         self.best: dict[str, Any] = {}
@@ -214,10 +264,21 @@ class RunLoop:
     def save(self, name: str) -> None:
         if name == CHECKPOINT:
             _keep_previous(self.out / CHECKPOINT, self.out / PREVIOUS)
-        save_supernet(
-            self.out / name, self.model, kind=self.kind, fingerprint=self.fingerprint, config=self.config, round=len(self.history),
+        fields = dict(
+            kind=self.kind, fingerprint=self.fingerprint, config=self.config, round=len(self.history),
             history=[asdict(h) for h in self.history], history_format=HISTORY_FORMAT, best=self.best, **self.extra_fields(),
         )
+        if self.model_record is None:
+            save_supernet(self.out / name, self.model, **fields)
+        else:
+            save_module(self.out / name, self.model, self.model_record, **fields)
+
+    def load(self, path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+        """A checkpoint of this loop's model (validated against it): (a loaded copy or the model itself, the record)."""
+        if self.model_record is None:
+            return load_supernet(path, self.preset)
+        record = load_module(path, self.model, self.model_record)
+        return self.model, record
 
     def resume(self, hint: str, *, fall_back: bool = False) -> int:
         """Load ``checkpoint.safetensors`` from ``out`` if there is one; returns the completed rounds.
@@ -229,15 +290,18 @@ class RunLoop:
         path = self.out / CHECKPOINT
         if not path.is_file():
             return 0
-        stored = read_record(path).get("fields", {})
+        record = read_record(path, format=None)
+        stored = record.get("fields", {})
+        if record["format"] != (FORMAT if self.model_record is None else MODEL_FORMAT):
+            raise RunError(f"{path} holds another kind of model ({record.get('model', {}).get('method', 'a supernet')}); {hint}")
         if stored.get("kind") != self.kind:
             raise RunError(f"{path} is not a {self.kind} checkpoint; {hint}")
         if stored.get("fingerprint") != self.fingerprint:
             theirs = stored.get("config", {})
-            differ = sorted(k for k in {*self.config, *theirs} if json.dumps(self.config.get(k)) != json.dumps(theirs.get(k)))
+            differ = sorted(k for k in {*self.config, *theirs} if json.dumps(self.config.get(k), sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True))
             raise RunError(f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(differ) or 'the preset'}); {hint}")
         try:
-            model, record = load_supernet(path, self.preset)
+            model, record = self.load(path)
         except CheckpointError as exc:
             previous = self.out / PREVIOUS
             if not previous.is_file():
@@ -249,13 +313,14 @@ class RunLoop:
                 ) from None
             damaged = path.with_name(f"checkpoint.damaged-{time.strftime('%Y%m%d-%H%M%S')}.safetensors")
             try:
-                model, record = load_supernet(previous, self.preset)
+                model, record = self.load(previous)
             except CheckpointError as second:
                 raise RunError(f"cannot resume: {exc}; the previous checkpoint is damaged too: {second}; start a new run in another --out") from None
             path.rename(damaged)
             os.link(previous, path)  # the previous one becomes the last good checkpoint; it stays the previous one too
             self.recovered = f"{path} is damaged ({exc}); kept it as {damaged.name} and resumed from the previous checkpoint {previous.name}"
-        self.model.load_state_dict(model.state_dict())
+        if model is not self.model:
+            self.model.load_state_dict(model.state_dict())
         zero_based = record["fields"].get("history_format", 1) < HISTORY_FORMAT
         self.history = [RoundRecord.from_dict(h, zero_based) for h in record["fields"]["history"]]
         self.best = dict(record["fields"].get("best", {}))
@@ -265,10 +330,9 @@ class RunLoop:
 
     # ------------------------------------------------------------------ rounds
     def validate(self) -> float:
-        """Mean validation accuracy of the probe variants, each BN-recalibrated (SPEC §8)."""
-        v = self.validation
-        assert v is not None
-        return float(np.mean(evaluate_variants(self.model, self.probes, v.calibration_images, v.images, v.labels, self.settings.device)))
+        """Mean validation accuracy of the probe operating points, each BN-recalibrated (SPEC §8)."""
+        assert self.validation is not None
+        return self.method.validate(self.validation, self.settings.probe_variants, self.settings.device)
 
     def run_round(self, t: int, collector: Collector, needed: int) -> RoundRecord:
         """Cohort -> plans -> collection -> sparse aggregation (or unchanged) for round ``t``."""
@@ -276,14 +340,14 @@ class RunLoop:
         clients = collector.clients(needed)
         start = time.monotonic()
         cohort = sample_round_cohort(clients, min(s.per_round, len(clients)), s.seed, t)
-        lr = cosine_lr(s.lr, t, s.rounds)
-        plans = {c: plan_client(self.cache, collector.budget(c)) for c in cohort}
+        lr = scheduled_lr(s.lr_schedule, s.lr, t, s.rounds)
+        plans = self.method.plans(t, cohort, collector.budget)
         global_state = self.model.state_dict()  # aliases the model's tensors: aggregation writes into the model
         got = collector.collect(t, cohort, plans, global_state, lr)
         record = RoundRecord(
             round=t + 1, lr=lr, cohort=list(cohort), rejected=got.rejected, missing=got.missing, dropped=got.dropped, ignored=got.ignored,
             send_seconds=got.send_seconds,
-            routed_params=sum(count_params(plans[c].layout(self.preset, self.model.classes)) for c in cohort),
+            routed_params=sum(self.method.payload_params(plans[c]) for c in cohort),
             full_params=len(cohort) * self.full_params,
         )
         valid = sorted(got.updates, key=lambda u: u.client)
@@ -299,8 +363,7 @@ class RunLoop:
                 record.variants_per_batch[str(k)] = record.variants_per_batch.get(str(k), 0) + int(v)
         if len(valid) >= s.min_clients:
             began = time.monotonic()
-            updates = [(u.client, u.state, u.samples) for u in valid]
-            aggregate_updates(global_state, updates, inplace=True, rule=s.aggregation, trim=s.trim, clip_norm=s.clip_norm)
+            self.method.aggregate(t, global_state, valid, plans)
             record.aggregate_seconds = time.monotonic() - began
             record.applied = True
         record.seconds = time.monotonic() - start

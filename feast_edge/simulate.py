@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,18 +29,15 @@ import torch
 
 from feast_edge.atomic import atomic_write_bytes
 from feast_edge.cache import VariantCache, load_cache
-from feast_edge.checkpoint import load_supernet
 from feast_edge.data import FASHION_MNIST_DIR, DataError, ImageSet, load_dataset
 from feast_edge.errors import FeastError
-from feast_edge.evaluate import evaluate_variants, population_accuracy
-from feast_edge.federation import ClientPlan, client_seed, client_update, plan_client
+from feast_edge.federation import plan_client
+from feast_edge.methods import Method, method_class
 from feast_edge.population import Population, build_population, server_split, zipf_population
 from feast_edge.preset import Preset, load_preset
 from feast_edge.robust import check_rule, rule_settings
-from feast_edge.rounds import BEST, CHECKPOINT, ClientUpdate, Collected, RoundRecord, RunError, RunLoop, RunSettings, Validation
-from feast_edge.route import route_state
-from feast_edge.supernet import Supernet
-from feast_edge.train import TrainConfig
+from feast_edge.rounds import BEST, CHECKPOINT, Collected, RoundRecord, RunError, RunLoop, RunSettings, Validation
+from feast_edge.train import TrainConfig, TrainError, recipe_config
 
 KIND = "simulation"
 _AGGREGATION = ("aggregation", "trim", "clip_norm")
@@ -71,10 +67,16 @@ class SimulationConfig:
     budget_cap: float | None = None
     budgets: tuple[float, ...] | None = None  # explicit budgets instead of Zipf (e.g. from device profiles)
     seed: int = 0
-    variants: str = "full"
-    lr: float = 0.025
-    batch_size: int = 64
-    augment: bool = True
+    method: str = "feast"  # feast_edge.methods.METHODS
+    method_options: tuple[tuple[str, str], ...] = ()  # --method-option KEY=VALUE pairs, sorted by key
+    variants: str = "full"  # FEAST's ablation switch (SPEC §7)
+    # Training recipe: None takes the preset's [train] value (SPEC §7's where the preset is silent).
+    lr: float | None = None
+    batch_size: int | None = None
+    augment: str | bool | None = None  # feast_edge.augment.POLICIES (True/False: SPEC §7's policy / none)
+    epochs: int | None = None  # local epochs per round
+    lr_schedule: str | None = None  # cosine or constant, over the federation horizon
+    recipe: tuple[tuple[str, Any], ...] = ()  # further [train] keys to override (--recipe KEY=VALUE), sorted
     eval_every: int = 5
     val_samples: int = 5000
     calib_samples: int = 500
@@ -90,6 +92,8 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if self.budgets is not None:
             object.__setattr__(self, "budgets", tuple(float(b) for b in self.budgets))
+        object.__setattr__(self, "method_options", tuple(sorted((str(k), str(v)) for k, v in dict(self.method_options).items())))
+        object.__setattr__(self, "recipe", tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in dict(self.recipe).items())))
         checks = [
             (self.clients >= 2, f"--clients {self.clients} must be at least 2"),
             (1 <= self.per_round <= self.clients, f"--per-round {self.per_round} must be between 1 and --clients ({self.clients})"),
@@ -109,18 +113,32 @@ class SimulationConfig:
             check_rule(self.aggregation, self.trim, self.clip_norm)
         except ValueError as exc:
             raise SimulationError(str(exc)) from None
+        if self.aggregation != "mean" and self.method != "feast":
+            raise SimulationError(f"--aggregation {self.aggregation} applies to --method feast only; {self.method} aggregates as its paper does")
+        method_class(self.method).parse_options(dict(self.method_options))  # unknown method or option: one line, before any data is read
 
     def decisive(self) -> dict[str, Any]:
-        """Every setting that changes the trained weights or the selection (not the device)."""
-        data = {k: v for k, v in asdict(self).items() if k not in ("device", *_AGGREGATION)}
-        return {**data, **rule_settings(self.aggregation, self.trim, self.clip_norm)}
+        """Every setting that changes the trained weights or the selection (not the device), the resolved recipe included."""
+        data = {k: v for k, v in asdict(self).items() if k not in ("device", "lr", "batch_size", "augment", "epochs", "lr_schedule", "recipe", *_AGGREGATION)}
+        train, schedule = self.recipe_settings()
+        return {**data, "train": asdict(train), "lr_schedule": schedule, **rule_settings(self.aggregation, self.trim, self.clip_norm)}
 
     def fingerprint(self) -> str:
         """Digest of :meth:`decisive`."""
         return hashlib.sha256(json.dumps(self.decisive(), sort_keys=True).encode()).hexdigest()
 
+    def recipe_settings(self) -> tuple[TrainConfig, str]:
+        """The training recipe: the preset's [train] table, then --recipe, then the explicit options (and the lr schedule)."""
+        try:
+            recipe = {**load_preset(self.preset).recipe, **dict(self.recipe)}
+            return recipe_config(
+                recipe, lr=self.lr, batch_size=self.batch_size, augment=self.augment, epochs=self.epochs, lr_schedule=self.lr_schedule, variants=self.variants
+            )
+        except TrainError as exc:
+            raise SimulationError(f"training recipe: {exc}") from None
+
     def train_config(self) -> TrainConfig:
-        return TrainConfig(lr=self.lr, batch_size=self.batch_size, variants=self.variants, augment=self.augment)
+        return self.recipe_settings()[0]
 
 
 @dataclass
@@ -196,11 +214,11 @@ def build_setup(config: SimulationConfig) -> Setup:
 
 
 class InProcessCollector:
-    """Collects a cohort's updates by running each client's local co-training in this process."""
+    """Collects a cohort's updates in this process: the method trains each member on its shard."""
 
-    def __init__(self, setup: Setup, config: SimulationConfig) -> None:
+    def __init__(self, setup: Setup, method: Method) -> None:
         self.setup = setup
-        self.config = config
+        self.method = method
         self.budgets = {cid: float(b) for cid, b in zip(setup.client_ids, setup.population.budgets)}
 
     def clients(self, needed: int) -> list[str]:
@@ -209,22 +227,8 @@ class InProcessCollector:
     def budget(self, client: str) -> float:
         return self.budgets[client]
 
-    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
-        cfg, preset = self.config, self.setup.preset
-        updates = []
-        for cid in cohort:
-            plan = plans[cid]
-            state = route_state(global_state, plan.layout(preset, preset.classes), preset)
-            images, labels = self.setup.client_data(cid)
-            began = time.perf_counter()
-            new_state, result = client_update(preset, preset.classes, plan, state, images, labels, cfg.train_config(), lr, client_seed(cfg.seed, t, cid), cfg.device)
-            updates.append(
-                ClientUpdate(
-                    cid, new_state, result.num_samples, loss=result.mean_loss, samples_seen=result.samples_seen, train_macs=result.train_macs,
-                    compute_seconds=time.perf_counter() - began, variants_per_batch={str(k): v for k, v in result.variants_per_batch.items()},
-                )
-            )
-        return Collected(updates)
+    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+        return Collected(self.method.collect(t, cohort, plans, global_state, lr))
 
 
 class Simulation:
@@ -235,20 +239,24 @@ class Simulation:
         self.out = Path(out_dir)
         self.setup = build_setup(config)
         self.preset = self.setup.preset
-        self.model = Supernet(self.preset, seed=config.seed)
+        self.method = method_class(config.method)(self.setup, config)
+        self.model = self.method.model
         s = self.setup
+        _, schedule = config.recipe_settings()
         calibration = s.train.images[torch.tensor(np.asarray(s.calibration), dtype=torch.long)]
         val = torch.tensor(np.asarray(s.validation), dtype=torch.long)
         settings = RunSettings(
-            rounds=config.rounds, per_round=config.per_round, min_clients=1, seed=config.seed, lr=config.lr, eval_every=config.eval_every,
+            rounds=config.rounds, per_round=config.per_round, min_clients=1, seed=config.seed, lr=config.train_config().lr, eval_every=config.eval_every,
             probe_variants=config.probe_variants, device=config.device, aggregation=config.aggregation, trim=config.trim, clip_norm=config.clip_norm,
+            lr_schedule=schedule,
         )
         self.loop = RunLoop(
             self.model, s.cache, settings, self.out, kind=KIND, fingerprint=config.fingerprint(),
             config=config.decisive(),
             validation=Validation(calibration, s.train.images[val], s.train.labels[val]),
+            method=self.method, model_record=None if self.method.supernet else self.method.model_record(),
         )
-        self.collector = InProcessCollector(s, config)
+        self.collector = InProcessCollector(s, self.method)
 
     @property
     def history(self) -> list[RoundRecord]:
@@ -299,31 +307,41 @@ class Simulation:
         """Test every cached variant of the best checkpoint; write results.json, variants.csv, rounds.csv."""
         s, cfg = self.setup, self.config
         best_path = self.out / BEST
-        model = load_supernet(best_path, self.preset)[0] if best_path.is_file() else self.model
+        if best_path.is_file():
+            model = self.loop.load(best_path)[0]
+            if model is not self.model:
+                self.model.load_state_dict(model.state_dict())
         test_images, test_labels = s.test.images, s.test.labels
         if cfg.test_limit is not None:
             test_images, test_labels = test_images[: cfg.test_limit], test_labels[: cfg.test_limit]
         calib = s.train.images[torch.tensor(np.asarray(s.calibration), dtype=torch.long)]
-        entries = s.cache.entries
-        accs = evaluate_variants(model, [e.arch for e in entries], calib, test_images, test_labels, cfg.device, on_test)
-        macs = [e.macs for e in entries]
+        points = self.method.points()
+        accs = self.method.evaluate(points, calib, test_images, test_labels, cfg.device, on_test)
         budgets = [float(b) for b in s.population.budgets]
+        served = [self.method.served(b) for b in budgets]
+        variants = []
+        for i, (p, a) in enumerate(zip(points, accs)):
+            variants.append({"index": i, **p.to_dict(), "test_accuracy": a, **({"arch": dict(p.detail)} if {"d", "e", "w"} <= set(p.detail) else {})})
         results = {
-            "config": asdict(cfg),
+            "method": cfg.method,
+            "method_summary": self.method.summary,
+            "config": {**asdict(cfg), "train": asdict(cfg.train_config()), "lr_schedule": cfg.recipe_settings()[1]},
             "preset": self.preset.name,
             "best": self.best,
             "population": population_summary(s.population),
-            "population_accuracy": population_accuracy(budgets, macs, accs),
-            "variants": [
-                {"index": i, "macs": e.macs, "params": e.params, "arch": e.arch.to_dict(), "test_accuracy": a}
-                for i, (e, a) in enumerate(zip(entries, accs))
-            ],
+            "population_accuracy": sum(accs[i] for i in served) / len(served),
+            "variants": variants,
+            "served": served,
             "communication": communication_summary(self.history),
             "compute": {"train_macs_total": sum(h.train_macs for h in self.history)},
             "rounds": [asdict(h) for h in self.history],
+            "seconds_total": sum(h.seconds for h in self.history),
         }
         atomic_write_bytes(self.out / "results.json", json.dumps(results, indent=2).encode())
-        _write_csv(self.out / "variants.csv", ["index", "macs", "params", "test_accuracy", "arch"], [[v["index"], v["macs"], v["params"], f"{v['test_accuracy']:.4f}", json.dumps(v["arch"])] for v in results["variants"]])
+        _write_csv(
+            self.out / "variants.csv", ["index", "label", "macs", "params", "test_accuracy", "detail"],
+            [[v["index"], v["label"], v["macs"], v["params"], f"{v['test_accuracy']:.4f}", json.dumps(v["detail"])] for v in results["variants"]],
+        )
         _write_csv(
             self.out / "rounds.csv",
             ["round", "lr", "loss", "samples", "train_macs", "routed_params", "full_params", "val_accuracy", "seconds"],

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from feast_edge.arch import Arch
-from feast_edge.augment import BatchAugmenter, MixedBatch, plain_batch
+from feast_edge.augment import DEFAULT_POLICY, POLICIES, BatchAugmenter, MixedBatch, plain_batch
 from feast_edge.cost import arch_cost
 from feast_edge.errors import FeastError
 from feast_edge.slicing import leading_index
@@ -60,11 +60,16 @@ class TrainConfig:
     cutmix_alpha: float = 1.0
     randaugment: tuple[int, int] = (2, 6)  # (num_ops, magnitude)
     variants: str = "full"
-    augment: bool = True
+    augment: str = DEFAULT_POLICY  # feast_edge.augment.POLICIES; True/False mean the SPEC §7 policy / "none"
+    crop_padding: int = 2  # crop-flip policies: zero padding before the random crop
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "randaugment", tuple(self.randaugment))
+        if isinstance(self.augment, bool):  # the form older configs and messages carry
+            object.__setattr__(self, "augment", DEFAULT_POLICY if self.augment else "none")
         checks = [
+            (self.augment in POLICIES, f"augment = {self.augment!r} is unknown; choose one of {', '.join(POLICIES)}"),
+            (0 <= self.crop_padding <= 16, f"crop_padding = {self.crop_padding} must be in 0..16"),
             (self.variants in VARIANT_MODES, f"variants = {self.variants!r} is unknown; choose one of {', '.join(VARIANT_MODES)}"),
             (self.lr > 0, f"lr = {self.lr} must be > 0"),
             (0 <= self.momentum < 1, f"momentum = {self.momentum} must be in [0, 1)"),
@@ -115,6 +120,31 @@ class LocalResult:
 def stayed_finite(state: Mapping[str, torch.Tensor], loss: float) -> bool:
     """True when local training stayed finite: its loss and every floating-point tensor it returns (else it diverged)."""
     return math.isfinite(loss) and all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
+
+
+SCHEDULES = ("cosine", "constant")
+
+
+def recipe_config(recipe: Mapping[str, object], **settings: object) -> tuple[TrainConfig, str]:
+    """A preset's [train] recipe with ``settings`` on top (None values skipped) -> (TrainConfig, lr schedule)."""
+    merged = {**recipe, **{k: v for k, v in settings.items() if v is not None}}
+    schedule = str(merged.pop("lr_schedule", "cosine"))
+    if schedule not in SCHEDULES:
+        raise TrainError(f"lr_schedule = {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    known = set(TrainConfig.__dataclass_fields__)
+    unknown = sorted(set(merged) - known)
+    if unknown:
+        raise TrainError(f"unknown training setting(s) {', '.join(unknown)}; known: lr_schedule, {', '.join(sorted(known))}")
+    try:
+        return TrainConfig(**merged), schedule
+    except TypeError as exc:
+        raise TrainError(f"a training setting has the wrong type ({exc})") from None
+
+
+def scheduled_lr(schedule: str, base_lr: float, round_index: int, total_rounds: int) -> float:
+    """Round ``round_index``'s learning rate under ``schedule`` (``cosine``: :func:`cosine_lr`; ``constant``: ``base_lr``)."""
+    lr = cosine_lr(base_lr, round_index, total_rounds)  # also checks the round lies in the horizon
+    return base_lr if schedule == "constant" else lr
 
 
 def cosine_lr(base_lr: float, round_index: int, total_rounds: int) -> float:
@@ -302,7 +332,35 @@ def _batches(n: int, batch_size: int, generator: torch.Generator, bn_needs_two: 
     return batches
 
 
-def _seeds(seed: int, count: int) -> list[int]:
+def training_batches(
+    images_uint8: torch.Tensor,
+    labels: torch.Tensor,
+    preset,
+    classes: int,
+    config: TrainConfig,
+    shuffle_gen: torch.Generator,
+    augment_gen: torch.Generator,
+    device: str | torch.device = "cpu",
+    bn_needs_two: bool = False,
+):
+    """The augmented mini-batches of ``config.epochs`` local epochs over uint8 ``images_uint8`` (on ``device``).
+
+    Shuffling draws from ``shuffle_gen``, augmentation from ``augment_gen``; every method of the harness
+    trains on these batches, so they all see the same recipe (policy, batch size, epochs).
+    """
+    augmenter = BatchAugmenter(preset.mean, preset.std, classes, config.randaugment, config.mixup_alpha, config.cutmix_alpha, config.augment, config.crop_padding)
+    count = 0
+    for _ in range(config.epochs):
+        for index in _batches(len(labels), config.batch_size, shuffle_gen, bn_needs_two):
+            if config.augment != "none":
+                batch = augmenter(images_uint8[index], labels[index], count, augment_gen)
+            else:
+                batch = plain_batch(images_uint8[index], labels[index], preset.mean, preset.std, classes)
+            count += 1
+            yield MixedBatch(batch.images.to(device), batch.targets.to(device), batch.mixer)
+
+
+def seeds(seed: int, count: int) -> list[int]:
     """Independent sub-seeds, so shuffling, augmentation and ``a_rand`` draws do not shift each other across ablations."""
     return [int(s.generate_state(1, np.uint64)[0] >> 1) for s in np.random.SeedSequence(seed).spawn(count)]
 
@@ -370,8 +428,7 @@ def local_train(
     plan = plan_variants(model, affordable, global_min)
     device = torch.device(device)
     model.to(device)
-    shuffle_gen, augment_gen, variant_gen = (torch.Generator().manual_seed(s) for s in _seeds(seed, 3))
-    augmenter = BatchAugmenter(model.preset.mean, model.preset.std, model.classes, config.randaugment, config.mixup_alpha, config.cutmix_alpha)
+    shuffle_gen, augment_gen, variant_gen = (torch.Generator().manual_seed(s) for s in seeds(seed, 3))
     optimizer = make_optimizer(model, config, lr)  # fresh optimizer state every round (SPEC §7)
     shapes = ShapeCache(model)
     bn_needs_two = model.layout.stages[-1].resolution == 1
@@ -379,16 +436,10 @@ def local_train(
     was_training = model.training
     model.train()
     try:
-        for _ in range(config.epochs):
-            for index in _batches(len(labels), config.batch_size, shuffle_gen, bn_needs_two):
-                if config.augment:
-                    batch = augmenter(images_uint8[index], labels[index], len(log.sizes), augment_gen)
-                else:
-                    batch = plain_batch(images_uint8[index], labels[index], model.preset.mean, model.preset.std, model.classes)
-                batch = MixedBatch(batch.images.to(device), batch.targets.to(device), batch.mixer)
-                variants = batch_variants(plan, config.variants, variant_gen)
-                loss, role_sup = cotrain_step(model, optimizer, batch, variants, config, shapes)
-                log.add(len(batch), variants, loss, role_sup)
+        for batch in training_batches(images_uint8, labels, model.preset, model.classes, config, shuffle_gen, augment_gen, device, bn_needs_two):
+            variants = batch_variants(plan, config.variants, variant_gen)
+            loss, role_sup = cotrain_step(model, optimizer, batch, variants, config, shapes)
+            log.add(len(batch), variants, loss, role_sup)
     finally:
         model.train(was_training)
     return log.result(len(labels), plan.macs, lr)

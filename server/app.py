@@ -41,7 +41,7 @@ from feast_edge.server.export import export_device_models
 from feast_edge.server.registry import Registry
 from feast_edge.server.serving import ModelServer
 from feast_edge.supernet import Supernet
-from feast_edge.train import TrainConfig
+from feast_edge.train import TrainConfig, TrainError, recipe_config
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler
 from feast_edge.transport.errors import ProtocolError, TopicError
@@ -78,10 +78,10 @@ class ServerConfig:
     start_clients: int | None = None  # devices to wait for before the first round of this process (default: min_clients)
     round_timeout: float = 300.0
     seed: int = 0
-    lr: float = 0.025
-    batch_size: int = 64
+    lr: float | None = None  # None: the preset's [train] recipe (as batch_size, augment)
+    batch_size: int | None = None
     method: str = "full"
-    augment: bool = True
+    augment: str | bool | None = None
     eval_every: int = 5
     data: str | None = None
     val_samples: int = 5000
@@ -120,14 +120,21 @@ class ServerConfig:
         except ValueError as exc:
             raise ServerError(str(exc)) from None
 
+    def recipe(self) -> tuple[TrainConfig, str]:
+        """The local-training settings every device receives and the lr schedule: the preset's recipe, then these options."""
+        try:
+            return recipe_config(load_preset(self.preset).recipe, lr=self.lr, batch_size=self.batch_size, variants=self.method, augment=self.augment)
+        except TrainError as exc:
+            raise ServerError(f"training recipe: {exc}") from None
+
     def train_config(self) -> TrainConfig:
-        """The local-training settings every device receives (as ``SimulationConfig.train_config``)."""
-        return TrainConfig(lr=self.lr, batch_size=self.batch_size, variants=self.method, augment=self.augment)
+        return self.recipe()[0]
 
     def decisive(self) -> dict[str, Any]:
-        """The settings that change the trained weights (a resumed run must keep them)."""
+        """The settings that change the trained weights (a resumed run must keep them), the resolved recipe included."""
         names = ("preset", "rounds", "per_round", "min_clients", "seed", "lr", "batch_size", "method", "augment", "cache", "federation")
-        return {**{name: getattr(self, name) for name in names}, **rule_settings(self.aggregation, self.trim, self.clip_norm)}
+        train, schedule = self.recipe()
+        return {**{name: getattr(self, name) for name in names}, "train": dataclasses.asdict(train), "lr_schedule": schedule, **rule_settings(self.aggregation, self.trim, self.clip_norm)}
 
     @classmethod
     def stored(cls, out: str | Path, **overrides: Any) -> ServerConfig:
@@ -145,8 +152,9 @@ class ServerConfig:
 
     def settings(self) -> RunSettings:
         return RunSettings(
-            rounds=self.rounds, per_round=self.per_round, min_clients=self.min_clients, seed=self.seed, lr=self.lr,
+            rounds=self.rounds, per_round=self.per_round, min_clients=self.min_clients, seed=self.seed, lr=self.train_config().lr,
             eval_every=self.eval_every, probe_variants=self.probe_variants, aggregation=self.aggregation, trim=self.trim, clip_norm=self.clip_norm,
+            lr_schedule=self.recipe()[1],
         )
 
 

@@ -77,9 +77,21 @@ def simulate(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints and results.")],
     per_round: Annotated[int, typer.Option(help="Clients sampled per round m.")] = 5,
     rounds: Annotated[int, typer.Option(help="Federation rounds (also the cosine-decay horizon).")] = 30,
-    method: Annotated[str, typer.Option(help="full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
-    lr: Annotated[float, typer.Option(help="Initial SGD learning rate (cosine-decayed).")] = 0.025,
-    batch_size: Annotated[int, typer.Option(help="Local batch size.")] = 64,
+    method: Annotated[str, typer.Option("--method", help="feast, centralized (reference), heterofl, scalefl, fiarse, sfn or dfn (docs/baselines.md).")] = "feast",
+    method_option: Annotated[
+        Optional[list[str]], typer.Option("--method-option", help="KEY=VALUE option of the method (repeatable; e.g. tiers=1,0.5,0.25 for heterofl).")
+    ] = None,
+    variants: Annotated[str, typer.Option("--variants", help="FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
+    lr: Annotated[Optional[float], typer.Option(help="Initial SGD learning rate (default: the preset's recipe).")] = None,
+    lr_schedule: Annotated[Optional[str], typer.Option("--lr-schedule", help="cosine or constant over the rounds (default: the preset's recipe).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Local batch size (default: the preset's recipe).")] = None,
+    local_epochs: Annotated[Optional[int], typer.Option("--local-epochs", help="Local epochs per round (default: the preset's recipe).")] = None,
+    augment: Annotated[
+        Optional[str], typer.Option("--augment", help="Augmentation policy: randaugment+mix (SPEC §7), crop-flip+mix, crop-flip, randaugment or none (default: the preset's recipe).")
+    ] = None,
+    recipe: Annotated[
+        Optional[list[str]], typer.Option("--recipe", help="KEY=VALUE override of any [train] recipe key (repeatable; e.g. mixup_alpha=0.2, randaugment=[2,9]).")
+    ] = None,
     eval_every: Annotated[int, typer.Option(help="Validate every k rounds.")] = 5,
     test_limit: Annotated[Optional[int], typer.Option(help="Test on only the first N test examples.")] = None,
     aggregation: Annotated[
@@ -95,11 +107,17 @@ def simulate(
     from feast_edge.simulate import Simulation, SimulationConfig
 
     requested, device = device, resolve_device(device)
+    from feast_edge.train import VARIANT_MODES
+
+    if method in VARIANT_MODES:
+        raise FeastError(f"--method {method} is an ablation of FEAST; use --method feast --variants {method}")
     config = SimulationConfig(
-        **population, per_round=per_round, rounds=rounds, variants=method, lr=lr, batch_size=batch_size, eval_every=eval_every,
+        **population, per_round=per_round, rounds=rounds, method=method, method_options=parse_pairs(method_option, "--method-option"),
+        variants=variants, lr=lr, lr_schedule=lr_schedule, batch_size=batch_size, epochs=local_epochs, augment=augment,
+        recipe=tuple((k, _recipe_value(v)) for k, v in parse_pairs(recipe, "--recipe")), eval_every=eval_every,
         test_limit=test_limit, aggregation=aggregation, trim=trim, clip_norm=clip_norm, device=device,
     )
-    config.train_config()  # validates --method and friends before any data is read
+    config.train_config()  # validates the method, its options and the recipe before any data is read
     _say(f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients")
     sim = Simulation(config, out)
     _say(str(sim.setup.population))
@@ -114,20 +132,46 @@ def simulate(
         display.stage.finish(ok=False)
         raise
     display.stage.finish()
-    table = Table(title=f"{config.preset}: per-variant test accuracy (best checkpoint, round {results['best'].get('round', '-')})")
-    for col in ("#", "MACs", "params", "accuracy", "arch"):
-        table.add_column(col, justify="left" if col == "arch" else "right")
+    table = Table(title=f"{config.preset}, {config.method}: test accuracy per served model (best checkpoint, round {results['best'].get('round', '-')})")
+    for col in ("#", "MACs", "params", "accuracy", "model"):
+        table.add_column(col, justify="left" if col == "model" else "right")
     for v in results["variants"]:
-        table.add_row(str(v["index"]), millions(v["macs"]), millions(v["params"]), f"{100 * v['test_accuracy']:.2f}%", str(Arch.from_dict(v["arch"])))
+        model = str(Arch.from_dict(v["arch"])) if "arch" in v else v["label"]
+        table.add_row(str(v["index"]), millions(v["macs"]), millions(v["params"]), f"{100 * v['test_accuracy']:.2f}%", model)
     console.print(table)
     comm = results["communication"]
+    saving = "nothing sent" if comm["reduction"] is None else f"{comm['reduction']:.2f}x less"
     console.print(
         f"population accuracy (largest affordable variant per client): {100 * results['population_accuracy']:.2f}%\n"
-        f"traffic: routed {comm['routed_params_total'] / 1e6:,.1f}M params vs full {comm['full_params_total'] / 1e6:,.1f}M "
-        f"({comm['reduction']:.2f}x less); training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
+        f"traffic: sent {comm['routed_params_total'] / 1e6:,.1f}M params vs full {comm['full_params_total'] / 1e6:,.1f}M "
+        f"({saving}); training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
         f"results: {out / 'results.json'}, {out / 'variants.csv'}, {out / 'rounds.csv'}",
         soft_wrap=True,
     )
+
+
+def parse_pairs(items: list[str] | None, option: str) -> tuple[tuple[str, str], ...]:
+    """``["k=v", ...]`` -> ``(("k", "v"), ...)``; a one-line error for an item without ``=`` or a repeated key."""
+    pairs: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise FeastError(f"{option} {item!r} is not KEY=VALUE; write e.g. {option} tiers=1,0.5")
+        if key.strip() in pairs:
+            raise FeastError(f"{option} {key.strip()} is given twice; give each key once")
+        pairs[key.strip()] = value.strip()
+    return tuple(pairs.items())
+
+
+def _recipe_value(text: str) -> Any:
+    """A --recipe value: a JSON number, list or boolean, else the text itself (e.g. a policy name)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _say(text: str) -> None:
@@ -139,7 +183,7 @@ def _completed_rounds(out: Path) -> int:
     from feast_edge.checkpoint import read_record
 
     path = out / "checkpoint.safetensors"
-    return int(read_record(path).get("fields", {}).get("round", 0)) if path.is_file() else 0
+    return int(read_record(path, format=None).get("fields", {}).get("round", 0)) if path.is_file() else 0
 
 
 class _SimulationDisplay:
