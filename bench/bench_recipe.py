@@ -26,6 +26,8 @@ CANDIDATES = {
     "crop-flip+mix, lr 0.05": {"augment": "crop-flip+mix", "lr": 0.05},
     "crop-flip, lr 0.05, 2 epochs": {"augment": "crop-flip", "lr": 0.05, "epochs": 2},
     "none, lr 0.05": {"augment": "none", "lr": 0.05},
+    "crop-flip, lr 0.1": {"augment": "crop-flip", "lr": 0.1},
+    "crop-flip, lr 0.1, 2 epochs": {"augment": "crop-flip", "lr": 0.1, "epochs": 2},
 }
 
 

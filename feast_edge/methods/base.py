@@ -39,6 +39,7 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 
 from feast_edge.errors import FeastError
+from feast_edge.evaluate import accuracy
 
 if TYPE_CHECKING:  # the harness imports the methods; methods only need its types
     from feast_edge.rounds import ClientUpdate, Validation
@@ -183,6 +184,10 @@ class Method:
         picks = sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
         return [pts[i] for i in picks]
 
+    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+        """The network a device served ``point`` runs (normalized images in, logits out), BN recalibrated on ``calibration_images``, eval mode."""
+        raise NotImplementedError
+
     def evaluate(
         self,
         points: Sequence[OperatingPoint],
@@ -192,8 +197,13 @@ class Method:
         device: str | torch.device = "cpu",
         progress: Callable[[int, int], None] | None = None,
     ) -> list[float]:
-        """Top-1 accuracy of each point of ``self.model``, each after its own BN recalibration on ``calibration_images``."""
-        raise NotImplementedError
+        """Top-1 accuracy of each point of ``self.model``, each after its own BN recalibration on ``calibration_images`` (SPEC §8)."""
+        results = []
+        for i, point in enumerate(points):
+            results.append(accuracy(self.point_network(point, calibration_images, device), images, labels, self.preset, device=device))
+            if progress is not None:
+                progress(i + 1, len(points))
+        return results
 
     def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
         """Mean validation accuracy of the ``k`` probe points (checkpoint selection, SPEC §8)."""

@@ -14,9 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
+from feast_edge.arch import Arch
 from feast_edge.cost import count_params
-from feast_edge.evaluate import evaluate_variants
+from feast_edge.evaluate import calibrated_variant
 from feast_edge.federation import ClientPlan, client_update, plan_client
 from feast_edge.methods.base import Method, OperatingPoint
 from feast_edge.rounds import ClientUpdate, FeastRounds, RunSettings
@@ -62,7 +64,6 @@ class Feast(Method):
     def points(self) -> list[OperatingPoint]:
         return [OperatingPoint(f"variant {i}", e.macs, e.params, e.arch.to_dict()) for i, e in enumerate(self.setup.cache.entries)]
 
-    def evaluate(self, points, calibration_images, images, labels, device="cpu", progress=None) -> list[float]:
-        by_dict = {str(e.arch.to_dict()): e.arch for e in self.setup.cache.entries}
-        archs = [by_dict[str(dict(p.detail))] for p in points]
-        return evaluate_variants(self.model, archs, calibration_images, images, labels, device, progress)
+    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+        """The cached variant extracted as a static network, BN recalibrated (SPEC §8)."""
+        return calibrated_variant(self.model, Arch.from_dict(dict(point.detail)), calibration_images, device=device)

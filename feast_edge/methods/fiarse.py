@@ -89,7 +89,7 @@ from torch.func import functional_call
 
 from feast_edge.arch import Arch
 from feast_edge.cost import arch_cost
-from feast_edge.evaluate import accuracy, calibrated_variant
+from feast_edge.evaluate import calibrated_variant
 from feast_edge.methods.base import Method, MethodError, MethodOption, OperatingPoint, floats
 from feast_edge.rounds import ClientUpdate
 from feast_edge.supernet import Supernet
@@ -315,20 +315,6 @@ class Fiarse(Method):
         model.load_state_dict({name: t * keep[name] if name in keep else t for name, t in state.items()})
         return model
 
-    def evaluate(
-        self,
-        points: Sequence[OperatingPoint],
-        calibration_images: torch.Tensor,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        device: str | torch.device = "cpu",
-        progress: Callable[[int, int], None] | None = None,
-    ) -> list[float]:
-        """Accuracy at each point's size: top-k mask applied, BN recalibrated on ``calibration_images`` (SPEC §8)."""
-        results = []
-        for i, point in enumerate(points):
-            model = calibrated_variant(self.masked_model(float(point.detail["size"])), self.arch, calibration_images, device=device)
-            results.append(accuracy(model, images, labels, self.preset, device=device))
-            if progress is not None:
-                progress(i + 1, len(points))
-        return results
+    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+        """The dense model with the top-k mask of the point's size applied, BN recalibrated (SPEC §8)."""
+        return calibrated_variant(self.masked_model(float(point.detail["size"])), self.arch, calibration_images, device=device)

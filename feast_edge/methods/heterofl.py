@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from feast_edge.evaluate import accuracy, pixel_batches
+from feast_edge.evaluate import pixel_batches
 from feast_edge.extract import recalibrate_bn
 from feast_edge.methods.base import Method, MethodError, MethodOption, OperatingPoint, floats
 from feast_edge.methods.resnet18 import (
@@ -189,19 +189,5 @@ class HeteroFL(Method):
         recalibrate_bn(net, pixel_batches(calibration_images, self.preset, 100, device))
         return net
 
-    def evaluate(
-        self,
-        points: Sequence[OperatingPoint],
-        calibration_images: torch.Tensor,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        device: str | torch.device = "cpu",
-        progress: Callable[[int, int], None] | None = None,
-    ) -> list[float]:
-        results = []
-        for i, point in enumerate(points):
-            net = self.tier_network(float(point.detail["ratio"]), calibration_images, device)
-            results.append(accuracy(net, images, labels, self.preset, device=device))
-            if progress is not None:
-                progress(i + 1, len(points))
-        return results
+    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> ResNet18:
+        return self.tier_network(float(point.detail["ratio"]), calibration_images, device)

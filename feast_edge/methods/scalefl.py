@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from feast_edge.evaluate import accuracy, pixel_batches
+from feast_edge.evaluate import pixel_batches
 from feast_edge.extract import recalibrate_bn
 from feast_edge.methods.base import Method, MethodError, MethodOption, OperatingPoint
 from feast_edge.methods.scalefl_net import TOTAL_BLOCKS, DeepestExit, Geometry, Level, ScaleFLNet, build_levels, level_net, load_slices, search_splits
@@ -192,20 +192,8 @@ class ScaleFL(Method):
         """Level ``level``'s network with the global model's leading slices (BN statistics as stored)."""
         return load_slices(level_net(self.geometry, self.levels[level - 1]), self.model.state_dict())
 
-    def evaluate(
-        self,
-        points: Sequence[OperatingPoint],
-        calibration_images: torch.Tensor,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        device: str | torch.device = "cpu",
-        progress: Callable[[int, int], None] | None = None,
-    ) -> list[float]:
-        results = []
-        for i, point in enumerate(points):
-            net = self.level_model(int(point.detail["level"])).to(device)
-            recalibrate_bn(net, pixel_batches(calibration_images, self.preset, 100, device))
-            results.append(accuracy(DeepestExit(net), images, labels, self.preset, device=device))
-            if progress is not None:
-                progress(i + 1, len(points))
-        return results
+    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+        """A level's network up to its deepest exit, BN recalibrated."""
+        net = self.level_model(int(point.detail["level"])).to(device)
+        recalibrate_bn(net, pixel_batches(calibration_images, self.preset, 100, device))
+        return DeepestExit(net).eval()

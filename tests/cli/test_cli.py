@@ -180,7 +180,14 @@ def test_simulate_errors_are_one_line(cli, tmp_path):
     cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--gamma", "-1"), "--gamma -1.0 must be >= 0")
     cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--data", str(tmp_path)), "Fashion-MNIST file")
     cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--budget-min", "1M"), "below the smallest cached variant")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "bogus", "--train-limit", "400"), "variants = 'bogus' is unknown")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--variants", "bogus", "--train-limit", "400"), "variants = 'bogus' is unknown")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "bogus"), "unknown method 'bogus'; choose one of: feast, centralized, heterofl")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "min"), "--method min is an ablation of FEAST; use --method feast --variants min")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "heterofl", "--method-option", "depth=3"), "--method heterofl takes no option depth; its options: tiers")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "scalefl", "--method-option", "beta"), "--method-option 'beta' is not KEY=VALUE")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "fiarse", "--method-option", "sizes=half"), "--method-option sizes='half' for fiarse is malformed")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--augment", "jitter"), "augment = 'jitter' is unknown")
+    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--recipe", "warmup=3"), "unknown training setting(s) warmup")
     cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path / "fresh"), "--resume", "--clients", "4", "--per-round", "2", "--train-limit", "400"), "no checkpoint at")
 
 
