@@ -82,6 +82,7 @@ class ServerConfig:
     batch_size: int | None = None
     method: str = "full"
     augment: str | bool | None = None
+    epochs: int | None = None  # local epochs per round (None: the recipe's)
     eval_every: int = 5
     data: str | None = None
     val_samples: int = 5000
@@ -123,7 +124,7 @@ class ServerConfig:
     def recipe(self) -> tuple[TrainConfig, str]:
         """The local-training settings every device receives and the lr schedule: the preset's recipe, then these options."""
         try:
-            return recipe_config(load_preset(self.preset).recipe, lr=self.lr, batch_size=self.batch_size, variants=self.method, augment=self.augment)
+            return recipe_config(load_preset(self.preset).recipe, lr=self.lr, batch_size=self.batch_size, variants=self.method, augment=self.augment, epochs=self.epochs)
         except TrainError as exc:
             raise ServerError(f"training recipe: {exc}") from None
 

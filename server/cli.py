@@ -88,6 +88,7 @@ def run(
     federation: common.BundleFederationOpt = None,
     lr: Annotated[Optional[float], typer.Option(help="Initial SGD learning rate, decayed over --rounds (default: the preset's [train] recipe).")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Local batch size (default: the preset's [train] recipe).")] = None,
+    local_epochs: Annotated[Optional[int], typer.Option("--local-epochs", min=1, help="Local epochs per round (default: the preset's [train] recipe).")] = None,
     method: Annotated[str, typer.Option(help="full, min, max, min+max or min+max+kd (SPEC §7 ablations).")] = "full",
     eval_every: Annotated[int, typer.Option("--eval-every", min=1, help="Validate every k rounds (needs --data).")] = 5,
     val_samples: Annotated[int, typer.Option("--val-samples", min=1, help="Validation examples when --data is a Fashion-MNIST directory.")] = 5000,
@@ -125,7 +126,7 @@ def run(
     _server_bundle(link)
     config = ServerConfig(
         out=str(out), preset=preset, rounds=rounds, per_round=per_round, min_clients=min_clients, start_clients=start_clients,
-        round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, method=method, eval_every=eval_every,
+        round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, epochs=local_epochs, method=method, eval_every=eval_every,
         data=None if data is None else str(data), val_samples=val_samples, calib_samples=calib_samples,
         cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
         max_update_norm=max_update_norm, max_samples=max_samples, max_devices=max_devices, aggregation=aggregation, trim=trim, clip_norm=clip_norm,

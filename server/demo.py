@@ -188,6 +188,7 @@ def run_demo(
     console: Console,
     embedded_broker: str = "auto",
     test_samples: int = 2000,
+    local_epochs: int = 2,
 ) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one summary row per device."""
     from feast_edge.profile import load_profile
@@ -242,7 +243,7 @@ def run_demo(
             python, "-m", "feast_edge.server.cli", "run", *identity["server"], "--out", str(out / "server"), "--preset", preset,
             "--rounds", str(rounds), "--per-round", str(n), "--min-clients", str(max(1, n // 2)), "--start-clients", str(n),
             "--round-timeout", "180", "--seed", str(seed), "--data", str(out / "partition"),
-            "--eval-every", "1", "--wait-timeout", "180", "--threads", "1",
+            "--eval-every", "1", "--wait-timeout", "180", "--threads", "1", "--local-epochs", str(local_epochs),
         ])
         received = out / "device-models"
         for profile, entry in zip(loaded, index["clients"]):
