@@ -188,7 +188,7 @@ def run_demo(
     console: Console,
     embedded_broker: str = "auto",
     test_samples: int = 2000,
-    local_epochs: int = 2,
+    local_epochs: int = 1,
 ) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one summary row per device."""
     from feast_edge.profile import load_profile

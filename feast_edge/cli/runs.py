@@ -235,9 +235,9 @@ def partition(
 
 def demo(
     broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port.")] = None,
-    rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 8,
-    samples: Annotated[int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")] = 1000,
-    local_epochs: Annotated[int, typer.Option("--local-epochs", min=1, help="Local epochs per round on every device.")] = 2,
+    rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 3,
+    samples: Annotated[int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")] = 800,
+    local_epochs: Annotated[int, typer.Option("--local-epochs", min=1, help="Local epochs per round on every device (more: better models, longer rounds).")] = 1,
     profiles: Annotated[str, typer.Option(help="Comma-separated device profiles (names in profiles/ or files), one agent each.")] = "raspberry-pi-5,jetson-nano,laptop-cpu,desktop-gpu",
     data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory.")] = Path("/usr/share/datasets/fashion-mnist"),
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (its partition/, server/, device-models/, logs/ are replaced).")] = Path("feast-demo"),

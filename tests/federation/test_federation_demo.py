@@ -1,6 +1,6 @@
 """``feast-edge demo`` end to end, reduced to one round and small shards to keep CI time down.
 
-The full demo (8 rounds of 2 local epochs, 1,000 examples per device on average) is timed in the report; here
+The full demo (3 rounds, 800 examples per device) is timed in the report; here
 the same code path runs with ``--rounds 1``: embedded broker, partition,
 ``feast-server`` and four ``feast-agent`` processes with different profiles,
 export, push, onnxruntime, summary table.
