@@ -9,7 +9,7 @@
 # an interruption. Settings shared by every run are in COMMON; change ROUNDS etc. there.
 set -euo pipefail
 RUNS=${1:-runs/compare}
-ROUNDS=${ROUNDS:-30}
+ROUNDS=${ROUNDS:-20}
 COMMON=(--preset fmnist-small --clients 10 --per-round 5 --rounds "$ROUNDS" --train-limit 8000
         --gamma 1 --zipf-s 1.2 --eval-every 5 --test-limit 5000 --device cpu)
 export OMP_NUM_THREADS=1
@@ -27,7 +27,8 @@ run() {  # run NAME SEED METHOD [extra options]
 }
 
 # Two queues of about equal cost (docs/benchmarks.md: seconds per round per method).
+# Seed 1 for FEAST and the strongest baselines of seed 0 (DeepFedNAS and HeteroFL in docs/experiments.md).
 ( run feast-s0 0 feast; run fiarse-s0 0 fiarse; run heterofl-s0 0 heterofl; run sfn-s0 0 sfn; run heterofl-s1 1 heterofl ) &
-( run centralized-s0 0 centralized; run feast-s1 1 feast; run scalefl-s0 0 scalefl; run dfn-s0 0 dfn ) &
+( run centralized-s0 0 centralized; run feast-s1 1 feast; run scalefl-s0 0 scalefl; run dfn-s0 0 dfn; run dfn-s1 1 dfn ) &
 wait
 feast-edge report "$RUNS"/*-s[01] --out "$RUNS/report"
