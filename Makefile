@@ -63,9 +63,10 @@ system-packages:
 	ls $(FASHION_MNIST)/train-images-idx3-ubyte* >/dev/null 2>&1 || missing+=(dataset-fashion-mnist); \
 	{ command -v mosquitto || test -x /usr/sbin/mosquitto; } >/dev/null 2>&1 || missing+=(mosquitto); \
 	command -v openssl >/dev/null 2>&1 || missing+=(openssl); \
+	if [ -n "$(BROWSER)" ]; then test -x /usr/bin/chromium || missing+=(chromium); test -x /usr/bin/chromedriver || missing+=(chromium-driver); fi; \
 	if [ ! -x "$(VPY)" ] && ! $(PYTHON) -m ensurepip --version >/dev/null 2>&1; then \
 	  missing+=(python$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv); fi; \
-	if [ $${#missing[@]} -eq 0 ]; then echo "system-packages: $(APT_PACKAGES) present"; exit 0; fi; \
+	if [ $${#missing[@]} -eq 0 ]; then echo "system-packages: $(APT_PACKAGES)$(if $(BROWSER), chromium chromium-driver) present"; exit 0; fi; \
 	line="apt-get update && apt-get install -y $${missing[*]}"; \
 	if ! command -v apt-get >/dev/null 2>&1; then \
 	  echo "error: missing $${missing[*]} and this system has no apt-get; install the equivalent packages (Fashion-MNIST IDX files in $(FASHION_MNIST), mosquitto, openssl) and run make again" >&2; exit 1; \
@@ -116,6 +117,8 @@ broker: system-packages
 	for _ in $$(seq 50); do (exec 3<>/dev/tcp/$(BROKER_HOST)/$(BROKER_PORT)) 2>/dev/null && exit 0; sleep 0.1; done; \
 	echo "error: mosquitto did not start listening on $(BROKER_HOST):$(BROKER_PORT) within 5 s; start a broker there (e.g. 'sudo systemctl start mosquitto') and run make again" >&2; exit 1
 
+# The tests also drive the dashboard in headless Chromium (Debian's chromium + chromium-driver); the demo does not need it.
+test: BROWSER := 1
 test: setup broker
 	cd "$(CURDIR)" && $(RUN_ENV) $(VPY) -m pytest -q $(PYTEST_ARGS)
 

@@ -22,10 +22,11 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from feast_edge.agent.config import AgentConfig
 from feast_edge.agent.data import LocalClient, client_budgets
 from feast_edge.agent.step import largest_payload, local_step
 from feast_edge.cache import load_cache
@@ -35,7 +36,7 @@ from feast_edge.protocol import MAX_REASON, Declined, Finished, Metrics, ModelRe
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import LinkError, ProtocolError, TopicError
-from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE, TransferInfo
+from feast_edge.transport.frames import MIN_CHUNK_SIZE, TransferInfo
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Message, MessageFilter, Presence, new_msg_id, parse
 from feast_edge.transport.throttle import Throttle, channel_of
@@ -44,29 +45,14 @@ from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Agent", "AgentConfig", "AgentError"]
+
 REGISTER_RETRY = 3.0  # seconds between registration attempts while the server is silent
 HEARTBEAT = 10.0  # seconds between "still waiting" lines
 
 
 class AgentError(FeastError):
     """The agent cannot start or continue (refused registration, no server, unusable data or budget)."""
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """Who the agent is and how it trains; the CLI flags of ``feast-agent run`` map onto these fields."""
-
-    host: str  # --device-id: the agent's presence id (and the device id of a single client)
-    federation: str = "feast"
-    preset: str = "fmnist-small"
-    device: str = "cpu"
-    budget_macs: float | None = None  # one budget for every hosted client (--budget / --profile); None: each shard's own
-    profile: dict[str, Any] = field(default_factory=dict)  # summary sent with the registration
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    register_timeout: float = 60.0
-    send_timeout: float = 120.0
-    model_dir: str | None = None  # where pushed ONNX models are saved (None: announced models are only logged)
-    stay: bool = False  # after the federation finishes, keep waiting for the next run instead of exiting
 
 
 @dataclass
@@ -363,9 +349,10 @@ class Agent:
         ]
         return f"federation {self.config.federation!r} {state}: " + "; ".join(parts)
 
-    def _await_transfer(self, device_id: str, transfer: str, deadline: float, superseded_by_round: bool = False) -> bytes | None:
-        """Payload of ``transfer`` once complete and verified; None if rejected, late, or a newer round arrived meanwhile."""
-        client = self.clients[device_id]
+    def _await_transfer(self, device_id: str, transfer: str, deadline: float, round_info: TransferInfo | None = None) -> bytes | None:
+        """Payload of ``transfer`` once complete and verified; None if rejected, late, or (``round_info``: a round's payload,
+        its download progress reported about once a second) a newer round arrived meanwhile."""
+        client, reported = self.clients[device_id], time.monotonic()
         assert client.receiver is not None
         while True:
             progress = self._stash.pop(transfer, None)
@@ -375,8 +362,11 @@ class Agent:
                     return None
                 progress = client.receiver.get(timeout=min(remaining, 0.2))  # also nacks missing chunks
                 if progress is None:
+                    if round_info is not None and time.monotonic() - reported >= 1.0:
+                        reported, got = time.monotonic(), client.receiver.reassembler.received(transfer)
+                        self._metrics(device_id, {"phase": "downloading", "round": round_info.round, "done": got or 0, "total": round_info.count})
                     self._process(0)
-                    if superseded_by_round and device_id in self._pending:
+                    if round_info is not None and device_id in self._pending:
                         return None
                     continue
                 if progress.info.transfer != transfer:
@@ -401,10 +391,12 @@ class Agent:
             return
         assert client.receiver is not None and client.sender is not None
         client.receiver.expect(info)
-        blob = self._await_transfer(device_id, info.transfer, deadline, superseded_by_round=True)
+        self._metrics(device_id, {"phase": "downloading", "round": t, "done": 0, "total": info.count})
+        blob = self._await_transfer(device_id, info.transfer, deadline, round_info=info)
         if blob is None:
             log.warning("%s: no routed payload for %s before the deadline (or a newer round superseded it); skipped", shown, device_id)
             return
+        self._metrics(device_id, {"phase": "training", "round": t})
         step = local_step(self.preset, start, blob, client.data, self.config.device, busy=lambda on: setattr(self, "training", on))
         if step.payload is None or step.result is None:  # the server stops waiting for this device at once
             declined = Declined(federation=self.config.federation, round=t, device=device_id, routed=info.transfer, reason=step.reason[:MAX_REASON])
@@ -418,6 +410,7 @@ class Agent:
             compute_seconds=step.compute_seconds, torch_device=str(self.config.device),
         )
         topic, announcement = self.topics.events(device_id), update.encode()
+        self._metrics(device_id, {"phase": "uploading", "round": t, "done": 0, "total": up.count})
         try:
             client.sender.announce_and_send(topic, announcement, step.payload, up, timeout=self.config.send_timeout)
         except LinkError as exc:
@@ -447,4 +440,8 @@ class Agent:
         if kept is None:
             return
         client.model_path, values = kept
+        self._metrics(device_id, values)
+
+    def _metrics(self, device_id: str, values: dict[str, Any]) -> None:
+        """Numbers for the server: a model's measurements, or where a round stands (``phase``, chunks ``done`` of ``total``)."""
         self.link.publish(self.topics.events(device_id), Metrics(federation=self.config.federation, round=self.current_round, device=device_id, values=values).encode())

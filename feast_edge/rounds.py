@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from feast_edge.cache import VariantCache
+from feast_edge.cache import CacheEntry, VariantCache
 from feast_edge.checkpoint import FORMAT, MODEL_FORMAT, load_module, load_supernet, read_record, save_module, save_supernet
 from feast_edge.cost import count_params
 from feast_edge.errors import CheckpointError, FeastError
@@ -182,6 +182,7 @@ class FeastRounds:
 
     def __init__(self, model: Supernet, cache: VariantCache, settings: RunSettings) -> None:
         self.model, self.cache, self.settings = model, cache, settings
+        self.validated: list[dict[str, Any]] = []  # the latest validation, per probe variant (label, macs, params, val_accuracy)
 
     def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, ClientPlan]:
         return {c: plan_client(self.cache, budget(c)) for c in cohort}
@@ -195,8 +196,9 @@ class FeastRounds:
 
     def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
         """Mean validation accuracy of the probe variants, each BN-recalibrated (SPEC §8)."""
-        v = validation
-        accs = evaluate_variants(self.model, probe_archs(self.cache, k), v.calibration_images, v.images, v.labels, device)
+        v, entries = validation, probe_entries(self.cache, k)
+        accs = evaluate_variants(self.model, [e.arch for e in entries], v.calibration_images, v.images, v.labels, device)
+        self.validated = [{"label": f"{e.macs / 1e6:.2f}M", "macs": e.macs, "params": e.params, "val_accuracy": float(a)} for e, a in zip(entries, accs)]
         return float(np.mean(accs))
 
     def full_params(self) -> int:
@@ -216,11 +218,16 @@ def _keep_previous(current: Path, previous: Path) -> None:
     os.replace(staging, previous)
 
 
-def probe_archs(cache: VariantCache, k: int) -> list:
+def probe_entries(cache: VariantCache, k: int) -> list[CacheEntry]:
     """``k`` cached variants evenly spaced by rank (smallest and largest included): the validation probes."""
     n = len(cache)
     picks = np.linspace(0, n - 1, min(k, n)).round().astype(int)
-    return [cache.entries[i].arch for i in sorted(set(picks.tolist()))]
+    return [cache.entries[i] for i in sorted(set(picks.tolist()))]
+
+
+def probe_archs(cache: VariantCache, k: int) -> list:
+    """The architectures of :func:`probe_entries`."""
+    return [entry.arch for entry in probe_entries(cache, k)]
 
 
 class RunLoop:

@@ -36,6 +36,7 @@ from feast_edge.methods import Method, method_class
 from feast_edge.population import Population, build_population, server_split, zipf_population
 from feast_edge.preset import Preset, load_preset
 from feast_edge.robust import check_rule, rule_settings
+from feast_edge.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.rounds import BEST, CHECKPOINT, Collected, RoundRecord, RunError, RunLoop, RunSettings, Validation
 from feast_edge.train import TrainConfig, TrainError, recipe_config
 
@@ -220,6 +221,7 @@ class InProcessCollector:
         self.setup = setup
         self.method = method
         self.budgets = {cid: float(b) for cid, b in zip(setup.client_ids, setup.population.budgets)}
+        self.on_start: Callable[[int, Sequence[str], Mapping[str, Any]], None] | None = None  # told each round's (t, cohort, plans)
 
     def clients(self, needed: int) -> list[str]:
         return list(self.setup.client_ids)
@@ -228,6 +230,8 @@ class InProcessCollector:
         return self.budgets[client]
 
     def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+        if self.on_start is not None:
+            self.on_start(t, cohort, plans)
         return Collected(self.method.collect(t, cohort, plans, global_state, lr))
 
 
@@ -286,18 +290,31 @@ class Simulation:
         on_round: Callable[[RoundProgress], None] | None = None,
         stop_after: int | None = None,
         on_test: Callable[[int, int], None] | None = None,
+        on_record: Callable[[RoundRecord], None] | None = None,
+        tensorboard: bool = False,
     ) -> dict[str, Any] | None:
-        """Run (or resume) to the last round, then test; ``stop_after`` rounds ends early (returns None)."""
+        """Run (or resume) to the last round, then test; ``stop_after`` rounds ends early (returns None).
+
+        After every round ``rounds.csv`` is rewritten (and TensorBoard scalars added with ``tensorboard``); ``on_record``
+        gets the round's record (e.g. a dashboard).
+        """
         self.out.mkdir(parents=True, exist_ok=True)
         if resume:
             self.resume()
         rounds = self.config.rounds
+        log = RoundLog(self.out, tensorboard=tensorboard, first_round=len(self.history) + 1)
 
         def progress(record: RoundRecord) -> None:
+            log.write(self.history)
+            if on_record is not None:
+                on_record(record)
             if on_round is not None:
                 on_round(RoundProgress(record.round, rounds, record.loss or 0.0, record.val_accuracy, self.best.get("val_accuracy")))
 
-        self.loop.run(self.collector, on_round=progress, stop_after=stop_after)
+        try:
+            self.loop.run(self.collector, on_round=progress, stop_after=stop_after)
+        finally:
+            log.close()
         if not self.loop.finished:
             return None
         return self.finish(on_test)
@@ -342,11 +359,7 @@ class Simulation:
             self.out / "variants.csv", ["index", "label", "macs", "params", "test_accuracy", "detail"],
             [[v["index"], v["label"], v["macs"], v["params"], f"{v['test_accuracy']:.4f}", json.dumps(v["detail"])] for v in results["variants"]],
         )
-        _write_csv(
-            self.out / "rounds.csv",
-            ["round", "lr", "loss", "samples", "train_macs", "routed_params", "full_params", "val_accuracy", "seconds"],
-            [[h.round, f"{h.lr:.6f}", "" if h.loss is None else f"{h.loss:.4f}", h.samples, h.train_macs, h.routed_params, h.full_params, "" if h.val_accuracy is None else f"{h.val_accuracy:.4f}", f"{h.seconds:.2f}"] for h in self.history],
-        )
+        write_rounds_csv(self.out / ROUNDS_CSV, self.history)
         return results
 
 

@@ -14,12 +14,10 @@ queue, so no state is touched from two threads.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -29,15 +27,19 @@ from typing import Any
 
 from feast_edge.cache import load_cache
 from feast_edge.checkpoint import load_supernet, read_record
+from feast_edge.dashboard.state import DashboardState
 from feast_edge.errors import FeastError
 from feast_edge.preset import load_preset
 from feast_edge.protocol import Declined, Metrics, ModelRequest, Register, Update
 from feast_edge.robust import check_rule, rule_settings
+from feast_edge.roundlog import RoundLog
 from feast_edge.rounds import CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings, Validation
 from feast_edge.server.collect import MqttCollector, WaitTimeout
 from feast_edge.server.data import ServerData, load_server_data
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.export import export_device_models
+from feast_edge.server.inbox import Inbox
+from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Registry
 from feast_edge.server.serving import ModelServer
 from feast_edge.supernet import Supernet
@@ -56,7 +58,6 @@ log = logging.getLogger(__name__)
 
 REGISTRY = "devices.sqlite"
 KIND = "federation"
-PER_DEVICE_QUEUE = 256  # messages one device may have waiting in the server's inbox
 SERVER_ID = "server"
 
 __all__ = ["CHECKPOINT", "REGISTRY", "FederationServer", "RoundRecord", "ServerConfig", "ServerError"]
@@ -162,7 +163,9 @@ class ServerConfig:
 class FederationServer:
     """Runs a federation over one MQTT link; see the module docstring."""
 
-    def __init__(self, config: ServerConfig, link_config: LinkConfig, *, on_round: Callable[[RoundRecord, int], None] | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig, link_config: LinkConfig, *, on_round: Callable[[RoundRecord, int], None] | None = None, dashboard: DashboardState | None = None,
+    ) -> None:
         self.config = config
         self.out = Path(config.out)
         self.preset = load_preset(config.preset)
@@ -194,12 +197,10 @@ class FederationServer:
         )
         self.collector: MqttCollector | None = None
         self.models: ModelServer | None = None
-        self._inbox: queue.Queue[tuple[str, Message]] = queue.Queue(maxsize=100_000)
+        self.live = None if dashboard is None else LiveView(dashboard, self.preset, self.cache, self.registry, rounds=config.rounds, federation=config.federation)
+        self.inbox = Inbox()
         self._filter = MessageFilter(config.federation)
         self._dropped = Throttle(log)  # bad input is logged, a few lines a minute per kind and sender
-        self._queue_lock = threading.Lock()
-        self._queued: dict[str, int] = {}  # device -> its messages in the inbox
-        self._latest_metrics: dict[str, Metrics] = {}  # device -> its newest metrics, waiting to be handled
         self._last_poll = 0.0
 
     @property
@@ -227,7 +228,7 @@ class FederationServer:
         self.collector = MqttCollector(
             self.link, t, sender, receiver, self.devices, self.registry, self.preset, cfg.train_config(), seed=cfg.seed, rounds=cfg.rounds,
             round_timeout=cfg.round_timeout, send_timeout=cfg.send_timeout, wait_timeout=cfg.wait_timeout or None, max_update_norm=cfg.max_update_norm,
-            pump=self.pump, stopped=self.stop.is_set,
+            pump=self.pump, stopped=self.stop.is_set, live=self.live,
         )
         self.models = ModelServer(self.out, self.link, t, sender, cfg.send_timeout)
         log.info("connected to %s as federation %r; preset %s, %d cached variants", self.link.address, cfg.federation, self.preset.name, len(self.cache))
@@ -241,8 +242,7 @@ class FederationServer:
     def _on_reconnect(self) -> None:
         # Queued before the statuses that the new subscription brings: what the server knew of presence may be stale
         # (an agent that died while the broker was down left no last will), so it starts over from those statuses.
-        with contextlib.suppress(queue.Full):
-            self._inbox.put_nowait(("reconnected", Presence(federation=self.config.federation, round=0, device=SERVER_ID, state="online", role="server")))
+        self.inbox.put("reconnected", Presence(federation=self.config.federation, round=0, device=SERVER_ID, state="online", role="server"))
 
     def _on_message(self, channel: str) -> Callable[[Received], None]:
         def handle(received: Received) -> None:
@@ -259,40 +259,9 @@ class FederationServer:
                 return
             if isinstance(message, Update) and self.collector is not None:
                 self.collector.pre_expect(message)  # its chunks follow at once, in this thread
-            self._enqueue(channel, message)
+            self.inbox.put(channel, message)
 
         return handle
-
-    def _enqueue(self, channel: str, message: Message) -> None:
-        """Queue for the run thread, fairly: one device's flood never delays (or crowds out) another device's update."""
-        device = message.device
-        with self._queue_lock:
-            if isinstance(message, Metrics):  # only the latest counts: any number of them waits as one
-                waiting = device in self._latest_metrics
-                self._latest_metrics[device] = message
-                if waiting:
-                    return
-            if self._queued.get(device, 0) >= PER_DEVICE_QUEUE:
-                self._dropped.warning(f"queue {device}", "%s has %d messages waiting; dropped its %s", device, PER_DEVICE_QUEUE, message.kind)
-                return
-            self._queued[device] = self._queued.get(device, 0) + 1
-        try:
-            self._inbox.put_nowait((channel, message))
-        except queue.Full:
-            self._dequeued(message)
-            self._dropped.warning(f"inbox {message.kind}", "server inbox full; dropped a %s message from %s", message.kind, device)
-
-    def _dequeued(self, message: Message) -> Message:
-        """The message to handle for one taken from the queue (for metrics, the device's latest)."""
-        with self._queue_lock:
-            left = self._queued.get(message.device, 1) - 1
-            if left > 0:
-                self._queued[message.device] = left
-            else:
-                self._queued.pop(message.device, None)
-            if isinstance(message, Metrics):
-                return self._latest_metrics.pop(message.device, message)
-        return message
 
     # ------------------------------------------------------------------ event loop (the run thread)
     def pump(self, seconds: float) -> None:
@@ -308,19 +277,19 @@ class FederationServer:
                         self._last_poll = now
                 if self.models is not None:
                     self.models.tick()  # model requests that waited for their device's interval
+                if self.live is not None:
+                    self.live.tick(self.devices.hosts_online, None if self.collector is None else self.collector.receiver.reassembler)
             except Exception:  # finished uploads and requests are the network's input too: never let one stop the server
                 log.exception("failed to handle a finished transfer or a model request")
-            try:
-                channel, message = self._inbox.get_nowait()
-            except queue.Empty:
+            got = self.inbox.get(0)
+            if got is None:
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     return
-                try:
-                    channel, message = self._inbox.get(timeout=min(remaining, 0.05))
-                except queue.Empty:
+                got = self.inbox.get(min(remaining, 0.05))
+                if got is None:
                     continue
-            message = self._dequeued(message)
+            channel, message = got
             try:
                 self._handle(channel, message)
             except FeastError as exc:  # a bad message must never stop the server
@@ -346,6 +315,8 @@ class FederationServer:
         elif channel == "events" and isinstance(message, Metrics):
             if self.registry.get(message.device) is not None:
                 self.registry.touch(message.device, metrics=message.values)
+                if self.live is not None:
+                    self.live.device_progress(message.device, message.values)
                 log.debug("metrics from %s: %s", message.device, json.dumps(message.values, sort_keys=True)[:300])
         elif channel == "events" and isinstance(message, ModelRequest) and self.models is not None:
             self.models.request(message.device, message.msg_id)
@@ -373,8 +344,8 @@ class FederationServer:
             log.warning("%s", self.loop.recovered)
         return done
 
-    def run(self, resume_previous: bool = False) -> list[RoundRecord]:
-        """Resume if possible, run the remaining rounds, checkpoint each; returns the history."""
+    def run(self, resume_previous: bool = False, tensorboard: bool = False) -> list[RoundRecord]:
+        """Resume if possible, run the remaining rounds, checkpoint each (and ``rounds.csv``, TensorBoard scalars); returns the history."""
         assert self.collector is not None, "start() first"
         cfg = self.config
         done = self.resume(previous=resume_previous)
@@ -383,8 +354,12 @@ class FederationServer:
         if self.data is None:
             log.info("no --data: skipping validation (and the ONNX export needs calibration data)")
         self._filter.advance(done)
+        if self.live is not None:
+            self.live.resumed(self.history)
+        roundlog = RoundLog(self.out, tensorboard=tensorboard, first_round=done + 1)
 
         def finished_round(record: RoundRecord) -> None:
+            roundlog.write(self.history)
             for device in record.updated:
                 self.registry.touch(device, participated=record.applied)
             if not record.applied:
@@ -394,18 +369,24 @@ class FederationServer:
                 )
             if self.on_round is not None:
                 self.on_round(record, cfg.rounds)
+            if self.live is not None:
+                self.live.round_finished(record, getattr(self.loop.method, "validated", None) if record.val_accuracy is not None else None)
             self._filter.advance(record.round)
             self.pump(0)
 
         try:
             self.loop.run(self.collector, start_clients=cfg.start_clients, on_round=finished_round)
         except WaitTimeout as exc:
+            if self.live is not None:
+                self.live.finished("failed", str(exc))
             done = len(self.history)
             saved = f"round {done} is checkpointed in {self.out / CHECKPOINT}" if done else "no round was completed"
             raise ServerError(
                 f"{exc} (federation {cfg.federation!r}); stopping: {saved}. Start more agents or lower --min-clients, then run the same "
                 f"command again to resume (--wait-timeout 0 waits forever)"
             ) from None
+        finally:
+            roundlog.close()
         self.devices.finished = self.loop.finished
         return self.history
 

@@ -114,13 +114,18 @@ def run(
     serve: Annotated[bool, typer.Option("--serve", help="Afterwards keep answering model requests (feast-agent fetch-model) until Ctrl-C.")] = False,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     threads: common.ThreadsOpt = 0,
+    dashboard: common.DashboardOpt = None,
+    dashboard_token: common.DashboardTokenOpt = None,
+    tensorboard: common.TensorBoardOpt = False,
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,
 ) -> None:
     """Run (or resume) a federation: wait for devices, train --rounds rounds, export ONNX per device."""
+    from feast_edge.dashboard.state import DashboardState
     from feast_edge.server.app import FederationServer, ServerConfig
 
     common.setup_logging(log_level, log_file)
+    common.check_dashboard(dashboard, dashboard_token)
     common.torch_threads(threads)
     federation = common.federation_of(link, federation)
     _server_bundle(link)
@@ -131,24 +136,32 @@ def run(
         cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
         max_update_norm=max_update_norm, max_samples=max_samples, max_devices=max_devices, aggregation=aggregation, trim=trim, clip_norm=clip_norm,
     )
-    server = FederationServer(config, link, on_round=print_round)
+    state = None if dashboard is None else DashboardState("federation", f"feast-server: federation {federation}")
+    server = FederationServer(config, link, on_round=print_round, dashboard=state)
+    web = None if state is None else common.open_dashboard(state, dashboard, dashboard_token, log.info)
     _install_signal_handlers()
     try:
         server.start()
-        history = server.run(resume_previous=resume_previous)
+        history = server.run(resume_previous=resume_previous, tensorboard=tensorboard)
         applied = sum(r.applied for r in history)
         log.info("federation finished: %d rounds (%d aggregated); checkpoint %s", len(history), applied, out / "checkpoint.safetensors")
         manifests: list[dict[str, Any]] = []
         if export and data is not None:
             log.info("exporting each device's largest affordable variant (BN recalibration, validation, ONNX)")
+            if server.live is not None:
+                server.live.finished("exporting")
             with common.heartbeat(log, "still exporting"):
                 manifests = server.export()
+            if server.live is not None:
+                server.live.models(manifests, out / "models")
             console.print(models_table(manifests, f"models for {len(manifests)} devices in {out / 'models'}"))
             served = server.announce_models(manifests)
             log.info("sent models to %d online devices%s", len(served), f": {', '.join(served)}" if served else "")
         elif export:
             log.info("no --data: ONNX export skipped; run 'feast-server export --data DIR' to export")
         server.finish(manifests)
+        if server.live is not None:
+            server.live.finished("finished")
         if serve:
             log.info("serving model requests (feast-agent fetch-model); Ctrl-C to stop")
             server.serve()
@@ -159,6 +172,8 @@ def run(
         raise typer.Exit(130)
     finally:
         server.close()
+        if web is not None:
+            web.stop()
 
 
 def _server_bundle(link: Optional[LinkConfig]) -> None:

@@ -31,6 +31,7 @@ from feast_edge.robust import update_norm
 from feast_edge.rounds import ClientUpdate, Collected
 from feast_edge.route import route_state
 from feast_edge.server.devices import DeviceBook
+from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Registry
 from feast_edge.train import TrainConfig
 from feast_edge.transport.chunks import Progress, Status
@@ -96,6 +97,7 @@ class MqttCollector:
         max_update_norm: float,
         pump: Callable[[float], None],
         stopped: Callable[[], bool],
+        live: LiveView | None = None,
     ) -> None:
         self.link, self.topics, self.sender, self.receiver = link, topics, sender, receiver
         self.devices, self.registry, self.preset, self.train = devices, registry, preset, train
@@ -103,6 +105,7 @@ class MqttCollector:
         self.round_timeout, self.send_timeout, self.wait_timeout = round_timeout, send_timeout, wait_timeout
         self.max_update_norm = max_update_norm  # 0: no bound
         self.pump, self.stopped = pump, stopped
+        self.live = live  # the dashboard's view of the round in flight (feast-server run --dashboard)
         self.current: _Round | None = None
         # device -> (round, routed transfer, upload size bound) of the round in flight; read by paho's thread (pre_expect)
         self.announced: dict[str, tuple[int, str, int]] = {}
@@ -143,6 +146,8 @@ class MqttCollector:
         start = time.monotonic()
         deadline = start + self.round_timeout
         classes = self.preset.classes
+        if self.live is not None:
+            self.live.round_started(t, cohort, self.round_timeout)
         for device in cohort:
             plan = plans[device]
             manifest = plan.manifest(self.preset, classes, t, "routed", device)
@@ -160,6 +165,9 @@ class MqttCollector:
                 self.sender.announce_and_send(self.topics.ctrl(device), message.encode(), blob, info, timeout=self.send_timeout)
             except LinkError as exc:
                 self.reject(device, f"could not send its routed payload: {exc}")
+            else:
+                if self.live is not None:
+                    self.live.routed(device, len(blob), info.count, plan.envelope.params(self.preset, classes))
             self.pump(0)
         current.collected.send_seconds = time.monotonic() - start
         log.debug("round %d: routed payloads sent to %s", t + 1, ", ".join(cohort))
@@ -315,6 +323,8 @@ class MqttCollector:
             self.reject(device, f"its update changes the routed slice by {change:.3g} (L2 norm); the limit is --max-update-norm {self.max_update_norm:g}")
             return
         pending.state = state
+        if self.live is not None:
+            self.live.upload_done(device, len(progress.payload), progress.info.count)
         log.debug("round %d: valid update from %s (%d samples)", pending.manifest.round + 1, device, pending.update.samples if pending.update else 0)
 
     def reject(self, device: str, reason: str) -> None:
@@ -326,4 +336,6 @@ class MqttCollector:
         if pending is not None and not pending.settled:
             pending.error = reason
         current.collected.rejected[device] = reason
+        if self.live is not None:
+            self.live.member(device, "rejected", reason=reason)
         log.warning("round %d: rejected the update of %s: %s; the global model is untouched by it", current.t + 1, device, reason)

@@ -189,6 +189,7 @@ def run_demo(
     embedded_broker: str = "auto",
     test_samples: int = 2000,
     local_epochs: int = 1,
+    dashboard: str | None = "127.0.0.1:0",
 ) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one summary row per device."""
     from feast_edge.profile import load_profile
@@ -200,6 +201,10 @@ def run_demo(
 
     began = time.monotonic()
     _check_data(data)
+    if dashboard:
+        from feast_edge.dashboard.app import parse_bind
+
+        parse_bind(dashboard)  # a malformed --dashboard is refused here, not by the server once everything runs
     if len(profiles) < 2:
         raise DemoError("--profiles needs at least two device profiles")
     loaded = [load_profile(p) for p in profiles]
@@ -239,18 +244,23 @@ def run_demo(
         shards = ", ".join(f"{p.name} {c['samples']}" for p, c in zip(loaded, index["clients"]))
         say(f"data: {shards} examples; the server holds 1000 validation + 200 calibration")
         python = sys.executable
+        # The server computes (validation, export) only while the agents wait for it: it may take both cores then.
         fleet.spawn("server", [
             python, "-m", "feast_edge.server.cli", "run", *identity["server"], "--out", str(out / "server"), "--preset", preset,
             "--rounds", str(rounds), "--per-round", str(n), "--min-clients", str(max(1, n // 2)), "--start-clients", str(n),
             "--round-timeout", "180", "--seed", str(seed), "--data", str(out / "partition"),
-            "--eval-every", "1", "--wait-timeout", "180", "--threads", "1", "--local-epochs", str(local_epochs),
+            "--eval-every", "1", "--wait-timeout", "180", "--threads", str(min(2, os.cpu_count() or 1)), "--local-epochs", str(local_epochs),
+            *(["--dashboard", dashboard] if dashboard else []),
         ])
         received = out / "device-models"
-        for profile, entry in zip(loaded, index["clients"]):
+        # The device with the largest shard trains longest and the round waits for it: it gets a second core when there is one.
+        busiest = max(range(n), key=lambda i: index["clients"][i]["samples"])
+        for i, (profile, entry) in enumerate(zip(loaded, index["clients"])):
+            threads = 2 if i == busiest and (os.cpu_count() or 1) >= 2 else 1
             fleet.spawn(profile.name, [
                 python, "-m", "feast_edge.agent.cli", "run", *identity[profile.name],
                 "--data", str(out / "partition" / entry["file"]), "--profile", profiles[names.index(profile.name)], "--device", "cpu",
-                "--threads", "1", "--model-dir", str(received), "--register-timeout", "180",
+                "--threads", str(threads), "--model-dir", str(received), "--register-timeout", "180",
             ])
         say(
             f"started feast-server and {n} feast-agent processes ({', '.join(f'{p.name} {p.budget_macs / 1e6:.1f}M MACs' for p in loaded)}); "
@@ -273,6 +283,7 @@ def run_demo(
         say(
             f"onnxruntime latency: batch 1, one thread, this machine's CPU (the profiles' budgets describe the real devices). "
             f"Wall time {time.monotonic() - began:.1f} s; everything is in {out}."
+            + (f" Browse the finished run: feast-edge dashboard {out / 'server'}" if dashboard else "")
         )
         return rows
     finally:
@@ -286,8 +297,13 @@ def _follow_federation(fleet: _Fleet, say: Any) -> None:
     server = fleet.processes["server"]
     deadline = time.monotonic() + SERVER_TIMEOUT
     shown, since, said = 0, time.monotonic(), time.monotonic()
+    url = None
     while True:
         running = server.poll() is None
+        if url is None:
+            url = next((line.split("dashboard: ", 1)[1] for line in _lines(fleet.log("server")) if line.startswith("dashboard: ")), None)
+            if url is not None:
+                say(f"dashboard (live while the federation runs): {url}")
         lines = fleet.round_lines()
         for line in lines[shown:]:
             say(f"  {line}")

@@ -164,6 +164,32 @@ ChunkOpt = Annotated[
     int, typer.Option("--chunk-size", min=1024, max=16 * 1024 * 1024, help="Chunk size in bytes for model payloads, and the largest chunk accepted.")
 ]
 ThreadsOpt = Annotated[int, typer.Option("--threads", min=0, help="PyTorch intra-op threads (0: PyTorch's default).")]
+DashboardOpt = Annotated[
+    Optional[str],
+    typer.Option("--dashboard", metavar="[HOST:]PORT", help="Serve a live web dashboard on PORT (127.0.0.1 unless HOST is given; 0: a free port). Needs feast-edge[dashboard]."),
+]
+DashboardTokenOpt = Annotated[
+    Optional[str],
+    typer.Option("--dashboard-token", envvar="FEAST_DASHBOARD_TOKEN", help="Access token the dashboard requires (or $FEAST_DASHBOARD_TOKEN); required off loopback."),
+]
+TensorBoardOpt = Annotated[bool, typer.Option("--tensorboard", help="Also write per-round metrics as TensorBoard event files in RUN_DIR/tensorboard (needs the tensorboard package).")]
+
+
+def check_dashboard(bind: Optional[str], token: Optional[str]) -> None:
+    """Refuse a bad ``--dashboard`` / ``--dashboard-token`` (DashboardError, one line) before a command starts its work."""
+    if bind is not None:
+        from feast_edge.dashboard.app import check_bind
+
+        check_bind(bind, token)
+
+
+def open_dashboard(state: Any, bind: str, token: Optional[str], say: Callable[[str], None]) -> Any:
+    """Start the web dashboard of ``state`` on ``bind`` and say its address; DashboardError (a user error) when it cannot."""
+    from feast_edge.dashboard.app import start_dashboard
+
+    dashboard = start_dashboard(state, bind, token)
+    say(f"dashboard: {dashboard.url}")
+    return dashboard
 
 _MQTT_OPTIONS = {
     "username": (Optional[str], None, typer.Option("--username", help="MQTT user name.")),

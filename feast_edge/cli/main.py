@@ -15,6 +15,7 @@ from rich.table import Table
 
 from feast_edge.arch import Arch
 from feast_edge.cli.common import make_app, make_console, millions, parse_macs, run_cli
+from feast_edge.cli.dashboard import register as register_dashboard
 from feast_edge.cli.report import register as register_report
 from feast_edge.cli.runs import register as register_runs
 from feast_edge.cost import arch_cost, cost_breakdown
@@ -272,6 +273,7 @@ def extract_command(
 
 register_runs(app)
 register_report(app)
+register_dashboard(app)
 
 
 def main() -> None:

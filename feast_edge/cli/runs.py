@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from feast_edge.arch import Arch
-from feast_edge.cli.common import DeviceOpt, Stage, make_console, millions, parse_list, parse_macs, population_options
+from feast_edge.cli.common import DashboardOpt, DashboardTokenOpt, DeviceOpt, Stage, TensorBoardOpt, check_dashboard, make_console, millions, parse_list, parse_macs, population_options
 from feast_edge.cost import arch_cost
 from feast_edge.errors import FeastError
 from feast_edge.preset import load_preset
@@ -101,6 +101,9 @@ def simulate(
     clip_norm: Annotated[Optional[float], typer.Option("--clip-norm", help="clip: L2 bound of an update (default: the cohort's median update norm).")] = None,
     device: DeviceOpt = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    dashboard: DashboardOpt = None,
+    dashboard_token: DashboardTokenOpt = None,
+    tensorboard: TensorBoardOpt = False,
 ) -> None:
     """Run the paper's protocol in one process: population, rounds, evaluation, results."""
     from feast_edge.runtime import describe_device, resolve_device
@@ -118,6 +121,7 @@ def simulate(
         test_limit=test_limit, aggregation=aggregation, trim=trim, clip_norm=clip_norm, device=device,
     )
     config.train_config()  # validates the method, its options and the recipe before any data is read
+    check_dashboard(dashboard, dashboard_token)
     _say(f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients")
     sim = Simulation(config, out)
     _say(str(sim.setup.population))
@@ -126,12 +130,19 @@ def simulate(
     if done:
         _say(f"resuming after round {done}/{rounds} from {out / 'checkpoint.safetensors'}")
     display = _SimulationDisplay(rounds, done, len(sim.setup.cache.entries))
+    live, web = _simulation_dashboard(sim, dashboard, dashboard_token, out)
     try:
-        results = sim.run(resume=resume, on_round=display.on_round, on_test=display.on_test)
+        results = sim.run(resume=resume, on_round=display.on_round, on_test=display.on_test, on_record=live and live.round_finished, tensorboard=tensorboard)
     except BaseException:
         display.stage.finish(ok=False)
+        if web is not None:
+            web.stop()
         raise
     display.stage.finish()
+    if live is not None:
+        live.finished(results)
+        web.stop()
+        _say(f"dashboard stopped; browse the finished run with: feast-edge dashboard {out}")
     table = Table(title=f"{config.preset}, {config.method}: test accuracy per served model (best checkpoint, round {results['best'].get('round', '-')})")
     for col in ("#", "MACs", "params", "accuracy", "model"):
         table.add_column(col, justify="left" if col == "model" else "right")
@@ -148,6 +159,19 @@ def simulate(
         f"results: {out / 'results.json'}, {out / 'variants.csv'}, {out / 'rounds.csv'}",
         soft_wrap=True,
     )
+
+
+def _simulation_dashboard(sim: Any, bind: str | None, token: str | None, out: Path) -> tuple[Any, Any]:
+    """``--dashboard``: the simulation's live view and its web server (both None without the option)."""
+    if bind is None:
+        return None, None
+    from feast_edge.cli.common import open_dashboard
+    from feast_edge.cli.live import SimulationLive
+    from feast_edge.dashboard.state import DashboardState
+
+    live = SimulationLive(DashboardState("simulation", f"feast-edge simulate: {out.name}"), sim)
+    live.attach()
+    return live, open_dashboard(live.state, bind, token, _say)
 
 
 def parse_pairs(items: list[str] | None, option: str) -> tuple[tuple[str, str], ...]:
@@ -235,19 +259,22 @@ def partition(
 
 def demo(
     broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port.")] = None,
-    rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 3,
-    samples: Annotated[int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")] = 800,
-    local_epochs: Annotated[int, typer.Option("--local-epochs", min=1, help="Local epochs per round on every device (more: better models, longer rounds).")] = 1,
+    rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 5,
+    samples: Annotated[int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")] = 1000,
+    local_epochs: Annotated[int, typer.Option("--local-epochs", min=1, help="Local epochs per round on every device (more: better models, longer rounds).")] = 2,
     profiles: Annotated[str, typer.Option(help="Comma-separated device profiles (names in profiles/ or files), one agent each.")] = "raspberry-pi-5,jetson-nano,laptop-cpu,desktop-gpu",
     data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory.")] = Path("/usr/share/datasets/fashion-mnist"),
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (its partition/, server/, device-models/, logs/ are replaced).")] = Path("feast-demo"),
     seed: Annotated[int, typer.Option(help="Seed of the partition and the federation.")] = 0,
     embedded_broker: Annotated[str, typer.Option("--embedded-broker", help="Without --broker: auto (mosquitto if installed, else amqtt), mosquitto or amqtt.")] = "auto",
+    dashboard: Annotated[
+        str, typer.Option("--dashboard", metavar="[HOST:]PORT", help="Where feast-server serves its live dashboard (0: a free port; 'off': none).")
+    ] = "127.0.0.1:0",
 ) -> None:
     """One command end to end: broker, feast-server and one feast-agent per device profile, rounds, ONNX per device."""
     from feast_edge.server.demo import run_demo
 
     run_demo(
         broker=broker, rounds=rounds, samples=samples, local_epochs=local_epochs, profiles=parse_list(profiles), data=data, out=out,
-        seed=seed, console=console, embedded_broker=embedded_broker,
+        seed=seed, console=console, embedded_broker=embedded_broker, dashboard=None if dashboard == "off" else dashboard,
     )

@@ -98,6 +98,8 @@ class Method:
         self.preset = setup.preset
         self.opts = self.parse_options(dict(config.method_options))
         self.model: nn.Module = self.build_model()
+        self.validated: list[dict[str, Any]] = []  # the latest validation, per probe point (label, macs, params, val_accuracy)
+        self.on_client: Callable[[str, str], None] | None = None  # told (client, "training" | "uploading") around each local update
 
     @classmethod
     def parse_options(cls, given: Mapping[str, str]) -> dict[str, Any]:
@@ -164,9 +166,13 @@ class Method:
         for client in cohort:
             images, labels = self.setup.client_data(client)
             began = time.perf_counter()
+            if self.on_client is not None:
+                self.on_client(client, "training")
             update = self.train_client(t, client, plans[client], global_state, images, labels, lr, client_seed(self.config.seed, t, client))
             update.state = load_tensors(save_tensors({k: v.contiguous() for k, v in update.state.items()})) if update.state else {}
             update.compute_seconds = time.perf_counter() - began
+            if self.on_client is not None:
+                self.on_client(client, "uploading")
             updates.append(update)
         return updates
 
@@ -207,7 +213,9 @@ class Method:
 
     def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
         """Mean validation accuracy of the ``k`` probe points (checkpoint selection, SPEC §8)."""
-        accs = self.evaluate(self.probe_points(k), validation.calibration_images, validation.images, validation.labels, device)
+        points = self.probe_points(k)
+        accs = self.evaluate(points, validation.calibration_images, validation.images, validation.labels, device)
+        self.validated = [{"label": p.label, "macs": p.macs, "params": p.params, "val_accuracy": float(a)} for p, a in zip(points, accs)]
         return float(sum(accs) / len(accs))
 
     def served(self, budget: float) -> int:

@@ -163,6 +163,12 @@ class Reassembler:
             incoming = self._active.get(transfer)
             return incoming.missing(limit) if incoming else []
 
+    def received(self, transfer: str) -> int | None:
+        """How many distinct chunks of the active ``transfer`` are in (None when it is not in progress): a progress figure."""
+        with self._lock:
+            incoming = self._active.get(transfer)
+            return None if incoming is None else len(incoming.parts)
+
     def active(self) -> list[TransferInfo]:
         """Transfers in progress."""
         with self._lock:

@@ -154,22 +154,23 @@ def test_one_devices_flood_never_crowds_out_another_devices_update(tmp_path: Pat
     """A registered device may flood valid messages on its own topic (ACL and signatures allow it): its metrics wait as
     one message, anything else beyond its share is dropped, and another device's update still gets a place in the queue."""
     from feast_edge.protocol import Metrics, Update
-    from feast_edge.server.app import PER_DEVICE_QUEUE, FederationServer
+    from feast_edge.server.app import FederationServer
+    from feast_edge.server.inbox import PER_DEVICE_QUEUE
     from feast_edge.transport.frames import describe
 
     server = FederationServer(ServerConfig(out=str(tmp_path), federation=federation), LinkConfig(broker="mqtt://127.0.0.1:1883"))
     try:
         for i in range(10_000):
-            server._enqueue("events", Metrics(federation=federation, round=0, device="flooder", values={"i": i}))
+            server.inbox.put("events", Metrics(federation=federation, round=0, device="flooder", values={"i": i}))
         junk = describe(b"x", federation=federation, round=0, device="flooder").to_dict()
         for _ in range(10_000):
-            server._enqueue("events", Update(federation=federation, round=0, device="flooder", transfer=junk, routed="r", samples=1))
+            server.inbox.put("events", Update(federation=federation, round=0, device="flooder", transfer=junk, routed="r", samples=1))
         honest = Update(federation=federation, round=0, device="honest", transfer=describe(b"y", federation=federation, round=0, device="honest").to_dict(), routed="r", samples=5)
-        server._enqueue("events", honest)
-        queued = [server._inbox.get_nowait() for _ in range(server._inbox.qsize())]
+        server.inbox.put("events", honest)
+        queued = [server.inbox.get(0) for _ in range(server.inbox.qsize())]
         assert len(queued) == PER_DEVICE_QUEUE + 1, len(queued)
         assert queued[-1][1] is honest
-        metrics = [server._dequeued(m) for _, m in queued if isinstance(m, Metrics)]
+        metrics = [m for _, m in queued if isinstance(m, Metrics)]
         assert len(metrics) == 1 and metrics[0].values == {"i": 9999}  # the latest of ten thousand
     finally:
         server.close()

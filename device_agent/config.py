@@ -1,0 +1,25 @@
+"""What a ``feast-agent run`` is told: the CLI flags of ``feast-agent run`` map onto :class:`AgentConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Who the agent is and how it trains; the CLI flags of ``feast-agent run`` map onto these fields."""
+
+    host: str  # --device-id: the agent's presence id (and the device id of a single client)
+    federation: str = "feast"
+    preset: str = "fmnist-small"
+    device: str = "cpu"
+    budget_macs: float | None = None  # one budget for every hosted client (--budget / --profile); None: each shard's own
+    profile: dict[str, Any] = field(default_factory=dict)  # summary sent with the registration
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    register_timeout: float = 60.0
+    send_timeout: float = 120.0
+    model_dir: str | None = None  # where pushed ONNX models are saved (None: announced models are only logged)
+    stay: bool = False  # after the federation finishes, keep waiting for the next run instead of exiting

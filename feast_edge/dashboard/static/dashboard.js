@@ -1,0 +1,416 @@
+// The feast-edge dashboard page: renders the server's snapshot (api/state, api/events) into the sections of index.html.
+//
+// Device names, reasons and labels come from the network: they reach the DOM only through
+// textContent and setAttribute, never as markup. URLs are relative, so a reverse-proxy prefix works.
+"use strict";
+
+(function () {
+  const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+  const POLL_MS = 2000;
+  const charts = {}; // chart id -> {plot, layout, data}
+  let current = null; // the last snapshot
+  let clockOffset = 0; // server clock minus this browser's clock, in seconds
+  let polling = null;
+
+  // ------------------------------------------------------------------ small helpers
+  function byId(id) {
+    return document.getElementById(id);
+  }
+
+  function text(node, value) {
+    node.textContent = value === null || value === undefined || value === "" ? "–" : String(value);
+    return node;
+  }
+
+  function cell(row, value, className, title) {
+    const td = document.createElement("td");
+    text(td, value);
+    if (className) td.className = className;
+    if (title) td.setAttribute("title", title);
+    row.appendChild(td);
+    return td;
+  }
+
+  function isNumber(value) {
+    return typeof value === "number" && isFinite(value);
+  }
+
+  function fixed(value, scale, digits) {
+    return isNumber(value) ? (value / scale).toFixed(digits) : null;
+  }
+
+  function percent(value) {
+    return isNumber(value) ? (100 * value).toFixed(2) : null;
+  }
+
+  function count(n) {
+    if (!isNumber(n)) return null;
+    for (const [scale, unit] of [[1e9, "G"], [1e6, "M"], [1e3, "K"]]) {
+      if (Math.abs(n) >= scale) return (n / scale).toPrecision(3) + unit;
+    }
+    return String(Math.round(n));
+  }
+
+  function ago(seconds) {
+    for (const [unit, size] of [["d", 86400], ["h", 3600], ["min", 60]]) {
+      if (seconds >= 1.5 * size) return Math.round(seconds / size) + " " + unit + " ago";
+    }
+    return Math.max(0, Math.round(seconds)) + " s ago";
+  }
+
+  function serverNow() {
+    return Date.now() / 1000 + clockOffset;
+  }
+
+  function replaceRows(tbody, rows) {
+    tbody.replaceChildren(...rows);
+  }
+
+  function plural(n, noun) {
+    return n + " " + noun + (n === 1 ? "" : "s");
+  }
+
+  // ------------------------------------------------------------------ header
+  function renderHeader(s) {
+    const run = s.run || {};
+    document.title = "feast-edge: " + (s.title || "dashboard");
+    text(byId("title"), s.title || "feast-edge dashboard");
+    let round = 0;
+    if (s.round && isNumber(s.round.round)) round = s.round.round;
+    else if (isNumber(run.rounds_done)) round = run.rounds_done;
+    else if (s.history.length) round = s.history[s.history.length - 1].round;
+    const total = isNumber(run.rounds_total) ? run.rounds_total : "?";
+    byId("round-counter").textContent = "round " + round + " / " + total;
+    const status = byId("run-status");
+    text(status, run.status);
+    status.className = "status status-" + String(run.status || "unknown").replace(/[^a-z]/g, "");
+    byId("run-message").textContent = run.message ? String(run.message) : "";
+  }
+
+  function setLive(live, how) {
+    const node = byId("connection");
+    node.textContent = live ? "live" : "disconnected";
+    node.className = live ? "live" : "disconnected";
+    node.setAttribute("title", live ? "updates arrive " + how : "no answer from the dashboard server; retrying");
+  }
+
+  // ------------------------------------------------------------------ fleet
+  function renderFleet(s) {
+    const rows = s.devices.map(function (d) {
+      const tr = document.createElement("tr");
+      tr.setAttribute("data-device", d.name);
+      cell(tr, d.name, "device");
+      const hardware = [d.profile, d.hardware].filter(Boolean).join(" · ");
+      cell(tr, hardware);
+      cell(tr, fixed(d.budget_macs, 1e6, 2), "num budget");
+      const v = d.variant || {};
+      const variant = v.label || v.macs ? [v.label, isNumber(v.macs) ? fixed(v.macs, 1e6, 2) + "M MACs" : null].filter(Boolean).join(", ") : null;
+      cell(tr, variant, "variant");
+      const e = d.envelope || {};
+      const envelope = isNumber(e.params) || isNumber(e.bytes)
+        ? [isNumber(e.params) ? count(e.params) + " params" : null, isNumber(e.bytes) ? fixed(e.bytes, 1e6, 2) + " MB" : null].filter(Boolean).join(", ")
+        : null;
+      cell(tr, envelope, "num");
+      const presence = d.online === true ? "online" : d.online === false ? "offline" : null;
+      cell(tr, presence, presence || "unknown");
+      const seen = cell(tr, null, "seen");
+      if (isNumber(d.last_seen)) seen.setAttribute("data-seen", String(d.last_seen));
+      cell(tr, isNumber(d.rounds) ? d.rounds : null, "num");
+      const u = d.last_upload;
+      const upload = u ? [u.status, u.reason ? "(" + u.reason + ")" : null, isNumber(u.round) ? "round " + u.round : null].filter(Boolean).join(" ") : null;
+      cell(tr, upload, u ? "upload upload-" + String(u.status).replace(/[^a-z]/g, "") : "upload");
+      return tr;
+    });
+    replaceRows(document.querySelector("#fleet tbody"), rows);
+    const online = s.devices.filter((d) => d.online === true).length;
+    byId("fleet-count").textContent = s.devices.length ? "(" + plural(s.devices.length, "device") + ", " + online + " online)" : "";
+    document.querySelector("#fleet .empty").hidden = s.devices.length > 0;
+  }
+
+  // ------------------------------------------------------------------ round in flight
+  function renderRound(s) {
+    const r = s.round;
+    text(byId("round-title"), r ? "round " + r.round + (r.finished ? " (finished)" : "") + ": " + plural(r.members.length, "member") : "No round yet.");
+    const deadline = byId("round-deadline");
+    if (r && isNumber(r.deadline)) {
+      deadline.textContent = "deadline " + new Date((r.deadline - clockOffset) * 1000).toLocaleTimeString();
+      deadline.setAttribute("data-deadline", String(r.deadline));
+    } else {
+      deadline.textContent = "";
+      deadline.removeAttribute("data-deadline");
+    }
+    const rows = (r ? r.members : []).map(function (m) {
+      const tr = document.createElement("tr");
+      tr.setAttribute("data-device", m.device);
+      cell(tr, m.device, "device");
+      cell(tr, m.state, "state state-" + String(m.state).replace(/[^a-z]/g, ""));
+      const progress = cell(tr, null, "progress");
+      if (isNumber(m.total) && m.total > 0) {
+        const bar = document.createElement("progress");
+        bar.max = m.total;
+        bar.value = isNumber(m.done) ? Math.min(m.done, m.total) : 0;
+        const label = document.createElement("span");
+        label.textContent = " " + (isNumber(m.done) ? m.done : 0) + "/" + m.total + " chunks";
+        progress.replaceChildren(bar, label);
+      }
+      cell(tr, m.reason, "reason");
+      return tr;
+    });
+    replaceRows(document.querySelector("#round-members tbody"), rows);
+  }
+
+  // ------------------------------------------------------------------ charts
+  // points: one array of [x, y] per series; returns uPlot's aligned data [xs, ys1, ys2, ...] (null where a series has no y).
+  function align(points) {
+    const xs = Array.from(new Set(points.flat().map((p) => p[0]))).sort((a, b) => a - b);
+    const index = new Map(xs.map((x, i) => [x, i]));
+    const data = [xs];
+    for (const series of points) {
+      const ys = xs.map(() => null);
+      for (const [x, y] of series) ys[index.get(x)] = y;
+      data.push(ys);
+    }
+    return data;
+  }
+
+  function series(rows, x, y) {
+    return rows.filter((r) => isNumber(r[x]) && isNumber(r[y])).map((r) => [r[x], r[y]]);
+  }
+
+  function drawChart(id, xLabel, yLabel, named) {
+    const box = byId(id);
+    const kept = named.filter((n) => n.points.length > 0);
+    const points = kept.reduce((sum, n) => sum + n.points.length, 0);
+    box.setAttribute("data-points", String(points));
+    const layout = JSON.stringify([xLabel, yLabel, kept.map((n) => n.label)]);
+    const data = align(kept.map((n) => n.points));
+    const known = charts[id];
+    if (known && known.layout === layout) {
+      if (JSON.stringify(data) !== known.data) {
+        known.plot.setData(data);
+        known.data = JSON.stringify(data);
+      }
+      return;
+    }
+    if (known) known.plot.destroy();
+    delete charts[id];
+    box.replaceChildren();
+    if (points === 0 || typeof uPlot === "undefined") {
+      const empty = document.createElement("p");
+      empty.className = "chart-empty";
+      empty.textContent = typeof uPlot === "undefined" ? "charts unavailable (uPlot did not load)" : "no data yet";
+      box.appendChild(empty);
+      return;
+    }
+    const options = {
+      width: Math.max(320, box.clientWidth || 560),
+      height: 260,
+      scales: { x: { time: false } },
+      axes: [{ label: xLabel }, { label: yLabel }],
+      series: [{ label: xLabel }].concat(kept.map((n, i) => ({
+        label: n.label,
+        stroke: COLORS[i % COLORS.length],
+        width: 2,
+        spanGaps: true,
+        points: { show: true, size: 6 },
+      }))),
+    };
+    charts[id] = { plot: new uPlot(options, data, box), layout: layout, data: JSON.stringify(data) };
+  }
+
+  function scaled(rows, x, y, scale) {
+    return series(rows, x, y).map(([a, b]) => [a, b / scale]);
+  }
+
+  function runLabel(run) {
+    return [run.name, run.method && run.method !== run.name ? run.method : null].filter(Boolean).join(" · ");
+  }
+
+  function renderLearned(s) {
+    text(byId("population-accuracy"), isNumber(s.population_accuracy) ? percent(s.population_accuracy) + " %" : null);
+    if (s.runs.length) {
+      drawChart("chart-accuracy-macs", "M MACs", "accuracy (%)", s.runs.map((run) => ({
+        label: runLabel(run),
+        points: series(run.variants || [], "macs", "test_accuracy").map(([m, a]) => [m / 1e6, 100 * a]),
+      })));
+      drawChart("chart-validation", "round", "val. accuracy (%)", s.runs.map((run) => ({
+        label: runLabel(run),
+        points: series(run.history || [], "round", "val_accuracy").map(([r, a]) => [r, 100 * a]),
+      })));
+    } else {
+      const macs = (key) => series(s.variants, "macs", key).map(([m, a]) => [m / 1e6, 100 * a]);
+      drawChart("chart-accuracy-macs", "M MACs", "accuracy (%)", [
+        { label: "test accuracy", points: macs("test_accuracy") },
+        { label: "validation accuracy", points: macs("val_accuracy") },
+      ]);
+      drawChart("chart-validation", "round", "val. accuracy (%)", [
+        { label: "validation accuracy", points: series(s.history, "round", "val_accuracy").map(([r, a]) => [r, 100 * a]) },
+      ]);
+    }
+    renderRunsTable(s.runs);
+  }
+
+  function renderRunsTable(runs) {
+    const table = byId("runs-table");
+    table.hidden = runs.length === 0;
+    const rows = runs.map(function (run) {
+      const tr = document.createElement("tr");
+      tr.setAttribute("data-run", String(run.name));
+      const history = run.history || [];
+      const vals = history.map((h) => h.val_accuracy).filter(isNumber);
+      const sent = history.reduce((sum, h) => sum + (isNumber(h.bytes_down) ? h.bytes_down : 0) + (isNumber(h.bytes_up) ? h.bytes_up : 0), 0);
+      cell(tr, run.name, "device");
+      cell(tr, run.method);
+      cell(tr, isNumber(run.seed) ? run.seed : null, "num");
+      cell(tr, history.length, "num");
+      cell(tr, vals.length ? percent(Math.max(...vals)) : null, "num");
+      cell(tr, percent(run.population_accuracy), "num");
+      cell(tr, fixed(sent, 1e6, 2), "num");
+      return tr;
+    });
+    replaceRows(table.querySelector("tbody"), rows);
+  }
+
+  // ------------------------------------------------------------------ traffic and compute
+  function renderTraffic(s) {
+    if (s.runs.length && !s.history.length) {
+      drawChart("chart-traffic", "round", "MB (down + up)", s.runs.map((run) => ({
+        label: runLabel(run),
+        points: (run.history || []).filter((h) => isNumber(h.round) && (isNumber(h.bytes_down) || isNumber(h.bytes_up)))
+          .map((h) => [h.round, ((h.bytes_down || 0) + (h.bytes_up || 0)) / 1e6]),
+      })));
+      drawChart("chart-compute", "round", "G MACs", s.runs.map((run) => ({
+        label: runLabel(run), points: scaled(run.history || [], "round", "train_macs", 1e9),
+      })));
+    } else {
+      drawChart("chart-traffic", "round", "MB", [
+        { label: "down (routed)", points: scaled(s.history, "round", "bytes_down", 1e6) },
+        { label: "up (returned)", points: scaled(s.history, "round", "bytes_up", 1e6) },
+        { label: "full-supernet broadcast", points: scaled(s.history, "round", "broadcast_bytes", 1e6) },
+      ]);
+      drawChart("chart-compute", "round", "G MACs", [
+        { label: "training compute", points: scaled(s.history, "round", "train_macs", 1e9) },
+      ]);
+    }
+    const totals = new Map();
+    for (const h of s.history) {
+      for (const [name, bytes] of Object.entries(h.devices || {})) {
+        const t = totals.get(name) || { down: 0, up: 0, rounds: 0 };
+        t.down += isNumber(bytes && bytes.down) ? bytes.down : 0;
+        t.up += isNumber(bytes && bytes.up) ? bytes.up : 0;
+        t.rounds += 1;
+        totals.set(name, t);
+      }
+    }
+    const rows = Array.from(totals.keys()).sort().map(function (name) {
+      const t = totals.get(name);
+      const tr = document.createElement("tr");
+      tr.setAttribute("data-device", name);
+      cell(tr, name, "device");
+      cell(tr, fixed(t.down, 1e6, 3), "num");
+      cell(tr, fixed(t.up, 1e6, 3), "num");
+      cell(tr, t.rounds, "num");
+      return tr;
+    });
+    replaceRows(document.querySelector("#traffic-devices tbody"), rows);
+    byId("traffic-devices").hidden = rows.length === 0;
+  }
+
+  // ------------------------------------------------------------------ models
+  function renderModels(s) {
+    const rows = s.models.map(function (m) {
+      const tr = document.createElement("tr");
+      tr.setAttribute("data-device", m.device);
+      cell(tr, m.device, "device");
+      cell(tr, m.variant, "variant");
+      cell(tr, fixed(m.macs, 1e6, 2), "num");
+      cell(tr, percent(m.validation_accuracy), "num");
+      const sha = typeof m.sha256 === "string" ? m.sha256 : "";
+      cell(tr, sha ? sha.slice(0, 12) + "…" : null, "sha", sha);
+      const link = cell(tr, null, "download");
+      if (typeof m.url === "string" && m.url.startsWith("models/")) {
+        const a = document.createElement("a");
+        a.setAttribute("href", m.url);
+        a.setAttribute("download", "");
+        a.textContent = "ONNX" + (isNumber(m.size) ? " (" + fixed(m.size, 1e6, 2) + " MB)" : "");
+        link.replaceChildren(a);
+      }
+      return tr;
+    });
+    replaceRows(document.querySelector("#models tbody"), rows);
+    document.querySelector("#models .empty").hidden = s.models.length > 0;
+  }
+
+  // ------------------------------------------------------------------ clock
+  function tick() {
+    const now = serverNow();
+    for (const node of document.querySelectorAll("[data-seen]")) {
+      node.textContent = ago(now - Number(node.getAttribute("data-seen")));
+    }
+    const deadline = byId("round-deadline").getAttribute("data-deadline");
+    const left = byId("round-left");
+    if (deadline === null || !current || !current.round) {
+      left.textContent = "";
+    } else if (current.round.finished) {
+      left.textContent = "";
+    } else {
+      const seconds = Number(deadline) - now;
+      left.textContent = seconds > 0 ? Math.ceil(seconds) + " s left" : "deadline passed";
+    }
+  }
+
+  // ------------------------------------------------------------------ updates
+  function render(s) {
+    current = s;
+    clockOffset = isNumber(s.now) ? s.now - Date.now() / 1000 : 0;
+    renderHeader(s);
+    renderFleet(s);
+    renderRound(s);
+    renderLearned(s);
+    renderTraffic(s);
+    renderModels(s);
+    tick();
+  }
+
+  async function pollOnce() {
+    try {
+      const response = await fetch("api/state", { cache: "no-store", credentials: "same-origin" });
+      if (!response.ok) throw new Error("HTTP " + response.status);
+      render(await response.json());
+      setLive(true, "by polling every " + POLL_MS / 1000 + " s");
+    } catch (error) {
+      setLive(false);
+    }
+  }
+
+  function startPolling() {
+    if (polling !== null) return;
+    polling = setInterval(pollOnce, POLL_MS);
+    pollOnce();
+  }
+
+  function connect() {
+    if (typeof EventSource === "undefined") {
+      startPolling();
+      return;
+    }
+    const source = new EventSource("api/events");
+    source.onmessage = function (event) {
+      setLive(true, "as server-sent events");
+      render(JSON.parse(event.data));
+    };
+    source.onerror = function () {
+      source.close();
+      setLive(false);
+      startPolling();
+    };
+  }
+
+  window.addEventListener("resize", function () {
+    for (const id of Object.keys(charts)) {
+      charts[id].plot.setSize({ width: Math.max(320, byId(id).clientWidth), height: 260 });
+    }
+  });
+  setInterval(tick, 1000);
+  connect();
+})();

@@ -1,0 +1,148 @@
+"""The page as a viewer sees it: rendered by headless Chromium from a served state, a hostile fleet, and ``feast-edge dashboard`` on a real run.
+
+Each test leaves a screenshot in build/test-artifacts/ (the ``browser`` fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from browser import console_errors, points, wait_until
+from conftest import Browser, fill
+
+from feast_edge.dashboard import Dashboard, DashboardState, start_dashboard
+
+CHARTS = ("chart-accuracy-macs", "chart-validation", "chart-traffic", "chart-compute")
+HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><script>document.title='pwned'</script>"
+
+
+def rows(driver: Any, table: str) -> list[Any]:
+    return driver.find_elements("css selector", f"{table} tbody tr")
+
+
+def test_a_filled_state_renders_and_updates_live(served: Dashboard, filled: DashboardState, browser: Browser) -> None:
+    driver = browser.open(served.url)
+    wait_until(driver, lambda d: len(rows(d, "#fleet")) == 2, message="the fleet's two devices never appeared")
+    assert driver.find_element("id", "round-counter").text == "round 3 / 5"
+    assert driver.find_element("id", "connection").text == "live"
+    jetson, pi = rows(driver, "#fleet")
+    assert jetson.get_attribute("data-device") == "jetson" and pi.get_attribute("data-device") == "pi-5"
+    assert pi.find_element("css selector", "td.budget").text == "6.60" and jetson.find_element("css selector", "td.budget").text == "2.79"
+    assert pi.find_elements("css selector", "td.online") and jetson.find_elements("css selector", "td.offline")
+    assert "late (after the deadline)" in jetson.text
+    member = driver.find_element("css selector", '#round-members tr[data-device="pi-5"]')
+    assert "downloading" in member.text and "3/8 chunks" in member.text
+    assert member.find_element("css selector", "progress").get_attribute("value") == "3"
+    assert driver.find_element("id", "round-left").text.endswith("s left")
+    assert driver.find_element("id", "population-accuracy").text == "45.00 %"
+    for chart in CHARTS:
+        assert points(driver, chart) > 0, chart
+    assert points(driver, "chart-accuracy-macs") == 4 and points(driver, "chart-validation") == 2
+    assert driver.find_elements("css selector", "#chart-validation canvas"), "uPlot drew no canvas"
+    link = driver.find_element("css selector", '#models tr[data-device="pi-5"] a')
+    assert link.get_attribute("href") == served.url + "models/pi-5.onnx"
+    assert driver.find_element("css selector", "#models td.sha").get_attribute("title") == "ab" * 32
+
+    driver.execute_script("window.notReloaded = true;")
+    filled.member("pi-5", "aggregated")
+    filled.end_round({"round": 3, "val_accuracy": 0.7, "bytes_down": 1, "bytes_up": 1, "broadcast_bytes": 2, "train_macs": 5})
+    filled.set_device("jetson", online=True)
+    wait_until(driver, lambda d: points(d, "chart-validation") == 3, message="the third round never reached the validation chart")
+    wait_until(driver, lambda d: d.find_elements("css selector", '#fleet tr[data-device="jetson"] td.online'))
+    assert "aggregated" in driver.find_element("css selector", '#round-members tr[data-device="pi-5"]').text
+    assert driver.execute_script("return window.notReloaded === true;")
+    assert console_errors(driver) == []
+    browser.screenshot()
+
+
+def test_the_page_polls_when_events_are_blocked(served: Dashboard, filled: DashboardState, browser: Browser) -> None:
+    driver = browser.open(served.url)
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*api/events*"]})  # as a proxy that buffers or drops event streams
+    driver.refresh()
+    wait_until(driver, lambda d: len(rows(d, "#fleet")) == 2 and d.find_element("id", "connection").text == "live")
+    assert "polling" in driver.find_element("id", "connection").get_attribute("title")
+    filled.set_device("newcomer", online=True)
+    wait_until(driver, lambda d: len(rows(d, "#fleet")) == 3, timeout=10.0, message="polling api/state never brought the new device")
+    browser.screenshot()
+
+
+def test_hostile_strings_stay_text(tmp_path: Path, browser: Browser) -> None:
+    state = fill(DashboardState("federation", HOSTILE), tmp_path / "models")
+    state.set_run(message=HOSTILE)
+    state.set_device(HOSTILE, profile=HOSTILE, hardware=HOSTILE, online=True, variant={"label": HOSTILE, "macs": 1},
+                     last_upload={"round": 1, "status": "rejected", "reason": HOSTILE})
+    state.start_round(4, [HOSTILE, "pi-5"], None)
+    state.member(HOSTILE, "rejected", reason=HOSTILE)
+    state.end_round({"round": 4, "val_accuracy": 0.5, "devices": {HOSTILE: {"down": 1, "up": 1}}})
+    (tmp_path / "models" / "h.onnx").write_bytes(b"h")
+    state.set_models([{"device": HOSTILE, "label": HOSTILE, "sha256": HOSTILE, "file": "h.onnx"}], tmp_path / "models")
+    state.add_run({"name": HOSTILE, "method": HOSTILE, "variants": [{"macs": 1e6, "test_accuracy": 0.5}], "history": [{"round": 1, "val_accuracy": 0.5}]})
+    with start_dashboard(state, "127.0.0.1:0") as dashboard:
+        driver = browser.open(dashboard.url)
+        wait_until(driver, lambda d: len(rows(d, "#fleet")) == 3)
+        wait_until(driver, lambda d: points(d, "chart-accuracy-macs") == 1)
+        time.sleep(0.5)  # an injected handler would have run by now
+        assert driver.title != "pwned" and driver.title == "feast-edge: " + HOSTILE
+        cell = driver.find_element("css selector", "#fleet td.device")
+        assert cell.text == HOSTILE and cell.find_elements("css selector", "*") == []
+        for section in ("#fleet", "#round", "#traffic", "#models", "#learned", "header"):
+            assert driver.find_elements("css selector", f"{section} script, {section} img") == [], section
+        assert HOSTILE in driver.find_element("css selector", "#round-members").text
+        assert HOSTILE in driver.find_element("css selector", "#traffic-devices").text
+        assert HOSTILE in driver.find_element("css selector", "#models").text
+        assert HOSTILE in driver.find_element("css selector", "#chart-accuracy-macs").text  # the chart legend
+        assert len(driver.find_elements("css selector", "script")) == 2  # uPlot and dashboard.js, nothing injected
+        assert driver.find_element("id", "run-message").text == HOSTILE
+        assert console_errors(driver) == []
+        browser.screenshot()
+
+
+def _read_url(process: subprocess.Popen[str], timeout: float) -> str:
+    """The URL ``feast-edge dashboard`` prints once it serves."""
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    deadline, seen = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline and process.poll() is None:
+        if selector.select(timeout=0.5):
+            line = process.stdout.readline()
+            seen += line
+            if "http://" in line:
+                return line[line.index("http://"):].split()[0]
+    raise AssertionError(f"feast-edge dashboard printed no URL within {timeout:.0f} s: {seen!r} {process.stderr.read() if process.poll() is not None else ''}")
+
+
+def test_feast_edge_dashboard_serves_a_real_run(simulation_run: Path, browser: Browser) -> None:
+    variants = json.loads((simulation_run / "results.json").read_text())["variants"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "feast_edge.cli", "dashboard", str(simulation_run), "--bind", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+    )
+    try:
+        url = _read_url(process, 60.0)
+        driver = browser.open(url)
+        wait_until(driver, lambda d: points(d, "chart-accuracy-macs") == len(variants), message="the variants never reached the accuracy chart")
+        assert len(variants) > 1
+        assert driver.find_element("id", "title").text.startswith(f"{simulation_run.name}: feast, seed 0")
+        assert driver.find_element("id", "round-counter").text == "round 1 / 1"
+        assert [r.get_attribute("data-device") for r in rows(driver, "#fleet")] == ["client-000", "client-001"]
+        assert points(driver, "chart-validation") == 1 and points(driver, "chart-traffic") == 3
+        assert console_errors(driver) == []
+        browser.screenshot()
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            out, err = process.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+    assert process.returncode == 0, err
+    assert "stopped" in out and "Traceback" not in err

@@ -1,0 +1,161 @@
+"""DashboardState: what writers merge, what readers get (a JSON-ready deep copy), bounds, secrets, versions and waiting."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from feast_edge.dashboard import DashboardState
+from feast_edge.dashboard.state import MAX_DEVICES, MAX_STRING
+
+
+def test_set_device_creates_then_merges() -> None:
+    state = DashboardState("federation", "lab")
+    state.set_device("pi", budget_macs=6_600_000, online=True, variant={"label": "small", "macs": 1})
+    state.set_device("pi", online=False, rounds=3)
+    [device] = state.snapshot()["devices"]
+    assert device == {"name": "pi", "budget_macs": 6_600_000, "online": False, "rounds": 3, "variant": {"label": "small", "macs": 1}}
+
+
+def test_devices_are_listed_sorted_by_name() -> None:
+    state = DashboardState("federation", "lab")
+    for name in ("c", "a", "b"):
+        state.set_device(name, online=True)
+    assert [d["name"] for d in state.snapshot()["devices"]] == ["a", "b", "c"]
+
+
+def test_set_run_merges_fields() -> None:
+    state = DashboardState("simulation", "sim")
+    state.set_run(preset="fmnist-small", rounds_total=5, status="waiting")
+    state.set_run(rounds_done=1, status="running")
+    assert state.snapshot()["run"] == {"preset": "fmnist-small", "rounds_total": 5, "rounds_done": 1, "status": "running"}
+    state.set_run(status="paused")  # a word the page does not know is shown as given, not raised inside the run it watches
+    assert state.snapshot()["run"]["status"] == "paused"
+
+
+def test_secret_named_fields_are_never_stored() -> None:
+    state = DashboardState("federation", "lab")
+    state.set_run(federation="lab", password="hunter2", mqtt_token="t0k", message="ok")
+    state.set_device("pi", budget_macs=1, api_key="k", profile={"name": "pi-5", "client_secret": "s", "Password": "p"})
+    text = json.dumps(state.snapshot())
+    for secret in ("hunter2", "t0k", '"k"', '"s"', '"p"'):
+        assert secret not in text
+    assert state.snapshot()["run"] == {"federation": "lab", "message": "ok"}
+    assert state.snapshot()["devices"][0]["profile"] == {"name": "pi-5"}
+
+
+def test_strings_and_counts_are_bounded() -> None:
+    state = DashboardState("federation", "x" * 1000)
+    long = "d" * 5000
+    state.set_device(long, hardware="h" * 5000)
+    snapshot = state.snapshot()
+    assert len(snapshot["title"]) == MAX_STRING
+    assert snapshot["devices"][0]["name"] == long[:MAX_STRING]
+    assert len(snapshot["devices"][0]["hardware"]) == MAX_STRING
+    for i in range(MAX_DEVICES + 5):
+        state.set_device(f"dev-{i:06d}")
+    assert len(state.snapshot()["devices"]) == MAX_DEVICES
+    state.set_device(long, online=True)  # a known device still updates when the fleet is full
+    assert any(d["name"] == long[:MAX_STRING] and d.get("online") for d in state.snapshot()["devices"])
+
+
+def test_snapshot_is_json_ready_and_a_deep_copy(tmp_path: Path) -> None:
+    state = DashboardState("federation", "lab")
+    state.set_device("pi", variant={"label": "small"}, last_seen=float("nan"))
+    state.end_round({"round": 1, "loss": float("inf"), "val_accuracy": 0.5, "devices": {"pi": {"down": 10, "up": 9}}, "when": tmp_path})
+    snapshot = state.snapshot()
+    json.dumps(snapshot, allow_nan=False)  # NaN and infinity became None; a Path became text
+    assert snapshot["devices"][0]["last_seen"] is None and snapshot["history"][0]["loss"] is None
+    snapshot["devices"][0]["variant"]["label"] = "changed"
+    snapshot["history"][0]["devices"]["pi"]["down"] = -1
+    again = state.snapshot()
+    assert again["devices"][0]["variant"]["label"] == "small"
+    assert again["history"][0]["devices"]["pi"]["down"] == 10
+
+
+def test_round_members_move_through_their_states() -> None:
+    state = DashboardState("federation", "lab")
+    state.start_round(2, ["a", "b"], deadline=1000.0)
+    state.member("a", "downloading", done=2, total=5)
+    state.member("b", "rejected", reason="payload does not match the routed envelope")
+    state.member("stranger", "training")  # not in the round: ignored
+    current = state.snapshot()["round"]
+    assert current["round"] == 2 and current["deadline"] == 1000.0 and current["finished"] is False
+    assert current["members"] == [
+        {"device": "a", "state": "downloading", "done": 2, "total": 5, "reason": None},
+        {"device": "b", "state": "rejected", "done": None, "total": None, "reason": "payload does not match the routed envelope"},
+    ]
+    state.member("a", "x" * 1000)  # an unknown state is shown as given (bounded), not raised
+    assert state.snapshot()["round"]["members"][0]["state"] == "x" * MAX_STRING
+
+
+def test_end_round_keeps_the_round_shown_until_the_next_starts() -> None:
+    state = DashboardState("federation", "lab")
+    state.start_round(1, ["a"], deadline=None)
+    state.member("a", "aggregated")
+    state.end_round({"round": 1, "val_accuracy": 0.4})
+    snapshot = state.snapshot()
+    assert snapshot["round"]["finished"] is True and snapshot["round"]["members"][0]["state"] == "aggregated"
+    assert snapshot["history"] == [{"round": 1, "val_accuracy": 0.4}]
+    state.start_round(2, ["a", "b"], deadline=None)
+    assert [m["state"] for m in state.snapshot()["round"]["members"]] == ["routed", "routed"]
+
+
+def test_models_expose_a_link_never_the_server_path(tmp_path: Path) -> None:
+    state = DashboardState("federation", "lab")
+    manifest = {"device": "pi 5/x", "arch": {"d": [0], "e": [0.5], "w": [1, 0]}, "macs": 5, "params": 6, "validation_accuracy": 0.5, "sha256": "ab", "file": "pi.onnx"}
+    state.set_models([manifest, {"device": "evil", "file": "../../etc/passwd"}], tmp_path)
+    [model] = state.snapshot()["models"]
+    assert model["url"] == "models/pi%205%2Fx.onnx"
+    assert model["variant"] == "d=[0] e=[0.5] w=[1,0]"
+    assert str(tmp_path) not in json.dumps(state.snapshot())
+    assert state.model_path("pi 5/x") == tmp_path / "pi.onnx"
+    assert state.model_path("evil") is None
+
+
+def test_version_bumps_on_every_change() -> None:
+    state = DashboardState("simulation", "sim")
+    seen = [state.version]
+    for change in (
+        lambda: state.set_run(status="running"), lambda: state.set_device("a"), lambda: state.start_round(1, ["a"], None),
+        lambda: state.member("a", "training"), lambda: state.end_round({"round": 1}), lambda: state.set_variants([]),
+        lambda: state.set_population(0.5), lambda: state.add_run({"name": "r", "history": [{"round": 1}]}),
+    ):
+        change()
+        seen.append(state.version)
+    assert seen == sorted(set(seen)) and len(seen) == 9
+
+
+def test_wait_returns_at_the_next_change_or_the_timeout() -> None:
+    state = DashboardState("federation", "lab")
+    start = state.version
+    began = time.monotonic()
+    assert state.wait(start, timeout=0.2) == start
+    assert time.monotonic() - began >= 0.15
+    writer = threading.Timer(0.1, lambda: state.set_device("a"))
+    writer.start()
+    began = time.monotonic()
+    assert state.wait(start, timeout=10.0) == start + 1
+    assert time.monotonic() - began < 5.0
+    writer.join()
+
+
+def test_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="dashboard kind 'web'"):
+        DashboardState("web", "x")
+
+
+def test_history_and_round_members_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("feast_edge.dashboard.state.MAX_HISTORY", 5)
+    monkeypatch.setattr("feast_edge.dashboard.state.MAX_MEMBERS", 3)
+    state = DashboardState("federation", "lab")
+    for r in range(1, 9):
+        state.end_round({"round": r})
+    state.start_round(9, [f"d{i}" for i in range(10)], None)
+    snapshot = state.snapshot()
+    assert [h["round"] for h in snapshot["history"]] == [4, 5, 6, 7, 8]  # the latest are kept
+    assert [m["device"] for m in snapshot["round"]["members"]] == ["d0", "d1", "d2"]
