@@ -179,8 +179,14 @@ def profile(
     variants: Annotated[int, typer.Option(min=2, help="Cached variants to time.")] = 6,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per variant.")] = 20,
     name: Annotated[Optional[str], typer.Option(help="Profile name (default: from the host name).")] = None,
+    runtime: Annotated[str, typer.Option(help="What times the variants: onnxruntime (what serves the exported model) or torch (PyTorch eager).")] = "onnxruntime",
+    provider: Annotated[
+        Optional[str], typer.Option(help="onnxruntime execution provider: cpu, cuda or tensorrt (default: cuda on a CUDA device, else cpu).")
+    ] = None,
+    holdout: Annotated[int, typer.Option(min=0, help="Variants timed but kept out of the fit, to measure its error.")] = 3,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="Inference threads (default: the runtime's own choice).")] = None,
 ) -> None:
-    """Measure this device: time cached variants, fit latency = a + b*MACs, derive the MAC budget; write a profile."""
+    """Measure this device: time cached variants on the serving runtime, fit latency = a + b*MACs, derive the MAC budget; write a profile."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from feast_edge.agent import profiling
@@ -188,11 +194,14 @@ def profile(
     from feast_edge.profile import save_profile
 
     check_writable(out, "device profile")
-    kwargs: dict[str, Any] = {"device": device, "memory_fraction": memory_fraction, "variants": variants, "repeats": repeats, "name": name}
+    kwargs: dict[str, Any] = {
+        "device": device, "memory_fraction": memory_fraction, "variants": variants, "repeats": repeats, "name": name, "runtime": runtime,
+        "provider": provider, "holdout": holdout, "threads": threads,
+    }
     if latency_target_ms is not None:
         kwargs["latency_target_ms"] = latency_target_ms
     with Progress(TextColumn("[bold]timing variants"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("variants", total=variants)
+        task = bar.add_task("variants", total=variants + holdout)
         result = profiling.profile_device(preset, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs)
     save_profile(result, out)
     console.print(profiling.profile_table(result))

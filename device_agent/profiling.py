@@ -3,6 +3,13 @@
 The profile record, the latency fit, the memory model and the budget derived
 from them are the method's (``feast_edge.profile``); this module is the part
 that needs the device itself.
+
+Variants are timed on the runtime that will serve them: each is exported to
+ONNX on the fly and run in onnxruntime with the device's execution provider
+(CPU; CUDA or TensorRT where onnxruntime has them), as the exported model will
+run. PyTorch eager is timed only when asked for (``runtime="torch"``). A few
+variants the fit does not see are timed as well: the fit's error on them is
+recorded in the profile.
 """
 
 from __future__ import annotations
@@ -12,9 +19,11 @@ import os
 import platform
 import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -32,6 +41,8 @@ from feast_edge.supernet import Supernet
 
 WARMUP = 3  # untimed forward passes before timing each variant
 TIMING_ROUNDS = 5  # profile_device splits --repeats into this many interleaved rounds
+RUNTIMES = ("onnxruntime", "torch")
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
 def _check_device(device: str) -> None:
@@ -109,6 +120,49 @@ def time_variant(model: nn.Module, input_shape: Sequence[int], device: str, repe
 
 
 
+def ort_providers(device: str, provider: str | None = None) -> list[str]:
+    """The onnxruntime execution providers to time with: ``provider`` (cpu, cuda, tensorrt; default by ``device``), then CPU."""
+    import onnxruntime as ort
+
+    provider = provider or ("cuda" if device.startswith("cuda") else "cpu")
+    if provider not in PROVIDERS:
+        raise ProfileError(f"--provider {provider!r} is unknown; choose one of {', '.join(PROVIDERS)}")
+    name, available = PROVIDERS[provider], ort.get_available_providers()
+    if name not in available:
+        raise ProfileError(
+            f"this onnxruntime has no {name} (it has {', '.join(available)}); install onnxruntime-gpu for CUDA/TensorRT, "
+            "or profile with --provider cpu (or --runtime torch)"
+        )
+    return [name] if name == PROVIDERS["cpu"] else [name, PROVIDERS["cpu"]]
+
+
+def ort_session(path: Any, providers: list[str], threads: int | None) -> Any:
+    """An onnxruntime session of an exported variant on ``providers`` (``threads``: intra-op threads, None = onnxruntime's default)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), options, providers=providers)
+
+
+def time_session(session: Any, input_shape: Sequence[int], repeats: int, warmup: int) -> float:
+    """Median wall time in ms of one ``session.run`` on random pixels of ``input_shape`` (batch included)."""
+    import numpy as np
+
+    from feast_edge.onnx_export import INPUT_NAME, OUTPUT_NAME
+
+    x = np.random.default_rng(0).random(tuple(input_shape), dtype=np.float32)
+    for _ in range(warmup):
+        session.run([OUTPUT_NAME], {INPUT_NAME: x})
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run([OUTPUT_NAME], {INPUT_NAME: x})  # synchronous: a GPU provider copies the result back before it returns
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def _spread(n: int, k: int) -> list[int]:
     """``k`` indices evenly spread over ``0..n-1`` (both ends included)."""
     k = min(k, n)
@@ -130,16 +184,26 @@ def profile_device(
     repeats: int = 20,
     name: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    runtime: str = "onnxruntime",
+    provider: str | None = None,
+    holdout: int = 3,
+    threads: int | None = None,
 ) -> DeviceProfile:
     """Measure this device: time ``variants`` cached variants at batch 1, fit ``a + b·MACs``, derive the budget.
 
     The variants are spread evenly by rank over the preset's cache (smallest
     and largest included) and extracted from a freshly initialised supernet
-    (weights do not change the timing). ``repeats`` passes per variant are
-    timed in interleaved rounds; a variant's latency is the median of its
-    round medians. The memory limit is ``memory_fraction`` × the available RAM
-    (``cpu``) or the free CUDA memory (``cuda``). ``progress(done, total)`` is
-    called as each variant's timing completes.
+    (weights do not change the timing); ``holdout`` more, spread over the rest
+    of the cache, are timed alongside but kept out of the fit (the profile
+    records them, and the fit's error on them). ``runtime`` "onnxruntime"
+    exports each to ONNX and times it with the execution ``provider`` (default:
+    CUDA on a ``cuda`` device, else CPU; ``threads`` intra-op threads, None =
+    onnxruntime's default), "torch" times PyTorch eager. ``repeats`` passes per
+    variant are timed in interleaved rounds; a variant's latency is the median
+    of its round medians. The memory limit is ``memory_fraction`` × the
+    available RAM (``cpu``) or the free CUDA memory (``cuda``): it bounds
+    training, whatever serves. ``progress(done, total)`` is called as each
+    variant's timing completes.
     """
     device = resolve_device(device)
     kind = "cuda" if device.startswith("cuda") else "cpu"  # the profile records the kind of device, not its index
@@ -151,6 +215,10 @@ def profile_device(
         raise ProfileError(f"--memory-fraction {memory_fraction} must be in (0, 1]: the share of the device's free memory training may use")
     if not latency_target_ms > 0:
         raise ProfileError(f"--latency-target-ms {latency_target_ms} must be > 0")
+    if runtime not in RUNTIMES:
+        raise ProfileError(f"--runtime {runtime!r} is unknown; choose onnxruntime (what serves the exported model) or torch (PyTorch eager)")
+    if holdout < 0:
+        raise ProfileError(f"--holdout {holdout} must be >= 0")
     host = socket.gethostname()
     profile_name = name if name is not None else f"{host}-{kind}"
     if not NAME_PATTERN.match(profile_name):
@@ -161,20 +229,25 @@ def profile_device(
         raise ProfileError(f"the variant cache of preset {preset.name} holds {len(cache)} variant; fitting a + b·MACs needs at least 2")
     hardware = read_hardware(device)
     supernet = Supernet(preset, classes=cache.classes, seed=0)
-    chosen = [cache.entries[i] for i in _spread(len(cache), variants)]
+    fitted = _spread(len(cache), variants)
+    rest = [i for i in range(len(cache)) if i not in fitted]
+    held = [rest[j] for j in _spread(len(rest), holdout)] if rest and holdout else []
+    chosen = [cache.entries[i] for i in fitted + held]
     shape = (1, preset.in_channels, preset.input_size, preset.input_size)
-    models = [extract(supernet, entry.arch) for entry in chosen]
-    # Time in interleaved rounds: a burst of other work on the machine then slows every
-    # variant a little instead of one variant a lot, which would tilt the fitted line.
-    rounds = min(TIMING_ROUNDS, repeats)
-    per_round = math.ceil(repeats / rounds)
-    medians: list[list[float]] = [[] for _ in chosen]
-    for r in range(rounds):
-        for i, model in enumerate(models):
-            medians[i].append(time_variant(model, shape, device, per_round, WARMUP if r == 0 else 1))
-            if progress is not None and r == rounds - 1:
-                progress(i + 1, len(chosen))
-    measurements = [(float(entry.macs), statistics.median(ms)) for entry, ms in zip(chosen, medians)]
+    with tempfile.TemporaryDirectory(prefix="feast-profile-") as tmp:
+        timers, runtime_text = _timers(supernet, preset, chosen, shape, device, runtime, provider, threads, Path(tmp))
+        # Time in interleaved rounds: a burst of other work on the machine then slows every
+        # variant a little instead of one variant a lot, which would tilt the fitted line.
+        rounds = min(TIMING_ROUNDS, repeats)
+        per_round = math.ceil(repeats / rounds)
+        medians: list[list[float]] = [[] for _ in chosen]
+        for r in range(rounds):
+            for i, timer in enumerate(timers):
+                medians[i].append(timer(per_round, WARMUP if r == 0 else 1))
+                if progress is not None and r == rounds - 1:
+                    progress(i + 1, len(chosen))
+    timed = [(float(entry.macs), statistics.median(ms)) for entry, ms in zip(chosen, medians)]
+    measurements, held_out = timed[: len(fitted)], timed[len(fitted) :]
     a, b = fit_latency(measurements)
     memory_limit = int(memory_fraction * _memory_available(device))
     budget = derive_budget(cache, preset, a, b, latency_target_ms, memory_limit)
@@ -192,13 +265,39 @@ def profile_device(
         memory_limit_bytes=memory_limit,
         budget_macs=budget,
         source=(
-            f"measured on {host} {date} by feast-agent profiling: {len(chosen)} cached variants of {preset.name}, "
-            f"median of {rounds} interleaved rounds x {per_round} batch-1 forward passes each "
-            f"(torch {torch.__version__}, torch threads: {torch.get_num_threads()}); "
-            f"memory limit = {memory_fraction:g} x {'free CUDA memory' if kind == 'cuda' else 'available RAM'}"
+            f"measured on {host} {date} by feast-agent profiling: {len(fitted)} cached variants of {preset.name} fitted "
+            f"({len(held)} more held out), median of {rounds} interleaved rounds x {per_round} batch-1 forward passes each "
+            f"on {runtime_text}; memory limit = {memory_fraction:g} x {'free CUDA memory' if kind == 'cuda' else 'available RAM'}"
         ),
         measurements=tuple(measurements),
+        runtime=runtime_text,
+        holdout=tuple(held_out),
     )
+
+
+def _timers(
+    supernet: Supernet, preset: Any, chosen: Sequence[Any], shape: tuple[int, ...], device: str, runtime: str, provider: str | None,
+    threads: int | None, workdir: Path,
+) -> tuple[list[Callable[[int, int], float]], str]:
+    """One ``timer(repeats, warmup) -> median ms`` per chosen variant on ``runtime``, and a line naming what runs them."""
+    models = [extract(supernet, entry.arch) for entry in chosen]
+    if runtime == "torch":
+        if threads is not None:
+            torch.set_num_threads(threads)
+        text = f"PyTorch {torch.__version__} eager on {device} ({torch.get_num_threads()} threads)"
+        return [lambda n, w, m=model: time_variant(m, shape, device, n, w) for model in models], text
+    import onnxruntime as ort
+
+    from feast_edge.onnx_export import export_onnx
+
+    providers = ort_providers(device, provider)
+    sessions = []
+    for i, (entry, model) in enumerate(zip(chosen, models)):
+        path = workdir / f"variant-{i}.onnx"
+        export_onnx(model, path, preset, entry.arch)  # the file a device is served, as the server exports it
+        sessions.append(ort_session(path, providers, threads))
+    text = f"onnxruntime {ort.__version__}, {providers[0]}, {threads or 'default'} intra-op threads"
+    return [lambda n, w, s=session: time_session(s, shape, n, w) for session in sessions], text
 
 
 def _bytes(n: Any) -> str:
@@ -217,8 +316,12 @@ def profile_table(profile: DeviceProfile) -> Table:
     table.add_row("preset", profile.preset)
     points = f" over {len(profile.measurements)} timed variants" if profile.measurements else " (documented, not timed)"
     table.add_row("latency fit", f"{profile.latency_a_ms:.3f} ms + {profile.latency_b_ms_per_mmac:.4f} ms/MMAC × MACs{points}")
+    if profile.runtime:
+        table.add_row("timed on", profile.runtime)
     for macs, ms in profile.measurements:
         table.add_row("  timed", f"{macs / 1e6:.2f}M MACs: {ms:.3f} ms (fit {profile.latency_ms(macs):.3f} ms)")
+    for (macs, ms), error in zip(profile.holdout, profile.holdout_errors()):
+        table.add_row("  held out", f"{macs / 1e6:.2f}M MACs: {ms:.3f} ms (fit {profile.latency_ms(macs):.3f} ms, error {100 * error:.1f} %)")
     table.add_row("latency target", f"{profile.latency_target_ms:g} ms")
     table.add_row("memory limit", _bytes(profile.memory_limit_bytes))
     table.add_row("budget", f"{profile.budget_macs / 1e6:.2f}M MACs")

@@ -50,7 +50,7 @@ def local_step(preset: Preset, start: RoundStart, blob: bytes, client: LocalClie
     shown = f"round {t + 1}/{start.rounds}"
     plan, train = start.client_plan(preset), start.train_config()
     try:
-        manifest, state = decode(blob, preset, expected=plan.manifest(preset, classes, t, "routed"))
+        manifest, state = decode(blob, preset, expected=plan.manifest(preset, classes, t, "routed", dtype=start.payload_dtype))
         if manifest.kind != "routed":
             raise FeastError(f"payload kind {manifest.kind!r} is not 'routed'")
     except FeastError as exc:
@@ -70,5 +70,9 @@ def local_step(preset: Preset, start: RoundStart, blob: bytes, client: LocalClie
     if not stayed_finite(new_state, result.mean_loss):
         log.warning("%s: the training of %s diverged (loss %s, or non-finite weights); no update sent for this round", shown, device_id, result.mean_loss)
         return StepResult(reason=f"training diverged (loss {result.mean_loss}, or non-finite weights)")
-    payload = encode(new_state, plan.manifest(preset, classes, t, "update", device_id))
+    try:
+        payload = encode(new_state, plan.manifest(preset, classes, t, "update", device_id, manifest.dtype))
+    except FeastError as exc:  # e.g. weights beyond float16's range
+        log.warning("%s: the update of %s cannot be sent as %s: %s", shown, device_id, manifest.dtype, exc)
+        return StepResult(reason=f"the update cannot be encoded: {exc}")
     return StepResult(payload, result, compute)

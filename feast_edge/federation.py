@@ -63,9 +63,9 @@ class ClientPlan:
     def layout(self, preset: Preset, classes: int):
         return self.envelope.layout(preset, classes)
 
-    def manifest(self, preset: Preset, classes: int, round_index: int, kind: str, device: str | None = None) -> Manifest:
-        """The manifest of this plan's routed payload (``kind="routed"``) or of the update it comes back as."""
-        return Manifest.of(preset, classes, self.envelope, round_index, kind, device)
+    def manifest(self, preset: Preset, classes: int, round_index: int, kind: str, device: str | None = None, dtype: str = "float32") -> Manifest:
+        """The manifest of this plan's routed payload (``kind="routed"``) or of the update it comes back as, in payload ``dtype``."""
+        return Manifest.of(preset, classes, self.envelope, round_index, kind, device, dtype)
 
 
 def plan_client(cache: VariantCache, budget: float) -> ClientPlan:

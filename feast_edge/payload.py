@@ -5,6 +5,12 @@ the client's trained slice back. Decoding never unpickles; it checks the
 manifest, the preset, and that every tensor has exactly the name, shape and
 dtype the envelope implies, and that values are finite, before anything is
 returned.
+
+Payloads may travel in half precision (``Manifest.dtype``: float32, float16
+or bfloat16; the server chooses it and every round's manifest announces it):
+floating tensors are cast for the wire only. :func:`decode` returns float32,
+so local training, aggregation and the global model stay float32; an update
+must come back in the dtype it was routed in.
 """
 
 from __future__ import annotations
@@ -29,6 +35,38 @@ VERSION = 1
 META_KEY = "feast_edge"
 KINDS = ("routed", "update")
 MAX_HEADER_BYTES = 8 * 1024 * 1024  # a full paper-cifar100 supernet's safetensors header is ~0.1 MB
+PAYLOAD_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_payload_dtype(name: str) -> str:
+    """``name`` if it is a payload dtype, else a PayloadError naming the choices."""
+    if name not in PAYLOAD_DTYPES:
+        raise PayloadError(f"payload dtype {name!r} is not supported; choose one of {', '.join(PAYLOAD_DTYPES)}")
+    return name
+
+
+def bytes_per_param(name: str) -> int:
+    """Bytes one floating parameter takes on the wire in payload dtype ``name``."""
+    return PAYLOAD_DTYPES[check_payload_dtype(name)].itemsize
+
+
+def on_the_wire(state: Mapping[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """``state`` as a payload of dtype ``name`` delivers it: floating tensors rounded to ``name`` and back to float32.
+
+    The simulation applies it where the deployment encodes and decodes, so both compute the same thing.
+    """
+    dtype = PAYLOAD_DTYPES[check_payload_dtype(name)]
+    if dtype == torch.float32:
+        return dict(state)
+    return {key: _cast(key, value, name).to(torch.float32) if value.is_floating_point() else value for key, value in state.items()}
+
+
+def _cast(key: str, value: torch.Tensor, name: str) -> torch.Tensor:
+    """``value`` in payload dtype ``name``; a PayloadError where a finite value does not fit (float16 tops out at 65,504)."""
+    cast = value.to(PAYLOAD_DTYPES[name])
+    if not torch.isfinite(cast).all() and torch.isfinite(value).all():
+        raise PayloadError(f"tensor {key} holds values beyond the range of {name} (max |x| = {value.abs().max():.4g}); use payload dtype bfloat16 or float32")
+    return cast
 
 
 @dataclass(frozen=True)
@@ -42,11 +80,15 @@ class Manifest:
     round: int
     kind: str = "routed"
     fields: Mapping[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"  # of the floating tensors on the wire (PAYLOAD_DTYPES)
 
     @classmethod
-    def of(cls, preset: Preset, classes: int, envelope: Envelope, round: int, kind: str = "routed", device: str | None = None) -> Manifest:
+    def of(
+        cls, preset: Preset, classes: int, envelope: Envelope, round: int, kind: str = "routed", device: str | None = None, dtype: str = "float32",
+    ) -> Manifest:
         """The manifest of a ``kind`` payload routing ``envelope`` of ``preset`` in ``round``, optionally naming its device."""
-        return cls(preset.name, preset.digest, classes, envelope, round=round, kind=kind, fields={} if device is None else {"device": device})
+        fields = {} if device is None else {"device": device}
+        return cls(preset.name, preset.digest, classes, envelope, round=round, kind=kind, fields=fields, dtype=check_payload_dtype(dtype))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -59,6 +101,7 @@ class Manifest:
             "round": self.round,
             "kind": self.kind,
             "fields": dict(self.fields),
+            "dtype": self.dtype,
         }
 
     @classmethod
@@ -76,11 +119,13 @@ class Manifest:
                 round=int(data["round"]),
                 kind=str(data["kind"]),
                 fields=dict(data.get("fields") or {}),
+                dtype=str(data.get("dtype", "float32")),  # payloads of earlier versions were all float32
             )
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise PayloadError(f"payload manifest is malformed ({type(exc).__name__})") from None
         if manifest.kind not in KINDS:
             raise PayloadError(f"payload kind {manifest.kind!r} is not one of {KINDS}")
+        check_payload_dtype(manifest.dtype)
         return manifest
 
 
@@ -90,8 +135,18 @@ def expected_shapes(preset: Preset, classes: int, envelope: Envelope) -> dict[st
 
 
 def encode(state: Mapping[str, torch.Tensor], manifest: Manifest) -> bytes:
-    """Serialize a (sub-)supernet state and its manifest."""
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    """Serialize a (sub-)supernet state and its manifest, floating tensors in ``manifest.dtype``.
+
+    A finite value that the dtype cannot hold (float16 tops out at 65,504) is a PayloadError, never an
+    infinity on the wire.
+    """
+    dtype = PAYLOAD_DTYPES[check_payload_dtype(manifest.dtype)]
+    tensors = {}
+    for name, value in state.items():
+        value = value.detach().to("cpu")
+        if value.is_floating_point() and value.dtype != dtype:
+            value = _cast(name, value, manifest.dtype)
+        tensors[name] = value.contiguous()
     return safetensors_save(tensors, metadata={META_KEY: json.dumps(manifest.to_dict(), sort_keys=True)})
 
 
@@ -117,12 +172,13 @@ def read_manifest(blob: bytes) -> Manifest:
 
 
 def decode(blob: bytes, preset: Preset, expected: Manifest | None = None) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """Validate and load a payload; with ``expected``, the manifest must route the same envelope and round."""
+    """Validate and load a payload (floating tensors returned as float32); with ``expected``, the manifest must route the
+    same envelope and round in the same dtype."""
     manifest = read_manifest(blob)
     if manifest.preset_digest != preset.digest:
         raise PayloadError(f"payload is for preset {manifest.preset!r}, not {preset.name!r}")
     if expected is not None:
-        for name in ("classes", "envelope", "round"):
+        for name in ("classes", "envelope", "round", "dtype"):
             if getattr(manifest, name) != getattr(expected, name):
                 raise PayloadError(f"payload {name} {getattr(manifest, name)!r} does not match the routed {name} {getattr(expected, name)!r}")
     try:
@@ -136,9 +192,11 @@ def decode(blob: bytes, preset: Preset, expected: Manifest | None = None) -> tup
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != shapes[name]:
             raise PayloadError(f"payload tensor {name} has shape {tuple(tensor.shape)}, the envelope routes {shapes[name]}")
-        want = torch.int64 if name.endswith("num_batches_tracked") else torch.float32
+        want = torch.int64 if name.endswith("num_batches_tracked") else PAYLOAD_DTYPES[manifest.dtype]
         if tensor.dtype != want:
             raise PayloadError(f"payload tensor {name} has dtype {tensor.dtype}, expected {want}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise PayloadError(f"payload tensor {name} holds NaN or infinite values")
+    if manifest.dtype != "float32":
+        tensors = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in tensors.items()}
     return manifest, tensors

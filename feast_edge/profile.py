@@ -75,11 +75,17 @@ class DeviceProfile:
     memory_limit_bytes: int  # memory available to train the routed envelope
     budget_macs: float  # derive_budget(...) of the fields above
     source: str  # "measured on <host> <date> ..." or the documented sources of the figures
-    measurements: tuple[tuple[float, float], ...] = ()  # (MACs, median ms) pairs that were timed
+    measurements: tuple[tuple[float, float], ...] = ()  # (MACs, median ms) pairs that were timed (and fitted)
+    runtime: str = ""  # what the timings ran on, e.g. "onnxruntime 1.32.0, CPUExecutionProvider" ("": documented figures)
+    holdout: tuple[tuple[float, float], ...] = ()  # (MACs, median ms) of timed variants the fit did not see: its error check
 
     def latency_ms(self, macs: float) -> float:
         """Predicted batch-1 latency ``a + b·MACs`` of a variant with ``macs`` MACs."""
         return self.latency_a_ms + self.latency_b_ms_per_mmac * macs / 1e6
+
+    def holdout_errors(self) -> list[float]:
+        """Relative error |predicted − measured| / measured of the fit on each held-out variant."""
+        return [abs(self.latency_ms(macs) - ms) / ms for macs, ms in self.holdout]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form; the format of the files in ``profiles/``."""
@@ -98,6 +104,8 @@ class DeviceProfile:
             "source": self.source,
             "hardware": self.hardware,
             "measurements": [[m, ms] for m, ms in self.measurements],
+            **({"runtime": self.runtime} if self.runtime else {}),
+            **({"holdout": [[m, ms] for m, ms in self.holdout]} if self.holdout else {}),
         }
 
     @classmethod
@@ -119,7 +127,7 @@ _FIELDS = {
     "source",
     "hardware",
 }
-_OPTIONAL = {"measurements"}
+_OPTIONAL = {"measurements", "runtime", "holdout"}
 _HEADER = {"format", "version"}
 
 
@@ -141,15 +149,15 @@ def _text(data: dict[str, Any], key: str, source: str) -> str:
     return value
 
 
-def _measurements(value: Any, source: str) -> tuple[tuple[float, float], ...]:
+def _measurements(value: Any, source: str, key: str = "measurements") -> tuple[tuple[float, float], ...]:
     if not isinstance(value, list):
-        raise _bad(source, f"field 'measurements' must be a list of [MACs, ms] pairs, got {type(value).__name__}")
+        raise _bad(source, f"field '{key}' must be a list of [MACs, ms] pairs, got {type(value).__name__}")
     pairs = []
     for i, pair in enumerate(value):
         ok = isinstance(pair, (list, tuple)) and len(pair) == 2
         ok = ok and all(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in pair)
         if not ok:
-            raise _bad(source, f"field 'measurements' entry {i} must be a [MACs, ms] pair of positive numbers, got {pair!r}")
+            raise _bad(source, f"field '{key}' entry {i} must be a [MACs, ms] pair of positive numbers, got {pair!r}")
         pairs.append((float(pair[0]), float(pair[1])))
     return tuple(pairs)
 
@@ -212,6 +220,8 @@ def _profile_from_dict(data: Any, source: str) -> DeviceProfile:
         budget_macs=budget,
         source=_text(data, "source", source),
         measurements=_measurements(data.get("measurements", []), source),
+        runtime=_text(data, "runtime", source) if "runtime" in data else "",
+        holdout=_measurements(data.get("holdout", []), source, "holdout"),
     )
 
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from feast_edge.arch import Arch
 from feast_edge.federation import ClientPlan
+from feast_edge.payload import PAYLOAD_DTYPES
 from feast_edge.preset import Preset
 from feast_edge.route import Envelope
 from feast_edge.train import LocalResult, TrainConfig
@@ -113,9 +114,12 @@ class RoundStart(Message):
     seed: str
     plan: dict[str, Any]
     train: dict[str, Any] = field(default_factory=dict)
+    payload_dtype: str = "float32"  # of the routed payload, and of the update the device must send back
 
     def check(self) -> None:
         check_transfer(self.transfer)
+        if self.payload_dtype not in PAYLOAD_DTYPES:
+            raise ProtocolError(f"field 'payload_dtype' must be one of {', '.join(PAYLOAD_DTYPES)}, got {self.payload_dtype[:24]!r}")
         if not (self.seed.isascii() and self.seed.isdigit() and len(self.seed) <= 20):
             raise ProtocolError(f"field 'seed' must be a decimal integer below 2^64, got {self.seed[:24]!r}")
         if not self.lr > 0:
@@ -145,13 +149,14 @@ class RoundStart(Message):
         lr: float,
         seed: int,
         train: TrainConfig,
+        payload_dtype: str = "float32",
     ) -> RoundStart:
         """Round ``round`` of ``device``: its plan, the routed transfer, the lr, its client seed and the training settings."""
         settings = asdict(train)
         settings["randaugment"] = list(settings["randaugment"])
         return cls(
             federation=federation, round=round, device=device, transfer=transfer.to_dict(), deadline=sent_at + timeout, timeout=timeout,
-            rounds=rounds, lr=lr, seed=str(seed), train=settings,
+            rounds=rounds, lr=lr, seed=str(seed), train=settings, payload_dtype=payload_dtype,
             plan={"affordable": [a.to_dict() for a in plan.affordable], "global_min": plan.global_min.to_dict()},
         )
 

@@ -21,7 +21,10 @@ from feast_edge.rounds import RoundRecord
 
 ROUNDS_CSV = "rounds.csv"
 TENSORBOARD_DIR = "tensorboard"
-COLUMNS = ["round", "lr", "loss", "samples", "train_macs", "routed_params", "full_params", "val_accuracy", "seconds", "updated", "rejected", "missing", "dropped"]
+COLUMNS = [
+    "round", "lr", "loss", "samples", "train_macs", "routed_params", "full_params", "routed_bytes", "full_bytes", "val_accuracy", "seconds",
+    "updated", "rejected", "missing", "dropped",
+]
 
 
 class TensorBoardError(FeastError):
@@ -31,7 +34,7 @@ class TensorBoardError(FeastError):
 def round_row(h: RoundRecord) -> list[Any]:
     """One ``rounds.csv`` row (empty cells for what the round did not measure)."""
     return [
-        h.round, f"{h.lr:.6f}", "" if h.loss is None else f"{h.loss:.4f}", h.samples, h.train_macs, h.routed_params, h.full_params,
+        h.round, f"{h.lr:.6f}", "" if h.loss is None else f"{h.loss:.4f}", h.samples, h.train_macs, h.routed_params, h.full_params, h.routed_bytes, h.full_bytes,
         "" if h.val_accuracy is None else f"{h.val_accuracy:.4f}", f"{h.seconds:.2f}", len(h.updated), len(h.rejected), len(h.missing), len(h.dropped),
     ]
 
@@ -59,7 +62,8 @@ class TensorBoardLog:
     def write(self, h: RoundRecord) -> None:
         scalars = {
             "train/loss": h.loss, "train/lr": h.lr, "train/samples": h.samples, "compute/train_macs": h.train_macs,
-            "traffic/routed_params": h.routed_params, "traffic/full_broadcast_params": h.full_params, "round/seconds": h.seconds,
+            "traffic/routed_params": h.routed_params, "traffic/full_broadcast_params": h.full_params, "traffic/routed_bytes": h.routed_bytes,
+            "traffic/full_broadcast_bytes": h.full_bytes, "round/seconds": h.seconds,
             "round/updated": len(h.updated), "round/rejected": len(h.rejected), "validation/accuracy": h.val_accuracy,
         }
         for tag, value in scalars.items():

@@ -33,10 +33,11 @@ import torch
 from feast_edge.cache import CacheEntry, VariantCache
 from feast_edge.checkpoint import FORMAT, MODEL_FORMAT, load_module, load_supernet, read_record, save_module, save_supernet
 from feast_edge.cost import count_params
-from feast_edge.errors import CheckpointError, FeastError
+from feast_edge.errors import CheckpointError, FeastError, PayloadError
 from feast_edge.evaluate import evaluate_variants
 from feast_edge.federation import ClientPlan, aggregate_updates, plan_client, sample_round_cohort
 from feast_edge.geometry import supernet_layout
+from feast_edge.payload import bytes_per_param, check_payload_dtype
 from feast_edge.robust import check_rule
 from feast_edge.supernet import Supernet
 from feast_edge.train import scheduled_lr
@@ -69,6 +70,8 @@ class RoundRecord:
     train_macs: int = 0  # local training compute reported by the cohort
     routed_params: int = 0  # Σ_i P_i over the cohort (one direction)
     full_params: int = 0  # m · P: what broadcasting the full supernet would have sent
+    routed_bytes: int = 0  # Σ_i P_i in the round's payload dtype (one direction; tensor data, headers aside)
+    full_bytes: int = 0  # m · P as float32: the full-supernet broadcast the bytes are compared with
     variants_per_batch: dict[str, int] = field(default_factory=dict)
     compute_seconds: dict[str, float] = field(default_factory=dict)  # local training time per client
     send_seconds: float = 0.0  # routing, encoding and sending every routed payload
@@ -150,11 +153,13 @@ class RunSettings:
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     lr_schedule: str = "cosine"  # feast_edge.train.SCHEDULES, over the federation horizon
+    payload_dtype: str = "float32"  # of the payloads on the wire (feast_edge.payload.PAYLOAD_DTYPES); the model stays float32
 
     def __post_init__(self) -> None:
         try:
             check_rule(self.aggregation, self.trim, self.clip_norm)
-        except ValueError as exc:
+            check_payload_dtype(self.payload_dtype)
+        except (ValueError, PayloadError) as exc:
             raise RunError(str(exc)) from None
 
 
@@ -357,6 +362,8 @@ class RunLoop:
             routed_params=sum(self.method.payload_params(plans[c]) for c in cohort),
             full_params=len(cohort) * self.full_params,
         )
+        record.routed_bytes = record.routed_params * bytes_per_param(s.payload_dtype)
+        record.full_bytes = record.full_params * bytes_per_param("float32")
         valid = sorted(got.updates, key=lambda u: u.client)
         record.updated = [u.client for u in valid]
         record.samples = sum(u.samples for u in valid)

@@ -33,6 +33,7 @@ from feast_edge.data import FASHION_MNIST_DIR, DataError, ImageSet, load_dataset
 from feast_edge.errors import FeastError
 from feast_edge.federation import plan_client
 from feast_edge.methods import Method, method_class
+from feast_edge.payload import PAYLOAD_DTYPES
 from feast_edge.population import Population, build_population, server_split, zipf_population
 from feast_edge.preset import Preset, load_preset
 from feast_edge.robust import check_rule, rule_settings
@@ -89,6 +90,7 @@ class SimulationConfig:
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     device: str = "cpu"
+    payload_dtype: str = "float32"  # payloads as the wire carries them: routed states and updates rounded to it (the model stays float32)
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -106,6 +108,7 @@ class SimulationConfig:
             (self.val_samples >= 1 and self.calib_samples >= 1, "--val-samples and --calib-samples must be at least 1"),
             (self.probe_variants >= 1, f"--probe-variants {self.probe_variants} must be at least 1"),
             (self.budgets is None or len(self.budgets) == self.clients, f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client"),
+            (self.payload_dtype in PAYLOAD_DTYPES, f"--payload-dtype {self.payload_dtype!r} is not supported; choose one of {', '.join(PAYLOAD_DTYPES)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -120,7 +123,8 @@ class SimulationConfig:
 
     def decisive(self) -> dict[str, Any]:
         """Every setting that changes the trained weights or the selection (not the device), the resolved recipe included."""
-        data = {k: v for k, v in asdict(self).items() if k not in ("device", "lr", "batch_size", "augment", "epochs", "lr_schedule", "recipe", *_AGGREGATION)}
+        skip = ("device", "lr", "batch_size", "augment", "epochs", "lr_schedule", "recipe", *_AGGREGATION, *(("payload_dtype",) if self.payload_dtype == "float32" else ()))
+        data = {k: v for k, v in asdict(self).items() if k not in skip}  # float32 payloads keep earlier runs' fingerprints
         train, schedule = self.recipe_settings()
         return {**data, "train": asdict(train), "lr_schedule": schedule, **rule_settings(self.aggregation, self.trim, self.clip_norm)}
 
@@ -252,7 +256,7 @@ class Simulation:
         settings = RunSettings(
             rounds=config.rounds, per_round=config.per_round, min_clients=1, seed=config.seed, lr=config.train_config().lr, eval_every=config.eval_every,
             probe_variants=config.probe_variants, device=config.device, aggregation=config.aggregation, trim=config.trim, clip_norm=config.clip_norm,
-            lr_schedule=schedule,
+            lr_schedule=schedule, payload_dtype=config.payload_dtype,
         )
         self.loop = RunLoop(
             self.model, s.cache, settings, self.out, kind=KIND, fingerprint=config.fingerprint(),
@@ -379,10 +383,16 @@ def population_summary(population: Population) -> dict[str, Any]:
 
 
 def communication_summary(history: list[RoundRecord]) -> dict[str, Any]:
-    """Routed vs full-supernet traffic over the rounds run (both directions, in parameters)."""
+    """Routed vs full-supernet traffic over the rounds run (both directions), in parameters and in bytes (payload dtype
+    against a float32 broadcast)."""
     routed = 2 * sum(h.routed_params for h in history)
     full = 2 * sum(h.full_params for h in history)
-    return {"routed_params_total": routed, "full_params_total": full, "reduction": full / routed if routed else None}
+    routed_bytes = 2 * sum(h.routed_bytes for h in history)
+    full_bytes = 2 * sum(h.full_bytes for h in history)
+    return {
+        "routed_params_total": routed, "full_params_total": full, "reduction": full / routed if routed else None,
+        "routed_bytes_total": routed_bytes, "full_bytes_total": full_bytes, "bytes_reduction": full_bytes / routed_bytes if routed_bytes else None,
+    }
 
 
 def _write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:

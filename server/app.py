@@ -27,6 +27,7 @@ from typing import Any
 
 from feast_edge.cache import load_cache
 from feast_edge.checkpoint import load_supernet, read_record
+from feast_edge.payload import PAYLOAD_DTYPES
 from feast_edge.dashboard.state import DashboardState
 from feast_edge.errors import FeastError
 from feast_edge.preset import load_preset
@@ -100,6 +101,7 @@ class ServerConfig:
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     max_update_norm: float = 1e4  # L2 bound on an update's change of its routed slice (0: none); honest fmnist-small epochs: 14-62
+    payload_dtype: str = "float32"  # of routed payloads and updates on the wire (aggregation and the model stay float32)
 
     def __post_init__(self) -> None:
         checks = [
@@ -113,6 +115,7 @@ class ServerConfig:
             (self.max_samples >= 1, f"--max-samples {self.max_samples} must be at least 1"),
             (self.max_devices >= 1, f"--max-devices {self.max_devices} must be at least 1"),
             (self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)"),
+            (self.payload_dtype in PAYLOAD_DTYPES, f"--payload-dtype {self.payload_dtype!r} is not supported; choose one of {', '.join(PAYLOAD_DTYPES)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -136,7 +139,10 @@ class ServerConfig:
         """The settings that change the trained weights (a resumed run must keep them), the resolved recipe included."""
         names = ("preset", "rounds", "per_round", "min_clients", "seed", "lr", "batch_size", "method", "augment", "cache", "federation")
         train, schedule = self.recipe()
-        return {**{name: getattr(self, name) for name in names}, "train": dataclasses.asdict(train), "lr_schedule": schedule, **rule_settings(self.aggregation, self.trim, self.clip_norm)}
+        return {
+            **{name: getattr(self, name) for name in names}, "train": dataclasses.asdict(train), "lr_schedule": schedule, **rule_settings(self.aggregation, self.trim, self.clip_norm),
+            **({"payload_dtype": self.payload_dtype} if self.payload_dtype != "float32" else {}),  # float32 runs keep their earlier fingerprint
+        }
 
     @classmethod
     def stored(cls, out: str | Path, **overrides: Any) -> ServerConfig:
@@ -156,7 +162,7 @@ class ServerConfig:
         return RunSettings(
             rounds=self.rounds, per_round=self.per_round, min_clients=self.min_clients, seed=self.seed, lr=self.train_config().lr,
             eval_every=self.eval_every, probe_variants=self.probe_variants, aggregation=self.aggregation, trim=self.trim, clip_norm=self.clip_norm,
-            lr_schedule=self.recipe()[1],
+            lr_schedule=self.recipe()[1], payload_dtype=self.payload_dtype,
         )
 
 
@@ -197,7 +203,9 @@ class FederationServer:
         )
         self.collector: MqttCollector | None = None
         self.models: ModelServer | None = None
-        self.live = None if dashboard is None else LiveView(dashboard, self.preset, self.cache, self.registry, rounds=config.rounds, federation=config.federation)
+        self.live = None if dashboard is None else LiveView(
+            dashboard, self.preset, self.cache, self.registry, rounds=config.rounds, federation=config.federation, payload_dtype=config.payload_dtype,
+        )
         self.inbox = Inbox()
         self._filter = MessageFilter(config.federation)
         self._dropped = Throttle(log)  # bad input is logged, a few lines a minute per kind and sender
@@ -228,7 +236,7 @@ class FederationServer:
         self.collector = MqttCollector(
             self.link, t, sender, receiver, self.devices, self.registry, self.preset, cfg.train_config(), seed=cfg.seed, rounds=cfg.rounds,
             round_timeout=cfg.round_timeout, send_timeout=cfg.send_timeout, wait_timeout=cfg.wait_timeout or None, max_update_norm=cfg.max_update_norm,
-            pump=self.pump, stopped=self.stop.is_set, live=self.live,
+            pump=self.pump, stopped=self.stop.is_set, live=self.live, payload_dtype=cfg.payload_dtype,
         )
         self.models = ModelServer(self.out, self.link, t, sender, cfg.send_timeout)
         log.info("connected to %s as federation %r; preset %s, %d cached variants", self.link.address, cfg.federation, self.preset.name, len(self.cache))

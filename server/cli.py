@@ -114,6 +114,7 @@ def run(
     serve: Annotated[bool, typer.Option("--serve", help="Afterwards keep answering model requests (feast-agent fetch-model) until Ctrl-C.")] = False,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     threads: common.ThreadsOpt = 0,
+    payload_dtype: common.PayloadDtypeOpt = "float32",
     dashboard: common.DashboardOpt = None,
     dashboard_token: common.DashboardTokenOpt = None,
     tensorboard: common.TensorBoardOpt = False,
@@ -135,6 +136,7 @@ def run(
         data=None if data is None else str(data), val_samples=val_samples, calib_samples=calib_samples,
         cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
         max_update_norm=max_update_norm, max_samples=max_samples, max_devices=max_devices, aggregation=aggregation, trim=trim, clip_norm=clip_norm,
+        payload_dtype=payload_dtype,
     )
     state = None if dashboard is None else DashboardState("federation", f"feast-server: federation {federation}")
     server = FederationServer(config, link, on_round=print_round, dashboard=state)

@@ -98,6 +98,7 @@ class MqttCollector:
         pump: Callable[[float], None],
         stopped: Callable[[], bool],
         live: LiveView | None = None,
+        payload_dtype: str = "float32",
     ) -> None:
         self.link, self.topics, self.sender, self.receiver = link, topics, sender, receiver
         self.devices, self.registry, self.preset, self.train = devices, registry, preset, train
@@ -106,6 +107,7 @@ class MqttCollector:
         self.max_update_norm = max_update_norm  # 0: no bound
         self.pump, self.stopped = pump, stopped
         self.live = live  # the dashboard's view of the round in flight (feast-server run --dashboard)
+        self.payload_dtype = payload_dtype  # routed payloads go out in it; updates must come back in it
         self.current: _Round | None = None
         # device -> (round, routed transfer, upload size bound) of the round in flight; read by paho's thread (pre_expect)
         self.announced: dict[str, tuple[int, str, int]] = {}
@@ -150,7 +152,7 @@ class MqttCollector:
             self.live.round_started(t, cohort, self.round_timeout)
         for device in cohort:
             plan = plans[device]
-            manifest = plan.manifest(self.preset, classes, t, "routed", device)
+            manifest = plan.manifest(self.preset, classes, t, "routed", device, self.payload_dtype)
             routed = route_state(global_state, plan.layout(self.preset, classes), self.preset)
             blob = encode(routed, manifest)
             info = self.sender.describe(blob, round=t, device=device)
@@ -159,7 +161,7 @@ class MqttCollector:
             remaining = max(1.0, deadline - time.monotonic())
             message = RoundStart.from_plan(
                 plan, federation=self.topics.federation, round=t, device=device, transfer=info, sent_at=time.time(), timeout=remaining,
-                rounds=self.rounds, lr=lr, seed=client_seed(self.seed, t, device), train=self.train,
+                rounds=self.rounds, lr=lr, seed=client_seed(self.seed, t, device), train=self.train, payload_dtype=self.payload_dtype,
             )
             try:
                 self.sender.announce_and_send(self.topics.ctrl(device), message.encode(), blob, info, timeout=self.send_timeout)

@@ -20,6 +20,8 @@ from feast_edge.transport.messages import Presence
 
 log = logging.getLogger(__name__)
 
+UNANSWERED = 4  # registrations of one agent instance after it was accepted: it does not hear the answers
+
 
 class DeviceBook:
     """Registration decisions and host presence over one registry."""
@@ -61,6 +63,7 @@ class DeviceBook:
         # that came back first replaces its own stale registration instead of being refused as a duplicate).
         self._released: set[str] = {d.device_id for d in registry.devices()}
         registry.mark_all_offline()
+        self._repeats: dict[str, tuple[str, int]] = {}  # device -> (agent instance, accepted registrations it sent)
 
     def online(self) -> list[str]:
         """Registered devices whose host is online, sorted."""
@@ -120,6 +123,18 @@ class DeviceBook:
             return f"device id {device!r} is already online (hosted by agent {existing.host!r}); give this agent another --device-id, or stop the other agent first"
         return ""
 
+    def _unanswered(self, device: str, instance: str) -> None:
+        """An agent that keeps registering after it was accepted does not receive what this server sends it."""
+        seen, count = self._repeats.get(device, (instance, 0))
+        count = count + 1 if seen == instance else 1
+        self._repeats[device] = (instance, count)
+        if count == UNANSWERED:
+            log.warning(
+                "%s registered but never receives: its agent sent %d registrations and heard no answer on feast/%s/ctrl/%s; a broker bridge or ACL "
+                "that does not forward the federation's topics both ways (feast/%s/#) cuts it off (docs/deployment.md, bridged brokers)",
+                device, count, self.federation, device, self.federation,
+            )
+
     def on_register(self, message: Register) -> None:
         device = message.device
         reason = self.refusal(message)
@@ -133,6 +148,7 @@ class DeviceBook:
             )
             # Agents repeat a registration until it is answered: say it once per agent instance.
             repeat = before is not None and before.instance == message.instance and before.budget_macs == message.budget_macs
+            self._unanswered(device, message.instance)
             log.log(
                 logging.DEBUG if repeat else logging.INFO, "registered %s (host %s): budget %.2fM MACs, %d samples",
                 device, message.host, message.budget_macs / 1e6, message.samples,

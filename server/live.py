@@ -17,13 +17,18 @@ from typing import Any
 from feast_edge.cache import VariantCache
 from feast_edge.dashboard.state import DashboardState
 from feast_edge.federation import plan_client
+from feast_edge.payload import bytes_per_param
 from feast_edge.preset import Preset
 from feast_edge.rounds import RoundRecord
 from feast_edge.server.registry import Device, Registry
 from feast_edge.transport.chunks import Reassembler
 
 REFRESH_S = 1.0  # the fleet table is re-read from the registry at most this often
-BYTES_PER_PARAM = 4  # float32 payloads: what a full-supernet broadcast would send per parameter
+
+
+def _broadcast(record: RoundRecord) -> int:
+    """Bytes a float32 broadcast of the full supernet to the round's cohort would have sent (older records: from params)."""
+    return record.full_bytes or record.full_params * bytes_per_param("float32")
 
 
 def hardware_of(profile: Mapping[str, Any]) -> str | None:
@@ -41,8 +46,11 @@ def hardware_of(profile: Mapping[str, Any]) -> str | None:
 class LiveView:
     """Feeds a dashboard from the server's run thread (see the module docstring)."""
 
-    def __init__(self, state: DashboardState, preset: Preset, cache: VariantCache, registry: Registry, *, rounds: int, federation: str) -> None:
+    def __init__(
+        self, state: DashboardState, preset: Preset, cache: VariantCache, registry: Registry, *, rounds: int, federation: str, payload_dtype: str = "float32",
+    ) -> None:
         self.state, self.preset, self.cache, self.registry = state, preset, cache, registry
+        self.bytes_per_param = bytes_per_param(payload_dtype)  # a routed envelope's size before the first payload is encoded
         self._served: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # budget -> (variant, envelope) of that budget
         self._last_refresh = float("-inf")
         self._round: int | None = None
@@ -62,7 +70,7 @@ class LiveView:
             params = plan_client(self.cache, budget).envelope.params(self.preset)
             self._served[budget] = (
                 {"label": f"{entry.macs / 1e6:.2f}M", "macs": entry.macs, "params": entry.params},
-                {"params": params, "bytes": params * BYTES_PER_PARAM},
+                {"params": params, "bytes": params * self.bytes_per_param},
             )
         return self._served[budget]
 
@@ -162,7 +170,7 @@ class LiveView:
         up = sum(t["up"] for t in self._traffic.values())
         self.state.end_round({
             "round": record.round, "loss": record.loss, "val_accuracy": record.val_accuracy, "population_accuracy": None,
-            "bytes_down": down, "bytes_up": up, "broadcast_bytes": record.full_params * BYTES_PER_PARAM, "train_macs": record.train_macs,
+            "bytes_down": down, "bytes_up": up, "broadcast_bytes": _broadcast(record), "train_macs": record.train_macs,
             "seconds": record.seconds, "devices": {d: dict(t) for d, t in self._traffic.items()},
         })
         if probes:
@@ -176,7 +184,7 @@ class LiveView:
         for record in history:
             self.state.end_round({
                 "round": record.round, "loss": record.loss, "val_accuracy": record.val_accuracy, "population_accuracy": None, "bytes_down": None,
-                "bytes_up": None, "broadcast_bytes": record.full_params * BYTES_PER_PARAM, "train_macs": record.train_macs, "seconds": record.seconds, "devices": {},
+                "bytes_up": None, "broadcast_bytes": _broadcast(record), "train_macs": record.train_macs, "seconds": record.seconds, "devices": {},
             })
         if history:
             self.state.set_run(rounds_done=history[-1].round)

@@ -172,6 +172,9 @@ DashboardTokenOpt = Annotated[
     Optional[str],
     typer.Option("--dashboard-token", envvar="FEAST_DASHBOARD_TOKEN", help="Access token the dashboard requires (or $FEAST_DASHBOARD_TOKEN); required off loopback."),
 ]
+PayloadDtypeOpt = Annotated[
+    str, typer.Option("--payload-dtype", help="Payloads on the wire, both directions: float32, float16 or bfloat16 (aggregation and the model stay float32).")
+]
 TensorBoardOpt = Annotated[bool, typer.Option("--tensorboard", help="Also write per-round metrics as TensorBoard event files in RUN_DIR/tensorboard (needs the tensorboard package).")]
 
 

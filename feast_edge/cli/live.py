@@ -3,7 +3,7 @@
 The simulated clients are the fleet (each with its budget, shard and served
 point); each round's cohort moves through routed -> training -> uploading ->
 aggregated as the method trains it in this process; traffic counts the routed
-parameters (float32 bytes) against a full-supernet broadcast; at the end, the
+parameters (bytes in the payload dtype) against a float32 full-supernet broadcast; at the end, the
 test accuracy of every served point and the population accuracy.
 """
 
@@ -13,9 +13,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from feast_edge.payload import bytes_per_param
 from feast_edge.rounds import RoundRecord
 
-BYTES_PER_PARAM = 4  # float32 tensors in a payload
 
 
 class SimulationLive:
@@ -39,10 +39,11 @@ class SimulationLive:
         self.sim.method.on_client = self.client_state
 
     def round_started(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any]) -> None:
-        self._down = {c: self.sim.method.payload_params(plans[c]) * BYTES_PER_PARAM for c in cohort}
+        params = {c: self.sim.method.payload_params(plans[c]) for c in cohort}
+        self._down = {c: p * bytes_per_param(self.sim.config.payload_dtype) for c, p in params.items()}
         self.state.start_round(t + 1, list(cohort), None)
         for client, size in self._down.items():
-            self.state.set_device(client, envelope={"params": size // BYTES_PER_PARAM, "bytes": size}, last_seen=time.time())
+            self.state.set_device(client, envelope={"params": params[client], "bytes": size}, last_seen=time.time())
 
     def client_state(self, client: str, state: str) -> None:
         self.state.member(client, state, *((1, 1) if state == "uploading" else (None, None)))
@@ -56,7 +57,7 @@ class SimulationLive:
         down = sum(self._down.values())
         self.state.end_round({
             "round": record.round, "loss": record.loss, "val_accuracy": record.val_accuracy, "population_accuracy": None, "bytes_down": down,
-            "bytes_up": down, "broadcast_bytes": record.full_params * BYTES_PER_PARAM, "train_macs": record.train_macs, "seconds": record.seconds,
+            "bytes_up": down, "broadcast_bytes": record.full_bytes, "train_macs": record.train_macs, "seconds": record.seconds,
             "devices": {c: {"down": b, "up": b} for c, b in self._down.items()},
         })
         if record.val_accuracy is not None and self.sim.method.validated:

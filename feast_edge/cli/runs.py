@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from feast_edge.arch import Arch
-from feast_edge.cli.common import DashboardOpt, DashboardTokenOpt, DeviceOpt, Stage, TensorBoardOpt, check_dashboard, make_console, millions, parse_list, parse_macs, population_options
+from feast_edge.cli.common import DashboardOpt, DashboardTokenOpt, DeviceOpt, PayloadDtypeOpt, Stage, TensorBoardOpt, check_dashboard, make_console, millions, parse_list, parse_macs, population_options
 from feast_edge.cost import arch_cost
 from feast_edge.errors import FeastError
 from feast_edge.preset import load_preset
@@ -32,8 +32,9 @@ def routing(
     seed: Annotated[int, typer.Option(help="Seed of the budget draw.")] = 0,
     budgets: Annotated[Optional[str], typer.Option(help="Comma-separated budgets to tabulate (e.g. 25M,50M,229M).")] = None,
     classes: Annotated[Optional[int], typer.Option("--classes", "-c", min=1, help="Classifier classes (default: the preset's).")] = None,
+    payload_dtype: PayloadDtypeOpt = "float32",
 ) -> None:
-    """Routed envelope sizes and the communication report for a Zipf population (SPEC §5)."""
+    """Routed envelope sizes and the communication report for a Zipf population (SPEC §5), in parameters and bytes."""
     import numpy as np
 
     from feast_edge.cache import load_cache, read_reference_csv
@@ -46,8 +47,12 @@ def routing(
     archs = sorted((arch_cost(p, e.arch, n_classes)[0], e.arch) for e in cache.entries)
     if archs and budgets is None:
         budgets = ",".join(str(m) for m in np.unique(np.quantile([m for m, _ in archs], [0, 0.25, 0.5, 0.75, 1.0]).astype(int)))
-    table = Table(title=f"{p.name}: routed envelope per budget ({n_classes}-class head)")
-    for col in ("budget", "affordable", "envelope params", "reduction"):
+    from feast_edge.payload import bytes_per_param, check_payload_dtype
+
+    check_payload_dtype(payload_dtype)
+    wire, dense = bytes_per_param(payload_dtype), bytes_per_param("float32")
+    table = Table(title=f"{p.name}: routed envelope per budget ({n_classes}-class head), payloads as {payload_dtype}")
+    for col in ("budget", "affordable", "envelope params", "reduction", f"payload MB ({payload_dtype})", "bytes reduction vs float32 broadcast"):
         table.add_column(col, justify="right")
     for text in (budgets or "").split(","):
         if not text.strip():
@@ -57,7 +62,10 @@ def routing(
         if not affordable:
             raise FeastError(cache.below_smallest(b, "raise it"))
         report = communication_report(p, archs, [b], n_classes)
-        table.add_row(millions(int(b)), str(len(affordable)), millions(report.payloads[0]), f"{report.aggregate_reduction:.1f}x")
+        table.add_row(
+            millions(int(b)), str(len(affordable)), millions(report.payloads[0]), f"{report.aggregate_reduction:.1f}x",
+            f"{report.payloads[0] * wire / 1e6:.2f}", f"{report.aggregate_reduction * dense / wire:.1f}x",
+        )
     console.print(table)
     population = zipf_budgets(clients, np.random.default_rng(seed), s=zipf_s, b_min=p.budget_min, b_max=p.budget_max)
     report = communication_report(p, archs, population, n_classes)
@@ -66,7 +74,9 @@ def routing(
         f"{clients} clients, Zipf s={zipf_s}, budgets {millions(p.budget_min)}..{millions(p.budget_max)} MACs, seed {seed}:\n"
         f"  full supernet {millions(report.full_params)} params; mean routed payload {millions(int(report.mean_payload))} "
         f"-> aggregate reduction {report.aggregate_reduction:.2f}x\n"
-        f"  per-client reduction: mean {sum(r) / len(r):.1f}x, median {report.median_reduction:.1f}x, max {max(r):.1f}x",
+        f"  per-client reduction: mean {sum(r) / len(r):.1f}x, median {report.median_reduction:.1f}x, max {max(r):.1f}x\n"
+        f"  in bytes: mean routed payload {report.mean_payload * wire / 1e6:.2f} MB as {payload_dtype} vs {report.full_params * dense / 1e6:.2f} MB "
+        f"float32 broadcast -> aggregate reduction {report.aggregate_reduction * dense / wire:.2f}x",
         soft_wrap=True,
     )
 
@@ -101,6 +111,7 @@ def simulate(
     clip_norm: Annotated[Optional[float], typer.Option("--clip-norm", help="clip: L2 bound of an update (default: the cohort's median update norm).")] = None,
     device: DeviceOpt = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    payload_dtype: PayloadDtypeOpt = "float32",
     dashboard: DashboardOpt = None,
     dashboard_token: DashboardTokenOpt = None,
     tensorboard: TensorBoardOpt = False,
@@ -118,7 +129,7 @@ def simulate(
         **population, per_round=per_round, rounds=rounds, method=method, method_options=parse_pairs(method_option, "--method-option"),
         variants=variants, lr=lr, lr_schedule=lr_schedule, batch_size=batch_size, epochs=local_epochs, augment=augment,
         recipe=tuple((k, _recipe_value(v)) for k, v in parse_pairs(recipe, "--recipe")), eval_every=eval_every,
-        test_limit=test_limit, aggregation=aggregation, trim=trim, clip_norm=clip_norm, device=device,
+        test_limit=test_limit, aggregation=aggregation, trim=trim, clip_norm=clip_norm, device=device, payload_dtype=payload_dtype,
     )
     config.train_config()  # validates the method, its options and the recipe before any data is read
     check_dashboard(dashboard, dashboard_token)
@@ -152,10 +163,13 @@ def simulate(
     console.print(table)
     comm = results["communication"]
     saving = "nothing sent" if comm["reduction"] is None else f"{comm['reduction']:.2f}x less"
+    in_bytes = "" if comm["bytes_reduction"] is None else (
+        f"; {comm['routed_bytes_total'] / 1e6:,.1f} MB as {config.payload_dtype} vs {comm['full_bytes_total'] / 1e6:,.1f} MB float32 ({comm['bytes_reduction']:.2f}x less)"
+    )
     console.print(
         f"population accuracy (largest affordable variant per client): {100 * results['population_accuracy']:.2f}%\n"
         f"traffic: sent {comm['routed_params_total'] / 1e6:,.1f}M params vs full {comm['full_params_total'] / 1e6:,.1f}M "
-        f"({saving}); training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
+        f"({saving}){in_bytes}; training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
         f"results: {out / 'results.json'}, {out / 'variants.csv'}, {out / 'rounds.csv'}",
         soft_wrap=True,
     )

@@ -40,6 +40,7 @@ from torch import nn
 
 from feast_edge.errors import FeastError
 from feast_edge.evaluate import accuracy
+from feast_edge.payload import on_the_wire
 
 if TYPE_CHECKING:  # the harness imports the methods; methods only need its types
     from feast_edge.rounds import ClientUpdate, Validation
@@ -162,14 +163,16 @@ class Method:
         """Every cohort member's :meth:`train_client` on its own shard, its update passed through safetensors as on the wire."""
         from feast_edge.federation import client_seed
 
+        wire = self.config.payload_dtype
+        delivered = on_the_wire(global_state, wire)  # what a routed payload in the wire's dtype delivers (slicing commutes with the cast)
         updates = []
         for client in cohort:
             images, labels = self.setup.client_data(client)
             began = time.perf_counter()
             if self.on_client is not None:
                 self.on_client(client, "training")
-            update = self.train_client(t, client, plans[client], global_state, images, labels, lr, client_seed(self.config.seed, t, client))
-            update.state = load_tensors(save_tensors({k: v.contiguous() for k, v in update.state.items()})) if update.state else {}
+            update = self.train_client(t, client, plans[client], delivered, images, labels, lr, client_seed(self.config.seed, t, client))
+            update.state = on_the_wire(load_tensors(save_tensors({k: v.contiguous() for k, v in update.state.items()})), wire) if update.state else {}
             update.compute_seconds = time.perf_counter() - began
             if self.on_client is not None:
                 self.on_client(client, "uploading")

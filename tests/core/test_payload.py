@@ -65,10 +65,15 @@ def test_non_finite_values_are_refused():
     _assert_refused(encode(state, manifest), "NaN or infinite")
 
 
+def _raw(state, manifest):
+    """A payload as a sender that ignores the manifest's dtype would write it (encode itself casts to that dtype)."""
+    return safetensors_save({k: v.contiguous() for k, v in state.items()}, metadata={"feast_edge": json.dumps(manifest.to_dict())})
+
+
 def test_wrong_dtype_is_refused():
     state, manifest = _routed()
     state["classifier.weight"] = state["classifier.weight"].double()
-    _assert_refused(encode(state, manifest), "dtype torch.float64")
+    _assert_refused(_raw(state, manifest), "dtype torch.float64")
 
 
 def test_other_round_or_envelope_than_routed_is_refused():

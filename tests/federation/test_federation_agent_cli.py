@@ -88,6 +88,7 @@ def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, t
 
     profile = load_profile(out)
     assert profile.name == "ci-host" and profile.device == "cpu" and len(profile.measurements) == 3
+    assert profile.runtime.startswith("onnxruntime ") and len(profile.holdout) == 3  # timed as served, three variants held out of the fit
     assert profile.budget_macs >= load_cache(load_preset(profile.preset)).smallest.macs
     assert "use it with: feast-agent run --profile" in result.stdout
 

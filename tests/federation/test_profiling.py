@@ -188,12 +188,19 @@ def test_read_hardware_reports_cores_ram_and_torch() -> None:
 
 
 def test_profile_device_on_cpu_is_consistent(fmnist: Preset, cache: VariantCache) -> None:
+    """The default: each variant exported to ONNX on the fly and timed in onnxruntime (what serves it), two held out of the fit."""
     calls = []
     # A generous target: the check is consistency, not how fast this (shared) machine is.
-    profile = profile_device("fmnist-small", "cpu", latency_target_ms=1e4, variants=3, repeats=3, name="test-cpu", progress=lambda d, n: calls.append((d, n)))
-    assert calls == [(1, 3), (2, 3), (3, 3)]
+    profile = profile_device(
+        "fmnist-small", "cpu", latency_target_ms=1e4, variants=3, repeats=3, holdout=2, threads=1, name="test-cpu", progress=lambda d, n: calls.append((d, n)),
+    )
+    assert calls == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
     assert [m for m, _ in profile.measurements] == [cache.smallest.macs, cache.entries[len(cache) // 2].macs, cache.largest.macs]
-    assert all(ms > 0 for _, ms in profile.measurements)
+    held = [m for m, _ in profile.holdout]
+    assert len(held) == 2 and not set(held) & {m for m, _ in profile.measurements} and set(held) <= {e.macs for e in cache.entries}
+    assert all(ms > 0 for _, ms in profile.measurements + profile.holdout)
+    assert profile.runtime.startswith("onnxruntime ") and "CPUExecutionProvider" in profile.runtime and "1 intra-op" in profile.runtime
+    assert profile.holdout_errors() == [abs(profile.latency_ms(m) - ms) / ms for m, ms in profile.holdout]
     assert profile.latency_b_ms_per_mmac > 0 and profile.latency_a_ms >= 0
     assert (profile.latency_a_ms, profile.latency_b_ms_per_mmac) == fit_latency(profile.measurements)
     assert profile.budget_macs in {e.macs for e in cache.entries}
@@ -205,6 +212,24 @@ def test_profile_device_on_cpu_is_consistent(fmnist: Preset, cache: VariantCache
     assert DeviceProfile.from_dict(profile.to_dict()) == profile
     text = render(profile_table(profile))
     assert "test-cpu" in text and f"{profile.budget_macs / 1e6:.2f}M MACs" in text and str(cache.largest_affordable(profile.budget_macs).arch) in text
+    assert "held out" in text and "error" in text and "onnxruntime" in text
+
+
+def test_profile_device_times_pytorch_eager_on_request(cache: VariantCache) -> None:
+    profile = profile_device("fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=2, holdout=0, runtime="torch", name="eager")
+    assert profile.runtime.startswith("PyTorch ") and "eager" in profile.runtime and not profile.holdout
+    assert [m for m, _ in profile.measurements] == [cache.smallest.macs, cache.largest.macs]
+
+
+def test_unknown_runtime_or_missing_provider_is_a_clear_error() -> None:
+    import onnxruntime as ort
+
+    with pytest.raises(ProfileError, match="--runtime 'tflite' is unknown; choose onnxruntime"):
+        profile_device("fmnist-small", runtime="tflite")
+    if "TensorrtExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has TensorRT")  # the refusal below is what a CPU-only onnxruntime says
+    with pytest.raises(ProfileError, match="this onnxruntime has no TensorrtExecutionProvider .*install onnxruntime-gpu"):
+        profile_device("fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=1, provider="tensorrt")
 
 
 def test_profile_device_rejects_bad_settings() -> None:
@@ -228,7 +253,7 @@ def test_cuda_requested_without_a_cuda_device_is_a_clear_error() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_profile_device_on_cuda(cache: VariantCache) -> None:
-    profile = profile_device("fmnist-small", "cuda", latency_target_ms=1e4, variants=3, repeats=5, name="test-cuda")
+    profile = profile_device("fmnist-small", "cuda", latency_target_ms=1e4, variants=3, repeats=5, name="test-cuda", runtime="torch", holdout=0)
     assert profile.device == "cuda" and profile.hardware["cuda_name"]
     assert 0 < profile.memory_limit_bytes <= profile.hardware["cuda_memory_bytes"] // 2
     assert profile.latency_b_ms_per_mmac > 0 and profile.budget_macs in {e.macs for e in cache.entries}
