@@ -164,8 +164,10 @@ def time_session(session: Any, input_shape: Sequence[int], repeats: int, warmup:
 
 
 def _spread(n: int, k: int) -> list[int]:
-    """``k`` indices evenly spread over ``0..n-1`` (both ends included)."""
+    """``k`` indices evenly spread over ``0..n-1`` (both ends included; one index: the middle)."""
     k = min(k, n)
+    if k <= 1:
+        return [(n - 1) // 2] if k == 1 else []
     return sorted({int(i * (n - 1) / (k - 1) + 0.5) for i in range(k)})  # round half up
 
 

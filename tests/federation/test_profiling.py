@@ -219,6 +219,8 @@ def test_profile_device_times_pytorch_eager_on_request(cache: VariantCache) -> N
     profile = profile_device("fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=2, holdout=0, runtime="torch", name="eager")
     assert profile.runtime.startswith("PyTorch ") and "eager" in profile.runtime and not profile.holdout
     assert [m for m, _ in profile.measurements] == [cache.smallest.macs, cache.largest.macs]
+    one = profile_device("fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=1, holdout=1, runtime="torch", name="one")
+    assert [m for m, _ in one.holdout] == [cache.entries[1 + (len(cache) - 3) // 2].macs]  # one held out: the middle of the rest
 
 
 def test_unknown_runtime_or_missing_provider_is_a_clear_error() -> None:
