@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
+import json
 import logging
 import pickle
 import queue
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save as safetensors_save
 
 from feast_edge.checkpoint import read_record
 from feast_edge.data import FASHION_MNIST_DIR
@@ -97,10 +99,16 @@ class ScriptedDevice:
         manifest, state = decode(progress.payload, PRESET)
         return start, manifest, state
 
-    def update(self, start: RoundStart, state: dict[str, torch.Tensor], manifest: Manifest, *, round: int | None = None, samples: int = 50) -> tuple[Update, bytes]:
-        """An update message and its payload, not yet sent."""
+    def update(
+        self, start: RoundStart, state: dict[str, torch.Tensor], manifest: Manifest, *, round: int | None = None, samples: int = 50, as_given: bool = False,
+    ) -> tuple[Update, bytes]:
+        """An update message and its payload, not yet sent (``as_given``: the tensors' own dtypes, as a sender ignoring the manifest writes them)."""
         t = start.round if round is None else round
-        blob = encode(state, dataclasses.replace(manifest, kind="update", round=t))
+        manifest = dataclasses.replace(manifest, kind="update", round=t)
+        if as_given:
+            blob = safetensors_save({k: v.contiguous() for k, v in state.items()}, metadata={"feast_edge": json.dumps(manifest.to_dict(), sort_keys=True)})
+        else:
+            blob = encode(state, manifest)
         info = describe(blob, federation=self.fed, round=t, device=self.device_id, chunk_size=64 * 1024)
         message = Update(federation=self.fed, round=t, device=self.device_id, transfer=info.to_dict(), routed=start.transfer["transfer"], samples=samples, metrics={"loss": 1.0})
         return message, blob
@@ -241,7 +249,7 @@ def test_poisoned_and_hostile_updates_are_refused_and_the_server_goes_on(kit, tm
         start, manifest, routed = device.next_round()
         doubled = {k: v.double() if v.is_floating_point() else v for k, v in routed.items()}
         half = {k: v.half() if v.is_floating_point() else v for k, v in routed.items()}  # same names, a smaller upload: the decoder sees the dtype
-        device.send(*device.update(start, half, manifest))
+        device.send(*device.update(start, half, manifest, as_given=True))
         start, manifest, routed = device.next_round()
         pickled = pickle.dumps(dict(list(doubled.items())[:4]))  # what torch.save would send, within the routed size: never unpickled
         info = describe(pickled, federation=federation, round=start.round, device=device.device_id, chunk_size=64 * 1024)
