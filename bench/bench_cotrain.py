@@ -1,12 +1,16 @@
-"""One co-training step (min + rand + max with KD) vs the same variants' single-variant steps (CPU).
+"""One co-training step (min + rand + max with KD) vs the same variants' single-variant steps; AMP vs float32.
 
     python bench/bench_cotrain.py [--preset fmnist-small] [--batch 64] [--repeats 20] [--threads N]
+                                  [--device cpu|cuda] [--amp off|auto|bf16|fp16]
 
 Both sides see the same augmented Fashion-MNIST batch. The co-training step is
 ``feast_edge.train.cotrain_step`` (three forward/backward passes, KD, gradient
 clipping, slice-masked weight decay, one SGD step); each single-variant step is
 a plain forward / backward / SGD step. Prints the medians and the ratio
-co-train / (sum of single steps) (target <= 1.1).
+co-train / (sum of single steps) (target <= 1.1). With ``--amp`` other than off, a
+second copy of the supernet runs the same co-training step under that mixed precision
+(feast_edge.accel) and the ratio AMP / float32 is printed as well. On CUDA every timed
+call ends with a synchronize, so the times are the GPU's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved  # noqa: E402
 
+from feast_edge.accel import resolve_amp  # noqa: E402
 from feast_edge.arch import Arch  # noqa: E402
 from feast_edge.augment import BatchAugmenter  # noqa: E402
 from feast_edge.cost import arch_cost  # noqa: E402
@@ -63,16 +68,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--amp", default="off", help="also time the co-training step under this mixed precision: auto, bf16 or fp16")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     preset = load_preset(args.preset)
     config = TrainConfig()
     variants = bench_variants(preset)
+    device = torch.device(args.device)
+    precision = resolve_amp(args.amp, device)
     batch = batch_for(preset, args.batch)
+    batch = type(batch)(batch.images.to(device), batch.targets.to(device), batch.mixer)
     x, targets = batch.images, batch.targets
 
-    cotrained = Supernet(preset, seed=0).train()
+    cotrained = Supernet(preset, seed=0).to(device).train()
     co_opt, shapes = make_optimizer(cotrained, config, config.lr), ShapeCache(cotrained)
     plan = [("max", variants["max"]), ("min", variants["min"]), ("rand", variants["rand"])]
 
@@ -86,9 +96,17 @@ def main() -> None:
 
     fns = {"co-train": lambda: cotrain_step(cotrained, co_opt, batch, plan, config, shapes)}
     fns.update({f"single {role}": (lambda a=arch: single_step(a)) for role, arch in variants.items()})
+    amp_name = f"co-train {precision.mode}"
+    if precision.mode != "off":
+        mixed = copy.deepcopy(cotrained)
+        mixed_opt, mixed_shapes, grad = make_optimizer(mixed, config, config.lr), ShapeCache(mixed), precision.scaler()
+        fns[amp_name] = lambda: cotrain_step(mixed, mixed_opt, batch, plan, config, mixed_shapes, precision, grad)
+    if device.type == "cuda":  # CUDA runs asynchronously: time each call to the end of its kernels
+        fns = {name: (lambda f=fn: (f(), torch.cuda.synchronize(device))) for name, fn in fns.items()}
     times = interleaved(fns, repeats=args.repeats)
 
-    print(f"preset {preset.name}, batch {args.batch}, torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"preset {preset.name}, batch {args.batch}, torch {torch.__version__}, {torch.get_num_threads()} threads, {where}, AMP {precision.describe()}")
     for role, arch in variants.items():
         print(f"  a_{role:<4} {arch_cost(preset, arch)[0] / 1e6:>7.2f}M MACs  {arch}")
     for name, seconds in times.items():
@@ -96,6 +114,8 @@ def main() -> None:
     singles = sum(v for k, v in times.items() if k.startswith("single"))
     print(f"{'sum singles':<12} {singles * 1e3:>9.2f} ms")
     print(f"ratio co-train / sum of single-variant steps: {times['co-train'] / singles:.3f} (target <= 1.1)")
+    if amp_name in times:
+        print(f"ratio co-train {precision.describe()} / float32: {times[amp_name] / times['co-train']:.3f} (speed-up {times['co-train'] / times[amp_name]:.2f}x)")
 
 
 if __name__ == "__main__":

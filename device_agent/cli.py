@@ -56,6 +56,8 @@ def run(
     profile: Annotated[Optional[str], typer.Option("--profile", help="Device profile: a name (feast-agent profiles) or a .json file; gives the budget and preset.")] = None,
     budget: Annotated[Optional[str], typer.Option("--budget", help="MAC budget, e.g. 12M (instead of --profile; shard files carry their own).")] = None,
     device: common.DeviceOpt = "auto",
+    amp: common.AmpOpt = "auto",
+    deterministic: common.DeterministicOpt = False,
     clients: Annotated[Optional[int], typer.Option("--clients", "-k", min=1, help="Host K virtual clients in this process (ids ID-0..ID-(K-1), or a partition's).")] = None,
     shard: Annotated[Optional[str], typer.Option("--shard", help="With a Fashion-MNIST directory: use deterministic shard i/N of its training split.")] = None,
     offset: Annotated[int, typer.Option("--offset", min=0, help="With a partition directory: first client to host.")] = 0,
@@ -71,6 +73,7 @@ def run(
     log_file: common.LogFileOpt = None,
 ) -> None:
     """Register with the server and train every round it routes to this device; exit 0 when the federation finishes."""
+    from feast_edge.accel import resolve_amp, set_deterministic
     from feast_edge.agent.agent import Agent, AgentConfig
     from feast_edge.agent.data import load_clients
     from feast_edge.profile import load_profile, profile_summary
@@ -80,6 +83,8 @@ def run(
     device_id, federation = _identity(link, device_id, federation)
     if profile is not None and budget is not None:
         raise FeastError("give either --profile or --budget, not both (a profile carries its budget)")
+    torch_device = resolve_device(device)
+    precision = resolve_amp(amp, torch_device)  # a mode this device cannot run is refused before any data is read
     loaded = None
     if profile is not None:
         loaded = load_profile(profile)
@@ -94,12 +99,14 @@ def run(
     if loaded is not None and loaded.preset != chosen:
         raise FeastError(f"profile {loaded.name} was derived for preset {loaded.preset}, not {chosen}; re-profile with 'feast-agent profile --preset {chosen}'")
     common.torch_threads(threads)
-    torch_device = resolve_device(device)
+    if deterministic:
+        set_deterministic()
     config = AgentConfig(
         host=device_id,
         federation=federation,
         preset=chosen,
         device=torch_device,
+        amp=precision.mode,
         budget_macs=common.parse_macs(budget) if budget is not None else (loaded.budget_macs if loaded is not None else None),
         profile=profile_summary(loaded) if loaded is not None else {},
         chunk_size=chunk_size,
@@ -108,7 +115,7 @@ def run(
         stay=stay,
     )
     agent = Agent(config, link, hosted)
-    log.info(describe_device(torch_device, device))
+    log.info("%s, %s", describe_device(torch_device, device), precision.describe())
 
     def terminate(signum: int, frame: Any) -> None:
         # Loops notice the flag within 0.2 s; a local epoch can take minutes, so training is interrupted at once.

@@ -41,8 +41,10 @@ def largest_payload(preset: Preset) -> int:
     return 2 * weights + 16 * MiB
 
 
-def local_step(preset: Preset, start: RoundStart, blob: bytes, client: LocalClient, device: str, busy: Callable[[bool], None]) -> StepResult:
-    """Decode the routed payload of ``start``, co-train on ``client``'s data, encode the returned slice (SPEC §5).
+def local_step(
+    preset: Preset, start: RoundStart, blob: bytes, client: LocalClient, device: str, busy: Callable[[bool], None], amp: str = "off"
+) -> StepResult:
+    """Decode the routed payload of ``start``, co-train on ``client``'s data (``amp``: feast_edge.accel), encode the returned slice (SPEC §5).
 
     ``busy(True/False)`` brackets the training itself (a stop signal then interrupts it at once).
     """
@@ -60,7 +62,7 @@ def local_step(preset: Preset, start: RoundStart, blob: bytes, client: LocalClie
     began = time.perf_counter()
     busy(True)
     try:
-        new_state, result = client_update(preset, classes, plan, state, client.images, client.labels, train, start.lr, start.client_seed, device)
+        new_state, result = client_update(preset, classes, plan, state, client.images, client.labels, train, start.lr, start.client_seed, device, amp)
     except (FeastError, RuntimeError) as exc:  # e.g. settings this device cannot train with, or out of memory
         log.error("%s: local training of %s failed: %s; skipped", shown, device_id, exc)
         return StepResult(reason=f"local training failed: {exc}")

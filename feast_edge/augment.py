@@ -117,14 +117,14 @@ class BatchAugmenter:
         }
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, batch_index: int, generator: torch.Generator) -> MixedBatch:
-        """Augment uint8 ``images`` [N, C, H, W] with int64 ``labels`` [N]; randomness from ``generator`` only."""
+        """Augment uint8 ``images`` [N, C, H, W] with int64 ``labels`` [N] on their device; randomness from ``generator`` only."""
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"augmentation needs uint8 images [N, C, H, W], got {images.dtype} {tuple(images.shape)}")
-        if images.device.type != "cpu":
-            raise ValueError(f"augment on the CPU and move the mixed batch to the device afterwards (got images on {images.device})")
         seed = int(torch.randint(_SEED_BOUND, (1,), generator=generator))
         mixer = mixer_for(batch_index) if self.mix else "none"
-        with torch.random.fork_rng(devices=[]):
+        # Augment where the images are (the GPU that trains, or the CPU); the transforms draw their parameters
+        # from the seeded global RNG, forked here so the caller's state (the GPU's too) is left as it was.
+        with torch.random.fork_rng(devices=[images.device] if images.device.type == "cuda" else []):
             torch.manual_seed(seed)
             # One draw per image (a batch tensor would share one draw across the batch).
             augmented = images if self.transform is None else torch.stack([self.transform(image) for image in images])

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from feast_edge.atomic import atomic_write_bytes
+from feast_edge.accel import AMP_MODES, set_deterministic
 from feast_edge.cache import VariantCache, load_cache
 from feast_edge.data import FASHION_MNIST_DIR, DataError, ImageSet, load_dataset
 from feast_edge.errors import FeastError
@@ -91,6 +92,8 @@ class SimulationConfig:
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     device: str = "cpu"
     payload_dtype: str = "float32"  # payloads as the wire carries them: routed states and updates rounded to it (the model stays float32)
+    amp: str = "off"  # mixed precision of local training (feast_edge.accel; the CLI stores what --amp resolved to on --device)
+    deterministic: bool = False  # deterministic PyTorch kernels in every process of the run (CUDA; the CPU already is)
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -109,6 +112,8 @@ class SimulationConfig:
             (self.probe_variants >= 1, f"--probe-variants {self.probe_variants} must be at least 1"),
             (self.budgets is None or len(self.budgets) == self.clients, f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client"),
             (self.payload_dtype in PAYLOAD_DTYPES, f"--payload-dtype {self.payload_dtype!r} is not supported; choose one of {', '.join(PAYLOAD_DTYPES)}"),
+            (self.amp in AMP_MODES, f"--amp {self.amp!r} is unknown; choose one of {', '.join(AMP_MODES)}"),
+            (self.amp == "off" or self.method == "feast", f"--amp {self.amp} applies to --method feast only; {self.method} trains in float32"),
         ]
         for ok, message in checks:
             if not ok:
@@ -123,8 +128,9 @@ class SimulationConfig:
 
     def decisive(self) -> dict[str, Any]:
         """Every setting that changes the trained weights or the selection (not the device), the resolved recipe included."""
-        skip = ("device", "lr", "batch_size", "augment", "epochs", "lr_schedule", "recipe", *_AGGREGATION, *(("payload_dtype",) if self.payload_dtype == "float32" else ()))
-        data = {k: v for k, v in asdict(self).items() if k not in skip}  # float32 payloads keep earlier runs' fingerprints
+        skip = ("device", "deterministic", "lr", "batch_size", "augment", "epochs", "lr_schedule", "recipe", *_AGGREGATION)
+        skip += (*(("payload_dtype",) if self.payload_dtype == "float32" else ()), *(("amp",) if self.amp == "off" else ()))
+        data = {k: v for k, v in asdict(self).items() if k not in skip}  # float32 payloads and training keep earlier runs' fingerprints
         train, schedule = self.recipe_settings()
         return {**data, "train": asdict(train), "lr_schedule": schedule, **rule_settings(self.aggregation, self.trim, self.clip_norm)}
 
@@ -183,7 +189,9 @@ class Setup:
 
 
 def build_setup(config: SimulationConfig) -> Setup:
-    """Load data, hold out server splits, draw the population and plan every client."""
+    """Load data, hold out server splits, draw the population and plan every client (and set the kernels' determinism)."""
+    if config.deterministic:  # every process of a run builds its setup here, workers of --nproc too
+        set_deterministic()
     preset = load_preset(config.preset)
     cache = load_cache(preset, config.cache)
     train = load_dataset(config.dataset, config.data_dir, "train", preset.input_size, preset.in_channels)

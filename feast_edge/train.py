@@ -20,13 +20,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from feast_edge.accel import PLAIN, PLAIN_STEP, GradientStep, Precision, resolve_amp
 from feast_edge.arch import Arch
-from feast_edge.augment import DEFAULT_POLICY, POLICIES, BatchAugmenter, MixedBatch, plain_batch
+from feast_edge.augment import DEFAULT_POLICY, POLICIES, MixedBatch
+from feast_edge.batches import seeds, training_batches
 from feast_edge.cost import arch_cost
 from feast_edge.errors import FeastError
 from feast_edge.slicing import leading_index
@@ -245,22 +246,25 @@ def _forward_backward(
     batch: MixedBatch,
     variants: list[tuple[str, Arch]],
     config: TrainConfig,
+    precision: Precision,
+    grad: GradientStep,
 ) -> tuple[float, dict[str, float]]:
     """Forward/backward every variant of one batch, teacher first; returns the objective and each role's L_sup."""
     x, targets = batch.images, batch.targets
     total, role_sup = 0.0, {}
     teacher = None
     for role, arch in variants:
-        logits = model(x, arch)
-        sup = supervised_loss(logits, targets)
-        if role == "max" or len(variants) == 1 or not config.uses_kd:
-            loss = sup
-        else:
-            rho = config.kd_weight
-            loss = (1 - rho) * sup + rho * kd_loss(logits, teacher, config.temperature)
-        loss.backward()  # one graph alive at a time; gradients accumulate across variants
+        with precision.autocast():  # forward and losses in the AMP dtype (autocast keeps the losses float32)
+            logits = model(x, arch)
+            sup = supervised_loss(logits, targets)
+            if role == "max" or len(variants) == 1 or not config.uses_kd:
+                loss = sup
+            else:
+                rho = config.kd_weight
+                loss = (1 - rho) * sup + rho * kd_loss(logits, teacher, config.temperature)
+        grad.backward(loss)  # one graph alive at a time; gradients accumulate across variants
         if role == "max":
-            teacher = F.softmax(logits.detach() / config.temperature, dim=1)
+            teacher = F.softmax(logits.detach().float() / config.temperature, dim=1)
         total += float(loss.detach())
         role_sup[role] = float(sup.detach())
     return total, role_sup
@@ -285,18 +289,19 @@ def cotrain_step(
     variants: list[tuple[str, Arch]],
     config: TrainConfig,
     shapes: ShapeCache,
+    precision: Precision = PLAIN,
+    grad: GradientStep = PLAIN_STEP,
 ) -> tuple[float, dict[str, float]]:
     """One SPEC §7 step: zero grads, every variant's loss backward, clip to ``clip_norm``, masked decay, SGD step.
 
-    ``optimizer`` must be built without weight decay; the decay is added here on
-    the trained slices only. Returns the batch objective and each role's L_sup.
+    ``optimizer`` must be built without weight decay; the decay is added here on the trained slices only.
+    ``precision``/``grad`` (feast_edge.accel) run the passes under autocast and the step through a gradient
+    scaler; the defaults are plain float32. Returns the batch objective and each role's L_sup.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss, role_sup = _forward_backward(model, batch, variants, config)
+    loss, role_sup = _forward_backward(model, batch, variants, config, precision, grad)
     params = dict(model.named_parameters())
-    nn.utils.clip_grad_norm_(params.values(), config.clip_norm)
-    add_masked_weight_decay(params, [shapes[a] for _, a in variants], config.weight_decay)
-    optimizer.step()
+    grad.step(optimizer, params.values(), config.clip_norm, lambda: add_masked_weight_decay(params, [shapes[a] for _, a in variants], config.weight_decay))
     return loss, role_sup
 
 
@@ -316,53 +321,6 @@ def _check_data(model: Supernet, images: torch.Tensor, labels: torch.Tensor) -> 
         raise TrainError("the client has no local samples; give it at least one")
     if int(labels.min()) < 0 or int(labels.max()) >= model.classes:
         raise TrainError(f"labels must lie in 0..{model.classes - 1} (the model has {model.classes} classes)")
-
-
-def _batches(n: int, batch_size: int, generator: torch.Generator, bn_needs_two: bool) -> list[torch.Tensor]:
-    """Shuffled index batches of one epoch; the last partial batch is kept.
-
-    The only batch ever dropped is a final batch of a single sample when the
-    network's last feature map is 1×1: train-mode BatchNorm cannot normalize
-    one value per channel and raises.
-    """
-    order = torch.randperm(n, generator=generator)
-    batches = list(order.split(batch_size))
-    if bn_needs_two and len(batches[-1]) == 1:
-        batches.pop()
-    return batches
-
-
-def training_batches(
-    images_uint8: torch.Tensor,
-    labels: torch.Tensor,
-    preset,
-    classes: int,
-    config: TrainConfig,
-    shuffle_gen: torch.Generator,
-    augment_gen: torch.Generator,
-    device: str | torch.device = "cpu",
-    bn_needs_two: bool = False,
-):
-    """The augmented mini-batches of ``config.epochs`` local epochs over uint8 ``images_uint8`` (on ``device``).
-
-    Shuffling draws from ``shuffle_gen``, augmentation from ``augment_gen``; every method of the harness
-    trains on these batches, so they all see the same recipe (policy, batch size, epochs).
-    """
-    augmenter = BatchAugmenter(preset.mean, preset.std, classes, config.randaugment, config.mixup_alpha, config.cutmix_alpha, config.augment, config.crop_padding)
-    count = 0
-    for _ in range(config.epochs):
-        for index in _batches(len(labels), config.batch_size, shuffle_gen, bn_needs_two):
-            if config.augment != "none":
-                batch = augmenter(images_uint8[index], labels[index], count, augment_gen)
-            else:
-                batch = plain_batch(images_uint8[index], labels[index], preset.mean, preset.std, classes)
-            count += 1
-            yield MixedBatch(batch.images.to(device), batch.targets.to(device), batch.mixer)
-
-
-def seeds(seed: int, count: int) -> list[int]:
-    """Independent sub-seeds, so shuffling, augmentation and ``a_rand`` draws do not shift each other across ablations."""
-    return [int(s.generate_state(1, np.uint64)[0] >> 1) for s in np.random.SeedSequence(seed).spawn(count)]
 
 
 @dataclass
@@ -408,12 +366,13 @@ def local_train(
     lr: float | None = None,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    amp: str = "off",
 ) -> LocalResult:
     """One client-round of multi-variant co-training, in place on ``model`` (SPEC §7).
 
     Args:
         model: the client's (routed) supernet; moved to ``device`` and trained in place.
-        images_uint8: local images, uint8 ``[N, C, H, W]`` (augmented on the CPU).
+        images_uint8: local images, uint8 ``[N, C, H, W]`` (augmented where the model trains).
         labels: int64 ``[N]``.
         affordable: the client's affordable cached variants (any order; sorted by MACs here).
         global_min: the globally smallest cached variant ``a_min``.
@@ -421,15 +380,18 @@ def local_train(
         lr: this round's learning rate (see :func:`cosine_lr`); ``config.lr`` if None.
         seed: seeds shuffling, augmentation and the ``a_rand`` draws; same seed, same result.
         device: where the forward/backward passes run (``"cpu"``, ``"cuda"``, ...).
+        amp: mixed precision of the passes (feast_edge.accel.AMP_MODES; ``off``: float32).
     """
     lr = config.lr if lr is None else lr
     images_uint8, labels = images_uint8.cpu(), labels.cpu()
     _check_data(model, images_uint8, labels)
     plan = plan_variants(model, affordable, global_min)
     device = torch.device(device)
+    precision = resolve_amp(amp, device)
     model.to(device)
     shuffle_gen, augment_gen, variant_gen = (torch.Generator().manual_seed(s) for s in seeds(seed, 3))
     optimizer = make_optimizer(model, config, lr)  # fresh optimizer state every round (SPEC §7)
+    grad = precision.scaler()
     shapes = ShapeCache(model)
     bn_needs_two = model.layout.stages[-1].resolution == 1
     log = _RoundLog()
@@ -438,7 +400,7 @@ def local_train(
     try:
         for batch in training_batches(images_uint8, labels, model.preset, model.classes, config, shuffle_gen, augment_gen, device, bn_needs_two):
             variants = batch_variants(plan, config.variants, variant_gen)
-            loss, role_sup = cotrain_step(model, optimizer, batch, variants, config, shapes)
+            loss, role_sup = cotrain_step(model, optimizer, batch, variants, config, shapes, precision, grad)
             log.add(len(batch), variants, loss, role_sup)
     finally:
         model.train(was_training)

@@ -160,6 +160,14 @@ BundleFederationOpt = Annotated[
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="Console detail: debug, info, warning or error.")]
 LogFileOpt = Annotated[Optional[Path], typer.Option("--log-file", help="Also write every log record (debug level, time-stamped) to this file.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help=f"Where PyTorch runs: {DEVICE_CHOICES} (auto: CUDA when present, else CPU).")]
+AmpOpt = Annotated[
+    str,
+    typer.Option("--amp", help="Mixed precision of local training: auto (bf16 on GPUs that have it, else fp16 with a gradient scaler; off on the CPU), off, bf16 or fp16."),
+]
+DeterministicOpt = Annotated[
+    bool,
+    typer.Option("--deterministic", help="Deterministic PyTorch kernels: bit-reproducible training on CUDA too, at a speed cost (the CPU already is)."),
+]
 ChunkOpt = Annotated[
     int, typer.Option("--chunk-size", min=1024, max=16 * 1024 * 1024, help="Chunk size in bytes for model payloads, and the largest chunk accepted.")
 ]

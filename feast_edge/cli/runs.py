@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from feast_edge.arch import Arch
-from feast_edge.cli.common import DashboardOpt, DashboardTokenOpt, DeviceOpt, PayloadDtypeOpt, Stage, TensorBoardOpt, check_dashboard, make_console, millions, parse_list, parse_macs, population_options
+from feast_edge.cli.common import DashboardOpt, DashboardTokenOpt, DeterministicOpt, DeviceOpt, PayloadDtypeOpt, Stage, TensorBoardOpt, check_dashboard, make_console, millions, parse_list, parse_macs, population_options
 from feast_edge.cost import arch_cost
 from feast_edge.errors import FeastError
 from feast_edge.preset import load_preset
@@ -110,8 +110,13 @@ def simulate(
     trim: Annotated[float, typer.Option("--trim", help="trimmed-mean: share of the covering values dropped at each end, in [0, 0.5).")] = 0.1,
     clip_norm: Annotated[Optional[float], typer.Option("--clip-norm", help="clip: L2 bound of an update (default: the cohort's median update norm).")] = None,
     device: DeviceOpt = "auto",
+    amp: Annotated[str, typer.Option("--amp", help="Mixed precision of local training: off (float32, the default), auto, bf16 or fp16 (feast only).")] = "off",
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     payload_dtype: PayloadDtypeOpt = "float32",
+    nproc: Annotated[int, typer.Option("--nproc", help="Processes on this machine to spread each round's cohort over (torch.distributed; same weights as 1).")] = 1,
+    threads: Annotated[int, typer.Option("--threads", min=0, help="PyTorch intra-op threads per process (0: PyTorch's default, shared out by --nproc).")] = 0,
+    deterministic: DeterministicOpt = False,
+    dist_backend: Annotated[str, typer.Option("--dist-backend", help="With --nproc or torchrun: auto (NCCL with a GPU per process, else gloo), gloo or nccl.")] = "auto",
     dashboard: DashboardOpt = None,
     dashboard_token: DashboardTokenOpt = None,
     tensorboard: TensorBoardOpt = False,
@@ -120,7 +125,10 @@ def simulate(
     from feast_edge.runtime import describe_device, resolve_device
     from feast_edge.simulate import Simulation, SimulationConfig
 
+    from feast_edge.accel import resolve_amp
+
     requested, device = device, resolve_device(device)
+    precision = resolve_amp(amp, device)
     from feast_edge.train import VARIANT_MODES
 
     if method in VARIANT_MODES:
@@ -130,13 +138,24 @@ def simulate(
         variants=variants, lr=lr, lr_schedule=lr_schedule, batch_size=batch_size, epochs=local_epochs, augment=augment,
         recipe=tuple((k, _recipe_value(v)) for k, v in parse_pairs(recipe, "--recipe")), eval_every=eval_every,
         test_limit=test_limit, aggregation=aggregation, trim=trim, clip_norm=clip_norm, device=device, payload_dtype=payload_dtype,
+        amp=precision.mode, deterministic=deterministic,
     )
     config.train_config()  # validates the method, its options and the recipe before any data is read
+    from feast_edge.cli.worker import COMMAND
+    from feast_edge.distributed import Spread
+
+    spread = Spread(config, nproc, threads, dist_backend, COMMAND)  # one line for a bad --nproc, before any data is read
+    if spread.worker:  # under torchrun, ranks > 0 only train their share of each round
+        spread.serve()
+        return
     check_dashboard(dashboard, dashboard_token)
     _say(f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients")
     sim = Simulation(config, out)
     _say(str(sim.setup.population))
-    _say(describe_device(device, requested))
+    _say(f"{describe_device(device, requested)}, {precision.describe()}")
+    if spread.world.size > 1:
+        _say(spread.describe())
+        spread.attach(sim)
     done = _completed_rounds(out) if resume else 0
     if done:
         _say(f"resuming after round {done}/{rounds} from {out / 'checkpoint.safetensors'}")
@@ -146,10 +165,12 @@ def simulate(
         results = sim.run(resume=resume, on_round=display.on_round, on_test=display.on_test, on_record=live and live.round_finished, tensorboard=tensorboard)
     except BaseException:
         display.stage.finish(ok=False)
+        spread.close(ok=False)
         if web is not None:
             web.stop()
         raise
     display.stage.finish()
+    spread.close()
     if live is not None:
         live.finished(results)
         web.stop()

@@ -159,25 +159,34 @@ class Method:
         """Parameters of the whole global model (what broadcasting it to one client would send)."""
         return sum(p.numel() for p in self.model.parameters())
 
-    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any], global_state: Mapping[str, torch.Tensor], lr: float) -> list[ClientUpdate]:
-        """Every cohort member's :meth:`train_client` on its own shard, its update passed through safetensors as on the wire."""
+    def train_cost(self, plan: Any) -> float:
+        """Relative cost of one local training sample under ``plan`` (balances a cohort over processes, ``--nproc``)."""
+        return float(self.payload_params(plan))
+
+    def delivered(self, global_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a routed payload in the wire's dtype delivers (slicing commutes with the cast)."""
+        return on_the_wire(global_state, self.config.payload_dtype)
+
+    def train_one(self, t: int, client: str, plan: Any, delivered: Mapping[str, torch.Tensor], lr: float) -> ClientUpdate:
+        """One cohort member's :meth:`train_client` on its own shard, its update passed through safetensors as on the wire."""
         from feast_edge.federation import client_seed
 
+        images, labels = self.setup.client_data(client)
+        began = time.perf_counter()
+        if self.on_client is not None:
+            self.on_client(client, "training")
+        update = self.train_client(t, client, plan, delivered, images, labels, lr, client_seed(self.config.seed, t, client))
         wire = self.config.payload_dtype
-        delivered = on_the_wire(global_state, wire)  # what a routed payload in the wire's dtype delivers (slicing commutes with the cast)
-        updates = []
-        for client in cohort:
-            images, labels = self.setup.client_data(client)
-            began = time.perf_counter()
-            if self.on_client is not None:
-                self.on_client(client, "training")
-            update = self.train_client(t, client, plans[client], delivered, images, labels, lr, client_seed(self.config.seed, t, client))
-            update.state = on_the_wire(load_tensors(save_tensors({k: v.contiguous() for k, v in update.state.items()})), wire) if update.state else {}
-            update.compute_seconds = time.perf_counter() - began
-            if self.on_client is not None:
-                self.on_client(client, "uploading")
-            updates.append(update)
-        return updates
+        update.state = on_the_wire(load_tensors(save_tensors({k: v.contiguous() for k, v in update.state.items()})), wire) if update.state else {}
+        update.compute_seconds = time.perf_counter() - began
+        if self.on_client is not None:
+            self.on_client(client, "uploading")
+        return update
+
+    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any], global_state: Mapping[str, torch.Tensor], lr: float) -> list[ClientUpdate]:
+        """Every cohort member's :meth:`train_one`, in cohort order (a method that overrides this cannot be spread over processes)."""
+        delivered = self.delivered(global_state)
+        return [self.train_one(t, client, plans[client], delivered, lr) for client in cohort]
 
     # ------------------------------------------------------------------ evaluation
     def points(self) -> list[OperatingPoint]:

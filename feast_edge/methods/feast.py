@@ -52,7 +52,7 @@ class Feast(Method):
     ) -> ClientUpdate:
         preset = self.preset
         state = route_state(global_state, plan.layout(preset, preset.classes), preset)
-        new_state, result = client_update(preset, preset.classes, plan, state, images, labels, self.config.train_config(), lr, seed, self.config.device)
+        new_state, result = client_update(preset, preset.classes, plan, state, images, labels, self.config.train_config(), lr, seed, self.config.device, self.config.amp)
         return ClientUpdate(
             client, new_state, result.num_samples, loss=result.mean_loss, samples_seen=result.samples_seen, train_macs=result.train_macs,
             variants_per_batch={str(k): v for k, v in result.variants_per_batch.items()},
