@@ -41,7 +41,7 @@ from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Message, MessageFilter, Presence, new_msg_id, parse
 from feast_edge.transport.throttle import Throttle, channel_of
 from feast_edge.transport.topics import Topics
-from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
+from feast_edge.transport.transfer import ChunkReceiver, ChunkSender, Confirmations
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class Agent:
         self._pending: dict[str, tuple[RoundStart, float]] = {}  # device -> latest round message and when it arrived
         self._models: list[ModelReady] = []
         self._stash: OrderedDict[str, Any] = OrderedDict()  # finished transfers that arrived before anyone waited for them
+        self._receipts = Confirmations()  # uploads awaiting the server's receipt
         self._server_online: bool | None = None
         self._closing = False
         self._ever_accepted = False
@@ -100,13 +101,12 @@ class Agent:
 
     # ------------------------------------------------------------------ connection
     def start(self, timeout: float = 10.0) -> None:
-        """Connect (raises LinkError with a fix) and subscribe every client's topics."""
+        """Subscribe every client's topics (all in the one SUBSCRIBE sent on connect, not a round trip each), then connect (LinkError with a fix)."""
         t = self.topics
         for device_id, client in self.clients.items():
             self.link.subscribe(t.ctrl(device_id), self._on_ctrl(device_id))
         self.link.subscribe(t.server_status, self._on_server_status)
         self.link.subscribe(t.status(self.config.host), self._on_own_status)
-        self.link.connect(timeout=timeout)
         if self.config.model_dir is not None:
             Path(self.config.model_dir).mkdir(parents=True, exist_ok=True)
         for device_id, client in self.clients.items():
@@ -117,6 +117,7 @@ class Agent:
             )
             client.receiver = ChunkReceiver(self.link, t, "down", device=device_id, reassembler=reassembler)
             client.sender = ChunkSender(self.link, t, "up", device=device_id, chunk_size=self.config.chunk_size)
+        self.link.connect(timeout=timeout)
         log.info(
             "agent %s (instance %s) connected to %s; hosting %s", self.config.host, self.instance, self.link.address,
             ", ".join(f"{d} ({c.data.samples} samples, {c.budget_macs / 1e6:.2f}M MACs)" for d, c in self.clients.items()),
@@ -317,7 +318,8 @@ class Agent:
         """Serve rounds (and model announcements) until the federation finishes (unless ``stay``) or ``stop`` is set."""
         idle_since = last_note = time.monotonic()
         while not self.stop.is_set():
-            self._process(0.2)
+            self._process(0 if self._pending or self._models else 0.2)  # work waiting: no idle wait before it (one per hosted client)
+            self._receipts.check(cancelled=lambda device_id: device_id in self._pending or self.stop.is_set())
             now = time.monotonic()
             if self._pending or self._models:
                 idle_since = last_note = now
@@ -397,7 +399,7 @@ class Agent:
             log.warning("%s: no routed payload for %s before the deadline (or a newer round superseded it); skipped", shown, device_id)
             return
         self._metrics(device_id, {"phase": "training", "round": t})
-        step = local_step(self.preset, start, blob, client.data, self.config.device, busy=lambda on: setattr(self, "training", on))
+        step = local_step(self.preset, start, blob, client.data, self.config.device, lambda on: setattr(self, "training", on), self.config.amp)
         if step.payload is None or step.result is None:  # the server stops waiting for this device at once
             declined = Declined(federation=self.config.federation, round=t, device=device_id, routed=info.transfer, reason=step.reason[:MAX_REASON])
             self.link.publish(self.topics.events(device_id), declined.encode())
@@ -419,8 +421,8 @@ class Agent:
         self.rounds_trained += 1
         client.rounds_trained += 1
         log.info("%s: %s sent its update: loss %.4f, %.1f s training, %.2f MB", shown, device_id, step.result.mean_loss, step.compute_seconds, len(step.payload) / 1e6)
-        # Until the server's receipt: what reached a restarted broker before the server subscribed again is lost.
-        client.sender.confirm(topic, announcement, up, until=deadline, idle=lambda: self._process(0), cancelled=lambda: device_id in self._pending or self.stop.is_set())
+        # Until the server's receipt (while the next client trains): what reached a restarted broker before the server subscribed again is lost.
+        self._receipts.add(device_id, client.sender, topic, announcement, up, until=deadline)
 
     # ------------------------------------------------------------------ models
     def _receive_model(self, message: ModelReady) -> None:

@@ -12,6 +12,8 @@ name.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,6 +125,13 @@ def init_weights(model: nn.Module, generator: torch.Generator) -> None:
 
 def state_shapes(preset: Preset, layout: Layout) -> dict[str, tuple[int, ...]]:
     """State-dict names and shapes of a (sub-)supernet of ``layout``, without allocating it."""
+    return dict(_state_shapes(preset, layout))
+
+
+@functools.lru_cache(maxsize=512)
+def _state_shapes(preset: Preset, layout: Layout) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    # Building the module on the meta device takes milliseconds; every payload encoded or decoded asks for its envelope's
+    # shapes, and a fleet shares a few envelopes, so a server routing hundreds of devices a round asks the same few times.
     with torch.device("meta"):
         model = Supernet(preset, layout=layout, seed=None)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())

@@ -231,7 +231,10 @@ class FederationServer:
         sender = ChunkSender(self.link, t, "down", chunk_size=cfg.chunk_size)
         # Uploads are taken only when announced by a cohort device's update (which also bounds their size): nothing a
         # stranger sends on xfer/up allocates anything here.
-        reassembler = Reassembler(federation=cfg.federation, max_chunk_size=cfg.chunk_size, min_chunk_size=MIN_CHUNK_SIZE, expected_only=True)
+        # Every cohort device may upload at once (one announced upload each): the reassembler's transfer cap grows with the cohort.
+        reassembler = Reassembler(
+            federation=cfg.federation, max_chunk_size=cfg.chunk_size, min_chunk_size=MIN_CHUNK_SIZE, expected_only=True, max_transfers=max(32, cfg.per_round),
+        )
         receiver = ChunkReceiver(self.link, t, "up", reassembler=reassembler)
         self.collector = MqttCollector(
             self.link, t, sender, receiver, self.devices, self.registry, self.preset, cfg.train_config(), seed=cfg.seed, rounds=cfg.rounds,

@@ -24,6 +24,7 @@ import torch
 
 from feast_edge.errors import FeastError
 from feast_edge.federation import ClientPlan, client_seed
+from feast_edge.geometry import Layout
 from feast_edge.payload import Manifest, decode, encode
 from feast_edge.preset import Preset
 from feast_edge.protocol import Declined, RoundStart, Update
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT = 10.0  # seconds between "still waiting" lines
 UPLOAD_SLACK = 4096  # bytes an update's header may exceed the routed one's (the manifest names the device)
+ROUTED_CACHE_BYTES = 64 * 2**20  # routed slices kept for the next devices of the same envelope while a round's payloads go out
+
+
+def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values())
 
 
 class WaitTimeout(Exception):
@@ -150,10 +156,18 @@ class MqttCollector:
         classes = self.preset.classes
         if self.live is not None:
             self.live.round_started(t, cohort, self.round_timeout)
+        # Devices of one budget share an envelope: its slice of the (unchanging) global state is cut once per round,
+        # keeping the recent slices up to ROUTED_CACHE_BYTES (at least the last one).
+        routed_by_layout: OrderedDict[Layout, dict[str, torch.Tensor]] = OrderedDict()
         for device in cohort:
             plan = plans[device]
             manifest = plan.manifest(self.preset, classes, t, "routed", device, self.payload_dtype)
-            routed = route_state(global_state, plan.layout(self.preset, classes), self.preset)
+            layout = plan.layout(self.preset, classes)
+            routed = routed_by_layout.get(layout)
+            if routed is None:
+                routed = routed_by_layout[layout] = route_state(global_state, layout, self.preset)
+                while len(routed_by_layout) > 1 and sum(_nbytes(r) for r in routed_by_layout.values()) > ROUTED_CACHE_BYTES:
+                    routed_by_layout.popitem(last=False)
             blob = encode(routed, manifest)
             info = self.sender.describe(blob, round=t, device=device)
             current.pending[device] = _Pending(manifest, info.transfer, len(blob) + UPLOAD_SLACK)
@@ -171,6 +185,7 @@ class MqttCollector:
                 if self.live is not None:
                     self.live.routed(device, len(blob), info.count, plan.envelope.params(self.preset, classes))
             self.pump(0)
+        routed_by_layout.clear()
         current.collected.send_seconds = time.monotonic() - start
         log.debug("round %d: routed payloads sent to %s", t + 1, ", ".join(cohort))
         got = current.collected

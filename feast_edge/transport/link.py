@@ -111,6 +111,7 @@ class Link:
         if self.presence is not None:
             offline = dataclasses.replace(self.presence, state="offline", msg_id=new_msg_id())
             client.will_set(self.status_topic, self._seal(self.status_topic, offline.encode()), qos=1, retain=True)
+        client.on_socket_open = _no_delay
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
@@ -417,6 +418,15 @@ def clear_retained(config: LinkConfig, topic_filter: str, settle: float = 0.5) -
     finally:
         link.close()
     return len(topics)
+
+
+def _no_delay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    """No Nagle delay on the broker connection: a small packet (an announcement, a PUBACK awaited before the next payload)
+    would otherwise wait for the ACK of the previous one, up to the peer's delayed-ACK time (40 ms on Linux)."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):  # not a TCP socket (e.g. a test double): nothing to tune
+        pass
 
 
 def _status_topic(presence: Presence) -> str:

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from feast_edge.transport.chunks import Outbox, Progress, Reassembler, Status
 from feast_edge.transport.errors import ProtocolError, TopicError
@@ -72,33 +73,6 @@ class ChunkSender:
         self.link.publish(topic, announcement)
         return self.send(payload, round=info.round, device=info.device, transfer=info.transfer, timeout=timeout)
 
-    def confirm(
-        self, topic: str, announcement: bytes, info: TransferInfo, *, until: float, receipt_wait: float = 10.0, attempts: int = 3,
-        idle: Callable[[], None] = lambda: None, cancelled: Callable[[], bool] = lambda: False,
-    ) -> Receipt | None:
-        """After :meth:`announce_and_send`: wait for the receiver's receipt; without one, announce and send it all again.
-
-        A broker that restarted drops what reached it before the receiver subscribed again; the receiver drops a
-        repeated announcement (same message id) and answers repeated chunks of a finished transfer with its receipt
-        again, so sending again is always safe. At most ``attempts - 1`` repeats, none after the monotonic time
-        ``until``; ``idle`` runs while waiting, ``cancelled`` ends the wait. Returns the receipt, or None.
-        """
-        for attempt in range(1, attempts + 1):
-            end = time.monotonic() + receipt_wait
-            while time.monotonic() < end:
-                receipt = self.wait_receipt(info.transfer, 0.2)
-                if receipt is not None:
-                    return receipt
-                idle()
-                if cancelled():
-                    return None
-            if attempt == attempts or time.monotonic() > until:
-                return None
-            log.warning("no receipt for transfer %s within %g s (lost across a broker restart?); sending it again", info.transfer, receipt_wait)
-            self.link.publish(topic, announcement)
-            self.resend(info.transfer)
-        return None
-
     def resend(self, transfer: str, indices: list[int] | None = None) -> int:
         """Publish chunks of a held transfer again without waiting (all by default); return how many."""
         info = self.outbox.get(transfer)
@@ -152,6 +126,58 @@ class ChunkSender:
                 self._changed.notify_all()
         elif message is not None:
             _dropped.warning(f"unexpected {channel_of(received.topic)}", "unexpected %s message on %s; ignored", message.kind, received.topic)
+
+
+@dataclass
+class _Awaited:
+    """A sent transfer whose receipt has not come yet."""
+
+    owner: str
+    sender: ChunkSender
+    topic: str
+    announcement: bytes
+    info: TransferInfo
+    until: float  # no repeat after this monotonic time
+    due: float  # repeat at this monotonic time if no receipt came
+    attempt: int = 1
+
+
+class Confirmations:
+    """Receipts awaited for sent transfers, without blocking the caller; a transfer without one is sent again.
+
+    A restarted broker drops what reached it before the receiver subscribed again; the receiver drops a repeated
+    announcement (same message id) and answers repeated chunks of a finished transfer with its receipt again, so
+    sending again is always safe. An agent hosting many virtual clients trains the next one while the server's
+    receipt for the previous upload is on its way (a blocking wait costs one round trip per client, one after the
+    other); it calls :meth:`check` now and then, which announces and sends again what got no receipt within
+    ``receipt_wait``, at most ``attempts - 1`` times and never after the transfer's ``until``.
+    """
+
+    def __init__(self, *, receipt_wait: float = 10.0, attempts: int = 3) -> None:
+        self.receipt_wait, self.attempts = receipt_wait, attempts
+        self._awaited: dict[str, _Awaited] = {}  # transfer -> its state
+
+    def __len__(self) -> int:
+        return len(self._awaited)
+
+    def add(self, owner: str, sender: ChunkSender, topic: str, announcement: bytes, info: TransferInfo, *, until: float) -> None:
+        """After ``sender.announce_and_send(topic, announcement, ..., info)``: await its receipt (``owner``: whose upload it is)."""
+        self._awaited[info.transfer] = _Awaited(owner, sender, topic, announcement, info, until, time.monotonic() + self.receipt_wait)
+
+    def check(self, cancelled: Callable[[str], bool] = lambda owner: False) -> None:
+        """Forget the receipted (and ``cancelled`` owners'); announce and send again what is due, at most ``attempts - 1`` times."""
+        now = time.monotonic()
+        for transfer, a in list(self._awaited.items()):
+            if cancelled(a.owner) or a.sender.wait_receipt(transfer, 0) is not None:
+                del self._awaited[transfer]
+            elif now >= a.due:
+                if a.attempt >= self.attempts or now > a.until:
+                    del self._awaited[transfer]
+                    continue
+                log.warning("no receipt for transfer %s within %g s (lost across a broker restart?); sending it again", transfer, self.receipt_wait)
+                a.sender.link.publish(a.topic, a.announcement)
+                a.sender.resend(transfer)
+                a.attempt, a.due = a.attempt + 1, now + self.receipt_wait
 
 
 class ChunkReceiver:
