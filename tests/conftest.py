@@ -33,6 +33,15 @@ def tiny() -> Preset:
     return load_preset_file(TINY_PRESET)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: tiny tensors only pay for threads, and a thread count fixes float summation order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def reference_cache_csv() -> Path:
     path = REFERENCE_DIR / "feast-cifar100-cache.csv"

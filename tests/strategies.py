@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from hypothesis import strategies as st
 
 from feast_edge.arch import Arch
@@ -34,3 +35,10 @@ def archs(preset: Preset) -> st.SearchStrategy[Arch]:
 def all_presets() -> list[Preset]:
     """Every built-in preset and the tiny test preset."""
     return [load_preset(name) for name in BUILTIN_PRESETS] + [load_preset_file(TINY_PRESET)]
+
+
+def tiny_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` random uint8 images of the tiny test preset with random labels, from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (n, 1, 16, 16), dtype=torch.uint8, generator=g)
+    return images, torch.randint(0, load_preset_file(TINY_PRESET).classes, (n,), generator=g)

@@ -93,13 +93,6 @@ def test_a_killed_worker_stops_the_run_with_one_line(fashion_mnist_dir, tmp_path
     assert lines == ["error: simulation process 1 of 2 was killed by signal 9; rerun (--resume continues from the last checkpoint)"]
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_a_spread_run_resumes_to_the_weights_of_an_uninterrupted_one(fashion_mnist_dir, tmp_path, one_thread):
     config = SimulationConfig(clients=4, per_round=3, rounds=3, train_limit=240, val_samples=100, calib_samples=50, test_limit=100, eval_every=2, seed=3)

@@ -17,7 +17,7 @@ from feast_edge.batches import training_batches
 from feast_edge.preset import load_preset_file
 from feast_edge.supernet import Supernet
 from feast_edge.train import ShapeCache, TrainConfig, batch_variants, cotrain_step, local_train, make_optimizer, plan_variants
-from strategies import TINY_PRESET
+from strategies import TINY_PRESET, tiny_data
 
 TINY = load_preset_file(TINY_PRESET)
 A_MIN = Arch.smallest(TINY)
@@ -26,17 +26,8 @@ A_MAX = Arch((2, 2, 2), (0.5, 1.0, 1.0), (3, 3, 3, 3))
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-def tiny_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, 1, 16, 16), dtype=torch.uint8, generator=g), torch.randint(0, TINY.classes, (n,), generator=g)
 
 
 def train(amp: str = "off", device: str = "cpu", augment: str = "none", seed: int = 3) -> tuple[dict[str, torch.Tensor], float]:

@@ -84,13 +84,6 @@ def setup(fashion_mnist_dir):
     return build_setup(CONFIG)
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _budget(setup):
     budgets = {c: float(b) for c, b in zip(setup.client_ids, setup.population.budgets)}

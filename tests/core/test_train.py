@@ -22,7 +22,7 @@ from feast_edge.preset import load_preset, load_preset_file
 from feast_edge.static import StaticResNet
 from feast_edge.supernet import Supernet
 from feast_edge.train import VARIANT_MODES, TrainConfig, TrainError, add_masked_weight_decay, cosine_lr, kd_loss, local_train, plan_variants
-from strategies import TINY_PRESET, archs
+from strategies import TINY_PRESET, tiny_data, archs
 
 TINY = load_preset_file(TINY_PRESET)
 # Three tiny variants with strictly increasing MACs. A_MID's stage-1 mid width
@@ -40,19 +40,8 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (and oversubscribe a shared CI box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-def tiny_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randint(0, 256, (n, 1, 16, 16), dtype=torch.uint8, generator=g)
-    return images, torch.randint(0, TINY.classes, (n,), generator=g)
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
