@@ -341,7 +341,7 @@ class Spread:
 
     def describe(self) -> str:
         where = "torchrun" if self.launched is not None else "this machine"
-        return f"each round's cohort spread over {self.world.size} processes ({where}, {self.backend}, {self.threads} intra-op threads each)"
+        return f"each round's cohort spread over {self.world.size} processes ({where}, {self.backend}, {self.threads} intra-op thread{'s' if self.threads != 1 else ''} each)"
 
     def serve(self) -> int:
         """A worker rank under torchrun: build the setup, join, train rounds until rank 0 stops; returns the rounds served."""

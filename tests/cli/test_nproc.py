@@ -44,7 +44,7 @@ def one_process(cli, fashion_mnist_dir, tmp_path_factory):
 
 def test_two_processes_give_the_weights_of_one(cli, one_process, tmp_path):
     result = _simulate(cli, tmp_path, "--nproc", "2")
-    assert "spread over 2 processes (this machine, gloo, 1 intra-op threads each)" in result.stdout
+    assert "spread over 2 processes (this machine, gloo, 1 intra-op thread each)" in result.stdout
     for name in ("checkpoint.safetensors", "best.safetensors"):
         _assert_same_tensors(one_process / name, tmp_path / name)
     rows = [list(csv.DictReader((d / "rounds.csv").open())) for d in (one_process, tmp_path)]
