@@ -26,10 +26,10 @@ from typing import Callable
 
 import torch
 
-from feast_edge.aggregate import SparseAccumulator, aggregate
-from feast_edge.geometry import envelope_layout
-from feast_edge.preset import load_preset
-from feast_edge.supernet import Supernet
+from feast_edge.aggregate.sparse import SparseAccumulator, aggregate
+from feast_edge.space.geometry import envelope_layout
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 
 
 def routed_cohort(preset_name: str, clients: int) -> tuple[dict[str, torch.Tensor], list[tuple[dict[str, torch.Tensor], int]]]:

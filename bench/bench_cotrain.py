@@ -4,12 +4,12 @@
                                   [--device cpu|cuda] [--amp off|auto|bf16|fp16]
 
 Both sides see the same augmented Fashion-MNIST batch. The co-training step is
-``feast_edge.train.cotrain_step`` (three forward/backward passes, KD, gradient
+``feast_edge.local.cotrain.cotrain_step`` (three forward/backward passes, KD, gradient
 clipping, slice-masked weight decay, one SGD step); each single-variant step is
 a plain forward / backward / SGD step. Prints the medians and the ratio
 co-train / (sum of single steps) (target <= 1.1). With ``--amp`` other than off, a
 second copy of the supernet runs the same co-training step under that mixed precision
-(feast_edge.accel) and the ratio AMP / float32 is printed as well. On CUDA every timed
+(feast_edge.local.precision) and the ratio AMP / float32 is printed as well. On CUDA every timed
 call ends with a synchronize, so the times are the GPU's.
 """
 
@@ -25,20 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved  # noqa: E402
 
-from feast_edge.accel import resolve_amp  # noqa: E402
-from feast_edge.arch import Arch  # noqa: E402
-from feast_edge.augment import BatchAugmenter  # noqa: E402
-from feast_edge.cost import arch_cost  # noqa: E402
-from feast_edge.data import FASHION_MNIST_DIR, load_fashion_mnist  # noqa: E402
-from feast_edge.preset import Preset, load_preset  # noqa: E402
-from feast_edge.supernet import Supernet  # noqa: E402
-from feast_edge.train import (  # noqa: E402
-    ShapeCache,
-    TrainConfig,
-    cotrain_step,
-    make_optimizer,
-    supervised_loss,
-)
+from feast_edge.data.images import FASHION_MNIST_DIR, load_fashion_mnist  # noqa: E402
+from feast_edge.local.augment import BatchAugmenter  # noqa: E402
+from feast_edge.local.cotrain import ShapeCache, cotrain_step, make_optimizer, supervised_loss  # noqa: E402
+from feast_edge.local.precision import resolve_amp  # noqa: E402
+from feast_edge.local.recipe import TrainConfig  # noqa: E402
+from feast_edge.space.arch import Arch  # noqa: E402
+from feast_edge.space.cost import arch_cost  # noqa: E402
+from feast_edge.space.preset import Preset, load_preset  # noqa: E402
+from feast_edge.space.supernet import Supernet  # noqa: E402
 
 
 def bench_variants(preset: Preset) -> dict[str, Arch]:

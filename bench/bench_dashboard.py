@@ -32,13 +32,13 @@ import httpx
 import torch
 
 from bench.bench_aggregate import routed_cohort
-from feast_edge.aggregate import aggregate
-from feast_edge.cache import load_cache
+from feast_edge.aggregate.sparse import aggregate
+from feast_edge.cache.variants import load_cache
 from feast_edge.dashboard import DashboardState, start_dashboard
-from feast_edge.preset import load_preset
-from feast_edge.rounds import RoundRecord
+from feast_edge.run.loop import RoundRecord
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Registry
+from feast_edge.space.preset import load_preset
 
 
 def live_round_cost(devices: int, repeats: int) -> tuple[float, float]:

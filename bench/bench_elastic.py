@@ -16,12 +16,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved  # noqa: E402
 
-from feast_edge.arch import Arch  # noqa: E402
-from feast_edge.cache import load_cache  # noqa: E402
-from feast_edge.cost import arch_cost  # noqa: E402
-from feast_edge.extract import extract  # noqa: E402
-from feast_edge.preset import load_preset  # noqa: E402
-from feast_edge.supernet import Supernet  # noqa: E402
+from feast_edge.cache.variants import load_cache  # noqa: E402
+from feast_edge.space.arch import Arch  # noqa: E402
+from feast_edge.space.cost import arch_cost  # noqa: E402
+from feast_edge.space.extract import extract  # noqa: E402
+from feast_edge.space.preset import load_preset  # noqa: E402
+from feast_edge.space.supernet import Supernet  # noqa: E402
 
 
 def bench_archs(preset):

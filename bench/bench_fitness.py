@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 
-from feast_edge.arch import Arch
-from feast_edge.fitness import evaluate, population_evaluator
-from feast_edge.geometry import arch_layout
-from feast_edge.preset import load_preset
-from feast_edge.search import gene_highs, split_genes
+from feast_edge.cache.fitness import evaluate, population_evaluator
+from feast_edge.cache.search import gene_highs, split_genes
+from feast_edge.space.arch import Arch
+from feast_edge.space.geometry import arch_layout
+from feast_edge.space.preset import load_preset
 
 
 def _per_second(fn, count: int, min_time: float = 0.5) -> float:

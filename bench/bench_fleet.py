@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from feast_edge.checkpoint import read_record  # noqa: E402
+from feast_edge.run.checkpoint import read_record  # noqa: E402
 from feast_edge.transport.broker import LinkConfig  # noqa: E402
 from feast_edge.transport.link import clear_retained  # noqa: E402
 

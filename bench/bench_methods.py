@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from feast_edge.methods import METHODS
-from feast_edge.simulate import Simulation, SimulationConfig
+from feast_edge.sim.methods import METHODS
+from feast_edge.sim.simulate import Simulation, SimulationConfig
 
 
 def main() -> None:

@@ -21,8 +21,8 @@ import time
 import torch
 
 from feast_edge.cli.worker import COMMAND
-from feast_edge.distributed import Spread, assign
-from feast_edge.simulate import Simulation, SimulationConfig
+from feast_edge.sim.distributed import Spread, assign
+from feast_edge.sim.simulate import Simulation, SimulationConfig
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 For the paper's Table 9 budgets (25M, 50M, 229M, 408M, 596M MACs) each routed
 envelope of the supernet is encoded as a real payload (safetensors + manifest,
-``feast_edge.payload.encode``) in every payload dtype and decoded again; the
+``feast_edge.route.payload.encode``) in every payload dtype and decoded again; the
 table gives the bytes, the ratio to the float32 payload and to a float32
 broadcast of the full supernet, and the encode + decode time. The population
 line does the same for the mean routed payload of a 100-client Zipf population
@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from feast_edge.cache import load_cache, read_reference_csv
-from feast_edge.cost import arch_cost
-from feast_edge.federation import plan_client
-from feast_edge.payload import PAYLOAD_DTYPES, bytes_per_param, decode, encode
-from feast_edge.population import zipf_budgets
-from feast_edge.preset import load_preset
-from feast_edge.route import communication_report, route_state
-from feast_edge.supernet import Supernet
+from feast_edge.cache.variants import load_cache, read_reference_csv
+from feast_edge.route.envelope import communication_report, route_state
+from feast_edge.route.payload import PAYLOAD_DTYPES, bytes_per_param, decode, encode
+from feast_edge.route.plans import plan_client
+from feast_edge.sim.population import zipf_budgets
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 
 TABLE_9 = (25e6, 50e6, 229e6, 408e6, 596e6)
 

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved  # noqa: E402
 
-from feast_edge.cache import load_cache  # noqa: E402
-from feast_edge.extract import extract  # noqa: E402
-from feast_edge.preset import load_preset  # noqa: E402
-from feast_edge.supernet import Supernet  # noqa: E402
+from feast_edge.cache.variants import load_cache  # noqa: E402
+from feast_edge.space.extract import extract  # noqa: E402
+from feast_edge.space.preset import load_preset  # noqa: E402
+from feast_edge.space.supernet import Supernet  # noqa: E402
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import argparse
 import tempfile
 import time
 
-from feast_edge.simulate import Simulation, SimulationConfig
+from feast_edge.sim.simulate import Simulation, SimulationConfig
 
 # name -> recipe settings on top of SPEC §7 (randaugment+mix, lr 0.025, batch 64, 1 local epoch)
 CANDIDATES = {

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from feast_edge.robust import robust_aggregate
+from feast_edge.aggregate.robust import robust_aggregate
 
 RULES = {  # label -> (rule, keyword arguments)
     "mean (SPEC §6)": ("mean", {}),

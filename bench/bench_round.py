@@ -15,11 +15,13 @@ import time
 
 import torch
 
-from feast_edge.cost import count_params
-from feast_edge.federation import aggregate_updates, client_seed, client_update, sample_round_cohort
-from feast_edge.route import route_state
-from feast_edge.simulate import Simulation, SimulationConfig
-from feast_edge.train import cosine_lr
+from feast_edge.aggregate.robust import aggregate_updates
+from feast_edge.local.recipe import cosine_lr
+from feast_edge.local.update import client_update
+from feast_edge.route.envelope import route_state
+from feast_edge.run.cohort import client_seed, sample_round_cohort
+from feast_edge.sim.simulate import Simulation, SimulationConfig
+from feast_edge.space.cost import count_params
 
 
 def main() -> None:

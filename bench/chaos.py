@@ -46,14 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 
-from feast_edge.checkpoint import load_supernet, read_record
-from feast_edge.federation import sample_round_cohort
-from feast_edge.replay import replay_rounds
-from feast_edge.rounds import CHECKPOINT, RoundRecord
+from feast_edge.run.checkpoint import load_supernet, read_record
+from feast_edge.run.cohort import sample_round_cohort
+from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.brokers import free_port, listening
 from feast_edge.server.registry import Registry
-from feast_edge.shards import write_partition
-from feast_edge.simulate import Simulation, SimulationConfig
+from feast_edge.sim.replay import replay_rounds
+from feast_edge.sim.shards import write_partition
+from feast_edge.sim.simulate import Simulation, SimulationConfig
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("agent", "server", "broker")
@@ -271,7 +271,7 @@ def budgets(out: Path) -> dict[str, float]:
 
 
 def replay(records: list[RoundRecord], partition: Path, config: SimulationConfig, budget_of: dict[str, float]) -> dict[str, torch.Tensor]:
-    """The recorded rounds recomputed in process (``feast_edge.replay``)."""
+    """The recorded rounds recomputed in process (``feast_edge.sim.replay``)."""
     return replay_rounds(records, partition, config, budget_of)
 
 

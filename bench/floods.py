@@ -43,12 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from feast_edge.checkpoint import read_record
-from feast_edge.data import FASHION_MNIST_DIR
-from feast_edge.preset import load_preset
+from feast_edge.data.images import FASHION_MNIST_DIR
 from feast_edge.protocol import Metrics, ModelRequest, Register, Registered, RoundStart, Update
-from feast_edge.rounds import CHECKPOINT, RoundRecord
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.registry import Registry
+from feast_edge.space.preset import load_preset
 from feast_edge.transport.frames import MiB, TransferInfo, encode_frame, new_transfer_id
 from feast_edge.transport.messages import Nack, Presence, new_msg_id, parse
 from feast_edge.transport.topics import Topics

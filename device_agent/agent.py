@@ -3,7 +3,7 @@
 One agent process holds one MQTT connection (presence ``status/{host}``) and
 hosts one or more clients, each with its own device id, data and budget. For
 every ``round`` message it receives it runs exactly what the simulator runs for
-that client (``step.local_step``, which calls ``feast_edge.federation.client_update``) with exactly the inputs
+that client (``step.local_step``, which calls ``feast_edge.local.update.client_update``) with exactly the inputs
 the server sent: the routed tensors, the learning rate, the client seed, the
 affordable variants and the training settings (docs/protocol.md §7).
 
@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.agent.config import AgentConfig
-from feast_edge.agent.data import LocalClient, client_budgets
+from feast_edge.agent.local_data import LocalClient, client_budgets
 from feast_edge.agent.step import largest_payload, local_step
-from feast_edge.cache import load_cache
+from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError
-from feast_edge.preset import load_preset
 from feast_edge.protocol import MAX_REASON, Declined, Finished, Metrics, ModelReady, Register, Registered, RoundStart, Update
+from feast_edge.space.preset import load_preset
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import LinkError, ProtocolError, TopicError
@@ -426,7 +426,7 @@ class Agent:
 
     # ------------------------------------------------------------------ models
     def _receive_model(self, message: ModelReady) -> None:
-        from feast_edge.agent.models import keep_pushed_model
+        from feast_edge.agent.model_files import keep_pushed_model
 
         device_id = message.device
         info = TransferInfo.from_dict(message.transfer)

@@ -73,11 +73,11 @@ def run(
     log_file: common.LogFileOpt = None,
 ) -> None:
     """Register with the server and train every round it routes to this device; exit 0 when the federation finishes."""
-    from feast_edge.accel import resolve_amp, set_deterministic
     from feast_edge.agent.agent import Agent, AgentConfig
-    from feast_edge.agent.data import load_clients
-    from feast_edge.profile import load_profile, profile_summary
-    from feast_edge.runtime import describe_device, resolve_device
+    from feast_edge.agent.local_data import load_clients
+    from feast_edge.budget.profile import load_profile, profile_summary
+    from feast_edge.local.precision import resolve_amp, set_deterministic
+    from feast_edge.local.torch_device import describe_device, resolve_device
 
     common.setup_logging(log_level, log_file)
     device_id, federation = _identity(link, device_id, federation)
@@ -161,7 +161,7 @@ def fetch_model_command(
     log_file: common.LogFileOpt = None,
 ) -> None:
     """Download this device's ONNX model from the server, verify its SHA-256, load it in onnxruntime, print its latency."""
-    from feast_edge.agent.models import fetch_model
+    from feast_edge.agent.model_files import fetch_model
 
     common.setup_logging(log_level, log_file)
     device_id, federation = _identity(link, device_id, federation)
@@ -197,8 +197,8 @@ def profile(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from feast_edge.agent import profiling
-    from feast_edge.atomic import check_writable
-    from feast_edge.profile import save_profile
+    from feast_edge.budget.profile import save_profile
+    from feast_edge.util.atomic import check_writable
 
     check_writable(out, "device profile")
     kwargs: dict[str, Any] = {
@@ -225,7 +225,7 @@ def profiles_command(
 
     from rich.table import Table
 
-    from feast_edge.profile import available_profiles, builtin_dir, load_profile
+    from feast_edge.budget.profile import available_profiles, builtin_dir, load_profile
 
     found = [(load_profile(path), path) for path in available_profiles().values()]
     found = [(p, path) for p, path in found if preset is None or p.preset == preset]

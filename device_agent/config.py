@@ -16,7 +16,7 @@ class AgentConfig:
     federation: str = "feast"
     preset: str = "fmnist-small"
     device: str = "cpu"
-    amp: str = "off"  # mixed precision of local training (feast_edge.accel.AMP_MODES; the CLI's default is auto)
+    amp: str = "off"  # mixed precision of local training (feast_edge.local.precision.AMP_MODES; the CLI's default is auto)
     budget_macs: float | None = None  # one budget for every hosted client (--budget / --profile); None: each shard's own
     profile: dict[str, Any] = field(default_factory=dict)  # summary sent with the registration
     chunk_size: int = DEFAULT_CHUNK_SIZE

@@ -1,7 +1,7 @@
 """Measuring a device: read its hardware, time cached variants at batch 1, and build its profile.
 
 The profile record, the latency fit, the memory model and the budget derived
-from them are the method's (``feast_edge.profile``); this module is the part
+from them are the method's (``feast_edge.budget.profile``); this module is the part
 that needs the device itself.
 
 Variants are timed on the runtime that will serve them: each is exported to
@@ -31,13 +31,13 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from feast_edge.cache import load_cache
+from feast_edge.budget.profile import DEFAULT_LATENCY_TARGET_MS, NAME_PATTERN, DeviceProfile, ProfileError, derive_budget, fit_latency
+from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError
-from feast_edge.extract import extract
-from feast_edge.preset import load_preset
-from feast_edge.profile import DEFAULT_LATENCY_TARGET_MS, NAME_PATTERN, DeviceProfile, ProfileError, derive_budget, fit_latency
-from feast_edge.runtime import resolve_device
-from feast_edge.supernet import Supernet
+from feast_edge.local.torch_device import resolve_device
+from feast_edge.space.extract import extract
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 
 WARMUP = 3  # untimed forward passes before timing each variant
 TIMING_ROUNDS = 5  # profile_device splits --repeats into this many interleaved rounds
@@ -150,7 +150,7 @@ def time_session(session: Any, input_shape: Sequence[int], repeats: int, warmup:
     """Median wall time in ms of one ``session.run`` on random pixels of ``input_shape`` (batch included)."""
     import numpy as np
 
-    from feast_edge.onnx_export import INPUT_NAME, OUTPUT_NAME
+    from feast_edge.evaluate.onnx_export import INPUT_NAME, OUTPUT_NAME
 
     x = np.random.default_rng(0).random(tuple(input_shape), dtype=np.float32)
     for _ in range(warmup):
@@ -290,7 +290,7 @@ def _timers(
         return [lambda n, w, m=model: time_variant(m, shape, device, n, w) for model in models], text
     import onnxruntime as ort
 
-    from feast_edge.onnx_export import export_onnx
+    from feast_edge.evaluate.onnx_export import export_onnx
 
     providers = ort_providers(device, provider)
     sessions = []

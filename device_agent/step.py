@@ -1,7 +1,7 @@
 """One client's step of a round, as a function: the routed payload in, the encoded update (or why there is none) out.
 
 It runs exactly what the simulator runs for that client
-(``feast_edge.federation.client_update``) with exactly the inputs the server
+(``feast_edge.local.update.client_update``) with exactly the inputs the server
 sent; the agent (``agent.py``) only moves bytes and messages around it.
 """
 
@@ -12,14 +12,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from feast_edge.agent.data import LocalClient
+from feast_edge.agent.local_data import LocalClient
 from feast_edge.errors import FeastError
-from feast_edge.federation import client_update
-from feast_edge.payload import decode, encode
-from feast_edge.preset import Preset
+from feast_edge.local.cotrain import LocalResult, stayed_finite
+from feast_edge.local.update import client_update
 from feast_edge.protocol import RoundStart
-from feast_edge.supernet import Supernet
-from feast_edge.train import LocalResult, stayed_finite
+from feast_edge.route.payload import decode, encode
+from feast_edge.space.preset import Preset
+from feast_edge.space.supernet import Supernet
 from feast_edge.transport.frames import MiB
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def largest_payload(preset: Preset) -> int:
 def local_step(
     preset: Preset, start: RoundStart, blob: bytes, client: LocalClient, device: str, busy: Callable[[bool], None], amp: str = "off"
 ) -> StepResult:
-    """Decode the routed payload of ``start``, co-train on ``client``'s data (``amp``: feast_edge.accel), encode the returned slice (SPEC §5).
+    """Decode the routed payload of ``start``, co-train on ``client``'s data (``amp``: feast_edge.local.precision), encode the returned slice (SPEC §5).
 
     ``busy(True/False)`` brackets the training itself (a stop signal then interrupts it at once).
     """

@@ -24,12 +24,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from feast_edge.arch import Arch
-from feast_edge.federation import ClientPlan
-from feast_edge.payload import PAYLOAD_DTYPES
-from feast_edge.preset import Preset
-from feast_edge.route import Envelope
-from feast_edge.train import LocalResult, TrainConfig
+from feast_edge.local.cotrain import LocalResult
+from feast_edge.local.recipe import TrainConfig
+from feast_edge.route.envelope import Envelope
+from feast_edge.route.payload import PAYLOAD_DTYPES
+from feast_edge.route.plans import ClientPlan
+from feast_edge.space.arch import Arch
+from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.messages import Message, check_ids, check_transfer, message_kind, validate_transfer_id

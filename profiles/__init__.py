@@ -1,4 +1,4 @@
-"""Built-in device profiles, shipped as data (``*.json``); ``feast_edge.profile`` finds them by name.
+"""Built-in device profiles, shipped as data (``*.json``); ``feast_edge.budget.profile`` finds them by name.
 
 ``documented`` regenerates the documented (not measured) profiles from the
 figures and sources in ``README.md`` beside it.

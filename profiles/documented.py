@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from feast_edge.cache import load_cache
-from feast_edge.preset import load_preset
-from feast_edge.profile import DeviceProfile, derive_budget, save_profile
+from feast_edge.budget.profile import DeviceProfile, derive_budget, save_profile
+from feast_edge.cache.variants import load_cache
+from feast_edge.space.preset import load_preset
 
 PRESET = "fmnist-small"
 GiB = 2**30

@@ -2,7 +2,7 @@
 
 * ``devices.DeviceBook``: registrations and presence (who may be in a cohort);
 * ``collect.MqttCollector``: one round's routed payloads down and updates up;
-* ``feast_edge.rounds.RunLoop``: cohorts, aggregation, checkpoints, resume,
+* ``feast_edge.run.loop.RunLoop``: cohorts, aggregation, checkpoints, resume,
   validation; the loop ``feast-edge simulate`` runs, so round ``t`` here computes
   exactly what the simulation computes;
 * ``export`` / ``serving.ModelServer``: per-device ONNX models, pushed or fetched.
@@ -25,26 +25,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feast_edge.cache import load_cache
-from feast_edge.checkpoint import load_supernet, read_record
-from feast_edge.payload import PAYLOAD_DTYPES
+from feast_edge.aggregate.robust import check_rule, rule_settings
+from feast_edge.cache.variants import load_cache
 from feast_edge.dashboard.state import DashboardState
 from feast_edge.errors import FeastError
-from feast_edge.preset import load_preset
+from feast_edge.local.recipe import TrainConfig, TrainError, recipe_config
 from feast_edge.protocol import Declined, Metrics, ModelRequest, Register, Update
-from feast_edge.robust import check_rule, rule_settings
-from feast_edge.roundlog import RoundLog
-from feast_edge.rounds import CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings, Validation
+from feast_edge.route.payload import PAYLOAD_DTYPES
+from feast_edge.run.checkpoint import load_supernet, read_record
+from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings, Validation
+from feast_edge.run.roundlog import RoundLog
 from feast_edge.server.collect import MqttCollector, WaitTimeout
-from feast_edge.server.data import ServerData, load_server_data
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.export import export_device_models
+from feast_edge.server.held_data import ServerData, load_server_data
 from feast_edge.server.inbox import Inbox
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Registry
 from feast_edge.server.serving import ModelServer
-from feast_edge.supernet import Supernet
-from feast_edge.train import TrainConfig, TrainError, recipe_config
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler
 from feast_edge.transport.errors import ProtocolError, TopicError
@@ -97,7 +97,7 @@ class ServerConfig:
     send_timeout: float = 120.0
     max_samples: int = 1_000_000  # the most training examples a device may register (its aggregation weight)
     max_devices: int = 10_000  # the most devices the registry takes
-    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.robust)
+    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     max_update_norm: float = 1e4  # L2 bound on an update's change of its routed slice (0: none); honest fmnist-small epochs: 14-62

@@ -1,6 +1,6 @@
 """Collecting a round over MQTT: route each cohort device its slice, take back valid updates (docs/protocol.md §7).
 
-The run loop (``feast_edge.rounds.RunLoop``) asks this collector for one
+The run loop (``feast_edge.run.loop.RunLoop``) asks this collector for one
 round's updates, exactly as the simulation asks its in-process one:
 
     per device: route_state -> payload.encode -> RoundStart announced, then the chunks
@@ -22,19 +22,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from feast_edge.aggregate.robust import update_norm
 from feast_edge.errors import FeastError
-from feast_edge.federation import ClientPlan, client_seed
-from feast_edge.geometry import Layout
-from feast_edge.payload import Manifest, decode, encode
-from feast_edge.preset import Preset
+from feast_edge.local.recipe import TrainConfig
 from feast_edge.protocol import Declined, RoundStart, Update
-from feast_edge.robust import update_norm
-from feast_edge.rounds import ClientUpdate, Collected
-from feast_edge.route import route_state
+from feast_edge.route.envelope import route_state
+from feast_edge.route.payload import Manifest, decode, encode
+from feast_edge.route.plans import ClientPlan
+from feast_edge.run.cohort import client_seed
+from feast_edge.run.loop import ClientUpdate, Collected
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Registry
-from feast_edge.train import TrainConfig
+from feast_edge.space.geometry import Layout
+from feast_edge.space.preset import Preset
 from feast_edge.transport.chunks import Progress, Status
 from feast_edge.transport.errors import LinkError, ProtocolError
 from feast_edge.transport.link import Link

@@ -165,7 +165,7 @@ def _shown(path: Path) -> str:
 
 
 def _test_accuracy(path: Path, images: Any, labels: Any) -> float:
-    from feast_edge.onnx_export import INPUT_NAME, OUTPUT_NAME, onnx_session
+    from feast_edge.evaluate.onnx_export import INPUT_NAME, OUTPUT_NAME, onnx_session
 
     session = onnx_session(path, threads=1)
     correct = 0
@@ -192,9 +192,9 @@ def run_demo(
     dashboard: str | None = "127.0.0.1:0",
 ) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one summary row per device."""
-    from feast_edge.profile import load_profile
-    from feast_edge.shards import write_partition
-    from feast_edge.simulate import SimulationConfig
+    from feast_edge.budget.profile import load_profile
+    from feast_edge.sim.shards import write_partition
+    from feast_edge.sim.simulate import SimulationConfig
 
     def say(text: str) -> None:
         console.print(text, soft_wrap=True, highlight=False)
@@ -341,8 +341,8 @@ def _await_models(fleet: _Fleet, received: Path, say: Any) -> None:
 
 def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: int, say: Any) -> list[dict[str, Any]]:
     """Time and test each device's received ONNX model in onnxruntime."""
-    from feast_edge.data import load_fashion_mnist
-    from feast_edge.onnx_export import measure_latency
+    from feast_edge.data.images import load_fashion_mnist
+    from feast_edge.evaluate.onnx_export import measure_latency
 
     say(f"testing each received model in onnxruntime: latency (batch 1, 50 runs) and accuracy on {test_samples} test images")
     test = load_fashion_mnist(data, "test")

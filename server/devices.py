@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from feast_edge.cache import VariantCache
-from feast_edge.preset import Preset
+from feast_edge.cache.variants import VariantCache
 from feast_edge.protocol import Register, Registered
 from feast_edge.server.registry import Registry
+from feast_edge.space.preset import Preset
 from feast_edge.transport.messages import Presence
 
 log = logging.getLogger(__name__)

@@ -17,15 +17,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from feast_edge.arch import Arch
-from feast_edge.atomic import atomic_write_bytes
-from feast_edge.cache import VariantCache
+from feast_edge.cache.variants import VariantCache
 from feast_edge.errors import FeastError
-from feast_edge.evaluate import accuracy, calibrated_variant
-from feast_edge.onnx_export import export_onnx
-from feast_edge.server.data import ServerData
+from feast_edge.evaluate.evaluation import accuracy, calibrated_variant
+from feast_edge.evaluate.onnx_export import export_onnx
+from feast_edge.server.held_data import ServerData
 from feast_edge.server.registry import Device
-from feast_edge.supernet import Supernet
+from feast_edge.space.arch import Arch
+from feast_edge.space.supernet import Supernet
+from feast_edge.util.atomic import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from feast_edge.cache import VariantCache
+from feast_edge.cache.variants import VariantCache
 from feast_edge.dashboard.state import DashboardState
-from feast_edge.federation import plan_client
-from feast_edge.payload import bytes_per_param
-from feast_edge.preset import Preset
-from feast_edge.rounds import RoundRecord
+from feast_edge.route.payload import bytes_per_param
+from feast_edge.route.plans import plan_client
+from feast_edge.run.loop import RoundRecord
 from feast_edge.server.registry import Device, Registry
+from feast_edge.space.preset import Preset
 from feast_edge.transport.chunks import Reassembler
 
 REFRESH_S = 1.0  # the fleet table is re-read from the registry at most this often

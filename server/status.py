@@ -16,9 +16,9 @@ from typing import Any
 
 from rich.table import Table
 
-from feast_edge.checkpoint import read_record
 from feast_edge.errors import FeastError
-from feast_edge.rounds import CHECKPOINT, HISTORY_FORMAT
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 from feast_edge.server.app import REGISTRY
 from feast_edge.server.registry import Registry
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from feast_edge.data import FASHION_MNIST_DIR
-from feast_edge.preset import Preset, load_preset_file
+from feast_edge.data.images import FASHION_MNIST_DIR
+from feast_edge.space.preset import Preset, load_preset_file
 from strategies import TINY_PRESET
 
 # Test models are small: one intra-op thread is as fast and avoids oversubscription

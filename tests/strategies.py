@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from hypothesis import strategies as st
 
-from feast_edge.arch import Arch
-from feast_edge.preset import Preset, available_presets, load_preset, load_preset_file
+from feast_edge.space.arch import Arch
+from feast_edge.space.preset import Preset, available_presets, load_preset, load_preset_file
 
 TINY_PRESET = Path(__file__).resolve().parent / "presets" / "test-tiny.toml"
 BUILTIN_PRESETS = sorted(available_presets())

@@ -30,7 +30,7 @@ import typer
 from rich.console import Console
 
 from feast_edge.errors import FeastError
-from feast_edge.runtime import DEVICE_CHOICES
+from feast_edge.local.torch_device import DEVICE_CHOICES
 from feast_edge.transport.broker import LinkConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -290,8 +290,8 @@ def population_budgets(budgets: str | None, profiles: str | None, clients: int, 
     if budgets is not None:
         return cycled_budgets(budgets, clients)
     if profiles is not None:
-        from feast_edge.preset import load_preset
-        from feast_edge.profile import budgets_from_profiles
+        from feast_edge.budget.profile import budgets_from_profiles
+        from feast_edge.space.preset import load_preset
 
         return budgets_from_profiles(parse_list(profiles), clients, load_preset(preset))
     return None
@@ -319,7 +319,7 @@ _POPULATION_OPTIONS = {
 
 
 def _population(values: dict[str, Any]) -> dict[str, Any]:
-    """The population options as keyword arguments of ``feast_edge.simulate.SimulationConfig``."""
+    """The population options as keyword arguments of ``feast_edge.sim.simulate.SimulationConfig``."""
     macs = {name: None if values[name] is None else parse_macs(values[name]) for name in ("budget_min", "budget_max", "budget_cap")}
     budgets = population_budgets(values["budgets"], values["profiles"], values["clients"], values["preset"])
     plain = {k: v for k, v in values.items() if k not in macs and k not in ("data", "budgets", "profiles", "cache")}

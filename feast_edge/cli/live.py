@@ -13,13 +13,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from feast_edge.payload import bytes_per_param
-from feast_edge.rounds import RoundRecord
-
+from feast_edge.route.payload import bytes_per_param
+from feast_edge.run.loop import RoundRecord
 
 
 class SimulationLive:
-    """Feeds a ``DashboardState`` from a ``feast_edge.simulate.Simulation`` (call :meth:`attach` before ``run``)."""
+    """Feeds a ``DashboardState`` from a ``feast_edge.sim.simulate.Simulation`` (call :meth:`attach` before ``run``)."""
 
     def __init__(self, state: Any, sim: Any) -> None:
         self.state, self.sim = state, sim

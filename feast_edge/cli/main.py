@@ -13,15 +13,15 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from feast_edge.arch import Arch
 from feast_edge.cli.common import make_app, make_console, millions, parse_macs, run_cli
 from feast_edge.cli.dashboard import register as register_dashboard
 from feast_edge.cli.report import register as register_report
 from feast_edge.cli.runs import register as register_runs
-from feast_edge.cost import arch_cost, cost_breakdown
 from feast_edge.errors import FeastError
-from feast_edge.geometry import arch_layout, supernet_layout
-from feast_edge.preset import BUILTIN_DIR, available_presets, load_preset
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost, cost_breakdown
+from feast_edge.space.geometry import arch_layout, supernet_layout
+from feast_edge.space.preset import BUILTIN_DIR, available_presets, load_preset
 
 app = make_app("feast-edge", "Federated shared-space training (FEAST): one elastic network, a model for every device.")
 console = make_console()
@@ -117,8 +117,8 @@ def init(
     seed: Annotated[int, typer.Option(help="Seed of the weight initialization.")] = 0,
 ) -> None:
     """Write a freshly initialized supernet checkpoint."""
-    from feast_edge.checkpoint import save_supernet
-    from feast_edge.supernet import Supernet
+    from feast_edge.run.checkpoint import save_supernet
+    from feast_edge.space.supernet import Supernet
 
     p = load_preset(preset)
     model = Supernet(p, classes=classes, seed=seed)
@@ -139,8 +139,8 @@ def export(
     calibration_samples: Annotated[int, typer.Option(min=1, help="Calibration samples (first N of the training split).")] = 500,
 ) -> None:
     """Extract one architecture from a checkpoint and write it as a self-describing ONNX file."""
-    from feast_edge.atomic import check_writable
-    from feast_edge.checkpoint import load_supernet
+    from feast_edge.run.checkpoint import load_supernet
+    from feast_edge.util.atomic import check_writable
 
     expected = load_preset(preset) if preset is not None else None
     a = Arch.parse(arch)
@@ -151,14 +151,14 @@ def export(
 
 def _export_variant(supernet, arch: Arch, out: Path, calibration_data: Optional[Path], calibration_samples: int, extra: Optional[dict] = None) -> None:
     """Extract, optionally BN-recalibrate on Fashion-MNIST, and write one ONNX file."""
-    from feast_edge.extract import extract, recalibrate_bn
-    from feast_edge.onnx_export import export_onnx
+    from feast_edge.evaluate.onnx_export import export_onnx
+    from feast_edge.space.extract import extract, recalibrate_bn
 
     p = supernet.preset
     model = extract(supernet, arch)
     class_names = None
     if calibration_data is not None:
-        from feast_edge.data import load_fashion_mnist, normalize
+        from feast_edge.data.images import load_fashion_mnist, normalize
 
         if p.in_channels != 1 or p.input_size != 28:
             raise FeastError(f"--calibration-data reads Fashion-MNIST (1x28x28) but preset {p.name} takes {p.in_channels}x{p.input_size}x{p.input_size}; omit the flag")
@@ -199,9 +199,9 @@ def cache_build(
     """Search the best architecture for every MAC target and write the cache (one GA per target)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from feast_edge.atomic import check_writable
-    from feast_edge.cache import build_cache, cache_targets
-    from feast_edge.search import extraction_rho0
+    from feast_edge.cache.search import extraction_rho0
+    from feast_edge.cache.variants import build_cache, cache_targets
+    from feast_edge.util.atomic import check_writable
 
     p = load_preset(preset)
     check_writable(out, "cache")
@@ -225,7 +225,7 @@ def cache_show(
     cache_file: Annotated[Optional[Path], typer.Option("--cache", help="Cache JSON (default: the one shipped for the preset).")] = None,
 ) -> None:
     """List a cache's variants: MACs, params, fitness, rho, arch."""
-    from feast_edge.cache import load_cache
+    from feast_edge.cache.variants import load_cache
 
     p = load_preset(preset)
     cache = load_cache(p, cache_file)
@@ -246,19 +246,19 @@ def extract_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Post-hoc extraction: the best (possibly uncached) arch under a MAC budget, served from trained weights."""
-    from feast_edge.search import best_arch_under
+    from feast_edge.cache.search import best_arch_under
 
     p = load_preset(preset)
     budget = parse_macs(macs)
     if out is not None and checkpoint is None:
         raise FeastError("--out needs --checkpoint (the trained supernet to extract the weights from)")
     if out is not None:
-        from feast_edge.atomic import check_writable
+        from feast_edge.util.atomic import check_writable
 
         check_writable(out, "ONNX file")
     supernet = None
     if checkpoint is not None:
-        from feast_edge.checkpoint import load_supernet
+        from feast_edge.run.checkpoint import load_supernet
 
         supernet, _ = load_supernet(checkpoint, p)
     result = best_arch_under(p, budget, seed=seed, population=population, generations=generations)

@@ -25,7 +25,7 @@ def report(
     title: Annotated[str | None, typer.Option("--title", help="Report title (default: 'feast-edge report: PRESET').")] = None,
 ) -> None:
     """Compare runs: per-method accuracy (mean ± std over seeds), gaps to the centralized reference, traffic, compute, plots."""
-    from feast_edge.report import write_report
+    from feast_edge.report.summary import write_report
 
     written = write_report(run_dirs, out, fmt, title)
     for warning in written.warnings:

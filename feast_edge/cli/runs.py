@@ -8,11 +8,25 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from feast_edge.arch import Arch
-from feast_edge.cli.common import DashboardOpt, DashboardTokenOpt, DeterministicOpt, DeviceOpt, PayloadDtypeOpt, Stage, TensorBoardOpt, check_dashboard, make_console, millions, parse_list, parse_macs, population_options
-from feast_edge.cost import arch_cost
+from feast_edge.cli.common import (
+    DashboardOpt,
+    DashboardTokenOpt,
+    DeterministicOpt,
+    DeviceOpt,
+    PayloadDtypeOpt,
+    Stage,
+    TensorBoardOpt,
+    check_dashboard,
+    make_console,
+    millions,
+    parse_list,
+    parse_macs,
+    population_options,
+)
 from feast_edge.errors import FeastError
-from feast_edge.preset import load_preset
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.preset import load_preset
 
 console = make_console()
 
@@ -37,9 +51,9 @@ def routing(
     """Routed envelope sizes and the communication report for a Zipf population (SPEC §5), in parameters and bytes."""
     import numpy as np
 
-    from feast_edge.cache import load_cache, read_reference_csv
-    from feast_edge.population import zipf_budgets
-    from feast_edge.route import communication_report
+    from feast_edge.cache.variants import load_cache, read_reference_csv
+    from feast_edge.route.envelope import communication_report
+    from feast_edge.sim.population import zipf_budgets
 
     p = load_preset(preset)
     n_classes = p.classes if classes is None else classes
@@ -47,7 +61,7 @@ def routing(
     archs = sorted((arch_cost(p, e.arch, n_classes)[0], e.arch) for e in cache.entries)
     if archs and budgets is None:
         budgets = ",".join(str(m) for m in np.unique(np.quantile([m for m, _ in archs], [0, 0.25, 0.5, 0.75, 1.0]).astype(int)))
-    from feast_edge.payload import bytes_per_param, check_payload_dtype
+    from feast_edge.route.payload import bytes_per_param, check_payload_dtype
 
     check_payload_dtype(payload_dtype)
     wire, dense = bytes_per_param(payload_dtype), bytes_per_param("float32")
@@ -122,14 +136,13 @@ def simulate(
     tensorboard: TensorBoardOpt = False,
 ) -> None:
     """Run the paper's protocol in one process: population, rounds, evaluation, results."""
-    from feast_edge.runtime import describe_device, resolve_device
-    from feast_edge.simulate import Simulation, SimulationConfig
-
-    from feast_edge.accel import resolve_amp
+    from feast_edge.local.precision import resolve_amp
+    from feast_edge.local.torch_device import describe_device, resolve_device
+    from feast_edge.sim.simulate import Simulation, SimulationConfig
 
     requested, device = device, resolve_device(device)
     precision = resolve_amp(amp, device)
-    from feast_edge.train import VARIANT_MODES
+    from feast_edge.local.recipe import VARIANT_MODES
 
     if method in VARIANT_MODES:
         raise FeastError(f"--method {method} is an ablation of FEAST; use --method feast --variants {method}")
@@ -142,7 +155,7 @@ def simulate(
     )
     config.train_config()  # validates the method, its options and the recipe before any data is read
     from feast_edge.cli.worker import COMMAND
-    from feast_edge.distributed import Spread
+    from feast_edge.sim.distributed import Spread
 
     spread = Spread(config, nproc, threads, dist_backend, COMMAND)  # one line for a bad --nproc, before any data is read
     if spread.worker:  # under torchrun, ranks > 0 only train their share of each round
@@ -239,7 +252,7 @@ def _say(text: str) -> None:
 
 def _completed_rounds(out: Path) -> int:
     """Rounds the checkpoint in ``out`` holds (0 without one; --resume then says what is missing)."""
-    from feast_edge.checkpoint import read_record
+    from feast_edge.run.checkpoint import read_record
 
     path = out / "checkpoint.safetensors"
     return int(read_record(path, format=None).get("fields", {}).get("round", 0)) if path.is_file() else 0
@@ -276,8 +289,8 @@ def partition(
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the shard files, server.safetensors and index.json.")],
 ) -> None:
     """Write the simulator's client shards (one file per client) and server-held splits, for feast-agent --data."""
-    from feast_edge.shards import write_partition
-    from feast_edge.simulate import SimulationConfig
+    from feast_edge.sim.shards import write_partition
+    from feast_edge.sim.simulate import SimulationConfig
 
     config = SimulationConfig(**population, per_round=1)
     _say(f"loading {config.dataset} from {config.data_dir}; splitting it over {config.clients} clients")

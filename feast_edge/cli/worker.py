@@ -1,4 +1,4 @@
-"""A worker process of ``feast-edge simulate --nproc N``: it trains its share of every round (feast_edge.distributed).
+"""A worker process of ``feast-edge simulate --nproc N``: it trains its share of every round (feast_edge.sim.distributed).
 
 ``feast-edge simulate`` starts N-1 of these with :data:`COMMAND`; the job (the run's config) comes on stdin,
 the rank in the environment. Under torchrun every process runs ``feast-edge simulate`` itself instead.
@@ -13,8 +13,8 @@ COMMAND = (sys.executable, "-m", "feast_edge.cli.worker")
 
 
 def main() -> None:
-    from feast_edge.distributed import serve_local
     from feast_edge.errors import FeastError
+    from feast_edge.sim.distributed import serve_local
 
     try:
         serve_local()

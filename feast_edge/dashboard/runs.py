@@ -1,7 +1,7 @@
 """Finished runs as a dashboard: ``feast-edge dashboard RUN_DIR...`` reads what ``simulate`` and ``feast-server run`` leave in ``--out``.
 
 * a ``feast-edge simulate`` run: its ``results.json`` (read by
-  :func:`feast_edge.report.load_run`, the report's reader): variants tested,
+  :func:`feast_edge.report.summary.load_run`, the report's reader): variants tested,
   population accuracy, the rounds; its clients become the fleet;
 * a ``feast-server run`` (or an unfinished simulation): the record of
   ``checkpoint.safetensors`` (config, round history), the device registry
@@ -9,7 +9,7 @@
 
 One run fills the page's sections; several are added side by side for comparison.
 Traffic is recorded in parameters; the page shows bytes at 4 per parameter
-(payload tensors are float32, :mod:`feast_edge.payload`).
+(payload tensors are float32, :mod:`feast_edge.route.payload`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feast_edge.checkpoint import read_record
 from feast_edge.dashboard.app import DashboardError
 from feast_edge.dashboard.state import DashboardState, arch_label
 from feast_edge.errors import FeastError
-from feast_edge.report import load_run
-from feast_edge.rounds import CHECKPOINT, HISTORY_FORMAT
+from feast_edge.report.summary import load_run
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 
 RESULTS = "results.json"
 REGISTRY = "devices.sqlite"  # feast-server's device registry (the apps' constant; core does not import them)
@@ -107,7 +107,7 @@ def read_run(path: Path) -> RunData:
 
 
 def history_entry(record: dict[str, Any], shift: int = 0) -> dict[str, Any]:
-    """A stored round record (:class:`feast_edge.rounds.RoundRecord` as a dict) as a dashboard history entry."""
+    """A stored round record (:class:`feast_edge.run.loop.RoundRecord` as a dict) as a dashboard history entry."""
     routed, full = record.get("routed_params"), record.get("full_params")
     return {
         "round": int(record.get("round", 0)) + shift,
@@ -150,7 +150,7 @@ def _simulation(path: Path) -> RunData:
     devices = {}
     served = record.get("served") or []
     for i, budget in enumerate(run.budgets):
-        name = f"client-{i:03d}"  # simulate's client ids (feast_edge.simulate.build_setup)
+        name = f"client-{i:03d}"  # simulate's client ids (feast_edge.sim.simulate.build_setup)
         variant = variants[served[i]] if i < len(served) and 0 <= served[i] < len(variants) else None
         devices[name] = {
             "budget_macs": budget,

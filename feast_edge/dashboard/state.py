@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from feast_edge.arch import Arch
 from feast_edge.errors import ArchError
+from feast_edge.space.arch import Arch
 
 KINDS = ("federation", "simulation", "runs")
 # What the page knows how to show. Other values are shown as given, never refused: the dashboard watches a run

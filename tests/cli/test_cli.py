@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from feast_edge.budget.profile import load_profile
 from feast_edge.cli.common import Stage, cycled_budgets, population_budgets
 from feast_edge.errors import FeastError
-from feast_edge.profile import load_profile
 from feast_edge.server.demo import _Fleet
 from strategies import TINY_PRESET
 
@@ -75,7 +75,7 @@ def test_export_writes_onnx(cli, small_checkpoint, tmp_path, fashion_mnist_dir):
     out = tmp_path / "model.onnx"
     result = cli.run("export", "-k", str(small_checkpoint), "-a", SMALL_ARCH, "-o", str(out), "--calibration-data", str(fashion_mnist_dir), "--calibration-samples", "128")
     assert result.returncode == 0, result.stderr
-    from feast_edge.onnx_export import read_metadata
+    from feast_edge.evaluate.onnx_export import read_metadata
 
     meta = read_metadata(out)
     assert meta["preset"] == "fmnist-small" and meta["bn_recalibrated"] == "true"
@@ -136,7 +136,7 @@ def test_extract_finds_an_arch_under_budget(cli, small_checkpoint, tmp_path):
     onnx_out = tmp_path / "extracted.onnx"
     result = cli.run("extract", "-p", "fmnist-small", "--macs", "12M", "--population", "32", "--generations", "10", "-k", str(small_checkpoint), "-o", str(onnx_out))
     assert result.returncode == 0, result.stderr
-    from feast_edge.onnx_export import read_metadata
+    from feast_edge.evaluate.onnx_export import read_metadata
 
     assert int(read_metadata(onnx_out)["macs"]) <= 12e6
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from feast_edge.checkpoint import save_supernet
-from feast_edge.preset import load_preset_file
-from feast_edge.rounds import CHECKPOINT, RoundRecord
+from feast_edge.run.checkpoint import save_supernet
+from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.registry import Registry
 from feast_edge.server.status import ago, read_status
-from feast_edge.supernet import Supernet
+from feast_edge.space.preset import load_preset_file
+from feast_edge.space.supernet import Supernet
 from strategies import TINY_PRESET
 
 CONFIG = {"rounds": 3, "preset": "test-tiny", "federation": "lab"}

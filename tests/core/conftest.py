@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from feast_edge.preset import load_preset
-from feast_edge.supernet import Supernet
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Mixed precision, device-side batches and determinism of local training (feast_edge.accel).
+"""Mixed precision, device-side batches and determinism of local training (feast_edge.local.precision).
 
 The AMP arithmetic runs on the CPU too (torch.autocast("cpu"), torch.amp.GradScaler("cpu")), so the
 scaler, the skipped steps and the autocast passes are tested here on every machine; the tests marked
@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from feast_edge.accel import AMP_MODES, PLAIN, AmpError, GradientStep, Precision, check_amp, resolve_amp, set_deterministic, to_device
-from feast_edge.arch import Arch
-from feast_edge.augment import BatchAugmenter
-from feast_edge.batches import training_batches
-from feast_edge.preset import load_preset_file
-from feast_edge.supernet import Supernet
-from feast_edge.train import ShapeCache, TrainConfig, batch_variants, cotrain_step, local_train, make_optimizer, plan_variants
+from feast_edge.local.augment import BatchAugmenter
+from feast_edge.local.batches import training_batches
+from feast_edge.local.cotrain import ShapeCache, batch_variants, cotrain_step, local_train, make_optimizer, plan_variants
+from feast_edge.local.precision import AMP_MODES, PLAIN, AmpError, GradientStep, Precision, check_amp, resolve_amp, set_deterministic, to_device
+from feast_edge.local.recipe import TrainConfig
+from feast_edge.space.arch import Arch
+from feast_edge.space.preset import load_preset_file
+from feast_edge.space.supernet import Supernet
 from strategies import TINY_PRESET, tiny_data
 
 TINY = load_preset_file(TINY_PRESET)

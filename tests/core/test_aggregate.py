@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.aggregate import PayloadError, SparseAccumulator, aggregate, check_payload
+from feast_edge.aggregate.sparse import PayloadError, SparseAccumulator, aggregate, check_payload
 from feast_edge.errors import FeastError
-from feast_edge.geometry import envelope_layout
-from feast_edge.slicing import leading_index
-from feast_edge.supernet import Supernet
+from feast_edge.space.geometry import envelope_layout
+from feast_edge.space.supernet import Supernet
+from feast_edge.util.slicing import leading_index
 
 
 def _perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from feast_edge.arch import Arch
 from feast_edge.errors import ArchError
-from feast_edge.preset import load_preset
+from feast_edge.space.arch import Arch
+from feast_edge.space.preset import load_preset
 from strategies import archs
 
 PAPER = load_preset("paper-cifar100")

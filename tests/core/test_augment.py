@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
-from feast_edge.augment import BatchAugmenter, MixedBatch, mixer_for, plain_batch
-from feast_edge.data import load_fashion_mnist, normalize
+from feast_edge.data.images import load_fashion_mnist, normalize
+from feast_edge.local.augment import BatchAugmenter, MixedBatch, mixer_for, plain_batch
 
 MEAN, STD, CLASSES = (0.2860,), (0.3530,), 10
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.arch import Arch
-from feast_edge.cache import (
+from feast_edge.cache.fitness import evaluate
+from feast_edge.cache.variants import (
     CacheError,
     SearchJob,
     VariantCache,
@@ -22,10 +22,10 @@ from feast_edge.cache import (
     merge_entries,
     read_reference_csv,
 )
-from feast_edge.cost import arch_cost
 from feast_edge.errors import FeastError, PresetError
-from feast_edge.fitness import evaluate
-from feast_edge.preset import Preset, available_presets, load_preset, load_preset_file
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.preset import Preset, available_presets, load_preset, load_preset_file
 from strategies import BUILTIN_PRESETS, TINY_PRESET
 
 FAST = dict(population=16, generations=8)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from feast_edge.checkpoint import load_supernet, read_record, save_supernet
 from feast_edge.errors import CheckpointError, FeastError
-from feast_edge.preset import load_preset
-from feast_edge.supernet import Supernet
+from feast_edge.run.checkpoint import load_supernet, read_record, save_supernet
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 from strategies import TINY_PRESET
 
 TINY = load_preset(str(TINY_PRESET))

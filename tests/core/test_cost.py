@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.arch import Arch
-from feast_edge.cost import arch_cost, cost_breakdown, count_params
-from feast_edge.counting import measure_macs, measure_params
-from feast_edge.geometry import arch_layout, make_divisible, supernet_layout
-from feast_edge.preset import load_preset
-from feast_edge.static import StaticResNet
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost, cost_breakdown, count_params
+from feast_edge.space.counting import measure_macs, measure_params
+from feast_edge.space.geometry import arch_layout, make_divisible, supernet_layout
+from feast_edge.space.preset import load_preset
+from feast_edge.space.static import StaticResNet
 from strategies import all_presets, archs
 
 PAPER = load_preset("paper-cifar100")

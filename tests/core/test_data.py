@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from feast_edge.data import DataError, load_cifar, load_dataset, load_fashion_mnist, load_image_folder
+from feast_edge.data.images import DataError, load_cifar, load_dataset, load_fashion_mnist, load_image_folder
 
 
 def test_fashion_mnist_real_files(fashion_mnist_dir):

@@ -1,4 +1,4 @@
-"""feast_edge.distributed's pieces: the cost-balanced split, the update wire format, and the purity spreading relies on."""
+"""feast_edge.sim.distributed's pieces: the cost-balanced split, the update wire format, and the purity spreading relies on."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.distributed import DistributedError, assign, check_spread, pack_updates, pick_backend, plans_digest, unpack_updates
-from feast_edge.methods import METHODS, method_class
-from feast_edge.rounds import ClientUpdate
-from feast_edge.simulate import SimulationConfig, build_setup
+from feast_edge.run.loop import ClientUpdate
+from feast_edge.sim.distributed import DistributedError, assign, check_spread, pack_updates, pick_backend, plans_digest, unpack_updates
+from feast_edge.sim.methods import METHODS, method_class
+from feast_edge.sim.simulate import SimulationConfig, build_setup
 
 CONFIG = SimulationConfig(clients=6, per_round=4, rounds=4, train_limit=300, val_samples=50, calib_samples=50, batch_size=32, seed=5)
 SPREADABLE = [m for m in METHODS if m != "centralized"]
@@ -93,7 +93,7 @@ def _budget(setup):
 @pytest.mark.parametrize("method", SPREADABLE)
 def test_a_worker_plans_a_round_as_rank_0_did(setup, method):
     """A worker sees only some rounds (it may join a resumed run): its plans must still equal rank 0's, which saw them all."""
-    from feast_edge.federation import sample_round_cohort
+    from feast_edge.run.cohort import sample_round_cohort
 
     config = SimulationConfig(**{**CONFIG.__dict__, "method": method})
     rank0, worker = (method_class(method)(setup, config) for _ in range(2))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from feast_edge.arch import Arch
-from feast_edge.data import load_fashion_mnist
-from feast_edge.evaluate import accuracy, calibrated_variant, evaluate_variants, largest_affordable_index, population_accuracy
-from feast_edge.preset import load_preset
-from feast_edge.supernet import Supernet
+from feast_edge.data.images import load_fashion_mnist
+from feast_edge.evaluate.evaluation import accuracy, calibrated_variant, evaluate_variants, largest_affordable_index, population_accuracy
+from feast_edge.space.arch import Arch
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 
 SMALL = load_preset("fmnist-small")
 

@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from feast_edge.arch import Arch
-from feast_edge.elastic import ElasticBatchNorm2d, ElasticConv2d, ElasticLinear
-from feast_edge.extract import extract
-from feast_edge.preset import load_preset
-from feast_edge.supernet import Supernet
+from feast_edge.space.arch import Arch
+from feast_edge.space.elastic import ElasticBatchNorm2d, ElasticConv2d, ElasticLinear
+from feast_edge.space.extract import extract
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 from strategies import TINY_PRESET, archs
 
 SMALL = load_preset("fmnist-small")

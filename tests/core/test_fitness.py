@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from feast_edge.arch import Arch
-from feast_edge.cost import arch_cost
-from feast_edge.fitness import OVER_BUDGET, OVER_RHO, depth_penalty, evaluate, population_evaluator, width_penalty
-from feast_edge.geometry import arch_layout
-from feast_edge.preset import load_preset
-from feast_edge.search import encode, split_genes
+from feast_edge.cache.fitness import OVER_BUDGET, OVER_RHO, depth_penalty, evaluate, population_evaluator, width_penalty
+from feast_edge.cache.search import encode, split_genes
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.geometry import arch_layout
+from feast_edge.space.preset import load_preset
 from strategies import all_presets, archs
 
 SPEC_VECTORS = [

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from feast_edge.arch import Arch
-from feast_edge.cost import arch_cost
-from feast_edge.data import load_fashion_mnist, normalize
-from feast_edge.extract import extract, recalibrate_bn
-from feast_edge.onnx_export import export_onnx, max_abs_diff, onnx_session, read_metadata
-from feast_edge.preset import load_preset
-from feast_edge.supernet import Supernet
+from feast_edge.data.images import load_fashion_mnist, normalize
+from feast_edge.evaluate.onnx_export import export_onnx, max_abs_diff, onnx_session, read_metadata
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.extract import extract, recalibrate_bn
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 
 SMALL = load_preset("fmnist-small")
 ARCH = Arch((1, 2, 0, 1), (0.5, 1.0, 0.25, 0.75), (4, 3, 5, 7, 8))

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save as safetensors_save
 
-from feast_edge.payload import Manifest, PayloadError, decode, encode, read_manifest
-from feast_edge.preset import load_preset
-from feast_edge.route import Envelope, route_state
-from feast_edge.supernet import Supernet
+from feast_edge.route.envelope import Envelope, route_state
+from feast_edge.route.payload import Manifest, PayloadError, decode, encode, read_manifest
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 from strategies import TINY_PRESET
 
 TINY = load_preset(str(TINY_PRESET))
@@ -121,7 +121,7 @@ def test_hostile_headers_are_payload_errors_never_crashes(header: bytes, needle:
 
 
 def test_a_header_over_the_limit_is_refused_before_it_is_parsed():
-    from feast_edge.payload import MAX_HEADER_BYTES
+    from feast_edge.route.payload import MAX_HEADER_BYTES
 
     size = MAX_HEADER_BYTES + 1
     with pytest.raises(PayloadError, match=f"payload header is {size} bytes; the limit is {MAX_HEADER_BYTES}"):

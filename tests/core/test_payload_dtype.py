@@ -1,4 +1,4 @@
-"""Half-precision payloads (issue 12): float16/bfloat16 on the wire, float32 everywhere else (feast_edge/payload.py)."""
+"""Half-precision payloads (issue 12): float16/bfloat16 on the wire, float32 everywhere else (feast_edge/route/payload.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save as safetensors_save
 
+from feast_edge.aggregate.robust import aggregate_updates
 from feast_edge.errors import PayloadError
-from feast_edge.federation import aggregate_updates
-from feast_edge.payload import PAYLOAD_DTYPES, Manifest, bytes_per_param, decode, encode, on_the_wire, read_manifest
-from feast_edge.preset import load_preset
 from feast_edge.protocol import RoundStart
-from feast_edge.route import Envelope, route_state
-from feast_edge.supernet import Supernet
+from feast_edge.route.envelope import Envelope, route_state
+from feast_edge.route.payload import PAYLOAD_DTYPES, Manifest, bytes_per_param, decode, encode, on_the_wire, read_manifest
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.frames import describe
 from strategies import TINY_PRESET

@@ -8,14 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feast_edge.errors import FeastError, PopulationError
-from feast_edge.population import (
+from feast_edge.run.cohort import CohortError, sample_cohort
+from feast_edge.sim.population import (
     allocation,
     alpha_data_for,
     alpha_eff_for,
     budgets_from_list,
     build_population,
     dirichlet_partition,
-    sample_cohort,
     server_split,
     zipf_budgets,
     zipf_population,
@@ -244,5 +244,5 @@ def test_cohort_is_uniform_without_replacement():
     assert all(len(np.unique(c)) == 10 for c in cohorts)
     hits = np.bincount(np.concatenate(cohorts), minlength=100)
     assert hits.min() > 120 and hits.max() < 280  # expected 200 each
-    with pytest.raises(PopulationError, match="cohort size m = 11"):
+    with pytest.raises(CohortError, match="cohort size m = 11"):
         sample_cohort(10, 11, rng)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from feast_edge.errors import PresetError
-from feast_edge.preset import available_presets, load_preset, load_preset_file
+from feast_edge.space.preset import available_presets, load_preset, load_preset_file
 from strategies import TINY_PRESET
 
 

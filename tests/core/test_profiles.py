@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from feast_edge.profile import (
+from feast_edge.budget.profile import (
     PATH_ENV,
     DeviceProfile,
     ProfileError,
@@ -23,10 +23,10 @@ from feast_edge.profile import (
 )
 
 PROFILES_DIR = builtin_dir()
-from feast_edge.atomic import OutputPathError
-from feast_edge.cache import VariantCache, load_cache
-from feast_edge.preset import load_preset
-from feast_edge.simulate import SimulationConfig
+from feast_edge.cache.variants import VariantCache, load_cache
+from feast_edge.sim.simulate import SimulationConfig
+from feast_edge.space.preset import load_preset
+from feast_edge.util.atomic import OutputPathError
 
 # The documented devices, weakest first (profiles/README.md lists them in this order).
 DOCUMENTED = ["jetson-nano", "raspberry-pi-5", "jetson-orin-nano", "laptop-cpu", "jetson-agx-orin", "desktop-gpu"]

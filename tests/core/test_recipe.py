@@ -7,11 +7,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from feast_edge.augment import POLICIES, BatchAugmenter
 from feast_edge.errors import PresetError
-from feast_edge.preset import Preset, load_preset, load_preset_file
-from feast_edge.simulate import SimulationConfig, SimulationError
-from feast_edge.train import TrainConfig, TrainError, recipe_config, scheduled_lr
+from feast_edge.local.augment import POLICIES, BatchAugmenter
+from feast_edge.local.recipe import TrainConfig, TrainError, recipe_config, scheduled_lr
+from feast_edge.sim.simulate import SimulationConfig, SimulationError
+from feast_edge.space.preset import Preset, load_preset, load_preset_file
 
 PAPER = ("paper-cifar100", "paper-cinic10", "paper-tinyimagenet")
 

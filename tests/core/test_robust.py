@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.aggregate import PayloadError, aggregate
-from feast_edge.checkpoint import load_supernet
-from feast_edge.geometry import envelope_layout
-from feast_edge.robust import NETWORK_MAX_CLIENTS, NETWORK_MIN_POSITIONS, RULES, _comparators, clip_updates, robust_aggregate, update_norm
-from feast_edge.rounds import RunError, RunSettings
-from feast_edge.simulate import CHECKPOINT, Simulation, SimulationConfig, SimulationError
-from feast_edge.supernet import Supernet
+from feast_edge.aggregate.robust import NETWORK_MAX_CLIENTS, NETWORK_MIN_POSITIONS, RULES, _comparators, clip_updates, robust_aggregate, update_norm
+from feast_edge.aggregate.sparse import PayloadError, aggregate
+from feast_edge.run.checkpoint import load_supernet
+from feast_edge.run.loop import RunError, RunSettings
+from feast_edge.sim.simulate import CHECKPOINT, Simulation, SimulationConfig, SimulationError
+from feast_edge.space.geometry import envelope_layout
+from feast_edge.space.supernet import Supernet
 
 ROBUST = ("clip", "trimmed-mean", "median")
 

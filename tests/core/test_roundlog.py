@@ -1,4 +1,4 @@
-"""rounds.csv after every round and TensorBoard scalars (feast_edge/roundlog.py), read back with TensorBoard's own reader."""
+"""rounds.csv after every round and TensorBoard scalars (feast_edge/run/roundlog.py), read back with TensorBoard's own reader."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from feast_edge.roundlog import COLUMNS, RoundLog, TensorBoardError, TensorBoardLog, write_rounds_csv
-from feast_edge.rounds import RoundRecord
+from feast_edge.run.loop import RoundRecord
+from feast_edge.run.roundlog import COLUMNS, RoundLog, TensorBoardError, TensorBoardLog, write_rounds_csv
 
 
 def _record(r: int, val: float | None = None) -> RoundRecord:

@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.arch import Arch
-from feast_edge.cost import arch_cost
-from feast_edge.preset import load_preset
-from feast_edge.route import Envelope, route_state, sub_supernet
-from feast_edge.slicing import leading_slice
-from feast_edge.supernet import Supernet
+from feast_edge.route.envelope import Envelope, route_state, sub_supernet
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
+from feast_edge.util.slicing import leading_slice
 from strategies import TINY_PRESET, archs
 
 PAPER = load_preset("paper-cifar100")
@@ -91,7 +91,7 @@ def test_empty_affordable_set_is_an_error():
 
 
 def test_communication_report(reference_archs):
-    from feast_edge.route import communication_report
+    from feast_edge.route.envelope import communication_report
 
     archs = [(arch_cost(PAPER, a)[0], a) for a in reference_archs]
     report = communication_report(PAPER, archs, [25e6, 50e6, 596e6, 1500e6], 100)

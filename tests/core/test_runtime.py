@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from feast_edge.runtime import DeviceError, describe_device, resolve_device
+from feast_edge.local.torch_device import DeviceError, describe_device, resolve_device
 
 
 def test_auto_follows_what_pytorch_sees() -> None:

@@ -7,10 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.cost import arch_cost
-from feast_edge.fitness import OVER_RHO, evaluate, population_evaluator
-from feast_edge.preset import load_preset
-from feast_edge.search import (
+from feast_edge.cache.fitness import OVER_RHO, evaluate, population_evaluator
+from feast_edge.cache.search import (
     SearchError,
     best_arch_under,
     crossover,
@@ -25,6 +23,8 @@ from feast_edge.search import (
     split_genes,
     tournament,
 )
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.preset import load_preset
 from strategies import archs
 
 FMNIST = load_preset("fmnist-small")

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from feast_edge.cache import CacheError
-from feast_edge.checkpoint import load_supernet
-from feast_edge.data import DataError
-from feast_edge.simulate import CHECKPOINT, Simulation, SimulationConfig, SimulationError
+from feast_edge.cache.variants import CacheError
+from feast_edge.data.images import DataError
+from feast_edge.run.checkpoint import load_supernet
+from feast_edge.sim.simulate import CHECKPOINT, Simulation, SimulationConfig, SimulationError
 
 TINY_RUN = SimulationConfig(
     clients=4,
@@ -101,8 +101,8 @@ def test_bad_settings_are_refused(change, error, message, fashion_mnist_dir):
 
 
 def test_cache_of_another_preset_is_refused(tmp_path):
-    from feast_edge.cache import cache_path
-    from feast_edge.preset import load_preset
+    from feast_edge.cache.variants import cache_path
+    from feast_edge.space.preset import load_preset
 
     with pytest.raises(CacheError, match="not 'fmnist-small'"):
         Simulation(replace(TINY_RUN, cache=str(cache_path(load_preset("paper-cifar100")))), tmp_path)

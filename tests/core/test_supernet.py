@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.arch import Arch
 from feast_edge.errors import ArchError
-from feast_edge.extract import extract_calibrated
-from feast_edge.geometry import arch_layout, envelope_layout
-from feast_edge.preset import load_preset
-from feast_edge.static import StaticResNet
-from feast_edge.supernet import Supernet
+from feast_edge.space.arch import Arch
+from feast_edge.space.extract import extract_calibrated
+from feast_edge.space.geometry import arch_layout, envelope_layout
+from feast_edge.space.preset import load_preset
+from feast_edge.space.static import StaticResNet
+from feast_edge.space.supernet import Supernet
 from strategies import TINY_PRESET, archs
 
 SMALL = load_preset("fmnist-small")

@@ -12,17 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchvision.transforms import v2
 
-from feast_edge.arch import Arch
-from feast_edge.cost import arch_cost
-from feast_edge.data import load_fashion_mnist, normalize
+from feast_edge.data.images import load_fashion_mnist, normalize
 from feast_edge.errors import ArchError
-from feast_edge.extract import extract_calibrated
-from feast_edge.geometry import envelope_layout
-from feast_edge.preset import load_preset, load_preset_file
-from feast_edge.static import StaticResNet
-from feast_edge.supernet import Supernet
-from feast_edge.train import VARIANT_MODES, TrainConfig, TrainError, add_masked_weight_decay, cosine_lr, kd_loss, local_train, plan_variants
-from strategies import TINY_PRESET, tiny_data, archs
+from feast_edge.local.cotrain import add_masked_weight_decay, kd_loss, local_train, plan_variants
+from feast_edge.local.recipe import VARIANT_MODES, TrainConfig, TrainError, cosine_lr
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.extract import extract_calibrated
+from feast_edge.space.geometry import envelope_layout
+from feast_edge.space.preset import load_preset, load_preset_file
+from feast_edge.space.static import StaticResNet
+from feast_edge.space.supernet import Supernet
+from strategies import TINY_PRESET, archs, tiny_data
 
 TINY = load_preset_file(TINY_PRESET)
 # Three tiny variants with strictly increasing MACs. A_MID's stage-1 mid width

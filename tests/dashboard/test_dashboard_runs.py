@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from feast_edge.arch import Arch
-from feast_edge.checkpoint import save_supernet
 from feast_edge.dashboard import DashboardError, load_runs
 from feast_edge.dashboard.runs import BYTES_PER_PARAM
-from feast_edge.preset import Preset
-from feast_edge.rounds import CHECKPOINT, HISTORY_FORMAT
+from feast_edge.run.checkpoint import save_supernet
+from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 from feast_edge.server.registry import Registry
-from feast_edge.supernet import Supernet
+from feast_edge.space.arch import Arch
+from feast_edge.space.preset import Preset
+from feast_edge.space.supernet import Supernet
 
 ARCH = {"d": [0, 0, 0], "e": [0.5, 0.5, 0.5], "w": [0, 0, 0, 0]}
 

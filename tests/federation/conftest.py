@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from feast_edge.checkpoint import load_supernet
+from feast_edge.run.checkpoint import load_supernet
 from feast_edge.server.app import FederationServer, RoundRecord, ServerConfig
-from feast_edge.shards import write_partition
-from feast_edge.simulate import Simulation, SimulationConfig
+from feast_edge.sim.shards import write_partition
+from feast_edge.sim.simulate import Simulation, SimulationConfig
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained as transport_clear_retained
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from feast_edge.rounds import CHECKPOINT
+from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.brokers import Broker, free_port, start_mosquitto
-from feast_edge.shards import read_index
+from feast_edge.sim.shards import read_index
 
 
 def _broker(workdir: Path, name: str, bridge_to: int | None = None, direction: str = "both") -> Broker:

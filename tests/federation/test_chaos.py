@@ -29,14 +29,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from feast_edge.checkpoint import read_record
-from feast_edge.data import FASHION_MNIST_DIR
-from feast_edge.replay import replay_rounds
-from feast_edge.rounds import CHECKPOINT, RoundRecord
+from feast_edge.data.images import FASHION_MNIST_DIR
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.app import REGISTRY
 from feast_edge.server.registry import Device, Registry
-from feast_edge.shards import read_index
-from feast_edge.simulate import SimulationConfig
+from feast_edge.sim.replay import replay_rounds
+from feast_edge.sim.shards import read_index
+from feast_edge.sim.simulate import SimulationConfig
 
 ROUNDS = 3
 
@@ -123,7 +123,7 @@ def budgets(out: Path) -> dict[str, float]:
 
 
 def replayed_weights(records: list[RoundRecord], partition: Path, config: SimulationConfig, budget_of: dict[str, float]) -> dict[str, torch.Tensor]:
-    """The recorded rounds recomputed in process (``feast_edge.replay``)."""
+    """The recorded rounds recomputed in process (``feast_edge.sim.replay``)."""
     return replay_rounds(records, partition, config, budget_of)
 
 

@@ -12,14 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from feast_edge.cache import load_cache
-from feast_edge.data import load_fashion_mnist
-from feast_edge.federation import client_update, plan_client
-from feast_edge.payload import decode, encode
-from feast_edge.preset import load_preset
-from feast_edge.route import route_state
-from feast_edge.supernet import Supernet
-from feast_edge.train import TrainConfig, stayed_finite
+from feast_edge.cache.variants import load_cache
+from feast_edge.data.images import load_fashion_mnist
+from feast_edge.local.cotrain import stayed_finite
+from feast_edge.local.recipe import TrainConfig
+from feast_edge.local.update import client_update
+from feast_edge.route.envelope import route_state
+from feast_edge.route.payload import decode, encode
+from feast_edge.route.plans import plan_client
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")
 

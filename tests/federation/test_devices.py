@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from feast_edge.cache import load_cache
-from feast_edge.preset import load_preset
+from feast_edge.cache.variants import load_cache
 from feast_edge.protocol import Register, Registered
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.registry import Registry
+from feast_edge.space.preset import load_preset
 from feast_edge.transport.messages import Presence
 
 PRESET = load_preset("fmnist-small")

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from feast_edge.agent.data import client_budgets, load_clients, parse_shard
-from feast_edge.cache import load_cache
-from feast_edge.data import DataError
-from feast_edge.preset import load_preset
-from feast_edge.shards import read_index, read_shard, write_partition
+from feast_edge.agent.local_data import client_budgets, load_clients, parse_shard
+from feast_edge.cache.variants import load_cache
+from feast_edge.data.images import DataError
+from feast_edge.sim.shards import read_index, read_shard, write_partition
+from feast_edge.space.preset import load_preset
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +82,9 @@ def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, t
         cwd=kit.REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    from feast_edge.cache import load_cache
-    from feast_edge.preset import load_preset
-    from feast_edge.profile import load_profile
+    from feast_edge.budget.profile import load_profile
+    from feast_edge.cache.variants import load_cache
+    from feast_edge.space.preset import load_preset
 
     profile = load_profile(out)
     assert profile.name == "ci-host" and profile.device == "cpu" and len(profile.measurements) == 3
@@ -94,7 +94,7 @@ def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, t
 
 
 def test_partition_command_writes_exactly_the_simulators_shards(kit, tmp_path: Path, fashion_mnist_dir: Path) -> None:
-    from feast_edge.simulate import SimulationConfig, build_setup
+    from feast_edge.sim.simulate import SimulationConfig, build_setup
 
     out = tmp_path / "part"
     result = subprocess.run(

@@ -28,16 +28,17 @@ import pytest
 import torch
 from safetensors.torch import save as safetensors_save
 
-from feast_edge.checkpoint import read_record
-from feast_edge.data import FASHION_MNIST_DIR
-from feast_edge.federation import aggregate_updates, plan_client
-from feast_edge.payload import Manifest, decode, encode
-from feast_edge.preset import load_preset
+from feast_edge.aggregate.robust import aggregate_updates
+from feast_edge.data.images import FASHION_MNIST_DIR
 from feast_edge.protocol import Register, Registered, RoundStart, Update
-from feast_edge.rounds import CHECKPOINT
+from feast_edge.route.payload import Manifest, decode, encode
+from feast_edge.route.plans import plan_client
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.app import ServerConfig
-from feast_edge.shards import read_index
-from feast_edge.supernet import Supernet
+from feast_edge.sim.shards import read_index
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import describe, encode_frame
 from feast_edge.transport.link import Link

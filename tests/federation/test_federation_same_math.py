@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from feast_edge.checkpoint import read_record
-from feast_edge.rounds import CHECKPOINT
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.registry import Registry
-from feast_edge.shards import read_index
-from feast_edge.simulate import Simulation
+from feast_edge.sim.shards import read_index
+from feast_edge.sim.simulate import Simulation
 
 # --------------------------------------------------------------------------- the federation under test
 

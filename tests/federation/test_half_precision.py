@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from feast_edge.rounds import CHECKPOINT
-from feast_edge.shards import read_index
+from feast_edge.run.loop import CHECKPOINT
+from feast_edge.sim.shards import read_index
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from feast_edge.agent.agent import Agent, AgentConfig
-from feast_edge.agent.data import LocalClient
-from feast_edge.cache import load_cache
-from feast_edge.federation import plan_client
-from feast_edge.preset import load_preset
+from feast_edge.agent.local_data import LocalClient
+from feast_edge.cache.variants import load_cache
+from feast_edge.local.recipe import TrainConfig
 from feast_edge.protocol import RoundStart
+from feast_edge.route.plans import plan_client
 from feast_edge.server.app import ServerConfig, ServerError
-from feast_edge.shards import read_index
-from feast_edge.train import TrainConfig
+from feast_edge.sim.shards import read_index
+from feast_edge.space.preset import load_preset
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import MiB, TransferInfo
 from feast_edge.transport.link import Link

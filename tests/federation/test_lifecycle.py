@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from feast_edge.shards import read_index
+from feast_edge.sim.shards import read_index
 
 
 def _exited(process: subprocess.Popen) -> bool:

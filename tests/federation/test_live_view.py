@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from feast_edge.cache import load_cache
+from feast_edge.cache.variants import load_cache
 from feast_edge.dashboard.state import DashboardState
-from feast_edge.federation import plan_client
-from feast_edge.preset import load_preset
-from feast_edge.rounds import RoundRecord
+from feast_edge.route.plans import plan_client
+from feast_edge.run.loop import RoundRecord
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Registry
+from feast_edge.space.preset import load_preset
 from feast_edge.transport.chunks import Reassembler
 from feast_edge.transport.frames import describe, encode_frame
 

@@ -11,13 +11,13 @@ from rich.console import Console
 from torch import nn
 
 from feast_edge.agent.profiling import profile_device, profile_table, read_hardware, time_variant
-from feast_edge.cache import VariantCache, load_cache
-from feast_edge.extract import extract
-from feast_edge.preset import Preset, load_preset
-from feast_edge.profile import DeviceProfile, ProfileError, activation_elements, derive_budget, fit_latency, training_memory_bytes
-from feast_edge.route import Envelope
-from feast_edge.runtime import DeviceError
-from feast_edge.supernet import Supernet
+from feast_edge.budget.profile import DeviceProfile, ProfileError, activation_elements, derive_budget, fit_latency, training_memory_bytes
+from feast_edge.cache.variants import VariantCache, load_cache
+from feast_edge.local.torch_device import DeviceError
+from feast_edge.route.envelope import Envelope
+from feast_edge.space.extract import extract
+from feast_edge.space.preset import Preset, load_preset
+from feast_edge.space.supernet import Supernet
 from strategies import archs
 
 torch.set_num_threads(1)

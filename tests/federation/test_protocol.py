@@ -166,10 +166,10 @@ def test_filter_memory_is_bounded() -> None:
 
 
 def test_round_start_carries_the_plan_and_settings_exactly() -> None:
-    from feast_edge.cache import load_cache
-    from feast_edge.federation import plan_client
-    from feast_edge.preset import load_preset
-    from feast_edge.train import TrainConfig
+    from feast_edge.cache.variants import load_cache
+    from feast_edge.local.recipe import TrainConfig
+    from feast_edge.route.plans import plan_client
+    from feast_edge.space.preset import load_preset
 
     preset = load_preset("fmnist-small")
     plan = plan_client(load_cache(preset), 12e6)
@@ -188,11 +188,11 @@ def test_round_start_carries_the_plan_and_settings_exactly() -> None:
 
 
 def test_round_start_plan_of_another_preset_is_refused() -> None:
-    from feast_edge.cache import load_cache
+    from feast_edge.cache.variants import load_cache
     from feast_edge.errors import FeastError
-    from feast_edge.federation import plan_client
-    from feast_edge.preset import load_preset
-    from feast_edge.train import TrainConfig
+    from feast_edge.local.recipe import TrainConfig
+    from feast_edge.route.plans import plan_client
+    from feast_edge.space.preset import load_preset
 
     plan = plan_client(load_cache(load_preset("paper-cifar100")), 600e6)
     info = describe(b"routed", federation="lab", round=0, device="d")
@@ -206,7 +206,7 @@ def test_round_start_plan_of_another_preset_is_refused() -> None:
 
 
 def test_update_reports_the_local_result() -> None:
-    from feast_edge.train import LocalResult
+    from feast_edge.local.cotrain import LocalResult
 
     result = LocalResult(
         num_samples=600, samples_seen=1200, num_batches=19, mean_loss=1.5, role_losses={"max": 1.0}, variants_per_batch={3: 19},
@@ -223,7 +223,7 @@ def test_update_reports_the_local_result() -> None:
 
 
 def test_a_diverged_loss_still_makes_a_valid_message() -> None:
-    from feast_edge.train import LocalResult
+    from feast_edge.local.cotrain import LocalResult
 
     result = LocalResult(
         num_samples=10, samples_seen=10, num_batches=1, mean_loss=float("nan"), role_losses={"max": float("inf")}, variants_per_batch={1: 1},
@@ -238,7 +238,7 @@ def test_a_diverged_loss_still_makes_a_valid_message() -> None:
 def test_an_agent_sends_nothing_for_diverged_training() -> None:
     import torch
 
-    from feast_edge.train import stayed_finite
+    from feast_edge.local.cotrain import stayed_finite
 
     assert stayed_finite({"w": torch.ones(3), "n": torch.tensor(1)}, 0.5)
     assert not stayed_finite({"w": torch.ones(3)}, float("nan"))

@@ -25,7 +25,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from feast_edge.protocol import Register, Registered
 from feast_edge.server.brokers import Broker, free_port, start_mosquitto
 from feast_edge.server.provision import Provisioned, provision
-from feast_edge.shards import read_index
+from feast_edge.sim.shards import read_index
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.credentials import CredentialsError, load_credentials
 from feast_edge.transport.link import Link

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from feast_edge.arch import Arch
-from feast_edge.cost import arch_cost
-from feast_edge.federation import sample_round_cohort
-from feast_edge.geometry import arch_layout
-from feast_edge.methods.base import MethodError
-from feast_edge.methods.fednas import (
+from feast_edge.local.recipe import cosine_lr
+from feast_edge.route.envelope import route_state
+from feast_edge.run.cohort import sample_round_cohort
+from feast_edge.run.loop import ClientUpdate
+from feast_edge.sim.methods.base import MethodError
+from feast_edge.sim.methods.fednas import (
     LARGEST,
     RANDOM,
     SMALLEST,
@@ -28,11 +28,11 @@ from feast_edge.methods.fednas import (
     tallied_role,
     weighted_slice_mean,
 )
-from feast_edge.preset import load_preset
-from feast_edge.rounds import ClientUpdate
-from feast_edge.route import route_state
-from feast_edge.simulate import SimulationConfig, build_setup
-from feast_edge.train import cosine_lr
+from feast_edge.sim.simulate import SimulationConfig, build_setup
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.geometry import arch_layout
+from feast_edge.space.preset import load_preset
 
 
 def _config(fashion_mnist_dir, **kw) -> SimulationConfig:

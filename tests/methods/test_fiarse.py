@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from feast_edge.cost import count_macs
-from feast_edge.federation import client_seed, sample_round_cohort
-from feast_edge.geometry import supernet_layout
-from feast_edge.methods import MethodError, method_class
-from feast_edge.methods.fiarse import (
+from feast_edge.local.recipe import cosine_lr
+from feast_edge.run.cohort import client_seed, sample_round_cohort
+from feast_edge.sim.methods import MethodError, method_class
+from feast_edge.sim.methods.fiarse import (
     DELTA,
     MASK,
     Fiarse,
@@ -24,8 +23,9 @@ from feast_edge.methods.fiarse import (
     model_size,
     threshold,
 )
-from feast_edge.simulate import SimulationConfig, build_setup
-from feast_edge.train import cosine_lr
+from feast_edge.sim.simulate import SimulationConfig, build_setup
+from feast_edge.space.cost import count_macs
+from feast_edge.space.geometry import supernet_layout
 
 # ----------------------------------------------------------------------------- size, threshold, mask
 

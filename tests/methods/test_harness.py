@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from feast_edge.federation import sample_round_cohort
-from feast_edge.methods import METHODS, MethodError, method_class
-from feast_edge.simulate import Simulation, SimulationConfig, SimulationError
+from feast_edge.run.cohort import sample_round_cohort
+from feast_edge.sim.methods import METHODS, MethodError, method_class
+from feast_edge.sim.simulate import Simulation, SimulationConfig, SimulationError
 
 TINY = dict(clients=4, per_round=2, rounds=2, train_limit=400, val_samples=200, calib_samples=100, test_limit=200, eval_every=1, probe_variants=2)
 
@@ -67,7 +67,7 @@ def test_unknown_method_and_bad_options_are_one_line_errors():
 
 
 def test_a_required_option_that_is_missing_is_named():
-    from feast_edge.methods.base import Method, MethodOption
+    from feast_edge.sim.methods.base import Method, MethodOption
 
     class Needs(Method):
         name = "needs"

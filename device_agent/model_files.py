@@ -1,0 +1,144 @@
+"""A device's exported model: download it (fetch-model), verify its SHA-256, save it, time it in onnxruntime."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from feast_edge.errors import FeastError
+from feast_edge.evaluate.onnx_export import measure_latency
+from feast_edge.protocol import ModelReady, ModelRequest
+from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.chunks import Reassembler, Status
+from feast_edge.transport.errors import ProtocolError, TopicError
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, TransferInfo
+from feast_edge.transport.link import Link, Received
+from feast_edge.transport.messages import parse
+from feast_edge.transport.topics import Topics
+from feast_edge.transport.transfer import ChunkReceiver
+from feast_edge.util.atomic import atomic_write_bytes, check_writable
+
+log = logging.getLogger(__name__)
+
+REQUEST_RETRY = 3.0  # seconds between repeats of a model request nobody answered yet
+
+
+class ModelError(FeastError):
+    """A model could not be fetched, verified or run."""
+
+
+def save_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Check ``blob`` against the manifest's SHA-256, then write it and the manifest (``.json`` beside it) atomically."""
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != manifest.get("sha256"):
+        raise ModelError(f"the received model hashes to {digest}, its manifest says {manifest.get('sha256')}; it was not saved, fetch it again")
+    path = check_writable(path, "model file")
+    atomic_write_bytes(path, blob)
+    atomic_write_bytes(path.with_suffix(".json"), (json.dumps(manifest, indent=1) + "\n").encode())
+    return path
+
+
+def keep_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[str]) -> tuple[Path, dict[str, float]]:
+    """Save a received model (SHA-256 checked) and time it in onnxruntime: the saved path and its latency."""
+    saved = save_model(blob, manifest, path)
+    return saved, measure_latency(saved)
+
+
+def keep_pushed_model(blob: bytes, message: ModelReady, model_dir: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
+    """Save a model the server pushed after the last round; its path and the metrics to report, or None (logged) if unusable."""
+    device_id, manifest = message.device, message.manifest
+    try:
+        path, latency = keep_model(blob, manifest, Path(model_dir) / f"{device_id}.onnx")
+    except FeastError as exc:
+        log.error("the model of %s is unusable: %s", device_id, exc)
+        return None
+    log.info("saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms", device_id, path, manifest.get("macs"), latency["median_ms"])
+    return path, {"onnx_latency_ms": latency["median_ms"], "model_sha256": manifest.get("sha256"), "model_macs": manifest.get("macs")}
+
+
+@dataclass(frozen=True)
+class FetchedModel:
+    path: Path
+    manifest: dict[str, Any]
+    latency: dict[str, float]
+
+
+def _ask(link: Link, topic: str, request: bytes, replies: queue.Queue[ModelReady], timeout: float) -> ModelReady | None:
+    """Publish ``request`` every few seconds until a reply arrives (a server that starts later still hears it) or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        link.publish(topic, request, timeout=min(remaining, 10.0))  # the same msg_id each time: a server answers it once
+        try:
+            return replies.get(timeout=min(REQUEST_RETRY, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            continue
+    return None
+
+
+def fetch_model(
+    link_config: LinkConfig,
+    federation: str,
+    device_id: str,
+    out: str | os.PathLike[str],
+    *,
+    timeout: float = 30.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    repeats: int = 50,
+) -> FetchedModel:
+    """Ask the server for ``device_id``'s ONNX model, download it in chunks, verify, save and time it."""
+    out = check_writable(out, "model file")
+    topics = Topics(federation)
+    replies: queue.Queue[ModelReady] = queue.Queue()
+    request = ModelRequest(federation=federation, round=0, device=device_id)
+
+    def on_ctrl(received: Received) -> None:
+        try:
+            message = parse(received.payload)
+        except ProtocolError as exc:
+            log.warning("dropped malformed message on %s: %s", received.topic, exc)
+            return
+        if isinstance(message, ModelReady) and message.device == device_id and message.request == request.msg_id:
+            replies.put(message)
+
+    link = Link(link_config)  # no presence: this is a tool, not the device's agent
+    try:
+        topics.ctrl(device_id)
+    except TopicError as exc:
+        raise ModelError(f"--device-id: {exc}") from None
+    link.subscribe(topics.ctrl(device_id), on_ctrl)
+    link.connect(timeout=min(timeout, 10.0))
+    try:
+        receiver = ChunkReceiver(link, topics, "down", device=device_id, reassembler=Reassembler(federation=federation, max_chunk_size=chunk_size))
+        answer = _ask(link, topics.events(device_id), request.encode(), replies, timeout)
+        if answer is None:
+            raise ModelError(
+                f"no feast-server answered the model request of {device_id} on federation {federation!r} within {timeout:g} s; "
+                "is 'feast-server run --serve' or 'feast-server serve' running there with the same --federation?"
+            )
+        if not answer.available:
+            raise ModelError(f"the server has no model for {device_id}: {answer.reason}")
+        info = TransferInfo.from_dict(answer.transfer)
+        receiver.expect(info)
+        deadline = time.monotonic() + max(timeout, 60.0)
+        blob = None
+        while blob is None:
+            remaining = deadline - time.monotonic()
+            progress = receiver.get(timeout=max(0.0, remaining)) if remaining > 0 else None
+            if progress is None:
+                raise ModelError(f"the model of {device_id} ({info.size} bytes) did not arrive completely within {max(timeout, 60.0):g} s; try again")
+            if progress.info.transfer != info.transfer:
+                continue
+            if progress.status is not Status.COMPLETE or progress.payload is None:
+                raise ModelError(f"the model transfer was rejected: {progress.reason}; try again")
+            blob = progress.payload
+    finally:
+        link.close()
+    path = save_model(blob, answer.manifest, out)
+    return FetchedModel(path, answer.manifest, measure_latency(path, repeats=repeats))

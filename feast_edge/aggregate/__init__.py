@@ -1,0 +1,1 @@
+"""Sparse aggregation of the returned slices (SPEC §6), and the robust rules."""

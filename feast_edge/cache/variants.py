@@ -1,0 +1,357 @@
+"""The fixed, MAC-sorted variant cache A (SPEC §3) and its affordable sets (SPEC §4).
+
+A cache is built offline, once per preset, by one GA search per MAC target
+(:mod:`feast_edge.cache.search`), and shipped as JSON in ``feast_edge/caches/``.
+
+Duplicates: when two targets return the same architecture the cache keeps one
+entry and records every search job that found it (``CacheEntry.jobs``, sorted
+by target). The cache is a *set* of variants: a duplicate would add no
+operating point but would double that variant's chance of being drawn as the
+random intermediate variant in local co-training (SPEC §7). (The published
+paper cache lists its 369.57M variant twice; loaded here it has 55 entries.)
+
+MACs and params of every entry are counted with the head of ``classes``
+classes, recorded in the file (default: the preset's own class count).
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from feast_edge.cache.fitness import evaluate
+from feast_edge.cache.search import GENERATIONS, MUTATION_PROB, MUTATION_TRIES, POPULATION, TOURNAMENT, SearchResult, search_target
+from feast_edge.errors import ArchError, FeastError
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import arch_cost
+from feast_edge.space.preset import Preset
+from feast_edge.util.atomic import atomic_write_bytes, check_writable
+
+CACHE_DIR = Path(__file__).parent.parent / "caches"
+FORMAT = "feast-edge-variant-cache"
+VERSION = 1
+DEFAULT_SEED = 42  # the seed of the paper's cache jobs (reference/feast-cifar100-cache.csv)
+_REL_TOL = 1e-9
+
+
+class CacheError(FeastError, ValueError):
+    """A variant cache is missing, malformed, stale or belongs to another preset."""
+
+
+@dataclass(frozen=True)
+class SearchJob:
+    """One GA run of the cache build: MAC target, effectiveness ceiling, seed (SPEC §3)."""
+
+    target: float
+    rho0: float
+    seed: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "rho0": self.rho0, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One cached variant: its architecture, cost, fitness terms and the jobs that found it."""
+
+    arch: Arch
+    macs: int
+    params: int
+    fitness: float
+    rho: float
+    entropy: float
+    jobs: tuple[SearchJob, ...]
+
+    @property
+    def target(self) -> float:
+        """The smallest MAC target whose search returned this variant."""
+        return self.jobs[0].target
+
+    @property
+    def seed(self) -> int:
+        """Seed of the job behind :attr:`target`."""
+        return self.jobs[0].seed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch.to_dict(),
+            "macs": self.macs,
+            "params": self.params,
+            "fitness": self.fitness,
+            "rho": self.rho,
+            "entropy": self.entropy,
+            "jobs": [job.to_dict() for job in self.jobs],
+        }
+
+
+@dataclass(frozen=True)
+class VariantCache:
+    """The fixed cache A of one preset: entries sorted by MACs, affordability queries (SPEC §3, §4)."""
+
+    preset_name: str
+    preset_digest: str
+    classes: int
+    entries: tuple[CacheEntry, ...]
+    search: dict[str, Any] = field(hash=False)  # settings of the build: seed, population, generations, GA constants
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise CacheError(f"variant cache of preset {self.preset_name} has no entries; build it with feast_edge.cache.variants.build_cache")
+        macs = [e.macs for e in self.entries]
+        if macs != sorted(macs):
+            raise CacheError(f"variant cache of preset {self.preset_name} is not sorted by MACs; rebuild it with feast_edge.cache.variants.build_cache")
+        if len({e.arch for e in self.entries}) != len(self.entries):
+            raise CacheError(f"variant cache of preset {self.preset_name} lists an architecture twice; merge the duplicates (see CacheEntry.jobs)")
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[CacheEntry]:
+        return iter(self.entries)
+
+    @property
+    def archs(self) -> tuple[Arch, ...]:
+        return tuple(e.arch for e in self.entries)
+
+    @property
+    def smallest(self) -> CacheEntry:
+        """The globally smallest variant, affordable to every client (SPEC §7 ``a_min``)."""
+        return self.entries[0]
+
+    @property
+    def largest(self) -> CacheEntry:
+        return self.entries[-1]
+
+    def affordable(self, budget: float) -> tuple[CacheEntry, ...]:
+        """``A_i = {a ∈ A : MAC(a) ≤ budget}``, sorted by MACs, possibly empty (SPEC §4)."""
+        return self.entries[: bisect.bisect_right([e.macs for e in self.entries], budget)]
+
+    def largest_affordable(self, budget: float) -> CacheEntry:
+        """The largest cached variant with MAC ≤ budget (SPEC §8 serving)."""
+        affordable = self.affordable(budget)
+        if not affordable:
+            raise CacheError(self.below_smallest(budget))
+        return affordable[-1]
+
+    def below_smallest(self, budget: float, fix: str = "raise the budget or use a smaller preset") -> str:
+        """The message for a budget that affords no cached variant, ending in ``fix``."""
+        return f"budget {budget / 1e6:.2f}M MACs is below the smallest cached variant ({self.smallest.macs / 1e6:.2f}M MACs) of preset {self.preset_name}; {fix}"
+
+    # -------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "preset": self.preset_name,
+            "preset_digest": self.preset_digest,
+            "classes": self.classes,
+            "search": self.search,
+            "entries": [e.to_dict() for e in self.entries],
+        }
+
+    def to_json(self) -> str:
+        """JSON text: the header indented, one entry per line (readable diffs)."""
+        record = self.to_dict()
+        entries = record.pop("entries")
+        head = json.dumps(record, indent=1)[:-2]
+        body = ",\n".join("  " + json.dumps(e, separators=(", ", ": ")) for e in entries)
+        return f'{head},\n "entries": [\n{body}\n ]\n}}\n'
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Atomically write the cache as JSON."""
+        path = check_writable(path, "variant cache")
+        return atomic_write_bytes(path, self.to_json().encode())
+
+
+# ------------------------------------------------------------------ loading
+def cache_path(preset: Preset) -> Path:
+    """Where the cache shipped with the package for ``preset`` lives."""
+    return CACHE_DIR / f"{preset.name}.json"
+
+
+def _fail(path: Any, problem: str, fix: str = "rebuild it with feast_edge.cache.variants.build_cache") -> CacheError:
+    return CacheError(f"variant cache {path}: {problem}; {fix}")
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=_REL_TOL, abs_tol=1e-9)
+
+
+def _entry_from_dict(data: Any, preset: Preset, classes: int, where: str) -> CacheEntry:
+    if not isinstance(data, dict):
+        raise _fail(where, f"entry is a {type(data).__name__}, expected an object")
+    try:
+        arch = Arch.from_dict(data["arch"]).validated(preset)
+        jobs = tuple(SearchJob(float(j["target"]), float(j["rho0"]), int(j["seed"])) for j in data["jobs"])
+        entry = CacheEntry(
+            arch, int(data["macs"]), int(data["params"]), float(data["fitness"]), float(data["rho"]), float(data["entropy"]), jobs
+        )
+    except ArchError as exc:
+        raise _fail(where, f"holds an architecture that does not fit preset {preset.name} ({exc})") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _fail(where, f"entry is malformed ({type(exc).__name__}: {exc})") from None
+    if not jobs:
+        raise _fail(where, "entry lists no search job")
+    # Recompute everything derived from the arch: a stale cost model or fitness is caught here.
+    if (entry.macs, entry.params) != arch_cost(preset, arch, classes):
+        raise _fail(where, f"entry {arch} records {entry.macs} MACs / {entry.params} params, the cost model gives {arch_cost(preset, arch, classes)}")
+    fit = evaluate(preset, arch, classes=classes)
+    if not (_close(entry.rho, fit.rho) and _close(entry.entropy, fit.entropy) and _close(entry.fitness, fit.fitness)):
+        raise _fail(where, f"entry {arch} records fitness terms that differ from the current fitness (SPEC §3)")
+    return entry
+
+
+def cache_from_dict(data: Any, preset: Preset, source: str = "<cache>") -> VariantCache:
+    """Validate a JSON record against ``preset`` and build the cache."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise _fail(source, f"is not a feast-edge variant cache (format {data.get('format') if isinstance(data, dict) else None!r})", "pass a file written by VariantCache.save")
+    if data.get("version") != VERSION:
+        raise _fail(source, f"has version {data.get('version')!r}, this feast-edge reads version {VERSION}")
+    name, digest = data.get("preset"), data.get("preset_digest")
+    if name != preset.name:
+        raise _fail(source, f"was built for preset {name!r}, not {preset.name!r}", f"load the cache of preset {preset.name} (feast_edge/caches/{preset.name}.json) or pass --preset {name}")
+    if digest != preset.digest:
+        raise _fail(source, f"was built for another definition of preset {name!r} (its shape digest differs)", f"rebuild it for the current preset {name}")
+    classes = data.get("classes")
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
+        raise _fail(source, f"has an invalid class count {classes!r}")
+    entries = data.get("entries")
+    if not isinstance(entries, list):
+        raise _fail(source, "has no 'entries' list")
+    search = data.get("search", {})
+    if not isinstance(search, dict):
+        raise _fail(source, "has a malformed 'search' record")
+    parsed = tuple(_entry_from_dict(e, preset, classes, f"{source} entry {i}") for i, e in enumerate(entries))
+    try:
+        return VariantCache(preset.name, preset.digest, classes, parsed, search)
+    except CacheError as exc:
+        raise _fail(source, str(exc)) from None
+
+
+def load_cache(preset: Preset, path: str | os.PathLike[str] | None = None) -> VariantCache:
+    """Load and validate a cache for ``preset``; default: the one shipped in ``feast_edge/caches/``."""
+    path = cache_path(preset) if path is None else Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _fail(path, "does not exist", f"build one with feast_edge.cache.variants.build_cache(load_preset({preset.name!r})) and save it there") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _fail(path, f"cannot be read ({exc})", "check the path and its permissions") from None
+    except json.JSONDecodeError as exc:
+        raise _fail(path, f"is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return cache_from_dict(data, preset, str(path))
+
+
+def read_reference_csv(path: str | os.PathLike[str], preset: Preset, classes: int = 10) -> VariantCache:
+    """The paper's published cache CSV (``reference/feast-cifar100-cache.csv``, 10-class MACs, SPEC §2).
+
+    The CSV does not record ρ0; each job's ceiling is that of the preset's
+    [cache] segment containing its target.
+    """
+    ceilings = cache_targets(preset)
+    found: list[tuple[SearchJob, Arch]] = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            try:
+                arch = Arch(d=json.loads(row["d"]), e=json.loads(row["e"]), w=json.loads(row["w_indices"])).validated(preset)
+                target, seed = float(row["job_target_macs"]), int(row["job_seed"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise _fail(f"{path} row {i + 2}", f"is malformed ({type(exc).__name__}: {exc})", "pass the published CSV unchanged") from None
+            rho0 = [r for t, r in ceilings if math.isclose(t, target, rel_tol=1e-9)]
+            if not rho0:
+                raise _fail(f"{path} row {i + 2}", f"target {target:g} is not a cache target of preset {preset.name}", "pass the CSV of this preset")
+            found.append((SearchJob(target, rho0[0], seed), arch))
+    return VariantCache(preset.name, preset.digest, classes, merge_entries(preset, found, classes), {"source": Path(path).name})
+
+
+# ------------------------------------------------------------------ building
+ProgressFn = Callable[[int, int, SearchResult], None]
+
+
+def cache_targets(preset: Preset) -> tuple[tuple[float, float], ...]:
+    """``(target MACs, rho0)`` of every segment in the preset's [cache] data, merged and sorted (SPEC §3)."""
+    if not preset.cache_segments:
+        raise CacheError(
+            f"preset {preset.name} defines no cache targets; add a [cache] section with segments "
+            "(see feast_edge/presets/paper-cifar100.toml) or pass targets explicitly"
+        )
+    pairs = [(t, seg.rho0) for seg in preset.cache_segments for t in seg.targets]
+    return tuple(sorted(pairs, key=lambda pair: pair[0]))
+
+
+def cache_jobs(targets: Sequence[tuple[float, float]], seed: int) -> tuple[SearchJob, ...]:
+    """One job per target, sorted by target; job ``k`` runs with seed ``seed + k``."""
+    ordered = sorted(targets, key=lambda pair: pair[0])
+    return tuple(SearchJob(float(t), float(r), seed + k) for k, (t, r) in enumerate(ordered))
+
+
+def merge_entries(preset: Preset, found: Sequence[tuple[SearchJob, Arch]], classes: int) -> tuple[CacheEntry, ...]:
+    """MAC-sorted cache entries, one per distinct architecture, each listing every job that found it."""
+    jobs_of: dict[Arch, list[SearchJob]] = {}
+    for job, arch in found:
+        jobs_of.setdefault(arch.validated(preset), []).append(job)
+    entries = []
+    for arch, jobs in jobs_of.items():
+        fit = evaluate(preset, arch, classes=classes)
+        params = arch_cost(preset, arch, classes)[1]
+        ordered = tuple(sorted(jobs, key=lambda j: (j.target, j.seed)))
+        entries.append(CacheEntry(arch, fit.macs, params, fit.fitness, fit.rho, fit.entropy, ordered))
+    return tuple(sorted(entries, key=lambda e: (e.macs, e.arch.text)))
+
+
+def _run_job(preset: Preset, job: SearchJob, population: int, generations: int, classes: int) -> SearchResult:
+    return search_target(preset, job.target, job.rho0, job.seed, population, generations, classes)
+
+
+def build_cache(
+    preset: Preset,
+    targets: Sequence[tuple[float, float]] | None = None,
+    seed: int = DEFAULT_SEED,
+    population: int = POPULATION,
+    generations: int = GENERATIONS,
+    classes: int | None = None,
+    progress: ProgressFn | None = None,
+    workers: int = 1,
+) -> VariantCache:
+    """Search every ``(target, rho0)`` (default: the preset's [cache] targets) and assemble the cache (SPEC §3).
+
+    Each target runs its own GA seeded with ``seed + k`` (``k``: its rank by
+    target), so the result does not depend on ``workers``. ``progress(done,
+    total, result)`` is called as targets finish.
+    """
+    classes = preset.classes if classes is None else classes
+    jobs = cache_jobs(cache_targets(preset) if targets is None else targets, seed)
+    if not jobs:
+        raise CacheError(f"no cache targets given for preset {preset.name}; pass at least one (target MACs, rho0) pair")
+    results: dict[int, SearchResult] = {}
+
+    def record(k: int, result: SearchResult) -> None:
+        results[k] = result
+        if progress is not None:
+            progress(len(results), len(jobs), result)
+
+    if workers <= 1:
+        for k, job in enumerate(jobs):
+            record(k, _run_job(preset, job, population, generations, classes))
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(_run_job, preset, job, population, generations, classes): k for k, job in enumerate(jobs)}
+            for future in as_completed(futures):
+                record(futures[future], future.result())
+    entries = merge_entries(preset, [(job, results[k].arch) for k, job in enumerate(jobs)], classes)
+    search = {
+        "seed": seed,
+        "population": population,
+        "generations": generations,
+        "tournament": TOURNAMENT,
+        "mutation_prob": MUTATION_PROB,
+        "mutation_tries": MUTATION_TRIES,
+    }
+    return VariantCache(preset.name, preset.digest, classes, entries, search)

@@ -1,0 +1,1 @@
+"""Local data sets, read from disk only."""

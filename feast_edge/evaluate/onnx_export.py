@@ -1,0 +1,172 @@
+"""ONNX export of an extracted variant, self-describing for the device that runs it.
+
+The exported graph takes float32 pixels in [0, 1], shape ``[batch, C, H, W]``
+(dynamic batch), normalizes them itself and returns logits ``[batch,
+classes]``. Everything a device needs (preset, arch, MACs, params, class names,
+input shape, normalization) is stored in the file's ``metadata_props`` under
+``feast.*`` keys.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from feast_edge.errors import FeastError
+from feast_edge.space.arch import Arch
+from feast_edge.space.cost import count_macs, count_params
+from feast_edge.space.preset import Preset
+from feast_edge.space.static import Normalized, StaticResNet
+from feast_edge.util.atomic import atomic_write_bytes, check_writable
+
+FORMAT = "feast-edge/onnx-variant"
+INPUT_NAME = "pixels"
+OUTPUT_NAME = "logits"
+OPSET = 18
+
+
+def _to_onnx_bytes(model: torch.nn.Module, example: torch.Tensor) -> bytes:
+    """Export with the torch.export-based exporter, or the TorchScript one on older PyTorch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(
+                model,
+                (example,),
+                None,
+                dynamo=True,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1)}},
+                opset_version=OPSET,
+                verbose=False,
+            )
+            return program.model_proto.SerializeToString()
+        except TypeError:  # PyTorch < 2.5: no dynamo= keyword
+            buffer = io.BytesIO()
+            torch.onnx.export(
+                model,
+                (example,),
+                buffer,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+                opset_version=17,
+            )
+            return buffer.getvalue()
+
+
+def variant_metadata(
+    preset: Preset,
+    arch: Arch,
+    model: StaticResNet,
+    class_names: tuple[str, ...] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """The ``feast.*`` metadata entries of one exported variant."""
+    layout = model.layout
+    meta: dict[str, Any] = {
+        "format": FORMAT,
+        "preset": preset.name,
+        "preset_digest": preset.digest,
+        "arch": arch.to_json(),
+        "macs": count_macs(layout),
+        "params": count_params(layout),
+        "classes": layout.classes,
+        "input_name": INPUT_NAME,
+        "output_name": OUTPUT_NAME,
+        "input_shape": json.dumps([layout.in_channels, layout.input_size, layout.input_size]),
+        "input_range": "[0, 1]",
+        "normalization": "applied inside the model: (pixels - mean) / std",
+        "mean": json.dumps(list(preset.mean)),
+        "std": json.dumps(list(preset.std)),
+    }
+    if class_names is not None:
+        meta["class_names"] = json.dumps(list(class_names))
+    for key, value in (extra or {}).items():
+        meta[key] = value if isinstance(value, str) else json.dumps(value)
+    return {f"feast.{k}": str(v) for k, v in meta.items()}
+
+
+def export_onnx(
+    model: StaticResNet,
+    path: str | os.PathLike[str],
+    preset: Preset,
+    arch: Arch,
+    class_names: tuple[str, ...] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """Write ``model`` (an extracted variant) as a checked ONNX file; returns its metadata."""
+    path = check_writable(path, "ONNX file")
+    wrapped = Normalized(model, preset.mean, preset.std).eval()
+    example = torch.rand(2, model.layout.in_channels, model.layout.input_size, model.layout.input_size)
+    proto = onnx.load_from_string(_to_onnx_bytes(wrapped, example))
+    meta = variant_metadata(preset, arch, model, class_names, extra)
+    del proto.metadata_props[:]
+    for key, value in meta.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    proto.producer_name = "feast-edge"
+    onnx.checker.check_model(proto)
+    atomic_write_bytes(path, proto.SerializeToString())
+    return meta
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The ``feast.*`` metadata of an exported file (prefix stripped)."""
+    proto = onnx.load(str(path), load_external_data=False)
+    return {p.key[len("feast.") :]: p.value for p in proto.metadata_props if p.key.startswith("feast.")}
+
+
+def onnx_session(path: str | os.PathLike[str], threads: int | None = None):
+    """An onnxruntime CPU session for an exported file."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(Path(path)), options, providers=["CPUExecutionProvider"])
+
+
+def max_abs_diff(path: str | os.PathLike[str], model: StaticResNet, preset: Preset, pixels: torch.Tensor) -> float:
+    """Largest |onnxruntime − PyTorch| logit difference on ``pixels`` (float32 in [0, 1])."""
+    session = onnx_session(path)
+    got = session.run([OUTPUT_NAME], {INPUT_NAME: pixels.numpy().astype(np.float32)})[0]
+    with torch.no_grad():
+        want = Normalized(model, preset.mean, preset.std).eval()(pixels).numpy()
+    return float(np.abs(got - want).max())
+
+
+class OnnxModelError(FeastError):
+    """An exported file cannot be loaded or run in onnxruntime."""
+
+
+def measure_latency(path: str | os.PathLike[str], repeats: int = 50, warmup: int = 5, threads: int | None = 1) -> dict[str, float]:
+    """Batch-1 latency of an exported file in onnxruntime on random pixels: median and 90th percentile in ms."""
+    try:
+        meta = read_metadata(path)
+        shape = json.loads(meta["input_shape"])
+        session = onnx_session(path, threads=threads)
+    except Exception as exc:  # onnx/onnxruntime raise many types for a bad file
+        raise OnnxModelError(f"{path} cannot be loaded in onnxruntime ({exc}); fetch the model again") from None
+    x = np.random.default_rng(0).random((1, *shape), dtype=np.float32)
+    for _ in range(warmup):
+        session.run([OUTPUT_NAME], {INPUT_NAME: x})
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run([OUTPUT_NAME], {INPUT_NAME: x})
+        times.append((time.perf_counter() - start) * 1000.0)
+    times.sort()
+    return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))], "repeats": float(repeats)}

@@ -1,0 +1,1 @@
+"""Reports over finished runs: tables and plots."""

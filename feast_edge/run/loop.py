@@ -1,0 +1,422 @@
+"""The run loop shared by ``feast-edge simulate`` and ``feast-server``: rounds, checkpoints, resume, validation.
+
+    for t in remaining rounds:
+        clients = collector.clients(needed)                  # simulation: every client; server: online devices
+        cohort  = sample_round_cohort(clients, m, seed, t)   # SPEC §4
+        plans   = {c: plan_client(cache, collector.budget(c))}
+        got     = collector.collect(t, cohort, plans, global_state, lr)   # in process, or over MQTT
+        >= min_clients valid updates: aggregate_updates (in place, client-id order, settings.aggregation); else unchanged
+        every eval_every rounds: validate the probe variants (BN-recalibrated, SPEC §8), keep best.safetensors
+        checkpoint.safetensors (atomic): weights, round, history, best, the caller's extra fields
+
+Only the :class:`Collector` differs between simulation and deployment, so the
+two cannot drift apart (tests/federation/test_federation_same_math.py checks
+they end bit-identical). Rounds are 0-based inside (``t``, seeds, the wire)
+and 1-based wherever a person reads them (:attr:`RoundRecord.round`, logs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from feast_edge.aggregate.robust import aggregate_updates, check_rule
+from feast_edge.cache.variants import CacheEntry, VariantCache
+from feast_edge.errors import CheckpointError, FeastError, PayloadError
+from feast_edge.evaluate.evaluation import evaluate_variants
+from feast_edge.local.recipe import scheduled_lr
+from feast_edge.route.payload import bytes_per_param, check_payload_dtype
+from feast_edge.route.plans import ClientPlan, plan_client
+from feast_edge.run.checkpoint import FORMAT, MODEL_FORMAT, load_module, load_supernet, read_record, save_module, save_supernet
+from feast_edge.run.cohort import sample_round_cohort
+from feast_edge.space.cost import count_params
+from feast_edge.space.geometry import supernet_layout
+from feast_edge.space.supernet import Supernet
+
+CHECKPOINT = "checkpoint.safetensors"
+PREVIOUS = "checkpoint.prev.safetensors"  # the last good checkpoint before the current one
+BEST = "best.safetensors"
+HISTORY_FORMAT = 2  # 2: RoundRecord with 1-based rounds (1: 0-based RoundLog / server RoundRecord)
+
+
+class RunError(FeastError):
+    """A run cannot start or resume with the given settings."""
+
+
+@dataclass
+class RoundRecord:
+    """What one round did, for simulation and deployment alike; stored in every checkpoint."""
+
+    round: int  # 1-based
+    lr: float
+    cohort: list[str]
+    updated: list[str] = field(default_factory=list)  # clients whose valid update entered the aggregate
+    rejected: dict[str, str] = field(default_factory=dict)  # client -> why its update was refused
+    missing: list[str] = field(default_factory=list)  # no reply by the deadline
+    dropped: list[str] = field(default_factory=list)  # went offline during the round
+    ignored: list[str] = field(default_factory=list)  # duplicate, stale or foreign messages, with the reason
+    applied: bool = False  # the aggregate replaced the global model
+    loss: float | None = None  # sample-weighted mean local loss of the valid updates
+    samples: int = 0  # Σ n_i of the valid updates (the aggregation weights)
+    train_macs: int = 0  # local training compute reported by the cohort
+    routed_params: int = 0  # Σ_i P_i over the cohort (one direction)
+    full_params: int = 0  # m · P: what broadcasting the full supernet would have sent
+    routed_bytes: int = 0  # Σ_i P_i in the round's payload dtype (one direction; tensor data, headers aside)
+    full_bytes: int = 0  # m · P as float32: the full-supernet broadcast the bytes are compared with
+    variants_per_batch: dict[str, int] = field(default_factory=dict)
+    compute_seconds: dict[str, float] = field(default_factory=dict)  # local training time per client
+    send_seconds: float = 0.0  # routing, encoding and sending every routed payload
+    aggregate_seconds: float = 0.0
+    seconds: float = 0.0  # the whole round, from cohort sampling to the aggregated model
+    val_accuracy: float | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], zero_based: bool = False) -> RoundRecord:
+        """A stored record; unknown keys (from other versions) are ignored."""
+        known = {f.name for f in fields(cls)}
+        record = cls(**{k: v for k, v in data.items() if k in known})
+        if zero_based:
+            record.round += 1
+        return record
+
+
+@dataclass
+class ClientUpdate:
+    """One valid update a collector gathered: the trained slice and what the client reported."""
+
+    client: str
+    state: dict[str, torch.Tensor]
+    samples: int  # n_i, the aggregation weight
+    loss: float | None = None
+    samples_seen: float = 0.0
+    train_macs: int = 0
+    compute_seconds: float | None = None
+    variants_per_batch: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Collected:
+    """What collecting one round's cohort produced."""
+
+    updates: list[ClientUpdate]
+    rejected: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    send_seconds: float = 0.0
+
+
+class Collector(Protocol):
+    """How a cohort's updates are collected: in process (simulation) or over MQTT (deployment)."""
+
+    def clients(self, needed: int) -> list[str]:
+        """The clients a cohort may be drawn from, once at least ``needed`` are available."""
+
+    def budget(self, client: str) -> float:
+        """The client's MAC budget."""
+
+    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+        """Round ``t``: route each cohort member its plan's slice of ``global_state``, return the valid updates."""
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Server-held data for checkpoint selection: BN-calibration images and a labelled validation split."""
+
+    calibration_images: torch.Tensor
+    images: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The settings of the loop itself (everything else the caller records in ``config``)."""
+
+    rounds: int
+    per_round: int
+    min_clients: int
+    seed: int
+    lr: float
+    eval_every: int = 5
+    probe_variants: int = 3
+    device: str = "cpu"
+    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
+    trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
+    clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
+    lr_schedule: str = "cosine"  # feast_edge.local.recipe.SCHEDULES, over the federation horizon
+    payload_dtype: str = "float32"  # of the payloads on the wire (feast_edge.route.payload.PAYLOAD_DTYPES); the model stays float32
+
+    def __post_init__(self) -> None:
+        try:
+            check_rule(self.aggregation, self.trim, self.clip_norm)
+            check_payload_dtype(self.payload_dtype)
+        except (ValueError, PayloadError) as exc:
+            raise RunError(str(exc)) from None
+
+
+class RoundMethod(Protocol):
+    """What the loop asks of a training method (FEAST by default; the harness's baselines, feast_edge.sim.methods)."""
+
+    def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, Any]:
+        """What each cohort member trains in round ``t``."""
+
+    def payload_params(self, plan: Any) -> int:
+        """Parameters sent to a client with this plan (one direction)."""
+
+    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+        """Fold the valid updates (client-id order) into ``global_state`` in place."""
+
+    def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
+        """Mean validation accuracy of ``k`` probe operating points."""
+
+    def full_params(self) -> int:
+        """Parameters of the whole global model (what broadcasting it to one client sends)."""
+
+
+class FeastRounds:
+    """FEAST's round steps (SPEC §5–§8): affordable sets and envelopes, sparse aggregation, probe variants."""
+
+    def __init__(self, model: Supernet, cache: VariantCache, settings: RunSettings) -> None:
+        self.model, self.cache, self.settings = model, cache, settings
+        self.validated: list[dict[str, Any]] = []  # the latest validation, per probe variant (label, macs, params, val_accuracy)
+
+    def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, ClientPlan]:
+        return {c: plan_client(self.cache, budget(c)) for c in cohort}
+
+    def payload_params(self, plan: ClientPlan) -> int:
+        return count_params(plan.layout(self.model.preset, self.model.classes))
+
+    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+        s = self.settings
+        aggregate_updates(global_state, [(u.client, u.state, u.samples) for u in updates], inplace=True, rule=s.aggregation, trim=s.trim, clip_norm=s.clip_norm)
+
+    def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
+        """Mean validation accuracy of the probe variants, each BN-recalibrated (SPEC §8)."""
+        v, entries = validation, probe_entries(self.cache, k)
+        accs = evaluate_variants(self.model, [e.arch for e in entries], v.calibration_images, v.images, v.labels, device)
+        self.validated = [{"label": f"{e.macs / 1e6:.2f}M", "macs": e.macs, "params": e.params, "val_accuracy": float(a)} for e, a in zip(entries, accs)]
+        return float(np.mean(accs))
+
+    def full_params(self) -> int:
+        return count_params(supernet_layout(self.model.preset, self.model.classes))
+
+
+def _keep_previous(current: Path, previous: Path) -> None:
+    """Keep ``current`` as ``previous`` before it is replaced: a hard link (no copy), the new file is then written beside it."""
+    if not current.is_file():
+        return
+    staging = previous.with_name(previous.name + ".tmp")
+    staging.unlink(missing_ok=True)
+    try:
+        os.link(current, staging)
+    except OSError:  # a file system without hard links: copy instead
+        shutil.copyfile(current, staging)
+    os.replace(staging, previous)
+
+
+def probe_entries(cache: VariantCache, k: int) -> list[CacheEntry]:
+    """``k`` cached variants evenly spaced by rank (smallest and largest included): the validation probes."""
+    n = len(cache)
+    picks = np.linspace(0, n - 1, min(k, n)).round().astype(int)
+    return [cache.entries[i] for i in sorted(set(picks.tolist()))]
+
+
+def probe_archs(cache: VariantCache, k: int) -> list:
+    """The architectures of :func:`probe_entries`."""
+    return [entry.arch for entry in probe_entries(cache, k)]
+
+
+class RunLoop:
+    """Rounds of one federation over a ``Collector``, checkpointed in ``out`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Supernet,
+        cache: VariantCache,
+        settings: RunSettings,
+        out: str | Path,
+        *,
+        kind: str,
+        fingerprint: str,
+        config: Mapping[str, Any],
+        validation: Validation | None = None,
+        extra_fields: Callable[[], Mapping[str, Any]] = dict,
+        method: RoundMethod | None = None,
+        model_record: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``method`` defaults to FEAST's steps; a model that is not a full Supernet needs ``model_record`` (its checkpoint header)."""
+        self.model = model
+        self.preset = model.preset if isinstance(model, Supernet) else None
+        self.cache = cache
+        self.settings = settings
+        self.method: RoundMethod = method if method is not None else FeastRounds(model, cache, settings)
+        self.model_record = None if isinstance(model, Supernet) else dict(model_record or {})
+        self.out = Path(out)
+        self.kind = kind
+        self.fingerprint = fingerprint
+        self.config = dict(config)
+        self.validation = validation
+        self.extra_fields = extra_fields
+        self.full_params = self.method.full_params()
+        self.history: list[RoundRecord] = []
+        self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
+        self.best: dict[str, Any] = {}
+        self.stop = threading.Event()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, name: str) -> None:
+        if name == CHECKPOINT:
+            _keep_previous(self.out / CHECKPOINT, self.out / PREVIOUS)
+        fields = dict(
+            kind=self.kind, fingerprint=self.fingerprint, config=self.config, round=len(self.history),
+            history=[asdict(h) for h in self.history], history_format=HISTORY_FORMAT, best=self.best, **self.extra_fields(),
+        )
+        if self.model_record is None:
+            save_supernet(self.out / name, self.model, **fields)
+        else:
+            save_module(self.out / name, self.model, self.model_record, **fields)
+
+    def load(self, path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+        """A checkpoint of this loop's model (validated against it): (a loaded copy or the model itself, the record)."""
+        if self.model_record is None:
+            return load_supernet(path, self.preset)
+        record = load_module(path, self.model, self.model_record)
+        return self.model, record
+
+    def resume(self, hint: str, *, fall_back: bool = False) -> int:
+        """Load ``checkpoint.safetensors`` from ``out`` if there is one; returns the completed rounds.
+
+        ``hint`` finishes the error when the checkpoint belongs to another run ("use another --out", ...).
+        A damaged checkpoint (hash or finite-value check) stops the resume with a message naming the kept
+        previous one; with ``fall_back`` the run resumes from that one instead, keeping the damaged file renamed.
+        """
+        path = self.out / CHECKPOINT
+        if not path.is_file():
+            return 0
+        record = read_record(path, format=None)
+        stored = record.get("fields", {})
+        if record["format"] != (FORMAT if self.model_record is None else MODEL_FORMAT):
+            raise RunError(f"{path} holds another kind of model ({record.get('model', {}).get('method', 'a supernet')}); {hint}")
+        if stored.get("kind") != self.kind:
+            raise RunError(f"{path} is not a {self.kind} checkpoint; {hint}")
+        if stored.get("fingerprint") != self.fingerprint:
+            theirs = stored.get("config", {})
+            differ = sorted(k for k in {*self.config, *theirs} if json.dumps(self.config.get(k), sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True))
+            raise RunError(f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(differ) or 'the preset'}); {hint}")
+        try:
+            model, record = self.load(path)
+        except CheckpointError as exc:
+            previous = self.out / PREVIOUS
+            if not previous.is_file():
+                raise RunError(f"cannot resume: {exc}; no previous checkpoint is kept; start a new run in another --out") from None
+            if not fall_back:
+                raise RunError(
+                    f"cannot resume: {exc}; the previous good checkpoint is kept beside it: to resume from there, run 'mv {previous} {path}' "
+                    f"and start again with the same options (feast-server run --resume-previous does this itself)"
+                ) from None
+            damaged = path.with_name(f"checkpoint.damaged-{time.strftime('%Y%m%d-%H%M%S')}.safetensors")
+            try:
+                model, record = self.load(previous)
+            except CheckpointError as second:
+                raise RunError(f"cannot resume: {exc}; the previous checkpoint is damaged too: {second}; start a new run in another --out") from None
+            path.rename(damaged)
+            os.link(previous, path)  # the previous one becomes the last good checkpoint; it stays the previous one too
+            self.recovered = f"{path} is damaged ({exc}); kept it as {damaged.name} and resumed from the previous checkpoint {previous.name}"
+        if model is not self.model:
+            self.model.load_state_dict(model.state_dict())
+        zero_based = record["fields"].get("history_format", 1) < HISTORY_FORMAT
+        self.history = [RoundRecord.from_dict(h, zero_based) for h in record["fields"]["history"]]
+        self.best = dict(record["fields"].get("best", {}))
+        if zero_based and "round" in self.best:
+            self.best["round"] += 1
+        return len(self.history)
+
+    # ------------------------------------------------------------------ rounds
+    def validate(self) -> float:
+        """Mean validation accuracy of the probe operating points, each BN-recalibrated (SPEC §8)."""
+        assert self.validation is not None
+        return self.method.validate(self.validation, self.settings.probe_variants, self.settings.device)
+
+    def run_round(self, t: int, collector: Collector, needed: int) -> RoundRecord:
+        """Cohort -> plans -> collection -> sparse aggregation (or unchanged) for round ``t``."""
+        s = self.settings
+        clients = collector.clients(needed)
+        start = time.monotonic()
+        cohort = sample_round_cohort(clients, min(s.per_round, len(clients)), s.seed, t)
+        lr = scheduled_lr(s.lr_schedule, s.lr, t, s.rounds)
+        plans = self.method.plans(t, cohort, collector.budget)
+        global_state = self.model.state_dict()  # aliases the model's tensors: aggregation writes into the model
+        got = collector.collect(t, cohort, plans, global_state, lr)
+        record = RoundRecord(
+            round=t + 1, lr=lr, cohort=list(cohort), rejected=got.rejected, missing=got.missing, dropped=got.dropped, ignored=got.ignored,
+            send_seconds=got.send_seconds,
+            routed_params=sum(self.method.payload_params(plans[c]) for c in cohort),
+            full_params=len(cohort) * self.full_params,
+        )
+        record.routed_bytes = record.routed_params * bytes_per_param(s.payload_dtype)
+        record.full_bytes = record.full_params * bytes_per_param("float32")
+        valid = sorted(got.updates, key=lambda u: u.client)
+        record.updated = [u.client for u in valid]
+        record.samples = sum(u.samples for u in valid)
+        seen = sum(u.samples_seen for u in valid if u.loss is not None)
+        record.loss = sum(u.loss * u.samples_seen for u in valid if u.loss is not None) / seen if seen else None
+        record.train_macs = sum(u.train_macs for u in valid)
+        for u in valid:
+            if u.compute_seconds is not None:
+                record.compute_seconds[u.client] = u.compute_seconds
+            for k, v in u.variants_per_batch.items():
+                record.variants_per_batch[str(k)] = record.variants_per_batch.get(str(k), 0) + int(v)
+        if len(valid) >= s.min_clients:
+            began = time.monotonic()
+            self.method.aggregate(t, global_state, valid, plans)
+            record.aggregate_seconds = time.monotonic() - began
+            record.applied = True
+        record.seconds = time.monotonic() - start
+        return record
+
+    def run(
+        self,
+        collector: Collector,
+        *,
+        start_clients: int | None = None,
+        on_round: Callable[[RoundRecord], None] | None = None,
+        stop_after: int | None = None,
+    ) -> list[RoundRecord]:
+        """Run the remaining rounds, checkpointing each; ``stop_after`` completed rounds ends early."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        s = self.settings
+        first = len(self.history)
+        for t in range(first, s.rounds):
+            needed = (start_clients or s.min_clients) if t == first else s.min_clients
+            record = self.run_round(t, collector, needed)
+            if self.validation is not None and ((t + 1) % s.eval_every == 0 or t + 1 == s.rounds):
+                record.val_accuracy = self.validate()
+            self.history.append(record)
+            if record.val_accuracy is not None and record.val_accuracy > self.best.get("val_accuracy", -1.0):
+                self.best = {"round": t + 1, "val_accuracy": record.val_accuracy}
+                self.save(BEST)
+            self.save(CHECKPOINT)
+            if on_round is not None:
+                on_round(record)
+            if stop_after is not None and t + 1 >= stop_after:
+                break
+        return self.history
+
+    @property
+    def finished(self) -> bool:
+        return len(self.history) >= self.settings.rounds
+
+    def selected_checkpoint(self) -> Path:
+        """``best.safetensors`` when validation chose one, else the last checkpoint."""
+        best = self.out / BEST
+        return best if best.is_file() else self.out / CHECKPOINT

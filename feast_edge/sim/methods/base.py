@@ -1,0 +1,242 @@
+"""What every training method of the simulation harness provides (FEAST, the centralized reference, the baselines).
+
+The harness (``feast_edge.sim.simulate``) owns everything the methods must share so
+a comparison is fair: the data, the server-held validation and calibration
+splits, the client population (budgets, partition), the cohort of every round
+(``feast_edge.run.cohort.sample_round_cohort``), the learning-rate schedule,
+the client seeds, checkpoints and resume (``feast_edge.run.loop.RunLoop``) and the
+final test. A method decides only what differs between methods:
+
+    model                      the global model it trains (an ``nn.Module``)
+    plans(t, cohort, budget)   what each cohort member trains this round (a tier, a subnet, a mask size, ...)
+    payload_params(plan)       parameters sent to that client (one direction)
+    train_client(...)          the client's local training -> a ClientUpdate (any tensors: state, Δ, masks)
+    aggregate(...)             folds the round's valid updates into the global model, in place
+    points()                   the operating points it serves, sorted by MACs
+    evaluate(...)              each point's accuracy, after that point's own BN recalibration (SPEC §8)
+
+A client is served the largest point whose MACs fit its budget; population
+accuracy is the mean over clients of that point's test accuracy (SPEC §8).
+
+Determinism: everything a method draws in round ``t`` must come from
+``(config.seed, t)`` and the client id (``client_seed``), never from state
+kept between rounds, so a resumed run ends bit-identical to an uninterrupted
+one. State a method needs across rounds (e.g. SuperFedNAS's assignment
+counters) is recomputed from earlier rounds' plans, which are themselves pure
+functions of ``(seed, round)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from torch import nn
+
+from feast_edge.errors import FeastError
+from feast_edge.evaluate.evaluation import accuracy
+from feast_edge.route.payload import on_the_wire
+
+if TYPE_CHECKING:  # the harness imports the methods; methods only need its types
+    from feast_edge.run.loop import ClientUpdate, Validation
+    from feast_edge.sim.simulate import Setup, SimulationConfig
+
+
+class MethodError(FeastError, ValueError):
+    """A method cannot run with the given settings (unknown name, missing or invalid option)."""
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """One model a method can serve: its label, inference MACs and parameters, and what identifies it.
+
+    ``detail`` is JSON data (a FEAST arch dict, a HeteroFL tier, a ScaleFL level, a FIARSE size).
+    For methods whose sparsity does not reduce dense compute (FIARSE), ``macs`` is the nominal
+    budget the point is served at and ``dense_macs`` what a device actually computes.
+    """
+
+    label: str
+    macs: int
+    params: int
+    detail: Mapping[str, Any] = field(default_factory=dict)
+    dense_macs: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "macs": self.macs, "params": self.params, "detail": dict(self.detail), "dense_macs": self.dense_macs}
+
+
+@dataclass(frozen=True)
+class MethodOption:
+    """One ``--method-option KEY=VALUE`` a method takes: its parser, default and help (``required``: no default)."""
+
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    required: bool = False
+
+
+def floats(text: str) -> tuple[float, ...]:
+    """``"0.25,0.5,1"`` -> ``(0.25, 0.5, 1.0)`` (a method-option parser)."""
+    return tuple(float(v) for v in text.split(",") if v.strip())
+
+
+class Method:
+    """Base class of a harness method; see the module docstring for the contract."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one line for --help and reports
+    supernet: ClassVar[bool] = True  # the model is a full feast_edge.space.supernet.Supernet (checkpointed as one)
+    options: ClassVar[Mapping[str, MethodOption]] = {}
+
+    def __init__(self, setup: Setup, config: SimulationConfig) -> None:
+        self.setup = setup
+        self.config = config
+        self.preset = setup.preset
+        self.opts = self.parse_options(dict(config.method_options))
+        self.model: nn.Module = self.build_model()
+        self.validated: list[dict[str, Any]] = []  # the latest validation, per probe point (label, macs, params, val_accuracy)
+        self.on_client: Callable[[str, str], None] | None = None  # told (client, "training" | "uploading") around each local update
+
+    @classmethod
+    def parse_options(cls, given: Mapping[str, str]) -> dict[str, Any]:
+        """Validated option values (defaults filled in); a one-line MethodError for an unknown, missing or malformed one."""
+        unknown = sorted(set(given) - set(cls.options))
+        if unknown:
+            takes = ", ".join(f"{k} ({o.help})" for k, o in cls.options.items()) or "none"
+            raise MethodError(f"--method {cls.name} takes no option {', '.join(unknown)}; its options: {takes}")
+        values = {}
+        for key, opt in cls.options.items():
+            if key not in given:
+                if opt.required:
+                    raise MethodError(f"--method {cls.name} needs --method-option {key}=... ({opt.help})")
+                values[key] = opt.default
+                continue
+            try:
+                values[key] = opt.parse(given[key])
+            except (TypeError, ValueError) as exc:
+                raise MethodError(f"--method-option {key}={given[key]!r} for {cls.name} is malformed ({exc}); {opt.help}") from None
+        cls.check_options(values)
+        return values
+
+    @classmethod
+    def check_options(cls, values: Mapping[str, Any]) -> None:
+        """Raise MethodError when option values are out of range (override per method)."""
+
+    # ------------------------------------------------------------------ model
+    def build_model(self) -> nn.Module:
+        """The global model, initialised from ``config.seed``."""
+        raise NotImplementedError
+
+    def model_record(self) -> dict[str, Any]:
+        """JSON description of the model's architecture, stored with non-supernet checkpoints and checked on resume."""
+        return {"method": self.name}
+
+    # ------------------------------------------------------------------ rounds
+    def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, Any]:
+        """Round ``t``: what each cohort member trains (a pure function of the config, ``t`` and the cohort)."""
+        raise NotImplementedError
+
+    def payload_params(self, plan: Any) -> int:
+        """Parameters sent to a client with this plan (one direction; the update comes back the same size)."""
+        raise NotImplementedError
+
+    def train_client(
+        self, t: int, client: str, plan: Any, global_state: Mapping[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor, lr: float, seed: int
+    ) -> ClientUpdate:
+        """One client's local training on uint8 ``images``; must not modify ``global_state``."""
+        raise NotImplementedError
+
+    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+        """Fold the valid updates (client-id order) into ``global_state`` in place (it aliases the model's tensors)."""
+        raise NotImplementedError
+
+    def full_params(self) -> int:
+        """Parameters of the whole global model (what broadcasting it to one client would send)."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    def train_cost(self, plan: Any) -> float:
+        """Relative cost of one local training sample under ``plan`` (balances a cohort over processes, ``--nproc``)."""
+        return float(self.payload_params(plan))
+
+    def delivered(self, global_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a routed payload in the wire's dtype delivers (slicing commutes with the cast)."""
+        return on_the_wire(global_state, self.config.payload_dtype)
+
+    def train_one(self, t: int, client: str, plan: Any, delivered: Mapping[str, torch.Tensor], lr: float) -> ClientUpdate:
+        """One cohort member's :meth:`train_client` on its own shard, its update passed through safetensors as on the wire."""
+        from feast_edge.run.cohort import client_seed
+
+        images, labels = self.setup.client_data(client)
+        began = time.perf_counter()
+        if self.on_client is not None:
+            self.on_client(client, "training")
+        update = self.train_client(t, client, plan, delivered, images, labels, lr, client_seed(self.config.seed, t, client))
+        wire = self.config.payload_dtype
+        update.state = on_the_wire(load_tensors(save_tensors({k: v.contiguous() for k, v in update.state.items()})), wire) if update.state else {}
+        update.compute_seconds = time.perf_counter() - began
+        if self.on_client is not None:
+            self.on_client(client, "uploading")
+        return update
+
+    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any], global_state: Mapping[str, torch.Tensor], lr: float) -> list[ClientUpdate]:
+        """Every cohort member's :meth:`train_one`, in cohort order (a method that overrides this cannot be spread over processes)."""
+        delivered = self.delivered(global_state)
+        return [self.train_one(t, client, plans[client], delivered, lr) for client in cohort]
+
+    # ------------------------------------------------------------------ evaluation
+    def points(self) -> list[OperatingPoint]:
+        """The operating points served to devices, sorted by MACs."""
+        raise NotImplementedError
+
+    def probe_points(self, k: int) -> list[OperatingPoint]:
+        """``k`` points evenly spaced by rank (smallest and largest included): what validation averages."""
+        pts = self.points()
+        n = len(pts)
+        if k >= n:
+            return pts
+        picks = sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
+        return [pts[i] for i in picks]
+
+    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+        """The network a device served ``point`` runs (normalized images in, logits out), BN recalibrated on ``calibration_images``, eval mode."""
+        raise NotImplementedError
+
+    def evaluate(
+        self,
+        points: Sequence[OperatingPoint],
+        calibration_images: torch.Tensor,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        device: str | torch.device = "cpu",
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[float]:
+        """Top-1 accuracy of each point of ``self.model``, each after its own BN recalibration on ``calibration_images`` (SPEC §8)."""
+        results = []
+        for i, point in enumerate(points):
+            results.append(accuracy(self.point_network(point, calibration_images, device), images, labels, self.preset, device=device))
+            if progress is not None:
+                progress(i + 1, len(points))
+        return results
+
+    def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
+        """Mean validation accuracy of the ``k`` probe points (checkpoint selection, SPEC §8)."""
+        points = self.probe_points(k)
+        accs = self.evaluate(points, validation.calibration_images, validation.images, validation.labels, device)
+        self.validated = [{"label": p.label, "macs": p.macs, "params": p.params, "val_accuracy": float(a)} for p, a in zip(points, accs)]
+        return float(sum(accs) / len(accs))
+
+    def served(self, budget: float) -> int:
+        """Index in :meth:`points` of the largest point with MACs <= ``budget``."""
+        pts = self.points()
+        best = -1
+        for i, p in enumerate(pts):
+            if p.macs <= budget:
+                best = i
+        if best < 0:
+            raise MethodError(f"{self.name}: a budget of {budget / 1e6:.2f}M MACs is below its smallest model ({pts[0].macs / 1e6:.2f}M MACs); raise --budget-min")
+        return best

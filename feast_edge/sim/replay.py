@@ -1,0 +1,49 @@
+"""Recompute a federation from its record: the rounds a server (or a simulation) logged, replayed in process.
+
+All randomness of a round derives from the seed and the round index, so the
+aggregated updates a round recorded can be recomputed exactly, however many
+other updates were lost or refused: a run disturbed by kills, restarts and
+outages must end with the weights this replay gives (``bench/chaos.py``,
+``tests/federation/test_chaos.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from feast_edge.aggregate.robust import aggregate_updates
+from feast_edge.cache.variants import load_cache
+from feast_edge.local.update import client_update
+from feast_edge.route.envelope import route_state
+from feast_edge.route.plans import plan_client
+from feast_edge.run.cohort import client_seed
+from feast_edge.run.loop import RoundRecord
+from feast_edge.sim.shards import read_index, read_shard
+from feast_edge.sim.simulate import SimulationConfig
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
+
+
+def replay_rounds(records: Sequence[RoundRecord], partition: Path, config: SimulationConfig, budgets: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    """The global state after ``records``: each applied round's updated clients co-trained again on their shards in
+    ``partition`` with the budgets they registered, and aggregated as the run loop does (SPEC §5–§6)."""
+    preset = load_preset(config.preset)
+    cache = load_cache(preset, config.cache)
+    state = Supernet(preset, seed=config.seed).state_dict()
+    shards = {e["client_id"]: read_shard(partition / e["file"]) for e in read_index(partition)["clients"]}
+    for t, record in enumerate(records):
+        if not record.applied:
+            continue
+        updates = []
+        for client in record.updated:
+            plan = plan_client(cache, budgets[client])
+            routed = route_state(state, plan.layout(preset, preset.classes), preset)
+            shard = shards[client]
+            seed = client_seed(config.seed, t, client)
+            new_state, result = client_update(preset, preset.classes, plan, routed, shard.images, shard.labels, config.train_config(), record.lr, seed)
+            updates.append((client, new_state, result.num_samples))
+        aggregate_updates(state, updates, inplace=True, rule=config.aggregation, trim=config.trim, clip_norm=config.clip_norm)
+    return state
