@@ -19,7 +19,8 @@ import time
 import torch
 
 from feast_edge.sim.methods import METHODS
-from feast_edge.sim.simulate import Simulation, SimulationConfig
+from feast_edge.sim.setup import SimulationConfig
+from feast_edge.sim.simulate import Simulation
 
 
 def main() -> None:

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from feast_edge.server.app import FederationServer, ServerConfig  # noqa: E402
+from feast_edge.sim.setup import SimulationConfig  # noqa: E402
 from feast_edge.sim.shards import write_partition  # noqa: E402
-from feast_edge.sim.simulate import SimulationConfig  # noqa: E402
 from feast_edge.transport.broker import LinkConfig  # noqa: E402
 from feast_edge.transport.link import clear_retained  # noqa: E402
 

@@ -22,7 +22,8 @@ import torch
 
 from feast_edge.cli.worker import COMMAND
 from feast_edge.sim.distributed import Spread, assign
-from feast_edge.sim.simulate import Simulation, SimulationConfig
+from feast_edge.sim.setup import SimulationConfig
+from feast_edge.sim.simulate import Simulation
 
 
 def main() -> None:

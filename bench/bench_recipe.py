@@ -16,7 +16,10 @@ import argparse
 import tempfile
 import time
 
-from feast_edge.sim.simulate import Simulation, SimulationConfig
+from feast_edge.sim.setup import SimulationConfig
+
+# name -> recipe settings on top of SPEC §7 (randaugment+mix, lr 0.025, batch 64, 1 local epoch)
+from feast_edge.sim.simulate import Simulation
 
 # name -> recipe settings on top of SPEC §7 (randaugment+mix, lr 0.025, batch 64, 1 local epoch)
 CANDIDATES = {

@@ -20,7 +20,8 @@ from feast_edge.local.recipe import cosine_lr
 from feast_edge.local.update import client_update
 from feast_edge.route.envelope import route_state
 from feast_edge.run.cohort import client_seed, sample_round_cohort
-from feast_edge.sim.simulate import Simulation, SimulationConfig
+from feast_edge.sim.setup import SimulationConfig
+from feast_edge.sim.simulate import Simulation
 from feast_edge.space.cost import count_params
 
 

@@ -52,8 +52,9 @@ from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.brokers import free_port, listening
 from feast_edge.server.registry import Registry
 from feast_edge.sim.replay import replay_rounds
+from feast_edge.sim.setup import SimulationConfig
 from feast_edge.sim.shards import write_partition
-from feast_edge.sim.simulate import Simulation, SimulationConfig
+from feast_edge.sim.simulate import Simulation
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("agent", "server", "broker")

@@ -18,6 +18,7 @@ import typer
 from feast_edge.cli import common
 from feast_edge.errors import FeastError
 from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.credentials import credentials_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 app = common.make_app("feast-agent", "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model.")
@@ -32,7 +33,7 @@ DeviceIdOpt = Annotated[
 
 def _identity(link: Optional[LinkConfig], device_id: Optional[str], federation: Optional[str]) -> tuple[str, str]:
     """The device id and federation: from the credentials bundle when given (the options may only repeat them), else the options."""
-    bundle = None if link is None else link.credentials
+    bundle = credentials_of(link)
     if bundle is None:
         if device_id is None:
             raise FeastError("give --device-id NAME (or --credentials with a device bundle from feast-server provision)")

@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feast_edge.aggregate.robust import check_rule, rule_settings
 from feast_edge.cache.variants import load_cache
 from feast_edge.dashboard.state import DashboardState
 from feast_edge.errors import FeastError
-from feast_edge.local.recipe import TrainConfig, TrainError, recipe_config
+from feast_edge.evaluate.evaluation import Validation
+from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.protocol import Declined, Metrics, ModelRequest, Register, Update
-from feast_edge.route.payload import PAYLOAD_DTYPES
 from feast_edge.run.checkpoint import load_supernet, read_record
-from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings, Validation
+from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings, check_run_options, recorded_settings
 from feast_edge.run.roundlog import RoundLog
 from feast_edge.server.collect import MqttCollector, WaitTimeout
 from feast_edge.server.devices import DeviceBook
@@ -115,20 +114,19 @@ class ServerConfig:
             (self.max_samples >= 1, f"--max-samples {self.max_samples} must be at least 1"),
             (self.max_devices >= 1, f"--max-devices {self.max_devices} must be at least 1"),
             (self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)"),
-            (self.payload_dtype in PAYLOAD_DTYPES, f"--payload-dtype {self.payload_dtype!r} is not supported; choose one of {', '.join(PAYLOAD_DTYPES)}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ServerError(message)
         try:
-            check_rule(self.aggregation, self.trim, self.clip_norm)
-        except ValueError as exc:
+            check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
+        except RunError as exc:
             raise ServerError(str(exc)) from None
 
     def recipe(self) -> tuple[TrainConfig, str]:
         """The local-training settings every device receives and the lr schedule: the preset's recipe, then these options."""
         try:
-            return recipe_config(load_preset(self.preset).recipe, lr=self.lr, batch_size=self.batch_size, variants=self.method, augment=self.augment, epochs=self.epochs)
+            return preset_recipe(self.preset, lr=self.lr, batch_size=self.batch_size, variants=self.method, augment=self.augment, epochs=self.epochs)
         except TrainError as exc:
             raise ServerError(f"training recipe: {exc}") from None
 
@@ -139,10 +137,8 @@ class ServerConfig:
         """The settings that change the trained weights (a resumed run must keep them), the resolved recipe included."""
         names = ("preset", "rounds", "per_round", "min_clients", "seed", "lr", "batch_size", "method", "augment", "cache", "federation")
         train, schedule = self.recipe()
-        return {
-            **{name: getattr(self, name) for name in names}, "train": dataclasses.asdict(train), "lr_schedule": schedule, **rule_settings(self.aggregation, self.trim, self.clip_norm),
-            **({"payload_dtype": self.payload_dtype} if self.payload_dtype != "float32" else {}),  # float32 runs keep their earlier fingerprint
-        }
+        recorded = recorded_settings(train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype)
+        return {**{name: getattr(self, name) for name in names}, **recorded}
 
     @classmethod
     def stored(cls, out: str | Path, **overrides: Any) -> ServerConfig:

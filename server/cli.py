@@ -18,6 +18,7 @@ from rich.table import Table
 from feast_edge.cli import common
 from feast_edge.errors import FeastError
 from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.credentials import credentials_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 app = common.make_app("feast-server", "FEAST federation server: registry, rounds over MQTT, checkpoints, per-device ONNX export.")
@@ -179,7 +180,7 @@ def run(
 
 
 def _server_bundle(link: Optional[LinkConfig]) -> None:
-    bundle = None if link is None else link.credentials
+    bundle = credentials_of(link)
     if bundle is not None and bundle.role != "server":
         raise FeastError(f"--credentials {bundle.path} is device {bundle.identity!r}'s bundle; the server takes the 'server' bundle (…/server)")
 

@@ -30,7 +30,7 @@ from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import Manifest, decode, encode
 from feast_edge.route.plans import ClientPlan
 from feast_edge.run.cohort import client_seed
-from feast_edge.run.loop import ClientUpdate, Collected
+from feast_edge.run.collect import ClientUpdate, Collected
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Registry

@@ -193,8 +193,8 @@ def run_demo(
 ) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one summary row per device."""
     from feast_edge.budget.profile import load_profile
+    from feast_edge.sim.setup import SimulationConfig
     from feast_edge.sim.shards import write_partition
-    from feast_edge.sim.simulate import SimulationConfig
 
     def say(text: str) -> None:
         console.print(text, soft_wrap=True, highlight=False)

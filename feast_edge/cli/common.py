@@ -32,6 +32,7 @@ from rich.console import Console
 from feast_edge.errors import FeastError
 from feast_edge.local.torch_device import DEVICE_CHOICES
 from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.credentials import credentials_of, load_credentials
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -229,8 +230,6 @@ def mqtt_options(broker_help: str = "MQTT broker URL: mqtt://host:port or mqtts:
     def build(values: dict[str, Any]) -> LinkConfig | None:
         url, bundle = values.pop("broker"), values.pop("credentials")
         if bundle is not None:
-            from feast_edge.transport.credentials import load_credentials
-
             given = [f"--{name.replace('_', '-')}" for name in ("username", "password", "ca_file", "cert_file", "key_file") if values[name]]
             if given:
                 raise FeastError(f"{', '.join(given)} conflict with --credentials, which carries the identity; drop them")
@@ -244,7 +243,7 @@ def mqtt_options(broker_help: str = "MQTT broker URL: mqtt://host:port or mqtts:
 
 def federation_of(link: LinkConfig | None, federation: str | None) -> str:
     """The federation id: --federation, else the credentials bundle's, else 'feast'; a bundle for another federation is an error."""
-    bundle = None if link is None else link.credentials
+    bundle = credentials_of(link)
     if bundle is not None and federation is not None and federation != bundle.federation:
         raise FeastError(f"--federation {federation} differs from the credentials bundle's federation {bundle.federation!r}; drop --federation")
     return federation or (bundle.federation if bundle is not None else DEFAULT_FEDERATION)

@@ -138,7 +138,8 @@ def simulate(
     """Run the paper's protocol in one process: population, rounds, evaluation, results."""
     from feast_edge.local.precision import resolve_amp
     from feast_edge.local.torch_device import describe_device, resolve_device
-    from feast_edge.sim.simulate import Simulation, SimulationConfig
+    from feast_edge.sim.setup import SimulationConfig
+    from feast_edge.sim.simulate import Simulation
 
     requested, device = device, resolve_device(device)
     precision = resolve_amp(amp, device)
@@ -289,8 +290,8 @@ def partition(
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the shard files, server.safetensors and index.json.")],
 ) -> None:
     """Write the simulator's client shards (one file per client) and server-held splits, for feast-agent --data."""
+    from feast_edge.sim.setup import SimulationConfig
     from feast_edge.sim.shards import write_partition
-    from feast_edge.sim.simulate import SimulationConfig
 
     config = SimulationConfig(**population, per_round=1)
     _say(f"loading {config.dataset} from {config.data_dir}; splitting it over {config.clients} clients")

@@ -1,7 +1,7 @@
 """Finished runs as a dashboard: ``feast-edge dashboard RUN_DIR...`` reads what ``simulate`` and ``feast-server run`` leave in ``--out``.
 
 * a ``feast-edge simulate`` run: its ``results.json`` (read by
-  :func:`feast_edge.report.summary.load_run`, the report's reader): variants tested,
+  :func:`feast_edge.report.runs.load_run`, the report's reader): variants tested,
   population accuracy, the rounds; its clients become the fleet;
 * a ``feast-server run`` (or an unfinished simulation): the record of
   ``checkpoint.safetensors`` (config, round history), the device registry
@@ -24,7 +24,7 @@ from typing import Any
 from feast_edge.dashboard.app import DashboardError
 from feast_edge.dashboard.state import DashboardState, arch_label
 from feast_edge.errors import FeastError
-from feast_edge.report.summary import load_run
+from feast_edge.report.runs import load_run
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 

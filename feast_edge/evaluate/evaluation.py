@@ -1,8 +1,11 @@
-"""Evaluation protocol: per-variant BN recalibration, accuracy, largest-affordable serving (SPEC §8)."""
+"""Evaluation protocol (SPEC §8): per-variant BN recalibration, accuracy, validation probes, largest-affordable serving, population accuracy."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -13,6 +16,17 @@ from feast_edge.space.extract import extract, recalibrate_bn
 from feast_edge.space.preset import Preset
 from feast_edge.space.static import StaticResNet
 from feast_edge.space.supernet import Supernet
+
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Server-held data for checkpoint selection: BN-calibration images and a labelled validation split."""
+
+    calibration_images: torch.Tensor
+    images: torch.Tensor
+    labels: torch.Tensor
 
 
 def pixel_batches(images: torch.Tensor, preset: Preset, batch_size: int, device: str | torch.device = "cpu"):
@@ -46,6 +60,27 @@ def calibrated_variant(
     return model
 
 
+def evaluate_points(
+    points: Sequence[P],
+    network: Callable[[P], nn.Module],
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    preset: Preset,
+    device: str | torch.device = "cpu",
+    progress: Callable[[int, int], None] | None = None,
+) -> list[float]:
+    """Top-1 accuracy of ``network(point)`` for every point, one network alive at a time: the one evaluation loop (SPEC §8).
+
+    ``network`` builds what a device served that point runs, BN recalibrated (e.g. :func:`calibrated_variant`).
+    """
+    results = []
+    for i, point in enumerate(points):
+        results.append(accuracy(network(point), images, labels, preset, device=device))
+        if progress is not None:
+            progress(i + 1, len(points))
+    return results
+
+
 def evaluate_variants(
     supernet: Supernet,
     archs: Sequence[Arch],
@@ -56,13 +91,19 @@ def evaluate_variants(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[float]:
     """Accuracy of every arch, each with its own BN recalibration (SPEC §8)."""
-    results = []
-    for i, arch in enumerate(archs):
-        model = calibrated_variant(supernet, arch, calibration_images, device=device)
-        results.append(accuracy(model, images, labels, supernet.preset, device=device))
-        if progress is not None:
-            progress(i + 1, len(archs))
-    return results
+    network = partial(_calibrated, supernet, calibration_images, device)
+    return evaluate_points(archs, network, images, labels, supernet.preset, device, progress)
+
+
+def _calibrated(supernet: Supernet, calibration_images: torch.Tensor, device: str | torch.device, arch: Arch) -> StaticResNet:
+    return calibrated_variant(supernet, arch, calibration_images, device=device)
+
+
+def probe_indices(n: int, k: int) -> list[int]:
+    """``k`` of ``n`` rank-sorted points evenly spaced by rank, smallest and largest included: the validation probes (SPEC §8)."""
+    if k >= n:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
 
 
 def largest_affordable_index(macs: Sequence[int], budget: float) -> int:
@@ -76,7 +117,6 @@ def largest_affordable_index(macs: Sequence[int], budget: float) -> int:
     return best
 
 
-def population_accuracy(budgets: Sequence[float], macs: Sequence[int], variant_accuracy: Sequence[float]) -> float:
-    """Mean over clients of the accuracy of the largest variant each can afford (SPEC §8)."""
-    served = [variant_accuracy[largest_affordable_index(macs, b)] for b in budgets]
-    return sum(served) / len(served)
+def population_accuracy(served: Sequence[int], variant_accuracy: Sequence[float]) -> float:
+    """Mean over clients of the accuracy of the variant each is served (SPEC §8: the largest it can afford, :func:`largest_affordable_index`)."""
+    return sum(variant_accuracy[i] for i in served) / len(served)

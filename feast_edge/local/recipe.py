@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from feast_edge.errors import FeastError
 from feast_edge.local.augment import DEFAULT_POLICY, POLICIES
+from feast_edge.space.preset import load_preset
 
 VARIANT_MODES = ("min", "max", "min+max", "min+max+kd", "full")
 
@@ -90,6 +91,11 @@ def recipe_config(recipe: Mapping[str, object], **settings: object) -> tuple[Tra
         return TrainConfig(**merged), schedule
     except TypeError as exc:
         raise TrainError(f"a training setting has the wrong type ({exc})") from None
+
+
+def preset_recipe(preset: str, overrides: Mapping[str, object] = {}, **settings: object) -> tuple[TrainConfig, str]:
+    """Preset ``preset``'s [train] recipe, then ``overrides`` (``--recipe KEY=VALUE``), then the explicit ``settings`` -> (TrainConfig, lr schedule)."""
+    return recipe_config({**load_preset(preset).recipe, **overrides}, **settings)
 
 
 def scheduled_lr(schedule: str, base_lr: float, round_index: int, total_rounds: int) -> float:

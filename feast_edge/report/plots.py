@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from feast_edge.errors import FeastError
-
-if TYPE_CHECKING:  # report imports this module; the plots only need its types
-    from feast_edge.report.summary import Group
+from feast_edge.report.runs import Group
 
 WIDE = 100.0  # a bar chart whose largest bar is this many times its smallest uses a log axis
 

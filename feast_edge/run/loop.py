@@ -27,20 +27,18 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from feast_edge.aggregate.robust import aggregate_updates, check_rule
-from feast_edge.cache.variants import CacheEntry, VariantCache
-from feast_edge.errors import CheckpointError, FeastError, PayloadError
-from feast_edge.evaluate.evaluation import evaluate_variants
-from feast_edge.local.recipe import scheduled_lr
-from feast_edge.route.payload import bytes_per_param, check_payload_dtype
-from feast_edge.route.plans import ClientPlan, plan_client
+from feast_edge.aggregate.robust import check_rule, rule_settings
+from feast_edge.cache.variants import VariantCache
+from feast_edge.errors import CheckpointError, FeastError
+from feast_edge.evaluate.evaluation import Validation
+from feast_edge.local.recipe import TrainConfig, scheduled_lr
+from feast_edge.route.payload import PAYLOAD_DTYPES, bytes_per_param
 from feast_edge.run.checkpoint import FORMAT, MODEL_FORMAT, load_module, load_supernet, read_record, save_module, save_supernet
 from feast_edge.run.cohort import sample_round_cohort
-from feast_edge.space.cost import count_params
-from feast_edge.space.geometry import supernet_layout
+from feast_edge.run.collect import ClientUpdate, Collector
+from feast_edge.run.strategy import FeastStrategy
 from feast_edge.space.supernet import Supernet
 
 CHECKPOINT = "checkpoint.safetensors"
@@ -90,54 +88,6 @@ class RoundRecord:
         return record
 
 
-@dataclass
-class ClientUpdate:
-    """One valid update a collector gathered: the trained slice and what the client reported."""
-
-    client: str
-    state: dict[str, torch.Tensor]
-    samples: int  # n_i, the aggregation weight
-    loss: float | None = None
-    samples_seen: float = 0.0
-    train_macs: int = 0
-    compute_seconds: float | None = None
-    variants_per_batch: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class Collected:
-    """What collecting one round's cohort produced."""
-
-    updates: list[ClientUpdate]
-    rejected: dict[str, str] = field(default_factory=dict)
-    missing: list[str] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)
-    send_seconds: float = 0.0
-
-
-class Collector(Protocol):
-    """How a cohort's updates are collected: in process (simulation) or over MQTT (deployment)."""
-
-    def clients(self, needed: int) -> list[str]:
-        """The clients a cohort may be drawn from, once at least ``needed`` are available."""
-
-    def budget(self, client: str) -> float:
-        """The client's MAC budget."""
-
-    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
-        """Round ``t``: route each cohort member its plan's slice of ``global_state``, return the valid updates."""
-
-
-@dataclass(frozen=True)
-class Validation:
-    """Server-held data for checkpoint selection: BN-calibration images and a labelled validation split."""
-
-    calibration_images: torch.Tensor
-    images: torch.Tensor
-    labels: torch.Tensor
-
-
 @dataclass(frozen=True)
 class RunSettings:
     """The settings of the loop itself (everything else the caller records in ``config``)."""
@@ -157,11 +107,24 @@ class RunSettings:
     payload_dtype: str = "float32"  # of the payloads on the wire (feast_edge.route.payload.PAYLOAD_DTYPES); the model stays float32
 
     def __post_init__(self) -> None:
-        try:
-            check_rule(self.aggregation, self.trim, self.clip_norm)
-            check_payload_dtype(self.payload_dtype)
-        except (ValueError, PayloadError) as exc:
-            raise RunError(str(exc)) from None
+        check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
+
+
+def check_run_options(payload_dtype: str, aggregation: str, trim: float, clip_norm: float | None) -> None:
+    """The one check of a run's payload dtype and aggregation rule (RunSettings, ServerConfig, SimulationConfig): a RunError naming the option."""
+    if payload_dtype not in PAYLOAD_DTYPES:
+        raise RunError(f"--payload-dtype {payload_dtype!r} is not supported; choose one of {', '.join(PAYLOAD_DTYPES)}")
+    try:
+        check_rule(aggregation, trim, clip_norm)
+    except ValueError as exc:
+        raise RunError(str(exc)) from None
+
+
+def recorded_settings(train: TrainConfig, schedule: str, aggregation: str, trim: float, clip_norm: float | None, payload_dtype: str) -> dict[str, Any]:
+    """What every run's fingerprint records of its recipe, aggregation and wire: the resolved recipe, the aggregation
+    settings its rule reads (none for the mean) and a payload dtype other than float32 (float32 runs keep their earlier fingerprints)."""
+    wire = {} if payload_dtype == "float32" else {"payload_dtype": payload_dtype}
+    return {"train": asdict(train), "lr_schedule": schedule, **rule_settings(aggregation, trim, clip_norm), **wire}
 
 
 class RoundMethod(Protocol):
@@ -183,34 +146,6 @@ class RoundMethod(Protocol):
         """Parameters of the whole global model (what broadcasting it to one client sends)."""
 
 
-class FeastRounds:
-    """FEAST's round steps (SPEC §5–§8): affordable sets and envelopes, sparse aggregation, probe variants."""
-
-    def __init__(self, model: Supernet, cache: VariantCache, settings: RunSettings) -> None:
-        self.model, self.cache, self.settings = model, cache, settings
-        self.validated: list[dict[str, Any]] = []  # the latest validation, per probe variant (label, macs, params, val_accuracy)
-
-    def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, ClientPlan]:
-        return {c: plan_client(self.cache, budget(c)) for c in cohort}
-
-    def payload_params(self, plan: ClientPlan) -> int:
-        return count_params(plan.layout(self.model.preset, self.model.classes))
-
-    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
-        s = self.settings
-        aggregate_updates(global_state, [(u.client, u.state, u.samples) for u in updates], inplace=True, rule=s.aggregation, trim=s.trim, clip_norm=s.clip_norm)
-
-    def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
-        """Mean validation accuracy of the probe variants, each BN-recalibrated (SPEC §8)."""
-        v, entries = validation, probe_entries(self.cache, k)
-        accs = evaluate_variants(self.model, [e.arch for e in entries], v.calibration_images, v.images, v.labels, device)
-        self.validated = [{"label": f"{e.macs / 1e6:.2f}M", "macs": e.macs, "params": e.params, "val_accuracy": float(a)} for e, a in zip(entries, accs)]
-        return float(np.mean(accs))
-
-    def full_params(self) -> int:
-        return count_params(supernet_layout(self.model.preset, self.model.classes))
-
-
 def _keep_previous(current: Path, previous: Path) -> None:
     """Keep ``current`` as ``previous`` before it is replaced: a hard link (no copy), the new file is then written beside it."""
     if not current.is_file():
@@ -222,18 +157,6 @@ def _keep_previous(current: Path, previous: Path) -> None:
     except OSError:  # a file system without hard links: copy instead
         shutil.copyfile(current, staging)
     os.replace(staging, previous)
-
-
-def probe_entries(cache: VariantCache, k: int) -> list[CacheEntry]:
-    """``k`` cached variants evenly spaced by rank (smallest and largest included): the validation probes."""
-    n = len(cache)
-    picks = np.linspace(0, n - 1, min(k, n)).round().astype(int)
-    return [cache.entries[i] for i in sorted(set(picks.tolist()))]
-
-
-def probe_archs(cache: VariantCache, k: int) -> list:
-    """The architectures of :func:`probe_entries`."""
-    return [entry.arch for entry in probe_entries(cache, k)]
 
 
 class RunLoop:
@@ -259,7 +182,7 @@ class RunLoop:
         self.preset = model.preset if isinstance(model, Supernet) else None
         self.cache = cache
         self.settings = settings
-        self.method: RoundMethod = method if method is not None else FeastRounds(model, cache, settings)
+        self.method: RoundMethod = method if method is not None else FeastStrategy(model, cache, settings.aggregation, settings.trim, settings.clip_norm)
         self.model_record = None if isinstance(model, Supernet) else dict(model_record or {})
         self.out = Path(out)
         self.kind = kind

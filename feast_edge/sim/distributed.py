@@ -34,9 +34,10 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from feast_edge.errors import FeastError
-from feast_edge.run.loop import ClientUpdate, Collected
+from feast_edge.run.collect import ClientUpdate, Collected
+from feast_edge.sim.collect import InProcessCollector
 from feast_edge.sim.methods import Method, method_class
-from feast_edge.sim.simulate import InProcessCollector, Setup, SimulationConfig, build_setup
+from feast_edge.sim.setup import Setup, SimulationConfig, build_setup
 
 BACKENDS = ("auto", "gloo", "nccl")
 # A wait on the process group gives up after this long: rank 0 validates and checkpoints between rounds while the others wait.

@@ -21,8 +21,8 @@ from feast_edge.route.envelope import route_state
 from feast_edge.route.plans import plan_client
 from feast_edge.run.cohort import client_seed
 from feast_edge.run.loop import RoundRecord
+from feast_edge.sim.setup import SimulationConfig
 from feast_edge.sim.shards import read_index, read_shard
-from feast_edge.sim.simulate import SimulationConfig
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 

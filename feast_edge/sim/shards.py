@@ -27,8 +27,8 @@ from safetensors.torch import save as safetensors_save
 from feast_edge.errors import FeastError
 from feast_edge.util.atomic import atomic_write_bytes
 
-if TYPE_CHECKING:  # writing a partition needs the simulator; reading a shard (what an agent does) does not
-    from feast_edge.sim.simulate import Setup, SimulationConfig
+if TYPE_CHECKING:  # writing a partition needs the harness set-up; reading a shard (what an agent does) does not
+    from feast_edge.sim.setup import Setup, SimulationConfig
 
 SHARD_FORMAT = "feast-edge/shard"
 SERVER_FORMAT = "feast-edge/server-split"
@@ -77,7 +77,7 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], record: dict[str, Any])
 
 def write_partition(config: SimulationConfig, out: str | os.PathLike[str], setup: Setup | None = None) -> dict[str, Any]:
     """Write every client's shard, the server split and ``index.json`` into ``out``; returns the index."""
-    from feast_edge.sim.simulate import build_setup
+    from feast_edge.sim.setup import build_setup
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,15 +5,13 @@ from __future__ import annotations
 import logging
 import ssl
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
 from paho.mqtt.enums import MQTTProtocolVersion
 
 from feast_edge.transport.errors import BrokerTlsError, LinkError
-
-if TYPE_CHECKING:
-    from feast_edge.transport.credentials import Credentials
+from feast_edge.transport.signing import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +58,13 @@ def parse_broker_url(url: str) -> BrokerAddress:
     )
 
 
+class Signer(Protocol):
+    """What a link needs of a provisioned identity (``feast_edge.transport.credentials.Credentials`` is one): its keys."""
+
+    def keyring(self) -> Keyring:
+        """The signing key and the peers' public keys."""
+
+
 @dataclass(frozen=True)
 class LinkConfig:
     """Connection settings; the CLI flags of feast-server and feast-agent map one to one onto these fields."""
@@ -79,7 +84,7 @@ class LinkConfig:
     reconnect_max_delay: float = 30.0
     max_inflight: int = 32  # QoS 1 messages on the wire awaiting PUBACK
     inbox_size: int = 10000
-    credentials: Credentials | None = field(default=None, repr=False)  # a provisioned identity: signs and verifies every message
+    credentials: Signer | None = field(default=None, repr=False)  # a provisioned identity: signs and verifies every message
 
 
 def tls_context(config: LinkConfig) -> ssl.SSLContext:

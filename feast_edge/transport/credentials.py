@@ -88,6 +88,12 @@ class Credentials:
         return body
 
 
+def credentials_of(link: LinkConfig | None) -> Credentials | None:
+    """The provisioned identity a link was configured with (``--credentials``), if any."""
+    bundle = None if link is None else link.credentials
+    return bundle if isinstance(bundle, Credentials) else None
+
+
 def load_credentials(path: str | Path) -> Credentials:
     """Read and check the bundle in directory ``path`` (or its ``bundle.json``); CredentialsError says what is wrong."""
     root = Path(path)

@@ -137,6 +137,59 @@ def test_nothing_imports_the_old_top_level_names(modules: dict[str, Module]) -> 
     assert not stale, f"imports of {', '.join(OLD_NAMES)} (now feast_edge.server, feast_edge.agent, feast_edge.transport):\n" + "\n".join(stale)
 
 
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing itself): Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles(modules: dict[str, Module]) -> None:
+    """No two modules import each other, directly or through others, counting TYPE_CHECKING and function-level imports."""
+    graph = {m.name: {i.target for i in m.imports if i.target in modules and i.target != m.name} for m in modules.values()}
+    cycles = _cycles(graph)
+    detail = [
+        " <-> ".join(c) + ":\n" + "\n".join(f"  {_where(modules[a], i)}: {a} imports {i.target}" for a in c for i in modules[a].imports if i.target in c and i.target != a)
+        for c in cycles
+    ]
+    assert not cycles, "import cycles:\n" + "\n".join(detail)
+
+
+def test_the_cycle_check_finds_cycles() -> None:
+    """The check itself: a two-module cycle and a three-module ring are found, a chain is not."""
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
 def test_no_module_is_much_over_400_lines(modules: dict[str, Module]) -> None:
     long = sorted((m.lines, str(m.path.relative_to(REPO))) for m in modules.values() if m.lines > MAX_LINES)
     assert not long, f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(f"{path}: {n} lines" for n, path in reversed(long))

@@ -15,7 +15,10 @@ from safetensors.torch import load_file
 
 from feast_edge.cli.worker import COMMAND
 from feast_edge.sim.distributed import Spread
-from feast_edge.sim.simulate import CHECKPOINT, Simulation, SimulationConfig
+from feast_edge.sim.setup import SimulationConfig
+
+# Both runs use one intra-op thread per process: the thread count changes PyTorch's float summation order.
+from feast_edge.sim.simulate import CHECKPOINT, Simulation
 
 # Both runs use one intra-op thread per process: the thread count changes PyTorch's float summation order.
 RUN = ("--clients", "4", "--per-round", "4", "--rounds", "2", "--train-limit", "400", "--val-samples", "200", "--calib-samples", "100",

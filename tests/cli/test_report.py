@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from feast_edge.report.summary import group_runs, load_run
+from feast_edge.report.runs import group_runs, load_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 BUDGETS = [12e6, 25e6, 50e6, 50e6]

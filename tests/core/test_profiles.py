@@ -24,7 +24,7 @@ from feast_edge.budget.profile import (
 
 PROFILES_DIR = builtin_dir()
 from feast_edge.cache.variants import VariantCache, load_cache
-from feast_edge.sim.simulate import SimulationConfig
+from feast_edge.sim.setup import SimulationConfig
 from feast_edge.space.preset import load_preset
 from feast_edge.util.atomic import OutputPathError
 

@@ -10,7 +10,7 @@ import torch
 from feast_edge.errors import PresetError
 from feast_edge.local.augment import POLICIES, BatchAugmenter
 from feast_edge.local.recipe import TrainConfig, TrainError, recipe_config, scheduled_lr
-from feast_edge.sim.simulate import SimulationConfig, SimulationError
+from feast_edge.sim.setup import SimulationConfig, SimulationError
 from feast_edge.space.preset import Preset, load_preset, load_preset_file
 
 PAPER = ("paper-cifar100", "paper-cinic10", "paper-tinyimagenet")

@@ -16,7 +16,8 @@ from feast_edge.aggregate.robust import NETWORK_MAX_CLIENTS, NETWORK_MIN_POSITIO
 from feast_edge.aggregate.sparse import PayloadError, aggregate
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.loop import RunError, RunSettings
-from feast_edge.sim.simulate import CHECKPOINT, Simulation, SimulationConfig, SimulationError
+from feast_edge.sim.setup import SimulationConfig, SimulationError
+from feast_edge.sim.simulate import CHECKPOINT, Simulation
 from feast_edge.space.geometry import envelope_layout
 from feast_edge.space.supernet import Supernet
 

@@ -11,7 +11,8 @@ import torch
 from feast_edge.cache.variants import CacheError
 from feast_edge.data.images import DataError
 from feast_edge.run.checkpoint import load_supernet
-from feast_edge.sim.simulate import CHECKPOINT, Simulation, SimulationConfig, SimulationError
+from feast_edge.sim.setup import SimulationConfig, SimulationError
+from feast_edge.sim.simulate import CHECKPOINT, Simulation
 
 TINY_RUN = SimulationConfig(
     clients=4,

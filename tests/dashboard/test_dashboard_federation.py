@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from browser import console_errors, open_page, points, save_screenshot, wait_until
 
+from feast_edge.sim.setup import SimulationConfig
 from feast_edge.sim.shards import read_index, write_partition
-from feast_edge.sim.simulate import SimulationConfig
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained
 

@@ -24,8 +24,9 @@ import torch
 
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.server.app import FederationServer, RoundRecord, ServerConfig
+from feast_edge.sim.setup import SimulationConfig
 from feast_edge.sim.shards import write_partition
-from feast_edge.sim.simulate import Simulation, SimulationConfig
+from feast_edge.sim.simulate import Simulation
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained as transport_clear_retained
 

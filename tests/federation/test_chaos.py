@@ -35,8 +35,8 @@ from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.app import REGISTRY
 from feast_edge.server.registry import Device, Registry
 from feast_edge.sim.replay import replay_rounds
+from feast_edge.sim.setup import SimulationConfig
 from feast_edge.sim.shards import read_index
-from feast_edge.sim.simulate import SimulationConfig
 
 ROUNDS = 3
 

@@ -94,7 +94,7 @@ def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, t
 
 
 def test_partition_command_writes_exactly_the_simulators_shards(kit, tmp_path: Path, fashion_mnist_dir: Path) -> None:
-    from feast_edge.sim.simulate import SimulationConfig, build_setup
+    from feast_edge.sim.setup import SimulationConfig, build_setup
 
     out = tmp_path / "part"
     result = subprocess.run(

@@ -12,8 +12,7 @@ import torch
 from feast_edge.local.recipe import cosine_lr
 from feast_edge.route.envelope import route_state
 from feast_edge.run.cohort import sample_round_cohort
-from feast_edge.run.loop import ClientUpdate
-from feast_edge.sim.methods.base import MethodError
+from feast_edge.run.collect import ClientUpdate
 from feast_edge.sim.methods.fednas import (
     LARGEST,
     RANDOM,
@@ -28,7 +27,8 @@ from feast_edge.sim.methods.fednas import (
     tallied_role,
     weighted_slice_mean,
 )
-from feast_edge.sim.simulate import SimulationConfig, build_setup
+from feast_edge.sim.registry import MethodError
+from feast_edge.sim.setup import SimulationConfig, build_setup
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import arch_cost
 from feast_edge.space.geometry import arch_layout

@@ -23,7 +23,7 @@ from feast_edge.sim.methods.fiarse import (
     model_size,
     threshold,
 )
-from feast_edge.sim.simulate import SimulationConfig, build_setup
+from feast_edge.sim.setup import SimulationConfig, build_setup
 from feast_edge.space.cost import count_macs
 from feast_edge.space.geometry import supernet_layout
 

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.sim.methods import METHODS, MethodError, method_class
-from feast_edge.sim.simulate import Simulation, SimulationConfig, SimulationError
+from feast_edge.sim.setup import SimulationConfig, SimulationError
+from feast_edge.sim.simulate import Simulation
 
 TINY = dict(clients=4, per_round=2, rounds=2, train_limit=400, val_samples=200, calib_samples=100, test_limit=200, eval_every=1, probe_variants=2)
 

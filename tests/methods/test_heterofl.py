@@ -8,11 +8,11 @@ import torch
 
 from feast_edge.local.recipe import cosine_lr
 from feast_edge.run.cohort import client_seed, sample_round_cohort
-from feast_edge.run.loop import ClientUpdate
+from feast_edge.run.collect import ClientUpdate
 from feast_edge.sim.methods import MethodError, method_class
 from feast_edge.sim.methods.heterofl import HeteroFL, heterofl_shape
 from feast_edge.sim.methods.resnet18 import ResNet18, ResNetShape, Scaler, build_network, leading_state, resnet_cost, tensor_shapes
-from feast_edge.sim.simulate import SimulationConfig, build_setup
+from feast_edge.sim.setup import SimulationConfig, build_setup
 from feast_edge.space.counting import measure_macs, measure_params
 from feast_edge.space.preset import load_preset
 

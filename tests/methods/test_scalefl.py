@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 from feast_edge.local.recipe import cosine_lr
 from feast_edge.run.cohort import client_seed, sample_round_cohort
-from feast_edge.run.loop import ClientUpdate
-from feast_edge.sim.methods.base import MethodError
+from feast_edge.run.collect import ClientUpdate
 from feast_edge.sim.methods.scalefl import ScaleFL, exit_loss
 from feast_edge.sim.methods.scalefl_net import Geometry, ScaleFLNet, build_levels, level_net, load_slices, search_splits
-from feast_edge.sim.simulate import SimulationConfig, build_setup
+from feast_edge.sim.registry import MethodError
+from feast_edge.sim.setup import SimulationConfig, build_setup
 from feast_edge.space.preset import load_preset
 
 # One client per level on fmnist-small (levels cost 1.9M / 3.5M / 6.5M / 28.6M MACs), three of them at the top.

@@ -8,29 +8,8 @@ first use, so listing them costs nothing.
 
 from __future__ import annotations
 
-import importlib
-
-from feast_edge.sim.methods.base import Method, MethodError, OperatingPoint
-
-# name -> "module:Class"; the order is the order of --help and of reports.
-_REGISTRY = {
-    "feast": "feast_edge.sim.methods.feast:Feast",
-    "centralized": "feast_edge.sim.methods.centralized:Centralized",
-    "heterofl": "feast_edge.sim.methods.heterofl:HeteroFL",
-    "scalefl": "feast_edge.sim.methods.scalefl:ScaleFL",
-    "fiarse": "feast_edge.sim.methods.fiarse:Fiarse",
-    "sfn": "feast_edge.sim.methods.fednas:SuperFedNAS",
-    "dfn": "feast_edge.sim.methods.fednas:DeepFedNAS",
-}
-METHODS = tuple(_REGISTRY)
-
-
-def method_class(name: str) -> type[Method]:
-    """The class of method ``name``; a one-line MethodError for an unknown name."""
-    if name not in _REGISTRY:
-        raise MethodError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
-    module, cls = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)
-
+from feast_edge.evaluate.points import OperatingPoint
+from feast_edge.sim.methods.base import Method
+from feast_edge.sim.registry import METHODS, MethodError, method_class
 
 __all__ = ["METHODS", "Method", "MethodError", "OperatingPoint", "method_class"]

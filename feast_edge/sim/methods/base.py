@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -38,36 +38,14 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import nn
 
-from feast_edge.errors import FeastError
-from feast_edge.evaluate.evaluation import accuracy
+from feast_edge.evaluate.points import ServedPoints
 from feast_edge.route.payload import on_the_wire
+from feast_edge.run.cohort import client_seed
+from feast_edge.sim.registry import MethodError
 
 if TYPE_CHECKING:  # the harness imports the methods; methods only need its types
-    from feast_edge.run.loop import ClientUpdate, Validation
-    from feast_edge.sim.simulate import Setup, SimulationConfig
-
-
-class MethodError(FeastError, ValueError):
-    """A method cannot run with the given settings (unknown name, missing or invalid option)."""
-
-
-@dataclass(frozen=True)
-class OperatingPoint:
-    """One model a method can serve: its label, inference MACs and parameters, and what identifies it.
-
-    ``detail`` is JSON data (a FEAST arch dict, a HeteroFL tier, a ScaleFL level, a FIARSE size).
-    For methods whose sparsity does not reduce dense compute (FIARSE), ``macs`` is the nominal
-    budget the point is served at and ``dense_macs`` what a device actually computes.
-    """
-
-    label: str
-    macs: int
-    params: int
-    detail: Mapping[str, Any] = field(default_factory=dict)
-    dense_macs: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "macs": self.macs, "params": self.params, "detail": dict(self.detail), "dense_macs": self.dense_macs}
+    from feast_edge.run.collect import ClientUpdate
+    from feast_edge.sim.setup import Setup, SimulationConfig
 
 
 @dataclass(frozen=True)
@@ -85,7 +63,7 @@ def floats(text: str) -> tuple[float, ...]:
     return tuple(float(v) for v in text.split(",") if v.strip())
 
 
-class Method:
+class Method(ServedPoints):
     """Base class of a harness method; see the module docstring for the contract."""
 
     name: ClassVar[str] = ""
@@ -169,8 +147,6 @@ class Method:
 
     def train_one(self, t: int, client: str, plan: Any, delivered: Mapping[str, torch.Tensor], lr: float) -> ClientUpdate:
         """One cohort member's :meth:`train_client` on its own shard, its update passed through safetensors as on the wire."""
-        from feast_edge.run.cohort import client_seed
-
         images, labels = self.setup.client_data(client)
         began = time.perf_counter()
         if self.on_client is not None:
@@ -189,54 +165,10 @@ class Method:
         return [self.train_one(t, client, plans[client], delivered, lr) for client in cohort]
 
     # ------------------------------------------------------------------ evaluation
-    def points(self) -> list[OperatingPoint]:
-        """The operating points served to devices, sorted by MACs."""
-        raise NotImplementedError
-
-    def probe_points(self, k: int) -> list[OperatingPoint]:
-        """``k`` points evenly spaced by rank (smallest and largest included): what validation averages."""
-        pts = self.points()
-        n = len(pts)
-        if k >= n:
-            return pts
-        picks = sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
-        return [pts[i] for i in picks]
-
-    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
-        """The network a device served ``point`` runs (normalized images in, logits out), BN recalibrated on ``calibration_images``, eval mode."""
-        raise NotImplementedError
-
-    def evaluate(
-        self,
-        points: Sequence[OperatingPoint],
-        calibration_images: torch.Tensor,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        device: str | torch.device = "cpu",
-        progress: Callable[[int, int], None] | None = None,
-    ) -> list[float]:
-        """Top-1 accuracy of each point of ``self.model``, each after its own BN recalibration on ``calibration_images`` (SPEC §8)."""
-        results = []
-        for i, point in enumerate(points):
-            results.append(accuracy(self.point_network(point, calibration_images, device), images, labels, self.preset, device=device))
-            if progress is not None:
-                progress(i + 1, len(points))
-        return results
-
-    def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
-        """Mean validation accuracy of the ``k`` probe points (checkpoint selection, SPEC §8)."""
-        points = self.probe_points(k)
-        accs = self.evaluate(points, validation.calibration_images, validation.images, validation.labels, device)
-        self.validated = [{"label": p.label, "macs": p.macs, "params": p.params, "val_accuracy": float(a)} for p, a in zip(points, accs)]
-        return float(sum(accs) / len(accs))
-
     def served(self, budget: float) -> int:
-        """Index in :meth:`points` of the largest point with MACs <= ``budget``."""
-        pts = self.points()
-        best = -1
-        for i, p in enumerate(pts):
-            if p.macs <= budget:
-                best = i
-        if best < 0:
-            raise MethodError(f"{self.name}: a budget of {budget / 1e6:.2f}M MACs is below its smallest model ({pts[0].macs / 1e6:.2f}M MACs); raise --budget-min")
-        return best
+        """Index in :meth:`points` of the largest point with MACs <= ``budget`` (SPEC §8)."""
+        try:
+            return super().served(budget)
+        except ValueError:
+            smallest = self.points()[0].macs
+            raise MethodError(f"{self.name}: a budget of {budget / 1e6:.2f}M MACs is below its smallest model ({smallest / 1e6:.2f}M MACs); raise --budget-min") from None

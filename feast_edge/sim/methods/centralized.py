@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from feast_edge.local.cotrain import local_train
-from feast_edge.run.loop import ClientUpdate
+from feast_edge.run.collect import ClientUpdate
 from feast_edge.sim.methods.feast import Feast
 
 _POOL = 31  # stream tag of the per-round shuffles of the pooled data

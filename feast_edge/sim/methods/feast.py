@@ -1,52 +1,53 @@
-"""FEAST itself as a harness method (SPEC §5–§8): the one ``feast-server`` runs, with the same functions.
+"""FEAST itself as a harness method (SPEC §5–§8): the strategy ``feast-server`` runs, plus local training in process.
 
-Plans are affordable sets and their envelopes (``plan_client``), payloads the
-routed sub-supernets (``route_state``), local training the multi-variant
-co-training (``client_update``, with ``config.variants`` choosing the paper's
-ablations), aggregation the sparse sample-weighted mean (or a robust rule,
-``--aggregation``), and the operating points the cached variants, each
-evaluated after its own BN recalibration.
+Plans, payload sizes, aggregation (the sparse sample-weighted mean, or a robust
+rule, ``--aggregation``) and the operating points (the cached variants, each
+evaluated after its own BN recalibration) are :class:`FeastStrategy`'s, the
+very object the server's run loop uses; what this class adds is the client's
+side: the routed sub-supernet (``route_state``) co-trained on its shard
+(``client_update``, with ``config.variants`` choosing the paper's ablations).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from feast_edge.evaluate.evaluation import calibrated_variant
+from feast_edge.evaluate.points import OperatingPoint
 from feast_edge.local.update import client_update
 from feast_edge.route.envelope import route_state
-from feast_edge.route.plans import ClientPlan, plan_client
-from feast_edge.run.loop import ClientUpdate, FeastRounds, RunSettings
-from feast_edge.sim.methods.base import Method, OperatingPoint
-from feast_edge.space.arch import Arch
-from feast_edge.space.cost import count_params
+from feast_edge.route.plans import ClientPlan
+from feast_edge.run.collect import ClientUpdate
+from feast_edge.run.strategy import FeastStrategy
+from feast_edge.sim.methods.base import Method
 from feast_edge.space.supernet import Supernet
+
+if TYPE_CHECKING:
+    from feast_edge.sim.setup import Setup, SimulationConfig
 
 
 class Feast(Method):
     name = "feast"
     summary = "FEAST: routed sub-supernets, multi-variant co-training, sparse sample-weighted aggregation"
 
+    def __init__(self, setup: Setup, config: SimulationConfig) -> None:
+        super().__init__(setup, config)
+        self.strategy = FeastStrategy(self.model, setup.cache, config.aggregation, config.trim, config.clip_norm)
+
     def build_model(self) -> Supernet:
         return Supernet(self.preset, seed=self.config.seed)
 
-    def _rounds(self) -> FeastRounds:
-        c = self.config
-        settings = RunSettings(rounds=c.rounds, per_round=c.per_round, min_clients=1, seed=c.seed, lr=1.0, aggregation=c.aggregation, trim=c.trim, clip_norm=c.clip_norm)
-        return FeastRounds(self.model, self.setup.cache, settings)
-
     def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, ClientPlan]:
-        return {c: plan_client(self.setup.cache, budget(c)) for c in cohort}
+        return self.strategy.plans(t, cohort, budget)
 
     def payload_params(self, plan: ClientPlan) -> int:
-        return count_params(plan.layout(self.preset, self.preset.classes))
+        return self.strategy.payload_params(plan)
 
     def full_params(self) -> int:
-        return self._rounds().full_params()
+        return self.strategy.full_params()
 
     def train_client(
         self, t: int, client: str, plan: ClientPlan, global_state: Mapping[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor, lr: float, seed: int
@@ -60,11 +61,10 @@ class Feast(Method):
         )
 
     def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
-        self._rounds().aggregate(t, global_state, updates, plans)
+        self.strategy.aggregate(t, global_state, updates, plans)
 
     def points(self) -> list[OperatingPoint]:
-        return [OperatingPoint(f"variant {i}", e.macs, e.params, e.arch.to_dict()) for i, e in enumerate(self.setup.cache.entries)]
+        return self.strategy.points()
 
     def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
-        """The cached variant extracted as a static network, BN recalibrated (SPEC §8)."""
-        return calibrated_variant(self.model, Arch.from_dict(dict(point.detail)), calibration_images, device=device)
+        return self.strategy.point_network(point, calibration_images, device)

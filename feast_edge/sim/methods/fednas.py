@@ -78,12 +78,14 @@ from torch import nn
 
 from feast_edge.aggregate.sparse import check_payload
 from feast_edge.cache.variants import CacheEntry
-from feast_edge.evaluate.evaluation import evaluate_variants
+from feast_edge.evaluate.evaluation import calibrated_variant
+from feast_edge.evaluate.points import OperatingPoint
 from feast_edge.local.cotrain import seeds, supervised_loss, training_batches
 from feast_edge.route.envelope import route_state
 from feast_edge.run.cohort import sample_round_cohort
-from feast_edge.run.loop import ClientUpdate
-from feast_edge.sim.methods.base import Method, MethodError, MethodOption, OperatingPoint
+from feast_edge.run.collect import ClientUpdate
+from feast_edge.sim.methods.base import Method, MethodOption
+from feast_edge.sim.registry import MethodError
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import arch_cost, count_params
 from feast_edge.space.geometry import arch_layout
@@ -92,10 +94,10 @@ from feast_edge.space.supernet import Supernet
 from feast_edge.util.slicing import leading_index
 
 if TYPE_CHECKING:  # the harness builds the methods; they only need its types
-    from feast_edge.sim.simulate import Setup, SimulationConfig
+    from feast_edge.sim.setup import Setup, SimulationConfig
 
 LARGEST, SMALLEST, RANDOM = "largest", "smallest", "random"
-_DRAW = 41  # stream tag of the random-role draws (feast_edge.route.plans uses 1 and 2)
+_DRAW = 41  # stream tag of the random-role draws (feast_edge.run.cohort uses 1 and 2)
 StateDict = Mapping[str, torch.Tensor]
 
 
@@ -363,9 +365,9 @@ class _FedNAS(Method):
             self._points = [OperatingPoint(f"variant {i}", e.macs, e.params, e.arch.to_dict()) for i, e in enumerate(self.cache.entries)]
         return list(self._points)
 
-    def evaluate(self, points, calibration_images, images, labels, device="cpu", progress=None) -> list[float]:
-        archs = [Arch.from_dict(dict(p.detail)) for p in points]
-        return evaluate_variants(self.model, archs, calibration_images, images, labels, device, progress)
+    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+        """The cached variant extracted as a static network, BN recalibrated (SPEC §8)."""
+        return calibrated_variant(self.model, Arch.from_dict(dict(point.detail)), calibration_images, device=device)
 
 
 class SuperFedNAS(_FedNAS):

@@ -88,15 +88,17 @@ from torch import nn
 from torch.func import functional_call
 
 from feast_edge.evaluate.evaluation import calibrated_variant
+from feast_edge.evaluate.points import OperatingPoint
 from feast_edge.local.cotrain import seeds, supervised_loss, training_batches
-from feast_edge.run.loop import ClientUpdate
-from feast_edge.sim.methods.base import Method, MethodError, MethodOption, OperatingPoint, floats
+from feast_edge.run.collect import ClientUpdate
+from feast_edge.sim.methods.base import Method, MethodOption, floats
+from feast_edge.sim.registry import MethodError
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import arch_cost
 from feast_edge.space.supernet import Supernet
 
 if TYPE_CHECKING:
-    from feast_edge.sim.simulate import Setup, SimulationConfig
+    from feast_edge.sim.setup import Setup, SimulationConfig
 
 MIN_SIZE = 1 / 256  # smallest model size (SPEC §9, the original's smallest evaluated size)
 DELTA, MASK = "delta.", "mask."  # update keys: Δ of a parameter, the mask of a masked weight

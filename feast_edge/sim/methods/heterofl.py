@@ -57,9 +57,10 @@ from torch import nn
 
 from feast_edge.aggregate.robust import robust_aggregate
 from feast_edge.evaluate.evaluation import pixel_batches
+from feast_edge.evaluate.points import OperatingPoint
 from feast_edge.local.cotrain import seeds, training_batches
-from feast_edge.run.loop import ClientUpdate
-from feast_edge.sim.methods.base import Method, MethodError, MethodOption, OperatingPoint, floats
+from feast_edge.run.collect import ClientUpdate
+from feast_edge.sim.methods.base import Method, MethodOption, floats
 from feast_edge.sim.methods.resnet18 import (
     ResNet18,
     ResNetShape,
@@ -71,11 +72,12 @@ from feast_edge.sim.methods.resnet18 import (
     resnet_cost,
     tensor_shapes,
 )
+from feast_edge.sim.registry import MethodError
 from feast_edge.space.extract import recalibrate_bn
 from feast_edge.space.preset import Preset
 
 if TYPE_CHECKING:
-    from feast_edge.sim.simulate import Setup, SimulationConfig
+    from feast_edge.sim.setup import Setup, SimulationConfig
 
 PAPER_TIERS = (1.0, 0.5, 0.25, 0.125, 0.0625)
 

@@ -69,14 +69,16 @@ from torch import nn
 
 from feast_edge.aggregate.robust import robust_aggregate
 from feast_edge.evaluate.evaluation import pixel_batches
+from feast_edge.evaluate.points import OperatingPoint
 from feast_edge.local.cotrain import seeds, training_batches
-from feast_edge.run.loop import ClientUpdate
-from feast_edge.sim.methods.base import Method, MethodError, MethodOption, OperatingPoint
+from feast_edge.run.collect import ClientUpdate
+from feast_edge.sim.methods.base import Method, MethodOption
 from feast_edge.sim.methods.scalefl_net import TOTAL_BLOCKS, DeepestExit, Geometry, Level, ScaleFLNet, build_levels, level_net, load_slices, search_splits
+from feast_edge.sim.registry import MethodError
 from feast_edge.space.extract import recalibrate_bn
 
 if TYPE_CHECKING:
-    from feast_edge.sim.simulate import Setup, SimulationConfig
+    from feast_edge.sim.setup import Setup, SimulationConfig
 
 
 def exit_loss(logits: Sequence[torch.Tensor], targets: torch.Tensor, beta: float = 0.1, tau: float = 3.0) -> torch.Tensor:

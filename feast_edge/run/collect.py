@@ -1,0 +1,55 @@
+"""What the run loop asks of "how a cohort's updates are collected", the one part simulation and deployment do differently.
+
+In process (``feast_edge.sim.setup.InProcessCollector``: the harness trains each
+member) or over MQTT (``feast_edge.server.collect``: the devices train); both
+return the round's valid updates as :class:`ClientUpdate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from feast_edge.route.plans import ClientPlan
+
+
+@dataclass
+class ClientUpdate:
+    """One valid update a collector gathered: the trained slice and what the client reported."""
+
+    client: str
+    state: dict[str, torch.Tensor]
+    samples: int  # n_i, the aggregation weight
+    loss: float | None = None
+    samples_seen: float = 0.0
+    train_macs: int = 0
+    compute_seconds: float | None = None
+    variants_per_batch: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Collected:
+    """What collecting one round's cohort produced."""
+
+    updates: list[ClientUpdate]
+    rejected: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    send_seconds: float = 0.0
+
+
+class Collector(Protocol):
+    """How a cohort's updates are collected: in process (simulation) or over MQTT (deployment)."""
+
+    def clients(self, needed: int) -> list[str]:
+        """The clients a cohort may be drawn from, once at least ``needed`` are available."""
+
+    def budget(self, client: str) -> float:
+        """The client's MAC budget."""
+
+    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+        """Round ``t``: route each cohort member its plan's slice of ``global_state``, return the valid updates."""

@@ -1,0 +1,201 @@
+"""The harness's inputs, built once per process: a simulation's settings, its data splits, population and client plans.
+
+:class:`SimulationConfig` is everything that decides a simulation's result;
+:func:`build_setup` turns it into a :class:`Setup` (server-held validation and
+calibration splits, the client pool, the population's budgets and shards, each
+client's plan). The simulation (``feast_edge.sim.simulate``), its ``--nproc``
+workers (``feast_edge.sim.distributed``), the methods, the partition files
+(``feast_edge.sim.shards``), replay and the demo all build from here, so every
+one of them sees the same clients with the same data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from feast_edge.cache.variants import VariantCache, load_cache
+from feast_edge.data.images import FASHION_MNIST_DIR, DataError, ImageSet, load_dataset
+from feast_edge.errors import FeastError
+from feast_edge.local.precision import AMP_MODES, set_deterministic
+from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
+from feast_edge.route.plans import plan_client
+from feast_edge.run.loop import RunError, check_run_options, recorded_settings
+from feast_edge.sim.population import Population, build_population, server_split, zipf_population
+from feast_edge.sim.registry import method_class
+from feast_edge.space.preset import Preset, load_preset
+
+_AGGREGATION = ("aggregation", "trim", "clip_norm")
+# Stream tags of the one-off random draws (rounds use feast_edge.run.cohort's streams).
+_SPLIT, _POPULATION = 11, 12
+
+
+class SimulationError(FeastError, ValueError):
+    """A simulation cannot start or resume with the given settings."""
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """Everything that decides a simulation's result (``device`` aside)."""
+
+    preset: str = "fmnist-small"
+    dataset: str = "fashion-mnist"
+    data_dir: str = str(FASHION_MNIST_DIR)
+    clients: int = 20
+    per_round: int = 5
+    rounds: int = 30
+    gamma: float = 1.0
+    zipf_s: float = 1.2
+    alpha_eff: float = 0.45
+    budget_min: float | None = None  # default: the preset's [population] values
+    budget_max: float | None = None
+    budget_cap: float | None = None
+    budgets: tuple[float, ...] | None = None  # explicit budgets instead of Zipf (e.g. from device profiles)
+    seed: int = 0
+    method: str = "feast"  # feast_edge.sim.methods.METHODS
+    method_options: tuple[tuple[str, str], ...] = ()  # --method-option KEY=VALUE pairs, sorted by key
+    variants: str = "full"  # FEAST's ablation switch (SPEC §7)
+    # Training recipe: None takes the preset's [train] value (SPEC §7's where the preset is silent).
+    lr: float | None = None
+    batch_size: int | None = None
+    augment: str | bool | None = None  # feast_edge.local.augment.POLICIES (True/False: SPEC §7's policy / none)
+    epochs: int | None = None  # local epochs per round
+    lr_schedule: str | None = None  # cosine or constant, over the federation horizon
+    recipe: tuple[tuple[str, Any], ...] = ()  # further [train] keys to override (--recipe KEY=VALUE), sorted
+    eval_every: int = 5
+    val_samples: int = 5000
+    calib_samples: int = 500
+    train_limit: int | None = None  # client pool size (None: all remaining training data)
+    test_limit: int | None = None
+    probe_variants: int = 3  # cached variants, evenly spaced by rank, averaged for checkpoint selection
+    cache: str | None = None  # cache JSON (None: the one shipped for the preset)
+    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
+    trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
+    clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
+    device: str = "cpu"
+    payload_dtype: str = "float32"  # payloads as the wire carries them: routed states and updates rounded to it (the model stays float32)
+    amp: str = "off"  # mixed precision of local training (feast_edge.local.precision; the CLI stores what --amp resolved to on --device)
+    deterministic: bool = False  # deterministic PyTorch kernels in every process of the run (CUDA; the CPU already is)
+
+    def __post_init__(self) -> None:
+        if self.budgets is not None:
+            object.__setattr__(self, "budgets", tuple(float(b) for b in self.budgets))
+        object.__setattr__(self, "method_options", tuple(sorted((str(k), str(v)) for k, v in dict(self.method_options).items())))
+        object.__setattr__(self, "recipe", tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in dict(self.recipe).items())))
+        checks = [
+            (self.clients >= 2, f"--clients {self.clients} must be at least 2"),
+            (1 <= self.per_round <= self.clients, f"--per-round {self.per_round} must be between 1 and --clients ({self.clients})"),
+            (self.rounds >= 1, f"--rounds {self.rounds} must be at least 1"),
+            (self.gamma >= 0, f"--gamma {self.gamma} must be >= 0 (0: data independent of budget, 1: proportional)"),
+            (self.zipf_s > 0, f"--zipf-s {self.zipf_s} must be > 0"),
+            (self.alpha_eff > 0, f"--alpha-eff {self.alpha_eff} must be > 0"),
+            (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
+            (self.val_samples >= 1 and self.calib_samples >= 1, "--val-samples and --calib-samples must be at least 1"),
+            (self.probe_variants >= 1, f"--probe-variants {self.probe_variants} must be at least 1"),
+            (self.budgets is None or len(self.budgets) == self.clients, f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client"),
+            (self.amp in AMP_MODES, f"--amp {self.amp!r} is unknown; choose one of {', '.join(AMP_MODES)}"),
+            (self.amp == "off" or self.method == "feast", f"--amp {self.amp} applies to --method feast only; {self.method} trains in float32"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SimulationError(message)
+        try:
+            check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
+        except RunError as exc:
+            raise SimulationError(str(exc)) from None
+        if self.aggregation != "mean" and self.method != "feast":
+            raise SimulationError(f"--aggregation {self.aggregation} applies to --method feast only; {self.method} aggregates as its paper does")
+        method_class(self.method).parse_options(dict(self.method_options))  # unknown method or option: one line, before any data is read
+
+    def decisive(self) -> dict[str, Any]:
+        """Every setting that changes the trained weights or the selection (not the device), the resolved recipe included."""
+        skip = ("device", "deterministic", "lr", "batch_size", "augment", "epochs", "lr_schedule", "recipe", "payload_dtype", *_AGGREGATION)
+        skip += ("amp",) if self.amp == "off" else ()
+        data = {k: v for k, v in asdict(self).items() if k not in skip}  # float32 training keeps earlier runs' fingerprints
+        train, schedule = self.recipe_settings()
+        return {**data, **recorded_settings(train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype)}
+
+    def fingerprint(self) -> str:
+        """Digest of :meth:`decisive`."""
+        return hashlib.sha256(json.dumps(self.decisive(), sort_keys=True).encode()).hexdigest()
+
+    def recipe_settings(self) -> tuple[TrainConfig, str]:
+        """The training recipe: the preset's [train] table, then --recipe, then the explicit options (and the lr schedule)."""
+        try:
+            return preset_recipe(
+                self.preset, dict(self.recipe), lr=self.lr, batch_size=self.batch_size, augment=self.augment, epochs=self.epochs, lr_schedule=self.lr_schedule,
+                variants=self.variants,
+            )
+        except TrainError as exc:
+            raise SimulationError(f"training recipe: {exc}") from None
+
+    def train_config(self) -> TrainConfig:
+        return self.recipe_settings()[0]
+
+
+def _rng(seed: int, tag: int) -> np.random.Generator:
+    return np.random.default_rng([seed, tag])
+
+
+@dataclass
+class Setup:
+    """Everything built once from the config: data, population, cache, client plans."""
+
+    preset: Preset
+    cache: VariantCache
+    train: ImageSet
+    test: ImageSet
+    validation: np.ndarray
+    calibration: np.ndarray
+    pool: np.ndarray
+    population: Population
+    client_ids: list[str]
+    plans: dict[str, Any] = field(default_factory=dict)
+
+    def client_data(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = self.pool[self.population.partition.shards[self.client_ids.index(client_id)]]
+        index = torch.tensor(np.asarray(shard), dtype=torch.long)
+        return self.train.images[index], self.train.labels[index]
+
+
+def build_setup(config: SimulationConfig) -> Setup:
+    """Load data, hold out server splits, draw the population and plan every client (and set the kernels' determinism)."""
+    if config.deterministic:  # every process of a run builds its setup here, workers of --nproc too
+        set_deterministic()
+    preset = load_preset(config.preset)
+    cache = load_cache(preset, config.cache)
+    train = load_dataset(config.dataset, config.data_dir, "train", preset.input_size, preset.in_channels)
+    test = load_dataset(config.dataset, config.data_dir, "test", preset.input_size, preset.in_channels)
+    shape = tuple(train.images.shape[1:])
+    if shape != (preset.in_channels, preset.input_size, preset.input_size):
+        raise DataError(f"data set {config.dataset} has images {shape}, preset {preset.name} takes {(preset.in_channels, preset.input_size, preset.input_size)}; choose a matching --preset")
+    if int(train.labels.max()) >= preset.classes:
+        raise DataError(f"data set {config.dataset} has {int(train.labels.max()) + 1} classes, preset {preset.name} classifies {preset.classes}; choose a matching --preset")
+    split = server_split(len(train), _rng(config.seed, _SPLIT), n_val=config.val_samples, n_calib=config.calib_samples)
+    pool = split.train
+    if config.train_limit is not None:
+        if config.train_limit < 10 * config.clients:
+            raise SimulationError(f"--train-limit {config.train_limit} is too small for {config.clients} clients (each needs >= 10 examples)")
+        pool = np.sort(_rng(config.seed, _SPLIT + 100).permutation(pool)[: config.train_limit])
+    labels = train.labels.numpy()[pool]
+    rng = _rng(config.seed, _POPULATION)
+    b_min = preset.budget_min if config.budget_min is None else config.budget_min
+    b_max = preset.budget_max if config.budget_max is None else config.budget_max
+    b_cap = preset.budget_cap if config.budget_cap is None else config.budget_cap
+    if config.budgets is not None:
+        population = build_population(labels, config.budgets, rng, gamma=config.gamma, alpha_eff=config.alpha_eff, b_cap=b_cap)
+    else:
+        population = zipf_population(labels, config.clients, rng, s=config.zipf_s, b_min=b_min, b_max=b_max, gamma=config.gamma, alpha_eff=config.alpha_eff, b_cap=b_cap)
+    # Zipf budgets can land anywhere from budget_min up, so the floor itself must be affordable.
+    low = float(np.min(population.budgets)) if config.budgets is not None else min(b_min, float(np.min(population.budgets)))
+    if low < cache.smallest.macs:
+        raise SimulationError(cache.below_smallest(low, f"raise the budgets (--budget-min) to at least {cache.smallest.macs}"))
+    ids = [f"client-{i:03d}" for i in range(config.clients)]
+    setup = Setup(preset, cache, train, test, split.validation, split.calibration, pool, population, ids)
+    setup.plans = {cid: plan_client(cache, float(b)) for cid, b in zip(ids, population.budgets)}
+    return setup
