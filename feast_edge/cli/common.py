@@ -7,10 +7,9 @@
   record at debug level, with full time stamps and logger names, in that file.
 * :func:`mqtt_options` adds the broker connection options (``--broker``,
   credentials, TLS) to a command, which receives them as one
-  :class:`~feast_edge.transport.link.LinkConfig`; :func:`population_options`
-  adds the data and client-population options of ``simulate`` and ``partition``.
-* :class:`Stage`: a long step shown to people, as a live bar in a terminal and
-  as plain lines (with a heartbeat) in logs and pipes.
+  :class:`~feast_edge.transport.link.LinkConfig` (``feast_edge.cli.population``
+  does the same for the data and client-population options of ``simulate``
+  and ``partition``; ``feast_edge.cli.progress.Stage`` shows a long step).
 """
 
 from __future__ import annotations
@@ -238,7 +237,7 @@ def mqtt_options(broker_help: str = "MQTT broker URL: mqtt://host:port or mqtts:
             raise FeastError("no broker: give --broker mqtt://host:port, or --credentials with a bundle from feast-server provision")
         return None if url is None else LinkConfig(broker=url, **values)
 
-    return _option_group("link", options, build)
+    return option_group("link", options, build)
 
 
 def federation_of(link: LinkConfig | None, federation: str | None) -> str:
@@ -249,7 +248,7 @@ def federation_of(link: LinkConfig | None, federation: str | None) -> str:
     return federation or (bundle.federation if bundle is not None else DEFAULT_FEDERATION)
 
 
-def _option_group(target: str, options: dict[str, tuple[Any, Any, Any]], build: Callable[[dict[str, Any]], Any]) -> Callable[[F], F]:
+def option_group(target: str, options: dict[str, tuple[Any, Any, Any]], build: Callable[[dict[str, Any]], Any]) -> Callable[[F], F]:
     """Add ``options`` (name -> (type, default, typer.Option)) to a command, which receives ``build(their values)`` as ``target``."""
 
     def decorate(func: F) -> F:
@@ -272,136 +271,3 @@ def _option_group(target: str, options: dict[str, tuple[Any, Any, Any]], build: 
         return wrapper  # type: ignore[return-value]
 
     return decorate
-
-
-def cycled_budgets(text: str, clients: int) -> tuple[float, ...]:
-    """``--budgets`` list, repeated in order until every client has one."""
-    values = [parse_macs(t) for t in parse_list(text)]
-    if not values:
-        raise FeastError("--budgets is empty; give at least one MAC budget, e.g. --budgets 2.79M,17.67M")
-    return tuple(values[i % len(values)] for i in range(clients))
-
-
-def population_budgets(budgets: str | None, profiles: str | None, clients: int, preset: str) -> tuple[float, ...] | None:
-    """Explicit client budgets from ``--budgets`` or ``--profiles`` (None: Zipf)."""
-    if budgets is not None and profiles is not None:
-        raise FeastError("--budgets and --profiles both set the client budgets; pass one of them")
-    if budgets is not None:
-        return cycled_budgets(budgets, clients)
-    if profiles is not None:
-        from feast_edge.budget.profile import budgets_from_profiles
-        from feast_edge.space.preset import load_preset
-
-        return budgets_from_profiles(parse_list(profiles), clients, load_preset(preset))
-    return None
-
-
-_POPULATION_OPTIONS = {
-    "preset": (str, "fmnist-small", typer.Option("--preset", "-p", help="Preset name or .toml file.")),
-    "dataset": (str, "fashion-mnist", typer.Option("--dataset", help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder.")),
-    "data": (Path, Path("/usr/share/datasets/fashion-mnist"), typer.Option("--data", help="Local data directory (never downloaded).")),
-    "clients": (int, 20, typer.Option("--clients", help="Number of clients N.")),
-    "budgets": (Optional[str], None, typer.Option("--budgets", help="Explicit client budgets instead of Zipf, comma-separated (e.g. a device-profile mix: 2.79M,6.6M,17.67M); cycled over --clients.")),
-    "profiles": (Optional[str], None, typer.Option("--profiles", help="Client budgets from device profiles instead of Zipf, comma-separated names in profiles/ or .json files; cycled over --clients.")),
-    "gamma": (float, 1.0, typer.Option("--gamma", help="Allocation exponent γ (0: data independent of budget, 1: proportional).")),
-    "zipf_s": (float, 1.2, typer.Option("--zipf-s", help="Zipf exponent of the budget ranks.")),
-    "alpha_eff": (float, 0.45, typer.Option("--alpha-eff", help="Effective Dirichlet concentration α_eff.")),
-    "budget_min": (Optional[str], None, typer.Option("--budget-min", help="Smallest Zipf budget (MACs, e.g. 1.5M); default from the preset.")),
-    "budget_max": (Optional[str], None, typer.Option("--budget-max", help="Largest Zipf budget (MACs); default from the preset.")),
-    "budget_cap": (Optional[str], None, typer.Option("--budget-cap", help="Allocation cap B_cap (MACs); default from the preset.")),
-    "seed": (int, 0, typer.Option("--seed", help="Seed of every random choice: split, budgets, partition (and training in simulate).")),
-    "val_samples": (int, 5000, typer.Option("--val-samples", help="Server-held validation samples.")),
-    "calib_samples": (int, 500, typer.Option("--calib-samples", help="Server-held BN-calibration samples.")),
-    "train_limit": (Optional[int], None, typer.Option("--train-limit", help="Use only this many training examples for clients.")),
-    "cache": (Optional[Path], None, typer.Option("--cache", help="Variant cache JSON (default: the preset's shipped cache).")),
-}
-
-
-def _population(values: dict[str, Any]) -> dict[str, Any]:
-    """The population options as keyword arguments of ``feast_edge.sim.simulate.SimulationConfig``."""
-    macs = {name: None if values[name] is None else parse_macs(values[name]) for name in ("budget_min", "budget_max", "budget_cap")}
-    budgets = population_budgets(values["budgets"], values["profiles"], values["clients"], values["preset"])
-    plain = {k: v for k, v in values.items() if k not in macs and k not in ("data", "budgets", "profiles", "cache")}
-    cache = None if values["cache"] is None else str(values["cache"])
-    return {**plain, **macs, "data_dir": str(values["data"]), "budgets": budgets, "cache": cache}
-
-
-def population_options(func: F) -> F:
-    """Give a typer command the data and population options; it receives them as ``population``, keyword arguments of SimulationConfig."""
-    return _option_group("population", _POPULATION_OPTIONS, _population)(func)
-
-
-class Stage:
-    """A long step shown to people: a live bar in a terminal; in logs and pipes, plain lines and a heartbeat.
-
-    Outside a terminal a line says where the step stands when it starts, on
-    ``update(..., line=True)``, after every ``heartbeat`` seconds without one,
-    and when it ends (unless the last line said it already).
-    """
-
-    def __init__(self, console: Console, label: str, total: int, *, done: int = 0, heartbeat: float = 10.0) -> None:
-        self.console, self.label, self.total, self.done, self.heartbeat = console, label, total, done, heartbeat
-        self.note = ""
-        self._bar: Any = None
-        self._beat: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._began = self._said = time.monotonic()
-        self._said_done: int | None = None
-
-    def start(self) -> Stage:
-        """Show the step: a bar in a terminal, else its first line and a heartbeat thread."""
-        self._began = time.monotonic()
-        if self.console.is_terminal:
-            from rich.markup import escape
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            columns = (
-                TextColumn(f"[bold]{escape(self.label)}"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[note]}"),
-                TimeElapsedColumn(), TimeRemainingColumn(),
-            )
-            self._bar = Progress(*columns, console=self.console)
-            self._task = self._bar.add_task(self.label, total=self.total, completed=self.done, note="")
-            self._bar.start()
-        else:
-            self._say(with_note=False)
-            self._beat = threading.Thread(target=self._heartbeat, name=f"stage {self.label}", daemon=True)
-            self._beat.start()
-        return self
-
-    def update(self, done: int, note: str = "", *, line: bool = False) -> None:
-        """``done`` of ``total`` finished; ``note`` is shown beside the count; ``line``: a line of its own outside a terminal too."""
-        self.done, self.note = done, note
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done, note=note)
-        elif line:
-            self._say()
-
-    def finish(self, ok: bool = True) -> None:
-        """Leave the bar (or a last line) showing where the step ended."""
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-        if self._beat is not None:
-            self._stop.set()
-            self._beat.join()
-            self._beat = None
-            if ok and self._said_done != self.done:
-                self._say()
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(min(1.0, self.heartbeat)):
-            if time.monotonic() - self._said >= self.heartbeat:
-                self._say(with_note=False)  # the note describes the last update, not the time since
-
-    def _say(self, with_note: bool = True) -> None:
-        with self._lock:
-            note = f"  {self.note}" if self.note and with_note else ""
-            self.console.print(f"{self.label} {self.done}/{self.total}{note}  ({time.monotonic() - self._began:.0f} s)", soft_wrap=True, highlight=False)
-            self._said, self._said_done = time.monotonic(), self.done
-
-    def __enter__(self) -> Stage:
-        return self.start()
-
-    def __exit__(self, kind: object, *exc: object) -> None:
-        self.finish(ok=kind is None)

@@ -148,8 +148,8 @@ class Setup:
 
     preset: Preset
     cache: VariantCache
-    train: ImageSet
-    test: ImageSet
+    train_set: ImageSet  # the data set's training split: the server-held splits and the client pool index into it
+    test_set: ImageSet
     validation: np.ndarray
     calibration: np.ndarray
     pool: np.ndarray
@@ -160,7 +160,16 @@ class Setup:
     def client_data(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         shard = self.pool[self.population.partition.shards[self.client_ids.index(client_id)]]
         index = torch.tensor(np.asarray(shard), dtype=torch.long)
-        return self.train.images[index], self.train.labels[index]
+        return self.train_set.images[index], self.train_set.labels[index]
+
+    def calibration_images(self) -> torch.Tensor:
+        """The server-held BN-calibration images (SPEC §8), in their fixed order."""
+        return self.train_set.images[torch.tensor(np.asarray(self.calibration), dtype=torch.long)]
+
+    def validation_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server-held validation images and labels (checkpoint selection)."""
+        index = torch.tensor(np.asarray(self.validation), dtype=torch.long)
+        return self.train_set.images[index], self.train_set.labels[index]
 
 
 def build_setup(config: SimulationConfig) -> Setup:

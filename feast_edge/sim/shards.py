@@ -96,7 +96,7 @@ def write_partition(config: SimulationConfig, out: str | os.PathLike[str], setup
     server_record = {"format": SERVER_FORMAT, "version": VERSION, "validation": len(val), "calibration": len(calib), **common}
     server_sha = _write(
         out / SERVER_FILE,
-        {"validation_images": setup.train.images[val], "validation_labels": setup.train.labels[val], "calibration_images": setup.train.images[calib]},
+        {"validation_images": setup.train_set.images[val], "validation_labels": setup.train_set.labels[val], "calibration_images": setup.train_set.images[calib]},
         server_record,
     )
     index = {

@@ -24,9 +24,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from feast_edge.evaluate.evaluation import Validation, population_accuracy
 from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
@@ -62,8 +59,6 @@ class Simulation:
         self.model = self.method.model
         s = self.setup
         _, schedule = config.recipe_settings()
-        calibration = s.train.images[torch.tensor(np.asarray(s.calibration), dtype=torch.long)]
-        val = torch.tensor(np.asarray(s.validation), dtype=torch.long)
         settings = RunSettings(
             rounds=config.rounds, per_round=config.per_round, min_clients=1, seed=config.seed, lr=config.train_config().lr, eval_every=config.eval_every,
             probe_variants=config.probe_variants, device=config.device, aggregation=config.aggregation, trim=config.trim, clip_norm=config.clip_norm,
@@ -72,7 +67,7 @@ class Simulation:
         self.loop = RunLoop(
             self.model, s.cache, settings, self.out, kind=KIND, fingerprint=config.fingerprint(),
             config=config.decisive(),
-            validation=Validation(calibration, s.train.images[val], s.train.labels[val]),
+            validation=Validation(s.calibration_images(), *s.validation_data()),
             method=self.method, model_record=None if self.method.supernet else self.method.model_record(),
         )
         self.collector = InProcessCollector(s, self.method)
@@ -143,10 +138,10 @@ class Simulation:
             model = self.loop.load(best_path)[0]
             if model is not self.model:
                 self.model.load_state_dict(model.state_dict())
-        test_images, test_labels = s.test.images, s.test.labels
+        test_images, test_labels = s.test_set.images, s.test_set.labels
         if cfg.test_limit is not None:
             test_images, test_labels = test_images[: cfg.test_limit], test_labels[: cfg.test_limit]
-        calib = s.train.images[torch.tensor(np.asarray(s.calibration), dtype=torch.long)]
+        calib = s.calibration_images()
         points = self.method.points()
         accs = self.method.evaluate(points, calib, test_images, test_labels, cfg.device, on_test)
         budgets = [float(b) for b in s.population.budgets]

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 from paho.mqtt.enums import MQTTProtocolVersion
 
-from feast_edge.transport.errors import BrokerTlsError, LinkError
+from feast_edge.transport.errors import BrokerAuthError, BrokerTlsError, BrokerUnreachableError, LinkError
 from feast_edge.transport.signing import Keyring
 
 log = logging.getLogger(__name__)
@@ -106,3 +107,42 @@ def tls_context(config: LinkConfig) -> ssl.SSLContext:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
+
+
+_CREDENTIAL_CODES = {134, 135, 140}  # CONNACK: bad user name or password, not authorized, bad authentication method
+
+
+def connection_error(exc: OSError, address: BrokerAddress, timeout: float) -> LinkError:
+    """Why a connection to ``address`` failed at the socket or TLS level, and how to fix it."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return BrokerTlsError(
+            f"TLS handshake with MQTT broker at {address} failed: {exc.verify_message or exc}; "
+            f"check --ca-file (it must hold the CA that signed the broker's certificate for {address.host!r})"
+        )
+    if isinstance(exc, (ssl.SSLError, ConnectionResetError)):
+        if not address.tls:
+            return BrokerUnreachableError(f"cannot reach MQTT broker at {address}: {exc}; check --broker")
+        reason = getattr(exc, "reason", None) or exc.strerror or exc
+        return BrokerTlsError(
+            f"TLS handshake with MQTT broker at {address} failed: {reason}; is {address} a TLS listener? "
+            f"(a plain MQTT port needs mqtt://); check --broker and --cert-file/--key-file"
+        )
+    if isinstance(exc, ConnectionRefusedError):
+        return BrokerUnreachableError(f"cannot reach MQTT broker at {address}: connection refused; is the broker running? check --broker")
+    if isinstance(exc, socket.gaierror):
+        return BrokerUnreachableError(f"cannot resolve MQTT broker host {address.host!r}: {exc.strerror}; check --broker")
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return BrokerUnreachableError(
+            f"cannot reach MQTT broker at {address}: no answer within {timeout:g} s; is the host up and the port open? check --broker"
+        )
+    return BrokerUnreachableError(f"cannot reach MQTT broker at {address}: {exc.strerror or exc}; check --broker")
+
+
+def refusal(reason_code: Any, address: BrokerAddress, username: str | None) -> LinkError:
+    """The error for a CONNACK that refused the connection (``reason_code``: paho's ReasonCode)."""
+    name = str(reason_code)
+    if reason_code.value in _CREDENTIAL_CODES:
+        user = username or address.username
+        who = f"user {user!r}" if user else "a client without a username"
+        return BrokerAuthError(f"MQTT broker at {address} rejected the credentials of {who} ({name}); check --username/--password")
+    return LinkError(f"MQTT broker at {address} refused the connection: {name}; check the broker's log and --client-id")

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import queue
 import socket
-import ssl
 import threading
 import time
 import uuid
@@ -26,8 +25,8 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
 
-from feast_edge.transport.broker import PROTOCOLS, LinkConfig, parse_broker_url, tls_context
-from feast_edge.transport.errors import BrokerAuthError, BrokerTlsError, BrokerUnreachableError, LinkError
+from feast_edge.transport.broker import PROTOCOLS, LinkConfig, connection_error, parse_broker_url, refusal, tls_context
+from feast_edge.transport.errors import LinkError
 from feast_edge.transport.messages import Presence, new_msg_id
 from feast_edge.transport.signing import SignatureError
 from feast_edge.transport.throttle import Throttle, channel_of
@@ -35,7 +34,6 @@ from feast_edge.transport.topics import Topics
 
 log = logging.getLogger(__name__)
 paho_log = logging.getLogger(f"{__name__}.paho")  # paho's own lines
-_CREDENTIAL_CODES = {134, 135, 140}  # CONNACK: bad user name or password, not authorized, bad authentication method
 
 @dataclass(frozen=True)
 class Received:
@@ -140,31 +138,8 @@ class Link:
         try:
             try:
                 self._client.connect(address.host, address.port, self.config.keepalive)
-            except ssl.SSLCertVerificationError as exc:
-                raise BrokerTlsError(
-                    f"TLS handshake with MQTT broker at {address} failed: {exc.verify_message or exc}; "
-                    f"check --ca-file (it must hold the CA that signed the broker's certificate for {address.host!r})"
-                ) from None
-            except (ssl.SSLError, ConnectionResetError) as exc:
-                if not address.tls:
-                    raise BrokerUnreachableError(f"cannot reach MQTT broker at {address}: {exc}; check --broker") from None
-                reason = getattr(exc, "reason", None) or exc.strerror or exc
-                raise BrokerTlsError(
-                    f"TLS handshake with MQTT broker at {address} failed: {reason}; is {address} a TLS listener? "
-                    f"(a plain MQTT port needs mqtt://); check --broker and --cert-file/--key-file"
-                ) from None
-            except ConnectionRefusedError:
-                raise BrokerUnreachableError(
-                    f"cannot reach MQTT broker at {address}: connection refused; is the broker running? check --broker"
-                ) from None
-            except socket.gaierror as exc:
-                raise BrokerUnreachableError(f"cannot resolve MQTT broker host {address.host!r}: {exc.strerror}; check --broker") from None
-            except (TimeoutError, socket.timeout):
-                raise BrokerUnreachableError(
-                    f"cannot reach MQTT broker at {address}: no answer within {timeout:g} s; is the host up and the port open? check --broker"
-                ) from None
-            except OSError as exc:
-                raise BrokerUnreachableError(f"cannot reach MQTT broker at {address}: {exc.strerror or exc}; check --broker") from None
+            except OSError as exc:  # ssl.SSLError, refused, unresolvable, silent: each says how to fix it
+                raise connection_error(exc, address, timeout) from None
             self._await_connack(timeout)
         finally:
             self._connecting = False
@@ -197,17 +172,9 @@ class Link:
         while self._resubscribed is not None and not self._resubscribed.is_set() and time.monotonic() < deadline:
             self._client.loop(timeout=min(deadline - time.monotonic(), 0.1))
 
-    def _refusal(self, reason_code: Any) -> LinkError:
-        address, name = self.address, str(reason_code)
-        if reason_code.value in _CREDENTIAL_CODES:
-            user = self.config.username or self.address.username
-            who = f"user {user!r}" if user else "a client without a username"
-            return BrokerAuthError(f"MQTT broker at {address} rejected the credentials of {who} ({name}); check --username/--password")
-        return LinkError(f"MQTT broker at {address} refused the connection: {name}; check the broker's log and --client-id")
-
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
-            self._connect_error = self._refusal(reason_code)
+            self._connect_error = refusal(reason_code, self.address, self.config.username)
             if not self._connecting:
                 log.error("reconnect failed: %s", self._connect_error)
             self._connack.set()

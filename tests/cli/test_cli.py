@@ -13,7 +13,8 @@ import pytest
 from rich.console import Console
 
 from feast_edge.budget.profile import load_profile
-from feast_edge.cli.common import Stage, cycled_budgets, population_budgets
+from feast_edge.cli.population import cycled_budgets, population_budgets
+from feast_edge.cli.progress import Stage
 from feast_edge.errors import FeastError
 from feast_edge.server.demo import _Fleet
 from strategies import TINY_PRESET

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feast_edge.run.collect import ClientUpdate
-from feast_edge.sim.distributed import DistributedError, assign, check_spread, pack_updates, pick_backend, plans_digest, unpack_updates
+from feast_edge.sim.distributed import assign, check_spread
 from feast_edge.sim.methods import METHODS, method_class
+from feast_edge.sim.ranks import DistributedError, pack_updates, pick_backend, plans_digest, unpack_updates
 from feast_edge.sim.setup import SimulationConfig, build_setup
 
 CONFIG = SimulationConfig(clients=6, per_round=4, rounds=4, train_limit=300, val_samples=50, calib_samples=50, batch_size=32, seed=5)

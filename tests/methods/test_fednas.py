@@ -223,6 +223,6 @@ def test_short_real_run_serves_its_largest_variant_above_chance(cls, fashion_mni
             assert u.train_macs == 3 * u.samples_seen * plans[u.client].macs and math.isfinite(u.loss)
         method.aggregate(t, glob, updates, plans)
     top = method.served(8e6)
-    calibration = setup.train.images[torch.tensor(np.asarray(setup.calibration))]
-    [accuracy] = method.evaluate([method.points()[top]], calibration, setup.test.images[:500], setup.test.labels[:500])
+    calibration = setup.calibration_images()
+    [accuracy] = method.evaluate([method.points()[top]], calibration, setup.test_set.images[:500], setup.test_set.labels[:500])
     assert accuracy > 0.2

@@ -239,7 +239,7 @@ def test_short_fashion_mnist_run_learns(setup, config):
         ]
         assert all(np.isfinite(u.loss) for u in updates)
         method.aggregate(t, method.model.state_dict(), updates, plans)
-    calibration = setup.train.images[torch.tensor(np.asarray(setup.calibration), dtype=torch.long)]
+    calibration = setup.calibration_images()
     largest = method.points()[-1]
-    [acc] = method.evaluate([largest], calibration, setup.test.images[: config.test_limit], setup.test.labels[: config.test_limit])
+    [acc] = method.evaluate([largest], calibration, setup.test_set.images[: config.test_limit], setup.test_set.labels[: config.test_limit])
     assert acc > 0.2, f"{largest.label}: test accuracy {acc:.3f} after {config.rounds} rounds"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -214,6 +213,6 @@ def test_short_fashion_mnist_run_learns(method, setup, config):
         updates = method.collect(t, cohort, plans, method.model.state_dict(), cosine_lr(train.lr, t, config.rounds))
         method.aggregate(t, method.model.state_dict(), updates, plans)
     assert 1.0 in set(method.plans(0, setup.client_ids, budgets.__getitem__).values())  # the largest tier was trained
-    calibration = setup.train.images[torch.tensor(np.asarray(setup.calibration), dtype=torch.long)]
-    accs = method.evaluate(method.points(), calibration, setup.test.images[:500], setup.test.labels[:500])
+    calibration = setup.calibration_images()
+    accs = method.evaluate(method.points(), calibration, setup.test_set.images[:500], setup.test_set.labels[:500])
     assert accs[-1] > 0.2, accs

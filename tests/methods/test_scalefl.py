@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -241,6 +240,6 @@ def test_short_fashion_mnist_run_beats_chance_at_the_largest_level(fashion_mnist
     cid = cohort[0]
     first, again = (method.train_client(0, cid, plans[cid], state, *setup.client_data(cid), 0.1, client_seed(config.seed, 0, cid)) for _ in range(2))
     assert all(torch.equal(again.state[n], first.state[n]) for n in first.state)  # same seed, same update
-    calibration = setup.train.images[torch.tensor(np.asarray(setup.calibration), dtype=torch.long)]
-    accs = method.evaluate(method.points(), calibration, setup.test.images[:500], setup.test.labels[:500])
+    calibration = setup.calibration_images()
+    accs = method.evaluate(method.points(), calibration, setup.test_set.images[:500], setup.test_set.labels[:500])
     assert accs[-1] > 0.2, accs

@@ -61,7 +61,7 @@ class Centralized(Feast):
         train = self.config.train_config()
         index = self.pooled_indices(t, self.round_steps(cohort) * train.batch_size)
         rows = torch.tensor(self.setup.pool[index], dtype=torch.long)
-        images, labels = self.setup.train.images[rows], self.setup.train.labels[rows]
+        images, labels = self.setup.train_set.images[rows], self.setup.train_set.labels[rows]
         began = time.perf_counter()
         one_pass = train.__class__(**{**train.__dict__, "epochs": 1})  # the step count already covers the epochs
         cache = self.setup.cache

@@ -1,0 +1,216 @@
+"""``feast-edge simulate``: the paper's research protocol in one process (or ``--nproc`` processes), with its progress display."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from feast_edge.cli.common import (
+    DashboardOpt,
+    DashboardTokenOpt,
+    DeterministicOpt,
+    DeviceOpt,
+    PayloadDtypeOpt,
+    TensorBoardOpt,
+    check_dashboard,
+    make_console,
+    millions,
+)
+from feast_edge.cli.population import population_options
+from feast_edge.cli.progress import Stage
+from feast_edge.errors import FeastError
+from feast_edge.space.arch import Arch
+
+console = make_console()
+
+
+def _say(text: str) -> None:
+    console.print(text, soft_wrap=True, highlight=False)
+
+
+@population_options
+def simulate(
+    population: dict[str, Any],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints and results.")],
+    per_round: Annotated[int, typer.Option(help="Clients sampled per round m.")] = 5,
+    rounds: Annotated[int, typer.Option(help="Federation rounds (also the cosine-decay horizon).")] = 30,
+    method: Annotated[str, typer.Option("--method", help="feast, centralized (reference), heterofl, scalefl, fiarse, sfn or dfn (docs/baselines.md).")] = "feast",
+    method_option: Annotated[
+        Optional[list[str]], typer.Option("--method-option", help="KEY=VALUE option of the method (repeatable; e.g. tiers=1,0.5,0.25 for heterofl).")
+    ] = None,
+    variants: Annotated[str, typer.Option("--variants", help="FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
+    lr: Annotated[Optional[float], typer.Option(help="Initial SGD learning rate (default: the preset's recipe).")] = None,
+    lr_schedule: Annotated[Optional[str], typer.Option("--lr-schedule", help="cosine or constant over the rounds (default: the preset's recipe).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Local batch size (default: the preset's recipe).")] = None,
+    local_epochs: Annotated[Optional[int], typer.Option("--local-epochs", help="Local epochs per round (default: the preset's recipe).")] = None,
+    augment: Annotated[
+        Optional[str], typer.Option("--augment", help="Augmentation policy: randaugment+mix (SPEC §7), crop-flip+mix, crop-flip, randaugment or none (default: the preset's recipe).")
+    ] = None,
+    recipe: Annotated[
+        Optional[list[str]], typer.Option("--recipe", help="KEY=VALUE override of any [train] recipe key (repeatable; e.g. mixup_alpha=0.2, randaugment=[2,9]).")
+    ] = None,
+    eval_every: Annotated[int, typer.Option(help="Validate every k rounds.")] = 5,
+    test_limit: Annotated[Optional[int], typer.Option(help="Test on only the first N test examples.")] = None,
+    aggregation: Annotated[
+        str, typer.Option("--aggregation", help="mean (SPEC §6), clip (norm clipping), trimmed-mean or median over the clients covering each position.")
+    ] = "mean",
+    trim: Annotated[float, typer.Option("--trim", help="trimmed-mean: share of the covering values dropped at each end, in [0, 0.5).")] = 0.1,
+    clip_norm: Annotated[Optional[float], typer.Option("--clip-norm", help="clip: L2 bound of an update (default: the cohort's median update norm).")] = None,
+    device: DeviceOpt = "auto",
+    amp: Annotated[str, typer.Option("--amp", help="Mixed precision of local training: off (float32, the default), auto, bf16 or fp16 (feast only).")] = "off",
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    payload_dtype: PayloadDtypeOpt = "float32",
+    nproc: Annotated[int, typer.Option("--nproc", help="Processes on this machine to spread each round's cohort over (torch.distributed; same weights as 1).")] = 1,
+    threads: Annotated[int, typer.Option("--threads", min=0, help="PyTorch intra-op threads per process (0: PyTorch's default, shared out by --nproc).")] = 0,
+    deterministic: DeterministicOpt = False,
+    dist_backend: Annotated[str, typer.Option("--dist-backend", help="With --nproc or torchrun: auto (NCCL with a GPU per process, else gloo), gloo or nccl.")] = "auto",
+    dashboard: DashboardOpt = None,
+    dashboard_token: DashboardTokenOpt = None,
+    tensorboard: TensorBoardOpt = False,
+) -> None:
+    """Run the paper's protocol in one process: population, rounds, evaluation, results."""
+    from feast_edge.local.precision import resolve_amp
+    from feast_edge.local.torch_device import describe_device, resolve_device
+    from feast_edge.sim.setup import SimulationConfig
+    from feast_edge.sim.simulate import Simulation
+
+    requested, device = device, resolve_device(device)
+    precision = resolve_amp(amp, device)
+    from feast_edge.local.recipe import VARIANT_MODES
+
+    if method in VARIANT_MODES:
+        raise FeastError(f"--method {method} is an ablation of FEAST; use --method feast --variants {method}")
+    config = SimulationConfig(
+        **population, per_round=per_round, rounds=rounds, method=method, method_options=parse_pairs(method_option, "--method-option"),
+        variants=variants, lr=lr, lr_schedule=lr_schedule, batch_size=batch_size, epochs=local_epochs, augment=augment,
+        recipe=tuple((k, _recipe_value(v)) for k, v in parse_pairs(recipe, "--recipe")), eval_every=eval_every,
+        test_limit=test_limit, aggregation=aggregation, trim=trim, clip_norm=clip_norm, device=device, payload_dtype=payload_dtype,
+        amp=precision.mode, deterministic=deterministic,
+    )
+    config.train_config()  # validates the method, its options and the recipe before any data is read
+    from feast_edge.cli.worker import COMMAND
+    from feast_edge.sim.distributed import Spread
+
+    spread = Spread(config, nproc, threads, dist_backend, COMMAND)  # one line for a bad --nproc, before any data is read
+    if spread.worker:  # under torchrun, ranks > 0 only train their share of each round
+        spread.serve()
+        return
+    check_dashboard(dashboard, dashboard_token)
+    _say(f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients")
+    sim = Simulation(config, out)
+    _say(str(sim.setup.population))
+    _say(f"{describe_device(device, requested)}, {precision.describe()}")
+    if spread.world.size > 1:
+        _say(spread.describe())
+        spread.attach(sim)
+    done = _completed_rounds(out) if resume else 0
+    if done:
+        _say(f"resuming after round {done}/{rounds} from {out / 'checkpoint.safetensors'}")
+    display = _SimulationDisplay(rounds, done, len(sim.setup.cache.entries))
+    live, web = _simulation_dashboard(sim, dashboard, dashboard_token, out)
+    try:
+        results = sim.run(resume=resume, on_round=display.on_round, on_test=display.on_test, on_record=live and live.round_finished, tensorboard=tensorboard)
+    except BaseException:
+        display.stage.finish(ok=False)
+        spread.close(ok=False)
+        if web is not None:
+            web.stop()
+        raise
+    display.stage.finish()
+    spread.close()
+    if live is not None:
+        live.finished(results)
+        web.stop()
+        _say(f"dashboard stopped; browse the finished run with: feast-edge dashboard {out}")
+    table = Table(title=f"{config.preset}, {config.method}: test accuracy per served model (best checkpoint, round {results['best'].get('round', '-')})")
+    for col in ("#", "MACs", "params", "accuracy", "model"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for v in results["variants"]:
+        model = str(Arch.from_dict(v["arch"])) if "arch" in v else v["label"]
+        table.add_row(str(v["index"]), millions(v["macs"]), millions(v["params"]), f"{100 * v['test_accuracy']:.2f}%", model)
+    console.print(table)
+    comm = results["communication"]
+    saving = "nothing sent" if comm["reduction"] is None else f"{comm['reduction']:.2f}x less"
+    in_bytes = "" if comm["bytes_reduction"] is None else (
+        f"; {comm['routed_bytes_total'] / 1e6:,.1f} MB as {config.payload_dtype} vs {comm['full_bytes_total'] / 1e6:,.1f} MB float32 ({comm['bytes_reduction']:.2f}x less)"
+    )
+    console.print(
+        f"population accuracy (largest affordable variant per client): {100 * results['population_accuracy']:.2f}%\n"
+        f"traffic: sent {comm['routed_params_total'] / 1e6:,.1f}M params vs full {comm['full_params_total'] / 1e6:,.1f}M "
+        f"({saving}){in_bytes}; training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
+        f"results: {out / 'results.json'}, {out / 'variants.csv'}, {out / 'rounds.csv'}",
+        soft_wrap=True,
+    )
+
+
+def _simulation_dashboard(sim: Any, bind: str | None, token: str | None, out: Path) -> tuple[Any, Any]:
+    """``--dashboard``: the simulation's live view and its web server (both None without the option)."""
+    if bind is None:
+        return None, None
+    from feast_edge.cli.common import open_dashboard
+    from feast_edge.cli.live import SimulationLive
+    from feast_edge.dashboard.state import DashboardState
+
+    live = SimulationLive(DashboardState("simulation", f"feast-edge simulate: {out.name}"), sim)
+    live.attach()
+    return live, open_dashboard(live.state, bind, token, _say)
+
+
+def parse_pairs(items: list[str] | None, option: str) -> tuple[tuple[str, str], ...]:
+    """``["k=v", ...]`` -> ``(("k", "v"), ...)``; a one-line error for an item without ``=`` or a repeated key."""
+    pairs: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise FeastError(f"{option} {item!r} is not KEY=VALUE; write e.g. {option} tiers=1,0.5")
+        if key.strip() in pairs:
+            raise FeastError(f"{option} {key.strip()} is given twice; give each key once")
+        pairs[key.strip()] = value.strip()
+    return tuple(pairs.items())
+
+
+def _recipe_value(text: str) -> Any:
+    """A --recipe value: a JSON number, list or boolean, else the text itself (e.g. a policy name)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _completed_rounds(out: Path) -> int:
+    """Rounds the checkpoint in ``out`` holds (0 without one; --resume then says what is missing)."""
+    from feast_edge.run.checkpoint import read_record
+
+    path = out / "checkpoint.safetensors"
+    return int(read_record(path, format=None).get("fields", {}).get("round", 0)) if path.is_file() else 0
+
+
+class _SimulationDisplay:
+    """``simulate``'s progress: the rounds, then the final test of every cached variant, each a labelled :class:`Stage`."""
+
+    def __init__(self, rounds: int, done: int, variants: int) -> None:
+        self.variants = variants
+        self.stage = Stage(console, "round", rounds, done=done).start()
+        self.testing = False
+
+    def on_round(self, p: Any) -> None:
+        pct = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+        self.stage.update(p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  best {pct(p.best_val)}", line=True)
+        if p.round == p.rounds:
+            self._start_testing()  # say so at once: the first variant takes a while
+
+    def on_test(self, done: int, total: int) -> None:
+        self._start_testing()
+        self.stage.update(done)
+
+    def _start_testing(self) -> None:
+        if not self.testing:
+            self.testing = True
+            self.stage.finish()
+            self.stage = Stage(console, f"testing {self.variants} cached variants (BN recalibration + test set)", self.variants).start()
