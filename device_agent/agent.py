@@ -246,7 +246,7 @@ class Agent:
             client.model_path, values = kept
             self._metrics(message.device, values)
 
-    # ------------------------------------------------------------------ paho's thread and both
+    # ------------------------------------------------------------------ callbacks of the inbox and the round runner
     def _expect_announced(self, device_id: str, message: RoundStart | ModelReady) -> None:
         """Paho's thread: take the chunks of an announced transfer from the first one on (they follow at once)."""
         try:  # a bad description (or one over the receiver's limits) is refused, with its reason, by the agent's thread

@@ -25,24 +25,25 @@ class Downloads:
         self._finished: OrderedDict[str, Progress] = OrderedDict()  # e.g. a model pushed while a round's payload came
         self._keep = keep
 
-    def expect(self, info: TransferInfo) -> None:
-        """Take (and nack) the chunks of ``info`` even if none has come yet."""
-        self.receiver.expect(info)
-
     def received(self, transfer: str) -> int:
         """Chunks of ``transfer`` held so far."""
         return self.receiver.reassembler.received(transfer) or 0
 
     def wait(
         self,
-        transfer: str,
+        info: TransferInfo,
         deadline: float,
         abandon: Callable[[], bool],
         progress: Callable[[int], None] | None = None,
     ) -> bytes | None:
-        """The payload of ``transfer`` once complete and verified; None if it was rejected, or the monotonic
-        ``deadline`` passed or ``abandon()`` came true first (asked every 0.2 s). ``progress(chunks held)`` is
-        called about once a second meanwhile. Nothing else is handled here: the caller's messages wait for it."""
+        """The payload of announced transfer ``info`` once complete and verified (its chunks are nacked until then);
+        None if it was rejected, or the monotonic ``deadline`` passed or ``abandon()`` came true first (asked every
+        0.2 s). ``progress(chunks held)`` is called at once and then about once a second. Nothing else is handled
+        here: the caller's other messages wait for it."""
+        transfer = info.transfer
+        self.receiver.expect(info)
+        if progress is not None:
+            progress(self.received(transfer))
         reported = time.monotonic()
         while (finished := self._finished.pop(transfer, None)) is None:
             remaining = deadline - time.monotonic()

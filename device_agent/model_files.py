@@ -69,9 +69,7 @@ def receive_pushed_model(
     message: ModelReady, downloads: Downloads, model_dir: str | os.PathLike[str], stop: Callable[[], bool], timeout: float = 120.0
 ) -> tuple[Path, dict[str, Any]] | None:
     """Wait for the model announced by ``message`` and keep it (:func:`keep_pushed_model`); None (logged) if it did not come."""
-    info = TransferInfo.from_dict(message.transfer)
-    downloads.expect(info)
-    blob = downloads.wait(info.transfer, time.monotonic() + timeout, abandon=stop)
+    blob = downloads.wait(TransferInfo.from_dict(message.transfer), time.monotonic() + timeout, abandon=stop)
     if blob is None:
         log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", message.device)
         return None

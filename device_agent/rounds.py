@@ -60,7 +60,15 @@ class RoundRunner:
         except FeastError as exc:
             log.error("%s: refused the round message for %s: %s", shown, device_id, exc)
             return False
-        blob = self._download(client, assignment, deadline, incoming.number)
+        info = assignment.transfer
+        blob = client.downloads.wait(
+            info,
+            deadline,
+            abandon=lambda: self.stop.is_set() or self.inbox.overtaken(device_id, incoming.number),
+            progress=lambda done: self.report(
+                device_id, {"phase": "downloading", "round": start.round, "done": done, "total": info.count}
+            ),
+        )
         if blob is None:
             why = "before the deadline (or a newer round or the federation's end overtook it)"
             log.warning("%s: no routed payload for %s %s; skipped", shown, device_id, why)
@@ -90,19 +98,6 @@ class RoundRunner:
             late = time.monotonic() - deadline
             log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, late)
         return self._upload(client, assignment, outcome, deadline)
-
-    def _download(self, client: Hosted, assignment: Assignment, deadline: float, number: int) -> bytes | None:
-        """The routed payload, its download progress reported about once a second."""
-        info, device_id = assignment.transfer, client.device_id
-        client.downloads.expect(info)
-        progress = {"phase": "downloading", "round": info.round, "total": info.count}
-        self.report(device_id, {**progress, "done": 0})
-        return client.downloads.wait(
-            info.transfer,
-            deadline,
-            abandon=lambda: self.stop.is_set() or self.inbox.overtaken(device_id, number),
-            progress=lambda done: self.report(device_id, {**progress, "done": done}),
-        )
 
     def _decline(self, assignment: Assignment, reason: str) -> bool:
         """Tell the server no update will come (it stops waiting for this device at once)."""

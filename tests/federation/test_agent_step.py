@@ -131,6 +131,7 @@ class _FakeReceiver:
 
     def __init__(self, *finished: Progress) -> None:
         self.results: queue.Queue[Progress] = queue.Queue()
+        self.expected: list[str] = []
         for progress in finished:
             self.results.put(progress)
         self.reassembler = self
@@ -141,32 +142,40 @@ class _FakeReceiver:
         except queue.Empty:
             return None
 
+    def expect(self, info: TransferInfo) -> None:
+        self.expected.append(info.transfer)
+
     def received(self, transfer: str) -> int:
         return 3
 
 
-def _finished(transfer: str, payload: bytes | None = b"x", status: Status = Status.COMPLETE) -> Progress:
-    info = TransferInfo(
+def _info(transfer: str) -> TransferInfo:
+    return TransferInfo(
         federation="lab", round=0, device="d", transfer=transfer, count=1, size=1, chunk=1024, sha256="0" * 64
     )
-    return Progress(info, 0, status, payload, "" if payload else "sha256 mismatch")
+
+
+def _finished(transfer: str, payload: bytes | None = b"x", status: Status = Status.COMPLETE) -> Progress:
+    return Progress(_info(transfer), 0, status, payload, "" if payload else "sha256 mismatch")
 
 
 def test_a_transfer_wait_keeps_the_other_transfers_that_finish_meanwhile_for_their_own_wait() -> None:
-    downloads = Downloads(_FakeReceiver(_finished("model", b"onnx"), _finished("routed", b"weights")))  # type: ignore[arg-type]
-    assert downloads.wait("routed", time.monotonic() + 5, lambda: False) == b"weights"
-    assert downloads.wait("model", time.monotonic() + 0.01, lambda: False) == b"onnx"
+    receiver = _FakeReceiver(_finished("model", b"onnx"), _finished("routed", b"weights"))
+    downloads = Downloads(receiver)  # type: ignore[arg-type]
+    assert downloads.wait(_info("routed"), time.monotonic() + 5, lambda: False) == b"weights"
+    assert downloads.wait(_info("model"), time.monotonic() + 0.01, lambda: False) == b"onnx"
+    assert receiver.expected == ["routed", "model"]  # each wait nacks its transfer's missing chunks from the start
 
 
 def test_a_transfer_wait_ends_when_abandoned_rejected_or_late_and_reports_progress_meanwhile() -> None:
     reports: list[int] = []
     downloads = Downloads(_FakeReceiver())  # type: ignore[arg-type]
     began = time.monotonic()
-    assert downloads.wait("routed", began + 30, lambda: time.monotonic() - began > 1.5, reports.append) is None
-    assert time.monotonic() - began < 5 and reports == [3]
-    assert downloads.wait("routed", time.monotonic() + 0.3, lambda: False) is None
+    assert downloads.wait(_info("routed"), began + 30, lambda: time.monotonic() - began > 1.5, reports.append) is None
+    assert time.monotonic() - began < 5 and reports == [3, 3]  # at once, then after a second
+    assert downloads.wait(_info("routed"), time.monotonic() + 0.3, lambda: False) is None
     rejected = Downloads(_FakeReceiver(_finished("routed", None, Status.REJECTED)))  # type: ignore[arg-type]
-    assert rejected.wait("routed", time.monotonic() + 5, lambda: False) is None
+    assert rejected.wait(_info("routed"), time.monotonic() + 5, lambda: False) is None
 
 
 def test_a_newer_round_ends_the_wait_for_a_payload_that_never_came(
