@@ -198,7 +198,7 @@ class Attacker:
         t = self.topics
         self.client.publish(t.status(MALLORY), Presence(federation=t.federation, round=0, device=MALLORY, state="online").encode(), qos=1, retain=True)
         message = Register.for_client(
-            federation=t.federation, device=MALLORY, host=MALLORY, instance=uuid.uuid4().hex[:16], preset=PRESET, budget_macs=2_000_000, samples=10, profile={}
+            federation=t.federation, device_id=MALLORY, host=MALLORY, instance=uuid.uuid4().hex[:16], preset=PRESET, budget_macs=2_000_000, samples=10, profile={}
         )
         self.client.publish(t.register(MALLORY), message.encode(), qos=1).wait_for_publish(10)
         registered = self.next(Registered, 30)

@@ -106,7 +106,7 @@ def run(
         host=device_id,
         federation=federation,
         preset=chosen,
-        device=torch_device,
+        torch_device=torch_device,
         amp=precision.mode,
         budget_macs=common.parse_macs(budget) if budget is not None else (loaded.budget_macs if loaded is not None else None),
         profile=profile_summary(loaded) if loaded is not None else {},

@@ -15,7 +15,7 @@ class AgentConfig:
     host: str  # --device-id: the agent's presence id (and the device id of a single client)
     federation: str = "feast"
     preset: str = "fmnist-small"
-    device: str = "cpu"
+    torch_device: str = "cpu"  # where local training runs (--device: cpu, cuda[:N])
     amp: str = "off"  # mixed precision of local training (feast_edge.local.precision.AMP_MODES; the CLI's default is auto)
     budget_macs: float | None = None  # one budget for every hosted client (--budget / --profile); None: each shard's own
     profile: dict[str, Any] = field(default_factory=dict)  # summary sent with the registration

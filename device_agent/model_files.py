@@ -1,4 +1,4 @@
-"""A device's exported model: download it (fetch-model), verify its SHA-256, save it, time it in onnxruntime."""
+"""A device's exported model: receive it (pushed, or fetch-model), verify its SHA-256, save it, time it in onnxruntime."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import logging
 import os
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from feast_edge.agent.downloads import Downloads
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.onnx_export import measure_latency
 from feast_edge.protocol import ModelReady, ModelRequest
@@ -61,6 +63,17 @@ def keep_pushed_model(blob: bytes, message: ModelReady, model_dir: str | os.Path
         return None
     log.info("saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms", device_id, path, manifest.get("macs"), latency["median_ms"])
     return path, {"onnx_latency_ms": latency["median_ms"], "model_sha256": manifest.get("sha256"), "model_macs": manifest.get("macs")}
+
+
+def receive_pushed_model(
+    message: ModelReady, downloads: Downloads, model_dir: str | os.PathLike[str], stop: Callable[[], bool], timeout: float = 120.0
+) -> tuple[Path, dict[str, Any]] | None:
+    """Wait for the model announced by ``message`` and keep it (:func:`keep_pushed_model`); None (logged) if it did not come."""
+    blob = downloads.wait(TransferInfo.from_dict(message.transfer), time.monotonic() + timeout, abandon=stop)
+    if blob is None:
+        log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", message.device)
+        return None
+    return keep_pushed_model(blob, message, model_dir)
 
 
 @dataclass(frozen=True)

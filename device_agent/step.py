@@ -1,80 +1,156 @@
-"""One client's step of a round, as a function: the routed payload in, the encoded update (or why there is none) out.
+"""One client's step of a round, as a function: ``train(job) -> Trained | Declined``.
 
-It runs exactly what the simulator runs for that client
+The round message is parsed once (:meth:`Assignment.parse`, before the agent
+waits for the payload), the routed payload decoded once (:meth:`Job.of`), and
+:func:`train` runs exactly what the simulator runs for that client
 (``feast_edge.local.update.client_update``) with exactly the inputs the server
-sent; the agent (``agent.py``) only moves bytes and messages around it.
+sent. Nothing here touches MQTT: the round runner (``rounds.py``) moves the
+bytes and messages around it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from feast_edge.agent.local_data import LocalClient
 from feast_edge.errors import FeastError
 from feast_edge.local.cotrain import LocalResult, stayed_finite
+from feast_edge.local.recipe import TrainConfig
 from feast_edge.local.update import client_update
 from feast_edge.protocol import RoundStart
 from feast_edge.route.payload import decode, encode
+from feast_edge.route.plans import ClientPlan
 from feast_edge.space.preset import Preset
 from feast_edge.space.supernet import Supernet
-from feast_edge.transport.frames import MiB
+from feast_edge.transport.frames import MiB, TransferInfo
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """The encoded update and its training result, or ``reason`` (for the server) why there is none."""
+class Assignment:
+    """A round message as this agent takes it, parsed once: the routed transfer to wait for, the plan, the settings."""
 
-    payload: bytes | None = None
-    result: LocalResult | None = None
-    compute_seconds: float = 0.0
-    reason: str = ""
+    start: RoundStart
+    transfer: TransferInfo
+    plan: ClientPlan
+    settings: TrainConfig
+
+    @classmethod
+    def parse(cls, start: RoundStart, preset: Preset) -> Assignment:
+        """FeastError when this agent cannot train it (its transfer, plan or training settings), before any wait."""
+        return cls(start, start.transfer_info(), start.client_plan(preset), start.train_config())
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything one client's step of a round trains with: the round's inputs and the routed state, decoded."""
+
+    preset: Preset
+    round: int
+    rounds: int
+    device_id: str
+    plan: ClientPlan
+    routed: dict[str, torch.Tensor]  # the routed sub-supernet's state, float32
+    dtype: str  # of the routed payload, and so of the update sent back
+    lr: float
+    seed: int
+    settings: TrainConfig
+    data: LocalClient
+    torch_device: str
+    amp: str = "off"  # mixed precision of local training (feast_edge.local.precision)
+
+    @classmethod
+    def of(
+        cls, assignment: Assignment, payload: bytes, data: LocalClient, preset: Preset, torch_device: str, amp: str
+    ) -> Job:
+        """The job of ``assignment`` with its routed ``payload``; FeastError when the payload is not what it routes."""
+        start, plan = assignment.start, assignment.plan
+        expected = plan.manifest(preset, preset.classes, start.round, "routed", dtype=start.payload_dtype)
+        manifest, routed = decode(payload, preset, expected=expected)
+        if manifest.kind != "routed":
+            raise FeastError(f"payload kind {manifest.kind!r} is not 'routed'")
+        return cls(
+            preset=preset,
+            round=start.round,
+            rounds=start.rounds,
+            device_id=data.device_id,
+            plan=plan,
+            routed=routed,
+            dtype=manifest.dtype,
+            lr=start.lr,
+            seed=start.client_seed,
+            settings=assignment.settings,
+            data=data,
+            torch_device=torch_device,
+            amp=amp,
+        )
+
+    @property
+    def shown(self) -> str:
+        """The round as people read it (1-based)."""
+        return f"round {self.round + 1}/{self.rounds}"
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The encoded update (the trained slice), its training result and the seconds training took."""
+
+    payload: bytes
+    result: LocalResult
+    compute_seconds: float
+
+
+@dataclass(frozen=True)
+class Declined:
+    """No update for this round, and why (for the server)."""
+
+    reason: str
+
+
+def train(job: Job) -> Trained | Declined:
+    """Co-train the routed sub-supernet on the client's data (SPEC §5, §7) and encode the returned slice."""
+    classes = job.preset.classes
+    began = time.perf_counter()
+    try:
+        state, result = client_update(
+            job.preset,
+            classes,
+            job.plan,
+            job.routed,
+            job.data.images,
+            job.data.labels,
+            job.settings,
+            lr=job.lr,
+            seed=job.seed,
+            device=job.torch_device,
+            amp=job.amp,
+        )
+    except (FeastError, RuntimeError) as exc:  # e.g. settings this device cannot train with, or out of memory
+        log.error("%s: local training of %s failed: %s; skipped", job.shown, job.device_id, exc)
+        return Declined(f"local training failed: {exc}")
+    compute = time.perf_counter() - began
+    if not stayed_finite(state, result.mean_loss):
+        log.warning(
+            "%s: the training of %s diverged (loss %s, or non-finite weights); no update sent for this round",
+            job.shown,
+            job.device_id,
+            result.mean_loss,
+        )
+        return Declined(f"training diverged (loss {result.mean_loss}, or non-finite weights)")
+    try:
+        payload = encode(state, job.plan.manifest(job.preset, classes, job.round, "update", job.device_id, job.dtype))
+    except FeastError as exc:  # e.g. weights beyond float16's range
+        log.warning("%s: the update of %s cannot be sent as %s: %s", job.shown, job.device_id, job.dtype, exc)
+        return Declined(f"the update cannot be encoded: {exc}")
+    return Trained(payload, result, compute)
 
 
 def largest_payload(preset: Preset) -> int:
-    """A bound on any payload the server sends: the whole supernet (the largest routed envelope), or an ONNX file of a variant."""
+    """A bound on any payload the server sends: the whole supernet (the largest routed envelope), or an ONNX file."""
     weights = sum(t.numel() * t.element_size() for t in Supernet(preset).state_dict().values())
     return 2 * weights + 16 * MiB
-
-
-def local_step(
-    preset: Preset, start: RoundStart, blob: bytes, client: LocalClient, device: str, busy: Callable[[bool], None], amp: str = "off"
-) -> StepResult:
-    """Decode the routed payload of ``start``, co-train on ``client``'s data (``amp``: feast_edge.local.precision), encode the returned slice (SPEC §5).
-
-    ``busy(True/False)`` brackets the training itself (a stop signal then interrupts it at once).
-    """
-    t, classes, device_id = start.round, preset.classes, client.device_id
-    shown = f"round {t + 1}/{start.rounds}"
-    plan, train = start.client_plan(preset), start.train_config()
-    try:
-        manifest, state = decode(blob, preset, expected=plan.manifest(preset, classes, t, "routed", dtype=start.payload_dtype))
-        if manifest.kind != "routed":
-            raise FeastError(f"payload kind {manifest.kind!r} is not 'routed'")
-    except FeastError as exc:
-        log.error("%s: refused the routed payload for %s: %s", shown, device_id, exc)
-        return StepResult(reason=f"refused the routed payload: {exc}")
-    log.info("%s: %s trains %d variants on %d examples (routed payload %.2f MB)", shown, device_id, len(plan.affordable), client.samples, len(blob) / 1e6)
-    began = time.perf_counter()
-    busy(True)
-    try:
-        new_state, result = client_update(preset, classes, plan, state, client.images, client.labels, train, start.lr, start.client_seed, device, amp)
-    except (FeastError, RuntimeError) as exc:  # e.g. settings this device cannot train with, or out of memory
-        log.error("%s: local training of %s failed: %s; skipped", shown, device_id, exc)
-        return StepResult(reason=f"local training failed: {exc}")
-    finally:
-        busy(False)
-    compute = time.perf_counter() - began
-    if not stayed_finite(new_state, result.mean_loss):
-        log.warning("%s: the training of %s diverged (loss %s, or non-finite weights); no update sent for this round", shown, device_id, result.mean_loss)
-        return StepResult(reason=f"training diverged (loss {result.mean_loss}, or non-finite weights)")
-    try:
-        payload = encode(new_state, plan.manifest(preset, classes, t, "update", device_id, manifest.dtype))
-    except FeastError as exc:  # e.g. weights beyond float16's range
-        log.warning("%s: the update of %s cannot be sent as %s: %s", shown, device_id, manifest.dtype, exc)
-        return StepResult(reason=f"the update cannot be encoded: {exc}")
-    return StepResult(payload, result, compute)

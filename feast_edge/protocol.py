@@ -65,11 +65,11 @@ class Register(Message):
 
     @classmethod
     def for_client(
-        cls, *, federation: str, device: str, host: str, instance: str, preset: Preset, budget_macs: int, samples: int, profile: dict[str, Any]
+        cls, *, federation: str, device_id: str, host: str, instance: str, preset: Preset, budget_macs: int, samples: int, profile: dict[str, Any]
     ) -> Register:
-        """The registration of one hosted client training ``preset``."""
+        """The registration of hosted client ``device_id`` training ``preset``."""
         return cls(
-            federation=federation, round=0, device=device, host=host, instance=instance, preset=preset.name,
+            federation=federation, round=0, device=device_id, host=host, instance=instance, preset=preset.name,
             preset_digest=preset.digest, budget_macs=int(budget_macs), samples=samples, profile=profile,
         )
 
@@ -214,9 +214,21 @@ class Update(Message):
 
     @classmethod
     def from_result(
-        cls, result: LocalResult, *, federation: str, round: int, device: str, transfer: TransferInfo, routed: str, compute_seconds: float, torch_device: str
+        cls,
+        result: LocalResult,
+        *,
+        federation: str,
+        round: int,
+        device_id: str,
+        transfer: TransferInfo,
+        routed: str,
+        compute_seconds: float,
+        torch_device: str,
     ) -> Update:
-        """The update announcing ``transfer`` (the trained slice) with the local result's figures."""
+        """The update of ``device_id`` announcing ``transfer`` (the trained slice) with the local result's figures.
+
+        ``torch_device`` is where it trained (``cpu``, ``cuda:0``), sent as ``metrics["device"]``.
+        """
         metrics = {
             "loss": _json_number(result.mean_loss),
             "samples_seen": result.samples_seen,
@@ -227,7 +239,9 @@ class Update(Message):
             "variants_per_batch": {str(k): v for k, v in result.variants_per_batch.items()},
             "device": torch_device,
         }
-        return cls(federation=federation, round=round, device=device, transfer=transfer.to_dict(), routed=routed, samples=result.num_samples, metrics=metrics)
+        return cls(
+            federation=federation, round=round, device=device_id, transfer=transfer.to_dict(), routed=routed, samples=result.num_samples, metrics=metrics
+        )
 
     def transfer_info(self) -> TransferInfo:
         """The announced transfer, which must be this round's and this device's."""

@@ -27,7 +27,7 @@ def _book(registry: Registry, replies: list[Registered]) -> DeviceBook:
 
 def _register(book: DeviceBook, device: str, instance: str, host: str | None = None, samples: int = 50) -> None:
     book.on_register(
-        Register.for_client(federation="lab", device=device, host=host or device, instance=instance, preset=PRESET, budget_macs=6_000_000, samples=samples, profile={})
+        Register.for_client(federation="lab", device_id=device, host=host or device, instance=instance, preset=PRESET, budget_macs=6_000_000, samples=samples, profile={})
     )
 
 

@@ -213,7 +213,7 @@ def test_update_reports_the_local_result() -> None:
         arch_batches={}, train_macs=123_456, lr=0.02,
     )
     info = describe(b"update", federation="lab", round=3, device="jetson-1")
-    update = parse(Update.from_result(result, federation="lab", round=3, device="jetson-1", transfer=info, routed="t0", compute_seconds=2.5, torch_device="cpu").encode())
+    update = parse(Update.from_result(result, federation="lab", round=3, device_id="jetson-1", transfer=info, routed="t0", compute_seconds=2.5, torch_device="cpu").encode())
     assert isinstance(update, Update)
     assert (update.samples, update.loss, update.samples_seen, update.compute_seconds, update.train_macs) == (600, 1.5, 1200, 2.5, 123_456)
     assert update.transfer_info() == info
@@ -230,7 +230,7 @@ def test_a_diverged_loss_still_makes_a_valid_message() -> None:
         arch_batches={}, train_macs=1, lr=0.1,
     )
     info = describe(b"update", federation="lab", round=3, device="jetson-1")
-    message = Update.from_result(result, federation="lab", round=3, device="jetson-1", transfer=info, routed="t0", compute_seconds=1.0, torch_device="cpu")
+    message = Update.from_result(result, federation="lab", round=3, device_id="jetson-1", transfer=info, routed="t0", compute_seconds=1.0, torch_device="cpu")
     again = parse(message.encode())  # NaN and infinities have no JSON number: they travel as null
     assert again.metrics["loss"] is None and again.metrics["role_losses"] == {"max": None}
 

@@ -1,0 +1,49 @@
+"""One client an agent hosts: its data and budget, its transfers to and from the server, what it did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from feast_edge.agent.downloads import Downloads
+from feast_edge.agent.local_data import LocalClient
+from feast_edge.transport.chunks import Reassembler
+from feast_edge.transport.frames import MIN_CHUNK_SIZE
+from feast_edge.transport.link import Link
+from feast_edge.transport.topics import Topics
+from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
+
+
+@dataclass
+class Hosted:
+    """A hosted (virtual) client: one device id with its own data, budget and transfer topics."""
+
+    data: LocalClient
+    budget_macs: int
+    receiver: ChunkReceiver  # what the server sends it (paho's thread expects announced transfers on it)
+    downloads: Downloads  # the agent thread's waits for those transfers
+    sender: ChunkSender  # its uploads
+    rounds_trained: int = 0
+    model_path: Path | None = None
+
+    @classmethod
+    def on(
+        cls, link: Link, topics: Topics, data: LocalClient, budget_macs: int, *, chunk_size: int, max_payload: int
+    ) -> Hosted:
+        """``data``'s client with its transfer topics on ``link`` (subscribed when the link connects)."""
+        # Only transfers the server announced to this device, each at most the largest payload it can be sent.
+        reassembler = Reassembler(
+            federation=topics.federation,
+            max_chunk_size=chunk_size,
+            min_chunk_size=MIN_CHUNK_SIZE,
+            max_payload_bytes=max_payload,
+            max_buffered_bytes=2 * max_payload,
+            expected_only=True,
+        )
+        receiver = ChunkReceiver(link, topics, "down", device=data.device_id, reassembler=reassembler)
+        sender = ChunkSender(link, topics, "up", device=data.device_id, chunk_size=chunk_size)
+        return cls(data, budget_macs, receiver, Downloads(receiver), sender)
+
+    @property
+    def device_id(self) -> str:
+        return self.data.device_id

@@ -1,0 +1,175 @@
+"""The agent's standing with the server: its clients' registrations, the server's presence, the federation's end."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from feast_edge.agent.config import AgentConfig
+from feast_edge.agent.hosted import Hosted
+from feast_edge.errors import FeastError
+from feast_edge.protocol import Finished, Register, Registered
+from feast_edge.space.preset import Preset
+from feast_edge.transport.link import Link
+from feast_edge.transport.messages import Presence, new_msg_id
+from feast_edge.transport.topics import Topics
+
+log = logging.getLogger(__name__)
+
+REGISTER_RETRY = 3.0  # seconds between registration attempts while the server is silent
+HEARTBEAT = 10.0  # seconds between "still waiting" lines
+
+
+class AgentError(FeastError):
+    """The agent cannot start or continue (refused registration, no server, unusable data or budget)."""
+
+
+class Registration:
+    """Registers every hosted client and follows what the server says of them: accepted, refused, finished."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        preset: Preset,
+        instance: str,
+        link: Link,
+        topics: Topics,
+        clients: Mapping[str, Hosted],
+    ) -> None:
+        self.config, self.preset, self.instance = config, preset, instance
+        self.link, self.topics, self.clients = link, topics, clients
+        self.server_online: bool | None = None  # None: the server never reported
+        self.accepted: set[str] = set()
+        self.ended: dict[str, Finished] = {}  # device -> the server's word that the federation is over
+        self._ever_accepted = False
+        self._refused = False
+        self._closing = False
+
+    @property
+    def finished(self) -> bool:
+        """The server said the federation is over, for every hosted client."""
+        return len(self.ended) == len(self.clients)
+
+    def server_state(self) -> str:
+        return {None: "has never reported", True: "is online but did not answer", False: "is offline"}[
+            self.server_online
+        ]
+
+    def send(self) -> None:
+        """Register every client the server has not accepted yet."""
+        for device_id, client in self.clients.items():
+            if device_id in self.accepted:
+                continue
+            message = Register.for_client(
+                federation=self.config.federation,
+                device_id=device_id,
+                host=self.config.host,
+                instance=self.instance,
+                preset=self.preset,
+                budget_macs=client.budget_macs,
+                samples=client.data.samples,
+                profile=self.config.profile,
+            )
+            self.link.publish(self.topics.register(device_id), message.encode())
+
+    def wait(self, process: Callable[[float], None], stop: threading.Event, timeout: float) -> bool:
+        """Register until every client is accepted, handling messages with ``process(seconds)``; False if ``stop`` was
+        set first; AgentError when refused or when no server answers within ``timeout``."""
+        began = time.monotonic()
+        deadline = began + timeout
+        last, last_note = float("-inf"), began
+        while not self.accepted >= set(self.clients):
+            if stop.is_set():
+                return False
+            now = time.monotonic()
+            if now - last_note >= HEARTBEAT:
+                log.info(
+                    "waiting for the server of federation %r to answer the registration (the server %s); %.0f s",
+                    self.config.federation,
+                    self.server_state(),
+                    now - began,
+                )
+                last_note = now
+            if now >= deadline:
+                waiting = ", ".join(d for d in self.clients if d not in self.accepted)
+                raise AgentError(
+                    f"no feast-server answered the registration of {waiting} within {timeout:g} s: the server of "
+                    f"federation {self.config.federation!r} at {self.link.address} {self.server_state()}; start "
+                    f"'feast-server run --federation {self.config.federation}' on that broker, "
+                    "or check --federation/--broker"
+                )
+            if now - last >= REGISTER_RETRY:
+                self.send()
+                last = now
+            process(min(0.2, deadline - now))
+        return True
+
+    def on_server(self, presence: Presence) -> bool:
+        """The server's presence changed; True when a (re)started server came online (its round ids may restart)."""
+        was, self.server_online = self.server_online, presence.state == "online"
+        if self.server_online and was is False:
+            log.info("the server is back online; registering again")
+            self.accepted.clear()
+            self.ended.clear()
+            self.send()
+            return True
+        if self.server_online and was is None:
+            self.send()  # the server may have missed registrations sent before it subscribed
+        elif not self.server_online and was and not self.finished:
+            log.warning("the server went offline; waiting for it to come back")
+        return False
+
+    def on_registered(self, message: Registered) -> None:
+        """The server's answer to a registration: AgentError when it refused this agent's client."""
+        if message.instance != self.instance:
+            return  # the answer to another agent claiming the same id
+        if not message.accepted:
+            self._refused = True
+            raise AgentError(f"the server refused device {message.device}: {message.reason}")
+        if message.finished:
+            log.info(
+                "federation %r has already finished (%d rounds); nothing to train for %s",
+                self.config.federation,
+                message.rounds,
+                message.device,
+            )
+            self.ended[message.device] = Finished(
+                federation=message.federation,
+                round=0,
+                device=message.device,
+                rounds=message.rounds,
+                completed=message.rounds,
+            )
+        elif message.device not in self.accepted:
+            log.debug("server accepted %s (preset %s, %d rounds)", message.device, message.preset, message.rounds)
+        self.accepted.add(message.device)
+        self._ever_accepted = True
+
+    def on_finished(self, message: Finished) -> None:
+        self.ended[message.device] = message
+        log.info(
+            "federation %r finished after %d of %d rounds%s",
+            self.config.federation,
+            message.completed,
+            message.rounds,
+            "" if self.config.stay else "; leaving",
+        )
+
+    def say_online(self) -> None:
+        """Paho's thread: an offline status for this agent appeared while it is online; publish online again."""
+        if self._closing or not self.link.connected or self.link.presence is None:
+            return
+        log.warning(
+            "an offline status for %s appeared while this agent is online; publishing online again", self.config.host
+        )
+        online = dataclasses.replace(self.link.presence, state="online", msg_id=new_msg_id())
+        self.link.publish(self.link.status_topic or self.topics.status(self.config.host), online.encode(), retain=True)
+
+    def leave(self) -> None:
+        """Before disconnecting: no offline status if the server refused us (the agent owning the id stays online)."""
+        self._closing = True
+        if not self._ever_accepted and self._refused:
+            self.link.presence = None

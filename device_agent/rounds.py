@@ -1,0 +1,148 @@
+"""One hosted client's round: wait for the routed payload, train it (``step.train``), send the update or decline.
+
+The round message is parsed once (``Assignment.parse``), before any wait, so a
+round this agent cannot train is refused at once. The wait ends when the payload
+is complete, at the deadline (``timeout`` seconds after the round message
+arrived, on this agent's clock), or when the inbox says a newer round or the
+federation's end overtook it; other messages wait in the inbox meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from feast_edge import protocol
+from feast_edge.agent.config import AgentConfig
+from feast_edge.agent.hosted import Hosted
+from feast_edge.agent.inbox import Inbox, Incoming
+from feast_edge.agent.step import Assignment, Declined, Job, Trained, train
+from feast_edge.errors import FeastError
+from feast_edge.protocol import MAX_REASON, RoundStart
+from feast_edge.space.preset import Preset
+from feast_edge.transport.errors import LinkError
+from feast_edge.transport.link import Link
+from feast_edge.transport.topics import Topics
+from feast_edge.transport.transfer import Confirmations
+
+log = logging.getLogger(__name__)
+
+
+class RoundRunner:
+    """Runs the rounds the server routes to hosted clients, one at a time, in the agent's thread."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        preset: Preset,
+        link: Link,
+        topics: Topics,
+        inbox: Inbox,
+        receipts: Confirmations,
+        report: Callable[[str, dict[str, Any]], None],
+        stop: threading.Event,
+    ) -> None:
+        """``report(device_id, values)`` publishes where a round stands; ``receipts`` holds the uploads awaiting one."""
+        self.config, self.preset, self.link, self.topics = config, preset, link, topics
+        self.inbox, self.receipts, self.report, self.stop = inbox, receipts, report, stop
+        self.training = False  # True while a client trains (a stop signal then interrupts it at once)
+
+    def run(self, client: Hosted, incoming: Incoming) -> bool:
+        """Round ``incoming.message`` of ``client``; True when its update was sent."""
+        start, device_id = incoming.message, client.device_id
+        assert isinstance(start, RoundStart)
+        shown, deadline = f"round {start.round + 1}/{start.rounds}", incoming.at + start.timeout
+        try:
+            assignment = Assignment.parse(start, self.preset)
+        except FeastError as exc:
+            log.error("%s: refused the round message for %s: %s", shown, device_id, exc)
+            return False
+        info = assignment.transfer
+        blob = client.downloads.wait(
+            info,
+            deadline,
+            abandon=lambda: self.stop.is_set() or self.inbox.overtaken(device_id, incoming.number),
+            progress=lambda done: self.report(
+                device_id, {"phase": "downloading", "round": start.round, "done": done, "total": info.count}
+            ),
+        )
+        if blob is None:
+            why = "before the deadline (or a newer round or the federation's end overtook it)"
+            log.warning("%s: no routed payload for %s %s; skipped", shown, device_id, why)
+            return False
+        self.report(device_id, {"phase": "training", "round": start.round})
+        try:
+            job = Job.of(assignment, blob, client.data, self.preset, self.config.torch_device, self.config.amp)
+        except FeastError as exc:
+            log.error("%s: refused the routed payload for %s: %s", shown, device_id, exc)
+            return self._decline(assignment, f"refused the routed payload: {exc}")
+        log.info(
+            "%s: %s trains %d variants on %d examples (routed payload %.2f MB)",
+            shown,
+            device_id,
+            len(job.plan.affordable),
+            client.data.samples,
+            len(blob) / 1e6,
+        )
+        self.training = True
+        try:
+            outcome = train(job)
+        finally:
+            self.training = False
+        if isinstance(outcome, Declined):
+            return self._decline(assignment, outcome.reason)
+        if time.monotonic() > deadline:
+            late = time.monotonic() - deadline
+            log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, late)
+        return self._upload(client, assignment, outcome, deadline)
+
+    def _decline(self, assignment: Assignment, reason: str) -> bool:
+        """Tell the server no update will come (it stops waiting for this device at once)."""
+        start = assignment.start
+        declined = protocol.Declined(
+            federation=self.config.federation,
+            round=start.round,
+            device=start.device,
+            routed=assignment.transfer.transfer,
+            reason=reason[:MAX_REASON],
+        )
+        self.link.publish(self.topics.events(start.device), declined.encode())
+        return False
+
+    def _upload(self, client: Hosted, assignment: Assignment, trained: Trained, deadline: float) -> bool:
+        """Announce the update and send its chunks; its receipt is awaited while the next client trains."""
+        t, device_id = assignment.start.round, client.device_id
+        up = client.sender.describe(trained.payload, round=t, device=device_id)
+        update = protocol.Update.from_result(
+            trained.result,
+            federation=self.config.federation,
+            round=t,
+            device_id=device_id,
+            transfer=up,
+            routed=assignment.transfer.transfer,
+            compute_seconds=trained.compute_seconds,
+            torch_device=str(self.config.torch_device),
+        )
+        topic, announcement = self.topics.events(device_id), update.encode()
+        self.report(device_id, {"phase": "uploading", "round": t, "done": 0, "total": up.count})
+        shown = f"round {t + 1}/{assignment.start.rounds}"
+        try:
+            client.sender.announce_and_send(topic, announcement, trained.payload, up, timeout=self.config.send_timeout)
+        except LinkError as exc:
+            log.error("%s: could not send the update of %s: %s", shown, device_id, exc)
+            return False
+        client.rounds_trained += 1
+        log.info(
+            "%s: %s sent its update: loss %.4f, %.1f s training, %.2f MB",
+            shown,
+            device_id,
+            trained.result.mean_loss,
+            trained.compute_seconds,
+            len(trained.payload) / 1e6,
+        )
+        # Until the server's receipt: what reached a restarted broker before the server subscribed again is lost.
+        self.receipts.add(device_id, client.sender, topic, announcement, up, until=deadline)
+        return True
