@@ -72,6 +72,15 @@ def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
     return table
 
 
+def _refuse_method(value: Optional[str]) -> None:
+    """``--method`` was the ablation here; ``feast-edge simulate`` calls the ablation --variants and the algorithm --method."""
+    from feast_edge.local.recipe import VARIANT_MODES
+
+    if value is not None:
+        ablation = value if value in VARIANT_MODES else f"MODE ({', '.join(VARIANT_MODES)})"
+        raise FeastError(f"feast-server run has no --method; the ablation is --variants {ablation} (as in feast-edge simulate); --method there picks the training algorithm")
+
+
 @app.command()
 @common.mqtt_options()
 def run(
@@ -89,7 +98,8 @@ def run(
     lr: Annotated[Optional[float], typer.Option(help="Initial SGD learning rate, decayed over --rounds (default: the preset's [train] recipe).")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Local batch size (default: the preset's [train] recipe).")] = None,
     local_epochs: Annotated[Optional[int], typer.Option("--local-epochs", min=1, help="Local epochs per round (default: the preset's [train] recipe).")] = None,
-    method: Annotated[str, typer.Option(help="full, min, max, min+max or min+max+kd (SPEC §7 ablations).")] = "full",
+    variants: Annotated[str, typer.Option("--variants", help="FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
+    method: Annotated[Optional[str], typer.Option("--method", hidden=True, is_eager=True, callback=_refuse_method, help="Refused: the ablation is --variants.")] = None,
     eval_every: Annotated[int, typer.Option("--eval-every", min=1, help="Validate every k rounds (needs --data).")] = 5,
     val_samples: Annotated[int, typer.Option("--val-samples", min=1, help="Validation examples when --data is a Fashion-MNIST directory.")] = 5000,
     calib_samples: Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration examples when --data is a Fashion-MNIST directory.")] = 500,
@@ -132,7 +142,7 @@ def run(
     _server_bundle(link)
     config = ServerConfig(
         out=str(out), preset=preset, rounds=rounds, per_round=per_round, min_clients=min_clients, start_clients=start_clients,
-        round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, epochs=local_epochs, method=method, eval_every=eval_every,
+        round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, epochs=local_epochs, variants=variants, eval_every=eval_every,
         data=None if data is None else str(data), val_samples=val_samples, calib_samples=calib_samples,
         cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
         max_update_norm=max_update_norm, max_samples=max_samples, max_devices=max_devices, aggregation=aggregation, trim=trim, clip_norm=clip_norm,
