@@ -108,9 +108,14 @@ class DeviceCollector:
         log.debug("round %d: routed payloads sent to %s", t + 1, ", ".join(cohort))
         valid: dict[str, ClientUpdate] = {}
         for reply in self.exchange.replies():
-            problem = reply.error or self._check(reply, routed[reply.device], global_state, valid)
-            if problem:
-                self._reject(got, t, reply.device, problem)
+            checked = reply.error or self._check(reply, routed[reply.device], global_state)
+            if isinstance(checked, str):
+                self._reject(got, t, reply.device, checked)
+                continue
+            valid[reply.device] = checked
+            if self.live is not None:
+                self.live.upload_done(reply.device, reply.size, reply.chunks)
+            log.debug("round %d: valid update from %s (%d samples)", t + 1, reply.device, checked.samples)
         got.updates = [valid[d] for d in sorted(valid)]
         unsettled = self.exchange.close()
         got.missing, got.dropped, got.ignored = unsettled.missing, unsettled.dropped, unsettled.ignored
@@ -136,8 +141,8 @@ class DeviceCollector:
                 self.live.routed(device, len(blob), info.count, plan.envelope.params(terms.preset, classes))
         return routed
 
-    def _check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor], valid: dict[str, ClientUpdate]) -> str:
-        """Decode ``reply``'s upload against the manifest routed to it; a valid one joins ``valid``, else why not."""
+    def _check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor]) -> ClientUpdate | str:
+        """``reply``'s upload decoded against the manifest routed to it and held to the update-norm bound, or why it is refused."""
         assert reply.update is not None and reply.payload is not None
         try:
             manifest, state = decode(reply.payload, self.terms.preset, expected=routed)
@@ -151,13 +156,7 @@ class DeviceCollector:
         if bound and not change <= bound:
             return f"its update changes the routed slice by {change:.3g} (L2 norm); the limit is --max-update-norm {bound:g}"
         u = reply.update
-        valid[reply.device] = ClientUpdate(
-            reply.device, state, u.samples, loss=u.loss, samples_seen=u.samples_seen, train_macs=u.train_macs, compute_seconds=u.compute_seconds,
-        )
-        if self.live is not None:
-            self.live.upload_done(reply.device, len(reply.payload), reply.chunks)
-        log.debug("round %d: valid update from %s (%d samples)", routed.round + 1, reply.device, u.samples)
-        return ""
+        return ClientUpdate(reply.device, state, u.samples, loss=u.loss, samples_seen=u.samples_seen, train_macs=u.train_macs, compute_seconds=u.compute_seconds)
 
     def _reject(self, got: Collected, t: int, device: str, reason: str) -> None:
         """Refuse ``device``'s update of round ``t``; the global model is untouched by it."""

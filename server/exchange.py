@@ -85,8 +85,12 @@ class Reply:
     device: str
     update: Update | None = None
     payload: bytes | None = None
-    chunks: int = 0
+    chunks: int = 0  # the upload's
     error: str = ""
+
+    @property
+    def size(self) -> int:
+        return 0 if self.payload is None else len(self.payload)
 
 
 @dataclass(frozen=True)
