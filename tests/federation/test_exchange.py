@@ -140,7 +140,7 @@ def test_a_device_the_link_cannot_reach_fails_at_once_and_the_others_go_on() -> 
 
 
 def test_uploads_of_another_round_or_transfer_are_not_taken() -> None:
-    exchange, _, receiver, script = _exchange(timeout=0.3)
+    exchange, _, _, script = _exchange(timeout=0.3)
     exchange.open(1)
     routed = _send(exchange, ["a"])
     stale, _ = _upload("a", dataclasses.replace(routed["a"], round=0), b"old")
