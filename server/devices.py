@@ -35,7 +35,6 @@ class DeviceBook:
         federation: str,
         rounds: int,
         reply: Callable[[str, Registered], None],
-        on_offline: Callable[[list[str]], None] = lambda devices: None,
         authenticated: bool = False,
         max_samples: int = 1_000_000,
         max_devices: int = 10_000,
@@ -47,7 +46,6 @@ class DeviceBook:
         self.federation = federation
         self.rounds = rounds
         self.reply = reply  # sends a Registered answer to a device
-        self.on_offline = on_offline  # told which devices just went offline (a round in flight stops waiting for them)
         # Provisioned: every message is signed by the identity its topic names, so a device is its own host (one identity,
         # one agent); an agent cannot register devices or hosts it holds no credentials for.
         self.authenticated = authenticated
@@ -73,9 +71,10 @@ class DeviceBook:
         """Registered devices whose host is not online, sorted."""
         return sorted(d.device_id for d in self.registry.devices() if d.host not in self.hosts_online)
 
-    def on_presence(self, message: Presence) -> None:
+    def on_presence(self, message: Presence) -> list[str]:
+        """Follow an agent's status; returns the devices that just went offline (a round in flight stops waiting for them)."""
         if message.role != "device":
-            return
+            return []
         host = message.device
         if message.state == "online":
             if host not in self.hosts_online:
@@ -83,13 +82,13 @@ class DeviceBook:
                 devices = self.registry.set_host_status(host, "online")
                 if devices:
                     log.info("%s online", ", ".join(devices))
-            return
+            return []
         self.hosts_online.discard(host)
         devices = self.registry.set_host_status(host, "offline")
         self._released.update(devices)
         if devices:
             log.info("%s offline", ", ".join(devices))
-            self.on_offline(devices)
+        return devices
 
     def on_reconnect(self) -> None:
         """The server's link came back: forget who was online (the statuses that follow say it again) and, as at a

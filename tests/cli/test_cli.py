@@ -16,7 +16,7 @@ from feast_edge.budget.profile import load_profile
 from feast_edge.cli.population import cycled_budgets, population_budgets
 from feast_edge.cli.progress import Stage
 from feast_edge.errors import FeastError
-from feast_edge.server.demo import _Fleet
+from feast_edge.server.demo_fleet import Fleet
 from strategies import TINY_PRESET
 
 JSON_ARCH = '{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,0]}'
@@ -192,6 +192,16 @@ def test_simulate_errors_are_one_line(cli, tmp_path):
     cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path / "fresh"), "--resume", "--clients", "4", "--per-round", "2", "--train-limit", "400"), "no checkpoint at")
 
 
+def test_server_run_takes_the_ablation_as_variants_and_refuses_method(server_cli, tmp_path):
+    """feast-server run trains FEAST: its ablation is --variants, as in feast-edge simulate, where --method is the algorithm."""
+    refused = server_cli.run("run", "--out", str(tmp_path), "--method", "min+max")  # refused before anything else, the broker included
+    server_cli.assert_user_error(refused, "feast-server run has no --method; the ablation is --variants min+max (as in feast-edge simulate)")
+    server_cli.assert_user_error(server_cli.run("run", "--method", "heterofl"), "the ablation is --variants MODE (min, max, min+max, min+max+kd, full)")
+    bogus = server_cli.run("run", "--broker", "mqtt://127.0.0.1:1", "--out", str(tmp_path / "run"), "--variants", "bogus")
+    server_cli.assert_user_error(bogus, "variants = 'bogus' is unknown")
+    assert "--variants" in server_cli.run("run", "--help", env={"COLUMNS": "200"}).stdout
+
+
 def test_partition_takes_the_population_options_of_simulate(cli, tmp_path, fashion_mnist_dir):
     result = cli.run("partition", "-o", str(tmp_path), "--clients", "3", "--profiles", "jetson-nano,desktop-gpu", "--train-limit", "90", "--val-samples", "50", "--calib-samples", "20")
     assert result.returncode == 0, result.stderr
@@ -238,7 +248,7 @@ def test_a_stage_outside_a_terminal_says_where_it_stands_and_keeps_a_heartbeat()
 
 
 def test_demo_reads_round_lines_with_or_without_time_stamps_and_says_what_it_waits_for(tmp_path: Path):
-    fleet = _Fleet(tmp_path, ["pi", "nano", "gpu"], rounds=2)
+    fleet = Fleet(tmp_path, ["pi", "nano", "gpu"], rounds=2)
     (tmp_path / "server.log").write_text(
         "10:00:00 connected to MQTT broker at 127.0.0.1:1883 as feast-1\n"
         "10:00:09 round 1/2  replies 3/3  aggregated  loss 2.1000  val 12.00%  4.0 s\n"

@@ -166,7 +166,7 @@ def server_config(config: SimulationConfig, out: Path, partition: Path, federati
     settings = dict(
         out=str(out), preset=config.preset, rounds=config.rounds, per_round=config.per_round, min_clients=config.per_round,
         start_clients=config.clients, round_timeout=120.0, seed=config.seed, lr=config.lr, batch_size=config.batch_size,
-        method=config.variants, augment=config.augment, eval_every=1, data=str(partition), federation=federation, wait_timeout=180.0,
+        variants=config.variants, augment=config.augment, eval_every=1, data=str(partition), federation=federation, wait_timeout=180.0,
     )
     settings.update(changes)
     return ServerConfig(**settings)  # type: ignore[arg-type]

@@ -1,0 +1,104 @@
+"""The ``feast-server`` commands on a run directory: ``export`` the models, ``serve`` them, ``status``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from feast_edge.cli import common
+from feast_edge.server.cli.shared import OutOpt, console, install_signal_handlers, log
+from feast_edge.server.output import models_table
+from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``export``, ``serve`` and ``status`` to the ``feast-server`` app."""
+    app.command("export")(export_command)
+    app.command("serve")(serve_command)
+    app.command("status")(status_command)
+
+
+@common.mqtt_options(broker_help="Also push each model to its device if it is online (mqtt://host:port).", required=False)
+def export_command(
+    link: Optional[LinkConfig],
+    out: OutOpt,
+    data: Annotated[Optional[Path], typer.Option("--data", help="Server-held calibration/validation data (default: the run's --data).")] = None,
+    federation: Annotated[Optional[str], typer.Option("--federation", help="Federation id (default: the run's).")] = None,
+    val_samples: Annotated[int, typer.Option("--val-samples", min=1)] = 5000,
+    calib_samples: Annotated[int, typer.Option("--calib-samples", min=1)] = 500,
+    chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    log_level: common.LogLevelOpt = "info",
+    log_file: common.LogFileOpt = None,
+) -> None:
+    """Export every registered device's largest affordable variant (BN-recalibrated) as ONNX + manifest."""
+    from feast_edge.server.app import FederationServer, ServerConfig, ServerError
+
+    common.setup_logging(log_level, log_file)
+    config = ServerConfig.stored(
+        out, data=None if data is None else str(data), federation=federation, val_samples=val_samples, calib_samples=calib_samples, chunk_size=chunk_size
+    )
+    if config.data is None:
+        raise ServerError(f"the run in {out} had no --data; pass --data (a partition directory or Fashion-MNIST) for calibration and validation")
+    server = FederationServer(config, link or LinkConfig())
+    try:
+        with common.heartbeat(log, "still exporting"):
+            manifests = server.export()
+        console.print(models_table(manifests, f"models for {len(manifests)} devices in {out / 'models'}"))
+        if link is not None:
+            server.start()
+            server.pump(1.0)  # retained presences tell who is online
+            served = server.announce_models(manifests)
+            log.info("sent models to %d online devices%s", len(served), f": {', '.join(served)}" if served else "")
+            server.serve(2.0)
+    finally:
+        server.close()
+
+
+@common.mqtt_options()
+def serve_command(
+    link: LinkConfig,
+    out: OutOpt,
+    federation: Annotated[Optional[str], typer.Option("--federation", help="Federation id (default: the run's).")] = None,
+    chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    log_level: common.LogLevelOpt = "info",
+    log_file: common.LogFileOpt = None,
+) -> None:
+    """Answer 'feast-agent fetch-model' requests with the models exported in --out, until Ctrl-C."""
+    from feast_edge.server.app import FederationServer, ServerConfig
+
+    common.setup_logging(log_level, log_file)
+    # Serving sends files that were exported already: no server-held data to load.
+    config = dataclasses.replace(ServerConfig.stored(out, federation=federation, chunk_size=chunk_size), data=None)
+    server = FederationServer(config, link)
+    server.devices.finished = True  # no rounds here: agents that register are told the federation is over
+    install_signal_handlers()
+    try:
+        server.start()
+        log.info("serving the models in %s on federation %r; Ctrl-C to stop", out / "models", config.federation)
+        server.serve()
+    except KeyboardInterrupt:
+        raise typer.Exit(0)
+    finally:
+        server.close()
+
+
+def status_command(
+    out: OutOpt,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts) instead of lines and a table.")] = False,
+) -> None:
+    """Where the run in --out stands: devices (online, last seen, rounds taken part in), rounds completed, best accuracy."""
+    import json
+
+    from feast_edge.server.status import read_status, status_lines, status_table
+
+    status = read_status(out)
+    if as_json:
+        typer.echo(json.dumps(status))
+        return
+    for line in status_lines(status):
+        console.print(line, soft_wrap=True, highlight=False)
+    console.print(status_table(status))

@@ -1,0 +1,40 @@
+"""What the ``feast-server`` commands share: the run-directory options, the console, SIGTERM, the server's bundle."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from feast_edge.cli import common
+from feast_edge.errors import FeastError
+from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.credentials import credentials_of
+
+console = common.make_console()
+log = logging.getLogger("feast_edge.server")
+
+OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints, device registry, exported models.")]
+DataOpt = Annotated[
+    Optional[Path],
+    typer.Option("--data", help="Server-held validation/calibration data: a partition directory (feast-edge partition) or a Fashion-MNIST directory (its test split)."),
+]
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM ends the server like Ctrl-C: the current round is abandoned, the link closes with an offline status."""
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the clean shutdown
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def check_server_bundle(link: Optional[LinkConfig]) -> None:
+    bundle = credentials_of(link)
+    if bundle is not None and bundle.role != "server":
+        raise FeastError(f"--credentials {bundle.path} is device {bundle.identity!r}'s bundle; the server takes the 'server' bundle (…/server)")

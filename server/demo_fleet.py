@@ -1,0 +1,160 @@
+"""The demo's processes: feast-server and the feast-agents, started and followed through their console logs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from feast_edge.errors import FeastError
+
+SERVER_TIMEOUT = 600.0  # seconds the demo waits for the federation before giving up
+HEARTBEAT_S = 9.0  # while waiting, a status line at least every 10 s (the wait polls every 0.5 s)
+_STAMP = re.compile(r"^\d\d:\d\d:\d\d ")  # the console formatter's time stamp (feast_edge.cli.common)
+_ROUND = re.compile(r"^round \d+/\d+\s")  # feast-server's line per round
+
+
+class DemoError(FeastError):
+    """The demo cannot run here (no data, no broker, a process failed)."""
+
+
+def _spawn(command: list[str], log: Path) -> subprocess.Popen:
+    handle = open(log, "w")
+    # The children are this interpreter with the installed feast_edge: no path games.
+    process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    handle.close()
+    return process
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _lines(path: Path) -> list[str]:
+    """A console log's lines without their leading ``HH:MM:SS`` time stamps."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [_STAMP.sub("", line, count=1) for line in text.splitlines()]
+
+
+class Fleet:
+    """feast-server and the feast-agent processes of the demo, followed through their console logs."""
+
+    def __init__(self, logs: Path, agents: list[str], rounds: int) -> None:
+        self.logs, self.agents, self.rounds = logs, agents, rounds
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def log(self, name: str) -> Path:
+        return self.logs / ("server.log" if name == "server" else f"agent-{name}.log")
+
+    def spawn(self, name: str, command: list[str]) -> None:
+        debug_log = self.log(name).with_suffix(".debug.log")
+        self.processes[name] = _spawn([*command, "--log-file", str(debug_log)], self.log(name))
+
+    def round_lines(self) -> list[str]:
+        return [line for line in _lines(self.log("server")) if _ROUND.match(line)]
+
+    def agent_state(self, name: str) -> tuple[str, int]:
+        """How far an agent got ('starting', 'connected', 'registered') and how many updates it sent."""
+        lines = _lines(self.log(name))
+        sent = sum("sent its update" in line for line in lines)
+        if any(line.startswith("registered") for line in lines) or sent:
+            return "registered", sent
+        return ("connected" if any("connected to" in line for line in lines) else "starting"), sent
+
+    def check_agents(self) -> None:
+        """An agent that failed ends the demo (one that finished leaves with status 0 once it has its model)."""
+        for name in self.agents:
+            process = self.processes.get(name)
+            if process is not None and process.poll() not in (None, 0):
+                raise DemoError(f"agent {name} exited with status {process.returncode}:\n{_tail(self.log(name))}")
+
+    def status(self, shown: int, since: float) -> str:
+        """What the federation is doing now, after ``shown`` round lines, for a heartbeat line."""
+        elapsed = f"{time.monotonic() - since:.0f} s"
+        if shown >= self.rounds:
+            exported = sum(line.startswith("exported ") for line in _lines(self.log("server")))
+            return f"exporting models... {exported}/{len(self.agents)} done ({elapsed})"
+        states = {name: self.agent_state(name) for name in self.agents}
+        registered = [name for name, (state, _) in states.items() if state == "registered"]
+        if shown == 0 and len(registered) < len(self.agents):
+            server = "up" if any("connected to" in line for line in _lines(self.log("server"))) else "starting"
+            waiting = ", ".join(f"{name} {state}" for name, (state, _) in states.items() if state != "registered")
+            return f"feast-server {server}; agents registered {len(registered)}/{len(self.agents)} (waiting: {waiting}) ({elapsed})"
+        sent = [name for name, (_, updates) in states.items() if updates > shown]
+        return f"round {shown + 1}/{self.rounds} running: updates sent {len(sent)}/{len(self.agents)} ({elapsed})"
+
+    def stop(self) -> None:
+        """SIGTERM to every process still running, then wait for all of them."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for name in list(self.processes):
+            process = self.processes.pop(name)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+
+    def follow_federation(self, say: Callable[[str], None]) -> None:
+        """Print the server's round lines as they come, and a status line whenever nothing was printed for a while."""
+        server = self.processes["server"]
+        deadline = time.monotonic() + SERVER_TIMEOUT
+        shown, since, said = 0, time.monotonic(), time.monotonic()
+        url = None
+        while True:
+            running = server.poll() is None
+            if url is None:
+                url = next((line.split("dashboard: ", 1)[1] for line in _lines(self.log("server")) if line.startswith("dashboard: ")), None)
+                if url is not None:
+                    say(f"dashboard (live while the federation runs): {url}")
+            lines = self.round_lines()
+            for line in lines[shown:]:
+                say(f"  {line}")
+                since = said = time.monotonic()
+            shown = len(lines)
+            if not running:
+                break
+            self.check_agents()
+            if time.monotonic() > deadline:
+                raise DemoError(f"the federation did not finish within {SERVER_TIMEOUT:g} s:\n{_tail(self.log('server'))}")
+            if time.monotonic() - said >= HEARTBEAT_S:
+                say(f"  ... {self.status(shown, since)}")
+                said = time.monotonic()
+            time.sleep(0.5)
+        if server.returncode != 0:
+            raise DemoError(f"feast-server exited with status {server.returncode}:\n{_tail(self.log('server'))}")
+
+    def await_models(self, received: Path, say: Callable[[str], None]) -> None:
+        """Wait until every agent saved the model the server pushed to it."""
+        began = said = time.monotonic()
+        while True:
+            have = [name for name in self.agents if (received / f"{name}.onnx").is_file()]
+            if len(have) == len(self.agents) or time.monotonic() - began > 120:
+                break
+            if time.monotonic() - said >= HEARTBEAT_S:
+                say(f"  ... models received by {len(have)}/{len(self.agents)} agents ({time.monotonic() - began:.0f} s)")
+                said = time.monotonic()
+            time.sleep(0.5)
+        missing = [name for name in self.agents if not (received / f"{name}.onnx").is_file()]
+        if missing:
+            raise DemoError(f"no model reached {', '.join(missing)}; see {self.logs}")
+        say(f"models received by all {len(self.agents)} agents in {relative(received)}")
+
+
+def relative(path: Path) -> str:
+    """``path`` relative to the working directory when it lies below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,357 @@
+"""One round's send-and-receive over MQTT: a message and a payload to each cohort device, their replies back (docs/protocol.md §7).
+
+    open(t)                                      round t's deadline starts now
+    per device: describe(device, payload) -> the transfer to name in the message; send(device, message, payload, ...)
+    replies()  -> each settled reply as it comes (an announced upload with its bytes, or why none will come),
+                  until every device settled or went offline, or the deadline
+    close()    -> who never replied, who went offline, what was ignored
+
+It knows messages, transfers and devices, nothing of what the payloads hold:
+``collect.DeviceCollector`` builds them and checks what comes back. Every wait
+runs the server's event loop (``events.Events.pump``), which hands this
+exchange the replies, finished uploads and offline hosts it sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from feast_edge.protocol import Declined, Update
+from feast_edge.transport.chunks import Progress, Status
+from feast_edge.transport.errors import LinkError, ProtocolError
+from feast_edge.transport.frames import TransferInfo
+from feast_edge.transport.messages import Message
+from feast_edge.transport.throttle import Throttle
+from feast_edge.transport.topics import Topics
+from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT = 10.0  # seconds between "still waiting" lines
+POLL_EVERY = 0.5  # seconds between nacks of stalled uploads
+UNCLAIMED = 64  # finished uploads kept while their announcement is on its way
+
+
+class WaitTimeout(Exception):
+    """Not enough devices came online within ``wait_timeout``."""
+
+
+class Pump(Protocol):
+    """The server's event loop, as far as a wait needs it."""
+
+    stop: threading.Event
+
+    def pump(self, seconds: float) -> None:
+        """Handle incoming messages for ``seconds`` (0: only what is queued now)."""
+
+
+class Roster(Protocol):
+    """Who may be in a cohort (``devices.DeviceBook``)."""
+
+    def online(self) -> list[str]: ...
+
+    def offline(self) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class ExchangeSettings:
+    """How long the exchange waits, and the horizon its log lines name."""
+
+    rounds: int
+    round_timeout: float
+    send_timeout: float = 120.0
+    wait_timeout: float | None = None  # for enough devices online (None: forever)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a device's reply may announce: an upload of at most ``max_bytes``, weighted by 1..``max_samples`` samples."""
+
+    max_bytes: int
+    max_samples: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A device's settled reply: its announced update and the upload's bytes, or ``error`` (why none will count)."""
+
+    device: str
+    update: Update | None = None
+    payload: bytes | None = None
+    chunks: int = 0  # the upload's
+    error: str = ""
+
+    @property
+    def size(self) -> int:
+        return 0 if self.payload is None else len(self.payload)
+
+
+@dataclass(frozen=True)
+class Unsettled:
+    """What a closed round leaves: cohort devices that never replied, those that went offline, messages ignored."""
+
+    missing: list[str]
+    dropped: list[str]
+    ignored: list[str]
+
+
+@dataclass
+class _Pending:
+    """The exchange's side of one cohort device in the round in flight."""
+
+    routed: str  # transfer id of the payload sent to it
+    expect: Expect
+    update: Update | None = None
+    error: str | None = None
+    finished: bool = False  # its upload was handed over
+
+    @property
+    def settled(self) -> bool:
+        return self.finished or self.error is not None
+
+
+@dataclass
+class _Round:
+    t: int
+    deadline: float
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    settled: deque[Reply] = field(default_factory=deque)  # not yet handed to replies()
+    dropped: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+
+class RoundExchange:
+    """Payloads down and announced uploads up for one round at a time, over one sender and one receiver."""
+
+    def __init__(self, topics: Topics, sender: ChunkSender, receiver: ChunkReceiver, events: Pump, settings: ExchangeSettings) -> None:
+        self.topics, self.sender, self.receiver, self.events, self.settings = topics, sender, receiver, events, settings
+        self.current: _Round | None = None
+        # device -> (round, sent transfer, upload size bound) of the round in flight; read by paho's thread (pre_expect)
+        self.announced: dict[str, tuple[int, str, int]] = {}
+        self._unclaimed: OrderedDict[str, Progress] = OrderedDict()  # finished uploads whose announcement has not arrived
+        self._dropped = Throttle(log)
+        self._last_poll = 0.0
+
+    # ------------------------------------------------------------------ waits
+    def wait_online(self, needed: int, roster: Roster) -> list[str]:
+        """Block until ``needed`` devices of ``roster`` are online, saying who is missing at least every 10 s."""
+        start, wait_timeout = time.monotonic(), self.settings.wait_timeout
+        last_note, last_online = float("-inf"), None
+        while not self.events.stop.is_set():
+            online = roster.online()
+            if len(online) >= needed:
+                return online
+            now = time.monotonic()
+            if online != last_online or now - last_note >= HEARTBEAT:
+                offline = roster.offline()
+                log.info(
+                    "waiting for devices: %d of %d online (%s)%s; %.0f s", len(online), needed, ", ".join(online) or "none yet",
+                    f"; registered but offline: {', '.join(offline)}" if offline else "", now - start,
+                )
+                last_note, last_online = now, online
+            if wait_timeout is not None and now - start > wait_timeout:
+                raise WaitTimeout(f"only {len(online)} of the {needed} devices needed were online after {wait_timeout:g} s")
+            self.events.pump(0.2)
+        raise KeyboardInterrupt
+
+    # ------------------------------------------------------------------ one round
+    def open(self, t: int) -> None:
+        """Start round ``t``: its deadline is ``round_timeout`` from now; uploads of earlier rounds are no longer taken."""
+        self.receiver.reassembler.advance(t)
+        self.current = _Round(t, time.monotonic() + self.settings.round_timeout)
+        self._unclaimed.clear()
+
+    def time_left(self) -> float:
+        """Seconds until the round's deadline (at least 1: what a device is told it has)."""
+        assert self.current is not None, "open() first"
+        return max(1.0, self.current.deadline - time.monotonic())
+
+    def describe(self, device: str, payload: bytes) -> TransferInfo:
+        """The transfer ``payload`` goes out as, to name in the message that announces it."""
+        assert self.current is not None, "open() first"
+        return self.sender.describe(payload, round=self.current.t, device=device)
+
+    def send(self, device: str, message: Message, payload: bytes, info: TransferInfo, expect: Expect) -> bool:
+        """``message`` on the device's control topic, then the chunks of ``payload``; False (and a failed reply) if the link failed."""
+        current = self.current
+        assert current is not None, "open() first"
+        current.pending[device] = _Pending(info.transfer, expect)
+        self.announced[device] = (current.t, info.transfer, expect.max_bytes)
+        try:
+            self.sender.announce_and_send(self.topics.ctrl(device), message.encode(), payload, info, timeout=self.settings.send_timeout)
+        except LinkError as exc:
+            self._fail(device, f"could not send its routed payload: {exc}")
+            sent = False
+        else:
+            sent = True
+        self.events.pump(0)
+        return sent
+
+    def replies(self) -> Iterator[Reply]:
+        """Each settled reply as it comes, until every device settled or went offline, or the deadline (KeyboardInterrupt on stop)."""
+        current, rounds = self.current, self.settings.rounds
+        assert current is not None, "open() first"
+        last_note = time.monotonic()
+        while True:
+            while current.settled:
+                yield current.settled.popleft()
+            waiting = [d for d, p in current.pending.items() if not p.settled and d not in current.dropped]
+            if not waiting or time.monotonic() >= current.deadline or self.events.stop.is_set():
+                break
+            now = time.monotonic()
+            if now - last_note >= HEARTBEAT:
+                log.info(
+                    "round %d/%d: %d of %d updates in; waiting for %s (%.0f s left)", current.t + 1, rounds, len(current.pending) - len(waiting),
+                    len(current.pending), ", ".join(waiting), current.deadline - now,
+                )
+                last_note = now
+            self.events.pump(min(0.1, max(0.0, current.deadline - time.monotonic())))
+        if self.events.stop.is_set():
+            raise KeyboardInterrupt
+        self.drain()
+        while current.settled:
+            yield current.settled.popleft()
+
+    def close(self) -> Unsettled:
+        """End the round in flight: later replies to it are ignored."""
+        current = self.current
+        assert current is not None, "open() first"
+        missing = [d for d, p in current.pending.items() if p.update is None and p.error is None and d not in current.dropped]
+        self.current, self.announced = None, {}
+        return Unsettled(missing, current.dropped, current.ignored)
+
+    # ------------------------------------------------------------------ events (from the event loop)
+    def ignore(self, what: str) -> None:
+        self._dropped.log(logging.INFO, what.split(":")[0], "ignored %s", what)
+        if self.current is not None:
+            self.current.ignored.append(what)
+
+    def on_offline(self, devices: list[str]) -> None:
+        """Devices whose host went offline: a round in flight stops waiting for them."""
+        current = self.current
+        if current is None:
+            return
+        for device in devices:
+            pending = current.pending.get(device)
+            if pending is not None and not pending.settled and device not in current.dropped:
+                current.dropped.append(device)
+                log.warning("round %d: %s went offline; not waiting for its update", current.t + 1, device)
+
+    def pre_expect(self, message: Update) -> None:
+        """Paho's thread: take the chunks of an upload a cohort device just announced from the first one on.
+
+        The reassembler takes only announced transfers (a stranger's frames cost nothing), and the chunks
+        follow the announcement at once; :meth:`on_update` checks the rest in the run thread.
+        """
+        slot = self.announced.get(message.device)
+        if slot is None or slot[:2] != (message.round, message.routed):
+            return
+        try:
+            info = message.transfer_info()
+        except ProtocolError:
+            return
+        if info.size <= slot[2]:
+            self.receiver.expect(info)
+
+    def on_declined(self, message: Declined) -> None:
+        """A cohort device says no update will come (training diverged or failed): stop waiting for it."""
+        current = self.current
+        pending = None if current is None or message.round != current.t else current.pending.get(message.device)
+        if pending is None or message.routed != pending.routed or pending.settled or pending.update is not None:
+            self.ignore(f"declined from {message.device}: it does not answer an open request of the round in flight")
+            return
+        self._fail(message.device, f"the device sent no update: {message.reason}")
+
+    def on_update(self, message: Update) -> None:
+        device, current = message.device, self.current
+        if current is None or message.round != current.t:
+            self.ignore(f"update from {device}: round {message.round + 1} is not the round in flight")
+            return
+        pending = current.pending.get(device)
+        if pending is None:
+            self.ignore(f"update from {device}: not in round {current.t + 1}'s cohort")
+            return
+        if message.routed != pending.routed:
+            self.ignore(f"update from {device}: it answers routed transfer {message.routed}, not this round's {pending.routed} (sent before a server restart?)")
+            return
+        if pending.update is not None:
+            self.ignore(f"update from {device}: duplicate for round {current.t + 1} (the first one counts)")
+            return
+        try:
+            info = message.transfer_info()
+        except ProtocolError as exc:
+            self._fail(device, f"invalid transfer description: {exc}")
+            return
+        problem, limit = "", pending.expect.max_samples
+        if not 1 <= message.samples <= limit:
+            # The sample count is the aggregation weight: more than the device registered would let it outweigh everyone.
+            problem = f"it claims {message.samples} samples; the aggregation weight must be between 1 and the {limit} it registered"
+        elif info.size > pending.expect.max_bytes:
+            problem = f"its upload declares {info.size} bytes; the slice routed to it encodes to at most {pending.expect.max_bytes}"
+        if problem:
+            self.receiver.reassembler.discard(info.transfer, problem)
+            self._fail(device, problem)
+            return
+        pending.update = message
+        finished = self._unclaimed.pop(info.transfer, None)
+        if finished is not None:
+            self._finish(device, pending, finished)
+        else:
+            self.receiver.expect(info)
+
+    def tick(self) -> None:
+        """Match finished uploads with their announcements, and nack stalled ones now and then."""
+        self.drain()
+        now = time.monotonic()
+        if now - self._last_poll >= POLL_EVERY:
+            self.receiver.poll()
+            self._last_poll = now
+
+    def drain(self) -> None:
+        """Match finished upload transfers with their announcements."""
+        while True:
+            try:
+                progress = self.receiver.results.get_nowait()
+            except queue.Empty:
+                return
+            info, current = progress.info, self.current
+            pending = current.pending.get(info.device) if current is not None else None
+            if current is None or info.round != current.t or pending is None:
+                self._dropped.log(logging.INFO, f"upload {info.device}", "dropped upload %s from %s: not expected in the round in flight", info.transfer, info.device)
+                continue
+            if pending.update is None:
+                self._unclaimed[info.transfer] = progress  # the update message may still be on its way
+                while len(self._unclaimed) > UNCLAIMED:
+                    self._unclaimed.popitem(last=False)
+                continue
+            if pending.update.transfer.get("transfer") != info.transfer:
+                log.info("dropped upload %s from %s: its update announced transfer %s", info.transfer, info.device, pending.update.transfer.get("transfer"))
+                continue
+            self._finish(info.device, pending, progress)
+
+    def _finish(self, device: str, pending: _Pending, progress: Progress) -> None:
+        if pending.settled:
+            return
+        if progress.status is not Status.COMPLETE or progress.payload is None:
+            self._fail(device, progress.reason or f"transfer {progress.status.value}")
+            return
+        assert self.current is not None
+        pending.finished = True
+        self.current.settled.append(Reply(device, pending.update, progress.payload, progress.info.count))
+
+    def _fail(self, device: str, reason: str) -> None:
+        """No reply of ``device`` will count in the round in flight, because of ``reason``."""
+        current = self.current
+        if current is None:
+            return
+        pending = current.pending.get(device)
+        if pending is not None and not pending.settled:
+            pending.error = reason
+        current.settled.append(Reply(device, error=reason))

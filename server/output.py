@@ -1,0 +1,44 @@
+"""What ``feast-server`` prints for people: one line per round, and the table of the exported models."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from feast_edge.run.loop import RoundRecord
+
+log = logging.getLogger("feast_edge.server")
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
+
+
+def print_round(record: RoundRecord, rounds: int) -> None:
+    """One line per round (1-based): replies, loss, validation accuracy and what was refused."""
+    replies = f"{len(record.updated)}/{len(record.cohort)}"
+    state = "aggregated" if record.applied else "unchanged"
+    loss = "-" if record.loss is None else f"{record.loss:.4f}"
+    extra = []
+    if record.rejected:
+        extra.append(f"rejected {', '.join(sorted(record.rejected))}")
+    if record.dropped:
+        extra.append(f"offline {', '.join(record.dropped)}")
+    if record.missing:
+        extra.append(f"no reply {', '.join(record.missing)}")
+    log.info(
+        f"round {record.round}/{rounds}  replies {replies}  {state}  loss {loss}  val {_pct(record.val_accuracy)}  "
+        f"{record.seconds:.1f} s" + (f"  ({'; '.join(extra)})" if extra else "")
+    )
+
+
+def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("device", "budget", "variant MACs", "params", "val accuracy", "file", "sha256"):
+        table.add_column(col, justify="right" if col in ("budget", "variant MACs", "params", "val accuracy") else "left")
+    for m in manifests:
+        table.add_row(m["device"], f"{m['budget_macs'] / 1e6:.2f}M", f"{m['macs'] / 1e6:.2f}M", f"{m['params'] / 1e6:.3f}M", _pct(m["validation_accuracy"]), m["file"], m["sha256"][:12])
+    return table

@@ -1,0 +1,58 @@
+"""ServerConfig's ablation is ``variants``; checkpoints store it under the key runs kept before the rename ("method")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from feast_edge.run.checkpoint import save_supernet
+from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT, RoundRecord
+from feast_edge.server.app import FederationServer, ServerConfig, ServerError
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
+from feast_edge.transport.broker import LinkConfig
+
+BROKER = "mqtt://127.0.0.1:1883"  # never connected to: the tests only build servers
+
+
+def test_the_fingerprint_keeps_the_key_runs_stored_before_the_rename(tmp_path: Path) -> None:
+    decisive = ServerConfig(out=str(tmp_path), variants="min+max").decisive()
+    assert decisive["method"] == "min+max" and "variants" not in decisive
+
+
+def test_a_config_stored_with_the_old_method_key_loads_as_variants(tmp_path: Path) -> None:
+    """What feast-server run wrote before --method was renamed --variants: export and serve still read its settings."""
+    preset = load_preset("fmnist-small")
+    config = {"preset": preset.name, "rounds": 3, "per_round": 2, "min_clients": 2, "seed": 7, "method": "min+max+kd", "federation": "lab"}
+    save_supernet(tmp_path / CHECKPOINT, Supernet(preset, seed=0), kind="federation", fingerprint="x", config=config, round=1, history=[],
+                  history_format=HISTORY_FORMAT, best={}, registry=[], data=None)
+    stored = ServerConfig.stored(tmp_path)
+    assert (stored.variants, stored.rounds, stored.seed, stored.federation) == ("min+max+kd", 3, 7, "lab")
+    assert stored.decisive()["method"] == "min+max+kd"
+
+
+def _checkpointed(config: ServerConfig) -> None:
+    """A run of ``config`` with one completed round in its --out."""
+    server = FederationServer(config, LinkConfig(broker=BROKER))
+    try:
+        server.loop.history.append(RoundRecord(round=1, lr=0.1, cohort=["a", "b"]))
+        server.loop.save(CHECKPOINT)
+    finally:
+        server.close()
+
+
+def test_a_run_resumes_with_the_same_variants_and_refuses_others(tmp_path: Path) -> None:
+    config = ServerConfig(out=str(tmp_path), rounds=2, variants="min")
+    _checkpointed(config)
+    again = FederationServer(config, LinkConfig(broker=BROKER))
+    try:
+        assert again.resume() == 1
+    finally:
+        again.close()
+    other = FederationServer(ServerConfig(out=str(tmp_path), rounds=2, variants="max"), LinkConfig(broker=BROKER))
+    try:
+        with pytest.raises(ServerError, match=r"other settings \(differs in: method, train\)"):
+            other.resume()
+    finally:
+        other.close()
