@@ -19,7 +19,7 @@ from strategies import TINY_PRESET
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE_DIR = REPO.parent / "shared" / "reference"
+REFERENCE_DIR = Path(__file__).resolve().parent / "data" / "reference"  # test data only (README.md there); never package data
 
 
 @pytest.fixture(scope="session")
@@ -44,9 +44,9 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def reference_cache_csv() -> Path:
+    """The FEAST paper's CIFAR-100 variant cache (tests/data/reference/), the oracle of the cost, fitness and routing tests."""
     path = REFERENCE_DIR / "feast-cifar100-cache.csv"
-    if not path.is_file():
-        pytest.skip(f"reference cache {path} is absent (it lives in ../shared/reference beside the repository)")
+    assert path.is_file(), f"the reference cache {path} is part of the repository; restore it (git checkout -- {path.relative_to(REPO)})"
     return path
 
 
