@@ -11,14 +11,14 @@ TINY = ["--clients", "4", "--per-round", "2", "--train-limit", "240", "--val-sam
 
 
 def test_an_unknown_amp_mode_is_one_error_line(cli, agent_cli, tmp_path: Path) -> None:
-    cli.assert_user_error(cli.run("simulate", "--out", str(tmp_path / "run"), "--amp", "fp8"), "--amp 'fp8' is unknown; choose one of off, auto, bf16, fp16")
-    result = agent_cli.run("run", "--broker", "mqtt://127.0.0.1:1", "--device-id", "d1", "--data", str(tmp_path), "--budget", "40M", "--amp", "int8")
+    cli.assert_user_error(cli.invoke("simulate", "--out", str(tmp_path / "run"), "--amp", "fp8"), "--amp 'fp8' is unknown; choose one of off, auto, bf16, fp16")
+    result = agent_cli.invoke("run", "--broker", "mqtt://127.0.0.1:1", "--device-id", "d1", "--data", str(tmp_path), "--budget", "40M", "--amp", "int8")
     agent_cli.assert_user_error(result, "--amp 'int8' is unknown")
     assert not (tmp_path / "run").exists()
 
 
 def test_amp_with_a_baseline_is_refused(cli, tmp_path: Path) -> None:
-    cli.assert_user_error(cli.run("simulate", "--out", str(tmp_path), "--method", "heterofl", "--amp", "bf16"), "--amp bf16 applies to --method feast only")
+    cli.assert_user_error(cli.invoke("simulate", "--out", str(tmp_path), "--method", "heterofl", "--amp", "bf16"), "--amp bf16 applies to --method feast only")
 
 
 def test_a_bf16_simulation_trains_in_bf16_and_keeps_float32_weights(cli, tmp_path: Path, fashion_mnist_dir) -> None:

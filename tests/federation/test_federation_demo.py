@@ -37,7 +37,7 @@ def test_demo_runs_on_the_pure_python_broker(cli, tmp_path: Path, fashion_mnist_
 
 
 def test_demo_without_the_data_set_says_how_to_get_it(cli, tmp_path: Path) -> None:
-    result = cli.run("demo", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "demo"), timeout=120)
+    result = cli.invoke("demo", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "demo"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("error: Fashion-MNIST is not installed in")
     assert "apt-get install dataset-fashion-mnist" in result.stderr
