@@ -12,6 +12,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,41 @@ def fashion_mnist_dir() -> Path:
         f"Fashion-MNIST is not installed in {FASHION_MNIST_DIR}: run 'apt-get install -y dataset-fashion-mnist'"
     )
     return FASHION_MNIST_DIR
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """A finished ``feast-edge simulate`` run, made once per session: its directory (read it, never write to it) and what the command printed."""
+
+    out: Path
+    clients: int
+    rounds: int
+    result: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="session")
+def finished_run(cli: Cli, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> FinishedRun:
+    """A real, small ``feast-edge simulate`` subprocess: 2 clients, both in each of 2 rounds, validated every round (about a minute).
+
+    Tests that only inspect a finished run (its results.json, checkpoint, console
+    output, the dashboard of it) share this one; a test of an option or of resuming
+    makes its own run.
+    """
+    out = tmp_path_factory.mktemp("finished") / "sim"
+    clients, rounds = 2, 2
+    result = cli.run(
+        "simulate", "--out", str(out), "--clients", str(clients), "--per-round", str(clients), "--rounds", str(rounds), "--eval-every", "1",
+        "--train-limit", "200", "--val-samples", "100", "--calib-samples", "50", "--test-limit", "100", "--batch-size", "32", "--device", "cpu",
+        "--data", str(fashion_mnist_dir), timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return FinishedRun(out, clients, rounds, result)
+
+
+@pytest.fixture(scope="session")
+def simulation_run(finished_run: FinishedRun) -> Path:
+    """The directory of :func:`finished_run` (read-only)."""
+    return finished_run.out
 
 
 class Cli:

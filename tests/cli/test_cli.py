@@ -155,14 +155,12 @@ def test_bad_search_input_is_one_line(cli, args, fragment):
 
 # --- simulate and partition ----------------------------------------------------------------------
 
-TINY_SIMULATION = ["--clients", "4", "--per-round", "2", "--train-limit", "240", "--val-samples", "100", "--calib-samples", "50", "--seed", "3"]
 
-
-def test_simulate_says_each_stage_and_the_one_based_best_round(cli, tmp_path, fashion_mnist_dir):
-    result = cli.run("simulate", "-o", str(tmp_path), *TINY_SIMULATION, "--rounds", "2", "--eval-every", "1", "--test-limit", "100", "--batch-size", "32", "--device", "cpu")
-    assert result.returncode == 0, result.stderr
+def test_simulate_says_each_stage_and_the_one_based_best_round(finished_run):
+    """The console output and results.json of the shared finished run (tests/conftest.py): 2 clients, 2 rounds, validated each round."""
+    result, out = finished_run.result, finished_run.out
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("loading fashion-mnist from ") and lines[1].startswith("population of 4 clients")  # said before the slow start-up
+    assert lines[0].startswith("loading fashion-mnist from ") and lines[1].startswith("population of 2 clients")  # said before the slow start-up
     rounds = [line for line in lines if line.startswith("round ")]  # a start line, one per round, heartbeats between
     assert rounds[0].startswith("round 0/2 ") and [line.split()[1] for line in rounds] == sorted(line.split()[1] for line in rounds)
     reported = [line for line in rounds if " loss " in line]
@@ -170,7 +168,7 @@ def test_simulate_says_each_stage_and_the_one_based_best_round(cli, tmp_path, fa
     assert re.search(r"loss \d+\.\d{3}  val \d+\.\d{2}%  best \d+\.\d{2}%", reported[-1])
     testing = [line for line in lines if line.startswith("testing 26 cached variants (BN recalibration + test set) ")]
     assert testing[0].split(") ")[1].startswith("0/26") and testing[-1].split(") ")[1].startswith("26/26")
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     validated = {r["round"]: r["val_accuracy"] for r in results["rounds"]}
     assert sorted(validated) == [1, 2] and results["best"]["round"] == max(validated, key=validated.get)
     assert f"(best checkpoint, round {results['best']['round']})" in result.stdout
