@@ -30,6 +30,27 @@ REPO = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = Path(__file__).resolve().parent / "data" / "reference"  # test data only (README.md there); never package data
 
 
+# Markers that follow from a fixture a test uses, directly or through other fixtures, wherever the test lives
+# (the markers: pyproject.toml). Everything else is marked where it is written (pytestmark, @pytest.mark.*).
+FIXTURE_MARKERS = {
+    "finished_run": "slow",  # a real feast-edge simulate run (below); simulation_run is its directory
+    "federation": "broker",  # a federation on the broker at 127.0.0.1:1883 (tests/federation, tests/dashboard)
+    "local_broker": "broker",  # the broker at 127.0.0.1:1883 (tests/transport)
+    "secure_broker": "broker",  # a private mosquitto with TLS and passwords (tests/transport)
+    "password_broker": "broker",  # a private mosquitto with passwords (tests/federation)
+    "browser": "browser",  # headless Chromium (tests/dashboard)
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ())) - set(getattr(getattr(item, "callspec", None), "params", {}))  # not a parametrize argument
+        for fixture, marker in FIXTURE_MARKERS.items():
+            if fixture in used:
+                item.add_marker(marker)
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     """The repository root (where pyproject.toml is)."""

@@ -253,6 +253,7 @@ def test_cuda_requested_without_a_cuda_device_is_a_clear_error() -> None:
         profile_device("fmnist-small", device="cuda")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_profile_device_on_cuda(cache: VariantCache) -> None:
     profile = profile_device("fmnist-small", "cuda", latency_target_ms=1e4, variants=3, repeats=5, name="test-cuda", runtime="torch", holdout=0)
