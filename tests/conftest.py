@@ -33,12 +33,13 @@ REFERENCE_DIR = Path(__file__).resolve().parent / "data" / "reference"  # test d
 # Markers that follow from a fixture a test uses, directly or through other fixtures, wherever the test lives
 # (the markers: pyproject.toml). Everything else is marked where it is written (pytestmark, @pytest.mark.*).
 FIXTURE_MARKERS = {
-    "finished_run": "slow",  # a real feast-edge simulate run (below); simulation_run is its directory
-    "federation": "broker",  # a federation on the broker at 127.0.0.1:1883 (tests/federation, tests/dashboard)
-    "local_broker": "broker",  # the broker at 127.0.0.1:1883 (tests/transport)
-    "secure_broker": "broker",  # a private mosquitto with TLS and passwords (tests/transport)
-    "password_broker": "broker",  # a private mosquitto with passwords (tests/federation)
-    "browser": "browser",  # headless Chromium (tests/dashboard)
+    "finished_run": (pytest.mark.slow, pytest.mark.timeout(600)),  # a real feast-edge simulate run (below), made by the first test that asks
+    "federation": (pytest.mark.broker,),  # a federation on the broker at 127.0.0.1:1883 (tests/federation, tests/dashboard)
+    "local_broker": (pytest.mark.broker,),  # the broker at 127.0.0.1:1883 (tests/transport)
+    "secure_broker": (pytest.mark.broker,),  # a private mosquitto with TLS and passwords (tests/transport)
+    "password_broker": (pytest.mark.broker,),  # a private mosquitto with passwords (tests/federation)
+    "provisioned": (pytest.mark.broker,),  # a private mosquitto from feast-server provision's configuration (tests/federation)
+    "browser": (pytest.mark.browser,),  # headless Chromium (tests/dashboard)
 }
 
 
@@ -46,9 +47,10 @@ FIXTURE_MARKERS = {
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ())) - set(getattr(getattr(item, "callspec", None), "params", {}))  # not a parametrize argument
-        for fixture, marker in FIXTURE_MARKERS.items():
+        for fixture, marks in FIXTURE_MARKERS.items():
             if fixture in used:
-                item.add_marker(marker)
+                for mark in marks:  # after the test's own marks: a @pytest.mark.timeout on the test wins
+                    item.add_marker(mark)
 
 
 @pytest.fixture(scope="session")

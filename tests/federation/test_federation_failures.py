@@ -316,6 +316,7 @@ def test_malformed_messages_are_logged_and_never_stop_the_server(kit, tmp_path: 
 # --------------------------------------------------------------------------- real agent processes
 
 
+@pytest.mark.slow  # real agent processes
 def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, federation: str, partition: Path) -> None:
     entries = read_index(partition)["clients"][:2]
     config = ServerConfig(
@@ -343,6 +344,7 @@ def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, feder
     assert codes == [0, 0]
 
 
+@pytest.mark.slow  # real agent processes
 def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round(kit, tmp_path: Path, federation: str, partition: Path) -> None:
     config = replace(kit.CONFIG, rounds=3)
     expected = kit.simulated_weights(config, tmp_path / "simulation")
@@ -379,6 +381,7 @@ def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round
     assert codes == [0, 0]
 
 
+@pytest.mark.slow  # real agent processes
 def test_a_second_agent_with_an_online_device_id_is_refused(kit, tmp_path: Path, federation: str, partition: Path) -> None:
     config = ServerConfig(out=str(tmp_path / "run"), rounds=1, per_round=5, min_clients=5, federation=federation, wait_timeout=240.0)
     server = kit.ServerThread(config).start()  # waits for 5 devices: it only handles registrations here

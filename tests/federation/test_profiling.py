@@ -187,6 +187,7 @@ def test_read_hardware_reports_cores_ram_and_torch() -> None:
     assert hardware["torch"] == torch.__version__ and "cuda_name" not in hardware
 
 
+@pytest.mark.slow  # times every variant
 def test_profile_device_on_cpu_is_consistent(fmnist: Preset, cache: VariantCache) -> None:
     """The default: each variant exported to ONNX on the fly and timed in onnxruntime (what serves it), two held out of the fit."""
     calls = []
