@@ -38,15 +38,26 @@ FIXTURE_MARKERS = {
     "local_broker": (pytest.mark.broker,),  # the broker at 127.0.0.1:1883 (tests/transport)
     "secure_broker": (pytest.mark.broker,),  # a private mosquitto with TLS and passwords (tests/transport)
     "password_broker": (pytest.mark.broker,),  # a private mosquitto with passwords (tests/federation)
-    "provisioned": (pytest.mark.broker,),  # a private mosquitto from feast-server provision's configuration (tests/federation)
+    "provisioned": (pytest.mark.broker, pytest.mark.slow),  # keys, certificates and a private mosquitto from feast-server provision (tests/federation)
     "browser": (pytest.mark.browser,),  # headless Chromium (tests/dashboard)
 }
+
+
+def _parametrize_arguments(item: pytest.Item) -> set[str]:
+    """The names a test's @pytest.mark.parametrize fills directly (a value, not a fixture)."""
+    names: set[str] = set()
+    for mark in item.iter_markers("parametrize"):
+        argnames = mark.args[0] if mark.args else mark.kwargs["argnames"]
+        argnames = [n.strip() for n in argnames.split(",")] if isinstance(argnames, str) else list(argnames)
+        indirect = mark.kwargs.get("indirect", False)
+        names |= {n for n in argnames if not (indirect is True or (isinstance(indirect, (list, tuple)) and n in indirect))}
+    return names
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        used = set(getattr(item, "fixturenames", ())) - set(getattr(getattr(item, "callspec", None), "params", {}))  # not a parametrize argument
+        used = set(getattr(item, "fixturenames", ())) - _parametrize_arguments(item)  # e.g. test_mqtt_topics' federation is a value
         for fixture, marks in FIXTURE_MARKERS.items():
             if fixture in used:
                 for mark in marks:  # after the test's own marks: a @pytest.mark.timeout on the test wins
