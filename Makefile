@@ -1,7 +1,8 @@
 # feast-edge: set-up from a fresh machine in one command.
 #
 #   make demo    system packages + .venv + the package, then `feast-edge demo`
-#   make test    system packages + .venv + the package + a broker on 127.0.0.1:1883, then pytest
+#   make test    system packages + .venv + the package + a broker on 127.0.0.1:1883, then pytest (every test)
+#   make test-fast  the same set-up, then pytest -m "not slow" (<= 5 min on 2 cores; the loop while developing)
 #
 # Every step is idempotent: a second run only checks and goes straight to the command.
 # Variables (make VAR=value):
@@ -9,7 +10,7 @@
 #   PYTHON=python3    the interpreter that creates it (Python >= 3.10)
 #   TORCH=...         what `pip install` gets when the venv cannot import torch and torchvision;
 #                     empty (TORCH=) never installs PyTorch (keep the one the system has)
-#   PYTEST_ARGS=...   extra pytest arguments (e.g. PYTEST_ARGS="tests/core -x")
+#   PYTEST_ARGS=...   extra pytest arguments (e.g. PYTEST_ARGS="tests/core -x", PYTEST_ARGS='-m "not broker"')
 #   DEMO_ARGS=...     extra `feast-edge demo` options (e.g. DEMO_ARGS="--rounds 5")
 
 SHELL := /bin/bash
@@ -37,13 +38,20 @@ RUN_ENV := PATH="$(VENV_DIR)/bin:$$PATH:/usr/sbin"
 
 export PIP_DISABLE_PIP_VERSION_CHECK ?= 1
 
-.PHONY: help setup system-packages venv broker test demo clean
+.PHONY: help setup system-packages venv broker test test-fast demo clean
 
 help:
 	@echo "feast-edge set-up (Debian/Ubuntu, Python >= 3.10, root or sudo for apt-get)"
 	@echo
 	@echo "  make demo             set everything up, then run 'feast-edge demo' (DEMO_ARGS=...)"
-	@echo "  make test             set everything up, start a broker if needed, then run pytest (PYTEST_ARGS=...)"
+	@echo "  make test             set everything up, start a broker if needed, then run every test (PYTEST_ARGS=...)"
+	@echo "  make test-fast        the same, but only the tests not marked slow: pytest -m 'not slow' (<= 5 min on 2 cores)"
+	@echo
+	@echo "  test markers (pyproject.toml), selected with -m, e.g. make test PYTEST_ARGS='-m \"not broker and not browser\"':"
+	@echo "    slow     more than a few seconds: subprocess federations, demos, chaos, the wheel, real simulations"
+	@echo "    broker   needs Mosquitto: the broker on $(BROKER_HOST):$(BROKER_PORT), or the mosquitto program for a private one"
+	@echo "    browser  drives the dashboard in headless Chromium (Selenium)"
+	@echo "    gpu      needs a CUDA GPU (skips with its reason without one)"
 	@echo
 	@echo "  make setup            system-packages + venv"
 	@echo "  make system-packages  apt-get install $(APT_PACKAGES) (only what is missing)"
@@ -118,9 +126,13 @@ broker: system-packages
 	echo "error: mosquitto did not start listening on $(BROKER_HOST):$(BROKER_PORT) within 5 s; start a broker there (e.g. 'sudo systemctl start mosquitto') and run make again" >&2; exit 1
 
 # The tests also drive the dashboard in headless Chromium (Debian's chromium + chromium-driver); the demo does not need it.
-test: BROWSER := 1
+# make test runs every test (CI: .ci/run); make test-fast leaves out those marked slow (pyproject.toml lists the markers).
+test test-fast: BROWSER := 1
 test: setup broker
 	cd "$(CURDIR)" && $(RUN_ENV) $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup broker
+	cd "$(CURDIR)" && $(RUN_ENV) $(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 demo: setup
 	$(RUN_ENV) $(VENV_DIR)/bin/feast-edge demo $(DEMO_ARGS)

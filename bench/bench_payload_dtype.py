@@ -8,7 +8,7 @@ broadcast of the full supernet, and the encode + decode time. The population
 line does the same for the mean routed payload of a 100-client Zipf population
 (``feast-edge routing``'s population).
 
-    PYTHONPATH=. python bench/bench_payload_dtype.py [--reference-csv ../shared/reference/feast-cifar100-cache.csv]
+    PYTHONPATH=. python bench/bench_payload_dtype.py [--reference-csv tests/data/reference/feast-cifar100-cache.csv]
 """
 
 from __future__ import annotations

@@ -5,22 +5,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 TINY = ["--clients", "4", "--per-round", "2", "--train-limit", "240", "--val-samples", "100", "--calib-samples", "50", "--test-limit", "100", "--seed", "3"]
 
 
 def test_an_unknown_amp_mode_is_one_error_line(cli, agent_cli, tmp_path: Path) -> None:
-    cli.assert_user_error(cli.run("simulate", "--out", str(tmp_path / "run"), "--amp", "fp8"), "--amp 'fp8' is unknown; choose one of off, auto, bf16, fp16")
-    result = agent_cli.run("run", "--broker", "mqtt://127.0.0.1:1", "--device-id", "d1", "--data", str(tmp_path), "--budget", "40M", "--amp", "int8")
+    cli.assert_user_error(cli.invoke("simulate", "--out", str(tmp_path / "run"), "--amp", "fp8"), "--amp 'fp8' is unknown; choose one of off, auto, bf16, fp16")
+    result = agent_cli.invoke("run", "--broker", "mqtt://127.0.0.1:1", "--device-id", "d1", "--data", str(tmp_path), "--budget", "40M", "--amp", "int8")
     agent_cli.assert_user_error(result, "--amp 'int8' is unknown")
     assert not (tmp_path / "run").exists()
 
 
 def test_amp_with_a_baseline_is_refused(cli, tmp_path: Path) -> None:
-    cli.assert_user_error(cli.run("simulate", "--out", str(tmp_path), "--method", "heterofl", "--amp", "bf16"), "--amp bf16 applies to --method feast only")
+    cli.assert_user_error(cli.invoke("simulate", "--out", str(tmp_path), "--method", "heterofl", "--amp", "bf16"), "--amp bf16 applies to --method feast only")
 
 
+@pytest.mark.slow  # real simulations, subprocesses
 def test_a_bf16_simulation_trains_in_bf16_and_keeps_float32_weights(cli, tmp_path: Path, fashion_mnist_dir) -> None:
     runs = {}
     for amp in ("off", "bf16"):
@@ -38,6 +40,7 @@ def test_a_bf16_simulation_trains_in_bf16_and_keeps_float32_weights(cli, tmp_pat
     assert any(not torch.equal(off[k], bf16[k]) for k in weights)  # the local passes ran in bfloat16
 
 
+@pytest.mark.slow  # real simulations, subprocesses
 def test_deterministic_kernels_change_nothing_on_the_cpu(cli, tmp_path: Path, fashion_mnist_dir) -> None:
     """--deterministic runs (no CPU op lacks a deterministic kernel) and ends with the weights of a plain run."""
     from safetensors.torch import load_file

@@ -1,4 +1,4 @@
-"""The feast-edge command line, run as a user runs it: a real subprocess."""
+"""The feast-edge command line: its contracts in this process (``cli.invoke``), a real simulation as a subprocess (``cli.run``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ SMALL_ARCH = '{"d":[1,0,1,0],"e":[0.5,0.5,0.5,0.5],"w":[2,2,2,2,2]}'
 
 
 def test_arch_json_reports_spec_figures(cli):
-    result = cli.run("arch", "--preset", "paper-cifar100", "--classes", "10", "--json", "--arch", JSON_ARCH)
+    result = cli.invoke("arch", "--preset", "paper-cifar100", "--classes", "10", "--json", "--arch", JSON_ARCH)
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     assert (record["macs"], record["params"]) == (24957968, 327522)
@@ -35,19 +35,19 @@ def test_arch_json_reports_spec_figures(cli):
 
 
 def test_arch_table_accepts_text_form(cli):
-    result = cli.run("arch", "-p", "paper-cifar100", "-c", "10", "-a", "d=[3,7,6,7] e=[0.18,0.18,0.1,0.1] w=[2,0,0,0,0]")
+    result = cli.invoke("arch", "-p", "paper-cifar100", "-c", "10", "-a", "d=[3,7,6,7] e=[0.18,0.18,0.1,0.1] w=[2,0,0,0,0]")
     assert result.returncode == 0, result.stderr
     assert "24,957,968" in result.stdout and "stage 4" in result.stdout
 
 
 def test_help_everywhere(cli):
     for command in ([], ["arch"], ["export"], ["init"], ["presets"]):
-        result = cli.run(*command, "--help")
+        result = cli.invoke(*command, "--help")
         assert result.returncode == 0 and "Usage" in result.stdout
 
 
 def test_user_preset_directory_is_listed(cli):
-    result = cli.run("presets", env={"FEAST_EDGE_PRESET_PATH": str(TINY_PRESET.parent)})
+    result = cli.invoke("presets", env={"FEAST_EDGE_PRESET_PATH": str(TINY_PRESET.parent)})
     assert result.returncode == 0 and "test-tiny" in result.stdout
 
 
@@ -61,20 +61,20 @@ def test_user_preset_directory_is_listed(cli):
     ],
 )
 def test_bad_arch_input_is_one_line(cli, args, fragment):
-    cli.assert_user_error(cli.run(*args), fragment)
+    cli.assert_user_error(cli.invoke(*args), fragment)
 
 
 @pytest.fixture(scope="module")
 def small_checkpoint(cli, tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "small.safetensors"
-    result = cli.run("init", "--preset", "fmnist-small", "--out", str(path), "--seed", "1")
+    result = cli.invoke("init", "--preset", "fmnist-small", "--out", str(path), "--seed", "1")
     assert result.returncode == 0, result.stderr
     return path
 
 
 def test_export_writes_onnx(cli, small_checkpoint, tmp_path, fashion_mnist_dir):
     out = tmp_path / "model.onnx"
-    result = cli.run("export", "-k", str(small_checkpoint), "-a", SMALL_ARCH, "-o", str(out), "--calibration-data", str(fashion_mnist_dir), "--calibration-samples", "128")
+    result = cli.invoke("export", "-k", str(small_checkpoint), "-a", SMALL_ARCH, "-o", str(out), "--calibration-data", str(fashion_mnist_dir), "--calibration-samples", "128")
     assert result.returncode == 0, result.stderr
     from feast_edge.evaluate.onnx_export import read_metadata
 
@@ -84,58 +84,58 @@ def test_export_writes_onnx(cli, small_checkpoint, tmp_path, fashion_mnist_dir):
 
 def test_export_refuses_checkpoint_of_another_preset(cli, small_checkpoint, tmp_path):
     cli.assert_user_error(
-        cli.run("export", "-k", str(small_checkpoint), "-p", "paper-cifar100", "-a", JSON_ARCH, "-o", str(tmp_path / "m.onnx")),
+        cli.invoke("export", "-k", str(small_checkpoint), "-p", "paper-cifar100", "-a", JSON_ARCH, "-o", str(tmp_path / "m.onnx")),
         "holds a supernet of preset 'fmnist-small', not 'paper-cifar100'",
     )
 
 
 def test_export_refuses_unwritable_output(cli, small_checkpoint, tmp_path):
     cli.assert_user_error(
-        cli.run("export", "-k", str(small_checkpoint), "-a", SMALL_ARCH, "-o", str(tmp_path / "missing" / "m.onnx")),
+        cli.invoke("export", "-k", str(small_checkpoint), "-a", SMALL_ARCH, "-o", str(tmp_path / "missing" / "m.onnx")),
         "directory",
     )
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
     if os.access(locked, os.W_OK):  # root ignores permission bits; the check must still refuse a directory target
-        cli.assert_user_error(cli.run("export", "-k", str(small_checkpoint), "-a", SMALL_ARCH, "-o", str(locked)), "it is a directory")
+        cli.assert_user_error(cli.invoke("export", "-k", str(small_checkpoint), "-a", SMALL_ARCH, "-o", str(locked)), "it is a directory")
     else:
-        cli.assert_user_error(cli.run("export", "-k", str(small_checkpoint), "-a", SMALL_ARCH, "-o", str(locked / "m.onnx")), "not writable")
+        cli.assert_user_error(cli.invoke("export", "-k", str(small_checkpoint), "-a", SMALL_ARCH, "-o", str(locked / "m.onnx")), "not writable")
 
 
 def test_export_refuses_arch_of_another_preset(cli, small_checkpoint, tmp_path):
-    cli.assert_user_error(cli.run("export", "-k", str(small_checkpoint), "-a", JSON_ARCH, "-o", str(tmp_path / "m.onnx")), "preset fmnist-small allows")
+    cli.assert_user_error(cli.invoke("export", "-k", str(small_checkpoint), "-a", JSON_ARCH, "-o", str(tmp_path / "m.onnx")), "preset fmnist-small allows")
 
 
 def test_export_refuses_pickle_checkpoint(cli, tmp_path):
     bogus = tmp_path / "model.pt"
     bogus.write_bytes(b"\x80\x04\x95not-a-checkpoint")
-    cli.assert_user_error(cli.run("export", "-k", str(bogus), "-a", SMALL_ARCH, "-o", str(tmp_path / "m.onnx")), "not a safetensors checkpoint")
+    cli.assert_user_error(cli.invoke("export", "-k", str(bogus), "-a", SMALL_ARCH, "-o", str(tmp_path / "m.onnx")), "not a safetensors checkpoint")
 
 
 def test_cache_build_and_show(cli, tmp_path):
     out = tmp_path / "cache.json"
-    result = cli.run("cache", "build", "-p", "fmnist-small", "--targets", "8M,20M", "--population", "16", "--generations", "5", "-o", str(out))
+    result = cli.invoke("cache", "build", "-p", "fmnist-small", "--targets", "8M,20M", "--population", "16", "--generations", "5", "-o", str(out))
     assert result.returncode == 0, result.stderr
     record = json.loads(out.read_text())
     assert record["preset"] == "fmnist-small" and len(record["entries"]) in (1, 2)
-    shown = cli.run("cache", "show", "-p", "fmnist-small", "--cache", str(out))
+    shown = cli.invoke("cache", "show", "-p", "fmnist-small", "--cache", str(out))
     assert shown.returncode == 0 and "fmnist-small" in shown.stdout
 
 
 def test_cache_of_another_preset_is_refused(cli, tmp_path):
     out = tmp_path / "cache.json"
-    assert cli.run("cache", "build", "-p", "fmnist-small", "--targets", "8M", "--population", "8", "--generations", "2", "-o", str(out)).returncode == 0
-    cli.assert_user_error(cli.run("cache", "show", "-p", "paper-cifar100", "--cache", str(out)), "not 'paper-cifar100'")
+    assert cli.invoke("cache", "build", "-p", "fmnist-small", "--targets", "8M", "--population", "8", "--generations", "2", "-o", str(out)).returncode == 0
+    cli.assert_user_error(cli.invoke("cache", "show", "-p", "paper-cifar100", "--cache", str(out)), "not 'paper-cifar100'")
 
 
 def test_extract_finds_an_arch_under_budget(cli, small_checkpoint, tmp_path):
-    result = cli.run("extract", "-p", "fmnist-small", "--macs", "12M", "--population", "32", "--generations", "10", "--json")
+    result = cli.invoke("extract", "-p", "fmnist-small", "--macs", "12M", "--population", "32", "--generations", "10", "--json")
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["macs"] <= 12e6
     onnx_out = tmp_path / "extracted.onnx"
-    result = cli.run("extract", "-p", "fmnist-small", "--macs", "12M", "--population", "32", "--generations", "10", "-k", str(small_checkpoint), "-o", str(onnx_out))
+    result = cli.invoke("extract", "-p", "fmnist-small", "--macs", "12M", "--population", "32", "--generations", "10", "-k", str(small_checkpoint), "-o", str(onnx_out))
     assert result.returncode == 0, result.stderr
     from feast_edge.evaluate.onnx_export import read_metadata
 
@@ -151,19 +151,17 @@ def test_extract_finds_an_arch_under_budget(cli, small_checkpoint, tmp_path):
     ],
 )
 def test_bad_search_input_is_one_line(cli, args, fragment):
-    cli.assert_user_error(cli.run(*args), fragment)
+    cli.assert_user_error(cli.invoke(*args), fragment)
 
 
 # --- simulate and partition ----------------------------------------------------------------------
 
-TINY_SIMULATION = ["--clients", "4", "--per-round", "2", "--train-limit", "240", "--val-samples", "100", "--calib-samples", "50", "--seed", "3"]
 
-
-def test_simulate_says_each_stage_and_the_one_based_best_round(cli, tmp_path, fashion_mnist_dir):
-    result = cli.run("simulate", "-o", str(tmp_path), *TINY_SIMULATION, "--rounds", "2", "--eval-every", "1", "--test-limit", "100", "--batch-size", "32", "--device", "cpu")
-    assert result.returncode == 0, result.stderr
+def test_simulate_says_each_stage_and_the_one_based_best_round(finished_run):
+    """The console output and results.json of the shared finished run (tests/conftest.py): 2 clients, 2 rounds, validated each round."""
+    result, out = finished_run.result, finished_run.out
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("loading fashion-mnist from ") and lines[1].startswith("population of 4 clients")  # said before the slow start-up
+    assert lines[0].startswith("loading fashion-mnist from ") and lines[1].startswith("population of 2 clients")  # said before the slow start-up
     rounds = [line for line in lines if line.startswith("round ")]  # a start line, one per round, heartbeats between
     assert rounds[0].startswith("round 0/2 ") and [line.split()[1] for line in rounds] == sorted(line.split()[1] for line in rounds)
     reported = [line for line in rounds if " loss " in line]
@@ -171,25 +169,25 @@ def test_simulate_says_each_stage_and_the_one_based_best_round(cli, tmp_path, fa
     assert re.search(r"loss \d+\.\d{3}  val \d+\.\d{2}%  best \d+\.\d{2}%", reported[-1])
     testing = [line for line in lines if line.startswith("testing 26 cached variants (BN recalibration + test set) ")]
     assert testing[0].split(") ")[1].startswith("0/26") and testing[-1].split(") ")[1].startswith("26/26")
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     validated = {r["round"]: r["val_accuracy"] for r in results["rounds"]}
     assert sorted(validated) == [1, 2] and results["best"]["round"] == max(validated, key=validated.get)
     assert f"(best checkpoint, round {results['best']['round']})" in result.stdout
 
 
 def test_simulate_errors_are_one_line(cli, tmp_path):
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--gamma", "-1"), "--gamma -1.0 must be >= 0")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--data", str(tmp_path)), "Fashion-MNIST file")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--budget-min", "1M"), "below the smallest cached variant")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--variants", "bogus", "--train-limit", "400"), "variants = 'bogus' is unknown")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "bogus"), "unknown method 'bogus'; choose one of: feast, centralized, heterofl")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "min"), "--method min is an ablation of FEAST; use --method feast --variants min")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "heterofl", "--method-option", "depth=3"), "--method heterofl takes no option depth; its options: tiers")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "scalefl", "--method-option", "beta"), "--method-option 'beta' is not KEY=VALUE")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--method", "fiarse", "--method-option", "sizes=half"), "--method-option sizes='half' for fiarse is malformed")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--augment", "jitter"), "augment = 'jitter' is unknown")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path), "--recipe", "warmup=3"), "unknown training setting(s) warmup")
-    cli.assert_user_error(cli.run("simulate", "-o", str(tmp_path / "fresh"), "--resume", "--clients", "4", "--per-round", "2", "--train-limit", "400"), "no checkpoint at")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--gamma", "-1"), "--gamma -1.0 must be >= 0")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--data", str(tmp_path)), "Fashion-MNIST file")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--budget-min", "1M"), "below the smallest cached variant")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--variants", "bogus", "--train-limit", "400"), "variants = 'bogus' is unknown")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--method", "bogus"), "unknown method 'bogus'; choose one of: feast, centralized, heterofl")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--method", "min"), "--method min is an ablation of FEAST; use --method feast --variants min")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--method", "heterofl", "--method-option", "depth=3"), "--method heterofl takes no option depth; its options: tiers")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--method", "scalefl", "--method-option", "beta"), "--method-option 'beta' is not KEY=VALUE")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--method", "fiarse", "--method-option", "sizes=half"), "--method-option sizes='half' for fiarse is malformed")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--augment", "jitter"), "augment = 'jitter' is unknown")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path), "--recipe", "warmup=3"), "unknown training setting(s) warmup")
+    cli.assert_user_error(cli.invoke("simulate", "-o", str(tmp_path / "fresh"), "--resume", "--clients", "4", "--per-round", "2", "--train-limit", "400"), "no checkpoint at")
 
 
 def test_server_run_takes_the_ablation_as_variants_and_refuses_method(server_cli, tmp_path):
@@ -203,13 +201,13 @@ def test_server_run_takes_the_ablation_as_variants_and_refuses_method(server_cli
 
 
 def test_partition_takes_the_population_options_of_simulate(cli, tmp_path, fashion_mnist_dir):
-    result = cli.run("partition", "-o", str(tmp_path), "--clients", "3", "--profiles", "jetson-nano,desktop-gpu", "--train-limit", "90", "--val-samples", "50", "--calib-samples", "20")
+    result = cli.invoke("partition", "-o", str(tmp_path), "--clients", "3", "--profiles", "jetson-nano,desktop-gpu", "--train-limit", "90", "--val-samples", "50", "--calib-samples", "20")
     assert result.returncode == 0, result.stderr
     index = json.loads((tmp_path / "index.json").read_text())
     nano, gpu = load_profile("jetson-nano").budget_macs, load_profile("desktop-gpu").budget_macs
     assert [c["budget_macs"] for c in index["clients"]] == [nano, gpu, nano]
     assert sum(c["samples"] for c in index["clients"]) == 90
-    helps = {command: cli.run(command, "--help").stdout for command in ("simulate", "partition")}
+    helps = {command: cli.invoke(command, "--help").stdout for command in ("simulate", "partition")}
     for option in ("--budgets", "--profiles", "--gamma", "--zipf-s", "--alpha-eff", "--budget-cap", "--val-samples", "--train-limit", "--cache"):
         assert all(text.count(f"{option} ") == 1 for text in helps.values()), option
 

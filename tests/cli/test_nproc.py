@@ -45,6 +45,7 @@ def one_process(cli, fashion_mnist_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_weights_of_one(cli, one_process, tmp_path):
     result = _simulate(cli, tmp_path, "--nproc", "2")
     assert "spread over 2 processes (this machine, gloo, 1 intra-op thread each)" in result.stdout
@@ -66,7 +67,7 @@ def test_two_processes_give_the_weights_of_one(cli, one_process, tmp_path):
     ],
 )
 def test_unusable_process_counts_are_one_line_errors(cli, tmp_path, extra, fragment):
-    result = cli.run("simulate", *RUN, "--out", str(tmp_path), *extra)
+    result = cli.invoke("simulate", *RUN, "--out", str(tmp_path), *extra)
     assert result.returncode == 2
     cli.assert_user_error(result, fragment)
     assert not any(tmp_path.iterdir())  # refused before anything ran
@@ -76,6 +77,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for f in Path(f"/proc/{pid}/task").glob("*/children") for p in f.read_text().split()]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_stops_the_run_with_one_line(fashion_mnist_dir, tmp_path):
     args = [*RUN, "--clients", "8", "--rounds", "20", "--train-limit", "2000"]
     proc = subprocess.Popen([sys.executable, "-m", "feast_edge.cli", "simulate", *args, "--nproc", "2", "--out", str(tmp_path)],
@@ -96,7 +98,7 @@ def test_a_killed_worker_stops_the_run_with_one_line(fashion_mnist_dir, tmp_path
     assert lines == ["error: simulation process 1 of 2 was killed by signal 9; rerun (--resume continues from the last checkpoint)"]
 
 
-
+@pytest.mark.slow
 def test_a_spread_run_resumes_to_the_weights_of_an_uninterrupted_one(fashion_mnist_dir, tmp_path, one_thread):
     config = SimulationConfig(clients=4, per_round=3, rounds=3, train_limit=240, val_samples=100, calib_samples=50, test_limit=100, eval_every=2, seed=3)
     Simulation(config, tmp_path / "whole").run()

@@ -7,9 +7,9 @@ The run directories are synthetic ``results.json`` files in the schema
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,7 @@ def _row(section: str, first: str) -> list[str]:
 
 
 def test_markdown_report_groups_seeds_and_measures_gaps_to_the_centralized_run(cli, runs: list[Path], tmp_path: Path) -> None:
-    result = cli.run("report", *map(str, runs), cwd=tmp_path)
+    result = cli.invoke("report", *map(str, runs), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     report = tmp_path / "report" / "report.md"  # the default --out
     assert f"wrote {Path('report') / 'report.md'}" in result.stdout
@@ -146,7 +146,7 @@ def test_html_report_escapes_every_text_and_embeds_the_plots(cli, tmp_path: Path
     points = {**CACHED, evil: (30_000_000, 300_000)}
     run = _write(tmp_path / "run", _results("feast", 0, {"v0": 0.5, evil: 0.6}, points, population=0.55))
     out = tmp_path / "html"
-    result = cli.run("report", str(run), "--out", str(out), "--format", "html", "--title", "<b>bold</b> & co")
+    result = cli.invoke("report", str(run), "--out", str(out), "--format", "html", "--title", "<b>bold</b> & co")
     assert result.returncode == 0, result.stderr
     page = (out / "report.html").read_text(encoding="utf-8")
     assert "<script" not in page and "<b>" not in page
@@ -159,7 +159,7 @@ def test_html_report_escapes_every_text_and_embeds_the_plots(cli, tmp_path: Path
 def test_mismatched_presets_and_populations_are_warned_about(cli, runs: list[Path], tmp_path: Path) -> None:
     other = _write(tmp_path / "other", _results("heterofl", 1, BASELINE[0], HETEROFL, population=0.4, budgets=[1e6, 2e6], preset="cifar-other"))
     out = tmp_path / "out"
-    result = cli.run("report", *map(str, runs), str(other), "--out", str(out))
+    result = cli.invoke("report", *map(str, runs), str(other), "--out", str(out))
     assert result.returncode == 0, result.stderr
     text = (out / "report.md").read_text(encoding="utf-8")
     population = f"warning: the runs do not share one client population (the budgets of {other} differ from those of {runs[0]})"
@@ -171,7 +171,7 @@ def test_mismatched_presets_and_populations_are_warned_about(cli, runs: list[Pat
 
 def test_a_missing_run_directory_is_a_one_line_error(cli, tmp_path: Path) -> None:
     missing = tmp_path / "never-ran"
-    result = cli.run("report", str(missing), "--out", str(tmp_path / "out"))
+    result = cli.invoke("report", str(missing), "--out", str(tmp_path / "out"))
     cli.assert_user_error(result, f"run directory {missing} does not exist; run feast-edge simulate --out {missing} to completion first")
     assert not (tmp_path / "out").exists()
 
@@ -179,12 +179,12 @@ def test_a_missing_run_directory_is_a_one_line_error(cli, tmp_path: Path) -> Non
 def test_a_run_without_results_is_a_one_line_error(cli, tmp_path: Path) -> None:
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
-    result = cli.run("report", str(unfinished), "--out", str(tmp_path / "out"))
+    result = cli.invoke("report", str(unfinished), "--out", str(tmp_path / "out"))
     cli.assert_user_error(result, f"run directory {unfinished} holds no results.json; run feast-edge simulate --out {unfinished} to completion first")
 
 
 def test_an_unknown_format_is_a_one_line_error(cli, runs: list[Path], tmp_path: Path) -> None:
-    result = cli.run("report", str(runs[0]), "--out", str(tmp_path / "out"), "--format", "pdf")
+    result = cli.invoke("report", str(runs[0]), "--out", str(tmp_path / "out"), "--format", "pdf")
     cli.assert_user_error(result, "--format 'pdf' is not one of markdown, html")
 
 
@@ -192,7 +192,7 @@ def test_malformed_results_are_a_one_line_error(cli, runs: list[Path], tmp_path:
     torn = tmp_path / "torn"
     torn.mkdir()
     (torn / "results.json").write_text('{"method": "feast", "variants": [')
-    result = cli.run("report", str(runs[0]), str(torn), "--out", str(tmp_path / "out"))
+    result = cli.invoke("report", str(runs[0]), str(torn), "--out", str(tmp_path / "out"))
     cli.assert_user_error(result, f"cannot read {torn / 'results.json'} (")
     assert f"run feast-edge simulate --out {torn} to completion first" in result.stderr
 
@@ -208,16 +208,13 @@ def test_results_missing_a_key_are_a_one_line_error(cli, tmp_path: Path, drop: t
         parent = parent[key]
     del parent[drop[-1]]
     run = _write(tmp_path / "run", record)
-    result = cli.run("report", str(run), "--out", str(tmp_path / "out"))
+    result = cli.invoke("report", str(run), "--out", str(tmp_path / "out"))
     cli.assert_user_error(result, f"{run / 'results.json'} {named}; run feast-edge simulate --out {run} to completion first")
 
 
-def test_without_matplotlib_the_error_says_how_to_install_it(cli, runs: list[Path], tmp_path: Path) -> None:
-    fake = tmp_path / "no-matplotlib" / "matplotlib"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
-    path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH")) if p)
-    result = cli.run("report", str(runs[0]), "--out", str(tmp_path / "out"), env={"PYTHONPATH": path})
+def test_without_matplotlib_the_error_says_how_to_install_it(cli, runs: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # 'import matplotlib' raises ImportError, as on an install without the extra
+    result = cli.invoke("report", str(runs[0]), "--out", str(tmp_path / "out"))
     cli.assert_user_error(result, "feast-edge report needs matplotlib: pip install 'feast-edge[report]'")
 
 

@@ -55,7 +55,7 @@ def _row(stdout: str, device: str) -> list[str]:
 
 
 def test_status_lists_devices_rounds_and_the_best_round(server_cli, run_dir: Path) -> None:
-    result = server_cli.run("status", "--out", str(run_dir))
+    result = server_cli.invoke("status", "--out", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert f"run {run_dir}: federation 'lab', preset test-tiny" in result.stdout
     assert "rounds: 2/3 completed; last, round 2: unchanged, val 35.00%" in result.stdout
@@ -68,7 +68,7 @@ def test_status_lists_devices_rounds_and_the_best_round(server_cli, run_dir: Pat
 
 
 def test_status_json_is_one_object_for_scripts(server_cli, run_dir: Path) -> None:
-    result = server_cli.run("status", "--out", str(run_dir), "--json")
+    result = server_cli.invoke("status", "--out", str(run_dir), "--json")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert status["rounds"] == {"completed": 2, "total": 3}
@@ -82,8 +82,8 @@ def test_status_json_is_one_object_for_scripts(server_cli, run_dir: Path) -> Non
 
 
 def test_missing_run_directory_or_registry_is_one_error_line(server_cli, tmp_path: Path) -> None:
-    server_cli.assert_user_error(server_cli.run("status", "--out", str(tmp_path / "nowhere")), "does not exist; point --out at")
-    server_cli.assert_user_error(server_cli.run("status", "--out", str(tmp_path)), "has no device registry (devices.sqlite)")
+    server_cli.assert_user_error(server_cli.invoke("status", "--out", str(tmp_path / "nowhere")), "does not exist; point --out at")
+    server_cli.assert_user_error(server_cli.invoke("status", "--out", str(tmp_path)), "has no device registry (devices.sqlite)")
     assert not (tmp_path / "devices.sqlite").exists()  # status reads; it never creates a registry
 
 

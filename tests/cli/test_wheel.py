@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+# A wheel built and installed in a fresh venv (its fixture takes minutes on 2 cores), then its console scripts run.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
 IGNORED_DIRS = (".git", ".venv", "venv", "build", "dist", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", ".benchmarks", "runs", "feast-demo")
 
 

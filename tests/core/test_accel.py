@@ -24,7 +24,9 @@ TINY = load_preset_file(TINY_PRESET)
 A_MIN = Arch.smallest(TINY)
 A_MID = Arch((0, 0, 0), (1.0, 0.5, 0.5), (2, 2, 1, 1))
 A_MAX = Arch((2, 2, 2), (0.5, 1.0, 1.0), (3, 3, 3, 3))
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")
+def cuda(test):
+    """A test only a GPU can run: marked ``gpu``, skipped with the reason where PyTorch sees no CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")(test))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -298,6 +298,7 @@ def test_the_fingerprint_names_only_the_aggregation_settings_in_use():
     assert SimulationConfig(aggregation="trimmed-mean", trim=0.3).fingerprint() != SimulationConfig(aggregation="trimmed-mean").fingerprint()
 
 
+@pytest.mark.slow
 def test_a_median_simulation_completes_and_differs_from_the_mean(tmp_path, fashion_mnist_dir):
     run = SimulationConfig(clients=4, per_round=3, rounds=1, train_limit=240, val_samples=100, calib_samples=50, test_limit=100, batch_size=32, seed=3)
     results = Simulation(replace(run, aggregation="median"), tmp_path / "median").run()

@@ -105,7 +105,7 @@ def test_communication_report(reference_archs):
 
 def test_routing_cli_prints_table9(cli, reference_cache_csv):
 
-    result = cli.run("routing", "-p", "paper-cifar100", "--reference-csv", str(reference_cache_csv), "--budgets", "25M,50M,229M,408M,596M")
+    result = cli.invoke("routing", "-p", "paper-cifar100", "--reference-csv", str(reference_cache_csv), "--budgets", "25M,50M,229M,408M,596M")
     assert result.returncode == 0, result.stderr
     for figure in ("0.50M", "2.41M", "10.02M", "20.61M", "35.60M", "55.68M params", "aggregate reduction"):
         assert figure in result.stdout

@@ -33,6 +33,7 @@ def test_cuda_without_a_cuda_device_is_a_clear_error() -> None:
             resolve_device(text)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_index_beyond_the_devices_is_refused() -> None:
     assert resolve_device("cuda:0") == "cuda:0"

@@ -39,6 +39,7 @@ def uninterrupted(tmp_path_factory, fashion_mnist_dir):
     return out, results
 
 
+@pytest.mark.slow
 def test_results_cover_every_variant_and_the_population(uninterrupted):
     out, results = uninterrupted
     assert len(results["variants"]) == 26 and all(0 <= v["test_accuracy"] <= 1 for v in results["variants"])
@@ -53,6 +54,7 @@ def test_results_cover_every_variant_and_the_population(uninterrupted):
     assert (out / "rounds.csv").read_text().count("\n") == 4
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_ends_with_identical_weights(uninterrupted, tmp_path):
     full_out, full_results = uninterrupted
     assert Simulation(TINY_RUN, tmp_path).run(stop_after=2) is None  # "killed" after round 2
@@ -63,6 +65,7 @@ def test_resume_after_a_kill_ends_with_identical_weights(uninterrupted, tmp_path
     assert [v["test_accuracy"] for v in resumed["variants"]] == [v["test_accuracy"] for v in full_results["variants"]]
 
 
+@pytest.mark.slow
 def test_same_seed_same_result_other_seed_differs(uninterrupted, tmp_path):
     full_out, _ = uninterrupted
     one_round = replace(TINY_RUN, rounds=1)
@@ -74,6 +77,7 @@ def test_same_seed_same_result_other_seed_differs(uninterrupted, tmp_path):
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_foreign_checkpoint(uninterrupted):
     full_out, _ = uninterrupted
     with pytest.raises(SimulationError, match=r"other settings \(differs in: gamma\)"):
@@ -116,6 +120,7 @@ def test_explicit_budgets_population(tmp_path):
     assert sim.setup.plans["client-000"].affordable == (sim.setup.cache.smallest.arch,)
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_stops_the_resume_and_names_the_previous_one(uninterrupted, tmp_path):
     import shutil
 

@@ -247,6 +247,7 @@ def test_rejects_labels_outside_the_models_classes():
         local_train(model, images, labels + TINY.classes, [A_MIN], A_MIN)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_runs_on_cuda_and_matches_cpu_closely():
     cpu, rc = train_tiny(seed=2, augment=False)
@@ -259,6 +260,7 @@ def test_runs_on_cuda_and_matches_cpu_closely():
 
 
 # ------------------------------------------------------------------ real behaviour
+@pytest.mark.slow
 def test_co_training_on_fashion_mnist_lowers_held_out_loss(fashion_mnist_dir):
     preset = load_preset("fmnist-small")
     train, test = load_fashion_mnist(fashion_mnist_dir, "train"), load_fashion_mnist(fashion_mnist_dir, "test")

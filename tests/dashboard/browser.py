@@ -70,3 +70,22 @@ def console_errors(driver: Any) -> list[str]:
 def points(driver: Any, chart_id: str) -> int:
     """How many points the page says the chart plots (its data-points attribute)."""
     return int(driver.find_element("id", chart_id).get_attribute("data-points") or 0)
+
+
+class Browser:
+    """Headless Chromium for one test; its screenshot lands in build/test-artifacts/<test>.png."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.driver: Any = None
+        self.shot = False
+
+    def open(self, url: str) -> Any:
+        assert self.driver is None, "one page per test"
+        self.driver = open_page(url)
+        return self.driver
+
+    def screenshot(self) -> Path:
+        """Save the page as it is now (call it while the dashboard still serves)."""
+        self.shot = True
+        return save_screenshot(self.driver, self.name)

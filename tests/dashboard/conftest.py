@@ -1,54 +1,19 @@
-"""Fixtures of the dashboard tests: a filled state, a served dashboard, a browser that leaves a screenshot, a real simulation run."""
+"""Fixtures of the dashboard tests: a filled state, a served dashboard, a browser that leaves a screenshot (a real run: ``simulation_run``, tests/conftest.py).
+
+What test modules import lives in ``filled.py`` and ``browser.py``, not here: ``from conftest import`` finds
+whichever ``conftest`` module pytest imported first (tests/federation has one too).
+"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from browser import open_page, save_screenshot
+from browser import Browser
+from filled import fill
 
 from feast_edge.dashboard import Dashboard, DashboardState, start_dashboard
-
-MODEL_BYTES = b"not really onnx, but bytes a browser downloads"
-
-
-def fill(state: DashboardState, model_dir: Path) -> DashboardState:
-    """Two devices, a round in flight, two finished rounds, variants, population accuracy, one exported model."""
-    now = time.time()
-    state.set_run(federation="lab", preset="fmnist-small", method="feast", rounds_total=5, rounds_done=2, status="running", started=now - 60)
-    state.set_device(
-        "pi-5", profile="raspberry-pi-5", hardware="4x Cortex-A76", budget_macs=6_600_000, variant={"label": "small", "macs": 6_400_000, "params": 90_000},
-        envelope={"params": 120_000, "bytes": 480_000}, online=True, last_seen=now - 3, rounds=2,
-        last_upload={"round": 2, "status": "accepted", "reason": None},
-    )
-    state.set_device(
-        "jetson", profile="jetson-nano", budget_macs=2_791_024, variant={"label": "tiny", "macs": 2_700_000, "params": 30_000},
-        online=False, last_seen=now - 400, rounds=1, last_upload={"round": 2, "status": "late", "reason": "after the deadline"},
-    )
-    for r in (1, 2):
-        state.end_round({
-            "round": r, "loss": 2.0 / r, "val_accuracy": 0.3 + 0.1 * r, "bytes_down": 600_000, "bytes_up": 590_000, "broadcast_bytes": 4_000_000,
-            "train_macs": 8e8, "seconds": 5.0, "devices": {"pi-5": {"down": 480_000, "up": 470_000}, "jetson": {"down": 120_000, "up": 120_000}},
-        })
-    state.start_round(3, ["pi-5", "jetson"], now + 120)
-    state.member("pi-5", "downloading", done=3, total=8)
-    state.set_variants([
-        {"label": "tiny", "macs": 2_700_000, "params": 30_000, "val_accuracy": 0.41, "test_accuracy": 0.40},
-        {"label": "small", "macs": 6_400_000, "params": 90_000, "val_accuracy": 0.52, "test_accuracy": 0.50},
-    ])
-    state.set_population(0.45)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "pi-5.onnx").write_bytes(MODEL_BYTES)
-    state.set_models(
-        [{"device": "pi-5", "label": "small", "macs": 6_400_000, "params": 90_000, "validation_accuracy": 0.52, "sha256": "ab" * 32, "file": "pi-5.onnx"}],
-        model_dir,
-    )
-    return state
 
 
 @pytest.fixture
@@ -63,25 +28,6 @@ def served(filled: DashboardState) -> Iterator[Dashboard]:
     dashboard.stop()
 
 
-class Browser:
-    """Headless Chromium for one test; its screenshot lands in build/test-artifacts/<test>.png."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.driver: Any = None
-        self.shot = False
-
-    def open(self, url: str) -> Any:
-        assert self.driver is None, "one page per test"
-        self.driver = open_page(url)
-        return self.driver
-
-    def screenshot(self) -> Path:
-        """Save the page as it is now (call it while the dashboard still serves)."""
-        self.shot = True
-        return save_screenshot(self.driver, self.name)
-
-
 @pytest.fixture
 def browser(request: pytest.FixtureRequest) -> Iterator[Browser]:
     """A :class:`Browser`; at teardown it saves a screenshot if the test did not (a failed test leaves the page it saw) and quits."""
@@ -93,16 +39,3 @@ def browser(request: pytest.FixtureRequest) -> Iterator[Browser]:
                 opened.screenshot()
         finally:
             opened.driver.quit()
-
-
-@pytest.fixture(scope="session")
-def simulation_run(tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
-    """A real, tiny ``feast-edge simulate`` run (one round, two clients; about half a minute)."""
-    out = tmp_path_factory.mktemp("dashboard") / "sim"
-    args = [
-        "simulate", "--out", str(out), "--clients", "2", "--per-round", "2", "--rounds", "1", "--eval-every", "1", "--train-limit", "200",
-        "--val-samples", "100", "--calib-samples", "50", "--test-limit", "100", "--device", "cpu", "--data", str(fashion_mnist_dir),
-    ]
-    result = subprocess.run([sys.executable, "-m", "feast_edge.cli", *args], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out

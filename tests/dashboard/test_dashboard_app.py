@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODEL_BYTES
+from filled import MODEL_BYTES
 
 from feast_edge.dashboard import Dashboard, DashboardError, DashboardState, parse_bind, start_dashboard
 from feast_edge.dashboard.app import CSP

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from browser import console_errors, points, wait_until
-from conftest import Browser, fill
+from browser import Browser, console_errors, points, wait_until
+from filled import fill
 
 from feast_edge.dashboard import Dashboard, DashboardState, start_dashboard
 
@@ -132,9 +132,9 @@ def test_feast_edge_dashboard_serves_a_real_run(simulation_run: Path, browser: B
         wait_until(driver, lambda d: points(d, "chart-accuracy-macs") == len(variants), message="the variants never reached the accuracy chart")
         assert len(variants) > 1
         assert driver.find_element("id", "title").text.startswith(f"{simulation_run.name}: feast, seed 0")
-        assert driver.find_element("id", "round-counter").text == "round 1 / 1"
+        assert driver.find_element("id", "round-counter").text == "round 2 / 2"  # the shared run: 2 clients, 2 rounds, validated each round
         assert [r.get_attribute("data-device") for r in rows(driver, "#fleet")] == ["client-000", "client-001"]
-        assert points(driver, "chart-validation") == 1 and points(driver, "chart-traffic") == 3
+        assert points(driver, "chart-validation") == 2 and points(driver, "chart-traffic") == 3 * 2  # down, up, broadcast per round
         assert console_errors(driver) == []
         browser.screenshot()
     finally:

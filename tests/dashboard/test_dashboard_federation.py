@@ -23,6 +23,9 @@ from feast_edge.sim.shards import read_index, write_partition
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained
 
+# A feast-server and feast-agent processes on the broker at 127.0.0.1:1883, watched in headless Chromium.
+pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.browser, pytest.mark.timeout(600)]
+
 BROKER = "mqtt://127.0.0.1:1883"
 CONFIG = SimulationConfig(clients=2, per_round=2, rounds=2, train_limit=240, val_samples=100, calib_samples=50, test_limit=50, batch_size=32, seed=5)
 

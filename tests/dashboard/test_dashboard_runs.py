@@ -21,23 +21,25 @@ from feast_edge.space.supernet import Supernet
 ARCH = {"d": [0, 0, 0], "e": [0.5, 0.5, 0.5], "w": [0, 0, 0, 0]}
 
 
-def test_a_simulation_run_fills_the_page(simulation_run: Path) -> None:
-    results = json.loads((simulation_run / "results.json").read_text())
-    snapshot = load_runs([simulation_run]).snapshot()
-    assert snapshot["kind"] == "runs" and snapshot["title"].startswith(f"{simulation_run.name}: feast, seed 0, fmnist-small")
-    assert snapshot["run"]["status"] == "finished" and snapshot["run"]["rounds_done"] == snapshot["run"]["rounds_total"] == 1
+def test_a_simulation_run_fills_the_page(finished_run) -> None:
+    run = finished_run.out  # 2 clients, both in each of its 2 rounds
+    results = json.loads((run / "results.json").read_text())
+    snapshot = load_runs([run]).snapshot()
+    assert snapshot["kind"] == "runs" and snapshot["title"].startswith(f"{run.name}: feast, seed 0, fmnist-small")
+    assert snapshot["run"]["status"] == "finished" and snapshot["run"]["rounds_done"] == snapshot["run"]["rounds_total"] == finished_run.rounds == 2
     assert [(v["label"], v["macs"], v["test_accuracy"]) for v in snapshot["variants"]] == [
         (v["label"], v["macs"], v["test_accuracy"]) for v in results["variants"]
     ]
     assert snapshot["population_accuracy"] == pytest.approx(results["population_accuracy"])
-    [entry] = snapshot["history"]
-    [record] = results["rounds"]
-    assert entry["round"] == 1 and entry["val_accuracy"] == record["val_accuracy"] and entry["train_macs"] == record["train_macs"]
-    assert entry["bytes_down"] == BYTES_PER_PARAM * record["routed_params"] and entry["broadcast_bytes"] == BYTES_PER_PARAM * record["full_params"]
-    assert [d["name"] for d in snapshot["devices"]] == record["cohort"] == ["client-000", "client-001"]
+    assert len(snapshot["history"]) == len(results["rounds"]) == 2
+    for t, (entry, record) in enumerate(zip(snapshot["history"], results["rounds"]), start=1):
+        assert entry["round"] == t and entry["val_accuracy"] == record["val_accuracy"] and entry["train_macs"] == record["train_macs"]
+        assert entry["bytes_down"] == BYTES_PER_PARAM * record["routed_params"] and entry["broadcast_bytes"] == BYTES_PER_PARAM * record["full_params"]
+        assert record["cohort"] == ["client-000", "client-001"]
+    assert [d["name"] for d in snapshot["devices"]] == ["client-000", "client-001"]
     for device, budget, served in zip(snapshot["devices"], results["population"]["budgets"], results["served"]):
         assert device["budget_macs"] == budget and device["variant"]["macs"] == results["variants"][served]["macs"]
-        assert device["rounds"] == 1 and device["last_upload"]["status"] == "accepted"
+        assert device["rounds"] == 2 and device["last_upload"]["status"] == "accepted"
     assert snapshot["models"] == [] and snapshot["runs"] == []
 
 
@@ -50,7 +52,7 @@ def test_several_runs_are_compared(simulation_run: Path, tmp_path: Path) -> None
         assert run["method"] == "feast" and run["seed"] == 0 and len(run["variants"]) == len(snapshot["runs"][0]["variants"]) > 0
         assert run["history"][0]["val_accuracy"] is not None
     assert snapshot["devices"] == [] and snapshot["history"] == []
-    assert snapshot["run"]["rounds_done"] == snapshot["run"]["rounds_total"] == 1
+    assert snapshot["run"]["rounds_done"] == snapshot["run"]["rounds_total"] == 2
 
 
 def _federation_run(out: Path, tiny: Preset) -> Path:

@@ -9,6 +9,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+# A real feast-edge simulate process with its dashboard.
+pytestmark = [pytest.mark.slow]
 
 
 def test_a_simulation_shows_its_clients_rounds_and_results_live(tmp_path: Path, fashion_mnist_dir: Path) -> None:

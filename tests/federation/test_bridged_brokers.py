@@ -18,6 +18,9 @@ from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.brokers import Broker, free_port, start_mosquitto
 from feast_edge.sim.shards import read_index
 
+# Two private mosquittos bridged, a server thread, real agent processes.
+pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.timeout(600)]
+
 
 def _broker(workdir: Path, name: str, bridge_to: int | None = None, direction: str = "both") -> Broker:
     port = free_port()

@@ -38,6 +38,9 @@ from feast_edge.sim.replay import replay_rounds
 from feast_edge.sim.setup import SimulationConfig
 from feast_edge.sim.shards import read_index
 
+# Real processes stopped, killed and restarted, a private mosquitto restarted; each test waits minutes at most.
+pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.timeout(600)]
+
 ROUNDS = 3
 
 

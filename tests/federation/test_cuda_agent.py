@@ -23,9 +23,10 @@ from feast_edge.route.plans import plan_client
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")]
 
 
+@pytest.mark.slow  # a feast-agent process
 def test_feast_agent_profile_times_on_the_gpu(agent_cli, tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     result = agent_cli.run("profile", "--device", "cuda", "--runtime", "torch", "--variants", "4", "--repeats", "5", "--holdout", "1", "--out", str(out))
@@ -35,6 +36,7 @@ def test_feast_agent_profile_times_on_the_gpu(agent_cli, tmp_path: Path) -> None
     assert profile["budget_macs"] > 0 and profile["latency_b_ms_per_mmac"] > 0 and len(profile["holdout"]) == 1
 
 
+@pytest.mark.slow  # a feast-agent process
 def test_onnxruntime_cuda_provider_profiles_when_installed(agent_cli, tmp_path: Path) -> None:
     ort = pytest.importorskip("onnxruntime")
     if "CUDAExecutionProvider" not in ort.get_available_providers():

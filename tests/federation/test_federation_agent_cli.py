@@ -75,6 +75,7 @@ def test_a_corrupt_shard_file_is_refused(partition: Path, tmp_path: Path) -> Non
         load_clients(bad, "d")
 
 
+@pytest.mark.slow  # a feast-agent process timing ONNX variants
 def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, tmp_path: Path) -> None:
     out = tmp_path / "here.json"
     result = subprocess.run(

@@ -15,6 +15,9 @@ import pytest
 PROFILES = ("raspberry-pi-5", "jetson-nano", "laptop-cpu", "desktop-gpu")
 
 
+@pytest.mark.slow
+@pytest.mark.broker  # the demo's embedded broker is the mosquitto program
+@pytest.mark.timeout(900)
 def test_demo_trains_exports_and_times_a_model_for_every_device(cli, tmp_path: Path, fashion_mnist_dir: Path) -> None:
     result = cli.run("demo", "--rounds", "1", "--samples", "150", "--out", str(tmp_path / "demo"), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -28,6 +31,8 @@ def test_demo_trains_exports_and_times_a_model_for_every_device(cli, tmp_path: P
     assert "Wall time" in out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_demo_runs_on_the_pure_python_broker(cli, tmp_path: Path, fashion_mnist_dir: Path) -> None:
     pytest.importorskip("amqtt")
     result = cli.run("demo", "--rounds", "1", "--samples", "100", "--profiles", "jetson-nano,raspberry-pi-5", "--embedded-broker", "amqtt", "--out", str(tmp_path / "demo"), timeout=600)
@@ -37,7 +42,7 @@ def test_demo_runs_on_the_pure_python_broker(cli, tmp_path: Path, fashion_mnist_
 
 
 def test_demo_without_the_data_set_says_how_to_get_it(cli, tmp_path: Path) -> None:
-    result = cli.run("demo", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "demo"), timeout=120)
+    result = cli.invoke("demo", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "demo"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("error: Fashion-MNIST is not installed in")
     assert "apt-get install dataset-fashion-mnist" in result.stderr

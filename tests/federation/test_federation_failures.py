@@ -316,6 +316,7 @@ def test_malformed_messages_are_logged_and_never_stop_the_server(kit, tmp_path: 
 # --------------------------------------------------------------------------- real agent processes
 
 
+@pytest.mark.slow  # real agent processes
 def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, federation: str, partition: Path) -> None:
     entries = read_index(partition)["clients"][:2]
     config = ServerConfig(
@@ -343,6 +344,7 @@ def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, feder
     assert codes == [0, 0]
 
 
+@pytest.mark.slow  # real agent processes
 def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round(kit, tmp_path: Path, federation: str, partition: Path) -> None:
     config = replace(kit.CONFIG, rounds=3)
     expected = kit.simulated_weights(config, tmp_path / "simulation")
@@ -379,6 +381,7 @@ def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round
     assert codes == [0, 0]
 
 
+@pytest.mark.slow  # real agent processes
 def test_a_second_agent_with_an_online_device_id_is_refused(kit, tmp_path: Path, federation: str, partition: Path) -> None:
     config = ServerConfig(out=str(tmp_path / "run"), rounds=1, per_round=5, min_clients=5, federation=federation, wait_timeout=240.0)
     server = kit.ServerThread(config).start()  # waits for 5 devices: it only handles registrations here
@@ -443,28 +446,28 @@ def password_broker(kit, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
 
 def test_unreachable_broker_is_one_line_for_both_commands(server_cli, agent_cli, kit, tmp_path: Path, partition: Path) -> None:
     nowhere = f"mqtt://127.0.0.1:{kit.free_port()}"
-    server = server_cli.run("run", "--broker", nowhere, "--out", str(tmp_path / "run"), "--rounds", "1", "--per-round", "1", "--min-clients", "1")
+    server = server_cli.invoke("run", "--broker", nowhere, "--out", str(tmp_path / "run"), "--rounds", "1", "--per-round", "1", "--min-clients", "1")
     _one_line_error(server, "cannot reach MQTT broker at 127.0.0.1:")
-    agent = agent_cli.run("run", "--broker", nowhere, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"))
+    agent = agent_cli.invoke("run", "--broker", nowhere, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"))
     _one_line_error(agent, "connection refused; is the broker running? check --broker")
-    fetch = agent_cli.run("fetch-model", "--broker", nowhere, "--device-id", "d1", "--out", str(tmp_path / "m.onnx"))
+    fetch = agent_cli.invoke("fetch-model", "--broker", nowhere, "--device-id", "d1", "--out", str(tmp_path / "m.onnx"))
     _one_line_error(fetch, "cannot reach MQTT broker")
 
 
 def test_wrong_credentials_are_one_line_for_both_commands(server_cli, agent_cli, tmp_path: Path, partition: Path, password_broker: str) -> None:
     creds = ["--username", "alice", "--password", "wrong"]
-    server = server_cli.run("run", "--broker", password_broker, *creds, "--out", str(tmp_path / "run"), "--rounds", "1", "--per-round", "1", "--min-clients", "1")
+    server = server_cli.invoke("run", "--broker", password_broker, *creds, "--out", str(tmp_path / "run"), "--rounds", "1", "--per-round", "1", "--min-clients", "1")
     _one_line_error(server, "rejected the credentials of user 'alice'")
-    agent = agent_cli.run("run", "--broker", password_broker, *creds, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"))
+    agent = agent_cli.invoke("run", "--broker", password_broker, *creds, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"))
     _one_line_error(agent, "check --username/--password")
 
 
 def test_agent_input_errors_are_one_line(agent_cli, kit, tmp_path: Path, partition: Path, federation: str) -> None:
-    missing = agent_cli.run("run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(tmp_path / "nowhere"))
+    missing = agent_cli.invoke("run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(tmp_path / "nowhere"))
     _one_line_error(missing, "does not exist; pass a Fashion-MNIST directory")
-    low = agent_cli.run("run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"), "--budget", "100K")
+    low = agent_cli.invoke("run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"), "--budget", "100K")
     _one_line_error(low, "below the smallest cached variant")
-    silent = agent_cli.run("run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"), "--federation", federation, "--register-timeout", "3")
+    silent = agent_cli.invoke("run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"), "--federation", federation, "--register-timeout", "3")
     _one_line_error(silent, f"no feast-server answered the registration of d1 within 3 s: the server of federation '{federation}'")
-    fetch = agent_cli.run("fetch-model", "--broker", kit.LOCAL, "--device-id", "d1", "--out", str(tmp_path / "m.onnx"), "--federation", federation, "--timeout", "2")
+    fetch = agent_cli.invoke("fetch-model", "--broker", kit.LOCAL, "--device-id", "d1", "--out", str(tmp_path / "m.onnx"), "--federation", federation, "--timeout", "2")
     _one_line_error(fetch, "no feast-server answered the model request of d1")

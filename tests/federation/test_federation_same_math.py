@@ -26,6 +26,9 @@ from feast_edge.server.registry import Registry
 from feast_edge.sim.shards import read_index
 from feast_edge.sim.simulate import Simulation
 
+# A simulation and a federation of real agent processes through the broker at 127.0.0.1:1883.
+pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.timeout(600)]
+
 # --------------------------------------------------------------------------- the federation under test
 
 

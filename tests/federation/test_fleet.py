@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from feast_edge.server.app import REGISTRY, FederationServer, ServerConfig
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import describe
@@ -21,6 +23,7 @@ CLIENTS = 60
 BROKER = "mqtt://127.0.0.1:1883"  # the tests' broker (tests/federation/conftest.py)
 
 
+@pytest.mark.slow  # a feast-agent process, every round
 def test_sixty_virtual_clients_in_one_agent_complete_every_round(kit, federation: str, fashion_mnist_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = ServerConfig(

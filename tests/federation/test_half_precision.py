@@ -12,6 +12,9 @@ import torch
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.sim.shards import read_index
 
+# A float16 simulation and federation (real agent processes, the broker at 127.0.0.1:1883).
+pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.timeout(600)]
+
 
 @pytest.fixture(scope="module")
 def half(kit) -> object:

@@ -48,6 +48,7 @@ def test_a_server_without_enough_devices_ends_at_its_idle_limit_with_a_clear_mes
     assert ServerConfig(out="x").wait_timeout > 0, "by default a server must not wait forever"
 
 
+@pytest.mark.slow  # real agent processes
 def test_diverging_devices_decline_the_round_and_the_server_stops_waiting_for_them(kit, tmp_path: Path, federation: str, partition: Path) -> None:
     """An absurd learning rate: a device whose training went non-finite says so at once (instead of leaving the round to its
     timeout); one whose weights stayed finite but absurd is refused by the update-norm bound. Neither touches the model."""

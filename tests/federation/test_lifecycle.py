@@ -12,7 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from feast_edge.sim.shards import read_index
+
+# feast-server and feast-agent processes through the broker at 127.0.0.1:1883.
+pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.timeout(600)]
 
 
 def _exited(process: subprocess.Popen) -> bool:

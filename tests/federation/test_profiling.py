@@ -187,6 +187,7 @@ def test_read_hardware_reports_cores_ram_and_torch() -> None:
     assert hardware["torch"] == torch.__version__ and "cuda_name" not in hardware
 
 
+@pytest.mark.slow  # times every variant
 def test_profile_device_on_cpu_is_consistent(fmnist: Preset, cache: VariantCache) -> None:
     """The default: each variant exported to ONNX on the fly and timed in onnxruntime (what serves it), two held out of the fit."""
     calls = []
@@ -253,6 +254,7 @@ def test_cuda_requested_without_a_cuda_device_is_a_clear_error() -> None:
         profile_device("fmnist-small", device="cuda")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_profile_device_on_cuda(cache: VariantCache) -> None:
     profile = profile_device("fmnist-small", "cuda", latency_target_ms=1e4, variants=3, repeats=5, name="test-cuda", runtime="torch", holdout=0)

@@ -249,6 +249,8 @@ def test_unsigned_and_re_addressed_messages_never_reach_the_server(tmp_path: Pat
 # --------------------------------------------------------------------------- a provisioned federation
 
 
+@pytest.mark.slow  # a provisioned broker, a server thread and real agent processes
+@pytest.mark.broker
 def test_a_provisioned_federation_trains_and_refuses_what_the_identities_do_not_allow(kit, tmp_path: Path, partition: Path, agent_cli) -> None:
     entries = read_index(partition)["clients"]
     running = start_provisioned(tmp_path / "provision", "certificate", ["jet", "pi"], federation="prov")

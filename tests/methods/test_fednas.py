@@ -198,6 +198,7 @@ def test_options_out_of_range_or_unknown_are_one_line_errors():
     assert SuperFedNAS.parse_options({})["attempts"] == 50 and DeepFedNAS.parse_options({})["rho_final"] == pytest.approx(0.125 / 0.9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [SuperFedNAS, DeepFedNAS])
 def test_short_real_run_serves_its_largest_variant_above_chance(cls, fashion_mnist_dir):
     # Near-IID shards and budgets every client shares, so each round's max-net client trains the largest

@@ -227,6 +227,7 @@ def test_client_trains_only_its_global_top_k_mask(setup, config):
     assert np.isfinite(update.loss)
 
 
+@pytest.mark.slow
 def test_short_fashion_mnist_run_learns(setup, config):
     method = Fiarse(setup, config)
     budgets = dict(zip(setup.client_ids, BUDGETS))

@@ -25,6 +25,7 @@ def _tensors(path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(method, fashion_mnist_dir, tmp_path):
     config = _config(fashion_mnist_dir, method)
@@ -46,6 +47,7 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(method, fashion_
         assert (macs[i] <= budget or (method == "scalefl" and i == 0)) and (i + 1 == len(macs) or macs[i + 1] > budget)
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_methods_run(fashion_mnist_dir, tmp_path):
     Simulation(_config(fashion_mnist_dir, "heterofl", rounds=1), tmp_path).run()
     with pytest.raises(SimulationError, match=r"holds another kind of model \(heterofl\); rerun with the same options"):
@@ -81,6 +83,7 @@ def test_a_required_option_that_is_missing_is_named():
     assert Needs.parse_options({"k": "3"}) == {"k": 3}
 
 
+@pytest.mark.slow
 def test_centralized_takes_the_federations_optimizer_steps_on_pooled_data(fashion_mnist_dir, tmp_path):
     config = _config(fashion_mnist_dir, "centralized", rounds=3, batch_size=16)
     sim = Simulation(config, tmp_path)

@@ -204,6 +204,7 @@ def test_local_training_is_deterministic_and_leaves_the_global_model_alone(metho
     assert torch.equal(HeteroFL(setup, method.config).model.state_dict()["stem.weight"], before["stem.weight"])  # init from the seed
 
 
+@pytest.mark.slow
 def test_short_fashion_mnist_run_learns(method, setup, config):
     train = config.train_config()
     budgets = dict(zip(setup.client_ids, (float(b) for b in setup.population.budgets)))

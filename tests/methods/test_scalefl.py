@@ -219,6 +219,7 @@ def test_aggregation_averages_each_position_over_the_clients_that_trained_it(sca
     scalefl.model.load_state_dict(before)
 
 
+@pytest.mark.slow
 def test_short_fashion_mnist_run_beats_chance_at_the_largest_level(fashion_mnist_dir):
     # ScaleFL's own recipe for ResNets (git-disl/scale-fl config.py): batch 16, lr 0.1. With the harness's batch 64 and
     # lr 0.025 three rounds are ~15 averaged SGD steps, and the deepest exit's CE weighs only 1/(l+1) = 0.2 at level 4.
