@@ -32,7 +32,9 @@ from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 
 
-def routed_cohort(preset_name: str, clients: int) -> tuple[dict[str, torch.Tensor], list[tuple[dict[str, torch.Tensor], int]]]:
+def routed_cohort(
+    preset_name: str, clients: int
+) -> tuple[dict[str, torch.Tensor], list[tuple[dict[str, torch.Tensor], int]]]:
     """Global state and ``clients`` routed payloads of growing width and depth, with sample counts."""
     preset = load_preset(preset_name)
     top_w = len(preset.width_multipliers) - 1
@@ -70,9 +72,11 @@ def main() -> None:
     sizes = [sum(t.numel() for t in state.values()) for state, _ in payloads]
     total = sum(sizes)
     flat = [torch.cat([t.reshape(-1).float() for t in state.values()]) for state, _ in payloads]
-    print(f"preset {args.preset}: global {sum(t.numel() for t in global_state.values()) / 1e6:.2f}M elements, "
-          f"{args.clients} routed payloads {', '.join(f'{s / 1e6:.2f}M' for s in sizes)} = {total / 1e6:.2f}M elements; "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"preset {args.preset}: global {sum(t.numel() for t in global_state.values()) / 1e6:.2f}M elements, "
+        f"{args.clients} routed payloads {', '.join(f'{s / 1e6:.2f}M' for s in sizes)} = {total / 1e6:.2f}M elements; "
+        f"torch threads {torch.get_num_threads()}"
+    )
 
     n_global = sum(t.numel() for t in global_state.values())
     for dtype in (torch.float32, torch.float64):

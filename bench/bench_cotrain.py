@@ -40,7 +40,11 @@ def bench_variants(preset: Preset) -> dict[str, Arch]:
     """``a_min``, an intermediate ``a_rand`` and ``a_max`` (the ~40M-MAC cached top on fmnist-small)."""
     n = preset.num_stages
     mid_e = preset.expansion_ratios[len(preset.expansion_ratios) // 2]
-    top = Arch((0, 0, 2, 2), (1.0, 0.5, 1.0, 0.5), (3, 6, 8, 8, 9)) if preset.name == "fmnist-small" else Arch.largest(preset)
+    top = (
+        Arch((0, 0, 2, 2), (1.0, 0.5, 1.0, 0.5), (3, 6, 8, 8, 9))
+        if preset.name == "fmnist-small"
+        else Arch.largest(preset)
+    )
     return {"min": Arch.smallest(preset), "rand": Arch((1,) * n, (mid_e,) * n, (4,) * (n + 1)), "max": top}
 
 
@@ -64,7 +68,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--amp", default="off", help="also time the co-training step under this mixed precision: auto, bf16 or fp16")
+    parser.add_argument(
+        "--amp", default="off", help="also time the co-training step under this mixed precision: auto, bf16 or fp16"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,7 +88,9 @@ def main() -> None:
     plan = [("max", variants["max"]), ("min", variants["min"]), ("rand", variants["rand"])]
 
     single = copy.deepcopy(cotrained)
-    plain_opt = torch.optim.SGD(single.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    plain_opt = torch.optim.SGD(
+        single.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
 
     def single_step(arch: Arch) -> None:
         plain_opt.zero_grad(set_to_none=True)
@@ -101,7 +109,9 @@ def main() -> None:
     times = interleaved(fns, repeats=args.repeats)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"preset {preset.name}, batch {args.batch}, torch {torch.__version__}, {torch.get_num_threads()} threads, {where}, AMP {precision.describe()}")
+    print(
+        f"preset {preset.name}, batch {args.batch}, torch {torch.__version__}, {torch.get_num_threads()} threads, {where}, AMP {precision.describe()}"
+    )
     for role, arch in variants.items():
         print(f"  a_{role:<4} {arch_cost(preset, arch)[0] / 1e6:>7.2f}M MACs  {arch}")
     for name, seconds in times.items():
@@ -110,7 +120,9 @@ def main() -> None:
     print(f"{'sum singles':<12} {singles * 1e3:>9.2f} ms")
     print(f"ratio co-train / sum of single-variant steps: {times['co-train'] / singles:.3f} (target <= 1.1)")
     if amp_name in times:
-        print(f"ratio co-train {precision.describe()} / float32: {times[amp_name] / times['co-train']:.3f} (speed-up {times['co-train'] / times[amp_name]:.2f}x)")
+        print(
+            f"ratio co-train {precision.describe()} / float32: {times[amp_name] / times['co-train']:.3f} (speed-up {times['co-train'] / times[amp_name]:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -50,7 +50,16 @@ def live_round_cost(devices: int, repeats: int) -> tuple[float, float]:
         names = [f"device-{i:03d}" for i in range(devices)]
         for i, name in enumerate(names):
             budget = int(1_500_000 + (i * 37_000_000) // max(1, devices - 1))
-            registry.register(name, host=name, instance="i", budget_macs=budget, samples=100, preset=preset.name, profile={"name": "laptop-cpu"}, status="online")
+            registry.register(
+                name,
+                host=name,
+                instance="i",
+                budget_macs=budget,
+                samples=100,
+                preset=preset.name,
+                profile={"name": "laptop-cpu"},
+                status="online",
+            )
         state = DashboardState("federation", "bench")
         view = LiveView(state, preset, cache, registry, rounds=1000, federation="bench")
         online = set(names)
@@ -66,7 +75,17 @@ def live_round_cost(devices: int, repeats: int) -> tuple[float, float]:
                 view.device_progress(name, {"phase": "training", "round": t})
                 view.upload_progress(name, 1, 1)
                 view.upload_done(name, 400_000, 1)
-            view.round_finished(RoundRecord(round=t + 1, lr=0.05, cohort=names, updated=names, applied=True, full_params=2_460_000, val_accuracy=0.8))
+            view.round_finished(
+                RoundRecord(
+                    round=t + 1,
+                    lr=0.05,
+                    cohort=names,
+                    updated=names,
+                    applied=True,
+                    full_params=2_460_000,
+                    val_accuracy=0.8,
+                )
+            )
             rounds.append(time.perf_counter() - began)
             began = time.perf_counter()
             json.dumps(state.snapshot())
@@ -117,18 +136,28 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    print("Part 1: live-view bookkeeping per round, and one snapshot as the page gets it (median of", args.repeats, "rounds)")
+    print(
+        "Part 1: live-view bookkeeping per round, and one snapshot as the page gets it (median of",
+        args.repeats,
+        "rounds)",
+    )
     print(f"{'devices':>8} {'per round':>12} {'per device':>12} {'snapshot+JSON':>14}")
     for devices in (4, 50, 200):
         per_round, snapshot = live_round_cost(devices, args.repeats)
-        print(f"{devices:>8} {1e3 * per_round:>9.2f} ms {1e6 * per_round / devices:>9.1f} us {1e3 * snapshot:>11.2f} ms")
+        print(
+            f"{devices:>8} {1e3 * per_round:>9.2f} ms {1e6 * per_round / devices:>9.1f} us {1e3 * snapshot:>11.2f} ms"
+        )
 
     print("\nPart 2: the server's aggregation of a 5-client fmnist-small cohort, in the run thread")
     global_state, payloads = routed_cohort("fmnist-small", 5)
     state = DashboardState("federation", "bench")
     for i in range(4):
         state.set_device(f"device-{i}", budget_macs=10_000_000, online=True)
-    times: dict[str, list[float]] = {"A: no dashboard": [], "B: dashboard, nobody connected": [], "C: dashboard, a browser connected": []}
+    times: dict[str, list[float]] = {
+        "A: no dashboard": [],
+        "B: dashboard, nobody connected": [],
+        "C: dashboard, a browser connected": [],
+    }
     ticking = threading.Event()
 
     def tick() -> None:  # device reports: 20 changes a second while a round runs

@@ -52,7 +52,9 @@ def main() -> None:
         with torch.inference_mode():
             t = interleaved({"elastic": lambda: supernet(x, arch), "static": lambda: static(x)}, repeats=args.repeats)
         macs, _ = arch_cost(preset, arch)
-        print(f"{label:<18} {macs / 1e6:>8.2f}M {t['elastic'] * 1e3:>11.2f} {t['static'] * 1e3:>10.2f} {t['elastic'] / t['static']:>6.3f}")
+        print(
+            f"{label:<18} {macs / 1e6:>8.2f}M {t['elastic'] * 1e3:>11.2f} {t['static'] * 1e3:>10.2f} {t['elastic'] / t['static']:>6.3f}"
+        )
 
 
 if __name__ == "__main__":

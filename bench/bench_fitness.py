@@ -46,7 +46,8 @@ def main() -> None:
     genes = rng.integers(0, gene_highs(preset), size=(max(args.n, 65536), gene_highs(preset).size))
     d, e, w = split_genes(preset, genes[: args.n])
     arches = [
-        Arch(d=tuple(map(int, d[i])), e=tuple(preset.expansion_ratios[j] for j in e[i]), w=tuple(map(int, w[i]))) for i in range(args.n)
+        Arch(d=tuple(map(int, d[i])), e=tuple(preset.expansion_ratios[j] for j in e[i]), w=tuple(map(int, w[i])))
+        for i in range(args.n)
     ]
     evaluator = population_evaluator(preset)
 
@@ -66,9 +67,13 @@ def main() -> None:
     print(f"preset {preset.name}: fitness evaluations per second")
     print(f"  scalar (fitness.evaluate, {args.n} archs)      {scalar_rate:14,.0f}")
     print(f"  vectorized, batch 256 (one GA generation)      {rate_256:14,.0f}   {rate_256 / scalar_rate:8.1f}x scalar")
-    print(f"  vectorized, batch {len(genes):,}                    {rate_big:14,.0f}   {rate_big / scalar_rate:8.1f}x scalar")
+    print(
+        f"  vectorized, batch {len(genes):,}                    {rate_big:14,.0f}   {rate_big / scalar_rate:8.1f}x scalar"
+    )
     per_target = 256 * 513
-    print(f"  one cache target (256 x 513 evaluations): scalar {per_target / scalar_rate:.1f} s, vectorized {per_target / rate_256:.2f} s")
+    print(
+        f"  one cache target (256 x 513 evaluations): scalar {per_target / scalar_rate:.1f} s, vectorized {per_target / rate_256:.2f} s"
+    )
 
 
 if __name__ == "__main__":

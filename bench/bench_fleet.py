@@ -54,12 +54,20 @@ TRAIN_EXAMPLES = 60_000
 class Child:
     """A console-script module in its own process, logging to a file; its rusage is read when it is reaped."""
 
-    def __init__(self, name: str, module: str, args: list[str], log: Path, profile: Path | None, tree: Path = REPO) -> None:
+    def __init__(
+        self, name: str, module: str, args: list[str], log: Path, profile: Path | None, tree: Path = REPO
+    ) -> None:
         self.name, self.log = name, log
         runner = ["-m", "cProfile", "-o", str(profile / f"{name}.prof")] if profile is not None else []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree)}  # ``tree``'s feast_edge ahead of the installed one
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(tree),
+        }  # ``tree``'s feast_edge ahead of the installed one
         with open(log, "w") as out:
-            self.process = subprocess.Popen([sys.executable, *runner, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, cwd=tree, env=env)
+            self.process = subprocess.Popen(
+                [sys.executable, *runner, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, cwd=tree, env=env
+            )
         self.launched = time.time()
         self.rss_mb = self.cpu_s = 0.0
         self.code: int | None = None
@@ -111,7 +119,10 @@ def repeats(server: Child, agents: list[Child]) -> dict[str, Any]:
     """Registration messages the server handled per device, and its "registered but never receives" warnings."""
     debug = (server.log.parent / "server-debug.log").read_text(errors="replace")
     devices = len(set(re.findall(r"registered (\S+) \(host", debug)))
-    return {"per_device": len(re.findall(r"registered \S+ \(host", debug)) / max(devices, 1), "never_receives": debug.count("never receives")}
+    return {
+        "per_device": len(re.findall(r"registered \S+ \(host", debug)) / max(devices, 1),
+        "never_receives": debug.count("never receives"),
+    }
 
 
 def checkout(ref: str, into: Path) -> Path:
@@ -134,21 +145,68 @@ def run_fleet(k: int, args: argparse.Namespace, tmp: Path, tree: Path = REPO, la
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
     common = ["--broker", args.broker, "--federation", federation, "--threads", "1"]
-    server = Child("server", "feast_edge.server.cli", [
-        "run", *common, "--out", str(out), "--preset", "fmnist-small", "--rounds", str(args.rounds), "--per-round", str(k), "--min-clients", str(k),
-        "--round-timeout", "1200", "--wait-timeout", "1200", "--batch-size", "8", "--local-epochs", "1", "--no-export",
-        *(["--log-file", str(logs / "server-debug.log")] if args.registration_only else []),
-    ], logs / "server.log", profile, tree)
+    server = Child(
+        "server",
+        "feast_edge.server.cli",
+        [
+            "run",
+            *common,
+            "--out",
+            str(out),
+            "--preset",
+            "fmnist-small",
+            "--rounds",
+            str(args.rounds),
+            "--per-round",
+            str(k),
+            "--min-clients",
+            str(k),
+            "--round-timeout",
+            "1200",
+            "--wait-timeout",
+            "1200",
+            "--batch-size",
+            "8",
+            "--local-epochs",
+            "1",
+            "--no-export",
+            *(["--log-file", str(logs / "server-debug.log")] if args.registration_only else []),
+        ],
+        logs / "server.log",
+        profile,
+        tree,
+    )
     agents: list[Child] = []
     try:
         wait_line(server, r"connected to .* as federation", 120)
         per_agent = [k // args.agents + (i < k % args.agents) for i in range(args.agents)]
         shards = max(1, TRAIN_EXAMPLES // (args.samples * k))  # each agent cuts shard i of N, then K_i clients from it
         for i, clients in enumerate(per_agent):
-            agents.append(Child(f"agent{i}", "feast_edge.agent.cli", [
-                "run", *common, "--device-id", f"a{i}", "--data", FMNIST, "--clients", str(clients), "--shard", f"{i % shards}/{shards}",
-                "--budget", "1.5M", "--register-timeout", "1200",
-            ], logs / f"agent{i}.log", profile, tree))
+            agents.append(
+                Child(
+                    f"agent{i}",
+                    "feast_edge.agent.cli",
+                    [
+                        "run",
+                        *common,
+                        "--device-id",
+                        f"a{i}",
+                        "--data",
+                        FMNIST,
+                        "--clients",
+                        str(clients),
+                        "--shard",
+                        f"{i % shards}/{shards}",
+                        "--budget",
+                        "1.5M",
+                        "--register-timeout",
+                        "1200",
+                    ],
+                    logs / f"agent{i}.log",
+                    profile,
+                    tree,
+                )
+            )
         connected = max(wait_line(a, r"connected to .*; hosting", 300) for a in agents)
         deadline = time.monotonic() + args.timeout
         if args.registration_only:
@@ -161,7 +219,13 @@ def run_fleet(k: int, args: argparse.Namespace, tmp: Path, tree: Path = REPO, la
                 c.process.terminate()
                 c.reap(block=True)
             count, last = registered(out)
-            return {"code": label, "K": k, "launch_s": last - min(a.launched for a in agents), "register_s": last - connected, "repeats": repeats(server, agents)}
+            return {
+                "code": label,
+                "K": k,
+                "launch_s": last - min(a.launched for a in agents),
+                "register_s": last - connected,
+                "repeats": repeats(server, agents),
+            }
         while not all(c.reap(block=False) for c in (server, *agents)):
             if time.monotonic() > deadline:
                 raise SystemExit(f"K={k}: the federation did not finish within {args.timeout:g} s; logs in {logs}")
@@ -180,24 +244,52 @@ def run_fleet(k: int, args: argparse.Namespace, tmp: Path, tree: Path = REPO, la
     for h in history:
         assert len(h["updated"]) == k, f"round {h['round']}: {len(h['updated'])} of {k} updates entered the aggregate"
         # Per agent its clients train one after another: the critical path holds the largest per-agent sum.
-        compute = max(sum(s for d, s in h["compute_seconds"].items() if d.startswith(f"a{i}-") or d == f"a{i}") for i in range(args.agents))
-        rounds.append({"seconds": h["seconds"], "compute": compute, "send": h["send_seconds"], "aggregate": h["aggregate_seconds"]})
+        compute = max(
+            sum(s for d, s in h["compute_seconds"].items() if d.startswith(f"a{i}-") or d == f"a{i}")
+            for i in range(args.agents)
+        )
+        rounds.append(
+            {
+                "seconds": h["seconds"],
+                "compute": compute,
+                "send": h["send_seconds"],
+                "aggregate": h["aggregate_seconds"],
+            }
+        )
     mean = {key: sum(r[key] for r in rounds) / len(rounds) for key in rounds[0]}
     if profile is not None:
         for c in (server, *agents[:1]):
             print(f"\n--- K={k} {c.name}: top functions by cumulative time (cProfile, main thread) ---")
             pstats.Stats(str(profile / f"{c.name}.prof")).sort_stats("cumulative").print_stats(25)
     return {
-        "code": label, "K": k, "launch_s": last - min(a.launched for a in agents), "register_s": last - connected, "round_s": mean["seconds"], "compute_s": mean["compute"], "overhead_s": mean["seconds"] - mean["compute"],
-        "send_s": mean["send"], "aggregate_s": mean["aggregate"], "server_cpu_s": server.cpu_s, "server_rss_mb": server.rss_mb,
-        "agent_cpu_s": sum(a.cpu_s for a in agents), "agent_rss_mb": max(a.rss_mb for a in agents),
+        "code": label,
+        "K": k,
+        "launch_s": last - min(a.launched for a in agents),
+        "register_s": last - connected,
+        "round_s": mean["seconds"],
+        "compute_s": mean["compute"],
+        "overhead_s": mean["seconds"] - mean["compute"],
+        "send_s": mean["send"],
+        "aggregate_s": mean["aggregate"],
+        "server_cpu_s": server.cpu_s,
+        "server_rss_mb": server.rss_mb,
+        "agent_cpu_s": sum(a.cpu_s for a in agents),
+        "agent_rss_mb": max(a.rss_mb for a in agents),
     }
 
 
 COLUMNS = [
-    ("K", "K", "{:d}"), ("launch_s", "launch→registered s", "{:.2f}"), ("register_s", "register s", "{:.2f}"), ("round_s", "round s", "{:.2f}"), ("compute_s", "Σ compute s", "{:.2f}"),
-    ("overhead_s", "overhead s", "{:.2f}"), ("send_s", "send s", "{:.2f}"), ("aggregate_s", "aggregate s", "{:.3f}"),
-    ("server_cpu_s", "server CPU s", "{:.1f}"), ("server_rss_mb", "server peak MB", "{:.0f}"), ("agent_cpu_s", "agent CPU s", "{:.1f}"),
+    ("K", "K", "{:d}"),
+    ("launch_s", "launch→registered s", "{:.2f}"),
+    ("register_s", "register s", "{:.2f}"),
+    ("round_s", "round s", "{:.2f}"),
+    ("compute_s", "Σ compute s", "{:.2f}"),
+    ("overhead_s", "overhead s", "{:.2f}"),
+    ("send_s", "send s", "{:.2f}"),
+    ("aggregate_s", "aggregate s", "{:.3f}"),
+    ("server_cpu_s", "server CPU s", "{:.1f}"),
+    ("server_rss_mb", "server peak MB", "{:.0f}"),
+    ("agent_cpu_s", "agent CPU s", "{:.1f}"),
     ("agent_rss_mb", "agent peak MB", "{:.0f}"),
 ]
 
@@ -210,11 +302,19 @@ def table(results: list[dict[str, Any]]) -> str:
     for code in codes:
         mine = [r for r in results if r["code"] == code]
         for a, b in zip(mine, mine[1:]):
-            lines.append(f"| {code} | {b['K']}/{a['K']} | " + " | ".join(_ratio(b[key], a[key]) for key, _, _ in COLUMNS[1:]) + " |")
+            lines.append(
+                f"| {code} | {b['K']}/{a['K']} | "
+                + " | ".join(_ratio(b[key], a[key]) for key, _, _ in COLUMNS[1:])
+                + " |"
+            )
     if len(codes) == 2:
         ref, tree = ({r["K"]: r for r in results if r["code"] == c} for c in codes)
         for k in ref:
-            lines.append(f"| {codes[1]}/{codes[0]} | {k} | " + " | ".join(_ratio(tree[k][key], ref[k][key]) for key, _, _ in COLUMNS[1:]) + " |")
+            lines.append(
+                f"| {codes[1]}/{codes[0]} | {k} | "
+                + " | ".join(_ratio(tree[k][key], ref[k][key]) for key, _, _ in COLUMNS[1:])
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -230,10 +330,26 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="training examples per device")
     parser.add_argument("--agents", type=int, default=1, help="agent processes the K devices are split over")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one federation may take")
-    parser.add_argument("--compare", metavar="REF", default=None, help="also run git revision REF (e.g. HEAD), each K right before the working tree")
-    parser.add_argument("--registration-only", action="store_true", help="stop once every device registered; report registration only")
-    parser.add_argument("--settle", type=float, default=5.0, help="--registration-only: seconds to keep listening after the last registration")
-    parser.add_argument("--profile", default=None, help="run under cProfile, keep the .prof files in this directory and print the top functions")
+    parser.add_argument(
+        "--compare",
+        metavar="REF",
+        default=None,
+        help="also run git revision REF (e.g. HEAD), each K right before the working tree",
+    )
+    parser.add_argument(
+        "--registration-only", action="store_true", help="stop once every device registered; report registration only"
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="--registration-only: seconds to keep listening after the last registration",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="run under cProfile, keep the .prof files in this directory and print the top functions",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if not Path(FMNIST).is_dir():
@@ -248,17 +364,26 @@ def main() -> None:
             try:
                 codes.insert(0, (args.compare, checkout(args.compare, Path(tmp) / "ref")))
             except subprocess.CalledProcessError as exc:
-                raise SystemExit(f"--compare {args.compare}: git archive failed ({exc.stderr.decode(errors='replace').strip()}); name a commit of this repository") from None
+                raise SystemExit(
+                    f"--compare {args.compare}: git archive failed ({exc.stderr.decode(errors='replace').strip()}); name a commit of this repository"
+                ) from None
         for k in sizes:
             for label, tree in codes:
                 started = time.monotonic()
                 results.append(run_fleet(k, args, Path(tmp), tree, label))
-                print(f"K={k} ({label}): done in {time.monotonic() - started:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
-    print(f"\n{args.rounds} round(s), {args.samples} examples per device, {args.agents} agent process(es), every device in every cohort; round figures are per-round means\n")
+                print(
+                    f"K={k} ({label}): done in {time.monotonic() - started:.0f} s; load {os.getloadavg()[0]:.2f}",
+                    flush=True,
+                )
+    print(
+        f"\n{args.rounds} round(s), {args.samples} examples per device, {args.agents} agent process(es), every device in every cohort; round figures are per-round means\n"
+    )
     if args.registration_only:
         for r in results:
-            print(f"K={r['K']} ({r['code']}): launch->registered {r['launch_s']:.2f} s, connected->registered {r['register_s']:.2f} s, "
-                  f"{r['repeats']['per_device']:.2f} registration messages per device, {r['repeats']['never_receives']} 'never receives' warnings")
+            print(
+                f"K={r['K']} ({r['code']}): launch->registered {r['launch_s']:.2f} s, connected->registered {r['register_s']:.2f} s, "
+                f"{r['repeats']['per_device']:.2f} registration messages per device, {r['repeats']['never_receives']} 'never receives' warnings"
+            )
         return
     results.sort(key=lambda r: ([c for c, _ in codes].index(r["code"]), r["K"]))
     print(table(results))

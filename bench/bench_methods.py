@@ -36,8 +36,16 @@ def main() -> None:
     rows = []
     for method in args.methods.split(","):
         config = SimulationConfig(
-            preset=args.preset, method=method, clients=args.clients, per_round=args.per_round, rounds=args.rounds,
-            train_limit=args.train_limit, val_samples=500, calib_samples=200, eval_every=10**6, seed=args.seed,
+            preset=args.preset,
+            method=method,
+            clients=args.clients,
+            per_round=args.per_round,
+            rounds=args.rounds,
+            train_limit=args.train_limit,
+            val_samples=500,
+            calib_samples=200,
+            eval_every=10**6,
+            seed=args.seed,
         )
         with tempfile.TemporaryDirectory() as out:
             sim = Simulation(config, out)
@@ -51,11 +59,17 @@ def main() -> None:
         rows.append((method, statistics.mean(seconds), min(seconds), max(seconds), sent, compute))
         print(f"{method:12s} {rows[-1][1]:7.1f} s/round (min {rows[-1][2]:.1f}, max {rows[-1][3]:.1f})", flush=True)
     base = next((r[1] for r in rows if r[0] == "feast"), rows[0][1])
-    print(f"\n{args.preset}: {args.clients} clients, {args.per_round}/round, {args.rounds} rounds, train-limit {args.train_limit}, "
-          f"seed {args.seed}, torch threads {torch.get_num_threads()}")
-    print(f"{'method':12s} {'s/round':>8s} {'min':>6s} {'max':>6s} {'sent/round':>12s} {'TMAC/round':>11s} {'vs feast':>9s}")
+    print(
+        f"\n{args.preset}: {args.clients} clients, {args.per_round}/round, {args.rounds} rounds, train-limit {args.train_limit}, "
+        f"seed {args.seed}, torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"{'method':12s} {'s/round':>8s} {'min':>6s} {'max':>6s} {'sent/round':>12s} {'TMAC/round':>11s} {'vs feast':>9s}"
+    )
     for method, mean, low, high, sent, compute in rows:
-        print(f"{method:12s} {mean:8.1f} {low:6.1f} {high:6.1f} {sent / 1e6:11.2f}M {compute / 1e12:11.3f} {mean / base:8.2f}x")
+        print(
+            f"{method:12s} {mean:8.1f} {low:6.1f} {high:6.1f} {sent / 1e6:11.2f}M {compute / 1e12:11.3f} {mean / base:8.2f}x"
+        )
 
 
 if __name__ == "__main__":

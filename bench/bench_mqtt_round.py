@@ -48,13 +48,31 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     n = len(BUDGETS)
-    config = SimulationConfig(clients=n, per_round=n, rounds=args.rounds, budgets=BUDGETS, train_limit=args.samples * n, val_samples=200, calib_samples=100, seed=0)
+    config = SimulationConfig(
+        clients=n,
+        per_round=n,
+        rounds=args.rounds,
+        budgets=BUDGETS,
+        train_limit=args.samples * n,
+        val_samples=200,
+        calib_samples=100,
+        seed=0,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         index = write_partition(config, tmp_path / "partition")
         federation = f"bench-{uuid.uuid4().hex[:8]}"
         server = FederationServer(
-            ServerConfig(out=str(tmp_path / "run"), rounds=args.rounds, per_round=n, min_clients=n, round_timeout=600.0, seed=0, federation=federation, wait_timeout=300.0),
+            ServerConfig(
+                out=str(tmp_path / "run"),
+                rounds=args.rounds,
+                per_round=n,
+                min_clients=n,
+                round_timeout=600.0,
+                seed=0,
+                federation=federation,
+                wait_timeout=300.0,
+            ),
             LinkConfig(broker=args.broker),
         )
         server.start()
@@ -66,9 +84,28 @@ def main() -> None:
             log = open(tmp_path / f"{entry['client_id']}.log", "w")
             agents.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "feast_edge.agent.cli", "run", "--broker", args.broker, "--device-id", entry["client_id"],
-                     "--data", str(tmp_path / "partition" / entry["file"]), "--federation", federation, "--threads", str(args.threads), "--log-level", "warning"],
-                    cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    [
+                        sys.executable,
+                        "-m",
+                        "feast_edge.agent.cli",
+                        "run",
+                        "--broker",
+                        args.broker,
+                        "--device-id",
+                        entry["client_id"],
+                        "--data",
+                        str(tmp_path / "partition" / entry["file"]),
+                        "--federation",
+                        federation,
+                        "--threads",
+                        str(args.threads),
+                        "--log-level",
+                        "warning",
+                    ],
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 )
             )
         try:
@@ -79,17 +116,25 @@ def main() -> None:
             for a in agents:
                 a.wait(30)
             server.close()
-            clear_retained(LinkConfig(broker=args.broker), f"feast/{federation}/#")  # the presences this run left retained
+            clear_retained(
+                LinkConfig(broker=args.broker), f"feast/{federation}/#"
+            )  # the presences this run left retained
         sizes = [c["samples"] for c in index["clients"]]
-        print(f"fmnist-small, {n} agents (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} examples), "
-              f"broker {args.broker}, torch {torch.__version__}, {args.threads} thread(s) per agent, {os.cpu_count()} CPUs")
-        print(f"{'round':>5} {'wall s':>8} {'slowest compute s':>18} {'overhead s':>11} {'overhead %':>11} {'route+send s':>13} {'aggregate s':>12}")
+        print(
+            f"fmnist-small, {n} agents (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} examples), "
+            f"broker {args.broker}, torch {torch.__version__}, {args.threads} thread(s) per agent, {os.cpu_count()} CPUs"
+        )
+        print(
+            f"{'round':>5} {'wall s':>8} {'slowest compute s':>18} {'overhead s':>11} {'overhead %':>11} {'route+send s':>13} {'aggregate s':>12}"
+        )
         overheads = []
         for h in history:
             slowest = max(h.compute_seconds.values())
             overhead = h.seconds - slowest
             overheads.append(overhead)
-            print(f"{h.round:>5} {h.seconds:>8.2f} {slowest:>18.2f} {overhead:>11.2f} {100 * overhead / h.seconds:>10.1f}% {h.send_seconds:>13.3f} {h.aggregate_seconds:>12.3f}")
+            print(
+                f"{h.round:>5} {h.seconds:>8.2f} {slowest:>18.2f} {overhead:>11.2f} {100 * overhead / h.seconds:>10.1f}% {h.send_seconds:>13.3f} {h.aggregate_seconds:>12.3f}"
+            )
         print(f"mean MQTT-path overhead per round: {sum(overheads) / len(overheads):.2f} s")
 
 

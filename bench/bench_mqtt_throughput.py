@@ -122,14 +122,16 @@ def main() -> None:
             assert report["ok"], "chunked transfer was rejected"
             return float(report["t"]) - start  # type: ignore[arg-type]
 
-        print(f"broker {args.broker}, QoS 1, chunk {args.chunk_size / MiB:g} MiB, window {args.window}, "
-              f"{args.repeats} repeats (median), receiver in a child process")
+        print(
+            f"broker {args.broker}, QoS 1, chunk {args.chunk_size / MiB:g} MiB, window {args.window}, "
+            f"{args.repeats} repeats (median), receiver in a child process"
+        )
         print(f"{'payload':>9} {'raw MiB/s':>10} {'chunked MiB/s':>14} {'chunked/raw':>12}")
         ratios = []
         for size in args.sizes:
             payload = os.urandom(size * MiB)
-            chunked(payload[: MiB])  # warm both paths up
-            raw(payload[: MiB])
+            chunked(payload[:MiB])  # warm both paths up
+            raw(payload[:MiB])
             seconds: dict[str, list[float]] = {"raw": [], "chunked": []}
             for repeat in range(args.repeats):
                 order = [("raw", raw), ("chunked", chunked)]

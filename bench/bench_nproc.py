@@ -32,7 +32,14 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    config = SimulationConfig(clients=args.clients, per_round=args.clients, rounds=args.rounds, train_limit=args.train_limit, val_samples=200, calib_samples=100)
+    config = SimulationConfig(
+        clients=args.clients,
+        per_round=args.clients,
+        rounds=args.rounds,
+        train_limit=args.train_limit,
+        val_samples=200,
+        calib_samples=100,
+    )
     default_threads = torch.get_num_threads()
     runs = {  # label -> (processes, threads per process)
         f"1 process, {default_threads} threads": (1, default_threads),
@@ -48,8 +55,10 @@ def main() -> None:
                 spreads[label].attach(sims[label])
         s = next(iter(sims.values())).setup
         sizes = sorted(int(n) for n in s.population.sizes)
-        print(f"fmnist-small, {args.clients} clients per round, shard sizes {sizes[0]}..{sizes[-1]} (total {sum(sizes)}), "
-              f"{config.train_config().epochs} local epoch(s), torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+        print(
+            f"fmnist-small, {args.clients} clients per round, shard sizes {sizes[0]}..{sizes[-1]} (total {sum(sizes)}), "
+            f"{config.train_config().epochs} local epoch(s), torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
+        )
         seconds: dict[str, list[float]] = {label: [] for label in runs}
         busy: list[list[float]] = []  # the two-process run: each process's summed client training seconds, per round
         try:
@@ -62,9 +71,16 @@ def main() -> None:
                     if label in spreads:
                         sim = sims[label]
                         plans = sim.method.plans(t, record.cohort, sim.collector.budget)
-                        costs = [sim.method.train_cost(plans[c]) * int(s.population.sizes[s.client_ids.index(c)]) for c in record.cohort]
-                        busy.append([sum(record.compute_seconds[c] for c in part) for part in assign(record.cohort, costs, 2)])
-                print(f"round {t + 1}: " + ", ".join(f"{label} {v[-1]:.2f} s" for label, v in seconds.items()), flush=True)
+                        costs = [
+                            sim.method.train_cost(plans[c]) * int(s.population.sizes[s.client_ids.index(c)])
+                            for c in record.cohort
+                        ]
+                        busy.append(
+                            [sum(record.compute_seconds[c] for c in part) for part in assign(record.cohort, costs, 2)]
+                        )
+                print(
+                    f"round {t + 1}: " + ", ".join(f"{label} {v[-1]:.2f} s" for label, v in seconds.items()), flush=True
+                )
         finally:
             for spread in spreads.values():
                 spread.close()
@@ -72,10 +88,14 @@ def main() -> None:
         print(f"\n{'run':<30} {'median s/round':>15} {'vs first row':>13}")
         for label, values in seconds.items():
             print(f"{label:<30} {statistics.median(values):>15.2f} {base / statistics.median(values):>12.2f}x")
-        print("two processes, training seconds per process and round: " + ", ".join(f"{x:.1f} + {y:.1f}" for x, y in busy))
+        print(
+            "two processes, training seconds per process and round: " + ", ".join(f"{x:.1f} + {y:.1f}" for x, y in busy)
+        )
         a, b = (sims[label].model.state_dict() for label in ("1 process, 1 thread", "2 processes, 1 thread each"))
         same = all(torch.equal(a[k], b[k]) for k in a)
-        print(f"weights after {args.rounds} rounds, 1 process vs 2 processes at 1 thread each: {'bit-identical' if same else 'DIFFERENT'}")
+        print(
+            f"weights after {args.rounds} rounds, 1 process vs 2 processes at 1 thread each: {'bit-identical' if same else 'DIFFERENT'}"
+        )
         print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -32,7 +32,11 @@ from feast_edge.space.supernet import Supernet  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="fmnist-small")
-    parser.add_argument("--arch", default="cached", help="'cached' (largest cached variant), 'full' (whole supernet) or an arch in JSON/text form")
+    parser.add_argument(
+        "--arch",
+        default="cached",
+        help="'cached' (largest cached variant), 'full' (whole supernet) or an arch in JSON/text form",
+    )
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     preset = load_preset(args.preset)
@@ -56,7 +60,9 @@ def main() -> None:
             pixels = torch.rand(batch, preset.in_channels, preset.input_size, preset.input_size)
             feed = {INPUT_NAME: pixels.numpy().astype(np.float32)}
             with torch.inference_mode():
-                t = interleaved({"torch": lambda: torch_model(pixels), "ort": lambda: session.run(None, feed)}, repeats=args.repeats)
+                t = interleaved(
+                    {"torch": lambda: torch_model(pixels), "ort": lambda: session.run(None, feed)}, repeats=args.repeats
+                )
             print(f"{batch:>5} {t['torch'] * 1e3:>9.2f} {t['ort'] * 1e3:>8.2f} {t['ort'] / t['torch']:>9.3f}")
 
 

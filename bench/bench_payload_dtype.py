@@ -35,7 +35,9 @@ TABLE_9 = (25e6, 50e6, 229e6, 408e6, 596e6)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="paper-cifar100")
-    parser.add_argument("--reference-csv", type=Path, help="the paper's published cache CSV (default: the preset's shipped cache)")
+    parser.add_argument(
+        "--reference-csv", type=Path, help="the paper's published cache CSV (default: the preset's shipped cache)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     preset = load_preset(args.preset)
@@ -43,8 +45,13 @@ def main() -> None:
     state = Supernet(preset, seed=0).state_dict()
     full = sum(v.numel() for v in state.values() if v.is_floating_point())
     broadcast = full * 4
-    print(f"{preset.name}: full supernet {full / 1e6:.2f}M floating values, float32 broadcast {broadcast / 1e6:.2f} MB per client")
-    print(f"{'budget':>8} {'params':>9} " + " ".join(f"{name + ' MB':>13} {'x f32':>6} {'x bcast':>8} {'ms':>6}" for name in PAYLOAD_DTYPES))
+    print(
+        f"{preset.name}: full supernet {full / 1e6:.2f}M floating values, float32 broadcast {broadcast / 1e6:.2f} MB per client"
+    )
+    print(
+        f"{'budget':>8} {'params':>9} "
+        + " ".join(f"{name + ' MB':>13} {'x f32':>6} {'x bcast':>8} {'ms':>6}" for name in PAYLOAD_DTYPES)
+    )
     for budget in TABLE_9:
         plan = plan_client(cache, budget)
         routed = route_state(state, plan.layout(preset, preset.classes), preset)
@@ -65,8 +72,10 @@ def main() -> None:
     print(f"\n100-client Zipf population (s=1.2, seed 0): mean routed payload {report.mean_payload / 1e6:.2f}M params")
     for name in PAYLOAD_DTYPES:
         mean_bytes = report.mean_payload * bytes_per_param(name)
-        print(f"  {name:>8}: {mean_bytes / 1e6:7.2f} MB per client and direction; vs float32 routed x{report.mean_payload * 4 / mean_bytes:.2f}; "
-              f"vs float32 broadcast x{report.full_params * 4 / mean_bytes:.2f}")
+        print(
+            f"  {name:>8}: {mean_bytes / 1e6:7.2f} MB per client and direction; vs float32 routed x{report.mean_payload * 4 / mean_bytes:.2f}; "
+            f"vs float32 broadcast x{report.full_params * 4 / mean_bytes:.2f}"
+        )
 
 
 if __name__ == "__main__":

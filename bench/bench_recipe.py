@@ -51,8 +51,17 @@ def main() -> None:
     rows = []
     for name, recipe in chosen:
         config = SimulationConfig(
-            preset=args.preset, clients=args.clients, per_round=args.per_round, rounds=args.rounds, train_limit=args.train_limit,
-            test_limit=args.test_limit, val_samples=1000, calib_samples=500, eval_every=args.rounds, seed=args.seed, **recipe,
+            preset=args.preset,
+            clients=args.clients,
+            per_round=args.per_round,
+            rounds=args.rounds,
+            train_limit=args.train_limit,
+            test_limit=args.test_limit,
+            val_samples=1000,
+            calib_samples=500,
+            eval_every=args.rounds,
+            seed=args.seed,
+            **recipe,
         )
         began = time.perf_counter()
         with tempfile.TemporaryDirectory() as out:
@@ -60,9 +69,14 @@ def main() -> None:
         seconds = time.perf_counter() - began
         accs = [v["test_accuracy"] for v in results["variants"]]
         rows.append((name, results["population_accuracy"], accs[-1], accs[0], seconds))
-        print(f"{name:34s} population {100 * rows[-1][1]:5.1f} %  largest {100 * accs[-1]:5.1f} %  smallest {100 * accs[0]:5.1f} %  {seconds:6.0f} s", flush=True)
+        print(
+            f"{name:34s} population {100 * rows[-1][1]:5.1f} %  largest {100 * accs[-1]:5.1f} %  smallest {100 * accs[0]:5.1f} %  {seconds:6.0f} s",
+            flush=True,
+        )
     base = rows[0][1]
-    print(f"\n{args.preset}: {args.clients} clients, {args.per_round}/round, {args.rounds} rounds, train-limit {args.train_limit}, seed {args.seed}")
+    print(
+        f"\n{args.preset}: {args.clients} clients, {args.per_round}/round, {args.rounds} rounds, train-limit {args.train_limit}, seed {args.seed}"
+    )
     print(f"{'recipe':34s} {'population':>10s} {'largest':>8s} {'smallest':>9s} {'seconds':>8s} {'pop. ratio':>10s}")
     for name, pop, large, small, seconds in rows:
         print(f"{name:34s} {100 * pop:9.1f}% {100 * large:7.1f}% {100 * small:8.1f}% {seconds:8.0f} {pop / base:10.2f}")

@@ -31,11 +31,20 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    config = SimulationConfig(clients=args.clients, per_round=args.clients, rounds=args.rounds, train_limit=args.train_limit, val_samples=500, calib_samples=100)
+    config = SimulationConfig(
+        clients=args.clients,
+        per_round=args.clients,
+        rounds=args.rounds,
+        train_limit=args.train_limit,
+        val_samples=500,
+        calib_samples=100,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         sim = Simulation(config, tmp)
         s = sim.setup
-        print(f"fmnist-small, {args.clients} clients per round, {args.train_limit} client examples, torch {torch.__version__} ({torch.get_num_threads()} threads)")
+        print(
+            f"fmnist-small, {args.clients} clients per round, {args.train_limit} client examples, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+        )
         print(f"{'round':>5} {'samples':>8} {'route s':>8} {'train s':>8} {'aggregate s':>12} {'total s':>8}")
         for t in range(args.rounds):
             cohort = sample_round_cohort(s.client_ids, config.per_round, config.seed, t)
@@ -50,14 +59,26 @@ def main() -> None:
                 t_route += time.perf_counter() - start
                 images, labels = s.client_data(cid)
                 start = time.perf_counter()
-                new_state, result = client_update(sim.preset, sim.classes, plan, state, images, labels, config.train_config(), lr, client_seed(config.seed, t, cid))
+                new_state, result = client_update(
+                    sim.preset,
+                    sim.classes,
+                    plan,
+                    state,
+                    images,
+                    labels,
+                    config.train_config(),
+                    lr,
+                    client_seed(config.seed, t, cid),
+                )
                 t_train += time.perf_counter() - start
                 updates.append((cid, new_state, result.num_samples))
                 samples += result.samples_seen
             start = time.perf_counter()
             aggregate_updates(global_state, updates, inplace=True)  # as Simulation.run_round: into the model
             t_agg = time.perf_counter() - start
-            print(f"{t:>5} {samples:>8} {t_route:>8.2f} {t_train:>8.2f} {t_agg:>12.3f} {t_route + t_train + t_agg:>8.2f}")
+            print(
+                f"{t:>5} {samples:>8} {t_route:>8.2f} {t_train:>8.2f} {t_agg:>12.3f} {t_route + t_train + t_agg:>8.2f}"
+            )
         print(f"full supernet {count_params(sim.model.layout) / 1e6:.2f}M params")
 
 

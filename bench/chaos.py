@@ -58,7 +58,11 @@ from feast_edge.sim.simulate import Simulation
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("agent", "server", "broker")
-WEIGHTS = {"agent": 3.0, "server": 1.0, "broker": 1.0}  # relative odds that a kill hits one of the kind's running processes
+WEIGHTS = {
+    "agent": 3.0,
+    "server": 1.0,
+    "broker": 1.0,
+}  # relative odds that a kill hits one of the kind's running processes
 RETRY = 2.0  # seconds before a process that exited with an error is started again
 
 
@@ -84,7 +88,13 @@ class Supervised:
         self.starts += 1
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"{self.name}-{self.starts}.log", "w") as log:
-            self.process = subprocess.Popen(self.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.process = subprocess.Popen(
+                self.command,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         self.restart_at = None
 
     def kill(self, down: float) -> None:
@@ -113,15 +123,21 @@ class Chaos:
 
     def __init__(self, args: argparse.Namespace, work: Path, config: SimulationConfig, index: dict) -> None:
         self.args, self.work, self.config = args, work, config
-        self.rng = np.random.default_rng([args.seed, 7])  # the kill schedule; the federation's own randomness is config.seed's
+        self.rng = np.random.default_rng(
+            [args.seed, 7]
+        )  # the kill schedule; the federation's own randomness is config.seed's
         self.port = free_port()
         self.url = f"mqtt://127.0.0.1:{self.port}"
         self.federation = f"chaos-{uuid.uuid4().hex[:8]}"
         self.out = work / "run"
         conf = work / "mosquitto.conf"
-        conf.write_text(f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {self.port} 127.0.0.1\nallow_anonymous true\n")
+        conf.write_text(
+            f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {self.port} 127.0.0.1\nallow_anonymous true\n"
+        )
         logs = work / "logs"
-        self.broker = Supervised("broker", "broker", [shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)], logs)
+        self.broker = Supervised(
+            "broker", "broker", [shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)], logs
+        )
         server = [
             sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", self.url, "--out", str(self.out), "--rounds", str(config.rounds),
             "--per-round", str(config.per_round), "--min-clients", str(args.min_clients), "--round-timeout", str(args.round_timeout),
@@ -271,7 +287,9 @@ def budgets(out: Path) -> dict[str, float]:
         registry.close()
 
 
-def replay(records: list[RoundRecord], partition: Path, config: SimulationConfig, budget_of: dict[str, float]) -> dict[str, torch.Tensor]:
+def replay(
+    records: list[RoundRecord], partition: Path, config: SimulationConfig, budget_of: dict[str, float]
+) -> dict[str, torch.Tensor]:
     """The recorded rounds recomputed in process (``feast_edge.sim.replay``)."""
     return replay_rounds(records, partition, config, budget_of)
 
@@ -281,7 +299,13 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 def verdict(diff: float) -> str:
-    return "equal (bit-exact)" if diff == 0 else f"equal within {diff:.1e}" if diff <= 1e-6 else f"DIFFERENT (max |diff| {diff:.3g})"
+    return (
+        "equal (bit-exact)"
+        if diff == 0
+        else f"equal within {diff:.1e}"
+        if diff <= 1e-6
+        else f"DIFFERENT (max |diff| {diff:.3g})"
+    )
 
 
 # --------------------------------------------------------------------------- report
@@ -344,7 +368,9 @@ def report(chaos: Chaos, finished: bool, wall: float, partition: Path) -> None:
         replayed, undisturbed = "n/a (no checkpoint)", "n/a (no checkpoint)"
     else:
         replayed = verdict(max_abs_diff(final, replay(records, partition, config, budgets(out))))
-        differ = sum(h.cohort != sample_round_cohort(ids, config.per_round, config.seed, t) for t, h in enumerate(records))
+        differ = sum(
+            h.cohort != sample_round_cohort(ids, config.per_round, config.seed, t) for t, h in enumerate(records)
+        )
         if total_lost:
             undisturbed = f"n/a ({total_lost} updates lost)"
         elif differ:
@@ -362,7 +388,10 @@ def report(chaos: Chaos, finished: bool, wall: float, partition: Path) -> None:
         ("cohort slots", str(sum(len(h.cohort) for h in records))),
         ("updates lost", str(total_lost)),
         *((f"  {cause}", str(n)) for cause, n in causes.items()),
-        *((f"kills: {kind}", str(sum(p.kills for p in [chaos.server, chaos.broker, *chaos.agents] if p.kind == kind))) for kind in KINDS),
+        *(
+            (f"kills: {kind}", str(sum(p.kills for p in [chaos.server, chaos.broker, *chaos.agents] if p.kind == kind)))
+            for kind in KINDS
+        ),
         ("longest broker outage", f"{chaos.args.outage:g} s" if chaos.args.outage > 0 else "-"),
         ("server resumes from its checkpoint", str(resumes)),
         ("failed starts (exited with an error, restarted)", str(sum(reasons.values()))),
@@ -380,7 +409,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--agents", type=int, default=4, help="agent processes, one client each")
-    parser.add_argument("--per-round", type=int, default=None, help="cohort size (default: half the agents, at least 2)")
+    parser.add_argument(
+        "--per-round", type=int, default=None, help="cohort size (default: half the agents, at least 2)"
+    )
     parser.add_argument("--min-clients", type=int, default=1, help="valid updates a round needs to aggregate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the federation and of the kill schedule")
     parser.add_argument("--kill-every", type=float, default=10.0, help="mean seconds between kills (exponential gaps)")
@@ -390,7 +421,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=300, help="training examples per agent on average")
     parser.add_argument("--duration", type=float, default=840.0, help="give up after this many seconds")
     parser.add_argument("--quick", action="store_true", help="4 rounds, 3 agents, no long broker outage")
-    parser.add_argument("--keep", type=Path, default=None, help="work in this directory and keep it (logs, run, partition)")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="work in this directory and keep it (logs, run, partition)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.agents, args.outage = 4, 3, 0.0

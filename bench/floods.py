@@ -77,7 +77,11 @@ class Broker:
             f"sys_interval 1\nmax_queued_messages {queue_limit}\n"
         )
         with open(work / "mosquitto.log", "w") as log:
-            self.process = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 10
         while True:
             with socket.socket() as s:
@@ -196,9 +200,21 @@ class Attacker:
     def register(self) -> Registered:
         """Become a registered, online device (mallory) the honest way: presence, then a registration."""
         t = self.topics
-        self.client.publish(t.status(MALLORY), Presence(federation=t.federation, round=0, device=MALLORY, state="online").encode(), qos=1, retain=True)
+        self.client.publish(
+            t.status(MALLORY),
+            Presence(federation=t.federation, round=0, device=MALLORY, state="online").encode(),
+            qos=1,
+            retain=True,
+        )
         message = Register.for_client(
-            federation=t.federation, device_id=MALLORY, host=MALLORY, instance=uuid.uuid4().hex[:16], preset=PRESET, budget_macs=2_000_000, samples=10, profile={}
+            federation=t.federation,
+            device_id=MALLORY,
+            host=MALLORY,
+            instance=uuid.uuid4().hex[:16],
+            preset=PRESET,
+            budget_macs=2_000_000,
+            samples=10,
+            profile={},
         )
         self.client.publish(t.register(MALLORY), message.encode(), qos=1).wait_for_publish(10)
         registered = self.next(Registered, 30)
@@ -237,7 +253,14 @@ def huge_declaration(c: Context) -> Iterator[tuple[str, bytes]]:
             sha256="0" * 64,
         )  # fmt: skip
         yield c.topics.xfer("up", device), encode_frame(info, info.count - 1, b"x")
-        update = Update(federation=c.topics.federation, round=c.start.round, device=device, transfer=info.to_dict(), routed=new_transfer_id(), samples=1)
+        update = Update(
+            federation=c.topics.federation,
+            round=c.start.round,
+            device=device,
+            transfer=info.to_dict(),
+            routed=new_transfer_id(),
+            samples=1,
+        )
         yield c.topics.events(device), update.encode()
 
 
@@ -246,7 +269,13 @@ def nack_flood(c: Context) -> Iterator[tuple[str, bytes]]:
     transfer = c.start.transfer
     everything = tuple(range(int(transfer["count"])))
     for _ in range(c.args.nacks):
-        nack = Nack(federation=c.topics.federation, round=c.start.round, device=HONEST, transfer=transfer["transfer"], missing=everything)
+        nack = Nack(
+            federation=c.topics.federation,
+            round=c.start.round,
+            device=HONEST,
+            transfer=transfer["transfer"],
+            missing=everything,
+        )
         yield c.topics.nack("down", HONEST), nack.encode()
 
 
@@ -274,7 +303,12 @@ def malformed_flood(c: Context) -> Iterator[tuple[str, bytes]]:
 def message_flood(c: Context) -> Iterator[tuple[str, bytes]]:
     c.attacker.register()  # after the round began: the cohort is the honest device alone
     for i in range(c.args.messages):
-        yield c.topics.events(MALLORY), Metrics(federation=c.topics.federation, round=0, device=MALLORY, values={"seq": i, "latency_ms": 1.5}).encode()
+        yield (
+            c.topics.events(MALLORY),
+            Metrics(
+                federation=c.topics.federation, round=0, device=MALLORY, values={"seq": i, "latency_ms": 1.5}
+            ).encode(),
+        )
 
 
 def model_request_flood(c: Context) -> Iterator[tuple[str, bytes]]:
@@ -359,7 +393,16 @@ def run(scenario: Scenario, args: argparse.Namespace, work: Path) -> Row:
         "--threads", "1", "--serve",
     ]  # fmt: skip
     if scenario.serving:
-        command += ["--data", str(FASHION_MNIST_DIR), "--val-samples", "200", "--calib-samples", "100", "--eval-every", "1"]
+        command += [
+            "--data",
+            str(FASHION_MNIST_DIR),
+            "--val-samples",
+            "200",
+            "--calib-samples",
+            "100",
+            "--eval-every",
+            "1",
+        ]
     else:
         command += ["--no-export"]
     processes: list[subprocess.Popen] = []
@@ -367,7 +410,9 @@ def run(scenario: Scenario, args: argparse.Namespace, work: Path) -> Row:
     began = time.monotonic()
     try:
         with open(server_log, "w") as log:
-            server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            server = subprocess.Popen(
+                command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            )
         processes.append(server)
         rss = PeakRss(server.pid)
         attacker = Attacker(broker.url, topics)
@@ -398,10 +443,25 @@ def run(scenario: Scenario, args: argparse.Namespace, work: Path) -> Row:
             outcome = "n/a (after the run)"
         elif checkpoint.is_file():
             record = RoundRecord.from_dict(read_record(checkpoint)["fields"]["history"][0])
-            outcome = f"yes ({record.seconds:.1f} s)" if record.applied and record.updated == [HONEST] else f"no ({record.missing or record.rejected})"
+            outcome = (
+                f"yes ({record.seconds:.1f} s)"
+                if record.applied and record.updated == [HONEST]
+                else f"no ({record.missing or record.rejected})"
+            )
         else:
             outcome = "no (no checkpoint)"
-        return Row(scenario, sent, peak, growth, alive, outcome, log_lines(server_log) - before, attacker.dropped, time.monotonic() - began, handled(out))
+        return Row(
+            scenario,
+            sent,
+            peak,
+            growth,
+            alive,
+            outcome,
+            log_lines(server_log) - before,
+            attacker.dropped,
+            time.monotonic() - began,
+            handled(out),
+        )
     finally:
         if attacker is not None:
             attacker.close()
@@ -424,7 +484,11 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=100_000, help="valid message flood: messages")
     parser.add_argument("--requests", type=int, default=100, help="model-request flood: requests")
     parser.add_argument("--round-timeout", type=float, default=60.0)
-    parser.add_argument("--honest-shard", default="0/200", help="the honest device's Fashion-MNIST shard i/N (0/200: 300 examples, ~3 s of training)")
+    parser.add_argument(
+        "--honest-shard",
+        default="0/200",
+        help="the honest device's Fashion-MNIST shard i/N (0/200: 300 examples, ~3 s of training)",
+    )
     parser.add_argument("--broker-queue", type=int, default=1000, help="mosquitto max_queued_messages (0: no limit)")
     parser.add_argument("--only", action="append", default=None, help="run only these scenarios (baselines always run)")
     parser.add_argument("--keep", type=Path, default=None, help="work in this directory and keep the logs")
@@ -441,7 +505,10 @@ def main() -> None:
     for scenario in chosen:
         row = run(scenario, args, work / scenario.name)
         rows.append(row)
-        print(f"  {scenario.name}: {row.sent[0]} messages, peak RSS {row.peak_mib:.0f} MiB, growth {row.growth_mib:+.0f} MiB, {row.seconds:.0f} s", flush=True)
+        print(
+            f"  {scenario.name}: {row.sent[0]} messages, peak RSS {row.peak_mib:.0f} MiB, growth {row.growth_mib:+.0f} MiB, {row.seconds:.0f} s",
+            flush=True,
+        )
     baselines = {
         False: next((r for r in rows if r.scenario.name == "baseline"), None),
         True: next((r for r in rows if r.scenario.name == "baseline-serve"), None),

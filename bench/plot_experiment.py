@@ -30,11 +30,21 @@ def main() -> None:
         label = label or results["config"]["variants"]
         macs = [v["macs"] / 1e6 for v in results["variants"]]
         accs = [100 * v["test_accuracy"] for v in results["variants"]]
-        left.plot(macs, accs, marker="o", markersize=3, label=f"{label} (population {100 * results['population_accuracy']:.1f}%)")
+        left.plot(
+            macs,
+            accs,
+            marker="o",
+            markersize=3,
+            label=f"{label} (population {100 * results['population_accuracy']:.1f}%)",
+        )
         rounds = [r["round"] + 1 for r in results["rounds"] if r["val_accuracy"] is not None]
         vals = [100 * r["val_accuracy"] for r in results["rounds"] if r["val_accuracy"] is not None]
         right.plot(rounds, vals, marker="o", markersize=3, label=label)
-    left.set(xlabel="inference MACs per example (millions)", ylabel="test accuracy (%)", title="per-variant test accuracy (best checkpoint)")
+    left.set(
+        xlabel="inference MACs per example (millions)",
+        ylabel="test accuracy (%)",
+        title="per-variant test accuracy (best checkpoint)",
+    )
     right.set(xlabel="round", ylabel="validation accuracy (%)", title="mean validation accuracy of the probe variants")
     for ax in (left, right):
         ax.grid(alpha=0.3)

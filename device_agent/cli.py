@@ -21,13 +21,20 @@ from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.credentials import credentials_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
-app = common.make_app("feast-agent", "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model.")
+app = common.make_app(
+    "feast-agent", "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model."
+)
 console = common.make_console()
 
 log = logging.getLogger("feast_edge.agent")
 
 DeviceIdOpt = Annotated[
-    Optional[str], typer.Option("--device-id", "-d", help="This device's id (1-64 of A-Z a-z 0-9 . _ -); with --credentials, the bundle's identity.")
+    Optional[str],
+    typer.Option(
+        "--device-id",
+        "-d",
+        help="This device's id (1-64 of A-Z a-z 0-9 . _ -); with --credentials, the bundle's identity.",
+    ),
 ]
 
 
@@ -36,12 +43,16 @@ def _identity(link: Optional[LinkConfig], device_id: Optional[str], federation: 
     bundle = credentials_of(link)
     if bundle is None:
         if device_id is None:
-            raise FeastError("give --device-id NAME (or --credentials with a device bundle from feast-server provision)")
+            raise FeastError(
+                "give --device-id NAME (or --credentials with a device bundle from feast-server provision)"
+            )
         return device_id, common.federation_of(link, federation)
     if bundle.role != "device":
         raise FeastError(f"--credentials {bundle.path} is the server's bundle; a device takes its own (…/devices/NAME)")
     if device_id is not None and device_id != bundle.identity:
-        raise FeastError(f"--device-id {device_id} differs from the credentials bundle's identity {bundle.identity!r}; drop --device-id")
+        raise FeastError(
+            f"--device-id {device_id} differs from the credentials bundle's identity {bundle.identity!r}; drop --device-id"
+        )
     return bundle.identity, common.federation_of(link, federation)
 
 
@@ -53,21 +64,64 @@ class _Terminated(BaseException):  # not an Exception: the agent's error boundar
 @common.mqtt_options()
 def run(
     link: LinkConfig,
-    data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition).")],
-    profile: Annotated[Optional[str], typer.Option("--profile", help="Device profile: a name (feast-agent profiles) or a .json file; gives the budget and preset.")] = None,
-    budget: Annotated[Optional[str], typer.Option("--budget", help="MAC budget, e.g. 12M (instead of --profile; shard files carry their own).")] = None,
+    data: Annotated[
+        Path,
+        typer.Option(
+            "--data", help="Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition)."
+        ),
+    ],
+    profile: Annotated[
+        Optional[str],
+        typer.Option(
+            "--profile",
+            help="Device profile: a name (feast-agent profiles) or a .json file; gives the budget and preset.",
+        ),
+    ] = None,
+    budget: Annotated[
+        Optional[str],
+        typer.Option("--budget", help="MAC budget, e.g. 12M (instead of --profile; shard files carry their own)."),
+    ] = None,
     device: common.DeviceOpt = "auto",
     amp: common.AmpOpt = "auto",
     deterministic: common.DeterministicOpt = False,
-    clients: Annotated[Optional[int], typer.Option("--clients", "-k", min=1, help="Host K virtual clients in this process (ids ID-0..ID-(K-1), or a partition's).")] = None,
-    shard: Annotated[Optional[str], typer.Option("--shard", help="With a Fashion-MNIST directory: use deterministic shard i/N of its training split.")] = None,
-    offset: Annotated[int, typer.Option("--offset", min=0, help="With a partition directory: first client to host.")] = 0,
-    preset: Annotated[Optional[str], typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small).")] = None,
+    clients: Annotated[
+        Optional[int],
+        typer.Option(
+            "--clients",
+            "-k",
+            min=1,
+            help="Host K virtual clients in this process (ids ID-0..ID-(K-1), or a partition's).",
+        ),
+    ] = None,
+    shard: Annotated[
+        Optional[str],
+        typer.Option(
+            "--shard", help="With a Fashion-MNIST directory: use deterministic shard i/N of its training split."
+        ),
+    ] = None,
+    offset: Annotated[
+        int, typer.Option("--offset", min=0, help="With a partition directory: first client to host.")
+    ] = 0,
+    preset: Annotated[
+        Optional[str],
+        typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small)."),
+    ] = None,
     device_id: DeviceIdOpt = None,
     federation: common.BundleFederationOpt = None,
-    model_dir: Annotated[Optional[Path], typer.Option("--model-dir", help="Save the ONNX model the server pushes after the last round here.")] = None,
-    stay: Annotated[bool, typer.Option("--stay", help="When the federation finishes, keep waiting for the server's next run instead of exiting.")] = False,
-    register_timeout: Annotated[float, typer.Option("--register-timeout", min=0.1, help="Seconds to wait for the server to accept the registration.")] = 60.0,
+    model_dir: Annotated[
+        Optional[Path],
+        typer.Option("--model-dir", help="Save the ONNX model the server pushes after the last round here."),
+    ] = None,
+    stay: Annotated[
+        bool,
+        typer.Option(
+            "--stay", help="When the federation finishes, keep waiting for the server's next run instead of exiting."
+        ),
+    ] = False,
+    register_timeout: Annotated[
+        float,
+        typer.Option("--register-timeout", min=0.1, help="Seconds to wait for the server to accept the registration."),
+    ] = 60.0,
     threads: common.ThreadsOpt = 0,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     log_level: common.LogLevelOpt = "info",
@@ -96,9 +150,16 @@ def run(
             f"({', '.join(c.device_id for c in hosted[:3])}{', ...' if len(hosted) > 3 else ''}); give one shard and no --clients"
         )
     shard_presets = {c.preset for c in hosted if c.preset is not None}
-    chosen = preset or (loaded.preset if loaded is not None else None) or (next(iter(shard_presets)) if len(shard_presets) == 1 else None) or "fmnist-small"
+    chosen = (
+        preset
+        or (loaded.preset if loaded is not None else None)
+        or (next(iter(shard_presets)) if len(shard_presets) == 1 else None)
+        or "fmnist-small"
+    )
     if loaded is not None and loaded.preset != chosen:
-        raise FeastError(f"profile {loaded.name} was derived for preset {loaded.preset}, not {chosen}; re-profile with 'feast-agent profile --preset {chosen}'")
+        raise FeastError(
+            f"profile {loaded.name} was derived for preset {loaded.preset}, not {chosen}; re-profile with 'feast-agent profile --preset {chosen}'"
+        )
     common.torch_threads(threads)
     if deterministic:
         set_deterministic()
@@ -108,7 +169,9 @@ def run(
         preset=chosen,
         torch_device=torch_device,
         amp=precision.mode,
-        budget_macs=common.parse_macs(budget) if budget is not None else (loaded.budget_macs if loaded is not None else None),
+        budget_macs=common.parse_macs(budget)
+        if budget is not None
+        else (loaded.budget_macs if loaded is not None else None),
         profile=profile_summary(loaded) if loaded is not None else {},
         chunk_size=chunk_size,
         register_timeout=register_timeout,
@@ -132,7 +195,11 @@ def run(
         agent.start()
         if agent.register():
             if not agent.finished:
-                log.info("registered %s with federation %r; waiting for rounds (Ctrl-C to leave)", ", ".join(agent.clients), federation)
+                log.info(
+                    "registered %s with federation %r; waiting for rounds (Ctrl-C to leave)",
+                    ", ".join(agent.clients),
+                    federation,
+                )
             agent.run()
     except _Terminated:
         pass
@@ -152,7 +219,9 @@ def run(
 @common.mqtt_options()
 def fetch_model_command(
     link: LinkConfig,
-    out: Annotated[Path, typer.Option("--out", "-o", help="ONNX file to write (its manifest goes beside it as .json).")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="ONNX file to write (its manifest goes beside it as .json).")
+    ],
     device_id: DeviceIdOpt = None,
     federation: common.BundleFederationOpt = None,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the server's answer.")] = 30.0,
@@ -180,19 +249,39 @@ def fetch_model_command(
 @app.command()
 def profile(
     out: Annotated[Path, typer.Option("--out", "-o", help="Profile file to write (.json).")],
-    preset: Annotated[str, typer.Option("--preset", "-p", help="Preset whose cached variants are timed.")] = "fmnist-small",
+    preset: Annotated[
+        str, typer.Option("--preset", "-p", help="Preset whose cached variants are timed.")
+    ] = "fmnist-small",
     device: common.DeviceOpt = "auto",
-    latency_target_ms: Annotated[Optional[float], typer.Option("--latency-target-ms", min=0.001, help="Batch-1 inference latency the served variant must meet.")] = None,
-    memory_fraction: Annotated[float, typer.Option("--memory-fraction", min=0.01, max=1.0, help="Share of RAM (or GPU memory) training may use.")] = 0.5,
+    latency_target_ms: Annotated[
+        Optional[float],
+        typer.Option("--latency-target-ms", min=0.001, help="Batch-1 inference latency the served variant must meet."),
+    ] = None,
+    memory_fraction: Annotated[
+        float,
+        typer.Option("--memory-fraction", min=0.01, max=1.0, help="Share of RAM (or GPU memory) training may use."),
+    ] = 0.5,
     variants: Annotated[int, typer.Option(min=2, help="Cached variants to time.")] = 6,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per variant.")] = 20,
     name: Annotated[Optional[str], typer.Option(help="Profile name (default: from the host name).")] = None,
-    runtime: Annotated[str, typer.Option(help="What times the variants: onnxruntime (what serves the exported model) or torch (PyTorch eager).")] = "onnxruntime",
+    runtime: Annotated[
+        str,
+        typer.Option(
+            help="What times the variants: onnxruntime (what serves the exported model) or torch (PyTorch eager)."
+        ),
+    ] = "onnxruntime",
     provider: Annotated[
-        Optional[str], typer.Option(help="onnxruntime execution provider: cpu, cuda or tensorrt (default: cuda on a CUDA device, else cpu).")
+        Optional[str],
+        typer.Option(
+            help="onnxruntime execution provider: cpu, cuda or tensorrt (default: cuda on a CUDA device, else cpu)."
+        ),
     ] = None,
-    holdout: Annotated[int, typer.Option(min=0, help="Variants timed but kept out of the fit, to measure its error.")] = 3,
-    threads: Annotated[Optional[int], typer.Option(min=1, help="Inference threads (default: the runtime's own choice).")] = None,
+    holdout: Annotated[
+        int, typer.Option(min=0, help="Variants timed but kept out of the fit, to measure its error.")
+    ] = 3,
+    threads: Annotated[
+        Optional[int], typer.Option(min=1, help="Inference threads (default: the runtime's own choice).")
+    ] = None,
 ) -> None:
     """Measure this device: time cached variants on the serving runtime, fit latency = a + b*MACs, derive the MAC budget; write a profile."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -203,14 +292,25 @@ def profile(
 
     check_writable(out, "device profile")
     kwargs: dict[str, Any] = {
-        "device": device, "memory_fraction": memory_fraction, "variants": variants, "repeats": repeats, "name": name, "runtime": runtime,
-        "provider": provider, "holdout": holdout, "threads": threads,
+        "device": device,
+        "memory_fraction": memory_fraction,
+        "variants": variants,
+        "repeats": repeats,
+        "name": name,
+        "runtime": runtime,
+        "provider": provider,
+        "holdout": holdout,
+        "threads": threads,
     }
     if latency_target_ms is not None:
         kwargs["latency_target_ms"] = latency_target_ms
-    with Progress(TextColumn("[bold]timing variants"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+    with Progress(
+        TextColumn("[bold]timing variants"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as bar:
         task = bar.add_task("variants", total=variants + holdout)
-        result = profiling.profile_device(preset, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs)
+        result = profiling.profile_device(
+            preset, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs
+        )
     save_profile(result, out)
     console.print(profiling.profile_table(result))
     console.print(f"wrote {out}; use it with: feast-agent run --profile {out} ...", soft_wrap=True)
@@ -218,7 +318,9 @@ def profile(
 
 @app.command("profiles")
 def profiles_command(
-    preset: Annotated[Optional[str], typer.Option("--preset", "-p", help="Only profiles derived for this preset.")] = None,
+    preset: Annotated[
+        Optional[str], typer.Option("--preset", "-p", help="Only profiles derived for this preset.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per profile, one per line.")] = False,
 ) -> None:
     """List the device profiles --profile accepts: built-in ones and those on $FEAST_EDGE_PROFILE_PATH."""
@@ -232,7 +334,17 @@ def profiles_command(
     found = [(p, path) for p, path in found if preset is None or p.preset == preset]
     if as_json:
         for p, path in found:
-            typer.echo(json.dumps({"name": p.name, "preset": p.preset, "device": p.device, "budget_macs": p.budget_macs, "file": str(path)}))
+            typer.echo(
+                json.dumps(
+                    {
+                        "name": p.name,
+                        "preset": p.preset,
+                        "device": p.device,
+                        "budget_macs": p.budget_macs,
+                        "file": str(path),
+                    }
+                )
+            )
         return
     table = Table(title="device profiles (feast-agent run --profile NAME)")
     for col in ("profile", "preset", "budget", "latency target", "kind", "description", "source"):
@@ -240,7 +352,15 @@ def profiles_command(
     builtin = builtin_dir().resolve()
     for p, path in found:
         where = "built-in" if path.resolve().parent == builtin else str(path)
-        table.add_row(p.name, p.preset, f"{p.budget_macs / 1e6:.2f}M MACs", f"{p.latency_target_ms:g} ms", "measured" if p.measurements else "documented", p.description, where)
+        table.add_row(
+            p.name,
+            p.preset,
+            f"{p.budget_macs / 1e6:.2f}M MACs",
+            f"{p.latency_target_ms:g} ms",
+            "measured" if p.measurements else "documented",
+            p.description,
+            where,
+        )
     console.print(table)
 
 

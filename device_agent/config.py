@@ -16,8 +16,12 @@ class AgentConfig:
     federation: str = "feast"
     preset: str = "fmnist-small"
     torch_device: str = "cpu"  # where local training runs (--device: cpu, cuda[:N])
-    amp: str = "off"  # mixed precision of local training (feast_edge.local.precision.AMP_MODES; the CLI's default is auto)
-    budget_macs: float | None = None  # one budget for every hosted client (--budget / --profile); None: each shard's own
+    amp: str = (
+        "off"  # mixed precision of local training (feast_edge.local.precision.AMP_MODES; the CLI's default is auto)
+    )
+    budget_macs: float | None = (
+        None  # one budget for every hosted client (--budget / --profile); None: each shard's own
+    )
     profile: dict[str, Any] = field(default_factory=dict)  # summary sent with the registration
     chunk_size: int = DEFAULT_CHUNK_SIZE
     register_timeout: float = 60.0

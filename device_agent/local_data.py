@@ -54,7 +54,9 @@ def _virtual_ids(device_id: str, k: int) -> list[str]:
     return [device_id] if k == 1 else [f"{device_id}-{j}" for j in range(k)]
 
 
-def load_clients(data: str | os.PathLike[str], device_id: str, clients: int | None = None, shard: str | None = None, offset: int = 0) -> list[LocalClient]:
+def load_clients(
+    data: str | os.PathLike[str], device_id: str, clients: int | None = None, shard: str | None = None, offset: int = 0
+) -> list[LocalClient]:
     """The clients an agent hosts, read from ``data`` (see the module docstring)."""
     path = Path(data)
     if not path.exists():
@@ -66,20 +68,36 @@ def load_clients(data: str | os.PathLike[str], device_id: str, clients: int | No
         raise DataError(f"--clients {clients} must be at least 1")
     if path.is_file():
         if (clients or 1) != 1 or shard is not None:
-            raise DataError(f"--data {path} is one client's shard file; --clients/--shard need a partition or Fashion-MNIST directory")
+            raise DataError(
+                f"--data {path} is one client's shard file; --clients/--shard need a partition or Fashion-MNIST directory"
+            )
         s = read_shard(path)
         return [LocalClient(device_id, s.images, s.labels, s.budget_macs, s.preset, s.preset_digest, str(path))]
     if is_partition(path):
         if shard is not None:
-            raise DataError("--shard cuts a Fashion-MNIST directory; with a partition directory choose clients with --clients and --offset")
+            raise DataError(
+                "--shard cuts a Fashion-MNIST directory; with a partition directory choose clients with --clients and --offset"
+            )
         entries = read_index(path)["clients"]
         count = len(entries) - offset if clients is None else clients
         if offset < 0 or count < 1 or offset + count > len(entries):
-            raise DataError(f"--offset {offset} --clients {count} is outside the {len(entries)} clients of partition {path}")
+            raise DataError(
+                f"--offset {offset} --clients {count} is outside the {len(entries)} clients of partition {path}"
+            )
         hosted = []
         for entry in entries[offset : offset + count]:
             s = read_shard(path / str(entry["file"]))
-            hosted.append(LocalClient(s.client_id, s.images, s.labels, s.budget_macs, s.preset, s.preset_digest, str(path / str(entry["file"]))))
+            hosted.append(
+                LocalClient(
+                    s.client_id,
+                    s.images,
+                    s.labels,
+                    s.budget_macs,
+                    s.preset,
+                    s.preset_digest,
+                    str(path / str(entry["file"])),
+                )
+            )
         return hosted
     train = load_fashion_mnist(path, "train")
     i, n = parse_shard(shard) if shard is not None else (0, 1)
@@ -91,11 +109,15 @@ def load_clients(data: str | os.PathLike[str], device_id: str, clients: int | No
     hosted = []
     for cid, piece in zip(_virtual_ids(device_id, k), np.array_split(part, k)):
         index = torch.from_numpy(piece.astype(np.int64))
-        hosted.append(LocalClient(cid, train.images[index], train.labels[index], None, None, None, f"{path} shard {i}/{n}"))
+        hosted.append(
+            LocalClient(cid, train.images[index], train.labels[index], None, None, None, f"{path} shard {i}/{n}")
+        )
     return hosted
 
 
-def client_budgets(clients: list[LocalClient], preset: Preset, cache: VariantCache, budget_macs: float | None) -> dict[str, int]:
+def client_budgets(
+    clients: list[LocalClient], preset: Preset, cache: VariantCache, budget_macs: float | None
+) -> dict[str, int]:
     """Each hosted client's MAC budget (``budget_macs`` for all, else its shard's), after checking its data fits ``preset``.
 
     DataError names the client, the problem and the fix (preset, shape, labels, missing or too small budget, duplicate id).
@@ -106,14 +128,22 @@ def client_budgets(clients: list[LocalClient], preset: Preset, cache: VariantCac
     budgets: dict[str, int] = {}
     for c in clients:
         if c.preset_digest is not None and c.preset_digest != preset.digest:
-            raise DataError(f"{c.source} was partitioned for preset {c.preset!r}, but the agent trains {preset.name!r}; pass --preset {c.preset}")
+            raise DataError(
+                f"{c.source} was partitioned for preset {c.preset!r}, but the agent trains {preset.name!r}; pass --preset {c.preset}"
+            )
         if tuple(c.images.shape[1:]) != shape:
-            raise DataError(f"{c.source}: images are {tuple(c.images.shape[1:])}, preset {preset.name} takes {shape}; pass matching --data or --preset")
+            raise DataError(
+                f"{c.source}: images are {tuple(c.images.shape[1:])}, preset {preset.name} takes {shape}; pass matching --data or --preset"
+            )
         if c.samples and int(c.labels.max()) >= preset.classes:
-            raise DataError(f"{c.source}: labels reach {int(c.labels.max())}, preset {preset.name} has {preset.classes} classes")
+            raise DataError(
+                f"{c.source}: labels reach {int(c.labels.max())}, preset {preset.name} has {preset.classes} classes"
+            )
         budget = budget_macs if budget_macs is not None else c.budget_macs
         if budget is None:
-            raise DataError(f"no MAC budget for device {c.device_id}: pass --budget MACS or --profile NAME|FILE (a shard file carries its own)")
+            raise DataError(
+                f"no MAC budget for device {c.device_id}: pass --budget MACS or --profile NAME|FILE (a shard file carries its own)"
+            )
         if budget < cache.smallest.macs:
             raise DataError(cache.below_smallest(budget, "raise --budget or use a profile of a stronger device"))
         if c.device_id in budgets:

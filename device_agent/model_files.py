@@ -40,7 +40,9 @@ def save_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[st
     """Check ``blob`` against the manifest's SHA-256, then write it and the manifest (``.json`` beside it) atomically."""
     digest = hashlib.sha256(blob).hexdigest()
     if digest != manifest.get("sha256"):
-        raise ModelError(f"the received model hashes to {digest}, its manifest says {manifest.get('sha256')}; it was not saved, fetch it again")
+        raise ModelError(
+            f"the received model hashes to {digest}, its manifest says {manifest.get('sha256')}; it was not saved, fetch it again"
+        )
     path = check_writable(path, "model file")
     atomic_write_bytes(path, blob)
     atomic_write_bytes(path.with_suffix(".json"), (json.dumps(manifest, indent=1) + "\n").encode())
@@ -53,7 +55,9 @@ def keep_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[st
     return saved, measure_latency(saved)
 
 
-def keep_pushed_model(blob: bytes, message: ModelReady, model_dir: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
+def keep_pushed_model(
+    blob: bytes, message: ModelReady, model_dir: str | os.PathLike[str]
+) -> tuple[Path, dict[str, Any]] | None:
     """Save a model the server pushed after the last round; its path and the metrics to report, or None (logged) if unusable."""
     device_id, manifest = message.device, message.manifest
     try:
@@ -61,12 +65,26 @@ def keep_pushed_model(blob: bytes, message: ModelReady, model_dir: str | os.Path
     except FeastError as exc:
         log.error("the model of %s is unusable: %s", device_id, exc)
         return None
-    log.info("saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms", device_id, path, manifest.get("macs"), latency["median_ms"])
-    return path, {"onnx_latency_ms": latency["median_ms"], "model_sha256": manifest.get("sha256"), "model_macs": manifest.get("macs")}
+    log.info(
+        "saved the model of %s to %s (%s MACs); onnxruntime latency %.3f ms",
+        device_id,
+        path,
+        manifest.get("macs"),
+        latency["median_ms"],
+    )
+    return path, {
+        "onnx_latency_ms": latency["median_ms"],
+        "model_sha256": manifest.get("sha256"),
+        "model_macs": manifest.get("macs"),
+    }
 
 
 def receive_pushed_model(
-    message: ModelReady, downloads: Downloads, model_dir: str | os.PathLike[str], stop: Callable[[], bool], timeout: float = 120.0
+    message: ModelReady,
+    downloads: Downloads,
+    model_dir: str | os.PathLike[str],
+    stop: Callable[[], bool],
+    timeout: float = 120.0,
 ) -> tuple[Path, dict[str, Any]] | None:
     """Wait for the model announced by ``message`` and keep it (:func:`keep_pushed_model`); None (logged) if it did not come."""
     blob = downloads.wait(TransferInfo.from_dict(message.transfer), time.monotonic() + timeout, abandon=stop)
@@ -87,7 +105,9 @@ def _ask(link: Link, topic: str, request: bytes, replies: queue.Queue[ModelReady
     """Publish ``request`` every few seconds until a reply arrives (a server that starts later still hears it) or ``timeout``."""
     deadline = time.monotonic() + timeout
     while (remaining := deadline - time.monotonic()) > 0:
-        link.publish(topic, request, timeout=min(remaining, 10.0))  # the same msg_id each time: a server answers it once
+        link.publish(
+            topic, request, timeout=min(remaining, 10.0)
+        )  # the same msg_id each time: a server answers it once
         try:
             return replies.get(timeout=min(REQUEST_RETRY, max(0.0, deadline - time.monotonic())))
         except queue.Empty:
@@ -128,7 +148,13 @@ def fetch_model(
     link.subscribe(topics.ctrl(device_id), on_ctrl)
     link.connect(timeout=min(timeout, 10.0))
     try:
-        receiver = ChunkReceiver(link, topics, "down", device=device_id, reassembler=Reassembler(federation=federation, max_chunk_size=chunk_size))
+        receiver = ChunkReceiver(
+            link,
+            topics,
+            "down",
+            device=device_id,
+            reassembler=Reassembler(federation=federation, max_chunk_size=chunk_size),
+        )
         answer = _ask(link, topics.events(device_id), request.encode(), replies, timeout)
         if answer is None:
             raise ModelError(
@@ -145,7 +171,9 @@ def fetch_model(
             remaining = deadline - time.monotonic()
             progress = receiver.get(timeout=max(0.0, remaining)) if remaining > 0 else None
             if progress is None:
-                raise ModelError(f"the model of {device_id} ({info.size} bytes) did not arrive completely within {max(timeout, 60.0):g} s; try again")
+                raise ModelError(
+                    f"the model of {device_id} ({info.size} bytes) did not arrive completely within {max(timeout, 60.0):g} s; try again"
+                )
             if progress.info.transfer != info.transfer:
                 continue
             if progress.status is not Status.COMPLETE or progress.payload is None:

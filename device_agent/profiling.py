@@ -31,7 +31,14 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from feast_edge.budget.profile import DEFAULT_LATENCY_TARGET_MS, NAME_PATTERN, DeviceProfile, ProfileError, derive_budget, fit_latency
+from feast_edge.budget.profile import (
+    DEFAULT_LATENCY_TARGET_MS,
+    NAME_PATTERN,
+    DeviceProfile,
+    ProfileError,
+    derive_budget,
+    fit_latency,
+)
 from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError
 from feast_edge.local.torch_device import resolve_device
@@ -103,7 +110,9 @@ def time_variant(model: nn.Module, input_shape: Sequence[int], device: str, repe
     """Median wall time in ms of one forward pass on ``device`` (``input_shape`` includes the batch, normally 1)."""
     _check_device(device)
     if repeats < 1 or warmup < 0:
-        raise ProfileError(f"timing needs repeats >= 1 and warmup >= 0 (got repeats={repeats}, warmup={warmup}); raise --repeats")
+        raise ProfileError(
+            f"timing needs repeats >= 1 and warmup >= 0 (got repeats={repeats}, warmup={warmup}); raise --repeats"
+        )
     model = model.eval().to(device)
     # Values do not change the timing of a dense convnet; seeded anyway, so a run is reproducible.
     x = torch.randn(tuple(input_shape), generator=torch.Generator().manual_seed(0)).to(device)
@@ -117,7 +126,6 @@ def time_variant(model: nn.Module, input_shape: Sequence[int], device: str, repe
         _synchronize(device)  # CUDA kernels run asynchronously: time until they finish
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
-
 
 
 def ort_providers(device: str, provider: str | None = None) -> list[str]:
@@ -158,7 +166,9 @@ def time_session(session: Any, input_shape: Sequence[int], repeats: int, warmup:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        session.run([OUTPUT_NAME], {INPUT_NAME: x})  # synchronous: a GPU provider copies the result back before it returns
+        session.run(
+            [OUTPUT_NAME], {INPUT_NAME: x}
+        )  # synchronous: a GPU provider copies the result back before it returns
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -214,11 +224,15 @@ def profile_device(
     if repeats < 1:
         raise ProfileError(f"--repeats {repeats} must be at least 1")
     if not 0 < memory_fraction <= 1:
-        raise ProfileError(f"--memory-fraction {memory_fraction} must be in (0, 1]: the share of the device's free memory training may use")
+        raise ProfileError(
+            f"--memory-fraction {memory_fraction} must be in (0, 1]: the share of the device's free memory training may use"
+        )
     if not latency_target_ms > 0:
         raise ProfileError(f"--latency-target-ms {latency_target_ms} must be > 0")
     if runtime not in RUNTIMES:
-        raise ProfileError(f"--runtime {runtime!r} is unknown; choose onnxruntime (what serves the exported model) or torch (PyTorch eager)")
+        raise ProfileError(
+            f"--runtime {runtime!r} is unknown; choose onnxruntime (what serves the exported model) or torch (PyTorch eager)"
+        )
     if holdout < 0:
         raise ProfileError(f"--holdout {holdout} must be >= 0")
     host = socket.gethostname()
@@ -228,7 +242,9 @@ def profile_device(
     preset = load_preset(preset_name)
     cache = load_cache(preset)
     if len(cache) < 2:
-        raise ProfileError(f"the variant cache of preset {preset.name} holds {len(cache)} variant; fitting a + b·MACs needs at least 2")
+        raise ProfileError(
+            f"the variant cache of preset {preset.name} holds {len(cache)} variant; fitting a + b·MACs needs at least 2"
+        )
     hardware = read_hardware(device)
     supernet = Supernet(preset, classes=cache.classes, seed=0)
     fitted = _spread(len(cache), variants)
@@ -278,8 +294,15 @@ def profile_device(
 
 
 def _timers(
-    supernet: Supernet, preset: Any, chosen: Sequence[Any], shape: tuple[int, ...], device: str, runtime: str, provider: str | None,
-    threads: int | None, workdir: Path,
+    supernet: Supernet,
+    preset: Any,
+    chosen: Sequence[Any],
+    shape: tuple[int, ...],
+    device: str,
+    runtime: str,
+    provider: str | None,
+    threads: int | None,
+    workdir: Path,
 ) -> tuple[list[Callable[[int, int], float]], str]:
     """One ``timer(repeats, warmup) -> median ms`` per chosen variant on ``runtime``, and a line naming what runs them."""
     models = [extract(supernet, entry.arch) for entry in chosen]
@@ -317,13 +340,18 @@ def profile_table(profile: DeviceProfile) -> Table:
         table.add_row(f"  {key}", _bytes(value) if key.endswith("_bytes") else str(value))
     table.add_row("preset", profile.preset)
     points = f" over {len(profile.measurements)} timed variants" if profile.measurements else " (documented, not timed)"
-    table.add_row("latency fit", f"{profile.latency_a_ms:.3f} ms + {profile.latency_b_ms_per_mmac:.4f} ms/MMAC × MACs{points}")
+    table.add_row(
+        "latency fit", f"{profile.latency_a_ms:.3f} ms + {profile.latency_b_ms_per_mmac:.4f} ms/MMAC × MACs{points}"
+    )
     if profile.runtime:
         table.add_row("timed on", profile.runtime)
     for macs, ms in profile.measurements:
         table.add_row("  timed", f"{macs / 1e6:.2f}M MACs: {ms:.3f} ms (fit {profile.latency_ms(macs):.3f} ms)")
     for (macs, ms), error in zip(profile.holdout, profile.holdout_errors()):
-        table.add_row("  held out", f"{macs / 1e6:.2f}M MACs: {ms:.3f} ms (fit {profile.latency_ms(macs):.3f} ms, error {100 * error:.1f} %)")
+        table.add_row(
+            "  held out",
+            f"{macs / 1e6:.2f}M MACs: {ms:.3f} ms (fit {profile.latency_ms(macs):.3f} ms, error {100 * error:.1f} %)",
+        )
     table.add_row("latency target", f"{profile.latency_target_ms:g} ms")
     table.add_row("memory limit", _bytes(profile.memory_limit_bytes))
     table.add_row("budget", f"{profile.budget_macs / 1e6:.2f}M MACs")

@@ -65,12 +65,29 @@ class Register(Message):
 
     @classmethod
     def for_client(
-        cls, *, federation: str, device_id: str, host: str, instance: str, preset: Preset, budget_macs: int, samples: int, profile: dict[str, Any]
+        cls,
+        *,
+        federation: str,
+        device_id: str,
+        host: str,
+        instance: str,
+        preset: Preset,
+        budget_macs: int,
+        samples: int,
+        profile: dict[str, Any],
     ) -> Register:
         """The registration of hosted client ``device_id`` training ``preset``."""
         return cls(
-            federation=federation, round=0, device=device_id, host=host, instance=instance, preset=preset.name,
-            preset_digest=preset.digest, budget_macs=int(budget_macs), samples=samples, profile=profile,
+            federation=federation,
+            round=0,
+            device=device_id,
+            host=host,
+            instance=instance,
+            preset=preset.name,
+            preset_digest=preset.digest,
+            budget_macs=int(budget_macs),
+            samples=samples,
+            profile=profile,
         )
 
 
@@ -120,7 +137,9 @@ class RoundStart(Message):
     def check(self) -> None:
         check_transfer(self.transfer)
         if self.payload_dtype not in PAYLOAD_DTYPES:
-            raise ProtocolError(f"field 'payload_dtype' must be one of {', '.join(PAYLOAD_DTYPES)}, got {self.payload_dtype[:24]!r}")
+            raise ProtocolError(
+                f"field 'payload_dtype' must be one of {', '.join(PAYLOAD_DTYPES)}, got {self.payload_dtype[:24]!r}"
+            )
         if not (self.seed.isascii() and self.seed.isdigit() and len(self.seed) <= 20):
             raise ProtocolError(f"field 'seed' must be a decimal integer below 2^64, got {self.seed[:24]!r}")
         if not self.lr > 0:
@@ -156,8 +175,17 @@ class RoundStart(Message):
         settings = asdict(train)
         settings["randaugment"] = list(settings["randaugment"])
         return cls(
-            federation=federation, round=round, device=device, transfer=transfer.to_dict(), deadline=sent_at + timeout, timeout=timeout,
-            rounds=rounds, lr=lr, seed=str(seed), train=settings, payload_dtype=payload_dtype,
+            federation=federation,
+            round=round,
+            device=device,
+            transfer=transfer.to_dict(),
+            deadline=sent_at + timeout,
+            timeout=timeout,
+            rounds=rounds,
+            lr=lr,
+            seed=str(seed),
+            train=settings,
+            payload_dtype=payload_dtype,
             plan={"affordable": [a.to_dict() for a in plan.affordable], "global_min": plan.global_min.to_dict()},
         )
 
@@ -185,7 +213,9 @@ class RoundStart(Message):
         """The routed transfer, which must be this round's and this device's."""
         info = check_transfer(self.transfer)
         if info.device != self.device or info.round != self.round:
-            raise ProtocolError(f"the round message's transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}")
+            raise ProtocolError(
+                f"the round message's transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}"
+            )
         return info
 
 
@@ -195,7 +225,11 @@ def _json_number(value: float) -> float | None:
 
 
 def _finite(value: Any, default: float) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else default
+    return (
+        float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else default
+    )
 
 
 @message_kind("update")
@@ -240,14 +274,22 @@ class Update(Message):
             "device": torch_device,
         }
         return cls(
-            federation=federation, round=round, device=device_id, transfer=transfer.to_dict(), routed=routed, samples=result.num_samples, metrics=metrics
+            federation=federation,
+            round=round,
+            device=device_id,
+            transfer=transfer.to_dict(),
+            routed=routed,
+            samples=result.num_samples,
+            metrics=metrics,
         )
 
     def transfer_info(self) -> TransferInfo:
         """The announced transfer, which must be this round's and this device's."""
         info = check_transfer(self.transfer)
         if info.device != self.device or info.round != self.round:
-            raise ProtocolError(f"its transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}")
+            raise ProtocolError(
+                f"its transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}"
+            )
         return info
 
     @property
@@ -278,7 +320,9 @@ class Declined(Message):
     def check(self) -> None:
         check_ids(self, "routed")
         if not 1 <= len(self.reason) <= MAX_REASON:
-            raise ProtocolError(f"a declined message needs a reason of 1-{MAX_REASON} characters, got {len(self.reason)}")
+            raise ProtocolError(
+                f"a declined message needs a reason of 1-{MAX_REASON} characters, got {len(self.reason)}"
+            )
 
 
 @message_kind("metrics")

@@ -63,7 +63,12 @@ class FederationServer:
     """Runs a federation over one MQTT link; see the module docstring."""
 
     def __init__(
-        self, config: ServerConfig, link_config: LinkConfig, *, on_round: Callable[[RoundRecord, int], None] | None = None, dashboard: DashboardState | None = None,
+        self,
+        config: ServerConfig,
+        link_config: LinkConfig,
+        *,
+        on_round: Callable[[RoundRecord, int], None] | None = None,
+        dashboard: DashboardState | None = None,
     ) -> None:
         self.config = config
         self.out = Path(config.out)
@@ -80,18 +85,42 @@ class FederationServer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.registry = Registry(self.out / REGISTRY)
         self.devices = DeviceBook(
-            self.registry, self.preset, self.cache, federation=config.federation, rounds=config.rounds,
+            self.registry,
+            self.preset,
+            self.cache,
+            federation=config.federation,
+            rounds=config.rounds,
             reply=lambda device, message: self.link.publish(self.topics.ctrl(device), message.encode()),
-            authenticated=link_config.credentials is not None, max_samples=config.max_samples, max_devices=config.max_devices,
+            authenticated=link_config.credentials is not None,
+            max_samples=config.max_samples,
+            max_devices=config.max_devices,
             shard_samples=None if self.data is None else self.data.shard_samples,
         )
         self.loop = RunLoop(
-            self.model, self.cache, config.settings(), self.out, kind=KIND, fingerprint=self.fingerprint(), config=config.decisive(),
-            validation=None if self.data is None else Validation(self.data.calibration_images, self.data.validation_images, self.data.validation_labels),
+            self.model,
+            self.cache,
+            config.settings(),
+            self.out,
+            kind=KIND,
+            fingerprint=self.fingerprint(),
+            config=config.decisive(),
+            validation=None
+            if self.data is None
+            else Validation(self.data.calibration_images, self.data.validation_images, self.data.validation_labels),
             extra_fields=lambda: {"data": config.data, "seed": config.seed, "registry": self.registry.snapshot()},
         )
-        self.live = None if dashboard is None else LiveView(
-            dashboard, self.preset, self.cache, self.registry, rounds=config.rounds, federation=config.federation, payload_dtype=config.payload_dtype,
+        self.live = (
+            None
+            if dashboard is None
+            else LiveView(
+                dashboard,
+                self.preset,
+                self.cache,
+                self.registry,
+                rounds=config.rounds,
+                federation=config.federation,
+                payload_dtype=config.payload_dtype,
+            )
         )
         self.events = Events(self.topics, self.devices, self.live)
         self.inbox, self.stop = self.events.inbox, self.events.stop
@@ -120,15 +149,37 @@ class FederationServer:
         # stranger sends on xfer/up allocates anything here.
         # Every cohort device may upload at once (one announced upload each): the reassembler's transfer cap grows with the cohort.
         reassembler = Reassembler(
-            federation=cfg.federation, max_chunk_size=cfg.chunk_size, min_chunk_size=MIN_CHUNK_SIZE, expected_only=True, max_transfers=max(32, cfg.per_round),
+            federation=cfg.federation,
+            max_chunk_size=cfg.chunk_size,
+            min_chunk_size=MIN_CHUNK_SIZE,
+            expected_only=True,
+            max_transfers=max(32, cfg.per_round),
         )
         receiver = ChunkReceiver(self.link, t, "up", reassembler=reassembler)
-        waits = ExchangeSettings(rounds=cfg.rounds, round_timeout=cfg.round_timeout, send_timeout=cfg.send_timeout, wait_timeout=cfg.wait_timeout or None)
+        waits = ExchangeSettings(
+            rounds=cfg.rounds,
+            round_timeout=cfg.round_timeout,
+            send_timeout=cfg.send_timeout,
+            wait_timeout=cfg.wait_timeout or None,
+        )
         events.exchange = RoundExchange(t, sender, receiver, events, waits)
-        terms = RoundTerms(self.preset, cfg.train_config(), cfg.seed, cfg.rounds, payload_dtype=cfg.payload_dtype, max_update_norm=cfg.max_update_norm)
+        terms = RoundTerms(
+            self.preset,
+            cfg.train_config(),
+            cfg.seed,
+            cfg.rounds,
+            payload_dtype=cfg.payload_dtype,
+            max_update_norm=cfg.max_update_norm,
+        )
         self.collector = DeviceCollector(events.exchange, self.devices, terms, self.live)
         self.models = events.models = ModelServer(self.out, self.link, t, sender, cfg.send_timeout)
-        log.info("connected to %s as federation %r; preset %s, %d cached variants", self.link.address, cfg.federation, self.preset.name, len(self.cache))
+        log.info(
+            "connected to %s as federation %r; preset %s, %d cached variants",
+            self.link.address,
+            cfg.federation,
+            self.preset.name,
+            len(self.cache),
+        )
 
     def close(self) -> None:
         """Publish the offline status and disconnect."""
@@ -147,7 +198,9 @@ class FederationServer:
     def resume(self, previous: bool = False) -> int:
         """Load the last completed round from ``out``, if any (``previous``: fall back to the previous checkpoint if it is damaged)."""
         try:
-            done = self.loop.resume("restart with the same options to resume it, or use another --out", fall_back=previous)
+            done = self.loop.resume(
+                "restart with the same options to resume it, or use another --out", fall_back=previous
+            )
         except RunError as exc:
             raise ServerError(str(exc)) from None
         if self.loop.recovered:
@@ -175,12 +228,17 @@ class FederationServer:
             if not record.applied:
                 log.warning(
                     "round %d: %d valid update(s) from a cohort of %d, fewer than --min-clients %d; the global model stays unchanged",
-                    record.round, len(record.updated), len(record.cohort), cfg.min_clients,
+                    record.round,
+                    len(record.updated),
+                    len(record.cohort),
+                    cfg.min_clients,
                 )
             if self.on_round is not None:
                 self.on_round(record, cfg.rounds)
             if self.live is not None:
-                self.live.round_finished(record, getattr(self.loop.method, "validated", None) if record.val_accuracy is not None else None)
+                self.live.round_finished(
+                    record, getattr(self.loop.method, "validated", None) if record.val_accuracy is not None else None
+                )
             self.events.filter.advance(record.round)
             self.pump(0)
 
@@ -204,16 +262,29 @@ class FederationServer:
     def export(self) -> list[dict[str, Any]]:
         """Export every registered device's model (from the best checkpoint if validated, else the last)."""
         if self.data is None:
-            raise ServerError("exporting needs server-held calibration data; pass --data (a partition directory or Fashion-MNIST)")
+            raise ServerError(
+                "exporting needs server-held calibration data; pass --data (a partition directory or Fashion-MNIST)"
+            )
         source = self.loop.selected_checkpoint()
         if not source.is_file():
-            raise ServerError(f"no checkpoint in {self.out}; run the federation first (feast-server run --out {self.out})")
+            raise ServerError(
+                f"no checkpoint in {self.out}; run the federation first (feast-server run --out {self.out})"
+            )
         model = load_supernet(source, self.preset)[0]
         rounds = int(read_record(source).get("fields", {}).get("round", 0))
         devices = self.registry.devices()
         if not devices:
             raise ServerError(f"no device is registered in {self.out / REGISTRY}; nothing to export")
-        return export_device_models(model, self.cache, devices, self.data, self.out, federation=self.config.federation, rounds_done=rounds, checkpoint=source.name)
+        return export_device_models(
+            model,
+            self.cache,
+            devices,
+            self.data,
+            self.out,
+            federation=self.config.federation,
+            rounds_done=rounds,
+            checkpoint=source.name,
+        )
 
     def announce_models(self, manifests: list[dict[str, Any]]) -> list[str]:
         """Push each online device its model (ModelReady + chunks); returns the devices served."""

@@ -78,9 +78,13 @@ def resolve_kind(kind: str) -> str:
     if kind == "auto":
         kind = MOSQUITTO if mosquitto else AMQTT
     if kind == MOSQUITTO and not mosquitto:
-        raise BrokerError("the mosquitto binary is not installed; install it (apt-get install mosquitto) or use --embedded-broker amqtt")
+        raise BrokerError(
+            "the mosquitto binary is not installed; install it (apt-get install mosquitto) or use --embedded-broker amqtt"
+        )
     if kind == AMQTT and importlib.util.find_spec("amqtt") is None:
-        raise BrokerError("no MQTT broker available: install mosquitto (apt-get install mosquitto) or amqtt (pip install amqtt), or pass --broker URL")
+        raise BrokerError(
+            "no MQTT broker available: install mosquitto (apt-get install mosquitto) or amqtt (pip install amqtt), or pass --broker URL"
+        )
     return kind
 
 
@@ -101,8 +105,12 @@ def start_broker(workdir: Path, kind: str = "auto") -> Broker:
     if kind == MOSQUITTO:
         conf = workdir / "mosquitto.conf"
         # mosquitto started as root drops to its own user; keep ours so it can write its log.
-        conf.write_text(f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {port} 127.0.0.1\nallow_anonymous true\n")
-        return start_mosquitto(conf, port, workdir / "broker.log", url=f"mqtt://127.0.0.1:{port}", enforces="nothing: anonymous, plain TCP")
+        conf.write_text(
+            f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {port} 127.0.0.1\nallow_anonymous true\n"
+        )
+        return start_mosquitto(
+            conf, port, workdir / "broker.log", url=f"mqtt://127.0.0.1:{port}", enforces="nothing: anonymous, plain TCP"
+        )
     conf = workdir / "amqtt.yaml"
     conf.write_text(
         "listeners:\n  default:\n    type: tcp\n"
@@ -110,7 +118,11 @@ def start_broker(workdir: Path, kind: str = "auto") -> Broker:
         "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
     )
     command = [sys.executable, "-c", "from amqtt.scripts.broker_script import main; main()", "-c", str(conf)]
-    broker = Broker(f"mqtt://127.0.0.1:{port}", f"amqtt (embedded, pure Python) on 127.0.0.1:{port}", enforces="nothing: anonymous, plain TCP, no ACL")
+    broker = Broker(
+        f"mqtt://127.0.0.1:{port}",
+        f"amqtt (embedded, pure Python) on 127.0.0.1:{port}",
+        enforces="nothing: anonymous, plain TCP, no ACL",
+    )
     return _start(command, workdir / "broker.log", broker, ready=lambda: listening(port))
 
 

@@ -40,7 +40,9 @@ from feast_edge.transport.transfer import ChunkReceiver
 log = logging.getLogger(__name__)
 
 UPLOAD_SLACK = 4096  # bytes an update's header may exceed the routed one's (the manifest names the device)
-ROUTED_CACHE_BYTES = 64 * 2**20  # routed slices kept for the next devices of the same envelope while a round's payloads go out
+ROUTED_CACHE_BYTES = (
+    64 * 2**20
+)  # routed slices kept for the next devices of the same envelope while a round's payloads go out
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,9 @@ def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
 class DeviceCollector:
     """Cohorts among online devices; their slices out and their updates back over a :class:`RoundExchange`."""
 
-    def __init__(self, exchange: RoundExchange, devices: DeviceBook, terms: RoundTerms, live: LiveView | None = None) -> None:
+    def __init__(
+        self, exchange: RoundExchange, devices: DeviceBook, terms: RoundTerms, live: LiveView | None = None
+    ) -> None:
         self.exchange, self.devices, self.terms = exchange, devices, terms
         self.live = live  # the dashboard's view of the round in flight (feast-server run --dashboard)
 
@@ -98,7 +102,14 @@ class DeviceCollector:
         assert device is not None, f"{client} was sampled but is not registered"
         return float(device.budget_macs)
 
-    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+    def collect(
+        self,
+        t: int,
+        cohort: Sequence[str],
+        plans: Mapping[str, ClientPlan],
+        global_state: Mapping[str, torch.Tensor],
+        lr: float,
+    ) -> Collected:
         start = time.monotonic()
         self.exchange.open(t)
         if self.live is not None:
@@ -122,7 +133,14 @@ class DeviceCollector:
         return got
 
     # ------------------------------------------------------------------ the two directions
-    def _send(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> dict[str, Manifest]:
+    def _send(
+        self,
+        t: int,
+        cohort: Sequence[str],
+        plans: Mapping[str, ClientPlan],
+        global_state: Mapping[str, torch.Tensor],
+        lr: float,
+    ) -> dict[str, Manifest]:
         """Route, encode and send each device its slice with the RoundStart that announces it; the manifests sent."""
         terms, exchange = self.terms, self.exchange
         classes, slices, routed = terms.preset.classes, _Slices(global_state, terms.preset), {}
@@ -132,11 +150,23 @@ class DeviceCollector:
             blob = encode(slices.routed(plan.layout(terms.preset, classes)), manifest)
             info = exchange.describe(device, blob)
             message = RoundStart.from_plan(
-                plan, federation=exchange.topics.federation, round=t, device=device, transfer=info, sent_at=time.time(), timeout=exchange.time_left(),
-                rounds=terms.rounds, lr=lr, seed=client_seed(terms.seed, t, device), train=terms.train, payload_dtype=terms.payload_dtype,
+                plan,
+                federation=exchange.topics.federation,
+                round=t,
+                device=device,
+                transfer=info,
+                sent_at=time.time(),
+                timeout=exchange.time_left(),
+                rounds=terms.rounds,
+                lr=lr,
+                seed=client_seed(terms.seed, t, device),
+                train=terms.train,
+                payload_dtype=terms.payload_dtype,
             )
             registered = self.devices.registry.get(device)
-            expect = Expect(max_bytes=len(blob) + UPLOAD_SLACK, max_samples=registered.samples if registered is not None else 0)
+            expect = Expect(
+                max_bytes=len(blob) + UPLOAD_SLACK, max_samples=registered.samples if registered is not None else 0
+            )
             if exchange.send(device, message, blob, info, expect) and self.live is not None:
                 self.live.routed(device, len(blob), info.count, plan.envelope.params(terms.preset, classes))
         return routed
@@ -156,11 +186,21 @@ class DeviceCollector:
         if bound and not change <= bound:
             return f"its update changes the routed slice by {change:.3g} (L2 norm); the limit is --max-update-norm {bound:g}"
         u = reply.update
-        return ClientUpdate(reply.device, state, u.samples, loss=u.loss, samples_seen=u.samples_seen, train_macs=u.train_macs, compute_seconds=u.compute_seconds)
+        return ClientUpdate(
+            reply.device,
+            state,
+            u.samples,
+            loss=u.loss,
+            samples_seen=u.samples_seen,
+            train_macs=u.train_macs,
+            compute_seconds=u.compute_seconds,
+        )
 
     def _reject(self, got: Collected, t: int, device: str, reason: str) -> None:
         """Refuse ``device``'s update of round ``t``; the global model is untouched by it."""
         got.rejected[device] = reason
         if self.live is not None:
             self.live.member(device, "rejected", reason=reason)
-        log.warning("round %d: rejected the update of %s: %s; the global model is untouched by it", t + 1, device, reason)
+        log.warning(
+            "round %d: rejected the update of %s: %s; the global model is untouched by it", t + 1, device, reason
+        )

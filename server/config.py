@@ -32,7 +32,9 @@ class ServerConfig:
     rounds: int = 10
     per_round: int = 5
     min_clients: int = 2
-    start_clients: int | None = None  # devices to wait for before the first round of this process (default: min_clients)
+    start_clients: int | None = (
+        None  # devices to wait for before the first round of this process (default: min_clients)
+    )
     round_timeout: float = 300.0
     seed: int = 0
     lr: float | None = None  # None: the preset's [train] recipe (as batch_size, augment)
@@ -48,22 +50,34 @@ class ServerConfig:
     cache: str | None = None
     federation: str = "feast"
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    wait_timeout: float = 1800.0  # idle limit: seconds a round may wait for enough devices before the run ends (0: forever)
+    wait_timeout: float = (
+        1800.0  # idle limit: seconds a round may wait for enough devices before the run ends (0: forever)
+    )
     send_timeout: float = 120.0
     max_samples: int = 1_000_000  # the most training examples a device may register (its aggregation weight)
     max_devices: int = 10_000  # the most devices the registry takes
     aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
-    max_update_norm: float = 1e4  # L2 bound on an update's change of its routed slice (0: none); honest fmnist-small epochs: 14-62
-    payload_dtype: str = "float32"  # of routed payloads and updates on the wire (aggregation and the model stay float32)
+    max_update_norm: float = (
+        1e4  # L2 bound on an update's change of its routed slice (0: none); honest fmnist-small epochs: 14-62
+    )
+    payload_dtype: str = (
+        "float32"  # of routed payloads and updates on the wire (aggregation and the model stay float32)
+    )
 
     def __post_init__(self) -> None:
         checks = [
             (self.rounds >= 1, f"--rounds {self.rounds} must be at least 1"),
             (self.min_clients >= 1, f"--min-clients {self.min_clients} must be at least 1"),
-            (self.per_round >= self.min_clients, f"--per-round {self.per_round} must be at least --min-clients {self.min_clients} (a round needs that many valid updates)"),
-            (self.start_clients is None or self.start_clients >= self.min_clients, f"--start-clients {self.start_clients} must be at least --min-clients {self.min_clients}"),
+            (
+                self.per_round >= self.min_clients,
+                f"--per-round {self.per_round} must be at least --min-clients {self.min_clients} (a round needs that many valid updates)",
+            ),
+            (
+                self.start_clients is None or self.start_clients >= self.min_clients,
+                f"--start-clients {self.start_clients} must be at least --min-clients {self.min_clients}",
+            ),
             (self.round_timeout > 0, f"--round-timeout {self.round_timeout} must be > 0 seconds"),
             (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
             (self.wait_timeout >= 0, f"--wait-timeout {self.wait_timeout} must be >= 0 seconds (0: wait forever)"),
@@ -82,7 +96,14 @@ class ServerConfig:
     def recipe(self) -> tuple[TrainConfig, str]:
         """The local-training settings every device receives and the lr schedule: the preset's recipe, then these options."""
         try:
-            return preset_recipe(self.preset, lr=self.lr, batch_size=self.batch_size, variants=self.variants, augment=self.augment, epochs=self.epochs)
+            return preset_recipe(
+                self.preset,
+                lr=self.lr,
+                batch_size=self.batch_size,
+                variants=self.variants,
+                augment=self.augment,
+                epochs=self.epochs,
+            )
         except TrainError as exc:
             raise ServerError(f"training recipe: {exc}") from None
 
@@ -91,7 +112,19 @@ class ServerConfig:
 
     def decisive(self) -> dict[str, Any]:
         """The settings that change the trained weights (a resumed run must keep them), the resolved recipe included."""
-        names = ("preset", "rounds", "per_round", "min_clients", "seed", "lr", "batch_size", "variants", "augment", "cache", "federation")
+        names = (
+            "preset",
+            "rounds",
+            "per_round",
+            "min_clients",
+            "seed",
+            "lr",
+            "batch_size",
+            "variants",
+            "augment",
+            "cache",
+            "federation",
+        )
         train, schedule = self.recipe()
         recorded = recorded_settings(train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype)
         return {**{STORED_AS.get(name, name): getattr(self, name) for name in names}, **recorded}
@@ -101,10 +134,14 @@ class ServerConfig:
         """The configuration of the run in ``out``, from its checkpoint (for export and serving after the run)."""
         path = Path(out) / CHECKPOINT
         if not path.is_file():
-            raise ServerError(f"no federation checkpoint at {path}; point --out at a directory written by feast-server run")
+            raise ServerError(
+                f"no federation checkpoint at {path}; point --out at a directory written by feast-server run"
+            )
         fields = read_record(path).get("fields", {})
         if fields.get("kind") != KIND:
-            raise ServerError(f"{path} is not a federation checkpoint; point --out at a directory written by feast-server run")
+            raise ServerError(
+                f"{path} is not a federation checkpoint; point --out at a directory written by feast-server run"
+            )
         known, names = {f.name for f in dataclasses.fields(cls)}, {key: name for name, key in STORED_AS.items()}
         stored = {names.get(k, k): v for k, v in fields.get("config", {}).items() if names.get(k, k) in known}
         settings = {**stored, "data": fields.get("data"), **{k: v for k, v in overrides.items() if v is not None}}
@@ -112,7 +149,16 @@ class ServerConfig:
 
     def settings(self) -> RunSettings:
         return RunSettings(
-            rounds=self.rounds, per_round=self.per_round, min_clients=self.min_clients, seed=self.seed, lr=self.train_config().lr,
-            eval_every=self.eval_every, probe_variants=self.probe_variants, aggregation=self.aggregation, trim=self.trim, clip_norm=self.clip_norm,
-            lr_schedule=self.recipe()[1], payload_dtype=self.payload_dtype,
+            rounds=self.rounds,
+            per_round=self.per_round,
+            min_clients=self.min_clients,
+            seed=self.seed,
+            lr=self.train_config().lr,
+            eval_every=self.eval_every,
+            probe_variants=self.probe_variants,
+            aggregation=self.aggregation,
+            trim=self.trim,
+            clip_norm=self.clip_norm,
+            lr_schedule=self.recipe()[1],
+            payload_dtype=self.payload_dtype,
         )

@@ -40,10 +40,14 @@ from feast_edge.server.provision import provision
 def _provisioned_broker(out: Path, logs: Path, federation: str, names: list[str], kind: str) -> tuple[Broker, Path]:
     """Credentials for the server and every device, and an embedded broker that enforces them (as far as it can)."""
     kind, port, credentials = resolve_kind(kind), free_port(), out / "credentials"
-    done = provision(credentials, federation, names, hosts=("127.0.0.1",), port=port, bind="127.0.0.1", broker_user=getpass.getuser())
+    done = provision(
+        credentials, federation, names, hosts=("127.0.0.1",), port=port, bind="127.0.0.1", broker_user=getpass.getuser()
+    )
     if kind == MOSQUITTO:
         enforces = "TLS, a client certificate per identity (CN = device id), the ACL (each device on its own topics), no anonymous clients; every message signed"
-        return start_mosquitto(done.broker_config, port, logs / "broker.log", url=f"mqtts://127.0.0.1:{port}", enforces=enforces), credentials
+        return start_mosquitto(
+            done.broker_config, port, logs / "broker.log", url=f"mqtts://127.0.0.1:{port}", enforces=enforces
+        ), credentials
     broker = start_broker(logs, kind)
     broker.enforces = "no authentication, TLS or ACL (amqtt); only the Ed25519 signatures of the provisioned bundles: unsigned or forged messages are dropped"
     return broker, credentials
@@ -105,13 +109,21 @@ def run_demo(
     loaded = [load_profile(p) for p in profiles]
     presets = {p.preset for p in loaded}
     if len(presets) != 1:
-        raise DemoError(f"the profiles were derived for different presets ({', '.join(sorted(presets))}); pick profiles of one preset")
+        raise DemoError(
+            f"the profiles were derived for different presets ({', '.join(sorted(presets))}); pick profiles of one preset"
+        )
     preset = presets.pop()
     names = [p.name for p in loaded]
     if len(set(names)) != len(names):
         raise DemoError("each profile may appear once (its name is the device id)")
     out = Path("feast-demo") if out is None else out
-    for part in ("partition", "server", "device-models", "logs", "credentials"):  # a fresh run every time; nothing else in --out is touched
+    for part in (
+        "partition",
+        "server",
+        "device-models",
+        "logs",
+        "credentials",
+    ):  # a fresh run every time; nothing else in --out is touched
         shutil.rmtree(out / part, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
@@ -123,16 +135,31 @@ def run_demo(
         if broker is None:
             owned, credentials = _provisioned_broker(out, logs, federation, names, embedded_broker)
             say(f"broker: {owned.kind}; it enforces {owned.enforces}")
-            identity = {"server": ["--credentials", str(credentials / "server")], **{n: ["--credentials", str(credentials / "devices" / n)] for n in names}}
+            identity = {
+                "server": ["--credentials", str(credentials / "server")],
+                **{n: ["--credentials", str(credentials / "devices" / n)] for n in names},
+            }
             if not owned.url.startswith("mqtts://"):  # amqtt: the bundles' TLS broker URL does not apply
                 identity = {name: [*args, "--broker", owned.url] for name, args in identity.items()}
         else:
             say(f"broker: {broker} (given with --broker; not provisioned: anonymous clients, no signatures)")
-            identity = {name: ["--broker", broker, "--federation", federation] + ([] if name == "server" else ["--device-id", name]) for name in ["server", *names]}
+            identity = {
+                name: ["--broker", broker, "--federation", federation]
+                + ([] if name == "server" else ["--device-id", name])
+                for name in ["server", *names]
+            }
         n = len(loaded)
         config = SimulationConfig(
-            preset=preset, data_dir=str(data), clients=n, per_round=n, rounds=rounds, budgets=tuple(p.budget_macs for p in loaded),
-            train_limit=samples * n, val_samples=1000, calib_samples=200, seed=seed,
+            preset=preset,
+            data_dir=str(data),
+            clients=n,
+            per_round=n,
+            rounds=rounds,
+            budgets=tuple(p.budget_macs for p in loaded),
+            train_limit=samples * n,
+            val_samples=1000,
+            calib_samples=200,
+            seed=seed,
         )
         say(f"data: splitting {samples * n} Fashion-MNIST training examples over {n} devices by budget...")
         index = write_partition(config, out / "partition")
@@ -140,23 +167,70 @@ def run_demo(
         say(f"data: {shards} examples; the server holds 1000 validation + 200 calibration")
         python = sys.executable
         # The server computes (validation, export) only while the agents wait for it: it may take both cores then.
-        fleet.spawn("server", [
-            python, "-m", "feast_edge.server.cli", "run", *identity["server"], "--out", str(out / "server"), "--preset", preset,
-            "--rounds", str(rounds), "--per-round", str(n), "--min-clients", str(max(1, n // 2)), "--start-clients", str(n),
-            "--round-timeout", "180", "--seed", str(seed), "--data", str(out / "partition"),
-            "--eval-every", "1", "--wait-timeout", "180", "--threads", str(min(2, os.cpu_count() or 1)), "--local-epochs", str(local_epochs),
-            *(["--dashboard", dashboard] if dashboard else []),
-        ])
+        fleet.spawn(
+            "server",
+            [
+                python,
+                "-m",
+                "feast_edge.server.cli",
+                "run",
+                *identity["server"],
+                "--out",
+                str(out / "server"),
+                "--preset",
+                preset,
+                "--rounds",
+                str(rounds),
+                "--per-round",
+                str(n),
+                "--min-clients",
+                str(max(1, n // 2)),
+                "--start-clients",
+                str(n),
+                "--round-timeout",
+                "180",
+                "--seed",
+                str(seed),
+                "--data",
+                str(out / "partition"),
+                "--eval-every",
+                "1",
+                "--wait-timeout",
+                "180",
+                "--threads",
+                str(min(2, os.cpu_count() or 1)),
+                "--local-epochs",
+                str(local_epochs),
+                *(["--dashboard", dashboard] if dashboard else []),
+            ],
+        )
         received = out / "device-models"
         # The device with the largest shard trains longest and the round waits for it: it gets a second core when there is one.
         busiest = max(range(n), key=lambda i: index["clients"][i]["samples"])
         for i, (profile, entry) in enumerate(zip(loaded, index["clients"])):
             threads = 2 if i == busiest and (os.cpu_count() or 1) >= 2 else 1
-            fleet.spawn(profile.name, [
-                python, "-m", "feast_edge.agent.cli", "run", *identity[profile.name],
-                "--data", str(out / "partition" / entry["file"]), "--profile", profiles[names.index(profile.name)], "--device", "cpu",
-                "--threads", str(threads), "--model-dir", str(received), "--register-timeout", "180",
-            ])
+            fleet.spawn(
+                profile.name,
+                [
+                    python,
+                    "-m",
+                    "feast_edge.agent.cli",
+                    "run",
+                    *identity[profile.name],
+                    "--data",
+                    str(out / "partition" / entry["file"]),
+                    "--profile",
+                    profiles[names.index(profile.name)],
+                    "--device",
+                    "cpu",
+                    "--threads",
+                    str(threads),
+                    "--model-dir",
+                    str(received),
+                    "--register-timeout",
+                    "180",
+                ],
+            )
         say(
             f"started feast-server and {n} feast-agent processes ({', '.join(f'{p.name} {p.budget_macs / 1e6:.1f}M MACs' for p in loaded)}); "
             f"federation {federation!r}; console logs in {logs}/*.log, everything in *.debug.log"
@@ -166,12 +240,27 @@ def run_demo(
         fleet.stop()
         rows = _device_rows(loaded, received, data, test_samples, say)
         table = Table(title=f"feast-edge demo: {n} devices, {rounds} rounds, {preset}")
-        for col in ("device", "budget", "variant MACs", "params", "val acc", f"test acc ({rows[0]['test_images']})", "ONNX file", "onnxruntime ms"):
+        for col in (
+            "device",
+            "budget",
+            "variant MACs",
+            "params",
+            "val acc",
+            f"test acc ({rows[0]['test_images']})",
+            "ONNX file",
+            "onnxruntime ms",
+        ):
             table.add_column(col, justify="left" if col in ("device", "ONNX file") else "right")
         for r in rows:
             table.add_row(
-                r["device"], f"{r['budget_macs'] / 1e6:.2f}M", f"{r['macs'] / 1e6:.2f}M", f"{r['params'] / 1e6:.3f}M",
-                f"{100 * r['validation_accuracy']:.2f}%", f"{100 * r['test_accuracy']:.2f}%", r["onnx"], f"{r['latency_ms']:.3f}",
+                r["device"],
+                f"{r['budget_macs'] / 1e6:.2f}M",
+                f"{r['macs'] / 1e6:.2f}M",
+                f"{r['params'] / 1e6:.3f}M",
+                f"{100 * r['validation_accuracy']:.2f}%",
+                f"{100 * r['test_accuracy']:.2f}%",
+                r["onnx"],
+                f"{r['latency_ms']:.3f}",
             )
         # Outside a terminal rich would squeeze the table into 80 columns.
         (console if console.is_terminal else Console(file=console.file, width=200)).print(table)
@@ -192,7 +281,9 @@ def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: in
     from feast_edge.data.images import load_fashion_mnist
     from feast_edge.evaluate.onnx_export import measure_latency
 
-    say(f"testing each received model in onnxruntime: latency (batch 1, 50 runs) and accuracy on {test_samples} test images")
+    say(
+        f"testing each received model in onnxruntime: latency (batch 1, 50 runs) and accuracy on {test_samples} test images"
+    )
     test = load_fashion_mnist(data, "test")
     images, labels = test.images[:test_samples], test.labels[:test_samples]
     rows = []
@@ -203,9 +294,15 @@ def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: in
         latency = measure_latency(path, repeats=50)
         rows.append(
             {
-                "device": profile.name, "budget_macs": profile.budget_macs, "macs": manifest["macs"], "params": manifest["params"],
-                "validation_accuracy": manifest["validation_accuracy"], "test_accuracy": _test_accuracy(path, images, labels),
-                "test_images": len(labels), "onnx": relative(path), "latency_ms": latency["median_ms"],
+                "device": profile.name,
+                "budget_macs": profile.budget_macs,
+                "macs": manifest["macs"],
+                "params": manifest["params"],
+                "validation_accuracy": manifest["validation_accuracy"],
+                "test_accuracy": _test_accuracy(path, images, labels),
+                "test_images": len(labels),
+                "onnx": relative(path),
+                "latency_ms": latency["median_ms"],
                 "predicted_ms": profile.latency_ms(manifest["macs"]),
             }
         )

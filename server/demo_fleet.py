@@ -25,7 +25,9 @@ class DemoError(FeastError):
 def _spawn(command: list[str], log: Path) -> subprocess.Popen:
     handle = open(log, "w")
     # The children are this interpreter with the installed feast_edge: no path games.
-    process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     handle.close()
     return process
 
@@ -115,7 +117,14 @@ class Fleet:
         while True:
             running = server.poll() is None
             if url is None:
-                url = next((line.split("dashboard: ", 1)[1] for line in _lines(self.log("server")) if line.startswith("dashboard: ")), None)
+                url = next(
+                    (
+                        line.split("dashboard: ", 1)[1]
+                        for line in _lines(self.log("server"))
+                        if line.startswith("dashboard: ")
+                    ),
+                    None,
+                )
                 if url is not None:
                     say(f"dashboard (live while the federation runs): {url}")
             lines = self.round_lines()
@@ -127,7 +136,9 @@ class Fleet:
                 break
             self.check_agents()
             if time.monotonic() > deadline:
-                raise DemoError(f"the federation did not finish within {SERVER_TIMEOUT:g} s:\n{_tail(self.log('server'))}")
+                raise DemoError(
+                    f"the federation did not finish within {SERVER_TIMEOUT:g} s:\n{_tail(self.log('server'))}"
+                )
             if time.monotonic() - said >= HEARTBEAT_S:
                 say(f"  ... {self.status(shown, since)}")
                 said = time.monotonic()
@@ -143,7 +154,9 @@ class Fleet:
             if len(have) == len(self.agents) or time.monotonic() - began > 120:
                 break
             if time.monotonic() - said >= HEARTBEAT_S:
-                say(f"  ... models received by {len(have)}/{len(self.agents)} agents ({time.monotonic() - began:.0f} s)")
+                say(
+                    f"  ... models received by {len(have)}/{len(self.agents)} agents ({time.monotonic() - began:.0f} s)"
+                )
                 said = time.monotonic()
             time.sleep(0.5)
         missing = [name for name in self.agents if not (received / f"{name}.onnx").is_file()]

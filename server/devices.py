@@ -109,11 +109,17 @@ class DeviceBook:
             )
         if message.samples < 1:
             return "the device has no training examples; check --data"
-        limit, source = (self.shard_samples[device], "its shard in the server's partition holds") if device in self.shard_samples else (self.max_samples, "--max-samples allows")
+        limit, source = (
+            (self.shard_samples[device], "its shard in the server's partition holds")
+            if device in self.shard_samples
+            else (self.max_samples, "--max-samples allows")
+        )
         if message.samples > limit:
             return f"the device registers {message.samples} training examples; {source} at most {limit} (it is the device's aggregation weight)"
         if not self.cache.affordable(message.budget_macs):
-            return self.cache.below_smallest(message.budget_macs, "raise --budget or use a profile of a stronger device")
+            return self.cache.below_smallest(
+                message.budget_macs, "raise --budget or use a profile of a stronger device"
+            )
         existing = self.registry.get(device)
         if existing is None and self.registry.count() >= self.max_devices:
             return f"the federation has its maximum of {self.max_devices} registered devices (--max-devices); raise it, or run another federation"
@@ -131,7 +137,11 @@ class DeviceBook:
             log.warning(
                 "%s registered but never receives: its agent sent %d registrations and heard no answer on feast/%s/ctrl/%s; a broker bridge or ACL "
                 "that does not forward the federation's topics both ways (feast/%s/#) cuts it off (docs/deployment.md, bridged brokers)",
-                device, count, self.federation, device, self.federation,
+                device,
+                count,
+                self.federation,
+                device,
+                self.federation,
             )
 
     def on_register(self, message: Register) -> None:
@@ -142,22 +152,41 @@ class DeviceBook:
             status = "online" if message.host in self.hosts_online else "offline"
             before = self.registry.get(device)
             self.registry.register(
-                device, host=message.host, instance=message.instance, budget_macs=message.budget_macs, samples=message.samples,
-                preset=message.preset, profile=message.profile, status=status,
+                device,
+                host=message.host,
+                instance=message.instance,
+                budget_macs=message.budget_macs,
+                samples=message.samples,
+                preset=message.preset,
+                profile=message.profile,
+                status=status,
             )
             # Agents repeat a registration until it is answered: say it once per agent instance.
-            repeat = before is not None and before.instance == message.instance and before.budget_macs == message.budget_macs
+            repeat = (
+                before is not None and before.instance == message.instance and before.budget_macs == message.budget_macs
+            )
             self._unanswered(device, message.instance)
             log.log(
-                logging.DEBUG if repeat else logging.INFO, "registered %s (host %s): budget %.2fM MACs, %d samples",
-                device, message.host, message.budget_macs / 1e6, message.samples,
+                logging.DEBUG if repeat else logging.INFO,
+                "registered %s (host %s): budget %.2fM MACs, %d samples",
+                device,
+                message.host,
+                message.budget_macs / 1e6,
+                message.samples,
             )
         else:
             log.warning("refused the registration of %s: %s", device, reason)
         self.reply(
             device,
             Registered(
-                federation=self.federation, round=0, device=device, instance=message.instance, accepted=not reason, reason=reason,
-                preset=self.preset.name, rounds=self.rounds, finished=self.finished and not reason,
+                federation=self.federation,
+                round=0,
+                device=device,
+                instance=message.instance,
+                accepted=not reason,
+                reason=reason,
+                preset=self.preset.name,
+                rounds=self.rounds,
+                finished=self.finished and not reason,
             ),
         )

@@ -63,10 +63,21 @@ class Events:
                 topic = self.topics.parse(received.topic)
                 message = parse(received.payload)
             except (ProtocolError, TopicError) as exc:
-                self._dropped.warning(f"malformed {channel_of(received.topic)}", "dropped malformed message on %s: %s", received.topic, exc)
+                self._dropped.warning(
+                    f"malformed {channel_of(received.topic)}",
+                    "dropped malformed message on %s: %s",
+                    received.topic,
+                    exc,
+                )
                 return
             if topic.device is not None and message.device != topic.device:
-                self._dropped.warning(f"names {channel_of(received.topic)}", "dropped %s message on %s: it names device %r", message.kind, received.topic, message.device)
+                self._dropped.warning(
+                    f"names {channel_of(received.topic)}",
+                    "dropped %s message on %s: it names device %r",
+                    message.kind,
+                    received.topic,
+                    message.device,
+                )
                 return
             if isinstance(message, Update) and self.exchange is not None:
                 self.exchange.pre_expect(message)  # its chunks follow at once, in this thread
@@ -85,8 +96,12 @@ class Events:
                 if self.models is not None:
                     self.models.tick()  # model requests that waited for their device's interval
                 if self.live is not None:
-                    self.live.tick(self.devices.hosts_online, None if self.exchange is None else self.exchange.receiver.reassembler)
-            except Exception:  # finished uploads and requests are the network's input too: never let one stop the server
+                    self.live.tick(
+                        self.devices.hosts_online, None if self.exchange is None else self.exchange.receiver.reassembler
+                    )
+            except (
+                Exception
+            ):  # finished uploads and requests are the network's input too: never let one stop the server
                 log.exception("failed to handle a finished transfer or a model request")
             got = self.inbox.get(0)
             if got is None:
@@ -100,7 +115,9 @@ class Events:
             try:
                 self._handle(channel, message)
             except FeastError as exc:  # a bad message must never stop the server
-                self._dropped.warning(f"handle {message.device}", "could not handle %s from %s: %s", message.kind, message.device, exc)
+                self._dropped.warning(
+                    f"handle {message.device}", "could not handle %s from %s: %s", message.kind, message.device, exc
+                )
             except Exception:  # nor a bug in handling one: log it with its traceback and go on
                 log.exception("failed to handle %s from %s", message.kind, message.device)
 

@@ -130,12 +130,16 @@ class _Round:
 class RoundExchange:
     """Payloads down and announced uploads up for one round at a time, over one sender and one receiver."""
 
-    def __init__(self, topics: Topics, sender: ChunkSender, receiver: ChunkReceiver, events: Pump, settings: ExchangeSettings) -> None:
+    def __init__(
+        self, topics: Topics, sender: ChunkSender, receiver: ChunkReceiver, events: Pump, settings: ExchangeSettings
+    ) -> None:
         self.topics, self.sender, self.receiver, self.events, self.settings = topics, sender, receiver, events, settings
         self.current: _Round | None = None
         # device -> (round, sent transfer, upload size bound) of the round in flight; read by paho's thread (pre_expect)
         self.announced: dict[str, tuple[int, str, int]] = {}
-        self._unclaimed: OrderedDict[str, Progress] = OrderedDict()  # finished uploads whose announcement has not arrived
+        self._unclaimed: OrderedDict[str, Progress] = (
+            OrderedDict()
+        )  # finished uploads whose announcement has not arrived
         self._dropped = Throttle(log)
         self._last_poll = 0.0
 
@@ -152,12 +156,18 @@ class RoundExchange:
             if online != last_online or now - last_note >= HEARTBEAT:
                 offline = roster.offline()
                 log.info(
-                    "waiting for devices: %d of %d online (%s)%s; %.0f s", len(online), needed, ", ".join(online) or "none yet",
-                    f"; registered but offline: {', '.join(offline)}" if offline else "", now - start,
+                    "waiting for devices: %d of %d online (%s)%s; %.0f s",
+                    len(online),
+                    needed,
+                    ", ".join(online) or "none yet",
+                    f"; registered but offline: {', '.join(offline)}" if offline else "",
+                    now - start,
                 )
                 last_note, last_online = now, online
             if wait_timeout is not None and now - start > wait_timeout:
-                raise WaitTimeout(f"only {len(online)} of the {needed} devices needed were online after {wait_timeout:g} s")
+                raise WaitTimeout(
+                    f"only {len(online)} of the {needed} devices needed were online after {wait_timeout:g} s"
+                )
             self.events.pump(0.2)
         raise KeyboardInterrupt
 
@@ -185,7 +195,9 @@ class RoundExchange:
         current.pending[device] = _Pending(info.transfer, expect)
         self.announced[device] = (current.t, info.transfer, expect.max_bytes)
         try:
-            self.sender.announce_and_send(self.topics.ctrl(device), message.encode(), payload, info, timeout=self.settings.send_timeout)
+            self.sender.announce_and_send(
+                self.topics.ctrl(device), message.encode(), payload, info, timeout=self.settings.send_timeout
+            )
         except LinkError as exc:
             self._fail(device, f"could not send its routed payload: {exc}")
             sent = False
@@ -208,8 +220,13 @@ class RoundExchange:
             now = time.monotonic()
             if now - last_note >= HEARTBEAT:
                 log.info(
-                    "round %d/%d: %d of %d updates in; waiting for %s (%.0f s left)", current.t + 1, rounds, len(current.pending) - len(waiting),
-                    len(current.pending), ", ".join(waiting), current.deadline - now,
+                    "round %d/%d: %d of %d updates in; waiting for %s (%.0f s left)",
+                    current.t + 1,
+                    rounds,
+                    len(current.pending) - len(waiting),
+                    len(current.pending),
+                    ", ".join(waiting),
+                    current.deadline - now,
                 )
                 last_note = now
             self.events.pump(min(0.1, max(0.0, current.deadline - time.monotonic())))
@@ -223,7 +240,9 @@ class RoundExchange:
         """End the round in flight: later replies to it are ignored."""
         current = self.current
         assert current is not None, "open() first"
-        missing = [d for d, p in current.pending.items() if p.update is None and p.error is None and d not in current.dropped]
+        missing = [
+            d for d, p in current.pending.items() if p.update is None and p.error is None and d not in current.dropped
+        ]
         self.current, self.announced = None, {}
         return Unsettled(missing, current.dropped, current.ignored)
 
@@ -279,7 +298,9 @@ class RoundExchange:
             self.ignore(f"update from {device}: not in round {current.t + 1}'s cohort")
             return
         if message.routed != pending.routed:
-            self.ignore(f"update from {device}: it answers routed transfer {message.routed}, not this round's {pending.routed} (sent before a server restart?)")
+            self.ignore(
+                f"update from {device}: it answers routed transfer {message.routed}, not this round's {pending.routed} (sent before a server restart?)"
+            )
             return
         if pending.update is not None:
             self.ignore(f"update from {device}: duplicate for round {current.t + 1} (the first one counts)")
@@ -324,7 +345,13 @@ class RoundExchange:
             info, current = progress.info, self.current
             pending = current.pending.get(info.device) if current is not None else None
             if current is None or info.round != current.t or pending is None:
-                self._dropped.log(logging.INFO, f"upload {info.device}", "dropped upload %s from %s: not expected in the round in flight", info.transfer, info.device)
+                self._dropped.log(
+                    logging.INFO,
+                    f"upload {info.device}",
+                    "dropped upload %s from %s: not expected in the round in flight",
+                    info.transfer,
+                    info.device,
+                )
                 continue
             if pending.update is None:
                 self._unclaimed[info.transfer] = progress  # the update message may still be on its way
@@ -332,7 +359,12 @@ class RoundExchange:
                     self._unclaimed.popitem(last=False)
                 continue
             if pending.update.transfer.get("transfer") != info.transfer:
-                log.info("dropped upload %s from %s: its update announced transfer %s", info.transfer, info.device, pending.update.transfer.get("transfer"))
+                log.info(
+                    "dropped upload %s from %s: its update announced transfer %s",
+                    info.transfer,
+                    info.device,
+                    pending.update.transfer.get("transfer"),
+                )
                 continue
             self._finish(info.device, pending, progress)
 

@@ -68,7 +68,12 @@ def export_device_models(
                 preset,
                 entry.arch,
                 class_names=data.class_names,
-                extra={"bn_recalibrated": True, "validation_accuracy": acc, "federation": federation, "rounds": rounds_done},
+                extra={
+                    "bn_recalibrated": True,
+                    "validation_accuracy": acc,
+                    "federation": federation,
+                    "rounds": rounds_done,
+                },
             )
             variants[entry.arch] = (tmp.read_bytes(), meta, acc)
             tmp.unlink()
@@ -115,7 +120,11 @@ def read_device_model(out: str | os.PathLike[str], device_id: str) -> tuple[byte
         manifest = json.loads(manifest_path.read_text())
         blob = (directory / manifest["file"]).read_bytes()
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ExportError(f"the exported model of {device_id} in {directory} is unreadable ({exc}); run 'feast-server export' again") from None
+        raise ExportError(
+            f"the exported model of {device_id} in {directory} is unreadable ({exc}); run 'feast-server export' again"
+        ) from None
     if hashlib.sha256(blob).hexdigest() != manifest.get("sha256"):
-        raise ExportError(f"{directory / manifest['file']} does not match the SHA-256 in its manifest; run 'feast-server export' again")
+        raise ExportError(
+            f"{directory / manifest['file']} does not match the SHA-256 in its manifest; run 'feast-server export' again"
+        )
     return blob, manifest

@@ -22,13 +22,17 @@ class ServerData:
     calibration_images: torch.Tensor
     class_names: tuple[str, ...] | None
     source: str
-    shard_samples: dict[str, int] = field(default_factory=dict)  # client id -> training examples, from a partition's index
+    shard_samples: dict[str, int] = field(
+        default_factory=dict
+    )  # client id -> training examples, from a partition's index
 
     def describe(self) -> str:
         return f"{len(self.validation_labels)} validation + {len(self.calibration_images)} calibration examples from {self.source}"
 
 
-def load_server_data(path: str | os.PathLike[str], preset: Preset, val_samples: int = 5000, calib_samples: int = 500) -> ServerData:
+def load_server_data(
+    path: str | os.PathLike[str], preset: Preset, val_samples: int = 5000, calib_samples: int = 500
+) -> ServerData:
     """A partition directory's held-out server split, or the first examples of a Fashion-MNIST directory's *test* split.
 
     Agents given a Fashion-MNIST directory train on its training split, so the
@@ -43,18 +47,31 @@ def load_server_data(path: str | os.PathLike[str], preset: Preset, val_samples: 
     if is_partition(path):
         index = read_index(path)
         if index.get("preset_digest") != preset.digest:
-            raise DataError(f"--data {path} was partitioned for preset {index.get('preset')!r}, this server trains {preset.name!r}; partition again with --preset {preset.name}")
+            raise DataError(
+                f"--data {path} was partitioned for preset {index.get('preset')!r}, this server trains {preset.name!r}; partition again with --preset {preset.name}"
+            )
         split = read_server_split(path)
         names = _fashion_names(preset) if index.get("dataset") == "fashion-mnist" else None
         shards = {str(c["client_id"]): int(c.get("samples", 0)) for c in index["clients"]}
-        return ServerData(split.validation_images, split.validation_labels, split.calibration_images, names, f"partition {path}", shards)
+        return ServerData(
+            split.validation_images,
+            split.validation_labels,
+            split.calibration_images,
+            names,
+            f"partition {path}",
+            shards,
+        )
     if (preset.in_channels, preset.input_size) != (1, 28):
-        raise DataError(f"--data {path} is read as Fashion-MNIST (1x28x28) but preset {preset.name} takes {preset.in_channels}x{preset.input_size}x{preset.input_size}; pass a partition directory")
+        raise DataError(
+            f"--data {path} is read as Fashion-MNIST (1x28x28) but preset {preset.name} takes {preset.in_channels}x{preset.input_size}x{preset.input_size}; pass a partition directory"
+        )
     if val_samples < 1 or calib_samples < 1:
         raise DataError("--val-samples and --calib-samples must be at least 1")
     test = load_fashion_mnist(path, "test")
     if val_samples + calib_samples > len(test):
-        raise DataError(f"--val-samples + --calib-samples = {val_samples + calib_samples} exceeds the {len(test)} test examples of {path}; hold out fewer")
+        raise DataError(
+            f"--val-samples + --calib-samples = {val_samples + calib_samples} exceeds the {len(test)} test examples of {path}; hold out fewer"
+        )
     return ServerData(
         test.images[:val_samples],
         test.labels[:val_samples],

@@ -44,14 +44,22 @@ class Inbox:
                 if waiting:
                     return
             if self._queued.get(device, 0) >= self.per_device:
-                self._dropped.warning(f"queue {device}", "%s has %d messages waiting; dropped its %s", device, self.per_device, message.kind)
+                self._dropped.warning(
+                    f"queue {device}",
+                    "%s has %d messages waiting; dropped its %s",
+                    device,
+                    self.per_device,
+                    message.kind,
+                )
                 return
             self._queued[device] = self._queued.get(device, 0) + 1
         try:
             self._queue.put_nowait((channel, message))
         except queue.Full:
             self._taken(message)
-            self._dropped.warning(f"inbox {message.kind}", "server inbox full; dropped a %s message from %s", message.kind, device)
+            self._dropped.warning(
+                f"inbox {message.kind}", "server inbox full; dropped a %s message from %s", message.kind, device
+            )
 
     def get(self, timeout: float) -> tuple[str, Message] | None:
         """The next (channel, message) within ``timeout`` seconds (0: only what is queued now), or None."""

@@ -47,18 +47,38 @@ class LiveView:
     """Feeds a dashboard from the server's run thread (see the module docstring)."""
 
     def __init__(
-        self, state: DashboardState, preset: Preset, cache: VariantCache, registry: Registry, *, rounds: int, federation: str, payload_dtype: str = "float32",
+        self,
+        state: DashboardState,
+        preset: Preset,
+        cache: VariantCache,
+        registry: Registry,
+        *,
+        rounds: int,
+        federation: str,
+        payload_dtype: str = "float32",
     ) -> None:
         self.state, self.preset, self.cache, self.registry = state, preset, cache, registry
-        self.bytes_per_param = bytes_per_param(payload_dtype)  # a routed envelope's size before the first payload is encoded
-        self._served: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # budget -> (variant, envelope) of that budget
+        self.bytes_per_param = bytes_per_param(
+            payload_dtype
+        )  # a routed envelope's size before the first payload is encoded
+        self._served: dict[
+            int, tuple[dict[str, Any], dict[str, Any]]
+        ] = {}  # budget -> (variant, envelope) of that budget
         self._last_refresh = float("-inf")
         self._round: int | None = None
         self._traffic: dict[str, dict[str, int]] = {}  # device -> bytes down/up in the round in flight
         self._members: dict[str, str] = {}  # device -> its state in the round in flight
         self._uploads: dict[str, int] = {}  # device -> chunks of its upload last shown
         self._probes: list[dict[str, Any]] = []  # the latest validation's points (accuracy vs MACs)
-        state.set_run(federation=federation, preset=preset.name, method="feast", rounds_total=rounds, rounds_done=0, status="waiting", started=time.time())
+        state.set_run(
+            federation=federation,
+            preset=preset.name,
+            method="feast",
+            rounds_total=rounds,
+            rounds_done=0,
+            status="waiting",
+            started=time.time(),
+        )
 
     # ------------------------------------------------------------------ fleet
     def _variant(self, budget: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -77,8 +97,12 @@ class LiveView:
     def _device_fields(self, device: Device, hosts_online: set[str]) -> dict[str, Any]:
         fields: dict[str, Any] = {
             "profile": device.profile.get("name") if isinstance(device.profile.get("name"), str) else None,
-            "hardware": hardware_of(device.profile), "budget_macs": device.budget_macs, "samples": device.samples,
-            "online": device.host in hosts_online, "last_seen": device.last_seen, "rounds": device.rounds,
+            "hardware": hardware_of(device.profile),
+            "budget_macs": device.budget_macs,
+            "samples": device.samples,
+            "online": device.host in hosts_online,
+            "last_seen": device.last_seen,
+            "rounds": device.rounds,
         }
         served = self._variant(device.budget_macs)
         if served is not None:
@@ -119,7 +143,9 @@ class LiveView:
         self.state.set_device(device, envelope={"params": params, "bytes": size})
         self.member(device, "routed", 0, chunks)
 
-    def member(self, device: str, state: str, done: int | None = None, total: int | None = None, reason: str | None = None) -> None:
+    def member(
+        self, device: str, state: str, done: int | None = None, total: int | None = None, reason: str | None = None
+    ) -> None:
         if device not in self._members:
             return
         final = self._members[device] in ("aggregated", "rejected", "late", "dropped")
@@ -131,17 +157,28 @@ class LiveView:
     def device_progress(self, device: str, values: Mapping[str, Any]) -> None:
         """A cohort device's own report of where it is (``phase`` downloading/training/uploading, ``done``/``total`` chunks)."""
         phase, current = values.get("phase"), self._members.get(device)
-        if phase not in ("downloading", "training", "uploading") or current is None or values.get("round") != self._round:
+        if (
+            phase not in ("downloading", "training", "uploading")
+            or current is None
+            or values.get("round") != self._round
+        ):
             return
         if current == "uploading" and phase != "uploading":
             return  # the server's own upload count is newer than a device's earlier phase
         done, total = values.get("done"), values.get("total")
-        counts = [v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000 else None for v in (done, total)]
+        counts = [
+            v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000 else None for v in (done, total)
+        ]
         self.member(device, phase, *counts)
 
     def upload_progress(self, device: str, received: int, total: int) -> None:
         """Chunks of ``device``'s upload received by the server so far."""
-        if self._uploads.get(device) != received and self._members.get(device) in ("routed", "downloading", "training", "uploading"):
+        if self._uploads.get(device) != received and self._members.get(device) in (
+            "routed",
+            "downloading",
+            "training",
+            "uploading",
+        ):
             self._uploads[device] = received
             self.member(device, "uploading", received, total)
 
@@ -153,7 +190,11 @@ class LiveView:
     def round_finished(self, record: RoundRecord, probes: Sequence[Mapping[str, Any]] | None = None) -> None:
         """The round's outcome: member states, one history entry, the latest validation points."""
         for device in record.updated:
-            self.member(device, "aggregated" if record.applied else "late", reason=None if record.applied else "too few updates: the model stayed unchanged")
+            self.member(
+                device,
+                "aggregated" if record.applied else "late",
+                reason=None if record.applied else "too few updates: the model stayed unchanged",
+            )
         for device, reason in record.rejected.items():
             self.member(device, "rejected", reason=reason)
         for device in record.missing:
@@ -162,17 +203,33 @@ class LiveView:
             self.member(device, "dropped", reason="went offline during the round")
         for device in record.cohort:
             outcome = (
-                ("accepted", None) if device in record.updated else ("rejected", record.rejected[device]) if device in record.rejected
-                else ("dropped", "went offline") if device in record.dropped else ("late", "no update by the deadline")
+                ("accepted", None)
+                if device in record.updated
+                else ("rejected", record.rejected[device])
+                if device in record.rejected
+                else ("dropped", "went offline")
+                if device in record.dropped
+                else ("late", "no update by the deadline")
             )
-            self.state.set_device(device, last_upload={"round": record.round, "status": outcome[0], "reason": outcome[1]})
+            self.state.set_device(
+                device, last_upload={"round": record.round, "status": outcome[0], "reason": outcome[1]}
+            )
         down = sum(t["down"] for t in self._traffic.values())
         up = sum(t["up"] for t in self._traffic.values())
-        self.state.end_round({
-            "round": record.round, "loss": record.loss, "val_accuracy": record.val_accuracy, "population_accuracy": None,
-            "bytes_down": down, "bytes_up": up, "broadcast_bytes": _broadcast(record), "train_macs": record.train_macs,
-            "seconds": record.seconds, "devices": {d: dict(t) for d, t in self._traffic.items()},
-        })
+        self.state.end_round(
+            {
+                "round": record.round,
+                "loss": record.loss,
+                "val_accuracy": record.val_accuracy,
+                "population_accuracy": None,
+                "bytes_down": down,
+                "bytes_up": up,
+                "broadcast_bytes": _broadcast(record),
+                "train_macs": record.train_macs,
+                "seconds": record.seconds,
+                "devices": {d: dict(t) for d, t in self._traffic.items()},
+            }
+        )
         if probes:
             self._probes = [dict(p) for p in probes]
             self.state.set_variants(self._probes)
@@ -182,10 +239,20 @@ class LiveView:
     def resumed(self, history: Sequence[RoundRecord]) -> None:
         """The rounds a resumed run completed before (their per-device traffic was not kept)."""
         for record in history:
-            self.state.end_round({
-                "round": record.round, "loss": record.loss, "val_accuracy": record.val_accuracy, "population_accuracy": None, "bytes_down": None,
-                "bytes_up": None, "broadcast_bytes": _broadcast(record), "train_macs": record.train_macs, "seconds": record.seconds, "devices": {},
-            })
+            self.state.end_round(
+                {
+                    "round": record.round,
+                    "loss": record.loss,
+                    "val_accuracy": record.val_accuracy,
+                    "population_accuracy": None,
+                    "bytes_down": None,
+                    "bytes_up": None,
+                    "broadcast_bytes": _broadcast(record),
+                    "train_macs": record.train_macs,
+                    "seconds": record.seconds,
+                    "devices": {},
+                }
+            )
         if history:
             self.state.set_run(rounds_done=history[-1].round)
 
@@ -204,6 +271,12 @@ class LiveView:
         for m in manifests:
             if isinstance(m.get("macs"), int):
                 label = f"{m['macs'] / 1e6:.2f}M"
-                points[m["macs"]] = {"label": label, "macs": m["macs"], "params": m.get("params"), "val_accuracy": m.get("validation_accuracy"), "test_accuracy": None}
+                points[m["macs"]] = {
+                    "label": label,
+                    "macs": m["macs"],
+                    "params": m.get("params"),
+                    "val_accuracy": m.get("validation_accuracy"),
+                    "test_accuracy": None,
+                }
         if points:
             self.state.set_variants([points[macs] for macs in sorted(points)])

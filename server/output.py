@@ -38,7 +38,17 @@ def print_round(record: RoundRecord, rounds: int) -> None:
 def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for col in ("device", "budget", "variant MACs", "params", "val accuracy", "file", "sha256"):
-        table.add_column(col, justify="right" if col in ("budget", "variant MACs", "params", "val accuracy") else "left")
+        table.add_column(
+            col, justify="right" if col in ("budget", "variant MACs", "params", "val accuracy") else "left"
+        )
     for m in manifests:
-        table.add_row(m["device"], f"{m['budget_macs'] / 1e6:.2f}M", f"{m['macs'] / 1e6:.2f}M", f"{m['params'] / 1e6:.3f}M", _pct(m["validation_accuracy"]), m["file"], m["sha256"][:12])
+        table.add_row(
+            m["device"],
+            f"{m['budget_macs'] / 1e6:.2f}M",
+            f"{m['macs'] / 1e6:.2f}M",
+            f"{m['params'] / 1e6:.3f}M",
+            _pct(m["validation_accuracy"]),
+            m["file"],
+            m["sha256"][:12],
+        )
     return table

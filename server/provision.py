@@ -97,13 +97,25 @@ def provision(
     for name in known:
         _identity(root / "devices" / name, name, ca_key, ca_cert, auth, days)
         paths[name] = root / "devices" / name
-    device_keys = {name: public_key_text(load_private_key(path / "signing.key").public_key()) for name, path in paths.items()}
+    device_keys = {
+        name: public_key_text(load_private_key(path / "signing.key").public_key()) for name, path in paths.items()
+    }
     server_public = public_key_text(server_key.public_key())
     _write_bundle(root / "server", "server", SERVER_NAME, federation, broker_url, auth, device_keys)
     for name, path in paths.items():
         _write_bundle(path, "device", name, federation, broker_url, auth, {SERVER: server_public})
     listener = f"{port} {bind}" if bind else str(port)
-    config = _broker_config(root / "broker", federation, auth, listener, broker_user, [SERVER_NAME, *known], ca_key, ca_cert, revoked_serials)
+    config = _broker_config(
+        root / "broker",
+        federation,
+        auth,
+        listener,
+        broker_user,
+        [SERVER_NAME, *known],
+        ca_key,
+        ca_cert,
+        revoked_serials,
+    )
     return Provisioned(root, root / "server", paths, config, sorted(set(known) - set(existing)))
 
 
@@ -116,9 +128,13 @@ def _existing(root: Path, federation: str, auth: str) -> list[str]:
     if server.is_file():
         current = load_credentials(server)
         if current.federation != federation:
-            raise ProvisionError(f"{root} provisions federation {current.federation!r}, not {federation!r}; use another directory")
+            raise ProvisionError(
+                f"{root} provisions federation {current.federation!r}, not {federation!r}; use another directory"
+            )
         if current.auth != auth:
-            raise ProvisionError(f"{root} was provisioned with --auth {current.auth}; keep it, or use another directory")
+            raise ProvisionError(
+                f"{root} was provisioned with --auth {current.auth}; keep it, or use another directory"
+            )
     devices = root / "devices"
     return sorted(p.name for p in devices.iterdir() if (p / "signing.key").is_file()) if devices.is_dir() else []
 
@@ -138,7 +154,9 @@ def _ec_key(path: Path) -> ec.EllipticCurvePrivateKey:
         return key
     key = ec.generate_private_key(ec.SECP256R1())
     path.touch(mode=0o600)
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return key
 
 
@@ -166,8 +184,14 @@ def _ca(folder: Path, federation: str) -> tuple[ec.EllipticCurvePrivateKey, x509
 
 
 def _leaf(
-    key: ec.EllipticCurvePrivateKey, name: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, days: int, *,
-    usage: x509.ObjectIdentifier, hosts: tuple[str, ...] = (),
+    key: ec.EllipticCurvePrivateKey,
+    name: str,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    days: int,
+    *,
+    usage: x509.ObjectIdentifier,
+    hosts: tuple[str, ...] = (),
 ) -> x509.Certificate:
     now = _now()
     builder = (
@@ -198,15 +222,21 @@ def _pem(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def _broker_files(folder: Path, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, hosts: tuple[str, ...], days: int) -> None:
+def _broker_files(
+    folder: Path, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, hosts: tuple[str, ...], days: int
+) -> None:
     """The broker's key and a certificate for ``hosts`` (issued again on every run, so new host names take effect)."""
     folder.mkdir(parents=True, exist_ok=True)
     key = _ec_key(folder / "broker.key")
-    (folder / "broker.crt").write_bytes(_pem(_leaf(key, hosts[0], ca_key, ca_cert, days, usage=ExtendedKeyUsageOID.SERVER_AUTH, hosts=hosts)))
+    (folder / "broker.crt").write_bytes(
+        _pem(_leaf(key, hosts[0], ca_key, ca_cert, days, usage=ExtendedKeyUsageOID.SERVER_AUTH, hosts=hosts))
+    )
     (folder / "ca.crt").write_bytes(_pem(ca_cert))
 
 
-def _identity(folder: Path, name: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, auth: str, days: int) -> Ed25519PrivateKey:
+def _identity(
+    folder: Path, name: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, auth: str, days: int
+) -> Ed25519PrivateKey:
     """Create what ``name`` lacks: signing key, client certificate (certificate auth) or password; returns the signing key."""
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o700)
@@ -216,20 +246,33 @@ def _identity(folder: Path, name: str, ca_key: ec.EllipticCurvePrivateKey, ca_ce
     (folder / "ca.crt").write_bytes(_pem(ca_cert))
     if auth == "certificate" and not (folder / "client.crt").is_file():
         key = _ec_key(folder / "client.key")
-        (folder / "client.crt").write_bytes(_pem(_leaf(key, name, ca_key, ca_cert, days, usage=ExtendedKeyUsageOID.CLIENT_AUTH)))
+        (folder / "client.crt").write_bytes(
+            _pem(_leaf(key, name, ca_key, ca_cert, days, usage=ExtendedKeyUsageOID.CLIENT_AUTH))
+        )
     if auth == "password" and not (folder / "password").is_file():
         (folder / "password").touch(mode=0o600)
         (folder / "password").write_text(secrets.token_urlsafe(24))
     return load_private_key(signing)
 
 
-def _write_bundle(folder: Path, role: str, identity: str, federation: str, broker: str, auth: str, peers: dict[str, str]) -> None:
+def _write_bundle(
+    folder: Path, role: str, identity: str, federation: str, broker: str, auth: str, peers: dict[str, str]
+) -> None:
     password = (folder / "password").read_text().strip() if auth == "password" else None
     bundle = Credentials(
-        path=folder, role=role, identity=identity, federation=federation, broker=broker, auth=auth, ca_file=str(folder / "ca.crt"),
-        signing_key=str(folder / "signing.key"), peers=peers,
-        cert_file=str(folder / "client.crt") if auth == "certificate" else None, key_file=str(folder / "client.key") if auth == "certificate" else None,
-        username=identity if password else None, password=password,
+        path=folder,
+        role=role,
+        identity=identity,
+        federation=federation,
+        broker=broker,
+        auth=auth,
+        ca_file=str(folder / "ca.crt"),
+        signing_key=str(folder / "signing.key"),
+        peers=peers,
+        cert_file=str(folder / "client.crt") if auth == "certificate" else None,
+        key_file=str(folder / "client.key") if auth == "certificate" else None,
+        username=identity if password else None,
+        password=password,
     )
     path = folder / BUNDLE_FILE
     path.touch(mode=0o600)
@@ -261,12 +304,20 @@ def _revoke(root: Path, names: tuple[str, ...]) -> list[int]:
 
 def acl_text(federation: str, devices: list[str], server: str = SERVER_NAME) -> str:
     """The Mosquitto ACL: the server identity on the whole federation, every other identity on its own topics only."""
-    t, me = Topics(federation), "%u"  # Mosquitto substitutes the authenticated user name (the certificate's CN with use_identity_as_username)
+    t, me = (
+        Topics(federation),
+        "%u",
+    )  # Mosquitto substitutes the authenticated user name (the certificate's CN with use_identity_as_username)
     root = f"{PREFIX}/{federation}"
     own = [
-        ("readwrite", f"{root}/status/{me}"), ("write", f"{root}/register/{me}"), ("write", f"{root}/events/{me}"),
-        ("write", f"{root}/xfer/up/{me}"), ("write", f"{root}/xfer/nack/down/{me}"),
-        ("read", f"{root}/ctrl/{me}"), ("read", f"{root}/xfer/down/{me}"), ("read", f"{root}/xfer/nack/up/{me}"),
+        ("readwrite", f"{root}/status/{me}"),
+        ("write", f"{root}/register/{me}"),
+        ("write", f"{root}/events/{me}"),
+        ("write", f"{root}/xfer/up/{me}"),
+        ("write", f"{root}/xfer/nack/down/{me}"),
+        ("read", f"{root}/ctrl/{me}"),
+        ("read", f"{root}/xfer/down/{me}"),
+        ("read", f"{root}/xfer/nack/up/{me}"),
     ]
     lines = [
         f"# feast-edge federation {federation!r}: written by feast-server provision",
@@ -287,8 +338,20 @@ def emqx_acl_text(federation: str, server: str = SERVER_NAME) -> str:
     """The same ACL for EMQX 5's file authorizer (``acl.conf``), with ``${username}`` in place of Mosquitto's ``%u``."""
     t, me = Topics(federation), "${username}"
     root = f"{PREFIX}/{federation}"
-    publish = [f"{root}/status/{me}", f"{root}/register/{me}", f"{root}/events/{me}", f"{root}/xfer/up/{me}", f"{root}/xfer/nack/down/{me}"]
-    subscribe = [f"{root}/status/{me}", f"{root}/ctrl/{me}", f"{root}/xfer/down/{me}", f"{root}/xfer/nack/up/{me}", t.server_status]
+    publish = [
+        f"{root}/status/{me}",
+        f"{root}/register/{me}",
+        f"{root}/events/{me}",
+        f"{root}/xfer/up/{me}",
+        f"{root}/xfer/nack/down/{me}",
+    ]
+    subscribe = [
+        f"{root}/status/{me}",
+        f"{root}/ctrl/{me}",
+        f"{root}/xfer/down/{me}",
+        f"{root}/xfer/nack/up/{me}",
+        t.server_status,
+    ]
 
     def quoted(topics: list[str]) -> str:
         return ", ".join(f'"{topic}"' for topic in topics)
@@ -310,14 +373,28 @@ def password_line(user: str, password: str, salt: bytes | None = None) -> str:
 
 
 def _broker_config(
-    folder: Path, federation: str, auth: str, listener: str, user: str | None, identities: list[str],
-    ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, revoked: list[int],
+    folder: Path,
+    federation: str,
+    auth: str,
+    listener: str,
+    user: str | None,
+    identities: list[str],
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    revoked: list[int],
 ) -> Path:
     (folder / "acl").write_text(acl_text(federation, [name for name in identities if name != SERVER_NAME]))
     (folder / "emqx-acl.conf").write_text(emqx_acl_text(federation))
-    crl = x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject).last_update(_now()).next_update(_now() + datetime.timedelta(days=CA_DAYS))
+    crl = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(_now())
+        .next_update(_now() + datetime.timedelta(days=CA_DAYS))
+    )
     for serial in revoked:
-        crl = crl.add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(_now()).build())
+        crl = crl.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(_now()).build()
+        )
     (folder / "crl.pem").write_bytes(crl.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
     root = folder.parent
     lines = [

@@ -66,7 +66,9 @@ class Registry:
         self.path = Path(path)
         self._lock = threading.Lock()
         if readonly:
-            self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=10.0)
+            self._db = sqlite3.connect(
+                f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=10.0
+            )
             self._db.row_factory = sqlite3.Row
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +99,18 @@ class Registry:
             rows = self._db.execute("SELECT * FROM devices ORDER BY device_id").fetchall()
         return [_device(r) for r in rows]
 
-    def register(self, device_id: str, *, host: str, instance: str, budget_macs: int, samples: int, preset: str, profile: dict[str, Any], status: str) -> Device:
+    def register(
+        self,
+        device_id: str,
+        *,
+        host: str,
+        instance: str,
+        budget_macs: int,
+        samples: int,
+        preset: str,
+        profile: dict[str, Any],
+        status: str,
+    ) -> Device:
         """Insert or update a device's registration (first_seen is kept)."""
         now = time.time()
         with self._lock, self._db:
@@ -107,7 +120,18 @@ class Registry:
                    ON CONFLICT(device_id) DO UPDATE SET host = excluded.host, instance = excluded.instance,
                        budget_macs = excluded.budget_macs, samples = excluded.samples, preset = excluded.preset,
                        profile = excluded.profile, last_seen = excluded.last_seen, status = excluded.status""",
-                (device_id, host, instance, int(budget_macs), int(samples), preset, json.dumps(profile, sort_keys=True), now, now, status),
+                (
+                    device_id,
+                    host,
+                    instance,
+                    int(budget_macs),
+                    int(samples),
+                    preset,
+                    json.dumps(profile, sort_keys=True),
+                    now,
+                    now,
+                    status,
+                ),
             )
         device = self.get(device_id)
         assert device is not None
@@ -131,10 +155,14 @@ class Registry:
         now = time.time()
         with self._lock, self._db:
             self._db.execute(
-                "UPDATE devices SET last_seen = ?, rounds = rounds + ? WHERE device_id = ?", (now, 1 if participated else 0, device_id)
+                "UPDATE devices SET last_seen = ?, rounds = rounds + ? WHERE device_id = ?",
+                (now, 1 if participated else 0, device_id),
             )
             if metrics is not None:
-                self._db.execute("UPDATE devices SET metrics = ? WHERE device_id = ?", (json.dumps(metrics, sort_keys=True), device_id))
+                self._db.execute(
+                    "UPDATE devices SET metrics = ? WHERE device_id = ?",
+                    (json.dumps(metrics, sort_keys=True), device_id),
+                )
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The registry as JSON-ready rows (stored in every checkpoint)."""

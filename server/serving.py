@@ -46,7 +46,9 @@ class ModelServer:
         """Answer a ``fetch-model`` request now, or, if the device was answered less than ``REQUEST_INTERVAL`` seconds
         ago, once that interval is over (a device's waiting requests are answered once, by its latest)."""
         if len(self._waiting) >= 4096 and device not in self._waiting:
-            self._dropped.warning("requests", "dropped a model request of %s: 4096 devices are waiting for theirs", device)
+            self._dropped.warning(
+                "requests", "dropped a model request of %s: 4096 devices are waiting for theirs", device
+            )
             return
         self._waiting[device] = request
         self.tick()
@@ -97,5 +99,12 @@ class ModelServer:
         """Tell ``devices`` the federation is over (their agents exit unless started with --stay)."""
         with_model = set(exported)
         for device in devices:
-            message = Finished(federation=self.topics.federation, round=0, device=device, rounds=rounds, completed=completed, model=device in with_model)
+            message = Finished(
+                federation=self.topics.federation,
+                round=0,
+                device=device,
+                rounds=rounds,
+                completed=completed,
+                model=device in with_model,
+            )
             self.link.publish(self.topics.ctrl(device), message.encode())

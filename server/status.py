@@ -34,7 +34,9 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
         raise StatusError(f"run directory {out} does not exist; point --out at the directory of a feast-server run")
     registry_path = out / REGISTRY
     if not registry_path.is_file():
-        raise StatusError(f"{out} has no device registry ({REGISTRY}); point --out at the directory of a feast-server run (not a simulation's)")
+        raise StatusError(
+            f"{out} has no device registry ({REGISTRY}); point --out at the directory of a feast-server run (not a simulation's)"
+        )
     registry = Registry(registry_path, readonly=True)
     try:
         devices = registry.devices()
@@ -52,15 +54,29 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
         "federation": config.get("federation"),
         "preset": config.get("preset"),
         "rounds": {"completed": int(fields.get("round", 0)), "total": config.get("rounds")},
-        "last_round": None if last is None else {
-            "round": last["round"] + shift, "applied": last.get("applied"), "loss": last.get("loss"), "val_accuracy": last.get("val_accuracy"),
+        "last_round": None
+        if last is None
+        else {
+            "round": last["round"] + shift,
+            "applied": last.get("applied"),
+            "loss": last.get("loss"),
+            "val_accuracy": last.get("val_accuracy"),
         },
-        "best": None if best is None or "round" not in best else {"round": best["round"] + shift, "val_accuracy": best.get("val_accuracy")},
+        "best": None
+        if best is None or "round" not in best
+        else {"round": best["round"] + shift, "val_accuracy": best.get("val_accuracy")},
         "online": sum(d.status == "online" for d in devices),
         "devices": [
             {
-                "device": d.device_id, "host": d.host, "status": d.status, "last_seen": d.last_seen, "seconds_since_seen": max(0.0, now - d.last_seen),
-                "budget_macs": d.budget_macs, "samples": d.samples, "rounds": d.rounds, "profile": d.profile.get("name"),
+                "device": d.device_id,
+                "host": d.host,
+                "status": d.status,
+                "last_seen": d.last_seen,
+                "seconds_since_seen": max(0.0, now - d.last_seen),
+                "budget_macs": d.budget_macs,
+                "samples": d.samples,
+                "rounds": d.rounds,
+                "profile": d.profile.get("name"),
             }
             for d in devices
         ],
@@ -90,7 +106,11 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     else:
         state = "aggregated" if last["applied"] else "unchanged"
         progress = f"rounds: {rounds['completed']}/{rounds['total'] or '?'} completed; last, round {last['round']}: {state}, val {_pct(last['val_accuracy'])}"
-    best_line = "best validation accuracy: none yet" if best is None else f"best validation accuracy: {_pct(best['val_accuracy'])} (round {best['round']})"
+    best_line = (
+        "best validation accuracy: none yet"
+        if best is None
+        else f"best validation accuracy: {_pct(best['val_accuracy'])} (round {best['round']})"
+    )
     return [run, progress, best_line, f"devices: {status['online']} of {len(status['devices'])} online"]
 
 
@@ -101,7 +121,13 @@ def status_table(status: dict[str, Any]) -> Table:
         table.add_column(col, justify="right" if col in ("budget", "samples", "rounds") else "left")
     for d in status["devices"]:
         table.add_row(
-            d["device"], d["host"], d["status"], ago(d["seconds_since_seen"]), f"{d['budget_macs'] / 1e6:.2f}M", str(d["samples"]),
-            str(d["rounds"]), d["profile"] or "-",
+            d["device"],
+            d["host"],
+            d["status"],
+            ago(d["seconds_since_seen"]),
+            f"{d['budget_macs'] / 1e6:.2f}M",
+            str(d["samples"]),
+            str(d["rounds"]),
+            d["profile"] or "-",
         )
     return table

@@ -27,18 +27,28 @@ from strategies import TINY_PRESET
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE_DIR = Path(__file__).resolve().parent / "data" / "reference"  # test data only (README.md there); never package data
+REFERENCE_DIR = (
+    Path(__file__).resolve().parent / "data" / "reference"
+)  # test data only (README.md there); never package data
 
 
 # Markers that follow from a fixture a test uses, directly or through other fixtures, wherever the test lives
 # (the markers: pyproject.toml). Everything else is marked where it is written (pytestmark, @pytest.mark.*).
 FIXTURE_MARKERS = {
-    "finished_run": (pytest.mark.slow, pytest.mark.timeout(600)),  # a real feast-edge simulate run (below), made by the first test that asks
-    "federation": (pytest.mark.broker,),  # a federation on the broker at 127.0.0.1:1883 (tests/federation, tests/dashboard)
+    "finished_run": (
+        pytest.mark.slow,
+        pytest.mark.timeout(600),
+    ),  # a real feast-edge simulate run (below), made by the first test that asks
+    "federation": (
+        pytest.mark.broker,
+    ),  # a federation on the broker at 127.0.0.1:1883 (tests/federation, tests/dashboard)
     "local_broker": (pytest.mark.broker,),  # the broker at 127.0.0.1:1883 (tests/transport)
     "secure_broker": (pytest.mark.broker,),  # a private mosquitto with TLS and passwords (tests/transport)
     "password_broker": (pytest.mark.broker,),  # a private mosquitto with passwords (tests/federation)
-    "provisioned": (pytest.mark.broker, pytest.mark.slow),  # keys, certificates and a private mosquitto from feast-server provision (tests/federation)
+    "provisioned": (
+        pytest.mark.broker,
+        pytest.mark.slow,
+    ),  # keys, certificates and a private mosquitto from feast-server provision (tests/federation)
     "browser": (pytest.mark.browser,),  # headless Chromium (tests/dashboard)
 }
 
@@ -50,14 +60,18 @@ def _parametrize_arguments(item: pytest.Item) -> set[str]:
         argnames = mark.args[0] if mark.args else mark.kwargs["argnames"]
         argnames = [n.strip() for n in argnames.split(",")] if isinstance(argnames, str) else list(argnames)
         indirect = mark.kwargs.get("indirect", False)
-        names |= {n for n in argnames if not (indirect is True or (isinstance(indirect, (list, tuple)) and n in indirect))}
+        names |= {
+            n for n in argnames if not (indirect is True or (isinstance(indirect, (list, tuple)) and n in indirect))
+        }
     return names
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        used = set(getattr(item, "fixturenames", ())) - _parametrize_arguments(item)  # e.g. test_mqtt_topics' federation is a value
+        used = set(getattr(item, "fixturenames", ())) - _parametrize_arguments(
+            item
+        )  # e.g. test_mqtt_topics' federation is a value
         for fixture, marks in FIXTURE_MARKERS.items():
             if fixture in used:
                 for mark in marks:  # after the test's own marks: a @pytest.mark.timeout on the test wins
@@ -88,16 +102,18 @@ def one_thread():
 def reference_cache_csv() -> Path:
     """The FEAST paper's CIFAR-100 variant cache (tests/data/reference/), the oracle of the cost, fitness and routing tests."""
     path = REFERENCE_DIR / "feast-cifar100-cache.csv"
-    assert path.is_file(), f"the reference cache {path} is part of the repository; restore it (git checkout -- {path.relative_to(REPO)})"
+    assert path.is_file(), (
+        f"the reference cache {path} is part of the repository; restore it (git checkout -- {path.relative_to(REPO)})"
+    )
     return path
 
 
 @pytest.fixture(scope="session")
 def fashion_mnist_dir() -> Path:
     # CI installs Debian's dataset-fashion-mnist; a missing data set is a setup error, not a skip.
-    assert (FASHION_MNIST_DIR / "t10k-images-idx3-ubyte.gz").exists() or (FASHION_MNIST_DIR / "t10k-images-idx3-ubyte").exists(), (
-        f"Fashion-MNIST is not installed in {FASHION_MNIST_DIR}: run 'apt-get install -y dataset-fashion-mnist'"
-    )
+    assert (FASHION_MNIST_DIR / "t10k-images-idx3-ubyte.gz").exists() or (
+        FASHION_MNIST_DIR / "t10k-images-idx3-ubyte"
+    ).exists(), f"Fashion-MNIST is not installed in {FASHION_MNIST_DIR}: run 'apt-get install -y dataset-fashion-mnist'"
     return FASHION_MNIST_DIR
 
 
@@ -122,9 +138,32 @@ def finished_run(cli: Cli, tmp_path_factory: pytest.TempPathFactory, fashion_mni
     out = tmp_path_factory.mktemp("finished") / "sim"
     clients, rounds = 2, 2
     result = cli.run(
-        "simulate", "--out", str(out), "--clients", str(clients), "--per-round", str(clients), "--rounds", str(rounds), "--eval-every", "1",
-        "--train-limit", "200", "--val-samples", "100", "--calib-samples", "50", "--test-limit", "100", "--batch-size", "32", "--device", "cpu",
-        "--data", str(fashion_mnist_dir), timeout=600,
+        "simulate",
+        "--out",
+        str(out),
+        "--clients",
+        str(clients),
+        "--per-round",
+        str(clients),
+        "--rounds",
+        str(rounds),
+        "--eval-every",
+        "1",
+        "--train-limit",
+        "200",
+        "--val-samples",
+        "100",
+        "--calib-samples",
+        "50",
+        "--test-limit",
+        "100",
+        "--batch-size",
+        "32",
+        "--device",
+        "cpu",
+        "--data",
+        str(fashion_mnist_dir),
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return FinishedRun(out, clients, rounds, result)
@@ -153,7 +192,9 @@ class Cli:
         self.entry = entry  # "package.module:function", as in pyproject.toml's [project.scripts]
         self.prog = prog
 
-    def run(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", self.module, *args],
             check=False,
@@ -164,7 +205,9 @@ class Cli:
             cwd=cwd,
         )
 
-    def invoke(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    def invoke(
+        self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """The entry function in this process; what it changes of the process (environment, cwd, logging, signals, torch) is put back."""
         module, _, function = self.entry.partition(":")
         main = getattr(importlib.import_module(module), function)
@@ -203,9 +246,17 @@ def _process_state(env: dict[str, str], cwd: Path | None) -> Iterator[_Captured]
     argv, streams, environ, here = sys.argv, (sys.stdin, sys.stdout, sys.stderr), dict(os.environ), os.getcwd()
     root = logging.getLogger()
     root_level, root_handlers = root.level, list(root.handlers)
-    levels = {name: logger.level for name, logger in logging.Logger.manager.loggerDict.items() if isinstance(logger, logging.Logger)}
+    levels = {
+        name: logger.level
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if isinstance(logger, logging.Logger)
+    }
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    threads, deterministic, warn_only = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    threads, deterministic, warn_only = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     captured, out, err = _Captured(), io.StringIO(), io.StringIO()
     os.environ.update(env)
     try:

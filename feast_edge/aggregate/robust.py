@@ -70,7 +70,12 @@ NETWORK_MIN_POSITIONS = 1 << 14
 def rule_settings(rule: str, trim: float, clip_norm: float | None) -> dict[str, Any]:
     """The aggregation settings ``rule`` reads, for a run's fingerprint: none for the mean, so runs from before the
     robust rules existed keep their fingerprint."""
-    used = {"mean": (), "clip": ("aggregation", "clip_norm"), "trimmed-mean": ("aggregation", "trim"), "median": ("aggregation",)}
+    used = {
+        "mean": (),
+        "clip": ("aggregation", "clip_norm"),
+        "trimmed-mean": ("aggregation", "trim"),
+        "median": ("aggregation",),
+    }
     values = {"aggregation": rule, "trim": trim, "clip_norm": clip_norm}
     return {name: values[name] for name in used[rule]}
 
@@ -80,9 +85,15 @@ def check_rule(rule: str, trim: float = 0.1, clip_norm: float | None = None) -> 
     if rule not in RULES:
         raise ValueError(f"aggregation rule {rule!r} is unknown; choose one of {', '.join(RULES)} (--aggregation)")
     if not (isinstance(trim, (int, float)) and 0 <= trim < 0.5):
-        raise ValueError(f"trim fraction {trim!r} must be in [0, 0.5): the share of values dropped at each end of a position (--trim)")
-    if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and math.isfinite(clip_norm) and clip_norm > 0):
-        raise ValueError(f"clip norm {clip_norm!r} must be a positive finite L2 bound; leave it unset for the cohort's median update norm (--clip-norm)")
+        raise ValueError(
+            f"trim fraction {trim!r} must be in [0, 0.5): the share of values dropped at each end of a position (--trim)"
+        )
+    if clip_norm is not None and not (
+        isinstance(clip_norm, (int, float)) and math.isfinite(clip_norm) and clip_norm > 0
+    ):
+        raise ValueError(
+            f"clip norm {clip_norm!r} must be a positive finite L2 bound; leave it unset for the cohort's median update norm (--clip-norm)"
+        )
 
 
 def update_norm(local_state: StateDict, global_state: StateDict) -> float:
@@ -118,7 +129,12 @@ def clip_updates(
         # A non-finite update has no direction to keep: it is scaled to nothing (the client sends back its routed slice).
         scale = bound / norm if math.isfinite(norm) else 0.0
         with torch.no_grad():
-            scaled = {name: _toward(leading_slice(global_state[name].detach(), x.shape), x, scale) if x.is_floating_point() else x for name, x in state.items()}
+            scaled = {
+                name: _toward(leading_slice(global_state[name].detach(), x.shape), x, scale)
+                if x.is_floating_point()
+                else x
+                for name, x in state.items()
+            }
         clipped.append((scaled, n))
     return clipped
 
@@ -186,7 +202,9 @@ def _coordinate_wise(
             if slices:
                 box, values, count = _position_rule(slices, rule, trim, dtype, glob.device)
                 inside = target[leading_index(box)]
-                inside.copy_(torch.where(count > 0, values, inside.to(dtype)))  # positions of the box nobody reached keep theirs
+                inside.copy_(
+                    torch.where(count > 0, values, inside.to(dtype))
+                )  # positions of the box nobody reached keep theirs
             out[name] = target
     return out
 
@@ -274,4 +292,6 @@ def aggregate_updates(
     model without a copy).
     """
     ordered = sorted(updates, key=lambda u: u[0])
-    return robust_aggregate(global_state, [(state, n) for _, state, n in ordered], rule, trim=trim, clip_norm=clip_norm, inplace=inplace)
+    return robust_aggregate(
+        global_state, [(state, n) for _, state, n in ordered], rule, trim=trim, clip_norm=clip_norm, inplace=inplace
+    )

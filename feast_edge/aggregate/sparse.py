@@ -84,7 +84,9 @@ def check_payload(global_state: StateDict, local_state: StateDict) -> None:
 
 def check_samples(n_samples: float) -> float:
     """Validated aggregation weight ``n_i`` (a positive, finite sample count)."""
-    ok = isinstance(n_samples, numbers.Real) and not isinstance(n_samples, (bool, np.bool_)) and math.isfinite(n_samples)
+    ok = (
+        isinstance(n_samples, numbers.Real) and not isinstance(n_samples, (bool, np.bool_)) and math.isfinite(n_samples)
+    )
     if not ok or n_samples <= 0:
         raise PayloadError(f"sample count {n_samples!r} must be a positive finite number (the client's shard size)")
     return float(n_samples)
@@ -313,7 +315,11 @@ class SparseAccumulator:
         """``local`` on ``acc``'s device and dtype, converted through a reused scratch buffer."""
         if local.dtype == acc.dtype and local.device == acc.device:
             return local
-        if self._scratch.numel() < local.numel() or self._scratch.dtype != acc.dtype or self._scratch.device != acc.device:
+        if (
+            self._scratch.numel() < local.numel()
+            or self._scratch.dtype != acc.dtype
+            or self._scratch.device != acc.device
+        ):
             self._scratch = torch.empty(max(local.numel(), self._scratch.numel()), dtype=acc.dtype, device=acc.device)
         return self._scratch[: local.numel()].view(local.shape).copy_(local)
 

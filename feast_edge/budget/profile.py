@@ -76,8 +76,12 @@ class DeviceProfile:
     budget_macs: float  # derive_budget(...) of the fields above
     source: str  # "measured on <host> <date> ..." or the documented sources of the figures
     measurements: tuple[tuple[float, float], ...] = ()  # (MACs, median ms) pairs that were timed (and fitted)
-    runtime: str = ""  # what the timings ran on, e.g. "onnxruntime 1.32.0, CPUExecutionProvider" ("": documented figures)
-    holdout: tuple[tuple[float, float], ...] = ()  # (MACs, median ms) of timed variants the fit did not see: its error check
+    runtime: str = (
+        ""  # what the timings ran on, e.g. "onnxruntime 1.32.0, CPUExecutionProvider" ("": documented figures)
+    )
+    holdout: tuple[
+        tuple[float, float], ...
+    ] = ()  # (MACs, median ms) of timed variants the fit did not see: its error check
 
     def latency_ms(self, macs: float) -> float:
         """Predicted batch-1 latency ``a + b·MACs`` of a variant with ``macs`` MACs."""
@@ -131,7 +135,9 @@ _OPTIONAL = {"measurements", "runtime", "holdout"}
 _HEADER = {"format", "version"}
 
 
-def _bad(source: str, problem: str, fix: str = "re-create it with 'feast-agent profile' or fix the field") -> ProfileError:
+def _bad(
+    source: str, problem: str, fix: str = "re-create it with 'feast-agent profile' or fix the field"
+) -> ProfileError:
     return ProfileError(f"device profile {source}: {problem}; {fix}")
 
 
@@ -155,7 +161,9 @@ def _measurements(value: Any, source: str, key: str = "measurements") -> tuple[t
     pairs = []
     for i, pair in enumerate(value):
         ok = isinstance(pair, (list, tuple)) and len(pair) == 2
-        ok = ok and all(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in pair)
+        ok = ok and all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in pair
+        )
         if not ok:
             raise _bad(source, f"field '{key}' entry {i} must be a [MACs, ms] pair of positive numbers, got {pair!r}")
         pairs.append((float(pair[0]), float(pair[1])))
@@ -164,14 +172,26 @@ def _measurements(value: Any, source: str, key: str = "measurements") -> tuple[t
 
 def _profile_from_dict(data: Any, source: str) -> DeviceProfile:
     if not isinstance(data, dict):
-        raise _bad(source, f"is a JSON {type(data).__name__}, expected an object", "pass a file written by 'feast-agent profile'")
+        raise _bad(
+            source,
+            f"is a JSON {type(data).__name__}, expected an object",
+            "pass a file written by 'feast-agent profile'",
+        )
     if data.get("format") != FORMAT:
-        raise _bad(source, f"field 'format' is {data.get('format')!r}, expected {FORMAT!r}", "pass a file written by 'feast-agent profile'")
+        raise _bad(
+            source,
+            f"field 'format' is {data.get('format')!r}, expected {FORMAT!r}",
+            "pass a file written by 'feast-agent profile'",
+        )
     if data.get("version") != VERSION:
         raise _bad(source, f"field 'version' is {data.get('version')!r}, this feast-edge reads version {VERSION}")
     unknown = sorted(set(data) - _FIELDS - _OPTIONAL - _HEADER)
     if unknown:
-        raise _bad(source, f"has unknown field(s) {', '.join(map(repr, unknown))}", f"remove them (allowed: {', '.join(sorted(_FIELDS | _OPTIONAL))})")
+        raise _bad(
+            source,
+            f"has unknown field(s) {', '.join(map(repr, unknown))}",
+            f"remove them (allowed: {', '.join(sorted(_FIELDS | _OPTIONAL))})",
+        )
     missing = sorted(_FIELDS - set(data))
     if missing:
         raise _bad(source, f"lacks the field(s) {', '.join(map(repr, missing))}")
@@ -236,7 +256,9 @@ def fit_latency(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     xs = [float(m) / 1e6 for m, _ in points]
     ys = [float(ms) for _, ms in points]
     if len(set(xs)) < 2:
-        raise ProfileError(f"fitting latency ≈ a + b·MACs needs at least 2 variants with different MACs (got {len(set(xs))}); raise --variants")
+        raise ProfileError(
+            f"fitting latency ≈ a + b·MACs needs at least 2 variants with different MACs (got {len(set(xs))}); raise --variants"
+        )
     if not all(math.isfinite(v) and v > 0 for v in xs + ys):
         raise ProfileError("latency measurements must be positive finite (MACs, ms) pairs; time the variants again")
     n = len(xs)
@@ -285,9 +307,13 @@ def training_memory_bytes(
     fraction of the device's memory (``memory_fraction``).
     """
     if not archs:
-        raise ProfileError("training memory of an empty affordable set is undefined; the device can afford no cached variant")
+        raise ProfileError(
+            "training memory of an empty affordable set is undefined; the device can afford no cached variant"
+        )
     if batch_size < 1 or envelope_params < 1:
-        raise ProfileError(f"training memory needs batch_size >= 1 and envelope_params >= 1 (got {batch_size}, {envelope_params})")
+        raise ProfileError(
+            f"training memory needs batch_size >= 1 and envelope_params >= 1 (got {batch_size}, {envelope_params})"
+        )
     activations = max(activation_elements(preset, arch, classes) for arch in archs)
     return 3 * FLOAT_BYTES * envelope_params + 2 * FLOAT_BYTES * batch_size * activations
 
@@ -318,7 +344,9 @@ def derive_budget(
     set, SPEC §5), so the affordable budgets form a prefix of the cache.
     """
     if cache.preset_name != preset.name:
-        raise ProfileError(f"the variant cache belongs to preset {cache.preset_name}, not {preset.name}; load the cache of preset {preset.name}")
+        raise ProfileError(
+            f"the variant cache belongs to preset {cache.preset_name}, not {preset.name}; load the cache of preset {preset.name}"
+        )
     if not (b > 0 and a >= 0 and latency_target_ms > 0 and memory_limit_bytes > 0 and batch_size >= 1):
         raise ProfileError(
             f"deriving a budget needs a >= 0, b > 0, a positive latency target, memory limit and batch size "
@@ -370,7 +398,9 @@ def _read_profile_file(path: Path) -> DeviceProfile:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ProfileError(f"device profile {path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix it or re-create it with 'feast-agent profile'") from None
+        raise ProfileError(
+            f"device profile {path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix it or re-create it with 'feast-agent profile'"
+        ) from None
     return DeviceProfile.from_dict(data, source=str(path))
 
 

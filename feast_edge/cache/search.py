@@ -62,7 +62,9 @@ def gene_highs(preset: Preset) -> np.ndarray:
     """Exclusive upper bound of every gene: depths, expansion indices, width indices."""
     n = preset.num_stages
     return np.array(
-        [preset.max_extra_blocks + 1] * n + [len(preset.expansion_ratios)] * n + [len(preset.width_multipliers)] * (n + 1),
+        [preset.max_extra_blocks + 1] * n
+        + [len(preset.expansion_ratios)] * n
+        + [len(preset.width_multipliers)] * (n + 1),
         dtype=np.int64,
     )
 
@@ -76,7 +78,11 @@ def split_genes(preset: Preset, genes: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def decode(preset: Preset, genes: np.ndarray) -> Arch:
     """Architecture of one chromosome."""
     d, e, w = split_genes(preset, np.asarray(genes).reshape(1, -1))
-    return Arch(d=tuple(int(v) for v in d[0]), e=tuple(preset.expansion_ratios[int(i)] for i in e[0]), w=tuple(int(v) for v in w[0]))
+    return Arch(
+        d=tuple(int(v) for v in d[0]),
+        e=tuple(preset.expansion_ratios[int(i)] for i in e[0]),
+        w=tuple(int(v) for v in w[0]),
+    )
 
 
 def encode(preset: Preset, arch: Arch) -> np.ndarray:
@@ -102,7 +108,9 @@ def gene_box(evaluator: PopulationEvaluator, target: float) -> np.ndarray:
     probes = np.zeros((highs.size, values.size, highs.size), dtype=np.int64)
     for g in range(highs.size):
         probes[g, :, g] = np.minimum(values, highs[g] - 1)
-    macs = evaluator.evaluate(*split_genes(evaluator.preset, probes.reshape(-1, highs.size))).macs.reshape(highs.size, values.size)
+    macs = evaluator.evaluate(*split_genes(evaluator.preset, probes.reshape(-1, highs.size))).macs.reshape(
+        highs.size, values.size
+    )
     return ((macs <= target) & (values[None, :] < highs[:, None])).sum(axis=1)
 
 
@@ -211,7 +219,9 @@ def run_ga(
 ) -> tuple[np.ndarray, tuple[float, ...]]:
     """Best-ever chromosome of one GA run and the best-ever fitness history (SPEC §3)."""
     if population < 2 or generations < 0:
-        raise SearchError(f"population = {population} and generations = {generations}: need population >= 2 and generations >= 0")
+        raise SearchError(
+            f"population = {population} and generations = {generations}: need population >= 2 and generations >= 0"
+        )
     pop = initial_population(evaluator, target, rho0, population, rng, max_draws)
     fit = _fitness(evaluator, pop, target, rho0)
     best_i = int(np.argmax(fit))
@@ -243,7 +253,16 @@ def search_target(
     evaluator = population_evaluator(preset, classes)
     genes, history = run_ga(evaluator, target, rho0, np.random.default_rng(seed), population, generations)
     arch = decode(preset, genes)
-    return SearchResult(arch, evaluate(preset, arch, target, rho0, classes), float(target), float(rho0), seed, population, generations, history)
+    return SearchResult(
+        arch,
+        evaluate(preset, arch, target, rho0, classes),
+        float(target),
+        float(rho0),
+        seed,
+        population,
+        generations,
+        history,
+    )
 
 
 def extraction_rho0(preset: Preset, budget: float) -> float:
@@ -273,4 +292,3 @@ def best_arch_under(
         )
     ceiling = extraction_rho0(preset, max_macs) if rho0 is None else rho0
     return search_target(preset, max_macs, ceiling, seed, population, generations, classes)
-

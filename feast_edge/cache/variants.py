@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from feast_edge.cache.fitness import evaluate
-from feast_edge.cache.search import GENERATIONS, MUTATION_PROB, MUTATION_TRIES, POPULATION, TOURNAMENT, SearchResult, search_target
+from feast_edge.cache.search import (
+    GENERATIONS,
+    MUTATION_PROB,
+    MUTATION_TRIES,
+    POPULATION,
+    TOURNAMENT,
+    SearchResult,
+    search_target,
+)
 from feast_edge.errors import ArchError, FeastError
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import arch_cost
@@ -103,12 +111,18 @@ class VariantCache:
 
     def __post_init__(self) -> None:
         if not self.entries:
-            raise CacheError(f"variant cache of preset {self.preset_name} has no entries; build it with feast_edge.cache.variants.build_cache")
+            raise CacheError(
+                f"variant cache of preset {self.preset_name} has no entries; build it with feast_edge.cache.variants.build_cache"
+            )
         macs = [e.macs for e in self.entries]
         if macs != sorted(macs):
-            raise CacheError(f"variant cache of preset {self.preset_name} is not sorted by MACs; rebuild it with feast_edge.cache.variants.build_cache")
+            raise CacheError(
+                f"variant cache of preset {self.preset_name} is not sorted by MACs; rebuild it with feast_edge.cache.variants.build_cache"
+            )
         if len({e.arch for e in self.entries}) != len(self.entries):
-            raise CacheError(f"variant cache of preset {self.preset_name} lists an architecture twice; merge the duplicates (see CacheEntry.jobs)")
+            raise CacheError(
+                f"variant cache of preset {self.preset_name} lists an architecture twice; merge the duplicates (see CacheEntry.jobs)"
+            )
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -191,7 +205,13 @@ def _entry_from_dict(data: Any, preset: Preset, classes: int, where: str) -> Cac
         arch = Arch.from_dict(data["arch"]).validated(preset)
         jobs = tuple(SearchJob(float(j["target"]), float(j["rho0"]), int(j["seed"])) for j in data["jobs"])
         entry = CacheEntry(
-            arch, int(data["macs"]), int(data["params"]), float(data["fitness"]), float(data["rho"]), float(data["entropy"]), jobs
+            arch,
+            int(data["macs"]),
+            int(data["params"]),
+            float(data["fitness"]),
+            float(data["rho"]),
+            float(data["entropy"]),
+            jobs,
         )
     except ArchError as exc:
         raise _fail(where, f"holds an architecture that does not fit preset {preset.name} ({exc})") from None
@@ -201,7 +221,10 @@ def _entry_from_dict(data: Any, preset: Preset, classes: int, where: str) -> Cac
         raise _fail(where, "entry lists no search job")
     # Recompute everything derived from the arch: a stale cost model or fitness is caught here.
     if (entry.macs, entry.params) != arch_cost(preset, arch, classes):
-        raise _fail(where, f"entry {arch} records {entry.macs} MACs / {entry.params} params, the cost model gives {arch_cost(preset, arch, classes)}")
+        raise _fail(
+            where,
+            f"entry {arch} records {entry.macs} MACs / {entry.params} params, the cost model gives {arch_cost(preset, arch, classes)}",
+        )
     fit = evaluate(preset, arch, classes=classes)
     if not (_close(entry.rho, fit.rho) and _close(entry.entropy, fit.entropy) and _close(entry.fitness, fit.fitness)):
         raise _fail(where, f"entry {arch} records fitness terms that differ from the current fitness (SPEC §3)")
@@ -211,14 +234,26 @@ def _entry_from_dict(data: Any, preset: Preset, classes: int, where: str) -> Cac
 def cache_from_dict(data: Any, preset: Preset, source: str = "<cache>") -> VariantCache:
     """Validate a JSON record against ``preset`` and build the cache."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise _fail(source, f"is not a feast-edge variant cache (format {data.get('format') if isinstance(data, dict) else None!r})", "pass a file written by VariantCache.save")
+        raise _fail(
+            source,
+            f"is not a feast-edge variant cache (format {data.get('format') if isinstance(data, dict) else None!r})",
+            "pass a file written by VariantCache.save",
+        )
     if data.get("version") != VERSION:
         raise _fail(source, f"has version {data.get('version')!r}, this feast-edge reads version {VERSION}")
     name, digest = data.get("preset"), data.get("preset_digest")
     if name != preset.name:
-        raise _fail(source, f"was built for preset {name!r}, not {preset.name!r}", f"load the cache of preset {preset.name} (feast_edge/caches/{preset.name}.json) or pass --preset {name}")
+        raise _fail(
+            source,
+            f"was built for preset {name!r}, not {preset.name!r}",
+            f"load the cache of preset {preset.name} (feast_edge/caches/{preset.name}.json) or pass --preset {name}",
+        )
     if digest != preset.digest:
-        raise _fail(source, f"was built for another definition of preset {name!r} (its shape digest differs)", f"rebuild it for the current preset {name}")
+        raise _fail(
+            source,
+            f"was built for another definition of preset {name!r} (its shape digest differs)",
+            f"rebuild it for the current preset {name}",
+        )
     classes = data.get("classes")
     if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
         raise _fail(source, f"has an invalid class count {classes!r}")
@@ -241,7 +276,11 @@ def load_cache(preset: Preset, path: str | os.PathLike[str] | None = None) -> Va
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise _fail(path, "does not exist", f"build one with feast_edge.cache.variants.build_cache(load_preset({preset.name!r})) and save it there") from None
+        raise _fail(
+            path,
+            "does not exist",
+            f"build one with feast_edge.cache.variants.build_cache(load_preset({preset.name!r})) and save it there",
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise _fail(path, f"cannot be read ({exc})", "check the path and its permissions") from None
     except json.JSONDecodeError as exc:
@@ -260,15 +299,27 @@ def read_reference_csv(path: str | os.PathLike[str], preset: Preset, classes: in
     with open(path, newline="", encoding="utf-8") as f:
         for i, row in enumerate(csv.DictReader(f)):
             try:
-                arch = Arch(d=json.loads(row["d"]), e=json.loads(row["e"]), w=json.loads(row["w_indices"])).validated(preset)
+                arch = Arch(d=json.loads(row["d"]), e=json.loads(row["e"]), w=json.loads(row["w_indices"])).validated(
+                    preset
+                )
                 target, seed = float(row["job_target_macs"]), int(row["job_seed"])
             except (KeyError, TypeError, ValueError) as exc:
-                raise _fail(f"{path} row {i + 2}", f"is malformed ({type(exc).__name__}: {exc})", "pass the published CSV unchanged") from None
+                raise _fail(
+                    f"{path} row {i + 2}",
+                    f"is malformed ({type(exc).__name__}: {exc})",
+                    "pass the published CSV unchanged",
+                ) from None
             rho0 = [r for t, r in ceilings if math.isclose(t, target, rel_tol=1e-9)]
             if not rho0:
-                raise _fail(f"{path} row {i + 2}", f"target {target:g} is not a cache target of preset {preset.name}", "pass the CSV of this preset")
+                raise _fail(
+                    f"{path} row {i + 2}",
+                    f"target {target:g} is not a cache target of preset {preset.name}",
+                    "pass the CSV of this preset",
+                )
             found.append((SearchJob(target, rho0[0], seed), arch))
-    return VariantCache(preset.name, preset.digest, classes, merge_entries(preset, found, classes), {"source": Path(path).name})
+    return VariantCache(
+        preset.name, preset.digest, classes, merge_entries(preset, found, classes), {"source": Path(path).name}
+    )
 
 
 # ------------------------------------------------------------------ building
@@ -342,7 +393,9 @@ def build_cache(
             record(k, _run_job(preset, job, population, generations, classes))
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(_run_job, preset, job, population, generations, classes): k for k, job in enumerate(jobs)}
+            futures = {
+                pool.submit(_run_job, preset, job, population, generations, classes): k for k, job in enumerate(jobs)
+            }
             for future in as_completed(futures):
                 record(futures[future], future.result())
     entries = merge_entries(preset, [(job, results[k].arch) for k, job in enumerate(jobs)], classes)

@@ -114,7 +114,9 @@ def setup_logging(level: str = "info", log_file: Path | None = None) -> None:
             log_file.parent.mkdir(parents=True, exist_ok=True)
             file_handler = logging.FileHandler(log_file, encoding="utf-8")
         except OSError as exc:
-            raise FeastError(f"--log-file {log_file}: cannot open it for writing ({exc.strerror}); choose a writable path") from None
+            raise FeastError(
+                f"--log-file {log_file}: cannot open it for writing ({exc.strerror}); choose a writable path"
+            ) from None
         file_handler.setLevel(logging.DEBUG)
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
         handlers.append(file_handler)
@@ -152,38 +154,80 @@ def torch_threads(threads: int) -> None:
 # --- options shared by several commands -----------------------------------------------------------
 
 DEFAULT_FEDERATION = "feast"
-FederationOpt = Annotated[str, typer.Option("--federation", help="Federation id (topic prefix feast/<id>/); server and agents must use the same.")]
+FederationOpt = Annotated[
+    str,
+    typer.Option("--federation", help="Federation id (topic prefix feast/<id>/); server and agents must use the same."),
+]
 # Commands that take --credentials: the bundle names the federation, so the option has no default of its own.
 BundleFederationOpt = Annotated[
-    Optional[str], typer.Option("--federation", help="Federation id (topic prefix feast/<id>/; default: the --credentials bundle's, else 'feast').")
+    Optional[str],
+    typer.Option(
+        "--federation",
+        help="Federation id (topic prefix feast/<id>/; default: the --credentials bundle's, else 'feast').",
+    ),
 ]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="Console detail: debug, info, warning or error.")]
-LogFileOpt = Annotated[Optional[Path], typer.Option("--log-file", help="Also write every log record (debug level, time-stamped) to this file.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help=f"Where PyTorch runs: {DEVICE_CHOICES} (auto: CUDA when present, else CPU).")]
+LogFileOpt = Annotated[
+    Optional[Path],
+    typer.Option("--log-file", help="Also write every log record (debug level, time-stamped) to this file."),
+]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help=f"Where PyTorch runs: {DEVICE_CHOICES} (auto: CUDA when present, else CPU).")
+]
 AmpOpt = Annotated[
     str,
-    typer.Option("--amp", help="Mixed precision of local training: auto (bf16 on GPUs that have it, else fp16 with a gradient scaler; off on the CPU), off, bf16 or fp16."),
+    typer.Option(
+        "--amp",
+        help="Mixed precision of local training: auto (bf16 on GPUs that have it, else fp16 with a gradient scaler; off on the CPU), off, bf16 or fp16.",
+    ),
 ]
 DeterministicOpt = Annotated[
     bool,
-    typer.Option("--deterministic", help="Deterministic PyTorch kernels: bit-reproducible training on CUDA too, at a speed cost (the CPU already is)."),
+    typer.Option(
+        "--deterministic",
+        help="Deterministic PyTorch kernels: bit-reproducible training on CUDA too, at a speed cost (the CPU already is).",
+    ),
 ]
 ChunkOpt = Annotated[
-    int, typer.Option("--chunk-size", min=1024, max=16 * 1024 * 1024, help="Chunk size in bytes for model payloads, and the largest chunk accepted.")
+    int,
+    typer.Option(
+        "--chunk-size",
+        min=1024,
+        max=16 * 1024 * 1024,
+        help="Chunk size in bytes for model payloads, and the largest chunk accepted.",
+    ),
 ]
 ThreadsOpt = Annotated[int, typer.Option("--threads", min=0, help="PyTorch intra-op threads (0: PyTorch's default).")]
 DashboardOpt = Annotated[
     Optional[str],
-    typer.Option("--dashboard", metavar="[HOST:]PORT", help="Serve a live web dashboard on PORT (127.0.0.1 unless HOST is given; 0: a free port). Needs feast-edge[dashboard]."),
+    typer.Option(
+        "--dashboard",
+        metavar="[HOST:]PORT",
+        help="Serve a live web dashboard on PORT (127.0.0.1 unless HOST is given; 0: a free port). Needs feast-edge[dashboard].",
+    ),
 ]
 DashboardTokenOpt = Annotated[
     Optional[str],
-    typer.Option("--dashboard-token", envvar="FEAST_DASHBOARD_TOKEN", help="Access token the dashboard requires (or $FEAST_DASHBOARD_TOKEN); required off loopback."),
+    typer.Option(
+        "--dashboard-token",
+        envvar="FEAST_DASHBOARD_TOKEN",
+        help="Access token the dashboard requires (or $FEAST_DASHBOARD_TOKEN); required off loopback.",
+    ),
 ]
 PayloadDtypeOpt = Annotated[
-    str, typer.Option("--payload-dtype", help="Payloads on the wire, both directions: float32, float16 or bfloat16 (aggregation and the model stay float32).")
+    str,
+    typer.Option(
+        "--payload-dtype",
+        help="Payloads on the wire, both directions: float32, float16 or bfloat16 (aggregation and the model stay float32).",
+    ),
 ]
-TensorBoardOpt = Annotated[bool, typer.Option("--tensorboard", help="Also write per-round metrics as TensorBoard event files in RUN_DIR/tensorboard (needs the tensorboard package).")]
+TensorBoardOpt = Annotated[
+    bool,
+    typer.Option(
+        "--tensorboard",
+        help="Also write per-round metrics as TensorBoard event files in RUN_DIR/tensorboard (needs the tensorboard package).",
+    ),
+]
 
 
 def check_dashboard(bind: Optional[str], token: Optional[str]) -> None:
@@ -202,17 +246,32 @@ def open_dashboard(state: Any, bind: str, token: Optional[str], say: Callable[[s
     say(f"dashboard: {dashboard.url}")
     return dashboard
 
+
 _MQTT_OPTIONS = {
     "username": (Optional[str], None, typer.Option("--username", help="MQTT user name.")),
-    "password": (Optional[str], None, typer.Option("--password", help="MQTT password (or $FEAST_MQTT_PASSWORD).", envvar="FEAST_MQTT_PASSWORD")),
-    "ca_file": (Optional[str], None, typer.Option("--ca-file", help="TLS: CA bundle that signed the broker's certificate.")),
+    "password": (
+        Optional[str],
+        None,
+        typer.Option("--password", help="MQTT password (or $FEAST_MQTT_PASSWORD).", envvar="FEAST_MQTT_PASSWORD"),
+    ),
+    "ca_file": (
+        Optional[str],
+        None,
+        typer.Option("--ca-file", help="TLS: CA bundle that signed the broker's certificate."),
+    ),
     "cert_file": (Optional[str], None, typer.Option("--cert-file", help="TLS: client certificate (mutual TLS).")),
     "key_file": (Optional[str], None, typer.Option("--key-file", help="TLS: client key.")),
-    "tls_insecure": (bool, False, typer.Option("--tls-insecure", help="TLS without verifying the broker's certificate (tests only).")),
+    "tls_insecure": (
+        bool,
+        False,
+        typer.Option("--tls-insecure", help="TLS without verifying the broker's certificate (tests only)."),
+    ),
 }
 
 
-def mqtt_options(broker_help: str = "MQTT broker URL: mqtt://host:port or mqtts://host:port (TLS).", required: bool = True) -> Callable[[F], F]:
+def mqtt_options(
+    broker_help: str = "MQTT broker URL: mqtt://host:port or mqtts://host:port (TLS).", required: bool = True
+) -> Callable[[F], F]:
     """Give a typer command the broker options; it receives them as ``link: LinkConfig`` (None when not required and absent).
 
     The decorated function declares a ``link`` parameter (and no broker
@@ -221,20 +280,41 @@ def mqtt_options(broker_help: str = "MQTT broker URL: mqtt://host:port or mqtts:
     from the bundle (``--broker`` still overrides the bundle's broker URL).
     """
     options = {
-        "broker": (Optional[str], None, typer.Option("--broker", "-b", help=broker_help + (" Required unless --credentials gives it." if required else ""))),
-        "credentials": (Optional[Path], None, typer.Option("--credentials", help="Credentials bundle from 'feast-server provision' (a directory): identity, broker, TLS, signing keys.")),
+        "broker": (
+            Optional[str],
+            None,
+            typer.Option(
+                "--broker", "-b", help=broker_help + (" Required unless --credentials gives it." if required else "")
+            ),
+        ),
+        "credentials": (
+            Optional[Path],
+            None,
+            typer.Option(
+                "--credentials",
+                help="Credentials bundle from 'feast-server provision' (a directory): identity, broker, TLS, signing keys.",
+            ),
+        ),
         **_MQTT_OPTIONS,
     }
 
     def build(values: dict[str, Any]) -> LinkConfig | None:
         url, bundle = values.pop("broker"), values.pop("credentials")
         if bundle is not None:
-            given = [f"--{name.replace('_', '-')}" for name in ("username", "password", "ca_file", "cert_file", "key_file") if values[name]]
+            given = [
+                f"--{name.replace('_', '-')}"
+                for name in ("username", "password", "ca_file", "cert_file", "key_file")
+                if values[name]
+            ]
             if given:
-                raise FeastError(f"{', '.join(given)} conflict with --credentials, which carries the identity; drop them")
+                raise FeastError(
+                    f"{', '.join(given)} conflict with --credentials, which carries the identity; drop them"
+                )
             return load_credentials(bundle).link_config(LinkConfig(**values), broker=url)
         if url is None and required:
-            raise FeastError("no broker: give --broker mqtt://host:port, or --credentials with a bundle from feast-server provision")
+            raise FeastError(
+                "no broker: give --broker mqtt://host:port, or --credentials with a bundle from feast-server provision"
+            )
         return None if url is None else LinkConfig(broker=url, **values)
 
     return option_group("link", options, build)
@@ -244,16 +324,22 @@ def federation_of(link: LinkConfig | None, federation: str | None) -> str:
     """The federation id: --federation, else the credentials bundle's, else 'feast'; a bundle for another federation is an error."""
     bundle = credentials_of(link)
     if bundle is not None and federation is not None and federation != bundle.federation:
-        raise FeastError(f"--federation {federation} differs from the credentials bundle's federation {bundle.federation!r}; drop --federation")
+        raise FeastError(
+            f"--federation {federation} differs from the credentials bundle's federation {bundle.federation!r}; drop --federation"
+        )
     return federation or (bundle.federation if bundle is not None else DEFAULT_FEDERATION)
 
 
-def option_group(target: str, options: dict[str, tuple[Any, Any, Any]], build: Callable[[dict[str, Any]], Any]) -> Callable[[F], F]:
+def option_group(
+    target: str, options: dict[str, tuple[Any, Any, Any]], build: Callable[[dict[str, Any]], Any]
+) -> Callable[[F], F]:
     """Add ``options`` (name -> (type, default, typer.Option)) to a command, which receives ``build(their values)`` as ``target``."""
 
     def decorate(func: F) -> F:
         signature = inspect.signature(func, eval_str=True)
-        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for name, p in signature.parameters.items() if name != target]
+        own = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for name, p in signature.parameters.items() if name != target
+        ]
         added = [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option])
             for name, (kind, default, option) in options.items()

@@ -20,12 +20,22 @@ def register(app: typer.Typer) -> None:
 
 def dashboard(
     run_dirs: Annotated[
-        list[Path], typer.Argument(metavar="RUN_DIR", help="Run directories: 'feast-edge simulate --out' (results.json) or 'feast-server run --out'.")
+        list[Path],
+        typer.Argument(
+            metavar="RUN_DIR",
+            help="Run directories: 'feast-edge simulate --out' (results.json) or 'feast-server run --out'.",
+        ),
     ],
-    bind: Annotated[str, typer.Option("--bind", help="PORT or HOST:PORT to serve on (port 0: any free port).")] = "127.0.0.1:8765",
+    bind: Annotated[
+        str, typer.Option("--bind", help="PORT or HOST:PORT to serve on (port 0: any free port).")
+    ] = "127.0.0.1:8765",
     token: Annotated[
         str | None,
-        typer.Option("--token", envvar="FEAST_DASHBOARD_TOKEN", help="Access token the page asks for; required unless bound to loopback."),
+        typer.Option(
+            "--token",
+            envvar="FEAST_DASHBOARD_TOKEN",
+            help="Access token the page asks for; required unless bound to loopback.",
+        ),
     ] = None,
 ) -> None:
     """Serve finished runs in the web dashboard: fleet, rounds, accuracy vs MACs, traffic, models; several runs side by side."""

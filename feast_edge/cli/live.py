@@ -24,12 +24,26 @@ class SimulationLive:
         self.state, self.sim = state, sim
         self._down: dict[str, int] = {}
         cfg, setup, method = sim.config, sim.setup, sim.method
-        state.set_run(preset=cfg.preset, method=cfg.method, rounds_total=cfg.rounds, rounds_done=len(sim.history), status="running", started=time.time())
+        state.set_run(
+            preset=cfg.preset,
+            method=cfg.method,
+            rounds_total=cfg.rounds,
+            rounds_done=len(sim.history),
+            status="running",
+            started=time.time(),
+        )
         points = method.points()
         for client, budget, size in zip(setup.client_ids, setup.population.budgets, setup.population.sizes):
             point = points[method.served(float(budget))]
             state.set_device(
-                client, profile=None, hardware="simulated", budget_macs=int(budget), samples=int(size), online=True, last_seen=time.time(), rounds=0,
+                client,
+                profile=None,
+                hardware="simulated",
+                budget_macs=int(budget),
+                samples=int(size),
+                online=True,
+                last_seen=time.time(),
+                rounds=0,
                 variant={"label": point.label, "macs": point.macs, "params": point.params},
             )
 
@@ -50,15 +64,28 @@ class SimulationLive:
     def round_finished(self, record: RoundRecord) -> None:
         for client in record.updated:
             self.state.member(client, "aggregated")
-            self.state.set_device(client, rounds=sum(client in h.updated for h in self.sim.history), last_upload={"round": record.round, "status": "accepted", "reason": None})
+            self.state.set_device(
+                client,
+                rounds=sum(client in h.updated for h in self.sim.history),
+                last_upload={"round": record.round, "status": "accepted", "reason": None},
+            )
         for client, reason in record.rejected.items():
             self.state.member(client, "rejected", reason=reason)
         down = sum(self._down.values())
-        self.state.end_round({
-            "round": record.round, "loss": record.loss, "val_accuracy": record.val_accuracy, "population_accuracy": None, "bytes_down": down,
-            "bytes_up": down, "broadcast_bytes": record.full_bytes, "train_macs": record.train_macs, "seconds": record.seconds,
-            "devices": {c: {"down": b, "up": b} for c, b in self._down.items()},
-        })
+        self.state.end_round(
+            {
+                "round": record.round,
+                "loss": record.loss,
+                "val_accuracy": record.val_accuracy,
+                "population_accuracy": None,
+                "bytes_down": down,
+                "bytes_up": down,
+                "broadcast_bytes": record.full_bytes,
+                "train_macs": record.train_macs,
+                "seconds": record.seconds,
+                "devices": {c: {"down": b, "up": b} for c, b in self._down.items()},
+            }
+        )
         if record.val_accuracy is not None and self.sim.method.validated:
             self.state.set_variants([dict(v) for v in self.sim.method.validated])
         self.state.set_run(rounds_done=record.round)
@@ -68,8 +95,17 @@ class SimulationLive:
         if results is None:
             self.state.set_run(status="stopped")
             return
-        self.state.set_variants([
-            {"label": v["label"], "macs": v["macs"], "params": v["params"], "val_accuracy": None, "test_accuracy": v["test_accuracy"]} for v in results["variants"]
-        ])
+        self.state.set_variants(
+            [
+                {
+                    "label": v["label"],
+                    "macs": v["macs"],
+                    "params": v["params"],
+                    "val_accuracy": None,
+                    "test_accuracy": v["test_accuracy"],
+                }
+                for v in results["variants"]
+            ]
+        )
         self.state.set_population(results["population_accuracy"])
         self.state.set_run(status="finished")

@@ -26,7 +26,9 @@ from feast_edge.space.preset import BUILTIN_DIR, available_presets, load_preset
 app = make_app("feast-edge", "Federated shared-space training (FEAST): one elastic network, a model for every device.")
 console = make_console()
 
-PresetOpt = Annotated[str, typer.Option("--preset", "-p", help="Preset name (see 'feast-edge presets') or a .toml file.")]
+PresetOpt = Annotated[
+    str, typer.Option("--preset", "-p", help="Preset name (see 'feast-edge presets') or a .toml file.")
+]
 ArchOpt = Annotated[
     str,
     typer.Option(
@@ -35,7 +37,9 @@ ArchOpt = Annotated[
         help='Architecture as JSON {"d":[..],"e":[..],"w":[..]} or text "d=[..] e=[..] w=[..]".',
     ),
 ]
-ClassesOpt = Annotated[Optional[int], typer.Option("--classes", "-c", min=1, help="Classifier classes (default: the preset's).")]
+ClassesOpt = Annotated[
+    Optional[int], typer.Option("--classes", "-c", min=1, help="Classifier classes (default: the preset's).")
+]
 
 
 @app.command()
@@ -92,9 +96,19 @@ def arch_command(
             "classes": layout.classes,
             "macs": macs,
             "params": params,
-            "stem": {"channels": layout.stem_channels, "resolution": layout.stem_resolution, "macs": parts[0].macs, "params": parts[0].params},
+            "stem": {
+                "channels": layout.stem_channels,
+                "resolution": layout.stem_resolution,
+                "macs": parts[0].macs,
+                "params": parts[0].params,
+            },
             "stages": stages,
-            "classifier": {"in_features": layout.last_channels, "classes": layout.classes, "macs": parts[-1].macs, "params": parts[-1].params},
+            "classifier": {
+                "in_features": layout.last_channels,
+                "classes": layout.classes,
+                "macs": parts[-1].macs,
+                "params": parts[-1].params,
+            },
         }
         typer.echo(json.dumps(record))
         return
@@ -102,8 +116,18 @@ def arch_command(
     for col in ("part", "blocks", "channels", "mid", "resolution", "MACs", "params"):
         table.add_column(col, justify="left" if col == "part" else "right")
     for (part, blocks, channels, mid, res), cost in zip(layout.summary_rows(), parts):
-        table.add_row(part, str(blocks), str(channels), str(mid or "-"), f"{res}x{res}", f"{cost.macs:,}", f"{cost.params:,}")
-    table.add_row("classifier", "-", f"{layout.last_channels}->{layout.classes}", "-", "-", f"{parts[-1].macs:,}", f"{parts[-1].params:,}")
+        table.add_row(
+            part, str(blocks), str(channels), str(mid or "-"), f"{res}x{res}", f"{cost.macs:,}", f"{cost.params:,}"
+        )
+    table.add_row(
+        "classifier",
+        "-",
+        f"{layout.last_channels}->{layout.classes}",
+        "-",
+        "-",
+        f"{parts[-1].macs:,}",
+        f"{parts[-1].params:,}",
+    )
     table.add_section()
     table.add_row("total", "", "", "", "", f"{macs:,}", f"{params:,}", style="bold")
     console.print(table)
@@ -123,7 +147,10 @@ def init(
     p = load_preset(preset)
     model = Supernet(p, classes=classes, seed=seed)
     save_supernet(out, model, seed=seed, round=0)
-    console.print(f"wrote {out}: preset {p.name}, {model.classes} classes, {sum(t.numel() for t in model.parameters()):,} params", soft_wrap=True)
+    console.print(
+        f"wrote {out}: preset {p.name}, {model.classes} classes, {sum(t.numel() for t in model.parameters()):,} params",
+        soft_wrap=True,
+    )
 
 
 @app.command()
@@ -131,12 +158,16 @@ def export(
     checkpoint: Annotated[Path, typer.Option("--checkpoint", "-k", help="Supernet checkpoint (.safetensors).")],
     arch: ArchOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="ONNX file to write.")],
-    preset: Annotated[Optional[str], typer.Option("--preset", "-p", help="Expected preset; refuse a checkpoint of another one.")] = None,
+    preset: Annotated[
+        Optional[str], typer.Option("--preset", "-p", help="Expected preset; refuse a checkpoint of another one.")
+    ] = None,
     calibration_data: Annotated[
         Optional[Path],
         typer.Option("--calibration-data", help="Fashion-MNIST directory for BN recalibration (SPEC §8)."),
     ] = None,
-    calibration_samples: Annotated[int, typer.Option(min=1, help="Calibration samples (first N of the training split).")] = 500,
+    calibration_samples: Annotated[
+        int, typer.Option(min=1, help="Calibration samples (first N of the training split).")
+    ] = 500,
 ) -> None:
     """Extract one architecture from a checkpoint and write it as a self-describing ONNX file."""
     from feast_edge.run.checkpoint import load_supernet
@@ -149,7 +180,14 @@ def export(
     _export_variant(supernet, a.validated(supernet.preset), out, calibration_data, calibration_samples)
 
 
-def _export_variant(supernet, arch: Arch, out: Path, calibration_data: Optional[Path], calibration_samples: int, extra: Optional[dict] = None) -> None:
+def _export_variant(
+    supernet,
+    arch: Arch,
+    out: Path,
+    calibration_data: Optional[Path],
+    calibration_samples: int,
+    extra: Optional[dict] = None,
+) -> None:
     """Extract, optionally BN-recalibrate on Fashion-MNIST, and write one ONNX file."""
     from feast_edge.evaluate.onnx_export import export_onnx
     from feast_edge.space.extract import extract, recalibrate_bn
@@ -161,14 +199,19 @@ def _export_variant(supernet, arch: Arch, out: Path, calibration_data: Optional[
         from feast_edge.data.images import load_fashion_mnist, normalize
 
         if p.in_channels != 1 or p.input_size != 28:
-            raise FeastError(f"--calibration-data reads Fashion-MNIST (1x28x28) but preset {p.name} takes {p.in_channels}x{p.input_size}x{p.input_size}; omit the flag")
+            raise FeastError(
+                f"--calibration-data reads Fashion-MNIST (1x28x28) but preset {p.name} takes {p.in_channels}x{p.input_size}x{p.input_size}; omit the flag"
+            )
         data = load_fashion_mnist(calibration_data, "train")
         class_names = data.classes
         pixels = normalize(data.floats(slice(0, calibration_samples)), p.mean, p.std)
         recalibrate_bn(model, pixels.split(100))
     fields = {"bn_recalibrated": calibration_data is not None, **(extra or {})}
     meta = export_onnx(model, out, p, arch, class_names=class_names, extra=fields)
-    console.print(f"wrote {out}: {p.name} {arch}, {int(meta['feast.macs']):,} MACs, {int(meta['feast.params']):,} params", soft_wrap=True)
+    console.print(
+        f"wrote {out}: {p.name} {arch}, {int(meta['feast.macs']):,} MACs, {int(meta['feast.params']):,} params",
+        soft_wrap=True,
+    )
 
 
 cache_app = typer.Typer(help="Build and inspect fixed variant caches (SPEC §3).", no_args_is_help=True)
@@ -181,7 +224,15 @@ def _cache_table(cache, title: str) -> Table:
         table.add_column(col, justify="left" if col == "arch" else "right", no_wrap=col != "arch")
     for i, entry in enumerate(cache.entries):
         targets = ", ".join(millions(int(job.target)) for job in entry.jobs)
-        table.add_row(str(i), millions(entry.macs), millions(entry.params), f"{entry.fitness:.1f}", f"{entry.rho:.3f}", targets, str(entry.arch))
+        table.add_row(
+            str(i),
+            millions(entry.macs),
+            millions(entry.params),
+            f"{entry.fitness:.1f}",
+            f"{entry.rho:.3f}",
+            targets,
+            str(entry.arch),
+        )
     return table
 
 
@@ -189,8 +240,14 @@ def _cache_table(cache, title: str) -> Table:
 def cache_build(
     preset: PresetOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Cache JSON to write.")],
-    targets: Annotated[Optional[str], typer.Option(help="Comma-separated MAC targets (e.g. 25M,50M); default: the preset's [cache] segments.")] = None,
-    rho0: Annotated[Optional[float], typer.Option(help="Effectiveness ceiling for --targets (default: the preset's extraction ceilings).")] = None,
+    targets: Annotated[
+        Optional[str],
+        typer.Option(help="Comma-separated MAC targets (e.g. 25M,50M); default: the preset's [cache] segments."),
+    ] = None,
+    rho0: Annotated[
+        Optional[float],
+        typer.Option(help="Effectiveness ceiling for --targets (default: the preset's extraction ceilings)."),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Base seed; target k uses seed + k.")] = 42,
     population: Annotated[int, typer.Option(min=4, help="GA population per target.")] = 256,
     generations: Annotated[int, typer.Option(min=1, help="GA generations per target.")] = 512,
@@ -211,9 +268,19 @@ def cache_build(
         if not values:
             raise FeastError("--targets is empty; give at least one MAC target, e.g. --targets 25M,50M")
         jobs = [(v, rho0 if rho0 is not None else extraction_rho0(p, v)) for v in values]
-    with Progress(TextColumn("[bold]cache search"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+    with Progress(
+        TextColumn("[bold]cache search"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as bar:
         task = bar.add_task("targets", total=len(jobs) if jobs is not None else len(cache_targets(p)))
-        cache = build_cache(p, jobs, seed=seed, population=population, generations=generations, workers=workers, progress=lambda done, total, _r: bar.update(task, completed=done, total=total))
+        cache = build_cache(
+            p,
+            jobs,
+            seed=seed,
+            population=population,
+            generations=generations,
+            workers=workers,
+            progress=lambda done, total, _r: bar.update(task, completed=done, total=total),
+        )
     cache.save(out)
     console.print(_cache_table(cache, f"{p.name}: {len(cache)} variants"))
     console.print(f"wrote {out}", soft_wrap=True)
@@ -222,7 +289,9 @@ def cache_build(
 @cache_app.command("show")
 def cache_show(
     preset: PresetOpt,
-    cache_file: Annotated[Optional[Path], typer.Option("--cache", help="Cache JSON (default: the one shipped for the preset).")] = None,
+    cache_file: Annotated[
+        Optional[Path], typer.Option("--cache", help="Cache JSON (default: the one shipped for the preset).")
+    ] = None,
 ) -> None:
     """List a cache's variants: MACs, params, fitness, rho, arch."""
     from feast_edge.cache.variants import load_cache
@@ -236,9 +305,13 @@ def cache_show(
 def extract_command(
     preset: PresetOpt,
     macs: Annotated[str, typer.Option("--macs", "-m", help="MAC budget, e.g. 30M or 3e7.")],
-    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", "-k", help="Trained supernet; with --out, export the found arch.")] = None,
+    checkpoint: Annotated[
+        Optional[Path], typer.Option("--checkpoint", "-k", help="Trained supernet; with --out, export the found arch.")
+    ] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="ONNX file to write (needs --checkpoint).")] = None,
-    calibration_data: Annotated[Optional[Path], typer.Option("--calibration-data", help="Fashion-MNIST directory for BN recalibration.")] = None,
+    calibration_data: Annotated[
+        Optional[Path], typer.Option("--calibration-data", help="Fashion-MNIST directory for BN recalibration.")
+    ] = None,
     calibration_samples: Annotated[int, typer.Option(min=1, help="Calibration samples.")] = 500,
     seed: Annotated[int, typer.Option(help="GA seed.")] = 0,
     population: Annotated[int, typer.Option(min=4, help="GA population (paper: 512).")] = 512,
@@ -264,11 +337,29 @@ def extract_command(
     result = best_arch_under(p, budget, seed=seed, population=population, generations=generations)
     found_macs, found_params = arch_cost(p, result.arch)
     if as_json:
-        typer.echo(json.dumps({"preset": p.name, "budget": budget, "arch": result.arch.to_dict(), "macs": found_macs, "params": found_params, "fitness": result.fitness.fitness, "rho": result.fitness.rho, "rho0": result.rho0}))
+        typer.echo(
+            json.dumps(
+                {
+                    "preset": p.name,
+                    "budget": budget,
+                    "arch": result.arch.to_dict(),
+                    "macs": found_macs,
+                    "params": found_params,
+                    "fitness": result.fitness.fitness,
+                    "rho": result.fitness.rho,
+                    "rho0": result.rho0,
+                }
+            )
+        )
     else:
-        console.print(f"best arch under {millions(int(budget))} MACs: {result.arch}  ({found_macs:,} MACs, {found_params:,} params, fitness {result.fitness.fitness:.1f})", soft_wrap=True)
+        console.print(
+            f"best arch under {millions(int(budget))} MACs: {result.arch}  ({found_macs:,} MACs, {found_params:,} params, fitness {result.fitness.fitness:.1f})",
+            soft_wrap=True,
+        )
     if supernet is not None and out is not None:
-        _export_variant(supernet, result.arch, out, calibration_data, calibration_samples, extra={"extracted_for_macs": budget})
+        _export_variant(
+            supernet, result.arch, out, calibration_data, calibration_samples, extra={"extracted_for_macs": budget}
+        )
 
 
 register_runs(app)

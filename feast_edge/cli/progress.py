@@ -32,11 +32,22 @@ class Stage:
         self._began = time.monotonic()
         if self.console.is_terminal:
             from rich.markup import escape
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             columns = (
-                TextColumn(f"[bold]{escape(self.label)}"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[note]}"),
-                TimeElapsedColumn(), TimeRemainingColumn(),
+                TextColumn(f"[bold]{escape(self.label)}"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[note]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
             )
             self._bar = Progress(*columns, console=self.console)
             self._task = self._bar.add_task(self.label, total=self.total, completed=self.done, note="")
@@ -75,7 +86,11 @@ class Stage:
     def _say(self, with_note: bool = True) -> None:
         with self._lock:
             note = f"  {self.note}" if self.note and with_note else ""
-            self.console.print(f"{self.label} {self.done}/{self.total}{note}  ({time.monotonic() - self._began:.0f} s)", soft_wrap=True, highlight=False)
+            self.console.print(
+                f"{self.label} {self.done}/{self.total}{note}  ({time.monotonic() - self._began:.0f} s)",
+                soft_wrap=True,
+                highlight=False,
+            )
             self._said, self._said_done = time.monotonic(), self.done
 
     def __enter__(self) -> Stage:

@@ -19,10 +19,21 @@ def register(app: typer.Typer) -> None:
 
 
 def report(
-    run_dirs: Annotated[list[Path], typer.Argument(metavar="RUN_DIR", help="Run directories of 'feast-edge simulate --out', each with its results.json.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the report and its PNG plots.")] = Path("report"),
-    fmt: Annotated[str, typer.Option("--format", help="markdown (report.md, PNG links) or html (report.html, PNGs embedded).")] = "markdown",
-    title: Annotated[str | None, typer.Option("--title", help="Report title (default: 'feast-edge report: PRESET').")] = None,
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(
+            metavar="RUN_DIR", help="Run directories of 'feast-edge simulate --out', each with its results.json."
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the report and its PNG plots.")] = Path(
+        "report"
+    ),
+    fmt: Annotated[
+        str, typer.Option("--format", help="markdown (report.md, PNG links) or html (report.html, PNGs embedded).")
+    ] = "markdown",
+    title: Annotated[
+        str | None, typer.Option("--title", help="Report title (default: 'feast-edge report: PRESET').")
+    ] = None,
 ) -> None:
     """Compare runs: per-method accuracy (mean ± std over seeds), gaps to the centralized reference, traffic, compute, plots."""
     from feast_edge.report.summary import write_report

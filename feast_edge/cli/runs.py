@@ -35,14 +35,24 @@ def register(app: typer.Typer) -> None:
 
 
 def routing(
-    preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name (see 'feast-edge presets') or a .toml file.")],
-    cache_file: Annotated[Optional[Path], typer.Option("--cache", help="Cache JSON (default: the preset's shipped cache).")] = None,
-    reference_csv: Annotated[Optional[Path], typer.Option("--reference-csv", help="Use the paper's published cache CSV instead.")] = None,
+    preset: Annotated[
+        str, typer.Option("--preset", "-p", help="Preset name (see 'feast-edge presets') or a .toml file.")
+    ],
+    cache_file: Annotated[
+        Optional[Path], typer.Option("--cache", help="Cache JSON (default: the preset's shipped cache).")
+    ] = None,
+    reference_csv: Annotated[
+        Optional[Path], typer.Option("--reference-csv", help="Use the paper's published cache CSV instead.")
+    ] = None,
     clients: Annotated[int, typer.Option(help="Simulated clients N (Zipf budgets).")] = 100,
     zipf_s: Annotated[float, typer.Option(help="Zipf exponent of the budget ranks.")] = 1.2,
     seed: Annotated[int, typer.Option(help="Seed of the budget draw.")] = 0,
-    budgets: Annotated[Optional[str], typer.Option(help="Comma-separated budgets to tabulate (e.g. 25M,50M,229M).")] = None,
-    classes: Annotated[Optional[int], typer.Option("--classes", "-c", min=1, help="Classifier classes (default: the preset's).")] = None,
+    budgets: Annotated[
+        Optional[str], typer.Option(help="Comma-separated budgets to tabulate (e.g. 25M,50M,229M).")
+    ] = None,
+    classes: Annotated[
+        Optional[int], typer.Option("--classes", "-c", min=1, help="Classifier classes (default: the preset's).")
+    ] = None,
     payload_dtype: PayloadDtypeOpt = "float32",
 ) -> None:
     """Routed envelope sizes and the communication report for a Zipf population (SPEC §5), in parameters and bytes."""
@@ -57,13 +67,22 @@ def routing(
     cache = read_reference_csv(reference_csv, p) if reference_csv is not None else load_cache(p, cache_file)
     archs = sorted((arch_cost(p, e.arch, n_classes)[0], e.arch) for e in cache.entries)
     if archs and budgets is None:
-        budgets = ",".join(str(m) for m in np.unique(np.quantile([m for m, _ in archs], [0, 0.25, 0.5, 0.75, 1.0]).astype(int)))
+        budgets = ",".join(
+            str(m) for m in np.unique(np.quantile([m for m, _ in archs], [0, 0.25, 0.5, 0.75, 1.0]).astype(int))
+        )
     from feast_edge.route.payload import bytes_per_param, check_payload_dtype
 
     check_payload_dtype(payload_dtype)
     wire, dense = bytes_per_param(payload_dtype), bytes_per_param("float32")
     table = Table(title=f"{p.name}: routed envelope per budget ({n_classes}-class head), payloads as {payload_dtype}")
-    for col in ("budget", "affordable", "envelope params", "reduction", f"payload MB ({payload_dtype})", "bytes reduction vs float32 broadcast"):
+    for col in (
+        "budget",
+        "affordable",
+        "envelope params",
+        "reduction",
+        f"payload MB ({payload_dtype})",
+        "bytes reduction vs float32 broadcast",
+    ):
         table.add_column(col, justify="right")
     for text in (budgets or "").split(","):
         if not text.strip():
@@ -74,8 +93,12 @@ def routing(
             raise FeastError(cache.below_smallest(b, "raise it"))
         report = communication_report(p, archs, [b], n_classes)
         table.add_row(
-            millions(int(b)), str(len(affordable)), millions(report.payloads[0]), f"{report.aggregate_reduction:.1f}x",
-            f"{report.payloads[0] * wire / 1e6:.2f}", f"{report.aggregate_reduction * dense / wire:.1f}x",
+            millions(int(b)),
+            str(len(affordable)),
+            millions(report.payloads[0]),
+            f"{report.aggregate_reduction:.1f}x",
+            f"{report.payloads[0] * wire / 1e6:.2f}",
+            f"{report.aggregate_reduction * dense / wire:.1f}x",
         )
     console.print(table)
     population = zipf_budgets(clients, np.random.default_rng(seed), s=zipf_s, b_min=p.budget_min, b_max=p.budget_max)
@@ -95,7 +118,9 @@ def routing(
 @population_options
 def partition(
     population: dict[str, Any],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the shard files, server.safetensors and index.json.")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Directory for the shard files, server.safetensors and index.json.")
+    ],
 ) -> None:
     """Write the simulator's client shards (one file per client) and server-held splits, for feast-agent --data."""
     from feast_edge.sim.setup import SimulationConfig
@@ -111,27 +136,68 @@ def partition(
         table.add_row(c["client_id"], millions(int(c["budget_macs"])), str(c["samples"]), c["file"])
     console.print(table)
     server = index["server"]
-    console.print(f"server-held: {server['validation']} validation + {server['calibration']} calibration examples in {out / server['file']}", soft_wrap=True)
+    console.print(
+        f"server-held: {server['validation']} validation + {server['calibration']} calibration examples in {out / server['file']}",
+        soft_wrap=True,
+    )
 
 
 def demo(
-    broker: Annotated[Optional[str], typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port.")] = None,
+    broker: Annotated[
+        Optional[str],
+        typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port."),
+    ] = None,
     rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 5,
-    samples: Annotated[int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")] = 1000,
-    local_epochs: Annotated[int, typer.Option("--local-epochs", min=1, help="Local epochs per round on every device (more: better models, longer rounds).")] = 2,
-    profiles: Annotated[str, typer.Option(help="Comma-separated device profiles (names in profiles/ or files), one agent each.")] = "raspberry-pi-5,jetson-nano,laptop-cpu,desktop-gpu",
-    data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory.")] = Path("/usr/share/datasets/fashion-mnist"),
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (its partition/, server/, device-models/, logs/ are replaced).")] = Path("feast-demo"),
+    samples: Annotated[
+        int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")
+    ] = 1000,
+    local_epochs: Annotated[
+        int,
+        typer.Option(
+            "--local-epochs", min=1, help="Local epochs per round on every device (more: better models, longer rounds)."
+        ),
+    ] = 2,
+    profiles: Annotated[
+        str, typer.Option(help="Comma-separated device profiles (names in profiles/ or files), one agent each.")
+    ] = "raspberry-pi-5,jetson-nano,laptop-cpu,desktop-gpu",
+    data: Annotated[Path, typer.Option("--data", help="Fashion-MNIST directory.")] = Path(
+        "/usr/share/datasets/fashion-mnist"
+    ),
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", "-o", help="Run directory (its partition/, server/, device-models/, logs/ are replaced)."
+        ),
+    ] = Path("feast-demo"),
     seed: Annotated[int, typer.Option(help="Seed of the partition and the federation.")] = 0,
-    embedded_broker: Annotated[str, typer.Option("--embedded-broker", help="Without --broker: auto (mosquitto if installed, else amqtt), mosquitto or amqtt.")] = "auto",
+    embedded_broker: Annotated[
+        str,
+        typer.Option(
+            "--embedded-broker", help="Without --broker: auto (mosquitto if installed, else amqtt), mosquitto or amqtt."
+        ),
+    ] = "auto",
     dashboard: Annotated[
-        str, typer.Option("--dashboard", metavar="[HOST:]PORT", help="Where feast-server serves its live dashboard (0: a free port; 'off': none).")
+        str,
+        typer.Option(
+            "--dashboard",
+            metavar="[HOST:]PORT",
+            help="Where feast-server serves its live dashboard (0: a free port; 'off': none).",
+        ),
     ] = "127.0.0.1:0",
 ) -> None:
     """One command end to end: broker, feast-server and one feast-agent per device profile, rounds, ONNX per device."""
     from feast_edge.server.demo import run_demo
 
     run_demo(
-        broker=broker, rounds=rounds, samples=samples, local_epochs=local_epochs, profiles=parse_list(profiles), data=data, out=out,
-        seed=seed, console=console, embedded_broker=embedded_broker, dashboard=None if dashboard == "off" else dashboard,
+        broker=broker,
+        rounds=rounds,
+        samples=samples,
+        local_epochs=local_epochs,
+        profiles=parse_list(profiles),
+        data=data,
+        out=out,
+        seed=seed,
+        console=console,
+        embedded_broker=embedded_broker,
+        dashboard=None if dashboard == "off" else dashboard,
     )

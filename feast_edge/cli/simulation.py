@@ -37,36 +37,103 @@ def simulate(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints and results.")],
     per_round: Annotated[int, typer.Option(help="Clients sampled per round m.")] = 5,
     rounds: Annotated[int, typer.Option(help="Federation rounds (also the cosine-decay horizon).")] = 30,
-    method: Annotated[str, typer.Option("--method", help="feast, centralized (reference), heterofl, scalefl, fiarse, sfn or dfn (docs/baselines.md).")] = "feast",
+    method: Annotated[
+        str,
+        typer.Option(
+            "--method",
+            help="feast, centralized (reference), heterofl, scalefl, fiarse, sfn or dfn (docs/baselines.md).",
+        ),
+    ] = "feast",
     method_option: Annotated[
-        Optional[list[str]], typer.Option("--method-option", help="KEY=VALUE option of the method (repeatable; e.g. tiers=1,0.5,0.25 for heterofl).")
+        Optional[list[str]],
+        typer.Option(
+            "--method-option", help="KEY=VALUE option of the method (repeatable; e.g. tiers=1,0.5,0.25 for heterofl)."
+        ),
     ] = None,
-    variants: Annotated[str, typer.Option("--variants", help="FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
-    lr: Annotated[Optional[float], typer.Option(help="Initial SGD learning rate (default: the preset's recipe).")] = None,
-    lr_schedule: Annotated[Optional[str], typer.Option("--lr-schedule", help="cosine or constant over the rounds (default: the preset's recipe).")] = None,
+    variants: Annotated[
+        str,
+        typer.Option(
+            "--variants",
+            help="FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations).",
+        ),
+    ] = "full",
+    lr: Annotated[
+        Optional[float], typer.Option(help="Initial SGD learning rate (default: the preset's recipe).")
+    ] = None,
+    lr_schedule: Annotated[
+        Optional[str],
+        typer.Option("--lr-schedule", help="cosine or constant over the rounds (default: the preset's recipe)."),
+    ] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Local batch size (default: the preset's recipe).")] = None,
-    local_epochs: Annotated[Optional[int], typer.Option("--local-epochs", help="Local epochs per round (default: the preset's recipe).")] = None,
+    local_epochs: Annotated[
+        Optional[int], typer.Option("--local-epochs", help="Local epochs per round (default: the preset's recipe).")
+    ] = None,
     augment: Annotated[
-        Optional[str], typer.Option("--augment", help="Augmentation policy: randaugment+mix (SPEC §7), crop-flip+mix, crop-flip, randaugment or none (default: the preset's recipe).")
+        Optional[str],
+        typer.Option(
+            "--augment",
+            help="Augmentation policy: randaugment+mix (SPEC §7), crop-flip+mix, crop-flip, randaugment or none (default: the preset's recipe).",
+        ),
     ] = None,
     recipe: Annotated[
-        Optional[list[str]], typer.Option("--recipe", help="KEY=VALUE override of any [train] recipe key (repeatable; e.g. mixup_alpha=0.2, randaugment=[2,9]).")
+        Optional[list[str]],
+        typer.Option(
+            "--recipe",
+            help="KEY=VALUE override of any [train] recipe key (repeatable; e.g. mixup_alpha=0.2, randaugment=[2,9]).",
+        ),
     ] = None,
     eval_every: Annotated[int, typer.Option(help="Validate every k rounds.")] = 5,
     test_limit: Annotated[Optional[int], typer.Option(help="Test on only the first N test examples.")] = None,
     aggregation: Annotated[
-        str, typer.Option("--aggregation", help="mean (SPEC §6), clip (norm clipping), trimmed-mean or median over the clients covering each position.")
+        str,
+        typer.Option(
+            "--aggregation",
+            help="mean (SPEC §6), clip (norm clipping), trimmed-mean or median over the clients covering each position.",
+        ),
     ] = "mean",
-    trim: Annotated[float, typer.Option("--trim", help="trimmed-mean: share of the covering values dropped at each end, in [0, 0.5).")] = 0.1,
-    clip_norm: Annotated[Optional[float], typer.Option("--clip-norm", help="clip: L2 bound of an update (default: the cohort's median update norm).")] = None,
+    trim: Annotated[
+        float,
+        typer.Option("--trim", help="trimmed-mean: share of the covering values dropped at each end, in [0, 0.5)."),
+    ] = 0.1,
+    clip_norm: Annotated[
+        Optional[float],
+        typer.Option("--clip-norm", help="clip: L2 bound of an update (default: the cohort's median update norm)."),
+    ] = None,
     device: DeviceOpt = "auto",
-    amp: Annotated[str, typer.Option("--amp", help="Mixed precision of local training: off (float32, the default), auto, bf16 or fp16 (feast only).")] = "off",
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    amp: Annotated[
+        str,
+        typer.Option(
+            "--amp",
+            help="Mixed precision of local training: off (float32, the default), auto, bf16 or fp16 (feast only).",
+        ),
+    ] = "off",
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")
+    ] = False,
     payload_dtype: PayloadDtypeOpt = "float32",
-    nproc: Annotated[int, typer.Option("--nproc", help="Processes on this machine to spread each round's cohort over (torch.distributed; same weights as 1).")] = 1,
-    threads: Annotated[int, typer.Option("--threads", min=0, help="PyTorch intra-op threads per process (0: PyTorch's default, shared out by --nproc).")] = 0,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            "--nproc",
+            help="Processes on this machine to spread each round's cohort over (torch.distributed; same weights as 1).",
+        ),
+    ] = 1,
+    threads: Annotated[
+        int,
+        typer.Option(
+            "--threads",
+            min=0,
+            help="PyTorch intra-op threads per process (0: PyTorch's default, shared out by --nproc).",
+        ),
+    ] = 0,
     deterministic: DeterministicOpt = False,
-    dist_backend: Annotated[str, typer.Option("--dist-backend", help="With --nproc or torchrun: auto (NCCL with a GPU per process, else gloo), gloo or nccl.")] = "auto",
+    dist_backend: Annotated[
+        str,
+        typer.Option(
+            "--dist-backend",
+            help="With --nproc or torchrun: auto (NCCL with a GPU per process, else gloo), gloo or nccl.",
+        ),
+    ] = "auto",
     dashboard: DashboardOpt = None,
     dashboard_token: DashboardTokenOpt = None,
     tensorboard: TensorBoardOpt = False,
@@ -84,22 +151,42 @@ def simulate(
     if method in VARIANT_MODES:
         raise FeastError(f"--method {method} is an ablation of FEAST; use --method feast --variants {method}")
     config = SimulationConfig(
-        **population, per_round=per_round, rounds=rounds, method=method, method_options=parse_pairs(method_option, "--method-option"),
-        variants=variants, lr=lr, lr_schedule=lr_schedule, batch_size=batch_size, epochs=local_epochs, augment=augment,
-        recipe=tuple((k, _recipe_value(v)) for k, v in parse_pairs(recipe, "--recipe")), eval_every=eval_every,
-        test_limit=test_limit, aggregation=aggregation, trim=trim, clip_norm=clip_norm, device=device, payload_dtype=payload_dtype,
-        amp=precision.mode, deterministic=deterministic,
+        **population,
+        per_round=per_round,
+        rounds=rounds,
+        method=method,
+        method_options=parse_pairs(method_option, "--method-option"),
+        variants=variants,
+        lr=lr,
+        lr_schedule=lr_schedule,
+        batch_size=batch_size,
+        epochs=local_epochs,
+        augment=augment,
+        recipe=tuple((k, _recipe_value(v)) for k, v in parse_pairs(recipe, "--recipe")),
+        eval_every=eval_every,
+        test_limit=test_limit,
+        aggregation=aggregation,
+        trim=trim,
+        clip_norm=clip_norm,
+        device=device,
+        payload_dtype=payload_dtype,
+        amp=precision.mode,
+        deterministic=deterministic,
     )
     config.train_config()  # validates the method, its options and the recipe before any data is read
     from feast_edge.cli.worker import COMMAND
     from feast_edge.sim.distributed import Spread
 
-    spread = Spread(config, nproc, threads, dist_backend, COMMAND)  # one line for a bad --nproc, before any data is read
+    spread = Spread(
+        config, nproc, threads, dist_backend, COMMAND
+    )  # one line for a bad --nproc, before any data is read
     if spread.worker:  # under torchrun, ranks > 0 only train their share of each round
         spread.serve()
         return
     check_dashboard(dashboard, dashboard_token)
-    _say(f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients")
+    _say(
+        f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients"
+    )
     sim = Simulation(config, out)
     _say(str(sim.setup.population))
     _say(f"{describe_device(device, requested)}, {precision.describe()}")
@@ -112,7 +199,13 @@ def simulate(
     display = _SimulationDisplay(rounds, done, len(sim.setup.cache.entries))
     live, web = _simulation_dashboard(sim, dashboard, dashboard_token, out)
     try:
-        results = sim.run(resume=resume, on_round=display.on_round, on_test=display.on_test, on_record=live and live.round_finished, tensorboard=tensorboard)
+        results = sim.run(
+            resume=resume,
+            on_round=display.on_round,
+            on_test=display.on_test,
+            on_record=live and live.round_finished,
+            tensorboard=tensorboard,
+        )
     except BaseException:
         display.stage.finish(ok=False)
         spread.close(ok=False)
@@ -125,17 +218,25 @@ def simulate(
         live.finished(results)
         web.stop()
         _say(f"dashboard stopped; browse the finished run with: feast-edge dashboard {out}")
-    table = Table(title=f"{config.preset}, {config.method}: test accuracy per served model (best checkpoint, round {results['best'].get('round', '-')})")
+    table = Table(
+        title=f"{config.preset}, {config.method}: test accuracy per served model (best checkpoint, round {results['best'].get('round', '-')})"
+    )
     for col in ("#", "MACs", "params", "accuracy", "model"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for v in results["variants"]:
         model = str(Arch.from_dict(v["arch"])) if "arch" in v else v["label"]
-        table.add_row(str(v["index"]), millions(v["macs"]), millions(v["params"]), f"{100 * v['test_accuracy']:.2f}%", model)
+        table.add_row(
+            str(v["index"]), millions(v["macs"]), millions(v["params"]), f"{100 * v['test_accuracy']:.2f}%", model
+        )
     console.print(table)
     comm = results["communication"]
     saving = "nothing sent" if comm["reduction"] is None else f"{comm['reduction']:.2f}x less"
-    in_bytes = "" if comm["bytes_reduction"] is None else (
-        f"; {comm['routed_bytes_total'] / 1e6:,.1f} MB as {config.payload_dtype} vs {comm['full_bytes_total'] / 1e6:,.1f} MB float32 ({comm['bytes_reduction']:.2f}x less)"
+    in_bytes = (
+        ""
+        if comm["bytes_reduction"] is None
+        else (
+            f"; {comm['routed_bytes_total'] / 1e6:,.1f} MB as {config.payload_dtype} vs {comm['full_bytes_total'] / 1e6:,.1f} MB float32 ({comm['bytes_reduction']:.2f}x less)"
+        )
     )
     console.print(
         f"population accuracy (largest affordable variant per client): {100 * results['population_accuracy']:.2f}%\n"
@@ -213,4 +314,6 @@ class _SimulationDisplay:
         if not self.testing:
             self.testing = True
             self.stage.finish()
-            self.stage = Stage(console, f"testing {self.variants} cached variants (BN recalibration + test set)", self.variants).start()
+            self.stage = Stage(
+                console, f"testing {self.variants} cached variants (BN recalibration + test set)", self.variants
+            ).start()

@@ -43,8 +43,16 @@ KEEPALIVE_SECONDS = 15.0
 POLL_SECONDS = 0.25  # how often an event stream looks for a new version
 START_SECONDS = 15.0
 CSP = "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'"
-SECURITY_HEADERS = (("content-security-policy", CSP), ("x-content-type-options", "nosniff"), ("referrer-policy", "no-referrer"))
-MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+SECURITY_HEADERS = (
+    ("content-security-policy", CSP),
+    ("x-content-type-options", "nosniff"),
+    ("referrer-policy", "no-referrer"),
+)
+MEDIA_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+}
 _BIND = re.compile(r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[A-Za-z0-9._-]+)):(?P<port>\d{1,5})|(?P<only>\d{1,5})")
 
 
@@ -131,7 +139,9 @@ class _Guard:
                 if api:
                     headers["cache-control"] = "no-store"
                 if how == "query":
-                    headers.append("set-cookie", f"{COOKIE}={quote(self.token, safe='')}; Path=/; HttpOnly; SameSite=Strict")
+                    headers.append(
+                        "set-cookie", f"{COOKIE}={quote(self.token, safe='')}; Path=/; HttpOnly; SameSite=Strict"
+                    )
             await send(message)
 
         if self.token is not None and how is None:
@@ -212,7 +222,16 @@ def create_app(state: DashboardState, token: str | None = None, stopping: thread
 class Dashboard:
     """A dashboard being served by uvicorn in a daemon thread; :meth:`stop` ends it."""
 
-    def __init__(self, state: DashboardState, host: str, port: int, token: str | None, server: Any, thread: threading.Thread, stopping: threading.Event) -> None:
+    def __init__(
+        self,
+        state: DashboardState,
+        host: str,
+        port: int,
+        token: str | None,
+        server: Any,
+        thread: threading.Thread,
+        stopping: threading.Event,
+    ) -> None:
         self.state = state
         self.host = host
         self.port = port
@@ -247,30 +266,44 @@ class Dashboard:
 def _listen(host: str, port: int, option: str) -> socket.socket:
     """A socket bound to (host, port); a taken port or a bad host is a one-line :class:`DashboardError`."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as exc:
-        raise DashboardError(f"{option} {host}:{port}: cannot resolve host {host!r} ({exc.strerror}); give an address such as 127.0.0.1") from None
+        raise DashboardError(
+            f"{option} {host}:{port}: cannot resolve host {host!r} ({exc.strerror}); give an address such as 127.0.0.1"
+        ) from None
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds while old connections linger in TIME_WAIT
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # a restart binds while old connections linger in TIME_WAIT
         sock.bind(address)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise DashboardError(f"{option}: port {port} on {host} is in use; choose another port (or 0 for any free one)") from None
+            raise DashboardError(
+                f"{option}: port {port} on {host} is in use; choose another port (or 0 for any free one)"
+            ) from None
         if exc.errno == errno.EACCES:
-            raise DashboardError(f"{option}: binding port {port} on {host} is not permitted; use a port above 1023") from None
+            raise DashboardError(
+                f"{option}: binding port {port} on {host} is not permitted; use a port above 1023"
+            ) from None
         raise DashboardError(f"{option}: cannot bind {host}:{port} ({exc.strerror}); choose another address") from None
     return sock
 
 
-def check_bind(bind: str, token: str | None, *, option: str = "--dashboard", token_option: str = "--dashboard-token") -> tuple[str, int]:
+def check_bind(
+    bind: str, token: str | None, *, option: str = "--dashboard", token_option: str = "--dashboard-token"
+) -> tuple[str, int]:
     """(host, port) of ``bind`` once it is known to be usable: well-formed, a token where others can reach it, the web
     packages installed. Commands call it before they start anything, so a bad option costs nothing."""
     _require_extra()
     host, port = parse_bind(bind, option)
     if not is_loopback(host) and not token:
-        raise DashboardError(f"{option} on {host} is reachable from other machines; give {token_option} TOKEN (or bind 127.0.0.1)")
+        raise DashboardError(
+            f"{option} on {host} is reachable from other machines; give {token_option} TOKEN (or bind 127.0.0.1)"
+        )
     return host, port
 
 
@@ -294,8 +327,13 @@ def start_dashboard(
     port = sock.getsockname()[1]  # the free port chosen for port 0
     stopping = threading.Event()
     config = uvicorn.Config(
-        create_app(state, token, stopping), log_config=None, log_level="warning", access_log=False, lifespan="off",
-        server_header=False, timeout_graceful_shutdown=1,
+        create_app(state, token, stopping),
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        server_header=False,
+        timeout_graceful_shutdown=1,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dashboard", daemon=True)

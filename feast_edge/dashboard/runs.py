@@ -32,7 +32,9 @@ RESULTS = "results.json"
 REGISTRY = "devices.sqlite"  # feast-server's device registry (the apps' constant; core does not import them)
 MODELS = "models"
 BYTES_PER_PARAM = 4
-WHAT_A_RUN_IS = "a run directory holds results.json (feast-edge simulate --out) or checkpoint.safetensors (feast-server run --out)"
+WHAT_A_RUN_IS = (
+    "a run directory holds results.json (feast-edge simulate --out) or checkpoint.safetensors (feast-server run --out)"
+)
 
 
 @dataclass
@@ -64,8 +66,13 @@ class RunData:
     def summary(self) -> dict[str, Any]:
         """This run as one of several compared: name, method, seed, history, variants, population accuracy."""
         return {
-            "name": self.name, "method": self.run.get("method"), "seed": self.run.get("seed"), "preset": self.run.get("preset"),
-            "history": self.history, "variants": self.variants, "population_accuracy": self.population_accuracy,
+            "name": self.name,
+            "method": self.run.get("method"),
+            "seed": self.run.get("seed"),
+            "preset": self.run.get("preset"),
+            "history": self.history,
+            "variants": self.variants,
+            "population_accuracy": self.population_accuracy,
         }
 
 
@@ -84,7 +91,12 @@ def load_runs(paths: Sequence[Path]) -> DashboardState:
         return state
     state = DashboardState("runs", f"{len(runs)} runs: {', '.join(r.name for r in runs)}")
     longest = max(runs, key=lambda r: r.run.get("rounds_done") or 0)
-    state.set_run(status="finished", message=f"comparing {len(runs)} runs", rounds_done=longest.run.get("rounds_done"), rounds_total=longest.run.get("rounds_total"))
+    state.set_run(
+        status="finished",
+        message=f"comparing {len(runs)} runs",
+        rounds_done=longest.run.get("rounds_done"),
+        rounds_total=longest.run.get("rounds_total"),
+    )
     for run in runs:
         state.add_run(run.summary())
     return state
@@ -144,7 +156,12 @@ def _simulation(path: Path) -> RunData:
     record = json.loads((path / RESULTS).read_text(encoding="utf-8"))
     rounds = list(record.get("rounds", []))
     variants = [
-        {"label": str(v.get("label", f"#{i}")), "macs": v.get("macs"), "params": v.get("params"), "test_accuracy": v.get("test_accuracy")}
+        {
+            "label": str(v.get("label", f"#{i}")),
+            "macs": v.get("macs"),
+            "params": v.get("params"),
+            "test_accuracy": v.get("test_accuracy"),
+        }
         for i, v in enumerate(record["variants"])
     ]
     devices = {}
@@ -162,8 +179,12 @@ def _simulation(path: Path) -> RunData:
         name=path.name,
         title=f"{path.name}: {run.group}, seed {run.seed}, {run.preset}",
         run={
-            "method": run.group, "preset": run.preset, "seed": run.seed, "rounds_total": config.get("rounds", run.rounds),
-            "rounds_done": run.rounds, "status": "finished",
+            "method": run.group,
+            "preset": run.preset,
+            "seed": run.seed,
+            "rounds_total": config.get("rounds", run.rounds),
+            "rounds_done": run.rounds,
+            "status": "finished",
         },
         history=[history_entry(r) for r in rounds],
         variants=variants,
@@ -185,7 +206,9 @@ def _registry(path: Path, fields: dict[str, Any]) -> list[dict[str, Any]]:
         finally:
             connection.close()
     except sqlite3.Error as exc:
-        raise DashboardError(f"cannot read the device registry {database} ({exc}); is it a feast-server run directory?") from None
+        raise DashboardError(
+            f"cannot read the device registry {database} ({exc}); is it a feast-server run directory?"
+        ) from None
     devices = []
     for row in rows:
         device = dict(row)
@@ -228,15 +251,33 @@ def _checkpointed(path: Path) -> RunData:
             "budget_macs": d.get("budget_macs"),
             "online": None,  # a finished run: the registry's last status is history, not presence
             "last_seen": d.get("last_seen"),
-            "variant": None if manifest is None else {"label": arch_label(manifest.get("arch")), "macs": manifest.get("macs"), "params": manifest.get("params")},
+            "variant": None
+            if manifest is None
+            else {
+                "label": arch_label(manifest.get("arch")),
+                "macs": manifest.get("macs"),
+                "params": manifest.get("params"),
+            },
             **_participation(rounds, name),
         }
     variants = {}
     for m in manifests:  # what the exported models scored, as the accuracy-vs-MACs points
-        variants.setdefault(m.get("macs"), {"label": arch_label(m.get("arch")), "macs": m.get("macs"), "params": m.get("params"), "val_accuracy": m.get("validation_accuracy")})
+        variants.setdefault(
+            m.get("macs"),
+            {
+                "label": arch_label(m.get("arch")),
+                "macs": m.get("macs"),
+                "params": m.get("params"),
+                "val_accuracy": m.get("validation_accuracy"),
+            },
+        )
     accuracies = [m.get("validation_accuracy") for m in manifests]
     # The population accuracy of a deployment: the mean over devices of the exported model's (validation) accuracy.
-    population = sum(accuracies) / len(accuracies) if accuracies and all(isinstance(a, (int, float)) for a in accuracies) else None
+    population = (
+        sum(accuracies) / len(accuracies)
+        if accuracies and all(isinstance(a, (int, float)) for a in accuracies)
+        else None
+    )
     kind = fields.get("kind", "federation")
     done, total = int(fields.get("round", len(rounds))), config.get("rounds")
     finished = total is not None and done >= int(total)
@@ -245,8 +286,12 @@ def _checkpointed(path: Path) -> RunData:
         name=path.name,
         title=f"{path.name}: {described}, {config.get('preset', '?')}",
         run={
-            "federation": config.get("federation"), "preset": config.get("preset"), "method": config.get("method", "feast"),
-            "seed": config.get("seed", fields.get("seed")), "rounds_total": total, "rounds_done": done,
+            "federation": config.get("federation"),
+            "preset": config.get("preset"),
+            "method": config.get("method", "feast"),
+            "seed": config.get("seed", fields.get("seed")),
+            "rounds_total": total,
+            "rounds_done": done,
             "status": "finished" if finished else "waiting",
             "message": None if finished else f"stopped after round {done} of {total or '?'} (or still running)",
         },

@@ -194,7 +194,9 @@ class DashboardState:
                 self._members[name] = {"device": name, "state": "routed", "done": None, "total": None, "reason": None}
             self._bump()
 
-    def member(self, device: str, state: str, done: int | None = None, total: int | None = None, reason: str | None = None) -> None:
+    def member(
+        self, device: str, state: str, done: int | None = None, total: int | None = None, reason: str | None = None
+    ) -> None:
         """A cohort member's progress (``done``/``total`` chunks while down- or uploading); a device not in the round is ignored."""
         name = str(device)[:MAX_STRING]
         with self._changed:
@@ -235,16 +237,20 @@ class DashboardState:
             if not device or not file or Path(file).name != file or file in (".", ".."):
                 continue  # a file name with a folder in it could point outside model_dir
             paths[device] = Path(model_dir) / file
-            models.append(clean({
-                "device": device,
-                "variant": manifest.get("label") or manifest.get("variant") or arch_label(manifest.get("arch")),
-                "macs": manifest.get("macs"),
-                "params": manifest.get("params"),
-                "validation_accuracy": manifest.get("validation_accuracy"),
-                "sha256": manifest.get("sha256"),
-                "size": manifest.get("size"),
-                "url": model_url(device),
-            }))
+            models.append(
+                clean(
+                    {
+                        "device": device,
+                        "variant": manifest.get("label") or manifest.get("variant") or arch_label(manifest.get("arch")),
+                        "macs": manifest.get("macs"),
+                        "params": manifest.get("params"),
+                        "validation_accuracy": manifest.get("validation_accuracy"),
+                        "sha256": manifest.get("sha256"),
+                        "size": manifest.get("size"),
+                        "url": model_url(device),
+                    }
+                )
+            )
         with self._changed:
             self._models, self._model_paths = models, paths
             self._bump()

@@ -114,9 +114,13 @@ def load_fashion_mnist(root: str | os.PathLike[str] = FASHION_MNIST_DIR, split: 
         images = read_image_file(str(_idx_file(root, image_name)))
         labels = read_label_file(str(_idx_file(root, label_name)))
     except (AssertionError, RuntimeError, ValueError) as exc:
-        raise DataError(f"Fashion-MNIST files in {root} are not valid IDX files ({exc}); reinstall the data set") from None
+        raise DataError(
+            f"Fashion-MNIST files in {root} are not valid IDX files ({exc}); reinstall the data set"
+        ) from None
     if images.shape[0] != labels.shape[0] or images.shape[1:] != (28, 28):
-        raise DataError(f"Fashion-MNIST files in {root} disagree (images {tuple(images.shape)}, labels {tuple(labels.shape)}); reinstall the data set")
+        raise DataError(
+            f"Fashion-MNIST files in {root} disagree (images {tuple(images.shape)}, labels {tuple(labels.shape)}); reinstall the data set"
+        )
     return ImageSet(images.unsqueeze(1).contiguous(), labels.long(), FASHION_MNIST_CLASSES)
 
 
@@ -153,7 +157,9 @@ def load_cifar(root: str | os.PathLike[str], name: str, split: str = "train") ->
     record = label_bytes + 3 * 32 * 32
     raw = b"".join(f.read_bytes() for f in files)
     if len(raw) % record:
-        raise DataError(f"{name} files in {base} are truncated ({len(raw)} bytes is not a multiple of {record}); re-extract them")
+        raise DataError(
+            f"{name} files in {base} are truncated ({len(raw)} bytes is not a multiple of {record}); re-extract them"
+        )
     rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, record)
     labels = rows[:, label_at].long()
     images = rows[:, label_bytes:].reshape(-1, 3, 32, 32).contiguous()
@@ -162,13 +168,16 @@ def load_cifar(root: str | os.PathLike[str], name: str, split: str = "train") ->
 
 # ----------------------------------------------------------------------------- ImageFolder
 
+
 def load_image_folder(root: str | os.PathLike[str], split: str, size: int, channels: int) -> ImageSet:
     """``root/<split>/<class>/<image>`` through torchvision's ImageFolder, resized to ``size``x``size``."""
     from torchvision import datasets, transforms
 
     directory = Path(root) / split
     if not directory.is_dir():
-        raise DataError(f"image folder {directory} does not exist; lay out images as {root}/{split}/<class name>/<file>")
+        raise DataError(
+            f"image folder {directory} does not exist; lay out images as {root}/{split}/<class name>/<file>"
+        )
     transform = transforms.Compose(
         [
             transforms.Grayscale(channels) if channels == 1 else transforms.Lambda(lambda im: im.convert("RGB")),
@@ -179,7 +188,9 @@ def load_image_folder(root: str | os.PathLike[str], split: str, size: int, chann
     try:
         folder = datasets.ImageFolder(str(directory), transform=transform)
     except (FileNotFoundError, OSError) as exc:
-        raise DataError(f"cannot read image folder {directory} ({exc}); it needs one sub-directory of images per class") from None
+        raise DataError(
+            f"cannot read image folder {directory} ({exc}); it needs one sub-directory of images per class"
+        ) from None
     images = torch.stack([folder[i][0] for i in range(len(folder))])
     labels = torch.tensor(folder.targets, dtype=torch.long)
     return ImageSet(images, labels, tuple(folder.classes))

@@ -37,7 +37,14 @@ def pixel_batches(images: torch.Tensor, preset: Preset, batch_size: int, device:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, preset: Preset, batch_size: int = 500, device: str | torch.device = "cpu") -> float:
+def accuracy(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    preset: Preset,
+    batch_size: int = 500,
+    device: str | torch.device = "cpu",
+) -> float:
     """Top-1 accuracy of ``model`` (eval mode) on uint8 ``images``."""
     model.eval()
     correct = 0
@@ -95,7 +102,9 @@ def evaluate_variants(
     return evaluate_points(archs, network, images, labels, supernet.preset, device, progress)
 
 
-def _calibrated(supernet: Supernet, calibration_images: torch.Tensor, device: str | torch.device, arch: Arch) -> StaticResNet:
+def _calibrated(
+    supernet: Supernet, calibration_images: torch.Tensor, device: str | torch.device, arch: Arch
+) -> StaticResNet:
     return calibrated_variant(supernet, arch, calibration_images, device=device)
 
 

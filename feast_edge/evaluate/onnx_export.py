@@ -152,7 +152,9 @@ class OnnxModelError(FeastError):
     """An exported file cannot be loaded or run in onnxruntime."""
 
 
-def measure_latency(path: str | os.PathLike[str], repeats: int = 50, warmup: int = 5, threads: int | None = 1) -> dict[str, float]:
+def measure_latency(
+    path: str | os.PathLike[str], repeats: int = 50, warmup: int = 5, threads: int | None = 1
+) -> dict[str, float]:
     """Batch-1 latency of an exported file in onnxruntime on random pixels: median and 90th percentile in ms."""
     try:
         meta = read_metadata(path)
@@ -169,4 +171,8 @@ def measure_latency(path: str | os.PathLike[str], repeats: int = 50, warmup: int
         session.run([OUTPUT_NAME], {INPUT_NAME: x})
         times.append((time.perf_counter() - start) * 1000.0)
     times.sort()
-    return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))], "repeats": float(repeats)}
+    return {
+        "median_ms": statistics.median(times),
+        "p90_ms": times[int(0.9 * (len(times) - 1))],
+        "repeats": float(repeats),
+    }

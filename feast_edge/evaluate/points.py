@@ -37,7 +37,13 @@ class OperatingPoint:
     dense_macs: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "macs": self.macs, "params": self.params, "detail": dict(self.detail), "dense_macs": self.dense_macs}
+        return {
+            "label": self.label,
+            "macs": self.macs,
+            "params": self.params,
+            "detail": dict(self.detail),
+            "dense_macs": self.dense_macs,
+        }
 
 
 class ServedPoints:
@@ -50,7 +56,9 @@ class ServedPoints:
         """The operating points served to devices, sorted by MACs."""
         raise NotImplementedError
 
-    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+    def point_network(
+        self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
+    ) -> nn.Module:
         """The network a device served ``point`` runs (normalized images in, logits out), BN recalibrated on ``calibration_images``, eval mode."""
         raise NotImplementedError
 
@@ -72,14 +80,19 @@ class ServedPoints:
         network = partial(self._network, calibration_images, device)
         return evaluate_points(points, network, images, labels, self.preset, device, progress)
 
-    def _network(self, calibration_images: torch.Tensor, device: str | torch.device, point: OperatingPoint) -> nn.Module:
+    def _network(
+        self, calibration_images: torch.Tensor, device: str | torch.device, point: OperatingPoint
+    ) -> nn.Module:
         return self.point_network(point, calibration_images, device)
 
     def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
         """Mean validation accuracy of the ``k`` probe points (checkpoint selection, SPEC §8)."""
         points = self.probe_points(k)
         accs = self.evaluate(points, validation.calibration_images, validation.images, validation.labels, device)
-        self.validated = [{"label": p.label, "macs": p.macs, "params": p.params, "val_accuracy": float(a)} for p, a in zip(points, accs)]
+        self.validated = [
+            {"label": p.label, "macs": p.macs, "params": p.params, "val_accuracy": float(a)}
+            for p, a in zip(points, accs)
+        ]
         return float(sum(accs) / len(accs))
 
     def served(self, budget: float) -> int:

@@ -50,7 +50,9 @@ def mixer_for(batch_index: int) -> str:
     return MIXERS[batch_index % 2]
 
 
-def plain_batch(images: torch.Tensor, labels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...], classes: int) -> MixedBatch:
+def plain_batch(
+    images: torch.Tensor, labels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...], classes: int
+) -> MixedBatch:
     """The un-augmented batch: normalized pixels and one-hot targets (augmentation switched off)."""
     pixels = normalize(images.float().div(255.0), mean, std)
     return MixedBatch(pixels, F.one_hot(labels, classes).float(), "none")
@@ -116,7 +118,9 @@ class BatchAugmenter:
             "cutmix": v2.CutMix(alpha=cutmix_alpha, num_classes=classes),
         }
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor, batch_index: int, generator: torch.Generator) -> MixedBatch:
+    def __call__(
+        self, images: torch.Tensor, labels: torch.Tensor, batch_index: int, generator: torch.Generator
+    ) -> MixedBatch:
         """Augment uint8 ``images`` [N, C, H, W] with int64 ``labels`` [N] on their device; randomness from ``generator`` only."""
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"augmentation needs uint8 images [N, C, H, W], got {images.dtype} {tuple(images.shape)}")

@@ -51,7 +51,16 @@ def training_batches(
     trains on these batches, so they all see the same recipe (policy, batch size, epochs). On a GPU the
     uint8 shard is copied there once (pinned, non-blocking) and every batch is augmented on the GPU.
     """
-    augmenter = BatchAugmenter(preset.mean, preset.std, classes, config.randaugment, config.mixup_alpha, config.cutmix_alpha, config.augment, config.crop_padding)
+    augmenter = BatchAugmenter(
+        preset.mean,
+        preset.std,
+        classes,
+        config.randaugment,
+        config.mixup_alpha,
+        config.cutmix_alpha,
+        config.augment,
+        config.crop_padding,
+    )
     device = torch.device(device)
     images_uint8, labels = to_device(images_uint8, device), to_device(labels, device)
     count = 0

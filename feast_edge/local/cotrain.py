@@ -68,7 +68,9 @@ def stayed_finite(state: Mapping[str, torch.Tensor], loss: float) -> bool:
 def plan_variants(model: Supernet, affordable: Sequence[Arch], global_min: Arch) -> VariantPlan:
     """``a_max`` = largest affordable by MACs, ``A_int`` = affordable strictly between ``a_min`` and ``a_max`` (SPEC §7)."""
     if not affordable:
-        raise TrainError("the client's affordable set is empty; every client can afford at least the globally smallest cached variant")
+        raise TrainError(
+            "the client's affordable set is empty; every client can afford at least the globally smallest cached variant"
+        )
     macs = {a: arch_cost(model.preset, a, model.classes)[0] for a in (global_min, *affordable)}
     for a in macs:
         model.active_layout(a)  # raises ArchError if the variant was not routed to this client
@@ -119,7 +121,9 @@ def slice_shapes(model: Supernet, arch: Arch) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in static.named_parameters()}
 
 
-def _decay_mask(shape: tuple[int, ...], shapes: list[tuple[int, ...]], device: torch.device) -> tuple[slice, ...] | torch.Tensor:
+def _decay_mask(
+    shape: tuple[int, ...], shapes: list[tuple[int, ...]], device: torch.device
+) -> tuple[slice, ...] | torch.Tensor:
     """The union of leading slices: one slice if a shape covers the others, else a boolean mask."""
     cover = tuple(max(s[i] for s in shapes) for i in range(len(shape)))
     if cover in shapes:
@@ -131,7 +135,9 @@ def _decay_mask(shape: tuple[int, ...], shapes: list[tuple[int, ...]], device: t
 
 
 @torch.no_grad()
-def add_masked_weight_decay(params: dict[str, nn.Parameter], shapes: list[dict[str, tuple[int, ...]]], weight_decay: float) -> None:
+def add_masked_weight_decay(
+    params: dict[str, nn.Parameter], shapes: list[dict[str, tuple[int, ...]]], weight_decay: float
+) -> None:
     """Add ``wd·θ`` to the gradient on the union of the trained slices only.
 
     Plain SGD weight decay would also shrink the parts of a tensor that no
@@ -211,7 +217,12 @@ def cotrain_step(
     optimizer.zero_grad(set_to_none=True)
     loss, role_sup = _forward_backward(model, batch, variants, config, precision, grad)
     params = dict(model.named_parameters())
-    grad.step(optimizer, params.values(), config.clip_norm, lambda: add_masked_weight_decay(params, [shapes[a] for _, a in variants], config.weight_decay))
+    grad.step(
+        optimizer,
+        params.values(),
+        config.clip_norm,
+        lambda: add_masked_weight_decay(params, [shapes[a] for _, a in variants], config.weight_decay),
+    )
     return loss, role_sup
 
 
@@ -224,7 +235,9 @@ def _check_data(model: Supernet, images: torch.Tensor, labels: torch.Tensor) -> 
     lay = model.layout
     want = (lay.in_channels, lay.input_size, lay.input_size)
     if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != want:
-        raise TrainError(f"local images must be uint8 [N, {want[0]}, {want[1]}, {want[2]}] for preset {model.preset.name}, got {images.dtype} {tuple(images.shape)}")
+        raise TrainError(
+            f"local images must be uint8 [N, {want[0]}, {want[1]}, {want[2]}] for preset {model.preset.name}, got {images.dtype} {tuple(images.shape)}"
+        )
     if labels.shape != (images.shape[0],) or labels.dtype != torch.int64:
         raise TrainError(f"labels must be int64 [{images.shape[0]}], got {labels.dtype} {tuple(labels.shape)}")
     if images.shape[0] == 0:
@@ -308,7 +321,9 @@ def local_train(
     was_training = model.training
     model.train()
     try:
-        for batch in training_batches(images_uint8, labels, model.preset, model.classes, config, shuffle_gen, augment_gen, device, bn_needs_two):
+        for batch in training_batches(
+            images_uint8, labels, model.preset, model.classes, config, shuffle_gen, augment_gen, device, bn_needs_two
+        ):
             variants = batch_variants(plan, config.variants, variant_gen)
             loss, role_sup = cotrain_step(model, optimizer, batch, variants, config, shapes, precision, grad)
             log.add(len(batch), variants, loss, role_sup)

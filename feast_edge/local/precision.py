@@ -82,7 +82,13 @@ class GradientStep:
     def backward(self, loss: torch.Tensor) -> None:
         (loss if self.grad_scaler is None else self.grad_scaler.scale(loss)).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], clip_norm: float, before_step: Callable[[], None]) -> None:
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Iterable[nn.Parameter],
+        clip_norm: float,
+        before_step: Callable[[], None],
+    ) -> None:
         """Unscale, clip to ``clip_norm``, run ``before_step`` (e.g. weight decay), then the optimizer step."""
         params = list(params)
         if self.grad_scaler is None:
@@ -122,7 +128,9 @@ def resolve_amp(mode: str, device: str | torch.device) -> Precision:
         if mode == "auto":
             return Precision("bf16" if bf16 else "fp16", kind)
         if mode == "bf16" and not bf16:
-            raise AmpError(f"--amp bf16: {torch.cuda.get_device_name(torch.device(device))} has no bfloat16 support; use --amp fp16 (or auto)")
+            raise AmpError(
+                f"--amp bf16: {torch.cuda.get_device_name(torch.device(device))} has no bfloat16 support; use --amp fp16 (or auto)"
+            )
     return Precision(mode, kind)
 
 

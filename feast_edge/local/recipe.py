@@ -52,7 +52,10 @@ class TrainConfig:
         checks = [
             (self.augment in POLICIES, f"augment = {self.augment!r} is unknown; choose one of {', '.join(POLICIES)}"),
             (0 <= self.crop_padding <= 16, f"crop_padding = {self.crop_padding} must be in 0..16"),
-            (self.variants in VARIANT_MODES, f"variants = {self.variants!r} is unknown; choose one of {', '.join(VARIANT_MODES)}"),
+            (
+                self.variants in VARIANT_MODES,
+                f"variants = {self.variants!r} is unknown; choose one of {', '.join(VARIANT_MODES)}",
+            ),
             (self.lr > 0, f"lr = {self.lr} must be > 0"),
             (0 <= self.momentum < 1, f"momentum = {self.momentum} must be in [0, 1)"),
             (self.weight_decay >= 0, f"weight_decay = {self.weight_decay} must be >= 0"),
@@ -62,7 +65,10 @@ class TrainConfig:
             (self.batch_size >= 1, f"batch_size = {self.batch_size} must be >= 1"),
             (self.epochs >= 1, f"epochs = {self.epochs} must be >= 1"),
             (self.mixup_alpha > 0 and self.cutmix_alpha > 0, "mixup_alpha and cutmix_alpha must be > 0"),
-            (len(self.randaugment) == 2 and min(self.randaugment) >= 0, f"randaugment = {self.randaugment} must be (num_ops, magnitude) >= 0"),
+            (
+                len(self.randaugment) == 2 and min(self.randaugment) >= 0,
+                f"randaugment = {self.randaugment} must be (num_ops, magnitude) >= 0",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -86,7 +92,9 @@ def recipe_config(recipe: Mapping[str, object], **settings: object) -> tuple[Tra
     known = set(TrainConfig.__dataclass_fields__)
     unknown = sorted(set(merged) - known)
     if unknown:
-        raise TrainError(f"unknown training setting(s) {', '.join(unknown)}; known: lr_schedule, {', '.join(sorted(known))}")
+        raise TrainError(
+            f"unknown training setting(s) {', '.join(unknown)}; known: lr_schedule, {', '.join(sorted(known))}"
+        )
     try:
         return TrainConfig(**merged), schedule
     except TypeError as exc:

@@ -26,10 +26,14 @@ def resolve_device(requested: str = "auto") -> str:
     if not _CUDA.match(text):
         raise DeviceError(f"--device {requested!r} is not one of {DEVICE_CHOICES}")
     if not torch.cuda.is_available():
-        raise DeviceError(f"--device {requested}: no CUDA device is available to PyTorch here; use --device auto or cpu (or install a CUDA build of torch)")
+        raise DeviceError(
+            f"--device {requested}: no CUDA device is available to PyTorch here; use --device auto or cpu (or install a CUDA build of torch)"
+        )
     index = int(text.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
-        raise DeviceError(f"--device {requested}: PyTorch sees {torch.cuda.device_count()} CUDA device(s); use cuda:0..cuda:{torch.cuda.device_count() - 1}")
+        raise DeviceError(
+            f"--device {requested}: PyTorch sees {torch.cuda.device_count()} CUDA device(s); use cuda:0..cuda:{torch.cuda.device_count() - 1}"
+        )
     return text
 
 

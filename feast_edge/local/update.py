@@ -29,6 +29,8 @@ def client_update(
     """Build the routed sub-supernet, co-train it on local data (``amp``: feast_edge.local.precision), return its updated state (SPEC §7)."""
     model = Supernet(preset, classes=classes, layout=plan.layout(preset, classes), seed=None)
     model.load_state_dict(routed_state)
-    result = local_train(model, images, labels, plan.affordable, plan.global_min, config, lr=lr, seed=seed, device=device, amp=amp)
+    result = local_train(
+        model, images, labels, plan.affordable, plan.global_min, config, lr=lr, seed=seed, device=device, amp=amp
+    )
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     return state, result

@@ -58,8 +58,13 @@ def _accuracy_vs_macs(plt: Any, groups: Sequence[Group], reference: Group | None
     for g in groups:
         points = g.points()
         ax.plot(
-            [p.macs / 1e6 for p, _ in points], [100 * acc.mean for _, acc in points],
-            marker="o", markersize=4, color=colors[g.name], label=_plain(g.name), linestyle="--" if g is reference else "-",
+            [p.macs / 1e6 for p, _ in points],
+            [100 * acc.mean for _, acc in points],
+            marker="o",
+            markersize=4,
+            color=colors[g.name],
+            label=_plain(g.name),
+            linestyle="--" if g is reference else "-",
         )
     ax.set_xscale("log")
     _plain_log_ticks(plt, ax.xaxis)
@@ -78,7 +83,14 @@ def _validation(plt: Any, groups: Sequence[Group], reference: Group | None, colo
         for k, run in enumerate(g.runs):
             if run.validation:
                 rounds, accuracy = zip(*run.validation)
-                ax.plot(rounds, [100 * a for a in accuracy], marker=".", color=colors[g.name], linestyle=styles[k % len(styles)], label=_plain(f"{g.name}, seed {run.seed}"))
+                ax.plot(
+                    rounds,
+                    [100 * a for a in accuracy],
+                    marker=".",
+                    color=colors[g.name],
+                    linestyle=styles[k % len(styles)],
+                    label=_plain(f"{g.name}, seed {run.seed}"),
+                )
                 curves += 1
     if curves:
         ax.legend(fontsize="small")
@@ -112,9 +124,17 @@ def _population(plt: Any, groups: Sequence[Group], reference: Group | None, colo
 
 def _cost(plt: Any, groups: Sequence[Group], reference: Group | None, colors: dict[str, str]) -> Any:
     fig, (sent, compute) = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(groups) + 4), 5))
-    _bars(sent, groups, [g.stat(lambda r: r.params_sent).mean / 1e6 for g in groups], colors, "parameters sent, both directions (millions)")
+    _bars(
+        sent,
+        groups,
+        [g.stat(lambda r: r.params_sent).mean / 1e6 for g in groups],
+        colors,
+        "parameters sent, both directions (millions)",
+    )
     sent.set_title("communication")
-    _bars(compute, groups, [g.stat(lambda r: r.train_macs).mean / 1e12 for g in groups], colors, "training compute (TMAC)")
+    _bars(
+        compute, groups, [g.stat(lambda r: r.train_macs).mean / 1e12 for g in groups], colors, "training compute (TMAC)"
+    )
     compute.set_title("training compute")
     return fig
 

@@ -101,7 +101,12 @@ def _parse(directory: Path, record: Any) -> Run:
     config = _at(record, "config")
     rounds = _at(record, "rounds")
     points = [
-        Point(str(v.get("label", f"#{v.get('index', i)}")), int(_at(v, "macs")), int(_at(v, "params")), float(_at(v, "test_accuracy")))
+        Point(
+            str(v.get("label", f"#{v.get('index', i)}")),
+            int(_at(v, "macs")),
+            int(_at(v, "params")),
+            float(_at(v, "test_accuracy")),
+        )
         for i, v in enumerate(_at(record, "variants"))
     ]
     if not points:
@@ -110,7 +115,9 @@ def _parse(directory: Path, record: Any) -> Run:
     seconds = record.get("seconds_total")
     return Run(
         directory=directory,
-        method=str(record.get("method", config.get("method", "feast"))),  # results.json from before the method harness: FEAST
+        method=str(
+            record.get("method", config.get("method", "feast"))
+        ),  # results.json from before the method harness: FEAST
         variants=str(config.get("variants", "full")),
         options=tuple((str(k), str(v)) for k, v in config.get("method_options", ())),
         seed=int(_at(config, "seed")),
@@ -123,7 +130,9 @@ def _parse(directory: Path, record: Any) -> Run:
         train_macs=int(_at(record, "compute", "train_macs_total")),
         seconds=float(seconds) if seconds is not None else sum(float(_at(r, "seconds")) for r in rounds),
         rounds=len(rounds),
-        validation=tuple((int(_at(r, "round")), float(r["val_accuracy"])) for r in rounds if r.get("val_accuracy") is not None),
+        validation=tuple(
+            (int(_at(r, "round")), float(r["val_accuracy"])) for r in rounds if r.get("val_accuracy") is not None
+        ),
     )
 
 
@@ -166,7 +175,9 @@ class Group:
             for p in run.points:
                 first.setdefault(p.label, p)
                 accuracies.setdefault(p.label, []).append(p.accuracy)
-        return sorted(((first[k], Stat.of(v)) for k, v in accuracies.items()), key=lambda item: (item[0].macs, item[0].label))
+        return sorted(
+            ((first[k], Stat.of(v)) for k, v in accuracies.items()), key=lambda item: (item[0].macs, item[0].label)
+        )
 
 
 def group_runs(runs: Sequence[Run]) -> list[Group]:
@@ -174,7 +185,9 @@ def group_runs(runs: Sequence[Run]) -> list[Group]:
     named: dict[str, list[Run]] = {}
     for run in runs:
         named.setdefault(run.group, []).append(run)
-    groups = [Group(name, members[0].method, tuple(sorted(members, key=lambda r: r.seed))) for name, members in named.items()]
+    groups = [
+        Group(name, members[0].method, tuple(sorted(members, key=lambda r: r.seed))) for name, members in named.items()
+    ]
     rank = {m: i for i, m in enumerate(METHOD_ORDER)}
     return sorted(groups, key=lambda g: (rank.get(g.method, len(METHOD_ORDER)), g.name))
 
@@ -203,7 +216,9 @@ def comparability_warnings(runs: Sequence[Run]) -> list[str]:
     warnings = []
     presets = sorted({r.preset for r in runs})
     if len(presets) > 1:
-        warnings.append(f"warning: the runs use different presets ({', '.join(presets)}); their accuracies are not directly comparable")
+        warnings.append(
+            f"warning: the runs use different presets ({', '.join(presets)}); their accuracies are not directly comparable"
+        )
     first = runs[0]
     differ = [str(r.directory) for r in runs if r.budgets != first.budgets]
     if differ:
@@ -214,7 +229,7 @@ def comparability_warnings(runs: Sequence[Run]) -> list[str]:
     for group in group_runs(runs):
         seeds = [r.seed for r in group.runs]
         for seed in sorted({s for s in seeds if seeds.count(s) > 1}):
-            warnings.append(f"warning: {group.name} has {seeds.count(seed)} runs with seed {seed}; each counts as a seed of its own")
+            warnings.append(
+                f"warning: {group.name} has {seeds.count(seed)} runs with seed {seed}; each counts as a seed of its own"
+            )
     return warnings
-
-

@@ -18,7 +18,16 @@ from pathlib import Path
 
 from feast_edge.errors import FeastError
 from feast_edge.report.plots import draw_plots, require_matplotlib
-from feast_edge.report.runs import REFERENCE, Group, Run, comparability_warnings, group_runs, load_run, reference_group, variant_gaps
+from feast_edge.report.runs import (
+    REFERENCE,
+    Group,
+    Run,
+    comparability_warnings,
+    group_runs,
+    load_run,
+    reference_group,
+    variant_gaps,
+)
 from feast_edge.util.atomic import atomic_write_bytes
 
 FORMATS = {"markdown": "report.md", "html": "report.html"}
@@ -77,7 +86,9 @@ def build_document(runs: Sequence[Run], title: str, warnings: Sequence[str], plo
     groups = group_runs(runs)
     reference = reference_group(groups)
     presets = ", ".join(sorted({r.preset for r in runs}))
-    clients = f"{len(runs[0].budgets)} clients" if len({r.budgets for r in runs}) == 1 else "differing client populations"
+    clients = (
+        f"{len(runs[0].budgets)} clients" if len({r.budgets for r in runs}) == 1 else "differing client populations"
+    )
     blocks: list[Block] = [
         Heading(1, title),
         Text(
@@ -93,15 +104,27 @@ def build_document(runs: Sequence[Run], title: str, warnings: Sequence[str], plo
         blocks.append(Text(f"No run has method {REFERENCE}, so the report shows no gaps."))
     else:
         seeds = _plural(len(reference.runs), "seed")
-        blocks.append(Text(f"Gaps are in accuracy points: the centralized reference ({reference.name}, mean over {seeds}) minus the method, so a "
-                           "positive gap is a shortfall. The population gap compares population accuracies; per-variant gaps are in the tables below."))
+        blocks.append(
+            Text(
+                f"Gaps are in accuracy points: the centralized reference ({reference.name}, mean over {seeds}) minus the method, so a "
+                "positive gap is a shortfall. The population gap compares population accuracies; per-variant gaps are in the tables below."
+            )
+        )
     blocks.append(Heading(2, "Per-variant accuracy"))
     for group in groups:
         blocks += _variant_table(group, reference)
     blocks.append(Heading(2, "Plots"))
     blocks += plots
     runs_read = tuple(
-        (str(r.directory), g.name, str(r.seed), str(r.rounds), _percent(r.population_accuracy), _percent(r.best_val), f"{r.seconds:.1f}")
+        (
+            str(r.directory),
+            g.name,
+            str(r.seed),
+            str(r.rounds),
+            _percent(r.population_accuracy),
+            _percent(r.best_val),
+            f"{r.seconds:.1f}",
+        )
         for g in groups
         for r in g.runs
     )
@@ -134,8 +157,16 @@ def _summary(groups: Sequence[Group], reference: Group | None) -> Table:
         )
     gap_col = ("population gap (points)",) if ref_pop is not None else ()
     header = (
-        "method", "seeds", "population acc. (%)", *gap_col, "largest point acc. (%)", "best val. acc. (%)",
-        "params sent (total)", "params sent / round", f"training compute ({unit})", "wall seconds / round",
+        "method",
+        "seeds",
+        "population acc. (%)",
+        *gap_col,
+        "largest point acc. (%)",
+        "best val. acc. (%)",
+        "params sent (total)",
+        "params sent / round",
+        f"training compute ({unit})",
+        "wall seconds / round",
     )
     return Table(header, tuple(rows))
 
@@ -145,7 +176,9 @@ def _variant_table(group: Group, reference: Group | None) -> list[Block]:
     blocks: list[Block] = [Heading(3, group.name)]
     gaps: list[str] = []
     if reference is group:
-        blocks.append(Text("The centralized reference: the gaps of the other methods are measured against these accuracies."))
+        blocks.append(
+            Text("The centralized reference: the gaps of the other methods are measured against these accuracies.")
+        )
     elif reference is not None:
         how, values = variant_gaps(group, reference)
         gaps = [_gap(v) for v in values]
@@ -193,22 +226,33 @@ def render_html(blocks: Sequence[Block], folder: Path) -> str:
     """One self-contained HTML page: every text HTML-escaped, the PNGs from ``folder`` embedded as base64."""
     esc = html.escape
     title = next((b.text for b in blocks if isinstance(b, Heading)), "feast-edge report")
-    parts = ['<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8">', f"<title>{esc(title)}</title><style>{_CSS}</style></head>\n<body>"]
+    parts = [
+        '<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8">',
+        f"<title>{esc(title)}</title><style>{_CSS}</style></head>\n<body>",
+    ]
     for b in blocks:
         if isinstance(b, Heading):
             parts.append(f"<h{b.level}>{esc(b.text)}</h{b.level}>")
         elif isinstance(b, Text):
-            parts.append(f'<p class="warning">{esc(b.text)}</p>' if b.text.startswith("warning:") else f"<p>{esc(b.text)}</p>")
+            parts.append(
+                f'<p class="warning">{esc(b.text)}</p>' if b.text.startswith("warning:") else f"<p>{esc(b.text)}</p>"
+            )
         elif isinstance(b, Table):
             head = "".join(f"<th>{esc(h)}</th>" for h in b.header)
             body = "".join(
-                "<tr>" + "".join(f"<td>{esc(c)}</td>" if i < b.left else f'<td class="num">{esc(c)}</td>' for i, c in enumerate(row)) + "</tr>\n"
+                "<tr>"
+                + "".join(
+                    f"<td>{esc(c)}</td>" if i < b.left else f'<td class="num">{esc(c)}</td>' for i, c in enumerate(row)
+                )
+                + "</tr>\n"
                 for row in b.rows
             )
             parts.append(f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>")
         else:
             data = base64.b64encode((folder / b.file).read_bytes()).decode("ascii")
-            parts.append(f'<figure><img alt="{esc(b.title)}" src="data:image/png;base64,{data}"><figcaption>{esc(b.title)}</figcaption></figure>')
+            parts.append(
+                f'<figure><img alt="{esc(b.title)}" src="data:image/png;base64,{data}"><figcaption>{esc(b.title)}</figcaption></figure>'
+            )
     parts.append("</body>\n</html>\n")
     return "\n".join(parts)
 
@@ -241,7 +285,12 @@ def write_report(run_dirs: Sequence[Path], out: Path, fmt: str = "markdown", tit
     groups = group_runs(runs)
     plots = draw_plots(groups, reference_group(groups), out)
     warnings = comparability_warnings(runs)
-    blocks = build_document(runs, title or f"feast-edge report: {', '.join(sorted({r.preset for r in runs}))}", warnings, [Image(f, t) for f, t in plots])
+    blocks = build_document(
+        runs,
+        title or f"feast-edge report: {', '.join(sorted({r.preset for r in runs}))}",
+        warnings,
+        [Image(f, t) for f, t in plots],
+    )
     text = render_markdown(blocks) if fmt == "markdown" else render_html(blocks, out)
     report = atomic_write_bytes(out / FORMATS[fmt], text.encode("utf-8"))
     return Written(report, tuple(out / f for f, _ in plots), tuple(warnings))

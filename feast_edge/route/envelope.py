@@ -35,7 +35,9 @@ class Envelope:
         """The envelope ``d*_s = max d_s(a)``, ``w*_j = max w_j(a)`` over ``archs`` (SPEC §5)."""
         archs = list(archs)
         if not archs:
-            raise ValueError("the envelope of an empty affordable set is undefined; the client can afford no cached variant")
+            raise ValueError(
+                "the envelope of an empty affordable set is undefined; the client can afford no cached variant"
+            )
         n = len(archs[0].d)
         return cls(
             stem_w=max(a.w[0] for a in archs),
@@ -45,7 +47,9 @@ class Envelope:
 
     def layout(self, preset: Preset, classes: int | None = None) -> Layout:
         """Physical geometry of the routed sub-supernet."""
-        return envelope_layout(preset, preset.classes if classes is None else classes, self.stem_w, self.depths, self.stage_w)
+        return envelope_layout(
+            preset, preset.classes if classes is None else classes, self.stem_w, self.depths, self.stage_w
+        )
 
     def params(self, preset: Preset, classes: int | None = None) -> int:
         """Payload size P_i in parameters (SPEC §2 rules)."""
@@ -70,7 +74,9 @@ class Envelope:
 @torch.no_grad()
 def route_state(global_state: Mapping[str, torch.Tensor], layout: Layout, preset: Preset) -> dict[str, torch.Tensor]:
     """Copies of the leading slices of ``global_state`` that a sub-supernet of ``layout`` holds."""
-    return {name: leading_slice(global_state[name], shape).clone() for name, shape in state_shapes(preset, layout).items()}
+    return {
+        name: leading_slice(global_state[name], shape).clone() for name, shape in state_shapes(preset, layout).items()
+    }
 
 
 def sub_supernet(global_model: Supernet, envelope: Envelope) -> Supernet:
@@ -108,7 +114,9 @@ class CommunicationReport:
         return r[mid] if len(r) % 2 else (r[mid - 1] + r[mid]) / 2
 
 
-def communication_report(preset: Preset, archs_by_macs: Sequence[tuple[int, Arch]], budgets: Iterable[float], classes: int | None = None) -> CommunicationReport:
+def communication_report(
+    preset: Preset, archs_by_macs: Sequence[tuple[int, Arch]], budgets: Iterable[float], classes: int | None = None
+) -> CommunicationReport:
     """Payload P_i of every client's routed envelope, against the full supernet."""
     classes = preset.classes if classes is None else classes
     full = count_params(supernet_layout(preset, classes))

@@ -58,14 +58,19 @@ def on_the_wire(state: Mapping[str, torch.Tensor], name: str) -> dict[str, torch
     dtype = PAYLOAD_DTYPES[check_payload_dtype(name)]
     if dtype == torch.float32:
         return dict(state)
-    return {key: _cast(key, value, name).to(torch.float32) if value.is_floating_point() else value for key, value in state.items()}
+    return {
+        key: _cast(key, value, name).to(torch.float32) if value.is_floating_point() else value
+        for key, value in state.items()
+    }
 
 
 def _cast(key: str, value: torch.Tensor, name: str) -> torch.Tensor:
     """``value`` in payload dtype ``name``; a PayloadError where a finite value does not fit (float16 tops out at 65,504)."""
     cast = value.to(PAYLOAD_DTYPES[name])
     if not torch.isfinite(cast).all() and torch.isfinite(value).all():
-        raise PayloadError(f"tensor {key} holds values beyond the range of {name} (max |x| = {value.abs().max():.4g}); use payload dtype bfloat16 or float32")
+        raise PayloadError(
+            f"tensor {key} holds values beyond the range of {name} (max |x| = {value.abs().max():.4g}); use payload dtype bfloat16 or float32"
+        )
     return cast
 
 
@@ -84,11 +89,27 @@ class Manifest:
 
     @classmethod
     def of(
-        cls, preset: Preset, classes: int, envelope: Envelope, round: int, kind: str = "routed", device: str | None = None, dtype: str = "float32",
+        cls,
+        preset: Preset,
+        classes: int,
+        envelope: Envelope,
+        round: int,
+        kind: str = "routed",
+        device: str | None = None,
+        dtype: str = "float32",
     ) -> Manifest:
         """The manifest of a ``kind`` payload routing ``envelope`` of ``preset`` in ``round``, optionally naming its device."""
         fields = {} if device is None else {"device": device}
-        return cls(preset.name, preset.digest, classes, envelope, round=round, kind=kind, fields=fields, dtype=check_payload_dtype(dtype))
+        return cls(
+            preset.name,
+            preset.digest,
+            classes,
+            envelope,
+            round=round,
+            kind=kind,
+            fields=fields,
+            dtype=check_payload_dtype(dtype),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,9 +128,13 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: Any) -> "Manifest":
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise PayloadError(f"payload manifest has format {data.get('format') if isinstance(data, dict) else None!r}, expected {FORMAT!r}")
+            raise PayloadError(
+                f"payload manifest has format {data.get('format') if isinstance(data, dict) else None!r}, expected {FORMAT!r}"
+            )
         if data.get("version") != VERSION:
-            raise PayloadError(f"payload manifest version {data.get('version')!r} is not supported (expected {VERSION}); upgrade feast-edge on both sides")
+            raise PayloadError(
+                f"payload manifest version {data.get('version')!r} is not supported (expected {VERSION}); upgrade feast-edge on both sides"
+            )
         try:
             manifest = cls(
                 preset=str(data["preset"]),
@@ -165,7 +190,15 @@ def read_manifest(blob: bytes) -> Manifest:
         if not isinstance(meta, str) or len(meta) > MAX_HEADER_BYTES:
             raise TypeError("manifest is not a bounded string")
         return Manifest.from_dict(json.loads(meta))
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError, OverflowError) as exc:
+    except (
+        UnicodeDecodeError,
+        json.JSONDecodeError,
+        KeyError,
+        TypeError,
+        ValueError,
+        RecursionError,
+        OverflowError,
+    ) as exc:
         if isinstance(exc, PayloadError):
             raise
         raise PayloadError("payload header is not a feast-edge manifest") from None
@@ -180,7 +213,9 @@ def decode(blob: bytes, preset: Preset, expected: Manifest | None = None) -> tup
     if expected is not None:
         for name in ("classes", "envelope", "round", "dtype"):
             if getattr(manifest, name) != getattr(expected, name):
-                raise PayloadError(f"payload {name} {getattr(manifest, name)!r} does not match the routed {name} {getattr(expected, name)!r}")
+                raise PayloadError(
+                    f"payload {name} {getattr(manifest, name)!r} does not match the routed {name} {getattr(expected, name)!r}"
+                )
     try:
         tensors = safetensors_load(blob)
     except (SafetensorError, ValueError, RuntimeError) as exc:
@@ -188,10 +223,14 @@ def decode(blob: bytes, preset: Preset, expected: Manifest | None = None) -> tup
     shapes = expected_shapes(preset, manifest.classes, manifest.envelope)
     missing, extra = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
     if missing or extra:
-        raise PayloadError(f"payload tensors do not match the envelope ({len(missing)} missing, e.g. {missing[:2]}; {len(extra)} unexpected, e.g. {extra[:2]})")
+        raise PayloadError(
+            f"payload tensors do not match the envelope ({len(missing)} missing, e.g. {missing[:2]}; {len(extra)} unexpected, e.g. {extra[:2]})"
+        )
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != shapes[name]:
-            raise PayloadError(f"payload tensor {name} has shape {tuple(tensor.shape)}, the envelope routes {shapes[name]}")
+            raise PayloadError(
+                f"payload tensor {name} has shape {tuple(tensor.shape)}, the envelope routes {shapes[name]}"
+            )
         want = torch.int64 if name.endswith("num_batches_tracked") else PAYLOAD_DTYPES[manifest.dtype]
         if tensor.dtype != want:
             raise PayloadError(f"payload tensor {name} has dtype {tensor.dtype}, expected {want}")

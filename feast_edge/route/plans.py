@@ -22,7 +22,15 @@ class ClientPlan:
     def layout(self, preset: Preset, classes: int):
         return self.envelope.layout(preset, classes)
 
-    def manifest(self, preset: Preset, classes: int, round_index: int, kind: str, device: str | None = None, dtype: str = "float32") -> Manifest:
+    def manifest(
+        self,
+        preset: Preset,
+        classes: int,
+        round_index: int,
+        kind: str,
+        device: str | None = None,
+        dtype: str = "float32",
+    ) -> Manifest:
         """The manifest of this plan's routed payload (``kind="routed"``) or of the update it comes back as, in payload ``dtype``."""
         return Manifest.of(preset, classes, self.envelope, round_index, kind, device, dtype)
 

@@ -69,7 +69,13 @@ def save_module(path: str | os.PathLike[str], module: torch.nn.Module, model: di
     """Atomically write a module that is not a supernet; ``model`` (JSON) describes its architecture and is checked on load."""
     path = check_writable(path, "checkpoint")
     tensors = state_tensors(module)
-    record = {"format": MODEL_FORMAT, "version": VERSION, "model": model, "content_sha256": tensors_digest(tensors), "fields": fields}
+    record = {
+        "format": MODEL_FORMAT,
+        "version": VERSION,
+        "model": model,
+        "content_sha256": tensors_digest(tensors),
+        "fields": fields,
+    }
     return atomic_write_bytes(path, safetensors_save(tensors, metadata={META_KEY: json.dumps(record, sort_keys=True)}))
 
 
@@ -77,7 +83,9 @@ def load_module(path: str | os.PathLike[str], module: torch.nn.Module, model: di
     """Load a :func:`save_module` checkpoint into ``module`` after checking its model record, names, shapes, digest and values."""
     record = read_record(path, MODEL_FORMAT)
     if json.dumps(record.get("model"), sort_keys=True) != json.dumps(model, sort_keys=True):
-        raise CheckpointError(f"checkpoint {path} holds another model ({record.get('model')}), not {model}; pass the checkpoint of this run")
+        raise CheckpointError(
+            f"checkpoint {path} holds another model ({record.get('model')}), not {model}; pass the checkpoint of this run"
+        )
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     state = _read_tensors(path, expected, f"model {model.get('method', '')}".strip())
     _check_content(path, record, state)
@@ -85,7 +93,9 @@ def load_module(path: str | os.PathLike[str], module: torch.nn.Module, model: di
     return record
 
 
-def _read_tensors(path: str | os.PathLike[str], expected: dict[str, tuple[int, ...]], what: str) -> dict[str, torch.Tensor]:
+def _read_tensors(
+    path: str | os.PathLike[str], expected: dict[str, tuple[int, ...]], what: str
+) -> dict[str, torch.Tensor]:
     """Every expected tensor of a checkpoint, refusing missing, unexpected or mis-shaped ones."""
     with safe_open(str(path), framework="pt", device="cpu") as f:
         names = set(f.keys())
@@ -113,33 +123,51 @@ def _check_content(path: str | os.PathLike[str], record: dict[str, Any], state: 
     """The bytes on disk must be the ones written, and finite: a flipped tensor keeps the file's size and structure."""
     stored_digest = record.get("content_sha256")
     if stored_digest is not None and tensors_digest(state) != stored_digest:
-        raise CheckpointError(f"checkpoint {path} is corrupt: its tensors do not match the SHA-256 its record was written with (the file changed on disk)")
-    broken = [name for name, tensor in state.items() if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its tensors do not match the SHA-256 its record was written with (the file changed on disk)"
+        )
+    broken = [
+        name for name, tensor in state.items() if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
     if broken:
-        raise CheckpointError(f"checkpoint {path} holds NaN or infinite values (in {len(broken)} tensors, e.g. {broken[0]}); it cannot be resumed or exported")
+        raise CheckpointError(
+            f"checkpoint {path} holds NaN or infinite values (in {len(broken)} tensors, e.g. {broken[0]}); it cannot be resumed or exported"
+        )
 
 
 def read_record(path: str | os.PathLike[str], format: str | None = FORMAT) -> dict[str, Any]:
     """The validated JSON record of a checkpoint, without reading its tensors."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; pass the path of a .safetensors file written by feast-edge")
+        raise CheckpointError(
+            f"checkpoint {path} does not exist; pass the path of a .safetensors file written by feast-edge"
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not a safetensors checkpoint ({exc}); pass a file written by feast-edge (pickled .pt files are never loaded)") from None
+        raise CheckpointError(
+            f"{path} is not a safetensors checkpoint ({exc}); pass a file written by feast-edge (pickled .pt files are never loaded)"
+        ) from None
     try:
         record = json.loads(meta[META_KEY])
     except (KeyError, json.JSONDecodeError, RecursionError):
-        raise CheckpointError(f"{path} is a safetensors file but not a feast-edge checkpoint (no valid '{META_KEY}' header); pass a checkpoint written by feast-edge") from None
+        raise CheckpointError(
+            f"{path} is a safetensors file but not a feast-edge checkpoint (no valid '{META_KEY}' header); pass a checkpoint written by feast-edge"
+        ) from None
     if not isinstance(record, dict) or record.get("format") not in (FORMAT, MODEL_FORMAT):
-        raise CheckpointError(f"{path} has format {record.get('format') if isinstance(record, dict) else None!r}, expected {format!r}; pass a feast-edge checkpoint")
+        raise CheckpointError(
+            f"{path} has format {record.get('format') if isinstance(record, dict) else None!r}, expected {format!r}; pass a feast-edge checkpoint"
+        )
     if format is not None and record["format"] != format:
         what = "a supernet" if format == FORMAT else "a baseline model"
-        raise CheckpointError(f"{path} holds a {record['format']!r} checkpoint, not {what}; pass a checkpoint of the right kind")
+        raise CheckpointError(
+            f"{path} holds a {record['format']!r} checkpoint, not {what}; pass a checkpoint of the right kind"
+        )
     if record.get("version") != VERSION:
-        raise CheckpointError(f"{path} has checkpoint version {record.get('version')!r}; this feast-edge reads version {VERSION}, upgrade or re-export it")
+        raise CheckpointError(
+            f"{path} has checkpoint version {record.get('version')!r}; this feast-edge reads version {VERSION}, upgrade or re-export it"
+        )
     return record
 
 
@@ -147,9 +175,13 @@ def checkpoint_preset(record: dict[str, Any], path: str | os.PathLike[str] = "<c
     try:
         preset = Preset.from_dict(record["preset"])
     except (KeyError, PresetError) as exc:
-        raise CheckpointError(f"checkpoint {path} carries an invalid preset ({exc}); re-create the checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint {path} carries an invalid preset ({exc}); re-create the checkpoint"
+        ) from None
     if preset.digest != record.get("preset_digest"):
-        raise CheckpointError(f"checkpoint {path} is corrupt: its preset digest does not match its preset; re-create the checkpoint")
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its preset digest does not match its preset; re-create the checkpoint"
+        )
     return preset
 
 

@@ -51,5 +51,12 @@ class Collector(Protocol):
     def budget(self, client: str) -> float:
         """The client's MAC budget."""
 
-    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+    def collect(
+        self,
+        t: int,
+        cohort: Sequence[str],
+        plans: Mapping[str, ClientPlan],
+        global_state: Mapping[str, torch.Tensor],
+        lr: float,
+    ) -> Collected:
         """Round ``t``: route each cohort member its plan's slice of ``global_state``, return the valid updates."""

@@ -35,7 +35,15 @@ from feast_edge.errors import CheckpointError, FeastError
 from feast_edge.evaluate.evaluation import Validation
 from feast_edge.local.recipe import TrainConfig, scheduled_lr
 from feast_edge.route.payload import PAYLOAD_DTYPES, bytes_per_param
-from feast_edge.run.checkpoint import FORMAT, MODEL_FORMAT, load_module, load_supernet, read_record, save_module, save_supernet
+from feast_edge.run.checkpoint import (
+    FORMAT,
+    MODEL_FORMAT,
+    load_module,
+    load_supernet,
+    read_record,
+    save_module,
+    save_supernet,
+)
 from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import ClientUpdate, Collector
 from feast_edge.run.strategy import FeastStrategy
@@ -104,7 +112,9 @@ class RunSettings:
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     lr_schedule: str = "cosine"  # feast_edge.local.recipe.SCHEDULES, over the federation horizon
-    payload_dtype: str = "float32"  # of the payloads on the wire (feast_edge.route.payload.PAYLOAD_DTYPES); the model stays float32
+    payload_dtype: str = (
+        "float32"  # of the payloads on the wire (feast_edge.route.payload.PAYLOAD_DTYPES); the model stays float32
+    )
 
     def __post_init__(self) -> None:
         check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
@@ -120,7 +130,9 @@ def check_run_options(payload_dtype: str, aggregation: str, trim: float, clip_no
         raise RunError(str(exc)) from None
 
 
-def recorded_settings(train: TrainConfig, schedule: str, aggregation: str, trim: float, clip_norm: float | None, payload_dtype: str) -> dict[str, Any]:
+def recorded_settings(
+    train: TrainConfig, schedule: str, aggregation: str, trim: float, clip_norm: float | None, payload_dtype: str
+) -> dict[str, Any]:
     """What every run's fingerprint records of its recipe, aggregation and wire: the resolved recipe, the aggregation
     settings its rule reads (none for the mean) and a payload dtype other than float32 (float32 runs keep their earlier fingerprints)."""
     wire = {} if payload_dtype == "float32" else {"payload_dtype": payload_dtype}
@@ -136,7 +148,13 @@ class RoundMethod(Protocol):
     def payload_params(self, plan: Any) -> int:
         """Parameters sent to a client with this plan (one direction)."""
 
-    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+    def aggregate(
+        self,
+        t: int,
+        global_state: Mapping[str, torch.Tensor],
+        updates: Sequence[ClientUpdate],
+        plans: Mapping[str, Any],
+    ) -> None:
         """Fold the valid updates (client-id order) into ``global_state`` in place."""
 
     def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
@@ -182,7 +200,11 @@ class RunLoop:
         self.preset = model.preset if isinstance(model, Supernet) else None
         self.cache = cache
         self.settings = settings
-        self.method: RoundMethod = method if method is not None else FeastStrategy(model, cache, settings.aggregation, settings.trim, settings.clip_norm)
+        self.method: RoundMethod = (
+            method
+            if method is not None
+            else FeastStrategy(model, cache, settings.aggregation, settings.trim, settings.clip_norm)
+        )
         self.model_record = None if isinstance(model, Supernet) else dict(model_record or {})
         self.out = Path(out)
         self.kind = kind
@@ -201,8 +223,14 @@ class RunLoop:
         if name == CHECKPOINT:
             _keep_previous(self.out / CHECKPOINT, self.out / PREVIOUS)
         fields = dict(
-            kind=self.kind, fingerprint=self.fingerprint, config=self.config, round=len(self.history),
-            history=[asdict(h) for h in self.history], history_format=HISTORY_FORMAT, best=self.best, **self.extra_fields(),
+            kind=self.kind,
+            fingerprint=self.fingerprint,
+            config=self.config,
+            round=len(self.history),
+            history=[asdict(h) for h in self.history],
+            history_format=HISTORY_FORMAT,
+            best=self.best,
+            **self.extra_fields(),
         )
         if self.model_record is None:
             save_supernet(self.out / name, self.model, **fields)
@@ -229,19 +257,29 @@ class RunLoop:
         record = read_record(path, format=None)
         stored = record.get("fields", {})
         if record["format"] != (FORMAT if self.model_record is None else MODEL_FORMAT):
-            raise RunError(f"{path} holds another kind of model ({record.get('model', {}).get('method', 'a supernet')}); {hint}")
+            raise RunError(
+                f"{path} holds another kind of model ({record.get('model', {}).get('method', 'a supernet')}); {hint}"
+            )
         if stored.get("kind") != self.kind:
             raise RunError(f"{path} is not a {self.kind} checkpoint; {hint}")
         if stored.get("fingerprint") != self.fingerprint:
             theirs = stored.get("config", {})
-            differ = sorted(k for k in {*self.config, *theirs} if json.dumps(self.config.get(k), sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True))
-            raise RunError(f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(differ) or 'the preset'}); {hint}")
+            differ = sorted(
+                k
+                for k in {*self.config, *theirs}
+                if json.dumps(self.config.get(k), sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True)
+            )
+            raise RunError(
+                f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(differ) or 'the preset'}); {hint}"
+            )
         try:
             model, record = self.load(path)
         except CheckpointError as exc:
             previous = self.out / PREVIOUS
             if not previous.is_file():
-                raise RunError(f"cannot resume: {exc}; no previous checkpoint is kept; start a new run in another --out") from None
+                raise RunError(
+                    f"cannot resume: {exc}; no previous checkpoint is kept; start a new run in another --out"
+                ) from None
             if not fall_back:
                 raise RunError(
                     f"cannot resume: {exc}; the previous good checkpoint is kept beside it: to resume from there, run 'mv {previous} {path}' "
@@ -251,7 +289,9 @@ class RunLoop:
             try:
                 model, record = self.load(previous)
             except CheckpointError as second:
-                raise RunError(f"cannot resume: {exc}; the previous checkpoint is damaged too: {second}; start a new run in another --out") from None
+                raise RunError(
+                    f"cannot resume: {exc}; the previous checkpoint is damaged too: {second}; start a new run in another --out"
+                ) from None
             path.rename(damaged)
             os.link(previous, path)  # the previous one becomes the last good checkpoint; it stays the previous one too
             self.recovered = f"{path} is damaged ({exc}); kept it as {damaged.name} and resumed from the previous checkpoint {previous.name}"
@@ -281,7 +321,13 @@ class RunLoop:
         global_state = self.model.state_dict()  # aliases the model's tensors: aggregation writes into the model
         got = collector.collect(t, cohort, plans, global_state, lr)
         record = RoundRecord(
-            round=t + 1, lr=lr, cohort=list(cohort), rejected=got.rejected, missing=got.missing, dropped=got.dropped, ignored=got.ignored,
+            round=t + 1,
+            lr=lr,
+            cohort=list(cohort),
+            rejected=got.rejected,
+            missing=got.missing,
+            dropped=got.dropped,
+            ignored=got.ignored,
             send_seconds=got.send_seconds,
             routed_params=sum(self.method.payload_params(plans[c]) for c in cohort),
             full_params=len(cohort) * self.full_params,

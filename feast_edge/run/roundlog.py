@@ -22,8 +22,21 @@ from feast_edge.util.atomic import atomic_write_bytes
 ROUNDS_CSV = "rounds.csv"
 TENSORBOARD_DIR = "tensorboard"
 COLUMNS = [
-    "round", "lr", "loss", "samples", "train_macs", "routed_params", "full_params", "routed_bytes", "full_bytes", "val_accuracy", "seconds",
-    "updated", "rejected", "missing", "dropped",
+    "round",
+    "lr",
+    "loss",
+    "samples",
+    "train_macs",
+    "routed_params",
+    "full_params",
+    "routed_bytes",
+    "full_bytes",
+    "val_accuracy",
+    "seconds",
+    "updated",
+    "rejected",
+    "missing",
+    "dropped",
 ]
 
 
@@ -34,8 +47,21 @@ class TensorBoardError(FeastError):
 def round_row(h: RoundRecord) -> list[Any]:
     """One ``rounds.csv`` row (empty cells for what the round did not measure)."""
     return [
-        h.round, f"{h.lr:.6f}", "" if h.loss is None else f"{h.loss:.4f}", h.samples, h.train_macs, h.routed_params, h.full_params, h.routed_bytes, h.full_bytes,
-        "" if h.val_accuracy is None else f"{h.val_accuracy:.4f}", f"{h.seconds:.2f}", len(h.updated), len(h.rejected), len(h.missing), len(h.dropped),
+        h.round,
+        f"{h.lr:.6f}",
+        "" if h.loss is None else f"{h.loss:.4f}",
+        h.samples,
+        h.train_macs,
+        h.routed_params,
+        h.full_params,
+        h.routed_bytes,
+        h.full_bytes,
+        "" if h.val_accuracy is None else f"{h.val_accuracy:.4f}",
+        f"{h.seconds:.2f}",
+        len(h.updated),
+        len(h.rejected),
+        len(h.missing),
+        len(h.dropped),
     ]
 
 
@@ -55,16 +81,26 @@ class TensorBoardLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # torch ships the writer, the tensorboard package the protobufs it writes
-            raise TensorBoardError("--tensorboard needs the tensorboard package: pip install 'feast-edge[tensorboard]' (or pip install tensorboard)") from None
+            raise TensorBoardError(
+                "--tensorboard needs the tensorboard package: pip install 'feast-edge[tensorboard]' (or pip install tensorboard)"
+            ) from None
         # A resumed run starts again after its last checkpoint: events of rounds past it (written before a crash) are dropped.
         self.writer = SummaryWriter(log_dir=str(directory), purge_step=first_round)
 
     def write(self, h: RoundRecord) -> None:
         scalars = {
-            "train/loss": h.loss, "train/lr": h.lr, "train/samples": h.samples, "compute/train_macs": h.train_macs,
-            "traffic/routed_params": h.routed_params, "traffic/full_broadcast_params": h.full_params, "traffic/routed_bytes": h.routed_bytes,
-            "traffic/full_broadcast_bytes": h.full_bytes, "round/seconds": h.seconds,
-            "round/updated": len(h.updated), "round/rejected": len(h.rejected), "validation/accuracy": h.val_accuracy,
+            "train/loss": h.loss,
+            "train/lr": h.lr,
+            "train/samples": h.samples,
+            "compute/train_macs": h.train_macs,
+            "traffic/routed_params": h.routed_params,
+            "traffic/full_broadcast_params": h.full_params,
+            "traffic/routed_bytes": h.routed_bytes,
+            "traffic/full_broadcast_bytes": h.full_bytes,
+            "round/seconds": h.seconds,
+            "round/updated": len(h.updated),
+            "round/rejected": len(h.rejected),
+            "validation/accuracy": h.val_accuracy,
         }
         for tag, value in scalars.items():
             if value is not None:

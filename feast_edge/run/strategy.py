@@ -33,7 +33,14 @@ from feast_edge.space.supernet import Supernet
 class FeastStrategy(ServedPoints):
     """FEAST's plans, payload sizes, aggregation and operating points over one supernet and its variant cache."""
 
-    def __init__(self, model: Supernet, cache: VariantCache, aggregation: str = "mean", trim: float = 0.1, clip_norm: float | None = None) -> None:
+    def __init__(
+        self,
+        model: Supernet,
+        cache: VariantCache,
+        aggregation: str = "mean",
+        trim: float = 0.1,
+        clip_norm: float | None = None,
+    ) -> None:
         check_rule(aggregation, trim, clip_norm)
         self.model, self.cache = model, cache
         self.preset = model.preset
@@ -52,15 +59,27 @@ class FeastStrategy(ServedPoints):
         """Parameters of the whole supernet (what broadcasting it to one client sends)."""
         return count_params(supernet_layout(self.preset, self.model.classes))
 
-    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+    def aggregate(
+        self,
+        t: int,
+        global_state: Mapping[str, torch.Tensor],
+        updates: Sequence[ClientUpdate],
+        plans: Mapping[str, Any],
+    ) -> None:
         """Fold the valid updates into ``global_state`` in place (SPEC §6, or the robust rule chosen)."""
         updates = [(u.client, u.state, u.samples) for u in updates]
-        aggregate_updates(global_state, updates, inplace=True, rule=self.aggregation, trim=self.trim, clip_norm=self.clip_norm)
+        aggregate_updates(
+            global_state, updates, inplace=True, rule=self.aggregation, trim=self.trim, clip_norm=self.clip_norm
+        )
 
     def points(self) -> list[OperatingPoint]:
         """The cached variants, sorted by MACs."""
-        return [OperatingPoint(f"variant {i}", e.macs, e.params, e.arch.to_dict()) for i, e in enumerate(self.cache.entries)]
+        return [
+            OperatingPoint(f"variant {i}", e.macs, e.params, e.arch.to_dict()) for i, e in enumerate(self.cache.entries)
+        ]
 
-    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> StaticResNet:
+    def point_network(
+        self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
+    ) -> StaticResNet:
         """The cached variant extracted as a static network, BN recalibrated (SPEC §8)."""
         return calibrated_variant(self.model, Arch.from_dict(dict(point.detail)), calibration_images, device=device)

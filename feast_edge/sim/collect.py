@@ -19,7 +19,9 @@ class InProcessCollector:
         self.setup = setup
         self.method = method
         self.budgets = {cid: float(b) for cid, b in zip(setup.client_ids, setup.population.budgets)}
-        self.on_start: Callable[[int, Sequence[str], Mapping[str, Any]], None] | None = None  # told each round's (t, cohort, plans)
+        self.on_start: Callable[[int, Sequence[str], Mapping[str, Any]], None] | None = (
+            None  # told each round's (t, cohort, plans)
+        )
 
     def clients(self, needed: int) -> list[str]:
         return list(self.setup.client_ids)
@@ -27,7 +29,14 @@ class InProcessCollector:
     def budget(self, client: str) -> float:
         return self.budgets[client]
 
-    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+    def collect(
+        self,
+        t: int,
+        cohort: Sequence[str],
+        plans: Mapping[str, Any],
+        global_state: Mapping[str, torch.Tensor],
+        lr: float,
+    ) -> Collected:
         if self.on_start is not None:
             self.on_start(t, cohort, plans)
         return Collected(self.method.collect(t, cohort, plans, global_state, lr))

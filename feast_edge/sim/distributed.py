@@ -63,7 +63,9 @@ def check_spread(config: SimulationConfig, nproc: int) -> None:
             f"lower --nproc to at most {config.per_round} or raise --per-round"
         )
     if nproc > 1 and method_class(config.method).collect is not Method.collect:
-        raise DistributedError(f"--method {config.method} trains one pooled model, it has no cohort of clients to spread over processes; run it with --nproc 1")
+        raise DistributedError(
+            f"--method {config.method} trains one pooled model, it has no cohort of clients to spread over processes; run it with --nproc 1"
+        )
 
 
 def assign(cohort: Sequence[str], costs: Sequence[float], size: int) -> list[list[str]]:
@@ -88,11 +90,20 @@ class SpreadCollector(InProcessCollector):
         self.channel, self.rounds, self.closed = channel, rounds, False
         self.sizes = {cid: int(n) for cid, n in zip(setup.client_ids, setup.population.sizes)}
 
-    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any], global_state: Mapping[str, torch.Tensor], lr: float) -> Collected:
+    def collect(
+        self,
+        t: int,
+        cohort: Sequence[str],
+        plans: Mapping[str, Any],
+        global_state: Mapping[str, torch.Tensor],
+        lr: float,
+    ) -> Collected:
         if self.on_start is not None:
             self.on_start(t, cohort, plans)
         cohort = list(cohort)
-        parts = assign(cohort, [self.method.train_cost(plans[c]) * self.sizes[c] for c in cohort], self.channel.world.size)
+        parts = assign(
+            cohort, [self.method.train_cost(plans[c]) * self.sizes[c] for c in cohort], self.channel.world.size
+        )
         header = {"round": t, "lr": lr, "cohort": cohort, "parts": parts, "plans": plans_digest(plans, cohort)}
         self.channel.broadcast(json.dumps(header).encode())
         self.channel.broadcast(save_tensors({k: v.detach().cpu().contiguous() for k, v in global_state.items()}))
@@ -101,7 +112,9 @@ class SpreadCollector(InProcessCollector):
         for data in self.channel.gather(b""):
             got.update({u.client: u for u in unpack_updates(data)})
         if sorted(got) != sorted(cohort):
-            raise DistributedError(f"round {t + 1}: updates came back for {sorted(got)}, the cohort is {cohort}; the processes disagree, rerun")
+            raise DistributedError(
+                f"round {t + 1}: updates came back for {sorted(got)}, the cohort is {cohort}; the processes disagree, rerun"
+            )
         if t + 1 >= self.rounds:
             self.close()  # the final test runs on rank 0 alone
         return Collected([got[c] for c in cohort])
@@ -125,9 +138,14 @@ def serve(setup: Setup, method: Method, channel: Channel) -> int:
         t, cohort = int(header["round"]), list(header["cohort"])
         plans = method.plans(t, cohort, budgets.__getitem__)
         if plans_digest(plans, cohort) != header["plans"]:
-            raise DistributedError(f"rank {channel.world.rank} planned round {t + 1} differently from rank 0; every process must run the same feast-edge version and options")
+            raise DistributedError(
+                f"rank {channel.world.rank} planned round {t + 1} differently from rank 0; every process must run the same feast-edge version and options"
+            )
         delivered = method.delivered(state)
-        updates = [method.train_one(t, c, plans[c], delivered, float(header["lr"])) for c in header["parts"][channel.world.rank]]
+        updates = [
+            method.train_one(t, c, plans[c], delivered, float(header["lr"]))
+            for c in header["parts"][channel.world.rank]
+        ]
         channel.gather(pack_updates(updates))
         served += 1
 
@@ -135,14 +153,24 @@ def serve(setup: Setup, method: Method, channel: Channel) -> int:
 class LocalWorkers:
     """The other ``nproc - 1`` processes of ``--nproc N`` on this machine, started at once so they load data alongside rank 0."""
 
-    def __init__(self, config: SimulationConfig, nproc: int, threads: int, backend: str, command: Sequence[str]) -> None:
+    def __init__(
+        self, config: SimulationConfig, nproc: int, threads: int, backend: str, command: Sequence[str]
+    ) -> None:
         self.world = World(0, nproc, 0, nproc)
         self.backend = backend
         self.store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-        job = json.dumps({"config": asdict(config), "threads": threads, "backend": backend, "port": self.store.port}).encode()
+        job = json.dumps(
+            {"config": asdict(config), "threads": threads, "backend": backend, "port": self.store.port}
+        ).encode()
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, nproc):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(nproc),
+            }
             proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, env=env)
             self.procs.append(proc)
             proc.stdin.write(job)
@@ -152,8 +180,14 @@ class LocalWorkers:
         """Raise when a worker process has exited (it printed why)."""
         for rank, proc in enumerate(self.procs, start=1):
             if proc.poll() is not None:
-                how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited with status {proc.returncode} (its error is above)"
-                raise DistributedError(f"simulation process {rank} of {self.world.size} {how}; rerun (--resume continues from the last checkpoint)")
+                how = (
+                    f"was killed by signal {-proc.returncode}"
+                    if proc.returncode < 0
+                    else f"exited with status {proc.returncode} (its error is above)"
+                )
+                raise DistributedError(
+                    f"simulation process {rank} of {self.world.size} {how}; rerun (--resume continues from the last checkpoint)"
+                )
 
     def connect(self) -> Channel:
         """Wait until every worker has built its setup, then join the process group as rank 0."""
@@ -183,19 +217,32 @@ class LocalWorkers:
 class Spread:
     """How this process takes part in a simulation: alone, as rank 0 (with local workers or under torchrun), or as a worker."""
 
-    def __init__(self, config: SimulationConfig, nproc: int = 1, threads: int = 0, backend: str = "auto", command: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        config: SimulationConfig,
+        nproc: int = 1,
+        threads: int = 0,
+        backend: str = "auto",
+        command: Sequence[str] = (),
+    ) -> None:
         """``command`` starts a local worker (it runs :func:`serve_local`); needed for ``nproc > 1`` outside torchrun."""
         launched = torchrun_world()
         if launched is not None and nproc > 1:
-            raise DistributedError("--nproc starts processes on this machine; under torchrun leave it out and give torchrun --nproc-per-node")
+            raise DistributedError(
+                "--nproc starts processes on this machine; under torchrun leave it out and give torchrun --nproc-per-node"
+            )
         check_spread(config, launched.size if launched is not None else nproc)
         if launched is None and nproc > 1 and not command:
-            raise DistributedError("--nproc > 1 needs the command that starts a worker process (feast-edge simulate passes it)")
+            raise DistributedError(
+                "--nproc > 1 needs the command that starts a worker process (feast-edge simulate passes it)"
+            )
         self.config, self.launched, self.command = config, launched, tuple(command)
         self.world = launched or World(0, nproc, 0, nproc)
         self.backend = pick_backend(backend, config.device, self.world.local_size)
         if threads == 0 and launched is None and nproc > 1:
-            threads = max(1, torch.get_num_threads() // nproc)  # the machine's cores shared out (the rule in docs/deployment.md)
+            threads = max(
+                1, torch.get_num_threads() // nproc
+            )  # the machine's cores shared out (the rule in docs/deployment.md)
         if threads > 0:
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()
@@ -282,4 +329,3 @@ def build_worker(config: SimulationConfig) -> tuple[Setup, Method]:
     """What a worker rank trains with: the same setup and method rank 0 builds from the same config."""
     setup = build_setup(config)
     return setup, method_class(config.method)(setup, config)
-

@@ -52,9 +52,14 @@ def torchrun_world() -> World | None:
         return None
     try:
         size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        local = (
+            int(os.environ.get("LOCAL_RANK", "0")),
+            int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+        )
     except ValueError:
-        raise DistributedError("WORLD_SIZE, RANK, LOCAL_RANK or LOCAL_WORLD_SIZE is not a number; launch with torchrun, or unset them") from None
+        raise DistributedError(
+            "WORLD_SIZE, RANK, LOCAL_RANK or LOCAL_WORLD_SIZE is not a number; launch with torchrun, or unset them"
+        ) from None
     return World(rank, size, *local) if size > 1 else None
 
 
@@ -66,9 +71,13 @@ def pick_backend(requested: str, device: str, local_size: int) -> str:
     gpus = torch.cuda.device_count() if cuda else 0
     if requested == "nccl":
         if not cuda:
-            raise DistributedError(f"--dist-backend nccl needs CUDA GPUs and --device cuda (the device is {device}); use --dist-backend gloo")
+            raise DistributedError(
+                f"--dist-backend nccl needs CUDA GPUs and --device cuda (the device is {device}); use --dist-backend gloo"
+            )
         if gpus < local_size:
-            raise DistributedError(f"--dist-backend nccl needs one GPU per process: {local_size} processes on this machine, {gpus} GPUs; lower --nproc or use gloo")
+            raise DistributedError(
+                f"--dist-backend nccl needs one GPU per process: {local_size} processes on this machine, {gpus} GPUs; lower --nproc or use gloo"
+            )
         return "nccl"
     return "nccl" if requested == "auto" and cuda and gpus >= local_size else "gloo"
 
@@ -103,7 +112,9 @@ def unpack_updates(data: bytes) -> list[ClientUpdate]:
     for key, tensor in load_tensors(body).items():
         client, _, name = key.partition("/")
         states.setdefault(client, {})[name] = tensor
-    return [ClientUpdate(m["client"], states.get(m["client"], {}), **{k: m[k] for k in _META}) for m in json.loads(header)]
+    return [
+        ClientUpdate(m["client"], states.get(m["client"], {}), **{k: m[k] for k in _META}) for m in json.loads(header)
+    ]
 
 
 class Channel:
@@ -124,7 +135,9 @@ class Channel:
             for _ in range(40):  # a dead peer's sockets close a moment before its exit is seen; name it when we can
                 self.alive()
                 time.sleep(0.05)
-            raise DistributedError(f"rank {self.world.rank}: {what} failed ({str(exc).splitlines()[0][:200]}); another process has stopped, see its error") from None
+            raise DistributedError(
+                f"rank {self.world.rank}: {what} failed ({str(exc).splitlines()[0][:200]}); another process has stopped, see its error"
+            ) from None
 
     def _buffer(self, data: bytes | None, size: int) -> torch.Tensor:
         if data:
@@ -148,7 +161,10 @@ class Channel:
         """
         size = self.world.size
         lengths = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(size)]
-        self._wait(dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=self.device), async_op=True), "gathering the updates")
+        self._wait(
+            dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=self.device), async_op=True),
+            "gathering the updates",
+        )
         sizes = [int(n.item()) for n in lengths]
         buf = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
         if data:

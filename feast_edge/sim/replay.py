@@ -27,7 +27,9 @@ from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 
 
-def replay_rounds(records: Sequence[RoundRecord], partition: Path, config: SimulationConfig, budgets: Mapping[str, float]) -> dict[str, torch.Tensor]:
+def replay_rounds(
+    records: Sequence[RoundRecord], partition: Path, config: SimulationConfig, budgets: Mapping[str, float]
+) -> dict[str, torch.Tensor]:
     """The global state after ``records``: each applied round's updated clients co-trained again on their shards in
     ``partition`` with the budgets they registered, and aggregated as the run loop does (SPEC §5–§6)."""
     preset = load_preset(config.preset)
@@ -43,7 +45,11 @@ def replay_rounds(records: Sequence[RoundRecord], partition: Path, config: Simul
             routed = route_state(state, plan.layout(preset, preset.classes), preset)
             shard = shards[client]
             seed = client_seed(config.seed, t, client)
-            new_state, result = client_update(preset, preset.classes, plan, routed, shard.images, shard.labels, config.train_config(), record.lr, seed)
+            new_state, result = client_update(
+                preset, preset.classes, plan, routed, shard.images, shard.labels, config.train_config(), record.lr, seed
+            )
             updates.append((client, new_state, result.num_samples))
-        aggregate_updates(state, updates, inplace=True, rule=config.aggregation, trim=config.trim, clip_norm=config.clip_norm)
+        aggregate_updates(
+            state, updates, inplace=True, rule=config.aggregation, trim=config.trim, clip_norm=config.clip_norm
+        )
     return state

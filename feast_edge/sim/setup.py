@@ -85,11 +85,20 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if self.budgets is not None:
             object.__setattr__(self, "budgets", tuple(float(b) for b in self.budgets))
-        object.__setattr__(self, "method_options", tuple(sorted((str(k), str(v)) for k, v in dict(self.method_options).items())))
-        object.__setattr__(self, "recipe", tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in dict(self.recipe).items())))
+        object.__setattr__(
+            self, "method_options", tuple(sorted((str(k), str(v)) for k, v in dict(self.method_options).items()))
+        )
+        object.__setattr__(
+            self,
+            "recipe",
+            tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in dict(self.recipe).items())),
+        )
         checks = [
             (self.clients >= 2, f"--clients {self.clients} must be at least 2"),
-            (1 <= self.per_round <= self.clients, f"--per-round {self.per_round} must be between 1 and --clients ({self.clients})"),
+            (
+                1 <= self.per_round <= self.clients,
+                f"--per-round {self.per_round} must be between 1 and --clients ({self.clients})",
+            ),
             (self.rounds >= 1, f"--rounds {self.rounds} must be at least 1"),
             (self.gamma >= 0, f"--gamma {self.gamma} must be >= 0 (0: data independent of budget, 1: proportional)"),
             (self.zipf_s > 0, f"--zipf-s {self.zipf_s} must be > 0"),
@@ -97,9 +106,15 @@ class SimulationConfig:
             (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
             (self.val_samples >= 1 and self.calib_samples >= 1, "--val-samples and --calib-samples must be at least 1"),
             (self.probe_variants >= 1, f"--probe-variants {self.probe_variants} must be at least 1"),
-            (self.budgets is None or len(self.budgets) == self.clients, f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client"),
+            (
+                self.budgets is None or len(self.budgets) == self.clients,
+                f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client",
+            ),
             (self.amp in AMP_MODES, f"--amp {self.amp!r} is unknown; choose one of {', '.join(AMP_MODES)}"),
-            (self.amp == "off" or self.method == "feast", f"--amp {self.amp} applies to --method feast only; {self.method} trains in float32"),
+            (
+                self.amp == "off" or self.method == "feast",
+                f"--amp {self.amp} applies to --method feast only; {self.method} trains in float32",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -109,16 +124,36 @@ class SimulationConfig:
         except RunError as exc:
             raise SimulationError(str(exc)) from None
         if self.aggregation != "mean" and self.method != "feast":
-            raise SimulationError(f"--aggregation {self.aggregation} applies to --method feast only; {self.method} aggregates as its paper does")
-        method_class(self.method).parse_options(dict(self.method_options))  # unknown method or option: one line, before any data is read
+            raise SimulationError(
+                f"--aggregation {self.aggregation} applies to --method feast only; {self.method} aggregates as its paper does"
+            )
+        method_class(self.method).parse_options(
+            dict(self.method_options)
+        )  # unknown method or option: one line, before any data is read
 
     def decisive(self) -> dict[str, Any]:
         """Every setting that changes the trained weights or the selection (not the device), the resolved recipe included."""
-        skip = ("device", "deterministic", "lr", "batch_size", "augment", "epochs", "lr_schedule", "recipe", "payload_dtype", *_AGGREGATION)
+        skip = (
+            "device",
+            "deterministic",
+            "lr",
+            "batch_size",
+            "augment",
+            "epochs",
+            "lr_schedule",
+            "recipe",
+            "payload_dtype",
+            *_AGGREGATION,
+        )
         skip += ("amp",) if self.amp == "off" else ()
-        data = {k: v for k, v in asdict(self).items() if k not in skip}  # float32 training keeps earlier runs' fingerprints
+        data = {
+            k: v for k, v in asdict(self).items() if k not in skip
+        }  # float32 training keeps earlier runs' fingerprints
         train, schedule = self.recipe_settings()
-        return {**data, **recorded_settings(train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype)}
+        return {
+            **data,
+            **recorded_settings(train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype),
+        }
 
     def fingerprint(self) -> str:
         """Digest of :meth:`decisive`."""
@@ -128,7 +163,13 @@ class SimulationConfig:
         """The training recipe: the preset's [train] table, then --recipe, then the explicit options (and the lr schedule)."""
         try:
             return preset_recipe(
-                self.preset, dict(self.recipe), lr=self.lr, batch_size=self.batch_size, augment=self.augment, epochs=self.epochs, lr_schedule=self.lr_schedule,
+                self.preset,
+                dict(self.recipe),
+                lr=self.lr,
+                batch_size=self.batch_size,
+                augment=self.augment,
+                epochs=self.epochs,
+                lr_schedule=self.lr_schedule,
                 variants=self.variants,
             )
         except TrainError as exc:
@@ -182,14 +223,20 @@ def build_setup(config: SimulationConfig) -> Setup:
     test = load_dataset(config.dataset, config.data_dir, "test", preset.input_size, preset.in_channels)
     shape = tuple(train.images.shape[1:])
     if shape != (preset.in_channels, preset.input_size, preset.input_size):
-        raise DataError(f"data set {config.dataset} has images {shape}, preset {preset.name} takes {(preset.in_channels, preset.input_size, preset.input_size)}; choose a matching --preset")
+        raise DataError(
+            f"data set {config.dataset} has images {shape}, preset {preset.name} takes {(preset.in_channels, preset.input_size, preset.input_size)}; choose a matching --preset"
+        )
     if int(train.labels.max()) >= preset.classes:
-        raise DataError(f"data set {config.dataset} has {int(train.labels.max()) + 1} classes, preset {preset.name} classifies {preset.classes}; choose a matching --preset")
+        raise DataError(
+            f"data set {config.dataset} has {int(train.labels.max()) + 1} classes, preset {preset.name} classifies {preset.classes}; choose a matching --preset"
+        )
     split = server_split(len(train), _rng(config.seed, _SPLIT), n_val=config.val_samples, n_calib=config.calib_samples)
     pool = split.train
     if config.train_limit is not None:
         if config.train_limit < 10 * config.clients:
-            raise SimulationError(f"--train-limit {config.train_limit} is too small for {config.clients} clients (each needs >= 10 examples)")
+            raise SimulationError(
+                f"--train-limit {config.train_limit} is too small for {config.clients} clients (each needs >= 10 examples)"
+            )
         pool = np.sort(_rng(config.seed, _SPLIT + 100).permutation(pool)[: config.train_limit])
     labels = train.labels.numpy()[pool]
     rng = _rng(config.seed, _POPULATION)
@@ -197,13 +244,31 @@ def build_setup(config: SimulationConfig) -> Setup:
     b_max = preset.budget_max if config.budget_max is None else config.budget_max
     b_cap = preset.budget_cap if config.budget_cap is None else config.budget_cap
     if config.budgets is not None:
-        population = build_population(labels, config.budgets, rng, gamma=config.gamma, alpha_eff=config.alpha_eff, b_cap=b_cap)
+        population = build_population(
+            labels, config.budgets, rng, gamma=config.gamma, alpha_eff=config.alpha_eff, b_cap=b_cap
+        )
     else:
-        population = zipf_population(labels, config.clients, rng, s=config.zipf_s, b_min=b_min, b_max=b_max, gamma=config.gamma, alpha_eff=config.alpha_eff, b_cap=b_cap)
+        population = zipf_population(
+            labels,
+            config.clients,
+            rng,
+            s=config.zipf_s,
+            b_min=b_min,
+            b_max=b_max,
+            gamma=config.gamma,
+            alpha_eff=config.alpha_eff,
+            b_cap=b_cap,
+        )
     # Zipf budgets can land anywhere from budget_min up, so the floor itself must be affordable.
-    low = float(np.min(population.budgets)) if config.budgets is not None else min(b_min, float(np.min(population.budgets)))
+    low = (
+        float(np.min(population.budgets))
+        if config.budgets is not None
+        else min(b_min, float(np.min(population.budgets)))
+    )
     if low < cache.smallest.macs:
-        raise SimulationError(cache.below_smallest(low, f"raise the budgets (--budget-min) to at least {cache.smallest.macs}"))
+        raise SimulationError(
+            cache.below_smallest(low, f"raise the budgets (--budget-min) to at least {cache.smallest.macs}")
+        )
     ids = [f"client-{i:03d}" for i in range(config.clients)]
     setup = Setup(preset, cache, train, test, split.validation, split.calibration, pool, population, ids)
     setup.plans = {cid: plan_client(cache, float(b)) for cid, b in zip(ids, population.budgets)}

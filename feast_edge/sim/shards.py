@@ -70,12 +70,16 @@ class ServerSplit:
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> str:
-    blob = safetensors_save({k: v.contiguous() for k, v in tensors.items()}, metadata={META_KEY: json.dumps(record, sort_keys=True)})
+    blob = safetensors_save(
+        {k: v.contiguous() for k, v in tensors.items()}, metadata={META_KEY: json.dumps(record, sort_keys=True)}
+    )
     atomic_write_bytes(path, blob)
     return hashlib.sha256(blob).hexdigest()
 
 
-def write_partition(config: SimulationConfig, out: str | os.PathLike[str], setup: Setup | None = None) -> dict[str, Any]:
+def write_partition(
+    config: SimulationConfig, out: str | os.PathLike[str], setup: Setup | None = None
+) -> dict[str, Any]:
     """Write every client's shard, the server split and ``index.json`` into ``out``; returns the index."""
     from feast_edge.sim.setup import build_setup
 
@@ -83,20 +87,51 @@ def write_partition(config: SimulationConfig, out: str | os.PathLike[str], setup
     out.mkdir(parents=True, exist_ok=True)
     setup = build_setup(config) if setup is None else setup
     preset = setup.preset
-    common = {"preset": preset.name, "preset_digest": preset.digest, "classes": preset.classes, "dataset": config.dataset, "fingerprint": config.fingerprint()}
+    common = {
+        "preset": preset.name,
+        "preset_digest": preset.digest,
+        "classes": preset.classes,
+        "dataset": config.dataset,
+        "fingerprint": config.fingerprint(),
+    }
     clients = []
     for cid, budget in zip(setup.client_ids, setup.population.budgets):
         images, labels = setup.client_data(cid)
-        record = {"format": SHARD_FORMAT, "version": VERSION, "client_id": cid, "budget_macs": float(budget), "samples": int(labels.shape[0]), **common}
+        record = {
+            "format": SHARD_FORMAT,
+            "version": VERSION,
+            "client_id": cid,
+            "budget_macs": float(budget),
+            "samples": int(labels.shape[0]),
+            **common,
+        }
         name = f"{cid}.safetensors"
         sha = _write(out / name, {"images": images, "labels": labels}, record)
-        clients.append({"client_id": cid, "file": name, "budget_macs": float(budget), "samples": int(labels.shape[0]), "sha256": sha})
+        clients.append(
+            {
+                "client_id": cid,
+                "file": name,
+                "budget_macs": float(budget),
+                "samples": int(labels.shape[0]),
+                "sha256": sha,
+            }
+        )
     val = torch.tensor(np.asarray(setup.validation), dtype=torch.long)
     calib = torch.tensor(np.asarray(setup.calibration), dtype=torch.long)
-    server_record = {"format": SERVER_FORMAT, "version": VERSION, "validation": len(val), "calibration": len(calib), **common}
+    server_record = {
+        "format": SERVER_FORMAT,
+        "version": VERSION,
+        "validation": len(val),
+        "calibration": len(calib),
+        **common,
+    }
     server_sha = _write(
         out / SERVER_FILE,
-        {"validation_images": setup.train_set.images[val], "validation_labels": setup.train_set.labels[val], "calibration_images": setup.train_set.images[calib]},
+        {
+            "validation_images": setup.train_set.images[val],
+            "validation_labels": setup.train_set.labels[val],
+            "calibration_images": setup.train_set.images[calib],
+        },
         server_record,
     )
     index = {
@@ -120,15 +155,23 @@ def read_index(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The validated ``index.json`` of a partition directory."""
     path = Path(directory) / INDEX
     if not path.is_file():
-        raise ShardError(f"{directory} is not a partition directory (no {INDEX}); write one with 'feast-edge partition --out DIR'")
+        raise ShardError(
+            f"{directory} is not a partition directory (no {INDEX}); write one with 'feast-edge partition --out DIR'"
+        )
     try:
         index = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ShardError(f"{path} is not valid JSON ({exc}); rewrite the partition with 'feast-edge partition'") from None
+        raise ShardError(
+            f"{path} is not valid JSON ({exc}); rewrite the partition with 'feast-edge partition'"
+        ) from None
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or index.get("version") != VERSION:
-        raise ShardError(f"{path} is not a feast-edge partition index (format {INDEX_FORMAT!r}, version {VERSION}); rewrite it with 'feast-edge partition'")
+        raise ShardError(
+            f"{path} is not a feast-edge partition index (format {INDEX_FORMAT!r}, version {VERSION}); rewrite it with 'feast-edge partition'"
+        )
     clients = index.get("clients")
-    if not isinstance(clients, list) or not all(isinstance(c, dict) and {"client_id", "file"} <= set(c) for c in clients):
+    if not isinstance(clients, list) or not all(
+        isinstance(c, dict) and {"client_id", "file"} <= set(c) for c in clients
+    ):
         raise ShardError(f"{path} has a malformed client list; rewrite the partition with 'feast-edge partition'")
     return index
 
@@ -141,17 +184,23 @@ def _open(path: Path, what: str, fmt: str) -> tuple[dict[str, Any], dict[str, to
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise ShardError(f"{path} is not a safetensors {what} ({exc}); pass a file written by 'feast-edge partition'") from None
+        raise ShardError(
+            f"{path} is not a safetensors {what} ({exc}); pass a file written by 'feast-edge partition'"
+        ) from None
     try:
         record = json.loads(meta[META_KEY])
     except (KeyError, json.JSONDecodeError):
         raise ShardError(f"{path} is a safetensors file but not a feast-edge {what} (no '{META_KEY}' header)") from None
     if not isinstance(record, dict) or record.get("format") != fmt or record.get("version") != VERSION:
-        raise ShardError(f"{path} is not a {what} (format {fmt!r} version {VERSION}); pass a file written by 'feast-edge partition'")
+        raise ShardError(
+            f"{path} is not a {what} (format {fmt!r} version {VERSION}); pass a file written by 'feast-edge partition'"
+        )
     return record, tensors
 
 
-def _check_images(path: Path, images: torch.Tensor | None, labels: torch.Tensor | None, classes: int, prefix: str = "") -> None:
+def _check_images(
+    path: Path, images: torch.Tensor | None, labels: torch.Tensor | None, classes: int, prefix: str = ""
+) -> None:
     if images is None or images.dtype != torch.uint8 or images.dim() != 4:
         raise ShardError(f"{path}: tensor '{prefix}images' must be uint8 [N, C, H, W]")
     if labels is None:
@@ -170,7 +219,9 @@ def read_shard(path: str | os.PathLike[str]) -> Shard:
         client_id, budget = str(record["client_id"]), float(record["budget_macs"])
         preset, digest, classes = str(record["preset"]), str(record["preset_digest"]), int(record["classes"])
     except (KeyError, TypeError, ValueError):
-        raise ShardError(f"{path}: the shard header is incomplete; rewrite the partition with 'feast-edge partition'") from None
+        raise ShardError(
+            f"{path}: the shard header is incomplete; rewrite the partition with 'feast-edge partition'"
+        ) from None
     images, labels = tensors.get("images"), tensors.get("labels")
     _check_images(path, images, labels, classes)
     if images.shape[0] == 0:  # type: ignore[union-attr]

@@ -60,15 +60,31 @@ class Simulation:
         s = self.setup
         _, schedule = config.recipe_settings()
         settings = RunSettings(
-            rounds=config.rounds, per_round=config.per_round, min_clients=1, seed=config.seed, lr=config.train_config().lr, eval_every=config.eval_every,
-            probe_variants=config.probe_variants, device=config.device, aggregation=config.aggregation, trim=config.trim, clip_norm=config.clip_norm,
-            lr_schedule=schedule, payload_dtype=config.payload_dtype,
+            rounds=config.rounds,
+            per_round=config.per_round,
+            min_clients=1,
+            seed=config.seed,
+            lr=config.train_config().lr,
+            eval_every=config.eval_every,
+            probe_variants=config.probe_variants,
+            device=config.device,
+            aggregation=config.aggregation,
+            trim=config.trim,
+            clip_norm=config.clip_norm,
+            lr_schedule=schedule,
+            payload_dtype=config.payload_dtype,
         )
         self.loop = RunLoop(
-            self.model, s.cache, settings, self.out, kind=KIND, fingerprint=config.fingerprint(),
+            self.model,
+            s.cache,
+            settings,
+            self.out,
+            kind=KIND,
+            fingerprint=config.fingerprint(),
             config=config.decisive(),
             validation=Validation(s.calibration_images(), *s.validation_data()),
-            method=self.method, model_record=None if self.method.supernet else self.method.model_record(),
+            method=self.method,
+            model_record=None if self.method.supernet else self.method.model_record(),
         )
         self.collector = InProcessCollector(s, self.method)
 
@@ -84,7 +100,9 @@ class Simulation:
         """Load ``checkpoint.safetensors``; returns the number of completed rounds."""
         path = self.out / CHECKPOINT
         if not path.is_file():
-            raise SimulationError(f"--resume: no checkpoint at {path}; run without --resume to start, or point --out at the run to resume")
+            raise SimulationError(
+                f"--resume: no checkpoint at {path}; run without --resume to start, or point --out at the run to resume"
+            )
         try:
             return self.loop.resume("rerun with the same options, or use a new --out without --resume")
         except RunError as exc:
@@ -119,7 +137,11 @@ class Simulation:
             if on_record is not None:
                 on_record(record)
             if on_round is not None:
-                on_round(RoundProgress(record.round, rounds, record.loss or 0.0, record.val_accuracy, self.best.get("val_accuracy")))
+                on_round(
+                    RoundProgress(
+                        record.round, rounds, record.loss or 0.0, record.val_accuracy, self.best.get("val_accuracy")
+                    )
+                )
 
         try:
             self.loop.run(self.collector, on_round=progress, stop_after=stop_after)
@@ -148,7 +170,14 @@ class Simulation:
         served = [self.method.served(b) for b in budgets]
         variants = []
         for i, (p, a) in enumerate(zip(points, accs)):
-            variants.append({"index": i, **p.to_dict(), "test_accuracy": a, **({"arch": dict(p.detail)} if {"d", "e", "w"} <= set(p.detail) else {})})
+            variants.append(
+                {
+                    "index": i,
+                    **p.to_dict(),
+                    "test_accuracy": a,
+                    **({"arch": dict(p.detail)} if {"d", "e", "w"} <= set(p.detail) else {}),
+                }
+            )
         results = {
             "method": cfg.method,
             "method_summary": self.method.summary,
@@ -166,8 +195,12 @@ class Simulation:
         }
         atomic_write_bytes(self.out / "results.json", json.dumps(results, indent=2).encode())
         _write_csv(
-            self.out / "variants.csv", ["index", "label", "macs", "params", "test_accuracy", "detail"],
-            [[v["index"], v["label"], v["macs"], v["params"], f"{v['test_accuracy']:.4f}", json.dumps(v["detail"])] for v in results["variants"]],
+            self.out / "variants.csv",
+            ["index", "label", "macs", "params", "test_accuracy", "detail"],
+            [
+                [v["index"], v["label"], v["macs"], v["params"], f"{v['test_accuracy']:.4f}", json.dumps(v["detail"])]
+                for v in results["variants"]
+            ],
         )
         write_rounds_csv(self.out / ROUNDS_CSV, self.history)
         return results
@@ -196,8 +229,12 @@ def communication_summary(history: list[RoundRecord]) -> dict[str, Any]:
     routed_bytes = 2 * sum(h.routed_bytes for h in history)
     full_bytes = 2 * sum(h.full_bytes for h in history)
     return {
-        "routed_params_total": routed, "full_params_total": full, "reduction": full / routed if routed else None,
-        "routed_bytes_total": routed_bytes, "full_bytes_total": full_bytes, "bytes_reduction": full_bytes / routed_bytes if routed_bytes else None,
+        "routed_params_total": routed,
+        "full_params_total": full,
+        "reduction": full / routed if routed else None,
+        "routed_bytes_total": routed_bytes,
+        "full_bytes_total": full_bytes,
+        "bytes_reduction": full_bytes / routed_bytes if routed_bytes else None,
     }
 
 

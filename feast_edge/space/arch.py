@@ -90,7 +90,9 @@ class Arch:
         if missing:
             raise ArchError(f"arch lacks the field(s) {', '.join(missing)}; example: {_EXAMPLE}")
         if extra:
-            raise ArchError(f"arch has unknown field(s) {', '.join(extra)}; only d, e, w are allowed; example: {_EXAMPLE}")
+            raise ArchError(
+                f"arch has unknown field(s) {', '.join(extra)}; only d, e, w are allowed; example: {_EXAMPLE}"
+            )
         return cls(d=data["d"], e=data["e"], w=data["w"])
 
     @classmethod
@@ -101,12 +103,16 @@ class Arch:
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ArchError(f"arch is not valid JSON ({exc.msg} at column {exc.colno}); example: {_EXAMPLE}") from None
+                raise ArchError(
+                    f"arch is not valid JSON ({exc.msg} at column {exc.colno}); example: {_EXAMPLE}"
+                ) from None
             return cls.from_dict(data)
         pairs = re.findall(r"([dew])\s*=\s*(\[[^\]]*\]|[-0-9.,]+)", text)
         fields = {k: v.strip("[]") for k, v in pairs}
         if len(pairs) != 3 or set(fields) != {"d", "e", "w"}:
-            raise ArchError(f"cannot parse arch {text!r}; use JSON {_EXAMPLE} or text 'd=[3,7,6,7] e=[0.18,0.18,0.1,0.1] w=[2,0,0,0,0]'")
+            raise ArchError(
+                f"cannot parse arch {text!r}; use JSON {_EXAMPLE} or text 'd=[3,7,6,7] e=[0.18,0.18,0.1,0.1] w=[2,0,0,0,0]'"
+            )
         try:
             return cls(
                 d=tuple(int(v) for v in fields["d"].split(",") if v.strip()),
@@ -127,17 +133,23 @@ class Arch:
                 raise ArchError(f"arch field {field!r} has {got} entries; preset {preset.name} needs {want} ({what})")
         for i, v in enumerate(self.d):
             if not 0 <= v <= preset.max_extra_blocks:
-                raise ArchError(f"arch field d[{i}] = {v} is out of range; preset {preset.name} allows 0..{preset.max_extra_blocks}")
+                raise ArchError(
+                    f"arch field d[{i}] = {v} is out of range; preset {preset.name} allows 0..{preset.max_extra_blocks}"
+                )
         for i, v in enumerate(self.w):
             top = len(preset.width_multipliers) - 1
             if not 0 <= v <= top:
-                raise ArchError(f"arch field w[{i}] = {v} is out of range; preset {preset.name} allows width indices 0..{top}")
+                raise ArchError(
+                    f"arch field w[{i}] = {v} is out of range; preset {preset.name} allows width indices 0..{top}"
+                )
         snapped = []
         for i, v in enumerate(self.e):
             match = [r for r in preset.expansion_ratios if abs(r - v) < 1e-6]
             if not match:
                 allowed = ", ".join(_fmt(r) for r in preset.expansion_ratios)
-                raise ArchError(f"arch field e[{i}] = {_fmt(v)} is not an allowed expansion ratio; preset {preset.name} allows {{{allowed}}}")
+                raise ArchError(
+                    f"arch field e[{i}] = {_fmt(v)} is not an allowed expansion ratio; preset {preset.name} allows {{{allowed}}}"
+                )
             snapped.append(match[0])
         return Arch(d=self.d, e=tuple(snapped), w=self.w)
 

@@ -18,7 +18,9 @@ def extract(supernet: Supernet, arch: Arch) -> StaticResNet:
     """Copy the leading slices ``arch`` activates into a new StaticResNet (eval mode)."""
     model = StaticResNet(supernet.active_layout(arch))
     source = supernet.state_dict()
-    model.load_state_dict({name: leading_slice(source[name], t.shape).clone() for name, t in model.state_dict().items()})
+    model.load_state_dict(
+        {name: leading_slice(source[name], t.shape).clone() for name, t in model.state_dict().items()}
+    )
     return model.eval()
 
 

@@ -30,12 +30,32 @@ PATH_ENV = "FEAST_EDGE_PRESET_PATH"
 
 # Search settings stored with a preset; they do not shape tensors or costs, so
 # they stay out of Preset.digest (a cache or checkpoint stays valid when they change).
-_NOT_SHAPE = ("name", "description", "cache_segments", "extraction_rho", "budget_min", "budget_max", "budget_cap", "train")
+_NOT_SHAPE = (
+    "name",
+    "description",
+    "cache_segments",
+    "extraction_rho",
+    "budget_min",
+    "budget_max",
+    "budget_cap",
+    "train",
+)
 # Keys of the optional [train] table: the preset's training recipe (feast_edge.local.recipe.TrainConfig fields,
 # plus lr_schedule for the run loop); values are checked by TrainConfig when a run starts.
 RECIPE_KEYS = (
-    "lr", "lr_schedule", "batch_size", "epochs", "momentum", "weight_decay", "clip_norm",
-    "augment", "randaugment", "mixup_alpha", "cutmix_alpha", "crop_padding", "kd_weight",
+    "lr",
+    "lr_schedule",
+    "batch_size",
+    "epochs",
+    "momentum",
+    "weight_decay",
+    "clip_norm",
+    "augment",
+    "randaugment",
+    "mixup_alpha",
+    "cutmix_alpha",
+    "crop_padding",
+    "kd_weight",
 )
 
 
@@ -105,7 +125,9 @@ class Preset:
             object.__setattr__(self, "cache_segments", _records(self.cache_segments, CacheSegment))
             object.__setattr__(self, "extraction_rho", _records(self.extraction_rho, RhoStep))
         except TypeError as exc:
-            raise PresetError(f"preset {self.name}: a [cache] record is malformed ({exc}); see feast_edge/presets/paper-cifar100.toml for the format") from None
+            raise PresetError(
+                f"preset {self.name}: a [cache] record is malformed ({exc}); see feast_edge/presets/paper-cifar100.toml for the format"
+            ) from None
         _check_preset(self)
 
     @property
@@ -134,7 +156,9 @@ class Preset:
         try:
             return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
         except TypeError as exc:
-            raise PresetError(f"preset record is malformed ({exc}); re-create it with this version of feast-edge") from None
+            raise PresetError(
+                f"preset record is malformed ({exc}); re-create it with this version of feast-edge"
+            ) from None
 
 
 def _recipe_pairs(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
@@ -146,7 +170,9 @@ def _recipe_pairs(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
         raise PresetError(f"preset {name}: [train] must be a table of key = value") from None
     unknown = sorted(set(pairs) - set(RECIPE_KEYS))
     if unknown:
-        raise PresetError(f"preset {name}: [train] has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(RECIPE_KEYS)}")
+        raise PresetError(
+            f"preset {name}: [train] has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(RECIPE_KEYS)}"
+        )
     return tuple(sorted(pairs.items()))
 
 
@@ -157,12 +183,22 @@ def _require(ok: bool, where: str, message: str) -> None:
 
 def _check_preset(p: Preset) -> None:
     name = p.name or "<unnamed>"
-    _require(bool(p.name) and p.name.strip() == p.name, name, "'name' must be a non-empty string without surrounding spaces")
+    _require(
+        bool(p.name) and p.name.strip() == p.name, name, "'name' must be a non-empty string without surrounding spaces"
+    )
     _require(p.in_channels >= 1, name, f"input.channels = {p.in_channels} must be >= 1")
     _require(p.input_size >= 1, name, f"input.size = {p.input_size} must be >= 1")
     _require(p.classes >= 1, name, f"input.classes = {p.classes} must be >= 1")
-    _require(len(p.mean) == p.in_channels, name, f"input.mean has {len(p.mean)} values; it needs one per input channel ({p.in_channels})")
-    _require(len(p.std) == p.in_channels, name, f"input.std has {len(p.std)} values; it needs one per input channel ({p.in_channels})")
+    _require(
+        len(p.mean) == p.in_channels,
+        name,
+        f"input.mean has {len(p.mean)} values; it needs one per input channel ({p.in_channels})",
+    )
+    _require(
+        len(p.std) == p.in_channels,
+        name,
+        f"input.std has {len(p.std)} values; it needs one per input channel ({p.in_channels})",
+    )
     _require(all(s > 0 for s in p.std), name, "input.std values must all be > 0")
     _require(p.stem_channels >= 1, name, f"stem.channels = {p.stem_channels} must be >= 1")
     _require(p.stem_stride >= 1, name, f"stem.stride = {p.stem_stride} must be >= 1")
@@ -206,13 +242,25 @@ def _check_cache_settings(p: Preset, name: str) -> None:
         where = f"cache.segments {seg.name!r}"
         _require(bool(seg.name), name, "every cache.segments entry needs a non-empty 'name'")
         _require(seg.count >= 1, name, f"{where}: count = {seg.count} must be >= 1")
-        _require(0 < seg.start <= seg.stop, name, f"{where}: needs 0 < start <= stop (got start = {seg.start:g}, stop = {seg.stop:g})")
+        _require(
+            0 < seg.start <= seg.stop,
+            name,
+            f"{where}: needs 0 < start <= stop (got start = {seg.start:g}, stop = {seg.stop:g})",
+        )
         _require(seg.count == 1 or seg.start < seg.stop, name, f"{where}: start == stop needs count = 1")
         _require(seg.rho0 > 0, name, f"{where}: rho0 = {seg.rho0} must be > 0")
-    _require(len({seg.name for seg in p.cache_segments}) == len(p.cache_segments), name, "cache.segments names must be unique")
+    _require(
+        len({seg.name for seg in p.cache_segments}) == len(p.cache_segments),
+        name,
+        "cache.segments names must be unique",
+    )
     steps = [step.from_macs for step in p.extraction_rho]
     if steps:
-        _require(steps[0] == 0, name, f"cache.extraction must start at from_macs = 0 (got {steps[0]:g}) so that every budget has a ceiling")
+        _require(
+            steps[0] == 0,
+            name,
+            f"cache.extraction must start at from_macs = 0 (got {steps[0]:g}) so that every budget has a ceiling",
+        )
         _require(steps == sorted(set(steps)), name, "cache.extraction from_macs values must be strictly increasing")
         _require(all(step.rho0 > 0 for step in p.extraction_rho), name, "cache.extraction rho0 values must all be > 0")
 
@@ -229,7 +277,9 @@ def _cache_from_toml(cache: dict[str, Any]) -> dict[str, Any]:
         )
         for seg in cache.get("segments", [])
     )
-    steps = tuple(RhoStep(from_macs=float(step["from_macs"]), rho0=float(step["rho0"])) for step in cache.get("extraction", []))
+    steps = tuple(
+        RhoStep(from_macs=float(step["from_macs"]), rho0=float(step["rho0"])) for step in cache.get("extraction", [])
+    )
     return {"cache_segments": segments, "extraction_rho": steps}
 
 
@@ -266,11 +316,15 @@ def _from_toml(data: dict[str, Any], source: str) -> Preset:
             train=tuple(data.get("train", {}).items()),
         )
     except KeyError as exc:
-        raise PresetError(f"preset file {source} lacks the field {exc.args[0]!r}; see feast_edge/presets/*.toml for the format") from None
+        raise PresetError(
+            f"preset file {source} lacks the field {exc.args[0]!r}; see feast_edge/presets/*.toml for the format"
+        ) from None
     except (TypeError, ValueError) as exc:
         if isinstance(exc, PresetError):
             raise
-        raise PresetError(f"preset file {source} has a field of the wrong type ({exc}); see feast_edge/presets/*.toml for the format") from None
+        raise PresetError(
+            f"preset file {source} has a field of the wrong type ({exc}); see feast_edge/presets/*.toml for the format"
+        ) from None
 
 
 def load_preset_file(path: str | os.PathLike[str]) -> Preset:
@@ -311,6 +365,8 @@ def load_preset(name_or_path: str | os.PathLike[str] | Preset) -> Preset:
     if key not in _CACHE:
         preset = load_preset_file(file)
         if preset.name != text:
-            raise PresetError(f"preset file {file} declares name {preset.name!r}; rename the file or the preset so they match")
+            raise PresetError(
+                f"preset file {file} declares name {preset.name!r}; rename the file or the preset so they match"
+            )
         _CACHE[key] = preset
     return _CACHE[key]

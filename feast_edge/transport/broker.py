@@ -17,7 +17,11 @@ from feast_edge.transport.signing import Keyring
 log = logging.getLogger(__name__)
 
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
-PROTOCOLS = {"3.1.1": MQTTProtocolVersion.MQTTv311, "311": MQTTProtocolVersion.MQTTv311, "5": MQTTProtocolVersion.MQTTv5}
+PROTOCOLS = {
+    "3.1.1": MQTTProtocolVersion.MQTTv311,
+    "311": MQTTProtocolVersion.MQTTv311,
+    "5": MQTTProtocolVersion.MQTTv5,
+}
 
 
 @dataclass(frozen=True)
@@ -41,13 +45,17 @@ def parse_broker_url(url: str) -> BrokerAddress:
     parts = urlsplit(text if "://" in text else f"mqtt://{text}")
     scheme = parts.scheme.lower()
     if scheme not in DEFAULT_PORTS:
-        raise LinkError(f"broker URL {url!r} has scheme {parts.scheme!r}; use mqtt://host:port or mqtts://host:port (TLS); check --broker")
+        raise LinkError(
+            f"broker URL {url!r} has scheme {parts.scheme!r}; use mqtt://host:port or mqtts://host:port (TLS); check --broker"
+        )
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise LinkError(f"broker URL {url!r} must not have a path or query; use {scheme}://host:port; check --broker")
     try:
         port = parts.port or DEFAULT_PORTS[scheme]
     except ValueError:
-        raise LinkError(f"broker URL {url!r} has an invalid port; use {scheme}://host:port with 1 <= port <= 65535; check --broker") from None
+        raise LinkError(
+            f"broker URL {url!r} has an invalid port; use {scheme}://host:port with 1 <= port <= 65535; check --broker"
+        ) from None
     if not parts.hostname:
         raise LinkError(f"broker URL {url!r} names no host; use {scheme}://host:port; check --broker")
     return BrokerAddress(
@@ -85,7 +93,9 @@ class LinkConfig:
     reconnect_max_delay: float = 30.0
     max_inflight: int = 32  # QoS 1 messages on the wire awaiting PUBACK
     inbox_size: int = 10000
-    credentials: Signer | None = field(default=None, repr=False)  # a provisioned identity: signs and verifies every message
+    credentials: Signer | None = field(
+        default=None, repr=False
+    )  # a provisioned identity: signs and verifies every message
 
 
 def tls_context(config: LinkConfig) -> ssl.SSLContext:
@@ -128,9 +138,13 @@ def connection_error(exc: OSError, address: BrokerAddress, timeout: float) -> Li
             f"(a plain MQTT port needs mqtt://); check --broker and --cert-file/--key-file"
         )
     if isinstance(exc, ConnectionRefusedError):
-        return BrokerUnreachableError(f"cannot reach MQTT broker at {address}: connection refused; is the broker running? check --broker")
+        return BrokerUnreachableError(
+            f"cannot reach MQTT broker at {address}: connection refused; is the broker running? check --broker"
+        )
     if isinstance(exc, socket.gaierror):
-        return BrokerUnreachableError(f"cannot resolve MQTT broker host {address.host!r}: {exc.strerror}; check --broker")
+        return BrokerUnreachableError(
+            f"cannot resolve MQTT broker host {address.host!r}: {exc.strerror}; check --broker"
+        )
     if isinstance(exc, (TimeoutError, socket.timeout)):
         return BrokerUnreachableError(
             f"cannot reach MQTT broker at {address}: no answer within {timeout:g} s; is the host up and the port open? check --broker"
@@ -144,5 +158,7 @@ def refusal(reason_code: Any, address: BrokerAddress, username: str | None) -> L
     if reason_code.value in _CREDENTIAL_CODES:
         user = username or address.username
         who = f"user {user!r}" if user else "a client without a username"
-        return BrokerAuthError(f"MQTT broker at {address} rejected the credentials of {who} ({name}); check --username/--password")
+        return BrokerAuthError(
+            f"MQTT broker at {address} rejected the credentials of {who} ({name}); check --username/--password"
+        )
     return LinkError(f"MQTT broker at {address} refused the connection: {name}; check the broker's log and --client-id")

@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from feast_edge.transport.errors import ChunkError
-from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MiB, TransferInfo, decode_frame, describe, iter_frames, validate_chunk_size
+from feast_edge.transport.frames import (
+    DEFAULT_CHUNK_SIZE,
+    MiB,
+    TransferInfo,
+    decode_frame,
+    describe,
+    iter_frames,
+    validate_chunk_size,
+)
 
 Clock = Callable[[], float]
 
@@ -34,7 +42,9 @@ class Status(enum.Enum):
     REJECTED = "rejected"  # last chunk arrived but the SHA-256 did not match: transfer dropped
     FINISHED = "finished"  # chunk of a transfer that already completed, was rejected or expired; ignored
     STALE = "stale"  # chunk of a round older than the receiver's min_round; ignored
-    UNEXPECTED = "unexpected"  # chunk of a transfer nobody announced, on a receiver that takes only expected ones; ignored
+    UNEXPECTED = (
+        "unexpected"  # chunk of a transfer nobody announced, on a receiver that takes only expected ones; ignored
+    )
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,9 @@ class Reassembler:
         self._finished: OrderedDict[str, tuple[Status, str]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, frame: bytes | bytearray | memoryview, now: float | None = None, *, device: str | None = None) -> Progress:
+    def add(
+        self, frame: bytes | bytearray | memoryview, now: float | None = None, *, device: str | None = None
+    ) -> Progress:
         """Take one chunk frame; ChunkError when it is malformed, foreign, over a limit or contradicts its transfer.
 
         ``device``, when given, is the device the frame's topic names; a header naming another device is refused.
@@ -116,7 +128,9 @@ class Reassembler:
         now = self._clock() if now is None else now
         with self._lock:
             if info.round < self.min_round:
-                return Progress(info, index, Status.STALE, reason=f"round {info.round} < current round {self.min_round}")
+                return Progress(
+                    info, index, Status.STALE, reason=f"round {info.round} < current round {self.min_round}"
+                )
             finished = self._finished.get(info.transfer)
             if finished is not None:
                 return Progress(info, index, Status.FINISHED, reason=finished[1])
@@ -179,7 +193,9 @@ class Reassembler:
         with self._lock:
             return self._finished.get(transfer)
 
-    def stalled(self, idle: float, now: float | None = None, limit: int | None = None) -> list[tuple[TransferInfo, list[int]]]:
+    def stalled(
+        self, idle: float, now: float | None = None, limit: int | None = None
+    ) -> list[tuple[TransferInfo, list[int]]]:
         """Transfers with no new chunk and no nack for ``idle`` seconds, with (the first ``limit`` of) their missing indices; marks them nacked."""
         now = self._clock() if now is None else now
         due = []
@@ -223,11 +239,17 @@ class Reassembler:
                 f"{self.max_chunk_size} (configure the same chunk size on both sides)"
             )
         if info.chunk < self.min_chunk_size and info.count > 1:
-            raise ChunkError(f"transfer {info.transfer} uses {info.chunk}-byte chunks; this receiver takes chunks of at least {self.min_chunk_size} bytes")
+            raise ChunkError(
+                f"transfer {info.transfer} uses {info.chunk}-byte chunks; this receiver takes chunks of at least {self.min_chunk_size} bytes"
+            )
         if info.size > self.max_payload_bytes:
-            raise ChunkError(f"transfer {info.transfer} of {info.size} bytes exceeds the {self.max_payload_bytes}-byte payload limit")
+            raise ChunkError(
+                f"transfer {info.transfer} of {info.size} bytes exceeds the {self.max_payload_bytes}-byte payload limit"
+            )
         if len(self._active) >= self.max_transfers:
-            raise ChunkError(f"refusing transfer {info.transfer}: {self.max_transfers} transfers are already in progress")
+            raise ChunkError(
+                f"refusing transfer {info.transfer}: {self.max_transfers} transfers are already in progress"
+            )
         buffered = sum(incoming.info.size for incoming in self._active.values())
         if buffered + info.size > self.max_buffered_bytes:
             raise ChunkError(
@@ -283,7 +305,9 @@ class Outbox:
         transfer: str | None = None,
     ) -> TransferInfo:
         """Hash and hold ``payload``; the returned info names the transfer (evicts the oldest beyond max_transfers)."""
-        info = describe(payload, federation=federation, round=round, device=device, transfer=transfer, chunk_size=self.chunk_size)
+        info = describe(
+            payload, federation=federation, round=round, device=device, transfer=transfer, chunk_size=self.chunk_size
+        )
         with self._lock:
             self._held[info.transfer] = _Outgoing(info, payload, self._clock())
             while len(self._held) > self.max_transfers:
@@ -306,7 +330,9 @@ class Outbox:
             indices = sorted(set(indices))
             bad = [i for i in indices if not 0 <= i < outgoing.info.count]
             if bad:
-                raise ChunkError(f"chunk indices {bad[:5]} are outside 0..{outgoing.info.count - 1} of transfer {transfer}")
+                raise ChunkError(
+                    f"chunk indices {bad[:5]} are outside 0..{outgoing.info.count - 1} of transfer {transfer}"
+                )
         return iter_frames(outgoing.info, outgoing.payload, indices)
 
     def charge_resend(self, transfer: str, chunks: int) -> bool:

@@ -50,7 +50,9 @@ class Credentials:
     auth: str
     ca_file: str
     signing_key: str
-    peers: dict[str, str]  # name -> base64 Ed25519 public key ("server" in a device's bundle, every device in the server's)
+    peers: dict[
+        str, str
+    ]  # name -> base64 Ed25519 public key ("server" in a device's bundle, every device in the server's)
     cert_file: str | None = None
     key_file: str | None = None
     username: str | None = None
@@ -59,7 +61,9 @@ class Credentials:
     def keyring(self) -> Keyring:
         """The signing key and the peers' public keys, loaded."""
         peers = {name: public_key_from_text(text, name) for name, text in self.peers.items()}
-        return Keyring(self.identity if self.role == "device" else "server", load_private_key(Path(self.signing_key)), peers)
+        return Keyring(
+            self.identity if self.role == "device" else "server", load_private_key(Path(self.signing_key)), peers
+        )
 
     def link_config(self, base: LinkConfig | None = None, broker: str | None = None) -> LinkConfig:
         """``base`` (the command line's settings) with this bundle's broker, TLS files, user name and password.
@@ -71,16 +75,28 @@ class Credentials:
         settings, url = base or LinkConfig(), broker or self.broker
         tls = parse_broker_url(url).tls
         return dataclasses.replace(
-            settings, broker=url, ca_file=self.ca_file if tls else None, cert_file=self.cert_file if tls else None,
-            key_file=self.key_file if tls else None, username=self.username, password=self.password, credentials=self,
+            settings,
+            broker=url,
+            ca_file=self.ca_file if tls else None,
+            cert_file=self.cert_file if tls else None,
+            key_file=self.key_file if tls else None,
+            username=self.username,
+            password=self.password,
+            credentials=self,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The ``bundle.json`` body (file names relative to the bundle)."""
         files = {"ca": self.ca_file, "signing_key": self.signing_key, "cert": self.cert_file, "key": self.key_file}
         body = {
-            "format": FORMAT, "version": VERSION, "role": self.role, "identity": self.identity, "federation": self.federation,
-            "broker": self.broker, "auth": self.auth, "files": {k: Path(v).name for k, v in files.items() if v is not None},
+            "format": FORMAT,
+            "version": VERSION,
+            "role": self.role,
+            "identity": self.identity,
+            "federation": self.federation,
+            "broker": self.broker,
+            "auth": self.auth,
+            "files": {k: Path(v).name for k, v in files.items() if v is not None},
             "peers": dict(sorted(self.peers.items())),
         }
         if self.auth == "password":
@@ -111,7 +127,9 @@ def load_credentials(path: str | Path) -> Credentials:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CredentialsError(f"--credentials {path}: {file} is not a feast credentials bundle; {fix}")
     if data.get("version") != VERSION:
-        raise CredentialsError(f"--credentials {path}: bundle version {data.get('version')!r} is not supported (this side reads {VERSION}); provision again")
+        raise CredentialsError(
+            f"--credentials {path}: bundle version {data.get('version')!r} is not supported (this side reads {VERSION}); provision again"
+        )
 
     def text(name: str, choices: tuple[str, ...] | None = None) -> str:
         value = data.get(name)
@@ -125,12 +143,17 @@ def load_credentials(path: str | Path) -> Credentials:
         if entry is None and not required:
             return None
         if not isinstance(entry, str) or "/" in entry or not (root / entry).is_file():
-            raise CredentialsError(f"--credentials {path}: the bundle's {name} file {entry!r} is missing from {root}; {fix}")
+            raise CredentialsError(
+                f"--credentials {path}: the bundle's {name} file {entry!r} is missing from {root}; {fix}"
+            )
         return str((root / entry).resolve())
 
     role, auth = text("role", ROLES), text("auth", AUTHS)
     try:
-        identity, federation = validate_id(text("identity"), "identity"), validate_id(text("federation"), "federation id")
+        identity, federation = (
+            validate_id(text("identity"), "identity"),
+            validate_id(text("federation"), "federation id"),
+        )
         parse_broker_url(text("broker"))
     except (TopicError, LinkError) as exc:
         raise CredentialsError(f"--credentials {path}: {exc}") from None
@@ -142,10 +165,19 @@ def load_credentials(path: str | Path) -> Credentials:
     if role == "device" and "server" not in peers:
         raise CredentialsError(f"--credentials {path}: the bundle lacks the server's public key; {fix}")
     credentials = Credentials(
-        path=root.resolve(), role=role, identity=identity, federation=federation, broker=text("broker"), auth=auth,
-        ca_file=member("ca") or "", signing_key=member("signing_key") or "", peers=peers,
-        cert_file=member("cert", auth == "certificate"), key_file=member("key", auth == "certificate"),
-        username=text("username") if auth == "password" else None, password=text("password") if auth == "password" else None,
+        path=root.resolve(),
+        role=role,
+        identity=identity,
+        federation=federation,
+        broker=text("broker"),
+        auth=auth,
+        ca_file=member("ca") or "",
+        signing_key=member("signing_key") or "",
+        peers=peers,
+        cert_file=member("cert", auth == "certificate"),
+        key_file=member("key", auth == "certificate"),
+        username=text("username") if auth == "password" else None,
+        password=text("password") if auth == "password" else None,
     )
     credentials.keyring()  # every key loads, or a clear error now rather than at the first message
     return credentials

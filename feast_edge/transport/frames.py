@@ -28,12 +28,13 @@ from feast_edge.transport.topics import validate_id
 MiB = 1024 * 1024
 DEFAULT_CHUNK_SIZE = MiB
 MAX_CHUNK_SIZE = 16 * MiB  # hard ceiling for a configured chunk size
-MIN_CHUNK_SIZE = 1024  # the smallest chunk the applications send or take (tiny chunks would multiply per-chunk bookkeeping)
+MIN_CHUNK_SIZE = (
+    1024  # the smallest chunk the applications send or take (tiny chunks would multiply per-chunk bookkeeping)
+)
 MAX_HEADER_BYTES = 4096
 _LENGTH = struct.Struct(">I")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _INFO_FIELDS = ("federation", "round", "device", "transfer", "count", "size", "chunk", "sha256")
-
 
 
 def new_transfer_id() -> str:

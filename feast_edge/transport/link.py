@@ -35,6 +35,7 @@ from feast_edge.transport.topics import Topics
 log = logging.getLogger(__name__)
 paho_log = logging.getLogger(f"{__name__}.paho")  # paho's own lines
 
+
 @dataclass(frozen=True)
 class Received:
     """One incoming message."""
@@ -51,7 +52,9 @@ Handler = Callable[[Received], None]
 class Link:
     """An MQTT connection with presence, re-subscription, pipelined QoS 1 publishing and clear errors."""
 
-    def __init__(self, config: LinkConfig, *, presence: Presence | None = None, on_reconnect: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, config: LinkConfig, *, presence: Presence | None = None, on_reconnect: Callable[[], None] | None = None
+    ) -> None:
         self.config = config
         # Runs in paho's thread after a reconnect, before the filters are subscribed again (so before any retained message).
         self.on_reconnect = on_reconnect
@@ -164,7 +167,9 @@ class Link:
                     hint = "if the broker requires a client certificate give --cert-file/--key-file; otherwise check the broker's log"
                 else:
                     hint = f"if {self.address} is a TLS listener use mqtts://; otherwise check the broker's log"
-                raise LinkError(f"MQTT broker at {self.address} closed the connection before CONNACK ({mqtt.error_string(rc)}); {hint}")
+                raise LinkError(
+                    f"MQTT broker at {self.address} closed the connection before CONNACK ({mqtt.error_string(rc)}); {hint}"
+                )
         if self._connect_error is not None:
             self._client.disconnect()
             raise self._connect_error
@@ -200,7 +205,9 @@ class Link:
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         self._connected.clear()
         if not self._closing and not self._connecting:
-            log.warning("lost connection to MQTT broker at %s (%s); reconnecting with backoff", self.address, reason_code)
+            log.warning(
+                "lost connection to MQTT broker at %s (%s); reconnecting with backoff", self.address, reason_code
+            )
 
     def _on_log(self, client: mqtt.Client, userdata: Any, level: int, text: str) -> None:
         """paho's lines, into ``paho_log``."""
@@ -214,7 +221,9 @@ class Link:
 
     # --- subscriptions ---------------------------------------------------------------------------
 
-    def subscribe(self, topic_filter: str, handler: Handler | None = None, *, qos: int = 1, timeout: float = 10.0) -> None:
+    def subscribe(
+        self, topic_filter: str, handler: Handler | None = None, *, qos: int = 1, timeout: float = 10.0
+    ) -> None:
         """Subscribe ``topic_filter`` (kept across reconnects); ``handler`` runs in paho's thread, else messages go to ``inbox``."""
         if handler is not None:
             self._client.message_callback_add(topic_filter, self._guard(handler))
@@ -227,9 +236,13 @@ class Link:
                 return  # the connection dropped meanwhile; _on_connect re-subscribes
             done, codes = self._subacks[mid] = (threading.Event(), [])
         if not done.wait(timeout):
-            raise LinkError(f"MQTT broker at {self.address} did not acknowledge the subscription to {topic_filter!r} within {timeout:g} s")
+            raise LinkError(
+                f"MQTT broker at {self.address} did not acknowledge the subscription to {topic_filter!r} within {timeout:g} s"
+            )
         if any(getattr(code, "is_failure", False) for code in codes):
-            raise LinkError(f"MQTT broker at {self.address} refused the subscription to {topic_filter!r} ({codes[0]}); check the broker's ACL")
+            raise LinkError(
+                f"MQTT broker at {self.address} refused the subscription to {topic_filter!r} ({codes[0]}); check the broker's ACL"
+            )
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Stop receiving ``topic_filter``."""
@@ -250,7 +263,9 @@ class Link:
             log.error("MQTT broker at %s refused a subscription (%s); check the broker's ACL", self.address, refused[0])
 
     def _seal(self, topic: str, payload: bytes) -> bytes:
-        return payload if self.keyring is None else self.keyring.seal(topic, payload)  # chunk frames pass through uncopied
+        return (
+            payload if self.keyring is None else self.keyring.seal(topic, payload)
+        )  # chunk frames pass through uncopied
 
     def _admit(self, message: mqtt.MQTTMessage) -> Received | None:
         """The message as handlers see it: its signature checked and removed (with credentials); None when it is dropped."""
@@ -285,7 +300,9 @@ class Link:
         try:
             self.inbox.put_nowait(received)
         except queue.Full:
-            self._dropped.warning("inbox full", "inbox full (%d messages); dropped a message on %s", self.inbox.maxsize, message.topic)
+            self._dropped.warning(
+                "inbox full", "inbox full (%d messages); dropped a message on %s", self.inbox.maxsize, message.topic
+            )
 
     def get(self, timeout: float | None = None) -> Received | None:
         """Next inbox message, or None after ``timeout`` seconds."""
@@ -297,7 +314,13 @@ class Link:
     # --- publishing ------------------------------------------------------------------------------
 
     def publish(
-        self, topic: str, payload: bytes | bytearray, *, qos: int = 1, retain: bool = False, timeout: float | None = None
+        self,
+        topic: str,
+        payload: bytes | bytearray,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        timeout: float | None = None,
     ) -> mqtt.MQTTMessageInfo:
         """Publish (queued by paho while offline; signed with credentials); with ``timeout``, wait for the PUBACK or raise LinkError."""
         info = self._client.publish(topic, self._seal(topic, payload), qos=qos, retain=retain)
@@ -328,7 +351,9 @@ class Link:
     def _await(self, info: mqtt.MQTTMessageInfo, deadline: float, what: str, timeout: float) -> None:
         if getattr(self._handler_thread, "active", False):
             # The PUBACK would be read by this very thread: waiting here would always time out.
-            raise RuntimeError("a handler cannot wait for a PUBACK; publish without timeout or hand the work to another thread")
+            raise RuntimeError(
+                "a handler cannot wait for a PUBACK; publish without timeout or hand the work to another thread"
+            )
         if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN:
             # paho queued it and sends it after reconnecting, but wait_for_publish() refuses NO_CONN outright;
             # AGAIN makes it wait for the PUBACK like any other message.
@@ -357,7 +382,9 @@ class Link:
                 # The broker acknowledges QoS 1 messages in order (MQTT 3.1.1 §4.6): after the last PUBACK none is in
                 # flight; messages still queued behind paho's in-flight window would be dropped at DISCONNECT.
                 if self._last_qos1 is not None:
-                    self._await(self._last_qos1, time.monotonic() + timeout, "the messages published before closing", timeout)
+                    self._await(
+                        self._last_qos1, time.monotonic() + timeout, "the messages published before closing", timeout
+                    )
             except LinkError as exc:
                 log.warning("closing before the MQTT broker acknowledged every message: %s", exc)
         self._client.disconnect()

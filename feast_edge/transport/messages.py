@@ -240,11 +240,15 @@ def parse(data: bytes | bytearray, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Mes
         raise ProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
     version = obj.pop("v", None)
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"message protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(
+            f"message protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})"
+        )
     kind = obj.pop("kind", None)
     cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message kind {str(kind)[:MAX_ID_LENGTH]!r}; known kinds: {', '.join(known_kinds())}")
+        raise ProtocolError(
+            f"unknown message kind {str(kind)[:MAX_ID_LENGTH]!r}; known kinds: {', '.join(known_kinds())}"
+        )
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(obj) - names)
     if unknown:

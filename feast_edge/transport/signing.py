@@ -66,7 +66,9 @@ def public_key_from_text(text: str, who: str) -> Ed25519PublicKey:
         raw = base64.b64decode(text, validate=True)
         return Ed25519PublicKey.from_public_bytes(raw)
     except (ValueError, TypeError) as exc:
-        raise SigningKeyError(f"the public key of {who!r} is not a base64 Ed25519 key ({exc}); provision the device again") from None
+        raise SigningKeyError(
+            f"the public key of {who!r} is not a base64 Ed25519 key ({exc}); provision the device again"
+        ) from None
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
@@ -84,7 +86,9 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
 
 def write_private_key(key: Ed25519PrivateKey, path: Path) -> None:
     """Write ``key`` as unencrypted PKCS#8 PEM, readable by its owner only."""
-    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    data = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     path.touch(mode=0o600)
     path.write_bytes(data)
 
@@ -115,7 +119,9 @@ class Keyring:
             raise SignatureError(f"unsigned message on {topic} (this federation signs every message)")
         key = self.peers.get(signer)
         if key is None:
-            raise SignatureError(f"message on {topic} is from {signer!r}, whose key this side does not hold (not provisioned)")
+            raise SignatureError(
+                f"message on {topic} is from {signer!r}, whose key this side does not hold (not provisioned)"
+            )
         signature, body = data[len(MAGIC) : len(MAGIC) + SIGNATURE_BYTES], data[len(MAGIC) + SIGNATURE_BYTES :]
         try:
             key.verify(signature, _signed_bytes(topic, body))

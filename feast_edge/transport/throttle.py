@@ -22,7 +22,9 @@ class Throttle:
         self.period = period
         self.burst = burst
         self._keys = keys  # remembered keys; the oldest is forgotten first, so memory stays bounded whatever arrives
-        self._windows: OrderedDict[str, list[float | int]] = OrderedDict()  # key -> [window start, lines logged, suppressed]
+        self._windows: OrderedDict[str, list[float | int]] = (
+            OrderedDict()
+        )  # key -> [window start, lines logged, suppressed]
         self._lock = threading.Lock()
 
     def log(self, level: int, key: str, message: str, *args: object) -> bool:

@@ -44,7 +44,9 @@ def validate_id(value: object, what: str = "id") -> str:
         raise TopicError(f"{what} {value[:20]!r}... is {len(value)} characters long; the limit is {MAX_ID_LENGTH}")
     for char, role in _MQTT_SPECIAL.items():
         if char in value:
-            raise TopicError(f"{what} {value!r} contains {char!r}, which MQTT uses as {role}; use only A-Z a-z 0-9 . _ -")
+            raise TopicError(
+                f"{what} {value!r} contains {char!r}, which MQTT uses as {role}; use only A-Z a-z 0-9 . _ -"
+            )
     if not _ID_PATTERN.fullmatch(value):
         bad = sorted({c for c in value if not _ID_PATTERN.fullmatch(c)})
         raise TopicError(f"{what} {value!r} contains {''.join(bad)!r}; use only A-Z a-z 0-9 . _ -")

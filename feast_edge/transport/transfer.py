@@ -24,7 +24,9 @@ from feast_edge.transport.throttle import Throttle, channel_of
 from feast_edge.transport.topics import WILDCARD, Topics, validate_direction
 
 log = logging.getLogger(__name__)
-_dropped = Throttle(log)  # what the network sends that is dropped: a few lines a minute per kind and sender, whatever the rate
+_dropped = Throttle(
+    log
+)  # what the network sends that is dropped: a few lines a minute per kind and sender, whatever the rate
 
 
 class ChunkSender:
@@ -52,10 +54,14 @@ class ChunkSender:
         self._changed = threading.Condition()
         link.subscribe(topics.nack(direction, device), self._on_feedback)
 
-    def send(self, payload: bytes, *, round: int, device: str, transfer: str | None = None, timeout: float = 120.0) -> TransferInfo:
+    def send(
+        self, payload: bytes, *, round: int, device: str, transfer: str | None = None, timeout: float = 120.0
+    ) -> TransferInfo:
         """Publish every chunk of ``payload`` for ``device`` (pipelined, QoS 1) and return the transfer's info."""
         self.outbox.expire()
-        info = self.outbox.add(payload, federation=self.topics.federation, round=round, device=device, transfer=transfer)
+        info = self.outbox.add(
+            payload, federation=self.topics.federation, round=round, device=device, transfer=transfer
+        )
         topic = self.topics.xfer(self.direction, device)
         self.link.publish_many(topic, self.outbox.frames(info.transfer), window=self.window, timeout=timeout)
         log.debug("sent transfer %s: %d bytes in %d chunks to %s", info.transfer, info.size, info.count, topic)
@@ -63,9 +69,13 @@ class ChunkSender:
 
     def describe(self, payload: bytes, *, round: int, device: str) -> TransferInfo:
         """The transfer of ``payload`` in this sender's chunk size, to name in an announcement before :meth:`announce_and_send`."""
-        return describe(payload, federation=self.topics.federation, round=round, device=device, chunk_size=self.chunk_size)
+        return describe(
+            payload, federation=self.topics.federation, round=round, device=device, chunk_size=self.chunk_size
+        )
 
-    def announce_and_send(self, topic: str, announcement: bytes, payload: bytes, info: TransferInfo, timeout: float = 120.0) -> TransferInfo:
+    def announce_and_send(
+        self, topic: str, announcement: bytes, payload: bytes, info: TransferInfo, timeout: float = 120.0
+    ) -> TransferInfo:
         """Publish ``announcement`` (a message naming ``info``) on ``topic``, then the chunks of ``payload``.
 
         Announcing first lets the receiver expect, and nack, the transfer even if its first chunks are lost.
@@ -101,12 +111,20 @@ class ChunkSender:
         if isinstance(message, Nack):
             info = self.outbox.get(message.transfer)
             if info is None or info.device != message.device:
-                _dropped.log(logging.INFO, f"nack {message.device}", "nack for transfer %s that is not held here; ignored", message.transfer)
+                _dropped.log(
+                    logging.INFO,
+                    f"nack {message.device}",
+                    "nack for transfer %s that is not held here; ignored",
+                    message.transfer,
+                )
                 return
             if not self.outbox.charge_resend(message.transfer, len(set(message.missing))):
                 _dropped.warning(
-                    f"resends {message.device}", "%s asked for more of transfer %s than %g times its chunks; dropped it (no more resends)",
-                    message.device, message.transfer, self.outbox.resend_factor,
+                    f"resends {message.device}",
+                    "%s asked for more of transfer %s than %g times its chunks; dropped it (no more resends)",
+                    message.device,
+                    message.transfer,
+                    self.outbox.resend_factor,
                 )
                 return
             try:
@@ -125,7 +143,12 @@ class ChunkSender:
                     self._receipts.pop(next(iter(self._receipts)))
                 self._changed.notify_all()
         elif message is not None:
-            _dropped.warning(f"unexpected {channel_of(received.topic)}", "unexpected %s message on %s; ignored", message.kind, received.topic)
+            _dropped.warning(
+                f"unexpected {channel_of(received.topic)}",
+                "unexpected %s message on %s; ignored",
+                message.kind,
+                received.topic,
+            )
 
 
 @dataclass
@@ -160,9 +183,13 @@ class Confirmations:
     def __len__(self) -> int:
         return len(self._awaited)
 
-    def add(self, owner: str, sender: ChunkSender, topic: str, announcement: bytes, info: TransferInfo, *, until: float) -> None:
+    def add(
+        self, owner: str, sender: ChunkSender, topic: str, announcement: bytes, info: TransferInfo, *, until: float
+    ) -> None:
         """After ``sender.announce_and_send(topic, announcement, ..., info)``: await its receipt (``owner``: whose upload it is)."""
-        self._awaited[info.transfer] = _Awaited(owner, sender, topic, announcement, info, until, time.monotonic() + self.receipt_wait)
+        self._awaited[info.transfer] = _Awaited(
+            owner, sender, topic, announcement, info, until, time.monotonic() + self.receipt_wait
+        )
 
     def check(self, cancelled: Callable[[str], bool] = lambda owner: False) -> None:
         """Forget the receipted (and ``cancelled`` owners'); announce and send again what is due, at most ``attempts - 1`` times."""
@@ -174,7 +201,11 @@ class Confirmations:
                 if a.attempt >= self.attempts or now > a.until:
                     del self._awaited[transfer]
                     continue
-                log.warning("no receipt for transfer %s within %g s (lost across a broker restart?); sending it again", transfer, self.receipt_wait)
+                log.warning(
+                    "no receipt for transfer %s within %g s (lost across a broker restart?); sending it again",
+                    transfer,
+                    self.receipt_wait,
+                )
                 a.sender.link.publish(a.topic, a.announcement)
                 a.sender.resend(transfer)
                 a.attempt, a.due = a.attempt + 1, now + self.receipt_wait
@@ -226,9 +257,15 @@ class ChunkReceiver:
         """Nack stalled transfers and expire dead ones; call it periodically (``get`` does)."""
         for info, missing in self.reassembler.stalled(self.nack_after, now, limit=MAX_NACK_INDICES):
             nack = Nack(
-                federation=info.federation, round=info.round, device=info.device, transfer=info.transfer, missing=tuple(missing[:MAX_NACK_INDICES])
+                federation=info.federation,
+                round=info.round,
+                device=info.device,
+                transfer=info.transfer,
+                missing=tuple(missing[:MAX_NACK_INDICES]),
             )
-            log.info("transfer %s from %s: asking again for %d missing chunks", info.transfer, info.device, len(missing))  # at most one nack's worth
+            log.info(
+                "transfer %s from %s: asking again for %d missing chunks", info.transfer, info.device, len(missing)
+            )  # at most one nack's worth
             self.link.publish(self.topics.nack(self.direction, info.device), nack.encode())
         for info in self.reassembler.expire(now):
             reason = f"expired after {self.reassembler.ttl:g} s without a new chunk"
@@ -242,13 +279,26 @@ class ChunkReceiver:
         except (ProtocolError, TopicError) as exc:
             _dropped.warning(f"chunk {channel_of(received.topic)}", "dropped chunk on %s: %s", received.topic, exc)
             return
-        log.debug("chunk %d/%d of transfer %s: %s", progress.index, progress.info.count, progress.info.transfer, progress.status.value)
+        log.debug(
+            "chunk %d/%d of transfer %s: %s",
+            progress.index,
+            progress.info.count,
+            progress.info.transfer,
+            progress.status.value,
+        )
         if progress.status in (Status.COMPLETE, Status.REJECTED):
             if progress.status is Status.REJECTED:
-                log.warning("rejected transfer %s from %s: %s", progress.info.transfer, progress.info.device, progress.reason)
+                log.warning(
+                    "rejected transfer %s from %s: %s", progress.info.transfer, progress.info.device, progress.reason
+                )
             self._finish(progress)
         elif progress.status is Status.UNEXPECTED:
-            log.debug("ignored chunk %d of unannounced transfer %s from %s", progress.index, progress.info.transfer, progress.info.device)
+            log.debug(
+                "ignored chunk %d of unannounced transfer %s from %s",
+                progress.index,
+                progress.info.transfer,
+                progress.info.device,
+            )
         elif progress.status is Status.FINISHED:
             # The sender resends because our receipt got lost: answer again, at most once a second.
             self._send_receipt(progress, throttle=1.0)
@@ -270,7 +320,14 @@ class ChunkReceiver:
         outcome = self.reassembler.outcome(info.transfer)
         ok = progress.status is Status.COMPLETE or (outcome is not None and outcome[0] is Status.COMPLETE)
         reason = progress.reason or ("" if outcome is None else outcome[1])
-        receipt = Receipt(federation=info.federation, round=info.round, device=info.device, transfer=info.transfer, ok=ok, reason=reason)
+        receipt = Receipt(
+            federation=info.federation,
+            round=info.round,
+            device=info.device,
+            transfer=info.transfer,
+            ok=ok,
+            reason=reason,
+        )
         self.link.publish(self.topics.nack(self.direction, info.device), receipt.encode())
 
 
@@ -283,10 +340,18 @@ def _parse_from(received: Received, topics: Topics, gate: MessageFilter, what: s
         _dropped.warning(f"{what} {channel_of(received.topic)}", "dropped %s on %s: %s", what, received.topic, exc)
         return None
     if topic.device is not None and message.device != topic.device:
-        _dropped.warning(f"{what} {channel_of(received.topic)}", "dropped %s on %s: it names device %r", what, received.topic, message.device)
+        _dropped.warning(
+            f"{what} {channel_of(received.topic)}",
+            "dropped %s on %s: it names device %r",
+            what,
+            received.topic,
+            message.device,
+        )
         return None
     reason = gate.verdict(message)
     if reason is not None:
-        _dropped.log(logging.INFO, f"{what} {channel_of(received.topic)}", "dropped %s on %s: %s", what, received.topic, reason)
+        _dropped.log(
+            logging.INFO, f"{what} {channel_of(received.topic)}", "dropped %s on %s: %s", what, received.topic, reason
+        )
         return None
     return message

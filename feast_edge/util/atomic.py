@@ -20,11 +20,17 @@ def check_writable(path: str | os.PathLike[str], what: str, flag: str = "--out")
     if path.is_dir():
         raise OutputPathError(f"cannot write the {what} to {path}: it is a directory; pass a file path to {flag}")
     if not parent.is_dir():
-        raise OutputPathError(f"cannot write the {what} to {path}: directory {parent} does not exist; create it or choose another {flag}")
+        raise OutputPathError(
+            f"cannot write the {what} to {path}: directory {parent} does not exist; create it or choose another {flag}"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputPathError(f"cannot write the {what} to {path}: directory {parent} is not writable; fix its permissions or choose another {flag}")
+        raise OutputPathError(
+            f"cannot write the {what} to {path}: directory {parent} is not writable; fix its permissions or choose another {flag}"
+        )
     if path.exists() and not os.access(path, os.W_OK):
-        raise OutputPathError(f"cannot write the {what} to {path}: the file is read-only; fix its permissions or choose another {flag}")
+        raise OutputPathError(
+            f"cannot write the {what} to {path}: the file is read-only; fix its permissions or choose another {flag}"
+        )
     return path
 
 

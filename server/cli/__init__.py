@@ -12,7 +12,9 @@ from __future__ import annotations
 from feast_edge.cli import common
 from feast_edge.server.cli import provisioning, run, rundir
 
-app = common.make_app("feast-server", "FEAST federation server: registry, rounds over MQTT, checkpoints, per-device ONNX export.")
+app = common.make_app(
+    "feast-server", "FEAST federation server: registry, rounds over MQTT, checkpoints, per-device ONNX export."
+)
 run.register(app)
 provisioning.register(app)
 rundir.register(app)

@@ -18,15 +18,48 @@ def register(app: typer.Typer) -> None:
 
 
 def provision_command(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Provisioning directory (CA, broker configuration, server and device bundles); re-run to add devices.")],
-    devices: Annotated[Optional[list[str]], typer.Option("--device", "-d", help="A device id to provision (repeat the option for each).")] = None,
-    devices_file: Annotated[Optional[Path], typer.Option("--devices-file", help="A text file with one device id per line (# comments allowed).")] = None,
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Provisioning directory (CA, broker configuration, server and device bundles); re-run to add devices.",
+        ),
+    ],
+    devices: Annotated[
+        Optional[list[str]],
+        typer.Option("--device", "-d", help="A device id to provision (repeat the option for each)."),
+    ] = None,
+    devices_file: Annotated[
+        Optional[Path],
+        typer.Option("--devices-file", help="A text file with one device id per line (# comments allowed)."),
+    ] = None,
     federation: Annotated[str, typer.Option("--federation", help="Federation id the credentials are for.")] = "feast",
-    auth: Annotated[str, typer.Option("--auth", help="How devices prove who they are to the broker: certificate (TLS client certificates) or password.")] = "certificate",
-    broker_host: Annotated[Optional[list[str]], typer.Option("--broker-host", help="Name or address devices use to reach the broker (repeat; the first goes into the bundles' URL). Default: localhost, 127.0.0.1.")] = None,
+    auth: Annotated[
+        str,
+        typer.Option(
+            "--auth",
+            help="How devices prove who they are to the broker: certificate (TLS client certificates) or password.",
+        ),
+    ] = "certificate",
+    broker_host: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--broker-host",
+            help="Name or address devices use to reach the broker (repeat; the first goes into the bundles' URL). Default: localhost, 127.0.0.1.",
+        ),
+    ] = None,
     broker_port: Annotated[int, typer.Option("--broker-port", min=1, max=65535, help="The broker's TLS port.")] = 8883,
-    broker_user: Annotated[Optional[str], typer.Option("--broker-user", help="System user Mosquitto runs as (its 'user' setting); default: Mosquitto's own.")] = None,
-    revoke: Annotated[Optional[list[str]], typer.Option("--revoke", help="Remove a device: its bundle goes, its certificate enters the CRL (repeat).")] = None,
+    broker_user: Annotated[
+        Optional[str],
+        typer.Option(
+            "--broker-user", help="System user Mosquitto runs as (its 'user' setting); default: Mosquitto's own."
+        ),
+    ] = None,
+    revoke: Annotated[
+        Optional[list[str]],
+        typer.Option("--revoke", help="Remove a device: its bundle goes, its certificate enters the CRL (repeat)."),
+    ] = None,
     days: Annotated[int, typer.Option("--days", min=1, help="Validity of the certificates issued now, in days.")] = 825,
 ) -> None:
     """Create identities for a federation: a CA, a broker configuration with an ACL, and one credentials bundle per device."""
@@ -42,8 +75,15 @@ def provision_command(
     if not names and not revoke and not (out / "server").is_dir():
         raise FeastError("no devices: give --device NAME (repeat it) or --devices-file FILE")
     done = provision(
-        out, federation, names, auth=auth, hosts=tuple(broker_host or ("localhost", "127.0.0.1")), port=broker_port, days=days,
-        broker_user=broker_user, revoke=tuple(revoke or ()),
+        out,
+        federation,
+        names,
+        auth=auth,
+        hosts=tuple(broker_host or ("localhost", "127.0.0.1")),
+        port=broker_port,
+        days=days,
+        broker_user=broker_user,
+        revoke=tuple(revoke or ()),
     )
     table = Table(title=f"federation {federation!r}: {len(done.devices)} devices ({auth} authentication)")
     table.add_column("identity")
@@ -58,5 +98,6 @@ def provision_command(
         f"server: feast-server run --credentials {done.server} --out RUN_DIR ...\n"
         f"device: copy its bundle to the device, then feast-agent run --credentials BUNDLE --data ...\n"
         f"Keep {out / 'ca' / 'ca.key'} off the devices; a bundle is its device's identity (treat it like a password).",
-        soft_wrap=True, highlight=False,
+        soft_wrap=True,
+        highlight=False,
     )

@@ -26,7 +26,9 @@ def _refuse_method(value: Optional[str]) -> None:
 
     if value is not None:
         ablation = value if value in VARIANT_MODES else f"MODE ({', '.join(VARIANT_MODES)})"
-        raise FeastError(f"feast-server run has no --method; the ablation is --variants {ablation} (as in feast-edge simulate); --method there picks the training algorithm")
+        raise FeastError(
+            f"feast-server run has no --method; the ablation is --variants {ablation} (as in feast-edge simulate); --method there picks the training algorithm"
+        )
 
 
 @common.mqtt_options()
@@ -36,39 +38,125 @@ def run(
     preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name or .toml file.")] = "fmnist-small",
     rounds: Annotated[int, typer.Option(min=1, help="Federation rounds R (also the cosine-decay horizon).")] = 10,
     per_round: Annotated[int, typer.Option("--per-round", min=1, help="Devices sampled per round M.")] = 5,
-    min_clients: Annotated[int, typer.Option("--min-clients", min=1, help="K: devices needed online to start a round, and valid updates needed to change the model.")] = 2,
-    start_clients: Annotated[Optional[int], typer.Option("--start-clients", min=1, help="Devices to wait for before the first round (default: --min-clients).")] = None,
-    round_timeout: Annotated[float, typer.Option("--round-timeout", min=0.1, help="Seconds a round waits for updates (stragglers never block).")] = 300.0,
+    min_clients: Annotated[
+        int,
+        typer.Option(
+            "--min-clients",
+            min=1,
+            help="K: devices needed online to start a round, and valid updates needed to change the model.",
+        ),
+    ] = 2,
+    start_clients: Annotated[
+        Optional[int],
+        typer.Option(
+            "--start-clients", min=1, help="Devices to wait for before the first round (default: --min-clients)."
+        ),
+    ] = None,
+    round_timeout: Annotated[
+        float,
+        typer.Option("--round-timeout", min=0.1, help="Seconds a round waits for updates (stragglers never block)."),
+    ] = 300.0,
     seed: Annotated[int, typer.Option(help="Seed of the model init, cohorts and client seeds.")] = 0,
     data: DataOpt = None,
     federation: common.BundleFederationOpt = None,
-    lr: Annotated[Optional[float], typer.Option(help="Initial SGD learning rate, decayed over --rounds (default: the preset's [train] recipe).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Local batch size (default: the preset's [train] recipe).")] = None,
-    local_epochs: Annotated[Optional[int], typer.Option("--local-epochs", min=1, help="Local epochs per round (default: the preset's [train] recipe).")] = None,
-    variants: Annotated[str, typer.Option("--variants", help="FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations).")] = "full",
-    method: Annotated[Optional[str], typer.Option("--method", hidden=True, is_eager=True, callback=_refuse_method, help="Refused: the ablation is --variants.")] = None,
+    lr: Annotated[
+        Optional[float],
+        typer.Option(help="Initial SGD learning rate, decayed over --rounds (default: the preset's [train] recipe)."),
+    ] = None,
+    batch_size: Annotated[
+        Optional[int],
+        typer.Option("--batch-size", min=1, help="Local batch size (default: the preset's [train] recipe)."),
+    ] = None,
+    local_epochs: Annotated[
+        Optional[int],
+        typer.Option("--local-epochs", min=1, help="Local epochs per round (default: the preset's [train] recipe)."),
+    ] = None,
+    variants: Annotated[
+        str,
+        typer.Option(
+            "--variants",
+            help="FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations).",
+        ),
+    ] = "full",
+    method: Annotated[
+        Optional[str],
+        typer.Option(
+            "--method", hidden=True, is_eager=True, callback=_refuse_method, help="Refused: the ablation is --variants."
+        ),
+    ] = None,
     eval_every: Annotated[int, typer.Option("--eval-every", min=1, help="Validate every k rounds (needs --data).")] = 5,
-    val_samples: Annotated[int, typer.Option("--val-samples", min=1, help="Validation examples when --data is a Fashion-MNIST directory.")] = 5000,
-    calib_samples: Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration examples when --data is a Fashion-MNIST directory.")] = 500,
-    cache: Annotated[Optional[Path], typer.Option(help="Variant cache JSON (default: the preset's shipped cache).")] = None,
+    val_samples: Annotated[
+        int, typer.Option("--val-samples", min=1, help="Validation examples when --data is a Fashion-MNIST directory.")
+    ] = 5000,
+    calib_samples: Annotated[
+        int,
+        typer.Option("--calib-samples", min=1, help="Calibration examples when --data is a Fashion-MNIST directory."),
+    ] = 500,
+    cache: Annotated[
+        Optional[Path], typer.Option(help="Variant cache JSON (default: the preset's shipped cache).")
+    ] = None,
     wait_timeout: Annotated[
-        float, typer.Option("--wait-timeout", min=0.0, help="Idle limit: end the run (last round checkpointed) when a round waited this long for enough devices (0: wait forever).")
+        float,
+        typer.Option(
+            "--wait-timeout",
+            min=0.0,
+            help="Idle limit: end the run (last round checkpointed) when a round waited this long for enough devices (0: wait forever).",
+        ),
     ] = 1800.0,
     max_update_norm: Annotated[
-        float, typer.Option("--max-update-norm", min=0.0, help="Reject an update that changes its routed slice by more than this L2 norm (0: no bound).")
+        float,
+        typer.Option(
+            "--max-update-norm",
+            min=0.0,
+            help="Reject an update that changes its routed slice by more than this L2 norm (0: no bound).",
+        ),
     ] = 1e4,
     max_samples: Annotated[
-        int, typer.Option("--max-samples", min=1, help="Refuse a device that registers more training examples than this (its aggregation weight); a partition's own counts apply to its clients.")
+        int,
+        typer.Option(
+            "--max-samples",
+            min=1,
+            help="Refuse a device that registers more training examples than this (its aggregation weight); a partition's own counts apply to its clients.",
+        ),
     ] = 1_000_000,
-    max_devices: Annotated[int, typer.Option("--max-devices", min=1, help="Refuse registrations beyond this many devices (bounds the registry).")] = 10_000,
-    aggregation: Annotated[str, typer.Option("--aggregation", help="mean (SPEC §6), or a robust rule: clip, trimmed-mean, median (docs/security.md §5).")] = "mean",
-    trim: Annotated[float, typer.Option("--trim", help="trimmed-mean: share of the values covering a position dropped at each end.")] = 0.1,
-    clip_norm: Annotated[Optional[float], typer.Option("--clip-norm", help="clip: L2 bound of each update's change (default: the round's median).")] = None,
+    max_devices: Annotated[
+        int,
+        typer.Option(
+            "--max-devices", min=1, help="Refuse registrations beyond this many devices (bounds the registry)."
+        ),
+    ] = 10_000,
+    aggregation: Annotated[
+        str,
+        typer.Option(
+            "--aggregation", help="mean (SPEC §6), or a robust rule: clip, trimmed-mean, median (docs/security.md §5)."
+        ),
+    ] = "mean",
+    trim: Annotated[
+        float, typer.Option("--trim", help="trimmed-mean: share of the values covering a position dropped at each end.")
+    ] = 0.1,
+    clip_norm: Annotated[
+        Optional[float],
+        typer.Option("--clip-norm", help="clip: L2 bound of each update's change (default: the round's median)."),
+    ] = None,
     resume_previous: Annotated[
-        bool, typer.Option("--resume-previous", help="If the last checkpoint is damaged, resume from the previous good one (the damaged file is kept, renamed).")
+        bool,
+        typer.Option(
+            "--resume-previous",
+            help="If the last checkpoint is damaged, resume from the previous good one (the damaged file is kept, renamed).",
+        ),
     ] = False,
-    export: Annotated[bool, typer.Option("--export/--no-export", help="After the last round, export and announce every device's ONNX model.")] = True,
-    serve: Annotated[bool, typer.Option("--serve", help="Afterwards keep answering model requests (feast-agent fetch-model) until Ctrl-C.")] = False,
+    export: Annotated[
+        bool,
+        typer.Option(
+            "--export/--no-export", help="After the last round, export and announce every device's ONNX model."
+        ),
+    ] = True,
+    serve: Annotated[
+        bool,
+        typer.Option(
+            "--serve", help="Afterwards keep answering model requests (feast-agent fetch-model) until Ctrl-C."
+        ),
+    ] = False,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     threads: common.ThreadsOpt = 0,
     payload_dtype: common.PayloadDtypeOpt = "float32",
@@ -88,11 +176,32 @@ def run(
     federation = common.federation_of(link, federation)
     check_server_bundle(link)
     config = ServerConfig(
-        out=str(out), preset=preset, rounds=rounds, per_round=per_round, min_clients=min_clients, start_clients=start_clients,
-        round_timeout=round_timeout, seed=seed, lr=lr, batch_size=batch_size, epochs=local_epochs, variants=variants, eval_every=eval_every,
-        data=None if data is None else str(data), val_samples=val_samples, calib_samples=calib_samples,
-        cache=None if cache is None else str(cache), federation=federation, chunk_size=chunk_size, wait_timeout=wait_timeout,
-        max_update_norm=max_update_norm, max_samples=max_samples, max_devices=max_devices, aggregation=aggregation, trim=trim, clip_norm=clip_norm,
+        out=str(out),
+        preset=preset,
+        rounds=rounds,
+        per_round=per_round,
+        min_clients=min_clients,
+        start_clients=start_clients,
+        round_timeout=round_timeout,
+        seed=seed,
+        lr=lr,
+        batch_size=batch_size,
+        epochs=local_epochs,
+        variants=variants,
+        eval_every=eval_every,
+        data=None if data is None else str(data),
+        val_samples=val_samples,
+        calib_samples=calib_samples,
+        cache=None if cache is None else str(cache),
+        federation=federation,
+        chunk_size=chunk_size,
+        wait_timeout=wait_timeout,
+        max_update_norm=max_update_norm,
+        max_samples=max_samples,
+        max_devices=max_devices,
+        aggregation=aggregation,
+        trim=trim,
+        clip_norm=clip_norm,
         payload_dtype=payload_dtype,
     )
     state = None if dashboard is None else DashboardState("federation", f"feast-server: federation {federation}")
@@ -103,7 +212,12 @@ def run(
         server.start()
         history = server.run(resume_previous=resume_previous, tensorboard=tensorboard)
         applied = sum(r.applied for r in history)
-        log.info("federation finished: %d rounds (%d aggregated); checkpoint %s", len(history), applied, out / "checkpoint.safetensors")
+        log.info(
+            "federation finished: %d rounds (%d aggregated); checkpoint %s",
+            len(history),
+            applied,
+            out / "checkpoint.safetensors",
+        )
         manifests: list[dict[str, Any]] = []
         if export and data is not None:
             log.info("exporting each device's largest affordable variant (BN recalibration, validation, ONNX)")

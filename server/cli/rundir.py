@@ -22,12 +22,19 @@ def register(app: typer.Typer) -> None:
     app.command("status")(status_command)
 
 
-@common.mqtt_options(broker_help="Also push each model to its device if it is online (mqtt://host:port).", required=False)
+@common.mqtt_options(
+    broker_help="Also push each model to its device if it is online (mqtt://host:port).", required=False
+)
 def export_command(
     link: Optional[LinkConfig],
     out: OutOpt,
-    data: Annotated[Optional[Path], typer.Option("--data", help="Server-held calibration/validation data (default: the run's --data).")] = None,
-    federation: Annotated[Optional[str], typer.Option("--federation", help="Federation id (default: the run's).")] = None,
+    data: Annotated[
+        Optional[Path],
+        typer.Option("--data", help="Server-held calibration/validation data (default: the run's --data)."),
+    ] = None,
+    federation: Annotated[
+        Optional[str], typer.Option("--federation", help="Federation id (default: the run's).")
+    ] = None,
     val_samples: Annotated[int, typer.Option("--val-samples", min=1)] = 5000,
     calib_samples: Annotated[int, typer.Option("--calib-samples", min=1)] = 500,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
@@ -39,10 +46,17 @@ def export_command(
 
     common.setup_logging(log_level, log_file)
     config = ServerConfig.stored(
-        out, data=None if data is None else str(data), federation=federation, val_samples=val_samples, calib_samples=calib_samples, chunk_size=chunk_size
+        out,
+        data=None if data is None else str(data),
+        federation=federation,
+        val_samples=val_samples,
+        calib_samples=calib_samples,
+        chunk_size=chunk_size,
     )
     if config.data is None:
-        raise ServerError(f"the run in {out} had no --data; pass --data (a partition directory or Fashion-MNIST) for calibration and validation")
+        raise ServerError(
+            f"the run in {out} had no --data; pass --data (a partition directory or Fashion-MNIST) for calibration and validation"
+        )
     server = FederationServer(config, link or LinkConfig())
     try:
         with common.heartbeat(log, "still exporting"):
@@ -62,7 +76,9 @@ def export_command(
 def serve_command(
     link: LinkConfig,
     out: OutOpt,
-    federation: Annotated[Optional[str], typer.Option("--federation", help="Federation id (default: the run's).")] = None,
+    federation: Annotated[
+        Optional[str], typer.Option("--federation", help="Federation id (default: the run's).")
+    ] = None,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,
@@ -88,7 +104,9 @@ def serve_command(
 
 def status_command(
     out: OutOpt,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts) instead of lines and a table.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object (for scripts) instead of lines and a table.")
+    ] = False,
 ) -> None:
     """Where the run in --out stands: devices (online, last seen, rounds taken part in), rounds completed, best accuracy."""
     import json

@@ -17,10 +17,15 @@ from feast_edge.transport.credentials import credentials_of
 console = common.make_console()
 log = logging.getLogger("feast_edge.server")
 
-OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints, device registry, exported models.")]
+OutOpt = Annotated[
+    Path, typer.Option("--out", "-o", help="Run directory: checkpoints, device registry, exported models.")
+]
 DataOpt = Annotated[
     Optional[Path],
-    typer.Option("--data", help="Server-held validation/calibration data: a partition directory (feast-edge partition) or a Fashion-MNIST directory (its test split)."),
+    typer.Option(
+        "--data",
+        help="Server-held validation/calibration data: a partition directory (feast-edge partition) or a Fashion-MNIST directory (its test split).",
+    ),
 ]
 
 
@@ -37,4 +42,6 @@ def install_signal_handlers() -> None:
 def check_server_bundle(link: Optional[LinkConfig]) -> None:
     bundle = credentials_of(link)
     if bundle is not None and bundle.role != "server":
-        raise FeastError(f"--credentials {bundle.path} is device {bundle.identity!r}'s bundle; the server takes the 'server' bundle (…/server)")
+        raise FeastError(
+            f"--credentials {bundle.path} is device {bundle.identity!r}'s bundle; the server takes the 'server' bundle (…/server)"
+        )

@@ -8,18 +8,51 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY = ["--clients", "4", "--per-round", "2", "--train-limit", "240", "--val-samples", "100", "--calib-samples", "50", "--test-limit", "100", "--seed", "3"]
+TINY = [
+    "--clients",
+    "4",
+    "--per-round",
+    "2",
+    "--train-limit",
+    "240",
+    "--val-samples",
+    "100",
+    "--calib-samples",
+    "50",
+    "--test-limit",
+    "100",
+    "--seed",
+    "3",
+]
 
 
 def test_an_unknown_amp_mode_is_one_error_line(cli, agent_cli, tmp_path: Path) -> None:
-    cli.assert_user_error(cli.invoke("simulate", "--out", str(tmp_path / "run"), "--amp", "fp8"), "--amp 'fp8' is unknown; choose one of off, auto, bf16, fp16")
-    result = agent_cli.invoke("run", "--broker", "mqtt://127.0.0.1:1", "--device-id", "d1", "--data", str(tmp_path), "--budget", "40M", "--amp", "int8")
+    cli.assert_user_error(
+        cli.invoke("simulate", "--out", str(tmp_path / "run"), "--amp", "fp8"),
+        "--amp 'fp8' is unknown; choose one of off, auto, bf16, fp16",
+    )
+    result = agent_cli.invoke(
+        "run",
+        "--broker",
+        "mqtt://127.0.0.1:1",
+        "--device-id",
+        "d1",
+        "--data",
+        str(tmp_path),
+        "--budget",
+        "40M",
+        "--amp",
+        "int8",
+    )
     agent_cli.assert_user_error(result, "--amp 'int8' is unknown")
     assert not (tmp_path / "run").exists()
 
 
 def test_amp_with_a_baseline_is_refused(cli, tmp_path: Path) -> None:
-    cli.assert_user_error(cli.invoke("simulate", "--out", str(tmp_path), "--method", "heterofl", "--amp", "bf16"), "--amp bf16 applies to --method feast only")
+    cli.assert_user_error(
+        cli.invoke("simulate", "--out", str(tmp_path), "--method", "heterofl", "--amp", "bf16"),
+        "--amp bf16 applies to --method feast only",
+    )
 
 
 @pytest.mark.slow  # real simulations, subprocesses
@@ -27,7 +60,22 @@ def test_a_bf16_simulation_trains_in_bf16_and_keeps_float32_weights(cli, tmp_pat
     runs = {}
     for amp in ("off", "bf16"):
         out = tmp_path / amp
-        result = cli.run("simulate", "-o", str(out), *TINY, "--rounds", "1", "--eval-every", "1", "--batch-size", "32", "--device", "cpu", "--amp", amp)
+        result = cli.run(
+            "simulate",
+            "-o",
+            str(out),
+            *TINY,
+            "--rounds",
+            "1",
+            "--eval-every",
+            "1",
+            "--batch-size",
+            "32",
+            "--device",
+            "cpu",
+            "--amp",
+            amp,
+        )
         assert result.returncode == 0, result.stderr
         assert ("training on cpu, " + ("bf16 autocast" if amp == "bf16" else "float32")) in result.stdout
         runs[amp] = json.loads((out / "results.json").read_text())["config"]
@@ -46,9 +94,26 @@ def test_deterministic_kernels_change_nothing_on_the_cpu(cli, tmp_path: Path, fa
     from safetensors.torch import load_file
 
     for name, extra in (("plain", ()), ("strict", ("--deterministic",))):
-        result = cli.run("simulate", "-o", str(tmp_path / name), *TINY, "--rounds", "1", "--eval-every", "1", "--batch-size", "32", "--device", "cpu", *extra)
+        result = cli.run(
+            "simulate",
+            "-o",
+            str(tmp_path / name),
+            *TINY,
+            "--rounds",
+            "1",
+            "--eval-every",
+            "1",
+            "--batch-size",
+            "32",
+            "--device",
+            "cpu",
+            *extra,
+        )
         assert result.returncode == 0, result.stderr
     plain, strict = (load_file(str(tmp_path / name / "checkpoint.safetensors")) for name in ("plain", "strict"))
     assert plain.keys() == strict.keys() and all(torch.equal(plain[k], strict[k]) for k in plain)
-    recorded = {json.loads((tmp_path / name / "results.json").read_text())["config"]["deterministic"] for name in ("plain", "strict")}
+    recorded = {
+        json.loads((tmp_path / name / "results.json").read_text())["config"]["deterministic"]
+        for name in ("plain", "strict")
+    }
     assert recorded == {False, True}

@@ -25,9 +25,27 @@ else:  # pragma: no cover - Python 3.10
 REPO = Path(__file__).resolve().parents[2]
 # One user error per script, refused before anything is read, written or connected.
 USER_ERRORS = {
-    "feast-edge": (("arch", "-p", "no-such-preset", "-a", '{"d":[0,0,0,0],"e":[0.5,0.5,0.5,0.5],"w":[0,0,0,0,0]}'), "unknown preset 'no-such-preset'; choose one of"),
+    "feast-edge": (
+        ("arch", "-p", "no-such-preset", "-a", '{"d":[0,0,0,0],"e":[0.5,0.5,0.5,0.5],"w":[0,0,0,0,0]}'),
+        "unknown preset 'no-such-preset'; choose one of",
+    ),
     "feast-server": (("status", "--out", "/nonexistent/feast-run"), "does not exist; point --out at"),
-    "feast-agent": (("run", "--broker", "mqtt://127.0.0.1:1", "--device-id", "d1", "--data", "/nonexistent", "--budget", "40M", "--amp", "int8"), "--amp 'int8' is unknown"),
+    "feast-agent": (
+        (
+            "run",
+            "--broker",
+            "mqtt://127.0.0.1:1",
+            "--device-id",
+            "d1",
+            "--data",
+            "/nonexistent",
+            "--budget",
+            "40M",
+            "--amp",
+            "int8",
+        ),
+        "--amp 'int8' is unknown",
+    ),
 }
 
 
@@ -36,15 +54,23 @@ def test_every_console_script_has_a_smoke_test() -> None:
         scripts = tomllib.load(f)["project"]["scripts"]
     assert sorted(scripts) == sorted(USER_ERRORS)
     # cli.invoke calls these entry functions (tests/conftest.py's cli, server_cli and agent_cli fixtures).
-    assert scripts == {"feast-edge": "feast_edge.cli.main:main", "feast-server": "feast_edge.server.cli:main", "feast-agent": "feast_edge.agent.cli:main"}
+    assert scripts == {
+        "feast-edge": "feast_edge.cli.main:main",
+        "feast-server": "feast_edge.server.cli:main",
+        "feast-agent": "feast_edge.agent.cli:main",
+    }
 
 
 @pytest.mark.parametrize("script", sorted(USER_ERRORS))
 def test_the_installed_script_starts_and_a_user_error_is_one_line(script: str) -> None:
     found = shutil.which(script, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    assert found, f"{script} is not installed beside {sys.executable} nor on PATH: pip install -e '.[dev]' (make venv does)"
+    assert found, (
+        f"{script} is not installed beside {sys.executable} nor on PATH: pip install -e '.[dev]' (make venv does)"
+    )
     args, fragment = USER_ERRORS[script]
-    result = subprocess.run([found, *args], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"}, check=False)
+    result = subprocess.run(
+        [found, *args], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"}, check=False
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]

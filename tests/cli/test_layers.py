@@ -17,7 +17,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # Source folder -> the package it is installed as (pyproject.toml [tool.setuptools.package-dir]).
-PACKAGES = {"feast_edge": "feast_edge", "server": "feast_edge.server", "device_agent": "feast_edge.agent", "profiles": "feast_edge.profiles"}
+PACKAGES = {
+    "feast_edge": "feast_edge",
+    "server": "feast_edge.server",
+    "device_agent": "feast_edge.agent",
+    "profiles": "feast_edge.profiles",
+}
 OLD_NAMES = ("server", "device_agent", "feast_mqtt")  # top-level import names before there was one, feast_edge
 CORE, TRANSPORT, PROTOCOL, APPS, CONSOLE = range(5)
 LAYER_NAMES = ("core", "transport", "protocol", "apps", "console")
@@ -78,7 +83,10 @@ def _imports(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> tup
             for alias in node.names:
                 candidate = f"{base}.{alias.name}"
                 found.append(Import(candidate if candidate in known else base, node.lineno))
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__"):
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+            "import_module",
+            "__import__",
+        ):
             if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
                 found.append(Import(node.args[0].value, node.lineno))
     return tuple(found)
@@ -104,7 +112,13 @@ def _where(module: Module, item: Import) -> str:
 def test_every_layer_is_found(modules: dict[str, Module]) -> None:
     """The walk sees the whole package (else the other tests would pass on nothing)."""
     assert {layer(name) for name in modules} == set(range(5))
-    assert {"feast_edge.server.cli", "feast_edge.agent.agent", "feast_edge.profiles", "feast_edge.transport.link", "feast_edge.cli.main"} <= set(modules)
+    assert {
+        "feast_edge.server.cli",
+        "feast_edge.agent.agent",
+        "feast_edge.profiles",
+        "feast_edge.transport.link",
+        "feast_edge.cli.main",
+    } <= set(modules)
 
 
 def test_imports_run_from_the_console_down_to_the_core(modules: dict[str, Module]) -> None:
@@ -129,12 +143,20 @@ def test_server_and_agent_do_not_import_each_other(modules: dict[str, Module]) -
 
 def test_nothing_imports_the_old_top_level_names(modules: dict[str, Module]) -> None:
     scripts = [path for folder in ("tests", "bench") for path in sorted((REPO / folder).rglob("*.py"))]
-    stale = [f"{_where(m, i)}: imports {i.target}" for m in modules.values() for i in m.imports if i.target.split(".")[0] in OLD_NAMES]
+    stale = [
+        f"{_where(m, i)}: imports {i.target}"
+        for m in modules.values()
+        for i in m.imports
+        if i.target.split(".")[0] in OLD_NAMES
+    ]
     for path in scripts:
         for i in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path)), "__main__", False, set()):
             if i.target.split(".")[0] in OLD_NAMES:
                 stale.append(f"{path.relative_to(REPO)}:{i.line}: imports {i.target}")
-    assert not stale, f"imports of {', '.join(OLD_NAMES)} (now feast_edge.server, feast_edge.agent, feast_edge.transport):\n" + "\n".join(stale)
+    assert not stale, (
+        f"imports of {', '.join(OLD_NAMES)} (now feast_edge.server, feast_edge.agent, feast_edge.transport):\n"
+        + "\n".join(stale)
+    )
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -174,10 +196,19 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles(modules: dict[str, Module]) -> None:
     """No two modules import each other, directly or through others, counting TYPE_CHECKING and function-level imports."""
-    graph = {m.name: {i.target for i in m.imports if i.target in modules and i.target != m.name} for m in modules.values()}
+    graph = {
+        m.name: {i.target for i in m.imports if i.target in modules and i.target != m.name} for m in modules.values()
+    }
     cycles = _cycles(graph)
     detail = [
-        " <-> ".join(c) + ":\n" + "\n".join(f"  {_where(modules[a], i)}: {a} imports {i.target}" for a in c for i in modules[a].imports if i.target in c and i.target != a)
+        " <-> ".join(c)
+        + ":\n"
+        + "\n".join(
+            f"  {_where(modules[a], i)}: {a} imports {i.target}"
+            for a in c
+            for i in modules[a].imports
+            if i.target in c and i.target != a
+        )
         for c in cycles
     ]
     assert not cycles, "import cycles:\n" + "\n".join(detail)
@@ -192,4 +223,6 @@ def test_the_cycle_check_finds_cycles() -> None:
 
 def test_no_module_is_much_over_400_lines(modules: dict[str, Module]) -> None:
     long = sorted((m.lines, str(m.path.relative_to(REPO))) for m in modules.values() if m.lines > MAX_LINES)
-    assert not long, f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(f"{path}: {n} lines" for n, path in reversed(long))
+    assert not long, f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(
+        f"{path}: {n} lines" for n, path in reversed(long)
+    )

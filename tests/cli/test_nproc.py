@@ -21,8 +21,28 @@ from feast_edge.sim.setup import SimulationConfig
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
 
 # Both runs use one intra-op thread per process: the thread count changes PyTorch's float summation order.
-RUN = ("--clients", "4", "--per-round", "4", "--rounds", "2", "--train-limit", "400", "--val-samples", "200", "--calib-samples", "100",
-       "--test-limit", "200", "--eval-every", "1", "--device", "cpu", "--threads", "1")
+RUN = (
+    "--clients",
+    "4",
+    "--per-round",
+    "4",
+    "--rounds",
+    "2",
+    "--train-limit",
+    "400",
+    "--val-samples",
+    "200",
+    "--calib-samples",
+    "100",
+    "--test-limit",
+    "200",
+    "--eval-every",
+    "1",
+    "--device",
+    "cpu",
+    "--threads",
+    "1",
+)
 
 
 def _simulate(cli, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -53,7 +73,10 @@ def test_two_processes_give_the_weights_of_one(cli, one_process, tmp_path):
         _assert_same_tensors(one_process / name, tmp_path / name)
     rows = [list(csv.DictReader((d / "rounds.csv").open())) for d in (one_process, tmp_path)]
     assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]
-    tests = [[v["test_accuracy"] for v in json.loads((d / "results.json").read_text())["variants"]] for d in (one_process, tmp_path)]
+    tests = [
+        [v["test_accuracy"] for v in json.loads((d / "results.json").read_text())["variants"]]
+        for d in (one_process, tmp_path)
+    ]
     assert tests[0] == tests[1]
 
 
@@ -80,12 +103,18 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.slow
 def test_a_killed_worker_stops_the_run_with_one_line(fashion_mnist_dir, tmp_path):
     args = [*RUN, "--clients", "8", "--rounds", "20", "--train-limit", "2000"]
-    proc = subprocess.Popen([sys.executable, "-m", "feast_edge.cli", "simulate", *args, "--nproc", "2", "--out", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "feast_edge.cli", "simulate", *args, "--nproc", "2", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / CHECKPOINT).exists():  # round 1 done: the worker is serving
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "no round in 120 s"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read() if proc.poll() is not None else "no round in 120 s"
+            )
             time.sleep(0.1)
         workers = _children(proc.pid)
         assert len(workers) == 1
@@ -95,14 +124,29 @@ def test_a_killed_worker_stops_the_run_with_one_line(fashion_mnist_dir, tmp_path
         proc.kill()
     assert proc.returncode == 2
     lines = [line for line in err.splitlines() if line.strip()]
-    assert lines == ["error: simulation process 1 of 2 was killed by signal 9; rerun (--resume continues from the last checkpoint)"]
+    assert lines == [
+        "error: simulation process 1 of 2 was killed by signal 9; rerun (--resume continues from the last checkpoint)"
+    ]
 
 
 @pytest.mark.slow
 def test_a_spread_run_resumes_to_the_weights_of_an_uninterrupted_one(fashion_mnist_dir, tmp_path, one_thread):
-    config = SimulationConfig(clients=4, per_round=3, rounds=3, train_limit=240, val_samples=100, calib_samples=50, test_limit=100, eval_every=2, seed=3)
+    config = SimulationConfig(
+        clients=4,
+        per_round=3,
+        rounds=3,
+        train_limit=240,
+        val_samples=100,
+        calib_samples=50,
+        test_limit=100,
+        eval_every=2,
+        seed=3,
+    )
     Simulation(config, tmp_path / "whole").run()
-    for stop_after, resume in ((1, False), (None, True)):  # "killed" after round 1, resumed with the cohort spread over 3 processes
+    for stop_after, resume in (
+        (1, False),
+        (None, True),
+    ):  # "killed" after round 1, resumed with the cohort spread over 3 processes
         sim = Simulation(config, tmp_path / "resumed")
         spread = Spread(config, nproc=2 if stop_after else 3, threads=1, command=COMMAND)
         spread.attach(sim)

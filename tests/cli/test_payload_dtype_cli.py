@@ -15,8 +15,12 @@ def test_an_unsupported_dtype_is_one_error_line(cli, command: tuple[str, ...], t
 
 
 def test_the_server_refuses_an_unsupported_dtype_before_connecting(server_cli, tmp_path: Path) -> None:
-    result = server_cli.invoke("run", "--broker", "mqtt://127.0.0.1:1", "--out", str(tmp_path / "run"), "--payload-dtype", "int8")
-    server_cli.assert_user_error(result, "--payload-dtype 'int8' is not supported; choose one of float32, float16, bfloat16")
+    result = server_cli.invoke(
+        "run", "--broker", "mqtt://127.0.0.1:1", "--out", str(tmp_path / "run"), "--payload-dtype", "int8"
+    )
+    server_cli.assert_user_error(
+        result, "--payload-dtype 'int8' is not supported; choose one of float32, float16, bfloat16"
+    )
 
 
 def test_routing_counts_bytes_in_the_payload_dtype(cli) -> None:

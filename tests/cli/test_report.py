@@ -22,18 +22,56 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 BUDGETS = [12e6, 25e6, 50e6, 50e6]
 # label -> (MACs, params) of the cached variants FEAST and the centralized reference share
 CACHED = {"v0": (10_000_000, 100_000), "v1": (20_000_000, 200_000), "v2": (40_000_000, 400_000)}
-HETEROFL = {"x0.125": (5_000_000, 50_000), "x0.25": (15_000_000, 150_000), "x0.5": (30_000_000, 300_000), "x1": (45_000_000, 450_000)}
+HETEROFL = {
+    "x0.125": (5_000_000, 50_000),
+    "x0.25": (15_000_000, 150_000),
+    "x0.5": (30_000_000, 300_000),
+    "x1": (45_000_000, 450_000),
+}
 
 
-def _results(method: str, seed: int, accuracies: dict[str, float], points: dict[str, tuple[int, int]], *, population: float, **extra: Any) -> dict[str, Any]:
+def _results(
+    method: str,
+    seed: int,
+    accuracies: dict[str, float],
+    points: dict[str, tuple[int, int]],
+    *,
+    population: float,
+    **extra: Any,
+) -> dict[str, Any]:
     """A results.json of ``simulate``: 4 rounds, validated on rounds 2 and 4."""
-    config = {"seed": seed, "rounds": 4, "clients": len(BUDGETS), "per_round": 2, "variants": "full", "method_options": [], **extra.pop("config", {})}
+    config = {
+        "seed": seed,
+        "rounds": 4,
+        "clients": len(BUDGETS),
+        "per_round": 2,
+        "variants": "full",
+        "method_options": [],
+        **extra.pop("config", {}),
+    }
     variants = [
-        {"index": i, "label": label, "macs": points[label][0], "params": points[label][1], "dense_macs": None, "detail": {}, "test_accuracy": accuracies[label]}
+        {
+            "index": i,
+            "label": label,
+            "macs": points[label][0],
+            "params": points[label][1],
+            "dense_macs": None,
+            "detail": {},
+            "test_accuracy": accuracies[label],
+        }
         for i, label in enumerate(accuracies)
     ]
     rounds = [
-        {"round": t, "lr": 0.02, "loss": 2.0 / t, "samples": 100, "train_macs": 10**12, "routed_params": 1_000_000, "val_accuracy": None if t % 2 else 0.1 * t + 0.01 * seed, "seconds": 2.5}
+        {
+            "round": t,
+            "lr": 0.02,
+            "loss": 2.0 / t,
+            "samples": 100,
+            "train_macs": 10**12,
+            "routed_params": 1_000_000,
+            "val_accuracy": None if t % 2 else 0.1 * t + 0.01 * seed,
+            "seconds": 2.5,
+        }
         for t in range(1, 5)
     ]
     return {
@@ -71,7 +109,10 @@ BASELINE = ({"x0.125": 0.30, "x0.25": 0.40, "x0.5": 0.45, "x1": 0.52}, 0.44)
 @pytest.fixture
 def runs(tmp_path: Path) -> list[Path]:
     """FEAST seeds 0 and 1, the centralized reference, HeteroFL (other variants than the cache)."""
-    dirs = [_write(tmp_path / f"feast-{seed}", _results("feast", seed, acc, CACHED, population=pop)) for seed, (acc, pop) in enumerate(FEAST)]
+    dirs = [
+        _write(tmp_path / f"feast-{seed}", _results("feast", seed, acc, CACHED, population=pop))
+        for seed, (acc, pop) in enumerate(FEAST)
+    ]
     dirs.append(_write(tmp_path / "central", _results("centralized", 0, CENTRAL[0], CACHED, population=CENTRAL[1])))
     dirs.append(_write(tmp_path / "heterofl", _results("heterofl", 0, BASELINE[0], HETEROFL, population=BASELINE[1])))
     return dirs
@@ -94,7 +135,9 @@ def _row(section: str, first: str) -> list[str]:
     return next(_cells(line) for line in section.splitlines() if line.startswith("|") and _cells(line)[0] == first)
 
 
-def test_markdown_report_groups_seeds_and_measures_gaps_to_the_centralized_run(cli, runs: list[Path], tmp_path: Path) -> None:
+def test_markdown_report_groups_seeds_and_measures_gaps_to_the_centralized_run(
+    cli, runs: list[Path], tmp_path: Path
+) -> None:
     result = cli.invoke("report", *map(str, runs), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     report = tmp_path / "report" / "report.md"  # the default --out
@@ -107,7 +150,11 @@ def test_markdown_report_groups_seeds_and_measures_gaps_to_the_centralized_run(c
     assert methods == ["feast", "centralized", "heterofl"]
     feast = _row(summary, "feast")
     populations = [pop for _, pop in FEAST]
-    assert feast[1:4] == ["2", _pm(populations), f"{100 * (CENTRAL[1] - statistics.mean(populations)):.2f}"]  # seeds, mean ± std, gap
+    assert feast[1:4] == [
+        "2",
+        _pm(populations),
+        f"{100 * (CENTRAL[1] - statistics.mean(populations)):.2f}",
+    ]  # seeds, mean ± std, gap
     assert feast[4] == _pm([acc["v2"] for acc, _ in FEAST])  # largest point
     assert feast[5] == _pm([0.40, 0.41])  # best validation
     assert feast[6:] == ["8M", "2M", "4.00", "2.5"]  # params sent, per round, TMAC, seconds per round
@@ -119,7 +166,11 @@ def test_markdown_report_groups_seeds_and_measures_gaps_to_the_centralized_run(c
     for i, label in enumerate(CACHED):
         mean = statistics.mean(acc[label] for acc, _ in FEAST)
         assert _row(feast_variants, str(i))[1:] == [
-            label, f"{CACHED[label][0] / 1e6:.2f}", f"{CACHED[label][1] / 1e6:.3f}", _pm([acc[label] for acc, _ in FEAST]), f"{100 * (CENTRAL[0][label] - mean):.2f}"
+            label,
+            f"{CACHED[label][0] / 1e6:.2f}",
+            f"{CACHED[label][1] / 1e6:.3f}",
+            _pm([acc[label] for acc, _ in FEAST]),
+            f"{100 * (CENTRAL[0][label] - mean):.2f}",
         ]
     # HeteroFL's tiers are not cached variants: each is compared with the largest centralized point of no more MACs.
     heterofl = _section(text, "### heterofl")
@@ -157,22 +208,31 @@ def test_html_report_escapes_every_text_and_embeds_the_plots(cli, tmp_path: Path
 
 
 def test_mismatched_presets_and_populations_are_warned_about(cli, runs: list[Path], tmp_path: Path) -> None:
-    other = _write(tmp_path / "other", _results("heterofl", 1, BASELINE[0], HETEROFL, population=0.4, budgets=[1e6, 2e6], preset="cifar-other"))
+    other = _write(
+        tmp_path / "other",
+        _results("heterofl", 1, BASELINE[0], HETEROFL, population=0.4, budgets=[1e6, 2e6], preset="cifar-other"),
+    )
     out = tmp_path / "out"
     result = cli.invoke("report", *map(str, runs), str(other), "--out", str(out))
     assert result.returncode == 0, result.stderr
     text = (out / "report.md").read_text(encoding="utf-8")
-    population = f"warning: the runs do not share one client population (the budgets of {other} differ from those of {runs[0]})"
+    population = (
+        f"warning: the runs do not share one client population (the budgets of {other} differ from those of {runs[0]})"
+    )
     lines = text.splitlines()
     assert any(line.startswith(f"> {population}") for line in lines)
-    assert any(line.startswith("> warning: the runs use different presets (cifar-other, fmnist-small)") for line in lines)
+    assert any(
+        line.startswith("> warning: the runs use different presets (cifar-other, fmnist-small)") for line in lines
+    )
     assert population in result.stderr
 
 
 def test_a_missing_run_directory_is_a_one_line_error(cli, tmp_path: Path) -> None:
     missing = tmp_path / "never-ran"
     result = cli.invoke("report", str(missing), "--out", str(tmp_path / "out"))
-    cli.assert_user_error(result, f"run directory {missing} does not exist; run feast-edge simulate --out {missing} to completion first")
+    cli.assert_user_error(
+        result, f"run directory {missing} does not exist; run feast-edge simulate --out {missing} to completion first"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -180,7 +240,10 @@ def test_a_run_without_results_is_a_one_line_error(cli, tmp_path: Path) -> None:
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     result = cli.invoke("report", str(unfinished), "--out", str(tmp_path / "out"))
-    cli.assert_user_error(result, f"run directory {unfinished} holds no results.json; run feast-edge simulate --out {unfinished} to completion first")
+    cli.assert_user_error(
+        result,
+        f"run directory {unfinished} holds no results.json; run feast-edge simulate --out {unfinished} to completion first",
+    )
 
 
 def test_an_unknown_format_is_a_one_line_error(cli, runs: list[Path], tmp_path: Path) -> None:
@@ -199,7 +262,10 @@ def test_malformed_results_are_a_one_line_error(cli, runs: list[Path], tmp_path:
 
 @pytest.mark.parametrize(
     "drop, named",
-    [(("communication", "routed_params_total"), "lacks communication.routed_params_total"), (("population_accuracy",), "lacks population_accuracy")],
+    [
+        (("communication", "routed_params_total"), "lacks communication.routed_params_total"),
+        (("population_accuracy",), "lacks population_accuracy"),
+    ],
 )
 def test_results_missing_a_key_are_a_one_line_error(cli, tmp_path: Path, drop: tuple[str, ...], named: str) -> None:
     record = _results("feast", 0, FEAST[0][0], CACHED, population=0.6)
@@ -209,11 +275,17 @@ def test_results_missing_a_key_are_a_one_line_error(cli, tmp_path: Path, drop: t
     del parent[drop[-1]]
     run = _write(tmp_path / "run", record)
     result = cli.invoke("report", str(run), "--out", str(tmp_path / "out"))
-    cli.assert_user_error(result, f"{run / 'results.json'} {named}; run feast-edge simulate --out {run} to completion first")
+    cli.assert_user_error(
+        result, f"{run / 'results.json'} {named}; run feast-edge simulate --out {run} to completion first"
+    )
 
 
-def test_without_matplotlib_the_error_says_how_to_install_it(cli, runs: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # 'import matplotlib' raises ImportError, as on an install without the extra
+def test_without_matplotlib_the_error_says_how_to_install_it(
+    cli, runs: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(
+        sys.modules, "matplotlib", None
+    )  # 'import matplotlib' raises ImportError, as on an install without the extra
     result = cli.invoke("report", str(runs[0]), "--out", str(tmp_path / "out"))
     cli.assert_user_error(result, "feast-edge report needs matplotlib: pip install 'feast-edge[report]'")
 
@@ -228,7 +300,10 @@ def test_ablations_and_options_are_groups_of_their_own(tmp_path: Path) -> None:
         ("feast", 1, {}),
         ("mystery", 0, {}),
     ]
-    runs = [load_run(_write(tmp_path / f"run-{i}", _results(m, seed, FEAST[0][0], CACHED, population=0.6, config=config))) for i, (m, seed, config) in enumerate(records)]
+    runs = [
+        load_run(_write(tmp_path / f"run-{i}", _results(m, seed, FEAST[0][0], CACHED, population=0.6, config=config)))
+        for i, (m, seed, config) in enumerate(records)
+    ]
     groups = group_runs(runs)
     assert [g.name for g in groups] == ["feast", "feast (variants=min)", "centralized", "heterofl (tiers=4)", "mystery"]
     assert [r.seed for r in groups[0].runs] == [0, 1]

@@ -24,8 +24,12 @@ def _register(out: Path) -> None:
     """Two devices, both heard from; pi-5 is online and took part in two aggregates, nano in none."""
     registry = Registry(out / "devices.sqlite")
     common = {"instance": "i0", "preset": "test-tiny", "status": "offline"}
-    registry.register("pi-5", host="rack-a", budget_macs=6_600_000, samples=59, profile={"name": "raspberry-pi-5"}, **common)
-    registry.register("nano", host="rack-b", budget_macs=2_790_000, samples=31, profile={"name": "jetson-nano"}, **common)
+    registry.register(
+        "pi-5", host="rack-a", budget_macs=6_600_000, samples=59, profile={"name": "raspberry-pi-5"}, **common
+    )
+    registry.register(
+        "nano", host="rack-b", budget_macs=2_790_000, samples=31, profile={"name": "jetson-nano"}, **common
+    )
     registry.set_host_status("rack-a", "online")
     registry.touch("pi-5", participated=True)
     registry.touch("pi-5", participated=True)
@@ -34,7 +38,16 @@ def _register(out: Path) -> None:
 
 def _checkpoint(out: Path, history: list[dict], best: dict, **fields: object) -> None:
     model = Supernet(load_preset_file(TINY_PRESET), seed=0)
-    save_supernet(out / CHECKPOINT, model, kind="federation", round=len(history), history=history, best=best, config=CONFIG, **fields)
+    save_supernet(
+        out / CHECKPOINT,
+        model,
+        kind="federation",
+        round=len(history),
+        history=history,
+        best=best,
+        config=CONFIG,
+        **fields,
+    )
 
 
 @pytest.fixture
@@ -42,7 +55,11 @@ def run_dir(tmp_path: Path) -> Path:
     """A run after round 2 of 3: round 1 validated best (40%), round 2 left the model unchanged."""
     _register(tmp_path)
     history = [
-        asdict(RoundRecord(round=1, lr=0.02, cohort=["nano", "pi-5"], updated=["pi-5"], applied=True, loss=2.1, val_accuracy=0.4)),
+        asdict(
+            RoundRecord(
+                round=1, lr=0.02, cohort=["nano", "pi-5"], updated=["pi-5"], applied=True, loss=2.1, val_accuracy=0.4
+            )
+        ),
         asdict(RoundRecord(round=2, lr=0.01, cohort=["nano", "pi-5"], applied=False, val_accuracy=0.35)),
     ]
     _checkpoint(tmp_path, history, {"round": 1, "val_accuracy": 0.4}, history_format=2)
@@ -62,7 +79,15 @@ def test_status_lists_devices_rounds_and_the_best_round(server_cli, run_dir: Pat
     assert "best validation accuracy: 40.00% (round 1)" in result.stdout
     assert "devices: 1 of 2 online" in result.stdout
     device, host, status, seen, budget, samples, rounds, profile = _row(result.stdout, "pi-5")
-    assert (device, host, status, budget, samples, rounds, profile) == ("pi-5", "rack-a", "online", "6.60M", "59", "2", "raspberry-pi-5")
+    assert (device, host, status, budget, samples, rounds, profile) == (
+        "pi-5",
+        "rack-a",
+        "online",
+        "6.60M",
+        "59",
+        "2",
+        "raspberry-pi-5",
+    )
     assert re.fullmatch(r"\d+ (s|min|h) ago", seen)
     assert _row(result.stdout, "nano")[2::4] == ["offline", "0"]  # status, rounds
 
@@ -82,15 +107,21 @@ def test_status_json_is_one_object_for_scripts(server_cli, run_dir: Path) -> Non
 
 
 def test_missing_run_directory_or_registry_is_one_error_line(server_cli, tmp_path: Path) -> None:
-    server_cli.assert_user_error(server_cli.invoke("status", "--out", str(tmp_path / "nowhere")), "does not exist; point --out at")
-    server_cli.assert_user_error(server_cli.invoke("status", "--out", str(tmp_path)), "has no device registry (devices.sqlite)")
+    server_cli.assert_user_error(
+        server_cli.invoke("status", "--out", str(tmp_path / "nowhere")), "does not exist; point --out at"
+    )
+    server_cli.assert_user_error(
+        server_cli.invoke("status", "--out", str(tmp_path)), "has no device registry (devices.sqlite)"
+    )
     assert not (tmp_path / "devices.sqlite").exists()  # status reads; it never creates a registry
 
 
 def test_a_run_before_its_first_round(tmp_path: Path) -> None:
     _register(tmp_path)
     status = read_status(tmp_path)
-    assert status["rounds"] == {"completed": 0, "total": None} and status["last_round"] is None and status["best"] is None
+    assert (
+        status["rounds"] == {"completed": 0, "total": None} and status["last_round"] is None and status["best"] is None
+    )
     assert len(status["devices"]) == 2
 
 
@@ -104,7 +135,15 @@ def test_checkpoints_that_counted_rounds_from_zero_are_shown_from_one(tmp_path: 
 
 @pytest.mark.parametrize(
     ("seconds", "text"),
-    [(0.2, "0 s ago"), (12, "12 s ago"), (89, "89 s ago"), (180, "3 min ago"), (5 * 3600, "5 h ago"), (3 * 86400, "3 d ago"), (-2, "0 s ago")],
+    [
+        (0.2, "0 s ago"),
+        (12, "12 s ago"),
+        (89, "89 s ago"),
+        (180, "3 min ago"),
+        (5 * 3600, "5 h ago"),
+        (3 * 86400, "3 d ago"),
+        (-2, "0 s ago"),
+    ],
 )
 def test_last_seen_reads_as_elapsed_time(seconds: float, text: str) -> None:
     assert ago(seconds) == text

@@ -27,14 +27,31 @@ import pytest
 # A wheel built and installed in a fresh venv (its fixture takes minutes on 2 cores), then its console scripts run.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-IGNORED_DIRS = (".git", ".venv", "venv", "build", "dist", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", ".benchmarks", "runs", "feast-demo")
+IGNORED_DIRS = (
+    ".git",
+    ".venv",
+    "venv",
+    "build",
+    "dist",
+    "__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    ".hypothesis",
+    ".benchmarks",
+    "runs",
+    "feast-demo",
+)
 
 
 def _copy_sources(repo: Path, dest: Path) -> None:
     """The repository's files (tracked, plus untracked ones git does not ignore), without build outputs or the venv."""
     try:
         listed = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo, capture_output=True, check=True, timeout=60
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=repo,
+            capture_output=True,
+            check=True,
+            timeout=60,
         ).stdout
     except (OSError, subprocess.SubprocessError):  # no git, not a work tree, or an owner git refuses
         shutil.copytree(repo, dest, ignore=shutil.ignore_patterns(*IGNORED_DIRS), symlinks=True)
@@ -81,26 +98,56 @@ def installed(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Installed
         d.mkdir()
     _copy_sources(repo, src)
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "VIRTUAL_ENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "VIRTUAL_ENV")
+    }
     env.update({"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "COLUMNS": "160"})
     env.pop("FEAST_EDGE_PRESET_PATH", None)
     env.pop("FEAST_EDGE_PROFILE_PATH", None)
 
     def check(argv: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        assert result.returncode == 0, f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, (
+            f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
         return result
 
-    check([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(dist), str(src)])
+    check(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(dist),
+            str(src),
+        ]
+    )
     wheels = sorted(dist.glob("feast_edge-*.whl"))
     assert len(wheels) == 1, [p.name for p in dist.iterdir()]
 
-    made = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    made = subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     if made.returncode != 0 and "ensurepip" in made.stdout + made.stderr:
-        pytest.skip(f"venv cannot install pip here (ensurepip unavailable): {(made.stdout + made.stderr).strip()[-300:]}")
+        pytest.skip(
+            f"venv cannot install pip here (ensurepip unavailable): {(made.stdout + made.stderr).strip()[-300:]}"
+        )
     assert made.returncode == 0, made.stdout + made.stderr
     python = str(venv / "bin" / "python")
-    site_packages = Path(check([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    site_packages = Path(
+        check([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    )
     # When the tests run in a venv, --system-site-packages reaches the base interpreter's packages only; add the
     # running environment's, after the venv's own (lines of a .pth file are appended to sys.path).
     (site_packages / "_feast_test_outer_env.pth").write_text("".join(f"{d}\n" for d in _outer_site_dirs()))
@@ -112,7 +159,9 @@ def test_wheel_holds_one_package_and_its_data(installed: Installed) -> None:
     with zipfile.ZipFile(installed.wheel) as archive:
         names = set(archive.namelist())
     top = {name.split("/", 1)[0] for name in names}
-    assert [t for t in top if t != "feast_edge" and not (t.startswith("feast_edge-") and t.endswith(".dist-info"))] == [], sorted(top)
+    assert [
+        t for t in top if t != "feast_edge" and not (t.startswith("feast_edge-") and t.endswith(".dist-info"))
+    ] == [], sorted(top)
     assert not top & {"server", "device_agent", "feast_mqtt", "profiles", "tests", "bench"}
 
     src = installed.src
@@ -124,21 +173,37 @@ def test_wheel_holds_one_package_and_its_data(installed: Installed) -> None:
     assert all(data.values()), data
     expected = {f"feast_edge/{kind}/{p.name}" for kind, files in data.items() for p in files}
     # The applications' folders are installed inside the namespace, every module of them.
-    for folder, package in (("server", "server"), ("device_agent", "agent"), ("profiles", "profiles"), ("feast_edge/transport", "transport"), ("feast_edge/cli", "cli")):
+    for folder, package in (
+        ("server", "server"),
+        ("device_agent", "agent"),
+        ("profiles", "profiles"),
+        ("feast_edge/transport", "transport"),
+        ("feast_edge/cli", "cli"),
+    ):
         expected |= {f"feast_edge/{package}/{p.name}" for p in (src / folder).glob("*.py")}
     assert sorted(expected - names) == []
-    assert {"feast_edge/presets/fmnist-small.toml", "feast_edge/profiles/jetson-nano.json", "feast_edge/caches/fmnist-small.json"} <= names
+    assert {
+        "feast_edge/presets/fmnist-small.toml",
+        "feast_edge/profiles/jetson-nano.json",
+        "feast_edge/caches/fmnist-small.json",
+    } <= names
 
     entry_points = next(archive_name for archive_name in names if archive_name.endswith(".dist-info/entry_points.txt"))
     with zipfile.ZipFile(installed.wheel) as archive:
         scripts = archive.read(entry_points).decode()
-    for line in ("feast-edge = feast_edge.cli.main:main", "feast-server = feast_edge.server.cli:main", "feast-agent = feast_edge.agent.cli:main"):
+    for line in (
+        "feast-edge = feast_edge.cli.main:main",
+        "feast-server = feast_edge.server.cli:main",
+        "feast-agent = feast_edge.agent.cli:main",
+    ):
         assert line in scripts
 
 
 def test_venv_imports_its_own_copy(installed: Installed) -> None:
-    code = "import json, feast_edge, feast_edge.server, feast_edge.agent, feast_edge.transport, feast_edge.profiles as p; " \
+    code = (
+        "import json, feast_edge, feast_edge.server, feast_edge.agent, feast_edge.transport, feast_edge.profiles as p; "
         "print(json.dumps([m.__file__ for m in (feast_edge, feast_edge.server, feast_edge.agent, feast_edge.transport, p)]))"
+    )
     result = installed.run(str(installed.venv / "bin" / "python"), "-c", code)
     assert result.returncode == 0, result.stderr
     for file in map(Path, json.loads(result.stdout)):
@@ -164,7 +229,16 @@ def test_profiles_are_package_data(installed: Installed) -> None:
 
 def test_agent_finds_its_profile_and_reports_the_real_problem(installed: Installed) -> None:
     result = installed.script(
-        "feast-agent", "run", "--profile", "jetson-nano", "--device-id", "d1", "--data", "/nonexistent", "--broker", "mqtt://127.0.0.1:1"
+        "feast-agent",
+        "run",
+        "--profile",
+        "jetson-nano",
+        "--device-id",
+        "d1",
+        "--data",
+        "/nonexistent",
+        "--broker",
+        "mqtt://127.0.0.1:1",
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
@@ -177,9 +251,22 @@ def test_agent_finds_its_profile_and_reports_the_real_problem(installed: Install
 def test_provisioning_works_from_the_wheel(installed: Installed) -> None:
     """A lab sets up identities on a machine with only the wheel: the bundles it writes are what the installed agent takes."""
     pki = installed.cwd.parent / "pki"
-    result = installed.script("feast-server", "provision", "--out", str(pki), "--federation", "lab", "--device", "orin-1", "--device", "pi-2")
+    result = installed.script(
+        "feast-server", "provision", "--out", str(pki), "--federation", "lab", "--device", "orin-1", "--device", "pi-2"
+    )
     assert result.returncode == 0, result.stderr
     assert (pki / "broker" / "mosquitto.conf").is_file() and (pki / "devices" / "orin-1" / "bundle.json").is_file()
     assert "orin-1" in result.stdout and "mosquitto -c" in result.stdout
-    wrong = installed.script("feast-agent", "run", "--credentials", str(pki / "devices" / "orin-1"), "--device-id", "pi-2", "--data", "/nonexistent")
-    assert wrong.returncode == 2 and "differs from the credentials bundle's identity 'orin-1'" in wrong.stderr, wrong.stderr
+    wrong = installed.script(
+        "feast-agent",
+        "run",
+        "--credentials",
+        str(pki / "devices" / "orin-1"),
+        "--device-id",
+        "pi-2",
+        "--data",
+        "/nonexistent",
+    )
+    assert wrong.returncode == 2 and "differs from the credentials bundle's identity 'orin-1'" in wrong.stderr, (
+        wrong.stderr
+    )

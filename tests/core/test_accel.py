@@ -12,8 +12,25 @@ import torch
 
 from feast_edge.local.augment import BatchAugmenter
 from feast_edge.local.batches import training_batches
-from feast_edge.local.cotrain import ShapeCache, batch_variants, cotrain_step, local_train, make_optimizer, plan_variants
-from feast_edge.local.precision import AMP_MODES, PLAIN, AmpError, GradientStep, Precision, check_amp, resolve_amp, set_deterministic, to_device
+from feast_edge.local.cotrain import (
+    ShapeCache,
+    batch_variants,
+    cotrain_step,
+    local_train,
+    make_optimizer,
+    plan_variants,
+)
+from feast_edge.local.precision import (
+    AMP_MODES,
+    PLAIN,
+    AmpError,
+    GradientStep,
+    Precision,
+    check_amp,
+    resolve_amp,
+    set_deterministic,
+    to_device,
+)
 from feast_edge.local.recipe import TrainConfig
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import load_preset_file
@@ -24,19 +41,35 @@ TINY = load_preset_file(TINY_PRESET)
 A_MIN = Arch.smallest(TINY)
 A_MID = Arch((0, 0, 0), (1.0, 0.5, 0.5), (2, 2, 1, 1))
 A_MAX = Arch((2, 2, 2), (0.5, 1.0, 1.0), (3, 3, 3, 3))
+
+
 def cuda(test):
     """A test only a GPU can run: marked ``gpu``, skipped with the reason where PyTorch sees no CUDA device."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")(test))
+    return pytest.mark.gpu(
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")(test)
+    )
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
-def train(amp: str = "off", device: str = "cpu", augment: str = "none", seed: int = 3) -> tuple[dict[str, torch.Tensor], float]:
+def train(
+    amp: str = "off", device: str = "cpu", augment: str = "none", seed: int = 3
+) -> tuple[dict[str, torch.Tensor], float]:
     model = Supernet(TINY, seed=0)
     images, labels = tiny_data(48)
-    result = local_train(model, images, labels, [A_MIN, A_MID, A_MAX], A_MIN, TrainConfig(batch_size=16, augment=augment), lr=0.05, seed=seed, device=device, amp=amp)
+    result = local_train(
+        model,
+        images,
+        labels,
+        [A_MIN, A_MID, A_MAX],
+        A_MIN,
+        TrainConfig(batch_size=16, augment=augment),
+        lr=0.05,
+        seed=seed,
+        device=device,
+        amp=amp,
+    )
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, result.mean_loss
 
 
@@ -49,23 +82,46 @@ def update_cosine(state: dict[str, torch.Tensor], reference: dict[str, torch.Ten
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
-def one_step(grad: GradientStep, precision: Precision = PLAIN) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def one_step(
+    grad: GradientStep, precision: Precision = PLAIN
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One co-training step of a fresh tiny supernet; returns (weights before, weights after)."""
     model = Supernet(TINY, seed=1)
     images, labels = tiny_data(16, seed=5)
     config = TrainConfig(batch_size=16, augment="none")
     plan = plan_variants(model, [A_MIN, A_MID, A_MAX], A_MIN)
-    batch = next(training_batches(images, labels, TINY, TINY.classes, config, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)))
+    batch = next(
+        training_batches(
+            images,
+            labels,
+            TINY,
+            TINY.classes,
+            config,
+            torch.Generator().manual_seed(0),
+            torch.Generator().manual_seed(1),
+        )
+    )
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.train()
-    cotrain_step(model, make_optimizer(model, config, 0.1), batch, batch_variants(plan, "full", torch.Generator().manual_seed(2)), config, ShapeCache(model), precision, grad)
+    cotrain_step(
+        model,
+        make_optimizer(model, config, 0.1),
+        batch,
+        batch_variants(plan, "full", torch.Generator().manual_seed(2)),
+        config,
+        ShapeCache(model),
+        precision,
+        grad,
+    )
     return before, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # ------------------------------------------------------------------ choosing the precision
 def test_modes_resolve_on_the_cpu():
     assert resolve_amp("off", "cpu").mode == "off"
-    assert resolve_amp("auto", "cpu").mode == "off"  # CPU autocast is slower than float32 on most CPUs: auto leaves it off
+    assert (
+        resolve_amp("auto", "cpu").mode == "off"
+    )  # CPU autocast is slower than float32 on most CPUs: auto leaves it off
     assert resolve_amp("bf16", "cpu") == Precision("bf16", "cpu") and not resolve_amp("bf16", "cpu").scaled
     assert resolve_amp("fp16", "cpu").scaled and resolve_amp("fp16", "cpu").dtype == torch.float16
     assert [check_amp(m) for m in AMP_MODES] == list(AMP_MODES)
@@ -111,7 +167,9 @@ def test_mixed_precision_training_stays_close_to_float32_with_float32_weights(am
     assert changed  # the passes really ran in the lower precision
     assert abs(loss - ref_loss) < 0.05 * abs(ref_loss)
     agreement = update_cosine(mixed, reference)  # three SGD steps with momentum: rounding differences compound
-    assert agreement > 0.5, f"{amp}'s local round moved elsewhere than float32's (cosine {agreement:.3f}; unrelated updates give ~0)"
+    assert agreement > 0.5, (
+        f"{amp}'s local round moved elsewhere than float32's (cosine {agreement:.3f}; unrelated updates give ~0)"
+    )
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
@@ -167,7 +225,9 @@ def test_augmentation_on_the_gpu_draws_what_the_cpu_draws():
     on_gpu = augmenter(images.cuda(), labels.cuda(), 0, torch.Generator().manual_seed(9))
     assert on_gpu.images.is_cuda and on_gpu.mixer == on_cpu.mixer
     assert torch.allclose(on_gpu.targets.cpu(), on_cpu.targets, atol=1e-6)  # same mixing partner and λ
-    assert float((on_gpu.images.cpu() - on_cpu.images).abs().mean()) < 0.05  # same ops; interpolation may round differently
+    assert (
+        float((on_gpu.images.cpu() - on_cpu.images).abs().mean()) < 0.05
+    )  # same ops; interpolation may round differently
 
 
 @cuda

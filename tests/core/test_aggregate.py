@@ -87,7 +87,11 @@ def test_single_client_gets_its_slice_back_and_nothing_else_moves(preset, global
             assert torch.equal(new[name], g)
             continue
         idx = leading_index(local[name].shape)
-        assert torch.allclose(new[name][idx], local[name]) if g.is_floating_point() else torch.equal(new[name][idx], local[name])
+        assert (
+            torch.allclose(new[name][idx], local[name])
+            if g.is_floating_point()
+            else torch.equal(new[name][idx], local[name])
+        )
         outside = torch.ones(g.shape, dtype=torch.bool)
         outside[idx] = False
         assert torch.equal(new[name][outside], g[outside])
@@ -95,7 +99,9 @@ def test_single_client_gets_its_slice_back_and_nothing_else_moves(preset, global
 
 def test_integer_buffers_take_the_maximum_and_keep_global_when_unsent():
     g = {"bn.num_batches_tracked": torch.tensor(10), "other.num_batches_tracked": torch.tensor(4)}
-    new = aggregate(g, [({"bn.num_batches_tracked": torch.tensor(13)}, 100), ({"bn.num_batches_tracked": torch.tensor(11)}, 1)])
+    new = aggregate(
+        g, [({"bn.num_batches_tracked": torch.tensor(13)}, 100), ({"bn.num_batches_tracked": torch.tensor(11)}, 1)]
+    )
     assert new["bn.num_batches_tracked"].item() == 13
     assert new["other.num_batches_tracked"].item() == 4
     assert new["bn.num_batches_tracked"].dtype == torch.int64
@@ -206,8 +212,12 @@ def _naive(global_np: dict[str, np.ndarray], clients: list[tuple[dict[str, np.nd
 @st.composite
 def _cohort(draw):
     shapes = draw(st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=3), min_size=1, max_size=3))
-    global_np = {f"t{i}": np.asarray(draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(s)), max_size=int(np.prod(s))))).reshape(s)
-                 for i, s in enumerate(shapes)}
+    global_np = {
+        f"t{i}": np.asarray(
+            draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(s)), max_size=int(np.prod(s))))
+        ).reshape(s)
+        for i, s in enumerate(shapes)
+    }
     clients = []
     for _ in range(draw(st.integers(1, 4))):
         local = {}
@@ -235,15 +245,21 @@ def test_matches_naive_per_element_reference(cohort):
     for name in global_np:
         np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-12, atol=1e-12)
         assert torch.equal(torch_global[name], torch.from_numpy(global_np[name]))
-    _check_inplace_matches(torch_global, [({k: torch.from_numpy(v) for k, v in local.items()}, n) for local, n in clients])
+    _check_inplace_matches(
+        torch_global, [({k: torch.from_numpy(v) for k, v in local.items()}, n) for local, n in clients]
+    )
 
 
 @st.composite
 def _nested_cohort(draw):
     """A cohort whose boxes are nested, as FEAST envelopes are (SPEC §5): the one-pass running-mean path."""
     shapes = draw(st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=3), min_size=1, max_size=3))
-    global_np = {f"t{i}": np.asarray(draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(s)), max_size=int(np.prod(s))))).reshape(s)
-                 for i, s in enumerate(shapes)}
+    global_np = {
+        f"t{i}": np.asarray(
+            draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(s)), max_size=int(np.prod(s))))
+        ).reshape(s)
+        for i, s in enumerate(shapes)
+    }
     boxes = {name: [tuple(g.shape)] for name, g in global_np.items()}
     m = draw(st.integers(1, 5))
     for name, g in global_np.items():
@@ -254,7 +270,9 @@ def _nested_cohort(draw):
         local = {}
         for name in global_np:
             box = boxes[name][i]
-            local[name] = np.asarray(draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(box)), max_size=int(np.prod(box))))).reshape(box)
+            local[name] = np.asarray(
+                draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(box)), max_size=int(np.prod(box))))
+            ).reshape(box)
         clients.append((local, draw(st.integers(1, 1000))))
     return global_np, draw(st.permutations(clients))
 

@@ -35,11 +35,23 @@ def test_text_and_json_round_trip(a):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ('{"d":[3,7,6,9],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,0]}', r"d\[3\] = 9 is out of range; preset paper-cifar100 allows 0\.\.8"),
-        ('{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.3],"w":[2,0,0,0,0]}', r"e\[3\] = 0\.3 is not an allowed expansion ratio; .*allows \{0\.1, 0\.14, 0\.18, 0\.22, 0\.25\}"),
-        ('{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,10]}', r"w\[4\] = 10 is out of range; .*width indices 0\.\.9"),
+        (
+            '{"d":[3,7,6,9],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,0]}',
+            r"d\[3\] = 9 is out of range; preset paper-cifar100 allows 0\.\.8",
+        ),
+        (
+            '{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.3],"w":[2,0,0,0,0]}',
+            r"e\[3\] = 0\.3 is not an allowed expansion ratio; .*allows \{0\.1, 0\.14, 0\.18, 0\.22, 0\.25\}",
+        ),
+        (
+            '{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,10]}',
+            r"w\[4\] = 10 is out of range; .*width indices 0\.\.9",
+        ),
         ('{"d":[3,7,6],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,0]}', r"'d' has 3 entries; preset paper-cifar100 needs 4"),
-        ('{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0]}', r"'w' has 4 entries; .* needs 5 \(stem \+ one per stage\)"),
+        (
+            '{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0]}',
+            r"'w' has 4 entries; .* needs 5 \(stem \+ one per stage\)",
+        ),
         ('{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.1]}', r"lacks the field\(s\) w"),
         ('{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,0],"x":1}', r"unknown field\(s\) x"),
         ('{"d":[3,7,6,7.5],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,0]}', r"d\[3\] = 7\.5 must be an integer"),

@@ -66,7 +66,7 @@ def test_cache_settings_stay_out_of_the_digest():
         ('segments = [{ name = "a", start = 2e6, stop = 1e6, count = 3, rho0 = 0.3 }]', r"needs 0 < start <= stop"),
         ('segments = [{ name = "a", start = 1e6, stop = 2e6, count = 0, rho0 = 0.3 }]', r"count = 0 must be >= 1"),
         ('segments = [{ name = "a", start = 1e6, stop = 2e6, count = 3 }]', r"lacks the field 'rho0'"),
-        ('extraction = [{ from_macs = 5e6, rho0 = 0.3 }]', r"must start at from_macs = 0"),
+        ("extraction = [{ from_macs = 5e6, rho0 = 0.3 }]", r"must start at from_macs = 0"),
     ],
 )
 def test_bad_cache_section_names_the_field(tmp_path, section, message):
@@ -101,7 +101,14 @@ def test_build_is_sorted_feasible_and_reproducible(fmnist, small_cache):
         assert (entry.macs, entry.params) == arch_cost(fmnist, entry.arch)
         assert entry.fitness == evaluate(fmnist, entry.arch).fitness
     assert small_cache.classes == fmnist.classes
-    assert small_cache.search == {"seed": 3, "population": 16, "generations": 8, "tournament": 3, "mutation_prob": 0.3, "mutation_tries": 10}
+    assert small_cache.search == {
+        "seed": 3,
+        "population": 16,
+        "generations": 8,
+        "tournament": 3,
+        "mutation_prob": 0.3,
+        "mutation_tries": 10,
+    }
     again = build_cache(fmnist, [(2.0e6, 0.40), (8.0e6, 0.31), (20.0e6, 0.31), (40.0e6, 0.31)], seed=3, **FAST)
     assert again == small_cache
 
@@ -109,7 +116,9 @@ def test_build_is_sorted_feasible_and_reproducible(fmnist, small_cache):
 def test_workers_do_not_change_the_result(fmnist, small_cache):
     targets = [(2.0e6, 0.40), (8.0e6, 0.31), (20.0e6, 0.31), (40.0e6, 0.31)]
     seen = []
-    parallel = build_cache(fmnist, targets, seed=3, workers=2, progress=lambda done, total, r: seen.append((done, total)), **FAST)
+    parallel = build_cache(
+        fmnist, targets, seed=3, workers=2, progress=lambda done, total, r: seen.append((done, total)), **FAST
+    )
     assert parallel == small_cache
     assert sorted(seen) == [(1, 4), (2, 4), (3, 4), (4, 4)]
 
@@ -139,7 +148,10 @@ def test_json_round_trip(tmp_path, fmnist, small_cache):
 
 def test_foreign_preset_is_rejected_with_the_fix(tmp_path, small_cache):
     path = small_cache.save(tmp_path / "cache.json")
-    with pytest.raises(FeastError, match=r"was built for preset 'fmnist-small', not 'paper-cifar100'; load the cache of preset paper-cifar100"):
+    with pytest.raises(
+        FeastError,
+        match=r"was built for preset 'fmnist-small', not 'paper-cifar100'; load the cache of preset paper-cifar100",
+    ):
         load_cache(load_preset("paper-cifar100"), path)
 
 
@@ -189,7 +201,9 @@ def test_affordable_queries(small_cache):
     assert small_cache.affordable(float("inf")) == small_cache.entries
     assert small_cache.largest_affordable(small_cache.largest.macs + 5) == small_cache.largest
     assert small_cache.largest_affordable(small_cache.entries[1].macs) == small_cache.entries[1]
-    with pytest.raises(CacheError, match=r"below the smallest cached variant .* of preset fmnist-small; raise the budget"):
+    with pytest.raises(
+        CacheError, match=r"below the smallest cached variant .* of preset fmnist-small; raise the budget"
+    ):
         small_cache.largest_affordable(smallest.macs - 1)
 
 
@@ -225,4 +239,6 @@ def test_shipped_paper_cache_spans_the_paper_range():
 
 
 def test_every_builtin_preset_has_a_cache_file():
-    assert sorted(p.stem for p in cache_path(load_preset("paper-cifar100")).parent.glob("*.json")) == sorted(available_presets())
+    assert sorted(p.stem for p in cache_path(load_preset("paper-cifar100")).parent.glob("*.json")) == sorted(
+        available_presets()
+    )

@@ -30,7 +30,9 @@ def test_round_trip_preserves_every_tensor(tmp_path):
 
 def test_other_preset_is_refused(tmp_path):
     path = save_supernet(tmp_path / "tiny.safetensors", Supernet(TINY))
-    with pytest.raises(CheckpointError, match=r"holds a supernet of preset 'test-tiny', not 'fmnist-small'; pass --preset test-tiny"):
+    with pytest.raises(
+        CheckpointError, match=r"holds a supernet of preset 'test-tiny', not 'fmnist-small'; pass --preset test-tiny"
+    ):
         load_supernet(path, load_preset("fmnist-small"))
 
 

@@ -26,7 +26,9 @@ def test_fashion_mnist_uncompressed_and_missing(fashion_mnist_dir, tmp_path):
         with gzip.open(fashion_mnist_dir / f"{name}.gz") as src, open(tmp_path / name, "wb") as dst:
             shutil.copyfileobj(src, dst)
     assert len(load_fashion_mnist(tmp_path, "test")) == 10000
-    with pytest.raises(DataError, match=r"train-images-idx3-ubyte\[\.gz\] not found .* 'apt-get install dataset-fashion-mnist'"):
+    with pytest.raises(
+        DataError, match=r"train-images-idx3-ubyte\[\.gz\] not found .* 'apt-get install dataset-fashion-mnist'"
+    ):
         load_fashion_mnist(tmp_path, "train")
     with pytest.raises(DataError, match="does not exist"):
         load_fashion_mnist(tmp_path / "nope")

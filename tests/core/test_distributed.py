@@ -15,7 +15,9 @@ from feast_edge.sim.methods import METHODS, method_class
 from feast_edge.sim.ranks import DistributedError, pack_updates, pick_backend, plans_digest, unpack_updates
 from feast_edge.sim.setup import SimulationConfig, build_setup
 
-CONFIG = SimulationConfig(clients=6, per_round=4, rounds=4, train_limit=300, val_samples=50, calib_samples=50, batch_size=32, seed=5)
+CONFIG = SimulationConfig(
+    clients=6, per_round=4, rounds=4, train_limit=300, val_samples=50, calib_samples=50, batch_size=32, seed=5
+)
 SPREADABLE = [m for m in METHODS if m != "centralized"]
 
 
@@ -42,8 +44,16 @@ def test_assign_puts_the_costliest_members_apart():
 
 def test_updates_survive_the_wire_format_exactly():
     updates = [
-        ClientUpdate("client-001", {"w": torch.randn(3, 4), "h": torch.randn(5).half(), "n": torch.tensor(7)}, 40, loss=0.1 + 0.2, samples_seen=80.0,
-                     train_macs=123456789012, compute_seconds=1.25, variants_per_batch={"3": 4}),
+        ClientUpdate(
+            "client-001",
+            {"w": torch.randn(3, 4), "h": torch.randn(5).half(), "n": torch.tensor(7)},
+            40,
+            loss=0.1 + 0.2,
+            samples_seen=80.0,
+            train_macs=123456789012,
+            compute_seconds=1.25,
+            variants_per_batch={"3": 4},
+        ),
         ClientUpdate("client-002", {}, 3, loss=float("nan")),
     ]
     back = unpack_updates(pack_updates(updates))
@@ -52,12 +62,19 @@ def test_updates_survive_the_wire_format_exactly():
         assert a.state.keys() == b.state.keys()
         assert all(torch.equal(a.state[k], b.state[k]) and a.state[k].dtype == b.state[k].dtype for k in a.state)
         assert (a.samples, a.samples_seen, a.train_macs, a.compute_seconds, dict(a.variants_per_batch)) == (
-            b.samples, b.samples_seen, b.train_macs, b.compute_seconds, dict(b.variants_per_batch))
+            b.samples,
+            b.samples_seen,
+            b.train_macs,
+            b.compute_seconds,
+            dict(b.variants_per_batch),
+        )
     assert back[0].loss == 0.1 + 0.2 and math.isnan(back[1].loss)
     assert unpack_updates(b"") == []
 
 
-@pytest.mark.parametrize("nproc, fragment", [(0, "--nproc 0 must be at least 1"), (5, "--nproc 5 exceeds the cohort (--per-round 4)")])
+@pytest.mark.parametrize(
+    "nproc, fragment", [(0, "--nproc 0 must be at least 1"), (5, "--nproc 5 exceeds the cohort (--per-round 4)")]
+)
 def test_check_spread_refuses_counts_the_cohort_cannot_use(nproc, fragment):
     with pytest.raises(DistributedError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         check_spread(CONFIG, nproc)
@@ -83,7 +100,6 @@ def test_backend_choice():
 @pytest.fixture(scope="module")
 def setup(fashion_mnist_dir):
     return build_setup(CONFIG)
-
 
 
 def _budget(setup):

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from feast_edge.data.images import load_fashion_mnist
-from feast_edge.evaluate.evaluation import accuracy, calibrated_variant, evaluate_variants, largest_affordable_index, population_accuracy
+from feast_edge.evaluate.evaluation import (
+    accuracy,
+    calibrated_variant,
+    evaluate_variants,
+    largest_affordable_index,
+    population_accuracy,
+)
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
@@ -54,7 +60,14 @@ def test_evaluate_variants_reports_one_accuracy_per_arch(fmnist):
     supernet = Supernet(SMALL, seed=0)
     archs = [Arch.smallest(SMALL), Arch((0, 0, 0, 0), (0.5,) * 4, (2,) * 5)]
     calls = []
-    accs = evaluate_variants(supernet, archs, fmnist.images[:100], fmnist.images[100:300], fmnist.labels[100:300], progress=lambda i, n: calls.append((i, n)))
+    accs = evaluate_variants(
+        supernet,
+        archs,
+        fmnist.images[:100],
+        fmnist.images[100:300],
+        fmnist.labels[100:300],
+        progress=lambda i, n: calls.append((i, n)),
+    )
     assert len(accs) == 2 and all(0.0 <= x <= 1.0 for x in accs)
     assert calls == [(1, 2), (2, 2)]
 

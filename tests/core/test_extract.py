@@ -36,7 +36,9 @@ def test_extracted_equals_active_supernet(preset, data):
     arch = data.draw(archs(preset))
     supernet = _trained_like(preset)
     static = extract(supernet, arch)
-    x = torch.randn(4, preset.in_channels, preset.input_size, preset.input_size, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(
+        4, preset.in_channels, preset.input_size, preset.input_size, generator=torch.Generator().manual_seed(7)
+    )
     with torch.no_grad():
         diff = (supernet(x, arch) - static(x)).abs().max().item()
     assert diff <= 1e-5

@@ -67,7 +67,9 @@ def test_non_finite_values_are_refused():
 
 def _raw(state, manifest):
     """A payload as a sender that ignores the manifest's dtype would write it (encode itself casts to that dtype)."""
-    return safetensors_save({k: v.contiguous() for k, v in state.items()}, metadata={"feast_edge": json.dumps(manifest.to_dict())})
+    return safetensors_save(
+        {k: v.contiguous() for k, v in state.items()}, metadata={"feast_edge": json.dumps(manifest.to_dict())}
+    )
 
 
 def test_wrong_dtype_is_refused():
@@ -95,7 +97,10 @@ def test_other_preset_is_refused():
         (b"", "truncated"),
         (pickle.dumps({"a": 1}), "header length is out of range|not a feast-edge manifest"),
         (safetensors_save({"x": torch.zeros(1)}), "not a feast-edge manifest"),
-        (safetensors_save({"x": torch.zeros(1)}, metadata={"feast_edge": json.dumps({"format": "x"})}), "expected 'feast-edge/payload'"),
+        (
+            safetensors_save({"x": torch.zeros(1)}, metadata={"feast_edge": json.dumps({"format": "x"})}),
+            "expected 'feast-edge/payload'",
+        ),
     ],
 )
 def test_garbage_is_refused(blob, match):
@@ -105,11 +110,35 @@ def test_garbage_is_refused(blob, match):
 @pytest.mark.parametrize(
     ("header", "needle"),
     [
-        (b"[" * 100_000 + b"]" * 100_000, "not a feast-edge manifest"),  # nested too deeply for json: RecursionError inside
-        (json.dumps({"__metadata__": {"feast_edge": "[" * 50_000 + "]" * 50_000}}).encode(), "not a feast-edge manifest"),
         (
-            json.dumps({"__metadata__": {"feast_edge": json.dumps({"format": "feast-edge/payload", "version": 1, "preset": "p", "preset_digest": "d",
-                                                                   "classes": 1e999, "envelope": {}, "round": 0, "kind": "routed"})}}).encode().replace(b"Infinity", b"1e999"),
+            b"[" * 100_000 + b"]" * 100_000,
+            "not a feast-edge manifest",
+        ),  # nested too deeply for json: RecursionError inside
+        (
+            json.dumps({"__metadata__": {"feast_edge": "[" * 50_000 + "]" * 50_000}}).encode(),
+            "not a feast-edge manifest",
+        ),
+        (
+            json.dumps(
+                {
+                    "__metadata__": {
+                        "feast_edge": json.dumps(
+                            {
+                                "format": "feast-edge/payload",
+                                "version": 1,
+                                "preset": "p",
+                                "preset_digest": "d",
+                                "classes": 1e999,
+                                "envelope": {},
+                                "round": 0,
+                                "kind": "routed",
+                            }
+                        )
+                    }
+                }
+            )
+            .encode()
+            .replace(b"Infinity", b"1e999"),
             "manifest",
         ),
     ],

@@ -111,7 +111,9 @@ def test_allocation_survives_large_gamma():
     assert np.all(np.isfinite(q)) and abs(q.sum() - 1) < 1e-12 and q.argmax() == 1
 
 
-@pytest.mark.parametrize(("gamma", "b_cap", "match"), [(-0.5, 600e6, "gamma = -0.5"), (float("nan"), 600e6, "gamma"), (1.0, 0.0, "b_cap")])
+@pytest.mark.parametrize(
+    ("gamma", "b_cap", "match"), [(-0.5, 600e6, "gamma = -0.5"), (float("nan"), 600e6, "gamma"), (1.0, 0.0, "b_cap")]
+)
 def test_allocation_errors(gamma, b_cap, match):
     with pytest.raises(PopulationError, match=match):
         allocation([25e6, 50e6], gamma, b_cap)
@@ -160,7 +162,9 @@ def test_partition_is_disjoint_exhaustive_and_large_enough(n_clients, n_classes,
 
 def _mean_shares(q: np.ndarray, seeds: int, **kwargs) -> np.ndarray:
     labels = _labels(5, 400)
-    return np.mean([dirichlet_partition(labels, q, np.random.default_rng(s), **kwargs).shares for s in range(seeds)], axis=0)
+    return np.mean(
+        [dirichlet_partition(labels, q, np.random.default_rng(s), **kwargs).shares for s in range(seeds)], axis=0
+    )
 
 
 def test_mean_realized_share_tracks_the_allocation():
@@ -210,7 +214,9 @@ def test_too_few_examples_is_reported_before_drawing():
 
 def test_exhausted_draws_name_the_knobs():
     with pytest.raises(PopulationError, match="raise alpha_eff .*lower gamma"):
-        dirichlet_partition(_labels(2, 100), allocation([25e6] * 19 + [600e6], 2.0), np.random.default_rng(0), max_draws=5)
+        dirichlet_partition(
+            _labels(2, 100), allocation([25e6] * 19 + [600e6], 2.0), np.random.default_rng(0), max_draws=5
+        )
 
 
 @pytest.mark.parametrize(

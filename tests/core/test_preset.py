@@ -54,7 +54,10 @@ def _write(tmp_path: Path, text: str) -> Path:
     [
         ("strides = [1, 2, 2]|strides = [1, 2]", r"stages.strides has 2 entries but stages.channels has 3"),
         ("mean = [0.5]|mean = [0.5, 0.5]", r"input.mean has 2 values; it needs one per input channel \(1\)"),
-        ("expansion_ratios = [0.5, 1.0]|expansion_ratios = [1.0, 0.5]", r"expansion_ratios must be strictly increasing"),
+        (
+            "expansion_ratios = [0.5, 1.0]|expansion_ratios = [1.0, 0.5]",
+            r"expansion_ratios must be strictly increasing",
+        ),
         ("max_extra_blocks = 2|max_extra_blocks = -1", r"max_extra_blocks = -1 must be >= 0"),
         ("classes = 5|", r"lacks the field 'classes'"),
         ('name = "test-tiny"|name = [1', r"is not valid TOML"),

@@ -57,7 +57,9 @@ def record(**changes: Any) -> dict[str, Any]:
 
 def test_the_documented_and_measured_profiles_are_shipped() -> None:
     assert SHIPPED == sorted(DOCUMENTED + MEASURED)
-    assert {name: path.resolve() for name, path in available_profiles().items()} == {n: (PROFILES_DIR / f"{n}.json").resolve() for n in SHIPPED}
+    assert {name: path.resolve() for name, path in available_profiles().items()} == {
+        n: (PROFILES_DIR / f"{n}.json").resolve() for n in SHIPPED
+    }
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -70,7 +72,12 @@ def test_shipped_profile_is_valid_and_consistent(name: str, cache: VariantCache)
     assert profile.budget_macs in {e.macs for e in cache.entries}
     preset = load_preset(profile.preset)
     assert profile.budget_macs == derive_budget(
-        cache, preset, profile.latency_a_ms, profile.latency_b_ms_per_mmac, profile.latency_target_ms, profile.memory_limit_bytes
+        cache,
+        preset,
+        profile.latency_a_ms,
+        profile.latency_b_ms_per_mmac,
+        profile.latency_target_ms,
+        profile.memory_limit_bytes,
     )
     # Files are exactly what save_profile writes (pretty, stable key order).
     assert (PROFILES_DIR / f"{name}.json").read_text() == json.dumps(profile.to_dict(), indent=2) + "\n"
@@ -81,7 +88,9 @@ def test_documented_profile_follows_its_figures(name: str) -> None:
     profile = load_profile(name)
     hw = profile.hardware
     assert profile.source.startswith("documented, not measured: ") and profile.measurements == ()
-    assert profile.latency_b_ms_per_mmac == pytest.approx(2e6 / (hw["peak_fp32_gflops"] * 1e9 * hw["assumed_utilisation"]) * 1e3, rel=1e-12)
+    assert profile.latency_b_ms_per_mmac == pytest.approx(
+        2e6 / (hw["peak_fp32_gflops"] * 1e9 * hw["assumed_utilisation"]) * 1e3, rel=1e-12
+    )
     assert profile.latency_a_ms == hw["assumed_overhead_ms"]
     memory = hw["cuda_memory_bytes"] if profile.device == "cuda" else hw["ram_bytes"]
     assert profile.memory_limit_bytes == int(hw["memory_fraction"] * memory)
@@ -105,7 +114,10 @@ def test_measured_profile_is_its_own_fit(name: str) -> None:
     profile = load_profile(name)
     assert profile.source.startswith("measured on ") and len(profile.measurements) >= 2
     a, b = fit_latency(profile.measurements)
-    assert (profile.latency_a_ms, profile.latency_b_ms_per_mmac) == (pytest.approx(a, rel=1e-12), pytest.approx(b, rel=1e-12))
+    assert (profile.latency_a_ms, profile.latency_b_ms_per_mmac) == (
+        pytest.approx(a, rel=1e-12),
+        pytest.approx(b, rel=1e-12),
+    )
     assert profile.hardware["cores"] >= 1 and profile.hardware["ram_bytes"] > 0
 
 
@@ -133,7 +145,10 @@ def test_profile_path_env_adds_and_shadows_profiles(tmp_path: Path, monkeypatch:
 
 
 def test_unknown_name_lists_the_available_profiles() -> None:
-    with pytest.raises(ProfileError, match="unknown device profile 'jetson-tx2'; choose one of: desktop-gpu, dev-2core-x86, jetson-agx-orin"):
+    with pytest.raises(
+        ProfileError,
+        match="unknown device profile 'jetson-tx2'; choose one of: desktop-gpu, dev-2core-x86, jetson-agx-orin",
+    ):
         load_profile("jetson-tx2")
 
 
@@ -185,7 +200,10 @@ def test_budgets_cycle_through_the_profiles() -> None:
     nano, gpu = load_profile("jetson-nano").budget_macs, load_profile("desktop-gpu").budget_macs
     budgets = budgets_from_profiles(["jetson-nano", "desktop-gpu"], 5, load_preset("fmnist-small"))
     assert budgets == (nano, gpu, nano, gpu, nano)
-    assert budgets_from_profiles(["jetson-nano", str(PROFILES_DIR / "desktop-gpu.json")], 2, "fmnist-small") == (nano, gpu)
+    assert budgets_from_profiles(["jetson-nano", str(PROFILES_DIR / "desktop-gpu.json")], 2, "fmnist-small") == (
+        nano,
+        gpu,
+    )
 
 
 def test_profile_budgets_make_a_simulation_population() -> None:
@@ -195,8 +213,12 @@ def test_profile_budgets_make_a_simulation_population() -> None:
 
 
 def test_budgets_refuse_a_profile_of_another_preset(tmp_path: Path) -> None:
-    path = save_profile(DeviceProfile.from_dict(record(name="cifar-board", preset="paper-cifar100")), tmp_path / "cifar-board.json")
-    with pytest.raises(ProfileError, match="profile cifar-board was derived for preset paper-cifar100, not fmnist-small"):
+    path = save_profile(
+        DeviceProfile.from_dict(record(name="cifar-board", preset="paper-cifar100")), tmp_path / "cifar-board.json"
+    )
+    with pytest.raises(
+        ProfileError, match="profile cifar-board was derived for preset paper-cifar100, not fmnist-small"
+    ):
         budgets_from_profiles(["jetson-nano", str(path)], 4, load_preset("fmnist-small"))
 
 

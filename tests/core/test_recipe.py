@@ -19,8 +19,19 @@ PAPER = ("paper-cifar100", "paper-cinic10", "paper-tinyimagenet")
 @pytest.mark.parametrize("name", PAPER)
 def test_paper_presets_keep_spec7_exactly(name):
     train, schedule = recipe_config(load_preset(name).recipe)
-    spec = TrainConfig(lr=0.025, momentum=0.9, weight_decay=1e-4, clip_norm=10.0, kd_weight=0.5, batch_size=64, epochs=1,
-                       mixup_alpha=0.4, cutmix_alpha=1.0, randaugment=(2, 6), augment="randaugment+mix")
+    spec = TrainConfig(
+        lr=0.025,
+        momentum=0.9,
+        weight_decay=1e-4,
+        clip_norm=10.0,
+        kd_weight=0.5,
+        batch_size=64,
+        epochs=1,
+        mixup_alpha=0.4,
+        cutmix_alpha=1.0,
+        randaugment=(2, 6),
+        augment="randaugment+mix",
+    )
     assert train == spec and schedule == "cosine"
 
 
@@ -34,9 +45,18 @@ def test_fmnist_small_has_its_own_recipe_and_the_simulation_uses_it():
 
 def test_options_override_the_recipe_and_enter_the_fingerprint():
     base = SimulationConfig()
-    changed = SimulationConfig(lr=0.1, batch_size=16, epochs=2, augment="none", lr_schedule="constant", recipe={"mixup_alpha": 0.2})
+    changed = SimulationConfig(
+        lr=0.1, batch_size=16, epochs=2, augment="none", lr_schedule="constant", recipe={"mixup_alpha": 0.2}
+    )
     train, schedule = changed.recipe_settings()
-    assert (train.lr, train.batch_size, train.epochs, train.augment, train.mixup_alpha, schedule) == (0.1, 16, 2, "none", 0.2, "constant")
+    assert (train.lr, train.batch_size, train.epochs, train.augment, train.mixup_alpha, schedule) == (
+        0.1,
+        16,
+        2,
+        "none",
+        0.2,
+        "constant",
+    )
     assert base.fingerprint() != changed.fingerprint()
     assert changed.decisive()["train"] == asdict(train)
 
@@ -60,7 +80,9 @@ def test_the_train_table_is_read_checked_and_round_trips(tmp_path):
     text = load_preset("fmnist-small").to_dict()
     source = (load_preset_file.__globals__["BUILTIN_DIR"] / "fmnist-small.toml").read_text()
     bad = tmp_path / "bad.toml"
-    bad.write_text(source.replace('name = "fmnist-small"', 'name = "bad"').replace("[train]", "[train]\nwarmup_rounds = 3"))
+    bad.write_text(
+        source.replace('name = "fmnist-small"', 'name = "bad"').replace("[train]", "[train]\nwarmup_rounds = 3")
+    )
     with pytest.raises(PresetError, match=r"\[train\] has unknown key\(s\) warmup_rounds; allowed: lr, lr_schedule"):
         load_preset_file(bad)
     again = Preset.from_dict(text)
@@ -94,7 +116,9 @@ def test_every_policy_is_deterministic_and_mixes_only_with_mix(policy):
 def test_crop_flip_keeps_the_picture_and_moves_it():
     images = torch.zeros((16, 1, 28, 28), dtype=torch.uint8)
     images[:, :, 10:18, 4:8] = 255  # an off-centre bar: a flip or a shift moves it
-    out = BatchAugmenter((0.0,), (1.0,), 10, policy="crop-flip", crop_padding=2)(images, torch.zeros(16, dtype=torch.long), 0, torch.Generator().manual_seed(0))
+    out = BatchAugmenter((0.0,), (1.0,), 10, policy="crop-flip", crop_padding=2)(
+        images, torch.zeros(16, dtype=torch.long), 0, torch.Generator().manual_seed(0)
+    )
     moved = [not torch.equal(out.images[i], images[i].float() / 255) for i in range(16)]
     assert any(moved)
     assert all(float(x.sum()) <= 8 * 4 + 1e-6 for x in out.images)  # a crop never adds ink, padding is black

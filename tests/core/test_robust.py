@@ -12,7 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.aggregate.robust import NETWORK_MAX_CLIENTS, NETWORK_MIN_POSITIONS, RULES, _comparators, clip_updates, robust_aggregate, update_norm
+from feast_edge.aggregate.robust import (
+    NETWORK_MAX_CLIENTS,
+    NETWORK_MIN_POSITIONS,
+    RULES,
+    _comparators,
+    clip_updates,
+    robust_aggregate,
+    update_norm,
+)
 from feast_edge.aggregate.sparse import PayloadError, aggregate
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.loop import RunError, RunSettings
@@ -31,12 +39,16 @@ def _clone(state):
 def _shifted(state, seed, scale=0.01):
     """``state`` plus small Gaussian noise on its floating tensors (an honest client's update), counters + 1."""
     g = torch.Generator().manual_seed(seed)
-    return {k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 1 for k, v in state.items()}
+    return {
+        k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v + 1 for k, v in state.items()
+    }
 
 
 def _attacked(global_state, honest, factor=1e6):
     """An attacker's payload: an honest client's update ``Δ`` sent as ``factor · Δ``."""
-    return {k: global_state[k] + factor * (v - global_state[k]) if v.is_floating_point() else v for k, v in honest.items()}
+    return {
+        k: global_state[k] + factor * (v - global_state[k]) if v.is_floating_point() else v for k, v in honest.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +86,9 @@ def test_clip_that_scales_nothing_is_the_mean_bit_for_bit(global_state, routed):
 def test_clipping_scales_a_huge_update_to_the_bound_along_its_direction(global_state, routed):
     honest = routed[-1][0]
     norm = update_norm(honest, global_state)
-    (clipped, n), (kept, _) = clip_updates(global_state, [(_attacked(global_state, honest), 100), routed[0]], clip_norm=2.0 * norm)
+    (clipped, n), (kept, _) = clip_updates(
+        global_state, [(_attacked(global_state, honest), 100), routed[0]], clip_norm=2.0 * norm
+    )
     assert n == 100 and kept is routed[0][0]  # within the bound: the payload itself
     assert update_norm(clipped, global_state) == pytest.approx(2.0 * norm, rel=1e-4)
     for name, x in clipped.items():  # the attacker's 1e6·Δ comes back as 2·Δ
@@ -84,19 +98,30 @@ def test_clipping_scales_a_huge_update_to_the_bound_along_its_direction(global_s
 
 
 def _change(new, global_state):
-    return math.sqrt(sum(float((new[k].double() - global_state[k].double()).square().sum()) for k in global_state if global_state[k].is_floating_point()))
+    return math.sqrt(
+        sum(
+            float((new[k].double() - global_state[k].double()).square().sum())
+            for k in global_state
+            if global_state[k].is_floating_point()
+        )
+    )
 
 
 def test_clipping_caps_the_influence_of_a_huge_update(global_state):
     honest = [(_shifted(global_state, i), 50) for i in range(4)]
-    cohort = [*honest, (_attacked(global_state, _shifted(global_state, 9)), 500)]  # full routing, the attacker holds most samples
+    cohort = [
+        *honest,
+        (_attacked(global_state, _shifted(global_state, 9)), 500),
+    ]  # full routing, the attacker holds most samples
     wrecked = _change(robust_aggregate(global_state, cohort, "mean"), global_state)
     bound = max(update_norm(s, global_state) for s, _ in honest)
     assert wrecked > 1e5 * bound
     for clip_norm in (0.5 * bound, None):  # fixed bound, then adaptive: the cohort's median update norm
         c = clip_norm if clip_norm is not None else float(np.median([update_norm(s, global_state) for s, _ in cohort]))
         # the new global state is a weighted mean of clipped updates, each no longer than c
-        assert _change(robust_aggregate(global_state, cohort, "clip", clip_norm=clip_norm), global_state) <= c * (1 + 1e-5)
+        assert _change(robust_aggregate(global_state, cohort, "clip", clip_norm=clip_norm), global_state) <= c * (
+            1 + 1e-5
+        )
 
 
 # --------------------------------------------------------------------------- coordinate-wise rules against a brute-force reference
@@ -108,7 +133,11 @@ def _reference(global_np, clients, rule, trim):
     for name, g in global_np.items():
         new = g.copy()
         for u in itertools.product(*(range(n) for n in g.shape)):
-            values = sorted(local[name][u] for local in clients if name in local and all(i < m for i, m in zip(u, local[name].shape)))
+            values = sorted(
+                local[name][u]
+                for local in clients
+                if name in local and all(i < m for i, m in zip(u, local[name].shape))
+            )
             k = len(values)
             if k == 0:
                 continue
@@ -134,7 +163,9 @@ def _cohort(draw):
         for name, g in global_np.items():
             if nested or draw(st.booleans()):
                 box = tuple(draw(st.integers(1, b)) for b in (last[name] if nested else g.shape))
-                local[name] = np.asarray(rng.normal(size=box) * draw(st.sampled_from([1.0, 1e3])))  # some clients far off
+                local[name] = np.asarray(
+                    rng.normal(size=box) * draw(st.sampled_from([1.0, 1e3]))
+                )  # some clients far off
                 last[name] = box
         clients.append(local)
     return global_np, clients
@@ -153,7 +184,9 @@ def test_coordinate_wise_rules_match_the_brute_force_reference(cohort, rule, tri
     for name in global_np:
         np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-12, atol=1e-12)
         assert in_place[name] is target[name] and torch.equal(in_place[name], got[name])
-        assert np.array_equal(torch_global[name].numpy(), global_np[name])  # not in place: the global state is not written
+        assert np.array_equal(
+            torch_global[name].numpy(), global_np[name]
+        )  # not in place: the global state is not written
 
 
 @pytest.mark.parametrize("rule", ["trimmed-mean", "median"])
@@ -165,7 +198,11 @@ def test_large_tensors_sorted_by_the_network_match_the_reference(rule):
     clients = [{"w": rng.normal(size=box) * (1e3 if i == 3 else 1.0)} for i, box in enumerate(boxes)]
     global_np = {"w": rng.normal(size=shape)}
     got = robust_aggregate(
-        {"w": torch.from_numpy(global_np["w"])}, [({"w": torch.from_numpy(c["w"])}, 1) for c in clients], rule, trim=0.2, dtype=torch.float64
+        {"w": torch.from_numpy(global_np["w"])},
+        [({"w": torch.from_numpy(c["w"])}, 1) for c in clients],
+        rule,
+        trim=0.2,
+        dtype=torch.float64,
     )
     np.testing.assert_allclose(got["w"].numpy(), _reference(global_np, clients, rule, 0.2)["w"], rtol=1e-12, atol=1e-12)
 
@@ -189,8 +226,12 @@ def test_median_of_an_even_count_is_the_mean_of_the_two_middle_values():
 def test_trimming_starts_at_one_over_trim_covering_clients():
     values = [1.0, 2.0, 3.0, 4.0, 1000.0]
     clients = [({"w": torch.tensor([v])}, 1) for v in values]
-    assert robust_aggregate({"w": torch.zeros(1)}, clients, "trimmed-mean", trim=0.1)["w"].item() == pytest.approx(np.mean(values))  # ⌊0.5⌋ = 0
-    assert robust_aggregate({"w": torch.zeros(1)}, clients, "trimmed-mean", trim=0.2)["w"].item() == pytest.approx(3.0)  # ⌊1.0⌋ = 1
+    assert robust_aggregate({"w": torch.zeros(1)}, clients, "trimmed-mean", trim=0.1)["w"].item() == pytest.approx(
+        np.mean(values)
+    )  # ⌊0.5⌋ = 0
+    assert robust_aggregate({"w": torch.zeros(1)}, clients, "trimmed-mean", trim=0.2)["w"].item() == pytest.approx(
+        3.0
+    )  # ⌊1.0⌋ = 1
 
 
 @pytest.mark.parametrize("rule", ["trimmed-mean", "median"])
@@ -200,7 +241,10 @@ def test_trimming_starts_at_one_over_trim_covering_clients():
         ((1.0, math.nan, 3.0), 2.0),
         ((math.nan, 5.0), 5.0),
         ((math.nan,), -1.0),  # nobody left: the global value
-        ((1.0, math.nan, 2.0, 9.0, 3.0), 2.5),  # four values: median (2 + 3) / 2; trimmed ⌊0.25·4⌋ = 1 at each end: mean(2, 3)
+        (
+            (1.0, math.nan, 2.0, 9.0, 3.0),
+            2.5,
+        ),  # four values: median (2 + 3) / 2; trimmed ⌊0.25·4⌋ = 1 at each end: mean(2, 3)
     ],
 )
 def test_a_nan_a_client_sends_counts_as_not_covering_the_position(rule, values, expected):
@@ -222,7 +266,9 @@ def test_an_attacker_moves_median_and_trimmed_mean_only_within_the_honest_range(
     for name, g in global_state.items():
         if g.is_floating_point():
             stacked = torch.stack([s[name] for s, _ in honest])
-            assert bool((new[name] >= stacked.amin(0) - 1e-6).all() and (new[name] <= stacked.amax(0) + 1e-6).all()), name
+            assert bool((new[name] >= stacked.amin(0) - 1e-6).all() and (new[name] <= stacked.amax(0) + 1e-6).all()), (
+                name
+            )
 
 
 # --------------------------------------------------------------------------- what every rule keeps
@@ -231,7 +277,11 @@ def test_an_attacker_moves_median_and_trimmed_mean_only_within_the_honest_range(
 @pytest.mark.parametrize("rule", RULES)
 def test_uncovered_positions_and_unsent_tensors_keep_their_values_exactly(rule):
     g = {"w": torch.randn(6, 5, 3), "b": torch.randn(6), "untouched": torch.randn(4), "count": torch.tensor(7)}
-    clients = [({"w": torch.randn(2, 3, 3), "b": torch.randn(2)}, 10), ({"w": torch.randn(4, 2, 3)}, 5), ({"w": torch.randn(1, 1, 1)}, 1)]
+    clients = [
+        ({"w": torch.randn(2, 3, 3), "b": torch.randn(2)}, 10),
+        ({"w": torch.randn(4, 2, 3)}, 5),
+        ({"w": torch.randn(1, 1, 1)}, 1),
+    ]
     new = robust_aggregate(g, clients, rule)
     covered = torch.zeros(6, 5, 3, dtype=torch.bool)
     for state, _ in clients:
@@ -294,13 +344,29 @@ def test_the_fingerprint_names_only_the_aggregation_settings_in_use():
     base = SimulationConfig()
     assert "aggregation" not in base.decisive() and "trim" not in base.decisive()  # runs from before the rules resume
     assert SimulationConfig(aggregation="median").fingerprint() != base.fingerprint()
-    assert SimulationConfig(aggregation="median", trim=0.3).fingerprint() == SimulationConfig(aggregation="median").fingerprint()
-    assert SimulationConfig(aggregation="trimmed-mean", trim=0.3).fingerprint() != SimulationConfig(aggregation="trimmed-mean").fingerprint()
+    assert (
+        SimulationConfig(aggregation="median", trim=0.3).fingerprint()
+        == SimulationConfig(aggregation="median").fingerprint()
+    )
+    assert (
+        SimulationConfig(aggregation="trimmed-mean", trim=0.3).fingerprint()
+        != SimulationConfig(aggregation="trimmed-mean").fingerprint()
+    )
 
 
 @pytest.mark.slow
 def test_a_median_simulation_completes_and_differs_from_the_mean(tmp_path, fashion_mnist_dir):
-    run = SimulationConfig(clients=4, per_round=3, rounds=1, train_limit=240, val_samples=100, calib_samples=50, test_limit=100, batch_size=32, seed=3)
+    run = SimulationConfig(
+        clients=4,
+        per_round=3,
+        rounds=1,
+        train_limit=240,
+        val_samples=100,
+        calib_samples=50,
+        test_limit=100,
+        batch_size=32,
+        seed=3,
+    )
     results = Simulation(replace(run, aggregation="median"), tmp_path / "median").run()
     assert results["config"]["aggregation"] == "median" and results["rounds"][0]["applied"]
     Simulation(run, tmp_path / "mean").run(stop_after=1)

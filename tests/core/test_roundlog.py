@@ -14,8 +14,19 @@ from feast_edge.run.roundlog import COLUMNS, RoundLog, TensorBoardError, TensorB
 
 def _record(r: int, val: float | None = None) -> RoundRecord:
     return RoundRecord(
-        round=r, lr=0.05 / r, cohort=["a", "b", "c"], updated=["a", "b"], rejected={"c": "bad"}, applied=True, loss=1.0 / r, samples=100 * r,
-        train_macs=10**9 * r, routed_params=1000, full_params=3000, seconds=2.5, val_accuracy=val,
+        round=r,
+        lr=0.05 / r,
+        cohort=["a", "b", "c"],
+        updated=["a", "b"],
+        rejected={"c": "bad"},
+        applied=True,
+        loss=1.0 / r,
+        samples=100 * r,
+        train_macs=10**9 * r,
+        routed_params=1000,
+        full_params=3000,
+        seconds=2.5,
+        val_accuracy=val,
     )
 
 
@@ -31,7 +42,9 @@ def test_rounds_csv_has_one_row_per_round_with_what_it_measured(tmp_path: Path) 
 def _events(directory: Path, tag: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(directory))  # purges what a restart marker (purge_step) says is orphaned, as TensorBoard does
+    acc = EventAccumulator(
+        str(directory)
+    )  # purges what a restart marker (purge_step) says is orphaned, as TensorBoard does
     acc.Reload()
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
@@ -66,6 +79,8 @@ def test_a_resumed_run_replaces_the_tensorboard_rounds_after_its_checkpoint(tmp_
 
 
 def test_tensorboard_without_the_package_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if tensorboard were not installed
+    monkeypatch.setitem(
+        sys.modules, "torch.utils.tensorboard", None
+    )  # import fails as if tensorboard were not installed
     with pytest.raises(TensorBoardError, match=r"pip install 'feast-edge\[tensorboard\]'"):
         RoundLog(tmp_path, tensorboard=True)

@@ -82,7 +82,9 @@ def test_routed_state_is_a_copy_of_leading_slices():
         assert torch.equal(tensor, leading_slice(glob[name], tensor.shape))
     assert "stages.0.1.conv1.weight" not in state  # stage 1 routes one block only
     state["stem.conv.weight"].add_(1)
-    assert not torch.equal(state["stem.conv.weight"], leading_slice(glob["stem.conv.weight"], state["stem.conv.weight"].shape))
+    assert not torch.equal(
+        state["stem.conv.weight"], leading_slice(glob["stem.conv.weight"], state["stem.conv.weight"].shape)
+    )
 
 
 def test_empty_affordable_set_is_an_error():
@@ -105,7 +107,15 @@ def test_communication_report(reference_archs):
 
 def test_routing_cli_prints_table9(cli, reference_cache_csv):
 
-    result = cli.invoke("routing", "-p", "paper-cifar100", "--reference-csv", str(reference_cache_csv), "--budgets", "25M,50M,229M,408M,596M")
+    result = cli.invoke(
+        "routing",
+        "-p",
+        "paper-cifar100",
+        "--reference-csv",
+        str(reference_cache_csv),
+        "--budgets",
+        "25M,50M,229M,408M,596M",
+    )
     assert result.returncode == 0, result.stderr
     for figure in ("0.50M", "2.41M", "10.02M", "20.61M", "35.60M", "55.68M params", "aggregate reduction"):
         assert figure in result.stdout

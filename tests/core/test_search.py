@@ -65,7 +65,9 @@ def test_ga_finds_the_exhaustive_optimum_of_a_tiny_space(tiny):
     grid = np.stack(np.meshgrid(*[np.arange(h) for h in highs], indexing="ij"), -1).reshape(-1, highs.size)
     target, rho0 = 1_000_000, 0.35
     best = population_evaluator(tiny).evaluate(*split_genes(tiny, grid), target, rho0).fitness.max()
-    found = [search_target(tiny, target, rho0, seed=s, population=128, generations=128).fitness.fitness for s in range(8)]
+    found = [
+        search_target(tiny, target, rho0, seed=s, population=128, generations=128).fitness.fitness for s in range(8)
+    ]
     # a GA may stall in a local optimum now and then, but not usually
     assert sum(f == pytest.approx(best, rel=1e-12) for f in found) >= 6
     assert max(found) == pytest.approx(best, rel=1e-12)
@@ -79,7 +81,9 @@ def test_initial_population_is_feasible(cifar):
 
 
 def test_target_below_the_smallest_arch_is_rejected(cifar):
-    with pytest.raises(SearchError, match=r"below the smallest architecture of preset paper-cifar100; raise the target"):
+    with pytest.raises(
+        SearchError, match=r"below the smallest architecture of preset paper-cifar100; raise the target"
+    ):
         search_target(cifar, 3e6, 0.40, seed=0, **SMALL)
 
 

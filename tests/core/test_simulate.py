@@ -133,11 +133,16 @@ def test_a_damaged_checkpoint_stops_the_resume_and_names_the_previous_one(uninte
     middle = len(blob) // 2  # inside the tensor data: the header is a small part of the file
     blob[middle : middle + 16] = bytes(b ^ 0xFF for b in blob[middle : middle + 16])  # same size, other bytes
     (out / CHECKPOINT).write_bytes(bytes(blob))
-    with pytest.raises(SimulationError, match=r"is corrupt.*to resume from there, run 'mv .*checkpoint\.prev\.safetensors .*checkpoint\.safetensors'"):
+    with pytest.raises(
+        SimulationError,
+        match=r"is corrupt.*to resume from there, run 'mv .*checkpoint\.prev\.safetensors .*checkpoint\.safetensors'",
+    ):
         Simulation(TINY_RUN, out).run(resume=True)
     # Told to, the run loop resumes from the previous checkpoint and keeps the damaged file for inspection.
     loop = Simulation(TINY_RUN, out).loop
     assert loop.resume("hint", fall_back=True) == TINY_RUN.rounds - 1
     assert loop.recovered is not None and "resumed from the previous checkpoint" in loop.recovered
     assert len(list(out.glob("checkpoint.damaged-*.safetensors"))) == 1
-    assert Simulation(TINY_RUN, out).loop.resume("hint") == TINY_RUN.rounds - 1  # the last checkpoint is a good one again
+    assert (
+        Simulation(TINY_RUN, out).loop.resume("hint") == TINY_RUN.rounds - 1
+    )  # the last checkpoint is a good one again

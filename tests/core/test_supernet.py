@@ -59,7 +59,9 @@ def test_gradients_reach_exactly_the_active_slice(preset, data):
         mask = torch.zeros_like(grad, dtype=torch.bool)
         if name in active:
             mask[tuple(slice(0, n) for n in active[name])] = True
-        assert grad[~mask].abs().max().item() == 0 if (~mask).any() else True, f"{name}: inactive positions got gradient"
+        assert grad[~mask].abs().max().item() == 0 if (~mask).any() else True, (
+            f"{name}: inactive positions got gradient"
+        )
         if name in active:
             assert (grad[mask] != 0).all(), f"{name}: an active position never received gradient"
 

@@ -44,7 +44,6 @@ EXPECTED = {
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
 
@@ -59,7 +58,9 @@ def union_masks(model: Supernet, trained: set[Arch]) -> dict[str, torch.Tensor]:
     return masks
 
 
-def moved_outside(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]) -> list[str]:
+def moved_outside(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]
+) -> list[str]:
     return [k for k in before if not torch.equal(before[k][~masks[k]], after[k][~masks[k]])]
 
 
@@ -74,7 +75,14 @@ def train_tiny(variants: str = "full", affordable=(A_MIN, A_MID, A_MAX), seed: i
 # ------------------------------------------------------------------ config and schedule
 def test_config_defaults_are_the_papers():
     c = TrainConfig()
-    assert (c.lr, c.momentum, c.weight_decay, c.clip_norm, c.kd_weight, c.temperature) == (0.025, 0.9, 1e-4, 10.0, 0.5, 1.0)
+    assert (c.lr, c.momentum, c.weight_decay, c.clip_norm, c.kd_weight, c.temperature) == (
+        0.025,
+        0.9,
+        1e-4,
+        10.0,
+        0.5,
+        1.0,
+    )
     assert (c.batch_size, c.epochs, c.mixup_alpha, c.cutmix_alpha, c.randaugment) == (64, 1, 0.4, 1.0, (2, 6))
     assert c.variants == "full" and c.augment
 
@@ -135,7 +143,9 @@ def test_only_the_trained_variants_slices_move(candidates, mode):
     model = Supernet(TINY, seed=0)
     before = snapshot(model)
     images, labels = tiny_data(24)
-    result = local_train(model, images, labels, candidates, global_min, TrainConfig(variants=mode, batch_size=16), seed=1)
+    result = local_train(
+        model, images, labels, candidates, global_min, TrainConfig(variants=mode, batch_size=16), seed=1
+    )
     trained = set(result.arch_batches)
     assert moved_outside(before, snapshot(model), union_masks(model, trained)) == []
 
@@ -225,7 +235,9 @@ def test_training_alternates_torchvision_mixup_and_cutmix(monkeypatch):
     calls: list[str] = []
     for cls in (v2.MixUp, v2.CutMix):
         original = cls.forward
-        monkeypatch.setattr(cls, "forward", lambda self, *x, _o=original, _n=cls.__name__: calls.append(_n) or _o(self, *x))
+        monkeypatch.setattr(
+            cls, "forward", lambda self, *x, _o=original, _n=cls.__name__: calls.append(_n) or _o(self, *x)
+        )
     _, result = train_tiny("min", n=64)
     assert calls == ["MixUp", "CutMix", "MixUp", "CutMix"] and result.num_batches == 4
 
@@ -253,7 +265,17 @@ def test_runs_on_cuda_and_matches_cpu_closely():
     cpu, rc = train_tiny(seed=2, augment=False)
     model = Supernet(TINY, seed=0)
     images, labels = tiny_data(40)
-    rg = local_train(model, images, labels, [A_MIN, A_MID, A_MAX], A_MIN, TrainConfig(batch_size=16, augment=False), lr=0.05, seed=2, device="cuda")
+    rg = local_train(
+        model,
+        images,
+        labels,
+        [A_MIN, A_MID, A_MAX],
+        A_MIN,
+        TrainConfig(batch_size=16, augment=False),
+        lr=0.05,
+        seed=2,
+        device="cuda",
+    )
     assert rg.arch_batches == rc.arch_batches and rg.train_macs == rc.train_macs
     c, g = snapshot(cpu), {k: v.cpu() for k, v in snapshot(model).items()}
     assert all(torch.allclose(c[k], g[k], atol=1e-3) for k in c)
@@ -279,7 +301,13 @@ def test_co_training_on_fashion_mnist_lowers_held_out_loss(fashion_mnist_dir):
     before = [held_out_loss(a) for a in (a_min, a_max)]
     steps, batch = 60, 32
     result = local_train(
-        model, train.images[: steps * batch], train.labels[: steps * batch], [a_min, a_mid, a_max], a_min, TrainConfig(batch_size=batch), seed=0
+        model,
+        train.images[: steps * batch],
+        train.labels[: steps * batch],
+        [a_min, a_mid, a_max],
+        a_min,
+        TrainConfig(batch_size=batch),
+        seed=0,
     )
     after = [held_out_loss(a) for a in (a_min, a_max)]
     assert result.num_batches == steps and result.variants_per_batch == {3: steps}

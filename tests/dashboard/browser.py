@@ -23,16 +23,28 @@ def open_page(url: str) -> Any:
     """A headless Chromium (1280x900) showing ``url``; the caller quits it."""
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     if missing:
-        pytest.fail(f"headless Chromium is not installed ({', '.join(missing)} missing): apt-get install chromium chromium-driver", pytrace=False)
+        pytest.fail(
+            f"headless Chromium is not installed ({', '.join(missing)} missing): apt-get install chromium chromium-driver",
+            pytrace=False,
+        )
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.options import Options
         from selenium.webdriver.chrome.service import Service
     except ImportError:
-        pytest.fail("selenium is not installed: pip install -e '.[dev]' (and apt-get install chromium chromium-driver)", pytrace=False)
+        pytest.fail(
+            "selenium is not installed: pip install -e '.[dev]' (and apt-get install chromium chromium-driver)",
+            pytrace=False,
+        )
     options = Options()
     options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", f"--window-size={WINDOW[0]},{WINDOW[1]}"):
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        f"--window-size={WINDOW[0]},{WINDOW[1]}",
+    ):
         options.add_argument(argument)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)

@@ -16,7 +16,15 @@ from feast_edge.dashboard import Dashboard, DashboardError, DashboardState, pars
 from feast_edge.dashboard.app import CSP
 
 ROUTES = ("/", "/static/dashboard.js", "/api/state", "/api/events", "/models/pi-5.onnx", "/healthz")
-PAGE_ROUTES = ("/", "/static/dashboard.js", "/static/dashboard.css", "/static/uPlot.iife.min.js", "/api/state", "/models/pi-5.onnx", "/healthz")
+PAGE_ROUTES = (
+    "/",
+    "/static/dashboard.js",
+    "/static/dashboard.css",
+    "/static/uPlot.iife.min.js",
+    "/api/state",
+    "/models/pi-5.onnx",
+    "/healthz",
+)
 
 
 def base(dashboard: Dashboard) -> str:
@@ -29,7 +37,7 @@ def first_event(url: str, **kwargs: object) -> dict:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             if line.startswith("data: "):
-                return json.loads(line[len("data: "):])
+                return json.loads(line[len("data: ") :])
     raise AssertionError("the event stream ended without an event")
 
 
@@ -37,11 +45,25 @@ def test_page_static_files_and_state(served: Dashboard, filled: DashboardState) 
     url = base(served)
     page = httpx.get(url + "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    for section in ('id="fleet"', 'id="round-counter"', 'id="round"', 'id="learned"', 'id="traffic"', 'id="models"', 'id="chart-accuracy-macs"'):
+    for section in (
+        'id="fleet"',
+        'id="round-counter"',
+        'id="round"',
+        'id="learned"',
+        'id="traffic"',
+        'id="models"',
+        'id="chart-accuracy-macs"',
+    ):
         assert section in page.text
     script = httpx.get(url + "/static/dashboard.js")
-    assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript") and "EventSource" in script.text
-    assert httpx.get(url + "/static/uPlot.iife.min.js").text.startswith("/*! https://github.com/leeoniya/uPlot (v1.6.32)")
+    assert (
+        script.status_code == 200
+        and script.headers["content-type"].startswith("text/javascript")
+        and "EventSource" in script.text
+    )
+    assert httpx.get(url + "/static/uPlot.iife.min.js").text.startswith(
+        "/*! https://github.com/leeoniya/uPlot (v1.6.32)"
+    )
     assert "MIT" in httpx.get(url + "/static/uPlot.LICENSE").text
     assert httpx.get(url + "/static/nothing.js").status_code == 404
     assert httpx.get(url + "/static/..%2Fapp.py").status_code == 404
@@ -125,8 +147,14 @@ def test_a_token_guards_every_route(filled: DashboardState) -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("8765", ("127.0.0.1", 8765)), ("0", ("127.0.0.1", 0)), ("0.0.0.0:8765", ("0.0.0.0", 8765)), ("localhost:80", ("localhost", 80)),
-     ("[::1]:9000", ("::1", 9000)), (" 127.0.0.2:1 ", ("127.0.0.2", 1))],
+    [
+        ("8765", ("127.0.0.1", 8765)),
+        ("0", ("127.0.0.1", 0)),
+        ("0.0.0.0:8765", ("0.0.0.0", 8765)),
+        ("localhost:80", ("localhost", 80)),
+        ("[::1]:9000", ("::1", 9000)),
+        (" 127.0.0.2:1 ", ("127.0.0.2", 1)),
+    ],
 )
 def test_parse_bind(text: str, expected: tuple[str, int]) -> None:
     assert parse_bind(text) == expected
@@ -134,7 +162,9 @@ def test_parse_bind(text: str, expected: tuple[str, int]) -> None:
 
 @pytest.mark.parametrize("text", ["x:y", "", "host:", ":8765", "8765:host", "70000", "[::zz]:80", "::1:80", "a b:1"])
 def test_parse_bind_refuses(text: str) -> None:
-    with pytest.raises(DashboardError, match=r"^--dashboard .*: expected PORT or HOST:PORT, e\.g\. 8765 or 0\.0\.0\.0:8765"):
+    with pytest.raises(
+        DashboardError, match=r"^--dashboard .*: expected PORT or HOST:PORT, e\.g\. 8765 or 0\.0\.0\.0:8765"
+    ):
         parse_bind(text)
 
 
@@ -150,7 +180,10 @@ def test_parse_bind_names_the_option() -> None:
 def test_a_reachable_address_needs_a_token(filled: DashboardState, host: str) -> None:
     with pytest.raises(DashboardError) as refused:
         start_dashboard(filled, f"{host}:0")
-    assert str(refused.value) == f"--dashboard on {host} is reachable from other machines; give --dashboard-token TOKEN (or bind 127.0.0.1)"
+    assert (
+        str(refused.value)
+        == f"--dashboard on {host} is reachable from other machines; give --dashboard-token TOKEN (or bind 127.0.0.1)"
+    )
 
 
 def test_a_taken_port_is_a_clear_error(filled: DashboardState) -> None:
@@ -158,7 +191,9 @@ def test_a_taken_port_is_a_clear_error(filled: DashboardState) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(DashboardError, match=f"^--dashboard: port {port} on 127.0.0.1 is in use; choose another port"):
+        with pytest.raises(
+            DashboardError, match=f"^--dashboard: port {port} on 127.0.0.1 is in use; choose another port"
+        ):
             start_dashboard(filled, f"127.0.0.1:{port}")
 
 

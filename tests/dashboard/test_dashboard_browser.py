@@ -35,7 +35,10 @@ def test_a_filled_state_renders_and_updates_live(served: Dashboard, filled: Dash
     assert driver.find_element("id", "connection").text == "live"
     jetson, pi = rows(driver, "#fleet")
     assert jetson.get_attribute("data-device") == "jetson" and pi.get_attribute("data-device") == "pi-5"
-    assert pi.find_element("css selector", "td.budget").text == "6.60" and jetson.find_element("css selector", "td.budget").text == "2.79"
+    assert (
+        pi.find_element("css selector", "td.budget").text == "6.60"
+        and jetson.find_element("css selector", "td.budget").text == "2.79"
+    )
     assert pi.find_elements("css selector", "td.online") and jetson.find_elements("css selector", "td.offline")
     assert "late (after the deadline)" in jetson.text
     member = driver.find_element("css selector", '#round-members tr[data-device="pi-5"]')
@@ -53,9 +56,15 @@ def test_a_filled_state_renders_and_updates_live(served: Dashboard, filled: Dash
 
     driver.execute_script("window.notReloaded = true;")
     filled.member("pi-5", "aggregated")
-    filled.end_round({"round": 3, "val_accuracy": 0.7, "bytes_down": 1, "bytes_up": 1, "broadcast_bytes": 2, "train_macs": 5})
+    filled.end_round(
+        {"round": 3, "val_accuracy": 0.7, "bytes_down": 1, "bytes_up": 1, "broadcast_bytes": 2, "train_macs": 5}
+    )
     filled.set_device("jetson", online=True)
-    wait_until(driver, lambda d: points(d, "chart-validation") == 3, message="the third round never reached the validation chart")
+    wait_until(
+        driver,
+        lambda d: points(d, "chart-validation") == 3,
+        message="the third round never reached the validation chart",
+    )
     wait_until(driver, lambda d: d.find_elements("css selector", '#fleet tr[data-device="jetson"] td.online'))
     assert "aggregated" in driver.find_element("css selector", '#round-members tr[data-device="pi-5"]').text
     assert driver.execute_script("return window.notReloaded === true;")
@@ -66,26 +75,46 @@ def test_a_filled_state_renders_and_updates_live(served: Dashboard, filled: Dash
 def test_the_page_polls_when_events_are_blocked(served: Dashboard, filled: DashboardState, browser: Browser) -> None:
     driver = browser.open(served.url)
     driver.execute_cdp_cmd("Network.enable", {})
-    driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*api/events*"]})  # as a proxy that buffers or drops event streams
+    driver.execute_cdp_cmd(
+        "Network.setBlockedURLs", {"urls": ["*api/events*"]}
+    )  # as a proxy that buffers or drops event streams
     driver.refresh()
     wait_until(driver, lambda d: len(rows(d, "#fleet")) == 2 and d.find_element("id", "connection").text == "live")
     assert "polling" in driver.find_element("id", "connection").get_attribute("title")
     filled.set_device("newcomer", online=True)
-    wait_until(driver, lambda d: len(rows(d, "#fleet")) == 3, timeout=10.0, message="polling api/state never brought the new device")
+    wait_until(
+        driver,
+        lambda d: len(rows(d, "#fleet")) == 3,
+        timeout=10.0,
+        message="polling api/state never brought the new device",
+    )
     browser.screenshot()
 
 
 def test_hostile_strings_stay_text(tmp_path: Path, browser: Browser) -> None:
     state = fill(DashboardState("federation", HOSTILE), tmp_path / "models")
     state.set_run(message=HOSTILE)
-    state.set_device(HOSTILE, profile=HOSTILE, hardware=HOSTILE, online=True, variant={"label": HOSTILE, "macs": 1},
-                     last_upload={"round": 1, "status": "rejected", "reason": HOSTILE})
+    state.set_device(
+        HOSTILE,
+        profile=HOSTILE,
+        hardware=HOSTILE,
+        online=True,
+        variant={"label": HOSTILE, "macs": 1},
+        last_upload={"round": 1, "status": "rejected", "reason": HOSTILE},
+    )
     state.start_round(4, [HOSTILE, "pi-5"], None)
     state.member(HOSTILE, "rejected", reason=HOSTILE)
     state.end_round({"round": 4, "val_accuracy": 0.5, "devices": {HOSTILE: {"down": 1, "up": 1}}})
     (tmp_path / "models" / "h.onnx").write_bytes(b"h")
     state.set_models([{"device": HOSTILE, "label": HOSTILE, "sha256": HOSTILE, "file": "h.onnx"}], tmp_path / "models")
-    state.add_run({"name": HOSTILE, "method": HOSTILE, "variants": [{"macs": 1e6, "test_accuracy": 0.5}], "history": [{"round": 1, "val_accuracy": 0.5}]})
+    state.add_run(
+        {
+            "name": HOSTILE,
+            "method": HOSTILE,
+            "variants": [{"macs": 1e6, "test_accuracy": 0.5}],
+            "history": [{"round": 1, "val_accuracy": 0.5}],
+        }
+    )
     with start_dashboard(state, "127.0.0.1:0") as dashboard:
         driver = browser.open(dashboard.url)
         wait_until(driver, lambda d: len(rows(d, "#fleet")) == 3)
@@ -116,25 +145,38 @@ def _read_url(process: subprocess.Popen[str], timeout: float) -> str:
             line = process.stdout.readline()
             seen += line
             if "http://" in line:
-                return line[line.index("http://"):].split()[0]
-    raise AssertionError(f"feast-edge dashboard printed no URL within {timeout:.0f} s: {seen!r} {process.stderr.read() if process.poll() is not None else ''}")
+                return line[line.index("http://") :].split()[0]
+    raise AssertionError(
+        f"feast-edge dashboard printed no URL within {timeout:.0f} s: {seen!r} {process.stderr.read() if process.poll() is not None else ''}"
+    )
 
 
 def test_feast_edge_dashboard_serves_a_real_run(simulation_run: Path, browser: Browser) -> None:
     variants = json.loads((simulation_run / "results.json").read_text())["variants"]
     process = subprocess.Popen(
         [sys.executable, "-m", "feast_edge.cli", "dashboard", str(simulation_run), "--bind", "127.0.0.1:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
     )
     try:
         url = _read_url(process, 60.0)
         driver = browser.open(url)
-        wait_until(driver, lambda d: points(d, "chart-accuracy-macs") == len(variants), message="the variants never reached the accuracy chart")
+        wait_until(
+            driver,
+            lambda d: points(d, "chart-accuracy-macs") == len(variants),
+            message="the variants never reached the accuracy chart",
+        )
         assert len(variants) > 1
         assert driver.find_element("id", "title").text.startswith(f"{simulation_run.name}: feast, seed 0")
-        assert driver.find_element("id", "round-counter").text == "round 2 / 2"  # the shared run: 2 clients, 2 rounds, validated each round
+        assert (
+            driver.find_element("id", "round-counter").text == "round 2 / 2"
+        )  # the shared run: 2 clients, 2 rounds, validated each round
         assert [r.get_attribute("data-device") for r in rows(driver, "#fleet")] == ["client-000", "client-001"]
-        assert points(driver, "chart-validation") == 2 and points(driver, "chart-traffic") == 3 * 2  # down, up, broadcast per round
+        assert (
+            points(driver, "chart-validation") == 2 and points(driver, "chart-traffic") == 3 * 2
+        )  # down, up, broadcast per round
         assert console_errors(driver) == []
         browser.screenshot()
     finally:

@@ -27,12 +27,24 @@ from feast_edge.transport.link import clear_retained
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.browser, pytest.mark.timeout(600)]
 
 BROKER = "mqtt://127.0.0.1:1883"
-CONFIG = SimulationConfig(clients=2, per_round=2, rounds=2, train_limit=240, val_samples=100, calib_samples=50, test_limit=50, batch_size=32, seed=5)
+CONFIG = SimulationConfig(
+    clients=2,
+    per_round=2,
+    rounds=2,
+    train_limit=240,
+    val_samples=100,
+    calib_samples=50,
+    test_limit=50,
+    batch_size=32,
+    seed=5,
+)
 
 
 def _spawn(command: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as handle:
-        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.Popen(
+            command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -53,7 +65,9 @@ def _dashboard_url(log: Path, server: subprocess.Popen, timeout: float = 60.0) -
             return found.group(1)
         assert server.poll() is None, f"feast-server exited:\n{log.read_text(errors='replace')[-2000:]}"
         time.sleep(0.2)
-    raise AssertionError(f"feast-server never printed its dashboard address:\n{log.read_text(errors='replace')[-2000:]}")
+    raise AssertionError(
+        f"feast-server never printed its dashboard address:\n{log.read_text(errors='replace')[-2000:]}"
+    )
 
 
 @pytest.fixture
@@ -64,19 +78,73 @@ def federation(tmp_path: Path, fashion_mnist_dir: Path) -> Iterator[dict[str, An
     write_partition(CONFIG, partition)
     clients = read_index(partition)["clients"]
     python = sys.executable
-    server = _spawn([
-        python, "-m", "feast_edge.server.cli", "run", "--broker", BROKER, "--federation", name, "--out", str(tmp_path / "server"),
-        "--data", str(partition), "--rounds", "2", "--per-round", "2", "--min-clients", "2", "--start-clients", "2", "--eval-every", "1",
-        "--batch-size", "32", "--round-timeout", "120", "--wait-timeout", "120", "--threads", "1", "--dashboard", "127.0.0.1:0", "--serve",
-    ], tmp_path / "server.log")
+    server = _spawn(
+        [
+            python,
+            "-m",
+            "feast_edge.server.cli",
+            "run",
+            "--broker",
+            BROKER,
+            "--federation",
+            name,
+            "--out",
+            str(tmp_path / "server"),
+            "--data",
+            str(partition),
+            "--rounds",
+            "2",
+            "--per-round",
+            "2",
+            "--min-clients",
+            "2",
+            "--start-clients",
+            "2",
+            "--eval-every",
+            "1",
+            "--batch-size",
+            "32",
+            "--round-timeout",
+            "120",
+            "--wait-timeout",
+            "120",
+            "--threads",
+            "1",
+            "--dashboard",
+            "127.0.0.1:0",
+            "--serve",
+        ],
+        tmp_path / "server.log",
+    )
     processes = [server]
     try:
         url = _dashboard_url(tmp_path / "server.log", server)
         for c in clients:
-            processes.append(_spawn([
-                python, "-m", "feast_edge.agent.cli", "run", "--broker", BROKER, "--federation", name, "--device-id", c["client_id"],
-                "--data", str(partition / c["file"]), "--threads", "1", "--register-timeout", "120", "--model-dir", str(tmp_path / "models"),
-            ], tmp_path / f"agent-{c['client_id']}.log"))
+            processes.append(
+                _spawn(
+                    [
+                        python,
+                        "-m",
+                        "feast_edge.agent.cli",
+                        "run",
+                        "--broker",
+                        BROKER,
+                        "--federation",
+                        name,
+                        "--device-id",
+                        c["client_id"],
+                        "--data",
+                        str(partition / c["file"]),
+                        "--threads",
+                        "1",
+                        "--register-timeout",
+                        "120",
+                        "--model-dir",
+                        str(tmp_path / "models"),
+                    ],
+                    tmp_path / f"agent-{c['client_id']}.log",
+                )
+            )
         yield {"url": url, "clients": clients, "server": server, "logs": tmp_path}
     finally:
         for process in reversed(processes):
@@ -93,7 +161,9 @@ def _fleet(driver: Any) -> dict[str, dict[str, Any]]:
     return {row["device"]: row for row in driver.execute_script(FLEET)}
 
 
-def test_a_live_federation_shows_its_fleet_rounds_and_accuracy_in_a_real_browser(federation: dict[str, Any], request: pytest.FixtureRequest) -> None:
+def test_a_live_federation_shows_its_fleet_rounds_and_accuracy_in_a_real_browser(
+    federation: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
     driver = open_page(federation["url"])
     try:
         names = [c["client_id"] for c in federation["clients"]]
@@ -106,13 +176,24 @@ def test_a_live_federation_shows_its_fleet_rounds_and_accuracy_in_a_real_browser
         fleet = wait_until(driver, both_online, timeout=120, message="both devices never showed online")
         assert {name: row["budget"] for name, row in fleet.items()} == budgets
         wait_until(
-            driver, lambda d: d.find_element("id", "round-counter").text == "round 2 / 2" and points(d, "chart-validation") >= 2,
-            timeout=300, message="the round counter never reached 2 with two validated rounds",
+            driver,
+            lambda d: (
+                d.find_element("id", "round-counter").text == "round 2 / 2" and points(d, "chart-validation") >= 2
+            ),
+            timeout=300,
+            message="the round counter never reached 2 with two validated rounds",
         )
         assert points(driver, "chart-accuracy-macs") > 0
         assert driver.find_element("id", "connection").text == "live"
-        wait_until(driver, lambda d: len(d.find_elements("css selector", "#models tbody tr")) == 2, timeout=180, message="the exported models never appeared")
-        links = driver.execute_script("return Array.from(document.querySelectorAll('#models tbody a')).map(a => a.href);")
+        wait_until(
+            driver,
+            lambda d: len(d.find_elements("css selector", "#models tbody tr")) == 2,
+            timeout=180,
+            message="the exported models never appeared",
+        )
+        links = driver.execute_script(
+            "return Array.from(document.querySelectorAll('#models tbody a')).map(a => a.href);"
+        )
         assert len(links) == 2 and all(link.endswith(".onnx") for link in links)
         assert not console_errors(driver)
         save_screenshot(driver, request.node.name)

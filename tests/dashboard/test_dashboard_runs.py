@@ -26,15 +26,25 @@ def test_a_simulation_run_fills_the_page(finished_run) -> None:
     results = json.loads((run / "results.json").read_text())
     snapshot = load_runs([run]).snapshot()
     assert snapshot["kind"] == "runs" and snapshot["title"].startswith(f"{run.name}: feast, seed 0, fmnist-small")
-    assert snapshot["run"]["status"] == "finished" and snapshot["run"]["rounds_done"] == snapshot["run"]["rounds_total"] == finished_run.rounds == 2
+    assert (
+        snapshot["run"]["status"] == "finished"
+        and snapshot["run"]["rounds_done"] == snapshot["run"]["rounds_total"] == finished_run.rounds == 2
+    )
     assert [(v["label"], v["macs"], v["test_accuracy"]) for v in snapshot["variants"]] == [
         (v["label"], v["macs"], v["test_accuracy"]) for v in results["variants"]
     ]
     assert snapshot["population_accuracy"] == pytest.approx(results["population_accuracy"])
     assert len(snapshot["history"]) == len(results["rounds"]) == 2
     for t, (entry, record) in enumerate(zip(snapshot["history"], results["rounds"]), start=1):
-        assert entry["round"] == t and entry["val_accuracy"] == record["val_accuracy"] and entry["train_macs"] == record["train_macs"]
-        assert entry["bytes_down"] == BYTES_PER_PARAM * record["routed_params"] and entry["broadcast_bytes"] == BYTES_PER_PARAM * record["full_params"]
+        assert (
+            entry["round"] == t
+            and entry["val_accuracy"] == record["val_accuracy"]
+            and entry["train_macs"] == record["train_macs"]
+        )
+        assert (
+            entry["bytes_down"] == BYTES_PER_PARAM * record["routed_params"]
+            and entry["broadcast_bytes"] == BYTES_PER_PARAM * record["full_params"]
+        )
         assert record["cohort"] == ["client-000", "client-001"]
     assert [d["name"] for d in snapshot["devices"]] == ["client-000", "client-001"]
     for device, budget, served in zip(snapshot["devices"], results["population"]["budgets"], results["served"]):
@@ -47,9 +57,16 @@ def test_several_runs_are_compared(simulation_run: Path, tmp_path: Path) -> None
     other = tmp_path / "a" / simulation_run.name
     shutil.copytree(simulation_run, other)
     snapshot = load_runs([simulation_run, other]).snapshot()
-    assert [r["name"] for r in snapshot["runs"]] == [str(simulation_run), str(other)]  # the same folder name: told apart by path
+    assert [r["name"] for r in snapshot["runs"]] == [
+        str(simulation_run),
+        str(other),
+    ]  # the same folder name: told apart by path
     for run in snapshot["runs"]:
-        assert run["method"] == "feast" and run["seed"] == 0 and len(run["variants"]) == len(snapshot["runs"][0]["variants"]) > 0
+        assert (
+            run["method"] == "feast"
+            and run["seed"] == 0
+            and len(run["variants"]) == len(snapshot["runs"][0]["variants"]) > 0
+        )
         assert run["history"][0]["val_accuracy"] is not None
     assert snapshot["devices"] == [] and snapshot["history"] == []
     assert snapshot["run"]["rounds_done"] == snapshot["run"]["rounds_total"] == 2
@@ -59,22 +76,60 @@ def _federation_run(out: Path, tiny: Preset) -> Path:
     """What ``feast-server run`` leaves: a checkpoint with 2 of 3 rounds, the registry, one exported model."""
     out.mkdir()
     history = [
-        {"round": r, "lr": 0.1, "cohort": ["cam-1", "pi-5"], "updated": ["cam-1", "pi-5"] if r == 1 else ["pi-5"], "rejected": {} if r == 1 else {"cam-1": "bad digest"},
-         "loss": 1.5, "routed_params": 1000, "full_params": 5000, "train_macs": 10**9, "seconds": 3.0, "val_accuracy": 0.2 * r}
+        {
+            "round": r,
+            "lr": 0.1,
+            "cohort": ["cam-1", "pi-5"],
+            "updated": ["cam-1", "pi-5"] if r == 1 else ["pi-5"],
+            "rejected": {} if r == 1 else {"cam-1": "bad digest"},
+            "loss": 1.5,
+            "routed_params": 1000,
+            "full_params": 5000,
+            "train_macs": 10**9,
+            "seconds": 3.0,
+            "val_accuracy": 0.2 * r,
+        }
         for r in (1, 2)
     ]
     config = {"federation": "lab", "preset": tiny.name, "rounds": 3, "method": "feast", "seed": 7}
-    save_supernet(out / CHECKPOINT, Supernet(tiny, seed=0), kind="federation", fingerprint="x", config=config, round=2, history=history,
-                  history_format=HISTORY_FORMAT, best={}, registry=[])
+    save_supernet(
+        out / CHECKPOINT,
+        Supernet(tiny, seed=0),
+        kind="federation",
+        fingerprint="x",
+        config=config,
+        round=2,
+        history=history,
+        history_format=HISTORY_FORMAT,
+        best={},
+        registry=[],
+    )
     registry = Registry(out / "devices.sqlite")
     for name, budget in (("cam-1", 2_000_000), ("pi-5", 6_000_000)):
-        registry.register(name, host="agent-1", instance="i", budget_macs=budget, samples=100, preset=tiny.name,
-                          profile={"name": "raspberry-pi-5", "hardware": {"cpu": "4x Cortex-A76"}}, status="online")
+        registry.register(
+            name,
+            host="agent-1",
+            instance="i",
+            budget_macs=budget,
+            samples=100,
+            preset=tiny.name,
+            profile={"name": "raspberry-pi-5", "hardware": {"cpu": "4x Cortex-A76"}},
+            status="online",
+        )
     registry.close()
     models = out / "models"
     models.mkdir()
     (models / "pi-5.onnx").write_bytes(b"onnx")
-    manifest = {"device": "pi-5", "arch": ARCH, "macs": 123, "params": 45, "validation_accuracy": 0.4, "file": "pi-5.onnx", "sha256": "cd" * 32, "size": 4}
+    manifest = {
+        "device": "pi-5",
+        "arch": ARCH,
+        "macs": 123,
+        "params": 45,
+        "validation_accuracy": 0.4,
+        "file": "pi-5.onnx",
+        "sha256": "cd" * 32,
+        "size": 4,
+    }
     (models / "index.json").write_text(json.dumps({"models": [manifest]}))
     return out
 
@@ -84,23 +139,40 @@ def test_a_federation_run_directory(tmp_path: Path, tiny: Preset) -> None:
     state = load_runs([out])
     snapshot = state.snapshot()
     assert snapshot["title"] == f"fed: federation 'lab', {tiny.name}"
-    assert snapshot["run"]["rounds_done"] == 2 and snapshot["run"]["rounds_total"] == 3 and snapshot["run"]["status"] == "waiting"
+    assert (
+        snapshot["run"]["rounds_done"] == 2
+        and snapshot["run"]["rounds_total"] == 3
+        and snapshot["run"]["status"] == "waiting"
+    )
     assert [h["val_accuracy"] for h in snapshot["history"]] == [0.2, 0.4]
     cam, pi = snapshot["devices"]
-    assert (cam["name"], cam["budget_macs"], cam["rounds"], cam["last_upload"]["status"], cam["last_upload"]["reason"]) == ("cam-1", 2_000_000, 1, "rejected", "bad digest")
+    assert (
+        cam["name"],
+        cam["budget_macs"],
+        cam["rounds"],
+        cam["last_upload"]["status"],
+        cam["last_upload"]["reason"],
+    ) == ("cam-1", 2_000_000, 1, "rejected", "bad digest")
     assert cam["profile"] == "raspberry-pi-5" and cam["hardware"] == "4x Cortex-A76" and cam["last_seen"] <= time.time()
     assert pi["variant"] == {"label": str(Arch.from_dict(ARCH)), "macs": 123, "params": 45}
     [model] = snapshot["models"]
     assert model["url"] == "models/pi-5.onnx" and model["validation_accuracy"] == 0.4
     assert state.model_path("pi-5") == out / "models" / "pi-5.onnx"
     assert [(v["macs"], v["val_accuracy"]) for v in snapshot["variants"]] == [(123, 0.4)]
-    assert snapshot["population_accuracy"] == pytest.approx(0.4)  # the mean over devices of the exported models' accuracy
+    assert snapshot["population_accuracy"] == pytest.approx(
+        0.4
+    )  # the mean over devices of the exported models' accuracy
 
 
 def test_paths_that_are_not_run_directories(tmp_path: Path) -> None:
-    with pytest.raises(DashboardError, match=f"^run directory {tmp_path / 'gone'} does not exist; a run directory holds results.json"):
+    with pytest.raises(
+        DashboardError, match=f"^run directory {tmp_path / 'gone'} does not exist; a run directory holds results.json"
+    ):
         load_runs([tmp_path / "gone"])
-    with pytest.raises(DashboardError, match=f"^{tmp_path} is not a run directory: it holds neither results.json nor checkpoint.safetensors"):
+    with pytest.raises(
+        DashboardError,
+        match=f"^{tmp_path} is not a run directory: it holds neither results.json nor checkpoint.safetensors",
+    ):
         load_runs([tmp_path])
     with pytest.raises(DashboardError, match="^give at least one run directory"):
         load_runs([])

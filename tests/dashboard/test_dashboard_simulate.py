@@ -18,9 +18,33 @@ pytestmark = [pytest.mark.slow]
 def test_a_simulation_shows_its_clients_rounds_and_results_live(tmp_path: Path, fashion_mnist_dir: Path) -> None:
     out = tmp_path / "sim"
     command = [
-        sys.executable, "-m", "feast_edge.cli", "simulate", "--out", str(out), "--clients", "3", "--per-round", "2", "--rounds", "3",
-        "--train-limit", "240", "--val-samples", "60", "--calib-samples", "30", "--test-limit", "60", "--eval-every", "1",
-        "--batch-size", "32", "--dashboard", "127.0.0.1:0", "--tensorboard",
+        sys.executable,
+        "-m",
+        "feast_edge.cli",
+        "simulate",
+        "--out",
+        str(out),
+        "--clients",
+        "3",
+        "--per-round",
+        "2",
+        "--rounds",
+        "3",
+        "--train-limit",
+        "240",
+        "--val-samples",
+        "60",
+        "--calib-samples",
+        "30",
+        "--test-limit",
+        "60",
+        "--eval-every",
+        "1",
+        "--batch-size",
+        "32",
+        "--dashboard",
+        "127.0.0.1:0",
+        "--tensorboard",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: list[dict] = []
@@ -52,9 +76,15 @@ def test_a_simulation_shows_its_clients_rounds_and_results_live(tmp_path: Path, 
     assert last["kind"] == "simulation" and last["run"]["method"] == "feast" and last["run"]["rounds_total"] == 3
     assert [d["name"] for d in last["devices"]] == ["client-000", "client-001", "client-002"]
     assert all(d["budget_macs"] > 0 and d["variant"]["macs"] <= d["budget_macs"] for d in last["devices"])
-    assert any(s["round"] is not None and {m["state"] for m in s["round"]["members"]} <= {"routed", "training", "uploading", "aggregated"} for s in seen)
+    assert any(
+        s["round"] is not None
+        and {m["state"] for m in s["round"]["members"]} <= {"routed", "training", "uploading", "aggregated"}
+        for s in seen
+    )
     rounds_seen = {h["round"] for s in seen for h in s["history"]}
     assert rounds_seen <= {1, 2, 3} and rounds_seen, rounds_seen
-    assert all(0 < h["bytes_down"] <= h["broadcast_bytes"] for s in seen for h in s["history"])  # routed slices, never more than a broadcast
+    assert all(
+        0 < h["bytes_down"] <= h["broadcast_bytes"] for s in seen for h in s["history"]
+    )  # routed slices, never more than a broadcast
     assert "feast-edge dashboard" in output  # how to browse the finished run
     assert (out / "rounds.csv").read_text().count("\n") == 4 and any((out / "tensorboard").iterdir())

@@ -18,7 +18,13 @@ def test_set_device_creates_then_merges() -> None:
     state.set_device("pi", budget_macs=6_600_000, online=True, variant={"label": "small", "macs": 1})
     state.set_device("pi", online=False, rounds=3)
     [device] = state.snapshot()["devices"]
-    assert device == {"name": "pi", "budget_macs": 6_600_000, "online": False, "rounds": 3, "variant": {"label": "small", "macs": 1}}
+    assert device == {
+        "name": "pi",
+        "budget_macs": 6_600_000,
+        "online": False,
+        "rounds": 3,
+        "variant": {"label": "small", "macs": 1},
+    }
 
 
 def test_devices_are_listed_sorted_by_name() -> None:
@@ -32,8 +38,15 @@ def test_set_run_merges_fields() -> None:
     state = DashboardState("simulation", "sim")
     state.set_run(preset="fmnist-small", rounds_total=5, status="waiting")
     state.set_run(rounds_done=1, status="running")
-    assert state.snapshot()["run"] == {"preset": "fmnist-small", "rounds_total": 5, "rounds_done": 1, "status": "running"}
-    state.set_run(status="paused")  # a word the page does not know is shown as given, not raised inside the run it watches
+    assert state.snapshot()["run"] == {
+        "preset": "fmnist-small",
+        "rounds_total": 5,
+        "rounds_done": 1,
+        "status": "running",
+    }
+    state.set_run(
+        status="paused"
+    )  # a word the page does not know is shown as given, not raised inside the run it watches
     assert state.snapshot()["run"]["status"] == "paused"
 
 
@@ -66,7 +79,15 @@ def test_strings_and_counts_are_bounded() -> None:
 def test_snapshot_is_json_ready_and_a_deep_copy(tmp_path: Path) -> None:
     state = DashboardState("federation", "lab")
     state.set_device("pi", variant={"label": "small"}, last_seen=float("nan"))
-    state.end_round({"round": 1, "loss": float("inf"), "val_accuracy": 0.5, "devices": {"pi": {"down": 10, "up": 9}}, "when": tmp_path})
+    state.end_round(
+        {
+            "round": 1,
+            "loss": float("inf"),
+            "val_accuracy": 0.5,
+            "devices": {"pi": {"down": 10, "up": 9}},
+            "when": tmp_path,
+        }
+    )
     snapshot = state.snapshot()
     json.dumps(snapshot, allow_nan=False)  # NaN and infinity became None; a Path became text
     assert snapshot["devices"][0]["last_seen"] is None and snapshot["history"][0]["loss"] is None
@@ -87,7 +108,13 @@ def test_round_members_move_through_their_states() -> None:
     assert current["round"] == 2 and current["deadline"] == 1000.0 and current["finished"] is False
     assert current["members"] == [
         {"device": "a", "state": "downloading", "done": 2, "total": 5, "reason": None},
-        {"device": "b", "state": "rejected", "done": None, "total": None, "reason": "payload does not match the routed envelope"},
+        {
+            "device": "b",
+            "state": "rejected",
+            "done": None,
+            "total": None,
+            "reason": "payload does not match the routed envelope",
+        },
     ]
     state.member("a", "x" * 1000)  # an unknown state is shown as given (bounded), not raised
     assert state.snapshot()["round"]["members"][0]["state"] == "x" * MAX_STRING
@@ -107,7 +134,15 @@ def test_end_round_keeps_the_round_shown_until_the_next_starts() -> None:
 
 def test_models_expose_a_link_never_the_server_path(tmp_path: Path) -> None:
     state = DashboardState("federation", "lab")
-    manifest = {"device": "pi 5/x", "arch": {"d": [0], "e": [0.5], "w": [1, 0]}, "macs": 5, "params": 6, "validation_accuracy": 0.5, "sha256": "ab", "file": "pi.onnx"}
+    manifest = {
+        "device": "pi 5/x",
+        "arch": {"d": [0], "e": [0.5], "w": [1, 0]},
+        "macs": 5,
+        "params": 6,
+        "validation_accuracy": 0.5,
+        "sha256": "ab",
+        "file": "pi.onnx",
+    }
     state.set_models([manifest, {"device": "evil", "file": "../../etc/passwd"}], tmp_path)
     [model] = state.snapshot()["models"]
     assert model["url"] == "models/pi%205%2Fx.onnx"
@@ -121,9 +156,14 @@ def test_version_bumps_on_every_change() -> None:
     state = DashboardState("simulation", "sim")
     seen = [state.version]
     for change in (
-        lambda: state.set_run(status="running"), lambda: state.set_device("a"), lambda: state.start_round(1, ["a"], None),
-        lambda: state.member("a", "training"), lambda: state.end_round({"round": 1}), lambda: state.set_variants([]),
-        lambda: state.set_population(0.5), lambda: state.add_run({"name": "r", "history": [{"round": 1}]}),
+        lambda: state.set_run(status="running"),
+        lambda: state.set_device("a"),
+        lambda: state.start_round(1, ["a"], None),
+        lambda: state.member("a", "training"),
+        lambda: state.end_round({"round": 1}),
+        lambda: state.set_variants([]),
+        lambda: state.set_population(0.5),
+        lambda: state.add_run({"name": "r", "history": [{"round": 1}]}),
     ):
         change()
         seen.append(state.version)

@@ -82,7 +82,9 @@ def clear_retained(federation: str, broker: str = LOCAL) -> None:
 class ServerThread:
     """A FederationServer running its rounds in a background thread of the test process."""
 
-    def __init__(self, config: ServerConfig, broker: str = LOCAL, export: bool = False, link: LinkConfig | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig, broker: str = LOCAL, export: bool = False, link: LinkConfig | None = None
+    ) -> None:
         self.server = FederationServer(config, link or LinkConfig(broker=broker))
         self.export = export
         self.history: list[RoundRecord] | None = None
@@ -117,15 +119,34 @@ class ServerThread:
         self.server.close()
 
 
-def spawn_agent(logs: Path, device_id: str, data: Path | str, federation: str, *extra: str, broker: str = LOCAL) -> subprocess.Popen:
+def spawn_agent(
+    logs: Path, device_id: str, data: Path | str, federation: str, *extra: str, broker: str = LOCAL
+) -> subprocess.Popen:
     """A real ``feast-agent run`` process, logging to ``logs/agent-<id>.log``."""
     logs.mkdir(parents=True, exist_ok=True)
     log = open(logs / f"agent-{device_id}.log", "w")
     cmd = [
-        sys.executable, "-m", "feast_edge.agent.cli", "run", "--broker", broker, "--device-id", device_id, "--data", str(data),
-        "--federation", federation, "--threads", "1", "--register-timeout", "120", *extra,
+        sys.executable,
+        "-m",
+        "feast_edge.agent.cli",
+        "run",
+        "--broker",
+        broker,
+        "--device-id",
+        device_id,
+        "--data",
+        str(data),
+        "--federation",
+        federation,
+        "--threads",
+        "1",
+        "--register-timeout",
+        "120",
+        *extra,
     ]
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     process.log_path = logs / f"agent-{device_id}.log"  # type: ignore[attr-defined]
     log.close()
     return process
@@ -161,12 +182,27 @@ def simulated_weights(config: SimulationConfig, out: Path) -> dict[str, torch.Te
     return weights(out / "checkpoint.safetensors")
 
 
-def server_config(config: SimulationConfig, out: Path, partition: Path, federation: str, **changes: object) -> ServerConfig:
+def server_config(
+    config: SimulationConfig, out: Path, partition: Path, federation: str, **changes: object
+) -> ServerConfig:
     """The server settings that reproduce ``config``'s simulation."""
     settings = dict(
-        out=str(out), preset=config.preset, rounds=config.rounds, per_round=config.per_round, min_clients=config.per_round,
-        start_clients=config.clients, round_timeout=120.0, seed=config.seed, lr=config.lr, batch_size=config.batch_size,
-        variants=config.variants, augment=config.augment, eval_every=1, data=str(partition), federation=federation, wait_timeout=180.0,
+        out=str(out),
+        preset=config.preset,
+        rounds=config.rounds,
+        per_round=config.per_round,
+        min_clients=config.per_round,
+        start_clients=config.clients,
+        round_timeout=120.0,
+        seed=config.seed,
+        lr=config.lr,
+        batch_size=config.batch_size,
+        variants=config.variants,
+        augment=config.augment,
+        eval_every=1,
+        data=str(partition),
+        federation=federation,
+        wait_timeout=180.0,
     )
     settings.update(changes)
     return ServerConfig(**settings)  # type: ignore[arg-type]
@@ -208,7 +244,9 @@ def partition(kit: Kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_
 
 @pytest.fixture
 def federation() -> Iterator[str]:
-    assert port_open(1883), "no MQTT broker at 127.0.0.1:1883: start it with 'mosquitto -d -c /etc/mosquitto/mosquitto.conf' ('make broker' does)"
+    assert port_open(1883), (
+        "no MQTT broker at 127.0.0.1:1883: start it with 'mosquitto -d -c /etc/mosquitto/mosquitto.conf' ('make broker' does)"
+    )
     fed = new_federation()
     yield fed
     clear_retained(fed)

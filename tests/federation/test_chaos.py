@@ -58,7 +58,9 @@ class PrivateBroker:
         self.port = kit.free_port()
         self.url = f"mqtt://127.0.0.1:{self.port}"
         self.conf = directory / "mosquitto.conf"
-        self.conf.write_text(f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {self.port} 127.0.0.1\nallow_anonymous true\n")
+        self.conf.write_text(
+            f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {self.port} 127.0.0.1\nallow_anonymous true\n"
+        )
         self.process: subprocess.Popen | None = None
         self.starts = 0
 
@@ -67,7 +69,9 @@ class PrivateBroker:
         with open(self.directory / f"mosquitto-{self.starts}.log", "w") as log:
             self.process = subprocess.Popen(["mosquitto", "-c", str(self.conf)], stdout=log, stderr=subprocess.STDOUT)
         if not self.kit.wait_for(lambda: self.kit.port_open(self.port), timeout=10):
-            pytest.fail(f"private mosquitto did not start on port {self.port}: {(self.directory / f'mosquitto-{self.starts}.log').read_text()}")
+            pytest.fail(
+                f"private mosquitto did not start on port {self.port}: {(self.directory / f'mosquitto-{self.starts}.log').read_text()}"
+            )
 
     def kill(self) -> None:
         """SIGKILL: no will is published, every retained message is gone (no persistence)."""
@@ -92,7 +96,9 @@ def private_broker(kit, tmp_path: Path) -> Iterator[PrivateBroker]:
         broker.stop()
 
 
-def server_command(kit, out: Path, federation: str, partition: Path, config: SimulationConfig, broker: str) -> list[str]:
+def server_command(
+    kit, out: Path, federation: str, partition: Path, config: SimulationConfig, broker: str
+) -> list[str]:
     """``feast-server run`` with the settings that reproduce ``config``'s simulation; it waits for all 3 devices before its first round."""
     return [
         sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", broker, "--out", str(out), "--rounds", str(config.rounds),
@@ -125,7 +131,9 @@ def budgets(out: Path) -> dict[str, float]:
     return {d: float(device.budget_macs) for d, device in registered(out).items()}
 
 
-def replayed_weights(records: list[RoundRecord], partition: Path, config: SimulationConfig, budget_of: dict[str, float]) -> dict[str, torch.Tensor]:
+def replayed_weights(
+    records: list[RoundRecord], partition: Path, config: SimulationConfig, budget_of: dict[str, float]
+) -> dict[str, torch.Tensor]:
     """The recorded rounds recomputed in process (``feast_edge.sim.replay``)."""
     return replay_rounds(records, partition, config, budget_of)
 
@@ -139,7 +147,9 @@ def no_refusal(*texts: str) -> None:
 
 
 @pytest.mark.parametrize("order", ["agents-first", "server-first"])
-def test_a_full_stop_resumes_in_either_restart_order(kit, tmp_path: Path, federation: str, partition: Path, expected: dict, order: str) -> None:
+def test_a_full_stop_resumes_in_either_restart_order(
+    kit, tmp_path: Path, federation: str, partition: Path, expected: dict, order: str
+) -> None:
     """SIGKILL to the server and every agent mid-federation; whichever comes back first, the run resumes and ends as if undisturbed."""
     config = replace(kit.CONFIG, rounds=ROUNDS)
     out = tmp_path / "run"
@@ -156,7 +166,9 @@ def test_a_full_stop_resumes_in_either_restart_order(kit, tmp_path: Path, federa
     after: list[subprocess.Popen] = []
     second = None
     try:
-        assert kit.wait_for(lambda: completed_rounds(checkpoint) >= 1, timeout=240, interval=0.02), (tmp_path / "server-first.log").read_text()
+        assert kit.wait_for(lambda: completed_rounds(checkpoint) >= 1, timeout=240, interval=0.02), (
+            tmp_path / "server-first.log"
+        ).read_text()
         for process in [first, *before]:
             process.send_signal(signal.SIGKILL)
         for process in [first, *before]:
@@ -173,10 +185,14 @@ def test_a_full_stop_resumes_in_either_restart_order(kit, tmp_path: Path, federa
         with open(server_log, "w") as log:
             second = subprocess.Popen(command, cwd=kit.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
         if order == "server-first":
-            assert kit.wait_for(lambda: "waiting for devices" in server_log.read_text(), timeout=60), server_log.read_text()
+            assert kit.wait_for(lambda: "waiting for devices" in server_log.read_text(), timeout=60), (
+                server_log.read_text()
+            )
             after = agents(tmp_path / "after")
         second.wait(240)
-        assert kit.wait_for(lambda: all(a.poll() is not None for a in after), timeout=60), "agents did not leave after the last round"
+        assert kit.wait_for(lambda: all(a.poll() is not None for a in after), timeout=60), (
+            "agents did not leave after the last round"
+        )
     finally:
         for process in [first, *before, *after] + ([second] if second else []):
             kit.stop(process)
@@ -191,13 +207,17 @@ def test_a_full_stop_resumes_in_either_restart_order(kit, tmp_path: Path, federa
     fields = read_record(checkpoint)["fields"]
     assert fields["round"] == ROUNDS and [h["round"] for h in fields["history"]] == list(range(1, ROUNDS + 1))
     diff = kit.max_abs_diff(kit.weights(checkpoint), expected)
-    assert diff <= 1e-6, f"the federation stopped and restarted {order} differs from the undisturbed simulation by {diff}"
+    assert diff <= 1e-6, (
+        f"the federation stopped and restarted {order} differs from the undisturbed simulation by {diff}"
+    )
 
 
 # --------------------------------------------------------------------------- the broker dies mid-run
 
 
-def test_a_broker_restart_mid_run_lets_the_federation_finish(kit, tmp_path: Path, federation: str, partition: Path, private_broker: PrivateBroker) -> None:
+def test_a_broker_restart_mid_run_lets_the_federation_finish(
+    kit, tmp_path: Path, federation: str, partition: Path, private_broker: PrivateBroker
+) -> None:
     """SIGKILL to the broker after round 1 (retained presences die with it), down 4 s, back on the same port: every round completes."""
     config = replace(kit.CONFIG, rounds=ROUNDS)
     out = tmp_path / "run"
@@ -208,16 +228,23 @@ def test_a_broker_restart_mid_run_lets_the_federation_finish(kit, tmp_path: Path
     with open(server_log, "w") as log:
         server = subprocess.Popen(command, cwd=kit.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     clients = read_index(partition)["clients"]
-    agents = [kit.spawn_agent(tmp_path, c["client_id"], partition / c["file"], federation, broker=private_broker.url) for c in clients]
+    agents = [
+        kit.spawn_agent(tmp_path, c["client_id"], partition / c["file"], federation, broker=private_broker.url)
+        for c in clients
+    ]
     try:
-        assert kit.wait_for(lambda: completed_rounds(checkpoint) >= 1, timeout=240, interval=0.02), server_log.read_text()
+        assert kit.wait_for(lambda: completed_rounds(checkpoint) >= 1, timeout=240, interval=0.02), (
+            server_log.read_text()
+        )
         private_broker.kill()
         killed_at = completed_rounds(checkpoint)
         assert killed_at < ROUNDS, "the federation finished before the broker could be killed"
         time.sleep(4.0)
         private_broker.start()
         server.wait(240)
-        assert kit.wait_for(lambda: all(a.poll() is not None for a in agents), timeout=60), "agents did not leave after the last round"
+        assert kit.wait_for(lambda: all(a.poll() is not None for a in agents), timeout=60), (
+            "agents did not leave after the last round"
+        )
     finally:
         codes = [kit.stop(a) for a in agents]
         kit.stop(server)
@@ -230,10 +257,14 @@ def test_a_broker_restart_mid_run_lets_the_federation_finish(kit, tmp_path: Path
     for h in history:  # every cohort member is accounted for
         assert sorted(h.updated + list(h.rejected) + h.missing + h.dropped) == h.cohort, h
     diff = kit.max_abs_diff(kit.weights(checkpoint), replayed_weights(history, partition, config, budgets(out)))
-    assert diff <= 1e-6, f"the federation across the broker restart differs from a replay of its recorded rounds by {diff}"
+    assert diff <= 1e-6, (
+        f"the federation across the broker restart differs from a replay of its recorded rounds by {diff}"
+    )
 
 
-def test_an_update_sent_before_the_server_is_back_on_the_broker_still_counts(kit, tmp_path: Path, federation: str, private_broker: PrivateBroker) -> None:
+def test_an_update_sent_before_the_server_is_back_on_the_broker_still_counts(
+    kit, tmp_path: Path, federation: str, private_broker: PrivateBroker
+) -> None:
     """The broker dies while a device trains and the device reconnects before the server does: its update must not be lost.
 
     Which side reconnects first is up to paho's backoff (1, 2, 4 ... 30 s); the server is held (SIGSTOP) only to
@@ -248,7 +279,17 @@ def test_an_update_sent_before_the_server_is_back_on_the_broker_still_counts(kit
     with open(server_log, "w") as log:
         server = subprocess.Popen(command, cwd=kit.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     # ~600 examples on the largest envelope: several seconds of training, long enough to take the broker away meanwhile.
-    agent = kit.spawn_agent(tmp_path, "slow", FASHION_MNIST_DIR, federation, "--shard", "0/100", "--budget", "39M", broker=private_broker.url)
+    agent = kit.spawn_agent(
+        tmp_path,
+        "slow",
+        FASHION_MNIST_DIR,
+        federation,
+        "--shard",
+        "0/100",
+        "--budget",
+        "39M",
+        broker=private_broker.url,
+    )
     try:
         assert kit.wait_for(lambda: "slow trains" in kit.log_text(agent), timeout=120), kit.log_text(agent)
         server.send_signal(signal.SIGSTOP)
@@ -280,10 +321,14 @@ def test_a_device_that_died_while_the_broker_was_down_can_come_back(
     in the cohort draws, each costing its round the whole --round-timeout.
     """
     out = tmp_path / "run"
-    server = kit.ServerThread(kit.server_config(kit.CONFIG, out, partition, federation), broker=private_broker.url).start()  # waits for 3 devices
+    server = kit.ServerThread(
+        kit.server_config(kit.CONFIG, out, partition, federation), broker=private_broker.url
+    ).start()  # waits for 3 devices
     entry = read_index(partition)["clients"][0]
     device = entry["client_id"]
-    first = kit.spawn_agent(tmp_path / "first", device, partition / entry["file"], federation, broker=private_broker.url)
+    first = kit.spawn_agent(
+        tmp_path / "first", device, partition / entry["file"], federation, broker=private_broker.url
+    )
     second = None
     try:
         assert kit.wait_for(lambda: device in server.server.online_devices(), timeout=120), kit.log_text(first)
@@ -291,22 +336,33 @@ def test_a_device_that_died_while_the_broker_was_down_can_come_back(
         first.kill()  # dies while no broker holds its connection: no last will is ever published
         first.wait(10)
         private_broker.start()
-        assert kit.wait_for(lambda: server.server.link.connected, timeout=60), "the server did not reconnect to the restarted broker"
-        second = kit.spawn_agent(tmp_path / "second", device, partition / entry["file"], federation, broker=private_broker.url)
-        assert kit.wait_for(lambda: f"registered {device} with federation" in kit.log_text(second) or second.poll() is not None, timeout=120)
+        assert kit.wait_for(lambda: server.server.link.connected, timeout=60), (
+            "the server did not reconnect to the restarted broker"
+        )
+        second = kit.spawn_agent(
+            tmp_path / "second", device, partition / entry["file"], federation, broker=private_broker.url
+        )
+        assert kit.wait_for(
+            lambda: f"registered {device} with federation" in kit.log_text(second) or second.poll() is not None,
+            timeout=120,
+        )
         text = kit.log_text(second)
     finally:
         for process in (first, second):
             if process is not None:
                 kit.stop(process)
         server.close()
-    assert f"registered {device} with federation" in text, f"the restarted device was locked out after the broker restart:\n{text}"
+    assert f"registered {device} with federation" in text, (
+        f"the restarted device was locked out after the broker restart:\n{text}"
+    )
 
 
 # --------------------------------------------------------------------------- a crashed device comes back
 
 
-def test_a_device_killed_without_leaving_is_replaced_by_its_next_instance(kit, tmp_path: Path, federation: str, partition: Path, expected: dict) -> None:
+def test_a_device_killed_without_leaving_is_replaced_by_its_next_instance(
+    kit, tmp_path: Path, federation: str, partition: Path, expected: dict
+) -> None:
     """SIGKILL an agent after it registered: its last will frees the id, the restarted agent is accepted and the run ends as undisturbed."""
     out = tmp_path / "run"
     config = replace(kit.CONFIG, rounds=ROUNDS)
@@ -321,14 +377,20 @@ def test_a_device_killed_without_leaving_is_replaced_by_its_next_instance(kit, t
         stale = instances(out)[vid]
         crashed.kill()  # no DISCONNECT, no offline status of its own: only the broker's last will says it is gone
         crashed.wait(10)
-        assert kit.wait_for(lambda: vid not in server.server.online_devices(), timeout=10), "the last will did not take the device offline"
+        assert kit.wait_for(lambda: vid not in server.server.online_devices(), timeout=10), (
+            "the last will did not take the device offline"
+        )
         agents.append(kit.spawn_agent(tmp_path / "restarted", vid, partition / victim["file"], federation))
-        assert kit.wait_for(lambda: f"registered {vid} with federation" in kit.log_text(agents[0]), timeout=120), kit.log_text(agents[0])
+        assert kit.wait_for(lambda: f"registered {vid} with federation" in kit.log_text(agents[0]), timeout=120), (
+            kit.log_text(agents[0])
+        )
         assert instances(out)[vid] != stale
         agents += [kit.spawn_agent(tmp_path, c["client_id"], partition / c["file"], federation) for c in clients[:-1]]
         history = server.join(timeout=180)
         server.server.finish([])  # what feast-server run does after the last round: the agents leave
-        assert kit.wait_for(lambda: all(a.poll() is not None for a in agents), timeout=60), "agents did not leave after the last round"
+        assert kit.wait_for(lambda: all(a.poll() is not None for a in agents), timeout=60), (
+            "agents did not leave after the last round"
+        )
     finally:
         codes = [kit.stop(a) for a in [crashed, *agents]]
         server.close()

@@ -22,12 +22,28 @@ def registry(tmp_path: Path) -> Registry:
 
 
 def _book(registry: Registry, replies: list[Registered]) -> DeviceBook:
-    return DeviceBook(registry, PRESET, load_cache(PRESET), federation="lab", rounds=3, reply=lambda device, message: replies.append(message))
+    return DeviceBook(
+        registry,
+        PRESET,
+        load_cache(PRESET),
+        federation="lab",
+        rounds=3,
+        reply=lambda device, message: replies.append(message),
+    )
 
 
 def _register(book: DeviceBook, device: str, instance: str, host: str | None = None, samples: int = 50) -> None:
     book.on_register(
-        Register.for_client(federation="lab", device_id=device, host=host or device, instance=instance, preset=PRESET, budget_macs=6_000_000, samples=samples, profile={})
+        Register.for_client(
+            federation="lab",
+            device_id=device,
+            host=host or device,
+            instance=instance,
+            preset=PRESET,
+            budget_macs=6_000_000,
+            samples=samples,
+            profile={},
+        )
     )
 
 
@@ -75,8 +91,14 @@ def test_the_registered_sample_count_is_bounded_by_the_servers_own_record(regist
     """The count a device registers bounds its aggregation weight: its shard's size where the server knows it, --max-samples elsewhere."""
     replies: list[Registered] = []
     book = DeviceBook(
-        registry, PRESET, load_cache(PRESET), federation="lab", rounds=3, reply=lambda device, message: replies.append(message),
-        max_samples=1000, shard_samples={"client-000": 120},
+        registry,
+        PRESET,
+        load_cache(PRESET),
+        federation="lab",
+        rounds=3,
+        reply=lambda device, message: replies.append(message),
+        max_samples=1000,
+        shard_samples={"client-000": 120},
     )
     _register(book, "client-000", "i1", samples=121)
     _register(book, "client-000", "i2", samples=120)
@@ -89,7 +111,15 @@ def test_the_registered_sample_count_is_bounded_by_the_servers_own_record(regist
 
 def test_a_provisioned_device_registers_as_itself_only(registry: Registry) -> None:
     replies: list[Registered] = []
-    book = DeviceBook(registry, PRESET, load_cache(PRESET), federation="lab", rounds=3, reply=lambda device, message: replies.append(message), authenticated=True)
+    book = DeviceBook(
+        registry,
+        PRESET,
+        load_cache(PRESET),
+        federation="lab",
+        rounds=3,
+        reply=lambda device, message: replies.append(message),
+        authenticated=True,
+    )
     _register(book, "jet", "i1", host="pi")
     _register(book, "jet", "i2")
     assert [r.accepted for r in replies] == [False, True]
@@ -98,7 +128,15 @@ def test_a_provisioned_device_registers_as_itself_only(registry: Registry) -> No
 
 def test_the_registry_is_bounded(registry: Registry) -> None:
     replies: list[Registered] = []
-    book = DeviceBook(registry, PRESET, load_cache(PRESET), federation="lab", rounds=3, reply=lambda device, message: replies.append(message), max_devices=3)
+    book = DeviceBook(
+        registry,
+        PRESET,
+        load_cache(PRESET),
+        federation="lab",
+        rounds=3,
+        reply=lambda device, message: replies.append(message),
+        max_devices=3,
+    )
     for i in range(5):
         _register(book, f"d{i}", f"i{i}")
     _register(book, "d0", "i9")  # a device already registered may come back

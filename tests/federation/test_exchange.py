@@ -28,7 +28,9 @@ class Sender:
     def describe(self, payload: bytes, *, round: int, device: str) -> TransferInfo:
         return describe(payload, federation=FED, round=round, device=device)
 
-    def announce_and_send(self, topic: str, announcement: bytes, payload: bytes, info: TransferInfo, timeout: float) -> TransferInfo:
+    def announce_and_send(
+        self, topic: str, announcement: bytes, payload: bytes, info: TransferInfo, timeout: float
+    ) -> TransferInfo:
         if info.device in self.broken:
             raise LinkError("the broker went away")
         self.sent.append((topic, payload))
@@ -73,18 +75,29 @@ def _exchange(timeout: float = 2.0, broken: tuple[str, ...] = ()) -> tuple[Round
     return exchange, sender, receiver, script
 
 
-def _send(exchange: RoundExchange, devices: list[str], payload: bytes = b"routed bytes", samples: int = 10) -> dict[str, TransferInfo]:
+def _send(
+    exchange: RoundExchange, devices: list[str], payload: bytes = b"routed bytes", samples: int = 10
+) -> dict[str, TransferInfo]:
     sent = {}
     for device in devices:
         info = sent[device] = exchange.describe(device, payload)
-        message: Message = Presence(federation=FED, round=0, device=device, state="online")  # any message: the exchange only sends it
+        message: Message = Presence(
+            federation=FED, round=0, device=device, state="online"
+        )  # any message: the exchange only sends it
         exchange.send(device, message, payload, info, Expect(max_bytes=len(payload) + 8, max_samples=samples))
     return sent
 
 
 def _upload(device: str, routed: TransferInfo, payload: bytes, samples: int = 5) -> tuple[Update, Progress]:
     info = describe(payload, federation=FED, round=routed.round, device=device)
-    update = Update(federation=FED, round=routed.round, device=device, transfer=info.to_dict(), routed=routed.transfer, samples=samples)
+    update = Update(
+        federation=FED,
+        round=routed.round,
+        device=device,
+        transfer=info.to_dict(),
+        routed=routed.transfer,
+        samples=samples,
+    )
     return update, Progress(info, info.count - 1, Status.COMPLETE, payload=payload)
 
 
@@ -100,12 +113,16 @@ def test_each_reply_settles_once_and_a_silent_or_offline_device_is_reported() ->
         lambda: receiver.results.put(b_done),  # b's upload finished before its announcement came
         lambda: exchange.on_update(b),
         lambda: exchange.on_update(a),  # a duplicate
-        lambda: exchange.on_declined(Declined(federation=FED, round=0, device="c", routed=routed["c"].transfer, reason="diverged")),
+        lambda: exchange.on_declined(
+            Declined(federation=FED, round=0, device="c", routed=routed["c"].transfer, reason="diverged")
+        ),
         lambda: exchange.on_offline(["d"]),
     ]
     replies = list(exchange.replies())
     assert [(r.device, r.payload, r.error) for r in replies] == [
-        ("a", b"a's bytes", ""), ("b", b"b's bytes", ""), ("c", None, "the device sent no update: diverged"),
+        ("a", b"a's bytes", ""),
+        ("b", b"b's bytes", ""),
+        ("c", None, "the device sent no update: diverged"),
     ]
     unsettled = exchange.close()
     assert unsettled.missing == ["e"] and unsettled.dropped == ["d"]
@@ -135,7 +152,10 @@ def test_a_device_the_link_cannot_reach_fails_at_once_and_the_others_go_on() -> 
     ok, ok_done = _upload("ok", routed["ok"], b"fine")
     script.steps = [lambda: (exchange.on_update(ok), exchange.receiver.results.put(ok_done))]
     replies = list(exchange.replies())
-    assert [topic for topic, _ in sender.sent] == [f"feast/{FED}/ctrl/ok"] and [r.device for r in replies] == ["gone", "ok"]
+    assert [topic for topic, _ in sender.sent] == [f"feast/{FED}/ctrl/ok"] and [r.device for r in replies] == [
+        "gone",
+        "ok",
+    ]
     assert replies[0].error.startswith("could not send its routed payload") and replies[1].payload == b"fine"
 
 
@@ -144,7 +164,9 @@ def test_uploads_of_another_round_or_transfer_are_not_taken() -> None:
     exchange.open(1)
     routed = _send(exchange, ["a"])
     stale, _ = _upload("a", dataclasses.replace(routed["a"], round=0), b"old")
-    wrong = Update(federation=FED, round=1, device="a", transfer=routed["a"].to_dict(), routed="not-the-routed-one", samples=1)
+    wrong = Update(
+        federation=FED, round=1, device="a", transfer=routed["a"].to_dict(), routed="not-the-routed-one", samples=1
+    )
     script.steps = [lambda: exchange.on_update(stale), lambda: exchange.on_update(wrong)]
     assert list(exchange.replies()) == []
     ignored = exchange.close().ignored

@@ -47,7 +47,11 @@ def test_partition_clients_keep_their_ids_budgets_and_shards(partition: Path) ->
     assert [c.device_id for c in hosted] == [e["client_id"] for e in index["clients"][1:3]]
     for c, entry in zip(hosted, index["clients"][1:3]):
         shard = read_shard(partition / entry["file"])
-        assert c.budget_macs == entry["budget_macs"] and torch.equal(c.images, shard.images) and c.samples == entry["samples"]
+        assert (
+            c.budget_macs == entry["budget_macs"]
+            and torch.equal(c.images, shard.images)
+            and c.samples == entry["samples"]
+        )
     assert len(load_clients(partition, "host")) == 4
     single = load_clients(partition / "client-003.safetensors", "my-id")
     assert single[0].device_id == "my-id" and single[0].preset == "fmnist-small"
@@ -79,8 +83,26 @@ def test_a_corrupt_shard_file_is_refused(partition: Path, tmp_path: Path) -> Non
 def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, tmp_path: Path) -> None:
     out = tmp_path / "here.json"
     result = subprocess.run(
-        [sys.executable, "-m", "feast_edge.agent.cli", "profile", "--out", str(out), "--variants", "3", "--repeats", "3", "--name", "ci-host", "--latency-target-ms", "100000"],
-        cwd=kit.REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "feast_edge.agent.cli",
+            "profile",
+            "--out",
+            str(out),
+            "--variants",
+            "3",
+            "--repeats",
+            "3",
+            "--name",
+            "ci-host",
+            "--latency-target-ms",
+            "100000",
+        ],
+        cwd=kit.REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     from feast_edge.budget.profile import load_profile
@@ -89,7 +111,9 @@ def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, t
 
     profile = load_profile(out)
     assert profile.name == "ci-host" and profile.device == "cpu" and len(profile.measurements) == 3
-    assert profile.runtime.startswith("onnxruntime ") and len(profile.holdout) == 3  # timed as served, three variants held out of the fit
+    assert (
+        profile.runtime.startswith("onnxruntime ") and len(profile.holdout) == 3
+    )  # timed as served, three variants held out of the fit
     assert profile.budget_macs >= load_cache(load_preset(profile.preset)).smallest.macs
     assert "use it with: feast-agent run --profile" in result.stdout
 
@@ -99,18 +123,47 @@ def test_partition_command_writes_exactly_the_simulators_shards(kit, tmp_path: P
 
     out = tmp_path / "part"
     result = subprocess.run(
-        [sys.executable, "-m", "feast_edge.cli", "partition", "--out", str(out), "--clients", "3", "--budgets", "3M,40M",
-         "--train-limit", "300", "--val-samples", "50", "--calib-samples", "20", "--seed", "3"],
-        cwd=kit.REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "feast_edge.cli",
+            "partition",
+            "--out",
+            str(out),
+            "--clients",
+            "3",
+            "--budgets",
+            "3M,40M",
+            "--train-limit",
+            "300",
+            "--val-samples",
+            "50",
+            "--calib-samples",
+            "20",
+            "--seed",
+            "3",
+        ],
+        cwd=kit.REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    setup = build_setup(SimulationConfig(clients=3, per_round=1, budgets=(3e6, 40e6, 3e6), train_limit=300, val_samples=50, calib_samples=20, seed=3))
+    setup = build_setup(
+        SimulationConfig(
+            clients=3, per_round=1, budgets=(3e6, 40e6, 3e6), train_limit=300, val_samples=50, calib_samples=20, seed=3
+        )
+    )
     index = read_index(out)
     assert [c["client_id"] for c in index["clients"]] == setup.client_ids
     for entry, budget in zip(index["clients"], setup.population.budgets):
         shard = read_shard(out / entry["file"])
         images, labels = setup.client_data(entry["client_id"])
-        assert shard.budget_macs == float(budget) and torch.equal(shard.images, images) and torch.equal(shard.labels, labels)
+        assert (
+            shard.budget_macs == float(budget)
+            and torch.equal(shard.images, images)
+            and torch.equal(shard.labels, labels)
+        )
 
 
 def test_client_budgets_check_each_hosted_client(partition: Path) -> None:

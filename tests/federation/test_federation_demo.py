@@ -35,7 +35,20 @@ def test_demo_trains_exports_and_times_a_model_for_every_device(cli, tmp_path: P
 @pytest.mark.timeout(900)
 def test_demo_runs_on_the_pure_python_broker(cli, tmp_path: Path, fashion_mnist_dir: Path) -> None:
     pytest.importorskip("amqtt")
-    result = cli.run("demo", "--rounds", "1", "--samples", "100", "--profiles", "jetson-nano,raspberry-pi-5", "--embedded-broker", "amqtt", "--out", str(tmp_path / "demo"), timeout=600)
+    result = cli.run(
+        "demo",
+        "--rounds",
+        "1",
+        "--samples",
+        "100",
+        "--profiles",
+        "jetson-nano,raspberry-pi-5",
+        "--embedded-broker",
+        "amqtt",
+        "--out",
+        str(tmp_path / "demo"),
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "broker: amqtt (embedded, pure Python)" in result.stdout
     assert "round 1/1  replies 2/2  aggregated" in result.stdout

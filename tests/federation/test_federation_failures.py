@@ -52,7 +52,16 @@ PRESET = load_preset("fmnist-small")
 def scripted_server(kit, out: Path, fed: str, rounds: int, **changes: object):
     """A server that trains with one device per round and needs one valid update to aggregate."""
     config = ServerConfig(
-        out=str(out), rounds=rounds, per_round=1, min_clients=1, round_timeout=20.0, seed=0, batch_size=32, federation=fed, wait_timeout=30.0, **changes  # type: ignore[arg-type]
+        out=str(out),
+        rounds=rounds,
+        per_round=1,
+        min_clients=1,
+        round_timeout=20.0,
+        seed=0,
+        batch_size=32,
+        federation=fed,
+        wait_timeout=30.0,
+        **changes,  # type: ignore[arg-type]
     )
     return kit.ServerThread(config).start()
 
@@ -64,7 +73,10 @@ class ScriptedDevice:
         self.fed, self.device_id = fed, device_id
         self.topics = Topics(fed)
         self.instance = uuid.uuid4().hex[:16]
-        self.link = Link(LinkConfig(broker="mqtt://127.0.0.1:1883"), presence=Presence(federation=fed, round=0, device=device_id, state="online"))
+        self.link = Link(
+            LinkConfig(broker="mqtt://127.0.0.1:1883"),
+            presence=Presence(federation=fed, round=0, device=device_id, state="online"),
+        )
         self.ctrl: queue.Queue = queue.Queue()
         self.link.subscribe(self.topics.ctrl(device_id), lambda r: self.ctrl.put(parse(r.payload)))
         self.link.connect(timeout=5)
@@ -87,8 +99,16 @@ class ScriptedDevice:
 
     def register(self, budget: int = 6_000_000, samples: int = 50, digest: str = PRESET.digest) -> Registered:
         message = Register(
-            federation=self.fed, round=0, device=self.device_id, host=self.device_id, instance=self.instance, preset=PRESET.name,
-            preset_digest=digest, budget_macs=budget, samples=samples, profile={"name": "scripted"},
+            federation=self.fed,
+            round=0,
+            device=self.device_id,
+            host=self.device_id,
+            instance=self.instance,
+            preset=PRESET.name,
+            preset_digest=digest,
+            budget_macs=budget,
+            samples=samples,
+            profile={"name": "scripted"},
         )
         self.link.publish(self.topics.register(message.device), message.encode(), timeout=5)
         return self._next(Registered)
@@ -101,23 +121,43 @@ class ScriptedDevice:
         return start, manifest, state
 
     def update(
-        self, start: RoundStart, state: dict[str, torch.Tensor], manifest: Manifest, *, round: int | None = None, samples: int = 50, as_given: bool = False,
+        self,
+        start: RoundStart,
+        state: dict[str, torch.Tensor],
+        manifest: Manifest,
+        *,
+        round: int | None = None,
+        samples: int = 50,
+        as_given: bool = False,
     ) -> tuple[Update, bytes]:
         """An update message and its payload, not yet sent (``as_given``: the tensors' own dtypes, as a sender ignoring the manifest writes them)."""
         t = start.round if round is None else round
         manifest = dataclasses.replace(manifest, kind="update", round=t)
         if as_given:
-            blob = safetensors_save({k: v.contiguous() for k, v in state.items()}, metadata={"feast_edge": json.dumps(manifest.to_dict(), sort_keys=True)})
+            blob = safetensors_save(
+                {k: v.contiguous() for k, v in state.items()},
+                metadata={"feast_edge": json.dumps(manifest.to_dict(), sort_keys=True)},
+            )
         else:
             blob = encode(state, manifest)
         info = describe(blob, federation=self.fed, round=t, device=self.device_id, chunk_size=64 * 1024)
-        message = Update(federation=self.fed, round=t, device=self.device_id, transfer=info.to_dict(), routed=start.transfer["transfer"], samples=samples, metrics={"loss": 1.0})
+        message = Update(
+            federation=self.fed,
+            round=t,
+            device=self.device_id,
+            transfer=info.to_dict(),
+            routed=start.transfer["transfer"],
+            samples=samples,
+            metrics={"loss": 1.0},
+        )
         return message, blob
 
     def send(self, message: Update, blob: bytes | None, *, raw: bytes | None = None) -> None:
         self.link.publish(self.topics.events(self.device_id), raw or message.encode(), timeout=5)
         if blob is not None:
-            self.sender.send(blob, round=message.round, device=self.device_id, transfer=message.transfer["transfer"], timeout=30)
+            self.sender.send(
+                blob, round=message.round, device=self.device_id, transfer=message.transfer["transfer"], timeout=30
+            )
 
 
 def shifted(state: dict[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
@@ -166,32 +206,47 @@ def test_duplicate_and_stale_updates_are_ignored(kit, tmp_path: Path, federation
     assert all(torch.equal(got[k], expected[k]) for k in got), "a duplicate or stale update entered the aggregate"
 
 
-def test_a_corrupted_chunk_is_rejected_and_the_model_untouched(kit, tmp_path: Path, federation: str, device: ScriptedDevice) -> None:
+def test_a_corrupted_chunk_is_rejected_and_the_model_untouched(
+    kit, tmp_path: Path, federation: str, device: ScriptedDevice
+) -> None:
     server = scripted_server(kit, tmp_path, federation, rounds=1)
     try:
         device.register()
         start, manifest, routed = device.next_round()
         update, blob = device.update(start, shifted(routed, 1.0), manifest)
-        info = describe(blob, federation=federation, round=0, device=device.device_id, transfer=update.transfer["transfer"], chunk_size=64 * 1024)
+        info = describe(
+            blob,
+            federation=federation,
+            round=0,
+            device=device.device_id,
+            transfer=update.transfer["transfer"],
+            chunk_size=64 * 1024,
+        )
         assert info.count >= 2
         device.link.publish(device.topics.events(device.device_id), update.encode(), timeout=5)
         for i in range(info.count):
             data = bytearray(blob[i * info.chunk : (i + 1) * info.chunk])
             if i == 1:
                 data[7] ^= 0xFF  # one flipped byte: the whole-payload SHA-256 no longer matches
-            device.link.publish(device.topics.xfer("up", device.device_id), encode_frame(info, i, bytes(data)), timeout=5)
+            device.link.publish(
+                device.topics.xfer("up", device.device_id), encode_frame(info, i, bytes(data)), timeout=5
+            )
         receipt = device.sender.wait_receipt(info.transfer, timeout=30)
         history = server.join(timeout=60)
     finally:
         server.close()
     assert receipt is not None and not receipt.ok and "sha256 mismatch" in receipt.reason
-    assert "sha256 mismatch" in history[0].rejected[device.device_id] and not history[0].applied and not history[0].updated
+    assert (
+        "sha256 mismatch" in history[0].rejected[device.device_id] and not history[0].applied and not history[0].updated
+    )
     initial = Supernet(PRESET, seed=0).state_dict()
     got = kit.weights(tmp_path / CHECKPOINT)
     assert all(torch.equal(got[k], initial[k]) for k in got)
 
 
-def test_payloads_that_do_not_match_the_routed_envelope_are_rejected(kit, tmp_path: Path, federation: str, device: ScriptedDevice) -> None:
+def test_payloads_that_do_not_match_the_routed_envelope_are_rejected(
+    kit, tmp_path: Path, federation: str, device: ScriptedDevice
+) -> None:
     server = scripted_server(kit, tmp_path, federation, rounds=3)
     cache_plan = plan_client(server.server.cache, 1e12)  # every cached variant: the widest envelope
     try:
@@ -217,7 +272,9 @@ def test_payloads_that_do_not_match_the_routed_envelope_are_rejected(kit, tmp_pa
         server.close()
     reasons = [h.rejected.get(device.device_id, "") for h in history]
     assert f"payload tensor {name} has shape" in reasons[0], reasons
-    assert "the slice routed to it encodes to at most" in reasons[1], reasons  # refused from its announcement, before any chunk is kept
+    assert "the slice routed to it encodes to at most" in reasons[1], (
+        reasons
+    )  # refused from its announcement, before any chunk is kept
     assert "1 missing" in reasons[2], reasons
     assert not any(h.applied for h in history)
     initial = Supernet(PRESET, seed=0).state_dict()
@@ -225,7 +282,9 @@ def test_payloads_that_do_not_match_the_routed_envelope_are_rejected(kit, tmp_pa
     assert all(torch.equal(got[k], initial[k]) for k in got), "a refused payload changed the global model"
 
 
-def test_poisoned_and_hostile_updates_are_refused_and_the_server_goes_on(kit, tmp_path: Path, federation: str, device: ScriptedDevice) -> None:
+def test_poisoned_and_hostile_updates_are_refused_and_the_server_goes_on(
+    kit, tmp_path: Path, federation: str, device: ScriptedDevice
+) -> None:
     """Weights outside 1..registered samples, a finite but absurd update, a header nested 100k deep, NaN, another dtype, a pickle:
     refused; then an honest update counts."""
     server = scripted_server(kit, tmp_path, federation, rounds=8)
@@ -242,19 +301,45 @@ def test_poisoned_and_hostile_updates_are_refused_and_the_server_goes_on(kit, tm
         deep = b"[" * 100_000 + b"]" * 100_000
         evil = len(deep).to_bytes(8, "little") + deep
         info = describe(evil, federation=federation, round=start.round, device=device.device_id, chunk_size=64 * 1024)
-        device.send(Update(federation=federation, round=start.round, device=device.device_id, transfer=info.to_dict(), routed=start.transfer["transfer"], samples=50), evil)
+        device.send(
+            Update(
+                federation=federation,
+                round=start.round,
+                device=device.device_id,
+                transfer=info.to_dict(),
+                routed=start.transfer["transfer"],
+                samples=50,
+            ),
+            evil,
+        )
         start, manifest, routed = device.next_round()
         nan = shifted(routed, 0.1)
         nan[next(k for k, v in nan.items() if v.is_floating_point())].view(-1)[0] = float("nan")
         device.send(*device.update(start, nan, manifest))
         start, manifest, routed = device.next_round()
         doubled = {k: v.double() if v.is_floating_point() else v for k, v in routed.items()}
-        half = {k: v.half() if v.is_floating_point() else v for k, v in routed.items()}  # same names, a smaller upload: the decoder sees the dtype
+        half = {
+            k: v.half() if v.is_floating_point() else v for k, v in routed.items()
+        }  # same names, a smaller upload: the decoder sees the dtype
         device.send(*device.update(start, half, manifest, as_given=True))
         start, manifest, routed = device.next_round()
-        pickled = pickle.dumps(dict(list(doubled.items())[:4]))  # what torch.save would send, within the routed size: never unpickled
-        info = describe(pickled, federation=federation, round=start.round, device=device.device_id, chunk_size=64 * 1024)
-        device.send(Update(federation=federation, round=start.round, device=device.device_id, transfer=info.to_dict(), routed=start.transfer["transfer"], samples=50), pickled)
+        pickled = pickle.dumps(
+            dict(list(doubled.items())[:4])
+        )  # what torch.save would send, within the routed size: never unpickled
+        info = describe(
+            pickled, federation=federation, round=start.round, device=device.device_id, chunk_size=64 * 1024
+        )
+        device.send(
+            Update(
+                federation=federation,
+                round=start.round,
+                device=device.device_id,
+                transfer=info.to_dict(),
+                routed=start.transfer["transfer"],
+                samples=50,
+            ),
+            pickled,
+        )
         start, manifest, routed = device.next_round()
         device.send(*device.update(start, shifted(routed, 0.25), manifest))
         expected = aggregate_updates(expected, [(device.device_id, shifted(routed, 0.25), 50)])
@@ -273,7 +358,9 @@ def test_poisoned_and_hostile_updates_are_refused_and_the_server_goes_on(kit, tm
     assert all(torch.equal(got[k], expected[k]) for k in got), "a refused update reached the global model"
 
 
-def test_malformed_messages_are_logged_and_never_stop_the_server(kit, tmp_path: Path, federation: str, device: ScriptedDevice, caplog: pytest.LogCaptureFixture) -> None:
+def test_malformed_messages_are_logged_and_never_stop_the_server(
+    kit, tmp_path: Path, federation: str, device: ScriptedDevice, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO)
     server = scripted_server(kit, tmp_path, federation, rounds=1)
     t = device.topics
@@ -292,7 +379,11 @@ def test_malformed_messages_are_logged_and_never_stop_the_server(kit, tmp_path: 
         for topic, payload in junk:
             device.link.publish(topic, payload, timeout=5)
         # A well-formed message on the wrong topic and a registration naming another device than its topic.
-        device.link.publish(t.events("ghost"), Presence(federation=federation, round=0, device="ghost", state="online").encode(), timeout=5)
+        device.link.publish(
+            t.events("ghost"),
+            Presence(federation=federation, round=0, device="ghost", state="online").encode(),
+            timeout=5,
+        )
         refused = {
             "preset": device.register(digest="0" * 64),
             "budget": device.register(budget=1000),
@@ -320,8 +411,16 @@ def test_malformed_messages_are_logged_and_never_stop_the_server(kit, tmp_path: 
 def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, federation: str, partition: Path) -> None:
     entries = read_index(partition)["clients"][:2]
     config = ServerConfig(
-        out=str(tmp_path / "run"), rounds=1, per_round=3, min_clients=2, start_clients=3, round_timeout=120.0, seed=0, batch_size=32,
-        federation=federation, wait_timeout=120.0,
+        out=str(tmp_path / "run"),
+        rounds=1,
+        per_round=3,
+        min_clients=2,
+        start_clients=3,
+        round_timeout=120.0,
+        seed=0,
+        batch_size=32,
+        federation=federation,
+        wait_timeout=120.0,
     )
     server = kit.ServerThread(config).start()
     agents = [kit.spawn_agent(tmp_path, e["client_id"], partition / e["file"], federation) for e in entries]
@@ -345,14 +444,46 @@ def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, feder
 
 
 @pytest.mark.slow  # real agent processes
-def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round(kit, tmp_path: Path, federation: str, partition: Path) -> None:
+def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round(
+    kit, tmp_path: Path, federation: str, partition: Path
+) -> None:
     config = replace(kit.CONFIG, rounds=3)
     expected = kit.simulated_weights(config, tmp_path / "simulation")
     out = tmp_path / "run"
     command = [
-        sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", kit.LOCAL, "--out", str(out), "--rounds", "3", "--per-round", "2",
-        "--min-clients", "2", "--start-clients", "3", "--round-timeout", "120", "--seed", str(config.seed), "--batch-size", "32",
-        "--data", str(partition), "--federation", federation, "--wait-timeout", "180", "--no-export", "--eval-every", "1", "--threads", "1",
+        sys.executable,
+        "-m",
+        "feast_edge.server.cli",
+        "run",
+        "--broker",
+        kit.LOCAL,
+        "--out",
+        str(out),
+        "--rounds",
+        "3",
+        "--per-round",
+        "2",
+        "--min-clients",
+        "2",
+        "--start-clients",
+        "3",
+        "--round-timeout",
+        "120",
+        "--seed",
+        str(config.seed),
+        "--batch-size",
+        "32",
+        "--data",
+        str(partition),
+        "--federation",
+        federation,
+        "--wait-timeout",
+        "180",
+        "--no-export",
+        "--eval-every",
+        "1",
+        "--threads",
+        "1",
     ]
     with open(tmp_path / "server-first.log", "w") as log:
         first = subprocess.Popen(command, cwd=kit.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -382,21 +513,47 @@ def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round
 
 
 @pytest.mark.slow  # real agent processes
-def test_a_second_agent_with_an_online_device_id_is_refused(kit, tmp_path: Path, federation: str, partition: Path) -> None:
-    config = ServerConfig(out=str(tmp_path / "run"), rounds=1, per_round=5, min_clients=5, federation=federation, wait_timeout=240.0)
+def test_a_second_agent_with_an_online_device_id_is_refused(
+    kit, tmp_path: Path, federation: str, partition: Path
+) -> None:
+    config = ServerConfig(
+        out=str(tmp_path / "run"), rounds=1, per_round=5, min_clients=5, federation=federation, wait_timeout=240.0
+    )
     server = kit.ServerThread(config).start()  # waits for 5 devices: it only handles registrations here
     shard = partition / "client-000.safetensors"
     first = kit.spawn_agent(tmp_path / "a", "twin", shard, federation)
     third = None
     try:
-        assert kit.wait_for(lambda: "registered twin with federation" in kit.log_text(first), timeout=120), kit.log_text(first)
+        assert kit.wait_for(lambda: "registered twin with federation" in kit.log_text(first), timeout=120), (
+            kit.log_text(first)
+        )
         second = subprocess.run(
-            [sys.executable, "-m", "feast_edge.agent.cli", "run", "--broker", kit.LOCAL, "--device-id", "twin", "--data", str(shard), "--federation", federation, "--register-timeout", "60"],
-            cwd=kit.REPO, capture_output=True, text=True, timeout=180,
+            [
+                sys.executable,
+                "-m",
+                "feast_edge.agent.cli",
+                "run",
+                "--broker",
+                kit.LOCAL,
+                "--device-id",
+                "twin",
+                "--data",
+                str(shard),
+                "--federation",
+                federation,
+                "--register-timeout",
+                "60",
+            ],
+            cwd=kit.REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
         )
         assert second.returncode == 2
         lines = second.stderr.strip().splitlines()
-        assert lines[-1].startswith("error: the server refused device twin: device id 'twin' is already online"), second.stderr
+        assert lines[-1].startswith("error: the server refused device twin: device id 'twin' is already online"), (
+            second.stderr
+        )
         assert "Traceback" not in second.stderr
         time.sleep(1.0)
         assert "twin" in server.server.online_devices(), "the refused agent took the first one offline"
@@ -404,7 +561,9 @@ def test_a_second_agent_with_an_online_device_id_is_refused(kit, tmp_path: Path,
         assert kit.wait_for(lambda: "twin" not in server.server.online_devices(), timeout=10)
         # Once the first agent has left, the id is free again (e.g. the device restarted).
         third = kit.spawn_agent(tmp_path / "c", "twin", shard, federation)
-        assert kit.wait_for(lambda: "registered twin with federation" in kit.log_text(third), timeout=120), kit.log_text(third)
+        assert kit.wait_for(lambda: "registered twin with federation" in kit.log_text(third), timeout=120), (
+            kit.log_text(third)
+        )
         assert kit.stop(third) == 0
     finally:
         for process in (first, third):
@@ -427,7 +586,12 @@ def _one_line_error(result: subprocess.CompletedProcess, needle: str) -> None:
 def password_broker(kit, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private mosquitto on a free loopback port that requires a user name and password."""
     d = tmp_path_factory.mktemp("mosquitto")
-    subprocess.run(["mosquitto_passwd", "-b", "-c", str(d / "passwd"), "alice", "s3cret"], check=True, capture_output=True, timeout=10)
+    subprocess.run(
+        ["mosquitto_passwd", "-b", "-c", str(d / "passwd"), "alice", "s3cret"],
+        check=True,
+        capture_output=True,
+        timeout=10,
+    )
     port = kit.free_port()
     (d / "mosquitto.conf").write_text(
         f"user {getpass.getuser()}\npersistence false\nlog_dest stderr\nlistener {port} 127.0.0.1\nallow_anonymous false\npassword_file {d / 'passwd'}\n"
@@ -444,30 +608,106 @@ def password_broker(kit, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
         log.close()
 
 
-def test_unreachable_broker_is_one_line_for_both_commands(server_cli, agent_cli, kit, tmp_path: Path, partition: Path) -> None:
+def test_unreachable_broker_is_one_line_for_both_commands(
+    server_cli, agent_cli, kit, tmp_path: Path, partition: Path
+) -> None:
     nowhere = f"mqtt://127.0.0.1:{kit.free_port()}"
-    server = server_cli.invoke("run", "--broker", nowhere, "--out", str(tmp_path / "run"), "--rounds", "1", "--per-round", "1", "--min-clients", "1")
+    server = server_cli.invoke(
+        "run",
+        "--broker",
+        nowhere,
+        "--out",
+        str(tmp_path / "run"),
+        "--rounds",
+        "1",
+        "--per-round",
+        "1",
+        "--min-clients",
+        "1",
+    )
     _one_line_error(server, "cannot reach MQTT broker at 127.0.0.1:")
-    agent = agent_cli.invoke("run", "--broker", nowhere, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"))
+    agent = agent_cli.invoke(
+        "run", "--broker", nowhere, "--device-id", "d1", "--data", str(partition / "client-000.safetensors")
+    )
     _one_line_error(agent, "connection refused; is the broker running? check --broker")
     fetch = agent_cli.invoke("fetch-model", "--broker", nowhere, "--device-id", "d1", "--out", str(tmp_path / "m.onnx"))
     _one_line_error(fetch, "cannot reach MQTT broker")
 
 
-def test_wrong_credentials_are_one_line_for_both_commands(server_cli, agent_cli, tmp_path: Path, partition: Path, password_broker: str) -> None:
+def test_wrong_credentials_are_one_line_for_both_commands(
+    server_cli, agent_cli, tmp_path: Path, partition: Path, password_broker: str
+) -> None:
     creds = ["--username", "alice", "--password", "wrong"]
-    server = server_cli.invoke("run", "--broker", password_broker, *creds, "--out", str(tmp_path / "run"), "--rounds", "1", "--per-round", "1", "--min-clients", "1")
+    server = server_cli.invoke(
+        "run",
+        "--broker",
+        password_broker,
+        *creds,
+        "--out",
+        str(tmp_path / "run"),
+        "--rounds",
+        "1",
+        "--per-round",
+        "1",
+        "--min-clients",
+        "1",
+    )
     _one_line_error(server, "rejected the credentials of user 'alice'")
-    agent = agent_cli.invoke("run", "--broker", password_broker, *creds, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"))
+    agent = agent_cli.invoke(
+        "run",
+        "--broker",
+        password_broker,
+        *creds,
+        "--device-id",
+        "d1",
+        "--data",
+        str(partition / "client-000.safetensors"),
+    )
     _one_line_error(agent, "check --username/--password")
 
 
 def test_agent_input_errors_are_one_line(agent_cli, kit, tmp_path: Path, partition: Path, federation: str) -> None:
     missing = agent_cli.invoke("run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(tmp_path / "nowhere"))
     _one_line_error(missing, "does not exist; pass a Fashion-MNIST directory")
-    low = agent_cli.invoke("run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"), "--budget", "100K")
+    low = agent_cli.invoke(
+        "run",
+        "--broker",
+        kit.LOCAL,
+        "--device-id",
+        "d1",
+        "--data",
+        str(partition / "client-000.safetensors"),
+        "--budget",
+        "100K",
+    )
     _one_line_error(low, "below the smallest cached variant")
-    silent = agent_cli.invoke("run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(partition / "client-000.safetensors"), "--federation", federation, "--register-timeout", "3")
-    _one_line_error(silent, f"no feast-server answered the registration of d1 within 3 s: the server of federation '{federation}'")
-    fetch = agent_cli.invoke("fetch-model", "--broker", kit.LOCAL, "--device-id", "d1", "--out", str(tmp_path / "m.onnx"), "--federation", federation, "--timeout", "2")
+    silent = agent_cli.invoke(
+        "run",
+        "--broker",
+        kit.LOCAL,
+        "--device-id",
+        "d1",
+        "--data",
+        str(partition / "client-000.safetensors"),
+        "--federation",
+        federation,
+        "--register-timeout",
+        "3",
+    )
+    _one_line_error(
+        silent, f"no feast-server answered the registration of d1 within 3 s: the server of federation '{federation}'"
+    )
+    fetch = agent_cli.invoke(
+        "fetch-model",
+        "--broker",
+        kit.LOCAL,
+        "--device-id",
+        "d1",
+        "--out",
+        str(tmp_path / "m.onnx"),
+        "--federation",
+        federation,
+        "--timeout",
+        "2",
+    )
     _one_line_error(fetch, "no feast-server answered the model request of d1")

@@ -40,7 +40,9 @@ def simulation(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir:
 @pytest.fixture(scope="module")
 def federated(kit, tmp_path_factory: pytest.TempPathFactory, partition: Path) -> Iterator[dict]:
     """Server thread + 3 agent processes, 2 rounds; yields what the tests inspect, then stops everything."""
-    assert kit.port_open(1883), "no MQTT broker at 127.0.0.1:1883: start it with 'mosquitto -d -c /etc/mosquitto/mosquitto.conf'"
+    assert kit.port_open(1883), (
+        "no MQTT broker at 127.0.0.1:1883: start it with 'mosquitto -d -c /etc/mosquitto/mosquitto.conf'"
+    )
     fed = kit.new_federation()
     out = tmp_path_factory.mktemp("federation")
     server = kit.ServerThread(kit.server_config(kit.CONFIG, out, partition, fed)).start()
@@ -48,7 +50,9 @@ def federated(kit, tmp_path_factory: pytest.TempPathFactory, partition: Path) ->
     try:
         for entry in read_index(partition)["clients"]:
             cid = entry["client_id"]
-            agents[cid] = kit.spawn_agent(out / "logs", cid, partition / entry["file"], fed, "--model-dir", str(out / "received"))
+            agents[cid] = kit.spawn_agent(
+                out / "logs", cid, partition / entry["file"], fed, "--model-dir", str(out / "received")
+            )
         history = server.join(timeout=300)
         yield {"out": out, "history": history, "server": server, "agents": agents, "federation": fed}
     finally:
@@ -88,7 +92,9 @@ def test_registry_holds_every_device_with_its_budget_and_samples(federated: dict
     assert sum(d.rounds for d in devices.values()) == sum(len(h.updated) for h in federated["history"])
 
 
-def test_export_announces_each_device_its_model_and_fetch_model_verifies_it(kit, federated: dict, tmp_path: Path) -> None:
+def test_export_announces_each_device_its_model_and_fetch_model_verifies_it(
+    kit, federated: dict, tmp_path: Path
+) -> None:
     server = federated["server"].server
     manifests = server.export()
     assert [m["device"] for m in manifests] == sorted(federated["agents"])
@@ -102,14 +108,35 @@ def test_export_announces_each_device_its_model_and_fetch_model_verifies_it(kit,
     served = threading.Thread(target=server.serve, kwargs={"seconds": 90.0}, daemon=True)
     served.start()
     try:
-        assert kit.wait_for(lambda: all((received / f"{d}.onnx").is_file() for d in federated["agents"]), timeout=60), "agents did not save their pushed models"
+        assert kit.wait_for(lambda: all((received / f"{d}.onnx").is_file() for d in federated["agents"]), timeout=60), (
+            "agents did not save their pushed models"
+        )
         for m in manifests:
             assert hashlib.sha256((received / m["file"]).read_bytes()).hexdigest() == m["sha256"]
         target = manifests[-1]["device"]
         result = subprocess.run(
-            [sys.executable, "-m", "feast_edge.agent.cli", "fetch-model", "--broker", kit.LOCAL, "--device-id", target, "--out", str(tmp_path / "m.onnx"),
-             "--federation", federated["federation"], "--timeout", "30", "--repeats", "10"],
-            cwd=kit.REPO, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "feast_edge.agent.cli",
+                "fetch-model",
+                "--broker",
+                kit.LOCAL,
+                "--device-id",
+                target,
+                "--out",
+                str(tmp_path / "m.onnx"),
+                "--federation",
+                federated["federation"],
+                "--timeout",
+                "30",
+                "--repeats",
+                "10",
+            ],
+            cwd=kit.REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     finally:
         server.stop.set()

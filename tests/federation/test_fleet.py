@@ -24,15 +24,36 @@ BROKER = "mqtt://127.0.0.1:1883"  # the tests' broker (tests/federation/conftest
 
 
 @pytest.mark.slow  # a feast-agent process, every round
-def test_sixty_virtual_clients_in_one_agent_complete_every_round(kit, federation: str, fashion_mnist_dir: Path, tmp_path: Path) -> None:
+def test_sixty_virtual_clients_in_one_agent_complete_every_round(
+    kit, federation: str, fashion_mnist_dir: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
     config = ServerConfig(
-        out=str(out), rounds=2, per_round=CLIENTS, min_clients=CLIENTS, round_timeout=120.0, wait_timeout=120.0, federation=federation,
-        batch_size=8, epochs=1, seed=0,
+        out=str(out),
+        rounds=2,
+        per_round=CLIENTS,
+        min_clients=CLIENTS,
+        round_timeout=120.0,
+        wait_timeout=120.0,
+        federation=federation,
+        batch_size=8,
+        epochs=1,
+        seed=0,
     )
     server = kit.ServerThread(config).start()
     # Shard 0 of 125 holds 480 examples: 8 for each of the 60 clients, every one at the cache's smallest variant.
-    agent = kit.spawn_agent(tmp_path / "logs", "fleet", fashion_mnist_dir, federation, "--clients", str(CLIENTS), "--shard", "0/125", "--budget", "1.5M")
+    agent = kit.spawn_agent(
+        tmp_path / "logs",
+        "fleet",
+        fashion_mnist_dir,
+        federation,
+        "--clients",
+        str(CLIENTS),
+        "--shard",
+        "0/125",
+        "--budget",
+        "1.5M",
+    )
     try:
         history = server.join(150)
     finally:
@@ -40,7 +61,12 @@ def test_sixty_virtual_clients_in_one_agent_complete_every_round(kit, federation
         kit.stop(agent)
     devices = [f"fleet-{i}" for i in range(CLIENTS)]
     for record in history:
-        assert record.applied and sorted(record.updated) == sorted(devices), (record.round, record.rejected, record.missing, kit.log_text(agent)[-2000:])
+        assert record.applied and sorted(record.updated) == sorted(devices), (
+            record.round,
+            record.rejected,
+            record.missing,
+            kit.log_text(agent)[-2000:],
+        )
         assert not record.rejected and not record.missing and not record.dropped
     with sqlite3.connect(out / REGISTRY) as db:
         rows = db.execute("SELECT device_id, rounds FROM devices").fetchall()
@@ -52,7 +78,10 @@ def test_sixty_virtual_clients_in_one_agent_complete_every_round(kit, federation
 
 def test_the_server_takes_an_upload_from_every_cohort_device_at_once(federation: str, tmp_path: Path) -> None:
     # Hundreds of devices finishing together upload together: a fixed cap (32) on transfers in progress refused the rest.
-    server = FederationServer(ServerConfig(out=str(tmp_path / "run"), per_round=100, min_clients=2, federation=federation), LinkConfig(broker=BROKER))
+    server = FederationServer(
+        ServerConfig(out=str(tmp_path / "run"), per_round=100, min_clients=2, federation=federation),
+        LinkConfig(broker=BROKER),
+    )
     server.start(timeout=5)
     try:
         assert server.collector is not None
@@ -125,7 +154,9 @@ def test_confirmations_forget_a_receipted_transfer_and_a_cancelled_owner(federat
         late = _send(sender, topics)
         confirmations.add("d", sender, topics.events("d"), b"{}", late, until=time.monotonic() + 60)
         _check_until(confirmations, 0.8, cancelled=lambda owner: owner == "d")
-        assert len(confirmations) == 0 and len(frames) == info.count + late.count  # cancelled (a newer round came): not sent again
+        assert (
+            len(confirmations) == 0 and len(frames) == info.count + late.count
+        )  # cancelled (a newer round came): not sent again
     finally:
         for link in links:
             link.close()

@@ -21,7 +21,9 @@ def half(kit) -> object:
     return dataclasses.replace(kit.CONFIG, payload_dtype="float16")
 
 
-def test_a_float16_federation_equals_the_float16_simulation_and_halves_the_bytes(kit, half, partition: Path, tmp_path: Path) -> None:
+def test_a_float16_federation_equals_the_float16_simulation_and_halves_the_bytes(
+    kit, half, partition: Path, tmp_path: Path
+) -> None:
     simulated = kit.simulated_weights(half, tmp_path / "sim16")
     float32 = kit.simulated_weights(kit.CONFIG, tmp_path / "sim32")
     fed = kit.new_federation()
@@ -39,7 +41,9 @@ def test_a_float16_federation_equals_the_float16_simulation_and_halves_the_bytes
     assert all(code == 0 for code in codes), codes
     got = kit.weights(out / CHECKPOINT)
     assert all(torch.equal(got[k], simulated[k]) for k in got), f"differs by {kit.max_abs_diff(got, simulated)}"
-    assert all(v.dtype == torch.float32 for v in got.values() if v.is_floating_point())  # the global model stays float32
+    assert all(
+        v.dtype == torch.float32 for v in got.values() if v.is_floating_point()
+    )  # the global model stays float32
     assert kit.max_abs_diff(got, float32) > 0  # the payloads really were rounded
     for h in history:
         assert h.updated == h.cohort and not h.rejected

@@ -32,8 +32,12 @@ from feast_edge.transport.topics import Topics
 PRESET = load_preset("fmnist-small")
 
 
-def test_a_server_without_enough_devices_ends_at_its_idle_limit_with_a_clear_message(kit, tmp_path: Path, federation: str) -> None:
-    config = ServerConfig(out=str(tmp_path / "run"), rounds=2, per_round=2, min_clients=2, federation=federation, wait_timeout=2.0)
+def test_a_server_without_enough_devices_ends_at_its_idle_limit_with_a_clear_message(
+    kit, tmp_path: Path, federation: str
+) -> None:
+    config = ServerConfig(
+        out=str(tmp_path / "run"), rounds=2, per_round=2, min_clients=2, federation=federation, wait_timeout=2.0
+    )
     server = kit.ServerThread(config).start()
     began = time.monotonic()
     try:
@@ -49,11 +53,15 @@ def test_a_server_without_enough_devices_ends_at_its_idle_limit_with_a_clear_mes
 
 
 @pytest.mark.slow  # real agent processes
-def test_diverging_devices_decline_the_round_and_the_server_stops_waiting_for_them(kit, tmp_path: Path, federation: str, partition: Path) -> None:
+def test_diverging_devices_decline_the_round_and_the_server_stops_waiting_for_them(
+    kit, tmp_path: Path, federation: str, partition: Path
+) -> None:
     """An absurd learning rate: a device whose training went non-finite says so at once (instead of leaving the round to its
     timeout); one whose weights stayed finite but absurd is refused by the update-norm bound. Neither touches the model."""
     entries = read_index(partition)["clients"][:2]
-    config = kit.server_config(kit.CONFIG, tmp_path / "run", partition, federation, rounds=1, lr=1e30, round_timeout=300.0, start_clients=2)
+    config = kit.server_config(
+        kit.CONFIG, tmp_path / "run", partition, federation, rounds=1, lr=1e30, round_timeout=300.0, start_clients=2
+    )
     server = kit.ServerThread(config).start()
     agents = [kit.spawn_agent(tmp_path / "logs", e["client_id"], partition / e["file"], federation) for e in entries]
     try:
@@ -70,12 +78,26 @@ def test_diverging_devices_decline_the_round_and_the_server_stops_waiting_for_th
     assert all(d in declined or "--max-update-norm" in reason for d, reason in record.rejected.items()), record.rejected
     assert record.seconds < 150, f"the round waited {record.seconds:.0f} s although every device had declined"
     assert codes == [0, 0], [kit.log_text(a)[-600:] for a in agents]
-    assert all(torch.isfinite(t.float()).all() for t in before.values())  # the global model kept its finite initial weights
+    assert all(
+        torch.isfinite(t.float()).all() for t in before.values()
+    )  # the global model kept its finite initial weights
 
 
 def test_a_forged_round_announcing_a_huge_payload_allocates_nothing_and_the_agent_goes_on(federation: str) -> None:
-    client = LocalClient("victim", torch.zeros(8, 1, 28, 28, dtype=torch.uint8), torch.zeros(8, dtype=torch.long), None, None, None, "memory")
-    agent = Agent(AgentConfig(host="victim", federation=federation, budget_macs=6e6), LinkConfig(broker="mqtt://127.0.0.1:1883"), [client])
+    client = LocalClient(
+        "victim",
+        torch.zeros(8, 1, 28, 28, dtype=torch.uint8),
+        torch.zeros(8, dtype=torch.long),
+        None,
+        None,
+        None,
+        "memory",
+    )
+    agent = Agent(
+        AgentConfig(host="victim", federation=federation, budget_macs=6e6),
+        LinkConfig(broker="mqtt://127.0.0.1:1883"),
+        [client],
+    )
     agent.start(timeout=5)
     runner = threading.Thread(target=agent.run, daemon=True)
     runner.start()
@@ -84,17 +106,38 @@ def test_a_forged_round_announcing_a_huge_payload_allocates_nothing_and_the_agen
     try:
         peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         huge = 4 * 1024 * MiB
-        info = TransferInfo(federation=federation, round=0, device="victim", transfer="forged", count=huge // MiB, size=huge, chunk=MiB, sha256="0" * 64)
+        info = TransferInfo(
+            federation=federation,
+            round=0,
+            device="victim",
+            transfer="forged",
+            count=huge // MiB,
+            size=huge,
+            chunk=MiB,
+            sha256="0" * 64,
+        )
         plan = plan_client(load_cache(PRESET), 6e6)
         forged = RoundStart.from_plan(
-            plan, federation=federation, round=0, device="victim", transfer=info, sent_at=time.time(), timeout=3.0, rounds=1, lr=0.1, seed=1, train=TrainConfig()
+            plan,
+            federation=federation,
+            round=0,
+            device="victim",
+            transfer=info,
+            sent_at=time.time(),
+            timeout=3.0,
+            rounds=1,
+            lr=0.1,
+            seed=1,
+            train=TrainConfig(),
         )
         attacker.publish(Topics(federation).ctrl("victim"), forged.encode(), timeout=5)
         frame_flood = [b"\x00" * 64] * 200  # frames of a transfer nobody announced
         attacker.publish_many(Topics(federation).xfer("down", "victim"), frame_flood)
         time.sleep(4)
         assert runner.is_alive(), "the forged round stopped the agent"
-        assert agent.clients["victim"].receiver is not None and agent.clients["victim"].receiver.reassembler.active() == []
+        assert (
+            agent.clients["victim"].receiver is not None and agent.clients["victim"].receiver.reassembler.active() == []
+        )
         grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before  # KiB
         assert grown < 200 * 1024, f"peak RSS grew by {grown / 1024:.0f} MiB after a forged 4 GiB announcement"
     finally:
@@ -106,13 +149,17 @@ def test_a_forged_round_announcing_a_huge_payload_allocates_nothing_and_the_agen
 
 def test_robust_aggregation_is_part_of_the_run_settings_and_checked(tmp_path: Path) -> None:
     assert ServerConfig(out=str(tmp_path), aggregation="median").settings().aggregation == "median"
-    assert "aggregation" not in ServerConfig(out=str(tmp_path)).decisive()  # runs from before the rules existed keep their fingerprint
+    assert (
+        "aggregation" not in ServerConfig(out=str(tmp_path)).decisive()
+    )  # runs from before the rules existed keep their fingerprint
     assert ServerConfig(out=str(tmp_path), aggregation="trimmed-mean", trim=0.2).decisive()["trim"] == 0.2
     with pytest.raises(ServerError, match="unknown; choose one of mean, clip, trimmed-mean, median"):
         ServerConfig(out=str(tmp_path), aggregation="krum")
 
 
-def test_floods_from_a_stranger_cost_the_server_no_memory_and_the_round_still_completes(kit, tmp_path: Path, federation: str) -> None:
+def test_floods_from_a_stranger_cost_the_server_no_memory_and_the_round_still_completes(
+    kit, tmp_path: Path, federation: str
+) -> None:
     """Frames of a transfer nobody announced, one frame declaring 4 GiB, thousands of malformed and deeply nested messages."""
     from test_federation_failures import ScriptedDevice, scripted_server
 
@@ -127,9 +174,29 @@ def test_floods_from_a_stranger_cost_the_server_no_memory_and_the_round_still_co
         time.sleep(0.5)
         peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         size = 64 * MiB
-        unannounced = TransferInfo(federation=federation, round=0, device="ghost", transfer="flood", count=size // 1024, size=size, chunk=1024, sha256="0" * 64)
-        attacker.publish_many(t.xfer("up", "ghost"), (encode_frame(unannounced, i, b"\x00" * 1024) for i in range(3000)), window=64)
-        huge = TransferInfo(federation=federation, round=0, device="ghost", transfer="huge", count=4096, size=4096 * MiB, chunk=MiB, sha256="0" * 64)
+        unannounced = TransferInfo(
+            federation=federation,
+            round=0,
+            device="ghost",
+            transfer="flood",
+            count=size // 1024,
+            size=size,
+            chunk=1024,
+            sha256="0" * 64,
+        )
+        attacker.publish_many(
+            t.xfer("up", "ghost"), (encode_frame(unannounced, i, b"\x00" * 1024) for i in range(3000)), window=64
+        )
+        huge = TransferInfo(
+            federation=federation,
+            round=0,
+            device="ghost",
+            transfer="huge",
+            count=4096,
+            size=4096 * MiB,
+            chunk=MiB,
+            sha256="0" * 64,
+        )
         lying = encode_frame(huge, 0, b"\x01" * MiB)[: -MiB + 1]  # a one-byte chunk that declares a 4 GiB transfer
         attacker.publish(t.xfer("up", "ghost"), lying, timeout=5)
         junk = [b"{" * 60_000, b"[" * 30_000 + b"]" * 30_000, b'{"v":1,"kind":"update","round":1e999}', b"\xff" * 1000]
@@ -159,14 +226,25 @@ def test_one_devices_flood_never_crowds_out_another_devices_update(tmp_path: Pat
     from feast_edge.server.inbox import PER_DEVICE_QUEUE
     from feast_edge.transport.frames import describe
 
-    server = FederationServer(ServerConfig(out=str(tmp_path), federation=federation), LinkConfig(broker="mqtt://127.0.0.1:1883"))
+    server = FederationServer(
+        ServerConfig(out=str(tmp_path), federation=federation), LinkConfig(broker="mqtt://127.0.0.1:1883")
+    )
     try:
         for i in range(10_000):
             server.inbox.put("events", Metrics(federation=federation, round=0, device="flooder", values={"i": i}))
         junk = describe(b"x", federation=federation, round=0, device="flooder").to_dict()
         for _ in range(10_000):
-            server.inbox.put("events", Update(federation=federation, round=0, device="flooder", transfer=junk, routed="r", samples=1))
-        honest = Update(federation=federation, round=0, device="honest", transfer=describe(b"y", federation=federation, round=0, device="honest").to_dict(), routed="r", samples=5)
+            server.inbox.put(
+                "events", Update(federation=federation, round=0, device="flooder", transfer=junk, routed="r", samples=1)
+            )
+        honest = Update(
+            federation=federation,
+            round=0,
+            device="honest",
+            transfer=describe(b"y", federation=federation, round=0, device="honest").to_dict(),
+            routed="r",
+            samples=5,
+        )
         server.inbox.put("events", honest)
         queued = [server.inbox.get(0) for _ in range(server.inbox.qsize())]
         assert len(queued) == PER_DEVICE_QUEUE + 1, len(queued)

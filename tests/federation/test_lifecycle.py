@@ -29,23 +29,61 @@ def test_agents_leave_when_the_federation_finishes(kit, tmp_path: Path, federati
     out = tmp_path / "run"
     server_log = tmp_path / "server.log"
     command = [
-        sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", kit.LOCAL, "--out", str(out), "--rounds", "1", "--per-round", "2",
-        "--min-clients", "2", "--round-timeout", "120", "--wait-timeout", "120", "--data", str(partition), "--federation", federation,
-        "--eval-every", "1", "--threads", "1", "--serve",
+        sys.executable,
+        "-m",
+        "feast_edge.server.cli",
+        "run",
+        "--broker",
+        kit.LOCAL,
+        "--out",
+        str(out),
+        "--rounds",
+        "1",
+        "--per-round",
+        "2",
+        "--min-clients",
+        "2",
+        "--round-timeout",
+        "120",
+        "--wait-timeout",
+        "120",
+        "--data",
+        str(partition),
+        "--federation",
+        federation,
+        "--eval-every",
+        "1",
+        "--threads",
+        "1",
+        "--serve",
     ]
     with open(server_log, "w") as log:
         server = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
-    first = kit.spawn_agent(tmp_path, clients[0]["client_id"], partition / clients[0]["file"], federation, "--model-dir", str(tmp_path / "models"))
+    first = kit.spawn_agent(
+        tmp_path,
+        clients[0]["client_id"],
+        partition / clients[0]["file"],
+        federation,
+        "--model-dir",
+        str(tmp_path / "models"),
+    )
     staying = kit.spawn_agent(tmp_path, clients[1]["client_id"], partition / clients[1]["file"], federation, "--stay")
     late = None
     try:
-        assert kit.wait_for(lambda: _exited(first), timeout=300), f"the agent did not leave after the last round:\n{kit.log_text(first)}\n{server_log.read_text()}"
+        assert kit.wait_for(lambda: _exited(first), timeout=300), (
+            f"the agent did not leave after the last round:\n{kit.log_text(first)}\n{server_log.read_text()}"
+        )
         assert first.returncode == 0, kit.log_text(first)
         summary = kit.log_text(first)
-        assert f"federation '{federation}' finished after 1 of 1 rounds: {clients[0]['client_id']} trained in 1 round, model saved to " in summary, summary
+        assert (
+            f"federation '{federation}' finished after 1 of 1 rounds: {clients[0]['client_id']} trained in 1 round, model saved to "
+            in summary
+        ), summary
         assert (tmp_path / "models" / f"{clients[0]['client_id']}.onnx").is_file()
         # --stay: told the run is over, it keeps waiting for the next one.
-        assert kit.wait_for(lambda: "finished after 1 of 1 rounds" in kit.log_text(staying), timeout=30), kit.log_text(staying)
+        assert kit.wait_for(lambda: "finished after 1 of 1 rounds" in kit.log_text(staying), timeout=30), kit.log_text(
+            staying
+        )
         time.sleep(1.0)
         assert not _exited(staying), kit.log_text(staying)
         # An agent that registers after the end is told so, and leaves with status 0 too.
@@ -63,37 +101,84 @@ def test_agents_leave_when_the_federation_finishes(kit, tmp_path: Path, federati
         assert not re.search(r"^\d\d:\d\d:\d\d (error|critical):|ERROR|Traceback", text, flags=re.M), text
 
 
-def test_export_and_serve_work_from_the_run_directory_alone(kit, tmp_path: Path, federation: str, partition: Path, server_cli, agent_cli) -> None:
+def test_export_and_serve_work_from_the_run_directory_alone(
+    kit, tmp_path: Path, federation: str, partition: Path, server_cli, agent_cli
+) -> None:
     """After a run: `feast-server export --out` re-exports from the checkpoint, `serve` answers `fetch-model`."""
     clients = read_index(partition)["clients"][:2]
     out = tmp_path / "run"
     ran = subprocess.Popen(
         [
-            sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", kit.LOCAL, "--out", str(out), "--rounds", "1", "--per-round", "2",
-            "--min-clients", "2", "--round-timeout", "120", "--wait-timeout", "120", "--federation", federation, "--threads", "1",
+            sys.executable,
+            "-m",
+            "feast_edge.server.cli",
+            "run",
+            "--broker",
+            kit.LOCAL,
+            "--out",
+            str(out),
+            "--rounds",
+            "1",
+            "--per-round",
+            "2",
+            "--min-clients",
+            "2",
+            "--round-timeout",
+            "120",
+            "--wait-timeout",
+            "120",
+            "--federation",
+            federation,
+            "--threads",
+            "1",
         ],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     agents = [kit.spawn_agent(tmp_path, c["client_id"], partition / c["file"], federation) for c in clients]
     try:
         output, _ = ran.communicate(timeout=300)
         assert ran.returncode == 0, output
-        assert all(kit.wait_for(lambda a=a: a.poll() is not None, timeout=60) for a in agents), "agents did not leave after the last round"
+        assert all(kit.wait_for(lambda a=a: a.poll() is not None, timeout=60) for a in agents), (
+            "agents did not leave after the last round"
+        )
     finally:
         for a in agents:
             kit.stop(a)
     assert "no --data: ONNX export skipped" in output
-    exported = server_cli.run("export", "--out", str(out), "--data", str(partition), "--log-level", "warning", timeout=300)
+    exported = server_cli.run(
+        "export", "--out", str(out), "--data", str(partition), "--log-level", "warning", timeout=300
+    )
     assert exported.returncode == 0, exported.stderr
-    assert all(c["client_id"] in exported.stdout for c in clients) and (out / "models" / f"{clients[0]['client_id']}.onnx").is_file()
+    assert (
+        all(c["client_id"] in exported.stdout for c in clients)
+        and (out / "models" / f"{clients[0]['client_id']}.onnx").is_file()
+    )
     serving = subprocess.Popen(
-        [sys.executable, "-m", "feast_edge.server.cli", "serve", "--broker", kit.LOCAL, "--out", str(out)], cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "feast_edge.server.cli", "serve", "--broker", kit.LOCAL, "--out", str(out)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         fetched = agent_cli.run(
-            "fetch-model", "--broker", kit.LOCAL, "--device-id", clients[0]["client_id"], "--federation", federation, "--out", str(tmp_path / "m.onnx"),
-            "--repeats", "5", "--timeout", "60", timeout=180,
+            "fetch-model",
+            "--broker",
+            kit.LOCAL,
+            "--device-id",
+            clients[0]["client_id"],
+            "--federation",
+            federation,
+            "--out",
+            str(tmp_path / "m.onnx"),
+            "--repeats",
+            "5",
+            "--timeout",
+            "60",
+            timeout=180,
         )
     finally:
         kit.stop(serving)

@@ -24,8 +24,26 @@ PROFILE = {"name": "jetson-nano", "hardware": {"cpu": "4x Arm Cortex-A57", "cuda
 @pytest.fixture
 def view(tmp_path: Path) -> LiveView:
     registry = Registry(tmp_path / "devices.sqlite")
-    registry.register("nano", host="nano", instance="i1", budget_macs=2_790_000, samples=134, preset=PRESET.name, profile=PROFILE, status="online")
-    registry.register("desk", host="desk", instance="i2", budget_macs=39_150_000, samples=2014, preset=PRESET.name, profile={"name": "desktop-gpu"}, status="offline")
+    registry.register(
+        "nano",
+        host="nano",
+        instance="i1",
+        budget_macs=2_790_000,
+        samples=134,
+        preset=PRESET.name,
+        profile=PROFILE,
+        status="online",
+    )
+    registry.register(
+        "desk",
+        host="desk",
+        instance="i2",
+        budget_macs=39_150_000,
+        samples=2014,
+        preset=PRESET.name,
+        profile={"name": "desktop-gpu"},
+        status="offline",
+    )
     return LiveView(DashboardState("federation", "t"), PRESET, CACHE, registry, rounds=3, federation="lab")
 
 
@@ -51,7 +69,11 @@ def test_a_round_moves_each_member_through_its_states_to_its_outcome(view: LiveV
     assert snap["round"] == 1 and {m["state"] for m in snap["members"]} == {"routed"}
     view.routed("nano", 450_000, 2, 112_000)
     view.device_progress("nano", {"phase": "downloading", "round": 0, "done": 1, "total": 2})
-    assert (_member(view, "nano")["state"], _member(view, "nano")["done"], _member(view, "nano")["total"]) == ("downloading", 1, 2)
+    assert (_member(view, "nano")["state"], _member(view, "nano")["done"], _member(view, "nano")["total"]) == (
+        "downloading",
+        1,
+        2,
+    )
     view.device_progress("nano", {"phase": "training", "round": 0})
     assert _member(view, "nano")["state"] == "training"
     # The server's own count of upload chunks, from its reassembler.
@@ -60,20 +82,45 @@ def test_a_round_moves_each_member_through_its_states_to_its_outcome(view: LiveV
     info = describe(blob, federation="lab", round=0, device="nano", chunk_size=100)
     uploads.add(encode_frame(info, 0, blob[:100]))
     view.tick({"nano"}, uploads)
-    assert (_member(view, "nano")["state"], _member(view, "nano")["done"], _member(view, "nano")["total"]) == ("uploading", 1, 3)
+    assert (_member(view, "nano")["state"], _member(view, "nano")["done"], _member(view, "nano")["total"]) == (
+        "uploading",
+        1,
+        3,
+    )
     view.upload_done("nano", 300, 3)
-    assert (_member(view, "nano")["state"], _member(view, "nano")["done"], _member(view, "nano")["total"]) == ("uploading", 3, 3)
+    assert (_member(view, "nano")["state"], _member(view, "nano")["done"], _member(view, "nano")["total"]) == (
+        "uploading",
+        3,
+        3,
+    )
     view.member("desk", "rejected", reason="its update changes the routed slice too much")
     view.device_progress("desk", {"phase": "training", "round": 0})  # late news never undoes a rejection
-    record = RoundRecord(round=1, lr=0.05, cohort=["nano", "desk"], updated=["nano"], rejected={"desk": "too much"}, applied=True, full_params=1000, seconds=3.0)
+    record = RoundRecord(
+        round=1,
+        lr=0.05,
+        cohort=["nano", "desk"],
+        updated=["nano"],
+        rejected={"desk": "too much"},
+        applied=True,
+        full_params=1000,
+        seconds=3.0,
+    )
     view.round_finished(record, probes=[{"label": "1.39M", "macs": 1_390_000, "params": 20_000, "val_accuracy": 0.5}])
     snap = view.state.snapshot()
     assert _member(view, "nano")["state"] == "aggregated" and _member(view, "desk")["state"] == "rejected"
     entry = snap["history"][-1]
-    assert entry["round"] == 1 and entry["bytes_down"] == 450_000 and entry["bytes_up"] == 300 and entry["broadcast_bytes"] == 4000
+    assert (
+        entry["round"] == 1
+        and entry["bytes_down"] == 450_000
+        and entry["bytes_up"] == 300
+        and entry["broadcast_bytes"] == 4000
+    )
     assert entry["devices"]["nano"] == {"down": 450_000, "up": 300}
     devices = {d["name"]: d for d in snap["devices"]}
-    assert devices["desk"]["last_upload"]["status"] == "rejected" and devices["nano"]["last_upload"]["status"] == "accepted"
+    assert (
+        devices["desk"]["last_upload"]["status"] == "rejected"
+        and devices["nano"]["last_upload"]["status"] == "accepted"
+    )
     assert snap["variants"][0]["val_accuracy"] == 0.5 and snap["run"]["rounds_done"] == 1
 
 
@@ -95,13 +142,31 @@ def test_device_reports_that_do_not_fit_the_round_change_nothing_or_only_in_rang
     assert all(m["device"] != "stranger" for m in view.state.snapshot()["round"]["members"])
 
 
-def test_exported_models_give_the_population_accuracy_and_join_the_validation_points(view: LiveView, tmp_path: Path) -> None:
+def test_exported_models_give_the_population_accuracy_and_join_the_validation_points(
+    view: LiveView, tmp_path: Path
+) -> None:
     view.round_started(0, ["nano"], timeout=60)
     probe = {"label": "1.39M", "macs": 1_390_000, "params": 20_000, "val_accuracy": 0.4}
-    view.round_finished(RoundRecord(round=1, lr=0.05, cohort=["nano"], updated=["nano"], applied=True, val_accuracy=0.4), probes=[probe])
+    view.round_finished(
+        RoundRecord(round=1, lr=0.05, cohort=["nano"], updated=["nano"], applied=True, val_accuracy=0.4), probes=[probe]
+    )
     manifests = [
-        {"device": "nano", "macs": 2_700_000, "params": 30_000, "validation_accuracy": 0.5, "sha256": "a" * 64, "file": "nano.onnx"},
-        {"device": "desk", "macs": 39_000_000, "params": 800_000, "validation_accuracy": 0.7, "sha256": "b" * 64, "file": "desk.onnx"},
+        {
+            "device": "nano",
+            "macs": 2_700_000,
+            "params": 30_000,
+            "validation_accuracy": 0.5,
+            "sha256": "a" * 64,
+            "file": "nano.onnx",
+        },
+        {
+            "device": "desk",
+            "macs": 39_000_000,
+            "params": 800_000,
+            "validation_accuracy": 0.7,
+            "sha256": "b" * 64,
+            "file": "desk.onnx",
+        },
     ]
     view.models(manifests, tmp_path)
     snap = view.state.snapshot()

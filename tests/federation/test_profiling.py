@@ -11,7 +11,14 @@ from rich.console import Console
 from torch import nn
 
 from feast_edge.agent.profiling import profile_device, profile_table, read_hardware, time_variant
-from feast_edge.budget.profile import DeviceProfile, ProfileError, activation_elements, derive_budget, fit_latency, training_memory_bytes
+from feast_edge.budget.profile import (
+    DeviceProfile,
+    ProfileError,
+    activation_elements,
+    derive_budget,
+    fit_latency,
+    training_memory_bytes,
+)
 from feast_edge.cache.variants import VariantCache, load_cache
 from feast_edge.local.torch_device import DeviceError
 from feast_edge.route.envelope import Envelope
@@ -38,7 +45,9 @@ def cache(fmnist: Preset) -> VariantCache:
 def envelope_memory(cache: VariantCache, preset: Preset, budget: float, batch_size: int = 64) -> int:
     """Training memory of the envelope routed at ``budget``, from the public pieces."""
     affordable = [e.arch for e in cache.affordable(budget)]
-    return training_memory_bytes(preset, Envelope.of(affordable).params(preset, cache.classes), batch_size, affordable, cache.classes)
+    return training_memory_bytes(
+        preset, Envelope.of(affordable).params(preset, cache.classes), batch_size, affordable, cache.classes
+    )
 
 
 def render(table) -> str:
@@ -75,7 +84,9 @@ def test_fit_rejects_latency_that_falls_with_macs() -> None:
 
 
 # ------------------------------------------------------------------ memory estimate
-def test_activation_elements_equal_conv_and_linear_outputs_of_the_extracted_model(fmnist: Preset, cache: VariantCache) -> None:
+def test_activation_elements_equal_conv_and_linear_outputs_of_the_extracted_model(
+    fmnist: Preset, cache: VariantCache
+) -> None:
     supernet = Supernet(fmnist, classes=cache.classes, seed=0)
     for entry in (cache.smallest, cache.entries[len(cache) // 2], cache.largest):
         model = extract(supernet, entry.arch)
@@ -101,7 +112,9 @@ def test_training_memory_follows_the_documented_formula(data) -> None:
     assert memory == 3 * 4 * 1000 + 2 * 4 * 8 * elements
 
 
-def test_training_memory_uses_the_largest_activations_of_the_affordable_set(fmnist: Preset, cache: VariantCache) -> None:
+def test_training_memory_uses_the_largest_activations_of_the_affordable_set(
+    fmnist: Preset, cache: VariantCache
+) -> None:
     archs_ = [e.arch for e in cache.entries[:5]]
     peak = max(activation_elements(fmnist, a, cache.classes) for a in archs_)
     assert training_memory_bytes(fmnist, 12345, 64, archs_, cache.classes) == 12 * 12345 + 8 * 64 * peak
@@ -136,7 +149,9 @@ def test_budget_meets_both_limits_at_once(fmnist: Preset, cache: VariantCache) -
     a, b = 1.0, 0.1
     latency_only = derive_budget(cache, fmnist, a, b, a + b * cache.entries[15].macs / 1e6, NO_LIMIT)
     memory_only = derive_budget(cache, fmnist, a, b, 1e9, envelope_memory(cache, fmnist, cache.entries[8].macs))
-    both = derive_budget(cache, fmnist, a, b, a + b * cache.entries[15].macs / 1e6, envelope_memory(cache, fmnist, cache.entries[8].macs))
+    both = derive_budget(
+        cache, fmnist, a, b, a + b * cache.entries[15].macs / 1e6, envelope_memory(cache, fmnist, cache.entries[8].macs)
+    )
     assert both == min(latency_only, memory_only) == cache.entries[8].macs
 
 
@@ -193,35 +208,70 @@ def test_profile_device_on_cpu_is_consistent(fmnist: Preset, cache: VariantCache
     calls = []
     # A generous target: the check is consistency, not how fast this (shared) machine is.
     profile = profile_device(
-        "fmnist-small", "cpu", latency_target_ms=1e4, variants=3, repeats=3, holdout=2, threads=1, name="test-cpu", progress=lambda d, n: calls.append((d, n)),
+        "fmnist-small",
+        "cpu",
+        latency_target_ms=1e4,
+        variants=3,
+        repeats=3,
+        holdout=2,
+        threads=1,
+        name="test-cpu",
+        progress=lambda d, n: calls.append((d, n)),
     )
     assert calls == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
-    assert [m for m, _ in profile.measurements] == [cache.smallest.macs, cache.entries[len(cache) // 2].macs, cache.largest.macs]
+    assert [m for m, _ in profile.measurements] == [
+        cache.smallest.macs,
+        cache.entries[len(cache) // 2].macs,
+        cache.largest.macs,
+    ]
     held = [m for m, _ in profile.holdout]
-    assert len(held) == 2 and not set(held) & {m for m, _ in profile.measurements} and set(held) <= {e.macs for e in cache.entries}
+    assert (
+        len(held) == 2
+        and not set(held) & {m for m, _ in profile.measurements}
+        and set(held) <= {e.macs for e in cache.entries}
+    )
     assert all(ms > 0 for _, ms in profile.measurements + profile.holdout)
-    assert profile.runtime.startswith("onnxruntime ") and "CPUExecutionProvider" in profile.runtime and "1 intra-op" in profile.runtime
+    assert (
+        profile.runtime.startswith("onnxruntime ")
+        and "CPUExecutionProvider" in profile.runtime
+        and "1 intra-op" in profile.runtime
+    )
     assert profile.holdout_errors() == [abs(profile.latency_ms(m) - ms) / ms for m, ms in profile.holdout]
     assert profile.latency_b_ms_per_mmac > 0 and profile.latency_a_ms >= 0
     assert (profile.latency_a_ms, profile.latency_b_ms_per_mmac) == fit_latency(profile.measurements)
     assert profile.budget_macs in {e.macs for e in cache.entries}
     assert profile.budget_macs == derive_budget(
-        cache, fmnist, profile.latency_a_ms, profile.latency_b_ms_per_mmac, profile.latency_target_ms, profile.memory_limit_bytes
+        cache,
+        fmnist,
+        profile.latency_a_ms,
+        profile.latency_b_ms_per_mmac,
+        profile.latency_target_ms,
+        profile.memory_limit_bytes,
     )
     assert 0 < profile.memory_limit_bytes <= profile.hardware["ram_bytes"] // 2
     assert profile.source.startswith("measured on ") and profile.name == "test-cpu" and profile.device == "cpu"
     assert DeviceProfile.from_dict(profile.to_dict()) == profile
     text = render(profile_table(profile))
-    assert "test-cpu" in text and f"{profile.budget_macs / 1e6:.2f}M MACs" in text and str(cache.largest_affordable(profile.budget_macs).arch) in text
+    assert (
+        "test-cpu" in text
+        and f"{profile.budget_macs / 1e6:.2f}M MACs" in text
+        and str(cache.largest_affordable(profile.budget_macs).arch) in text
+    )
     assert "held out" in text and "error" in text and "onnxruntime" in text
 
 
 def test_profile_device_times_pytorch_eager_on_request(cache: VariantCache) -> None:
-    profile = profile_device("fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=2, holdout=0, runtime="torch", name="eager")
+    profile = profile_device(
+        "fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=2, holdout=0, runtime="torch", name="eager"
+    )
     assert profile.runtime.startswith("PyTorch ") and "eager" in profile.runtime and not profile.holdout
     assert [m for m, _ in profile.measurements] == [cache.smallest.macs, cache.largest.macs]
-    one = profile_device("fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=1, holdout=1, runtime="torch", name="one")
-    assert [m for m, _ in one.holdout] == [cache.entries[1 + (len(cache) - 3) // 2].macs]  # one held out: the middle of the rest
+    one = profile_device(
+        "fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=1, holdout=1, runtime="torch", name="one"
+    )
+    assert [m for m, _ in one.holdout] == [
+        cache.entries[1 + (len(cache) - 3) // 2].macs
+    ]  # one held out: the middle of the rest
 
 
 def test_unknown_runtime_or_missing_provider_is_a_clear_error() -> None:
@@ -231,7 +281,9 @@ def test_unknown_runtime_or_missing_provider_is_a_clear_error() -> None:
         profile_device("fmnist-small", runtime="tflite")
     if "TensorrtExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has TensorRT")  # the refusal below is what a CPU-only onnxruntime says
-    with pytest.raises(ProfileError, match="this onnxruntime has no TensorrtExecutionProvider .*install onnxruntime-gpu"):
+    with pytest.raises(
+        ProfileError, match="this onnxruntime has no TensorrtExecutionProvider .*install onnxruntime-gpu"
+    ):
         profile_device("fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=1, provider="tensorrt")
 
 
@@ -257,7 +309,16 @@ def test_cuda_requested_without_a_cuda_device_is_a_clear_error() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_profile_device_on_cuda(cache: VariantCache) -> None:
-    profile = profile_device("fmnist-small", "cuda", latency_target_ms=1e4, variants=3, repeats=5, name="test-cuda", runtime="torch", holdout=0)
+    profile = profile_device(
+        "fmnist-small",
+        "cuda",
+        latency_target_ms=1e4,
+        variants=3,
+        repeats=5,
+        name="test-cuda",
+        runtime="torch",
+        holdout=0,
+    )
     assert profile.device == "cuda" and profile.hardware["cuda_name"]
     assert 0 < profile.memory_limit_bytes <= profile.hardware["cuda_memory_bytes"] // 2
     assert profile.latency_b_ms_per_mmac > 0 and profile.budget_macs in {e.macs for e in cache.entries}

@@ -9,7 +9,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from feast_edge.protocol import Declined, Finished, Metrics, ModelReady, ModelRequest, Register, Registered, RoundStart, Update
+from feast_edge.protocol import (
+    Declined,
+    Finished,
+    Metrics,
+    ModelReady,
+    ModelRequest,
+    Register,
+    Registered,
+    RoundStart,
+    Update,
+)
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.frames import describe
 from feast_edge.transport.messages import MAX_MESSAGE_BYTES, MessageFilter, Nack, Presence, Receipt, known_kinds, parse
@@ -23,9 +33,28 @@ EXAMPLES = [
     Presence(**COMMON, state="online", role="device"),
     Nack(**COMMON, transfer="t1", missing=(0, 5, 7)),
     Receipt(**COMMON, transfer="t1", ok=False, reason="sha256 mismatch"),
-    Register(**COMMON, host="jetson-1", instance="a1", preset="fmnist-small", preset_digest="d", budget_macs=25_000_000, samples=600, profile={"cores": 4}),
+    Register(
+        **COMMON,
+        host="jetson-1",
+        instance="a1",
+        preset="fmnist-small",
+        preset_digest="d",
+        budget_macs=25_000_000,
+        samples=600,
+        profile={"cores": 4},
+    ),
     Registered(**COMMON, instance="a1", accepted=False, reason="device id jetson-1 is already online"),
-    RoundStart(**COMMON, transfer=INFO, deadline=1.7e9, timeout=60.0, rounds=10, lr=0.025, seed=str(2**63 - 1), plan=PLAN, train={"batch_size": 64}),
+    RoundStart(
+        **COMMON,
+        transfer=INFO,
+        deadline=1.7e9,
+        timeout=60.0,
+        rounds=10,
+        lr=0.025,
+        seed=str(2**63 - 1),
+        plan=PLAN,
+        train={"batch_size": 64},
+    ),
     Update(**COMMON, transfer=INFO, routed="t0", samples=600, metrics={"loss": 1.25}),
     Metrics(**COMMON, values={"accuracy": 0.5}),
     Declined(**COMMON, routed="t1", reason="training diverged (loss nan, or non-finite weights)"),
@@ -77,7 +106,10 @@ def test_message_ids_are_unique() -> None:
         (wire(missing=list(range(5000))), "limit is 4096"),
         (wire(transfer=...), "missing 1 required keyword-only argument: 'transfer'"),
         (wire(extra=1), "unknown fields extra"),
-        (b'{"v": 1, "kind": "metrics", "federation": "lab", "round": 1, "device": "d", "msg_id": "m", "values": {"x": NaN}}', "NaN"),
+        (
+            b'{"v": 1, "kind": "metrics", "federation": "lab", "round": 1, "device": "d", "msg_id": "m", "values": {"x": NaN}}',
+            "NaN",
+        ),
         (b"[" * 50_000, "nested too deeply"),
         (b" " * (MAX_MESSAGE_BYTES + 1), "exceeds the 65536-byte limit"),
     ],
@@ -118,7 +150,9 @@ def test_arbitrary_bytes_never_crash_parse(data: bytes) -> None:
         pass
 
 
-_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=5), st.lists(st.integers(-2, 2), max_size=3))
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=5), st.lists(st.integers(-2, 2), max_size=3)
+)
 _KEYS = ["v", "kind", "federation", "round", "device", "msg_id", "transfer", "missing", "ok"]
 
 
@@ -153,7 +187,11 @@ def test_filter_exempts_presence_registration_and_metrics_from_staleness() -> No
     will = Presence(**{**COMMON, "round": 0}, state="offline")
     assert gate.accept(will) and gate.accept(will)  # a last will repeats with the same id
     assert gate.accept(Metrics(**{**COMMON, "round": 0}, values={"onnx_latency_ms": 0.9}))  # e.g. after the last round
-    assert gate.accept(Register(**{**COMMON, "round": 0}, host="h", instance="i", preset="p", preset_digest="d", budget_macs=1, samples=1))
+    assert gate.accept(
+        Register(
+            **{**COMMON, "round": 0}, host="h", instance="i", preset="p", preset_digest="d", budget_macs=1, samples=1
+        )
+    )
 
 
 def test_filter_memory_is_bounded() -> None:
@@ -176,7 +214,17 @@ def test_round_start_carries_the_plan_and_settings_exactly() -> None:
     train = TrainConfig(lr=0.01, batch_size=32, variants="min+max", augment=False)
     info = describe(b"routed", federation="lab", round=3, device="jetson-1")
     sent = RoundStart.from_plan(
-        plan, federation="lab", round=3, device="jetson-1", transfer=info, sent_at=1.7e9, timeout=60.0, rounds=10, lr=0.02, seed=2**63 - 5, train=train
+        plan,
+        federation="lab",
+        round=3,
+        device="jetson-1",
+        transfer=info,
+        sent_at=1.7e9,
+        timeout=60.0,
+        rounds=10,
+        lr=0.02,
+        seed=2**63 - 5,
+        train=train,
     )
     received = parse(sent.encode())
     assert isinstance(received, RoundStart)
@@ -197,40 +245,111 @@ def test_round_start_plan_of_another_preset_is_refused() -> None:
     plan = plan_client(load_cache(load_preset("paper-cifar100")), 600e6)
     info = describe(b"routed", federation="lab", round=0, device="d")
     message = RoundStart.from_plan(
-        plan, federation="lab", round=0, device="d", transfer=info, sent_at=0.0, timeout=5.0, rounds=1, lr=0.1, seed=1, train=TrainConfig()
+        plan,
+        federation="lab",
+        round=0,
+        device="d",
+        transfer=info,
+        sent_at=0.0,
+        timeout=5.0,
+        rounds=1,
+        lr=0.1,
+        seed=1,
+        train=TrainConfig(),
     )
     with pytest.raises(FeastError, match="out of range"):
         message.client_plan(load_preset("fmnist-small"))
     with pytest.raises(ProtocolError, match="unknown training settings"):
-        RoundStart(**{**{k: getattr(message, k) for k in ("federation", "round", "device", "transfer", "deadline", "timeout", "rounds", "lr", "seed", "plan")}, "train": {"bogus": 1}}).train_config()
+        RoundStart(
+            **{
+                **{
+                    k: getattr(message, k)
+                    for k in (
+                        "federation",
+                        "round",
+                        "device",
+                        "transfer",
+                        "deadline",
+                        "timeout",
+                        "rounds",
+                        "lr",
+                        "seed",
+                        "plan",
+                    )
+                },
+                "train": {"bogus": 1},
+            }
+        ).train_config()
 
 
 def test_update_reports_the_local_result() -> None:
     from feast_edge.local.cotrain import LocalResult
 
     result = LocalResult(
-        num_samples=600, samples_seen=1200, num_batches=19, mean_loss=1.5, role_losses={"max": 1.0}, variants_per_batch={3: 19},
-        arch_batches={}, train_macs=123_456, lr=0.02,
+        num_samples=600,
+        samples_seen=1200,
+        num_batches=19,
+        mean_loss=1.5,
+        role_losses={"max": 1.0},
+        variants_per_batch={3: 19},
+        arch_batches={},
+        train_macs=123_456,
+        lr=0.02,
     )
     info = describe(b"update", federation="lab", round=3, device="jetson-1")
-    update = parse(Update.from_result(result, federation="lab", round=3, device_id="jetson-1", transfer=info, routed="t0", compute_seconds=2.5, torch_device="cpu").encode())
+    update = parse(
+        Update.from_result(
+            result,
+            federation="lab",
+            round=3,
+            device_id="jetson-1",
+            transfer=info,
+            routed="t0",
+            compute_seconds=2.5,
+            torch_device="cpu",
+        ).encode()
+    )
     assert isinstance(update, Update)
-    assert (update.samples, update.loss, update.samples_seen, update.compute_seconds, update.train_macs) == (600, 1.5, 1200, 2.5, 123_456)
+    assert (update.samples, update.loss, update.samples_seen, update.compute_seconds, update.train_macs) == (
+        600,
+        1.5,
+        1200,
+        2.5,
+        123_456,
+    )
     assert update.transfer_info() == info
     other = describe(b"update", federation="lab", round=2, device="jetson-1")
     with pytest.raises(ProtocolError, match="round 2"):
-        Update(federation="lab", round=3, device="jetson-1", transfer=other.to_dict(), routed="t0", samples=1).transfer_info()
+        Update(
+            federation="lab", round=3, device="jetson-1", transfer=other.to_dict(), routed="t0", samples=1
+        ).transfer_info()
 
 
 def test_a_diverged_loss_still_makes_a_valid_message() -> None:
     from feast_edge.local.cotrain import LocalResult
 
     result = LocalResult(
-        num_samples=10, samples_seen=10, num_batches=1, mean_loss=float("nan"), role_losses={"max": float("inf")}, variants_per_batch={1: 1},
-        arch_batches={}, train_macs=1, lr=0.1,
+        num_samples=10,
+        samples_seen=10,
+        num_batches=1,
+        mean_loss=float("nan"),
+        role_losses={"max": float("inf")},
+        variants_per_batch={1: 1},
+        arch_batches={},
+        train_macs=1,
+        lr=0.1,
     )
     info = describe(b"update", federation="lab", round=3, device="jetson-1")
-    message = Update.from_result(result, federation="lab", round=3, device_id="jetson-1", transfer=info, routed="t0", compute_seconds=1.0, torch_device="cpu")
+    message = Update.from_result(
+        result,
+        federation="lab",
+        round=3,
+        device_id="jetson-1",
+        transfer=info,
+        routed="t0",
+        compute_seconds=1.0,
+        torch_device="cpu",
+    )
     again = parse(message.encode())  # NaN and infinities have no JSON number: they travel as null
     assert again.metrics["loss"] is None and again.metrics["role_losses"] == {"max": None}
 

@@ -49,13 +49,26 @@ class ProvisionedBroker:
 
 def start_provisioned(root: Path, auth: str, devices: list[str], federation: str = FED) -> ProvisionedBroker:
     port = free_port()
-    done = provision(root, federation, devices, auth=auth, hosts=("127.0.0.1",), port=port, bind="127.0.0.1", broker_user=getpass.getuser())
-    broker = start_mosquitto(done.broker_config, port, root / "broker.log", url=f"mqtts://127.0.0.1:{port}", enforces="")
+    done = provision(
+        root,
+        federation,
+        devices,
+        auth=auth,
+        hosts=("127.0.0.1",),
+        port=port,
+        bind="127.0.0.1",
+        broker_user=getpass.getuser(),
+    )
+    broker = start_mosquitto(
+        done.broker_config, port, root / "broker.log", url=f"mqtts://127.0.0.1:{port}", enforces=""
+    )
     return ProvisionedBroker(done, broker, port, auth)
 
 
 @pytest.fixture(scope="module", params=["certificate", "password"])
-def provisioned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProvisionedBroker]:
+def provisioned(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProvisionedBroker]:
     running = start_provisioned(tmp_path_factory.mktemp(request.param), request.param, ["jet", "pi"])
     yield running
     running.broker.stop()
@@ -64,7 +77,15 @@ def provisioned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 class Raw:
     """A raw paho client (the attacker's tool), connected with whatever credentials it is given."""
 
-    def __init__(self, port: int, *, ca: str | None, cert: tuple[str, str] | None = None, user: tuple[str, str] | None = None, tls: bool = True) -> None:
+    def __init__(
+        self,
+        port: int,
+        *,
+        ca: str | None,
+        cert: tuple[str, str] | None = None,
+        user: tuple[str, str] | None = None,
+        tls: bool = True,
+    ) -> None:
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-{time.monotonic_ns()}")
         self.received: list[mqtt.MQTTMessage] = []
         self.connack: list[object] = []
@@ -180,7 +201,15 @@ def test_the_acl_pins_each_device_to_its_own_topics(provisioned: ProvisionedBrok
     try:
         for topic in (T.ctrl("pi"), T.xfer("down", "pi"), T.events("+"), T.register("pi"), T.all):
             attacker.client.subscribe(topic, qos=1)
-        for topic in (T.events("pi"), T.register("pi"), T.status("pi"), T.xfer("up", "pi"), T.nack("down", "pi"), T.ctrl("pi"), T.server_status):
+        for topic in (
+            T.events("pi"),
+            T.register("pi"),
+            T.status("pi"),
+            T.xfer("up", "pi"),
+            T.nack("down", "pi"),
+            T.ctrl("pi"),
+            T.server_status,
+        ):
             attacker.client.publish(topic, b"forged", qos=1).wait_for_publish(5)
         attacker.client.publish(T.events("jet"), b"own topic", qos=1).wait_for_publish(5)
         for topic in (T.ctrl("pi"), T.xfer("down", "pi"), T.nack("up", "pi")):
@@ -205,7 +234,9 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:
 # --------------------------------------------------------------------------- signatures (a broker that enforces nothing)
 
 
-def test_unsigned_and_re_addressed_messages_never_reach_the_server(tmp_path: Path, federation: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_unsigned_and_re_addressed_messages_never_reach_the_server(
+    tmp_path: Path, federation: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """On the open shared broker only the signatures stand between a stranger and the server."""
     caplog.set_level(logging.WARNING)
     done = provision(tmp_path, federation, ["jet", "pi"])
@@ -226,21 +257,37 @@ def test_unsigned_and_re_addressed_messages_never_reach_the_server(tmp_path: Pat
     spy.connect(timeout=5)
     try:
         message = Register(
-            federation=federation, round=0, device="pi", host="pi", instance="i1", preset="fmnist-small", preset_digest="0" * 64,
-            budget_macs=1, samples=1, profile={},
+            federation=federation,
+            round=0,
+            device="pi",
+            host="pi",
+            instance="i1",
+            preset="fmnist-small",
+            preset_digest="0" * 64,
+            budget_macs=1,
+            samples=1,
+            profile={},
         ).encode()
         stranger.publish(t.register("pi"), message, timeout=5)  # unsigned
         jet.publish(t.register("jet"), b'{"jet": "genuine"}', timeout=5)
         assert wait_until(lambda: captured)
         stranger.publish(t.register("pi"), captured[0], timeout=5)  # jet's signed message, re-addressed to pi
-        stranger.publish(t.ctrl("jet"), Registered(federation=federation, round=0, device="jet", instance="x", accepted=False, reason="forged").encode(), timeout=5)
+        stranger.publish(
+            t.ctrl("jet"),
+            Registered(
+                federation=federation, round=0, device="jet", instance="x", accepted=False, reason="forged"
+            ).encode(),
+            timeout=5,
+        )
         assert wait_until(lambda: got == [b'{"jet": "genuine"}'])
         server.publish(t.ctrl("jet"), b"genuine reply", timeout=5)
         assert wait_until(lambda: replies)
         time.sleep(0.5)
         assert got == [b'{"jet": "genuine"}'] and replies == [b"genuine reply"]
         dropped = [r.getMessage() for r in caplog.records if "dropped a message" in r.getMessage()]
-        assert any("unsigned message on" in d for d in dropped) and any("valid signature" in d for d in dropped), dropped
+        assert any("unsigned message on" in d for d in dropped) and any("valid signature" in d for d in dropped), (
+            dropped
+        )
     finally:
         for link in (server, jet, stranger, spy):
             link.close()
@@ -251,16 +298,28 @@ def test_unsigned_and_re_addressed_messages_never_reach_the_server(tmp_path: Pat
 
 @pytest.mark.slow  # a provisioned broker, a server thread and real agent processes
 @pytest.mark.broker
-def test_a_provisioned_federation_trains_and_refuses_what_the_identities_do_not_allow(kit, tmp_path: Path, partition: Path, agent_cli) -> None:
+def test_a_provisioned_federation_trains_and_refuses_what_the_identities_do_not_allow(
+    kit, tmp_path: Path, partition: Path, agent_cli
+) -> None:
     entries = read_index(partition)["clients"]
     running = start_provisioned(tmp_path / "provision", "certificate", ["jet", "pi"], federation="prov")
     try:
         server_link = load_credentials(running.done.server).link_config()
-        config = kit.server_config(kit.CONFIG, tmp_path / "run", partition, "prov", rounds=1, per_round=2, min_clients=2, start_clients=2)
+        config = kit.server_config(
+            kit.CONFIG, tmp_path / "run", partition, "prov", rounds=1, per_round=2, min_clients=2, start_clients=2
+        )
         server = kit.ServerThread(config, link=server_link).start()
         url = f"mqtts://127.0.0.1:{running.port}"
         agents = [
-            kit.spawn_agent(tmp_path / "logs", name, partition / entry["file"], "prov", "--credentials", str(running.done.devices[name]), broker=url)
+            kit.spawn_agent(
+                tmp_path / "logs",
+                name,
+                partition / entry["file"],
+                "prov",
+                "--credentials",
+                str(running.done.devices[name]),
+                broker=url,
+            )
             for name, entry in zip(["jet", "pi"], entries)
         ]
         try:
@@ -272,8 +331,12 @@ def test_a_provisioned_federation_trains_and_refuses_what_the_identities_do_not_
         assert codes == [0, 0], [kit.log_text(a)[-800:] for a in agents]
         # A device bundle is one identity: it cannot host another device id or be used as the server's.
         shard = str(partition / entries[0]["file"])
-        mismatch = agent_cli.run("run", "--credentials", str(running.done.devices["jet"]), "--device-id", "pi", "--data", shard)
+        mismatch = agent_cli.run(
+            "run", "--credentials", str(running.done.devices["jet"]), "--device-id", "pi", "--data", shard
+        )
         agent_cli.assert_user_error(mismatch, "differs from the credentials bundle's identity 'jet'")
-        agent_cli.assert_user_error(agent_cli.run("run", "--credentials", str(running.done.server), "--data", shard), "the server's bundle")
+        agent_cli.assert_user_error(
+            agent_cli.run("run", "--credentials", str(running.done.server), "--data", shard), "the server's bundle"
+        )
     finally:
         running.broker.stop()

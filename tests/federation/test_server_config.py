@@ -24,9 +24,28 @@ def test_the_fingerprint_keeps_the_key_runs_stored_before_the_rename(tmp_path: P
 def test_a_config_stored_with_the_old_method_key_loads_as_variants(tmp_path: Path) -> None:
     """What feast-server run wrote before --method was renamed --variants: export and serve still read its settings."""
     preset = load_preset("fmnist-small")
-    config = {"preset": preset.name, "rounds": 3, "per_round": 2, "min_clients": 2, "seed": 7, "method": "min+max+kd", "federation": "lab"}
-    save_supernet(tmp_path / CHECKPOINT, Supernet(preset, seed=0), kind="federation", fingerprint="x", config=config, round=1, history=[],
-                  history_format=HISTORY_FORMAT, best={}, registry=[], data=None)
+    config = {
+        "preset": preset.name,
+        "rounds": 3,
+        "per_round": 2,
+        "min_clients": 2,
+        "seed": 7,
+        "method": "min+max+kd",
+        "federation": "lab",
+    }
+    save_supernet(
+        tmp_path / CHECKPOINT,
+        Supernet(preset, seed=0),
+        kind="federation",
+        fingerprint="x",
+        config=config,
+        round=1,
+        history=[],
+        history_format=HISTORY_FORMAT,
+        best={},
+        registry=[],
+        data=None,
+    )
     stored = ServerConfig.stored(tmp_path)
     assert (stored.variants, stored.rounds, stored.seed, stored.federation) == ("min+max+kd", 3, 7, "lab")
     assert stored.decisive()["method"] == "min+max+kd"

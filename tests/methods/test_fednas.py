@@ -36,7 +36,14 @@ from feast_edge.space.preset import load_preset
 
 
 def _config(fashion_mnist_dir, **kw) -> SimulationConfig:
-    base = {"data_dir": str(fashion_mnist_dir), "method": "sfn", "clients": 6, "per_round": 3, "rounds": 6, "train_limit": 1200}
+    base = {
+        "data_dir": str(fashion_mnist_dir),
+        "method": "sfn",
+        "clients": 6,
+        "per_round": 3,
+        "rounds": 6,
+        "train_limit": 1200,
+    }
     base |= {"val_samples": 500, "calib_samples": 200, "test_limit": 500}
     return SimulationConfig(**{**base, **kw})
 
@@ -90,15 +97,27 @@ def test_plans_follow_the_roles_and_a_resumed_run_plans_the_same(setup, fashion_
         config = _config(fashion_mnist_dir, method=cls.name)
         budgets = dict(zip(setup.client_ids, map(float, setup.population.budgets)))
         straight = cls(setup, config)
-        sequence = [straight.plans(t, sample_round_cohort(setup.client_ids, 3, config.seed, t), budgets.__getitem__) for t in range(config.rounds)]
+        sequence = [
+            straight.plans(t, sample_round_cohort(setup.client_ids, 3, config.seed, t), budgets.__getitem__)
+            for t in range(config.rounds)
+        ]
         resumed = cls(setup, config)  # a fresh process resuming at round 4 replays rounds 0..3
-        assert resumed.plans(4, sample_round_cohort(setup.client_ids, 3, config.seed, 4), budgets.__getitem__) == sequence[4]
-        assert straight.plans(2, sample_round_cohort(setup.client_ids, 3, config.seed, 2), budgets.__getitem__) == sequence[2]  # asked again
+        assert (
+            resumed.plans(4, sample_round_cohort(setup.client_ids, 3, config.seed, 4), budgets.__getitem__)
+            == sequence[4]
+        )
+        assert (
+            straight.plans(2, sample_round_cohort(setup.client_ids, 3, config.seed, 2), budgets.__getitem__)
+            == sequence[2]
+        )  # asked again
         for plans in sequence:
             assert Counter(p.role for p in plans.values()) == Counter({LARGEST: 1, SMALLEST: 1, RANDOM: 1})
             for cid, plan in plans.items():
                 local_max = setup.cache.largest_affordable(budgets[cid])
-                assert plan.macs <= budgets[cid] and plan.macs == arch_cost(setup.preset, plan.arch, setup.cache.classes)[0]
+                assert (
+                    plan.macs <= budgets[cid]
+                    and plan.macs == arch_cost(setup.preset, plan.arch, setup.cache.classes)[0]
+                )
                 if plan.role == LARGEST:
                     assert plan.arch == local_max.arch
                 if plan.role == SMALLEST:
@@ -114,10 +133,14 @@ def test_sfn_sampler_respects_the_budget_and_is_seed_deterministic():
         assert len({d[0] for d in draws}) > 5
         again = [sample_affordable_arch(preset, budget, np.random.default_rng([s, 7]), 50, 10) for s in range(20)]
         assert again == draws
-    assert sample_affordable_arch(preset, 1e6, np.random.default_rng(0), 50, 10) is None  # below the space's smallest (1.39M)
+    assert (
+        sample_affordable_arch(preset, 1e6, np.random.default_rng(0), 50, 10) is None
+    )  # below the space's smallest (1.39M)
 
 
-def test_sfn_draws_every_gene_uniformly_and_falls_back_to_the_largest_affordable_cached_variant(setup, fashion_mnist_dir):
+def test_sfn_draws_every_gene_uniformly_and_falls_back_to_the_largest_affordable_cached_variant(
+    setup, fashion_mnist_dir
+):
     preset = setup.preset
     rng = np.random.default_rng(3)
     draws = [sample_affordable_arch(preset, math.inf, rng, 1, 10)[0] for _ in range(3000)]
@@ -152,14 +175,22 @@ def test_maxnet_schedule_at_the_start_middle_and_end():
 def test_method_share_anneals_over_the_rounds_or_a_fraction_of_them(setup, fashion_mnist_dir):
     full = SuperFedNAS(setup, _config(fashion_mnist_dir, rounds=10))
     assert [full.share(t) for t in (0, 5, 9)] == pytest.approx([0.9, 0.5125, 0.775 * 0.5 * (1 - 0.9510565163) + 0.125])
-    short = SuperFedNAS(setup, _config(fashion_mnist_dir, rounds=10, method_options={"anneal": "0.8", "a0": "0.8", "rho_final": "0.5"}))
-    assert short.share(4) == pytest.approx(0.8 * (0.5 * 0.5 + 0.5)) and short.share(8) == short.share(9) == pytest.approx(0.4)
+    short = SuperFedNAS(
+        setup, _config(fashion_mnist_dir, rounds=10, method_options={"anneal": "0.8", "a0": "0.8", "rho_final": "0.5"})
+    )
+    assert short.share(4) == pytest.approx(0.8 * (0.5 * 0.5 + 0.5)) and short.share(8) == short.share(
+        9
+    ) == pytest.approx(0.4)
 
 
 def test_maxnet_weights_split_the_share_by_sample_count():
     assert maxnet_weights({"a": 10, "b": 20, "c": 30}, {"a"}, 0.6) == pytest.approx({"a": 0.6, "b": 0.16, "c": 0.24})
-    assert maxnet_weights({"a": 10, "b": 30, "c": 30}, {"a", "b"}, 0.6) == pytest.approx({"a": 0.15, "b": 0.45, "c": 0.4})
-    assert maxnet_weights({"b": 20, "c": 30}, {"a"}, 0.6) == pytest.approx({"b": 0.16, "c": 0.24})  # max-net update missing
+    assert maxnet_weights({"a": 10, "b": 30, "c": 30}, {"a", "b"}, 0.6) == pytest.approx(
+        {"a": 0.15, "b": 0.45, "c": 0.4}
+    )
+    assert maxnet_weights({"b": 20, "c": 30}, {"a"}, 0.6) == pytest.approx(
+        {"b": 0.16, "c": 0.24}
+    )  # max-net update missing
 
 
 def test_overlap_aware_weighted_average_is_the_hand_computed_one():
@@ -195,7 +226,9 @@ def test_options_out_of_range_or_unknown_are_one_line_errors():
         SuperFedNAS.parse_options({"a0": "1"})
     with pytest.raises(MethodError, match="takes no option attempts"):
         DeepFedNAS.parse_options({"attempts": "5"})
-    assert SuperFedNAS.parse_options({})["attempts"] == 50 and DeepFedNAS.parse_options({})["rho_final"] == pytest.approx(0.125 / 0.9)
+    assert SuperFedNAS.parse_options({})["attempts"] == 50 and DeepFedNAS.parse_options({})[
+        "rho_final"
+    ] == pytest.approx(0.125 / 0.9)
 
 
 @pytest.mark.slow
@@ -204,7 +237,16 @@ def test_short_real_run_serves_its_largest_variant_above_chance(cls, fashion_mni
     # Near-IID shards and budgets every client shares, so each round's max-net client trains the largest
     # served variant; no augmentation and a larger lr, so three rounds are enough to leave chance.
     config = _config(
-        fashion_mnist_dir, method=cls.name, per_round=6, rounds=3, budgets=(8e6,) * 6, alpha_eff=100.0, gamma=0.0, augment="none", batch_size=32, lr=0.05
+        fashion_mnist_dir,
+        method=cls.name,
+        per_round=6,
+        rounds=3,
+        budgets=(8e6,) * 6,
+        alpha_eff=100.0,
+        gamma=0.0,
+        augment="none",
+        batch_size=32,
+        lr=0.05,
     )
     setup = build_setup(config)
     method = cls(setup, config)
@@ -225,5 +267,7 @@ def test_short_real_run_serves_its_largest_variant_above_chance(cls, fashion_mni
         method.aggregate(t, glob, updates, plans)
     top = method.served(8e6)
     calibration = setup.calibration_images()
-    [accuracy] = method.evaluate([method.points()[top]], calibration, setup.test_set.images[:500], setup.test_set.labels[:500])
+    [accuracy] = method.evaluate(
+        [method.points()[top]], calibration, setup.test_set.images[:500], setup.test_set.labels[:500]
+    )
     assert accuracy > 0.2

@@ -186,7 +186,15 @@ def test_points_are_nominal_sizes_of_the_dense_model(setup, config):
     assert method.full_macs == full
     points = method.points()
     # smallest size 2M/full = 0.020 -> powers of two down to 1/64
-    assert [p.label for p in points] == ["size 0.015625", "size 0.03125", "size 0.0625", "size 0.125", "size 0.25", "size 0.5", "size 1"]
+    assert [p.label for p in points] == [
+        "size 0.015625",
+        "size 0.03125",
+        "size 0.0625",
+        "size 0.125",
+        "size 0.25",
+        "size 0.5",
+        "size 1",
+    ]
     assert [p.macs for p in points] == [int(p.detail["size"] * full) for p in points]
     assert all(p.dense_macs == full for p in points)
     bn_and_bias = sum(p.numel() for p in method.model.parameters() if p.dim() == 1)
@@ -197,7 +205,10 @@ def test_points_are_nominal_sizes_of_the_dense_model(setup, config):
 
 
 def test_sizes_must_serve_the_smallest_budget(setup, config):
-    assert [p.label for p in Fiarse(setup, replace(config, method_options=(("sizes", "0.02,1"),))).points()] == ["size 0.02", "size 1"]
+    assert [p.label for p in Fiarse(setup, replace(config, method_options=(("sizes", "0.02,1"),))).points()] == [
+        "size 0.02",
+        "size 1",
+    ]
     with pytest.raises(MethodError, match="smallest client budget"):
         Fiarse(setup, replace(config, method_options=(("sizes", "0.25,1"),)))  # 0.25·full ≈ 24.9M > 2M
 
@@ -208,7 +219,9 @@ def test_client_trains_only_its_global_top_k_mask(setup, config):
     before = {k: v.clone() for k, v in global_state.items()}
     images, labels = setup.client_data("client-001")
     # size 0.25: at initialisation every size up to 1/16 masks the whole classifier (its init scale is below the convs')
-    update = method.train_client(0, "client-001", 0.25, global_state, images[:40], labels[:40], 0.05, client_seed(0, 0, "client-001"))
+    update = method.train_client(
+        0, "client-001", 0.25, global_state, images[:40], labels[:40], 0.05, client_seed(0, 0, "client-001")
+    )
     assert all(torch.equal(before[k], v) for k, v in global_state.items())
     # τ from an independent sort of every conv/linear |θ|
     weights = [before[n] for n in method.masked]
@@ -222,7 +235,11 @@ def test_client_trains_only_its_global_top_k_mask(setup, config):
         kept += int(mask.sum())
     assert kept == k
     assert any(update.state[DELTA + n].any() for n in method.masked)
-    assert all(MASK + n not in update.state and DELTA + n in update.state for n, p in method.model.named_parameters() if p.dim() == 1)
+    assert all(
+        MASK + n not in update.state and DELTA + n in update.state
+        for n, p in method.model.named_parameters()
+        if p.dim() == 1
+    )
     assert update.samples == 40 and update.samples_seen == 40 and update.train_macs == 3 * 40 * method.full_macs
     assert np.isfinite(update.loss)
 
@@ -236,11 +253,22 @@ def test_short_fashion_mnist_run_learns(setup, config):
         plans = method.plans(t, cohort, budgets.__getitem__)
         lr = cosine_lr(config.lr, t, config.rounds)
         updates = [
-            method.train_client(t, cid, plans[cid], method.model.state_dict(), *setup.client_data(cid), lr, client_seed(config.seed, t, cid)) for cid in cohort
+            method.train_client(
+                t,
+                cid,
+                plans[cid],
+                method.model.state_dict(),
+                *setup.client_data(cid),
+                lr,
+                client_seed(config.seed, t, cid),
+            )
+            for cid in cohort
         ]
         assert all(np.isfinite(u.loss) for u in updates)
         method.aggregate(t, method.model.state_dict(), updates, plans)
     calibration = setup.calibration_images()
     largest = method.points()[-1]
-    [acc] = method.evaluate([largest], calibration, setup.test_set.images[: config.test_limit], setup.test_set.labels[: config.test_limit])
+    [acc] = method.evaluate(
+        [largest], calibration, setup.test_set.images[: config.test_limit], setup.test_set.labels[: config.test_limit]
+    )
     assert acc > 0.2, f"{largest.label}: test accuracy {acc:.3f} after {config.rounds} rounds"

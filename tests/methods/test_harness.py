@@ -14,7 +14,17 @@ from feast_edge.sim.methods import METHODS, MethodError, method_class
 from feast_edge.sim.setup import SimulationConfig, SimulationError
 from feast_edge.sim.simulate import Simulation
 
-TINY = dict(clients=4, per_round=2, rounds=2, train_limit=400, val_samples=200, calib_samples=100, test_limit=200, eval_every=1, probe_variants=2)
+TINY = dict(
+    clients=4,
+    per_round=2,
+    rounds=2,
+    train_limit=400,
+    val_samples=200,
+    calib_samples=100,
+    test_limit=200,
+    eval_every=1,
+    probe_variants=2,
+)
 
 
 def _config(fashion_mnist_dir, method: str, **changes) -> SimulationConfig:
@@ -32,7 +42,10 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(method, fashion_
     whole = Simulation(config, tmp_path / "whole").run()
     assert Simulation(config, tmp_path / "split").run(stop_after=1) is None
     resumed = Simulation(config, tmp_path / "split").run(resume=True)
-    a, b = _tensors(tmp_path / "whole" / "checkpoint.safetensors"), _tensors(tmp_path / "split" / "checkpoint.safetensors")
+    a, b = (
+        _tensors(tmp_path / "whole" / "checkpoint.safetensors"),
+        _tensors(tmp_path / "split" / "checkpoint.safetensors"),
+    )
     assert a.keys() == b.keys()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"{method}: resumed weights differ in {differ[:3]}"
@@ -101,6 +114,9 @@ def test_centralized_takes_the_federations_optimizer_steps_on_pooled_data(fashio
     assert len(longer) == 2 * len(pooled) + 3 and np.array_equal(np.sort(longer[: len(pooled)]), pooled)
     results = sim.run()
     seen = [r["samples"] for r in results["rounds"]]
-    expected = [16 * method.round_steps(sample_round_cohort(setup.client_ids, config.per_round, config.seed, t)) for t in range(3)]
+    expected = [
+        16 * method.round_steps(sample_round_cohort(setup.client_ids, config.per_round, config.seed, t))
+        for t in range(3)
+    ]
     assert seen == expected  # each round trained exactly that many batches of 16
     assert results["communication"]["routed_params_total"] == 0

@@ -10,7 +10,15 @@ from feast_edge.run.cohort import client_seed, sample_round_cohort
 from feast_edge.run.collect import ClientUpdate
 from feast_edge.sim.methods import MethodError, method_class
 from feast_edge.sim.methods.heterofl import HeteroFL, heterofl_shape
-from feast_edge.sim.methods.resnet18 import ResNet18, ResNetShape, Scaler, build_network, leading_state, resnet_cost, tensor_shapes
+from feast_edge.sim.methods.resnet18 import (
+    ResNet18,
+    ResNetShape,
+    Scaler,
+    build_network,
+    leading_state,
+    resnet_cost,
+    tensor_shapes,
+)
 from feast_edge.sim.setup import SimulationConfig, build_setup
 from feast_edge.space.counting import measure_macs, measure_params
 from feast_edge.space.preset import load_preset
@@ -21,7 +29,15 @@ TINY = ResNetShape(in_channels=3, input_size=8, classes=5, hidden=(3, 6, 12, 24)
 @pytest.fixture(scope="module")
 def config(fashion_mnist_dir) -> SimulationConfig:
     return SimulationConfig(
-        method="heterofl", data_dir=str(fashion_mnist_dir), train_limit=1200, clients=6, per_round=6, rounds=3, val_samples=500, calib_samples=200, test_limit=500
+        method="heterofl",
+        data_dir=str(fashion_mnist_dir),
+        train_limit=1200,
+        clients=6,
+        per_round=6,
+        rounds=3,
+        val_samples=500,
+        calib_samples=200,
+        test_limit=500,
     )
 
 
@@ -123,7 +139,9 @@ def test_aggregation_averages_each_position_over_the_tiers_that_hold_it(method):
     assert torch.all(conv[:8, :4] == 2.0)
     assert torch.all(conv[:8, 4:8] == 1.0) and torch.all(conv[8:16, :8] == 1.0)
     assert torch.all(conv[16:] == 7.0) and torch.all(conv[:, 8:] == 7.0)
-    assert torch.all(model["stages.3.1.bn2.weight"][:32] == 2.0) and torch.all(model["stages.3.1.bn2.weight"][64:] == 7.0)
+    assert torch.all(model["stages.3.1.bn2.weight"][:32] == 2.0) and torch.all(
+        model["stages.3.1.bn2.weight"][64:] == 7.0
+    )
 
 
 # ---------------------------------------------------------------- cost
@@ -201,7 +219,9 @@ def test_local_training_is_deterministic_and_leaves_the_global_model_alone(metho
     assert not torch.equal(first.state["stem.weight"], glob["stem.weight"][:4])
     assert (first.samples, first.samples_seen) == (70, 70)
     assert first.train_macs == 3 * 70 * method.points()[2].macs
-    assert torch.equal(HeteroFL(setup, method.config).model.state_dict()["stem.weight"], before["stem.weight"])  # init from the seed
+    assert torch.equal(
+        HeteroFL(setup, method.config).model.state_dict()["stem.weight"], before["stem.weight"]
+    )  # init from the seed
 
 
 @pytest.mark.slow

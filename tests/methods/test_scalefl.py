@@ -23,8 +23,16 @@ BUDGETS = (2.5e6, 5e6, 10e6, 30e6, 40e6, 60e6)
 
 def _config(fashion_mnist_dir, **kw) -> SimulationConfig:
     base = {
-        "data_dir": str(fashion_mnist_dir), "method": "scalefl", "clients": 6, "per_round": 6, "rounds": 3, "train_limit": 1200,
-        "val_samples": 500, "calib_samples": 200, "test_limit": 500, "budgets": BUDGETS,
+        "data_dir": str(fashion_mnist_dir),
+        "method": "scalefl",
+        "clients": 6,
+        "per_round": 6,
+        "rounds": 3,
+        "train_limit": 1200,
+        "val_samples": 500,
+        "calib_samples": 200,
+        "test_limit": 500,
+        "budgets": BUDGETS,
     }
     return SimulationConfig(**{**base, **kw})
 
@@ -58,7 +66,9 @@ def test_exit_loss_is_the_hand_computed_formula_with_a_detached_teacher():
     assert loss.item() == pytest.approx(1 / 6 * (ce1 + beta * tau**2 * kl) + 2 / 6 * ce2, rel=1e-6)
     # The teacher is detached: z2 gets only its own CE gradient; z1 gets CE + β·τ²·(q − p)/τ.
     assert z2.grad[0].tolist() == pytest.approx([2 / 6 * (s2[c] - target[0, c].item()) for c in range(2)], rel=1e-5)
-    assert z1.grad[0].tolist() == pytest.approx([1 / 6 * (s1[c] - target[0, c].item() + beta * tau * (q[c] - p[c])) for c in range(2)], rel=1e-5)
+    assert z1.grad[0].tolist() == pytest.approx(
+        [1 / 6 * (s1[c] - target[0, c].item() + beta * tau * (q[c] - p[c])) for c in range(2)], rel=1e-5
+    )
 
 
 def test_exit_loss_of_a_single_exit_is_half_its_cross_entropy():
@@ -98,7 +108,9 @@ def _counted_macs(net: torch.nn.Module, x: torch.Tensor) -> int:
         else:
             total += module.in_features * module.out_features
 
-    handles = [m.register_forward_hook(hook) for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    handles = [
+        m.register_forward_hook(hook) for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
+    ]
     net.eval()(x)
     for h in handles:
         h.remove()
@@ -120,7 +132,16 @@ def _run_sliced(state, blocks: int, chans: list[int], exits: tuple[int, ...], x:
         return F.conv2d(x, state[name][:out, :inp], stride=stride, padding=pad)
 
     def bn(name, x, c):
-        return F.batch_norm(x, state[f"{name}.running_mean"][:c], state[f"{name}.running_var"][:c], state[f"{name}.weight"][:c], state[f"{name}.bias"][:c], False, 0.0, 1e-5)
+        return F.batch_norm(
+            x,
+            state[f"{name}.running_mean"][:c],
+            state[f"{name}.running_var"][:c],
+            state[f"{name}.weight"][:c],
+            state[f"{name}.bias"][:c],
+            False,
+            0.0,
+            1e-5,
+        )
 
     x = F.relu(bn("stem.1", conv("stem.0.weight", x, chans[0], x.shape[1], 1, 1), chans[0]))
     c_in, logits = chans[0], []
@@ -129,7 +150,11 @@ def _run_sliced(state, blocks: int, chans: list[int], exits: tuple[int, ...], x:
         stride = 2 if stage > 0 and k % 2 == 0 else 1
         out = F.relu(bn(f"blocks.{k}.bn1", conv(f"blocks.{k}.conv1.weight", x, c, c_in, stride, 1), c))
         out = bn(f"blocks.{k}.bn2", conv(f"blocks.{k}.conv2.weight", out, c, c, 1, 1), c)
-        short = bn(f"blocks.{k}.shortcut.1", conv(f"blocks.{k}.shortcut.0.weight", x, c, c_in, stride, 0), c) if stride > 1 else x
+        short = (
+            bn(f"blocks.{k}.shortcut.1", conv(f"blocks.{k}.shortcut.0.weight", x, c, c_in, stride, 0), c)
+            if stride > 1
+            else x
+        )
         x, c_in = F.relu(out + short), c
         for j, at in enumerate(exits):
             if at == k + 1:
@@ -171,7 +196,11 @@ def test_level_submodel_is_the_leading_slice_of_the_global_model(level, chans, b
 # ----------------------------------------------------------------------------- method
 def test_levels_assignment_and_points(scalefl):
     levels = scalefl.levels
-    assert scalefl.plans(0, ["a", "b", "c"], {"a": 2.5e6, "b": levels[2].train_macs, "c": 1e9}.__getitem__) == {"a": 1, "b": 3, "c": 4}
+    assert scalefl.plans(0, ["a", "b", "c"], {"a": 2.5e6, "b": levels[2].train_macs, "c": 1e9}.__getitem__) == {
+        "a": 1,
+        "b": 3,
+        "c": 4,
+    }
     points = scalefl.points()
     assert [p.detail for p in points] == [{"level": v.level, "blocks": v.blocks, "width": v.width} for v in levels]
     assert points[0].label == "level 1 (3 blocks, width 0.40)"
@@ -210,7 +239,10 @@ def test_aggregation_averages_each_position_over_the_clients_that_trained_it(sca
     assert head[:, :13].eq(both).all() and head[:, 13:16].eq(only_b).all() and head[:, 16:].eq(nobody).all()
     assert state["exits.0.bias"].eq(both).all()
     assert state["exits.1.weight"][:, :16].eq(only_b).all() and state["exits.1.weight"][:, 16:].eq(nobody).all()
-    assert state["blocks.3.conv2.weight"][:16, :16].eq(only_b).all() and state["blocks.2.conv2.weight"][:13, :13].eq(both).all()
+    assert (
+        state["blocks.3.conv2.weight"][:16, :16].eq(only_b).all()
+        and state["blocks.2.conv2.weight"][:13, :13].eq(both).all()
+    )
     for untouched in ("exits.2.weight", "exits.3.bias", "blocks.4.conv1.weight", "blocks.7.bn2.bias"):
         assert state[untouched].eq(nobody).all()
     for name in state:  # BN statistics are not sent, so they stay
@@ -236,10 +268,15 @@ def test_short_fashion_mnist_run_beats_chance_at_the_largest_level(fashion_mnist
         updates = method.collect(t, cohort, plans, state, cosine_lr(config.train_config().lr, t, config.rounds))
         assert all(torch.equal(state[n], snapshot[n]) for n in state)  # local training leaves the global state alone
         assert all(math.isfinite(u.loss) for u in updates)
-        assert [u.train_macs for u in updates] == [3 * u.samples_seen * method.levels[plans[u.client] - 1].train_macs for u in updates]
+        assert [u.train_macs for u in updates] == [
+            3 * u.samples_seen * method.levels[plans[u.client] - 1].train_macs for u in updates
+        ]
         method.aggregate(t, state, updates, plans)
     cid = cohort[0]
-    first, again = (method.train_client(0, cid, plans[cid], state, *setup.client_data(cid), 0.1, client_seed(config.seed, 0, cid)) for _ in range(2))
+    first, again = (
+        method.train_client(0, cid, plans[cid], state, *setup.client_data(cid), 0.1, client_seed(config.seed, 0, cid))
+        for _ in range(2)
+    )
     assert all(torch.equal(again.state[n], first.state[n]) for n in first.state)  # same seed, same update
     calibration = setup.calibration_images()
     accs = method.evaluate(method.points(), calibration, setup.test_set.images[:500], setup.test_set.labels[:500])

@@ -13,7 +13,16 @@ from hypothesis import strategies as st
 
 from feast_edge.transport.chunks import Outbox, Reassembler, Status
 from feast_edge.transport.errors import ChunkError
-from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE, MAX_HEADER_BYTES, TransferInfo, chunk_count, decode_frame, describe, encode_frame, iter_frames
+from feast_edge.transport.frames import (
+    DEFAULT_CHUNK_SIZE,
+    MAX_HEADER_BYTES,
+    TransferInfo,
+    chunk_count,
+    decode_frame,
+    describe,
+    encode_frame,
+    iter_frames,
+)
 
 IDS = {"federation": "lab", "round": 2, "device": "pi5"}
 
@@ -65,7 +74,9 @@ def test_empty_payload_is_one_empty_chunk() -> None:
     seed=st.integers(0, 2**32 - 1),
     duplicates=st.integers(0, 20),
 )
-def test_any_permutation_with_duplicates_reassembles(payload: bytes, chunk_size: int, seed: int, duplicates: int) -> None:
+def test_any_permutation_with_duplicates_reassembles(
+    payload: bytes, chunk_size: int, seed: int, duplicates: int
+) -> None:
     info, frames = frames_of(payload, chunk_size)
     rng = random.Random(seed)
     stream = frames + [rng.choice(frames) for _ in range(duplicates)]
@@ -278,9 +289,20 @@ def test_one_mib_chunks_of_a_large_payload() -> None:
 def test_an_expected_only_receiver_keeps_nothing_of_unannounced_transfers() -> None:
     """A stranger's frame declaring a gigabyte costs nothing: no transfer opens, no bookkeeping grows."""
     r = Reassembler(federation="lab", expected_only=True, max_payload_bytes=2 * 1024**3)
-    huge = TransferInfo(federation="lab", round=2, device="pi5", transfer="evil", count=1024**2, size=1024**3, chunk=1024, sha256="0" * 64)
+    huge = TransferInfo(
+        federation="lab",
+        round=2,
+        device="pi5",
+        transfer="evil",
+        count=1024**2,
+        size=1024**3,
+        chunk=1024,
+        sha256="0" * 64,
+    )
     for index in (0, 17, 1024**2 - 1):
-        assert r.add(encode_frame(huge, index, b"x" * (1024 if index < 1024**2 - 1 else 1024))).status is Status.UNEXPECTED
+        assert (
+            r.add(encode_frame(huge, index, b"x" * (1024 if index < 1024**2 - 1 else 1024))).status is Status.UNEXPECTED
+        )
     assert r.active() == [] and r.missing("evil") == []
     payload = b"payload" * 500
     info = describe(payload, **IDS, chunk_size=1024)
@@ -292,7 +314,16 @@ def test_an_expected_only_receiver_keeps_nothing_of_unannounced_transfers() -> N
 
 def test_missing_indices_follow_the_limit_not_the_declared_count() -> None:
     r = Reassembler(federation="lab", max_payload_bytes=2 * 1024**3)
-    info = TransferInfo(federation="lab", round=2, device="pi5", transfer="big", count=1024**2, size=1024**3, chunk=1024, sha256="0" * 64)
+    info = TransferInfo(
+        federation="lab",
+        round=2,
+        device="pi5",
+        transfer="big",
+        count=1024**2,
+        size=1024**3,
+        chunk=1024,
+        sha256="0" * 64,
+    )
     r.expect(info)
     assert r.missing("big", limit=5) == [0, 1, 2, 3, 4]
     assert [len(missing) for _, missing in r.stalled(0.0, limit=4096)] == [4096]

@@ -66,7 +66,9 @@ def port_open(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def local_broker() -> str:
-    assert port_open(1883), "no MQTT broker at 127.0.0.1:1883: start it with 'mosquitto -d -c /etc/mosquitto/mosquitto.conf' (.ci/run does)"
+    assert port_open(1883), (
+        "no MQTT broker at 127.0.0.1:1883: start it with 'mosquitto -d -c /etc/mosquitto/mosquitto.conf' (.ci/run does)"
+    )
     return LOCAL
 
 
@@ -225,7 +227,11 @@ def test_malformed_traffic_is_dropped_and_logged(
     with caplog.at_level(logging.WARNING, logger="feast_edge.transport"):
         for junk in (b"", b"\x00\x00\x00\x05{oops", os.urandom(300), encode_frame(other, 0, b"q")):
             rogue.publish(topics.xfer("down", "d1"), junk, timeout=5)
-        for junk in (b"not json", b'{"v":1,"kind":"nack"}', Nack(federation=fed, round=1, device="d9", transfer="x", missing=(1,)).encode()):
+        for junk in (
+            b"not json",
+            b'{"v":1,"kind":"nack"}',
+            Nack(federation=fed, round=1, device="d9", transfer="x", missing=(1,)).encode(),
+        ):
             rogue.publish(topics.nack("down", "d1"), junk, timeout=5)
         sender.send(b"still fine" * 300, round=1, device="d1")
         result = receiver.get(timeout=10)
@@ -300,7 +306,11 @@ def test_last_will_announces_a_crashed_device(make_link: Callable[..., Link], fe
 
 def test_reconnects_resubscribes_and_delivers_queued_messages(make_link: Callable[..., Link], fed: str) -> None:
     topics = Topics(fed)
-    link = make_link(Presence(federation=fed, round=0, device="flaky", state="online"), reconnect_min_delay=0.1, reconnect_max_delay=0.5)
+    link = make_link(
+        Presence(federation=fed, round=0, device="flaky", state="online"),
+        reconnect_min_delay=0.1,
+        reconnect_max_delay=0.5,
+    )
     other = make_link()
     inbox = Collector()
     link.subscribe(topics.ctrl("flaky"), inbox)
@@ -317,7 +327,9 @@ def test_reconnects_resubscribes_and_delivers_queued_messages(make_link: Callabl
     assert inbox.wait(lambda m: m.payload == b"after reconnect").topic == topics.ctrl("flaky")
 
 
-def test_unhandled_topics_go_to_the_inbox_and_handler_errors_are_contained(make_link: Callable[..., Link], fed: str) -> None:
+def test_unhandled_topics_go_to_the_inbox_and_handler_errors_are_contained(
+    make_link: Callable[..., Link], fed: str
+) -> None:
     topics = Topics(fed)
     link, other = make_link(), make_link()
     link.subscribe(topics.events("d1"))
@@ -333,7 +345,9 @@ def test_unhandled_topics_go_to_the_inbox_and_handler_errors_are_contained(make_
     assert link.connected
 
 
-def test_filters_subscribed_before_connect_are_live_when_it_returns(local_broker: str, make_link: Callable[..., Link], fed: str) -> None:
+def test_filters_subscribed_before_connect_are_live_when_it_returns(
+    local_broker: str, make_link: Callable[..., Link], fed: str
+) -> None:
     topics = Topics(fed)
     link = Link(LinkConfig(broker=local_broker))
     link.subscribe(topics.events("d1"))
@@ -346,7 +360,9 @@ def test_filters_subscribed_before_connect_are_live_when_it_returns(local_broker
         link.close()
 
 
-def test_a_handler_cannot_block_on_a_puback(make_link: Callable[..., Link], fed: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_handler_cannot_block_on_a_puback(
+    make_link: Callable[..., Link], fed: str, caplog: pytest.LogCaptureFixture
+) -> None:
     topics = Topics(fed)
     link = make_link()
     link.subscribe(topics.events("d1"), lambda message: link.publish(topics.register("d1"), b"x", timeout=5))
@@ -356,7 +372,9 @@ def test_a_handler_cannot_block_on_a_puback(make_link: Callable[..., Link], fed:
     assert link.connected
 
 
-def test_clean_close_logs_nothing_at_error_level(make_link: Callable[..., Link], fed: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_clean_close_logs_nothing_at_error_level(
+    make_link: Callable[..., Link], fed: str, caplog: pytest.LogCaptureFixture
+) -> None:
     topics = Topics(fed)
     observer = make_link()
     seen = Collector()
@@ -401,7 +419,9 @@ def test_unreachable_broker_is_a_clear_error() -> None:
         f"cannot reach MQTT broker at 127.0.0.1:{port}: connection refused; is the broker running? check --broker"
     )
     # The refusal is final at once: no background thread was left retrying (it would have kept connect() from failing fast).
-    assert not link.connected and not any(t.name.startswith(f"paho-mqtt-client-{link.client_id}") for t in threading.enumerate())
+    assert not link.connected and not any(
+        t.name.startswith(f"paho-mqtt-client-{link.client_id}") for t in threading.enumerate()
+    )
 
 
 def test_silent_server_times_out_instead_of_hanging() -> None:
@@ -430,7 +450,12 @@ def test_parse_broker_url(url: str, expected: tuple[object, ...]) -> None:
 
 @pytest.mark.parametrize(
     ("url", "needle"),
-    [("http://x:1", "scheme 'http'"), ("mqtt://x:99999", "invalid port"), ("mqtt://:1883", "names no host"), ("mqtt://x/a", "path")],
+    [
+        ("http://x:1", "scheme 'http'"),
+        ("mqtt://x:99999", "invalid port"),
+        ("mqtt://:1883", "names no host"),
+        ("mqtt://x/a", "path"),
+    ],
 )
 def test_bad_broker_urls(url: str, needle: str) -> None:
     with pytest.raises(LinkError, match=needle):
@@ -462,8 +487,24 @@ def _openssl(*args: str, cwd: Path) -> None:
 def _make_certificates(d: Path) -> None:
     """Throwaway CA (ca.pem) signing a server (server.pem/key, for 127.0.0.1 and localhost) and a client (client.pem/key)."""
     ec_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec_key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=feast test CA",
-             "-addext", "basicConstraints=critical,CA:TRUE,pathlen:0", "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        *ec_key,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=feast test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE,pathlen:0",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )
     extensions = {
         "server": "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
         "client": "extendedKeyUsage=clientAuth\n",
@@ -473,8 +514,25 @@ def _make_certificates(d: Path) -> None:
             f"basicConstraints=critical,CA:FALSE\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n{extra}"
         )
         _openssl("req", *ec_key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial", str(random.getrandbits(63)),
-                 "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-set_serial",
+            str(random.getrandbits(63)),
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.pem",
+            cwd=d,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -483,7 +541,9 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBr
     d = tmp_path_factory.mktemp("mosquitto")
     _make_certificates(d)
     ca_file, server_cert, server_key_file = d / "ca.pem", d / "server.pem", d / "server.key"
-    subprocess.run(["mosquitto_passwd", "-b", "-c", str(d / "passwd"), USER, PASSWORD], check=True, capture_output=True, timeout=10)
+    subprocess.run(
+        ["mosquitto_passwd", "-b", "-c", str(d / "passwd"), USER, PASSWORD], check=True, capture_output=True, timeout=10
+    )
     plain, tls, mutual = free_ports(3)
     tls_files = f"cafile {ca_file}\ncertfile {server_cert}\nkeyfile {server_key_file}\n"
     (d / "mosquitto.conf").write_text(
@@ -538,14 +598,18 @@ def test_right_credentials_connect(secure_broker: SecureBroker) -> None:
 def test_wrong_credentials_are_a_clear_error(secure_broker: SecureBroker, protocol: str) -> None:
     address = secure_broker.plain.removeprefix("mqtt://")
     with pytest.raises(BrokerAuthError) as error:
-        Link(LinkConfig(broker=secure_broker.plain, username=USER, password="wrong", protocol=protocol)).connect(timeout=5)
+        Link(LinkConfig(broker=secure_broker.plain, username=USER, password="wrong", protocol=protocol)).connect(
+            timeout=5
+        )
     message = str(error.value)
     assert message.startswith(f"MQTT broker at {address} rejected the credentials of user 'alice' (")
     assert message.endswith("); check --username/--password")
 
 
 def test_missing_credentials_are_a_clear_error(secure_broker: SecureBroker) -> None:
-    with pytest.raises(BrokerAuthError, match="rejected the credentials of a client without a username .*check --username/--password"):
+    with pytest.raises(
+        BrokerAuthError, match="rejected the credentials of a client without a username .*check --username/--password"
+    ):
         Link(LinkConfig(broker=secure_broker.plain)).connect(timeout=5)
 
 
@@ -558,7 +622,9 @@ def test_tls_insecure_skips_verification(secure_broker: SecureBroker) -> None:
 
 
 def test_tls_unknown_ca_is_a_clear_error(secure_broker: SecureBroker) -> None:
-    with pytest.raises(BrokerTlsError, match="certificate verify failed|self.signed|unable to get local issuer") as error:
+    with pytest.raises(
+        BrokerTlsError, match="certificate verify failed|self.signed|unable to get local issuer"
+    ) as error:
         Link(LinkConfig(broker=secure_broker.tls, username=USER, password=PASSWORD)).connect(timeout=5)
     assert "check --ca-file" in str(error.value)
 
@@ -577,7 +643,12 @@ def test_plain_url_on_a_tls_port_is_a_clear_error(secure_broker: SecureBroker) -
 
 def test_mutual_tls_with_a_client_certificate(secure_broker: SecureBroker) -> None:
     _round_trip(
-        LinkConfig(broker=secure_broker.mutual, ca_file=secure_broker.ca, cert_file=secure_broker.client_cert, key_file=secure_broker.client_key)
+        LinkConfig(
+            broker=secure_broker.mutual,
+            ca_file=secure_broker.ca,
+            cert_file=secure_broker.client_cert,
+            key_file=secure_broker.client_key,
+        )
     )
     with pytest.raises(LinkError, match="--cert-file/--key-file"):
         Link(LinkConfig(broker=secure_broker.mutual, ca_file=secure_broker.ca)).connect(timeout=5)

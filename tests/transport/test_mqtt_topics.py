@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from feast_edge.transport.errors import TopicError
 from feast_edge.transport.topics import MAX_ID_LENGTH, Topic, Topics, parse_topic, validate_id
 
-IDS = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-", min_size=1, max_size=MAX_ID_LENGTH)
+IDS = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-", min_size=1, max_size=MAX_ID_LENGTH
+)
 
 
 def test_topic_names() -> None:
@@ -65,7 +67,16 @@ def test_non_string_id_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "topic",
-    ["other/lab/events", "feast/lab", "feast/lab/unknown", "feast/lab/xfer/sideways/d", "feast/lab/ctrl/a/b", "feast/l+b/events/d", "feast/lab/events", "feast/lab/register"],
+    [
+        "other/lab/events",
+        "feast/lab",
+        "feast/lab/unknown",
+        "feast/lab/xfer/sideways/d",
+        "feast/lab/ctrl/a/b",
+        "feast/l+b/events/d",
+        "feast/lab/events",
+        "feast/lab/register",
+    ],
 )
 def test_foreign_topics_do_not_parse(topic: str) -> None:
     with pytest.raises(TopicError):

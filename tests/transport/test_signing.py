@@ -23,7 +23,9 @@ def test_the_topic_names_the_signer() -> None:
     assert signer_of(T.nack("up", "jet")) == SERVER  # the server's receipts for an upload
     for topic in (T.status("jet"), T.register("jet"), T.events("jet"), T.nack("down", "jet")):
         assert signer_of(topic) == "jet"
-    assert signer_of(T.xfer("down", "jet")) is None and signer_of(T.xfer("up", "jet")) is None  # frames: covered by the signed SHA-256
+    assert (
+        signer_of(T.xfer("down", "jet")) is None and signer_of(T.xfer("up", "jet")) is None
+    )  # frames: covered by the signed SHA-256
     with pytest.raises(SignatureError):
         signer_of("other/topic")
 
@@ -57,7 +59,9 @@ def test_altered_unsigned_and_unknown_messages_are_refused() -> None:
 
 
 def test_a_device_cannot_speak_for_the_server() -> None:
-    forged = Keyring(SERVER, JET_KEY).seal(T.ctrl("pi"), b'{"kind":"registered","accepted":false}')  # jet's key, server's name
+    forged = Keyring(SERVER, JET_KEY).seal(
+        T.ctrl("pi"), b'{"kind":"registered","accepted":false}'
+    )  # jet's key, server's name
     with pytest.raises(SignatureError):
         PI_RING.open(T.ctrl("pi"), forged)
     assert PI_RING.open(T.ctrl("pi"), SERVER_RING.seal(T.ctrl("pi"), b"ok")) == b"ok"

@@ -15,12 +15,18 @@ def test_a_flood_is_a_few_lines_then_a_count(caplog: pytest.LogCaptureFixture, m
     monkeypatch.setattr("feast_edge.transport.throttle.time.monotonic", lambda: clock[0])
     throttle = Throttle(logging.getLogger("flood"), period=60.0, burst=3)
     logged = [throttle.warning("bad jet", "dropped message %d", i) for i in range(1000)]
-    assert sum(logged) == 3 and [r.getMessage() for r in caplog.records] == ["dropped message 0", "dropped message 1", "dropped message 2"]
+    assert sum(logged) == 3 and [r.getMessage() for r in caplog.records] == [
+        "dropped message 0",
+        "dropped message 1",
+        "dropped message 2",
+    ]
     assert throttle.warning("bad pi", "another sender")  # each key has its own budget
     clock[0] += 61
     caplog.clear()
     assert throttle.warning("bad jet", "dropped message again")
-    assert caplog.records[0].getMessage() == "dropped message again (997 more like this in the last 60 s were not logged)"
+    assert (
+        caplog.records[0].getMessage() == "dropped message again (997 more like this in the last 60 s were not logged)"
+    )
 
 
 def test_memory_stays_bounded_whatever_the_keys() -> None:

@@ -77,8 +77,12 @@ class Method(ServedPoints):
         self.preset = setup.preset
         self.opts = self.parse_options(dict(config.method_options))
         self.model: nn.Module = self.build_model()
-        self.validated: list[dict[str, Any]] = []  # the latest validation, per probe point (label, macs, params, val_accuracy)
-        self.on_client: Callable[[str, str], None] | None = None  # told (client, "training" | "uploading") around each local update
+        self.validated: list[
+            dict[str, Any]
+        ] = []  # the latest validation, per probe point (label, macs, params, val_accuracy)
+        self.on_client: Callable[[str, str], None] | None = (
+            None  # told (client, "training" | "uploading") around each local update
+        )
 
     @classmethod
     def parse_options(cls, given: Mapping[str, str]) -> dict[str, Any]:
@@ -97,7 +101,9 @@ class Method(ServedPoints):
             try:
                 values[key] = opt.parse(given[key])
             except (TypeError, ValueError) as exc:
-                raise MethodError(f"--method-option {key}={given[key]!r} for {cls.name} is malformed ({exc}); {opt.help}") from None
+                raise MethodError(
+                    f"--method-option {key}={given[key]!r} for {cls.name} is malformed ({exc}); {opt.help}"
+                ) from None
         cls.check_options(values)
         return values
 
@@ -124,12 +130,26 @@ class Method(ServedPoints):
         raise NotImplementedError
 
     def train_client(
-        self, t: int, client: str, plan: Any, global_state: Mapping[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor, lr: float, seed: int
+        self,
+        t: int,
+        client: str,
+        plan: Any,
+        global_state: Mapping[str, torch.Tensor],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        lr: float,
+        seed: int,
     ) -> ClientUpdate:
         """One client's local training on uint8 ``images``; must not modify ``global_state``."""
         raise NotImplementedError
 
-    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+    def aggregate(
+        self,
+        t: int,
+        global_state: Mapping[str, torch.Tensor],
+        updates: Sequence[ClientUpdate],
+        plans: Mapping[str, Any],
+    ) -> None:
         """Fold the valid updates (client-id order) into ``global_state`` in place (it aliases the model's tensors)."""
         raise NotImplementedError
 
@@ -145,21 +165,36 @@ class Method(ServedPoints):
         """What a routed payload in the wire's dtype delivers (slicing commutes with the cast)."""
         return on_the_wire(global_state, self.config.payload_dtype)
 
-    def train_one(self, t: int, client: str, plan: Any, delivered: Mapping[str, torch.Tensor], lr: float) -> ClientUpdate:
+    def train_one(
+        self, t: int, client: str, plan: Any, delivered: Mapping[str, torch.Tensor], lr: float
+    ) -> ClientUpdate:
         """One cohort member's :meth:`train_client` on its own shard, its update passed through safetensors as on the wire."""
         images, labels = self.setup.client_data(client)
         began = time.perf_counter()
         if self.on_client is not None:
             self.on_client(client, "training")
-        update = self.train_client(t, client, plan, delivered, images, labels, lr, client_seed(self.config.seed, t, client))
+        update = self.train_client(
+            t, client, plan, delivered, images, labels, lr, client_seed(self.config.seed, t, client)
+        )
         wire = self.config.payload_dtype
-        update.state = on_the_wire(load_tensors(save_tensors({k: v.contiguous() for k, v in update.state.items()})), wire) if update.state else {}
+        update.state = (
+            on_the_wire(load_tensors(save_tensors({k: v.contiguous() for k, v in update.state.items()})), wire)
+            if update.state
+            else {}
+        )
         update.compute_seconds = time.perf_counter() - began
         if self.on_client is not None:
             self.on_client(client, "uploading")
         return update
 
-    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any], global_state: Mapping[str, torch.Tensor], lr: float) -> list[ClientUpdate]:
+    def collect(
+        self,
+        t: int,
+        cohort: Sequence[str],
+        plans: Mapping[str, Any],
+        global_state: Mapping[str, torch.Tensor],
+        lr: float,
+    ) -> list[ClientUpdate]:
         """Every cohort member's :meth:`train_one`, in cohort order (a method that overrides this cannot be spread over processes)."""
         delivered = self.delivered(global_state)
         return [self.train_one(t, client, plans[client], delivered, lr) for client in cohort]
@@ -171,4 +206,6 @@ class Method(ServedPoints):
             return super().served(budget)
         except ValueError:
             smallest = self.points()[0].macs
-            raise MethodError(f"{self.name}: a budget of {budget / 1e6:.2f}M MACs is below its smallest model ({smallest / 1e6:.2f}M MACs); raise --budget-min") from None
+            raise MethodError(
+                f"{self.name}: a budget of {budget / 1e6:.2f}M MACs is below its smallest model ({smallest / 1e6:.2f}M MACs); raise --budget-min"
+            ) from None

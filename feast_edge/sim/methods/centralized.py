@@ -47,7 +47,9 @@ class Centralized(Feast):
         """The federation's optimizer steps in a round with this cohort: Σ_i epochs·⌈n_i/B⌉."""
         train = self.config.train_config()
         sizes = self.setup.population.sizes
-        return sum(train.epochs * math.ceil(int(sizes[self.setup.client_ids.index(c)]) / train.batch_size) for c in cohort)
+        return sum(
+            train.epochs * math.ceil(int(sizes[self.setup.client_ids.index(c)]) / train.batch_size) for c in cohort
+        )
 
     def pooled_indices(self, t: int, count: int) -> np.ndarray:
         """``count`` pooled-data indices for round ``t``: consecutive shuffles of every client's shard."""
@@ -56,7 +58,14 @@ class Centralized(Feast):
         draws = [rng.permutation(pooled) for _ in range(-(-count // len(pooled)))]
         return np.concatenate(draws)[:count]
 
-    def collect(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any], global_state: Mapping[str, torch.Tensor], lr: float) -> list[ClientUpdate]:
+    def collect(
+        self,
+        t: int,
+        cohort: Sequence[str],
+        plans: Mapping[str, Any],
+        global_state: Mapping[str, torch.Tensor],
+        lr: float,
+    ) -> list[ClientUpdate]:
         """Train the global supernet in place for the cohort's step count (``global_state`` aliases it)."""
         train = self.config.train_config()
         index = self.pooled_indices(t, self.round_steps(cohort) * train.batch_size)
@@ -65,14 +74,36 @@ class Centralized(Feast):
         began = time.perf_counter()
         one_pass = train.__class__(**{**train.__dict__, "epochs": 1})  # the step count already covers the epochs
         cache = self.setup.cache
-        result = local_train(self.model, images, labels, cache.archs, cache.smallest.arch, one_pass, lr=lr, seed=self.config.seed * 1_000_003 + t, device=self.config.device)
+        result = local_train(
+            self.model,
+            images,
+            labels,
+            cache.archs,
+            cache.smallest.arch,
+            one_pass,
+            lr=lr,
+            seed=self.config.seed * 1_000_003 + t,
+            device=self.config.device,
+        )
         self.model.to("cpu")
         return [
             ClientUpdate(
-                "pooled", {}, result.num_samples, loss=result.mean_loss, samples_seen=result.samples_seen, train_macs=result.train_macs,
-                compute_seconds=time.perf_counter() - began, variants_per_batch={str(k): v for k, v in result.variants_per_batch.items()},
+                "pooled",
+                {},
+                result.num_samples,
+                loss=result.mean_loss,
+                samples_seen=result.samples_seen,
+                train_macs=result.train_macs,
+                compute_seconds=time.perf_counter() - began,
+                variants_per_batch={str(k): v for k, v in result.variants_per_batch.items()},
             )
         ]
 
-    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+    def aggregate(
+        self,
+        t: int,
+        global_state: Mapping[str, torch.Tensor],
+        updates: Sequence[ClientUpdate],
+        plans: Mapping[str, Any],
+    ) -> None:
         """Nothing to fold in: :meth:`collect` trained the global model itself."""

@@ -50,21 +50,54 @@ class Feast(Method):
         return self.strategy.full_params()
 
     def train_client(
-        self, t: int, client: str, plan: ClientPlan, global_state: Mapping[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor, lr: float, seed: int
+        self,
+        t: int,
+        client: str,
+        plan: ClientPlan,
+        global_state: Mapping[str, torch.Tensor],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        lr: float,
+        seed: int,
     ) -> ClientUpdate:
         preset = self.preset
         state = route_state(global_state, plan.layout(preset, preset.classes), preset)
-        new_state, result = client_update(preset, preset.classes, plan, state, images, labels, self.config.train_config(), lr, seed, self.config.device, self.config.amp)
+        new_state, result = client_update(
+            preset,
+            preset.classes,
+            plan,
+            state,
+            images,
+            labels,
+            self.config.train_config(),
+            lr,
+            seed,
+            self.config.device,
+            self.config.amp,
+        )
         return ClientUpdate(
-            client, new_state, result.num_samples, loss=result.mean_loss, samples_seen=result.samples_seen, train_macs=result.train_macs,
+            client,
+            new_state,
+            result.num_samples,
+            loss=result.mean_loss,
+            samples_seen=result.samples_seen,
+            train_macs=result.train_macs,
             variants_per_batch={str(k): v for k, v in result.variants_per_batch.items()},
         )
 
-    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+    def aggregate(
+        self,
+        t: int,
+        global_state: Mapping[str, torch.Tensor],
+        updates: Sequence[ClientUpdate],
+        plans: Mapping[str, Any],
+    ) -> None:
         self.strategy.aggregate(t, global_state, updates, plans)
 
     def points(self) -> list[OperatingPoint]:
         return self.strategy.points()
 
-    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+    def point_network(
+        self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
+    ) -> nn.Module:
         return self.strategy.point_network(point, calibration_images, device)

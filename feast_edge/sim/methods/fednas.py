@@ -153,7 +153,9 @@ def random_space_arch(preset: Preset, rng: np.random.Generator) -> Arch:
     )
 
 
-def sample_affordable_arch(preset: Preset, budget: float, rng: np.random.Generator, attempts: int, classes: int) -> tuple[Arch, int] | None:
+def sample_affordable_arch(
+    preset: Preset, budget: float, rng: np.random.Generator, attempts: int, classes: int
+) -> tuple[Arch, int] | None:
     """SFN's sampler: the first of at most ``attempts`` uniform draws with MACs <= ``budget``, with its MACs; None if none fits."""
     for _ in range(attempts):
         arch = random_space_arch(preset, rng)
@@ -228,7 +230,9 @@ class _FedNAS(Method):
     supernet = True
     options: ClassVar[Mapping[str, MethodOption]] = {
         "a0": MethodOption(float, 0.9, "MaxNet weight at round 0, in (0, 1)"),
-        "rho_final": MethodOption(float, 0.125 / 0.9, "final MaxNet weight as a fraction of a0 (0.125/0.9: 0.9 -> 0.125)"),
+        "rho_final": MethodOption(
+            float, 0.125 / 0.9, "final MaxNet weight as a fraction of a0 (0.125/0.9: 0.9 -> 0.125)"
+        ),
         "anneal": MethodOption(float, 1.0, "share of the rounds over which the MaxNet weight anneals, in (0, 1]"),
         "top_k": MethodOption(int, 1, "clients per round that train their local max (the max-net clients)"),
         "bottom_k": MethodOption(int, 1, "clients per round that train the global min"),
@@ -263,7 +267,9 @@ class _FedNAS(Method):
         """A random-role client's subnet and its MACs (SFN: the space; DFN: the affordable cache)."""
         raise NotImplementedError
 
-    def round_plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float], tally: Tally) -> dict[str, SubnetPlan]:
+    def round_plans(
+        self, t: int, cohort: Sequence[str], budget: Callable[[str], float], tally: Tally
+    ) -> dict[str, SubnetPlan]:
         """Round ``t``'s plans given the counters before it; ``tally`` is advanced past round ``t``."""
         roles = sandwich_roles(cohort, tally, self.opts["top_k"], self.opts["bottom_k"])
         smallest = self.cache.smallest
@@ -312,7 +318,15 @@ class _FedNAS(Method):
 
     # ------------------------------------------------------------------ local training
     def train_client(
-        self, t: int, client: str, plan: SubnetPlan, global_state: StateDict, images: torch.Tensor, labels: torch.Tensor, lr: float, seed: int
+        self,
+        t: int,
+        client: str,
+        plan: SubnetPlan,
+        global_state: StateDict,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        lr: float,
+        seed: int,
     ) -> ClientUpdate:
         """Train the planned subnet alone: soft-target CE, SGD with momentum, weight decay and clipping."""
         recipe = self.config.train_config()
@@ -322,11 +336,23 @@ class _FedNAS(Method):
         device = torch.device(self.config.device)
         model.to(device).train()
         # Every parameter of the physical subnet is active, so plain SGD weight decay touches only the trained slice.
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay
+        )
         shuffle_gen, augment_gen = (torch.Generator().manual_seed(s) for s in seeds(seed, 2))
         bn_needs_two = layout.stages[-1].resolution == 1
         seen, loss_sum, batches = 0, 0.0, 0
-        for batch in training_batches(images.cpu(), labels.cpu(), self.preset, model.classes, recipe, shuffle_gen, augment_gen, device, bn_needs_two):
+        for batch in training_batches(
+            images.cpu(),
+            labels.cpu(),
+            self.preset,
+            model.classes,
+            recipe,
+            shuffle_gen,
+            augment_gen,
+            device,
+            bn_needs_two,
+        ):
             optimizer.zero_grad(set_to_none=True)
             loss = supervised_loss(model(batch.images, plan.arch), batch.targets)
             loss.backward()
@@ -352,7 +378,9 @@ class _FedNAS(Method):
         horizon = max(1, round(self.opts["anneal"] * self.config.rounds))
         return maxnet_share(t, horizon, self.opts["a0"], self.opts["rho_final"])
 
-    def aggregate(self, t: int, global_state: StateDict, updates: Sequence[ClientUpdate], plans: Mapping[str, SubnetPlan]) -> None:
+    def aggregate(
+        self, t: int, global_state: StateDict, updates: Sequence[ClientUpdate], plans: Mapping[str, SubnetPlan]
+    ) -> None:
         if not updates:
             return
         maxnet = {cid for cid, plan in plans.items() if plan.role == LARGEST}
@@ -362,10 +390,15 @@ class _FedNAS(Method):
     # ------------------------------------------------------------------ evaluation
     def points(self) -> list[OperatingPoint]:
         if self._points is None:
-            self._points = [OperatingPoint(f"variant {i}", e.macs, e.params, e.arch.to_dict()) for i, e in enumerate(self.cache.entries)]
+            self._points = [
+                OperatingPoint(f"variant {i}", e.macs, e.params, e.arch.to_dict())
+                for i, e in enumerate(self.cache.entries)
+            ]
         return list(self._points)
 
-    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+    def point_network(
+        self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
+    ) -> nn.Module:
         """The cached variant extracted as a static network, BN recalibrated (SPEC §8)."""
         return calibrated_variant(self.model, Arch.from_dict(dict(point.detail)), calibration_images, device=device)
 
@@ -377,7 +410,9 @@ class SuperFedNAS(_FedNAS):
     summary = "SuperFedNAS in FEAST's space: one random affordable subnet per client, MaxNet aggregation"
     options: ClassVar[Mapping[str, MethodOption]] = {
         **_FedNAS.options,
-        "attempts": MethodOption(int, 50, "uniform draws per client before falling back to its largest affordable cached variant"),
+        "attempts": MethodOption(
+            int, 50, "uniform draws per client before falling back to its largest affordable cached variant"
+        ),
     }
 
     def draw_random(self, budget: float, rng: np.random.Generator, local_max: CacheEntry) -> tuple[Arch, int]:

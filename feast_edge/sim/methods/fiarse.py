@@ -158,7 +158,11 @@ GRADIENTS = {"tcb": ThresholdMask.apply, "masked": hard_mask}
 
 
 @torch.no_grad()
-def apply_sparse_deltas(global_state: Mapping[str, torch.Tensor], updates: Sequence[tuple[Mapping[str, torch.Tensor], float]], server_lr: float = 1.0) -> None:
+def apply_sparse_deltas(
+    global_state: Mapping[str, torch.Tensor],
+    updates: Sequence[tuple[Mapping[str, torch.Tensor], float]],
+    server_lr: float = 1.0,
+) -> None:
     """FIARSE's server step, in place on ``global_state`` (see the module docstring for the formula).
 
     Each update is ``(state, n)``: ``delta.<name>`` holds a parameter's Δ, ``mask.<name>``
@@ -205,21 +209,33 @@ class Fiarse(Method):
     supernet = True
     options: ClassVar[Mapping[str, MethodOption]] = {
         "sizes": MethodOption(
-            floats, None, "comma-separated model sizes in (0, 1] evaluated and served (default: 1, 1/2, 1/4, ... down to the smallest client's size)"
+            floats,
+            None,
+            "comma-separated model sizes in (0, 1] evaluated and served (default: 1, 1/2, 1/4, ... down to the smallest client's size)",
         ),
         "server_lr": MethodOption(float, 1.0, "server learning rate η_g of θ ← θ − η_g·avg Δ (paper: 1)"),
-        "gradient": MethodOption(str, "tcb", "tcb (threshold-controlled biased gradient, the paper) or masked (g·m, what the published code computes)"),
+        "gradient": MethodOption(
+            str,
+            "tcb",
+            "tcb (threshold-controlled biased gradient, the paper) or masked (g·m, what the published code computes)",
+        ),
     }
 
     @classmethod
     def check_options(cls, values: Mapping[str, Any]) -> None:
         sizes = values["sizes"]
         if sizes is not None and (not sizes or not all(0 < s <= 1 for s in sizes)):
-            raise MethodError(f"--method-option sizes={','.join(f'{s:g}' for s in sizes)} for fiarse must list fractions in (0, 1], e.g. sizes=0.25,0.5,1")
+            raise MethodError(
+                f"--method-option sizes={','.join(f'{s:g}' for s in sizes)} for fiarse must list fractions in (0, 1], e.g. sizes=0.25,0.5,1"
+            )
         if not (values["server_lr"] > 0 and math.isfinite(values["server_lr"])):
-            raise MethodError(f"--method-option server_lr={values['server_lr']} for fiarse must be a positive number (paper: 1)")
+            raise MethodError(
+                f"--method-option server_lr={values['server_lr']} for fiarse must be a positive number (paper: 1)"
+            )
         if values["gradient"] not in GRADIENTS:
-            raise MethodError(f"--method-option gradient={values['gradient']} for fiarse is unknown; choose one of {', '.join(GRADIENTS)}")
+            raise MethodError(
+                f"--method-option gradient={values['gradient']} for fiarse is unknown; choose one of {', '.join(GRADIENTS)}"
+            )
 
     def __init__(self, setup: Setup, config: SimulationConfig) -> None:
         super().__init__(setup, config)
@@ -228,7 +244,9 @@ class Fiarse(Method):
         self.masked = masked_names(self.model)
         params = dict(self.model.named_parameters())
         self.weight_count = sum(params[n].numel() for n in self.masked)
-        self.free_params = sum(p.numel() for n, p in params.items() if n not in self.masked)  # BN affine, classifier bias
+        self.free_params = sum(
+            p.numel() for n, p in params.items() if n not in self.masked
+        )  # BN affine, classifier bias
         low = min(float(b) for b in setup.population.budgets)
         self.sizes = tuple(sorted(set(self.opts["sizes"] or default_sizes(model_size(low, self.full_macs)))))
         if int(self.sizes[0] * self.full_macs) > low:  # fail now, not when the final test serves that client
@@ -250,7 +268,15 @@ class Fiarse(Method):
         return kept_count(self.weight_count, plan) + self.free_params
 
     def train_client(
-        self, t: int, client: str, plan: float, global_state: Mapping[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor, lr: float, seed: int
+        self,
+        t: int,
+        client: str,
+        plan: float,
+        global_state: Mapping[str, torch.Tensor],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        lr: float,
+        seed: int,
     ) -> ClientUpdate:
         """Plain SGD on ``θ·m`` (biased gradient), from the global θ; returns Δ, the mask and the BN buffers."""
         recipe = self.config.train_config()
@@ -264,10 +290,22 @@ class Fiarse(Method):
         mask = masks(weights, tau)
         apply_mask = GRADIENTS[self.opts["gradient"]]
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0, weight_decay=0.0)
-        shuffle_gen, augment_gen = (torch.Generator().manual_seed(s) for s in seeds(seed, 2))  # FEAST's first two streams
+        shuffle_gen, augment_gen = (
+            torch.Generator().manual_seed(s) for s in seeds(seed, 2)
+        )  # FEAST's first two streams
         bn_needs_two = model.layout.stages[-1].resolution == 1
         objective, batch_sizes = 0.0, []
-        for batch in training_batches(images.cpu(), labels.cpu(), self.preset, model.classes, recipe, shuffle_gen, augment_gen, device, bn_needs_two):
+        for batch in training_batches(
+            images.cpu(),
+            labels.cpu(),
+            self.preset,
+            model.classes,
+            recipe,
+            shuffle_gen,
+            augment_gen,
+            device,
+            bn_needs_two,
+        ):
             optimizer.zero_grad(set_to_none=True)
             masked_weights = {name: apply_mask(w, tau) for name, w in weights.items()}
             loss = supervised_loss(functional_call(model, masked_weights, (batch.images, self.arch)), batch.targets)
@@ -286,10 +324,21 @@ class Fiarse(Method):
         state.update({name: b.detach().cpu().clone() for name, b in model.named_buffers()})
         seen = sum(batch_sizes)
         return ClientUpdate(
-            client, state, samples=len(labels), loss=objective / seen if seen else float("nan"), samples_seen=seen, train_macs=3 * seen * self.full_macs
+            client,
+            state,
+            samples=len(labels),
+            loss=objective / seen if seen else float("nan"),
+            samples_seen=seen,
+            train_macs=3 * seen * self.full_macs,
         )
 
-    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+    def aggregate(
+        self,
+        t: int,
+        global_state: Mapping[str, torch.Tensor],
+        updates: Sequence[ClientUpdate],
+        plans: Mapping[str, Any],
+    ) -> None:
         """``θ ← θ − η_g·avg Δ`` over the masks (sample-weighted), BN buffers averaged, in place."""
         if updates:
             apply_sparse_deltas(global_state, [(u.state, u.samples) for u in updates], self.opts["server_lr"])
@@ -312,11 +361,17 @@ class Fiarse(Method):
     def masked_model(self, size: float) -> Supernet:
         """A copy of the global model with the global top-k mask of ``size`` applied to its weights."""
         state = self.model.state_dict()
-        keep = masks({name: state[name] for name in self.masked}, threshold([state[name] for name in self.masked], size))
+        keep = masks(
+            {name: state[name] for name in self.masked}, threshold([state[name] for name in self.masked], size)
+        )
         model = Supernet(self.preset, seed=None)
         model.load_state_dict({name: t * keep[name] if name in keep else t for name, t in state.items()})
         return model
 
-    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+    def point_network(
+        self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
+    ) -> nn.Module:
         """The dense model with the top-k mask of the point's size applied, BN recalibrated (SPEC §8)."""
-        return calibrated_variant(self.masked_model(float(point.detail["size"])), self.arch, calibration_images, device=device)
+        return calibrated_variant(
+            self.masked_model(float(point.detail["size"])), self.arch, calibration_images, device=device
+        )

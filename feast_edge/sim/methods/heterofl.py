@@ -84,7 +84,9 @@ PAPER_TIERS = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
 def heterofl_shape(preset: Preset) -> ResNetShape:
     """The global network of ``preset``: ResNet-18 widths scaled so the full network fits ``budget_cap`` MACs."""
-    hidden = hidden_for_budget(preset.in_channels, preset.input_size, preset.classes, preset.stem_stride, preset.budget_cap)
+    hidden = hidden_for_budget(
+        preset.in_channels, preset.input_size, preset.classes, preset.stem_stride, preset.budget_cap
+    )
     return ResNetShape(preset.in_channels, preset.input_size, preset.classes, hidden, preset.stem_stride)
 
 
@@ -98,7 +100,9 @@ class HeteroFL(Method):
     summary = "HeteroFL: width tiers of one ResNet-18, top-left-slice payloads, count-normalised averaging, static BN"
     supernet = False
     options: ClassVar[Mapping[str, MethodOption]] = {
-        "tiers": MethodOption(floats, PAPER_TIERS, "width ratios r in (0, 1], comma-separated (default 1,0.5,0.25,0.125,0.0625)"),
+        "tiers": MethodOption(
+            floats, PAPER_TIERS, "width ratios r in (0, 1], comma-separated (default 1,0.5,0.25,0.125,0.0625)"
+        ),
     }
 
     def __init__(self, setup: Setup, config: SimulationConfig) -> None:
@@ -110,7 +114,9 @@ class HeteroFL(Method):
     def check_options(cls, values: Mapping[str, Any]) -> None:
         tiers = values["tiers"]
         if not tiers or any(not 0 < r <= 1 for r in tiers) or len(set(tiers)) != len(tiers):
-            raise MethodError(f"--method-option tiers={','.join(map(str, tiers))} must list distinct width ratios in (0, 1], e.g. 1,0.5,0.25,0.125,0.0625")
+            raise MethodError(
+                f"--method-option tiers={','.join(map(str, tiers))} must list distinct width ratios in (0, 1], e.g. 1,0.5,0.25,0.125,0.0625"
+            )
 
     # ------------------------------------------------------------------ model
     def build_model(self) -> ResNet18:
@@ -150,7 +156,15 @@ class HeteroFL(Method):
         return leading_state(global_state, tensor_shapes(self.shape, ratio))
 
     def train_client(
-        self, t: int, client: str, plan: float, global_state: Mapping[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor, lr: float, seed: int
+        self,
+        t: int,
+        client: str,
+        plan: float,
+        global_state: Mapping[str, torch.Tensor],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        lr: float,
+        seed: int,
     ) -> ClientUpdate:
         ratio, train = float(plan), self.config.train_config()
         device = torch.device(self.config.device)
@@ -160,7 +174,17 @@ class HeteroFL(Method):
         optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
         net.train()
         loss_sum, seen = 0.0, 0
-        batches = training_batches(images.cpu(), labels.cpu(), self.preset, self.preset.classes, train, shuffle_gen, augment_gen, device, bn_needs_two=last_side(self.shape) == 1)
+        batches = training_batches(
+            images.cpu(),
+            labels.cpu(),
+            self.preset,
+            self.preset.classes,
+            train,
+            shuffle_gen,
+            augment_gen,
+            device,
+            bn_needs_two=last_side(self.shape) == 1,
+        )
         for batch in batches:
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(net(batch.images), batch.targets)
@@ -171,25 +195,50 @@ class HeteroFL(Method):
             seen += len(batch)
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in net.state_dict().items()}
         return ClientUpdate(
-            client, state, int(labels.shape[0]), loss=loss_sum / seen if seen else float("nan"), samples_seen=seen,
-            train_macs=3 * seen * resnet_cost(self.shape, ratio)[0],  # SPEC §7's proxy: forward + backward ≈ 3 × forward
+            client,
+            state,
+            int(labels.shape[0]),
+            loss=loss_sum / seen if seen else float("nan"),
+            samples_seen=seen,
+            train_macs=3
+            * seen
+            * resnet_cost(self.shape, ratio)[0],  # SPEC §7's proxy: forward + backward ≈ 3 × forward
         )
 
-    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+    def aggregate(
+        self,
+        t: int,
+        global_state: Mapping[str, torch.Tensor],
+        updates: Sequence[ClientUpdate],
+        plans: Mapping[str, Any],
+    ) -> None:
         if not updates:
             return
         c = self.config
-        robust_aggregate(global_state, [(u.state, u.samples) for u in updates], c.aggregation, trim=c.trim, clip_norm=c.clip_norm, inplace=True)
+        robust_aggregate(
+            global_state,
+            [(u.state, u.samples) for u in updates],
+            c.aggregation,
+            trim=c.trim,
+            clip_norm=c.clip_norm,
+            inplace=True,
+        )
 
     # ------------------------------------------------------------------ evaluation
     def points(self) -> list[OperatingPoint]:
         return [OperatingPoint(tier_label(r), self.costs[r][0], self.costs[r][1], {"ratio": r}) for r in self.tiers]
 
-    def tier_network(self, ratio: float, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> ResNet18:
+    def tier_network(
+        self, ratio: float, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
+    ) -> ResNet18:
         """The network a device of tier ``ratio`` runs: its slices, Scaler rate 1, BN statistics recomputed (eval mode)."""
-        net = build_network(self.shape, ratio, self.model.state_dict(), scale=False, track_running_stats=True, device=device)
+        net = build_network(
+            self.shape, ratio, self.model.state_dict(), scale=False, track_running_stats=True, device=device
+        )
         recalibrate_bn(net, pixel_batches(calibration_images, self.preset, 100, device))
         return net
 
-    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> ResNet18:
+    def point_network(
+        self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
+    ) -> ResNet18:
         return self.tier_network(float(point.detail["ratio"]), calibration_images, device)

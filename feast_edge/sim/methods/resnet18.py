@@ -59,8 +59,14 @@ class ResNetShape:
         object.__setattr__(self, "hidden", tuple(int(c) for c in self.hidden))
         object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
         if len(self.hidden) != len(STAGE_STRIDES) or len(self.blocks) != len(STAGE_STRIDES):
-            raise ValueError(f"a ResNet-18-style network has {len(STAGE_STRIDES)} stages; got hidden {self.hidden} and blocks {self.blocks}")
-        if min(self.hidden) < 1 or min(self.blocks) < 1 or min(self.in_channels, self.input_size, self.classes, self.stem_stride) < 1:
+            raise ValueError(
+                f"a ResNet-18-style network has {len(STAGE_STRIDES)} stages; got hidden {self.hidden} and blocks {self.blocks}"
+            )
+        if (
+            min(self.hidden) < 1
+            or min(self.blocks) < 1
+            or min(self.in_channels, self.input_size, self.classes, self.stem_stride) < 1
+        ):
             raise ValueError(f"every width, block count, input size, class count and stride must be >= 1: {self}")
 
     def widths(self, ratio: float = 1.0) -> tuple[int, ...]:
@@ -68,7 +74,12 @@ class ResNetShape:
         return tuple(scaled(c, ratio) for c in self.hidden)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "hidden": list(self.hidden), "blocks": list(self.blocks), "stage_strides": list(STAGE_STRIDES)}
+        return {
+            **asdict(self),
+            "hidden": list(self.hidden),
+            "blocks": list(self.blocks),
+            "stage_strides": list(STAGE_STRIDES),
+        }
 
 
 def scaled(channels: int, ratio: float) -> int:
@@ -140,7 +151,9 @@ class ResNet18(nn.Module):
         track_running_stats: keep BN running statistics (for evaluation after recalibration); HeteroFL trains without.
     """
 
-    def __init__(self, shape: ResNetShape, ratio: float = 1.0, scale: bool = True, track_running_stats: bool = False) -> None:
+    def __init__(
+        self, shape: ResNetShape, ratio: float = 1.0, scale: bool = True, track_running_stats: bool = False
+    ) -> None:
         super().__init__()
         self.shape = shape
         self.ratio = float(ratio)
@@ -149,7 +162,14 @@ class ResNet18(nn.Module):
         self.stem = nn.Conv2d(shape.in_channels, widths[0], 3, stride=shape.stem_stride, padding=1, bias=False)
         stages, c_in = [], widths[0]
         for c, n, stride in zip(widths, shape.blocks, STAGE_STRIDES):
-            stages.append(nn.Sequential(*(Block(c_in if i == 0 else c, c, stride if i == 0 else 1, rate, track_running_stats) for i in range(n))))
+            stages.append(
+                nn.Sequential(
+                    *(
+                        Block(c_in if i == 0 else c, c, stride if i == 0 else 1, rate, track_running_stats)
+                        for i in range(n)
+                    )
+                )
+            )
             c_in = c
         self.stages = nn.ModuleList(stages)
         self.scaler = Scaler(rate)
@@ -201,12 +221,15 @@ def resnet_cost(shape: ResNetShape, ratio: float = 1.0) -> tuple[int, int]:
     return macs, params
 
 
-def hidden_for_budget(in_channels: int, input_size: int, classes: int, stem_stride: int, budget: float, divisor: int = 8) -> tuple[int, ...]:
+def hidden_for_budget(
+    in_channels: int, input_size: int, classes: int, stem_stride: int, budget: float, divisor: int = 8
+) -> tuple[int, ...]:
     """ResNet-18 widths ``(w, 2w, 4w, 8w)`` with ``w`` the largest multiple of ``divisor`` whose full network fits ``budget`` MACs.
 
     ``w = 64·k`` with ``k ≈ sqrt(budget / MACs(64, 128, 256, 512))`` (MACs grow with the square of the width),
     rounded down to the divisor; at least ``divisor``. On paper-cifar100 (32×32, 600M cap) this is (64, 128, 256, 512).
     """
+
     def macs(w: int) -> int:
         hidden = tuple(w * BASE_HIDDEN[i] // BASE_HIDDEN[0] for i in range(len(BASE_HIDDEN)))
         return resnet_cost(ResNetShape(in_channels, input_size, classes, hidden, stem_stride))[0]

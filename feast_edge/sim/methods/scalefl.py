@@ -73,7 +73,17 @@ from feast_edge.evaluate.points import OperatingPoint
 from feast_edge.local.cotrain import seeds, training_batches
 from feast_edge.run.collect import ClientUpdate
 from feast_edge.sim.methods.base import Method, MethodOption
-from feast_edge.sim.methods.scalefl_net import TOTAL_BLOCKS, DeepestExit, Geometry, Level, ScaleFLNet, build_levels, level_net, load_slices, search_splits
+from feast_edge.sim.methods.scalefl_net import (
+    TOTAL_BLOCKS,
+    DeepestExit,
+    Geometry,
+    Level,
+    ScaleFLNet,
+    build_levels,
+    level_net,
+    load_slices,
+    search_splits,
+)
 from feast_edge.sim.registry import MethodError
 from feast_edge.space.extract import recalibrate_bn
 
@@ -81,7 +91,9 @@ if TYPE_CHECKING:
     from feast_edge.sim.setup import Setup, SimulationConfig
 
 
-def exit_loss(logits: Sequence[torch.Tensor], targets: torch.Tensor, beta: float = 0.1, tau: float = 3.0) -> torch.Tensor:
+def exit_loss(
+    logits: Sequence[torch.Tensor], targets: torch.Tensor, beta: float = 0.1, tau: float = 3.0
+) -> torch.Tensor:
     """ScaleFL's self-distillation loss over exits ``z_1..z_l`` (module docstring); ``targets`` are soft ``[N, classes]``."""
     depth = len(logits)
     teacher = logits[-1].detach() / tau
@@ -113,7 +125,9 @@ class ScaleFL(Method):
     summary = "ScaleFL (Ilhan et al. 2023): 4 depth-width levels, early exits, self-distillation"
     supernet = False
     options: ClassVar[Mapping[str, MethodOption]] = {
-        "beta": MethodOption(_finite("beta"), 0.1, "weight β >= 0 of the exits' KL self-distillation term (paper: 0.1)"),
+        "beta": MethodOption(
+            _finite("beta"), 0.1, "weight β >= 0 of the exits' KL self-distillation term (paper: 0.1)"
+        ),
         "tau": MethodOption(_finite("tau"), 3.0, "distillation temperature τ > 0 (paper: 3)"),
     }
 
@@ -127,7 +141,9 @@ class ScaleFL(Method):
         if values["beta"] < 0:
             raise MethodError(f"--method-option beta={values['beta']} must be >= 0 (the KL weight; paper 0.1)")
         if values["tau"] <= 0:
-            raise MethodError(f"--method-option tau={values['tau']} must be > 0 (the distillation temperature; paper 3)")
+            raise MethodError(
+                f"--method-option tau={values['tau']} must be > 0 (the distillation temperature; paper 3)"
+            )
 
     # ------------------------------------------------------------------ model
     def build_model(self) -> nn.Module:
@@ -156,7 +172,15 @@ class ScaleFL(Method):
         return self.levels[plan - 1].train_params
 
     def train_client(
-        self, t: int, client: str, plan: Any, global_state: Mapping[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor, lr: float, seed: int
+        self,
+        t: int,
+        client: str,
+        plan: Any,
+        global_state: Mapping[str, torch.Tensor],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        lr: float,
+        seed: int,
     ) -> ClientUpdate:
         began = time.perf_counter()
         level = self.levels[plan - 1]
@@ -166,7 +190,17 @@ class ScaleFL(Method):
         optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
         shuffle_gen, augment_gen = (torch.Generator().manual_seed(s) for s in seeds(seed, 2))
         bn_needs_two = self.geometry.layout(level.blocks, level.width)[-1][3] == 1
-        batches = training_batches(images.cpu(), labels.cpu(), self.preset, self.geometry.classes, recipe, shuffle_gen, augment_gen, device, bn_needs_two)
+        batches = training_batches(
+            images.cpu(),
+            labels.cpu(),
+            self.preset,
+            self.geometry.classes,
+            recipe,
+            shuffle_gen,
+            augment_gen,
+            device,
+            bn_needs_two,
+        )
         objective, seen = 0.0, 0
         for batch in batches:
             optimizer.zero_grad(set_to_none=True)
@@ -178,23 +212,46 @@ class ScaleFL(Method):
             seen += len(batch)
         state = {name: p.detach().cpu().clone() for name, p in net.named_parameters()}
         return ClientUpdate(
-            client, state, samples=int(labels.shape[0]), loss=objective / seen if seen else float("nan"), samples_seen=seen,
-            train_macs=3 * seen * level.train_macs, compute_seconds=time.perf_counter() - began,
+            client,
+            state,
+            samples=int(labels.shape[0]),
+            loss=objective / seen if seen else float("nan"),
+            samples_seen=seen,
+            train_macs=3 * seen * level.train_macs,
+            compute_seconds=time.perf_counter() - began,
         )
 
-    def aggregate(self, t: int, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], plans: Mapping[str, Any]) -> None:
+    def aggregate(
+        self,
+        t: int,
+        global_state: Mapping[str, torch.Tensor],
+        updates: Sequence[ClientUpdate],
+        plans: Mapping[str, Any],
+    ) -> None:
         cfg = self.config
-        robust_aggregate(global_state, [(u.state, u.samples) for u in updates], cfg.aggregation, trim=cfg.trim, clip_norm=cfg.clip_norm, inplace=True)
+        robust_aggregate(
+            global_state,
+            [(u.state, u.samples) for u in updates],
+            cfg.aggregation,
+            trim=cfg.trim,
+            clip_norm=cfg.clip_norm,
+            inplace=True,
+        )
 
     # ------------------------------------------------------------------ evaluation
     def points(self) -> list[OperatingPoint]:
-        return [OperatingPoint(v.label, v.macs, v.params, {"level": v.level, "blocks": v.blocks, "width": v.width}) for v in self.levels]
+        return [
+            OperatingPoint(v.label, v.macs, v.params, {"level": v.level, "blocks": v.blocks, "width": v.width})
+            for v in self.levels
+        ]
 
     def level_model(self, level: int) -> ScaleFLNet:
         """Level ``level``'s network with the global model's leading slices (BN statistics as stored)."""
         return load_slices(level_net(self.geometry, self.levels[level - 1]), self.model.state_dict())
 
-    def point_network(self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu") -> nn.Module:
+    def point_network(
+        self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
+    ) -> nn.Module:
         """A level's network up to its deepest exit, BN recalibrated."""
         net = self.level_model(int(point.detail["level"])).to(device)
         recalibrate_bn(net, pixel_batches(calibration_images, self.preset, 100, device))

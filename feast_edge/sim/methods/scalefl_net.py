@@ -72,7 +72,9 @@ class Geometry:
     @classmethod
     def of(cls, preset: Preset) -> Geometry:
         """The preset's input, stem and classes with HeteroFL's widths for its budget cap (module docstring)."""
-        hidden = hidden_for_budget(preset.in_channels, preset.input_size, preset.classes, preset.stem_stride, preset.budget_cap)
+        hidden = hidden_for_budget(
+            preset.in_channels, preset.input_size, preset.classes, preset.stem_stride, preset.budget_cap
+        )
         return cls(preset.in_channels, preset.input_size, preset.stem_stride, preset.classes, tuple(hidden))
 
     def channels(self, width: float) -> tuple[int, ...]:
@@ -117,7 +119,12 @@ class Geometry:
         return total + sum((self.exit_channels(b, width) + 1) * self.classes for b in exits)
 
     def to_dict(self) -> dict:
-        return {"input": [self.in_channels, self.input_size, self.input_size], "stem_stride": self.stem_stride, "classes": self.classes, "hidden": list(self.hidden)}
+        return {
+            "input": [self.in_channels, self.input_size, self.input_size],
+            "stem_stride": self.stem_stride,
+            "classes": self.classes,
+            "hidden": list(self.hidden),
+        }
 
 
 @dataclass(frozen=True)
@@ -142,10 +149,14 @@ class Level:
         return f"level {self.level} ({self.blocks} blocks, width {self.width:.2f})"
 
 
-def search_splits(geometry: Geometry, ratios: Sequence[float] = RATIOS, tolerance: float = TOLERANCE, steps: int = WIDTH_STEPS) -> list[tuple[int, float]]:
+def search_splits(
+    geometry: Geometry, ratios: Sequence[float] = RATIOS, tolerance: float = TOLERANCE, steps: int = WIDTH_STEPS
+) -> list[tuple[int, float]]:
     """``(blocks, width)`` per compute ratio: the most depth–width balanced candidate within tolerance (module docstring)."""
     full = geometry.macs(TOTAL_BLOCKS, 1.0, (TOTAL_BLOCKS,))
-    cost = {(nb, i): geometry.macs(nb, i / steps, (nb,)) for nb in range(1, TOTAL_BLOCKS + 1) for i in range(1, steps + 1)}
+    cost = {
+        (nb, i): geometry.macs(nb, i / steps, (nb,)) for nb in range(1, TOTAL_BLOCKS + 1) for i in range(1, steps + 1)
+    }
     splits = []
     for r in ratios:
         if r >= 1:
@@ -169,7 +180,18 @@ def build_levels(geometry: Geometry, splits: Sequence[tuple[int, float]]) -> tup
     levels = []
     for k, (b, w) in enumerate(splits):
         exits = tuple(blocks[: k + 1])
-        levels.append(Level(k + 1, b, w, exits, geometry.macs(b, w, (b,)), geometry.params(b, w, (b,)), geometry.macs(b, w, exits), geometry.params(b, w, exits)))
+        levels.append(
+            Level(
+                k + 1,
+                b,
+                w,
+                exits,
+                geometry.macs(b, w, (b,)),
+                geometry.params(b, w, (b,)),
+                geometry.macs(b, w, exits),
+                geometry.params(b, w, exits),
+            )
+        )
     return tuple(levels)
 
 
@@ -182,7 +204,11 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
-        self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)) if stride > 1 else nn.Identity()
+        self.shortcut = (
+            nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            if stride > 1
+            else nn.Identity()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -192,11 +218,17 @@ class BasicBlock(nn.Module):
 class ScaleFLNet(nn.Module):
     """The first ``blocks`` blocks at ``width`` with exit heads after the block counts ``exit_after``; returns every exit's logits."""
 
-    def __init__(self, geometry: Geometry, blocks: int, width: float, exit_after: Sequence[int], seed: int | None = None) -> None:
+    def __init__(
+        self, geometry: Geometry, blocks: int, width: float, exit_after: Sequence[int], seed: int | None = None
+    ) -> None:
         super().__init__()
         c0 = geometry.channels(width)[0]
-        self.stem = nn.Sequential(nn.Conv2d(geometry.in_channels, c0, 3, geometry.stem_stride, 1, bias=False), nn.BatchNorm2d(c0), nn.ReLU())
-        self.blocks = nn.ModuleList(BasicBlock(c_in, c_out, stride) for c_in, c_out, stride, _ in geometry.layout(blocks, width))
+        self.stem = nn.Sequential(
+            nn.Conv2d(geometry.in_channels, c0, 3, geometry.stem_stride, 1, bias=False), nn.BatchNorm2d(c0), nn.ReLU()
+        )
+        self.blocks = nn.ModuleList(
+            BasicBlock(c_in, c_out, stride) for c_in, c_out, stride, _ in geometry.layout(blocks, width)
+        )
         self.exits = nn.ModuleList(nn.Linear(geometry.exit_channels(b, width), geometry.classes) for b in exit_after)
         self.exit_after = tuple(exit_after)
         if seed is not None:
@@ -232,5 +264,7 @@ def level_net(geometry: Geometry, level: Level) -> ScaleFLNet:
 @torch.no_grad()
 def load_slices(net: nn.Module, global_state: Mapping[str, torch.Tensor]) -> nn.Module:
     """Copy into ``net`` the leading slice of the same-named global tensor for every entry of its state dict."""
-    net.load_state_dict({name: leading_slice(global_state[name], t.shape).clone() for name, t in net.state_dict().items()})
+    net.load_state_dict(
+        {name: leading_slice(global_state[name], t.shape).clone() for name, t in net.state_dict().items()}
+    )
     return net
