@@ -22,6 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from feast_edge.data.task import RESIZE_POLICIES, Task, TaskError, default_class_names
 from feast_edge.errors import PresetError
 from feast_edge.util.lookup import named_files, read_text
 
@@ -39,6 +40,8 @@ _NOT_SHAPE = (
     "budget_max",
     "budget_cap",
     "train",
+    "class_names",
+    "resize",
 )
 # Keys of the optional [train] table: the preset's training recipe (feast_edge.local.recipe.TrainConfig fields,
 # plus lr_schedule for the run loop); values are checked by TrainConfig when a run starts.
@@ -118,9 +121,13 @@ class Preset:
     budget_cap: float = 600e6
     # Training recipe ([train] table): (key, value) pairs sorted by key; empty means SPEC §7's defaults.
     train: tuple[tuple[str, Any], ...] = ()
+    # The task contract's names and image policy (feast_edge.data.task); () names the classes "0", "1", ...
+    class_names: tuple[str, ...] = ()
+    resize: str = "stretch"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "train", _recipe_pairs(self.name, self.train))
+        object.__setattr__(self, "class_names", tuple(self.class_names))
         try:
             object.__setattr__(self, "cache_segments", _records(self.cache_segments, CacheSegment))
             object.__setattr__(self, "extraction_rho", _records(self.extraction_rho, RhoStep))
@@ -140,6 +147,12 @@ class Preset:
         shape = {k: v for k, v in asdict(self).items() if k not in _NOT_SHAPE}
         blob = json.dumps(shape, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
+
+    @property
+    def task(self) -> Task:
+        """The task contract: input channels and size, resize policy, class names, normalization."""
+        names = self.class_names or default_class_names(self.classes)
+        return Task(self.in_channels, self.input_size, names, self.mean, self.std, self.resize)
 
     @property
     def recipe(self) -> dict[str, Any]:
@@ -230,6 +243,16 @@ def _check_preset(p: Preset) -> None:
     _require(resolution >= 1, name, "the strides reduce the input below 1x1")
     _check_cache_settings(p, name)
     _require(
+        not p.class_names or len(p.class_names) == p.classes,
+        name,
+        f"input.class_names lists {len(p.class_names)} names; it needs one per class ({p.classes})",
+    )
+    _require(p.resize in RESIZE_POLICIES, name, f"input.resize {p.resize!r} is unknown; choose one of {', '.join(RESIZE_POLICIES)}")
+    try:
+        p.task
+    except TaskError as exc:
+        raise PresetError(f"preset {name}: {exc}") from None
+    _require(
         0 < p.budget_min <= p.budget_cap and p.budget_min < p.budget_max,
         name,
         f"population budgets need 0 < budget_min <= budget_cap and budget_min < budget_max "
@@ -311,6 +334,8 @@ def _from_toml(data: dict[str, Any], source: str) -> Preset:
             expansion_ratios=tuple(float(v) for v in stages["expansion_ratios"]),
             width_multipliers=tuple(float(v) for v in stages["width_multipliers"]),
             divisor=int(stages.get("divisor", 8)),
+            class_names=tuple(str(v) for v in inp.get("class_names", ())),
+            resize=str(inp.get("resize", "stretch")),
             **_cache_from_toml(data.get("cache", {})),
             **_population_from_toml(data.get("population", {})),
             train=tuple(data.get("train", {}).items()),
