@@ -36,10 +36,16 @@ class LocalClient:
     preset: str | None  # preset name a shard was written for
     preset_digest: str | None
     source: str
+    holdout_images: torch.Tensor = torch.empty(0, dtype=torch.uint8)  # the held-out split: never trains
+    holdout_labels: torch.Tensor = torch.empty(0, dtype=torch.long)
 
     @property
     def samples(self) -> int:
         return int(self.labels.shape[0])
+
+    @property
+    def holdout(self) -> int:
+        return int(self.holdout_labels.shape[0])
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.agent.downloads import Downloads
+from feast_edge.agent.local_data import LocalClient
+from feast_edge.agent.on_device import calibrate_served_variant
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.onnx_export import measure_latency
 from feast_edge.protocol import ModelReady, ModelRequest
+from feast_edge.space.preset import Preset
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import ProtocolError, TopicError
@@ -85,13 +88,25 @@ def receive_pushed_model(
     model_dir: str | os.PathLike[str],
     stop: Callable[[], bool],
     timeout: float = 120.0,
+    *,
+    data: LocalClient,
+    preset: Preset,
 ) -> tuple[Path, dict[str, Any]] | None:
-    """Wait for the model announced by ``message`` and keep it (:func:`keep_pushed_model`); None (logged) if it did not come."""
+    """Wait for the model announced by ``message`` and keep it: an ONNX file as it is (:func:`keep_pushed_model`), a
+    variant's weights calibrated on ``data`` first (``on_device.calibrate_served_variant``); None (logged) if unusable."""
     blob = downloads.wait(TransferInfo.from_dict(message.transfer), time.monotonic() + timeout, abandon=stop)
     if blob is None:
         log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", message.device)
         return None
-    return keep_pushed_model(blob, message, model_dir)
+    if message.manifest.get("calibration") != "device":
+        return keep_pushed_model(blob, message, model_dir)
+    try:
+        return calibrate_served_variant(
+            blob, message.manifest, data, preset, Path(model_dir) / f"{message.device}.onnx"
+        )
+    except FeastError as exc:
+        log.error("the model of %s is unusable: %s", message.device, exc)
+        return None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -99,6 +100,9 @@ def variant_metadata(
     return {f"feast.{k}": str(v) for k, v in meta.items()}
 
 
+_EXPORTING = threading.Lock()
+
+
 def export_onnx(
     model: StaticResNet,
     path: str | os.PathLike[str],
@@ -111,7 +115,8 @@ def export_onnx(
     path = check_writable(path, "ONNX file")
     wrapped = Normalized(model, preset.mean, preset.std).eval()
     example = torch.rand(2, model.layout.in_channels, model.layout.input_size, model.layout.input_size)
-    proto = onnx.load_from_string(_to_onnx_bytes(wrapped, example))
+    with _EXPORTING:  # torch.export traces through process-global state: one export at a time (agents in threads)
+        proto = onnx.load_from_string(_to_onnx_bytes(wrapped, example))
     meta = variant_metadata(preset, arch, model, class_names, extra)
     del proto.metadata_props[:]
     for key, value in meta.items():
