@@ -66,7 +66,9 @@ def predict(
     if as_json:
         typer.echo(result.to_json())
         return
-    table = Table(title=f"{model.name}: {loaded.task.describe()}", title_justify="left")
+    console = common.make_console()
+    console.print(f"{model}: {escape(loaded.task.describe())}", soft_wrap=True, highlight=False)
+    table = Table()
     table.add_column("file", overflow="fold")
     for rank in range(1, k + 1):
         table.add_column(f"#{rank}" if k > 1 else "class", no_wrap=True)
@@ -74,7 +76,7 @@ def predict(
     for item in result.items:
         shown = str(Path(item.file).relative_to(base)) if base is not None else item.file
         table.add_row(escape(shown), *(f"{escape(name)} {100 * p:.1f}%" for name, _, p in item.top))
-    common.make_console().print(table)
+    console.print(table)
 
 
 def evaluate(
@@ -102,14 +104,17 @@ def evaluate(
     if as_json:
         typer.echo(json.dumps({"model": str(model), "data": str(data), **scores.to_dict()}, indent=2))
         return
-    table = Table(title=f"{model.name} on {escape(labelled.source)}", title_justify="left")
+    console = common.make_console()
+    console.print(
+        f"{model} on {escape(labelled.source)}: {escape(loaded.task.describe())}", soft_wrap=True, highlight=False
+    )
+    table = Table()
     for col in ("class", "index", "examples", "correct", "accuracy"):
         table.add_column(col, justify="left" if col == "class" else "right")
     for c in scores.classes:
         table.add_row(escape(c.name), str(c.index), f"{c.examples:,}", f"{c.correct:,}", f"{100 * c.accuracy:.2f}%")
     table.add_section()
     table.add_row("all", "", f"{scores.examples:,}", f"{scores.correct:,}", f"{100 * scores.accuracy:.2f}%")
-    console = common.make_console()
     console.print(table)
     console.print(
         f"accuracy {100 * scores.accuracy:.2f}% ({scores.correct:,} of {scores.examples:,} images, "

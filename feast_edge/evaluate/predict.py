@@ -137,7 +137,7 @@ def read_image(path: str | os.PathLike[str], task: Task) -> torch.Tensor:
     except FileNotFoundError:
         reason = "no such file"
     except (OSError, SyntaxError, ValueError, EOFError) as exc:  # truncated or corrupt data, per Pillow plugin
-        reason = f"cannot be decoded ({exc})" if str(exc) else f"cannot be decoded ({type(exc).__name__})"
+        reason = f"cannot be decoded: {exc or type(exc).__name__}"
     raise ImageReadError(f"{path}: {reason}")
 
 

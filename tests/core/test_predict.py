@@ -227,7 +227,7 @@ def test_unreadable_files_are_skipped_in_a_folder_and_an_error_alone(exported, t
     Image.fromarray(np.full((9, 9), 40000, dtype=np.uint16)).save(tmp_path / "sixteen.png")
     got = predict(loaded, image_files(tmp_path), k=1)
     assert [Path(p.file).name for p in got.items] == ["good.png", "palette.png", "sixteen.png"]
-    assert sorted((Path(s.file).name, s.reason.split(" (")[0]) for s in got.skipped) == [
+    assert sorted((Path(s.file).name, s.reason.split(":")[0]) for s in got.skipped) == [
         ("text.jpg", "not an image Pillow can identify"),
         ("truncated.png", "cannot be decoded"),
     ]
