@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -29,9 +30,10 @@ from feast_edge.evaluate.predict import (
 )
 from feast_edge.space.arch import Arch
 from feast_edge.space.extract import extract, recalibrate_bn
-from feast_edge.space.preset import load_preset
+from feast_edge.space.preset import load_preset, load_preset_file
 from feast_edge.space.static import Normalized
 from feast_edge.space.supernet import Supernet
+from strategies import TINY_PRESET
 
 SMALL = load_preset("fmnist-small")
 TASK = SMALL.task
@@ -287,3 +289,37 @@ def test_image_folder_layout_errors(tmp_path):
     Image.new("L", (8, 8)).save(tmp_path / "Bag" / "one.png")
     data = read_image_folder(tmp_path, TASK)
     assert data.labels.tolist() == [8] and [s.reason for s in data.skipped] == ["not in a class folder"]
+
+
+def test_an_rgb_center_crop_task_reaches_the_model_as_its_metadata_says(tmp_path):
+    """A 3x16x16 task with center-crop and its own class names: the file's task drives the preprocessing."""
+    tiny = load_preset_file(TINY_PRESET)
+    rgb = dataclasses.replace(
+        tiny,
+        name="test-rgb",
+        in_channels=3,
+        mean=(0.5, 0.4, 0.3),
+        std=(0.2, 0.25, 0.3),
+        class_names=("ant", "bee", "cat", "dog", "eel"),
+        resize="center-crop",
+    )
+    arch = Arch.smallest(rgb)
+    model = extract(Supernet(rgb, seed=0), arch).eval()
+    export_onnx(model, tmp_path / "rgb.onnx", rgb, arch)
+    loaded = load_model(tmp_path / "rgb.onnx")
+    assert loaded.task == rgb.task and loaded.task.resize == "center-crop"
+    rng = np.random.default_rng(3)
+    files = []
+    for i, (w, h) in enumerate([(16, 16), (40, 20), (17, 50)]):
+        files.append(tmp_path / f"{i}.png")
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(files[-1])
+    files.append(tmp_path / "grey.jpg")
+    Image.fromarray(rng.integers(0, 256, (30, 30), dtype=np.uint8)).save(files[-1])
+    got = predict(loaded, files, k=5)
+    images = torch.stack([rgb.task.image_tensor(Image.open(f)) for f in files])
+    assert images.shape == (4, 3, 16, 16)
+    with torch.no_grad():
+        want = torch.softmax(model(rgb.task.normalized(images)).double(), dim=1).numpy()
+    probs = np.array([[p for _, _, p in sorted(item.top, key=lambda t: t[1])] for item in got.items])
+    np.testing.assert_allclose(probs, want, atol=1e-5)
+    assert {name for item in got.items for name, _, _ in item.top} == set(rgb.task.classes)
