@@ -1,4 +1,4 @@
-"""``feast-agent``: profile this device, take part in a federation, fetch this device's ONNX model.
+"""``feast-agent``: profile this device, take part in a federation, fetch this device's ONNX model and use it.
 
 User errors (unreachable broker, wrong credentials, refused registration,
 missing data, a budget below the smallest variant, a silent server) print one
@@ -15,14 +15,15 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from feast_edge.cli import common
+from feast_edge.cli import common, inference
 from feast_edge.errors import FeastError
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.credentials import credentials_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 app = common.make_app(
-    "feast-agent", "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model."
+    "feast-agent",
+    "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model and use it.",
 )
 console = common.make_console()
 
@@ -362,6 +363,10 @@ def profiles_command(
             where,
         )
     console.print(table)
+
+
+app.command("predict")(inference.predict)
+app.command("evaluate")(inference.evaluate)
 
 
 def main() -> None:
