@@ -8,7 +8,8 @@
          the mean over the probes some device tested, and selects the best checkpoint as server-held data would
 
 The probes are the server-held protocol's (``probe_indices`` over the cache); a device tests those within its
-budget (the smallest always is). Devices that do not answer by the deadline are left out of that round's figure.
+budget (the smallest always is). Only devices that registered a held-out split are asked; those that do not answer by
+the deadline are left out of that round's figure.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from feast_edge.space.preset import Preset
 log = logging.getLogger(__name__)
 
 
+def _holds_out(devices: DeviceBook, device: str) -> bool:
+    """Whether ``device`` registered a held-out split (agents before the task contract, or with --holdout 0, did not)."""
+    registered = devices.registry.get(device)
+    holdout = registered.profile.get("holdout", 0) if registered is not None else 0
+    return isinstance(holdout, int) and holdout > 0
+
+
 class FederatedValidation:
     """``validator(t, record)`` for the run loop: the cohort tests round ``t``'s model on its held-out data."""
 
@@ -57,9 +65,13 @@ class FederatedValidation:
 
     def __call__(self, t: int, record: RoundRecord) -> float | None:
         online = set(self.devices.online())
-        asked = [d for d in record.cohort if d in online]
+        asked = [d for d in record.cohort if d in online and _holds_out(self.devices, d)]
         if not asked:
-            log.warning("round %d: no cohort device is online to validate the model; no validation this round", t + 1)
+            log.warning(
+                "round %d: no online cohort device holds out examples (feast-agent run --holdout) to validate the model "
+                "on; no validation this round",
+                t + 1,
+            )
             return None
         began = time.monotonic()
         exchange, classes = self.exchange, self.preset.classes
