@@ -247,7 +247,11 @@ def _check_preset(p: Preset) -> None:
         name,
         f"input.class_names lists {len(p.class_names)} names; it needs one per class ({p.classes})",
     )
-    _require(p.resize in RESIZE_POLICIES, name, f"input.resize {p.resize!r} is unknown; choose one of {', '.join(RESIZE_POLICIES)}")
+    _require(
+        p.resize in RESIZE_POLICIES,
+        name,
+        f"input.resize {p.resize!r} is unknown; choose one of {', '.join(RESIZE_POLICIES)}",
+    )
     try:
         p.task
     except TaskError as exc:
