@@ -109,7 +109,7 @@ def lazy_stage(console: Console, label: str) -> Iterator[Callable[[int, int], No
 
     def update(done: int, total: int) -> None:
         if not shown:
-            shown.append(Stage(console, label, total).start())
+            shown.append(Stage(console, label, total, done=done).start())
         shown[0].total = total
         shown[0].update(done)
 

@@ -89,6 +89,8 @@ def load_release(
     source_labels = data.labels.numpy()
     mapped = lookup[source_labels]
     keep = mapped >= 0
+    if not keep.any():
+        raise DataError(f"{label}: holds no examples of the task's classes; choose a matching preset")
     skips = Skips()
     for i in np.flatnonzero(lookup < 0):
         skips.add(CLASS_NOT_IN_TASK, data.classes[i], int((source_labels == i).sum()))

@@ -189,3 +189,21 @@ def test_gzipped_idx_and_a_plain_image_folder_are_told_apart(fashion_mnist_dir: 
     assert detect_kind(tmp_path) == "image folder"  # labels alone are no Fashion-MNIST folder
     with pytest.raises(DataError, match="holds no class folders"):
         load_data(tmp_path, FMNIST)
+
+
+def test_simulate_builds_on_an_image_folder(tmp_path: Path) -> None:
+    from feast_edge.sim.setup import SimulationConfig, build_setup
+
+    rng = np.random.default_rng(0)
+    for split, classes, n in (("train", ("Trouser", "Coat", "Bag"), 30), ("test", ("Bag",), 4)):
+        for cls in classes:
+            for i in range(n):
+                _save(tmp_path / split / cls / f"{i}.png", rng.integers(0, 256, (28, 28), np.uint8))
+    config = SimulationConfig(
+        dataset="imagefolder", data_dir=str(tmp_path), clients=2, per_round=1, rounds=1, val_samples=10, calib_samples=5
+    )
+    setup = build_setup(config)
+    assert sorted(set(setup.train_set.labels.tolist())) == [1, 4, 8] and setup.test_set.labels.tolist() == [8] * 4
+    assert setup.train_set.classes == FMNIST.classes and len(setup.pool) == 75
+    images, labels = setup.client_data("client-000")
+    assert images.shape[1:] == (1, 28, 28) and set(labels.tolist()) <= {1, 4, 8}
