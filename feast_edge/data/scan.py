@@ -32,7 +32,7 @@ import numpy as np
 from feast_edge.data import skips as why
 from feast_edge.data.images import DataError
 from feast_edge.data.skips import Skips
-from feast_edge.data.task import Task
+from feast_edge.data.task import Task, TaskError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 SPLITS = ("train", "val", "test")
@@ -122,18 +122,26 @@ def scan_folder(root: Path, task: Task) -> FileList:
     except OSError as exc:
         raise DataError(f"cannot read image folder {root} ({exc.strerror or exc}); check the path") from None
     classes: list[tuple[os.DirEntry[str], int, tuple[int, int]]] = []
+    unknown: list[str] = []
     for entry in top:
         kind, st = _kind(entry)
         if kind == "dir":
-            name = _nfc(entry.name)
-            label = task.index_of(name, where=f"image folder {root}: folder {entry.name}/")
-            classes.append((entry, label, _ident(st)))
+            if _nfc(entry.name) in task.classes:
+                classes.append((entry, task.classes.index(_nfc(entry.name)), _ident(st)))  # type: ignore[arg-type]
+            else:
+                unknown.append(entry.name)
         elif kind == "broken":
             listing.skips.add(why.BROKEN_LINK, entry.name)
         elif kind == "unreadable":
             listing.skips.add(why.UNREADABLE, entry.name)
         else:
             listing.skips.add(why.OUTSIDE_CLASS, entry.name)
+    if unknown:  # every folder the task lacks in one line: the first with the closest names, then the others
+        others = f" (nor are {', '.join(f + '/' for f in unknown[1:6])}{', ...' if len(unknown) > 6 else ''})"
+        try:
+            task.index_of(_nfc(unknown[0]), where=f"image folder {root}: folder {unknown[0]}/")
+        except TaskError as exc:
+            raise TaskError(str(exc) + (others if len(unknown) > 1 else "")) from None
     # Class folders are claimed first, so a link from one class into another counts as reached twice, not as images
     # of the class that links to it.
     visited = {root_id, *(ident for _, _, ident in classes)}

@@ -78,6 +78,10 @@ def test_a_class_folder_the_task_lacks_names_the_closest_classes(tmp_path: Path)
     _save(tmp_path / "sneaker" / "0.png", _flat(1, (8, 8)))
     with pytest.raises(TaskError, match=r"folder sneaker/: class 'sneaker' is not one of .* did you mean 'Sneaker'"):
         load_data(tmp_path, FMNIST)
+    for extra in ("zebra", "Trouser", "yak"):
+        _save(tmp_path / extra / "0.png", _flat(1, (8, 8)))
+    with pytest.raises(TaskError, match=r"remove it \(nor are yak/, zebra/\)$"):  # all of them in the one line
+        load_data(tmp_path, FMNIST)
 
 
 def test_a_root_laid_out_by_split_gives_each_split_with_the_same_indices(tmp_path: Path) -> None:
