@@ -68,7 +68,9 @@ def run(
     data: Annotated[
         Path,
         typer.Option(
-            "--data", help="Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition)."
+            "--data",
+            help="This device's images (a folder <root>/<class name>/<file>, a manifest CSV path,label, a CIFAR binary "
+            "folder), a Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition).",
         ),
     ],
     profile: Annotated[
@@ -103,6 +105,16 @@ def run(
     offset: Annotated[
         int, typer.Option("--offset", min=0, help="With a partition directory: first client to host.")
     ] = 0,
+    holdout: Annotated[
+        Optional[float],
+        typer.Option(
+            "--holdout",
+            min=0.0,
+            max=0.9,
+            help="Share of each client's examples held out, never trained (default: 0.1 of this device's own images, "
+            "0 of shards and Fashion-MNIST).",
+        ),
+    ] = None,
     preset: Annotated[
         Optional[str],
         typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small)."),
@@ -144,7 +156,12 @@ def run(
     loaded = None
     if profile is not None:
         loaded = load_profile(profile)
-    hosted = load_clients(data, device_id, clients, shard, offset)
+    from feast_edge.cli.progress import lazy_stage
+    from feast_edge.space.preset import load_preset
+
+    task = load_preset(preset or (loaded.preset if loaded is not None else None) or "fmnist-small").task
+    with lazy_stage(console, "decoding images") as progress:
+        hosted = load_clients(data, device_id, clients, shard, offset, task=task, holdout=holdout, progress=progress)
     if link.credentials is not None and [c.device_id for c in hosted] != [device_id]:
         raise FeastError(
             f"--credentials make this agent device {device_id!r} alone, but --data/--clients give it {len(hosted)} clients "
