@@ -81,26 +81,34 @@ def predict(
 
 def evaluate(
     model: ModelOpt,
-    data: Annotated[Path, typer.Option("--data", help="An image folder: <folder>/<class name>/<image files>.")],
+    data: Annotated[
+        Path,
+        typer.Option(
+            "--data",
+            help="Labelled data: an image folder <folder>/<class name>/<files>, a manifest CSV (path,label), CIFAR binary or Fashion-MNIST IDX.",
+        ),
+    ],
     as_json: JsonOpt = False,
     batch_size: BatchOpt = 64,
     threads: ThreadsOpt = 0,
 ) -> None:
     """Accuracy of the ONNX model on an image folder labelled by class name: overall and per class."""
+    from feast_edge.cli.progress import lazy_stage
+    from feast_edge.data.sources import load_data
     from feast_edge.evaluate.predict import evaluate as run_evaluate
-    from feast_edge.evaluate.predict import image_files, load_model, read_image_folder
+    from feast_edge.evaluate.predict import load_model
 
     loaded = load_model(model, threads=threads or None)
-    with _stage("reading images", len(image_files(data)) if data.is_dir() else 0, batch_size) as stage:
-        update = None if stage is None else (lambda done, total: stage.update(done))
-        # The one line to change for feast_edge.data.sources.load_data(data, loaded.task, ...): it has the same fields.
-        labelled = read_image_folder(data, loaded.task, progress=update)
-    _say_skipped(labelled.skipped)
+    # The agent's own loader (decoded once, cached), with the model's task: labels by class name.
+    with lazy_stage(common.make_console(stderr=True), "reading images") as update:
+        labelled = load_data(data, loaded.task, progress=update)
+    skipped = sum(labelled.skipped.values())
+    if skipped:
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(labelled.skipped.items()))
+        common.make_console(stderr=True).print(f"skipped {skipped} file(s): {reasons}", soft_wrap=True, highlight=False)
     with _stage("evaluating", len(labelled.labels), batch_size) as stage:
         update = None if stage is None else (lambda done, total: stage.update(done))
-        scores = run_evaluate(
-            loaded, labelled.images, labelled.labels, batch_size, skipped=len(labelled.skipped), progress=update
-        )
+        scores = run_evaluate(loaded, labelled.images, labelled.labels, batch_size, skipped=skipped, progress=update)
     if as_json:
         typer.echo(json.dumps({"model": str(model), "data": str(data), **scores.to_dict()}, indent=2))
         return
