@@ -92,8 +92,11 @@ class Agent:
         if self.config.model_dir is not None:
             Path(self.config.model_dir).mkdir(parents=True, exist_ok=True)
         self.link.connect(timeout=timeout)
+        classes = len(self.preset.task.classes)
         hosting = ", ".join(
-            f"{d} ({c.data.samples} samples, {c.budget_macs / 1e6:.2f}M MACs)" for d, c in self.clients.items()
+            f"{d} ({c.data.samples} samples + {c.data.holdout} held out, {len(c.data.classes_present)} of the task's "
+            f"{classes} classes, {c.budget_macs / 1e6:.2f}M MACs)"
+            for d, c in self.clients.items()
         )
         log.info(
             "agent %s (instance %s) connected to %s; hosting %s",
