@@ -245,19 +245,52 @@ def fetch_model_command(
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the server's answer.")] = 30.0,
     repeats: Annotated[int, typer.Option(min=1, help="Timed onnxruntime runs.")] = 50,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    data: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--data",
+            help="This device's data, to calibrate BN on when the server holds none (its models are calibrated on the device).",
+        ),
+    ] = None,
+    preset: Annotated[str, typer.Option(help="Preset name or .toml file (with --data).")] = "fmnist-small",
+    holdout: Annotated[
+        Optional[float],
+        typer.Option(help="Held-out share of --data the model is tested on (default: as feast-agent run)."),
+    ] = None,
     log_level: common.LogLevelOpt = "warning",
     log_file: common.LogFileOpt = None,
 ) -> None:
     """Download this device's ONNX model from the server, verify its SHA-256, load it in onnxruntime, print its latency."""
+    from feast_edge.agent.local_data import load_clients
     from feast_edge.agent.model_files import fetch_model
+    from feast_edge.space.preset import load_preset
 
     common.setup_logging(log_level, log_file)
     device_id, federation = _identity(link, device_id, federation)
-    got = fetch_model(link, federation, device_id, out, timeout=timeout, chunk_size=chunk_size, repeats=repeats)
+    task_preset = load_preset(preset)
+    own = None if data is None else load_clients(data, device_id, task=task_preset.task, holdout=holdout)[0]
+    got = fetch_model(
+        link,
+        federation,
+        device_id,
+        out,
+        timeout=timeout,
+        chunk_size=chunk_size,
+        repeats=repeats,
+        data=own,
+        preset=task_preset,
+    )
     m = got.manifest
+    accuracy = (
+        f"held-out accuracy {100 * m['holdout_accuracy']:.2f}% (calibrated here on {m['calibration_samples']} examples)"
+        if m.get("calibration") == "device" and m.get("holdout_accuracy") is not None
+        else f"validation accuracy {100 * m['validation_accuracy']:.2f}%"
+        if m.get("validation_accuracy") is not None
+        else "no accuracy measured"
+    )
     console.print(
         f"saved {got.path} ({m['size']:,} bytes, sha256 {m['sha256'][:16]}… verified)\n"
-        f"arch {m['arch']}  {m['macs'] / 1e6:.2f}M MACs  {m['params'] / 1e6:.3f}M params  validation accuracy {100 * m['validation_accuracy']:.2f}%\n"
+        f"arch {m['arch']}  {m['macs'] / 1e6:.2f}M MACs  {m['params'] / 1e6:.3f}M params  {accuracy}\n"
         f"onnxruntime latency (batch 1, CPU): median {got.latency['median_ms']:.3f} ms, p90 {got.latency['p90_ms']:.3f} ms",
         soft_wrap=True,
         highlight=False,
