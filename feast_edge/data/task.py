@@ -88,7 +88,9 @@ class Task:
             check_class_name(name)
         if len(set(self.classes)) != len(self.classes):
             twice = sorted({c for c in self.classes if self.classes.count(c) > 1})
-            raise TaskError(f"task: class name(s) {', '.join(map(repr, twice))} appear twice; class names must be unique")
+            raise TaskError(
+                f"task: class name(s) {', '.join(map(repr, twice))} appear twice; class names must be unique"
+            )
         if len(self.mean) != self.channels or len(self.std) != self.channels:
             raise TaskError(f"task: mean and std need one value per channel ({self.channels})")
         if not all(np.isfinite(self.mean)) or not all(s > 0 and np.isfinite(s) for s in self.std):

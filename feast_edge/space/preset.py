@@ -247,7 +247,11 @@ def _check_preset(p: Preset) -> None:
         name,
         f"input.class_names lists {len(p.class_names)} names; it needs one per class ({p.classes})",
     )
-    _require(p.resize in RESIZE_POLICIES, name, f"input.resize {p.resize!r} is unknown; choose one of {', '.join(RESIZE_POLICIES)}")
+    _require(
+        p.resize in RESIZE_POLICIES,
+        name,
+        f"input.resize {p.resize!r} is unknown; choose one of {', '.join(RESIZE_POLICIES)}",
+    )
     try:
         p.task
     except TaskError as exc:
@@ -360,7 +364,18 @@ def load_preset_file(path: str | os.PathLike[str]) -> Preset:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PresetError(f"preset file {path} is not valid TOML ({exc}); fix the syntax") from None
-    return _from_toml(data, str(path))
+    preset = _from_toml(data, str(path))
+    _SOURCES[preset] = path.resolve()
+    return preset
+
+
+# The file each preset was last loaded from: where its variant cache is looked for (feast_edge.cache.variants).
+_SOURCES: dict[Preset, Path] = {}
+
+
+def preset_file(preset: Preset) -> Path | None:
+    """The file ``preset`` was loaded from (the last one holding exactly this preset); None for one built in code."""
+    return _SOURCES.get(preset)
 
 
 def available_presets() -> dict[str, Path]:
