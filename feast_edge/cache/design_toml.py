@@ -126,6 +126,12 @@ def preset_toml(d: PresetDesign) -> str:
         f"budget_max = {_num(p.budget_max)}",
         f"budget_cap = {_num(p.budget_cap)}",
         "",
+        *_comment(
+            "No [train] table: training takes SPEC §7's recipe (RandAugment + Mixup/CutMix, lr 0.025, batch 64, one "
+            "local epoch). Override any key of it here (keys: feast_edge/space/preset.py RECIPE_KEYS); fmnist-small.toml "
+            'shows a measured alternative for small images (augment = "none", lr = 0.05).'
+        ),
+        "",
     ]
     return "\n".join(lines)
 

@@ -174,7 +174,8 @@ def _print(design, out: Path) -> None:
     )
     for seg in p.cache_segments:
         table.add_row(
-            f"cache {seg.name}", f"{seg.count} targets {millions(seg.start)} .. {millions(seg.stop)}, rho0 {seg.rho0}"
+            f"cache {seg.name}",
+            f"{seg.count} targets {millions(seg.start)} .. {millions(seg.stop)}, rho0 {seg.rho0:.2f}",
         )
     table.add_row(
         "population",
