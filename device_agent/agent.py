@@ -38,7 +38,7 @@ from feast_edge.agent.rounds import RoundRunner
 from feast_edge.agent.step import largest_payload
 from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError
-from feast_edge.protocol import Finished, Metrics, ModelReady, Registered, RoundStart
+from feast_edge.protocol import Evaluate, Finished, Metrics, ModelReady, Registered, RoundStart
 from feast_edge.space.preset import load_preset
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.errors import ProtocolError
@@ -82,6 +82,7 @@ class Agent:
         self._filter = MessageFilter(config.federation)
         self._pending: dict[str, Incoming] = {}  # device -> its latest round message
         self._models: list[ModelReady] = []
+        self._evaluations: list[Incoming] = []  # federated-validation requests, answered between rounds
         self._horizon: int | None = None  # the federation's rounds, from its round messages
 
     # ------------------------------------------------------------------ connection
@@ -91,8 +92,11 @@ class Agent:
         if self.config.model_dir is not None:
             Path(self.config.model_dir).mkdir(parents=True, exist_ok=True)
         self.link.connect(timeout=timeout)
+        classes = len(self.preset.task.classes)
         hosting = ", ".join(
-            f"{d} ({c.data.samples} samples, {c.budget_macs / 1e6:.2f}M MACs)" for d, c in self.clients.items()
+            f"{d} ({c.data.samples} samples + {c.data.holdout} held out, {len(c.data.classes_present)} of the task's "
+            f"{classes} classes, {c.budget_macs / 1e6:.2f}M MACs)"
+            for d, c in self.clients.items()
         )
         log.info(
             "agent %s (instance %s) connected to %s; hosting %s",
@@ -131,14 +135,20 @@ class Agent:
         """Serve rounds (and model announcements) until the federation finishes (unless ``stay``) or ``stop`` is set."""
         idle_since = last_note = time.monotonic()
         while not self.stop.is_set():
-            self._process(0 if self._pending or self._models else 0.2)  # work waiting: no idle wait before it
+            self._process(
+                0 if self._pending or self._models or self._evaluations else 0.2
+            )  # work waiting: no idle wait
             self._receipts.check(cancelled=lambda device_id: device_id in self._pending or self.stop.is_set())
             now = time.monotonic()
-            if self._pending or self._models:
+            if self._pending or self._models or self._evaluations:
                 idle_since = last_note = now
             elif now - last_note >= HEARTBEAT:
                 self._heartbeat(now - idle_since)
                 last_note = now
+            while self._evaluations and not self.stop.is_set():
+                incoming = self._evaluations.pop(0)
+                with self._guarded(f"the evaluation request of round {incoming.message.round + 1}"):
+                    self.rounds.evaluate(self.clients[incoming.message.device], incoming)
             if self._pending:
                 device_id = min(self._pending, key=lambda d: (self._pending[d].message.round, self._pending[d].at))
                 incoming = self._pending.pop(device_id)
@@ -216,6 +226,8 @@ class Agent:
                 was = previous.message.round
                 log.info("round %d for %s supersedes its unstarted round %d", message.round, message.device, was)
             self._pending[message.device] = incoming
+        elif isinstance(message, Evaluate):
+            self._evaluations.append(incoming)
         elif isinstance(message, ModelReady):
             self._on_model(message)
         else:
@@ -240,13 +252,20 @@ class Agent:
 
         assert self.config.model_dir is not None
         client = self.clients[message.device]
-        kept = receive_pushed_model(message, client.downloads, self.config.model_dir, stop=self.stop.is_set)
+        kept = receive_pushed_model(
+            message,
+            client.downloads,
+            self.config.model_dir,
+            stop=self.stop.is_set,
+            data=client.data,
+            preset=self.preset,
+        )
         if kept is not None:
             client.model_path, values = kept
             self._metrics(message.device, values)
 
     # ------------------------------------------------------------------ callbacks of the inbox and the round runner
-    def _expect_announced(self, device_id: str, message: RoundStart | ModelReady) -> None:
+    def _expect_announced(self, device_id: str, message: RoundStart | ModelReady | Evaluate) -> None:
         """Paho's thread: take the chunks of an announced transfer from the first one on (they follow at once)."""
         try:  # a bad description (or one over the receiver's limits) is refused, with its reason, by the agent's thread
             info = TransferInfo.from_dict(message.transfer)

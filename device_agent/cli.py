@@ -1,4 +1,4 @@
-"""``feast-agent``: profile this device, take part in a federation, fetch this device's ONNX model.
+"""``feast-agent``: profile this device, take part in a federation, fetch this device's ONNX model and use it.
 
 User errors (unreachable broker, wrong credentials, refused registration,
 missing data, a budget below the smallest variant, a silent server) print one
@@ -15,14 +15,15 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from feast_edge.cli import common
+from feast_edge.cli import common, inference
 from feast_edge.errors import FeastError
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.credentials import credentials_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 app = common.make_app(
-    "feast-agent", "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model."
+    "feast-agent",
+    "FEAST device agent: measure this device, train in a federation over MQTT, fetch its ONNX model and use it.",
 )
 console = common.make_console()
 
@@ -74,7 +75,9 @@ def run(
     data: Annotated[
         Path,
         typer.Option(
-            "--data", help="Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition)."
+            "--data",
+            help="This device's images (a folder <root>/<class name>/<file>, a manifest CSV path,label, a CIFAR binary "
+            "folder), a Fashion-MNIST directory, a shard file, or a partition directory (feast-edge partition).",
         ),
     ],
     profile: Annotated[
@@ -109,6 +112,16 @@ def run(
     offset: Annotated[
         int, typer.Option("--offset", min=0, help="With a partition directory: first client to host.")
     ] = 0,
+    holdout: Annotated[
+        Optional[float],
+        typer.Option(
+            "--holdout",
+            min=0.0,
+            max=0.9,
+            help="Share of each client's examples held out, never trained (default: 0.1 of this device's own images, "
+            "0 of shards and Fashion-MNIST).",
+        ),
+    ] = None,
     preset: Annotated[
         Optional[str],
         typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small)."),
@@ -156,7 +169,12 @@ def run(
     loaded = None
     if profile is not None:
         loaded = load_profile(profile)
-    hosted = load_clients(data, device_id, clients, shard, offset)
+    from feast_edge.cli.progress import lazy_stage
+    from feast_edge.space.preset import load_preset
+
+    task = load_preset(preset or (loaded.preset if loaded is not None else None) or "fmnist-small").task
+    with lazy_stage(console, "decoding images") as progress:
+        hosted = load_clients(data, device_id, clients, shard, offset, task=task, holdout=holdout, progress=progress)
     if link.credentials is not None and [c.device_id for c in hosted] != [device_id]:
         raise FeastError(
             f"--credentials make this agent device {device_id!r} alone, but --data/--clients give it {len(hosted)} clients "
@@ -241,19 +259,52 @@ def fetch_model_command(
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the server's answer.")] = 30.0,
     repeats: Annotated[int, typer.Option(min=1, help="Timed onnxruntime runs.")] = 50,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    data: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--data",
+            help="This device's data, to calibrate BN on when the server holds none (its models are calibrated on the device).",
+        ),
+    ] = None,
+    preset: Annotated[str, typer.Option(help="Preset name or .toml file (with --data).")] = "fmnist-small",
+    holdout: Annotated[
+        Optional[float],
+        typer.Option(help="Held-out share of --data the model is tested on (default: as feast-agent run)."),
+    ] = None,
     log_level: common.LogLevelOpt = "warning",
     log_file: common.LogFileOpt = None,
 ) -> None:
     """Download this device's ONNX model from the server, verify its SHA-256, load it in onnxruntime, print its latency."""
+    from feast_edge.agent.local_data import load_clients
     from feast_edge.agent.model_files import fetch_model
+    from feast_edge.space.preset import load_preset
 
     common.setup_logging(log_level, log_file)
     device_id, federation = _identity(link, device_id, federation)
-    got = fetch_model(link, federation, device_id, out, timeout=timeout, chunk_size=chunk_size, repeats=repeats)
+    task_preset = load_preset(preset)
+    own = None if data is None else load_clients(data, device_id, task=task_preset.task, holdout=holdout)[0]
+    got = fetch_model(
+        link,
+        federation,
+        device_id,
+        out,
+        timeout=timeout,
+        chunk_size=chunk_size,
+        repeats=repeats,
+        data=own,
+        preset=task_preset,
+    )
     m = got.manifest
+    accuracy = (
+        f"held-out accuracy {100 * m['holdout_accuracy']:.2f}% (calibrated here on {m['calibration_samples']} examples)"
+        if m.get("calibration") == "device" and m.get("holdout_accuracy") is not None
+        else f"validation accuracy {100 * m['validation_accuracy']:.2f}%"
+        if m.get("validation_accuracy") is not None
+        else "no accuracy measured"
+    )
     console.print(
         f"saved {got.path} ({m['size']:,} bytes, sha256 {m['sha256'][:16]}… verified)\n"
-        f"arch {m['arch']}  {m['macs'] / 1e6:.2f}M MACs  {m['params'] / 1e6:.3f}M params  validation accuracy {100 * m['validation_accuracy']:.2f}%\n"
+        f"arch {m['arch']}  {m['macs'] / 1e6:.2f}M MACs  {m['params'] / 1e6:.3f}M params  {accuracy}\n"
         f"onnxruntime latency (batch 1, CPU): median {got.latency['median_ms']:.3f} ms, p90 {got.latency['p90_ms']:.3f} ms",
         soft_wrap=True,
         highlight=False,
@@ -383,6 +434,10 @@ def profiles_command(
             where,
         )
     console.print(table)
+
+
+app.command("predict")(inference.predict)
+app.command("evaluate")(inference.evaluate)
 
 
 def main() -> None:

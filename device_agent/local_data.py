@@ -1,28 +1,44 @@
-"""A device's local training data: a shard file, a partition directory, or a Fashion-MNIST IDX directory.
+"""A device's local training data: its own images, or a shard of a data set cut by ``feast-edge partition``.
 
+* image folder ``<root>/<class name>/<files>``, manifest CSV ``path,label``, CIFAR binary folder: the device's
+  own data, read by ``feast_edge.data.sources.load_data`` with the federation's task (labels by class name,
+  decoded once into the decoded cache);
 * shard file (``client-007.safetensors`` from ``feast-edge partition``): one client, exactly the simulator's shard;
 * partition directory (with ``index.json``): ``--clients K`` of its clients from ``--offset``, with their ids;
-* Fashion-MNIST directory: its training split, or with ``--shard i/N`` the i-th of N deterministic
-  shards (a permutation seeded with 0, cut into N near-equal parts); ``--clients K`` splits that part
-  again into K virtual clients ``ID-0..ID-(K-1)``.
+* Fashion-MNIST directory: its training split.
+
+From an image folder, manifest, CIFAR or Fashion-MNIST folder, ``--shard i/N`` takes the i-th of N
+deterministic shards (a permutation seeded with 0, cut into N near-equal parts) and ``--clients K``
+splits that part again into K virtual clients ``ID-0..ID-(K-1)``.
+
+Each client then holds out a deterministic per-class share of its examples that never trains
+(``feast_edge.data.holdout``): by default 10% of a device's own data (image folder, manifest, CIFAR), none of
+shard files, partitions and Fashion-MNIST folders (there the server holds the validation data, and the
+federation stays bit-identical to ``feast-edge simulate``).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from feast_edge.cache.variants import VariantCache
+from feast_edge.data.decode import Progress
+from feast_edge.data.holdout import holdout_split
 from feast_edge.data.images import DataError, load_fashion_mnist
+from feast_edge.data.sources import detect_kind, load_data
+from feast_edge.data.task import Task
 from feast_edge.sim.shards import is_partition, read_index, read_shard
 from feast_edge.space.preset import Preset
 
 SHARD_SEED = 0  # the permutation behind --shard i/N; fixed so every agent cuts the same way
+OWN_DATA_HOLDOUT = 0.1  # the default held-out share of a device's own data
+_EMPTY_IMAGES = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -32,14 +48,38 @@ class LocalClient:
     device_id: str
     images: torch.Tensor  # uint8 [N, C, H, W]
     labels: torch.Tensor  # int64 [N]
-    budget_macs: float | None  # from a shard file; None for IDX data
+    budget_macs: float | None  # from a shard file; None for the device's own data
     preset: str | None  # preset name a shard was written for
     preset_digest: str | None
     source: str
+    holdout_images: torch.Tensor = _EMPTY_IMAGES  # uint8 [H, C, H, W]: held out, never trains (possibly empty)
+    holdout_labels: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # int64 [H]
 
     @property
     def samples(self) -> int:
         return int(self.labels.shape[0])
+
+    @property
+    def holdout(self) -> int:
+        return int(self.holdout_labels.shape[0])
+
+    @property
+    def classes_present(self) -> tuple[int, ...]:
+        """The task indices of the classes this client holds (training or held out), ascending."""
+        return tuple(int(c) for c in torch.unique(torch.cat([self.labels, self.holdout_labels])).tolist())
+
+    def with_holdout(self, fraction: float, seed: int = 0) -> LocalClient:
+        """This client with a per-class ``fraction`` of its examples moved to the held-out split."""
+        train, held = holdout_split(self.labels, fraction, seed)
+        if len(held) == 0:
+            return self
+        return replace(
+            self,
+            images=self.images[train],
+            labels=self.labels[train],
+            holdout_images=self.images[held],
+            holdout_labels=self.labels[held],
+        )
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -55,28 +95,43 @@ def _virtual_ids(device_id: str, k: int) -> list[str]:
 
 
 def load_clients(
-    data: str | os.PathLike[str], device_id: str, clients: int | None = None, shard: str | None = None, offset: int = 0
+    data: str | os.PathLike[str],
+    device_id: str,
+    clients: int | None = None,
+    shard: str | None = None,
+    offset: int = 0,
+    *,
+    task: Task | None = None,
+    holdout: float | None = None,
+    progress: Progress | None = None,
 ) -> list[LocalClient]:
-    """The clients an agent hosts, read from ``data`` (see the module docstring)."""
+    """The clients an agent hosts, read from ``data`` (see the module docstring).
+
+    ``task``: the federation's task (needed for an image folder, manifest or CIFAR folder);
+    ``holdout``: the held-out share of each client's examples (None: 0.1 of the device's own data, else 0);
+    ``progress(done, total)``: called while images are decoded.
+    """
     path = Path(data)
     if not path.exists():
         raise DataError(
             f"--data {path} does not exist; pass a Fashion-MNIST directory (apt-get install dataset-fashion-mnist puts it in "
-            "/usr/share/datasets/fashion-mnist), a shard file or a partition directory written by 'feast-edge partition'"
+            "/usr/share/datasets/fashion-mnist), an image folder <root>/<class name>/<file>, a manifest CSV (path,label), "
+            "a CIFAR binary folder, or a shard file or partition directory written by 'feast-edge partition'"
         )
     if clients is not None and clients < 1:
         raise DataError(f"--clients {clients} must be at least 1")
-    if path.is_file():
+    if path.is_file() and path.suffix.lower() != ".csv":
         if (clients or 1) != 1 or shard is not None:
             raise DataError(
-                f"--data {path} is one client's shard file; --clients/--shard need a partition or Fashion-MNIST directory"
+                f"--data {path} is one client's shard file; --clients/--shard need a partition, image or Fashion-MNIST directory"
             )
         s = read_shard(path)
-        return [LocalClient(device_id, s.images, s.labels, s.budget_macs, s.preset, s.preset_digest, str(path))]
+        hosted = [LocalClient(device_id, s.images, s.labels, s.budget_macs, s.preset, s.preset_digest, str(path))]
+        return _held_out(hosted, holdout, 0.0)
     if is_partition(path):
         if shard is not None:
             raise DataError(
-                "--shard cuts a Fashion-MNIST directory; with a partition directory choose clients with --clients and --offset"
+                "--shard cuts a Fashion-MNIST directory or a device's own images; with a partition directory choose clients with --clients and --offset"
             )
         entries = read_index(path)["clients"]
         count = len(entries) - offset if clients is None else clients
@@ -98,21 +153,38 @@ def load_clients(
                     str(path / str(entry["file"])),
                 )
             )
-        return hosted
-    train = load_fashion_mnist(path, "train")
+        return _held_out(hosted, holdout, 0.0)
+    kind = detect_kind(path)
+    if kind == "fashion-mnist":
+        train = load_fashion_mnist(path, "train")  # today's tensors exactly: the federation matches simulate
+        images, labels, source, default = train.images, train.labels, "", 0.0
+    else:
+        if task is None:
+            raise ValueError(f"load_clients: --data {path} is a {kind}; pass the federation's task (task=preset.task)")
+        own = load_data(path, task, split="train", progress=progress)
+        images, labels, source, default = own.images, own.labels, own.source, OWN_DATA_HOLDOUT
     i, n = parse_shard(shard) if shard is not None else (0, 1)
-    order = np.random.default_rng(SHARD_SEED).permutation(len(train))
+    order = np.random.default_rng(SHARD_SEED).permutation(len(labels))
     part = np.sort(np.array_split(order, n)[i])
     k = clients or 1
     if len(part) < k:
         raise DataError(f"shard {i}/{n} of {path} holds {len(part)} examples, too few for --clients {k}")
     hosted = []
+    whole = shard is None and k == 1
+    where = f"{path} shard {i}/{n}" if kind == "fashion-mnist" else source if whole else f"{source}, shard {i}/{n}"
     for cid, piece in zip(_virtual_ids(device_id, k), np.array_split(part, k)):
-        index = torch.from_numpy(piece.astype(np.int64))
-        hosted.append(
-            LocalClient(cid, train.images[index], train.labels[index], None, None, None, f"{path} shard {i}/{n}")
-        )
-    return hosted
+        if whole:  # the loaded tensors themselves: a memory-mapped set stays mapped
+            client_images, client_labels = images, labels
+        else:
+            index = torch.from_numpy(piece.astype(np.int64))
+            client_images, client_labels = images[index], labels[index]
+        hosted.append(LocalClient(cid, client_images, client_labels, None, None, None, where))
+    return _held_out(hosted, holdout, default)
+
+
+def _held_out(hosted: list[LocalClient], holdout: float | None, default: float) -> list[LocalClient]:
+    fraction = default if holdout is None else holdout
+    return [c.with_holdout(fraction) for c in hosted]
 
 
 def client_budgets(

@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.agent.downloads import Downloads
+from feast_edge.agent.local_data import LocalClient
+from feast_edge.agent.on_device import calibrate_served_variant
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.onnx_export import measure_latency
 from feast_edge.protocol import ModelReady, ModelRequest
+from feast_edge.space.preset import Preset
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import ProtocolError, TopicError
@@ -85,13 +88,25 @@ def receive_pushed_model(
     model_dir: str | os.PathLike[str],
     stop: Callable[[], bool],
     timeout: float = 120.0,
+    *,
+    data: LocalClient,
+    preset: Preset,
 ) -> tuple[Path, dict[str, Any]] | None:
-    """Wait for the model announced by ``message`` and keep it (:func:`keep_pushed_model`); None (logged) if it did not come."""
+    """Wait for the model announced by ``message`` and keep it: an ONNX file as it is (:func:`keep_pushed_model`), a
+    variant's weights calibrated on ``data`` first (``on_device.calibrate_served_variant``); None (logged) if unusable."""
     blob = downloads.wait(TransferInfo.from_dict(message.transfer), time.monotonic() + timeout, abandon=stop)
     if blob is None:
         log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", message.device)
         return None
-    return keep_pushed_model(blob, message, model_dir)
+    if message.manifest.get("calibration") != "device":
+        return keep_pushed_model(blob, message, model_dir)
+    try:
+        return calibrate_served_variant(
+            blob, message.manifest, data, preset, Path(model_dir) / f"{message.device}.onnx"
+        )
+    except FeastError as exc:
+        log.error("the model of %s is unusable: %s", message.device, exc)
+        return None
 
 
 @dataclass(frozen=True)
@@ -124,8 +139,13 @@ def fetch_model(
     timeout: float = 30.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     repeats: int = 50,
+    data: LocalClient | None = None,
+    preset: Preset | None = None,
 ) -> FetchedModel:
-    """Ask the server for ``device_id``'s ONNX model, download it in chunks, verify, save and time it."""
+    """Ask the server for ``device_id``'s ONNX model, download it in chunks, verify, save and time it.
+
+    A server without data sends the variant's weights instead (``"calibration": "device"``): they are calibrated
+    on ``data`` (this device's own) and exported here, as ``feast-agent run --model-dir`` does."""
     out = check_writable(out, "model file")
     topics = Topics(federation)
     replies: queue.Queue[ModelReady] = queue.Queue()
@@ -181,5 +201,14 @@ def fetch_model(
             blob = progress.payload
     finally:
         link.close()
+    if answer.manifest.get("calibration") == "device":
+        if data is None or preset is None:
+            raise ModelError(
+                f"the server holds no data: the model of {device_id} is calibrated on the device; pass --data "
+                "(this device's data, as for feast-agent run) to calibrate and export it here"
+            )
+        path, _ = calibrate_served_variant(blob, answer.manifest, data, preset, out)
+        manifest = json.loads(path.with_suffix(".json").read_text())
+        return FetchedModel(path, manifest, measure_latency(path, repeats=repeats))
     path = save_model(blob, answer.manifest, out)
     return FetchedModel(path, answer.manifest, measure_latency(path, repeats=repeats))

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 
 from feast_edge.agent.config import AgentConfig
 from feast_edge.agent.hosted import Hosted
+from feast_edge.data.task import Task, TaskError
 from feast_edge.errors import FeastError
 from feast_edge.protocol import Finished, Register, Registered
 from feast_edge.space.preset import Preset
@@ -44,6 +45,7 @@ class Registration:
         self.server_online: bool | None = None  # None: the server never reported
         self.accepted: set[str] = set()
         self.ended: dict[str, Finished] = {}  # device -> the server's word that the federation is over
+        self.validation = ""  # where the server validates: "server" (its data) or "devices" (ours), once it said so
         self._ever_accepted = False
         self._refused = False
         self._closing = False
@@ -72,6 +74,7 @@ class Registration:
                 budget_macs=client.budget_macs,
                 samples=client.data.samples,
                 profile=self.config.profile,
+                holdout=client.data.holdout,
             )
             self.link.publish(self.topics.register(device_id), message.encode())
 
@@ -129,6 +132,7 @@ class Registration:
         if not message.accepted:
             self._refused = True
             raise AgentError(f"the server refused device {message.device}: {message.reason}")
+        self._check_task(message)
         if message.finished:
             log.info(
                 "federation %r has already finished (%d rounds); nothing to train for %s",
@@ -147,6 +151,31 @@ class Registration:
             log.debug("server accepted %s (preset %s, %d rounds)", message.device, message.preset, message.rounds)
         self.accepted.add(message.device)
         self._ever_accepted = True
+
+    def _check_task(self, message: Registered) -> None:
+        """The federation's task, as the server announced it, must be the one this agent checked its data against."""
+        if not message.task:
+            return  # a server from before the task contract
+        try:
+            theirs = Task.from_dict(message.task)
+        except TaskError as exc:
+            self._refused = True
+            raise AgentError(f"the server announced a malformed task: {exc}") from None
+        ours = self.preset.task
+        if theirs.digest != ours.digest:
+            self._refused = True
+            raise AgentError(
+                f"the federation trains task {theirs.describe()}, but this agent's data was checked against "
+                f"{ours.describe()} (preset {self.preset.name}); start feast-agent with the server's preset file (--preset)"
+            )
+        if message.validation and message.validation != self.validation:
+            self.validation = message.validation
+            if message.validation == "devices" and not any(c.data.holdout for c in self.clients.values()):
+                log.warning(
+                    "the server holds no data: it validates on the devices' held-out data, but %s holds none out "
+                    "(--holdout 0); it trains, and calibrates its model, without testing it",
+                    self.config.host,
+                )
 
     def on_finished(self, message: Finished) -> None:
         self.ended[message.device] = message

@@ -21,7 +21,7 @@ from feast_edge.agent.hosted import Hosted
 from feast_edge.agent.inbox import Inbox, Incoming
 from feast_edge.agent.step import Assignment, Declined, Job, Trained, train
 from feast_edge.errors import FeastError
-from feast_edge.protocol import MAX_REASON, RoundStart
+from feast_edge.protocol import MAX_REASON, Evaluate, RoundStart
 from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import LinkError
 from feast_edge.transport.link import Link
@@ -98,6 +98,45 @@ class RoundRunner:
             late = time.monotonic() - deadline
             log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, late)
         return self._upload(client, assignment, outcome, deadline)
+
+    def evaluate(self, client: Hosted, incoming: Incoming) -> bool:
+        """Answer a federated-validation request of ``client``: test the routed model on its held-out data."""
+        from feast_edge.agent.on_device import answer_evaluation
+
+        message, device_id = incoming.message, client.device_id
+        assert isinstance(message, Evaluate)
+        shown = f"round {message.round + 1}"
+        try:
+            info = message.transfer_info()
+        except FeastError as exc:
+            log.error("%s: refused the evaluation request for %s: %s", shown, device_id, exc)
+            return False
+        blob = client.downloads.wait(
+            info,
+            incoming.at + message.timeout,
+            abandon=lambda: self.stop.is_set() or self.inbox.overtaken(device_id, incoming.number),
+        )
+        if blob is None:
+            log.warning("%s: the model to validate did not reach %s in time; skipped", shown, device_id)
+            return False
+        began = time.perf_counter()
+        try:
+            answer = answer_evaluation(message, blob, client.data, self.preset, str(self.config.torch_device))
+        except FeastError as exc:
+            log.error("%s: could not validate the model for %s: %s", shown, device_id, exc)
+            return False
+        self.link.publish(self.topics.events(device_id), answer.encode())
+        shown_counts = ", ".join(f"{c}/{n}" for c, n in answer.counts())
+        log.info(
+            "%s: %s validated %d variant(s) on its %d held-out examples (correct: %s) in %.1f s",
+            shown,
+            device_id,
+            len(message.probes),
+            client.data.holdout,
+            shown_counts,
+            time.perf_counter() - began,
+        )
+        return True
 
     def _decline(self, assignment: Assignment, reason: str) -> bool:
         """Tell the server no update will come (it stops waiting for this device at once)."""

@@ -36,11 +36,12 @@ from feast_edge.server.config import KIND, ServerConfig, ServerError
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.events import Events
 from feast_edge.server.exchange import ExchangeSettings, RoundExchange, WaitTimeout
-from feast_edge.server.export import export_device_models
+from feast_edge.server.export import export_device_models, export_device_variants
 from feast_edge.server.held_data import ServerData, load_server_data
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Registry
 from feast_edge.server.serving import ModelServer
+from feast_edge.server.validation import FederatedValidation
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig
@@ -95,6 +96,7 @@ class FederationServer:
             max_samples=config.max_samples,
             max_devices=config.max_devices,
             shard_samples=None if self.data is None else self.data.shard_samples,
+            validation=self.validation_source,
         )
         self.loop = RunLoop(
             self.model,
@@ -108,6 +110,7 @@ class FederationServer:
             if self.data is None
             else Validation(self.data.calibration_images, self.data.validation_images, self.data.validation_labels),
             extra_fields=lambda: {"data": config.data, "seed": config.seed, "registry": self.registry.snapshot()},
+            validator=None if self.data is not None else self._validate_on_devices,
         )
         self.live = (
             None
@@ -126,6 +129,16 @@ class FederationServer:
         self.inbox, self.stop = self.events.inbox, self.events.stop
         self.collector: DeviceCollector | None = None
         self.models: ModelServer | None = None
+        self.federated: FederatedValidation | None = None
+
+    @property
+    def validation_source(self) -> str:
+        """Where models are validated and BN-calibrated: "server" (its --data) or "devices" (their own data)."""
+        return "server" if self.data is not None else "devices"
+
+    def _validate_on_devices(self, t: int, record: RoundRecord) -> float | None:
+        assert self.federated is not None, "start() first"
+        return self.federated(t, record)
 
     @property
     def history(self) -> list[RoundRecord]:
@@ -173,6 +186,16 @@ class FederationServer:
         )
         self.collector = DeviceCollector(events.exchange, self.devices, terms, self.live)
         self.models = events.models = ModelServer(self.out, self.link, t, sender, cfg.send_timeout)
+        self.federated = FederatedValidation(
+            events.exchange,
+            self.devices,
+            self.preset,
+            self.cache,
+            self.model.state_dict(),
+            probes=cfg.probe_variants,
+            calibration=cfg.calib_samples,
+            payload_dtype=cfg.payload_dtype,
+        )
         log.info(
             "connected to %s as federation %r; preset %s, %d cached variants",
             self.link.address,
@@ -215,7 +238,11 @@ class FederationServer:
         if done:
             log.info("resuming from %s: %d of %d rounds completed", self.out / CHECKPOINT, done, cfg.rounds)
         if self.data is None:
-            log.info("no --data: skipping validation (and the ONNX export needs calibration data)")
+            log.info(
+                "no --data: the devices validate the model on their held-out data every %d rounds, and calibrate "
+                "their served model's BN on their own data",
+                cfg.eval_every,
+            )
         self.events.filter.advance(done)
         if self.live is not None:
             self.live.resumed(self.history)
@@ -260,11 +287,8 @@ class FederationServer:
 
     # ------------------------------------------------------------------ models
     def export(self) -> list[dict[str, Any]]:
-        """Export every registered device's model (from the best checkpoint if validated, else the last)."""
-        if self.data is None:
-            raise ServerError(
-                "exporting needs server-held calibration data; pass --data (a partition directory or Fashion-MNIST)"
-            )
+        """Every registered device's model (from the best checkpoint if validated, else the last): an ONNX file
+        calibrated on the server's data, or, without --data, the variant's weights for the device to calibrate."""
         source = self.loop.selected_checkpoint()
         if not source.is_file():
             raise ServerError(
@@ -275,21 +299,38 @@ class FederationServer:
         devices = self.registry.devices()
         if not devices:
             raise ServerError(f"no device is registered in {self.out / REGISTRY}; nothing to export")
-        return export_device_models(
-            model,
-            self.cache,
-            devices,
-            self.data,
-            self.out,
-            federation=self.config.federation,
-            rounds_done=rounds,
-            checkpoint=source.name,
-        )
+        where = dict(federation=self.config.federation, rounds_done=rounds, checkpoint=source.name)
+        if self.data is None:
+            return export_device_variants(
+                model, self.cache, devices, self.out, calibration=self.config.calib_samples, **where
+            )
+        return export_device_models(model, self.cache, devices, self.data, self.out, **where)
 
     def announce_models(self, manifests: list[dict[str, Any]]) -> list[str]:
         """Push each online device its model (ModelReady + chunks); returns the devices served."""
         assert self.models is not None, "start() first"
         return self.models.push(manifests, self.online_devices())
+
+    def await_device_models(
+        self, manifests: list[dict[str, Any]], devices: list[str], timeout: float
+    ) -> dict[str, dict[str, Any]]:
+        """Without server data: wait until each of ``devices`` reported the model of its manifest calibrated (with its
+        held-out accuracy), or ``timeout``; returns what each reported."""
+        end = time.monotonic() + timeout
+        rounds = {m["device"]: m["rounds"] for m in manifests}
+        reports: dict[str, dict[str, Any]] = {}
+        while time.monotonic() < end and not self.stop.is_set():
+            for device in devices:
+                metrics = (d.metrics if (d := self.registry.get(device)) is not None else None) or {}
+                if "holdout_accuracy" in metrics and metrics.get("model_round") == rounds.get(device):
+                    reports[device] = metrics
+            if len(reports) == len(devices):
+                break
+            self.pump(0.2)
+        missing = sorted(set(devices) - set(reports))
+        if missing:
+            log.warning("no calibrated-model report from %s within %.0f s", ", ".join(missing), timeout)
+        return reports
 
     def finish(self, manifests: list[dict[str, Any]]) -> None:
         """Tell every registered device that the federation is over."""

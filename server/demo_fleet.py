@@ -150,7 +150,8 @@ class Fleet:
         """Wait until every agent saved the model the server pushed to it."""
         began = said = time.monotonic()
         while True:
-            have = [name for name in self.agents if (received / f"{name}.onnx").is_file()]
+            # The manifest is written after the model file: both there, the model is complete.
+            have = [name for name in self.agents if (received / f"{name}.json").is_file()]
             if len(have) == len(self.agents) or time.monotonic() - began > 120:
                 break
             if time.monotonic() - said >= HEARTBEAT_S:
@@ -159,7 +160,7 @@ class Fleet:
                 )
                 said = time.monotonic()
             time.sleep(0.5)
-        missing = [name for name in self.agents if not (received / f"{name}.onnx").is_file()]
+        missing = [name for name in self.agents if not (received / f"{name}.json").is_file()]
         if missing:
             raise DemoError(f"no model reached {', '.join(missing)}; see {self.logs}")
         say(f"models received by all {len(self.agents)} agents in {relative(received)}")

@@ -39,6 +39,7 @@ class DeviceBook:
         max_samples: int = 1_000_000,
         max_devices: int = 10_000,
         shard_samples: dict[str, int] | None = None,
+        validation: str = "server",
     ) -> None:
         self.registry = registry
         self.preset = preset
@@ -54,6 +55,8 @@ class DeviceBook:
         self.max_samples = max_samples
         self.max_devices = max_devices  # the registry (and every per-device record) stays bounded whoever registers
         self.shard_samples = shard_samples or {}
+        self.task = preset.task  # announced in every answer; a device checked its data against it
+        self.validation = validation  # "server" (server-held data) or "devices" (federated validation and calibration)
         self.finished = False  # the federation ran all its rounds: registrations are answered with finished=True
         self.hosts_online: set[str] = set()
         # Devices a new agent instance may take over: those whose host went offline since they registered, and, at a
@@ -107,6 +110,11 @@ class DeviceBook:
                 f"preset mismatch: the device trains preset {message.preset!r}, this federation trains {self.preset.name!r}; "
                 f"start feast-agent with --preset {self.preset.name} (or a profile measured for it)"
             )
+        if message.task_digest and message.task_digest != self.task.digest:
+            return (
+                f"task mismatch: the device checked its data against another task than this federation's ({self.task.describe()}, "
+                f"digest {self.task.digest[:12]}); start feast-agent with the server's preset file (--preset)"
+            )
         if message.samples < 1:
             return "the device has no training examples; check --data"
         limit, source = (
@@ -158,7 +166,7 @@ class DeviceBook:
                 budget_macs=message.budget_macs,
                 samples=message.samples,
                 preset=message.preset,
-                profile=message.profile,
+                profile={**message.profile, "holdout": message.holdout},
                 status=status,
             )
             # Agents repeat a registration until it is answered: say it once per agent instance.
@@ -188,5 +196,7 @@ class DeviceBook:
                 preset=self.preset.name,
                 rounds=self.rounds,
                 finished=self.finished and not reason,
+                task=self.task.to_dict(),
+                validation=self.validation,
             ),
         )

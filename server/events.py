@@ -3,7 +3,7 @@
     paho's thread:  topic + message checked -> Inbox (fair per device); an announced upload is expected at once
     the run thread: pump(seconds) -> each message to the piece whose job it is:
         status, register  -> devices.DeviceBook (offline hosts -> the round exchange)
-        update, declined  -> exchange.RoundExchange
+        update, declined, evaluated -> exchange.RoundExchange
         metrics           -> the registry (and the dashboard)
         model_request     -> serving.ModelServer
 
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from feast_edge.errors import FeastError
-from feast_edge.protocol import Declined, Metrics, ModelRequest, Register, Update
+from feast_edge.protocol import Declined, Evaluated, Metrics, ModelRequest, Register, Update
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.exchange import RoundExchange
 from feast_edge.server.inbox import Inbox
@@ -139,6 +139,8 @@ class Events:
             exchange.on_update(message)
         elif channel == "events" and isinstance(message, Declined) and exchange is not None:
             exchange.on_declined(message)
+        elif channel == "events" and isinstance(message, Evaluated) and exchange is not None:
+            exchange.on_evaluated(message)
         elif channel == "events" and isinstance(message, Metrics):
             if self.registry.get(message.device) is not None:
                 self.registry.touch(message.device, metrics=message.values)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from feast_edge.protocol import Declined, Update
+from feast_edge.protocol import Declined, Evaluated, Update
 from feast_edge.transport.chunks import Progress, Status
 from feast_edge.transport.errors import LinkError, ProtocolError
 from feast_edge.transport.frames import TransferInfo
@@ -80,13 +80,14 @@ class Expect:
 
 @dataclass(frozen=True)
 class Reply:
-    """A device's settled reply: its announced update and the upload's bytes, or ``error`` (why none will count)."""
+    """A device's settled reply: its announced update and the upload's bytes, its evaluation, or ``error`` (why none will count)."""
 
     device: str
     update: Update | None = None
     payload: bytes | None = None
     chunks: int = 0  # the upload's
     error: str = ""
+    evaluation: Evaluated | None = None  # the answer to an evaluation request (no upload)
 
     @property
     def size(self) -> int:
@@ -241,7 +242,9 @@ class RoundExchange:
         current = self.current
         assert current is not None, "open() first"
         missing = [
-            d for d, p in current.pending.items() if p.update is None and p.error is None and d not in current.dropped
+            d
+            for d, p in current.pending.items()
+            if p.update is None and p.error is None and not p.finished and d not in current.dropped
         ]
         self.current, self.announced = None, {}
         return Unsettled(missing, current.dropped, current.ignored)
@@ -287,6 +290,16 @@ class RoundExchange:
             self.ignore(f"declined from {message.device}: it does not answer an open request of the round in flight")
             return
         self._fail(message.device, f"the device sent no update: {message.reason}")
+
+    def on_evaluated(self, message: Evaluated) -> None:
+        """A cohort device's answer to an evaluation request: counts only, no upload."""
+        current = self.current
+        pending = None if current is None or message.round != current.t else current.pending.get(message.device)
+        if pending is None or message.routed != pending.routed or pending.settled or pending.expect.max_bytes:
+            self.ignore(f"evaluated from {message.device}: it does not answer an open evaluation request")
+            return
+        pending.finished = True
+        current.settled.append(Reply(message.device, evaluation=message))
 
     def on_update(self, message: Update) -> None:
         device, current = message.device, self.current

@@ -1,9 +1,15 @@
-"""One ONNX model per registered device: its largest affordable cached variant, BN-recalibrated (SPEC §8).
+"""One model per registered device: its largest affordable cached variant, BN-recalibrated (SPEC §8).
 
-Each distinct variant is extracted, recalibrated on the server-held calibration
-split, validated and exported once; every device it serves gets its own copy
-``models/{device}.onnx`` and a manifest ``models/{device}.json`` with the
-device, arch, MACs, params, validation accuracy and the file's SHA-256.
+With server-held data, each distinct variant is extracted, recalibrated on the
+server's calibration split, validated and exported once; every device it serves
+gets its own copy ``models/{device}.onnx`` and a manifest ``models/{device}.json``
+with the device, arch, MACs, params, validation accuracy and the file's SHA-256.
+
+Without server data (:func:`export_device_variants`), the server cannot
+recalibrate BN: each device gets ``models/{device}.variant.safetensors``, the
+extracted variant's weights, with a manifest saying ``"calibration": "device"``;
+the device recalibrates BN on its own training split, exports the ONNX file
+itself and reports its accuracy on its held-out split (``feast_edge.agent.model_files``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from feast_edge.evaluate.onnx_export import export_onnx
 from feast_edge.server.held_data import ServerData
 from feast_edge.server.registry import Device
 from feast_edge.space.arch import Arch
+from feast_edge.space.extract import extract
 from feast_edge.space.supernet import Supernet
 from feast_edge.util.atomic import atomic_write_bytes
 
@@ -106,6 +113,64 @@ def export_device_models(
         }
         atomic_write_bytes(directory / f"{device.device_id}.json", (json.dumps(manifest, indent=1) + "\n").encode())
         manifests.append(manifest)
+    atomic_write_bytes(directory / "index.json", (json.dumps({"models": manifests}, indent=1) + "\n").encode())
+    return manifests
+
+
+VARIANT_FORMAT = "feast-edge/variant-weights"
+
+
+def export_device_variants(
+    supernet: Supernet,
+    cache: VariantCache,
+    devices: Sequence[Device],
+    out: str | os.PathLike[str],
+    *,
+    federation: str,
+    rounds_done: int,
+    checkpoint: str,
+    calibration: int,
+) -> list[dict[str, Any]]:
+    """Every device's served variant as weights for the device to calibrate on its own data; returns the manifests."""
+    from safetensors.torch import save
+
+    directory = Path(out) / MODELS
+    directory.mkdir(parents=True, exist_ok=True)
+    preset = supernet.preset
+    blobs: dict[Arch, bytes] = {}
+    manifests = []
+    for device in sorted(devices, key=lambda d: d.device_id):
+        entry = cache.largest_affordable(device.budget_macs)
+        if entry.arch not in blobs:
+            state = {k: v.contiguous() for k, v in extract(supernet, entry.arch).state_dict().items()}
+            blobs[entry.arch] = save(state, metadata={"format": VARIANT_FORMAT, "arch": entry.arch.to_json()})
+        blob = blobs[entry.arch]
+        path = directory / f"{device.device_id}.variant.safetensors"
+        atomic_write_bytes(path, blob)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": 1,
+            "device": device.device_id,
+            "federation": federation,
+            "preset": preset.name,
+            "preset_digest": preset.digest,
+            "task_digest": preset.task.digest,
+            "budget_macs": device.budget_macs,
+            "arch": entry.arch.to_dict(),
+            "macs": int(entry.macs),
+            "params": int(entry.params),
+            "calibration": "device",  # the device recalibrates BN on its own data and exports the ONNX file
+            "calibration_samples": calibration,
+            "bn_recalibrated": False,
+            "rounds": rounds_done,
+            "checkpoint": checkpoint,
+            "file": path.name,
+            "size": len(blob),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+        }
+        atomic_write_bytes(directory / f"{device.device_id}.json", (json.dumps(manifest, indent=1) + "\n").encode())
+        manifests.append(manifest)
+    log.info("%d device model(s) ready for calibration on their devices in %s", len(manifests), directory)
     atomic_write_bytes(directory / "index.json", (json.dumps({"models": manifests}, indent=1) + "\n").encode())
     return manifests
 

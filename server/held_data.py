@@ -6,9 +6,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from feast_edge.data.images import DataError, load_fashion_mnist
+from feast_edge.data.sources import detect_kind, load_data
 from feast_edge.sim.shards import is_partition, read_index, read_server_split
 from feast_edge.space.preset import Preset
 
@@ -33,10 +35,15 @@ class ServerData:
 def load_server_data(
     path: str | os.PathLike[str], preset: Preset, val_samples: int = 5000, calib_samples: int = 500
 ) -> ServerData:
-    """A partition directory's held-out server split, or the first examples of a Fashion-MNIST directory's *test* split.
+    """A partition directory's held-out server split, the first examples of a Fashion-MNIST directory's *test* split,
+    or ``val_samples`` + ``calib_samples`` examples of an image folder, manifest or CIFAR folder.
 
     Agents given a Fashion-MNIST directory train on its training split, so the
-    server's examples come from the test split: the two can never overlap.
+    server's examples come from the test split: the two can never overlap. An
+    image folder laid out by split (``train/``, ``test/``) and a CIFAR folder give
+    their test split, any other image folder or manifest all of its examples;
+    they are labelled by the task's class names and drawn in a permutation seeded
+    with 0 (validation first, then calibration), so every class can be in both.
     """
     path = Path(path)
     if not path.exists():
@@ -51,7 +58,7 @@ def load_server_data(
                 f"--data {path} was partitioned for preset {index.get('preset')!r}, this server trains {preset.name!r}; partition again with --preset {preset.name}"
             )
         split = read_server_split(path)
-        names = _fashion_names(preset) if index.get("dataset") == "fashion-mnist" else None
+        names = preset.task.classes
         shards = {str(c["client_id"]): int(c.get("samples", 0)) for c in index["clients"]}
         return ServerData(
             split.validation_images,
@@ -61,12 +68,14 @@ def load_server_data(
             f"partition {path}",
             shards,
         )
+    if val_samples < 1 or calib_samples < 1:
+        raise DataError("--val-samples and --calib-samples must be at least 1")
+    if detect_kind(path) != "fashion-mnist":
+        return _own_data(path, preset, val_samples, calib_samples)
     if (preset.in_channels, preset.input_size) != (1, 28):
         raise DataError(
             f"--data {path} is read as Fashion-MNIST (1x28x28) but preset {preset.name} takes {preset.in_channels}x{preset.input_size}x{preset.input_size}; pass a partition directory"
         )
-    if val_samples < 1 or calib_samples < 1:
-        raise DataError("--val-samples and --calib-samples must be at least 1")
     test = load_fashion_mnist(path, "test")
     if val_samples + calib_samples > len(test):
         raise DataError(
@@ -76,12 +85,25 @@ def load_server_data(
         test.images[:val_samples],
         test.labels[:val_samples],
         test.images[val_samples : val_samples + calib_samples],
-        test.classes,
+        preset.task.classes,
         f"the test split of {path}",
     )
 
 
-def _fashion_names(preset: Preset) -> tuple[str, ...] | None:
-    from feast_edge.data.images import FASHION_MNIST_CLASSES
-
-    return FASHION_MNIST_CLASSES if preset.classes == len(FASHION_MNIST_CLASSES) else None
+def _own_data(path: Path, preset: Preset, val_samples: int, calib_samples: int) -> ServerData:
+    data = load_data(path, preset.task, split="test")
+    if val_samples + calib_samples > len(data):
+        raise DataError(
+            f"--val-samples + --calib-samples = {val_samples + calib_samples} exceeds the {len(data)} examples of "
+            f"{data.source}; hold out fewer (e.g. --val-samples {max(1, len(data) * 9 // 10)} --calib-samples "
+            f"{max(1, len(data) - len(data) * 9 // 10)})"
+        )
+    order = torch.from_numpy(np.random.default_rng(0).permutation(len(data)))
+    val, calib = order[:val_samples], order[val_samples : val_samples + calib_samples]
+    return ServerData(
+        data.images[val],
+        data.labels[val],
+        data.images[calib],
+        preset.task.classes,
+        data.source,
+    )

@@ -29,8 +29,11 @@ def print_round(record: RoundRecord, rounds: int) -> None:
         extra.append(f"offline {', '.join(record.dropped)}")
     if record.missing:
         extra.append(f"no reply {', '.join(record.missing)}")
+    val = _pct(record.val_accuracy)
+    if record.validation.get("source") == "devices":
+        val += f" (on {len(record.validation.get('devices', []))} devices)"
     log.info(
-        f"round {record.round}/{rounds}  replies {replies}  {state}  loss {loss}  val {_pct(record.val_accuracy)}  "
+        f"round {record.round}/{rounds}  replies {replies}  {state}  loss {loss}  val {val}  "
         f"{record.seconds:.1f} s" + (f"  ({'; '.join(extra)})" if extra else "")
     )
 
@@ -47,8 +50,28 @@ def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
             f"{m['budget_macs'] / 1e6:.2f}M",
             f"{m['macs'] / 1e6:.2f}M",
             f"{m['params'] / 1e6:.3f}M",
-            _pct(m["validation_accuracy"]),
+            _pct(m.get("validation_accuracy")) if m.get("calibration") != "device" else "on the device",
             m["file"],
             m["sha256"][:12],
+        )
+    return table
+
+
+def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict[str, Any]], title: str) -> Table:
+    """The devices' own models: where BN was calibrated, on how many examples, and the accuracy each device measured
+    on its held-out split (what a server without data learns of its models)."""
+    table = Table(title=title)
+    for col in ("device", "variant MACs", "calibrated on", "held-out accuracy", "held-out examples", "ONNX latency"):
+        table.add_column(col, justify="left" if col == "device" else "right")
+    for m in manifests:
+        r = reports.get(m["device"], {})
+        latency = r.get("onnx_latency_ms")
+        table.add_row(
+            m["device"],
+            f"{m['macs'] / 1e6:.2f}M",
+            "-" if "calibrated_on" not in r else f"{r['calibrated_on']} examples on the device",
+            _pct(r.get("holdout_accuracy")) if "holdout_accuracy" in r else "no report",
+            str(r.get("holdout_samples", "-")),
+            "-" if latency is None else f"{latency:.3f} ms",
         )
     return table

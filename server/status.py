@@ -49,8 +49,16 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
     history = fields.get("history", [])
     last = history[-1] if history else None
     best = fields.get("best") or None
+    validated = [h for h in history if h.get("val_accuracy") is not None]
+    # Where the validation figures come from: the server's --data, or the devices' held-out splits (federated).
+    source = "devices" if fields.get("data") is None else "server"
     return {
         "out": str(out),
+        "validation": {
+            "source": source if validated or fields.get("data") is not None else None,
+            "devices": (validated[-1].get("validation") or {}).get("devices", []) if validated else [],
+            "samples": (validated[-1].get("validation") or {}).get("samples") if validated else None,
+        },
         "federation": config.get("federation"),
         "preset": config.get("preset"),
         "rounds": {"completed": int(fields.get("round", 0)), "total": config.get("rounds")},
@@ -106,10 +114,16 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     else:
         state = "aggregated" if last["applied"] else "unchanged"
         progress = f"rounds: {rounds['completed']}/{rounds['total'] or '?'} completed; last, round {last['round']}: {state}, val {_pct(last['val_accuracy'])}"
+    validation = status.get("validation") or {}
+    where = {
+        "server": " (on the server's --data)",
+        "devices": f" (federated: on the held-out data of {len(validation.get('devices') or [])} devices, "
+        f"{validation.get('samples') or 0} examples, in the last validated round)",
+    }.get(validation.get("source") or "", "")
     best_line = (
         "best validation accuracy: none yet"
         if best is None
-        else f"best validation accuracy: {_pct(best['val_accuracy'])} (round {best['round']})"
+        else f"best validation accuracy: {_pct(best['val_accuracy'])} (round {best['round']}){where}"
     )
     return [run, progress, best_line, f"devices: {status['online']} of {len(status['devices'])} online"]
 

@@ -78,6 +78,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                     item.add_marker(mark)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _data_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The decoded-image cache (feast_edge.data.decoded_cache) of this session and its subprocesses: never ~/.cache."""
+    folder = tmp_path_factory.mktemp("data-cache")
+    before = os.environ.get("FEAST_EDGE_DATA_CACHE")
+    os.environ["FEAST_EDGE_DATA_CACHE"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("FEAST_EDGE_DATA_CACHE", None)
+    else:
+        os.environ["FEAST_EDGE_DATA_CACHE"] = before
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     """The repository root (where pyproject.toml is)."""

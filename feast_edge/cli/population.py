@@ -40,7 +40,11 @@ _POPULATION_OPTIONS = {
     "dataset": (
         str,
         "fashion-mnist",
-        typer.Option("--dataset", help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder."),
+        typer.Option(
+            "--dataset",
+            help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder (--data/train/<class name>/*, "
+            "--data/test/<class name>/*, labelled by the preset's class names).",
+        ),
     ),
     "data": (
         Path,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -98,3 +100,23 @@ class Stage:
 
     def __exit__(self, kind: object, *exc: object) -> None:
         self.finish(ok=kind is None)
+
+
+@contextmanager
+def lazy_stage(console: Console, label: str) -> Iterator[Callable[[int, int], None]]:
+    """A ``progress(done, total)`` callback that shows a :class:`Stage` from its first call (never, if nothing is called)."""
+    shown: list[Stage] = []
+
+    def update(done: int, total: int) -> None:
+        if not shown:
+            shown.append(Stage(console, label, total, done=done).start())
+        shown[0].total = total
+        shown[0].update(done)
+
+    ok = False
+    try:
+        yield update
+        ok = True
+    finally:
+        if shown:
+            shown[0].finish(ok=ok)

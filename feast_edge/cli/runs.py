@@ -185,6 +185,13 @@ def demo(
             help="Where feast-server serves its live dashboard (0: a free port; 'off': none).",
         ),
     ] = "127.0.0.1:0",
+    server_data: Annotated[
+        bool,
+        typer.Option(
+            "--server-data",
+            help="Run the paper's server-held protocol: agents train shard files, the server validates and calibrates on its own split (default: the server holds no data; each device has its own image folder).",
+        ),
+    ] = False,
 ) -> None:
     """One command end to end: broker, feast-server and one feast-agent per device profile, rounds, ONNX per device."""
     from feast_edge.server.demo import run_demo
@@ -201,4 +208,5 @@ def demo(
         console=console,
         embedded_broker=embedded_broker,
         dashboard=None if dashboard == "off" else dashboard,
+        server_data=server_data,
     )

@@ -21,8 +21,10 @@ from torchvision.datasets.mnist import read_image_file, read_label_file
 from feast_edge.errors import FeastError
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+# Fashion-MNIST's classes in its label order; 'T-shirt/top' is 'T-shirt_top', as a class name is also a folder name
+# (equal to the fmnist-small preset's class_names).
 FASHION_MNIST_CLASSES = (
-    "T-shirt/top",
+    "T-shirt_top",
     "Trouser",
     "Pullover",
     "Dress",
@@ -163,48 +165,29 @@ def load_cifar(root: str | os.PathLike[str], name: str, split: str = "train") ->
     rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, record)
     labels = rows[:, label_at].long()
     images = rows[:, label_bytes:].reshape(-1, 3, 32, 32).contiguous()
-    return ImageSet(images, labels, tuple(str(i) for i in range(classes)))
+    return ImageSet(images, labels, cifar_class_names(base, name, classes))
 
 
-# ----------------------------------------------------------------------------- ImageFolder
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+_NAME_FILES = {"cifar10": "batches.meta.txt", "cifar100": "fine_label_names.txt"}
 
 
-def load_image_folder(root: str | os.PathLike[str], split: str, size: int, channels: int) -> ImageSet:
-    """``root/<split>/<class>/<image>`` through torchvision's ImageFolder, resized to ``size``x``size``."""
-    from torchvision import datasets, transforms
+def cifar_class_names(base: Path, name: str, count: int) -> tuple[str, ...]:
+    """The class names of a CIFAR binary release: its names file (batches.meta.txt, fine_label_names.txt) when present.
 
-    directory = Path(root) / split
-    if not directory.is_dir():
-        raise DataError(
-            f"image folder {directory} does not exist; lay out images as {root}/{split}/<class name>/<file>"
-        )
-    transform = transforms.Compose(
-        [
-            transforms.Grayscale(channels) if channels == 1 else transforms.Lambda(lambda im: im.convert("RGB")),
-            transforms.Resize((size, size)),
-            transforms.PILToTensor(),
-        ]
-    )
-    try:
-        folder = datasets.ImageFolder(str(directory), transform=transform)
-    except (FileNotFoundError, OSError) as exc:
-        raise DataError(
-            f"cannot read image folder {directory} ({exc}); it needs one sub-directory of images per class"
-        ) from None
-    images = torch.stack([folder[i][0] for i in range(len(folder))])
-    labels = torch.tensor(folder.targets, dtype=torch.long)
-    return ImageSet(images, labels, tuple(folder.classes))
+    Without the file: CIFAR-10's known names, or CIFAR-100's from the paper-cifar100 preset.
+    """
+    path = base / _NAME_FILES[name]
+    if path.is_file():
+        try:
+            names = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"cannot read {path} ({exc}); re-extract the {name} release") from None
+        if len(names) != count:
+            raise DataError(f"{path} lists {len(names)} class names, {name} has {count}; re-extract the release")
+        return names
+    if name == "cifar10":
+        return CIFAR10_CLASSES
+    from feast_edge.space.preset import load_preset
 
-
-DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagefolder")
-
-
-def load_dataset(name: str, root: str | os.PathLike[str], split: str, size: int = 32, channels: int = 3) -> ImageSet:
-    """One split of a supported local data set (``DATASETS``)."""
-    if name == "fashion-mnist":
-        return load_fashion_mnist(root, split)
-    if name in ("cifar10", "cifar100"):
-        return load_cifar(root, name, split)
-    if name == "imagefolder":
-        return load_image_folder(root, split, size, channels)
-    raise DataError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
+    return load_preset("paper-cifar100").class_names

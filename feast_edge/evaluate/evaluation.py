@@ -37,6 +37,23 @@ def pixel_batches(images: torch.Tensor, preset: Preset, batch_size: int, device:
 
 
 @torch.no_grad()
+def correct_count(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    preset: Preset,
+    batch_size: int = 500,
+    device: str | torch.device = "cpu",
+) -> int:
+    """Top-1 correct predictions of ``model`` (eval mode) on uint8 ``images``."""
+    model.eval()
+    correct = 0
+    for x, start in zip(pixel_batches(images, preset, batch_size, device), range(0, images.shape[0], batch_size)):
+        pred = model(x).argmax(dim=1).cpu()
+        correct += int((pred == labels[start : start + batch_size]).sum())
+    return correct
+
+
 def accuracy(
     model: nn.Module,
     images: torch.Tensor,
@@ -46,12 +63,7 @@ def accuracy(
     device: str | torch.device = "cpu",
 ) -> float:
     """Top-1 accuracy of ``model`` (eval mode) on uint8 ``images``."""
-    model.eval()
-    correct = 0
-    for x, start in zip(pixel_batches(images, preset, batch_size, device), range(0, images.shape[0], batch_size)):
-        pred = model(x).argmax(dim=1).cpu()
-        correct += int((pred == labels[start : start + batch_size]).sum())
-    return correct / max(1, images.shape[0])
+    return correct_count(model, images, labels, preset, batch_size, device) / max(1, images.shape[0])
 
 
 def calibrated_variant(

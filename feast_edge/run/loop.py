@@ -85,6 +85,9 @@ class RoundRecord:
     aggregate_seconds: float = 0.0
     seconds: float = 0.0  # the whole round, from cohort sampling to the aggregated model
     val_accuracy: float | None = None
+    # Federated validation (a server without data): {"source": "devices", "devices": [...], "samples": n,
+    # "points": {label: accuracy}}; empty where the validation split is server-held (or there was none).
+    validation: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], zero_based: bool = False) -> RoundRecord:
@@ -194,8 +197,13 @@ class RunLoop:
         extra_fields: Callable[[], Mapping[str, Any]] = dict,
         method: RoundMethod | None = None,
         model_record: Mapping[str, Any] | None = None,
+        validator: Callable[[int, RoundRecord], float | None] | None = None,
     ) -> None:
-        """``method`` defaults to FEAST's steps; a model that is not a full Supernet needs ``model_record`` (its checkpoint header)."""
+        """``method`` defaults to FEAST's steps; a model that is not a full Supernet needs ``model_record`` (its checkpoint header).
+
+        ``validator(t, record)`` validates round ``t``'s aggregated model where no ``validation`` split is held
+        (federated validation: the devices test it and report counts); it may fill ``record.validation``.
+        """
         self.model = model
         self.preset = model.preset if isinstance(model, Supernet) else None
         self.cache = cache
@@ -211,6 +219,7 @@ class RunLoop:
         self.fingerprint = fingerprint
         self.config = dict(config)
         self.validation = validation
+        self.validator = validator
         self.extra_fields = extra_fields
         self.full_params = self.method.full_params()
         self.history: list[RoundRecord] = []
@@ -368,8 +377,11 @@ class RunLoop:
         for t in range(first, s.rounds):
             needed = (start_clients or s.min_clients) if t == first else s.min_clients
             record = self.run_round(t, collector, needed)
-            if self.validation is not None and ((t + 1) % s.eval_every == 0 or t + 1 == s.rounds):
-                record.val_accuracy = self.validate()
+            if (t + 1) % s.eval_every == 0 or t + 1 == s.rounds:
+                if self.validation is not None:
+                    record.val_accuracy = self.validate()
+                elif self.validator is not None:
+                    record.val_accuracy = self.validator(t, record)
             self.history.append(record)
             if record.val_accuracy is not None and record.val_accuracy > self.best.get("val_accuracy", -1.0):
                 self.best = {"round": t + 1, "val_accuracy": record.val_accuracy}

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from feast_edge.cache.variants import VariantCache, load_cache
-from feast_edge.data.images import FASHION_MNIST_DIR, DataError, ImageSet, load_dataset
+from feast_edge.data.images import FASHION_MNIST_DIR, DataError, ImageSet
+from feast_edge.data.sources import load_dataset
 from feast_edge.errors import FeastError
 from feast_edge.local.precision import AMP_MODES, set_deterministic
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
@@ -219,8 +220,9 @@ def build_setup(config: SimulationConfig) -> Setup:
         set_deterministic()
     preset = load_preset(config.preset)
     cache = load_cache(preset, config.cache)
-    train = load_dataset(config.dataset, config.data_dir, "train", preset.input_size, preset.in_channels)
-    test = load_dataset(config.dataset, config.data_dir, "test", preset.input_size, preset.in_channels)
+    # imagefolder: --data/train and --data/test labelled by the task's class names, so the two agree by construction.
+    train = load_dataset(config.dataset, config.data_dir, "train", preset.task)
+    test = load_dataset(config.dataset, config.data_dir, "test", preset.task)
     shape = tuple(train.images.shape[1:])
     if shape != (preset.in_channels, preset.input_size, preset.input_size):
         raise DataError(

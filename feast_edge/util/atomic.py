@@ -64,3 +64,58 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     except OSError:
         pass
     return path
+
+
+class AtomicFile:
+    """A temporary file beside ``path`` that becomes ``path`` on :meth:`commit` (fsynced, then renamed) or vanishes on :meth:`discard`.
+
+    For writes too large for one ``bytes`` (or written through a memory map of
+    :attr:`tmp`); as a context manager it commits on success and discards on an exception.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        parent = self.path.parent if str(self.path.parent) else Path(".")
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=parent)
+        self.tmp = Path(tmp)
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())
+            self.file = os.fdopen(fd, "w+b")
+        except BaseException:
+            os.close(fd)
+            self.tmp.unlink(missing_ok=True)
+            raise
+
+    def commit(self) -> Path:
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        try:
+            dir_fd = os.open(self.path.parent if str(self.path.parent) else ".", os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            pass
+        return self.path
+
+    def discard(self) -> None:
+        try:
+            self.file.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> AtomicFile:
+        return self
+
+    def __exit__(self, kind: object, value: object, tb: object) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()

@@ -10,7 +10,7 @@ import typer
 from feast_edge.cli import common
 from feast_edge.errors import FeastError
 from feast_edge.server.cli.shared import DataOpt, OutOpt, check_server_bundle, console, install_signal_handlers, log
-from feast_edge.server.output import models_table, print_round
+from feast_edge.server.output import device_models_table, models_table, print_round
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
@@ -220,8 +220,13 @@ def run(
             out / "checkpoint.safetensors",
         )
         manifests: list[dict[str, Any]] = []
-        if export and data is not None:
-            log.info("exporting each device's largest affordable variant (BN recalibration, validation, ONNX)")
+        if export:
+            calibrate = (
+                "BN recalibration, validation, ONNX"
+                if data is not None
+                else "weights for BN calibration on each device"
+            )
+            log.info("exporting each device's largest affordable variant (%s)", calibrate)
             if server.live is not None:
                 server.live.finished("exporting")
             with common.heartbeat(log, "still exporting"):
@@ -231,8 +236,10 @@ def run(
             console.print(models_table(manifests, f"models for {len(manifests)} devices in {out / 'models'}"))
             served = server.announce_models(manifests)
             log.info("sent models to %d online devices%s", len(served), f": {', '.join(served)}" if served else "")
-        elif export:
-            log.info("no --data: ONNX export skipped; run 'feast-server export --data DIR' to export")
+            if data is None and served:
+                reports = server.await_device_models(manifests, served, timeout=round_timeout)
+                title = "the devices' models, BN calibrated on each device's own data"
+                console.print(device_models_table(manifests, reports, title))
         server.finish(manifests)
         if server.live is not None:
             server.live.finished("finished")

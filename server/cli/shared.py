@@ -24,7 +24,8 @@ DataOpt = Annotated[
     Optional[Path],
     typer.Option(
         "--data",
-        help="Server-held validation/calibration data: a partition directory (feast-edge partition) or a Fashion-MNIST directory (its test split).",
+        help="Server-held validation/calibration data: a partition directory (feast-edge partition), a Fashion-MNIST "
+        "or CIFAR directory (its test split), or an image folder or manifest CSV (labelled by the preset's class names).",
     ),
 ]
 

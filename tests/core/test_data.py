@@ -1,4 +1,4 @@
-"""Local data readers: Fashion-MNIST IDX (real files), CIFAR binary and ImageFolder (files made here)."""
+"""Local data readers: Fashion-MNIST IDX (real files), CIFAR binary and simulate's image folders (files made here)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from feast_edge.data.images import DataError, load_cifar, load_dataset, load_fashion_mnist, load_image_folder
+from feast_edge.data.images import CIFAR10_CLASSES, DataError, load_cifar, load_fashion_mnist
+from feast_edge.data.sources import load_dataset
+from feast_edge.data.task import Task
+from feast_edge.space.preset import load_preset
 
 
 def test_fashion_mnist_real_files(fashion_mnist_dir):
@@ -19,6 +22,7 @@ def test_fashion_mnist_real_files(fashion_mnist_dir):
     assert train.images.shape == (60000, 1, 28, 28) and train.images.dtype == torch.uint8
     assert torch.bincount(test.labels).tolist() == [1000] * 10
     assert train.classes[9] == "Ankle boot"
+    assert train.classes == load_preset("fmnist-small").class_names  # the preset's names are the data set's
 
 
 def test_fashion_mnist_uncompressed_and_missing(fashion_mnist_dir, tmp_path):
@@ -77,7 +81,19 @@ def test_cifar_binary(tmp_path, name, train_file):
     labels, pixels = truth[train_file]
     assert train.labels[:7].tolist() == labels.tolist()  # CIFAR-100: the fine label
     assert torch.equal(train.images[:7], torch.from_numpy(pixels.astype(np.uint8)))
-    assert len(load_dataset(name, tmp_path, "test")) == 7
+    assert len(load_dataset(name, tmp_path, "test", load_preset("paper-cinic10").task)) == 7
+    expected = CIFAR10_CLASSES if name == "cifar10" else load_preset("paper-cifar100").class_names
+    assert train.classes == expected  # no names file: the known names
+
+
+def test_cifar_names_file(tmp_path):
+    _write_cifar(tmp_path, "cifar10", 2, np.random.default_rng(0))
+    names = [f"thing{i}" for i in range(10)]
+    (tmp_path / "cifar-10-batches-bin" / "batches.meta.txt").write_text("\n".join(names) + "\n\n")
+    assert load_cifar(tmp_path, "cifar10", "test").classes == tuple(names)
+    (tmp_path / "cifar-10-batches-bin" / "batches.meta.txt").write_text("a\nb\n")
+    with pytest.raises(DataError, match="lists 2 class names, cifar10 has 10"):
+        load_cifar(tmp_path, "cifar10", "test")
 
 
 def test_cifar_missing_and_truncated(tmp_path):
@@ -90,20 +106,24 @@ def test_cifar_missing_and_truncated(tmp_path):
         load_cifar(tmp_path, "cifar10", "test")
 
 
-def test_image_folder(tmp_path):
-    for split in ("train", "test"):
-        for cls, value in (("cat", 30), ("dog", 200)):
+def test_simulate_image_folder_labels_by_name(tmp_path, monkeypatch):
+    """train/ and test/ holding different classes agree on every class's index (ImageFolder numbered each folder's own)."""
+    monkeypatch.setenv("FEAST_EDGE_DATA_CACHE", str(tmp_path / "cache"))
+    task = Task(1, 28, ("ant", "bee", "cat"), (0.5,), (0.5,))
+    for split, classes in (("train", ("ant", "bee", "cat")), ("test", ("bee", "cat"))):
+        for cls in classes:
             (tmp_path / split / cls).mkdir(parents=True)
+            value = 10 + 100 * task.classes.index(cls)
             for i in range(2):
                 Image.fromarray(np.full((40, 50, 3), value, np.uint8)).save(tmp_path / split / cls / f"{i}.png")
-    data = load_image_folder(tmp_path, "train", size=28, channels=1)
-    assert data.images.shape == (4, 1, 28, 28) and data.classes == ("cat", "dog")
-    assert data.labels.tolist() == [0, 0, 1, 1]
-    assert int(data.images[0].float().mean()) == 30
+    train, test = (load_dataset("imagefolder", tmp_path, split, task) for split in ("train", "test"))
+    assert train.images.shape == (6, 1, 28, 28) and train.classes == test.classes == task.classes
+    assert train.labels.tolist() == [0, 0, 1, 1, 2, 2] and test.labels.tolist() == [1, 1, 2, 2]
+    assert test.images[:, 0, 0, 0].tolist() == [110, 110, 210, 210]  # bee is 1 in both, and bee's pixels
     with pytest.raises(DataError, match="does not exist"):
-        load_image_folder(tmp_path, "val", 28, 1)
+        load_dataset("imagefolder", tmp_path, "val", task)
 
 
 def test_unknown_dataset(tmp_path):
     with pytest.raises(DataError, match="unknown data set 'mnist2'"):
-        load_dataset("mnist2", tmp_path, "train")
+        load_dataset("mnist2", tmp_path, "train", load_preset("fmnist-small").task)

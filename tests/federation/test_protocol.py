@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from feast_edge.protocol import (
     Declined,
+    Evaluate,
+    Evaluated,
     Finished,
     Metrics,
     ModelReady,
@@ -44,6 +46,8 @@ EXAMPLES = [
         profile={"cores": 4},
     ),
     Registered(**COMMON, instance="a1", accepted=False, reason="device id jetson-1 is already online"),
+    Evaluate(**COMMON, transfer=INFO, timeout=60.0, plan=PLAN, probes=(0,), calibration=500),
+    Evaluated(**COMMON, routed="t1", results=(41, 50), calibrated_on=500),
     RoundStart(
         **COMMON,
         transfer=INFO,
@@ -79,6 +83,50 @@ def test_round_trip(message: Any) -> None:
 
 def test_every_registered_kind_has_an_example() -> None:
     assert sorted(m.kind for m in EXAMPLES) == known_kinds()
+
+
+EVALUATE = {"transfer": INFO, "timeout": 60.0, "plan": PLAN, "probes": [0]}
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "needle"),
+    [
+        ("evaluate", {**EVALUATE, "probes": []}, "1 to 16 variants"),
+        ("evaluate", {**EVALUATE, "probes": [0] * 17}, "1 to 16 variants"),
+        ("evaluate", {**EVALUATE, "probes": [1]}, "distinct indices"),
+        ("evaluate", {**EVALUATE, "probes": [0, 0]}, "distinct indices"),
+        ("evaluate", {**EVALUATE, "probes": [ARCH]}, "must be an integer"),
+        ("evaluate", {**EVALUATE, "calibration": 0}, "'calibration'"),
+        ("evaluate", {**EVALUATE, "plan": {"affordable": []}}, "lacks global_min"),
+        ("evaluate", {**EVALUATE, "timeout": -1}, "'timeout' must be > 0"),
+        ("evaluated", {"routed": "t1", "results": [3, 2]}, "correct <= total"),
+        ("evaluated", {"routed": "t1", "results": [-1, 2]}, r"must be in \[0, 2\^53\]"),
+        ("evaluated", {"routed": "t1", "results": [1.5, 2]}, "must be an integer"),
+        ("evaluated", {"routed": "t1", "results": [1, 2, 3]}, "pairs"),
+        ("evaluated", {"routed": "t1", "results": [0, 2**41]}, "correct <= total"),
+        ("evaluated", {"routed": "t1", "results": [1, 2] * 17}, "at most 16"),
+        ("evaluated", {"routed": "t1", "results": [[1, 2]]}, "must be an integer"),
+        ("evaluated", {"routed": "t1", "results": [1, 2], "calibrated_on": 2**45}, "out of range"),
+        (
+            "register",
+            {
+                "host": "h",
+                "instance": "a",
+                "preset": "p",
+                "preset_digest": "d",
+                "budget_macs": 1,
+                "samples": 1,
+                "task_digest": "xyz",
+            },
+            "SHA-256",
+        ),
+        ("registered", {"instance": "a", "accepted": True, "validation": "cloud"}, "'server' or 'devices'"),
+    ],
+)
+def test_evaluation_and_task_fields_are_bounded(kind: str, fields: dict[str, Any], needle: str) -> None:
+    body = {"v": 1, "kind": kind, **COMMON, "msg_id": "m1", **fields}
+    with pytest.raises(ProtocolError, match=needle):
+        parse(json.dumps(body).encode())
 
 
 def test_message_ids_are_unique() -> None:

@@ -1,115 +1,21 @@
-"""FEAST's application protocol: the round messages, as types that convert to and from the method's objects.
-
-The transport (``feast_edge.transport``) moves validated JSON messages and
-chunked payloads; this module says what a federation says with them
-(docs/protocol.md §7 "Round sequence"):
-
-    device -> server  Register      one (virtual) client: budget, samples, preset, profile
-    server -> device  Registered    accepted, or refused with a reason; ``finished`` when the run is over
-    server -> device  RoundStart    RoundStart.from_plan(plan, ...)  ->  .client_plan(preset), .train_config(), .client_seed
-    device -> server  Update        Update.from_result(result, ...)  ->  .loss, .samples_seen, .compute_seconds
-    device -> server  Metrics       free-form numbers (e.g. the served model's latency)
-    device -> server  ModelRequest  send me my exported model
-    server -> device  ModelReady    the model follows as a transfer, or is not available
-    server -> device  Finished      the federation is over: rounds done, whether a model was exported
-
-Neither side packs or unpacks a dict by hand: the server builds a
-``RoundStart`` from the ``ClientPlan`` the core computed and the agent gets the
-same plan back, validated against its preset.
-"""
+"""One round: the server routes a slice (RoundStart), the device answers with its update (Update) or declines (Declined)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from feast_edge.local.cotrain import LocalResult
 from feast_edge.local.recipe import TrainConfig
-from feast_edge.route.envelope import Envelope
+from feast_edge.protocol.limits import MAX_REASON
+from feast_edge.protocol.plans import check_plan, client_plan, plan_dict
 from feast_edge.route.payload import PAYLOAD_DTYPES
 from feast_edge.route.plans import ClientPlan
-from feast_edge.space.arch import Arch
 from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.messages import Message, check_ids, check_transfer, message_kind, validate_transfer_id
-
-MAX_REASON = 500  # characters in a device's reason for declining a round
-
-_PLAN_KEYS = ("affordable", "global_min")
-
-
-@message_kind("register")
-@dataclass(frozen=True, kw_only=True)
-class Register(Message):
-    """Device -> server on ``register``: one (virtual) client's budget, sample count, preset and profile.
-
-    ``host`` is the agent process that hosts the device (its presence is ``status/{host}``);
-    ``instance`` is random per agent process, so the server can tell a reconnecting agent from a
-    second agent that claims the same device id.
-    """
-
-    round_scoped: ClassVar[bool] = False
-
-    host: str
-    instance: str
-    preset: str
-    preset_digest: str
-    budget_macs: int
-    samples: int
-    profile: dict[str, Any] = field(default_factory=dict)
-
-    def check(self) -> None:
-        check_ids(self, "host", "instance")
-
-    @classmethod
-    def for_client(
-        cls,
-        *,
-        federation: str,
-        device_id: str,
-        host: str,
-        instance: str,
-        preset: Preset,
-        budget_macs: int,
-        samples: int,
-        profile: dict[str, Any],
-    ) -> Register:
-        """The registration of hosted client ``device_id`` training ``preset``."""
-        return cls(
-            federation=federation,
-            round=0,
-            device=device_id,
-            host=host,
-            instance=instance,
-            preset=preset.name,
-            preset_digest=preset.digest,
-            budget_macs=int(budget_macs),
-            samples=samples,
-            profile=profile,
-        )
-
-
-@message_kind("registered")
-@dataclass(frozen=True, kw_only=True)
-class Registered(Message):
-    """Server -> device on ``ctrl/{device}``: the registration of ``instance`` is accepted, or refused with a reason.
-
-    ``finished``: the federation has already run all its rounds (the server only serves models now).
-    """
-
-    round_scoped: ClassVar[bool] = False
-
-    instance: str
-    accepted: bool
-    reason: str = ""
-    preset: str = ""  # the server's preset
-    rounds: int = 0  # the federation's horizon
-    finished: bool = False
-
-    def check(self) -> None:
-        check_ids(self, "instance")
 
 
 @message_kind("round")
@@ -148,11 +54,7 @@ class RoundStart(Message):
             raise ProtocolError(f"field 'timeout' must be > 0, got {self.timeout}")
         if self.round >= self.rounds:
             raise ProtocolError(f"round {self.round} is outside the horizon of {self.rounds} rounds")
-        missing = [key for key in _PLAN_KEYS if key not in self.plan]
-        if missing:
-            raise ProtocolError(f"field 'plan' lacks {', '.join(missing)}")
-        if not isinstance(self.plan["affordable"], list) or not self.plan["affordable"]:
-            raise ProtocolError("field 'plan.affordable' must be a non-empty list of architectures")
+        check_plan(self.plan)
 
     @classmethod
     def from_plan(
@@ -186,17 +88,12 @@ class RoundStart(Message):
             seed=str(seed),
             train=settings,
             payload_dtype=payload_dtype,
-            plan={"affordable": [a.to_dict() for a in plan.affordable], "global_min": plan.global_min.to_dict()},
+            plan=plan_dict(plan),
         )
 
     def client_plan(self, preset: Preset) -> ClientPlan:
         """The plan this message carries, every arch validated against ``preset`` (ArchError / ProtocolError when it does not fit)."""
-        try:
-            affordable = tuple(Arch.from_dict(a).validated(preset) for a in self.plan["affordable"])
-            global_min = Arch.from_dict(self.plan["global_min"]).validated(preset)
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ProtocolError(f"round message has a malformed plan ({exc})") from None
-        return ClientPlan(affordable, global_min, Envelope.of(affordable))
+        return client_plan(self.plan, preset)
 
     def train_config(self) -> TrainConfig:
         """The local-training settings (TrainError / ProtocolError when they are not valid settings)."""
@@ -323,60 +220,3 @@ class Declined(Message):
             raise ProtocolError(
                 f"a declined message needs a reason of 1-{MAX_REASON} characters, got {len(self.reason)}"
             )
-
-
-@message_kind("metrics")
-@dataclass(frozen=True, kw_only=True)
-class Metrics(Message):
-    """Device -> server on ``events``: free-form numbers (e.g. the measured latency of the served ONNX model)."""
-
-    round_scoped: ClassVar[bool] = False  # e.g. sent after the last round, when the model arrives
-
-    values: dict[str, Any]
-
-
-@message_kind("model_request")
-@dataclass(frozen=True, kw_only=True)
-class ModelRequest(Message):
-    """Device -> server on ``events``: send me my exported ONNX model (answered by ``model`` with ``request`` = this msg_id)."""
-
-    round_scoped: ClassVar[bool] = False
-
-
-@message_kind("model")
-@dataclass(frozen=True, kw_only=True)
-class ModelReady(Message):
-    """Server -> device on ``ctrl/{device}``: this device's ONNX model is sent as ``transfer``, or is not ``available``.
-
-    ``manifest`` describes the file (arch, MACs, params, validation accuracy, SHA-256); ``request`` is
-    the msg_id of the ``model_request`` it answers, empty when the server pushes it after the last round.
-    """
-
-    round_scoped: ClassVar[bool] = False
-
-    available: bool = True
-    transfer: dict[str, Any] = field(default_factory=dict)
-    manifest: dict[str, Any] = field(default_factory=dict)
-    request: str = ""
-    reason: str = ""
-
-    def check(self) -> None:
-        if self.available:
-            check_transfer(self.transfer)
-        if self.request:
-            check_ids(self, "request")
-
-
-@message_kind("finished")
-@dataclass(frozen=True, kw_only=True)
-class Finished(Message):
-    """Server -> device on ``ctrl/{device}``: the federation ran ``completed`` of ``rounds`` rounds and is over.
-
-    ``model``: whether a model was exported for the device (it follows as ``model`` or can be fetched).
-    """
-
-    round_scoped: ClassVar[bool] = False
-
-    rounds: int
-    completed: int
-    model: bool = False

@@ -1,0 +1,158 @@
+"""Evaluation and calibration where the data lives: what an agent does for a server that holds no data.
+
+* :func:`answer_evaluation`: an ``evaluate`` request (federated validation, SPEC §8): decode the routed
+  state, recalibrate each probe's BN on this device's training split, test it on its held-out split,
+  answer the counts. No example leaves the device.
+* :func:`calibrate_served_variant`: the served variant's weights (``"calibration": "device"`` in the
+  manifest): check them against the architecture, recalibrate BN on this device's training split, export
+  the ONNX file here (its metadata says where and on how many examples BN was calibrated) and measure it
+  on the held-out split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from feast_edge.agent.local_data import LocalClient
+from feast_edge.errors import FeastError
+from feast_edge.evaluate.evaluation import correct_count
+from feast_edge.evaluate.federated import calibrated_static, held_out_counts, routed_supernet
+from feast_edge.evaluate.onnx_export import export_onnx, measure_latency
+from feast_edge.protocol import Evaluate, Evaluated
+from feast_edge.route.payload import decode
+from feast_edge.space.arch import Arch
+from feast_edge.space.geometry import arch_layout
+from feast_edge.space.preset import Preset
+from feast_edge.space.static import StaticResNet
+from feast_edge.util.atomic import atomic_write_bytes, check_writable
+
+log = logging.getLogger(__name__)
+
+MAX_CALIBRATION = 100_000  # training examples a served variant is calibrated on at most, whatever the manifest asks
+
+
+class OnDeviceError(FeastError):
+    """What the server sent cannot be evaluated or calibrated here."""
+
+
+def answer_evaluation(
+    message: Evaluate, payload: bytes, data: LocalClient, preset: Preset, torch_device: str = "cpu"
+) -> Evaluated:
+    """The counts answering ``message`` (its routed ``payload`` decoded and checked against the plan it names)."""
+    plan = message.client_plan(preset)
+    probes = message.probe_archs(plan)
+    expected = plan.manifest(preset, preset.classes, message.round, "routed", dtype=message.payload_dtype)
+    manifest, routed = decode(payload, preset, expected=expected)
+    if manifest.kind != "routed":
+        raise OnDeviceError(f"payload kind {manifest.kind!r} is not 'routed'")
+    model = routed_supernet(preset, plan, routed)
+    counts = held_out_counts(
+        model, probes, data.images, data.holdout_images, data.holdout_labels, message.calibration, torch_device
+    )
+    return Evaluated.of(message, counts, min(message.calibration, data.samples) if data.holdout else 0)
+
+
+def _variant_state(blob: bytes, model: StaticResNet) -> dict[str, torch.Tensor]:
+    """The weights in ``blob`` if they are exactly ``model``'s tensors (names, shapes, float32, finite)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        state = load(blob)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise OnDeviceError(f"the variant's weights are not a valid safetensors file ({exc})") from None
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if got != want:
+        raise OnDeviceError("the variant's weights do not match its architecture (tensor names or shapes differ)")
+    for name, tensor in state.items():
+        floating = tensor.dtype == torch.float32
+        if not (floating or (name.endswith("num_batches_tracked") and tensor.dtype == torch.int64)):
+            raise OnDeviceError(f"the variant's tensor {name} is {tensor.dtype}, not float32")
+        if floating and not bool(torch.isfinite(tensor).all()):
+            raise OnDeviceError(f"the variant's tensor {name} holds non-finite values")
+    return state
+
+
+def calibrate_served_variant(
+    blob: bytes, manifest: dict[str, Any], data: LocalClient, preset: Preset, path: str | os.PathLike[str]
+) -> tuple[Path, dict[str, Any]]:
+    """Calibrate, export and measure the served variant; the ONNX file's path and the metrics to report."""
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != manifest.get("sha256"):
+        raise OnDeviceError(f"the received weights hash to {digest}, their manifest says {manifest.get('sha256')}")
+    try:
+        arch = Arch.from_dict(manifest["arch"]).validated(preset)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise OnDeviceError(f"the model manifest names no valid architecture of preset {preset.name} ({exc})") from None
+    if data.samples == 0:
+        raise OnDeviceError("this device has no training examples to calibrate BN on")
+    model = StaticResNet(arch_layout(preset, arch))
+    model.load_state_dict(_variant_state(blob, model))
+    asked = manifest.get("calibration_samples", 500)
+    calibration = int(asked) if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1 else 500
+    seen = calibrated_static(model, preset, data.images, min(calibration, MAX_CALIBRATION))
+    correct = correct_count(model, data.holdout_images, data.holdout_labels, preset) if data.holdout else 0
+    accuracy = correct / data.holdout if data.holdout else math.nan
+    path = check_writable(path, "model file")
+    meta = export_onnx(
+        model,
+        path,
+        preset,
+        arch,
+        class_names=preset.task.classes,
+        extra={
+            "bn_recalibrated": True,
+            "bn_calibration": "device",
+            "bn_calibration_samples": seen,
+            "holdout_accuracy": None if math.isnan(accuracy) else accuracy,
+            "holdout_samples": data.holdout,
+            "federation": str(manifest.get("federation", "")),
+            "rounds": manifest.get("rounds", 0),
+            "device": data.device_id,
+        },
+    )
+    onnx_bytes = path.read_bytes()
+    local = {
+        **{k: v for k, v in manifest.items() if k not in ("file", "size", "sha256")},
+        "file": path.name,
+        "size": len(onnx_bytes),
+        "sha256": hashlib.sha256(onnx_bytes).hexdigest(),
+        "weights_sha256": digest,
+        "bn_recalibrated": True,
+        "calibration_samples": seen,
+        "holdout_accuracy": None if math.isnan(accuracy) else accuracy,
+        "holdout_samples": data.holdout,
+        "macs": int(meta["feast.macs"]),
+    }
+    atomic_write_bytes(path.with_suffix(".json"), (json.dumps(local, indent=1) + "\n").encode())
+    latency = measure_latency(path)
+    metrics: dict[str, Any] = {
+        "calibrated_on": seen,
+        "holdout_samples": data.holdout,
+        "onnx_latency_ms": latency["median_ms"],
+        "model_sha256": local["sha256"],
+        "model_macs": local["macs"],
+        "model_round": manifest.get("rounds", 0),
+        "holdout_accuracy": None if math.isnan(accuracy) else accuracy,  # None: no held-out split here
+    }
+    log.info(
+        "calibrated the model of %s on %d of its examples and saved it to %s (%s MACs): held-out accuracy %s on %d examples, "
+        "onnxruntime latency %.3f ms",
+        data.device_id,
+        seen,
+        path,
+        f"{local['macs']:,}",
+        "-" if math.isnan(accuracy) else f"{100 * accuracy:.2f}%",
+        data.holdout,
+        latency["median_ms"],
+    )
+    return path, metrics

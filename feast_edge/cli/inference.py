@@ -1,0 +1,132 @@
+"""``feast-agent predict`` and ``feast-agent evaluate``: run a device's ONNX model on image files.
+
+Both read the task (input size, channels, resize policy, class names) from the
+model file's metadata; tables go to stdout, progress to stderr, and with
+``--json`` stdout holds one JSON document and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from feast_edge.cli import common
+from feast_edge.cli.progress import Stage
+
+ModelOpt = Annotated[
+    Path, typer.Option("--model", "-m", help="The ONNX file (from feast-agent fetch-model or --model-dir).")
+]
+BatchOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Images per onnxruntime run.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout (for scripts), nothing else.")]
+ThreadsOpt = Annotated[int, typer.Option("--threads", min=0, help="onnxruntime threads (0: its own choice).")]
+SHOWN_SKIPS = 3  # skipped files named on the console; the rest are counted
+
+
+def _stage(label: str, total: int, batch_size: int) -> Any:
+    """A progress bar on stderr when the work takes more than one batch."""
+    return Stage(common.make_console(stderr=True), label, total) if total > batch_size else nullcontext(None)
+
+
+def _say_skipped(skipped: tuple[Any, ...]) -> None:
+    """One line on stderr naming the first few unreadable files and counting the rest."""
+    if not skipped:
+        return
+    named = "; ".join(f"{s.file} ({s.reason})" for s in skipped[:SHOWN_SKIPS])
+    more = f"; and {len(skipped) - SHOWN_SKIPS} more" if len(skipped) > SHOWN_SKIPS else ""
+    common.make_console(stderr=True).print(
+        f"skipped {len(skipped)} file(s): {escape(named)}{more}", soft_wrap=True, highlight=False
+    )
+
+
+def predict(
+    target: Annotated[Path, typer.Argument(help="An image file, or a folder of images (searched recursively).")],
+    model: ModelOpt,
+    k: Annotated[int, typer.Option("--top-k", "-k", help="Classes shown per image, most probable first.")] = 3,
+    as_json: JsonOpt = False,
+    batch_size: BatchOpt = 64,
+    threads: ThreadsOpt = 0,
+) -> None:
+    """Classify image files with the ONNX model: the top-k class names and probabilities per file."""
+    from feast_edge.evaluate.predict import check_top_k, collect_files, load_model
+    from feast_edge.evaluate.predict import predict as run_predict
+
+    loaded = load_model(model, threads=threads or None)
+    check_top_k(k, loaded.task)
+    files, is_folder = collect_files(target)
+    with _stage(f"predicting {len(files)} images", len(files), batch_size) as stage:
+        update = None if stage is None else (lambda done, total: stage.update(done))
+        result = run_predict(loaded, files, k, batch_size, skip_unreadable=is_folder, progress=update)
+    _say_skipped(result.skipped)
+    if as_json:
+        typer.echo(result.to_json())
+        return
+    console = common.make_console()
+    console.print(f"{model}: {escape(loaded.task.describe())}", soft_wrap=True, highlight=False)
+    table = Table()
+    table.add_column("file", overflow="fold")
+    for rank in range(1, k + 1):
+        table.add_column(f"#{rank}" if k > 1 else "class", no_wrap=True)
+    base = target if is_folder else None
+    for item in result.items:
+        shown = str(Path(item.file).relative_to(base)) if base is not None else item.file
+        table.add_row(escape(shown), *(f"{escape(name)} {100 * p:.1f}%" for name, _, p in item.top))
+    console.print(table)
+
+
+def evaluate(
+    model: ModelOpt,
+    data: Annotated[
+        Path,
+        typer.Option(
+            "--data",
+            help="Labelled data: an image folder <folder>/<class name>/<files>, a manifest CSV (path,label), CIFAR binary or Fashion-MNIST IDX.",
+        ),
+    ],
+    as_json: JsonOpt = False,
+    batch_size: BatchOpt = 64,
+    threads: ThreadsOpt = 0,
+) -> None:
+    """Accuracy of the ONNX model on an image folder labelled by class name: overall and per class."""
+    from feast_edge.cli.progress import lazy_stage
+    from feast_edge.data.sources import load_data
+    from feast_edge.evaluate.predict import evaluate as run_evaluate
+    from feast_edge.evaluate.predict import load_model
+
+    loaded = load_model(model, threads=threads or None)
+    # The agent's own loader (decoded once, cached), with the model's task: labels by class name.
+    with lazy_stage(common.make_console(stderr=True), "reading images") as update:
+        labelled = load_data(data, loaded.task, progress=update)
+    skipped = sum(labelled.skipped.values())
+    if skipped:
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(labelled.skipped.items()))
+        common.make_console(stderr=True).print(f"skipped {skipped} file(s): {reasons}", soft_wrap=True, highlight=False)
+    with _stage("evaluating", len(labelled.labels), batch_size) as stage:
+        update = None if stage is None else (lambda done, total: stage.update(done))
+        scores = run_evaluate(loaded, labelled.images, labelled.labels, batch_size, skipped=skipped, progress=update)
+    if as_json:
+        typer.echo(json.dumps({"model": str(model), "data": str(data), **scores.to_dict()}, indent=2))
+        return
+    console = common.make_console()
+    console.print(
+        f"{model} on {escape(labelled.source)}: {escape(loaded.task.describe())}", soft_wrap=True, highlight=False
+    )
+    table = Table()
+    for col in ("class", "index", "examples", "correct", "accuracy"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for c in scores.classes:
+        table.add_row(escape(c.name), str(c.index), f"{c.examples:,}", f"{c.correct:,}", f"{100 * c.accuracy:.2f}%")
+    table.add_section()
+    table.add_row("all", "", f"{scores.examples:,}", f"{scores.correct:,}", f"{100 * scores.accuracy:.2f}%")
+    console.print(table)
+    console.print(
+        f"accuracy {100 * scores.accuracy:.2f}% ({scores.correct:,} of {scores.examples:,} images, "
+        f"{len(scores.classes)} of the model's {len(loaded.task.classes)} classes), {scores.skipped} file(s) skipped",
+        soft_wrap=True,
+        highlight=False,
+    )

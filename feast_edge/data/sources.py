@@ -1,0 +1,173 @@
+"""A device's data, from any of the layouts a lab keeps it in, as the federation task's tensors: :func:`load_data`.
+
+The kinds of ``path`` (detected in this order):
+
+* a manifest: a ``.csv`` file of rows ``path,label`` (:mod:`feast_edge.data.scan`);
+* a Fashion-MNIST IDX folder or a CIFAR-10/100 binary folder (:mod:`feast_edge.data.releases`);
+* an image folder ``<root>/<class name>/<files>``, files possibly nested, PNG,
+  JPEG, WebP or BMP, grey or colour, any size (:mod:`feast_edge.data.scan`). A
+  root whose sub-folders are ``train/``, ``val/``, ``test/`` is laid out by split,
+  and ``split`` picks one; any other root is one split, read whole.
+
+Labels are the task's indices, by class *name*: a device holding 3 of the 10
+classes gets the task's indices for those 3, and every device, and a train and
+a test folder, agree by construction. Images are decoded with Pillow
+(``Task.image_tensor``: grey/RGB conversion, 16-bit and palette images scaled
+and converted, resize by the task's policy) in parallel threads, once: the
+decoded cache (:mod:`feast_edge.data.decoded_cache`) answers the next start.
+
+Bad input: skipped and counted (one console line with the counts and a few
+names; ``LoadedData.skipped``), or stopped with a one-line DataError/TaskError
+that names the problem and the fix.
+
+=====================================================  =========================================
+input                                                  what happens
+=====================================================  =========================================
+truncated or corrupt PNG/JPEG/WebP/BMP                 skipped: corrupt or truncated image
+a non-image file (by extension or content)             skipped: not an image file
+more pixels than ``PIL.Image.MAX_IMAGE_PIXELS``        skipped: too many pixels (decompression bomb)
+16-bit, palette, alpha or CMYK images                  converted (not skipped)
+an unreadable file (permissions)                       skipped: unreadable
+an unreadable folder below a class folder              skipped: unreadable folder
+a symlink loop / a folder reached twice through links  skipped: symlink loop / folder reached twice
+a broken symlink                                       skipped: broken symlink
+a file directly in the root (outside a class folder)   skipped: file outside a class folder
+a release's examples of classes the task lacks         skipped: example of a class the task does not have
+an empty class folder                                  a warning
+a class folder not in the task                         stops (names the closest task classes)
+a folder with no images at all, or none decodable      stops
+an unreadable root or class folder                     stops
+manifest row: missing file, unknown label, bad row     stops (with the line number)
+a truncated or edited cache file                       detected by its hash: a warning, decoded again
+an unwritable cache folder                             a warning (the data loads without the cache)
+=====================================================  =========================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from feast_edge.data.decode import Progress, open_file
+from feast_edge.data.images import DataError, ImageSet, load_cifar, load_fashion_mnist
+from feast_edge.data.loaded import LoadedData, decode_cached
+from feast_edge.data.releases import detect_release, load_release
+from feast_edge.data.scan import SPLITS, FileList, scan_folder, scan_manifest, split_folder
+from feast_edge.data.task import Task
+
+log = logging.getLogger("feast_edge.data")
+
+KINDS = ("image folder", "manifest", "fashion-mnist", "cifar10", "cifar100")
+DATASETS = ("fashion-mnist", "cifar10", "cifar100", "imagefolder")  # feast-edge simulate --dataset
+_LAYOUTS = (
+    "an image folder <root>/<class name>/<file>, a manifest CSV of rows path,label, "
+    "or a CIFAR binary or Fashion-MNIST IDX folder"
+)
+
+__all__ = ["DATASETS", "KINDS", "LoadedData", "detect_kind", "load_data", "load_dataset"]
+
+
+def detect_kind(path: str | os.PathLike[str]) -> str:
+    """What ``path`` holds: one of ``KINDS``; DataError if it is none of them."""
+    path = Path(path)
+    if not path.exists():
+        broken = " (a broken symlink)" if path.is_symlink() else ""
+        raise DataError(f"{path} does not exist{broken}; pass {_LAYOUTS}")
+    if path.is_file():
+        if path.suffix.lower() == ".csv":
+            return "manifest"
+        if path.suffix.lower() == ".safetensors":
+            raise DataError(
+                f"{path} is a shard file (feast-edge partition): feast-agent run --data reads it; this loader reads {_LAYOUTS}"
+            )
+        raise DataError(f"{path} is a file, not a manifest (.csv); pass {_LAYOUTS}")
+    if not path.is_dir():
+        raise DataError(f"{path} is neither a folder nor a file; pass {_LAYOUTS}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise DataError(f"cannot read {path}: permission denied; fix its permissions (chmod a+rx)")
+    return detect_release(path) or "image folder"
+
+
+def load_data(
+    path: str | os.PathLike[str],
+    task: Task,
+    *,
+    split: str = "train",
+    cache_dir: str | os.PathLike[str] | bool | None = None,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> LoadedData:
+    """``path``'s examples as ``task``'s uint8 tensors and int64 class indices (see the module docstring).
+
+    ``split``: ``train``, ``val`` or ``test`` of a release or of an image folder
+    laid out by split (ignored by a manifest and by a root that is one split).
+    ``cache_dir``: the decoded cache's folder (None: the default,
+    ``$FEAST_EDGE_DATA_CACHE`` or ``~/.cache/feast-edge/data``; False: no cache).
+    ``workers``: decoding threads (None: the CPUs this process may use).
+    ``progress(done, total)``: called as images are decoded (not on a cache hit).
+    """
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    kind = detect_kind(path)
+    resolved = Path(path).expanduser().resolve()
+    if kind in ("fashion-mnist", "cifar10", "cifar100"):
+        return load_release(kind, resolved, task, split, cache_dir=cache_dir, workers=workers, progress=progress)
+    if kind == "manifest":
+        listing = scan_manifest(resolved, task)
+        identity = {"kind": kind, "path": str(resolved), "split": ""}
+        label = f"manifest {resolved}"
+    else:
+        folder, _ = split_folder(resolved, split, task)
+        listing = scan_folder(folder, task)
+        for name in listing.empty:
+            log.warning("image folder %s: class folder %s/ holds no images", folder, name)
+        identity = {"kind": kind, "path": str(folder), "split": ""}
+        label = f"image folder {folder}"
+    return _decode(listing, task, label, identity, cache_dir, workers, progress)
+
+
+def _decode(
+    listing: FileList,
+    task: Task,
+    label: str,
+    identity: dict[str, str],
+    cache_dir: str | os.PathLike[str] | bool | None,
+    workers: int | None,
+    progress: Progress | None,
+) -> LoadedData:
+    return decode_cached(
+        listing.paths,
+        open_file,
+        listing.label_array(),
+        listing.names,
+        task=task,
+        label=label,
+        identity=identity,
+        key_items=listing.key_items(),
+        skips=listing.skips,
+        cache_dir=cache_dir,
+        workers=workers,
+        progress=progress,
+    )
+
+
+def load_dataset(name: str, root: str | os.PathLike[str], split: str, task: Task) -> ImageSet:
+    """One split of ``feast-edge simulate --dataset NAME`` (``DATASETS``).
+
+    ``fashion-mnist`` and ``cifar10``/``cifar100`` are read as published (their
+    tensors and labels exactly); ``imagefolder`` reads ``root/<split>/<class>/``
+    through :func:`load_data`, labelled by the task's class names.
+    """
+    if name == "fashion-mnist":
+        return load_fashion_mnist(root, split)
+    if name in ("cifar10", "cifar100"):
+        return load_cifar(root, name, split)
+    if name == "imagefolder":
+        if not (Path(root) / split).is_dir():
+            raise DataError(
+                f"image folder {Path(root) / split} does not exist; lay out images as {root}/{split}/<class name>/<file>"
+            )
+        data = load_data(Path(root) / split, task)
+        return ImageSet(data.images, data.labels, task.classes)
+    raise DataError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")

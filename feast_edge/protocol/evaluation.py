@@ -1,0 +1,128 @@
+"""Federated validation: the server asks cohort devices to test probe variants on their held-out data (Evaluate, Evaluated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from feast_edge.protocol.limits import MAX_EXAMPLES, MAX_PROBES
+from feast_edge.protocol.plans import check_plan, client_plan, plan_dict
+from feast_edge.route.payload import PAYLOAD_DTYPES
+from feast_edge.route.plans import ClientPlan
+from feast_edge.space.arch import Arch
+from feast_edge.space.preset import Preset
+from feast_edge.transport.errors import ProtocolError
+from feast_edge.transport.frames import TransferInfo
+from feast_edge.transport.messages import Message, check_ids, check_transfer, message_kind
+
+
+@message_kind("evaluate")
+@dataclass(frozen=True, kw_only=True)
+class Evaluate(Message):
+    """Server -> device on ``ctrl/{device}``: federated validation of round ``round``'s aggregated model (SPEC §8).
+
+    ``transfer`` carries the routed state of ``plan`` (as a round's payload does); the device recalibrates each
+    of ``probes`` (indices into the plan's affordable set) on up to ``calibration`` of its training examples, in
+    their fixed order, tests it on its held-out split and answers ``evaluated`` within ``timeout`` seconds.
+    """
+
+    transfer: dict[str, Any]
+    timeout: float
+    plan: dict[str, Any]
+    probes: tuple[int, ...]
+    calibration: int = 500
+    payload_dtype: str = "float32"
+
+    def check(self) -> None:
+        check_transfer(self.transfer)
+        if self.payload_dtype not in PAYLOAD_DTYPES:
+            raise ProtocolError(
+                f"field 'payload_dtype' must be one of {', '.join(PAYLOAD_DTYPES)}, got {self.payload_dtype[:24]!r}"
+            )
+        if not self.timeout > 0:
+            raise ProtocolError(f"field 'timeout' must be > 0, got {self.timeout}")
+        check_plan(self.plan)
+        if not 1 <= len(self.probes) <= MAX_PROBES:
+            raise ProtocolError(f"field 'probes' must name 1 to {MAX_PROBES} variants of the plan")
+        if len(set(self.probes)) != len(self.probes) or max(self.probes) >= len(self.plan.get("affordable") or ()):
+            raise ProtocolError("field 'probes' must be distinct indices into the plan's affordable variants")
+        if not 1 <= self.calibration <= 1_000_000:
+            raise ProtocolError("field 'calibration' must be between 1 and 1,000,000 examples")
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: ClientPlan,
+        probes: list[Arch],
+        *,
+        federation: str,
+        round: int,
+        device: str,
+        transfer: TransferInfo,
+        timeout: float,
+        calibration: int,
+        payload_dtype: str = "float32",
+    ) -> Evaluate:
+        return cls(
+            federation=federation,
+            round=round,
+            device=device,
+            transfer=transfer.to_dict(),
+            timeout=timeout,
+            plan=plan_dict(plan),
+            probes=tuple(plan.affordable.index(a) for a in probes),
+            calibration=calibration,
+            payload_dtype=payload_dtype,
+        )
+
+    def client_plan(self, preset: Preset) -> ClientPlan:
+        return client_plan(self.plan, preset)
+
+    def probe_archs(self, plan: ClientPlan) -> list[Arch]:
+        """The probes, as architectures of ``plan`` (the plan this message carries)."""
+        return [plan.affordable[i] for i in self.probes]
+
+    def transfer_info(self) -> TransferInfo:
+        info = check_transfer(self.transfer)
+        if info.device != self.device or info.round != self.round:
+            raise ProtocolError(
+                f"the evaluation request's transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}"
+            )
+        return info
+
+
+@message_kind("evaluated")
+@dataclass(frozen=True, kw_only=True)
+class Evaluated(Message):
+    """Device -> server on ``events/{device}``: per probe of the ``evaluate`` request answering ``routed``, its
+    ``(correct, total)`` on the device's held-out split, and how many training examples BN was recalibrated on."""
+
+    routed: str
+    results: tuple[int, ...]  # correct_0, total_0, correct_1, total_1, ... in the order of the request's probes
+    calibrated_on: int = 0
+
+    def check(self) -> None:
+        check_ids(self, "routed")
+        if len(self.results) % 2 or len(self.results) > 2 * MAX_PROBES:
+            raise ProtocolError(f"field 'results' must hold at most {MAX_PROBES} (correct, total) pairs")
+        pairs = zip(self.results[::2], self.results[1::2])
+        if not all(c <= n <= MAX_EXAMPLES for c, n in pairs):
+            raise ProtocolError(
+                f"field 'results' must hold (correct, total) pairs with correct <= total <= {MAX_EXAMPLES}"
+            )
+        if self.calibrated_on > MAX_EXAMPLES:
+            raise ProtocolError("field 'calibrated_on' is out of range")
+
+    @classmethod
+    def of(cls, request: Evaluate, counts: list[tuple[int, int]], calibrated_on: int) -> Evaluated:
+        return cls(
+            federation=request.federation,
+            round=request.round,
+            device=request.device,
+            routed=request.transfer_info().transfer,
+            results=tuple(v for pair in counts for v in pair),
+            calibrated_on=calibrated_on,
+        )
+
+    def counts(self) -> list[tuple[int, int]]:
+        return list(zip(self.results[::2], self.results[1::2]))

@@ -1,0 +1,5 @@
+"""Bounds of what a message may hold, beyond the transport's (sizes, depth, numbers)."""
+
+MAX_REASON = 500  # characters in a device's reason for declining a round
+MAX_PROBES = 16  # probe variants one evaluation request may name
+MAX_EXAMPLES = 2**40  # a bound on any example count a device reports (far above any device's data)

@@ -1,0 +1,141 @@
+"""Federated validation: a server without data asks the round's cohort to test the aggregated model (SPEC §8).
+
+    after round t's aggregation (every ``--eval-every`` rounds and the last):
+      per online cohort device:  its routed slice of the new global model + Evaluate(probes it can afford)
+      per answer:                Evaluated: (correct, total) per probe on the device's held-out split,
+                                 each probe BN-recalibrated on the device's training split first
+      -> per probe Σ correct / Σ total over the devices (sample-weighted); the round's validation accuracy is
+         the mean over the probes some device tested, and selects the best checkpoint as server-held data would
+
+The probes are the server-held protocol's (``probe_indices`` over the cache); a device tests those within its
+budget (the smallest always is). Only devices that registered a held-out split are asked; those that do not answer by
+the deadline are left out of that round's figure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import torch
+
+from feast_edge.cache.variants import VariantCache
+from feast_edge.evaluate.evaluation import probe_indices
+from feast_edge.evaluate.federated import CALIBRATION, combine_counts, federated_accuracy
+from feast_edge.protocol import Evaluate
+from feast_edge.route.envelope import route_state
+from feast_edge.route.payload import encode
+from feast_edge.route.plans import plan_client
+from feast_edge.run.loop import RoundRecord
+from feast_edge.server.devices import DeviceBook
+from feast_edge.server.exchange import Expect, RoundExchange
+from feast_edge.space.preset import Preset
+
+log = logging.getLogger(__name__)
+
+
+def _holds_out(devices: DeviceBook, device: str) -> bool:
+    """Whether ``device`` registered a held-out split (agents before the task contract, or with --holdout 0, did not)."""
+    registered = devices.registry.get(device)
+    holdout = registered.profile.get("holdout", 0) if registered is not None else 0
+    return isinstance(holdout, int) and holdout > 0
+
+
+class FederatedValidation:
+    """``validator(t, record)`` for the run loop: the cohort tests round ``t``'s model on its held-out data."""
+
+    def __init__(
+        self,
+        exchange: RoundExchange,
+        devices: DeviceBook,
+        preset: Preset,
+        cache: VariantCache,
+        global_state: Mapping[str, torch.Tensor],
+        *,
+        probes: int = 3,
+        calibration: int = CALIBRATION,
+        payload_dtype: str = "float32",
+    ) -> None:
+        self.exchange, self.devices, self.preset, self.cache = exchange, devices, preset, cache
+        self.global_state = global_state  # aliases the model's tensors: always the current global model
+        self.probes = [cache.entries[i] for i in probe_indices(len(cache), probes)]
+        self.calibration, self.payload_dtype = calibration, payload_dtype
+        self.last: dict[str, float] = {}  # probe label -> accuracy of the last validation (for the dashboard)
+
+    def __call__(self, t: int, record: RoundRecord) -> float | None:
+        online = set(self.devices.online())
+        asked = [d for d in record.cohort if d in online and _holds_out(self.devices, d)]
+        if not asked:
+            log.warning(
+                "round %d: no online cohort device holds out examples (feast-agent run --holdout) to validate the model "
+                "on; no validation this round",
+                t + 1,
+            )
+            return None
+        began = time.monotonic()
+        exchange, classes = self.exchange, self.preset.classes
+        exchange.open(t)
+        for device in asked:
+            registered = self.devices.registry.get(device)
+            assert registered is not None
+            plan = plan_client(self.cache, registered.budget_macs)
+            probes = [e.arch for e in self.probes if e.arch in plan.affordable]
+            manifest = plan.manifest(self.preset, classes, t, "routed", device, self.payload_dtype)
+            blob = encode(route_state(self.global_state, plan.layout(self.preset, classes), self.preset), manifest)
+            info = exchange.describe(device, blob)
+            message = Evaluate.for_plan(
+                plan,
+                probes,
+                federation=exchange.topics.federation,
+                round=t,
+                device=device,
+                transfer=info,
+                timeout=exchange.time_left(),
+                calibration=self.calibration,
+                payload_dtype=self.payload_dtype,
+            )
+            exchange.send(device, message, blob, info, Expect(max_bytes=0, max_samples=0))
+        reports: dict[str, list[tuple[int, int]]] = {}
+        for reply in exchange.replies():
+            if reply.evaluation is None:
+                log.warning("round %d: %s did not validate the model: %s", t + 1, reply.device, reply.error)
+                continue
+            counts = reply.evaluation.counts()
+            registered = self.devices.registry.get(reply.device)
+            affordable = [e for e in self.probes if registered is not None and e.macs <= registered.budget_macs]
+            if len(counts) != len(affordable):
+                log.warning(
+                    "round %d: %s answered %d results for %d probes; ignored",
+                    t + 1,
+                    reply.device,
+                    len(counts),
+                    len(affordable),
+                )
+                continue
+            # Back to the server's probe order: a device answers only for the probes it can afford.
+            by_probe = {e.arch: c for e, c in zip(affordable, counts)}
+            reports[reply.device] = [by_probe.get(e.arch, (0, 0)) for e in self.probes]
+        unsettled = exchange.close()
+        combined = combine_counts(reports.values(), len(self.probes))
+        accuracy = federated_accuracy(combined)
+        points = {f"variant {self.cache.entries.index(e)}": c / n for e, (c, n) in zip(self.probes, combined) if n > 0}
+        self.last = points
+        record.validation = {
+            "source": "devices",
+            "devices": sorted(reports),
+            "missing": sorted(set(asked) - set(reports)),
+            "samples": max((n for _, n in combined), default=0),
+            "points": points,
+            "seconds": round(time.monotonic() - began, 3),
+        }
+        shown = "none" if accuracy is None else f"{100 * accuracy:.2f}%"
+        log.info(
+            "round %d: federated validation on %d device(s) (%s held-out examples): %s%s",
+            t + 1,
+            len(reports),
+            record.validation["samples"],
+            shown,
+            f"; no answer from {', '.join(unsettled.missing)}" if unsettled.missing else "",
+        )
+        return accuracy

@@ -1,0 +1,136 @@
+"""``feast-agent predict`` and ``feast-agent evaluate`` on real image files with a real exported model, in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from feast_edge.evaluate.onnx_export import export_onnx
+from feast_edge.evaluate.predict import evaluate, image_files, load_model, predict, read_image_folder
+from feast_edge.space.arch import Arch
+from feast_edge.space.extract import extract, recalibrate_bn
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
+
+SMALL = load_preset("fmnist-small")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    arch = Arch.smallest(SMALL)
+    variant = extract(Supernet(SMALL, seed=1), arch)
+    noise = torch.rand(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    recalibrate_bn(variant, [(noise - SMALL.mean[0]) / SMALL.std[0]])
+    path = tmp_path_factory.mktemp("model") / "device.onnx"
+    export_onnx(variant, path, SMALL, arch)
+    return path
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """Two class folders of small grey PNG and RGB JPEG files of several sizes."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for name in ("Coat", "Sneaker"):
+        (root / name).mkdir()
+        for i in range(3):
+            size = (28 + 6 * i, 28 + 3 * i)
+            if i % 2:
+                Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(
+                    root / name / f"{i}.jpg"
+                )
+            else:
+                Image.fromarray(rng.integers(0, 256, (size[1], size[0]), dtype=np.uint8)).save(root / name / f"{i}.png")
+    return root
+
+
+def test_predict_prints_a_table_of_top_classes(agent_cli, model, images):
+    result = agent_cli.invoke("predict", "--model", str(model), str(images), "--top-k", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # six images, one batch: no progress bar
+    want = predict(load_model(model), image_files(images), k=2)
+    for item in want.items:
+        row = next(line for line in result.stdout.splitlines() if str(Path(item.file).relative_to(images)) in line)
+        for name, _, p in item.top:
+            assert f"{name} {100 * p:.1f}%" in row
+
+
+def test_predict_json_is_the_only_thing_on_stdout(agent_cli, model, images):
+    result = agent_cli.invoke("predict", "--model", str(model), str(images), "--json", "-k", "3")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    want = predict(load_model(model), image_files(images), k=3)
+    assert document == [item.to_dict() for item in want.items]
+    assert [set(d) for d in document] == [{"file", "predictions"}] * 6
+    single = agent_cli.invoke("predict", "--model", str(model), str(images / "Coat" / "1.jpg"), "--json", "-k", "1")
+    first = want.items[1].to_dict()  # Coat/1.jpg
+    assert json.loads(single.stdout) == [{"file": first["file"], "predictions": first["predictions"][:1]}]
+
+
+def test_a_large_folder_shows_progress_on_stderr_and_skips_unreadable_files(agent_cli, model, images, tmp_path):
+    for i in range(5):
+        Image.new("L", (28, 28), 20 * i).save(tmp_path / f"{i}.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nbroken")
+    result = agent_cli.invoke("predict", "--model", str(model), str(tmp_path), "--json", "--batch-size", "2")
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)) == 5
+    lines = result.stderr.splitlines()
+    assert any(line.startswith("predicting 6 images 6/6") for line in lines), result.stderr
+    assert lines[-1].startswith(f"skipped 1 file(s): {tmp_path / 'broken.png'} (not an image Pillow can identify)")
+
+
+def test_evaluate_prints_accuracy_per_class(agent_cli, model, images):
+    loaded = load_model(model)
+    data = read_image_folder(images, loaded.task)
+    want = evaluate(loaded, data.images, data.labels)
+    result = agent_cli.invoke("evaluate", "--model", str(model), "--data", str(images))
+    assert result.returncode == 0, result.stderr
+    for c in want.classes:
+        assert any(
+            line.split("│")[1:6]
+            and [cell.strip() for cell in line.split("│")[1:6]]
+            == [c.name, str(c.index), str(c.examples), str(c.correct), f"{100 * c.accuracy:.2f}%"]
+            for line in result.stdout.splitlines()
+        ), result.stdout
+    assert (
+        f"accuracy {100 * want.accuracy:.2f}% ({want.correct} of 6 images, 2 of the model's 10 classes), 0 file(s) skipped"
+        in result.stdout
+    )
+    as_json = agent_cli.invoke("evaluate", "--model", str(model), "--data", str(images), "--json")
+    document = json.loads(as_json.stdout)
+    assert document == {"model": str(model), "data": str(images), **want.to_dict()}
+    assert [(c["class"], c["examples"]) for c in document["classes"]] == [("Coat", 3), ("Sneaker", 3)]
+    batched = agent_cli.invoke("evaluate", "--model", str(model), "--data", str(images), "--json", "--batch-size", "2")
+    assert json.loads(batched.stdout) == document
+    # The images were decoded (and cached) by the first call: this one reads the cache, only evaluating shows progress.
+    assert "evaluating 6/6" in batched.stderr, batched.stderr
+
+
+def test_bad_input_is_one_line_and_exit_2(agent_cli, model, images, tmp_path):
+    (tmp_path / "junk.onnx").write_bytes(b"\x00\x01 not a model")
+    (tmp_path / "junk.png").write_text("not an image")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "odd" / "coats").mkdir(parents=True)
+    Image.new("L", (28, 28)).save(tmp_path / "odd" / "coats" / "a.png")
+    cases = [
+        (("predict", "--model", str(tmp_path / "none.onnx"), str(images)), "does not exist or is not a file"),
+        (("predict", "--model", str(tmp_path / "junk.onnx"), str(images)), "junk.onnx"),
+        (("predict", "--model", str(model), str(images), "--top-k", "0"), "--top-k 0 must be between 1 and"),
+        (("predict", "--model", str(model), str(images), "--top-k", "11"), "the model's 10 classes"),
+        (("predict", "--model", str(model), str(tmp_path / "empty")), "holds no image files"),
+        (("predict", "--model", str(model), str(tmp_path / "nowhere")), "nowhere does not exist"),
+        (("predict", "--model", str(model), str(tmp_path / "junk.png")), "junk.png: not an image Pillow can identify"),
+        (("evaluate", "--model", str(model), "--data", str(tmp_path / "nowhere")), "does not exist"),
+        (("evaluate", "--model", str(model), "--data", str(tmp_path / "empty")), "holds no class folders"),
+        (("evaluate", "--model", str(model), "--data", str(tmp_path / "odd")), "did you mean 'Coat'"),
+    ]
+    for args, fragment in cases:
+        result = agent_cli.invoke(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        agent_cli.assert_user_error(result, fragment)
+        assert result.stdout == ""

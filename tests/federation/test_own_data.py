@@ -1,0 +1,139 @@
+"""A federation on the devices' own data: the server holds none, agents train image folders of their own classes.
+
+Real agent processes (``feast-agent run --data FOLDER``) on PNG/JPEG files written here, a real broker, a
+server thread without ``--data``: validation is federated (the cohort tests the probes on its held-out
+splits), and every device ends with an ONNX model whose BN it recalibrated on its own data and whose
+held-out accuracy it reported.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from feast_edge.data.images import FASHION_MNIST_CLASSES, load_fashion_mnist
+from feast_edge.evaluate.onnx_export import read_metadata
+from feast_edge.server.app import FederationServer, ServerConfig
+from feast_edge.transport.broker import LinkConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.broker]
+
+# Each device holds its own classes (three overlapping subsets of the ten), its own image formats and sizes.
+DEVICES = {
+    "cam-a": ((0, 1, 2, 3, 4), 6_000_000, "png-grey"),
+    "cam-b": ((3, 4, 5, 6), 20_000_000, "jpeg-rgb-56"),
+    "cam-c": ((5, 6, 7, 8, 9), 40_000_000, "png-rgb-40"),
+}
+PER_CLASS = 40
+
+
+def write_folder(root: Path, classes: tuple[int, ...], style: str, train, offset: int) -> None:
+    """``PER_CLASS`` Fashion-MNIST training images of each class as files ``root/<class name>/*``."""
+    for c in classes:
+        picks = (train.labels == c).nonzero().flatten()[offset : offset + PER_CLASS]
+        folder = root / FASHION_MNIST_CLASSES[c]
+        folder.mkdir(parents=True)
+        for n, i in enumerate(picks.tolist()):
+            image = Image.fromarray(train.images[i, 0].numpy(), "L")
+            if style == "png-grey":
+                image.save(folder / f"{n}.png")
+            elif style == "jpeg-rgb-56":
+                image.convert("RGB").resize((56, 56)).save(folder / f"{n}.jpg", quality=95)
+            else:
+                image.convert("RGB").resize((40, 40)).save(folder / f"{n}.png")
+
+
+def test_a_server_without_data_validates_on_the_devices_and_each_calibrates_its_own_model(
+    kit, federation: str, tmp_path: Path, fashion_mnist_dir: Path
+) -> None:
+    train = load_fashion_mnist(fashion_mnist_dir, "train")
+    for k, (device, (classes, _, style)) in enumerate(DEVICES.items()):
+        write_folder(tmp_path / "data" / device, classes, style, train, offset=k * PER_CLASS)
+    config = ServerConfig(
+        out=str(tmp_path / "server"),
+        federation=federation,
+        rounds=2,
+        per_round=3,
+        min_clients=3,
+        start_clients=3,
+        eval_every=1,
+        round_timeout=180.0,
+        wait_timeout=180.0,
+        batch_size=32,
+        calib_samples=100,
+    )
+    server = FederationServer(config, LinkConfig(broker=kit.LOCAL))
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["history"] = server.run()
+            manifests = outcome["manifests"] = server.export()
+            served = server.announce_models(manifests)
+            outcome["reports"] = server.await_device_models(manifests, served, timeout=120)
+            outcome["registry"] = {d.device_id: d for d in server.registry.devices()}
+            server.finish(manifests)
+            server.serve(2.0)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            outcome["error"] = exc
+
+    server.start(timeout=5)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    models = tmp_path / "models"
+    agents = {
+        device: kit.spawn_agent(
+            tmp_path / "logs",
+            device,
+            tmp_path / "data" / device,
+            federation,
+            "--budget",
+            str(budget),
+            "--model-dir",
+            str(models),
+        )
+        for device, (_, budget, _) in DEVICES.items()
+    }
+    try:
+        thread.join(400)
+        assert not thread.is_alive(), "the federation did not finish in 400 s"
+        if "error" in outcome:
+            raise outcome["error"]
+        for process in agents.values():
+            assert process.wait(60) == 0, kit.log_text(process)[-3000:]
+    finally:
+        for process in agents.values():
+            kit.stop(process)
+        server.stop.set()
+        server.close()
+
+    # Federated validation: every round validated on all three devices' held-out splits.
+    for record in outcome["history"]:
+        assert record.applied and sorted(record.updated) == sorted(DEVICES)
+        assert record.validation["source"] == "devices" and record.validation["devices"] == sorted(DEVICES)
+        assert record.val_accuracy is not None and 0.0 <= record.val_accuracy <= 1.0
+        # 10 % of each class held out on each device (4 of 40), never trained on.
+        assert record.validation["samples"] == sum(4 * len(classes) for classes, _, _ in DEVICES.values())
+    # The server's export holds weights only: it could not calibrate BN, the devices did.
+    assert all(
+        m["calibration"] == "device" and m["file"].endswith(".variant.safetensors") for m in outcome["manifests"]
+    )
+    for device, (classes, _, _) in DEVICES.items():
+        log = kit.log_text(agents[device])
+        # Labels by class name: each device holds its own classes, at the task's indices.
+        assert f"{len(classes)} of the task's 10 classes" in log, log[-2000:]
+        manifest = json.loads((models / f"{device}.json").read_text())
+        meta = read_metadata(models / f"{device}.onnx")
+        held_out = 4 * len(classes)
+        assert meta["bn_calibration"] == "device" and int(meta["bn_calibration_samples"]) == 100
+        assert int(meta["holdout_samples"]) == held_out == manifest["holdout_samples"]
+        assert json.loads(meta["task"])["classes"] == list(FASHION_MNIST_CLASSES)
+        report = outcome["reports"][device]
+        assert report["holdout_samples"] == held_out and report["calibrated_on"] == 100
+        assert report["holdout_accuracy"] == pytest.approx(manifest["holdout_accuracy"])
+        assert 0.0 <= report["holdout_accuracy"] <= 1.0
+        assert outcome["registry"][device].profile["holdout"] == held_out
