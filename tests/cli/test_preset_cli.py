@@ -165,7 +165,7 @@ def test_tinyimagenet_names_its_classes_by_wordnet_id():
 
 # --------------------------------------------------------------------- end to end
 @pytest.mark.slow
-def test_a_3x64x64_preset_end_to_end(cli, tmp_path, fashion_mnist_dir):
+def test_a_3x64x64_preset_end_to_end(cli, agent_cli, tmp_path, fashion_mnist_dir):
     """preset new -> cache build -> simulate on PNG folders of that shape -> ONNX export -> onnxruntime."""
     import onnxruntime as ort
 
@@ -244,4 +244,19 @@ def test_a_3x64x64_preset_end_to_end(cli, tmp_path, fashion_mnist_dir):
     with torch.no_grad():
         expected = model(preset.task.normalized(pixels))
     np.testing.assert_allclose(logits, expected.numpy(), rtol=1e-4, atol=1e-4)
+    # the device's view: feast-agent predict reads the task (class names, resize) from the file's metadata
+    predicted = agent_cli.invoke("predict", "--model", str(onnx_file), str(image), "--json", "--top-k", "5")
+    assert predicted.returncode == 0, predicted.stderr
+    assert set(_class_names(json.loads(predicted.stdout))) == set(FIVE_CLASSES)
     shutil.rmtree(run)
+
+
+def _class_names(record) -> list[str]:
+    """Every value under a "class" key in predict's JSON document."""
+    if isinstance(record, dict):
+        return [v for k, v in record.items() if k == "class" and isinstance(v, str)] + [
+            n for v in record.values() for n in _class_names(v)
+        ]
+    if isinstance(record, list):
+        return [n for v in record for n in _class_names(v)]
+    return []
