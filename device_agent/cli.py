@@ -57,6 +57,13 @@ def _identity(link: Optional[LinkConfig], device_id: Optional[str], federation: 
     return bundle.identity, common.federation_of(link, federation)
 
 
+def _preset_name(preset: str) -> str:
+    """The name a preset given as a name or a .toml file declares (profiles record names)."""
+    from feast_edge.space.preset import load_preset
+
+    return load_preset(preset).name
+
+
 class _Terminated(BaseException):  # not an Exception: the agent's error boundaries must not swallow a stop
     """SIGTERM: leave like Ctrl-C, but it is a requested stop, not an interruption."""
 
@@ -119,6 +126,12 @@ def run(
         Optional[str],
         typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small)."),
     ] = None,
+    cache: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--cache", help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."
+        ),
+    ] = None,
     device_id: DeviceIdOpt = None,
     federation: common.BundleFederationOpt = None,
     model_dir: Annotated[
@@ -174,7 +187,7 @@ def run(
         or (next(iter(shard_presets)) if len(shard_presets) == 1 else None)
         or "fmnist-small"
     )
-    if loaded is not None and loaded.preset != chosen:
+    if loaded is not None and loaded.preset not in (chosen, _preset_name(chosen)):
         raise FeastError(
             f"profile {loaded.name} was derived for preset {loaded.preset}, not {chosen}; re-profile with 'feast-agent profile --preset {chosen}'"
         )
@@ -185,6 +198,7 @@ def run(
         host=device_id,
         federation=federation,
         preset=chosen,
+        cache=None if cache is None else str(cache),
         torch_device=torch_device,
         amp=precision.mode,
         budget_macs=common.parse_macs(budget)
@@ -303,6 +317,12 @@ def profile(
     preset: Annotated[
         str, typer.Option("--preset", "-p", help="Preset whose cached variants are timed.")
     ] = "fmnist-small",
+    cache: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--cache", help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."
+        ),
+    ] = None,
     device: common.DeviceOpt = "auto",
     latency_target_ms: Annotated[
         Optional[float],
@@ -352,6 +372,7 @@ def profile(
         "provider": provider,
         "holdout": holdout,
         "threads": threads,
+        "cache_file": None if cache is None else str(cache),
     }
     if latency_target_ms is not None:
         kwargs["latency_target_ms"] = latency_target_ms
