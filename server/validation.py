@@ -113,6 +113,16 @@ class FederatedValidation:
                     len(affordable),
                 )
                 continue
+            held_out = registered.profile.get("holdout", 0) if registered is not None else 0
+            if any(n > held_out for _, n in counts):
+                # The counts weigh the figure: no device may weigh more than the held-out split it registered.
+                log.warning(
+                    "round %d: %s reports more examples than the %s it registered as held out; its counts are ignored",
+                    t + 1,
+                    reply.device,
+                    held_out,
+                )
+                continue
             # Back to the server's probe order: a device answers only for the probes it can afford.
             by_probe = {e.arch: c for e, c in zip(affordable, counts)}
             reports[reply.device] = [by_probe.get(e.arch, (0, 0)) for e in self.probes]

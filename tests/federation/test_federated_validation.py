@@ -1,0 +1,84 @@
+"""The server's side of federated validation (server/validation.py) over a real round exchange, with scripted devices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from feast_edge.cache.variants import load_cache
+from feast_edge.protocol import Evaluate, Evaluated, Register
+from feast_edge.run.loop import RoundRecord
+from feast_edge.server.devices import DeviceBook
+from feast_edge.server.registry import Registry
+from feast_edge.server.validation import FederatedValidation
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
+from feast_edge.transport.messages import Presence, parse
+from tests.federation.test_exchange import FED, _exchange
+
+PRESET = load_preset("fmnist-small")
+CACHE = load_cache(PRESET)
+
+
+def _validator(tmp_path: Path, devices: dict[str, tuple[int, int]]):
+    """A validator over a real exchange (scripted network) and a registry with ``devices``: id -> (budget, holdout)."""
+    exchange, sender, receiver, script = _exchange(timeout=1.0)
+    book = DeviceBook(
+        Registry(tmp_path / "devices.sqlite"), PRESET, CACHE, federation=FED, rounds=5, reply=lambda d, m: None
+    )
+    for device, (budget, holdout) in devices.items():
+        book.on_presence(Presence(federation=FED, round=0, device=device, state="online"))
+        book.on_register(
+            Register.for_client(
+                federation=FED,
+                device_id=device,
+                host=device,
+                instance="i",
+                preset=PRESET,
+                budget_macs=budget,
+                samples=100,
+                profile={},
+                holdout=holdout,
+            )
+        )
+    state = Supernet(PRESET, seed=0).state_dict()
+    return FederatedValidation(exchange, book, PRESET, CACHE, state, probes=3, calibration=50), sender, script
+
+
+def test_counts_combine_by_examples_and_no_device_outweighs_its_registered_holdout(tmp_path: Path) -> None:
+    validator, sender, script = _validator(
+        tmp_path, {"pi": (6_000_000, 10), "gpu": (40_000_000, 30), "liar": (40_000_000, 5), "old": (40_000_000, 0)}
+    )
+    sent: dict[str, Evaluate] = {}
+    original = validator.exchange.send
+
+    def send(device, message, payload, info, expect):
+        sent[device] = parse(message.encode())
+        return original(device, message, payload, info, expect)
+
+    validator.exchange.send = send  # type: ignore[method-assign]
+
+    def answer(device: str, counts: list[tuple[int, int]]) -> None:
+        message = sent[device]
+        validator.exchange.on_evaluated(Evaluated.of(message, counts, 50))
+
+    script.steps = [
+        lambda: answer("pi", [(9, 10)]),  # it can afford the smallest probe only
+        lambda: answer("gpu", [(15, 30), (24, 30), (27, 30)]),
+        lambda: answer("liar", [(10**6, 10**6)] * 3),  # more than the 5 it registered: ignored
+    ]
+    record = RoundRecord(round=3, lr=0.1, cohort=["gpu", "liar", "old", "pi"])
+    accuracy = validator(2, record)
+    # "old" registered no held-out split (an older agent, or --holdout 0): it is not asked.
+    assert sorted(sent) == ["gpu", "liar", "pi"] and [len(sent[d].probes) for d in ("pi", "gpu")] == [1, 3]
+    assert record.validation["devices"] == ["gpu", "pi"] and record.validation["samples"] == 40
+    assert accuracy == pytest.approx(((9 + 15) / 40 + 24 / 30 + 27 / 30) / 3)
+    assert record.validation["points"]["variant 0"] == pytest.approx(24 / 40)
+
+
+def test_without_a_device_that_holds_out_there_is_no_validation(tmp_path: Path) -> None:
+    validator, sender, _ = _validator(tmp_path, {"old": (6_000_000, 0)})
+    assert validator(0, RoundRecord(round=1, lr=0.1, cohort=["old"])) is None and sender.sent == []
+    assert torch.is_tensor(next(iter(validator.global_state.values())))
