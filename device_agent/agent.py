@@ -59,7 +59,7 @@ class Agent:
     def __init__(self, config: AgentConfig, link_config: LinkConfig, clients: list[LocalClient]) -> None:
         self.config = config
         self.preset = load_preset(config.preset)
-        budgets = client_budgets(clients, self.preset, load_cache(self.preset), config.budget_macs)
+        budgets = client_budgets(clients, self.preset, load_cache(self.preset, config.cache), config.budget_macs)
         self.instance = uuid.uuid4().hex[:16]
         self.topics = Topics(config.federation)
         presence = Presence(federation=config.federation, round=0, device=config.host, state="online", role="device")

@@ -57,6 +57,13 @@ def _identity(link: Optional[LinkConfig], device_id: Optional[str], federation: 
     return bundle.identity, common.federation_of(link, federation)
 
 
+def _preset_name(preset: str) -> str:
+    """The name a preset given as a name or a .toml file declares (profiles record names)."""
+    from feast_edge.space.preset import load_preset
+
+    return load_preset(preset).name
+
+
 class _Terminated(BaseException):  # not an Exception: the agent's error boundaries must not swallow a stop
     """SIGTERM: leave like Ctrl-C, but it is a requested stop, not an interruption."""
 
@@ -119,6 +126,12 @@ def run(
         Optional[str],
         typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small)."),
     ] = None,
+    cache: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--cache", help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."
+        ),
+    ] = None,
     device_id: DeviceIdOpt = None,
     federation: common.BundleFederationOpt = None,
     model_dir: Annotated[
@@ -174,7 +187,7 @@ def run(
         or (next(iter(shard_presets)) if len(shard_presets) == 1 else None)
         or "fmnist-small"
     )
-    if loaded is not None and loaded.preset != chosen:
+    if loaded is not None and loaded.preset not in (chosen, _preset_name(chosen)):
         raise FeastError(
             f"profile {loaded.name} was derived for preset {loaded.preset}, not {chosen}; re-profile with 'feast-agent profile --preset {chosen}'"
         )
@@ -185,6 +198,7 @@ def run(
         host=device_id,
         federation=federation,
         preset=chosen,
+        cache=None if cache is None else str(cache),
         torch_device=torch_device,
         amp=precision.mode,
         budget_macs=common.parse_macs(budget)
@@ -245,19 +259,52 @@ def fetch_model_command(
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the server's answer.")] = 30.0,
     repeats: Annotated[int, typer.Option(min=1, help="Timed onnxruntime runs.")] = 50,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    data: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--data",
+            help="This device's data, to calibrate BN on when the server holds none (its models are calibrated on the device).",
+        ),
+    ] = None,
+    preset: Annotated[str, typer.Option(help="Preset name or .toml file (with --data).")] = "fmnist-small",
+    holdout: Annotated[
+        Optional[float],
+        typer.Option(help="Held-out share of --data the model is tested on (default: as feast-agent run)."),
+    ] = None,
     log_level: common.LogLevelOpt = "warning",
     log_file: common.LogFileOpt = None,
 ) -> None:
     """Download this device's ONNX model from the server, verify its SHA-256, load it in onnxruntime, print its latency."""
+    from feast_edge.agent.local_data import load_clients
     from feast_edge.agent.model_files import fetch_model
+    from feast_edge.space.preset import load_preset
 
     common.setup_logging(log_level, log_file)
     device_id, federation = _identity(link, device_id, federation)
-    got = fetch_model(link, federation, device_id, out, timeout=timeout, chunk_size=chunk_size, repeats=repeats)
+    task_preset = load_preset(preset)
+    own = None if data is None else load_clients(data, device_id, task=task_preset.task, holdout=holdout)[0]
+    got = fetch_model(
+        link,
+        federation,
+        device_id,
+        out,
+        timeout=timeout,
+        chunk_size=chunk_size,
+        repeats=repeats,
+        data=own,
+        preset=task_preset,
+    )
     m = got.manifest
+    accuracy = (
+        f"held-out accuracy {100 * m['holdout_accuracy']:.2f}% (calibrated here on {m['calibration_samples']} examples)"
+        if m.get("calibration") == "device" and m.get("holdout_accuracy") is not None
+        else f"validation accuracy {100 * m['validation_accuracy']:.2f}%"
+        if m.get("validation_accuracy") is not None
+        else "no accuracy measured"
+    )
     console.print(
         f"saved {got.path} ({m['size']:,} bytes, sha256 {m['sha256'][:16]}… verified)\n"
-        f"arch {m['arch']}  {m['macs'] / 1e6:.2f}M MACs  {m['params'] / 1e6:.3f}M params  validation accuracy {100 * m['validation_accuracy']:.2f}%\n"
+        f"arch {m['arch']}  {m['macs'] / 1e6:.2f}M MACs  {m['params'] / 1e6:.3f}M params  {accuracy}\n"
         f"onnxruntime latency (batch 1, CPU): median {got.latency['median_ms']:.3f} ms, p90 {got.latency['p90_ms']:.3f} ms",
         soft_wrap=True,
         highlight=False,
@@ -270,6 +317,12 @@ def profile(
     preset: Annotated[
         str, typer.Option("--preset", "-p", help="Preset whose cached variants are timed.")
     ] = "fmnist-small",
+    cache: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--cache", help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."
+        ),
+    ] = None,
     device: common.DeviceOpt = "auto",
     latency_target_ms: Annotated[
         Optional[float],
@@ -319,6 +372,7 @@ def profile(
         "provider": provider,
         "holdout": holdout,
         "threads": threads,
+        "cache_file": None if cache is None else str(cache),
     }
     if latency_target_ms is not None:
         kwargs["latency_target_ms"] = latency_target_ms

@@ -15,6 +15,7 @@ class AgentConfig:
     host: str  # --device-id: the agent's presence id (and the device id of a single client)
     federation: str = "feast"
     preset: str = "fmnist-small"
+    cache: str | None = None  # --cache: variant cache JSON (None: beside the preset's own file, else the shipped one)
     torch_device: str = "cpu"  # where local training runs (--device: cpu, cuda[:N])
     amp: str = (
         "off"  # mixed precision of local training (feast_edge.local.precision.AMP_MODES; the CLI's default is auto)

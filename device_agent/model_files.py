@@ -139,8 +139,13 @@ def fetch_model(
     timeout: float = 30.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     repeats: int = 50,
+    data: LocalClient | None = None,
+    preset: Preset | None = None,
 ) -> FetchedModel:
-    """Ask the server for ``device_id``'s ONNX model, download it in chunks, verify, save and time it."""
+    """Ask the server for ``device_id``'s ONNX model, download it in chunks, verify, save and time it.
+
+    A server without data sends the variant's weights instead (``"calibration": "device"``): they are calibrated
+    on ``data`` (this device's own) and exported here, as ``feast-agent run --model-dir`` does."""
     out = check_writable(out, "model file")
     topics = Topics(federation)
     replies: queue.Queue[ModelReady] = queue.Queue()
@@ -196,5 +201,14 @@ def fetch_model(
             blob = progress.payload
     finally:
         link.close()
+    if answer.manifest.get("calibration") == "device":
+        if data is None or preset is None:
+            raise ModelError(
+                f"the server holds no data: the model of {device_id} is calibrated on the device; pass --data "
+                "(this device's data, as for feast-agent run) to calibrate and export it here"
+            )
+        path, _ = calibrate_served_variant(blob, answer.manifest, data, preset, out)
+        manifest = json.loads(path.with_suffix(".json").read_text())
+        return FetchedModel(path, manifest, measure_latency(path, repeats=repeats))
     path = save_model(blob, answer.manifest, out)
     return FetchedModel(path, answer.manifest, measure_latency(path, repeats=repeats))

@@ -200,6 +200,7 @@ def profile_device(
     provider: str | None = None,
     holdout: int = 3,
     threads: int | None = None,
+    cache_file: str | None = None,
 ) -> DeviceProfile:
     """Measure this device: time ``variants`` cached variants at batch 1, fit ``a + b·MACs``, derive the budget.
 
@@ -215,7 +216,8 @@ def profile_device(
     of its round medians. The memory limit is ``memory_fraction`` × the
     available RAM (``cpu``) or the free CUDA memory (``cuda``): it bounds
     training, whatever serves. ``progress(done, total)`` is called as each
-    variant's timing completes.
+    variant's timing completes. ``cache_file``: the cache to time (None: the
+    preset's default, ``feast_edge.cache.variants.default_cache_path``).
     """
     device = resolve_device(device)
     kind = "cuda" if device.startswith("cuda") else "cpu"  # the profile records the kind of device, not its index
@@ -240,7 +242,7 @@ def profile_device(
     if not NAME_PATTERN.match(profile_name):
         raise ProfileError(f"profile name {profile_name!r} must be letters, digits, '.', '_' or '-'; pass --name")
     preset = load_preset(preset_name)
-    cache = load_cache(preset)
+    cache = load_cache(preset, cache_file)  # None: beside the preset's own file, else the shipped one
     if len(cache) < 2:
         raise ProfileError(
             f"the variant cache of preset {preset.name} holds {len(cache)} variant; fitting a + b·MACs needs at least 2"

@@ -71,16 +71,18 @@ def _check_data(data: Path) -> None:
         )
 
 
-def _device_folders(index: dict[str, Any], partition: Path, target: Path, class_names: tuple[str, ...]) -> list[Path]:
+def _device_folders(
+    index: dict[str, Any], partition: Path, target: Path, names: list[str], class_names: tuple[str, ...]
+) -> list[Path]:
     """Each client's shard of the partition written out as an image folder ``target/<device>/<class name>/<n>.png``."""
     from PIL import Image
 
     from feast_edge.sim.shards import read_shard
 
     folders = []
-    for entry in index["clients"]:
+    for name, entry in zip(names, index["clients"]):
         shard = read_shard(partition / entry["file"])
-        folder = target / shard.client_id
+        folder = target / name
         for n, (image, label) in enumerate(zip(shard.images, shard.labels.tolist())):
             (folder / class_names[label]).mkdir(parents=True, exist_ok=True)
             Image.fromarray(image[0].numpy(), "L").save(folder / class_names[label] / f"{n:05d}.png")
@@ -197,7 +199,9 @@ def run_demo(
         else:
             from feast_edge.space.preset import load_preset
 
-            device_data = _device_folders(index, out / "partition", out / "devices", load_preset(preset).task.classes)
+            device_data = _device_folders(
+                index, out / "partition", out / "devices", names, load_preset(preset).task.classes
+            )
             say(
                 f"data: {shards} examples, written as PNG files to {relative(out / 'devices')}/<device>/<class>/; "
                 "the server holds no data (each device validates on its 10 % held-out split and calibrates its own model)"
@@ -228,7 +232,7 @@ def run_demo(
                 "180",
                 "--seed",
                 str(seed),
-                *(["--data", str(out / "partition")] if server_data else []),
+                *(["--data", str(out / "partition")] if server_data else ["--calib-samples", "200"]),
                 "--eval-every",
                 "1",
                 "--wait-timeout",

@@ -324,7 +324,9 @@ class RoundExchange:
             self._fail(device, f"invalid transfer description: {exc}")
             return
         problem, limit = "", pending.expect.max_samples
-        if not 1 <= message.samples <= limit:
+        if not pending.expect.max_bytes:
+            problem = "it sent an update where its evaluation (counts only) was asked for"
+        elif not 1 <= message.samples <= limit:
             # The sample count is the aggregation weight: more than the device registered would let it outweigh everyone.
             problem = f"it claims {message.samples} samples; the aggregation weight must be between 1 and the {limit} it registered"
         elif info.size > pending.expect.max_bytes:

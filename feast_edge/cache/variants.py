@@ -12,6 +12,12 @@ paper cache lists its 369.57M variant twice; loaded here it has 55 entries.)
 
 MACs and params of every entry are counted with the head of ``classes``
 classes, recorded in the file (default: the preset's own class count).
+
+Where a cache is found (:func:`default_cache_path`): a preset loaded from a
+file of its own (``my-task.toml``, by path or through ``$FEAST_EDGE_PRESET_PATH``)
+has its cache beside it, ``my-task.cache.json`` (what ``feast-edge cache build``
+writes by default); a built-in preset has its cache in ``feast_edge/caches/``;
+every command that loads one also takes ``--cache FILE``.
 """
 
 from __future__ import annotations
@@ -39,10 +45,11 @@ from feast_edge.cache.search import (
 from feast_edge.errors import ArchError, FeastError
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import arch_cost
-from feast_edge.space.preset import Preset
+from feast_edge.space.preset import BUILTIN_DIR, Preset, preset_file
 from feast_edge.util.atomic import atomic_write_bytes, check_writable
 
 CACHE_DIR = Path(__file__).parent.parent / "caches"
+CACHE_SUFFIX = ".cache.json"  # a user preset's cache beside its file: my-task.toml -> my-task.cache.json
 FORMAT = "feast-edge-variant-cache"
 VERSION = 1
 DEFAULT_SEED = 42  # the seed of the paper's cache jobs (reference/feast-cifar100-cache.csv)
@@ -190,6 +197,26 @@ def cache_path(preset: Preset) -> Path:
     return CACHE_DIR / f"{preset.name}.json"
 
 
+def user_cache_path(preset: Preset) -> Path | None:
+    """``<dir>/<stem>.cache.json`` beside the file ``preset`` was loaded from; None for a built-in preset."""
+    file = preset_file(preset)
+    if file is None or file.parent == BUILTIN_DIR.resolve():
+        return None
+    return file.with_name(file.stem + CACHE_SUFFIX)
+
+
+def default_cache_path(preset: Preset) -> Path:
+    """The cache used without ``--cache``: the one beside the preset's own file if it exists, else the shipped one.
+
+    A user preset with neither gets the path beside its file, so that the
+    error says where ``feast-edge cache build`` puts it.
+    """
+    user = user_cache_path(preset)
+    if user is not None and (user.exists() or not cache_path(preset).exists()):
+        return user
+    return cache_path(preset)
+
+
 def _fail(path: Any, problem: str, fix: str = "rebuild it with feast_edge.cache.variants.build_cache") -> CacheError:
     return CacheError(f"variant cache {path}: {problem}; {fix}")
 
@@ -271,15 +298,20 @@ def cache_from_dict(data: Any, preset: Preset, source: str = "<cache>") -> Varia
 
 
 def load_cache(preset: Preset, path: str | os.PathLike[str] | None = None) -> VariantCache:
-    """Load and validate a cache for ``preset``; default: the one shipped in ``feast_edge/caches/``."""
-    path = cache_path(preset) if path is None else Path(path)
+    """Load and validate a cache for ``preset``; default: :func:`default_cache_path` (beside its file, or shipped)."""
+    given = path is not None
+    path = default_cache_path(preset) if path is None else Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        source = preset_file(preset)
+        build = f"feast-edge cache build --preset {source if source is not None else preset.name}"
         raise _fail(
             path,
             "does not exist",
-            f"build one with feast_edge.cache.variants.build_cache(load_preset({preset.name!r})) and save it there",
+            f"pass the cache file you built ('{build} --out FILE' writes one)"
+            if given
+            else f"build it with '{build}' (it writes {path}), or pass --cache FILE",
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise _fail(path, f"cannot be read ({exc})", "check the path and its permissions") from None

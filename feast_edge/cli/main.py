@@ -15,6 +15,7 @@ from rich.table import Table
 
 from feast_edge.cli.common import make_app, make_console, millions, parse_macs, run_cli
 from feast_edge.cli.dashboard import register as register_dashboard
+from feast_edge.cli.preset import register as register_preset
 from feast_edge.cli.report import register as register_report
 from feast_edge.cli.runs import register as register_runs
 from feast_edge.errors import FeastError
@@ -239,7 +240,12 @@ def _cache_table(cache, title: str) -> Table:
 @cache_app.command("build")
 def cache_build(
     preset: PresetOpt,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Cache JSON to write.")],
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--out", "-o", help="Cache JSON to write (default for a preset file my.toml: my.cache.json beside it)."
+        ),
+    ] = None,
     targets: Annotated[
         Optional[str],
         typer.Option(help="Comma-separated MAC targets (e.g. 25M,50M); default: the preset's [cache] segments."),
@@ -257,10 +263,14 @@ def cache_build(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from feast_edge.cache.search import extraction_rho0
-    from feast_edge.cache.variants import build_cache, cache_targets
+    from feast_edge.cache.variants import build_cache, cache_targets, user_cache_path
     from feast_edge.util.atomic import check_writable
 
     p = load_preset(preset)
+    if out is None:
+        out = user_cache_path(p)
+        if out is None:
+            raise FeastError(f"give --out FILE: preset {p.name} is built in, and its shipped cache is not overwritten")
     check_writable(out, "cache")
     jobs = None
     if targets is not None:
@@ -290,7 +300,8 @@ def cache_build(
 def cache_show(
     preset: PresetOpt,
     cache_file: Annotated[
-        Optional[Path], typer.Option("--cache", help="Cache JSON (default: the one shipped for the preset).")
+        Optional[Path],
+        typer.Option("--cache", help="Cache JSON (default: the one beside the preset's file, else the shipped one)."),
     ] = None,
 ) -> None:
     """List a cache's variants: MACs, params, fitness, rho, arch."""
@@ -365,6 +376,7 @@ def extract_command(
 register_runs(app)
 register_report(app)
 register_dashboard(app)
+register_preset(app)
 
 
 def main() -> None:

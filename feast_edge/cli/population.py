@@ -107,7 +107,9 @@ _POPULATION_OPTIONS = {
     "cache": (
         Optional[Path],
         None,
-        typer.Option("--cache", help="Variant cache JSON (default: the preset's shipped cache)."),
+        typer.Option(
+            "--cache", help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."
+        ),
     ),
 }
 

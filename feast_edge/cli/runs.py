@@ -39,7 +39,8 @@ def routing(
         str, typer.Option("--preset", "-p", help="Preset name (see 'feast-edge presets') or a .toml file.")
     ],
     cache_file: Annotated[
-        Optional[Path], typer.Option("--cache", help="Cache JSON (default: the preset's shipped cache).")
+        Optional[Path],
+        typer.Option("--cache", help="Cache JSON (default: the one beside the preset's file, else the shipped one)."),
     ] = None,
     reference_csv: Annotated[
         Optional[Path], typer.Option("--reference-csv", help="Use the paper's published cache CSV instead.")

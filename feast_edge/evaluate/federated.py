@@ -1,8 +1,8 @@
 """Evaluation where the data lives (SPEC §8 on the devices): a server that holds no data validates and calibrates this way.
 
     device:  held_out_counts(routed sub-supernet, probes, its training split, its held-out split)
-               each probe extracted, BN recalibrated on the first ``calibration`` training examples (fixed order,
-               no mixing), tested on the held-out split -> (correct, total) per probe
+               each probe extracted, BN recalibrated on ``calibration`` training examples (a fixed, seeded
+               sample: files sorted by class would describe one class), tested on the held-out split
     server:  combine_counts(every device's counts) -> per probe Σ correct / Σ total (sample-weighted)
              federated_accuracy(...) -> the mean over the probes some device tested: the round's validation accuracy
 
@@ -31,6 +31,13 @@ CALIBRATION = (
 )
 
 
+def calibration_subset(images: torch.Tensor, count: int, seed: int = 0) -> torch.Tensor:
+    """``count`` of a device's training ``images`` in a fixed, seeded random order: a device's files are often sorted
+    by class (an image folder), and BN statistics of its first ``count`` would describe one or two classes only."""
+    order = torch.randperm(int(images.shape[0]), generator=torch.Generator().manual_seed(seed))
+    return images[order[:count]]
+
+
 def routed_supernet(preset: Preset, plan: ClientPlan, routed_state: Mapping[str, torch.Tensor]) -> Supernet:
     """The routed sub-supernet of ``plan`` holding ``routed_state`` (what a device trains, here to evaluate)."""
     model = Supernet(preset, classes=preset.classes, layout=plan.layout(preset, preset.classes), seed=None)
@@ -51,7 +58,7 @@ def held_out_counts(
     total = int(holdout_labels.shape[0])
     if total == 0 or train_images.shape[0] == 0:
         return [(0, 0) for _ in probes]
-    calibration_images = train_images[:calibration]
+    calibration_images = calibration_subset(train_images, calibration)
     counts = []
     for arch in probes:
         model = calibrated_variant(supernet, arch, calibration_images, device=device)
@@ -76,6 +83,6 @@ def federated_accuracy(combined: Sequence[tuple[int, int]]) -> float | None:
 def calibrated_static(
     model: StaticResNet, preset: Preset, images: torch.Tensor, calibration: int = CALIBRATION, batch_size: int = 100
 ) -> int:
-    """Recalibrate a served variant's BN on the first ``calibration`` of ``images`` (a device's training split);
-    returns how many examples it saw."""
-    return recalibrate_bn(model, pixel_batches(images[:calibration], preset, batch_size))
+    """Recalibrate a served variant's BN on ``calibration`` of ``images`` (a device's training split, in the fixed
+    order of :func:`calibration_subset`); returns how many examples it saw."""
+    return recalibrate_bn(model, pixel_batches(calibration_subset(images, calibration), preset, batch_size))

@@ -74,7 +74,7 @@ class SimulationConfig:
     train_limit: int | None = None  # client pool size (None: all remaining training data)
     test_limit: int | None = None
     probe_variants: int = 3  # cached variants, evenly spaced by rank, averaged for checkpoint selection
-    cache: str | None = None  # cache JSON (None: the one shipped for the preset)
+    cache: str | None = None  # cache JSON (None: beside the preset's own file, else the shipped one)
     aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)

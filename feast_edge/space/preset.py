@@ -364,7 +364,18 @@ def load_preset_file(path: str | os.PathLike[str]) -> Preset:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PresetError(f"preset file {path} is not valid TOML ({exc}); fix the syntax") from None
-    return _from_toml(data, str(path))
+    preset = _from_toml(data, str(path))
+    _SOURCES[preset] = path.resolve()
+    return preset
+
+
+# The file each preset was last loaded from: where its variant cache is looked for (feast_edge.cache.variants).
+_SOURCES: dict[Preset, Path] = {}
+
+
+def preset_file(preset: Preset) -> Path | None:
+    """The file ``preset`` was loaded from (the last one holding exactly this preset); None for one built in code."""
+    return _SOURCES.get(preset)
 
 
 def available_presets() -> dict[str, Path]:

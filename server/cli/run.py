@@ -93,7 +93,8 @@ def run(
         typer.Option("--calib-samples", min=1, help="Calibration examples when --data is a Fashion-MNIST directory."),
     ] = 500,
     cache: Annotated[
-        Optional[Path], typer.Option(help="Variant cache JSON (default: the preset's shipped cache).")
+        Optional[Path],
+        typer.Option(help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."),
     ] = None,
     wait_timeout: Annotated[
         float,

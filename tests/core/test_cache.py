@@ -187,7 +187,7 @@ def test_corrupt_cache_is_rejected(tmp_path, fmnist, small_cache, edit, message)
 
 
 def test_missing_and_invalid_files(tmp_path, fmnist):
-    with pytest.raises(CacheError, match="does not exist; build one with"):
+    with pytest.raises(CacheError, match="does not exist; pass the cache file you built"):
         load_cache(fmnist, tmp_path / "none.json")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(CacheError, match="is not valid JSON"):

@@ -158,3 +158,53 @@ def test_after_the_servers_link_came_back_a_new_instance_may_take_over(registry:
     _register(book, "jet", "new")
     _online(book, "jet")
     assert replies[-1].accepted and book.online() == ["jet"]
+
+
+def test_the_server_announces_its_task_and_refuses_a_device_checked_against_another(registry: Registry) -> None:
+    import dataclasses
+
+    from feast_edge.data.task import Task
+
+    replies: list[Registered] = []
+    book = _book(registry, replies)
+    _online(book, "cam")
+    _register(book, "cam", "one")
+    assert replies[-1].accepted and Task.from_dict(replies[-1].task) == PRESET.task
+    assert replies[-1].validation == "server"
+    # Same tensors (same preset digest), other class names: another task, refused before it trains.
+    renamed = dataclasses.replace(PRESET, class_names=tuple(f"c{i}" for i in range(10)))
+    assert renamed.digest == PRESET.digest and renamed.task.digest != PRESET.task.digest
+    book.on_register(
+        Register.for_client(
+            federation="lab",
+            device_id="other",
+            host="cam",
+            instance="two",
+            preset=renamed,
+            budget_macs=6_000_000,
+            samples=50,
+            profile={},
+        )
+    )
+    assert not replies[-1].accepted and "task mismatch" in replies[-1].reason and "--preset" in replies[-1].reason
+    assert registry.get("other") is None
+
+
+def test_an_agent_leaves_a_federation_that_trains_another_task() -> None:
+    import dataclasses
+
+    from feast_edge.agent.config import AgentConfig
+    from feast_edge.agent.registration import AgentError, Registration
+    from feast_edge.transport.topics import Topics
+
+    registration = Registration(AgentConfig(host="cam", federation="lab"), PRESET, "inst", None, Topics("lab"), {})
+    ours = Registered(
+        federation="lab", round=0, device="cam", instance="inst", accepted=True, task=PRESET.task.to_dict()
+    )
+    registration.on_registered(ours)
+    assert "cam" in registration.accepted
+    theirs = dataclasses.replace(PRESET.task, resize="center-crop")
+    with pytest.raises(AgentError, match="the federation trains task 1x28x28 \\(center-crop\\).*--preset"):
+        registration.on_registered(dataclasses.replace(ours, task=theirs.to_dict(), msg_id="m2"))
+    with pytest.raises(AgentError, match="malformed task"):
+        registration.on_registered(dataclasses.replace(ours, task={"channels": 2}, msg_id="m3"))

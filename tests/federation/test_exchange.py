@@ -171,3 +171,34 @@ def test_uploads_of_another_round_or_transfer_are_not_taken() -> None:
     assert list(exchange.replies()) == []
     ignored = exchange.close().ignored
     assert "round 1 is not the round in flight" in ignored[0] and "not this round's" in ignored[1]
+
+
+def test_an_evaluation_request_settles_on_its_counts_and_nothing_else() -> None:
+    from feast_edge.protocol import Evaluated
+
+    exchange, _, receiver, script = _exchange(timeout=1.0)
+    exchange.open(4)
+    sent = {}
+    for device in ("a", "b", "c"):
+        info = sent[device] = exchange.describe(device, b"the model to validate")
+        exchange.send(
+            device, Presence(federation=FED, round=4, device=device, state="online"), b"x", info, Expect(0, 0)
+        )
+
+    def answer(device: str, routed: str, round: int = 4) -> Evaluated:
+        return Evaluated(federation=FED, round=round, device=device, routed=routed, results=(3, 4), calibrated_on=9)
+
+    upload, _ = _upload("c", sent["c"], b"an update where counts are due")
+    script.steps = [
+        lambda: exchange.on_evaluated(answer("a", sent["a"].transfer)),
+        lambda: exchange.on_evaluated(answer("a", sent["a"].transfer)),  # a repeat: ignored
+        lambda: exchange.on_evaluated(answer("b", "another-transfer")),  # not what was sent to b: ignored
+        lambda: exchange.on_update(upload),  # an upload where only counts are due: refused, takes nothing
+    ]
+    replies = list(exchange.replies())
+    assert [(r.device, r.evaluation.counts() if r.evaluation else None) for r in replies][0] == ("a", [(3, 4)])
+    assert replies[1].device == "c" and replies[1].evaluation is None and "evaluation" in replies[1].error
+    assert receiver.expected == []  # the upload announced to an evaluation was never taken
+    unsettled = exchange.close()
+    assert unsettled.missing == ["b"]
+    assert len(unsettled.ignored) == 2 and all("does not answer an open evaluation" in i for i in unsettled.ignored)

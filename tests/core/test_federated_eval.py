@@ -1,0 +1,79 @@
+"""Evaluation where the data lives (feast_edge.evaluate.federated): the devices' counts equal the server-held protocol on the same examples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feast_edge.cache.variants import load_cache
+from feast_edge.evaluate.evaluation import calibrated_variant, evaluate_variants
+from feast_edge.evaluate.federated import (
+    calibrated_static,
+    calibration_subset,
+    combine_counts,
+    federated_accuracy,
+    held_out_counts,
+    routed_supernet,
+)
+from feast_edge.route.envelope import route_state
+from feast_edge.route.plans import plan_client
+from feast_edge.space.extract import extract
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
+
+PRESET = load_preset("fmnist-small")
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    train = torch.randint(0, 256, (60, 1, 28, 28), generator=g, dtype=torch.uint8)
+    held = torch.randint(0, 256, (25, 1, 28, 28), generator=g, dtype=torch.uint8)
+    labels = torch.randint(0, 10, (25,), generator=g)
+    return train, held, labels, torch.arange(60) // 6  # training labels sorted by class, as an image folder is
+
+
+def test_a_devices_counts_are_the_server_held_protocol_on_its_examples(data) -> None:
+    train, held, labels, _ = data
+    supernet = Supernet(PRESET, seed=1)
+    cache = load_cache(PRESET)
+    plan = plan_client(cache, 20e6)
+    routed = routed_supernet(PRESET, plan, route_state(supernet.state_dict(), plan.layout(PRESET, 10), PRESET))
+    probes = [plan.affordable[0], plan.affordable[-1]]
+    counts = held_out_counts(routed, probes, train, held, labels, calibration=40)
+    # The server-held protocol, handed the same calibration sample and the same held-out split:
+    want = evaluate_variants(supernet, probes, calibration_subset(train, 40), held, labels)
+    assert [c / n for c, n in counts] == pytest.approx(want) and all(n == 25 for _, n in counts)
+
+
+def test_calibration_draws_from_every_class_of_a_class_sorted_split(data) -> None:
+    train, _, _, sorted_labels = data
+    picked = calibration_subset(sorted_labels.view(-1, 1, 1, 1), 20).flatten()
+    assert len(set(picked.tolist())) >= 8  # the first 20 of the sorted split would be 4 classes
+    assert torch.equal(picked, calibration_subset(sorted_labels.view(-1, 1, 1, 1), 20).flatten())  # fixed
+    assert torch.equal(calibration_subset(train, 10**6).sort(dim=0).values, train.sort(dim=0).values)  # all of them
+
+
+def test_a_served_variant_calibrated_on_the_device_equals_the_extracted_calibrated_one(data) -> None:
+    train, _, _, _ = data
+    supernet = Supernet(PRESET, seed=2)
+    arch = load_cache(PRESET).entries[5].arch
+    model = extract(supernet, arch)
+    assert calibrated_static(model, PRESET, train, calibration=50) == 50
+    reference = calibrated_variant(supernet, arch, calibration_subset(train, 50))
+    for name, tensor in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[name].float(), tensor.float(), atol=1e-6), name
+
+
+def test_counts_combine_sample_weighted_and_untested_probes_are_left_out() -> None:
+    combined = combine_counts([[(8, 10), (0, 0)], [(1, 30), (0, 0)]], probes=2)
+    assert combined == [(9, 40), (0, 0)]
+    assert federated_accuracy(combined) == pytest.approx(9 / 40)  # not (0.8 + 1/30) / 2: weighted by examples
+    assert federated_accuracy(combine_counts([[(1, 2), (3, 4)]], 2)) == pytest.approx((0.5 + 0.75) / 2)
+    assert federated_accuracy([(0, 0), (0, 0)]) is None
+    assert (
+        held_out_counts(
+            Supernet(PRESET, seed=0), [], torch.zeros(0, 1, 28, 28, dtype=torch.uint8), *[torch.zeros(0)] * 2
+        )
+        == []
+    )
