@@ -123,6 +123,7 @@ class FederationServer:
                 rounds=config.rounds,
                 federation=config.federation,
                 payload_dtype=config.payload_dtype,
+                validation=self.validation_source,
             )
         )
         self.events = Events(self.topics, self.devices, self.live)
@@ -139,6 +140,12 @@ class FederationServer:
     def _validate_on_devices(self, t: int, record: RoundRecord) -> float | None:
         assert self.federated is not None, "start() first"
         return self.federated(t, record)
+
+    def _validated_points(self) -> list[dict[str, Any]] | None:
+        """The last validation's probe points (label, macs, params, val_accuracy): the devices' or the server's."""
+        if self.data is None:
+            return None if self.federated is None else self.federated.validated
+        return getattr(self.loop.method, "validated", None)
 
     @property
     def history(self) -> list[RoundRecord]:
@@ -263,9 +270,7 @@ class FederationServer:
             if self.on_round is not None:
                 self.on_round(record, cfg.rounds)
             if self.live is not None:
-                self.live.round_finished(
-                    record, getattr(self.loop.method, "validated", None) if record.val_accuracy is not None else None
-                )
+                self.live.round_finished(record, self._validated_points() if record.val_accuracy is not None else None)
             self.events.filter.advance(record.round)
             self.pump(0)
 

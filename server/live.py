@@ -19,6 +19,7 @@ from feast_edge.dashboard.state import DashboardState
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RoundRecord
+from feast_edge.run.rundir import device_calibrated, model_accuracy, validated_on, validation_words
 from feast_edge.server.registry import Device, Registry
 from feast_edge.space.preset import Preset
 from feast_edge.transport.chunks import Reassembler
@@ -56,7 +57,9 @@ class LiveView:
         rounds: int,
         federation: str,
         payload_dtype: str = "float32",
+        validation: str | None = None,
     ) -> None:
+        """``validation``: where the run validates, "server" (its --data) or "devices" (federated)."""
         self.state, self.preset, self.cache, self.registry = state, preset, cache, registry
         self.bytes_per_param = bytes_per_param(
             payload_dtype
@@ -78,6 +81,7 @@ class LiveView:
             rounds_done=0,
             status="waiting",
             started=time.time(),
+            validation=None if validation is None else validation_words({"source": validation}),
         )
 
     # ------------------------------------------------------------------ fleet
@@ -228,6 +232,7 @@ class LiveView:
                 "train_macs": record.train_macs,
                 "seconds": record.seconds,
                 "devices": {d: dict(t) for d, t in self._traffic.items()},
+                "validated_on": self._validated_on(record),
             }
         )
         if probes:
@@ -235,6 +240,13 @@ class LiveView:
             self.state.set_variants(self._probes)
         self.state.set_run(rounds_done=record.round)
         self._round = None
+
+    def _validated_on(self, record: RoundRecord) -> dict[str, Any] | None:
+        """Where ``record``'s round was validated; a validated round also updates the run's line of where that is."""
+        where = validated_on(record.val_accuracy, record.validation)
+        if where is not None:
+            self.state.set_run(validation=validation_words(where))
+        return where
 
     def resumed(self, history: Sequence[RoundRecord]) -> None:
         """The rounds a resumed run completed before (their per-device traffic was not kept)."""
@@ -251,6 +263,7 @@ class LiveView:
                     "train_macs": record.train_macs,
                     "seconds": record.seconds,
                     "devices": {},
+                    "validated_on": self._validated_on(record),
                 }
             )
         if history:
@@ -260,16 +273,23 @@ class LiveView:
     def finished(self, status: str, message: str | None = None) -> None:
         self.state.set_run(status=status, **({"message": message} if message else {}))
 
-    def models(self, manifests: Sequence[Mapping[str, Any]], model_dir: Path) -> None:
-        """The exported ONNX models (served for download); their validation accuracy joins the accuracy-vs-MACs points and
-        gives the population accuracy (the mean over devices of the model each is served)."""
-        self.state.set_models([dict(m) for m in manifests], model_dir)
-        accuracies = [m.get("validation_accuracy") for m in manifests]
+    def models(
+        self,
+        manifests: Sequence[Mapping[str, Any]],
+        model_dir: Path,
+        reports: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """The exported ONNX models (served for download), or without server data the models each device calibrates
+        (``reports``: what each device reported of its model, its held-out accuracy). Their accuracy gives the
+        population accuracy (the mean over devices of the model each is served); a server-validated one also joins the
+        accuracy-vs-MACs points."""
+        self.state.set_models([dict(m) for m in manifests], model_dir, reports)
+        accuracies = [model_accuracy(m, (reports or {}).get(str(m.get("device"))))["accuracy"] for m in manifests]
         if accuracies and all(isinstance(a, (int, float)) for a in accuracies):
             self.state.set_population(sum(accuracies) / len(accuracies))
         points = {int(p["macs"]): dict(p) for p in self._probes}
         for m in manifests:
-            if isinstance(m.get("macs"), int):
+            if isinstance(m.get("macs"), int) and not device_calibrated(m):
                 label = f"{m['macs'] / 1e6:.2f}M"
                 points[m["macs"]] = {
                     "label": label,

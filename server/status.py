@@ -19,6 +19,7 @@ from rich.table import Table
 from feast_edge.errors import FeastError
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
+from feast_edge.run.rundir import run_validated_on, validation_words
 from feast_edge.server.app import REGISTRY
 from feast_edge.server.registry import Registry
 
@@ -49,15 +50,20 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
     history = fields.get("history", [])
     last = history[-1] if history else None
     best = fields.get("best") or None
-    validated = [h for h in history if h.get("val_accuracy") is not None]
     # Where the validation figures come from: the server's --data, or the devices' held-out splits (federated).
-    source = "devices" if fields.get("data") is None else "server"
+    where = run_validated_on({"kind": "federation", **fields})
+    validation = next((h.get("validation") or {} for h in reversed(history) if h.get("val_accuracy") is not None), {})
+    federated = where is not None and where["source"] == "devices"
+    words = validation_words(where)
+    if federated and "devices" in where:
+        words = f"{words} in the last validated round"
     return {
         "out": str(out),
         "validation": {
-            "source": source if validated or fields.get("data") is not None else None,
-            "devices": (validated[-1].get("validation") or {}).get("devices", []) if validated else [],
-            "samples": (validated[-1].get("validation") or {}).get("samples") if validated else None,
+            "source": None if where is None else where["source"],
+            "devices": validation.get("devices", []) if federated else [],
+            "samples": validation.get("samples") if federated else None,
+            "words": words,
         },
         "federation": config.get("federation"),
         "preset": config.get("preset"),
@@ -114,18 +120,19 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     else:
         state = "aggregated" if last["applied"] else "unchanged"
         progress = f"rounds: {rounds['completed']}/{rounds['total'] or '?'} completed; last, round {last['round']}: {state}, val {_pct(last['val_accuracy'])}"
-    validation = status.get("validation") or {}
-    where = {
-        "server": " (on the server's --data)",
-        "devices": f" (federated: on the held-out data of {len(validation.get('devices') or [])} devices, "
-        f"{validation.get('samples') or 0} examples, in the last validated round)",
-    }.get(validation.get("source") or "", "")
     best_line = (
         "best validation accuracy: none yet"
         if best is None
-        else f"best validation accuracy: {_pct(best['val_accuracy'])} (round {best['round']}){where}"
+        else f"best validation accuracy: {_pct(best['val_accuracy'])} (round {best['round']})"
     )
-    return [run, progress, best_line, f"devices: {status['online']} of {len(status['devices'])} online"]
+    words = (status.get("validation") or {}).get("words")
+    return [
+        run,
+        progress,
+        best_line,
+        *([words] if words else []),
+        f"devices: {status['online']} of {len(status['devices'])} online",
+    ]
 
 
 def status_table(status: dict[str, Any]) -> Table:

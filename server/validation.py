@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -61,7 +62,9 @@ class FederatedValidation:
         self.global_state = global_state  # aliases the model's tensors: always the current global model
         self.probes = [cache.entries[i] for i in probe_indices(len(cache), probes)]
         self.calibration, self.payload_dtype = calibration, payload_dtype
-        self.last: dict[str, float] = {}  # probe label -> accuracy of the last validation (for the dashboard)
+        self.last: dict[str, float] = {}  # probe label -> accuracy of the last validation
+        # The same as points (label, macs, params, val_accuracy), for the dashboard's accuracy-vs-MACs chart.
+        self.validated: list[dict[str, Any]] = []
 
     def __call__(self, t: int, record: RoundRecord) -> float | None:
         online = set(self.devices.online())
@@ -131,6 +134,11 @@ class FederatedValidation:
         accuracy = federated_accuracy(combined)
         points = {f"variant {self.cache.entries.index(e)}": c / n for e, (c, n) in zip(self.probes, combined) if n > 0}
         self.last = points
+        self.validated = [
+            {"label": label, "macs": e.macs, "params": e.params, "val_accuracy": points[label]}
+            for e in self.probes
+            if (label := f"variant {self.cache.entries.index(e)}") in points
+        ]
         record.validation = {
             "source": "devices",
             "devices": sorted(reports),

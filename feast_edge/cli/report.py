@@ -1,4 +1,4 @@
-"""``feast-edge report``: compare finished simulation runs in one Markdown or HTML report with plots."""
+"""``feast-edge report``: compare finished simulation runs (and feast-server runs) in one Markdown or HTML report with plots."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def report(
     run_dirs: Annotated[
         list[Path],
         typer.Argument(
-            metavar="RUN_DIR", help="Run directories of 'feast-edge simulate --out', each with its results.json."
+            metavar="RUN_DIR",
+            help="Run directories of 'feast-edge simulate --out' (each with its results.json) or 'feast-server run --out'.",
         ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the report and its PNG plots.")] = Path(
@@ -35,7 +36,8 @@ def report(
         str | None, typer.Option("--title", help="Report title (default: 'feast-edge report: PRESET').")
     ] = None,
 ) -> None:
-    """Compare runs: per-method accuracy (mean ± std over seeds), gaps to the centralized reference, traffic, compute, plots."""
+    """Compare runs: per-method accuracy (mean ± std over seeds), gaps to the centralized reference, traffic, compute, plots;
+    for a feast-server run, where it validated and calibrated its models."""
     from feast_edge.report.summary import write_report
 
     written = write_report(run_dirs, out, fmt, title)

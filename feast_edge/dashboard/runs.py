@@ -15,7 +15,6 @@ Traffic is recorded in parameters; the page shows bytes at 4 per parameter
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +26,18 @@ from feast_edge.errors import FeastError
 from feast_edge.report.runs import load_run
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
+from feast_edge.run.rundir import (
+    MODELS,
+    device_calibrated,
+    model_accuracy,
+    read_manifests,
+    read_registry,
+    run_validated_on,
+    validated_on,
+    validation_words,
+)
 
 RESULTS = "results.json"
-REGISTRY = "devices.sqlite"  # feast-server's device registry (the apps' constant; core does not import them)
-MODELS = "models"
 BYTES_PER_PARAM = 4
 WHAT_A_RUN_IS = (
     "a run directory holds results.json (feast-edge simulate --out) or checkpoint.safetensors (feast-server run --out)"
@@ -50,6 +57,7 @@ class RunData:
     devices: dict[str, dict[str, Any]] = field(default_factory=dict)
     manifests: list[dict[str, Any]] = field(default_factory=list)
     model_dir: Path | None = None
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # device -> what it reported (registry metrics)
 
     def fill(self, state: DashboardState) -> None:
         """Show this run in the page's main sections."""
@@ -61,7 +69,7 @@ class RunData:
         state.set_variants(self.variants)
         state.set_population(self.population_accuracy)
         if self.model_dir is not None:
-            state.set_models(self.manifests, self.model_dir)
+            state.set_models(self.manifests, self.model_dir, self.metrics)
 
     def summary(self) -> dict[str, Any]:
         """This run as one of several compared: name, method, seed, history, variants, population accuracy."""
@@ -70,6 +78,7 @@ class RunData:
             "method": self.run.get("method"),
             "seed": self.run.get("seed"),
             "preset": self.run.get("preset"),
+            "validation": self.run.get("validation"),
             "history": self.history,
             "variants": self.variants,
             "population_accuracy": self.population_accuracy,
@@ -119,7 +128,8 @@ def read_run(path: Path) -> RunData:
 
 
 def history_entry(record: dict[str, Any], shift: int = 0) -> dict[str, Any]:
-    """A stored round record (:class:`feast_edge.run.loop.RoundRecord` as a dict) as a dashboard history entry."""
+    """A stored round record (:class:`feast_edge.run.loop.RoundRecord` as a dict) as a dashboard history entry;
+    ``validated_on`` says where it was validated (:func:`feast_edge.run.rundir.validated_on`)."""
     routed, full = record.get("routed_params"), record.get("full_params")
     return {
         "round": int(record.get("round", 0)) + shift,
@@ -130,6 +140,7 @@ def history_entry(record: dict[str, Any], shift: int = 0) -> dict[str, Any]:
         "broadcast_bytes": None if full is None else BYTES_PER_PARAM * full,
         "train_macs": record.get("train_macs"),
         "seconds": record.get("seconds"),
+        "validated_on": validated_on(record.get("val_accuracy"), record.get("validation")),
     }
 
 
@@ -193,58 +204,21 @@ def _simulation(path: Path) -> RunData:
     )
 
 
-def _registry(path: Path, fields: dict[str, Any]) -> list[dict[str, Any]]:
-    """The registered devices: ``devices.sqlite`` read-only when present, else the copy in the checkpoint."""
-    database = path / REGISTRY
-    if not database.is_file():
-        return list(fields.get("registry") or [])
-    try:
-        connection = sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
-        try:
-            connection.row_factory = sqlite3.Row
-            rows = connection.execute("SELECT * FROM devices ORDER BY device_id").fetchall()
-        finally:
-            connection.close()
-    except sqlite3.Error as exc:
-        raise DashboardError(
-            f"cannot read the device registry {database} ({exc}); is it a feast-server run directory?"
-        ) from None
-    devices = []
-    for row in rows:
-        device = dict(row)
-        try:
-            device["profile"] = json.loads(device.get("profile") or "{}")
-        except json.JSONDecodeError:
-            device["profile"] = {}
-        devices.append(device)
-    return devices
-
-
-def _manifests(path: Path) -> list[dict[str, Any]]:
-    """The manifests of the exported models (``models/index.json``), if the run exported any."""
-    index = path / MODELS / "index.json"
-    if not index.is_file():
-        return []
-    try:
-        models = json.loads(index.read_text(encoding="utf-8")).get("models", [])
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-        raise DashboardError(f"cannot read {index} ({exc}); run 'feast-server export --out {path}' again") from None
-    return [m for m in models if isinstance(m, dict)]
-
-
 def _checkpointed(path: Path) -> RunData:
     fields = read_record(path / CHECKPOINT, format=None).get("fields", {})
     config = fields.get("config", {})
     shift = 1 if fields.get("history_format", 1) < HISTORY_FORMAT else 0  # older checkpoints counted rounds from 0
     rounds = [{**r, "round": int(r.get("round", 0)) + shift} for r in fields.get("history", [])]
-    manifests = _manifests(path)
+    manifests = read_manifests(path)
     by_device = {m.get("device"): m for m in manifests}
-    devices = {}
-    for d in _registry(path, fields):
+    devices, metrics = {}, {}
+    for d in read_registry(path, fields):
         name = str(d.get("device_id", ""))
         profile = d.get("profile") or {}
         hardware = profile.get("hardware") or {}
         manifest = by_device.get(name)
+        if isinstance(d.get("metrics"), dict) and d["metrics"]:
+            metrics[name] = d["metrics"]
         devices[name] = {
             "profile": profile.get("name"),
             "hardware": hardware.get("cuda_name") or hardware.get("cpu"),
@@ -261,7 +235,9 @@ def _checkpointed(path: Path) -> RunData:
             **_participation(rounds, name),
         }
     variants = {}
-    for m in manifests:  # what the exported models scored, as the accuracy-vs-MACs points
+    for m in manifests:  # what the server-calibrated models scored on its data, as the accuracy-vs-MACs points
+        if device_calibrated(m):
+            continue  # each device measured its own model on data of its own: not one curve
         variants.setdefault(
             m.get("macs"),
             {
@@ -271,8 +247,9 @@ def _checkpointed(path: Path) -> RunData:
                 "val_accuracy": m.get("validation_accuracy"),
             },
         )
-    accuracies = [m.get("validation_accuracy") for m in manifests]
-    # The population accuracy of a deployment: the mean over devices of the exported model's (validation) accuracy.
+    accuracies = [model_accuracy(m, metrics.get(str(m.get("device", ""))))["accuracy"] for m in manifests]
+    # The population accuracy of a deployment: the mean over devices of the exported model's accuracy (validation on
+    # the server's data, or the device's own held-out accuracy where it calibrated the model).
     population = (
         sum(accuracies) / len(accuracies)
         if accuracies and all(isinstance(a, (int, float)) for a in accuracies)
@@ -294,11 +271,13 @@ def _checkpointed(path: Path) -> RunData:
             "rounds_done": done,
             "status": "finished" if finished else "waiting",
             "message": None if finished else f"stopped after round {done} of {total or '?'} (or still running)",
+            "validation": validation_words(run_validated_on(fields)),
         },
         history=[history_entry(r) for r in rounds],
         variants=sorted(variants.values(), key=lambda v: (v["macs"] is None, v["macs"] or 0)),
         devices=devices,
         manifests=manifests,
         model_dir=path / MODELS if manifests else None,
+        metrics=metrics,
         population_accuracy=population,
     )

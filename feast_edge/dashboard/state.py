@@ -18,11 +18,13 @@ import re
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from feast_edge.errors import ArchError
+from feast_edge.run.rundir import device_calibrated, model_accuracy
 from feast_edge.space.arch import Arch
 
 KINDS = ("federation", "simulation", "runs")
@@ -228,15 +230,27 @@ class DashboardState:
             self._population = clean(None if accuracy is None else float(accuracy))
             self._bump()
 
-    def set_models(self, manifests: list[dict[str, Any]], model_dir: Path) -> None:
-        """The exported models: one manifest per device; the files stay in ``model_dir`` and the page gets a link."""
+    def set_models(
+        self,
+        manifests: list[dict[str, Any]],
+        model_dir: Path,
+        metrics: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """The exported models: one manifest per device; the files stay in ``model_dir`` and the page gets a link.
+
+        A model calibrated on its device (``"calibration": "device"``) shows the held-out accuracy the device reported
+        (``metrics``: device -> its registry metrics) and no link: its ONNX file is on the device, and the weights the
+        server sent it never reach the page."""
         models, paths = [], {}
         for manifest in list(manifests)[:MAX_DEVICES]:
             device = clean(str(manifest.get("device", "")))
             file = str(manifest.get("file", ""))
             if not device or not file or Path(file).name != file or file in (".", ".."):
                 continue  # a file name with a folder in it could point outside model_dir
-            paths[device] = Path(model_dir) / file
+            on_device = device_calibrated(manifest)
+            if not on_device:
+                paths[device] = Path(model_dir) / file
+            accuracy = model_accuracy(manifest, (metrics or {}).get(str(manifest.get("device", ""))))
             models.append(
                 clean(
                     {
@@ -245,9 +259,10 @@ class DashboardState:
                         "macs": manifest.get("macs"),
                         "params": manifest.get("params"),
                         "validation_accuracy": manifest.get("validation_accuracy"),
-                        "sha256": manifest.get("sha256"),
-                        "size": manifest.get("size"),
-                        "url": model_url(device),
+                        **accuracy,
+                        "sha256": accuracy.get("model_sha256") if on_device else manifest.get("sha256"),
+                        "size": None if on_device else manifest.get("size"),
+                        "url": None if on_device else model_url(device),
                     }
                 )
             )

@@ -1,4 +1,5 @@
-"""Compare finished ``feast-edge simulate`` runs: summary and per-variant tables, gaps to the centralized reference, plots.
+"""Compare finished ``feast-edge simulate`` runs: summary and per-variant tables, gaps to the centralized reference, plots;
+and ``feast-server run`` directories: rounds, best validation, where validation and BN calibration ran.
 
 Each run directory holds the ``results.json`` that ``simulate`` writes. Runs of
 one method (same FEAST ``variants`` switch and method options) with different
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from feast_edge.errors import FeastError
+from feast_edge.report.federation import FederationRun, is_federation_run, load_federation_run
 from feast_edge.report.plots import draw_plots, require_matplotlib
 from feast_edge.report.runs import (
     REFERENCE,
@@ -191,6 +193,40 @@ def _variant_table(group: Group, reference: Group | None) -> list[Block]:
     return [*blocks, Table(header, rows, left=2)]
 
 
+def federation_blocks(runs: Sequence[FederationRun]) -> list[Block]:
+    """The feast-server runs: rounds, best validation and where it ran; each run's models and how they were measured."""
+    if not runs:
+        return []
+    rows = tuple(
+        (
+            str(r.directory),
+            r.federation or "—",
+            (r.validation or "—").removeprefix("validation: "),
+            f"{r.rounds}/{r.rounds_total or '?'}",
+            _percent(r.best_val) + ("" if r.best_round is None else f" (round {r.best_round})"),
+        )
+        for r in runs
+    )
+    header = ("directory", "federation", "validation", "rounds", "best val. acc. (%)")
+    blocks: list[Block] = [
+        Heading(2, "Federations"),
+        Text(
+            "Runs of feast-server: no test split is held anywhere, so the accuracies are validation accuracies, on the "
+            "server's data or federated (each device tests the model on its held-out split and reports counts)."
+        ),
+        Table(header, rows, left=3),
+    ]
+    for r in runs:
+        blocks += [Heading(3, str(r.directory)), Text("; ".join(filter(None, (r.validation, r.calibration))) or "—")]
+        if r.models:
+            models = tuple(
+                (m.device, m.measured, "—" if m.macs is None else f"{m.macs / 1e6:,.2f}", _percent(m.accuracy))
+                for m in r.models
+            )
+            blocks.append(Table(("device", "measured", "MACs (M)", "accuracy (%)"), models, left=2))
+    return blocks
+
+
 # ------------------------------------------------------------------ rendering
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
@@ -272,9 +308,14 @@ def write_report(run_dirs: Sequence[Path], out: Path, fmt: str = "markdown", tit
     if fmt not in FORMATS:
         raise FeastError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     if not run_dirs:
-        raise FeastError("give at least one run directory (written by feast-edge simulate --out DIR)")
-    runs = [load_run(Path(d)) for d in run_dirs]
-    require_matplotlib()
+        raise FeastError(
+            "give at least one run directory (written by feast-edge simulate --out DIR or feast-server run --out DIR)"
+        )
+    federated = [is_federation_run(Path(d)) for d in run_dirs]
+    federations = [load_federation_run(Path(d)) for d, f in zip(run_dirs, federated) if f]
+    runs = [load_run(Path(d)) for d, f in zip(run_dirs, federated) if not f]
+    if runs:
+        require_matplotlib()
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FeastError(f"--out {out} is a file; pass a directory for the report and its plots")
@@ -282,15 +323,17 @@ def write_report(run_dirs: Sequence[Path], out: Path, fmt: str = "markdown", tit
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise FeastError(f"cannot create the report directory {out} ({exc.strerror}); choose another --out") from None
-    groups = group_runs(runs)
-    plots = draw_plots(groups, reference_group(groups), out)
-    warnings = comparability_warnings(runs)
-    blocks = build_document(
-        runs,
-        title or f"feast-edge report: {', '.join(sorted({r.preset for r in runs}))}",
-        warnings,
-        [Image(f, t) for f, t in plots],
-    )
+    title = title or f"feast-edge report: {', '.join(sorted({r.preset for r in [*runs, *federations]}))}"
+    plots: list[tuple[str, str]] = []
+    warnings: list[str] = []
+    if runs:
+        groups = group_runs(runs)
+        plots = draw_plots(groups, reference_group(groups), out)
+        warnings = comparability_warnings(runs)
+        blocks = build_document(runs, title, warnings, [Image(f, t) for f, t in plots])
+    else:
+        blocks = [Heading(1, title)]
+    blocks += federation_blocks(federations)
     text = render_markdown(blocks) if fmt == "markdown" else render_html(blocks, out)
     report = atomic_write_bytes(out / FORMATS[fmt], text.encode("utf-8"))
     return Written(report, tuple(out / f for f, _ in plots), tuple(warnings))

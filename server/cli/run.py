@@ -238,6 +238,8 @@ def run(
             log.info("sent models to %d online devices%s", len(served), f": {', '.join(served)}" if served else "")
             if data is None and served:
                 reports = server.await_device_models(manifests, served, timeout=round_timeout)
+                if server.live is not None:
+                    server.live.models(manifests, out / "models", reports)
                 title = "the devices' models, BN calibrated on each device's own data"
                 console.print(device_models_table(manifests, reports, title))
         server.finish(manifests)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
+from rundirs import HELD_OUT, HOLDOUT_ACCURACY, federation_run
 
 from feast_edge.report.runs import group_runs, load_run
 
@@ -190,6 +191,46 @@ def test_markdown_report_groups_seeds_and_measures_gaps_to_the_centralized_run(
         assert f"wrote {Path('report') / name}" in result.stdout
         with Image.open(png) as image:
             assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
+
+
+def test_a_report_of_federations_says_where_each_validated_and_calibrated(cli, tiny, tmp_path: Path) -> None:
+    own = federation_run(tmp_path / "own", tiny, federated=True)
+    held = federation_run(tmp_path / "held", tiny, federated=False)
+    out = tmp_path / "out"
+    result = cli.invoke("report", str(own), str(held), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    text = (out / "report.md").read_text(encoding="utf-8")
+    assert text.startswith(f"# feast-edge report: {tiny.name}\n")
+    federations = _section(text, "## Federations")
+    assert _row(federations, str(own))[1:] == [
+        "lab",
+        f"federated, on 2 devices' held-out data ({HELD_OUT} examples)",
+        "2/3",
+        "40.00 (round 2)",
+    ]
+    assert _row(federations, str(held))[2] == "on the server's data"
+    mine = _section(text, f"### {own}")
+    assert (
+        f"validation: federated, on 2 devices' held-out data ({HELD_OUT} examples); "
+        "BN calibration: on each device, on its own data" in mine
+    )
+    assert _row(mine, "pi-5")[1:] == [
+        "calibrated on the device; held-out accuracy on its own data (40 examples)",
+        "1.23",
+        f"{100 * HOLDOUT_ACCURACY:.2f}",
+    ]
+    theirs = _section(text, f"### {held}")
+    assert "validation: on the server's data; BN calibration: on the server's data" in theirs
+    assert _row(theirs, "pi-5")[1] == "validation, on the server's data" and _row(theirs, "pi-5")[3] == "40.00"
+    assert "## Summary" not in text and not list(out.glob("*.png"))  # no simulation: no method table, no plots
+
+
+def test_a_federation_beside_simulations_gets_its_own_section(cli, runs: list[Path], tiny, tmp_path: Path) -> None:
+    own = federation_run(tmp_path / "own", tiny, federated=True)
+    result = cli.invoke("report", str(runs[0]), str(own), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    assert "## Summary" in text and f"federated, on 2 devices' held-out data ({HELD_OUT} examples)" in text
 
 
 def test_html_report_escapes_every_text_and_embeds_the_plots(cli, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from rundirs import HELD_OUT, federation_run
 
 from feast_edge.run.checkpoint import save_supernet
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
@@ -147,3 +148,32 @@ def test_checkpoints_that_counted_rounds_from_zero_are_shown_from_one(tmp_path: 
 )
 def test_last_seen_reads_as_elapsed_time(seconds: float, text: str) -> None:
     assert ago(seconds) == text
+
+
+@pytest.mark.parametrize("federated", [True, False])
+def test_status_says_where_the_run_validated(server_cli, tmp_path: Path, federated: bool) -> None:
+    out = federation_run(tmp_path / "fed", load_preset_file(TINY_PRESET), federated=federated)
+    result = server_cli.invoke("status", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    words = (
+        f"validation: federated, on 2 devices' held-out data ({HELD_OUT} examples) in the last validated round"
+        if federated
+        else "validation: on the server's data"
+    )
+    assert words in result.stdout.splitlines()
+    status = json.loads(server_cli.invoke("status", "--out", str(out), "--json").stdout)["validation"]
+    assert status["source"] == ("devices" if federated else "server") and status["words"] == words
+    assert (status["devices"], status["samples"]) == ((["cam-1", "pi-5"], HELD_OUT) if federated else ([], None))
+
+
+def test_a_run_without_data_before_its_first_validation_is_federated(tmp_path: Path) -> None:
+    _register(tmp_path)
+    _checkpoint(tmp_path, [asdict(RoundRecord(round=1, lr=0.02, cohort=["pi-5"]))], {}, data=None)
+    validation = read_status(tmp_path)["validation"]
+    assert validation["source"] == "devices" and validation["words"] == (
+        "validation: federated, on the devices' held-out data"
+    )
+
+
+def test_a_checkpoint_from_before_federated_validation_validated_on_the_server(run_dir: Path) -> None:
+    assert read_status(run_dir)["validation"]["words"] == "validation: on the server's data"  # no "data" field

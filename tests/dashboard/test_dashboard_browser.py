@@ -28,7 +28,9 @@ def rows(driver: Any, table: str) -> list[Any]:
     return driver.find_elements("css selector", f"{table} tbody tr")
 
 
-def test_a_filled_state_renders_and_updates_live(served: Dashboard, filled: DashboardState, browser: Browser) -> None:
+def test_a_filled_state_renders_and_updates_live(
+    served: Dashboard, filled: DashboardState, browser: Browser, tmp_path: Path
+) -> None:
     driver = browser.open(served.url)
     wait_until(driver, lambda d: len(rows(d, "#fleet")) == 2, message="the fleet's two devices never appeared")
     assert driver.find_element("id", "round-counter").text == "round 3 / 5"
@@ -67,6 +69,26 @@ def test_a_filled_state_renders_and_updates_live(served: Dashboard, filled: Dash
     )
     wait_until(driver, lambda d: d.find_elements("css selector", '#fleet tr[data-device="jetson"] td.online'))
     assert "aggregated" in driver.find_element("css selector", '#round-members tr[data-device="pi-5"]').text
+    # A server without data: federated validation, and a model the device calibrated and measured itself.
+    filled.set_run(validation="validation: federated, on 2 devices' held-out data (60 examples)")
+    jetson_model = {
+        "device": "jetson",
+        "macs": 2_700_000,
+        "rounds": 3,
+        "calibration": "device",
+        "file": "j.safetensors",
+    }
+    filled.set_models([jetson_model], tmp_path / "models", {"jetson": {"holdout_accuracy": 0.8125, "model_round": 3}})
+    wait_until(driver, lambda d: "federated" in d.find_element("id", "validation-source").text)
+    assert driver.find_element("id", "validation-source").text == (
+        "(validation: federated, on 2 devices' held-out data (60 examples))"
+    )
+    model = driver.find_element("css selector", '#models tr[data-device="jetson"]')
+    assert model.find_element("css selector", "td.accuracy").text == "81.25"
+    assert "calibrated on the device" in model.find_element("css selector", "td.measured").text
+    assert model.find_element("css selector", "td.download").text == "on the device" and not model.find_elements(
+        "css selector", "a"
+    )
     assert driver.execute_script("return window.notReloaded === true;")
     assert console_errors(driver) == []
     browser.screenshot()

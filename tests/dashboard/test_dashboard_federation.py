@@ -185,6 +185,7 @@ def test_a_live_federation_shows_its_fleet_rounds_and_accuracy_in_a_real_browser
         )
         assert points(driver, "chart-accuracy-macs") > 0
         assert driver.find_element("id", "connection").text == "live"
+        assert driver.find_element("id", "validation-source").text == "(validation: on the server's data)"
         wait_until(
             driver,
             lambda d: len(d.find_elements("css selector", "#models tbody tr")) == 2,

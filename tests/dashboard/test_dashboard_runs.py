@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rundirs import HELD_OUT, HOLDOUT_ACCURACY, federation_run
 
 from feast_edge.dashboard import DashboardError, load_runs
 from feast_edge.dashboard.runs import BYTES_PER_PARAM
@@ -162,6 +163,57 @@ def test_a_federation_run_directory(tmp_path: Path, tiny: Preset) -> None:
     assert snapshot["population_accuracy"] == pytest.approx(
         0.4
     )  # the mean over devices of the exported models' accuracy
+
+
+def test_a_federation_without_server_data_says_it_validated_and_calibrated_on_the_devices(
+    tmp_path: Path, tiny: Preset
+) -> None:
+    state = load_runs([federation_run(tmp_path / "fed", tiny, federated=True)])
+    snapshot = state.snapshot()
+    assert snapshot["run"]["validation"] == f"validation: federated, on 2 devices' held-out data ({HELD_OUT} examples)"
+    assert [h["validated_on"] for h in snapshot["history"]] == [
+        {"source": "devices", "devices": 2, "samples": HELD_OUT}
+    ] * 2
+    [model] = snapshot["models"]
+    assert model["calibration"] == "device" and model["accuracy"] == model["holdout_accuracy"] == HOLDOUT_ACCURACY
+    assert model["accuracy_note"] == "calibrated on the device; held-out accuracy on its own data (40 examples)"
+    assert model["validation_accuracy"] is None and model["sha256"] == "ef" * 32  # the ONNX file the device exported
+    # The server holds only the weights it sent: no download link, nothing served.
+    assert model["url"] is None and state.model_path("pi-5") is None
+    assert snapshot["variants"] == [] and snapshot["population_accuracy"] == pytest.approx(HOLDOUT_ACCURACY)
+
+
+def test_a_federation_on_server_data_says_so(tmp_path: Path, tiny: Preset) -> None:
+    state = load_runs([federation_run(tmp_path / "fed", tiny, federated=False)])
+    snapshot = state.snapshot()
+    assert snapshot["run"]["validation"] == "validation: on the server's data"
+    assert [h["validated_on"] for h in snapshot["history"]] == [{"source": "server"}] * 2
+    [model] = snapshot["models"]
+    assert (model["calibration"], model["accuracy"], model["accuracy_note"]) == (
+        "server",
+        0.4,
+        "validation, on the server's data",
+    )
+    assert model["url"] == "models/pi-5.onnx" and state.model_path("pi-5") == tmp_path / "fed" / "models" / "pi-5.onnx"
+
+
+def test_compared_federations_say_where_each_validated(tmp_path: Path, tiny: Preset) -> None:
+    runs = [federation_run(tmp_path / name, tiny, federated=name == "own") for name in ("own", "held")]
+    compared = load_runs(runs).snapshot()["runs"]
+    assert [(r["name"], r["validation"]) for r in compared] == [
+        ("own", f"validation: federated, on 2 devices' held-out data ({HELD_OUT} examples)"),
+        ("held", "validation: on the server's data"),
+    ]
+    assert compared[0]["history"][0]["validated_on"]["source"] == "devices"
+
+
+def test_a_device_report_of_another_export_is_not_this_models(tmp_path: Path, tiny: Preset) -> None:
+    out = federation_run(tmp_path / "fed", tiny, federated=True)
+    registry = Registry(out / "devices.sqlite")
+    registry.touch("pi-5", metrics={"holdout_accuracy": 0.99, "model_round": 1})  # an export after round 1
+    registry.close()
+    [model] = load_runs([out]).snapshot()["models"]
+    assert model["accuracy"] is None and model["accuracy_note"] == "calibrated on the device; no report from it yet"
 
 
 def test_paths_that_are_not_run_directories(tmp_path: Path) -> None:

@@ -152,6 +152,24 @@ def test_models_expose_a_link_never_the_server_path(tmp_path: Path) -> None:
     assert state.model_path("evil") is None
 
 
+def test_a_model_calibrated_on_its_device_shows_what_the_device_reported_and_no_link(tmp_path: Path) -> None:
+    state = DashboardState("federation", "lab")
+    manifest = {"device": "cam", "macs": 5, "rounds": 3, "calibration": "device", "file": "cam.variant.safetensors"}
+    (tmp_path / "cam.variant.safetensors").write_bytes(b"weights")
+    metrics = {"holdout_accuracy": 0.75, "holdout_samples": 12, "model_sha256": "ef", "model_round": 3, "token": "x"}
+    state.set_models([manifest], tmp_path, {"cam": metrics})
+    [model] = state.snapshot()["models"]
+    assert (model["calibration"], model["accuracy"], model["holdout_samples"], model["sha256"]) == (
+        "device",
+        0.75,
+        12,
+        "ef",
+    )
+    assert model["accuracy_note"] == "calibrated on the device; held-out accuracy on its own data (12 examples)"
+    # The weights the server sent for calibration are no download of the page.
+    assert model["url"] is None and state.model_path("cam") is None and "token" not in model
+
+
 def test_version_bumps_on_every_change() -> None:
     state = DashboardState("simulation", "sim")
     seen = [state.version]

@@ -173,3 +173,62 @@ def test_exported_models_give_the_population_accuracy_and_join_the_validation_po
     assert snap["population_accuracy"] == pytest.approx(0.6)
     assert [v["macs"] for v in snap["variants"]] == [1_390_000, 2_700_000, 39_000_000]
     assert {m["device"] for m in snap["models"]} == {"nano", "desk"}
+
+
+def test_a_server_without_data_shows_federated_validation_and_the_devices_own_accuracy(
+    view: LiveView, tmp_path: Path
+) -> None:
+    live = LiveView(
+        DashboardState("federation", "t"),
+        PRESET,
+        CACHE,
+        view.registry,
+        rounds=3,
+        federation="lab",
+        validation="devices",
+    )
+    assert live.state.snapshot()["run"]["validation"] == "validation: federated, on the devices' held-out data"
+    live.round_started(0, ["nano", "desk"], timeout=60)
+    validation = {"source": "devices", "devices": ["desk", "nano"], "missing": [], "samples": 57, "points": {}}
+    record = RoundRecord(
+        round=1, lr=0.05, cohort=["nano", "desk"], updated=["nano", "desk"], applied=True, val_accuracy=0.5
+    )
+    record.validation = validation
+    probe = {"label": "variant 0", "macs": 1_390_000, "params": 20_000, "val_accuracy": 0.5}
+    live.round_finished(record, probes=[probe])
+    snap = live.state.snapshot()
+    assert snap["run"]["validation"] == "validation: federated, on 2 devices' held-out data (57 examples)"
+    assert snap["history"][-1]["validated_on"] == {"source": "devices", "devices": 2, "samples": 57}
+    assert snap["variants"][0]["label"] == "variant 0"
+    manifest = {
+        "device": "nano",
+        "macs": 2_700_000,
+        "rounds": 1,
+        "calibration": "device",
+        "file": "nano.variant.safetensors",
+    }
+    live.models([manifest], tmp_path)  # exported: the device has yet to calibrate it
+    [model] = live.state.snapshot()["models"]
+    assert model["accuracy"] is None and model["accuracy_note"] == "calibrated on the device; no report from it yet"
+    assert live.state.snapshot()["population_accuracy"] is None
+    live.models([manifest], tmp_path, {"nano": {"holdout_accuracy": 0.81, "holdout_samples": 13, "model_round": 1}})
+    snap = live.state.snapshot()
+    [model] = snap["models"]
+    assert (model["calibration"], model["holdout_accuracy"], model["url"]) == ("device", 0.81, None)
+    assert snap["population_accuracy"] == pytest.approx(0.81)
+    assert [v["macs"] for v in snap["variants"]] == [1_390_000]  # a device's own accuracy is no validation point
+
+
+def test_a_server_with_data_says_it_validated_there(view: LiveView) -> None:
+    live = LiveView(
+        DashboardState("federation", "t"), PRESET, CACHE, view.registry, rounds=3, federation="lab", validation="server"
+    )
+    live.round_started(0, ["nano"], timeout=60)
+    live.round_finished(
+        RoundRecord(round=1, lr=0.05, cohort=["nano"], updated=["nano"], applied=True, val_accuracy=0.4)
+    )
+    live.round_started(1, ["nano"], timeout=60)
+    live.round_finished(RoundRecord(round=2, lr=0.05, cohort=["nano"], updated=["nano"], applied=True))
+    snap = live.state.snapshot()
+    assert snap["run"]["validation"] == "validation: on the server's data"
+    assert [h["validated_on"] for h in snap["history"]] == [{"source": "server"}, None]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from feast_edge.dashboard import DashboardState, load_runs
 from feast_edge.data.images import FASHION_MNIST_CLASSES, load_fashion_mnist
 from feast_edge.evaluate.onnx_export import read_metadata
 from feast_edge.server.app import FederationServer, ServerConfig
@@ -66,7 +67,8 @@ def test_a_server_without_data_validates_on_the_devices_and_each_calibrates_its_
         batch_size=32,
         calib_samples=100,
     )
-    server = FederationServer(config, LinkConfig(broker=kit.LOCAL))
+    live = DashboardState("federation", "own data")
+    server = FederationServer(config, LinkConfig(broker=kit.LOCAL), dashboard=live)
     outcome: dict = {}
 
     def run() -> None:
@@ -75,6 +77,9 @@ def test_a_server_without_data_validates_on_the_devices_and_each_calibrates_its_
             manifests = outcome["manifests"] = server.export()
             served = server.announce_models(manifests)
             outcome["reports"] = server.await_device_models(manifests, served, timeout=120)
+            server.live.models(
+                manifests, tmp_path / "server" / "models", outcome["reports"]
+            )  # as feast-server run does
             outcome["registry"] = {d.device_id: d for d in server.registry.devices()}
             server.finish(manifests)
             server.serve(2.0)
@@ -137,3 +142,16 @@ def test_a_server_without_data_validates_on_the_devices_and_each_calibrates_its_
         assert report["holdout_accuracy"] == pytest.approx(manifest["holdout_accuracy"])
         assert 0.0 <= report["holdout_accuracy"] <= 1.0
         assert outcome["registry"][device].profile["holdout"] == held_out
+
+    # The dashboard, live and from the run directory, says so: federated validation, models calibrated on the devices.
+    held_out = sum(4 * len(classes) for classes, _, _ in DEVICES.values())
+    words = f"validation: federated, on 3 devices' held-out data ({held_out} examples)"
+    for snapshot in (live.snapshot(), load_runs([tmp_path / "server"]).snapshot()):
+        assert snapshot["run"]["validation"] == words
+        assert [h["validated_on"] for h in snapshot["history"]] == [
+            {"source": "devices", "devices": 3, "samples": held_out}
+        ] * 2
+        for model in snapshot["models"]:
+            assert model["calibration"] == "device" and model["url"] is None
+            assert model["accuracy"] == pytest.approx(outcome["reports"][model["device"]]["holdout_accuracy"])
+    assert {v["label"] for v in live.snapshot()["variants"]} == set(server.federated.last)  # the devices' probe points

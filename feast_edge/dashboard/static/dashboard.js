@@ -228,6 +228,9 @@
 
   function renderLearned(s) {
     text(byId("population-accuracy"), isNumber(s.population_accuracy) ? percent(s.population_accuracy) + " %" : null);
+    // Where the validation ran: on the server's data, or federated on the devices' held-out splits.
+    const where = !s.runs.length && s.run && typeof s.run.validation === "string" ? s.run.validation : "";
+    byId("validation-source").textContent = where ? "(" + where + ")" : "";
     if (s.runs.length) {
       drawChart("chart-accuracy-macs", "M MACs", "accuracy (%)", s.runs.map((run) => ({
         label: runLabel(run),
@@ -264,6 +267,7 @@
       cell(tr, isNumber(run.seed) ? run.seed : null, "num");
       cell(tr, history.length, "num");
       cell(tr, vals.length ? percent(Math.max(...vals)) : null, "num");
+      cell(tr, typeof run.validation === "string" ? run.validation.replace(/^validation: /, "") : null, "validated");
       cell(tr, percent(run.population_accuracy), "num");
       cell(tr, fixed(sent, 1e6, 2), "num");
       return tr;
@@ -324,10 +328,12 @@
       cell(tr, m.device, "device");
       cell(tr, m.variant, "variant");
       cell(tr, fixed(m.macs, 1e6, 2), "num");
-      cell(tr, percent(m.validation_accuracy), "num");
+      // A device-calibrated model: the held-out accuracy its device reported; else the validation on the server's data.
+      cell(tr, percent(isNumber(m.accuracy) ? m.accuracy : m.validation_accuracy), "num accuracy");
+      cell(tr, m.accuracy_note, "measured calibration-" + String(m.calibration || "server").replace(/[^a-z]/g, ""));
       const sha = typeof m.sha256 === "string" ? m.sha256 : "";
       cell(tr, sha ? sha.slice(0, 12) + "…" : null, "sha", sha);
-      const link = cell(tr, null, "download");
+      const link = cell(tr, m.calibration === "device" ? "on the device" : null, "download");
       if (typeof m.url === "string" && m.url.startsWith("models/")) {
         const a = document.createElement("a");
         a.setAttribute("href", m.url);

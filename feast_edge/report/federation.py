@@ -1,0 +1,108 @@
+"""``feast-server run`` directories as report records: rounds, best validation, where validation and BN calibration ran.
+
+A federation leaves no ``results.json`` (no test split is held anywhere): the report reads the record of its
+``checkpoint.safetensors``, its device registry and its exported models' manifests
+(:mod:`feast_edge.run.rundir`), and says in the dashboard's words where it validated and calibrated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from feast_edge.errors import FeastError
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
+from feast_edge.run.rundir import (
+    FEDERATION,
+    device_calibrated,
+    model_accuracy,
+    read_manifests,
+    read_registry,
+    run_validated_on,
+    validation_words,
+)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One device's exported model: its MACs, its accuracy and how that was measured (in words)."""
+
+    device: str
+    macs: int | None
+    accuracy: float | None
+    measured: str
+    on_device: bool  # BN-calibrated (and exported as ONNX) on the device
+
+
+@dataclass(frozen=True)
+class FederationRun:
+    """What the report reads from one ``feast-server run --out`` directory."""
+
+    directory: Path
+    federation: str | None
+    preset: str
+    rounds: int
+    rounds_total: int | None
+    best_val: float | None
+    best_round: int | None
+    validation: str | None  # where it validated, in words (:func:`feast_edge.run.rundir.validation_words`)
+    models: tuple[ServedModel, ...]
+
+    @property
+    def calibration(self) -> str | None:
+        """Where the exported models were BN-calibrated, in words; None before an export."""
+        places = {m.on_device for m in self.models}
+        if not places:
+            return None
+        if places == {True}:
+            return "BN calibration: on each device, on its own data"
+        return (
+            "BN calibration: on the server's data" if places == {False} else "BN calibration: on the server and devices"
+        )
+
+
+def is_federation_run(directory: Path) -> bool:
+    """Whether ``directory`` holds a feast-server run (a federation's checkpoint and no simulation results)."""
+    directory = Path(directory)
+    if (directory / "results.json").is_file() or not (directory / CHECKPOINT).is_file():
+        return False
+    try:
+        return read_record(directory / CHECKPOINT, format=None).get("fields", {}).get("kind") == FEDERATION
+    except FeastError:
+        return False
+
+
+def load_federation_run(directory: Path) -> FederationRun:
+    """Read a feast-server run directory; an unreadable registry or model index is a one-line :class:`FeastError`."""
+    directory = Path(directory)
+    fields = read_record(directory / CHECKPOINT, format=None).get("fields", {})
+    config = fields.get("config", {})
+    shift = 1 if fields.get("history_format", 1) < HISTORY_FORMAT else 0  # older checkpoints counted rounds from 0
+    best = fields.get("best") or {}
+    metrics = {str(d.get("device_id")): d.get("metrics") or {} for d in read_registry(directory, fields)}
+    models = []
+    for manifest in read_manifests(directory):
+        device = str(manifest.get("device", ""))
+        measured = model_accuracy(manifest, metrics.get(device))
+        macs = manifest.get("macs")
+        models.append(
+            ServedModel(
+                device,
+                macs if isinstance(macs, int) else None,
+                measured["accuracy"],
+                measured["accuracy_note"],
+                device_calibrated(manifest),
+            )
+        )
+    return FederationRun(
+        directory=directory,
+        federation=config.get("federation"),
+        preset=str(config.get("preset", "?")),
+        rounds=int(fields.get("round", 0)),
+        rounds_total=config.get("rounds"),
+        best_val=best.get("val_accuracy"),
+        best_round=None if "round" not in best else int(best["round"]) + shift,
+        validation=validation_words(run_validated_on(fields)),
+        models=tuple(sorted(models, key=lambda m: m.device)),
+    )
