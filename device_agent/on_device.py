@@ -55,7 +55,14 @@ def answer_evaluation(
         raise OnDeviceError(f"payload kind {manifest.kind!r} is not 'routed'")
     model = routed_supernet(preset, plan, routed)
     counts = held_out_counts(
-        model, probes, data.images, data.holdout_images, data.holdout_labels, message.calibration, torch_device
+        model,
+        probes,
+        data.images,
+        data.holdout_images,
+        data.holdout_labels,
+        message.calibration,
+        torch_device,
+        train_labels=data.labels,
     )
     return Evaluated.of(message, counts, min(message.calibration, data.samples) if data.holdout else 0)
 
@@ -99,7 +106,7 @@ def calibrate_served_variant(
     model.load_state_dict(_variant_state(blob, model))
     asked = manifest.get("calibration_samples", 500)
     calibration = int(asked) if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1 else 500
-    seen = calibrated_static(model, preset, data.images, min(calibration, MAX_CALIBRATION))
+    seen = calibrated_static(model, preset, data.images, min(calibration, MAX_CALIBRATION), labels=data.labels)
     correct = correct_count(model, data.holdout_images, data.holdout_labels, preset) if data.holdout else 0
     accuracy = correct / data.holdout if data.holdout else math.nan
     path = check_writable(path, "model file")

@@ -234,7 +234,7 @@ def run_demo(
                 str(seed),
                 *(["--data", str(out / "partition")] if server_data else ["--calib-samples", "200"]),
                 "--eval-every",
-                "1",
+                "1" if server_data else "2",
                 "--wait-timeout",
                 "180",
                 "--threads",

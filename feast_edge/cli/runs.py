@@ -148,7 +148,7 @@ def demo(
         Optional[str],
         typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port."),
     ] = None,
-    rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 5,
+    rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 6,
     samples: Annotated[
         int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")
     ] = 1000,

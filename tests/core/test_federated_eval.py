@@ -77,3 +77,12 @@ def test_counts_combine_sample_weighted_and_untested_probes_are_left_out() -> No
         )
         == []
     )
+
+
+def test_a_skewed_device_calibrates_on_its_classes_as_if_they_were_equally_frequent() -> None:
+    labels = torch.tensor([0] * 90 + [1] * 8 + [2] * 2)
+    images = torch.arange(100).view(100, 1, 1, 1)
+    picked = calibration_subset(images, 30, labels).flatten()
+    assert len(picked) == 30 and torch.bincount(labels[picked], minlength=3).tolist() == [10, 10, 10]
+    assert len(set(picked[labels[picked] == 0].tolist())) == 10  # a class with enough examples: no repeats
+    assert torch.equal(picked, calibration_subset(images, 30, labels).flatten())  # fixed
