@@ -117,6 +117,7 @@ def run_demo(
     local_epochs: int = 1,
     dashboard: str | None = "127.0.0.1:0",
     server_data: bool = False,
+    gamma: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one summary row per device."""
     from feast_edge.budget.profile import load_profile
@@ -189,6 +190,7 @@ def run_demo(
             val_samples=1000,
             calib_samples=200,
             seed=seed,
+            gamma=gamma,
         )
         say(f"data: splitting {samples * n} Fashion-MNIST training examples over {n} devices by budget...")
         index = write_partition(config, out / "partition")

@@ -185,6 +185,13 @@ def demo(
             help="Where feast-server serves its live dashboard (0: a free port; 'off': none).",
         ),
     ] = "127.0.0.1:0",
+    gamma: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="How strongly data follows budgets (SPEC §4 γ: 1 the paper's proportional allocation, 0 equal shares).",
+        ),
+    ] = 1.0,
     server_data: Annotated[
         bool,
         typer.Option(
@@ -209,4 +216,5 @@ def demo(
         embedded_broker=embedded_broker,
         dashboard=None if dashboard == "off" else dashboard,
         server_data=server_data,
+        gamma=gamma,
     )

@@ -248,6 +248,28 @@ def test_agent_finds_its_profile_and_reports_the_real_problem(installed: Install
     assert "/nonexistent" in lines[0] or "broker" in lines[0], lines[0]
 
 
+def test_the_installed_agent_reads_an_image_folder_against_its_task(installed: Installed, tmp_path: Path) -> None:
+    from PIL import Image
+
+    photos = tmp_path / "photos"
+    for name, shade in (("Bag", 40), ("Sneaker", 200)):
+        (photos / name).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (40 + i, 30), (shade, shade, shade)).save(photos / name / f"{i}.jpg")
+    cache = tmp_path / "cache"
+    args = ("run", "--profile", "jetson-nano", "--device-id", "d1", "--broker", "mqtt://127.0.0.1:1")
+    installed.env["FEAST_EDGE_DATA_CACHE"] = str(cache)
+    result = installed.script("feast-agent", *args, "--data", str(photos))
+    # The folder is checked against the task and decoded (then cached) before the agent connects; only the broker fails.
+    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr, result.stderr
+    assert "decoded 6 images" in result.stdout + result.stderr and "broker" in result.stderr.splitlines()[-1]
+    assert any(cache.iterdir())
+    (photos / "Sandals").mkdir()
+    Image.new("L", (28, 28)).save(photos / "Sandals" / "x.png")
+    refused = installed.script("feast-agent", *args, "--data", str(photos))
+    assert refused.returncode == 2 and "did you mean 'Sandal'" in refused.stderr, refused.stderr
+
+
 def test_provisioning_works_from_the_wheel(installed: Installed) -> None:
     """A lab sets up identities on a machine with only the wheel: the bundles it writes are what the installed agent takes."""
     pki = installed.cwd.parent / "pki"
