@@ -244,6 +244,8 @@ class Agent:
             log.info(
                 "server announced the model of %s (%s); fetch it with feast-agent fetch-model", message.device, file
             )
+            # The server waits for a device's report of the model it calibrates; this one keeps none (no --model-dir).
+            self._metrics(message.device, {"model_round": message.manifest.get("rounds", 0), "model_kept": False})
         else:
             self._models.append(message)
 

@@ -327,7 +327,10 @@ class FederationServer:
         while time.monotonic() < end and not self.stop.is_set():
             for device in devices:
                 metrics = (d.metrics if (d := self.registry.get(device)) is not None else None) or {}
-                if "holdout_accuracy" in metrics and metrics.get("model_round") == rounds.get(device):
+                settled = (
+                    "holdout_accuracy" in metrics or metrics.get("model_kept") is False
+                )  # kept none: no --model-dir
+                if settled and metrics.get("model_round") == rounds.get(device):
                     reports[device] = metrics
             if len(reports) == len(devices):
                 break

@@ -349,13 +349,13 @@ def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: in
                 "params": manifest["params"],
                 "own_accuracy": manifest.get("holdout_accuracy", manifest.get("validation_accuracy")),
                 "calibrated": (
-                    f"{manifest.get('calibration_samples')} on the device"
+                    f"device ({manifest.get('calibration_samples')})"
                     if manifest.get("calibration") == "device"
-                    else "the server's split"
+                    else "server"
                 ),
                 "test_accuracy": _test_accuracy(path, images, labels),
                 "test_images": len(labels),
-                "onnx": relative(path),
+                "onnx": f"{path.parent.name}/{path.name}",
                 "latency_ms": latency["median_ms"],
                 "predicted_ms": profile.latency_ms(manifest["macs"]),
             }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import shutil
 from pathlib import Path
@@ -114,7 +115,8 @@ def test_a_manifest_with_header_relative_and_absolute_paths(tmp_path: Path) -> N
 
 
 def test_integer_labels_work_where_the_preset_names_no_classes(tmp_path: Path) -> None:
-    task = load_preset("paper-tinyimagenet").task  # no class_names: "0" .. "199"
+    unnamed = dataclasses.replace(load_preset("paper-tinyimagenet"), class_names=())
+    task = unnamed.task  # no class_names: "0" .. "199"
     _save(tmp_path / "a.png", _flat(5, (64, 64, 3)))
     (tmp_path / "m.csv").write_text("a.png,17\na.png,199\n")
     assert load_data(tmp_path / "m.csv", task).labels.tolist() == [17, 199]
