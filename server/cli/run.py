@@ -86,11 +86,15 @@ def run(
     ] = None,
     eval_every: Annotated[int, typer.Option("--eval-every", min=1, help="Validate every k rounds (needs --data).")] = 5,
     val_samples: Annotated[
-        int, typer.Option("--val-samples", min=1, help="Validation examples when --data is a Fashion-MNIST directory.")
+        int, typer.Option("--val-samples", min=1, help="Validation examples taken from --data (server-held data).")
     ] = 5000,
     calib_samples: Annotated[
         int,
-        typer.Option("--calib-samples", min=1, help="Calibration examples when --data is a Fashion-MNIST directory."),
+        typer.Option(
+            "--calib-samples",
+            min=1,
+            help="BN-calibration examples: taken from --data, or, without it, what each device recalibrates on.",
+        ),
     ] = 500,
     cache: Annotated[
         Optional[Path],

@@ -25,7 +25,8 @@ DataOpt = Annotated[
     typer.Option(
         "--data",
         help="Server-held validation/calibration data: a partition directory (feast-edge partition), a Fashion-MNIST "
-        "or CIFAR directory (its test split), or an image folder or manifest CSV (labelled by the preset's class names).",
+        "or CIFAR directory (its test split), or an image folder or manifest CSV (labelled by the preset's class names). "
+        "Without it the server holds no data: the devices validate on their held-out splits and calibrate their own models.",
     ),
 ]
 
