@@ -155,3 +155,55 @@ def test_a_server_without_data_validates_on_the_devices_and_each_calibrates_its_
             assert model["calibration"] == "device" and model["url"] is None
             assert model["accuracy"] == pytest.approx(outcome["reports"][model["device"]]["holdout_accuracy"])
     assert {v["label"] for v in live.snapshot()["variants"]} == set(server.federated.last)  # the devices' probe points
+
+
+def test_fetch_model_calibrates_a_model_left_for_the_device_on_its_own_data(
+    kit, federation: str, tmp_path: Path, fashion_mnist_dir: Path, agent_cli
+) -> None:
+    """An agent without --model-dir keeps no model; `fetch-model --data` later calibrates and exports it on the device."""
+    train = load_fashion_mnist(fashion_mnist_dir, "train")
+    classes, budget, style = DEVICES["cam-c"]
+    write_folder(tmp_path / "photos", classes, style, train, offset=0)
+    config = ServerConfig(
+        out=str(tmp_path / "server"),
+        federation=federation,
+        rounds=1,
+        per_round=1,
+        min_clients=1,
+        round_timeout=120.0,
+        wait_timeout=120.0,
+        batch_size=32,
+        calib_samples=50,
+    )
+    server = FederationServer(config, LinkConfig(broker=kit.LOCAL))
+    done = threading.Event()
+
+    def run() -> None:
+        server.run()
+        manifests = server.export()
+        server.await_device_models(manifests, server.announce_models(manifests), timeout=60)
+        server.finish(manifests)
+        done.set()
+        server.serve(120.0)  # answers fetch-model until stopped
+
+    server.start(timeout=5)
+    threading.Thread(target=run, daemon=True).start()
+    agent = kit.spawn_agent(tmp_path / "logs", "cam-c", tmp_path / "photos", federation, "--budget", str(budget))
+    try:
+        assert agent.wait(180) == 0, kit.log_text(agent)[-3000:]
+        assert done.wait(60), "the server did not finish"
+        assert "fetch it with feast-agent fetch-model" in kit.log_text(agent)
+        args = ("fetch-model", "--broker", kit.LOCAL, "--device-id", "cam-c", "--federation", federation)
+        refused = agent_cli.run(*args, "--out", str(tmp_path / "m.onnx"), "--timeout", "30", timeout=120)
+        assert refused.returncode == 2 and "pass --data" in refused.stderr, refused.stderr
+        fetched = agent_cli.run(
+            *args, "--out", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "photos"), "--timeout", "30", timeout=120
+        )
+    finally:
+        kit.stop(agent)
+        server.stop.set()
+        server.close()
+    assert fetched.returncode == 0, fetched.stdout + fetched.stderr
+    assert "held-out accuracy" in fetched.stdout and "calibrated here on 50 examples" in fetched.stdout
+    meta = read_metadata(tmp_path / "m.onnx")
+    assert meta["bn_calibration"] == "device" and int(meta["holdout_samples"]) == 4 * len(classes)
