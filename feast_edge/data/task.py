@@ -27,14 +27,15 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from feast_edge.errors import FeastError
+
+if TYPE_CHECKING:  # numpy, torch and Pillow load only where images are converted: presets stay light to import
+    import torch
 
 RESIZE_POLICIES = ("stretch", "center-crop", "pad")
 MAX_CLASSES = 10_000
@@ -93,7 +94,7 @@ class Task:
             )
         if len(self.mean) != self.channels or len(self.std) != self.channels:
             raise TaskError(f"task: mean and std need one value per channel ({self.channels})")
-        if not all(np.isfinite(self.mean)) or not all(s > 0 and np.isfinite(s) for s in self.std):
+        if not all(math.isfinite(m) for m in self.mean) or not all(s > 0 and math.isfinite(s) for s in self.std):
             raise TaskError("task: mean must be finite and std finite and > 0")
 
     # ------------------------------------------------------------------ identity
@@ -171,11 +172,15 @@ class Task:
 
     def label_map(self, names: Iterable[str], where: str = "") -> torch.Tensor:
         """Source label ``i`` (the ``i``-th of ``names``) -> the task's index of that name, as an int64 lookup table."""
+        import torch
+
         return torch.tensor([self.index_of(n, where) for n in names], dtype=torch.long)
 
     # ------------------------------------------------------------------ one image
     def image_tensor(self, image: Any) -> torch.Tensor:
         """A Pillow image as the task's uint8 ``[C, size, size]``: converted to grey/RGB, then resized by the policy."""
+        import numpy as np
+        import torch
         from PIL import Image
 
         image = _eight_bit(image)
@@ -225,6 +230,7 @@ class Task:
 
 def _eight_bit(image: Any) -> Any:
     """Images of more than 8 bits per channel (16-bit PNG/TIFF, 32-bit integer or float) scaled to 8-bit grey."""
+    import numpy as np
     from PIL import Image
 
     if image.mode in ("I;16", "I;16B", "I;16L", "I;16N"):
