@@ -38,7 +38,7 @@ from feast_edge.agent.rounds import RoundRunner
 from feast_edge.agent.step import largest_payload
 from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError
-from feast_edge.protocol import Evaluate, Finished, Metrics, ModelReady, Registered, RoundStart
+from feast_edge.protocol import Finished, Metrics, ModelReady, Registered, RoundStart, RoutedRequest
 from feast_edge.space.preset import load_preset
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.errors import ProtocolError
@@ -147,8 +147,8 @@ class Agent:
                 last_note = now
             while self._evaluations and not self.stop.is_set():
                 incoming = self._evaluations.pop(0)
-                with self._guarded(f"the evaluation request of round {incoming.message.round + 1}"):
-                    self.rounds.evaluate(self.clients[incoming.message.device], incoming)
+                with self._guarded(f"the {incoming.message.kind} request of round {incoming.message.round + 1}"):
+                    self.rounds.answer(self.clients[incoming.message.device], incoming)
             if self._pending:
                 device_id = min(self._pending, key=lambda d: (self._pending[d].message.round, self._pending[d].at))
                 incoming = self._pending.pop(device_id)
@@ -226,7 +226,7 @@ class Agent:
                 was = previous.message.round
                 log.info("round %d for %s supersedes its unstarted round %d", message.round, message.device, was)
             self._pending[message.device] = incoming
-        elif isinstance(message, Evaluate):
+        elif isinstance(message, RoutedRequest):  # evaluate or calibrate
             self._evaluations.append(incoming)
         elif isinstance(message, ModelReady):
             self._on_model(message)
@@ -267,7 +267,7 @@ class Agent:
             self._metrics(message.device, values)
 
     # ------------------------------------------------------------------ callbacks of the inbox and the round runner
-    def _expect_announced(self, device_id: str, message: RoundStart | ModelReady | Evaluate) -> None:
+    def _expect_announced(self, device_id: str, message: RoundStart | ModelReady | RoutedRequest) -> None:
         """Paho's thread: take the chunks of an announced transfer from the first one on (they follow at once)."""
         try:  # a bad description (or one over the receiver's limits) is refused, with its reason, by the agent's thread
             info = TransferInfo.from_dict(message.transfer)

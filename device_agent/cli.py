@@ -15,10 +15,11 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from feast_edge.agent.fetch_cli import fetch_model_command
+from feast_edge.agent.identity import DeviceIdOpt, identity
 from feast_edge.cli import common, inference
 from feast_edge.errors import FeastError
 from feast_edge.transport.broker import LinkConfig
-from feast_edge.transport.credentials import credentials_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 app = common.make_app(
@@ -28,33 +29,6 @@ app = common.make_app(
 console = common.make_console()
 
 log = logging.getLogger("feast_edge.agent")
-
-DeviceIdOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--device-id",
-        "-d",
-        help="This device's id (1-64 of A-Z a-z 0-9 . _ -); with --credentials, the bundle's identity.",
-    ),
-]
-
-
-def _identity(link: Optional[LinkConfig], device_id: Optional[str], federation: Optional[str]) -> tuple[str, str]:
-    """The device id and federation: from the credentials bundle when given (the options may only repeat them), else the options."""
-    bundle = credentials_of(link)
-    if bundle is None:
-        if device_id is None:
-            raise FeastError(
-                "give --device-id NAME (or --credentials with a device bundle from feast-server provision)"
-            )
-        return device_id, common.federation_of(link, federation)
-    if bundle.role != "device":
-        raise FeastError(f"--credentials {bundle.path} is the server's bundle; a device takes its own (…/devices/NAME)")
-    if device_id is not None and device_id != bundle.identity:
-        raise FeastError(
-            f"--device-id {device_id} differs from the credentials bundle's identity {bundle.identity!r}; drop --device-id"
-        )
-    return bundle.identity, common.federation_of(link, federation)
 
 
 def _preset_name(preset: str) -> str:
@@ -161,7 +135,7 @@ def run(
     from feast_edge.local.torch_device import describe_device, resolve_device
 
     common.setup_logging(log_level, log_file)
-    device_id, federation = _identity(link, device_id, federation)
+    device_id, federation = identity(link, device_id, federation)
     if profile is not None and budget is not None:
         raise FeastError("give either --profile or --budget, not both (a profile carries its budget)")
     torch_device = resolve_device(device)
@@ -245,70 +219,6 @@ def run(
             raise typer.Exit(130)
     elif agent.finished:
         console.print(agent.summary(), soft_wrap=True, highlight=False)
-
-
-@app.command("fetch-model")
-@common.mqtt_options()
-def fetch_model_command(
-    link: LinkConfig,
-    out: Annotated[
-        Path, typer.Option("--out", "-o", help="ONNX file to write (its manifest goes beside it as .json).")
-    ],
-    device_id: DeviceIdOpt = None,
-    federation: common.BundleFederationOpt = None,
-    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the server's answer.")] = 30.0,
-    repeats: Annotated[int, typer.Option(min=1, help="Timed onnxruntime runs.")] = 50,
-    chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
-    data: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--data",
-            help="This device's data, to calibrate BN on when the server holds none (its models are calibrated on the device).",
-        ),
-    ] = None,
-    preset: Annotated[str, typer.Option(help="Preset name or .toml file (with --data).")] = "fmnist-small",
-    holdout: Annotated[
-        Optional[float],
-        typer.Option(help="Held-out share of --data the model is tested on (default: as feast-agent run)."),
-    ] = None,
-    log_level: common.LogLevelOpt = "warning",
-    log_file: common.LogFileOpt = None,
-) -> None:
-    """Download this device's ONNX model from the server, verify its SHA-256, load it in onnxruntime, print its latency."""
-    from feast_edge.agent.local_data import load_clients
-    from feast_edge.agent.model_files import fetch_model
-    from feast_edge.space.preset import load_preset
-
-    common.setup_logging(log_level, log_file)
-    device_id, federation = _identity(link, device_id, federation)
-    task_preset = load_preset(preset)
-    own = None if data is None else load_clients(data, device_id, task=task_preset.task, holdout=holdout)[0]
-    got = fetch_model(
-        link,
-        federation,
-        device_id,
-        out,
-        timeout=timeout,
-        chunk_size=chunk_size,
-        repeats=repeats,
-        data=own,
-        preset=task_preset,
-    )
-    m = got.manifest
-    accuracy = (
-        f"held-out accuracy {100 * m['holdout_accuracy']:.2f}% (calibrated here on {m['calibration_samples']} examples)"
-        if m.get("calibration") == "device" and m.get("holdout_accuracy") is not None
-        else f"validation accuracy {100 * m['validation_accuracy']:.2f}%"
-        if m.get("validation_accuracy") is not None
-        else "no accuracy measured"
-    )
-    console.print(
-        f"saved {got.path} ({m['size']:,} bytes, sha256 {m['sha256'][:16]}… verified)\n"
-        f"arch {m['arch']}  {m['macs'] / 1e6:.2f}M MACs  {m['params'] / 1e6:.3f}M params  {accuracy}\n"
-        f"onnxruntime latency (batch 1, CPU): median {got.latency['median_ms']:.3f} ms, p90 {got.latency['p90_ms']:.3f} ms",
-        soft_wrap=True,
-        highlight=False,
-    )
 
 
 @app.command()
@@ -436,6 +346,7 @@ def profiles_command(
     console.print(table)
 
 
+app.command("fetch-model")(fetch_model_command)
 app.command("predict")(inference.predict)
 app.command("evaluate")(inference.evaluate)
 

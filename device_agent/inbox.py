@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from feast_edge.protocol import Evaluate, Finished, ModelReady, RoundStart
+from feast_edge.protocol import Finished, ModelReady, RoundStart, RoutedRequest
 from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Message, Presence, parse
@@ -42,7 +42,10 @@ class Inbox:
     """The agent's subscriptions: each message parsed, checked against its topic and queued for the agent's thread."""
 
     def __init__(
-        self, topics: Topics, on_announce: Callable[[str, RoundStart | ModelReady | Evaluate], None], size: int = 10_000
+        self,
+        topics: Topics,
+        on_announce: Callable[[str, RoundStart | ModelReady | RoutedRequest], None],
+        size: int = 10_000,
     ):
         """``on_announce(device_id, message)`` runs in paho's thread for a round or model message, before it queues."""
         self.topics = topics
@@ -99,7 +102,7 @@ class Inbox:
                     message.device,
                 )
                 return
-            if isinstance(message, (RoundStart, ModelReady, Evaluate)):
+            if isinstance(message, (RoundStart, ModelReady, RoutedRequest)):
                 self._on_announce(device_id, message)
             self._put("ctrl", message)
 

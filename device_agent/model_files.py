@@ -98,7 +98,7 @@ def receive_pushed_model(
     if blob is None:
         log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", message.device)
         return None
-    if message.manifest.get("calibration") != "device":
+    if message.manifest.get("calibration") not in ("device", "federated"):
         return keep_pushed_model(blob, message, model_dir)
     try:
         return calibrate_served_variant(
@@ -201,11 +201,11 @@ def fetch_model(
             blob = progress.payload
     finally:
         link.close()
-    if answer.manifest.get("calibration") == "device":
+    if answer.manifest.get("calibration") in ("device", "federated"):
         if data is None or preset is None:
             raise ModelError(
-                f"the server holds no data: the model of {device_id} is calibrated on the device; pass --data "
-                "(this device's data, as for feast-agent run) to calibrate and export it here"
+                f"the server holds no data: the model of {device_id} is exported on the device; pass --data "
+                "(this device's data, as for feast-agent run) to export it here and measure it on its held-out split"
             )
         path, _ = calibrate_served_variant(blob, answer.manifest, data, preset, out)
         manifest = json.loads(path.with_suffix(".json").read_text())

@@ -23,12 +23,14 @@ import torch
 
 from feast_edge.agent.local_data import LocalClient
 from feast_edge.errors import FeastError
+from feast_edge.evaluate.bn_stats import MIN_EXAMPLES, bn_statistics, encode_statistics
 from feast_edge.evaluate.evaluation import correct_count
-from feast_edge.evaluate.federated import calibrated_static, held_out_counts, routed_supernet
+from feast_edge.evaluate.federated import calibrated_static, calibration_subset, held_out_counts, routed_supernet
 from feast_edge.evaluate.onnx_export import export_onnx, measure_latency
-from feast_edge.protocol import Evaluate, Evaluated
+from feast_edge.protocol import Calibrate, Evaluate, Evaluated
 from feast_edge.route.payload import decode
 from feast_edge.space.arch import Arch
+from feast_edge.space.extract import extract
 from feast_edge.space.geometry import arch_layout
 from feast_edge.space.preset import Preset
 from feast_edge.space.static import StaticResNet
@@ -67,6 +69,26 @@ def answer_evaluation(
     return Evaluated.of(message, counts, min(message.calibration, data.samples) if data.holdout else 0)
 
 
+def answer_calibration(
+    message: Calibrate, payload: bytes, data: LocalClient, preset: Preset, torch_device: str = "cpu"
+) -> tuple[bytes, int]:
+    """The BN statistics of the served variants ``message`` names (its routed ``payload`` decoded and checked against
+    its plan), on a seeded sample of this device's training split; (safetensors blob, examples used)."""
+    plan = message.client_plan(preset)
+    archs = message.variant_archs(plan)
+    expected = plan.manifest(preset, preset.classes, message.round, "routed", dtype=message.payload_dtype)
+    manifest, routed = decode(payload, preset, expected=expected)
+    if manifest.kind != "routed":
+        raise OnDeviceError(f"payload kind {manifest.kind!r} is not 'routed'")
+    examples = min(message.calibration, data.samples, MAX_CALIBRATION)
+    if examples < MIN_EXAMPLES:
+        raise OnDeviceError(f"this device has {data.samples} training examples; BN statistics need {MIN_EXAMPLES}")
+    subset = calibration_subset(data.images, examples)  # a seeded random sample: the device's data as it is
+    supernet = routed_supernet(preset, plan, routed)
+    variants = [bn_statistics(extract(supernet, arch), subset, preset, device=torch_device) for arch in archs]
+    return encode_statistics(variants, examples), examples
+
+
 def _variant_state(blob: bytes, model: StaticResNet) -> dict[str, torch.Tensor]:
     """The weights in ``blob`` if they are exactly ``model``'s tensors (names, shapes, float32, finite)."""
     from safetensors import SafetensorError
@@ -100,13 +122,17 @@ def calibrate_served_variant(
         arch = Arch.from_dict(manifest["arch"]).validated(preset)
     except (KeyError, TypeError, ValueError) as exc:
         raise OnDeviceError(f"the model manifest names no valid architecture of preset {preset.name} ({exc})") from None
-    if data.samples == 0:
+    if data.samples == 0 and manifest.get("calibration") != "federated":
         raise OnDeviceError("this device has no training examples to calibrate BN on")
     model = StaticResNet(arch_layout(preset, arch))
     model.load_state_dict(_variant_state(blob, model))
     asked = manifest.get("calibration_samples", 500)
     calibration = int(asked) if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1 else 500
-    seen = calibrated_static(model, preset, data.images, min(calibration, MAX_CALIBRATION), labels=data.labels)
+    where = "federated" if manifest.get("calibration") == "federated" else "device"
+    if where == "federated":  # BN already holds the statistics of the devices' data, combined by the server
+        seen = calibration
+    else:
+        seen = calibrated_static(model, preset, data.images, min(calibration, MAX_CALIBRATION), labels=data.labels)
     correct = correct_count(model, data.holdout_images, data.holdout_labels, preset) if data.holdout else 0
     accuracy = correct / data.holdout if data.holdout else math.nan
     path = check_writable(path, "model file")
@@ -118,7 +144,7 @@ def calibrate_served_variant(
         class_names=preset.task.classes,
         extra={
             "bn_recalibrated": True,
-            "bn_calibration": "device",
+            "bn_calibration": where,
             "bn_calibration_samples": seen,
             "holdout_accuracy": None if math.isnan(accuracy) else accuracy,
             "holdout_samples": data.holdout,
@@ -135,6 +161,7 @@ def calibrate_served_variant(
         "sha256": hashlib.sha256(onnx_bytes).hexdigest(),
         "weights_sha256": digest,
         "bn_recalibrated": True,
+        "bn_calibration": where,
         "calibration_samples": seen,
         "holdout_accuracy": None if math.isnan(accuracy) else accuracy,
         "holdout_samples": data.holdout,
@@ -152,10 +179,10 @@ def calibrate_served_variant(
         "holdout_accuracy": None if math.isnan(accuracy) else accuracy,  # None: no held-out split here
     }
     log.info(
-        "calibrated the model of %s on %d of its examples and saved it to %s (%s MACs): held-out accuracy %s on %d examples, "
+        "exported the model of %s (BN %s) to %s (%s MACs): held-out accuracy %s on %d examples, "
         "onnxruntime latency %.3f ms",
         data.device_id,
-        seen,
+        f"calibrated on {seen} of its examples" if where == "device" else f"of the federation's data, {seen} examples",
         path,
         f"{local['macs']:,}",
         "-" if math.isnan(accuracy) else f"{100 * accuracy:.2f}%",

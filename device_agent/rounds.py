@@ -21,7 +21,7 @@ from feast_edge.agent.hosted import Hosted
 from feast_edge.agent.inbox import Inbox, Incoming
 from feast_edge.agent.step import Assignment, Declined, Job, Trained, train
 from feast_edge.errors import FeastError
-from feast_edge.protocol import MAX_REASON, Evaluate, RoundStart
+from feast_edge.protocol import MAX_REASON, Calibrate, Evaluate, RoundStart, RoutedRequest
 from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import LinkError
 from feast_edge.transport.link import Link
@@ -99,17 +99,15 @@ class RoundRunner:
             log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, late)
         return self._upload(client, assignment, outcome, deadline)
 
-    def evaluate(self, client: Hosted, incoming: Incoming) -> bool:
-        """Answer a federated-validation request of ``client``: test the routed model on its held-out data."""
-        from feast_edge.agent.on_device import answer_evaluation
-
+    def answer(self, client: Hosted, incoming: Incoming) -> bool:
+        """Answer a request about the routed model of ``client`` (evaluate or calibrate); True when answered."""
         message, device_id = incoming.message, client.device_id
-        assert isinstance(message, Evaluate)
+        assert isinstance(message, RoutedRequest)
         shown = f"round {message.round + 1}"
         try:
             info = message.transfer_info()
         except FeastError as exc:
-            log.error("%s: refused the evaluation request for %s: %s", shown, device_id, exc)
+            log.error("%s: refused the %s request for %s: %s", shown, message.kind, device_id, exc)
             return False
         blob = client.downloads.wait(
             info,
@@ -117,9 +115,20 @@ class RoundRunner:
             abandon=lambda: self.stop.is_set() or self.inbox.overtaken(device_id, incoming.number),
         )
         if blob is None:
-            log.warning("%s: the model to validate did not reach %s in time; skipped", shown, device_id)
+            log.warning(
+                "%s: the model of the %s request did not reach %s in time; skipped", shown, message.kind, device_id
+            )
             return False
-        began = time.perf_counter()
+        if isinstance(message, Calibrate):
+            return self._calibrate(client, message, blob)
+        assert isinstance(message, Evaluate)
+        return self._evaluate(client, message, blob)
+
+    def _evaluate(self, client: Hosted, message: Evaluate, blob: bytes) -> bool:
+        """Federated validation: test the routed model's probes on the held-out data; publish the counts."""
+        from feast_edge.agent.on_device import answer_evaluation
+
+        began, device_id, shown = time.perf_counter(), client.device_id, f"round {message.round + 1}"
         try:
             answer = answer_evaluation(message, blob, client.data, self.preset, str(self.config.torch_device))
         except FeastError as exc:
@@ -136,6 +145,53 @@ class RoundRunner:
             shown_counts,
             time.perf_counter() - began,
         )
+        return True
+
+    def _calibrate(self, client: Hosted, message: Calibrate, blob: bytes) -> bool:
+        """Federated BN statistics of the served variants on this device's training split, uploaded like an update."""
+        from feast_edge.agent.on_device import answer_calibration
+
+        began, device_id = time.perf_counter(), client.device_id
+        info = message.transfer_info()
+        try:
+            statistics, examples = answer_calibration(
+                message, blob, client.data, self.preset, str(self.config.torch_device)
+            )
+        except FeastError as exc:
+            log.error("round %d: no BN statistics from %s: %s", message.round + 1, device_id, exc)
+            declined = protocol.Declined(
+                federation=self.config.federation,
+                round=message.round,
+                device=device_id,
+                routed=info.transfer,
+                reason=f"no BN statistics: {exc}"[:MAX_REASON],
+            )
+            self.link.publish(self.topics.events(device_id), declined.encode())
+            return False
+        up = client.sender.describe(statistics, round=message.round, device=device_id)
+        update = protocol.Update(
+            federation=self.config.federation,
+            round=message.round,
+            device=device_id,
+            transfer=up.to_dict(),
+            routed=info.transfer,
+            samples=client.data.samples,
+            metrics={"statistics": "bn", "calibrated_on": examples},
+        )
+        topic, announcement = self.topics.events(device_id), update.encode()
+        try:
+            client.sender.announce_and_send(topic, announcement, statistics, up, timeout=self.config.send_timeout)
+        except LinkError as exc:
+            log.error("could not send the BN statistics of %s: %s", device_id, exc)
+            return False
+        log.info(
+            "%s sent the BN statistics of %d served variant(s) on %d of its examples (%.1f s)",
+            device_id,
+            len(message.variants),
+            examples,
+            time.perf_counter() - began,
+        )
+        self.receipts.add(device_id, client.sender, topic, announcement, up, until=time.monotonic() + message.timeout)
         return True
 
     def _decline(self, assignment: Assignment, reason: str) -> bool:

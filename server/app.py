@@ -31,6 +31,7 @@ from feast_edge.evaluate.evaluation import Validation
 from feast_edge.run.checkpoint import load_supernet, read_record
 from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import RoundLog
+from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
 from feast_edge.server.collect import DeviceCollector, RoundTerms
 from feast_edge.server.config import KIND, ServerConfig, ServerError
 from feast_edge.server.devices import DeviceBook
@@ -39,9 +40,11 @@ from feast_edge.server.exchange import ExchangeSettings, RoundExchange, WaitTime
 from feast_edge.server.export import export_device_models, export_device_variants
 from feast_edge.server.held_data import ServerData, load_server_data
 from feast_edge.server.live import LiveView
-from feast_edge.server.registry import Registry
+from feast_edge.server.registry import Device, Registry
 from feast_edge.server.serving import ModelServer
 from feast_edge.server.validation import FederatedValidation
+from feast_edge.space.arch import Arch
+from feast_edge.space.extract import extract
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig
@@ -131,6 +134,7 @@ class FederationServer:
         self.collector: DeviceCollector | None = None
         self.models: ModelServer | None = None
         self.federated: FederatedValidation | None = None
+        self.calibration: FederatedCalibration | None = None
 
     @property
     def validation_source(self) -> str:
@@ -200,6 +204,14 @@ class FederationServer:
             self.cache,
             self.model.state_dict(),
             probes=cfg.probe_variants,
+            calibration=cfg.calib_samples,
+            payload_dtype=cfg.payload_dtype,
+        )
+        self.calibration = FederatedCalibration(
+            events.exchange,
+            self.devices,
+            self.preset,
+            self.cache,
             calibration=cfg.calib_samples,
             payload_dtype=cfg.payload_dtype,
         )
@@ -291,9 +303,13 @@ class FederationServer:
         return self.history
 
     # ------------------------------------------------------------------ models
-    def export(self) -> list[dict[str, Any]]:
+    def export(self, federated_bn: bool | None = None) -> list[dict[str, Any]]:
         """Every registered device's model (from the best checkpoint if validated, else the last): an ONNX file
-        calibrated on the server's data, or, without --data, the variant's weights for the device to calibrate."""
+        calibrated on the server's data, or, without --data, the variant's weights for the device to export, with
+        the online devices' federated BN statistics (``federated_bn``; None: when connected and
+        ``--bn-calibration federated``) or for the device to calibrate on its own data."""
+        if federated_bn is None:
+            federated_bn = self.calibration is not None and self.config.bn_calibration == "federated"
         source = self.loop.selected_checkpoint()
         if not source.is_file():
             raise ServerError(
@@ -306,10 +322,25 @@ class FederationServer:
             raise ServerError(f"no device is registered in {self.out / REGISTRY}; nothing to export")
         where = dict(federation=self.config.federation, rounds_done=rounds, checkpoint=source.name)
         if self.data is None:
+            statistics = self._federated_statistics(model, devices, rounds) if federated_bn else None
             return export_device_variants(
-                model, self.cache, devices, self.out, calibration=self.config.calib_samples, **where
+                model,
+                self.cache,
+                devices,
+                self.out,
+                calibration=self.config.calib_samples,
+                statistics=statistics,
+                **where,
             )
         return export_device_models(model, self.cache, devices, self.data, self.out, **where)
+
+    def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:
+        """The online devices' BN statistics of every served variant (SPEC §8 on the federation's data)."""
+        assert self.calibration is not None, "start() first"
+        served = {self.cache.largest_affordable(d.budget_macs).arch for d in devices}
+        variants = {arch: extract(model, arch) for arch in sorted(served, key=str)}
+        t = max(rounds, self.events.filter.current_round)  # after the last round: its messages are not stale
+        return self.calibration.calibrate(t, model.state_dict(), variants)
 
     def announce_models(self, manifests: list[dict[str, Any]]) -> list[str]:
         """Push each online device its model (ModelReady + chunks); returns the devices served."""

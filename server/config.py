@@ -23,6 +23,9 @@ class ServerError(FeastError):
     """The server cannot start, resume or continue with the given settings."""
 
 
+BN_CALIBRATIONS = ("federated", "device")  # where a server without data has its served variants' BN calibrated
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything that decides the federation's result, plus where it lives (``out``) and how it waits."""
@@ -46,6 +49,7 @@ class ServerConfig:
     data: str | None = None
     val_samples: int = 5000
     calib_samples: int = 500
+    bn_calibration: str = "federated"  # without data: "federated" (the devices' statistics, combined) or "device"
     probe_variants: int = 3
     cache: str | None = None
     federation: str = "feast"
@@ -84,6 +88,10 @@ class ServerConfig:
             (self.max_samples >= 1, f"--max-samples {self.max_samples} must be at least 1"),
             (self.max_devices >= 1, f"--max-devices {self.max_devices} must be at least 1"),
             (self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)"),
+            (
+                self.bn_calibration in BN_CALIBRATIONS,
+                f"--bn-calibration {self.bn_calibration!r} must be one of {', '.join(BN_CALIBRATIONS)}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -349,8 +349,8 @@ def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: in
                 "params": manifest["params"],
                 "own_accuracy": manifest.get("holdout_accuracy", manifest.get("validation_accuracy")),
                 "calibrated": (
-                    f"device ({manifest.get('calibration_samples')})"
-                    if manifest.get("calibration") == "device"
+                    f"{manifest['calibration']} ({manifest.get('calibration_samples')})"
+                    if manifest.get("calibration") in ("device", "federated")
                     else "server"
                 ),
                 "test_accuracy": _test_accuracy(path, images, labels),

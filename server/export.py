@@ -5,11 +5,13 @@ server's calibration split, validated and exported once; every device it serves
 gets its own copy ``models/{device}.onnx`` and a manifest ``models/{device}.json``
 with the device, arch, MACs, params, validation accuracy and the file's SHA-256.
 
-Without server data (:func:`export_device_variants`), the server cannot
-recalibrate BN: each device gets ``models/{device}.variant.safetensors``, the
-extracted variant's weights, with a manifest saying ``"calibration": "device"``;
-the device recalibrates BN on its own training split, exports the ONNX file
-itself and reports its accuracy on its held-out split (``feast_edge.agent.model_files``).
+Without server data (:func:`export_device_variants`), each device gets
+``models/{device}.variant.safetensors``, the extracted variant's weights: with
+the federated BN statistics of the devices that can run it in its BN buffers
+(``"calibration": "federated"``, ``bn_calibration.FederatedCalibration``), or
+for the device to recalibrate on its own training split (``"calibration":
+"device"``). The device exports the ONNX file itself and reports its accuracy on
+its held-out split (``feast_edge.agent.model_files``).
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from feast_edge.cache.variants import VariantCache
 from feast_edge.errors import FeastError
+from feast_edge.evaluate.bn_stats import apply_statistics
 from feast_edge.evaluate.evaluation import accuracy, calibrated_variant
 from feast_edge.evaluate.onnx_export import export_onnx
+from feast_edge.server.bn_calibration import Calibrated
 from feast_edge.server.held_data import ServerData
 from feast_edge.server.registry import Device
 from feast_edge.space.arch import Arch
@@ -130,19 +134,28 @@ def export_device_variants(
     rounds_done: int,
     checkpoint: str,
     calibration: int,
+    statistics: Mapping[Arch, Calibrated] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every device's served variant as weights for the device to calibrate on its own data; returns the manifests."""
+    """Every device's served variant as weights for the device to export; returns the manifests.
+
+    A variant with federated ``statistics`` carries them in its BN buffers (``"calibration": "federated"``); the
+    others are recalibrated by each device on its own data (``"calibration": "device"``).
+    """
     from safetensors.torch import save
 
     directory = Path(out) / MODELS
     directory.mkdir(parents=True, exist_ok=True)
-    preset = supernet.preset
+    preset, statistics = supernet.preset, statistics or {}
     blobs: dict[Arch, bytes] = {}
     manifests = []
     for device in sorted(devices, key=lambda d: d.device_id):
         entry = cache.largest_affordable(device.budget_macs)
+        federated = statistics.get(entry.arch)
         if entry.arch not in blobs:
-            state = {k: v.contiguous() for k, v in extract(supernet, entry.arch).state_dict().items()}
+            model = extract(supernet, entry.arch)
+            if federated is not None:
+                apply_statistics(model, federated.stats)
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
             blobs[entry.arch] = save(state, metadata={"format": VARIANT_FORMAT, "arch": entry.arch.to_json()})
         blob = blobs[entry.arch]
         path = directory / f"{device.device_id}.variant.safetensors"
@@ -159,9 +172,12 @@ def export_device_variants(
             "arch": entry.arch.to_dict(),
             "macs": int(entry.macs),
             "params": int(entry.params),
-            "calibration": "device",  # the device recalibrates BN on its own data and exports the ONNX file
-            "calibration_samples": calibration,
-            "bn_recalibrated": False,
+            # federated: BN holds the devices' combined statistics; device: the device recalibrates BN on its own data.
+            # Either way the device exports the ONNX file and reports its held-out accuracy.
+            "calibration": "device" if federated is None else "federated",
+            "calibration_samples": calibration if federated is None else federated.examples,
+            **({} if federated is None else {"calibration_devices": list(federated.devices)}),
+            "bn_recalibrated": federated is not None,
             "rounds": rounds_done,
             "checkpoint": checkpoint,
             "file": path.name,

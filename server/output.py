@@ -50,7 +50,9 @@ def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
             f"{m['budget_macs'] / 1e6:.2f}M",
             f"{m['macs'] / 1e6:.2f}M",
             f"{m['params'] / 1e6:.3f}M",
-            _pct(m.get("validation_accuracy")) if m.get("calibration") != "device" else "on the device",
+            _pct(m.get("validation_accuracy"))
+            if m.get("calibration") not in ("device", "federated")
+            else "on the device",
             m["file"],
             m["sha256"][:12],
         )
@@ -69,7 +71,11 @@ def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict
         table.add_row(
             m["device"],
             f"{m['macs'] / 1e6:.2f}M",
-            "-" if "calibrated_on" not in r else f"{r['calibrated_on']} examples on the device",
+            "-"
+            if "calibrated_on" not in r
+            else f"{r['calibrated_on']} examples on the device"
+            if m.get("calibration") == "device"
+            else f"federated, {r['calibrated_on']} examples",
             _pct(r.get("holdout_accuracy")) if "holdout_accuracy" in r else "no report",
             str(r.get("holdout_samples", "-")),
             "-" if latency is None else f"{latency:.3f} ms",

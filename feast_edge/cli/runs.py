@@ -151,13 +151,13 @@ def demo(
     rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 6,
     samples: Annotated[
         int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")
-    ] = 1000,
+    ] = 2000,
     local_epochs: Annotated[
         int,
         typer.Option(
             "--local-epochs", min=1, help="Local epochs per round on every device (more: better models, longer rounds)."
         ),
-    ] = 2,
+    ] = 1,
     profiles: Annotated[
         str, typer.Option(help="Comma-separated device profiles (names in profiles/ or files), one agent each.")
     ] = "raspberry-pi-5,jetson-nano,laptop-cpu,desktop-gpu",

@@ -10,6 +10,8 @@ chunked payloads; this module says what a federation says with them
     device -> server  Update        Update.from_result(result, ...)  ->  .loss, .samples_seen, .compute_seconds
     server -> device  Evaluate      federated validation: BN-recalibrate these probe variants of the routed state, test them
     device -> server  Evaluated     correct/total per probe variant on the device's held-out split
+    server -> device  Calibrate     federated BN statistics of the served variants of the routed state (after the last round)
+    device -> server  Update        ... answered by an upload of the statistics (safetensors), weighted by the device's examples
     device -> server  Metrics       free-form numbers (e.g. the served model's latency and held-out accuracy)
     device -> server  ModelRequest  send me my exported model
     server -> device  ModelReady    the model follows as a transfer, or is not available
@@ -20,7 +22,7 @@ Neither side packs or unpacks a dict by hand: the server builds a
 same plan back, validated against its preset.
 """
 
-from feast_edge.protocol.evaluation import Evaluate, Evaluated
+from feast_edge.protocol.evaluation import Calibrate, Evaluate, Evaluated, RoutedRequest
 from feast_edge.protocol.limits import MAX_EXAMPLES, MAX_PROBES, MAX_REASON
 from feast_edge.protocol.models import Finished, Metrics, ModelReady, ModelRequest
 from feast_edge.protocol.registration import Register, Registered
@@ -30,6 +32,7 @@ __all__ = [
     "MAX_EXAMPLES",
     "MAX_PROBES",
     "MAX_REASON",
+    "Calibrate",
     "Declined",
     "Evaluate",
     "Evaluated",
@@ -39,6 +42,7 @@ __all__ = [
     "ModelRequest",
     "Register",
     "Registered",
+    "RoutedRequest",
     "RoundStart",
     "Update",
 ]

@@ -1,4 +1,4 @@
-"""Federated validation: the server asks cohort devices to test probe variants on their held-out data (Evaluate, Evaluated)."""
+"""Requests about the routed model: federated validation (Evaluate, Evaluated) and federated BN statistics (Calibrate)."""
 
 from __future__ import annotations
 
@@ -16,20 +16,14 @@ from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.messages import Message, check_ids, check_transfer, message_kind
 
 
-@message_kind("evaluate")
 @dataclass(frozen=True, kw_only=True)
-class Evaluate(Message):
-    """Server -> device on ``ctrl/{device}``: federated validation of round ``round``'s aggregated model (SPEC §8).
-
-    ``transfer`` carries the routed state of ``plan`` (as a round's payload does); the device recalibrates each
-    of ``probes`` (indices into the plan's affordable set) on up to ``calibration`` of its training examples, in
-    their fixed order, tests it on its held-out split and answers ``evaluated`` within ``timeout`` seconds.
-    """
+class RoutedRequest(Message):
+    """A server request about the model routed to the device: ``transfer`` carries the routed state of ``plan`` (as a
+    round's payload does), to be answered within ``timeout`` seconds; ``calibration``: the training examples to use."""
 
     transfer: dict[str, Any]
     timeout: float
     plan: dict[str, Any]
-    probes: tuple[int, ...]
     calibration: int = 500
     payload_dtype: str = "float32"
 
@@ -42,12 +36,43 @@ class Evaluate(Message):
         if not self.timeout > 0:
             raise ProtocolError(f"field 'timeout' must be > 0, got {self.timeout}")
         check_plan(self.plan)
-        if not 1 <= len(self.probes) <= MAX_PROBES:
-            raise ProtocolError(f"field 'probes' must name 1 to {MAX_PROBES} variants of the plan")
-        if len(set(self.probes)) != len(self.probes) or max(self.probes) >= len(self.plan.get("affordable") or ()):
-            raise ProtocolError("field 'probes' must be distinct indices into the plan's affordable variants")
         if not 1 <= self.calibration <= 1_000_000:
             raise ProtocolError("field 'calibration' must be between 1 and 1,000,000 examples")
+
+    @staticmethod
+    def check_indices(name: str, indices: tuple[int, ...], plan: dict[str, Any]) -> None:
+        """``indices`` (field ``name``) must be 1 to MAX_PROBES distinct indices into the plan's affordable variants."""
+        if not 1 <= len(indices) <= MAX_PROBES:
+            raise ProtocolError(f"field {name!r} must name 1 to {MAX_PROBES} variants of the plan")
+        if len(set(indices)) != len(indices) or max(indices) >= len(plan.get("affordable") or ()):
+            raise ProtocolError(f"field {name!r} must be distinct indices into the plan's affordable variants")
+
+    def client_plan(self, preset: Preset) -> ClientPlan:
+        return client_plan(self.plan, preset)
+
+    def transfer_info(self) -> TransferInfo:
+        info = check_transfer(self.transfer)
+        if info.device != self.device or info.round != self.round:
+            raise ProtocolError(
+                f"the {self.kind} request's transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}"
+            )
+        return info
+
+
+@message_kind("evaluate")
+@dataclass(frozen=True, kw_only=True)
+class Evaluate(RoutedRequest):
+    """Server -> device on ``ctrl/{device}``: federated validation of round ``round``'s aggregated model (SPEC §8).
+
+    The device recalibrates each of ``probes`` (indices into the plan's affordable set) on up to ``calibration``
+    of its training examples, tests it on its held-out split and answers ``evaluated`` within ``timeout`` seconds.
+    """
+
+    probes: tuple[int, ...]
+
+    def check(self) -> None:
+        super().check()
+        self.check_indices("probes", self.probes, self.plan)
 
     @classmethod
     def for_plan(
@@ -75,20 +100,56 @@ class Evaluate(Message):
             payload_dtype=payload_dtype,
         )
 
-    def client_plan(self, preset: Preset) -> ClientPlan:
-        return client_plan(self.plan, preset)
-
     def probe_archs(self, plan: ClientPlan) -> list[Arch]:
         """The probes, as architectures of ``plan`` (the plan this message carries)."""
         return [plan.affordable[i] for i in self.probes]
 
-    def transfer_info(self) -> TransferInfo:
-        info = check_transfer(self.transfer)
-        if info.device != self.device or info.round != self.round:
-            raise ProtocolError(
-                f"the evaluation request's transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}"
-            )
-        return info
+
+@message_kind("calibrate")
+@dataclass(frozen=True, kw_only=True)
+class Calibrate(RoutedRequest):
+    """Server -> device on ``ctrl/{device}``: federated BN statistics of the served ``variants`` (indices into the
+    plan's affordable set) of the routed model, on up to ``calibration`` of the device's training examples.
+
+    The device answers with an ``update`` whose transfer carries the statistics (``evaluate.bn_stats``: per variant,
+    per BN layer, the per-channel mean and variance of its input, float64 safetensors) and whose ``samples`` is its
+    training examples (the weight of its statistics), or ``declined``.
+    """
+
+    variants: tuple[int, ...]
+
+    def check(self) -> None:
+        super().check()
+        self.check_indices("variants", self.variants, self.plan)
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: ClientPlan,
+        variants: list[Arch],
+        *,
+        federation: str,
+        round: int,
+        device: str,
+        transfer: TransferInfo,
+        timeout: float,
+        calibration: int,
+        payload_dtype: str = "float32",
+    ) -> Calibrate:
+        return cls(
+            federation=federation,
+            round=round,
+            device=device,
+            transfer=transfer.to_dict(),
+            timeout=timeout,
+            plan=plan_dict(plan),
+            variants=tuple(plan.affordable.index(a) for a in variants),
+            calibration=calibration,
+            payload_dtype=payload_dtype,
+        )
+
+    def variant_archs(self, plan: ClientPlan) -> list[Arch]:
+        return [plan.affordable[i] for i in self.variants]
 
 
 @message_kind("evaluated")

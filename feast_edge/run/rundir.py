@@ -23,7 +23,8 @@ from feast_edge.errors import FeastError
 REGISTRY = "devices.sqlite"  # feast-server's device registry (the apps' constant; core does not import them)
 MODELS = "models"
 SERVER, DEVICES = "server", "devices"  # where validation ran
-DEVICE = "device"  # a manifest's "calibration" when its device calibrates BN
+DEVICE = "device"  # a manifest's "calibration" when its device calibrates BN on its own data
+FEDERATED = "federated"  # ... when BN holds the statistics of the devices' data, combined by the server
 FEDERATION = "federation"  # the checkpoint kind of a feast-server run
 
 
@@ -120,8 +121,9 @@ def validation_words(where: Mapping[str, Any] | None) -> str | None:
 
 # ------------------------------------------------------------------ BN calibration of the exported models
 def device_calibrated(manifest: Mapping[str, Any]) -> bool:
-    """Whether ``manifest``'s model is BN-calibrated (and exported as ONNX) on its device rather than on the server."""
-    return manifest.get("calibration") == DEVICE
+    """Whether ``manifest``'s model is exported as ONNX on its device (its BN calibrated there, or federated) rather
+    than calibrated and exported on the server."""
+    return manifest.get("calibration") in (DEVICE, FEDERATED)
 
 
 def model_accuracy(manifest: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -137,17 +139,19 @@ def model_accuracy(manifest: Mapping[str, Any], metrics: Mapping[str, Any] | Non
     reported = "holdout_accuracy" in metrics and metrics.get("model_round", manifest.get("rounds")) == manifest.get(
         "rounds"
     )  # metrics of an earlier export are not this model's
+    where = manifest["calibration"]
+    calibrated = "calibrated on the device" if where == DEVICE else "federated BN statistics"
     if not reported:
         return {
-            "calibration": DEVICE,
+            "calibration": where,
             "accuracy": None,
-            "accuracy_note": "calibrated on the device; no report from it yet",
+            "accuracy_note": f"{calibrated}; no report from it yet",
         }
     samples = metrics.get("holdout_samples")
     return {
-        "calibration": DEVICE,
+        "calibration": where,
         "accuracy": metrics.get("holdout_accuracy"),
-        "accuracy_note": "calibrated on the device; held-out accuracy on its own data"
+        "accuracy_note": f"{calibrated}; held-out accuracy on its own data"
         + (f" ({samples} examples)" if isinstance(samples, int) else ""),
         "holdout_accuracy": metrics.get("holdout_accuracy"),
         "holdout_samples": samples,

@@ -96,6 +96,15 @@ def run(
             help="BN-calibration examples: taken from --data, or, without it, what each device recalibrates on.",
         ),
     ] = 500,
+    bn_calibration: Annotated[
+        str,
+        typer.Option(
+            "--bn-calibration",
+            help="Without --data, where each served variant's BN statistics come from: federated (every device that "
+            "can run it reports per-channel moments of its data, the server combines them) or device (each device "
+            "recalibrates on its own data only).",
+        ),
+    ] = "federated",
     cache: Annotated[
         Optional[Path],
         typer.Option(help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."),
@@ -197,6 +206,7 @@ def run(
         data=None if data is None else str(data),
         val_samples=val_samples,
         calib_samples=calib_samples,
+        bn_calibration=bn_calibration,
         cache=None if cache is None else str(cache),
         federation=federation,
         chunk_size=chunk_size,

@@ -48,7 +48,7 @@ def write_folder(root: Path, classes: tuple[int, ...], style: str, train, offset
                 image.convert("RGB").resize((40, 40)).save(folder / f"{n}.png")
 
 
-def test_a_server_without_data_validates_on_the_devices_and_each_calibrates_its_own_model(
+def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statistics(
     kit, federation: str, tmp_path: Path, fashion_mnist_dir: Path
 ) -> None:
     train = load_fashion_mnist(fashion_mnist_dir, "train")
@@ -123,10 +123,13 @@ def test_a_server_without_data_validates_on_the_devices_and_each_calibrates_its_
         assert record.val_accuracy is not None and 0.0 <= record.val_accuracy <= 1.0
         # 10 % of each class held out on each device (4 of 40), never trained on.
         assert record.validation["samples"] == sum(4 * len(classes) for classes, _, _ in DEVICES.values())
-    # The server's export holds weights only: it could not calibrate BN, the devices did.
-    assert all(
-        m["calibration"] == "device" and m["file"].endswith(".variant.safetensors") for m in outcome["manifests"]
-    )
+    # The server's export holds weights only, their BN statistics federated: each served variant's come from every
+    # device that can run it (the largest from cam-c alone, the smallest from all three), 100 examples each.
+    for m in outcome["manifests"]:
+        assert m["calibration"] == "federated" and m["file"].endswith(".variant.safetensors")
+        contributors = sorted(d for d, (_, budget, _) in DEVICES.items() if budget >= m["macs"])
+        assert m["calibration_devices"] == contributors and m["calibration_samples"] == 100 * len(contributors)
+    assert {len(m["calibration_devices"]) for m in outcome["manifests"]} == {1, 2, 3}
     for device, (classes, _, _) in DEVICES.items():
         log = kit.log_text(agents[device])
         # Labels by class name: each device holds its own classes, at the task's indices.
@@ -134,16 +137,17 @@ def test_a_server_without_data_validates_on_the_devices_and_each_calibrates_its_
         manifest = json.loads((models / f"{device}.json").read_text())
         meta = read_metadata(models / f"{device}.onnx")
         held_out = 4 * len(classes)
-        assert meta["bn_calibration"] == "device" and int(meta["bn_calibration_samples"]) == 100
+        assert meta["bn_calibration"] == "federated"
+        assert int(meta["bn_calibration_samples"]) == manifest["calibration_samples"]
         assert int(meta["holdout_samples"]) == held_out == manifest["holdout_samples"]
         assert json.loads(meta["task"])["classes"] == list(FASHION_MNIST_CLASSES)
         report = outcome["reports"][device]
-        assert report["holdout_samples"] == held_out and report["calibrated_on"] == 100
+        assert report["holdout_samples"] == held_out and report["calibrated_on"] == manifest["calibration_samples"]
         assert report["holdout_accuracy"] == pytest.approx(manifest["holdout_accuracy"])
         assert 0.0 <= report["holdout_accuracy"] <= 1.0
         assert outcome["registry"][device].profile["holdout"] == held_out
 
-    # The dashboard, live and from the run directory, says so: federated validation, models calibrated on the devices.
+    # The dashboard, live and from the run directory, says so: federated validation, federated BN statistics.
     held_out = sum(4 * len(classes) for classes, _, _ in DEVICES.values())
     words = f"validation: federated, on 3 devices' held-out data ({held_out} examples)"
     for snapshot in (live.snapshot(), load_runs([tmp_path / "server"]).snapshot()):
@@ -152,7 +156,7 @@ def test_a_server_without_data_validates_on_the_devices_and_each_calibrates_its_
             {"source": "devices", "devices": 3, "samples": held_out}
         ] * 2
         for model in snapshot["models"]:
-            assert model["calibration"] == "device" and model["url"] is None
+            assert model["calibration"] == "federated" and model["url"] is None
             assert model["accuracy"] == pytest.approx(outcome["reports"][model["device"]]["holdout_accuracy"])
     assert {v["label"] for v in live.snapshot()["variants"]} == set(server.federated.last)  # the devices' probe points
 
@@ -174,6 +178,7 @@ def test_fetch_model_calibrates_a_model_left_for_the_device_on_its_own_data(
         wait_timeout=120.0,
         batch_size=32,
         calib_samples=50,
+        bn_calibration="device",  # the device recalibrates on its own data (the test above covers federated)
     )
     server = FederationServer(config, LinkConfig(broker=kit.LOCAL))
     done = threading.Event()

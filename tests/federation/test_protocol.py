@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from feast_edge.protocol import (
+    Calibrate,
     Declined,
     Evaluate,
     Evaluated,
@@ -47,6 +48,7 @@ EXAMPLES = [
     ),
     Registered(**COMMON, instance="a1", accepted=False, reason="device id jetson-1 is already online"),
     Evaluate(**COMMON, transfer=INFO, timeout=60.0, plan=PLAN, probes=(0,), calibration=500),
+    Calibrate(**COMMON, transfer=INFO, timeout=60.0, plan=PLAN, variants=(0,), calibration=200),
     Evaluated(**COMMON, routed="t1", results=(41, 50), calibrated_on=500),
     RoundStart(
         **COMMON,
@@ -86,6 +88,7 @@ def test_every_registered_kind_has_an_example() -> None:
 
 
 EVALUATE = {"transfer": INFO, "timeout": 60.0, "plan": PLAN, "probes": [0]}
+CALIBRATE = {"transfer": INFO, "timeout": 60.0, "plan": PLAN, "variants": [0]}
 
 
 @pytest.mark.parametrize(
@@ -99,6 +102,11 @@ EVALUATE = {"transfer": INFO, "timeout": 60.0, "plan": PLAN, "probes": [0]}
         ("evaluate", {**EVALUATE, "calibration": 0}, "'calibration'"),
         ("evaluate", {**EVALUATE, "plan": {"affordable": []}}, "lacks global_min"),
         ("evaluate", {**EVALUATE, "timeout": -1}, "'timeout' must be > 0"),
+        ("calibrate", {**CALIBRATE, "variants": []}, "'variants' must name 1 to 16"),
+        ("calibrate", {**CALIBRATE, "variants": [3]}, "distinct indices"),
+        ("calibrate", {**CALIBRATE, "variants": [0, 0]}, "distinct indices"),
+        ("calibrate", {**CALIBRATE, "calibration": 10**7}, "'calibration'"),
+        ("calibrate", {**CALIBRATE, "payload_dtype": "float64"}, "'payload_dtype'"),
         ("evaluated", {"routed": "t1", "results": [3, 2]}, "correct <= total"),
         ("evaluated", {"routed": "t1", "results": [-1, 2]}, r"must be in \[0, 2\^53\]"),
         ("evaluated", {"routed": "t1", "results": [1.5, 2]}, "must be an integer"),

@@ -333,7 +333,7 @@
       cell(tr, m.accuracy_note, "measured calibration-" + String(m.calibration || "server").replace(/[^a-z]/g, ""));
       const sha = typeof m.sha256 === "string" ? m.sha256 : "";
       cell(tr, sha ? sha.slice(0, 12) + "…" : null, "sha", sha);
-      const link = cell(tr, m.calibration === "device" ? "on the device" : null, "download");
+      const link = cell(tr, m.calibration === "device" || m.calibration === "federated" ? "on the device" : null, "download");
       if (typeof m.url === "string" && m.url.startsWith("models/")) {
         const a = document.createElement("a");
         a.setAttribute("href", m.url);

@@ -1,0 +1,151 @@
+"""Federated BN statistics: a server without data calibrates each served variant on the devices' data (SPEC §8).
+
+    after the last round, before export (``feast-server run --bn-calibration federated``, the default without --data):
+      per online registered device:  its routed slice of the exported model + Calibrate(the served variants it can afford)
+      per answer:                    an upload of per-layer, per-channel BN input means and variances on a seeded
+                                     sample of the device's training split, weighted by its registered examples
+      per served variant:            combine_statistics(the answers of the devices that can run it) -> its BN buffers
+
+A variant is calibrated on the data of every device that can afford it: the largest on the devices whose budget
+admits it, the smallest on all. A device that does not answer by the deadline, or whose statistics are malformed,
+is left out; a variant no device answered for falls back to calibration on each device it serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from feast_edge.cache.variants import VariantCache
+from feast_edge.evaluate.bn_stats import (
+    MIN_EXAMPLES,
+    StatisticsError,
+    Stats,
+    combine_statistics,
+    decode_statistics,
+    layer_channels,
+    statistics_size,
+)
+from feast_edge.protocol import Calibrate
+from feast_edge.route.envelope import route_state
+from feast_edge.route.payload import encode
+from feast_edge.route.plans import plan_client
+from feast_edge.server.devices import DeviceBook
+from feast_edge.server.exchange import Expect, RoundExchange
+from feast_edge.space.arch import Arch
+from feast_edge.space.preset import Preset
+from feast_edge.space.static import StaticResNet
+
+log = logging.getLogger(__name__)
+
+MAX_CALIBRATION = 100_000  # examples a device may report its statistics on (the agent's own cap)
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """One served variant's federated BN statistics: the combined moments, who contributed, on how many examples."""
+
+    stats: Stats
+    devices: tuple[str, ...]
+    examples: int
+
+
+class FederatedCalibration:
+    """``calibrate(t, state, variants)``: the online devices' BN statistics of ``variants``, combined per variant."""
+
+    def __init__(
+        self,
+        exchange: RoundExchange,
+        devices: DeviceBook,
+        preset: Preset,
+        cache: VariantCache,
+        *,
+        calibration: int,
+        payload_dtype: str = "float32",
+    ) -> None:
+        self.exchange, self.devices, self.preset, self.cache = exchange, devices, preset, cache
+        self.calibration, self.payload_dtype = calibration, payload_dtype
+
+    def calibrate(
+        self, t: int, global_state: Mapping[str, torch.Tensor], variants: Mapping[Arch, StaticResNet]
+    ) -> dict[Arch, Calibrated]:
+        """Ask every online registered device for the statistics of the ``variants`` (extracted models) it can run."""
+        began, exchange, classes = time.monotonic(), self.exchange, self.preset.classes
+        layers = {arch: layer_channels(model) for arch, model in variants.items()}
+        asked: dict[str, list[Arch]] = {}
+        exchange.open(t)
+        for device in self.devices.online():
+            registered = self.devices.registry.get(device)
+            if registered is None or registered.samples < MIN_EXAMPLES:
+                continue
+            plan = plan_client(self.cache, registered.budget_macs)
+            archs = [a for a in plan.affordable if a in variants]
+            if not archs:
+                continue
+            manifest = plan.manifest(self.preset, classes, t, "routed", device, self.payload_dtype)
+            blob = encode(route_state(global_state, plan.layout(self.preset, classes), self.preset), manifest)
+            info = exchange.describe(device, blob)
+            message = Calibrate.for_plan(
+                plan,
+                archs,
+                federation=exchange.topics.federation,
+                round=t,
+                device=device,
+                transfer=info,
+                timeout=exchange.time_left(),
+                calibration=self.calibration,
+                payload_dtype=self.payload_dtype,
+            )
+            expect = Expect(max_bytes=statistics_size([layers[a] for a in archs]), max_samples=registered.samples)
+            if exchange.send(device, message, blob, info, expect):
+                asked[device] = archs
+        if asked:
+            log.info(
+                "federated BN statistics of %d served variant(s): asked %s", len(variants), ", ".join(sorted(asked))
+            )
+        reports: dict[Arch, list[tuple[str, float, int, Stats]]] = {a: [] for a in variants}
+        for reply in exchange.replies() if asked else ():
+            archs = asked.get(reply.device)
+            if reply.update is None or reply.payload is None or archs is None:
+                log.warning("no BN statistics from %s: %s", reply.device, reply.error or "no upload")
+                continue
+            registered = self.devices.registry.get(reply.device)
+            bound = min(MAX_CALIBRATION, registered.samples if registered is not None else 0)
+            try:
+                examples, stats = decode_statistics(reply.payload, [layers[a] for a in archs], max(bound, MIN_EXAMPLES))
+            except StatisticsError as exc:
+                log.warning("rejected the BN statistics of %s: %s", reply.device, exc)
+                continue
+            for arch, variant_stats in zip(archs, stats):
+                reports[arch].append((reply.device, float(reply.update.samples), examples, variant_stats))
+        unsettled = exchange.close() if asked else None
+        if unsettled is not None and unsettled.missing:
+            log.warning("no BN statistics from %s before the deadline", ", ".join(unsettled.missing))
+        combined = {}
+        for arch, got in reports.items():
+            if got:
+                stats = combine_statistics([(weight, s) for _, weight, _, s in got])
+                combined[arch] = Calibrated(stats, tuple(sorted(d for d, *_ in got)), sum(n for _, _, n, _ in got))
+        for arch in variants:
+            macs = next((e.macs for e in self.cache.entries if e.arch == arch), None)
+            shown = str(arch) if macs is None else f"{macs / 1e6:.2f}M MACs"
+            if arch in combined:
+                c = combined[arch]
+                log.info(
+                    "variant %s: BN statistics of %d device(s) (%s), %d examples",
+                    shown,
+                    len(c.devices),
+                    ", ".join(c.devices),
+                    c.examples,
+                )
+            else:
+                log.warning(
+                    "variant %s: no device sent BN statistics; the devices it serves calibrate it on their own data",
+                    shown,
+                )
+        log.info("federated BN calibration took %.1f s", time.monotonic() - began)
+        return combined
