@@ -27,13 +27,15 @@ from feast_edge.evaluate.bn_stats import MIN_EXAMPLES, bn_statistics, encode_sta
 from feast_edge.evaluate.evaluation import correct_count
 from feast_edge.evaluate.federated import calibrated_static, calibration_subset, held_out_counts, routed_supernet
 from feast_edge.evaluate.onnx_export import export_onnx, measure_latency
-from feast_edge.protocol import Calibrate, Evaluate, Evaluated
+from feast_edge.protocol import Calibrate, Evaluate, Evaluated, RoutedRequest
 from feast_edge.route.payload import decode
+from feast_edge.route.plans import ClientPlan
 from feast_edge.space.arch import Arch
 from feast_edge.space.extract import extract
 from feast_edge.space.geometry import arch_layout
 from feast_edge.space.preset import Preset
 from feast_edge.space.static import StaticResNet
+from feast_edge.space.supernet import Supernet
 from feast_edge.util.atomic import atomic_write_bytes, check_writable
 
 log = logging.getLogger(__name__)
@@ -45,17 +47,22 @@ class OnDeviceError(FeastError):
     """What the server sent cannot be evaluated or calibrated here."""
 
 
-def answer_evaluation(
-    message: Evaluate, payload: bytes, data: LocalClient, preset: Preset, torch_device: str = "cpu"
-) -> Evaluated:
-    """The counts answering ``message`` (its routed ``payload`` decoded and checked against the plan it names)."""
+def _routed_model(message: RoutedRequest, payload: bytes, preset: Preset) -> tuple[ClientPlan, Supernet]:
+    """The plan ``message`` carries and its routed sub-supernet holding ``payload`` (decoded and checked against it)."""
     plan = message.client_plan(preset)
-    probes = message.probe_archs(plan)
     expected = plan.manifest(preset, preset.classes, message.round, "routed", dtype=message.payload_dtype)
     manifest, routed = decode(payload, preset, expected=expected)
     if manifest.kind != "routed":
         raise OnDeviceError(f"payload kind {manifest.kind!r} is not 'routed'")
-    model = routed_supernet(preset, plan, routed)
+    return plan, routed_supernet(preset, plan, routed)
+
+
+def answer_evaluation(
+    message: Evaluate, payload: bytes, data: LocalClient, preset: Preset, torch_device: str = "cpu"
+) -> Evaluated:
+    """The counts answering ``message`` (its routed ``payload`` decoded and checked against the plan it names)."""
+    plan, model = _routed_model(message, payload, preset)
+    probes = message.probe_archs(plan)
     counts = held_out_counts(
         model,
         probes,
@@ -74,17 +81,12 @@ def answer_calibration(
 ) -> tuple[bytes, int]:
     """The BN statistics of the served variants ``message`` names (its routed ``payload`` decoded and checked against
     its plan), on a seeded sample of this device's training split; (safetensors blob, examples used)."""
-    plan = message.client_plan(preset)
+    plan, supernet = _routed_model(message, payload, preset)
     archs = message.variant_archs(plan)
-    expected = plan.manifest(preset, preset.classes, message.round, "routed", dtype=message.payload_dtype)
-    manifest, routed = decode(payload, preset, expected=expected)
-    if manifest.kind != "routed":
-        raise OnDeviceError(f"payload kind {manifest.kind!r} is not 'routed'")
     examples = min(message.calibration, data.samples, MAX_CALIBRATION)
     if examples < MIN_EXAMPLES:
         raise OnDeviceError(f"this device has {data.samples} training examples; BN statistics need {MIN_EXAMPLES}")
     subset = calibration_subset(data.images, examples)  # a seeded random sample: the device's data as it is
-    supernet = routed_supernet(preset, plan, routed)
     variants = [bn_statistics(extract(supernet, arch), subset, preset, device=torch_device) for arch in archs]
     return encode_statistics(variants, examples), examples
 

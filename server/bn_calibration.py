@@ -31,11 +31,10 @@ from feast_edge.evaluate.bn_stats import (
     statistics_size,
 )
 from feast_edge.protocol import Calibrate
-from feast_edge.route.envelope import route_state
-from feast_edge.route.payload import encode
 from feast_edge.route.plans import plan_client
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.exchange import Expect, RoundExchange
+from feast_edge.server.validation import send_routed_request
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import Preset
 from feast_edge.space.static import StaticResNet
@@ -74,7 +73,7 @@ class FederatedCalibration:
         self, t: int, global_state: Mapping[str, torch.Tensor], variants: Mapping[Arch, StaticResNet]
     ) -> dict[Arch, Calibrated]:
         """Ask every online registered device for the statistics of the ``variants`` (extracted models) it can run."""
-        began, exchange, classes = time.monotonic(), self.exchange, self.preset.classes
+        began, exchange = time.monotonic(), self.exchange
         layers = {arch: layer_channels(model) for arch, model in variants.items()}
         asked: dict[str, list[Arch]] = {}
         exchange.open(t)
@@ -86,22 +85,21 @@ class FederatedCalibration:
             archs = [a for a in plan.affordable if a in variants]
             if not archs:
                 continue
-            manifest = plan.manifest(self.preset, classes, t, "routed", device, self.payload_dtype)
-            blob = encode(route_state(global_state, plan.layout(self.preset, classes), self.preset), manifest)
-            info = exchange.describe(device, blob)
-            message = Calibrate.for_plan(
+            expect = Expect(max_bytes=statistics_size([layers[a] for a in archs]), max_samples=registered.samples)
+            sent = send_routed_request(
+                exchange,
+                Calibrate,
                 plan,
                 archs,
-                federation=exchange.topics.federation,
-                round=t,
+                global_state,
+                self.preset,
+                t=t,
                 device=device,
-                transfer=info,
-                timeout=exchange.time_left(),
                 calibration=self.calibration,
                 payload_dtype=self.payload_dtype,
+                expect=expect,
             )
-            expect = Expect(max_bytes=statistics_size([layers[a] for a in archs]), max_samples=registered.samples)
-            if exchange.send(device, message, blob, info, expect):
+            if sent:
                 asked[device] = archs
         if asked:
             log.info(

@@ -24,16 +24,50 @@ import torch
 from feast_edge.cache.variants import VariantCache
 from feast_edge.evaluate.evaluation import probe_indices
 from feast_edge.evaluate.federated import CALIBRATION, combine_counts, federated_accuracy
-from feast_edge.protocol import Evaluate
+from feast_edge.protocol import Evaluate, RoutedRequest
 from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import encode
-from feast_edge.route.plans import plan_client
+from feast_edge.route.plans import ClientPlan, plan_client
 from feast_edge.run.loop import RoundRecord
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.exchange import Expect, RoundExchange
+from feast_edge.space.arch import Arch
 from feast_edge.space.preset import Preset
 
 log = logging.getLogger(__name__)
+
+
+def send_routed_request(
+    exchange: RoundExchange,
+    kind: type[RoutedRequest],
+    plan: ClientPlan,
+    archs: list[Arch],
+    global_state: Mapping[str, torch.Tensor],
+    preset: Preset,
+    *,
+    t: int,
+    device: str,
+    calibration: int,
+    payload_dtype: str,
+    expect: Expect,
+) -> bool:
+    """Send ``device`` its routed slice of ``global_state`` and a ``kind`` request (evaluate, calibrate) about ``archs``."""
+    classes = preset.classes
+    manifest = plan.manifest(preset, classes, t, "routed", device, payload_dtype)
+    blob = encode(route_state(global_state, plan.layout(preset, classes), preset), manifest)
+    info = exchange.describe(device, blob)
+    message = kind.for_plan(
+        plan,
+        archs,
+        federation=exchange.topics.federation,
+        round=t,
+        device=device,
+        transfer=info,
+        timeout=exchange.time_left(),
+        calibration=calibration,
+        payload_dtype=payload_dtype,
+    )
+    return exchange.send(device, message, blob, info, expect)
 
 
 def _holds_out(devices: DeviceBook, device: str) -> bool:
@@ -77,28 +111,26 @@ class FederatedValidation:
             )
             return None
         began = time.monotonic()
-        exchange, classes = self.exchange, self.preset.classes
+        exchange = self.exchange
         exchange.open(t)
         for device in asked:
             registered = self.devices.registry.get(device)
             assert registered is not None
             plan = plan_client(self.cache, registered.budget_macs)
             probes = [e.arch for e in self.probes if e.arch in plan.affordable]
-            manifest = plan.manifest(self.preset, classes, t, "routed", device, self.payload_dtype)
-            blob = encode(route_state(self.global_state, plan.layout(self.preset, classes), self.preset), manifest)
-            info = exchange.describe(device, blob)
-            message = Evaluate.for_plan(
+            send_routed_request(
+                exchange,
+                Evaluate,
                 plan,
                 probes,
-                federation=exchange.topics.federation,
-                round=t,
+                self.global_state,
+                self.preset,
+                t=t,
                 device=device,
-                transfer=info,
-                timeout=exchange.time_left(),
                 calibration=self.calibration,
                 payload_dtype=self.payload_dtype,
+                expect=Expect(max_bytes=0, max_samples=0),
             )
-            exchange.send(device, message, blob, info, Expect(max_bytes=0, max_samples=0))
         reports: dict[str, list[tuple[int, int]]] = {}
         for reply in exchange.replies():
             if reply.evaluation is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from feast_edge.protocol.limits import MAX_EXAMPLES, MAX_PROBES
 from feast_edge.protocol.plans import check_plan, client_plan, plan_dict
@@ -14,6 +14,8 @@ from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.messages import Message, check_ids, check_transfer, message_kind
+
+R = TypeVar("R", bound="RoutedRequest")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,35 @@ class RoutedRequest(Message):
         if len(set(indices)) != len(indices) or max(indices) >= len(plan.get("affordable") or ()):
             raise ProtocolError(f"field {name!r} must be distinct indices into the plan's affordable variants")
 
+    INDICES: ClassVar[str] = ""  # the field naming the variants the request is about
+
+    @classmethod
+    def for_plan(
+        cls: type[R],
+        plan: ClientPlan,
+        archs: list[Arch],
+        *,
+        federation: str,
+        round: int,
+        device: str,
+        transfer: TransferInfo,
+        timeout: float,
+        calibration: int,
+        payload_dtype: str = "float32",
+    ) -> R:
+        """The request about ``archs`` (variants of ``plan``) of the routed ``transfer`` to ``device``."""
+        return cls(
+            federation=federation,
+            round=round,
+            device=device,
+            transfer=transfer.to_dict(),
+            timeout=timeout,
+            plan=plan_dict(plan),
+            calibration=calibration,
+            payload_dtype=payload_dtype,
+            **{cls.INDICES: tuple(plan.affordable.index(a) for a in archs)},
+        )
+
     def client_plan(self, preset: Preset) -> ClientPlan:
         return client_plan(self.plan, preset)
 
@@ -68,37 +99,12 @@ class Evaluate(RoutedRequest):
     of its training examples, tests it on its held-out split and answers ``evaluated`` within ``timeout`` seconds.
     """
 
+    INDICES: ClassVar[str] = "probes"
     probes: tuple[int, ...]
 
     def check(self) -> None:
         super().check()
         self.check_indices("probes", self.probes, self.plan)
-
-    @classmethod
-    def for_plan(
-        cls,
-        plan: ClientPlan,
-        probes: list[Arch],
-        *,
-        federation: str,
-        round: int,
-        device: str,
-        transfer: TransferInfo,
-        timeout: float,
-        calibration: int,
-        payload_dtype: str = "float32",
-    ) -> Evaluate:
-        return cls(
-            federation=federation,
-            round=round,
-            device=device,
-            transfer=transfer.to_dict(),
-            timeout=timeout,
-            plan=plan_dict(plan),
-            probes=tuple(plan.affordable.index(a) for a in probes),
-            calibration=calibration,
-            payload_dtype=payload_dtype,
-        )
 
     def probe_archs(self, plan: ClientPlan) -> list[Arch]:
         """The probes, as architectures of ``plan`` (the plan this message carries)."""
@@ -116,37 +122,12 @@ class Calibrate(RoutedRequest):
     training examples (the weight of its statistics), or ``declined``.
     """
 
+    INDICES: ClassVar[str] = "variants"
     variants: tuple[int, ...]
 
     def check(self) -> None:
         super().check()
         self.check_indices("variants", self.variants, self.plan)
-
-    @classmethod
-    def for_plan(
-        cls,
-        plan: ClientPlan,
-        variants: list[Arch],
-        *,
-        federation: str,
-        round: int,
-        device: str,
-        transfer: TransferInfo,
-        timeout: float,
-        calibration: int,
-        payload_dtype: str = "float32",
-    ) -> Calibrate:
-        return cls(
-            federation=federation,
-            round=round,
-            device=device,
-            transfer=transfer.to_dict(),
-            timeout=timeout,
-            plan=plan_dict(plan),
-            variants=tuple(plan.affordable.index(a) for a in variants),
-            calibration=calibration,
-            payload_dtype=payload_dtype,
-        )
 
     def variant_archs(self, plan: ClientPlan) -> list[Arch]:
         return [plan.affordable[i] for i in self.variants]
