@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT = 10.0  # seconds between "still waiting" lines
 POLL_EVERY = 0.5  # seconds between nacks of stalled uploads
 UNCLAIMED = 64  # finished uploads kept while their announcement is on its way
+MAX_IGNORED = 100  # ignored messages a round keeps the description of (the rest are counted)
 
 
 class WaitTimeout(Exception):
@@ -126,6 +127,7 @@ class _Round:
     settled: deque[Reply] = field(default_factory=deque)  # not yet handed to replies()
     dropped: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    ignored_beyond: int = 0  # ignored messages past MAX_IGNORED, counted only
 
 
 class RoundExchange:
@@ -138,6 +140,10 @@ class RoundExchange:
         self.current: _Round | None = None
         # device -> (round, sent transfer, upload size bound) of the round in flight; read by paho's thread (pre_expect)
         self.announced: dict[str, tuple[int, str, int]] = {}
+        # device -> the one upload transfer it may send in the round in flight: the first announcement that names the
+        # round and its routed transfer takes it; later ones with another transfer id are refused before they take
+        # anything (paho's thread and the run thread both claim, with setdefault: whichever comes first wins).
+        self.claimed: dict[str, str] = {}
         self._unclaimed: OrderedDict[str, Progress] = (
             OrderedDict()
         )  # finished uploads whose announcement has not arrived
@@ -178,6 +184,7 @@ class RoundExchange:
         self.receiver.reassembler.advance(t)
         self.current = _Round(t, time.monotonic() + self.settings.round_timeout)
         self._unclaimed.clear()
+        self.claimed = {}
 
     def time_left(self) -> float:
         """Seconds until the round's deadline (at least 1: what a device is told it has)."""
@@ -234,6 +241,10 @@ class RoundExchange:
         if self.events.stop.is_set():
             raise KeyboardInterrupt
         self.drain()
+        for device, pending in current.pending.items():
+            if pending.update is not None and not pending.settled and device not in current.dropped:
+                size = pending.update.transfer.get("size")
+                self._fail(device, f"its announced upload ({size} bytes) did not complete before the round's deadline")
         while current.settled:
             yield current.settled.popleft()
 
@@ -246,14 +257,19 @@ class RoundExchange:
             for d, p in current.pending.items()
             if p.update is None and p.error is None and not p.finished and d not in current.dropped
         ]
-        self.current, self.announced = None, {}
-        return Unsettled(missing, current.dropped, current.ignored)
+        self.current, self.announced, self.claimed = None, {}, {}
+        ignored = current.ignored + ([f"{current.ignored_beyond} more messages"] if current.ignored_beyond else [])
+        return Unsettled(missing, current.dropped, ignored)
 
     # ------------------------------------------------------------------ events (from the event loop)
     def ignore(self, what: str) -> None:
         self._dropped.log(logging.INFO, what.split(":")[0], "ignored %s", what)
-        if self.current is not None:
-            self.current.ignored.append(what)
+        current = self.current
+        if current is not None:
+            if len(current.ignored) < MAX_IGNORED:
+                current.ignored.append(what)
+            else:  # a flood: counted, not kept
+                current.ignored_beyond += 1
 
     def on_offline(self, devices: list[str]) -> None:
         """Devices whose host went offline: a round in flight stops waiting for them."""
@@ -270,7 +286,10 @@ class RoundExchange:
         """Paho's thread: take the chunks of an upload a cohort device just announced from the first one on.
 
         The reassembler takes only announced transfers (a stranger's frames cost nothing), and the chunks
-        follow the announcement at once; :meth:`on_update` checks the rest in the run thread.
+        follow the announcement at once; :meth:`on_update` checks the rest in the run thread. A device has one
+        upload slot per round: an announcement of another transfer than the one it claimed opens nothing (the
+        first counts, as :meth:`on_update` keeps the first update; letting a later one replace it would let a
+        device restart its upload, or hold many, all round).
         """
         slot = self.announced.get(message.device)
         if slot is None or slot[:2] != (message.round, message.routed):
@@ -279,7 +298,7 @@ class RoundExchange:
             info = message.transfer_info()
         except ProtocolError:
             return
-        if info.size <= slot[2]:
+        if info.size <= slot[2] and self.claimed.setdefault(message.device, info.transfer) == info.transfer:
             self.receiver.expect(info)
 
     def on_declined(self, message: Declined) -> None:
@@ -315,7 +334,9 @@ class RoundExchange:
                 f"update from {device}: it answers routed transfer {message.routed}, not this round's {pending.routed} (sent before a server restart?)"
             )
             return
-        if pending.update is not None:
+        if pending.update is not None or self.claimed.setdefault(
+            device, message.transfer.get("transfer")
+        ) != message.transfer.get("transfer"):
             self.ignore(f"update from {device}: duplicate for round {current.t + 1} (the first one counts)")
             return
         try:
