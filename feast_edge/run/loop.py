@@ -48,6 +48,7 @@ from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import ClientUpdate, Collector
 from feast_edge.run.strategy import FeastStrategy
 from feast_edge.space.supernet import Supernet
+from feast_edge.util.atomic import DiskFullError
 
 CHECKPOINT = "checkpoint.safetensors"
 PREVIOUS = "checkpoint.prev.safetensors"  # the last good checkpoint before the current one
@@ -241,10 +242,18 @@ class RunLoop:
             best=self.best,
             **self.extra_fields(),
         )
-        if self.model_record is None:
-            save_supernet(self.out / name, self.model, **fields)
-        else:
-            save_module(self.out / name, self.model, self.model_record, **fields)
+        try:
+            if self.model_record is None:
+                save_supernet(self.out / name, self.model, **fields)
+            else:
+                save_module(self.out / name, self.model, self.model_record, **fields)
+        except DiskFullError:
+            done = len(self.history) - 1  # the round whose checkpoint could not be written is lost, no other
+            kept = f"the last good checkpoint, round {done}, is intact" if done else "no round was checkpointed yet"
+            raise RunError(
+                f"cannot write the checkpoint to {self.out / name}: no space left on device; free space and rerun the "
+                f"same command ({kept})"
+            ) from None
 
     def load(self, path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         """A checkpoint of this loop's model (validated against it): (a loaded copy or the model itself, the record)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -11,6 +12,13 @@ from feast_edge.errors import FeastError
 
 class OutputPathError(FeastError, OSError):
     """An output path cannot be written."""
+
+
+class DiskFullError(OutputPathError):
+    """A write failed for lack of space (ENOSPC, EDQUOT): the file it would have replaced is intact."""
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def check_writable(path: str | os.PathLike[str], what: str, flag: str = "--out") -> Path:
@@ -43,7 +51,12 @@ def _umask() -> int:
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to a temporary file beside ``path``, fsync it, then rename over ``path``."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    except OSError as exc:
+        if exc.errno in FULL:
+            raise DiskFullError(f"cannot write {path}: no space left on device") from None
+        raise
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file ordinary permissions
         with os.fdopen(fd, "wb") as f:
@@ -51,9 +64,11 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in FULL:
+            raise DiskFullError(f"cannot write {path}: no space left on device ({len(data):,} bytes)") from None
         raise
     try:  # make the rename itself durable
         dir_fd = os.open(path.parent if str(path.parent) else ".", os.O_RDONLY)
