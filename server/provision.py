@@ -22,6 +22,7 @@ import datetime
 import hashlib
 import ipaddress
 import json
+import re
 import secrets
 from base64 import b64encode
 from dataclasses import dataclass
@@ -85,6 +86,11 @@ def provision(
         raise ProvisionError(f"{SERVER_NAME!r} and {SERVER!r} name the server; give the device another id")
     if not hosts:
         raise ProvisionError("give at least one --broker-host (the name or address devices use to reach the broker)")
+    if bind is not None and not _listen_address(bind):
+        raise ProvisionError(
+            f"--listen {bind[:80]!r} is not an IP address or host name; give e.g. 127.0.0.1, 192.168.1.10, 0.0.0.0 "
+            "or broker.lab.example"
+        )
     root.mkdir(parents=True, exist_ok=True)
     existing = _existing(root, federation, auth)
     revoked_serials = _revoke(root, revoke)
@@ -117,6 +123,18 @@ def provision(
         revoked_serials,
     )
     return Provisioned(root, root / "server", paths, config, sorted(set(known) - set(existing)))
+
+
+def _listen_address(text: str) -> bool:
+    """Whether ``text`` is an IP address or a DNS host name (it goes into the broker's configuration as it is)."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return len(text) <= 253 and re.fullmatch(_HOSTNAME, text) is not None
+
+
+_HOSTNAME = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
 
 
 # --- keys and certificates ----------------------------------------------------------------------

@@ -50,6 +50,14 @@ def provision_command(
         ),
     ] = None,
     broker_port: Annotated[int, typer.Option("--broker-port", min=1, max=65535, help="The broker's TLS port.")] = 8883,
+    listen: Annotated[
+        Optional[str],
+        typer.Option(
+            "--listen",
+            help="Address the generated broker configuration listens on (e.g. 127.0.0.1 for this machine only, or "
+            "one interface's address); default: every interface.",
+        ),
+    ] = None,
     broker_user: Annotated[
         Optional[str],
         typer.Option(
@@ -84,6 +92,7 @@ def provision_command(
         days=days,
         broker_user=broker_user,
         revoke=tuple(revoke or ()),
+        bind=listen,
     )
     table = Table(title=f"federation {federation!r}: {len(done.devices)} devices ({auth} authentication)")
     table.add_column("identity")
@@ -94,7 +103,7 @@ def provision_command(
         table.add_row(name, str(path), "yes" if name in done.added else "")
     console.print(table)
     console.print(
-        f"broker: mosquitto -c {done.broker_config}\n"
+        f"broker: mosquitto -c {done.broker_config} (TLS on {listen or 'every interface'}, port {broker_port})\n"
         f"server: feast-server run --credentials {done.server} --out RUN_DIR ...\n"
         f"device: copy its bundle to the device, then feast-agent run --credentials BUNDLE --data ...\n"
         f"Keep {out / 'ca' / 'ca.key'} off the devices; a bundle is its device's identity (treat it like a password).",

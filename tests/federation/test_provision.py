@@ -340,3 +340,50 @@ def test_a_provisioned_federation_trains_and_refuses_what_the_identities_do_not_
         )
     finally:
         running.broker.stop()
+
+
+def _accepts(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _outside_address() -> str | None:
+    """An address of this machine that is not loopback (what another machine on the network would connect to)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.broker
+def test_provision_listen_binds_the_generated_broker_to_one_address(tmp_path: Path, server_cli) -> None:
+    outside = _outside_address()
+    for listen in ("127.0.0.1", None):
+        port, root = free_port(), tmp_path / str(listen)
+        args = ["provision", "--out", str(root), "--federation", FED, "--device", "jet", "--broker-port", str(port)]
+        args += ["--broker-user", getpass.getuser(), *(["--listen", listen] if listen else [])]
+        done = server_cli.invoke(*args)
+        assert done.returncode == 0, done.stderr
+        assert f"TLS on {listen or 'every interface'}, port {port}" in done.stdout
+        conf = (root / "broker" / "mosquitto.conf").read_text()
+        assert f"\nlistener {port} 127.0.0.1\n" in conf if listen else f"\nlistener {port}\n" in conf
+        broker = start_mosquitto(root / "broker" / "mosquitto.conf", port, root / "broker.log", url="", enforces="")
+        try:
+            assert _accepts("127.0.0.1", port)
+            if outside is not None:  # bound to loopback: nobody else reaches it; unbound: everyone may
+                assert _accepts(outside, port) is (listen is None), outside
+        finally:
+            broker.stop()
+    for bad in ("127.0.0.1\nallow_anonymous true", "0.0.0.0 1883", "-bad-.example", "a" * 300):
+        refused = server_cli.invoke("provision", "--out", str(tmp_path / "bad"), "--device", "jet", "--listen", bad)
+        server_cli.assert_user_error(refused, "is not an IP address or host name")
