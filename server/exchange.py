@@ -25,7 +25,7 @@ from typing import Protocol
 
 from feast_edge.protocol import Declined, Evaluated, Update
 from feast_edge.transport.chunks import Progress, Status
-from feast_edge.transport.errors import LinkError, ProtocolError
+from feast_edge.transport.errors import ChunkError, LinkError, ProtocolError
 from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.messages import Message
 from feast_edge.transport.throttle import Throttle
@@ -299,7 +299,10 @@ class RoundExchange:
         except ProtocolError:
             return
         if info.size <= slot[2] and self.claimed.setdefault(message.device, info.transfer) == info.transfer:
-            self.receiver.expect(info)
+            try:
+                self.receiver.expect(info)
+            except ChunkError:
+                pass  # on_update, in the run thread, refuses the device's update with the reason
 
     def on_declined(self, message: Declined) -> None:
         """A cohort device says no update will come (training diverged or failed): stop waiting for it."""
@@ -356,12 +359,16 @@ class RoundExchange:
             self.receiver.reassembler.discard(info.transfer, problem)
             self._fail(device, problem)
             return
-        pending.update = message
         finished = self._unclaimed.pop(info.transfer, None)
+        if finished is None:
+            try:
+                self.receiver.expect(info)
+            except ChunkError as exc:  # its description is outside what the receiver takes (chunk size, federation...)
+                self._fail(device, f"its upload cannot be taken: {exc}")
+                return
+        pending.update = message
         if finished is not None:
             self._finish(device, pending, finished)
-        else:
-            self.receiver.expect(info)
 
     def tick(self) -> None:
         """Match finished uploads with their announcements, and nack stalled ones now and then."""

@@ -286,8 +286,18 @@ class Link:
             self._handler_thread.active = True
             try:
                 handler(received)
-            except Exception:  # a handler bug must not kill paho's network thread
-                log.exception("handler for %s failed", message.topic)
+            except Exception as exc:  # a handler bug must not kill paho's network thread
+                # Rate-limited per channel like every drop (a sender could trigger it at will); the traceback goes to
+                # the debug log only.
+                self._dropped.log(
+                    logging.ERROR,
+                    f"handler {channel_of(message.topic)}",
+                    "handler for %s failed: %s: %s",
+                    message.topic,
+                    type(exc).__name__,
+                    str(exc)[:300],
+                )
+                log.debug("handler for %s failed", message.topic, exc_info=True)
             finally:
                 self._handler_thread.active = False
 

@@ -241,6 +241,33 @@ def test_malformed_traffic_is_dropped_and_logged(
     assert "dropped feedback" in log and "not valid JSON" in log and "names device 'd9'" in log
 
 
+def test_a_handler_that_fails_on_every_message_logs_a_few_lines_and_keeps_serving(
+    make_link: Callable[..., Link], fed: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """301 messages that each make the handler raise: at most 5 error lines a minute per channel, no traceback outside
+    the debug log, and the link still delivers (issue 21, item 2)."""
+    topics = Topics(fed)
+    server, rogue = make_link(), make_link()
+    calls: list[bytes] = []
+
+    def handler(received: Received) -> None:
+        calls.append(received.payload)
+        if received.payload != b"fine":
+            raise ValueError(f"cannot handle {received.payload[:10]!r}")
+
+    server.subscribe(topics.events("+"), handler)
+    with caplog.at_level(logging.DEBUG, logger="feast_edge.transport"):
+        rogue.publish_many(topics.events("mallory"), (b"bad %d" % i for i in range(301)), window=64)
+        rogue.publish(topics.events("mallory"), b"fine", timeout=5)
+        assert wait_for(lambda: calls[-1:] == [b"fine"], timeout=20), len(calls)
+    failures = [r for r in caplog.records if "handler for" in r.getMessage()]
+    errors = [r for r in failures if r.levelno >= logging.ERROR]
+    assert 1 <= len(errors) <= 5 and all(r.exc_info is None for r in errors)
+    assert "ValueError: cannot handle" in errors[0].getMessage()
+    debug = [r for r in failures if r.levelno == logging.DEBUG]
+    assert len(debug) == 301 and all(r.exc_info is not None for r in debug)  # full detail in the debug log
+
+
 # --- presence ------------------------------------------------------------------------------------
 
 
