@@ -24,6 +24,7 @@ class Downloads:
         self.receiver = receiver
         self._finished: OrderedDict[str, Progress] = OrderedDict()  # e.g. a model pushed while a round's payload came
         self._keep = keep
+        self.failures: OrderedDict[str, str] = OrderedDict()  # transfer -> why it was rejected (the last few)
 
     def received(self, transfer: str) -> int:
         """Chunks of ``transfer`` held so far."""
@@ -59,7 +60,9 @@ class Downloads:
                 progress(self.received(transfer))
         if finished.status is Status.COMPLETE and finished.payload is not None:
             return finished.payload
-        log.warning(
-            "transfer %s for %s failed: %s", transfer, finished.info.device, finished.reason or finished.status.value
-        )
+        reason = finished.reason or finished.status.value
+        log.warning("transfer %s for %s failed: %s", transfer, finished.info.device, reason)
+        self.failures[transfer] = reason
+        while len(self.failures) > self._keep:
+            self.failures.popitem(last=False)
         return None

@@ -39,6 +39,7 @@ class Hosted:
             max_payload_bytes=max_payload,
             max_buffered_bytes=2 * max_payload,
             expected_only=True,
+            refetch=1,  # a payload that fails its hash (a corrupted chunk) is fetched once more before the round is declined
         )
         receiver = ChunkReceiver(link, topics, "down", device=data.device_id, reassembler=reassembler)
         sender = ChunkSender(link, topics, "up", device=data.device_id, chunk_size=chunk_size)

@@ -70,6 +70,9 @@ class RoundRunner:
             ),
         )
         if blob is None:
+            failed = client.downloads.failures.get(info.transfer)
+            if failed is not None:  # it came and could not be verified, even fetched again: the server stops waiting
+                return self._decline(assignment, f"its routed payload could not be verified: {failed}")
             why = "before the deadline (or a newer round or the federation's end overtook it)"
             log.warning("%s: no routed payload for %s %s; skipped", shown, device_id, why)
             return False

@@ -67,6 +67,7 @@ class _Incoming:
     parts: dict[int, memoryview] = field(default_factory=dict)
     hasher: Any = field(default_factory=hashlib.sha256)
     hashed: int = 0  # chunks 0..hashed-1 are in the hasher already
+    refetched: int = 0  # times every chunk was asked for again after the payload failed its hash
 
     def store(self, index: int, data: memoryview) -> None:
         self.parts[index] = data
@@ -97,9 +98,13 @@ class Reassembler:
         ttl: float = 120.0,
         remember: int = 1024,
         clock: Clock = time.monotonic,
+        refetch: int = 0,
     ) -> None:
         """Limits on what a sender may declare; ``expected_only``: chunks of transfers not announced with :meth:`expect` are ignored
-        without allocating anything (a stranger's frames cost the receiver nothing)."""
+        without allocating anything (a stranger's frames cost the receiver nothing). ``refetch``: times a transfer whose
+        payload fails its SHA-256 is started over (every chunk nacked again, which the sender still holds: no receipt
+        was sent) before it is rejected; a corrupted chunk cannot be told from a good one, so all are asked for."""
+        self.refetch = refetch
         self.federation = federation
         self.max_transfers = max_transfers
         self.max_payload_bytes = max_payload_bytes
@@ -146,6 +151,12 @@ class Reassembler:
             del self._active[info.transfer]
             # The hash was updated chunk by chunk, so the verdict is cheap; record it before releasing the lock.
             digest = incoming.hasher.hexdigest()
+            if digest != info.sha256 and incoming.refetched < self.refetch:
+                again = self._active[info.transfer] = _Incoming(info, incoming.started, now)
+                again.refetched = incoming.refetched + 1
+                again.last_nack = float("-inf")  # nacked at the next poll: every chunk
+                reason = f"sha256 mismatch; asking for every chunk again ({again.refetched} of {self.refetch})"
+                return Progress(info, index, Status.PARTIAL, reason=reason)
             if digest != info.sha256:
                 reason = f"sha256 mismatch: received payload hashes to {digest}, header says {info.sha256}"
                 self._finish(info.transfer, Status.REJECTED, reason)

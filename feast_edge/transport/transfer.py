@@ -286,6 +286,8 @@ class ChunkReceiver:
             progress.info.transfer,
             progress.status.value,
         )
+        if progress.status is Status.PARTIAL and progress.reason:  # started over after a failed hash
+            log.warning("transfer %s from %s: %s", progress.info.transfer, progress.info.device, progress.reason)
         if progress.status in (Status.COMPLETE, Status.REJECTED):
             if progress.status is Status.REJECTED:
                 log.warning(

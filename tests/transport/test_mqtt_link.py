@@ -216,6 +216,38 @@ def test_corrupted_chunk_is_rejected_and_the_sender_told(make_link: Callable[...
     assert receipt is not None and not receipt.ok and "sha256 mismatch" in receipt.reason
 
 
+def test_a_payload_that_fails_its_hash_is_fetched_again_once(make_link: Callable[..., Link], fed: str) -> None:
+    """One flipped bit in one chunk (issue 21, item 4): a receiver allowed one refetch nacks every chunk, the sender
+    (holding the payload: no receipt yet) sends them again, and the transfer completes; corrupted twice, it is rejected."""
+    from feast_edge.transport.chunks import Reassembler
+
+    topics = Topics(fed)
+    server, device = make_link(), make_link()
+    sender = ChunkSender(server, topics, "down", chunk_size=1000)
+    receiver = ChunkReceiver(
+        device, topics, "down", device="d1", nack_after=0.2, reassembler=Reassembler(federation=fed, refetch=1)
+    )
+    payload = bytes(range(256)) * 12
+    for corruptions, expected in ((1, Status.COMPLETE), (2, Status.REJECTED)):
+        info = sender.outbox.add(payload, federation=fed, round=1, device="d1")
+        receiver.expect(info)
+        good = list(sender.outbox.frames(info.transfer))
+        bad = [*good]
+        bad[2] = bad[2][:-1] + bytes([bad[2][-1] ^ 1])
+        server.publish_many(topics.xfer("down", "d1"), bad, timeout=10)
+        if corruptions == 2:  # the attacker corrupts the resent copy too: it arrives before the sender's resend
+            time.sleep(0.05)
+            server.publish_many(topics.xfer("down", "d1"), bad, timeout=10)
+        result = receiver.get(timeout=10)
+        assert result is not None and result.status is expected, (result, corruptions)
+        if expected is Status.COMPLETE:
+            assert result.payload == payload
+        else:
+            assert "sha256 mismatch" in result.reason
+        receipt = sender.wait_receipt(info.transfer, timeout=5)
+        assert receipt is not None and receipt.ok is (expected is Status.COMPLETE)
+
+
 def test_malformed_traffic_is_dropped_and_logged(
     make_link: Callable[..., Link], fed: str, caplog: pytest.LogCaptureFixture
 ) -> None:
