@@ -150,6 +150,7 @@ def run_fleet(k: int, args: argparse.Namespace, tmp: Path, tree: Path = REPO, la
         "feast_edge.server.cli",
         [
             "run",
+            "--insecure",
             *common,
             "--out",
             str(out),
@@ -188,6 +189,7 @@ def run_fleet(k: int, args: argparse.Namespace, tmp: Path, tree: Path = REPO, la
                     "feast_edge.agent.cli",
                     [
                         "run",
+                        "--insecure",
                         *common,
                         "--device-id",
                         f"a{i}",

@@ -89,6 +89,7 @@ def main() -> None:
                         "-m",
                         "feast_edge.agent.cli",
                         "run",
+                        "--insecure",
                         "--broker",
                         args.broker,
                         "--device-id",

@@ -139,7 +139,7 @@ class Chaos:
             "broker", "broker", [shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)], logs
         )
         server = [
-            sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", self.url, "--out", str(self.out), "--rounds", str(config.rounds),
+            sys.executable, "-m", "feast_edge.server.cli", "run", "--insecure", "--broker", self.url, "--out", str(self.out), "--rounds", str(config.rounds),
             "--per-round", str(config.per_round), "--min-clients", str(args.min_clients), "--round-timeout", str(args.round_timeout),
             "--seed", str(config.seed), "--batch-size", str(config.batch_size), "--data", str(work / "partition"), "--federation", self.federation,
             "--no-export", "--eval-every", str(config.rounds), "--threads", "1",
@@ -149,7 +149,7 @@ class Chaos:
             Supervised(
                 c["client_id"], "agent",
                 [
-                    sys.executable, "-m", "feast_edge.agent.cli", "run", "--broker", self.url, "--device-id", c["client_id"],
+                    sys.executable, "-m", "feast_edge.agent.cli", "run", "--insecure", "--broker", self.url, "--device-id", c["client_id"],
                     "--data", str(work / "partition" / c["file"]), "--federation", self.federation, "--threads", "1", "--register-timeout", "900",
                 ],
                 logs,

@@ -388,7 +388,7 @@ def run(scenario: Scenario, args: argparse.Namespace, work: Path) -> Row:
     out = work / "run"
     server_log = work / "server.log"
     command = [
-        sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", broker.url, "--out", str(out), "--rounds", "1", "--per-round", "1",
+        sys.executable, "-m", "feast_edge.server.cli", "run", "--insecure", "--broker", broker.url, "--out", str(out), "--rounds", "1", "--per-round", "1",
         "--min-clients", "1", "--round-timeout", str(args.round_timeout), "--federation", topics.federation, "--wait-timeout", "120",
         "--threads", "1", "--serve",
     ]  # fmt: skip
@@ -418,7 +418,7 @@ def run(scenario: Scenario, args: argparse.Namespace, work: Path) -> Row:
         attacker = Attacker(broker.url, topics)
         with open(work / "agent.log", "w") as log:
             agent = [
-                sys.executable, "-m", "feast_edge.agent.cli", "run", "--broker", broker.url, "--device-id", HONEST, "--data", str(FASHION_MNIST_DIR),
+                sys.executable, "-m", "feast_edge.agent.cli", "run", "--insecure", "--broker", broker.url, "--device-id", HONEST, "--data", str(FASHION_MNIST_DIR),
                 "--shard", args.honest_shard, "--budget", "39M", "--federation", topics.federation, "--threads", "1",
             ]  # fmt: skip
             processes.append(subprocess.Popen(agent, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))

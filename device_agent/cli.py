@@ -124,6 +124,7 @@ def run(
     ] = 60.0,
     threads: common.ThreadsOpt = 0,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    insecure: common.InsecureOpt = False,
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,
 ) -> None:
@@ -184,6 +185,7 @@ def run(
         model_dir=None if model_dir is None else str(model_dir),
         stay=stay,
     )
+    common.check_insecure(link, insecure, "feast-agent run")
     agent = Agent(config, link, hosted)
     log.info("%s, %s", describe_device(torch_device, device), precision.describe())
 

@@ -10,6 +10,7 @@ import typer
 from feast_edge.agent.identity import DeviceIdOpt, identity
 from feast_edge.cli import common
 from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.credentials import credentials_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 console = common.make_console()
@@ -76,8 +77,13 @@ def fetch_model_command(
         if m.get("validation_accuracy") is not None
         else "no accuracy measured"
     )
+    checked = (
+        ""
+        if credentials_of(link) is not None
+        else " against an unauthenticated manifest: without --credentials anyone on the broker could have sent both"
+    )
     console.print(
-        f"saved {got.path} ({m['size']:,} bytes, sha256 {m['sha256'][:16]}… verified)\n"
+        f"saved {got.path} ({m['size']:,} bytes, sha256 {m['sha256'][:16]}… verified{checked})\n"
         f"arch {m['arch']}  {m['macs'] / 1e6:.2f}M MACs  {m['params'] / 1e6:.3f}M params  {accuracy}\n"
         f"onnxruntime latency (batch 1, CPU): median {got.latency['median_ms']:.3f} ms, p90 {got.latency['p90_ms']:.3f} ms",
         soft_wrap=True,

@@ -172,9 +172,12 @@ def run_demo(
             if not owned.url.startswith("mqtts://"):  # amqtt: the bundles' TLS broker URL does not apply
                 identity = {name: [*args, "--broker", owned.url] for name, args in identity.items()}
         else:
-            say(f"broker: {broker} (given with --broker; not provisioned: anonymous clients, no signatures)")
+            say(
+                f"broker: {broker} (given with --broker; not provisioned: anonymous clients, no signatures, so the "
+                "server and agents run with --insecure)"
+            )
             identity = {
-                name: ["--broker", broker, "--federation", federation]
+                name: ["--insecure", "--broker", broker, "--federation", federation]
                 + ([] if name == "server" else ["--device-id", name])
                 for name in ["server", *names]
             }

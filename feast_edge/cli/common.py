@@ -320,6 +320,34 @@ def mqtt_options(
     return option_group("link", options, build)
 
 
+InsecureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--insecure",
+        help="Run without --credentials: no identities, no signatures (anyone on the broker can take part). Refused "
+        "without this flag.",
+    ),
+]
+
+STRANGER = (
+    "anyone who can reach the broker can register as a device, read every routed slice of the model, forge updates "
+    "and receipts, and answer fetch-model with another model"
+)
+
+
+def check_insecure(link: LinkConfig | None, insecure: bool, command: str) -> None:
+    """Without a credentials bundle, ``command`` runs only with ``--insecure``, and then says what that allows."""
+    if credentials_of(link) is not None:
+        return
+    where = link.broker if link is not None else "the broker"
+    if not insecure:
+        raise FeastError(
+            f"{command} without --credentials is unauthenticated: {STRANGER} on {where}; give --credentials BUNDLE "
+            "(feast-server provision writes them), or --insecure to run so anyway"
+        )
+    logging.getLogger("feast_edge").warning("--insecure: no credentials, no signatures: %s (%s)", STRANGER, where)
+
+
 def federation_of(link: LinkConfig | None, federation: str | None) -> str:
     """The federation id: --federation, else the credentials bundle's, else 'feast'; a bundle for another federation is an error."""
     bundle = credentials_of(link)

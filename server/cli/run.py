@@ -177,6 +177,7 @@ def run(
     dashboard: common.DashboardOpt = None,
     dashboard_token: common.DashboardTokenOpt = None,
     tensorboard: common.TensorBoardOpt = False,
+    insecure: common.InsecureOpt = False,
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,
 ) -> None:
@@ -219,6 +220,7 @@ def run(
         clip_norm=clip_norm,
         payload_dtype=payload_dtype,
     )
+    common.check_insecure(link, insecure, "feast-server run")
     state = None if dashboard is None else DashboardState("federation", f"feast-server: federation {federation}")
     server = FederationServer(config, link, on_round=print_round, dashboard=state)
     web = None if state is None else common.open_dashboard(state, dashboard, dashboard_token, log.info)

@@ -231,6 +231,7 @@ def test_agent_finds_its_profile_and_reports_the_real_problem(installed: Install
     result = installed.script(
         "feast-agent",
         "run",
+        "--insecure",
         "--profile",
         "jetson-nano",
         "--device-id",
@@ -257,7 +258,7 @@ def test_the_installed_agent_reads_an_image_folder_against_its_task(installed: I
         for i in range(3):
             Image.new("RGB", (40 + i, 30), (shade, shade, shade)).save(photos / name / f"{i}.jpg")
     cache = tmp_path / "cache"
-    args = ("run", "--profile", "jetson-nano", "--device-id", "d1", "--broker", "mqtt://127.0.0.1:1")
+    args = ("run", "--insecure", "--profile", "jetson-nano", "--device-id", "d1", "--broker", "mqtt://127.0.0.1:1")
     installed.env["FEAST_EDGE_DATA_CACHE"] = str(cache)
     result = installed.script("feast-agent", *args, "--data", str(photos))
     # The folder is checked against the task and decoded (then cached) before the agent connects; only the broker fails.

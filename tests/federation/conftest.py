@@ -130,6 +130,7 @@ def spawn_agent(
         "-m",
         "feast_edge.agent.cli",
         "run",
+        "--insecure",
         "--broker",
         broker,
         "--device-id",

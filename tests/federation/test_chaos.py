@@ -101,7 +101,7 @@ def server_command(
 ) -> list[str]:
     """``feast-server run`` with the settings that reproduce ``config``'s simulation; it waits for all 3 devices before its first round."""
     return [
-        sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", broker, "--out", str(out), "--rounds", str(config.rounds),
+        sys.executable, "-m", "feast_edge.server.cli", "run", "--insecure", "--broker", broker, "--out", str(out), "--rounds", str(config.rounds),
         "--per-round", str(config.per_round), "--min-clients", str(config.per_round), "--start-clients", str(config.clients),
         "--round-timeout", "120", "--seed", str(config.seed), "--batch-size", str(config.batch_size), "--data", str(partition),
         "--federation", federation, "--wait-timeout", "180", "--no-export", "--eval-every", "1", "--threads", "1",
@@ -272,7 +272,7 @@ def test_an_update_sent_before_the_server_is_back_on_the_broker_still_counts(
     """
     out = tmp_path / "run"
     command = [
-        sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", private_broker.url, "--out", str(out), "--rounds", "1", "--per-round", "1",
+        sys.executable, "-m", "feast_edge.server.cli", "run", "--insecure", "--broker", private_broker.url, "--out", str(out), "--rounds", "1", "--per-round", "1",
         "--min-clients", "1", "--round-timeout", "30", "--federation", federation, "--wait-timeout", "120", "--no-export", "--threads", "1",
     ]  # fmt: skip
     server_log = tmp_path / "server.log"

@@ -455,6 +455,7 @@ def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round
         "-m",
         "feast_edge.server.cli",
         "run",
+        "--insecure",
         "--broker",
         kit.LOCAL,
         "--out",
@@ -533,6 +534,7 @@ def test_a_second_agent_with_an_online_device_id_is_refused(
                 "-m",
                 "feast_edge.agent.cli",
                 "run",
+                "--insecure",
                 "--broker",
                 kit.LOCAL,
                 "--device-id",
@@ -614,6 +616,7 @@ def test_unreachable_broker_is_one_line_for_both_commands(
     nowhere = f"mqtt://127.0.0.1:{kit.free_port()}"
     server = server_cli.invoke(
         "run",
+        "--insecure",
         "--broker",
         nowhere,
         "--out",
@@ -627,11 +630,48 @@ def test_unreachable_broker_is_one_line_for_both_commands(
     )
     _one_line_error(server, "cannot reach MQTT broker at 127.0.0.1:")
     agent = agent_cli.invoke(
-        "run", "--broker", nowhere, "--device-id", "d1", "--data", str(partition / "client-000.safetensors")
+        "run",
+        "--insecure",
+        "--broker",
+        nowhere,
+        "--device-id",
+        "d1",
+        "--data",
+        str(partition / "client-000.safetensors"),
     )
     _one_line_error(agent, "connection refused; is the broker running? check --broker")
     fetch = agent_cli.invoke("fetch-model", "--broker", nowhere, "--device-id", "d1", "--out", str(tmp_path / "m.onnx"))
     _one_line_error(fetch, "cannot reach MQTT broker")
+
+
+def test_without_credentials_both_commands_refuse_unless_insecure(
+    server_cli, agent_cli, kit, tmp_path: Path, partition: Path
+) -> None:
+    """Issue 21, item 5: no bundle, no --insecure: one line naming what a stranger could do and the two fixes."""
+    server = server_cli.invoke("run", "--broker", kit.LOCAL, "--out", str(tmp_path / "run"), "--rounds", "1")
+    _one_line_error(
+        server, "feast-server run without --credentials is unauthenticated: anyone who can reach the broker"
+    )
+    assert "give --credentials BUNDLE" in server.stderr and "--insecure" in server.stderr
+    agent = agent_cli.invoke(
+        "run", "--broker", kit.LOCAL, "--device-id", "d1", "--data", str(partition / "client-000.safetensors")
+    )
+    _one_line_error(agent, "feast-agent run without --credentials is unauthenticated")
+    nowhere = f"mqtt://127.0.0.1:{kit.free_port()}"
+    insecure = agent_cli.invoke(
+        "run",
+        "--insecure",
+        "--broker",
+        nowhere,
+        "--device-id",
+        "d1",
+        "--data",
+        str(partition / "client-000.safetensors"),
+    )
+    assert (
+        "--insecure: no credentials, no signatures: anyone who can reach the broker"
+        in insecure.stderr + insecure.stdout
+    )
 
 
 def test_wrong_credentials_are_one_line_for_both_commands(
@@ -640,6 +680,7 @@ def test_wrong_credentials_are_one_line_for_both_commands(
     creds = ["--username", "alice", "--password", "wrong"]
     server = server_cli.invoke(
         "run",
+        "--insecure",
         "--broker",
         password_broker,
         *creds,
@@ -655,6 +696,7 @@ def test_wrong_credentials_are_one_line_for_both_commands(
     _one_line_error(server, "rejected the credentials of user 'alice'")
     agent = agent_cli.invoke(
         "run",
+        "--insecure",
         "--broker",
         password_broker,
         *creds,
@@ -671,6 +713,7 @@ def test_agent_input_errors_are_one_line(agent_cli, kit, tmp_path: Path, partiti
     _one_line_error(missing, "does not exist; pass a Fashion-MNIST directory")
     low = agent_cli.invoke(
         "run",
+        "--insecure",
         "--broker",
         kit.LOCAL,
         "--device-id",
@@ -683,6 +726,7 @@ def test_agent_input_errors_are_one_line(agent_cli, kit, tmp_path: Path, partiti
     _one_line_error(low, "below the smallest cached variant")
     silent = agent_cli.invoke(
         "run",
+        "--insecure",
         "--broker",
         kit.LOCAL,
         "--device-id",

@@ -57,7 +57,7 @@ def test_a_user_preset_federates_on_the_devices_images(kit, cli, federation, tmp
 
     log_file, models = tmp_path / "server.log", tmp_path / "models"
     command = [
-        sys.executable, "-m", "feast_edge.server.cli", "run", "--broker", kit.LOCAL, "--federation", federation,
+        sys.executable, "-m", "feast_edge.server.cli", "run", "--insecure", "--broker", kit.LOCAL, "--federation", federation,
         "--preset", str(preset_file), "--out", str(tmp_path / "server"), "--rounds", "1", "--per-round", "2",
         "--min-clients", "2", "--batch-size", "16", "--eval-every", "1", "--round-timeout", "120",
         "--wait-timeout", "120", "--threads", "1",
