@@ -74,6 +74,7 @@ class Agent:
         self.stop = threading.Event()
         self.current_round = 0
         self.inbox = Inbox(self.topics, self._expect_announced)
+        self.inbox.instance = self.instance
         self.registration = Registration(config, self.preset, self.instance, self.link, self.topics, self.clients)
         self._receipts = Confirmations()  # uploads awaiting the server's receipt
         self.rounds = RoundRunner(

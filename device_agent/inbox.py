@@ -56,6 +56,7 @@ class Inbox:
         self._lock = threading.Lock()
         self._latest_round: dict[str, str] = {}  # device -> msg_id of its newest round message
         self._news: dict[str, int] = {}  # device -> number of its newest round message or end of the federation
+        self.instance = ""  # this agent's instance: only a finished naming it ends anything
 
     def subscribe(self, link: Link, devices: Iterable[str], host: str, on_own_offline: Callable[[], None]) -> None:
         """Every hosted client's control topic, the server's presence, and this agent's own (``on_own_offline``: someone
@@ -138,5 +139,5 @@ class Inbox:
             if isinstance(message, RoundStart) and self._latest_round.get(device) != message.msg_id:  # not a repeat
                 self._latest_round[device] = message.msg_id
                 self._news[device] = incoming.number
-            elif isinstance(message, Finished):
+            elif isinstance(message, Finished) and message.instance == self.instance:
                 self._news[device] = incoming.number

@@ -146,6 +146,7 @@ class Registration:
                 device=message.device,
                 rounds=message.rounds,
                 completed=message.rounds,
+                instance=self.instance,
             )
         elif message.device not in self.accepted:
             log.debug("server accepted %s (preset %s, %d rounds)", message.device, message.preset, message.rounds)
@@ -178,6 +179,14 @@ class Registration:
                 )
 
     def on_finished(self, message: Finished) -> None:
+        if message.instance != self.instance:  # a replay from an earlier run, or another agent's: not this agent's end
+            log.info(
+                "ignored finished for %s: it names agent instance %s, this agent is %s (replayed from an earlier run?)",
+                message.device,
+                message.instance[:16],
+                self.instance,
+            )
+            return
         self.ended[message.device] = message
         log.info(
             "federation %r finished after %d of %d rounds%s",

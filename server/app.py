@@ -375,7 +375,7 @@ class FederationServer:
         """Tell every registered device that the federation is over."""
         assert self.models is not None, "start() first"
         self.devices.finished = True
-        devices = [d.device_id for d in self.registry.devices()]
+        devices = [(d.device_id, d.instance) for d in self.registry.devices()]
         self.models.finish(devices, self.config.rounds, len(self.history), [m["device"] for m in manifests])
 
     def serve(self, seconds: float | None = None) -> None:

@@ -95,16 +95,18 @@ class ModelServer:
         here = set(online)
         return [m["device"] for m in manifests if m["device"] in here and self.send(m["device"])]
 
-    def finish(self, devices: Iterable[str], rounds: int, completed: int, exported: Iterable[str]) -> None:
-        """Tell ``devices`` the federation is over (their agents exit unless started with --stay)."""
+    def finish(self, devices: Iterable[tuple[str, str]], rounds: int, completed: int, exported: Iterable[str]) -> None:
+        """Tell ``devices`` ((device id, its agent's instance)) the federation is over (their agents exit unless started
+        with --stay)."""
         with_model = set(exported)
-        for device in devices:
+        for device, instance in devices:
             message = Finished(
                 federation=self.topics.federation,
                 round=0,
                 device=device,
                 rounds=rounds,
                 completed=completed,
+                instance=instance,
                 model=device in with_model,
             )
             self.link.publish(self.topics.ctrl(device), message.encode())

@@ -56,10 +56,17 @@ class Finished(Message):
     """Server -> device on ``ctrl/{device}``: the federation ran ``completed`` of ``rounds`` rounds and is over.
 
     ``model``: whether a model was exported for the device (it follows as ``model`` or can be fetched).
+    ``instance``: the agent instance whose registration the server holds (as ``registered.instance``): a signed
+    ``finished`` recorded in an earlier run, or sent to another agent of the same device id, names another instance
+    and is dropped.
     """
 
     round_scoped: ClassVar[bool] = False
 
     rounds: int
     completed: int
+    instance: str
     model: bool = False
+
+    def check(self) -> None:
+        check_ids(self, "instance")

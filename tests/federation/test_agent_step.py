@@ -107,6 +107,7 @@ def test_the_inbox_says_a_new_round_or_the_end_overtakes_a_round_and_a_repeat_or
     topics, link = Topics("lab"), _FakeLink()
     announced: list[str] = []
     inbox = Inbox(topics, lambda device_id, message: announced.append(device_id))
+    inbox.instance = "agent1"
     inbox.subscribe(link, ["d", "e"], "host", on_own_offline=lambda: None)  # type: ignore[arg-type]
     deliver = {d: link.handlers[topics.ctrl(d)] for d in ("d", "e")}
     first, _ = _round("d", t=0)
@@ -120,9 +121,14 @@ def test_the_inbox_says_a_new_round_or_the_end_overtakes_a_round_and_a_repeat_or
     assert inbox.overtaken("d", running.number)
     latest = [inbox.get(0) for _ in range(3)][-1]
     assert latest is not None and not inbox.overtaken("d", latest.number)
-    deliver["d"](
-        Received(topics.ctrl("d"), Finished(federation="lab", round=1, device="d", rounds=2, completed=2).encode())
-    )
+
+    def finished(instance: str) -> Received:
+        end = Finished(federation="lab", round=1, device="d", rounds=2, completed=2, instance=instance)
+        return Received(topics.ctrl("d"), end.encode())
+
+    deliver["d"](finished("earlier1"))  # replayed from an earlier run (another agent instance): overtakes nothing
+    assert not inbox.overtaken("d", latest.number)
+    deliver["d"](finished("agent1"))
     assert inbox.overtaken("d", latest.number)
 
 

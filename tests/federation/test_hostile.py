@@ -283,3 +283,56 @@ def test_model_requests_cost_one_copy_and_one_send_per_interval(tmp_path: Path, 
         assert serving._waiting == {}
     finally:
         link.close()
+
+
+@pytest.mark.slow
+def test_a_finished_replayed_from_an_earlier_run_does_not_end_an_agent(
+    kit, tmp_path: Path, federation: str, partition: Path
+) -> None:
+    """Issue 21, item 6: ``finished`` names the agent instance whose registration the server holds; one recorded in
+    an earlier run (another instance of the same device) is dropped, and the agent goes on to train this run."""
+    from feast_edge.protocol import Finished
+
+    config = ServerConfig(
+        out=str(tmp_path / "server"),
+        federation=federation,
+        rounds=1,
+        per_round=1,
+        min_clients=1,
+        start_clients=1,
+        round_timeout=120.0,
+        wait_timeout=120.0,
+        batch_size=32,
+        data=str(partition),
+    )
+    attacker = Link(LinkConfig(broker=kit.LOCAL))
+    attacker.connect(timeout=5)
+    replayed = Finished(
+        federation=federation, round=0, device="client-000", rounds=1, completed=1, instance="0123456789abcdef"
+    )
+    agent = kit.spawn_agent(
+        tmp_path / "logs", "client-000", partition / "client-000.safetensors", federation, "--register-timeout", "60"
+    )
+    try:
+        # Before the server exists: the agent waits to register; the replay reaches it first.
+        deadline = time.monotonic() + 60
+        while "connected to" not in kit.log_text(agent) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for _ in range(3):
+            attacker.publish(Topics(federation).ctrl("client-000"), replayed.encode(), timeout=5)
+        time.sleep(2.0)
+        assert agent.poll() is None, kit.log_text(agent)[-2000:]
+        server = kit.ServerThread(config).start()
+        try:
+            history = server.join(180)
+            server.server.finish([])  # the real end names the instance that registered: the agent leaves
+            assert agent.wait(60) == 0, kit.log_text(agent)[-2000:]
+        finally:
+            server.close()
+        assert history[0].applied and history[0].updated == ["client-000"]
+    finally:
+        kit.stop(agent)
+        attacker.close()
+    text = kit.log_text(agent)
+    assert "ignored finished for client-000: it names agent instance 0123456789abcdef" in text, text[-3000:]
+    assert "federation" in text and "finished after 1 of 1 rounds" in text

@@ -66,7 +66,7 @@ EXAMPLES = [
     Declined(**COMMON, routed="t1", reason="training diverged (loss nan, or non-finite weights)"),
     ModelRequest(**COMMON),
     ModelReady(**COMMON, transfer=INFO, manifest={"macs": 24957968}),
-    Finished(**COMMON, rounds=10, completed=10, model=True),
+    Finished(**COMMON, rounds=10, completed=10, instance="a1b2", model=True),
 ]
 
 
