@@ -17,6 +17,8 @@ floods:
   nacks       nacks on xfer/nack/down/{device} asking for every chunk of the round's routed payload, again and again
   malformed   deep JSON, bad UTF-8, 1e999, oversize and shapeless messages on register/{device} and events/{device}
   messages    small valid metrics messages from a registered device on its own events/{device}
+  announcements  a registered device in the cohort (cohort of 2 with the honest one) announcing uploads of its own
+              routed slice on events/{device}: fresh transfer ids, no chunks (it holds one upload slot, never more)
   models      model requests for an exported model on events/{device}, against a server that has exported and serves
 """
 
@@ -168,14 +170,14 @@ class Attacker:
         else:
             self.ctrl.put(message.payload)
 
-    def next(self, kind: type, timeout: float) -> object:
+    def next(self, kind: type, timeout: float, device: str | None = None) -> object:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 message = parse(self.ctrl.get(timeout=0.2))
             except queue.Empty:
                 continue
-            if isinstance(message, kind):
+            if isinstance(message, kind) and (device is None or message.device == device):
                 return message
         raise SystemExit(f"the attacker saw no {kind.__name__} within {timeout:g} s")
 
@@ -311,6 +313,25 @@ def message_flood(c: Context) -> Iterator[tuple[str, bytes]]:
         )
 
 
+def announcement_flood(c: Context) -> Iterator[tuple[str, bytes]]:
+    """Mallory, in the cohort, announces uploads of its own routed slice: fresh transfer ids, never a chunk."""
+    assert c.start is not None and c.start.device == MALLORY
+    for _ in range(c.args.announcements):
+        info = TransferInfo(
+            federation=c.topics.federation, round=c.start.round, device=MALLORY, transfer=new_transfer_id(), count=1,
+            size=1024, chunk=1024, sha256="0" * 64,
+        )  # fmt: skip
+        update = Update(
+            federation=c.topics.federation,
+            round=c.start.round,
+            device=MALLORY,
+            transfer=info.to_dict(),
+            routed=c.start.transfer["transfer"],
+            samples=10,
+        )
+        yield c.topics.events(MALLORY), update.encode()
+
+
 def model_request_flood(c: Context) -> Iterator[tuple[str, bytes]]:
     for _ in range(c.args.requests):
         yield c.topics.events(HONEST), ModelRequest(federation=c.topics.federation, round=0, device=HONEST).encode()
@@ -322,6 +343,7 @@ class Scenario:
     what: str
     messages: Callable[[Context], Iterable[tuple[str, bytes]]] | None
     serving: bool = False  # against a server that exported models and serves them (its own baseline)
+    in_cohort: bool = False  # mallory registers first and is sampled with the honest device (cohort of 2)
 
 
 SCENARIOS = [
@@ -331,6 +353,12 @@ SCENARIOS = [
     Scenario("nacks", "(iii) nacks for the whole routed payload", nack_flood),
     Scenario("malformed", "(iv) malformed / deep JSON, register + events", malformed_flood),
     Scenario("messages", "(v) small valid metrics from a registered device", message_flood),
+    Scenario(
+        "announcements",
+        "(vi) a cohort device announcing uploads of its slice, no chunks",
+        announcement_flood,
+        in_cohort=True,
+    ),
     Scenario("baseline-serve", "no flood: round, export, serving", None, serving=True),
     Scenario("models", "model requests for an exported model", model_request_flood, serving=True),
 ]
@@ -392,6 +420,9 @@ def run(scenario: Scenario, args: argparse.Namespace, work: Path) -> Row:
         "--min-clients", "1", "--round-timeout", str(args.round_timeout), "--federation", topics.federation, "--wait-timeout", "120",
         "--threads", "1", "--serve",
     ]  # fmt: skip
+    if scenario.in_cohort:
+        command[command.index("--per-round") + 1] = "2"
+        command += ["--start-clients", "2"]
     if scenario.serving:
         command += [
             "--data",
@@ -416,13 +447,15 @@ def run(scenario: Scenario, args: argparse.Namespace, work: Path) -> Row:
         processes.append(server)
         rss = PeakRss(server.pid)
         attacker = Attacker(broker.url, topics)
+        if scenario.in_cohort:
+            attacker.register()
         with open(work / "agent.log", "w") as log:
             agent = [
                 sys.executable, "-m", "feast_edge.agent.cli", "run", "--insecure", "--broker", broker.url, "--device-id", HONEST, "--data", str(FASHION_MNIST_DIR),
                 "--shard", args.honest_shard, "--budget", "39M", "--federation", topics.federation, "--threads", "1",
             ]  # fmt: skip
             processes.append(subprocess.Popen(agent, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-        start = attacker.next(RoundStart, 120)
+        start = attacker.next(RoundStart, 120, device=MALLORY if scenario.in_cohort else None)
         if scenario.serving:
             deadline = time.monotonic() + 180
             while "serving model requests" not in server_log.read_text() and time.monotonic() < deadline:
@@ -483,6 +516,7 @@ def main() -> None:
     parser.add_argument("--malformed", type=int, default=10000, help="malformed flood: messages")
     parser.add_argument("--messages", type=int, default=100_000, help="valid message flood: messages")
     parser.add_argument("--requests", type=int, default=100, help="model-request flood: requests")
+    parser.add_argument("--announcements", type=int, default=10_000, help="announcement flood: update announcements")
     parser.add_argument("--round-timeout", type=float, default=60.0)
     parser.add_argument(
         "--honest-shard",
