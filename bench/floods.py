@@ -447,7 +447,10 @@ def run(scenario: Scenario, args: argparse.Namespace, work: Path) -> Row:
         processes.append(server)
         rss = PeakRss(server.pid)
         attacker = Attacker(broker.url, topics)
-        if scenario.in_cohort:
+        if scenario.in_cohort:  # once the server listens (a registration before that is lost)
+            deadline = time.monotonic() + 120
+            while "connected to" not in server_log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
             attacker.register()
         with open(work / "agent.log", "w") as log:
             agent = [
