@@ -256,7 +256,12 @@ def run(
                 reports = server.await_device_models(manifests, served, timeout=round_timeout)
                 if server.live is not None:
                     server.live.models(manifests, out / "models", reports)
-                title = "the devices' models, BN calibrated on each device's own data"
+                federated = any(m.get("calibration") == "federated" for m in manifests)
+                title = "the devices' models, " + (
+                    "BN statistics of the devices' data, combined (federated)"
+                    if federated
+                    else "BN calibrated on each device's own data"
+                )
                 console.print(device_models_table(manifests, reports, title))
         server.finish(manifests)
         if server.live is not None:
