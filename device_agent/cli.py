@@ -199,6 +199,7 @@ def run(
 
     stopped: list[int] = []
     previous = {s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGINT)}
+    common.warn_insecure(link)
     try:
         agent.start()
         if agent.register():

@@ -258,9 +258,12 @@ class FederationServer:
             log.info("resuming from %s: %d of %d rounds completed", self.out / CHECKPOINT, done, cfg.rounds)
         if self.data is None:
             log.info(
-                "no --data: the devices validate the model on their held-out data every %d rounds, and calibrate "
-                "their served model's BN on their own data",
+                "no --data: the devices validate the model on their held-out data every %d rounds; their served "
+                "models' BN statistics are %s",
                 cfg.eval_every,
+                "federated (combined from the devices that can run each variant)"
+                if cfg.bn_calibration == "federated"
+                else "calibrated on each device's own data",
             )
         self.events.filter.advance(done)
         if self.live is not None:

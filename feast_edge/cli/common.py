@@ -336,16 +336,20 @@ STRANGER = (
 
 
 def check_insecure(link: LinkConfig | None, insecure: bool, command: str) -> None:
-    """Without a credentials bundle, ``command`` runs only with ``--insecure``, and then says what that allows."""
-    if credentials_of(link) is not None:
-        return
-    where = link.broker if link is not None else "the broker"
-    if not insecure:
+    """Without a credentials bundle, ``command`` runs only with ``--insecure`` (FeastError otherwise)."""
+    if credentials_of(link) is None and not insecure:
+        where = link.broker if link is not None else "the broker"
         raise FeastError(
             f"{command} without --credentials is unauthenticated: {STRANGER} on {where}; give --credentials BUNDLE "
             "(feast-server provision writes them), or --insecure to run so anyway"
         )
-    logging.getLogger("feast_edge").warning("--insecure: no credentials, no signatures: %s (%s)", STRANGER, where)
+
+
+def warn_insecure(link: LinkConfig | None) -> None:
+    """Once every input is checked, just before connecting: one warning line when the run is unauthenticated."""
+    if credentials_of(link) is None:
+        where = link.broker if link is not None else "the broker"
+        logging.getLogger("feast_edge").warning("--insecure: no credentials, no signatures: %s (%s)", STRANGER, where)
 
 
 def federation_of(link: LinkConfig | None, federation: str | None) -> str:

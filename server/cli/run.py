@@ -220,11 +220,12 @@ def run(
         clip_norm=clip_norm,
         payload_dtype=payload_dtype,
     )
-    common.check_insecure(link, insecure, "feast-server run")
+    common.check_insecure(link, insecure, "feast-server run")  # before anything is created or connects
     state = None if dashboard is None else DashboardState("federation", f"feast-server: federation {federation}")
     server = FederationServer(config, link, on_round=print_round, dashboard=state)
     web = None if state is None else common.open_dashboard(state, dashboard, dashboard_token, log.info)
     install_signal_handlers()
+    common.warn_insecure(link)
     try:
         server.start()
         history = server.run(resume_previous=resume_previous, tensorboard=tensorboard)

@@ -328,7 +328,7 @@ def test_server_run_takes_the_ablation_as_variants_and_refuses_method(server_cli
         "the ablation is --variants MODE (min, max, min+max, min+max+kd, full)",
     )
     bogus = server_cli.run(
-        "run", "--broker", "mqtt://127.0.0.1:1", "--out", str(tmp_path / "run"), "--variants", "bogus"
+        "run", "--insecure", "--broker", "mqtt://127.0.0.1:1", "--out", str(tmp_path / "run"), "--variants", "bogus"
     )
     server_cli.assert_user_error(bogus, "variants = 'bogus' is unknown")
     assert "--variants" in server_cli.run("run", "--help", env={"COLUMNS": "200"}).stdout

@@ -142,7 +142,16 @@ def test_the_agent_takes_cache(cli, agent_cli, tmp_path, fashion_mnist_dir):
     custom = tmp_path / "fmnist-top.json"
     built = cli.invoke("cache", "build", "--preset", "fmnist-small", "--targets", "30M,40M", "--out", str(custom))
     assert built.returncode == 0, built.stderr
-    args = ("run", "--broker", "mqtt://127.0.0.1:1", "--device-id", "d1", "--data", str(fashion_mnist_dir))
+    args = (
+        "run",
+        "--insecure",
+        "--broker",
+        "mqtt://127.0.0.1:1",
+        "--device-id",
+        "d1",
+        "--data",
+        str(fashion_mnist_dir),
+    )
     low = agent_cli.invoke(*args, "--shard", "0/500", "--budget", "10M", "--cache", str(custom))
     agent_cli.assert_user_error(low, "budget 10.00M MACs is below the smallest cached variant")
     missing = agent_cli.invoke(*args, "--shard", "0/500", "--budget", "10M", "--cache", str(tmp_path / "no.json"))
