@@ -120,8 +120,8 @@ class FederatedCalibration:
                 continue
             for arch, variant_stats in zip(archs, stats):
                 reports[arch].append((reply.device, float(reply.update.samples), examples, variant_stats))
-        unsettled = exchange.close() if asked else None
-        if unsettled is not None and unsettled.missing:
+        unsettled = exchange.close()  # also when nobody was asked: the exchange holds no open request afterwards
+        if unsettled.missing:
             log.warning("no BN statistics from %s before the deadline", ", ".join(unsettled.missing))
         combined = {}
         for arch, got in reports.items():
