@@ -31,7 +31,7 @@ from feast_edge.route.plans import ClientPlan
 from feast_edge.run.cohort import client_seed
 from feast_edge.run.collect import ClientUpdate, Collected
 from feast_edge.server.devices import DeviceBook
-from feast_edge.server.exchange import Expect, Reply, RoundExchange
+from feast_edge.server.exchange import DECLINED, REJECTED, Expect, Reply, RoundExchange
 from feast_edge.server.live import LiveView
 from feast_edge.space.geometry import Layout
 from feast_edge.space.preset import Preset
@@ -119,6 +119,9 @@ class DeviceCollector:
         log.debug("round %d: routed payloads sent to %s", t + 1, ", ".join(cohort))
         valid: dict[str, ClientUpdate] = {}
         for reply in self.exchange.replies():
+            if reply.error and reply.outcome != REJECTED:
+                self._unsettled(got, t, reply)
+                continue
             checked = reply.error or self._check(reply, routed[reply.device], global_state)
             if isinstance(checked, str):
                 self._reject(got, t, reply.device, checked)
@@ -195,6 +198,13 @@ class DeviceCollector:
             train_macs=u.train_macs,
             compute_seconds=u.compute_seconds,
         )
+
+    def _unsettled(self, got: Collected, t: int, reply: Reply) -> None:
+        """``reply``'s device declined the round, or its payload or upload did not get through: no update of it counts."""
+        (got.declined if reply.outcome == DECLINED else got.incomplete)[reply.device] = reply.error
+        if self.live is not None:
+            self.live.member(reply.device, reply.outcome, reason=reply.error)
+        log.warning("round %d: no update from %s (%s): %s", t + 1, reply.device, reply.outcome, reply.error)
 
     def _reject(self, got: Collected, t: int, device: str, reason: str) -> None:
         """Refuse ``device``'s update of round ``t``; the global model is untouched by it."""

@@ -38,6 +38,7 @@ HEARTBEAT = 10.0  # seconds between "still waiting" lines
 POLL_EVERY = 0.5  # seconds between nacks of stalled uploads
 UNCLAIMED = 64  # finished uploads kept while their announcement is on its way
 MAX_IGNORED = 100  # ignored messages a round keeps the description of (the rest are counted)
+REJECTED, DECLINED, INCOMPLETE = "rejected", "declined", "incomplete"  # why a device's reply does not count
 
 
 class WaitTimeout(Exception):
@@ -88,6 +89,8 @@ class Reply:
     payload: bytes | None = None
     chunks: int = 0  # the upload's
     error: str = ""
+    outcome: str = ""  # with ``error``: "rejected" (what it sent is refused), "declined" (it said no update will come)
+    # or "incomplete" (its routed payload or its announced upload did not get through)
     evaluation: Evaluated | None = None  # the answer to an evaluation request (no upload)
 
     @property
@@ -207,7 +210,7 @@ class RoundExchange:
                 self.topics.ctrl(device), message.encode(), payload, info, timeout=self.settings.send_timeout
             )
         except LinkError as exc:
-            self._fail(device, f"could not send its routed payload: {exc}")
+            self._fail(device, f"could not send its routed payload: {exc}", INCOMPLETE)
             sent = False
         else:
             sent = True
@@ -244,7 +247,11 @@ class RoundExchange:
         for device, pending in current.pending.items():
             if pending.update is not None and not pending.settled and device not in current.dropped:
                 size = pending.update.transfer.get("size")
-                self._fail(device, f"its announced upload ({size} bytes) did not complete before the round's deadline")
+                self._fail(
+                    device,
+                    f"its announced upload ({size} bytes) did not complete before the round's deadline",
+                    INCOMPLETE,
+                )
         while current.settled:
             yield current.settled.popleft()
 
@@ -311,7 +318,7 @@ class RoundExchange:
         if pending is None or message.routed != pending.routed or pending.settled or pending.update is not None:
             self.ignore(f"declined from {message.device}: it does not answer an open request of the round in flight")
             return
-        self._fail(message.device, f"the device sent no update: {message.reason}")
+        self._fail(message.device, f"the device sent no update: {message.reason}", DECLINED)
 
     def on_evaluated(self, message: Evaluated) -> None:
         """A cohort device's answer to an evaluation request: counts only, no upload."""
@@ -415,18 +422,19 @@ class RoundExchange:
         if pending.settled:
             return
         if progress.status is not Status.COMPLETE or progress.payload is None:
-            self._fail(device, progress.reason or f"transfer {progress.status.value}")
+            reason = progress.reason or f"transfer {progress.status.value}"
+            self._fail(device, reason, REJECTED if progress.corrupt else INCOMPLETE)
             return
         assert self.current is not None
         pending.finished = True
         self.current.settled.append(Reply(device, pending.update, progress.payload, progress.info.count))
 
-    def _fail(self, device: str, reason: str) -> None:
-        """No reply of ``device`` will count in the round in flight, because of ``reason``."""
+    def _fail(self, device: str, reason: str, outcome: str = REJECTED) -> None:
+        """No reply of ``device`` will count in the round in flight, because of ``reason`` (an ``outcome`` of :class:`Reply`)."""
         current = self.current
         if current is None:
             return
         pending = current.pending.get(device)
         if pending is not None and not pending.settled:
             pending.error = reason
-        current.settled.append(Reply(device, error=reason))
+        current.settled.append(Reply(device, error=reason, outcome=outcome))

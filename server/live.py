@@ -152,7 +152,7 @@ class LiveView:
     ) -> None:
         if device not in self._members:
             return
-        final = self._members[device] in ("aggregated", "rejected", "late", "dropped")
+        final = self._members[device] in ("aggregated", "rejected", "declined", "incomplete", "late", "dropped")
         if final and state not in ("aggregated",):
             return  # a settled member keeps its outcome (e.g. a late progress report after a rejection)
         self._members[device] = state
@@ -199,8 +199,10 @@ class LiveView:
                 "aggregated" if record.applied else "late",
                 reason=None if record.applied else "too few updates: the model stayed unchanged",
             )
-        for device, reason in record.rejected.items():
-            self.member(device, "rejected", reason=reason)
+        unsettled = {"rejected": record.rejected, "declined": record.declined, "incomplete": record.incomplete}
+        for outcome, reasons in unsettled.items():
+            for device, reason in reasons.items():
+                self.member(device, outcome, reason=reason)
         for device in record.missing:
             self.member(device, "late", reason="no update by the deadline")
         for device in record.dropped:
@@ -209,11 +211,8 @@ class LiveView:
             outcome = (
                 ("accepted", None)
                 if device in record.updated
-                else ("rejected", record.rejected[device])
-                if device in record.rejected
-                else ("dropped", "went offline")
-                if device in record.dropped
-                else ("late", "no update by the deadline")
+                else next(((k, r[device]) for k, r in unsettled.items() if device in r), None)
+                or (("dropped", "went offline") if device in record.dropped else ("late", "no update by the deadline"))
             )
             self.state.set_device(
                 device, last_upload={"round": record.round, "status": outcome[0], "reason": outcome[1]}

@@ -25,6 +25,10 @@ def print_round(record: RoundRecord, rounds: int) -> None:
     extra = []
     if record.rejected:
         extra.append(f"rejected {', '.join(sorted(record.rejected))}")
+    if record.declined:
+        extra.append(f"declined {', '.join(sorted(record.declined))}")
+    if record.incomplete:
+        extra.append(f"incomplete {', '.join(sorted(record.incomplete))}")
     if record.dropped:
         extra.append(f"offline {', '.join(record.dropped)}")
     if record.missing:

@@ -148,8 +148,10 @@ def _upload(record: dict[str, Any], device: str) -> dict[str, Any] | None:
     """What became of ``device``'s upload in one round record, if it was in the cohort."""
     if device in record.get("updated", ()):
         return {"round": record.get("round"), "status": "accepted", "reason": None}
-    if device in record.get("rejected", {}):
-        return {"round": record.get("round"), "status": "rejected", "reason": record["rejected"][device]}
+    for status in ("rejected", "declined", "incomplete"):
+        reasons = record.get(status, {})
+        if isinstance(reasons, dict) and device in reasons:
+            return {"round": record.get("round"), "status": status, "reason": reasons[device]}
     for status in ("missing", "dropped"):
         if device in record.get(status, ()):
             return {"round": record.get("round"), "status": status, "reason": None}

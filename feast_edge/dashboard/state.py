@@ -31,7 +31,18 @@ KINDS = ("federation", "simulation", "runs")
 # What the page knows how to show. Other values are shown as given, never refused: the dashboard watches a run
 # and must not stop it over a word.
 RUN_STATUSES = ("waiting", "running", "exporting", "finished", "failed", "stopped")
-MEMBER_STATES = ("routed", "downloading", "training", "uploading", "aggregated", "late", "rejected", "dropped")
+MEMBER_STATES = (
+    "routed",
+    "downloading",
+    "training",
+    "uploading",
+    "aggregated",
+    "late",
+    "rejected",
+    "declined",
+    "incomplete",
+    "dropped",
+)
 MAX_STRING = 200
 MAX_DEVICES = 10_000
 MAX_HISTORY = 100_000

@@ -35,7 +35,9 @@ class Collected:
     """What collecting one round's cohort produced."""
 
     updates: list[ClientUpdate]
-    rejected: dict[str, str] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)  # client -> why what it sent is refused
+    declined: dict[str, str] = field(default_factory=dict)  # client -> why it said no update will come
+    incomplete: dict[str, str] = field(default_factory=dict)  # client -> what did not get through (payload or upload)
     missing: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)

@@ -69,6 +69,10 @@ class RoundRecord:
     cohort: list[str]
     updated: list[str] = field(default_factory=list)  # clients whose valid update entered the aggregate
     rejected: dict[str, str] = field(default_factory=dict)  # client -> why its update was refused
+    declined: dict[str, str] = field(default_factory=dict)  # client -> why it sent no update (its own reason)
+    incomplete: dict[str, str] = field(
+        default_factory=dict
+    )  # client -> its routed payload or its upload did not get through
     missing: list[str] = field(default_factory=list)  # no reply by the deadline
     dropped: list[str] = field(default_factory=list)  # went offline during the round
     ignored: list[str] = field(default_factory=list)  # duplicate, stale or foreign messages, with the reason
@@ -343,6 +347,8 @@ class RunLoop:
             lr=lr,
             cohort=list(cohort),
             rejected=got.rejected,
+            declined=got.declined,
+            incomplete=got.incomplete,
             missing=got.missing,
             dropped=got.dropped,
             ignored=got.ignored,

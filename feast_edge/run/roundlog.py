@@ -37,6 +37,8 @@ COLUMNS = [
     "rejected",
     "missing",
     "dropped",
+    "declined",
+    "incomplete",
 ]
 
 
@@ -62,6 +64,8 @@ def round_row(h: RoundRecord) -> list[Any]:
         len(h.rejected),
         len(h.missing),
         len(h.dropped),
+        len(h.declined),
+        len(h.incomplete),
     ]
 
 

@@ -33,6 +33,9 @@ from feast_edge.transport.frames import (
 Clock = Callable[[], float]
 
 
+SHA_MISMATCH = "sha256 mismatch"
+
+
 class Status(enum.Enum):
     """What adding one chunk did."""
 
@@ -56,6 +59,11 @@ class Progress:
     status: Status
     payload: bytes | None = None
     reason: str = ""
+
+    @property
+    def corrupt(self) -> bool:
+        """Every chunk arrived but the payload's SHA-256 did not match (the sender's fault, or the link's)."""
+        return self.status is Status.REJECTED and self.reason.startswith(SHA_MISMATCH)
 
 
 @dataclass
@@ -158,7 +166,7 @@ class Reassembler:
                 reason = f"sha256 mismatch; asking for every chunk again ({again.refetched} of {self.refetch})"
                 return Progress(info, index, Status.PARTIAL, reason=reason)
             if digest != info.sha256:
-                reason = f"sha256 mismatch: received payload hashes to {digest}, header says {info.sha256}"
+                reason = f"{SHA_MISMATCH}: received payload hashes to {digest}, header says {info.sha256}"
                 self._finish(info.transfer, Status.REJECTED, reason)
                 return Progress(info, index, Status.REJECTED, reason=reason)
             self._finish(info.transfer, Status.COMPLETE, "")

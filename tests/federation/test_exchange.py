@@ -104,10 +104,13 @@ def _upload(device: str, routed: TransferInfo, payload: bytes, samples: int = 5)
 def test_each_reply_settles_once_and_a_silent_or_offline_device_is_reported() -> None:
     exchange, sender, receiver, script = _exchange(timeout=1.0)
     exchange.open(0)
-    routed = _send(exchange, ["a", "b", "c", "d", "e"])
-    assert [topic for topic, _ in sender.sent] == [f"feast/{FED}/ctrl/{d}" for d in "abcde"]
+    routed = _send(exchange, ["a", "b", "c", "d", "e", "f", "g"])
+    assert [topic for topic, _ in sender.sent] == [f"feast/{FED}/ctrl/{d}" for d in "abcdefg"]
     a, a_done = _upload("a", routed["a"], b"a's bytes")
     b, b_done = _upload("b", routed["b"], b"b's bytes")
+    f, _ = _upload("f", routed["f"], b"f's bytes")  # announced; its chunks never come
+    g, g_done = _upload("g", routed["g"], b"g's bytes")
+    g_corrupt = Progress(g_done.info, g_done.index, Status.REJECTED, reason="sha256 mismatch: received payload ...")
     script.steps = [
         lambda: (exchange.on_update(a), receiver.results.put(a_done)),
         lambda: receiver.results.put(b_done),  # b's upload finished before its announcement came
@@ -117,12 +120,16 @@ def test_each_reply_settles_once_and_a_silent_or_offline_device_is_reported() ->
             Declined(federation=FED, round=0, device="c", routed=routed["c"].transfer, reason="diverged")
         ),
         lambda: exchange.on_offline(["d"]),
+        lambda: exchange.on_update(f),
+        lambda: (exchange.on_update(g), receiver.results.put(g_corrupt)),
     ]
     replies = list(exchange.replies())
-    assert [(r.device, r.payload, r.error) for r in replies] == [
-        ("a", b"a's bytes", ""),
-        ("b", b"b's bytes", ""),
-        ("c", None, "the device sent no update: diverged"),
+    assert [(r.device, r.payload, r.error, r.outcome) for r in replies] == [
+        ("a", b"a's bytes", "", ""),
+        ("b", b"b's bytes", "", ""),
+        ("c", None, "the device sent no update: diverged", "declined"),
+        ("g", None, "sha256 mismatch: received payload ...", "rejected"),
+        ("f", None, "its announced upload (9 bytes) did not complete before the round's deadline", "incomplete"),
     ]
     unsettled = exchange.close()
     assert unsettled.missing == ["e"] and unsettled.dropped == ["d"]
@@ -157,6 +164,7 @@ def test_a_device_the_link_cannot_reach_fails_at_once_and_the_others_go_on() -> 
         "ok",
     ]
     assert replies[0].error.startswith("could not send its routed payload") and replies[1].payload == b"fine"
+    assert replies[0].outcome == "incomplete"
 
 
 def test_uploads_of_another_round_or_transfer_are_not_taken() -> None:

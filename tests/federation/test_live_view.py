@@ -124,6 +124,21 @@ def test_a_round_moves_each_member_through_its_states_to_its_outcome(view: LiveV
     assert snap["variants"][0]["val_accuracy"] == 0.5 and snap["run"]["rounds_done"] == 1
 
 
+@pytest.mark.parametrize("outcome", ["declined", "incomplete"])
+def test_a_device_that_declined_or_whose_upload_did_not_complete_shows_that_outcome_and_its_reason(
+    view: LiveView, outcome: str
+) -> None:
+    view.round_started(0, ["nano", "desk"], timeout=60)
+    view.device_progress("nano", {"phase": "training", "round": 0})
+    record = RoundRecord(round=1, lr=0.05, cohort=["nano", "desk"], missing=["desk"], **{outcome: {"nano": "why"}})
+    view.round_finished(record)
+    assert (_member(view, "nano")["state"], _member(view, "nano")["reason"]) == (outcome, "why")
+    assert _member(view, "desk")["state"] == "late"
+    devices = {d["name"]: d for d in view.state.snapshot()["devices"]}
+    assert devices["nano"]["last_upload"] == {"round": 1, "status": outcome, "reason": "why"}
+    assert devices["desk"]["last_upload"]["status"] == "late"
+
+
 @pytest.mark.parametrize(
     "values",
     [

@@ -78,9 +78,10 @@ def test_a_flood_of_announcements_takes_one_slot_and_honest_updates_count_bit_id
     for history in (quiet_history, flooded_history):
         assert history[0].applied and sorted(history[0].updated) == ["honest-a", "honest-b"]
     # Every cohort device is in exactly one place: silent mallory is missing; flooding mallory's one claimed upload
-    # never completed, so she is rejected with that reason (and her other 299 announcements were only counted).
-    assert quiet_history[0].missing == ["mallory"] and quiet_history[0].rejected == {}
-    assert flooded_history[0].missing == [] and list(flooded_history[0].rejected) == ["mallory"]
-    assert "did not complete before the round's deadline" in flooded_history[0].rejected["mallory"]
+    # never completed, so her update is incomplete, with that reason (her other 299 announcements were only counted).
+    assert quiet_history[0].missing == ["mallory"] and quiet_history[0].incomplete == {}
+    assert flooded_history[0].missing == [] and list(flooded_history[0].incomplete) == ["mallory"]
+    assert flooded_history[0].rejected == {} and flooded_history[0].declined == {}
+    assert "did not complete before the round's deadline" in flooded_history[0].incomplete["mallory"]
     assert len(flooded_history[0].ignored) <= 101
     assert quiet.keys() == flooded.keys() and all(torch.equal(quiet[k], flooded[k]) for k in quiet)
