@@ -103,6 +103,17 @@ class Inbox:
                     message.device,
                 )
                 return
+            if isinstance(message, (RoundStart, RoutedRequest)) and message.instance != self.instance:
+                self._dropped.log(
+                    logging.INFO,
+                    f"instance {device_id}",
+                    "dropped %s for %s: it is addressed to agent instance %s, this agent is %s (replayed from an earlier run?)",
+                    message.kind,
+                    device_id,
+                    message.instance[:16],
+                    self.instance,
+                )
+                return
             if isinstance(message, (RoundStart, ModelReady, RoutedRequest)):
                 self._on_announce(device_id, message)
             self._put("ctrl", message)

@@ -95,6 +95,7 @@ class FederatedCalibration:
                 self.preset,
                 t=t,
                 device=device,
+                instance=registered.instance,
                 calibration=self.calibration,
                 payload_dtype=self.payload_dtype,
                 expect=expect,

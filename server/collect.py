@@ -152,11 +152,13 @@ class DeviceCollector:
             manifest = routed[device] = plan.manifest(terms.preset, classes, t, "routed", device, terms.payload_dtype)
             blob = encode(slices.routed(plan.layout(terms.preset, classes)), manifest)
             info = exchange.describe(device, blob)
+            registered = self.devices.registry.get(device)
             message = RoundStart.from_plan(
                 plan,
                 federation=exchange.topics.federation,
                 round=t,
                 device=device,
+                instance=registered.instance if registered is not None else "unregistered",
                 transfer=info,
                 sent_at=time.time(),
                 timeout=exchange.time_left(),
@@ -166,7 +168,6 @@ class DeviceCollector:
                 train=terms.train,
                 payload_dtype=terms.payload_dtype,
             )
-            registered = self.devices.registry.get(device)
             expect = Expect(
                 max_bytes=len(blob) + UPLOAD_SLACK, max_samples=registered.samples if registered is not None else 0
             )
@@ -197,6 +198,7 @@ class DeviceCollector:
             samples_seen=u.samples_seen,
             train_macs=u.train_macs,
             compute_seconds=u.compute_seconds,
+            self_reported=reply.device not in self.devices.shard_samples,
         )
 
     def _unsettled(self, got: Collected, t: int, reply: Reply) -> None:

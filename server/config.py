@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO, ratio_problem
 from feast_edge.errors import FeastError
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.run.checkpoint import read_record
@@ -69,6 +70,9 @@ class ServerConfig:
     payload_dtype: str = (
         "float32"  # of routed payloads and updates on the wire (aggregation and the model stay float32)
     )
+    # A self-reported sample count weighs at most this many times the round's lower-median count (0: no cap); counts
+    # the server's partition record holds are facts and never capped (feast_edge.aggregate.weights).
+    max_weight_ratio: float = DEFAULT_WEIGHT_RATIO
 
     def __post_init__(self) -> None:
         checks = [
@@ -88,6 +92,7 @@ class ServerConfig:
             (self.max_samples >= 1, f"--max-samples {self.max_samples} must be at least 1"),
             (self.max_devices >= 1, f"--max-devices {self.max_devices} must be at least 1"),
             (self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)"),
+            (not ratio_problem(self.max_weight_ratio), ratio_problem(self.max_weight_ratio)),
             (
                 self.bn_calibration in BN_CALIBRATIONS,
                 f"--bn-calibration {self.bn_calibration!r} must be one of {', '.join(BN_CALIBRATIONS)}",
@@ -135,7 +140,8 @@ class ServerConfig:
         )
         train, schedule = self.recipe()
         recorded = recorded_settings(train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype)
-        return {**{STORED_AS.get(name, name): getattr(self, name) for name in names}, **recorded}
+        capped = {"max_weight_ratio": self.max_weight_ratio} if self.max_weight_ratio else {}
+        return {**{STORED_AS.get(name, name): getattr(self, name) for name in names}, **recorded, **capped}
 
     @classmethod
     def stored(cls, out: str | Path, **overrides: Any) -> ServerConfig:
@@ -169,4 +175,5 @@ class ServerConfig:
             clip_norm=self.clip_norm,
             lr_schedule=self.recipe()[1],
             payload_dtype=self.payload_dtype,
+            max_weight_ratio=self.max_weight_ratio,
         )

@@ -99,6 +99,14 @@ def simulate(
         Optional[float],
         typer.Option("--clip-norm", help="clip: L2 bound of an update (default: the cohort's median update norm)."),
     ] = None,
+    max_weight_ratio: Annotated[
+        float,
+        typer.Option(
+            "--max-weight-ratio",
+            help="Treat the shard sizes as self-reported and cap each at this many times the round's median "
+            "(what feast-server run does to devices' own counts; 0: the paper's weights).",
+        ),
+    ] = 0.0,
     device: DeviceOpt = "auto",
     amp: Annotated[
         str,
@@ -168,6 +176,7 @@ def simulate(
         aggregation=aggregation,
         trim=trim,
         clip_norm=clip_norm,
+        max_weight_ratio=max_weight_ratio,
         device=device,
         payload_dtype=payload_dtype,
         amp=precision.mode,

@@ -23,6 +23,7 @@ class RoutedRequest(Message):
     """A server request about the model routed to the device: ``transfer`` carries the routed state of ``plan`` (as a
     round's payload does), to be answered within ``timeout`` seconds; ``calibration``: the training examples to use."""
 
+    instance: str  # the agent instance the server holds the registration of (as RoundStart.instance)
     transfer: dict[str, Any]
     timeout: float
     plan: dict[str, Any]
@@ -30,6 +31,7 @@ class RoutedRequest(Message):
     payload_dtype: str = "float32"
 
     def check(self) -> None:
+        check_ids(self, "instance")
         check_transfer(self.transfer)
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ProtocolError(
@@ -60,6 +62,7 @@ class RoutedRequest(Message):
         federation: str,
         round: int,
         device: str,
+        instance: str,
         transfer: TransferInfo,
         timeout: float,
         calibration: int,
@@ -70,6 +73,7 @@ class RoutedRequest(Message):
             federation=federation,
             round=round,
             device=device,
+            instance=instance,
             transfer=transfer.to_dict(),
             timeout=timeout,
             plan=plan_dict(plan),

@@ -23,6 +23,8 @@ from feast_edge.transport.messages import Message, check_ids, check_transfer, me
 class RoundStart(Message):
     """Server -> device on ``ctrl/{device}``: train the routed payload of ``transfer`` with exactly these inputs.
 
+    ``instance``: the agent instance whose registration the server holds (as ``registered.instance``); an agent
+    drops a round addressed to another, so a signed round replayed from an earlier run trains nothing.
     ``lr`` is this round's cosine learning rate, ``seed`` the client's seed for the round as decimal
     text (it needs 63 bits; JSON numbers are exact only to 2^53), ``plan`` the affordable variants
     and the global minimum (arch objects), ``train`` the local-training hyper-parameters. The server
@@ -30,6 +32,7 @@ class RoundStart(Message):
     for logs; agents count from receipt and never compare clocks).
     """
 
+    instance: str
     transfer: dict[str, Any]
     deadline: float
     timeout: float
@@ -41,6 +44,7 @@ class RoundStart(Message):
     payload_dtype: str = "float32"  # of the routed payload, and of the update the device must send back
 
     def check(self) -> None:
+        check_ids(self, "instance")
         check_transfer(self.transfer)
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ProtocolError(
@@ -64,6 +68,7 @@ class RoundStart(Message):
         federation: str,
         round: int,
         device: str,
+        instance: str,
         transfer: TransferInfo,
         sent_at: float,
         timeout: float,
@@ -80,6 +85,7 @@ class RoundStart(Message):
             federation=federation,
             round=round,
             device=device,
+            instance=instance,
             transfer=transfer.to_dict(),
             deadline=sent_at + timeout,
             timeout=timeout,

@@ -28,6 +28,7 @@ class ClientUpdate:
     train_macs: int = 0
     compute_seconds: float | None = None
     variants_per_batch: Mapping[str, int] = field(default_factory=dict)
+    self_reported: bool = False  # ``samples`` is the client's claim, not a count the server knows (weight-capped)
 
 
 @dataclass

@@ -23,13 +23,14 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from feast_edge.aggregate.robust import check_rule, rule_settings
+from feast_edge.aggregate.weights import bounded_weights, ratio_problem
 from feast_edge.cache.variants import VariantCache
 from feast_edge.errors import CheckpointError, FeastError
 from feast_edge.evaluate.evaluation import Validation
@@ -70,9 +71,8 @@ class RoundRecord:
     updated: list[str] = field(default_factory=list)  # clients whose valid update entered the aggregate
     rejected: dict[str, str] = field(default_factory=dict)  # client -> why its update was refused
     declined: dict[str, str] = field(default_factory=dict)  # client -> why it sent no update (its own reason)
-    incomplete: dict[str, str] = field(
-        default_factory=dict
-    )  # client -> its routed payload or its upload did not get through
+    incomplete: dict[str, str] = field(default_factory=dict)  # client -> its payload or upload did not get through
+    capped: dict[str, list[int]] = field(default_factory=dict)  # client -> [its self-reported count, the weight it got]
     missing: list[str] = field(default_factory=list)  # no reply by the deadline
     dropped: list[str] = field(default_factory=list)  # went offline during the round
     ignored: list[str] = field(default_factory=list)  # duplicate, stale or foreign messages, with the reason
@@ -123,9 +123,12 @@ class RunSettings:
     payload_dtype: str = (
         "float32"  # of the payloads on the wire (feast_edge.route.payload.PAYLOAD_DTYPES); the model stays float32
     )
+    max_weight_ratio: float = 0.0  # a self-reported count weighs at most this many median counts (0: no cap)
 
     def __post_init__(self) -> None:
         check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
+        if ratio_problem(self.max_weight_ratio):
+            raise RunError(ratio_problem(self.max_weight_ratio))
 
 
 def check_run_options(payload_dtype: str, aggregation: str, trim: float, clip_norm: float | None) -> None:
@@ -360,7 +363,10 @@ class RunLoop:
         record.full_bytes = record.full_params * bytes_per_param("float32")
         valid = sorted(got.updates, key=lambda u: u.client)
         record.updated = [u.client for u in valid]
-        record.samples = sum(u.samples for u in valid)
+        weights = bounded_weights([u.samples for u in valid], [u.self_reported for u in valid], s.max_weight_ratio)
+        record.capped = {u.client: [u.samples, w] for u, w in zip(valid, weights) if w != u.samples}
+        valid = [u if w == u.samples else replace(u, samples=w) for u, w in zip(valid, weights)]
+        record.samples = sum(weights)
         seen = sum(u.samples_seen for u in valid if u.loss is not None)
         record.loss = sum(u.loss * u.samples_seen for u in valid if u.loss is not None) / seen if seen else None
         record.train_macs = sum(u.train_macs for u in valid)

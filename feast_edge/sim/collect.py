@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,9 +16,10 @@ from feast_edge.sim.setup import Setup
 class InProcessCollector:
     """Collects a cohort's updates in this process: the method trains each member on its shard."""
 
-    def __init__(self, setup: Setup, method: Method) -> None:
+    def __init__(self, setup: Setup, method: Method, *, self_reported: bool = False) -> None:
         self.setup = setup
         self.method = method
+        self.self_reported = self_reported  # treat the shards' sizes as the clients' own claims (--max-weight-ratio)
         self.budgets = {cid: float(b) for cid, b in zip(setup.client_ids, setup.population.budgets)}
         self.on_start: Callable[[int, Sequence[str], Mapping[str, Any]], None] | None = (
             None  # told each round's (t, cohort, plans)
@@ -39,4 +41,7 @@ class InProcessCollector:
     ) -> Collected:
         if self.on_start is not None:
             self.on_start(t, cohort, plans)
-        return Collected(self.method.collect(t, cohort, plans, global_state, lr))
+        updates = self.method.collect(t, cohort, plans, global_state, lr)
+        if self.self_reported:
+            updates = [replace(u, self_reported=True) for u in updates]
+        return Collected(updates)

@@ -48,7 +48,8 @@ def replay_rounds(
             new_state, result = client_update(
                 preset, preset.classes, plan, routed, shard.images, shard.labels, config.train_config(), record.lr, seed
             )
-            updates.append((client, new_state, result.num_samples))
+            weight = record.capped.get(client, [0, result.num_samples])[1]  # as the run loop weighed it
+            updates.append((client, new_state, weight))
         aggregate_updates(
             state, updates, inplace=True, rule=config.aggregation, trim=config.trim, clip_norm=config.clip_norm
         )

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from feast_edge.aggregate.weights import ratio_problem
 from feast_edge.cache.variants import VariantCache, load_cache
 from feast_edge.data.images import FASHION_MNIST_DIR, DataError, ImageSet
 from feast_edge.data.sources import load_dataset
@@ -82,6 +83,9 @@ class SimulationConfig:
     payload_dtype: str = "float32"  # payloads as the wire carries them: routed states and updates rounded to it (the model stays float32)
     amp: str = "off"  # mixed precision of local training (feast_edge.local.precision; the CLI stores what --amp resolved to on --device)
     deterministic: bool = False  # deterministic PyTorch kernels in every process of the run (CUDA; the CPU already is)
+    max_weight_ratio: float = (
+        0.0  # > 0: the shard sizes count as self-reported and are capped (feast_edge.aggregate.weights)
+    )
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -112,6 +116,7 @@ class SimulationConfig:
                 f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client",
             ),
             (self.amp in AMP_MODES, f"--amp {self.amp!r} is unknown; choose one of {', '.join(AMP_MODES)}"),
+            (not ratio_problem(self.max_weight_ratio), ratio_problem(self.max_weight_ratio)),
             (
                 self.amp == "off" or self.method == "feast",
                 f"--amp {self.amp} applies to --method feast only; {self.method} trains in float32",
@@ -147,6 +152,7 @@ class SimulationConfig:
             *_AGGREGATION,
         )
         skip += ("amp",) if self.amp == "off" else ()
+        skip += ("max_weight_ratio",) if not self.max_weight_ratio else ()  # runs without a cap keep their fingerprints
         data = {
             k: v for k, v in asdict(self).items() if k not in skip
         }  # float32 training keeps earlier runs' fingerprints

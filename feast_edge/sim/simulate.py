@@ -73,6 +73,7 @@ class Simulation:
             clip_norm=config.clip_norm,
             lr_schedule=schedule,
             payload_dtype=config.payload_dtype,
+            max_weight_ratio=config.max_weight_ratio,
         )
         self.loop = RunLoop(
             self.model,
@@ -86,7 +87,7 @@ class Simulation:
             method=self.method,
             model_record=None if self.method.supernet else self.method.model_record(),
         )
-        self.collector = InProcessCollector(s, self.method)
+        self.collector = InProcessCollector(s, self.method, self_reported=config.max_weight_ratio > 0)
 
     @property
     def history(self) -> list[RoundRecord]:

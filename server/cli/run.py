@@ -7,6 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO
 from feast_edge.cli import common
 from feast_edge.errors import FeastError
 from feast_edge.server.cli.shared import DataOpt, OutOpt, check_server_bundle, console, install_signal_handlers, log
@@ -152,6 +153,14 @@ def run(
         Optional[float],
         typer.Option("--clip-norm", help="clip: L2 bound of each update's change (default: the round's median)."),
     ] = None,
+    max_weight_ratio: Annotated[
+        float,
+        typer.Option(
+            "--max-weight-ratio",
+            help="A device's self-reported sample count weighs at most this many times the round's median count; "
+            "counts from --partition are never capped (0: no cap; docs/security.md §5).",
+        ),
+    ] = DEFAULT_WEIGHT_RATIO,
     resume_previous: Annotated[
         bool,
         typer.Option(
@@ -219,6 +228,7 @@ def run(
         trim=trim,
         clip_norm=clip_norm,
         payload_dtype=payload_dtype,
+        max_weight_ratio=max_weight_ratio,
     )
     common.check_insecure(link, insecure, "feast-server run")  # before anything is created or connects
     state = None if dashboard is None else DashboardState("federation", f"feast-server: federation {federation}")

@@ -106,6 +106,7 @@ def test_round_start_announces_the_dtype_and_refuses_others() -> None:
         federation="lab",
         round=0,
         device="d1",
+        instance="i1",
         transfer=transfer,
         deadline=1.0,
         timeout=5.0,

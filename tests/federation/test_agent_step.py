@@ -50,7 +50,12 @@ def _client(device_id: str = "d", n: int = 16) -> LocalClient:
 
 
 def _round(
-    device_id: str = "d", t: int = 0, lr: float = 0.05, timeout: float = 30.0, federation: str = "lab"
+    device_id: str = "d",
+    t: int = 0,
+    lr: float = 0.05,
+    timeout: float = 30.0,
+    federation: str = "lab",
+    instance: str = "agent1",
 ) -> tuple[RoundStart, bytes]:
     """A round message for ``device_id`` and the routed payload it announces."""
     plan = plan_client(load_cache(PRESET), BUDGET)
@@ -58,7 +63,7 @@ def _round(
     blob = encode(routed, plan.manifest(PRESET, PRESET.classes, t, "routed", device_id))
     info = describe(blob, federation=federation, round=t, device=device_id)
     start = RoundStart.from_plan(
-        plan, federation=federation, round=t, device=device_id, transfer=info, sent_at=time.time(), timeout=timeout,
+        plan, federation=federation, round=t, device=device_id, instance=instance, transfer=info, sent_at=time.time(), timeout=timeout,
         rounds=2, lr=lr, seed=7, train=TrainConfig(batch_size=8),
     )  # fmt: skip
     return start, blob
@@ -110,6 +115,9 @@ def test_the_inbox_says_a_new_round_or_the_end_overtakes_a_round_and_a_repeat_or
     inbox.instance = "agent1"
     inbox.subscribe(link, ["d", "e"], "host", on_own_offline=lambda: None)  # type: ignore[arg-type]
     deliver = {d: link.handlers[topics.ctrl(d)] for d in ("d", "e")}
+    replayed, _ = _round("d", t=0, instance="earlier1")  # a signed round of an earlier run: another agent instance
+    deliver["d"](Received(topics.ctrl("d"), replayed.encode()))
+    assert inbox.get(0) is None and announced == []  # dropped before its download is expected
     first, _ = _round("d", t=0)
     deliver["d"](Received(topics.ctrl("d"), first.encode()))
     running = inbox.get(0)
@@ -204,7 +212,7 @@ def test_a_newer_round_ends_the_wait_for_a_payload_that_never_came(
     runner.start()
     try:
         for t, timeout in ((0, 60.0), (1, 3.0)):
-            start, _ = _round("slow", t=t, timeout=timeout, federation=federation)
+            start, _ = _round("slow", t=t, timeout=timeout, federation=federation, instance=agent.instance)
             server.publish(Topics(federation).ctrl("slow"), start.encode(), timeout=5)  # and never the chunks
             time.sleep(2.5)
         began = time.monotonic()

@@ -123,6 +123,7 @@ def test_a_forged_round_announcing_a_huge_payload_allocates_nothing_and_the_agen
             federation=federation,
             round=0,
             device="victim",
+            instance=agent.instance,  # on a broker without ACLs the registration topic shows it to anyone
             transfer=info,
             sent_at=time.time(),
             timeout=3.0,

@@ -31,7 +31,7 @@ COMMON: dict[str, Any] = {"federation": "lab", "round": 3, "device": "jetson-1"}
 INFO = describe(b"payload", federation="lab", round=3, device="jetson-1").to_dict()
 ARCH = {"d": [0, 0, 0, 0], "e": [0.25] * 4, "w": [0] * 5}
 PLAN = {"affordable": [ARCH], "global_min": ARCH}
-ROUND = {"timeout": 60.0, "rounds": 10, "lr": 0.025, "seed": "7", "plan": PLAN}
+ROUND = {"instance": "a1", "timeout": 60.0, "rounds": 10, "lr": 0.025, "seed": "7", "plan": PLAN}
 EXAMPLES = [
     Presence(**COMMON, state="online", role="device"),
     Nack(**COMMON, transfer="t1", missing=(0, 5, 7)),
@@ -47,11 +47,12 @@ EXAMPLES = [
         profile={"cores": 4},
     ),
     Registered(**COMMON, instance="a1", accepted=False, reason="device id jetson-1 is already online"),
-    Evaluate(**COMMON, transfer=INFO, timeout=60.0, plan=PLAN, probes=(0,), calibration=500),
-    Calibrate(**COMMON, transfer=INFO, timeout=60.0, plan=PLAN, variants=(0,), calibration=200),
+    Evaluate(**COMMON, instance="a1", transfer=INFO, timeout=60.0, plan=PLAN, probes=(0,), calibration=500),
+    Calibrate(**COMMON, instance="a1", transfer=INFO, timeout=60.0, plan=PLAN, variants=(0,), calibration=200),
     Evaluated(**COMMON, routed="t1", results=(41, 50), calibrated_on=500),
     RoundStart(
         **COMMON,
+        instance="a1",
         transfer=INFO,
         deadline=1.7e9,
         timeout=60.0,
@@ -87,8 +88,8 @@ def test_every_registered_kind_has_an_example() -> None:
     assert sorted(m.kind for m in EXAMPLES) == known_kinds()
 
 
-EVALUATE = {"transfer": INFO, "timeout": 60.0, "plan": PLAN, "probes": [0]}
-CALIBRATE = {"transfer": INFO, "timeout": 60.0, "plan": PLAN, "variants": [0]}
+EVALUATE = {"instance": "a1", "transfer": INFO, "timeout": 60.0, "plan": PLAN, "probes": [0]}
+CALIBRATE = {"instance": "a1", "transfer": INFO, "timeout": 60.0, "plan": PLAN, "variants": [0]}
 
 
 @pytest.mark.parametrize(
@@ -102,6 +103,8 @@ CALIBRATE = {"transfer": INFO, "timeout": 60.0, "plan": PLAN, "variants": [0]}
         ("evaluate", {**EVALUATE, "calibration": 0}, "'calibration'"),
         ("evaluate", {**EVALUATE, "plan": {"affordable": []}}, "lacks global_min"),
         ("evaluate", {**EVALUATE, "timeout": -1}, "'timeout' must be > 0"),
+        ("evaluate", {**EVALUATE, "instance": "a/b"}, "instance id"),
+        ("round", {**ROUND, "transfer": INFO, "deadline": 1.0, "instance": ""}, "instance id"),
         ("calibrate", {**CALIBRATE, "variants": []}, "'variants' must name 1 to 16"),
         ("calibrate", {**CALIBRATE, "variants": [3]}, "distinct indices"),
         ("calibrate", {**CALIBRATE, "variants": [0, 0]}, "distinct indices"),
@@ -274,6 +277,7 @@ def test_round_start_carries_the_plan_and_settings_exactly() -> None:
         federation="lab",
         round=3,
         device="jetson-1",
+        instance="a1",
         transfer=info,
         sent_at=1.7e9,
         timeout=60.0,
@@ -305,6 +309,7 @@ def test_round_start_plan_of_another_preset_is_refused() -> None:
         federation="lab",
         round=0,
         device="d",
+        instance="a1",
         transfer=info,
         sent_at=0.0,
         timeout=5.0,
@@ -324,6 +329,7 @@ def test_round_start_plan_of_another_preset_is_refused() -> None:
                         "federation",
                         "round",
                         "device",
+                        "instance",
                         "transfer",
                         "deadline",
                         "timeout",
