@@ -33,6 +33,7 @@ def _round(kit, out: Path, federation: str, flood: int) -> tuple[list, dict[str,
         rounds=1,
         per_round=3,
         min_clients=2,
+        start_clients=3,  # all three in round 1's cohort, however late mallory registers
         round_timeout=8.0,
         seed=0,
         batch_size=32,
