@@ -16,7 +16,7 @@ reported, so devices claiming large counts cannot raise the cap unless they
 are more than half of the round's valid updates; with two updates it is the
 smaller one. On a position covered by the attacker and ``j`` honest devices
 of about the median count, the attacker's share of the weighted mean is at
-most ``r / (r + j)``: 2/3 with one honest device beside it at r = 2, 1/2 with two.
+most ``r / (r + j)``: 4/5 with two honest devices beside it at the default r = 8, 2/3 with four.
 
 An honest device with more than ``r`` times the median's data loses weight
 too: what that costs is measured in docs/benchmarks.md ("Bounded weights").
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-DEFAULT_WEIGHT_RATIO = 4.0  # feast-server run's --max-weight-ratio (simulation: 0, the paper's protocol)
+DEFAULT_WEIGHT_RATIO = 8.0  # feast-server run's --max-weight-ratio (simulation: 0, the paper's protocol)
 
 
 def lower_median(values: Sequence[int]) -> int:

@@ -62,7 +62,7 @@ def _attacked_round(kit, out: Path, federation: str, **options: float) -> tuple[
     return history[0], sent, kit.weights(out / "checkpoint.safetensors")
 
 
-def test_a_million_claimed_examples_weigh_as_four_median_devices_and_cannot_erase_the_slice(
+def test_a_million_claimed_examples_weigh_as_a_few_median_devices_and_cannot_erase_the_slice(
     kit, tmp_path: Path, federation: str
 ) -> None:
     initial = Supernet(PRESET, seed=0).state_dict()
@@ -91,5 +91,7 @@ def test_a_million_claimed_examples_weigh_as_four_median_devices_and_cannot_eras
         size = sum(initial[k][tuple(slice(0, n) for n in sent["mallory"][k].shape)].double().pow(2).sum() for k in keys)
         return float((moved / size).sqrt())
 
-    # Mallory's share: 92 / 138 with the cap, 1e6 / (1e6 + 46) without: the slice moves 2/3 of the way to zero, or all of it.
-    assert change(uncapped) > 0.99 and change(capped) < 0.7
+    # Mallory's share: r·23 / (r·23 + 46) with the cap (8: 184 / 230), 1e6 / (1e6 + 46) without: the slice moves that
+    # share of the way to zero (the honest shifts aside), or all of it.
+    share = cap / (cap + 46)
+    assert change(uncapped) > 0.99 and change(capped) < share + 0.05
