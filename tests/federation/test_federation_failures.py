@@ -50,19 +50,9 @@ PRESET = load_preset("fmnist-small")
 
 
 def scripted_server(kit, out: Path, fed: str, rounds: int, **changes: object):
-    """A server that trains with one device per round and needs one valid update to aggregate."""
-    config = ServerConfig(
-        out=str(out),
-        rounds=rounds,
-        per_round=1,
-        min_clients=1,
-        round_timeout=20.0,
-        seed=0,
-        batch_size=32,
-        federation=fed,
-        wait_timeout=30.0,
-        **changes,  # type: ignore[arg-type]
-    )
+    """A server that trains with one device per round and needs one valid update to aggregate (``changes``: other settings)."""
+    settings = dict(per_round=1, min_clients=1, round_timeout=20.0, seed=0, batch_size=32, wait_timeout=30.0)
+    config = ServerConfig(out=str(out), rounds=rounds, federation=fed, **{**settings, **changes})  # type: ignore[arg-type]
     return kit.ServerThread(config).start()
 
 

@@ -16,7 +16,6 @@ import pytest
 from feast_edge.dashboard.runs import read_run
 from feast_edge.dashboard.state import DashboardState
 from feast_edge.protocol import Declined
-from feast_edge.server.app import ServerConfig
 from feast_edge.server.output import print_round
 
 pytestmark = [pytest.mark.broker]
@@ -27,22 +26,11 @@ COHORT = ("honest", "rejected", "declining", "incomplete", "silent")
 def test_each_cohort_device_is_in_exactly_one_outcome_with_its_reason(
     kit, tmp_path: Path, federation: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from test_federation_failures import ScriptedDevice, shifted
+    from test_federation_failures import ScriptedDevice, scripted_server, shifted
 
-    config = ServerConfig(
-        out=str(tmp_path),
-        rounds=1,
-        per_round=len(COHORT),
-        min_clients=1,
-        start_clients=len(COHORT),
-        round_timeout=6.0,
-        seed=0,
-        batch_size=32,
-        federation=federation,
-        wait_timeout=30.0,
-    )
     caplog.set_level(logging.INFO, logger="feast_edge")
-    server = kit.ServerThread(config).start()
+    n = len(COHORT)
+    server = scripted_server(kit, tmp_path, federation, 1, per_round=n, start_clients=n, round_timeout=6.0)
     devices = {name: ScriptedDevice(federation, name) for name in COHORT}
     try:
         for device in devices.values():

@@ -15,7 +15,6 @@ import torch
 
 from feast_edge.protocol import Update
 from feast_edge.run.checkpoint import load_supernet
-from feast_edge.server.app import ServerConfig
 from feast_edge.space.preset import load_preset
 from feast_edge.transport.frames import describe
 
@@ -26,21 +25,10 @@ PRESET = load_preset("fmnist-small")
 
 def _round(kit, out: Path, federation: str, flood: int) -> tuple[list, dict[str, torch.Tensor]]:
     """One round with two honest devices and ``mallory``, who announces ``flood`` uploads (0: stays silent)."""
-    from test_federation_failures import ScriptedDevice, shifted
+    from test_federation_failures import ScriptedDevice, scripted_server, shifted
 
-    config = ServerConfig(
-        out=str(out),
-        rounds=1,
-        per_round=3,
-        min_clients=2,
-        start_clients=3,  # all three in round 1's cohort, however late mallory registers
-        round_timeout=8.0,
-        seed=0,
-        batch_size=32,
-        federation=federation,
-        wait_timeout=30.0,
-    )
-    server = kit.ServerThread(config).start()
+    # start_clients: all three in round 1's cohort, however late mallory registers
+    server = scripted_server(kit, out, federation, 1, per_round=3, min_clients=2, start_clients=3, round_timeout=8.0)
     devices = {name: ScriptedDevice(federation, name) for name in ("honest-a", "honest-b", "mallory")}
     try:
         for device in devices.values():

@@ -14,7 +14,6 @@ import torch
 
 from feast_edge.aggregate.robust import aggregate_updates
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO
-from feast_edge.server.app import ServerConfig
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 
@@ -25,22 +24,11 @@ HONEST = {"honest-a": 0.01, "honest-b": -0.02}
 
 
 def _attacked_round(kit, out: Path, federation: str, **options: float) -> tuple[object, dict, dict]:
-    from test_federation_failures import ScriptedDevice, shifted
+    from test_federation_failures import ScriptedDevice, scripted_server, shifted
 
-    config = ServerConfig(
-        out=str(out),
-        rounds=1,
-        per_round=3,
-        min_clients=2,
-        start_clients=3,
-        round_timeout=30.0,
-        seed=0,
-        batch_size=32,
-        federation=federation,
-        wait_timeout=30.0,
-        **options,
+    server = scripted_server(
+        kit, out, federation, 1, per_round=3, min_clients=2, start_clients=3, round_timeout=30.0, **options
     )
-    server = kit.ServerThread(config).start()
     devices = {name: ScriptedDevice(federation, name) for name in [*HONEST, "mallory"]}
     sent = {}
     try:
