@@ -127,8 +127,9 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
-        if ratio_problem(self.max_weight_ratio):
-            raise RunError(ratio_problem(self.max_weight_ratio))
+        problem = ratio_problem(self.max_weight_ratio)
+        if problem:
+            raise RunError(problem)
 
 
 def check_run_options(payload_dtype: str, aggregation: str, trim: float, clip_norm: float | None) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from feast_edge.run.collect import Collected
+from feast_edge.run.collect import ClientUpdate, Collected
 from feast_edge.sim.methods.base import Method
 from feast_edge.sim.setup import Setup
 
@@ -41,7 +41,8 @@ class InProcessCollector:
     ) -> Collected:
         if self.on_start is not None:
             self.on_start(t, cohort, plans)
-        updates = self.method.collect(t, cohort, plans, global_state, lr)
-        if self.self_reported:
-            updates = [replace(u, self_reported=True) for u in updates]
-        return Collected(updates)
+        return self.collected(self.method.collect(t, cohort, plans, global_state, lr))
+
+    def collected(self, updates: list[ClientUpdate]) -> Collected:
+        """The round's updates, their counts marked as the clients' own claims when asked (``self_reported``)."""
+        return Collected([replace(u, self_reported=True) for u in updates] if self.self_reported else updates)

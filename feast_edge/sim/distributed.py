@@ -85,8 +85,10 @@ def assign(cohort: Sequence[str], costs: Sequence[float], size: int) -> list[lis
 class SpreadCollector(InProcessCollector):
     """Rank 0's collector: the cohort split over the ranks by training cost, the updates put back in cohort order."""
 
-    def __init__(self, setup: Setup, method: Method, channel: Channel, rounds: int) -> None:
-        super().__init__(setup, method)
+    def __init__(
+        self, setup: Setup, method: Method, channel: Channel, rounds: int, *, self_reported: bool = False
+    ) -> None:
+        super().__init__(setup, method, self_reported=self_reported)
         self.channel, self.rounds, self.closed = channel, rounds, False
         self.sizes = {cid: int(n) for cid, n in zip(setup.client_ids, setup.population.sizes)}
 
@@ -117,7 +119,7 @@ class SpreadCollector(InProcessCollector):
             )
         if t + 1 >= self.rounds:
             self.close()  # the final test runs on rank 0 alone
-        return Collected([got[c] for c in cohort])
+        return self.collected([got[c] for c in cohort])
 
     def close(self) -> None:
         """Tell every other rank to stop (once)."""
@@ -282,7 +284,9 @@ class Spread:
         except BaseException:
             self.close(ok=False)
             raise
-        self.collector = SpreadCollector(sim.setup, sim.method, channel, self.config.rounds)
+        self.collector = SpreadCollector(
+            sim.setup, sim.method, channel, self.config.rounds, self_reported=sim.collector.self_reported
+        )
         sim.collector = self.collector
 
     def close(self, ok: bool = True) -> None:

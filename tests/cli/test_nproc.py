@@ -80,6 +80,18 @@ def test_two_processes_give_the_weights_of_one(cli, one_process, tmp_path):
     assert tests[0] == tests[1]
 
 
+@pytest.mark.slow
+def test_capped_weights_are_the_same_in_one_process_or_two(cli, tmp_path):
+    """--max-weight-ratio treats the shard sizes as claims on every rank's updates: a ratio small enough to bind
+    lowers the same weights, and gives the same model, whether the cohort trains in one process or is spread."""
+    runs = [tmp_path / "one", tmp_path / "two"]
+    _simulate(cli, runs[0], "--max-weight-ratio", "0.5")
+    _simulate(cli, runs[1], "--max-weight-ratio", "0.5", "--nproc", "2")
+    capped = [[r["capped"] for r in json.loads((d / "results.json").read_text())["rounds"]] for d in runs]
+    assert capped[0] == capped[1] and any(capped[0]), capped
+    _assert_same_tensors(runs[0] / "checkpoint.safetensors", runs[1] / "checkpoint.safetensors")
+
+
 @pytest.mark.parametrize(
     "extra, fragment",
     [
