@@ -158,7 +158,7 @@ def run(
         typer.Option(
             "--max-weight-ratio",
             help="A device's self-reported sample count weighs at most this many times the round's median count; "
-            "counts from --partition are never capped (0: no cap; docs/security.md §5).",
+            "counts of a partition given as --data are never capped (0: no cap; docs/security.md §5).",
         ),
     ] = DEFAULT_WEIGHT_RATIO,
     resume_previous: Annotated[
