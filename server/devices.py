@@ -63,16 +63,23 @@ class DeviceBook:
         # (re)start, every device in the registry (no agent has registered with this server process yet, so an agent
         # that came back first replaces its own stale registration instead of being refused as a duplicate).
         self._released: set[str] = {d.device_id for d in registry.devices()}
+        # Devices of the registry no agent has registered with this server process yet: their stored agent instance
+        # may be stale (agents drop rounds addressed to another instance), so no round goes to them until their agent
+        # registers again, which it does as soon as it sees this server come online.
+        self._unconfirmed: set[str] = set(self._released)
         registry.mark_all_offline()
         self._repeats: dict[str, tuple[str, int]] = {}  # device -> (agent instance, accepted registrations it sent)
 
     def online(self) -> list[str]:
-        """Registered devices whose host is online, sorted."""
-        return sorted(d.device_id for d in self.registry.devices() if d.host in self.hosts_online)
+        """Registered devices whose host is online and whose agent registered with this server process, sorted."""
+        return sorted(d.device_id for d in self.registry.devices() if self._reachable(d.device_id, d.host))
 
     def offline(self) -> list[str]:
-        """Registered devices whose host is not online, sorted."""
-        return sorted(d.device_id for d in self.registry.devices() if d.host not in self.hosts_online)
+        """Registered devices whose host is not online (or has not registered again since this server started), sorted."""
+        return sorted(d.device_id for d in self.registry.devices() if not self._reachable(d.device_id, d.host))
+
+    def _reachable(self, device: str, host: str) -> bool:
+        return host in self.hosts_online and device not in self._unconfirmed
 
     def on_presence(self, message: Presence) -> list[str]:
         """Follow an agent's status; returns the devices that just went offline (a round in flight stops waiting for them)."""
@@ -157,6 +164,7 @@ class DeviceBook:
         reason = self.refusal(message)
         if not reason:
             self._released.discard(device)
+            self._unconfirmed.discard(device)
             status = "online" if message.host in self.hosts_online else "offline"
             before = self.registry.get(device)
             self.registry.register(
