@@ -141,6 +141,7 @@ class Agent:
             )  # work waiting: no idle wait
             self._receipts.check(cancelled=lambda device_id: device_id in self._pending or self.stop.is_set())
             now = time.monotonic()
+            self.registration.retry(now)
             if self._pending or self._models or self._evaluations:
                 idle_since = last_note = now
             elif now - last_note >= HEARTBEAT:

@@ -49,6 +49,7 @@ class Registration:
         self._ever_accepted = False
         self._refused = False
         self._closing = False
+        self._last_sent = float("-inf")  # monotonic time of the last registration sent
 
     @property
     def finished(self) -> bool:
@@ -62,6 +63,7 @@ class Registration:
 
     def send(self) -> None:
         """Register every client the server has not accepted yet."""
+        self._last_sent = time.monotonic()
         for device_id, client in self.clients.items():
             if device_id in self.accepted:
                 continue
@@ -77,6 +79,13 @@ class Registration:
                 holdout=client.data.holdout,
             )
             self.link.publish(self.topics.register(device_id), message.encode())
+
+    def retry(self, now: float) -> None:
+        """While serving rounds: register again, every REGISTER_RETRY s, the clients a restarted server has not
+        accepted yet (a registration sent before it subscribed is lost; until it accepts, it sends them no round)."""
+        if self.server_online and not self.finished and not self.accepted >= set(self.clients):
+            if now - self._last_sent >= REGISTER_RETRY:
+                self.send()
 
     def wait(self, process: Callable[[float], None], stop: threading.Event, timeout: float) -> bool:
         """Register until every client is accepted, handling messages with ``process(seconds)``; False if ``stop`` was
