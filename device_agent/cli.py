@@ -180,6 +180,7 @@ def run(
         if budget is not None
         else (loaded.budget_macs if loaded is not None else None),
         profile=profile_summary(loaded) if loaded is not None else {},
+        precision=loaded.precision if loaded is not None else "fp32",  # a --budget (or a shard's) is a float32 one
         chunk_size=chunk_size,
         register_timeout=register_timeout,
         model_dir=None if model_dir is None else str(model_dir),
@@ -266,6 +267,13 @@ def profile(
     threads: Annotated[
         Optional[int], typer.Option(min=1, help="Inference threads (default: the runtime's own choice).")
     ] = None,
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="Precision the device is served in, timed as served: fp32, int8 (each variant quantized as the "
+            "server does; onnxruntime only) or auto (time both, keep the larger budget).",
+        ),
+    ] = "fp32",
 ) -> None:
     """Measure this device: time cached variants on the serving runtime, fit latency = a + b*MACs, derive the MAC budget; write a profile."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -275,6 +283,7 @@ def profile(
     from feast_edge.util.atomic import check_writable
 
     check_writable(out, "device profile")
+    profiling.check_profile_precision(precision, runtime)  # before the progress bar: a bad choice is one error line
     kwargs: dict[str, Any] = {
         "device": device,
         "memory_fraction": memory_fraction,
@@ -286,13 +295,15 @@ def profile(
         "holdout": holdout,
         "threads": threads,
         "cache_file": None if cache is None else str(cache),
+        "precision": precision,
     }
     if latency_target_ms is not None:
         kwargs["latency_target_ms"] = latency_target_ms
     with Progress(
         TextColumn("[bold]timing variants"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as bar:
-        task = bar.add_task("variants", total=variants + holdout)
+        timings = (variants + holdout) * (2 if precision == "auto" else 1)  # auto times each variant in both
+        task = bar.add_task("variants", total=timings)
         result = profiling.profile_device(
             preset, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs
         )

@@ -24,6 +24,9 @@ class AgentConfig:
         None  # one budget for every hosted client (--budget / --profile); None: each shard's own
     )
     profile: dict[str, Any] = field(default_factory=dict)  # summary sent with the registration
+    # The precision the device is served in, which its budget was measured at (the --profile's; fp32 with --budget).
+    # Not --amp: that is how local training computes.
+    precision: str = "fp32"
     chunk_size: int = DEFAULT_CHUNK_SIZE
     register_timeout: float = 60.0
     send_timeout: float = 120.0

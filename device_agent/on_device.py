@@ -6,7 +6,8 @@
 * :func:`calibrate_served_variant`: the served variant's weights (``"calibration": "device"`` in the
   manifest): check them against the architecture, recalibrate BN on this device's training split, export
   the ONNX file here (its metadata says where and on how many examples BN was calibrated) and measure it
-  on the held-out split.
+  on the held-out split; when the manifest asks for int8, quantize it here on this device's training
+  images and keep the int8 file only if it stays within the tolerance on the held-out split.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from feast_edge.evaluate.bn_stats import MIN_EXAMPLES, bn_statistics, encode_sta
 from feast_edge.evaluate.evaluation import correct_count
 from feast_edge.evaluate.federated import calibrated_static, calibration_subset, held_out_counts, routed_supernet
 from feast_edge.evaluate.onnx_export import export_onnx, measure_latency
+from feast_edge.evaluate.quantize import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_TOLERANCE,
+    PRECISIONS,
+    QuantizationError,
+    quantize_int8,
+)
 from feast_edge.protocol import Calibrate, Evaluate, Evaluated, RoutedRequest
 from feast_edge.route.payload import decode
 from feast_edge.route.plans import ClientPlan
@@ -113,6 +121,53 @@ def _variant_state(blob: bytes, model: StaticResNet) -> dict[str, torch.Tensor]:
     return state
 
 
+def _asked_precision(manifest: dict[str, Any]) -> tuple[str, int, float]:
+    """The precision the manifest asks for, with its int8 calibration size and tolerance, each checked and bounded."""
+    precision = manifest.get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise OnDeviceError(
+            f"the model manifest asks for precision {str(precision)[:16]!r}; known: {', '.join(PRECISIONS)}"
+        )
+    samples, tolerance = (
+        manifest.get("int8_samples", DEFAULT_CALIBRATION),
+        manifest.get("int8_tolerance", DEFAULT_TOLERANCE),
+    )
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= MAX_CALIBRATION:
+        raise OnDeviceError(f"the model manifest's int8_samples must be an integer in [1, {MAX_CALIBRATION}]")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance <= 1:
+        raise OnDeviceError("the model manifest's int8_tolerance must be a number in [0, 1]")
+    return precision, samples, float(tolerance)
+
+
+def _quantize_here(path: Path, data: LocalClient, preset: Preset, samples: int, tolerance: float) -> dict[str, Any]:
+    """Replace the exported float32 file by its int8 twin, calibrated on this device's training data and checked on its
+    held-out split; what the manifest records of it, or why the float32 file stays (logged)."""
+    try:
+        if data.samples == 0:
+            raise QuantizationError("this device has no training images to calibrate int8 on")
+        meta, check = quantize_int8(
+            path,
+            path,
+            calibration_subset(data.images, min(samples, data.samples)),
+            data.holdout_images,
+            data.holdout_labels,
+            origin=f"device {data.device_id}'s training data",
+            task_digest=preset.task.digest,
+            tolerance=tolerance,
+        )
+    except QuantizationError as exc:
+        log.warning(
+            "the model of %s stays float32 (it may miss a latency target measured at int8): %s", data.device_id, exc
+        )
+        return {"int8_refused": str(exc)}
+    return {
+        "int8_accuracy": check.int8_accuracy,
+        "int8_fp32_accuracy": check.fp32_accuracy,
+        "int8_agreement": check.agreement,
+        "int8_calibration_samples": int(meta["int8_calibration_samples"]),
+    }
+
+
 def calibrate_served_variant(
     blob: bytes, manifest: dict[str, Any], data: LocalClient, preset: Preset, path: str | os.PathLike[str]
 ) -> tuple[Path, dict[str, Any]]:
@@ -126,6 +181,7 @@ def calibrate_served_variant(
         raise OnDeviceError(f"the model manifest names no valid architecture of preset {preset.name} ({exc})") from None
     if data.samples == 0 and manifest.get("calibration") != "federated":
         raise OnDeviceError("this device has no training examples to calibrate BN on")
+    precision, samples, tolerance = _asked_precision(manifest)
     model = StaticResNet(arch_layout(preset, arch))
     model.load_state_dict(_variant_state(blob, model))
     asked = manifest.get("calibration_samples", 500)
@@ -155,6 +211,7 @@ def calibrate_served_variant(
             "device": data.device_id,
         },
     )
+    int8 = _quantize_here(path, data, preset, samples, tolerance) if precision == "int8" else {}
     onnx_bytes = path.read_bytes()
     local = {
         **{k: v for k, v in manifest.items() if k not in ("file", "size", "sha256")},
@@ -168,6 +225,8 @@ def calibrate_served_variant(
         "holdout_accuracy": None if math.isnan(accuracy) else accuracy,
         "holdout_samples": data.holdout,
         "macs": int(meta["feast.macs"]),
+        "precision": "int8" if "int8_accuracy" in int8 else "fp32",
+        **int8,
     }
     atomic_write_bytes(path.with_suffix(".json"), (json.dumps(local, indent=1) + "\n").encode())
     latency = measure_latency(path)
@@ -179,14 +238,17 @@ def calibrate_served_variant(
         "model_macs": local["macs"],
         "model_round": manifest.get("rounds", 0),
         "holdout_accuracy": None if math.isnan(accuracy) else accuracy,  # None: no held-out split here
+        "model_precision": local["precision"],
+        **{k: v for k, v in int8.items() if k in ("int8_accuracy", "int8_refused")},
     }
     log.info(
-        "exported the model of %s (BN %s) to %s (%s MACs): held-out accuracy %s on %d examples, "
+        "exported the model of %s (BN %s) to %s (%s MACs, %s): held-out accuracy %s on %d examples, "
         "onnxruntime latency %.3f ms",
         data.device_id,
         f"calibrated on {seen} of its examples" if where == "device" else f"of the federation's data, {seen} examples",
         path,
         f"{local['macs']:,}",
+        local["precision"],
         "-" if math.isnan(accuracy) else f"{100 * accuracy:.2f}%",
         data.holdout,
         latency["median_ms"],

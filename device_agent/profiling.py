@@ -10,6 +10,12 @@ ONNX on the fly and run in onnxruntime with the device's execution provider
 run. PyTorch eager is timed only when asked for (``runtime="torch"``). A few
 variants the fit does not see are timed as well: the fit's error on them is
 recorded in the profile.
+
+A device served int8 files is timed on int8 files: each exported variant goes
+through the quantization the server applies (``feast_edge.evaluate.quantize``),
+calibrated here on random pixels, since only the timing matters. ``precision``
+"auto" times float32 and int8 side by side and keeps the one with the larger
+budget.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 from rich.table import Table
@@ -34,6 +41,7 @@ from torch import nn
 from feast_edge.budget.profile import (
     DEFAULT_LATENCY_TARGET_MS,
     NAME_PATTERN,
+    Alternative,
     DeviceProfile,
     ProfileError,
     derive_budget,
@@ -41,6 +49,7 @@ from feast_edge.budget.profile import (
 )
 from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError
+from feast_edge.evaluate.precisions import PRECISIONS
 from feast_edge.local.torch_device import resolve_device
 from feast_edge.space.extract import extract
 from feast_edge.space.preset import load_preset
@@ -50,6 +59,23 @@ WARMUP = 3  # untimed forward passes before timing each variant
 TIMING_ROUNDS = 5  # profile_device splits --repeats into this many interleaved rounds
 RUNTIMES = ("onnxruntime", "torch")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+PROFILE_PRECISIONS = (*PRECISIONS, "auto")  # --precision: auto times each and keeps the larger budget
+PRECISION_WORDS = {"fp32": "float32", "int8": "int8 (onnxruntime static quantization of each exported variant)"}
+INT8_IMAGES = 64  # random images that calibrate a timed int8 file, and as many that (trivially) check it
+
+
+def check_profile_precision(precision: str, runtime: str = "onnxruntime") -> None:
+    """A ProfileError unless ``precision`` is one of PROFILE_PRECISIONS and ``runtime`` can time it."""
+    if precision not in PROFILE_PRECISIONS:
+        raise ProfileError(
+            f"--precision {precision!r} is unknown; choose fp32 (float32), int8 (onnxruntime static quantization) "
+            "or auto (time both, keep the larger budget)"
+        )
+    if precision != "fp32" and runtime != "onnxruntime":
+        raise ProfileError(
+            f"--precision {precision} times onnxruntime's int8 files, which PyTorch eager cannot run; "
+            "drop --runtime torch (or profile with --precision fp32)"
+        )
 
 
 def _check_device(device: str) -> None:
@@ -156,8 +182,6 @@ def ort_session(path: Any, providers: list[str], threads: int | None) -> Any:
 
 def time_session(session: Any, input_shape: Sequence[int], repeats: int, warmup: int) -> float:
     """Median wall time in ms of one ``session.run`` on random pixels of ``input_shape`` (batch included)."""
-    import numpy as np
-
     from feast_edge.evaluate.onnx_export import INPUT_NAME, OUTPUT_NAME
 
     x = np.random.default_rng(0).random(tuple(input_shape), dtype=np.float32)
@@ -171,6 +195,31 @@ def time_session(session: Any, input_shape: Sequence[int], repeats: int, warmup:
         )  # synchronous: a GPU provider copies the result back before it returns
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def quantize_for_timing(fp32_path: Path, out: Path, input_shape: Sequence[int], seed: int = 0) -> Path:
+    """The int8 twin of an exported variant, for timing only: calibrated on random pixels, never refused.
+
+    The server's quantization (``quantize_int8``) makes the file, so what is timed has the graph that is served;
+    its activation ranges come from seeded uniform noise, and its accuracy check (the float32 file's own predictions
+    as labels, tolerance 1) always passes, since a timing does not depend on the ranges.
+    """
+    from feast_edge.evaluate.quantize import predictions, quantize_int8
+
+    rng = np.random.default_rng(seed)
+    shape = (INT8_IMAGES, *input_shape[1:])
+    calibration = rng.random(shape, dtype=np.float32)
+    check = rng.random(shape, dtype=np.float32)
+    quantize_int8(
+        fp32_path,
+        out,
+        calibration,
+        check,
+        predictions(fp32_path, check),
+        origin="random uniform pixels (feast-agent profile: timing only)",
+        tolerance=1.0,
+    )
+    return out
 
 
 def _spread(n: int, k: int) -> list[int]:
@@ -201,6 +250,7 @@ def profile_device(
     holdout: int = 3,
     threads: int | None = None,
     cache_file: str | None = None,
+    precision: str = "fp32",
 ) -> DeviceProfile:
     """Measure this device: time ``variants`` cached variants at batch 1, fit ``a + b·MACs``, derive the budget.
 
@@ -211,13 +261,17 @@ def profile_device(
     records them, and the fit's error on them). ``runtime`` "onnxruntime"
     exports each to ONNX and times it with the execution ``provider`` (default:
     CUDA on a ``cuda`` device, else CPU; ``threads`` intra-op threads, None =
-    onnxruntime's default), "torch" times PyTorch eager. ``repeats`` passes per
-    variant are timed in interleaved rounds; a variant's latency is the median
-    of its round medians. The memory limit is ``memory_fraction`` × the
-    available RAM (``cpu``) or the free CUDA memory (``cuda``): it bounds
-    training, whatever serves. ``progress(done, total)`` is called as each
-    variant's timing completes. ``cache_file``: the cache to time (None: the
-    preset's default, ``feast_edge.cache.variants.default_cache_path``).
+    onnxruntime's default), "torch" times PyTorch eager. ``precision`` is the
+    precision the device will be served in: "fp32", "int8" (each exported file
+    quantized as the server does, :func:`quantize_for_timing`; onnxruntime
+    only) or "auto" (both timed side by side, both fitted; the profile is the
+    one with the larger budget, float32 on a tie, and keeps the other in
+    ``alternatives``). ``repeats`` passes per variant are timed in interleaved
+    rounds; a variant's latency is the median of its round medians. The memory
+    limit is ``memory_fraction`` × the available RAM (``cpu``) or the free CUDA
+    memory (``cuda``): it bounds training, whatever serves. ``progress(done,
+    total)`` is called as each timing completes. ``cache_file``: the cache to
+    time (None: the preset's default, ``feast_edge.cache.variants.default_cache_path``).
     """
     device = resolve_device(device)
     kind = "cuda" if device.startswith("cuda") else "cpu"  # the profile records the kind of device, not its index
@@ -235,6 +289,7 @@ def profile_device(
         raise ProfileError(
             f"--runtime {runtime!r} is unknown; choose onnxruntime (what serves the exported model) or torch (PyTorch eager)"
         )
+    check_profile_precision(precision, runtime)
     if holdout < 0:
         raise ProfileError(f"--holdout {holdout} must be >= 0")
     host = socket.gethostname()
@@ -254,23 +309,40 @@ def profile_device(
     held = [rest[j] for j in _spread(len(rest), holdout)] if rest and holdout else []
     chosen = [cache.entries[i] for i in fitted + held]
     shape = (1, preset.in_channels, preset.input_size, preset.input_size)
+    timed_in = PRECISIONS if precision == "auto" else (precision,)
     with tempfile.TemporaryDirectory(prefix="feast-profile-") as tmp:
-        timers, runtime_text = _timers(supernet, preset, chosen, shape, device, runtime, provider, threads, Path(tmp))
-        # Time in interleaved rounds: a burst of other work on the machine then slows every
-        # variant a little instead of one variant a lot, which would tilt the fitted line.
+        timers, runtime_text = _timers(
+            supernet, preset, chosen, shape, device, runtime, provider, threads, timed_in, Path(tmp)
+        )
+        # Time in interleaved rounds (and each variant in every precision one after the other): a burst of other work
+        # on the machine then slows every variant a little instead of one variant a lot, which would tilt a fitted line.
         rounds = min(TIMING_ROUNDS, repeats)
         per_round = math.ceil(repeats / rounds)
-        medians: list[list[float]] = [[] for _ in chosen]
+        medians: dict[str, list[list[float]]] = {p: [[] for _ in chosen] for p in timed_in}
+        total = len(chosen) * len(timed_in)
         for r in range(rounds):
-            for i, timer in enumerate(timers):
-                medians[i].append(timer(per_round, WARMUP if r == 0 else 1))
-                if progress is not None and r == rounds - 1:
-                    progress(i + 1, len(chosen))
-    timed = [(float(entry.macs), statistics.median(ms)) for entry, ms in zip(chosen, medians)]
-    measurements, held_out = timed[: len(fitted)], timed[len(fitted) :]
-    a, b = fit_latency(measurements)
+            for i in range(len(chosen)):
+                for j, p in enumerate(timed_in):
+                    medians[p][i].append(timers[p][i](per_round, WARMUP if r == 0 else 1))
+                    if progress is not None and r == rounds - 1:
+                        progress(i * len(timed_in) + j + 1, total)
     memory_limit = int(memory_fraction * _memory_available(device))
-    budget = derive_budget(cache, preset, a, b, latency_target_ms, memory_limit)
+    fits, failed = {}, None
+    for p in timed_in:
+        timed = [(float(entry.macs), statistics.median(ms)) for entry, ms in zip(chosen, medians[p])]
+        measurements, held_out = timed[: len(fitted)], timed[len(fitted) :]
+        try:
+            a, b = fit_latency(measurements)
+            budget = derive_budget(cache, preset, a, b, latency_target_ms, memory_limit)
+        except ProfileError as exc:
+            failed = exc  # with auto, the other precision may still afford a variant (int8: a faster one)
+            continue
+        fits[p] = Alternative(a, b, budget, tuple(measurements), tuple(held_out))
+    if not fits:
+        assert failed is not None
+        raise failed  # the last timed precision's reason: with auto that is int8, whose latency target is the lower
+    served = max(fits, key=lambda p: fits[p].budget_macs)  # the first (float32) on a tie
+    fit = fits[served]
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     where = hardware.get("cuda_name", hardware["cpu"]) if kind == "cuda" else hardware["cpu"]
     return DeviceProfile(
@@ -279,20 +351,39 @@ def profile_device(
         device=kind,
         hardware=hardware,
         preset=preset.name,
-        latency_a_ms=a,
-        latency_b_ms_per_mmac=b,
+        latency_a_ms=fit.latency_a_ms,
+        latency_b_ms_per_mmac=fit.latency_b_ms_per_mmac,
         latency_target_ms=float(latency_target_ms),
         memory_limit_bytes=memory_limit,
-        budget_macs=budget,
+        budget_macs=fit.budget_macs,
         source=(
             f"measured on {host} {date} by feast-agent profiling: {len(fitted)} cached variants of {preset.name} fitted "
             f"({len(held)} more held out), median of {rounds} interleaved rounds x {per_round} batch-1 forward passes each "
-            f"on {runtime_text}; memory limit = {memory_fraction:g} x {'free CUDA memory' if kind == 'cuda' else 'available RAM'}"
+            f"on {runtime_text}, served {_served_words(served, fits)}; memory limit = {memory_fraction:g} x "
+            f"{'free CUDA memory' if kind == 'cuda' else 'available RAM'}"
         ),
-        measurements=tuple(measurements),
+        measurements=fit.measurements,
         runtime=runtime_text,
-        holdout=tuple(held_out),
+        holdout=fit.holdout,
+        precision=served,
+        alternatives={p: f for p, f in fits.items() if p != served},
     )
+
+
+def _served_words(served: str, fits: dict[str, Alternative]) -> str:
+    """``in int8 (...)``, and with --precision auto how it compared with the other precision."""
+    text, budget = f"in {PRECISION_WORDS[served]}", fits[served].budget_macs
+    for other, fit in fits.items():
+        if other != served and fit.budget_macs == budget:
+            text += (
+                f", kept over {other} by --precision auto (both afford {budget / 1e6:.2f}M MACs: a tie keeps float32)"
+            )
+        elif other != served:
+            text += (
+                f", chosen over {other} by --precision auto (budget {budget / 1e6:.2f}M vs "
+                f"{fit.budget_macs / 1e6:.2f}M MACs)"
+            )
+    return text
 
 
 def _timers(
@@ -304,27 +395,32 @@ def _timers(
     runtime: str,
     provider: str | None,
     threads: int | None,
+    precisions: Sequence[str],
     workdir: Path,
-) -> tuple[list[Callable[[int, int], float]], str]:
-    """One ``timer(repeats, warmup) -> median ms`` per chosen variant on ``runtime``, and a line naming what runs them."""
+) -> tuple[dict[str, list[Callable[[int, int], float]]], str]:
+    """Per precision, one ``timer(repeats, warmup) -> median ms`` per chosen variant on ``runtime``; a line naming what runs them."""
     models = [extract(supernet, entry.arch) for entry in chosen]
-    if runtime == "torch":
+    if runtime == "torch":  # float32 only (profile_device refuses int8 on torch)
         if threads is not None:
             torch.set_num_threads(threads)
         text = f"PyTorch {torch.__version__} eager on {device} ({torch.get_num_threads()} threads)"
-        return [lambda n, w, m=model: time_variant(m, shape, device, n, w) for model in models], text
+        return {"fp32": [lambda n, w, m=model: time_variant(m, shape, device, n, w) for model in models]}, text
     import onnxruntime as ort
 
     from feast_edge.evaluate.onnx_export import export_onnx
 
     providers = ort_providers(device, provider)
-    sessions = []
+    timers: dict[str, list[Callable[[int, int], float]]] = {p: [] for p in precisions}
     for i, (entry, model) in enumerate(zip(chosen, models)):
-        path = workdir / f"variant-{i}.onnx"
-        export_onnx(model, path, preset, entry.arch)  # the file a device is served, as the server exports it
-        sessions.append(ort_session(path, providers, threads))
+        files = {"fp32": workdir / f"variant-{i}.onnx"}
+        export_onnx(model, files["fp32"], preset, entry.arch)  # the file a device is served, as the server exports it
+        if "int8" in precisions:
+            files["int8"] = quantize_for_timing(files["fp32"], workdir / f"variant-{i}-int8.onnx", shape, seed=i)
+        for p in precisions:
+            session = ort_session(files[p], providers, threads)
+            timers[p].append(lambda n, w, s=session: time_session(s, shape, n, w))
     text = f"onnxruntime {ort.__version__}, {providers[0]}, {threads or 'default'} intra-op threads"
-    return [lambda n, w, s=session: time_session(s, shape, n, w) for session in sessions], text
+    return timers, text
 
 
 def _bytes(n: Any) -> str:
@@ -341,6 +437,7 @@ def profile_table(profile: DeviceProfile) -> Table:
     for key, value in profile.hardware.items():
         table.add_row(f"  {key}", _bytes(value) if key.endswith("_bytes") else str(value))
     table.add_row("preset", profile.preset)
+    table.add_row("precision", PRECISION_WORDS[profile.precision])
     points = f" over {len(profile.measurements)} timed variants" if profile.measurements else " (documented, not timed)"
     table.add_row(
         "latency fit", f"{profile.latency_a_ms:.3f} ms + {profile.latency_b_ms_per_mmac:.4f} ms/MMAC × MACs{points}"
@@ -356,7 +453,13 @@ def profile_table(profile: DeviceProfile) -> Table:
         )
     table.add_row("latency target", f"{profile.latency_target_ms:g} ms")
     table.add_row("memory limit", _bytes(profile.memory_limit_bytes))
-    table.add_row("budget", f"{profile.budget_macs / 1e6:.2f}M MACs")
+    table.add_row("budget", f"{profile.budget_macs / 1e6:.2f}M MACs ({profile.precision})")
+    for other, fit in profile.alternatives.items():  # --precision auto: the precision it was chosen over
+        table.add_row(
+            f"  in {other}",
+            f"{fit.budget_macs / 1e6:.2f}M MACs (fit {fit.latency_a_ms:.3f} ms + {fit.latency_b_ms_per_mmac:.4f} "
+            f"ms/MMAC × MACs over {len(fit.measurements)} timed variants; not chosen)",
+        )
     try:
         preset = load_preset(profile.preset)
         entry = load_cache(preset).largest_affordable(profile.budget_macs)

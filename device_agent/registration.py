@@ -77,6 +77,7 @@ class Registration:
                 samples=client.data.samples,
                 profile=self.config.profile,
                 holdout=client.data.holdout,
+                precision=self.config.precision,
             )
             self.link.publish(self.topics.register(device_id), message.encode())
 

@@ -37,7 +37,7 @@ from feast_edge.server.config import KIND, ServerConfig, ServerError
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.events import Events
 from feast_edge.server.exchange import ExchangeSettings, RoundExchange, WaitTimeout
-from feast_edge.server.export import export_device_models, export_device_variants
+from feast_edge.server.export import Int8Settings, export_device_models, export_device_variants
 from feast_edge.server.held_data import ServerData, load_server_data
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Device, Registry
@@ -324,6 +324,7 @@ class FederationServer:
         if not devices:
             raise ServerError(f"no device is registered in {self.out / REGISTRY}; nothing to export")
         where = dict(federation=self.config.federation, rounds_done=rounds, checkpoint=source.name)
+        int8 = Int8Settings(self.config.precision, self.config.int8_samples, self.config.int8_tolerance)
         if self.data is None:
             statistics = self._federated_statistics(model, devices, rounds) if federated_bn else None
             return export_device_variants(
@@ -333,9 +334,10 @@ class FederationServer:
                 self.out,
                 calibration=self.config.calib_samples,
                 statistics=statistics,
+                int8=int8,
                 **where,
             )
-        return export_device_models(model, self.cache, devices, self.data, self.out, **where)
+        return export_device_models(model, self.cache, devices, self.data, self.out, int8=int8, **where)
 
     def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:
         """The online devices' BN statistics of every served variant (SPEC §8 on the federation's data)."""

@@ -24,6 +24,7 @@ class ServerError(FeastError):
     """The server cannot start, resume or continue with the given settings."""
 
 
+SERVED_PRECISIONS = ("auto", "fp32", "int8")  # --precision: auto = the precision each device registered
 BN_CALIBRATIONS = ("federated", "device")  # where a server without data has its served variants' BN calibrated
 
 
@@ -73,6 +74,13 @@ class ServerConfig:
     # A self-reported sample count weighs at most this many times the round's lower-median count (0: no cap); counts
     # the server's partition record holds are facts and never capped (feast_edge.aggregate.weights).
     max_weight_ratio: float = DEFAULT_WEIGHT_RATIO
+    # The precision of the served ONNX files: "auto" serves each device the precision its profile was measured at
+    # (the registration's), fp32 / int8 serve every device that one (feast_edge.evaluate.quantize).
+    precision: str = "auto"
+    int8_samples: int = (
+        256  # images that set the int8 activation ranges (the server's calibration split, or a device's)
+    )
+    int8_tolerance: float = 0.01  # accuracy an int8 file may lose against float32 on held-out data before it is refused
 
     def __post_init__(self) -> None:
         checks = [
@@ -93,6 +101,15 @@ class ServerConfig:
             (self.max_devices >= 1, f"--max-devices {self.max_devices} must be at least 1"),
             (self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)"),
             (not ratio_problem(self.max_weight_ratio), ratio_problem(self.max_weight_ratio)),
+            (
+                self.precision in SERVED_PRECISIONS,
+                f"--precision {self.precision!r} must be one of {', '.join(SERVED_PRECISIONS)} (auto: each device's profile)",
+            ),
+            (self.int8_samples >= 1, f"--int8-samples {self.int8_samples} must be at least 1"),
+            (
+                0 <= self.int8_tolerance <= 1,
+                f"--int8-tolerance {self.int8_tolerance:g} must be a fraction in [0, 1] (0.01 = 1 point)",
+            ),
             (
                 self.bn_calibration in BN_CALIBRATIONS,
                 f"--bn-calibration {self.bn_calibration!r} must be one of {', '.join(BN_CALIBRATIONS)}",

@@ -176,18 +176,22 @@ class DeviceBook:
                 preset=message.preset,
                 profile={**message.profile, "holdout": message.holdout},
                 status=status,
+                precision=message.precision,
             )
             # Agents repeat a registration until it is answered: say it once per agent instance.
             repeat = (
-                before is not None and before.instance == message.instance and before.budget_macs == message.budget_macs
+                before is not None
+                and before.instance == message.instance
+                and (before.budget_macs, before.precision) == (message.budget_macs, message.precision)
             )
             self._unanswered(device, message.instance)
             log.log(
                 logging.DEBUG if repeat else logging.INFO,
-                "registered %s (host %s): budget %.2fM MACs, %d samples",
+                "registered %s (host %s): budget %.2fM MACs (%s), %d samples",
                 device,
                 message.host,
                 message.budget_macs / 1e6,
+                message.precision,
                 message.samples,
             )
         else:

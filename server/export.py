@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_stats import apply_statistics
 from feast_edge.evaluate.evaluation import accuracy, calibrated_variant
 from feast_edge.evaluate.onnx_export import export_onnx
+from feast_edge.evaluate.quantize import DEFAULT_CALIBRATION, DEFAULT_TOLERANCE, QuantizationError, quantize_int8
 from feast_edge.server.bn_calibration import Calibrated
 from feast_edge.server.held_data import ServerData
 from feast_edge.server.registry import Device
@@ -48,6 +50,59 @@ class ExportError(FeastError):
     """A device model cannot be exported or served."""
 
 
+@dataclass(frozen=True)
+class Int8Settings:
+    """How served files are quantized: ``precision`` "auto" (each device's registered one), "fp32" or "int8"."""
+
+    precision: str = "auto"
+    samples: int = DEFAULT_CALIBRATION
+    tolerance: float = DEFAULT_TOLERANCE
+
+    def for_device(self, device: Device) -> str:
+        """The precision ``device`` is served in."""
+        return device.precision if self.precision == "auto" else self.precision
+
+
+def _served_variant(
+    supernet: Supernet,
+    arch: Arch,
+    data: ServerData,
+    directory: Path,
+    extra: dict[str, Any],
+    precision: str,
+    int8: Int8Settings,
+) -> tuple[bytes, dict[str, str], float, str]:
+    """One variant calibrated on the server's data, exported (and quantized when ``precision`` is int8): the file's
+    bytes, its metadata, its validation accuracy in float32, and why int8 was refused ("" when it was not)."""
+    model = calibrated_variant(supernet, arch, data.calibration_images).cpu()
+    acc = accuracy(model, data.validation_images, data.validation_labels, supernet.preset)
+    tmp = directory / f".variant-{arch.slug}-{precision}.onnx"
+    try:
+        meta = export_onnx(
+            model, tmp, supernet.preset, arch, class_names=data.class_names, extra={**extra, "validation_accuracy": acc}
+        )
+        refused = ""
+        if precision == "int8":
+            try:
+                meta, _ = quantize_int8(
+                    tmp,
+                    tmp,
+                    data.calibration_images[: int8.samples],
+                    data.validation_images,
+                    data.validation_labels,
+                    origin=f"the server's calibration split ({data.source})",
+                    task_digest=supernet.preset.task.digest,
+                    tolerance=int8.tolerance,
+                )
+                meta = {f"feast.{k}": v for k, v in meta.items()}
+            except QuantizationError as exc:
+                refused = str(exc)
+                log.warning("serving %s in float32 (it may miss a latency target measured at int8): %s", arch, exc)
+        return tmp.read_bytes(), meta, acc, refused
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def export_device_models(
     supernet: Supernet,
     cache: VariantCache,
@@ -59,40 +114,34 @@ def export_device_models(
     rounds_done: int,
     checkpoint: str,
     progress: Callable[[str], None] | None = None,
+    int8: Int8Settings = Int8Settings(),
 ) -> list[dict[str, Any]]:
     """Export every device's model into ``out/models``; returns the manifests (sorted by device id)."""
     directory = Path(out) / MODELS
     directory.mkdir(parents=True, exist_ok=True)
     preset = supernet.preset
-    variants: dict[Arch, tuple[bytes, dict[str, str], float]] = {}
+    variants: dict[tuple[Arch, str], tuple[bytes, dict[str, str], float, str]] = {}
     manifests = []
+    extra = {"bn_recalibrated": True, "federation": federation, "rounds": rounds_done}
     for device in sorted(devices, key=lambda d: d.device_id):
         entry = cache.largest_affordable(device.budget_macs)
-        if entry.arch not in variants:
+        precision = int8.for_device(device)
+        if (entry.arch, precision) not in variants:
             start = time.perf_counter()
-            model = calibrated_variant(supernet, entry.arch, data.calibration_images).cpu()
-            acc = accuracy(model, data.validation_images, data.validation_labels, preset)
-            tmp = directory / f".variant-{entry.arch.slug}.onnx"
-            meta = export_onnx(
-                model,
-                tmp,
-                preset,
-                entry.arch,
-                class_names=data.class_names,
-                extra={
-                    "bn_recalibrated": True,
-                    "validation_accuracy": acc,
-                    "federation": federation,
-                    "rounds": rounds_done,
-                },
+            variants[entry.arch, precision] = _served_variant(
+                supernet, entry.arch, data, directory, extra, precision, int8
             )
-            variants[entry.arch] = (tmp.read_bytes(), meta, acc)
-            tmp.unlink()
-            message = f"exported {entry.arch} ({entry.macs / 1e6:.2f}M MACs): validation accuracy {100 * acc:.2f}% in {time.perf_counter() - start:.1f} s"
+            blob, meta, acc, _ = variants[entry.arch, precision]
+            message = (
+                f"exported {entry.arch} ({entry.macs / 1e6:.2f}M MACs, {meta['feast.precision']}): validation "
+                f"accuracy {100 * acc:.2f}%"
+                + (f", int8 {100 * float(meta['feast.int8_accuracy']):.2f}%" if "feast.int8_accuracy" in meta else "")
+                + f" in {time.perf_counter() - start:.1f} s"
+            )
             log.info(message)
             if progress is not None:
                 progress(message)
-        blob, meta, acc = variants[entry.arch]
+        blob, meta, acc, refused = variants[entry.arch, precision]
         path = directory / f"{device.device_id}.onnx"
         atomic_write_bytes(path, blob)
         manifest = {
@@ -108,6 +157,8 @@ def export_device_models(
             "params": int(meta["feast.params"]),
             "validation_accuracy": acc,
             "validation_samples": int(data.validation_labels.shape[0]),
+            "precision": meta["feast.precision"],
+            **_int8_fields(meta, precision, refused),
             "bn_recalibrated": True,
             "rounds": rounds_done,
             "checkpoint": checkpoint,
@@ -119,6 +170,17 @@ def export_device_models(
         manifests.append(manifest)
     atomic_write_bytes(directory / "index.json", (json.dumps({"models": manifests}, indent=1) + "\n").encode())
     return manifests
+
+
+def _int8_fields(meta: dict[str, str], asked: str, refused: str) -> dict[str, Any]:
+    """The manifest's record of the int8 file (its accuracy against float32), or of why float32 is served instead."""
+    if meta.get("feast.precision") == "int8":
+        return {
+            "int8_accuracy": float(meta["feast.int8_accuracy"]),
+            "int8_agreement": float(meta["feast.int8_agreement"]),
+            "int8_calibration_samples": int(meta["feast.int8_calibration_samples"]),
+        }
+    return {"int8_refused": refused} if asked == "int8" and refused else {}
 
 
 VARIANT_FORMAT = "feast-edge/variant-weights"
@@ -135,8 +197,10 @@ def export_device_variants(
     checkpoint: str,
     calibration: int,
     statistics: Mapping[Arch, Calibrated] | None = None,
+    int8: Int8Settings = Int8Settings(),
 ) -> list[dict[str, Any]]:
-    """Every device's served variant as weights for the device to export; returns the manifests.
+    """Every device's served variant as weights for the device to export (in the precision ``int8`` gives it); returns
+    the manifests.
 
     A variant with federated ``statistics`` carries them in its BN buffers (``"calibration": "federated"``); the
     others are recalibrated by each device on its own data (``"calibration": "device"``).
@@ -178,6 +242,13 @@ def export_device_variants(
             "calibration_samples": calibration if federated is None else federated.examples,
             **({} if federated is None else {"calibration_devices": list(federated.devices)}),
             "bn_recalibrated": federated is not None,
+            # The device exports float32, or quantizes on its own training data and checks on its held-out split.
+            "precision": int8.for_device(device),
+            **(
+                {"int8_samples": int8.samples, "int8_tolerance": int8.tolerance}
+                if int8.for_device(device) == "int8"
+                else {}
+            ),
             "rounds": rounds_done,
             "checkpoint": checkpoint,
             "file": path.name,

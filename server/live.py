@@ -103,6 +103,7 @@ class LiveView:
             "profile": device.profile.get("name") if isinstance(device.profile.get("name"), str) else None,
             "hardware": hardware_of(device.profile),
             "budget_macs": device.budget_macs,
+            "precision": device.precision,
             "samples": device.samples,
             "online": device.host in hosts_online,
             "last_seen": device.last_seen,

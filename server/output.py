@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
+from feast_edge.run.rundir import served_precision
+
 if TYPE_CHECKING:
     from feast_edge.run.loop import RoundRecord
 
@@ -42,21 +44,28 @@ def print_round(record: RoundRecord, rounds: int) -> None:
     )
 
 
+def _precision(manifest: dict[str, Any], report: dict[str, Any] | None) -> str:
+    """The served file's precision, with the int8 file's held-out accuracy when it is int8."""
+    words = served_precision(manifest, report)
+    accuracy = (report or manifest).get("int8_accuracy") if words == "int8" else None
+    return words if accuracy is None else f"int8 ({_pct(accuracy)})"
+
+
 def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
-    for col in ("device", "budget", "variant MACs", "params", "val accuracy", "file", "sha256"):
+    for col in ("device", "budget", "variant MACs", "params", "precision", "val accuracy", "file", "sha256"):
         table.add_column(
             col, justify="right" if col in ("budget", "variant MACs", "params", "val accuracy") else "left"
         )
     for m in manifests:
+        on_device = m.get("calibration") in ("device", "federated")
         table.add_row(
             m["device"],
             f"{m['budget_macs'] / 1e6:.2f}M",
             f"{m['macs'] / 1e6:.2f}M",
             f"{m['params'] / 1e6:.3f}M",
-            _pct(m.get("validation_accuracy"))
-            if m.get("calibration") not in ("device", "federated")
-            else "on the device",
+            _precision(m, None),
+            _pct(m.get("validation_accuracy")) if not on_device else "on the device",
             m["file"],
             m["sha256"][:12],
         )
@@ -67,7 +76,15 @@ def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict
     """The devices' own models: where BN was calibrated, on how many examples, and the accuracy each device measured
     on its held-out split (what a server without data learns of its models)."""
     table = Table(title=title)
-    for col in ("device", "variant MACs", "calibrated on", "held-out accuracy", "held-out examples", "ONNX latency"):
+    for col in (
+        "device",
+        "variant MACs",
+        "precision",
+        "calibrated on",
+        "held-out accuracy",
+        "held-out examples",
+        "ONNX latency",
+    ):
         table.add_column(col, justify="left" if col == "device" else "right")
     for m in manifests:
         r = reports.get(m["device"], {})
@@ -75,6 +92,7 @@ def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict
         table.add_row(
             m["device"],
             f"{m['macs'] / 1e6:.2f}M",
+            _precision(m, r),
             "-"
             if "calibrated_on" not in r
             else f"{r['calibrated_on']} examples on the device"

@@ -3,8 +3,9 @@
 One row per device id. ``host`` is the agent process that hosts the device
 (its presence topic is ``status/{host}``), ``instance`` the random id of that
 process, so a reconnect of the same agent is told apart from a second agent
-claiming the same id. The file survives server restarts; the checkpoint keeps a
-snapshot of it per round.
+claiming the same id. ``precision`` is the one the device is served in, which
+its budget is for (its profile's). The file survives server restarts; the
+checkpoint keeps a snapshot of it per round.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ CREATE TABLE IF NOT EXISTS devices (
     last_seen   REAL NOT NULL,
     status      TEXT NOT NULL,
     rounds      INTEGER NOT NULL DEFAULT 0,
-    metrics     TEXT NOT NULL DEFAULT '{}'
+    metrics     TEXT NOT NULL DEFAULT '{}',
+    precision   TEXT NOT NULL DEFAULT 'fp32'
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 SCHEMA_VERSION = "1"
+# Columns added since: (name, definition). A registry written before gains them when opened for writing; read-only,
+# a row without one reads as the definition's default (_device).
+ADDED_COLUMNS = (("precision", "TEXT NOT NULL DEFAULT 'fp32'"),)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class Device:
     status: str  # online | offline
     rounds: int = 0  # rounds whose aggregate included this device
     metrics: dict[str, Any] | None = None  # last metrics the device reported
+    precision: str = "fp32"  # the precision it is served in, which its budget is for (registered; older rows: fp32)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +83,10 @@ class Registry:
         with self._lock, self._db:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(SCHEMA)
+            present = {row["name"] for row in self._db.execute("PRAGMA table_info(devices)")}
+            for name, definition in ADDED_COLUMNS:
+                if name not in present:
+                    self._db.execute(f"ALTER TABLE devices ADD COLUMN {name} {definition}")
             self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema', ?)", (SCHEMA_VERSION,))
 
     def close(self) -> None:
@@ -110,16 +120,19 @@ class Registry:
         preset: str,
         profile: dict[str, Any],
         status: str,
+        precision: str = "fp32",
     ) -> Device:
         """Insert or update a device's registration (first_seen is kept)."""
         now = time.time()
         with self._lock, self._db:
             self._db.execute(
-                """INSERT INTO devices (device_id, host, instance, budget_macs, samples, preset, profile, first_seen, last_seen, status)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                """INSERT INTO devices (device_id, host, instance, budget_macs, samples, preset, profile, first_seen, last_seen, status,
+                       precision)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT(device_id) DO UPDATE SET host = excluded.host, instance = excluded.instance,
                        budget_macs = excluded.budget_macs, samples = excluded.samples, preset = excluded.preset,
-                       profile = excluded.profile, last_seen = excluded.last_seen, status = excluded.status""",
+                       profile = excluded.profile, last_seen = excluded.last_seen, status = excluded.status,
+                       precision = excluded.precision""",
                 (
                     device_id,
                     host,
@@ -131,6 +144,7 @@ class Registry:
                     now,
                     now,
                     status,
+                    precision,
                 ),
             )
         device = self.get(device_id)
@@ -183,4 +197,5 @@ def _device(row: sqlite3.Row) -> Device:
         status=row["status"],
         rounds=int(row["rounds"]),
         metrics=json.loads(row["metrics"] or "{}"),
+        precision=dict(row).get("precision", "fp32"),  # a registry from before the column: float32
     )

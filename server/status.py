@@ -88,6 +88,7 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
                 "last_seen": d.last_seen,
                 "seconds_since_seen": max(0.0, now - d.last_seen),
                 "budget_macs": d.budget_macs,
+                "precision": d.precision,
                 "samples": d.samples,
                 "rounds": d.rounds,
                 "profile": d.profile.get("name"),
@@ -138,7 +139,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
 def status_table(status: dict[str, Any]) -> Table:
     """One row per registered device."""
     table = Table(title=f"devices registered in {status['out']}")
-    for col in ("device", "host", "status", "last seen", "budget", "samples", "rounds", "profile"):
+    for col in ("device", "host", "status", "last seen", "budget", "precision", "samples", "rounds", "profile"):
         table.add_column(col, justify="right" if col in ("budget", "samples", "rounds") else "left")
     for d in status["devices"]:
         table.add_row(
@@ -147,6 +148,7 @@ def status_table(status: dict[str, Any]) -> Table:
             d["status"],
             ago(d["seconds_since_seen"]),
             f"{d['budget_macs'] / 1e6:.2f}M",
+            d["precision"],
             str(d["samples"]),
             str(d["rounds"]),
             d["profile"] or "-",

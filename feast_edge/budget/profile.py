@@ -33,6 +33,7 @@ from typing import Any
 
 from feast_edge.cache.variants import VariantCache
 from feast_edge.errors import FeastError
+from feast_edge.evaluate.precisions import PRECISIONS
 from feast_edge.route.envelope import Envelope
 from feast_edge.space.arch import Arch
 from feast_edge.space.geometry import arch_layout
@@ -60,6 +61,33 @@ class ProfileError(FeastError, ValueError):
 
 
 # ------------------------------------------------------------------ the profile
+Pairs = tuple[tuple[float, float], ...]  # (MACs, median ms) pairs
+
+
+def _pairs(pairs: Pairs) -> list[list[float]]:
+    return [[m, ms] for m, ms in pairs]
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """Another serving precision timed alongside the profile's own (``--precision auto``): its fit and budget."""
+
+    latency_a_ms: float
+    latency_b_ms_per_mmac: float
+    budget_macs: float
+    measurements: Pairs = ()
+    holdout: Pairs = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "latency_a_ms": self.latency_a_ms,
+            "latency_b_ms_per_mmac": self.latency_b_ms_per_mmac,
+            "budget_macs": self.budget_macs,
+            "measurements": _pairs(self.measurements),
+            **({"holdout": _pairs(self.holdout)} if self.holdout else {}),
+        }
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """A device's measured (or documented) latency fit, memory limit and the MAC budget derived from them."""
@@ -82,6 +110,9 @@ class DeviceProfile:
     holdout: tuple[
         tuple[float, float], ...
     ] = ()  # (MACs, median ms) of timed variants the fit did not see: its error check
+    precision: str = "fp32"  # the serving precision (quantize.PRECISIONS) the fit and budget are for
+    # The other precisions timed alongside (--precision auto): precision -> its fit and budget.
+    alternatives: dict[str, Alternative] = field(default_factory=dict, hash=False)
 
     def latency_ms(self, macs: float) -> float:
         """Predicted batch-1 latency ``a + b·MACs`` of a variant with ``macs`` MACs."""
@@ -107,9 +138,12 @@ class DeviceProfile:
             "budget_macs": self.budget_macs,
             "source": self.source,
             "hardware": self.hardware,
-            "measurements": [[m, ms] for m, ms in self.measurements],
+            "measurements": _pairs(self.measurements),
             **({"runtime": self.runtime} if self.runtime else {}),
-            **({"holdout": [[m, ms] for m, ms in self.holdout]} if self.holdout else {}),
+            **({"holdout": _pairs(self.holdout)} if self.holdout else {}),
+            # Written only when not float32, so the files of float32 profiles stay as they were.
+            **({"precision": self.precision} if self.precision != "fp32" else {}),
+            **({"alternatives": {p: a.to_dict() for p, a in self.alternatives.items()}} if self.alternatives else {}),
         }
 
     @classmethod
@@ -131,7 +165,8 @@ _FIELDS = {
     "source",
     "hardware",
 }
-_OPTIONAL = {"measurements", "runtime", "holdout"}
+_OPTIONAL = {"measurements", "runtime", "holdout", "precision", "alternatives"}
+_ALTERNATIVE = {"latency_a_ms", "latency_b_ms_per_mmac", "budget_macs"}
 _HEADER = {"format", "version"}
 
 
@@ -168,6 +203,54 @@ def _measurements(value: Any, source: str, key: str = "measurements") -> tuple[t
             raise _bad(source, f"field '{key}' entry {i} must be a [MACs, ms] pair of positive numbers, got {pair!r}")
         pairs.append((float(pair[0]), float(pair[1])))
     return tuple(pairs)
+
+
+def _precision(data: dict[str, Any], source: str) -> str:
+    precision = _text(data, "precision", source) if "precision" in data else "fp32"  # older files: float32
+    if precision not in PRECISIONS:
+        raise _bad(
+            source,
+            f"field 'precision' is {precision!r}, expected one of {', '.join(PRECISIONS)} (the precision it is served in)",
+        )
+    return precision
+
+
+def _alternatives(value: Any, precision: str, source: str) -> dict[str, Alternative]:
+    """The ``alternatives`` field: other precisions, each with a valid fit and budget."""
+    if not isinstance(value, dict):
+        raise _bad(source, f"field 'alternatives' must be an object of precision -> fit, got {type(value).__name__}")
+    alternatives = {}
+    for other, fit in value.items():
+        where = f"alternatives.{other}"
+        if other not in PRECISIONS or other == precision:
+            raise _bad(
+                source,
+                f"field 'alternatives' names {other!r}; expected another precision than {precision!r} "
+                f"({', '.join(PRECISIONS)})",
+            )
+        if (
+            not isinstance(fit, dict)
+            or not _ALTERNATIVE <= set(fit)
+            or set(fit) - _ALTERNATIVE - {"measurements", "holdout"}
+        ):
+            raise _bad(
+                source,
+                f"field '{where}' must be an object of {', '.join(sorted(_ALTERNATIVE))}, measurements and holdout",
+            )
+        named = {f"{where}.{key}": fit[key] for key in ("latency_a_ms", "latency_b_ms_per_mmac", "budget_macs")}
+        a, b, budget = (_number(named, key, source) for key in named)
+        if not (a >= 0 and b > 0 and budget > 0):
+            raise _bad(
+                source, f"field '{where}' needs latency_a_ms >= 0, latency_b_ms_per_mmac > 0 and budget_macs > 0"
+            )
+        alternatives[other] = Alternative(
+            latency_a_ms=a,
+            latency_b_ms_per_mmac=b,
+            budget_macs=budget,
+            measurements=_measurements(fit.get("measurements", []), source, f"{where}.measurements"),
+            holdout=_measurements(fit.get("holdout", []), source, f"{where}.holdout"),
+        )
+    return alternatives
 
 
 def _profile_from_dict(data: Any, source: str) -> DeviceProfile:
@@ -227,6 +310,7 @@ def _profile_from_dict(data: Any, source: str) -> DeviceProfile:
     for ok, problem in checks:
         if not ok:
             raise _bad(source, problem)
+    precision = _precision(data, source)
     return DeviceProfile(
         name=name,
         description=_text(data, "description", source),
@@ -242,6 +326,8 @@ def _profile_from_dict(data: Any, source: str) -> DeviceProfile:
         measurements=_measurements(data.get("measurements", []), source),
         runtime=_text(data, "runtime", source) if "runtime" in data else "",
         holdout=_measurements(data.get("holdout", []), source, "holdout"),
+        precision=precision,
+        alternatives=_alternatives(data.get("alternatives", {}), precision, source),
     )
 
 
@@ -441,4 +527,6 @@ def profile_summary(profile: DeviceProfile) -> dict[str, Any]:
     data = profile.to_dict()
     for key in ("measurements", "format", "version"):
         data.pop(key, None)
+    for fit in data.get("alternatives", {}).values():
+        fit.pop("measurements", None)
     return data

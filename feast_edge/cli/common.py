@@ -178,7 +178,8 @@ AmpOpt = Annotated[
     str,
     typer.Option(
         "--amp",
-        help="Mixed precision of local training: auto (bf16 on GPUs that have it, else fp16 with a gradient scaler; off on the CPU), off, bf16 or fp16.",
+        help="Mixed precision of local training: auto (bf16 on GPUs that have it, else fp16 with a gradient scaler; "
+        "on the CPU bf16 where it has native bfloat16, AVX512-BF16/AMX or Arm BF16, else float32), off, bf16 or fp16.",
     ),
 ]
 DeterministicOpt = Annotated[
@@ -219,6 +220,17 @@ PayloadDtypeOpt = Annotated[
     typer.Option(
         "--payload-dtype",
         help="Payloads on the wire, both directions: float32, float16 or bfloat16 (aggregation and the model stay float32).",
+    ),
+]
+Int8SamplesOpt = Annotated[
+    int, typer.Option("--int8-samples", min=1, help="Images that set an int8 file's activation ranges.")
+]
+Int8ToleranceOpt = Annotated[
+    float,
+    typer.Option(
+        "--int8-tolerance",
+        help="Accuracy an int8 file may lose against float32 on held-out data (0.01 = 1 point); past it, the float32 "
+        "file is kept.",
     ),
 ]
 TensorBoardOpt = Annotated[

@@ -225,6 +225,7 @@ def _checkpointed(path: Path) -> RunData:
             "profile": profile.get("name"),
             "hardware": hardware.get("cuda_name") or hardware.get("cpu"),
             "budget_macs": d.get("budget_macs"),
+            "precision": d.get("precision") or "fp32",  # a registry from before the column: float32
             "online": None,  # a finished run: the registry's last status is history, not presence
             "last_seen": d.get("last_seen"),
             "variant": None

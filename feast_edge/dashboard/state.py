@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import quote
 
 from feast_edge.errors import ArchError
-from feast_edge.run.rundir import device_calibrated, model_accuracy
+from feast_edge.run.rundir import device_calibrated, model_accuracy, served_precision
 from feast_edge.space.arch import Arch
 
 KINDS = ("federation", "simulation", "runs")
@@ -183,7 +183,8 @@ class DashboardState:
             self._bump()
 
     def set_device(self, device: str, **fields: Any) -> None:
-        """Create or update one device: profile, hardware, budget_macs, variant, envelope, online, last_seen, rounds, last_upload."""
+        """Create or update one device: profile, hardware, budget_macs, precision, variant, envelope, online, last_seen,
+        rounds, last_upload."""
         name, fields = clean(str(device)), clean(fields)
         with self._changed:
             entry = self._devices.get(name)
@@ -270,6 +271,7 @@ class DashboardState:
                         "macs": manifest.get("macs"),
                         "params": manifest.get("params"),
                         "validation_accuracy": manifest.get("validation_accuracy"),
+                        "precision": served_precision(manifest, (metrics or {}).get(device)),
                         **accuracy,
                         "sha256": accuracy.get("model_sha256") if on_device else manifest.get("sha256"),
                         "size": None if on_device else manifest.get("size"),

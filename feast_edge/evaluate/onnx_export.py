@@ -116,6 +116,7 @@ def variant_metadata(
         "std": json.dumps(list(task.std)),
         "task": json.dumps(task.to_dict(), separators=(",", ":")),
         "task_digest": task.digest,
+        "precision": "fp32",  # feast_edge.evaluate.quantize writes "int8" into its twin
         # Kept for readers of files from before feast.task; the task's names unless the caller names them.
         "class_names": json.dumps(list(task.classes if class_names is None else class_names)),
     }

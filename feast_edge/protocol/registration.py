@@ -5,16 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from feast_edge.evaluate.precisions import PRECISIONS
 from feast_edge.protocol.limits import MAX_EXAMPLES
 from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import ProtocolError
-from feast_edge.transport.messages import Message, check_ids, message_kind
+from feast_edge.transport.messages import Message, check_choice, check_ids, message_kind
 
 
 @message_kind("register")
 @dataclass(frozen=True, kw_only=True)
 class Register(Message):
     """Device -> server on ``register``: one (virtual) client's budget, sample count, preset and profile.
+
+    ``precision`` is the precision the device is served in, the one its budget was measured at (a profile's).
 
     ``host`` is the agent process that hosts the device (its presence is ``status/{host}``);
     ``instance`` is random per agent process, so the server can tell a reconnecting agent from a
@@ -32,6 +35,7 @@ class Register(Message):
     profile: dict[str, Any] = field(default_factory=dict)
     task_digest: str = ""  # the task (feast_edge.data.task) the device checked its data against; "" from older agents
     holdout: int = 0  # examples the device holds out for federated validation (0: it cannot validate)
+    precision: str = "fp32"  # the serving precision its budget is for (PRECISIONS); "fp32" from older agents
 
     def check(self) -> None:
         check_ids(self, "host", "instance")
@@ -41,6 +45,7 @@ class Register(Message):
             raise ProtocolError("field 'task_digest' must be a SHA-256 in hex")
         if not 0 <= self.holdout <= MAX_EXAMPLES:
             raise ProtocolError(f"field 'holdout' must be between 0 and {MAX_EXAMPLES}")
+        check_choice("precision", self.precision, PRECISIONS)
 
     @classmethod
     def for_client(
@@ -55,6 +60,7 @@ class Register(Message):
         samples: int,
         profile: dict[str, Any],
         holdout: int = 0,
+        precision: str = "fp32",
     ) -> Register:
         """The registration of hosted client ``device_id`` training ``preset`` (its data checked against ``preset.task``)."""
         return cls(
@@ -70,6 +76,7 @@ class Register(Message):
             profile=profile,
             task_digest=preset.task.digest,
             holdout=int(holdout),
+            precision=precision,
         )
 
 

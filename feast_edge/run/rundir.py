@@ -126,6 +126,21 @@ def device_calibrated(manifest: Mapping[str, Any]) -> bool:
     return manifest.get("calibration") in (DEVICE, FEDERATED)
 
 
+def served_precision(manifest: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> str:
+    """The precision of the file a device is served: the manifest's (exported on the server) or the one the device
+    reported it kept (exported on the device); ``"fp32 (int8 refused)"`` when int8 was asked and refused, ``"int8
+    asked"`` while the device has not reported this export."""
+    asked = str(manifest.get("precision", "fp32"))
+    if device_calibrated(manifest):
+        metrics = metrics or {}
+        if "model_precision" not in metrics or metrics.get("model_round") != manifest.get("rounds"):
+            return f"{asked} asked"
+        kept, refused = str(metrics["model_precision"]), metrics.get("int8_refused")
+    else:
+        kept, refused = asked, manifest.get("int8_refused")
+    return f"{kept} (int8 refused)" if refused else kept
+
+
 def model_accuracy(manifest: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     """How one exported model is calibrated and how accurate it is: ``calibration`` (server/device), ``accuracy``,
     ``accuracy_note`` (in words), and for a device-calibrated model what the device reported for the exported round."""

@@ -10,7 +10,15 @@ import typer
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO
 from feast_edge.cli import common
 from feast_edge.errors import FeastError
-from feast_edge.server.cli.shared import DataOpt, OutOpt, check_server_bundle, console, install_signal_handlers, log
+from feast_edge.server.cli.shared import (
+    DataOpt,
+    OutOpt,
+    PrecisionOpt,
+    check_server_bundle,
+    console,
+    install_signal_handlers,
+    log,
+)
 from feast_edge.server.output import device_models_table, models_table, print_round
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
@@ -180,6 +188,9 @@ def run(
             "--serve", help="Afterwards keep answering model requests (feast-agent fetch-model) until Ctrl-C."
         ),
     ] = False,
+    precision: PrecisionOpt = "auto",
+    int8_samples: common.Int8SamplesOpt = 256,
+    int8_tolerance: common.Int8ToleranceOpt = 0.01,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     threads: common.ThreadsOpt = 0,
     payload_dtype: common.PayloadDtypeOpt = "float32",
@@ -229,6 +240,9 @@ def run(
         clip_norm=clip_norm,
         payload_dtype=payload_dtype,
         max_weight_ratio=max_weight_ratio,
+        precision=precision,
+        int8_samples=int8_samples,
+        int8_tolerance=int8_tolerance,
     )
     common.check_insecure(link, insecure, "feast-server run")  # before anything is created or connects
     state = None if dashboard is None else DashboardState("federation", f"feast-server: federation {federation}")

@@ -9,7 +9,13 @@ from typing import Annotated, Optional
 import typer
 
 from feast_edge.cli import common
-from feast_edge.server.cli.shared import OutOpt, console, install_signal_handlers, log
+from feast_edge.server.cli.shared import (
+    OutOpt,
+    PrecisionOpt,
+    console,
+    install_signal_handlers,
+    log,
+)
 from feast_edge.server.output import models_table
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
@@ -37,6 +43,9 @@ def export_command(
     ] = None,
     val_samples: Annotated[int, typer.Option("--val-samples", min=1)] = 5000,
     calib_samples: Annotated[int, typer.Option("--calib-samples", min=1)] = 500,
+    precision: PrecisionOpt = "auto",
+    int8_samples: common.Int8SamplesOpt = 256,
+    int8_tolerance: common.Int8ToleranceOpt = 0.01,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,
@@ -51,6 +60,9 @@ def export_command(
         federation=federation,
         val_samples=val_samples,
         calib_samples=calib_samples,
+        precision=precision,
+        int8_samples=int8_samples,
+        int8_tolerance=int8_tolerance,
         chunk_size=chunk_size,
     )
     if config.data is None:

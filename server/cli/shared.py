@@ -47,3 +47,13 @@ def check_server_bundle(link: Optional[LinkConfig]) -> None:
         raise FeastError(
             f"--credentials {bundle.path} is device {bundle.identity!r}'s bundle; the server takes the 'server' bundle (…/server)"
         )
+
+
+PrecisionOpt = Annotated[
+    str,
+    typer.Option(
+        "--precision",
+        help="Precision of the served ONNX files: auto (each device's, as its profile was measured), fp32, or int8 "
+        "(onnxruntime static quantization on the server's calibration split, or on each device's own data).",
+    ),
+]

@@ -22,11 +22,17 @@ CONFIG = {"rounds": 3, "preset": "test-tiny", "federation": "lab"}
 
 
 def _register(out: Path) -> None:
-    """Two devices, both heard from; pi-5 is online and took part in two aggregates, nano in none."""
+    """Two devices, both heard from; pi-5 (served int8) is online and took part in two aggregates, nano in none."""
     registry = Registry(out / "devices.sqlite")
     common = {"instance": "i0", "preset": "test-tiny", "status": "offline"}
     registry.register(
-        "pi-5", host="rack-a", budget_macs=6_600_000, samples=59, profile={"name": "raspberry-pi-5"}, **common
+        "pi-5",
+        host="rack-a",
+        budget_macs=6_600_000,
+        samples=59,
+        profile={"name": "raspberry-pi-5"},
+        precision="int8",
+        **common,
     )
     registry.register(
         "nano", host="rack-b", budget_macs=2_790_000, samples=31, profile={"name": "jetson-nano"}, **common
@@ -79,18 +85,20 @@ def test_status_lists_devices_rounds_and_the_best_round(server_cli, run_dir: Pat
     assert "rounds: 2/3 completed; last, round 2: unchanged, val 35.00%" in result.stdout
     assert "best validation accuracy: 40.00% (round 1)" in result.stdout
     assert "devices: 1 of 2 online" in result.stdout
-    device, host, status, seen, budget, samples, rounds, profile = _row(result.stdout, "pi-5")
-    assert (device, host, status, budget, samples, rounds, profile) == (
+    device, host, status, seen, budget, precision, samples, rounds, profile = _row(result.stdout, "pi-5")
+    assert (device, host, status, budget, precision, samples, rounds, profile) == (
         "pi-5",
         "rack-a",
         "online",
         "6.60M",
+        "int8",
         "59",
         "2",
         "raspberry-pi-5",
     )
     assert re.fullmatch(r"\d+ (s|min|h) ago", seen)
-    assert _row(result.stdout, "nano")[2::4] == ["offline", "0"]  # status, rounds
+    nano = _row(result.stdout, "nano")
+    assert (nano[2], nano[5], nano[7]) == ("offline", "fp32", "0")  # status, precision, rounds
 
 
 def test_status_json_is_one_object_for_scripts(server_cli, run_dir: Path) -> None:
@@ -100,9 +108,9 @@ def test_status_json_is_one_object_for_scripts(server_cli, run_dir: Path) -> Non
     assert status["rounds"] == {"completed": 2, "total": 3}
     assert status["best"] == {"round": 1, "val_accuracy": 0.4}
     assert status["last_round"]["round"] == 2 and status["last_round"]["applied"] is False
-    assert [(d["device"], d["status"], d["rounds"], d["profile"]) for d in status["devices"]] == [
-        ("nano", "offline", 0, "jetson-nano"),
-        ("pi-5", "online", 2, "raspberry-pi-5"),
+    assert [(d["device"], d["status"], d["rounds"], d["profile"], d["precision"]) for d in status["devices"]] == [
+        ("nano", "offline", 0, "jetson-nano", "fp32"),
+        ("pi-5", "online", 2, "raspberry-pi-5", "int8"),
     ]
     assert all(d["seconds_since_seen"] >= 0 for d in status["devices"])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from feast_edge.local import precision as precision_module
 from feast_edge.local.augment import BatchAugmenter
 from feast_edge.local.batches import training_batches
 from feast_edge.local.cotrain import (
@@ -26,6 +27,7 @@ from feast_edge.local.precision import (
     AmpError,
     GradientStep,
     Precision,
+    _native_bf16_from_cpuinfo,
     check_amp,
     resolve_amp,
     set_deterministic,
@@ -119,12 +121,104 @@ def one_step(
 # ------------------------------------------------------------------ choosing the precision
 def test_modes_resolve_on_the_cpu():
     assert resolve_amp("off", "cpu").mode == "off"
-    assert (
-        resolve_amp("auto", "cpu").mode == "off"
-    )  # CPU autocast is slower than float32 on most CPUs: auto leaves it off
     assert resolve_amp("bf16", "cpu") == Precision("bf16", "cpu") and not resolve_amp("bf16", "cpu").scaled
     assert resolve_amp("fp16", "cpu").scaled and resolve_amp("fp16", "cpu").dtype == torch.float16
     assert [check_amp(m) for m in AMP_MODES] == list(AMP_MODES)
+
+
+# The "flags" / "Features" line of /proc/cpuinfo on real machines (the Intel and Arm ones shortened).
+ZEN3_FLAGS = (  # AMD EPYC Zen 3: AVX2, no AVX-512, so bfloat16 is emulated
+    "flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx lm constant_tsc pni "
+    "pclmulqdq ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm abm sse4a "
+    "bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap clflushopt clwb sha_ni xsaveopt xsavec xgetbv1 xsaves "
+    "vaes vpclmulqdq rdpid fsrm"
+)
+ICELAKE_FLAGS = "flags\t\t: fpu sse sse2 avx avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni"
+COOPERLAKE_FLAGS = ICELAKE_FLAGS + " avx512_bf16"
+SAPPHIRE_RAPIDS_FLAGS = COOPERLAKE_FLAGS.replace("avx512_bf16", "amx_bf16 amx_tile amx_int8")
+NEOVERSE_N1_FEATURES = (  # Graviton2: no BF16 extension
+    "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs"
+)
+NEOVERSE_V1_FEATURES = (  # Graviton3: the BF16 extension (bf16; svebf16 is its SVE form)
+    "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc "
+    "dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 "
+    "i8mm bf16 dgh rng"
+)
+
+
+def cpuinfo(flags_line: str) -> str:
+    """Two processors' /proc/cpuinfo entries around ``flags_line`` (the parser must find it among the other lines)."""
+    entry = f"processor\t: {{}}\nmodel name\t: some CPU\ncpu MHz\t\t: 2000.0\n{flags_line}\nbogomips\t: 4000.00\n"
+    return "\n".join(entry.format(n) for n in range(2))
+
+
+@pytest.mark.parametrize(
+    ("text", "machine", "flag"),
+    [
+        pytest.param(cpuinfo(COOPERLAKE_FLAGS), "x86_64", "avx512_bf16", id="cooper-lake"),
+        pytest.param(cpuinfo(SAPPHIRE_RAPIDS_FLAGS), "x86_64", "amx_bf16", id="sapphire-rapids"),
+        # AVX-512 without BF16: oneDNN calls bf16 "supported" there, but emulates it slower than float32
+        pytest.param(cpuinfo(ICELAKE_FLAGS), "x86_64", None, id="ice-lake"),
+        pytest.param(cpuinfo(ZEN3_FLAGS), "x86_64", None, id="zen3"),
+        pytest.param(cpuinfo(NEOVERSE_V1_FEATURES), "aarch64", "bf16", id="neoverse-v1"),
+        pytest.param(cpuinfo(NEOVERSE_N1_FEATURES), "aarch64", None, id="neoverse-n1"),
+        pytest.param(cpuinfo(COOPERLAKE_FLAGS), "riscv64", None, id="unknown-platform"),
+        pytest.param("", "x86_64", None, id="empty"),
+    ],
+)
+def test_native_bf16_is_read_from_the_cpu_flags(text, machine, flag):
+    assert _native_bf16_from_cpuinfo(text, machine) == flag
+
+
+@pytest.mark.parametrize(
+    ("written", "native"),
+    [
+        pytest.param(COOPERLAKE_FLAGS, True, id="cooper-lake"),
+        pytest.param(ZEN3_FLAGS, False, id="zen3"),
+        pytest.param(None, False, id="missing"),
+    ],
+)
+def test_the_cpu_check_reads_proc_cpuinfo_once(monkeypatch, tmp_path, written, native):
+    """The answer comes from the file (missing: no native bf16) and is cached: a later change of the file is not read."""
+    cpuinfo_file = tmp_path / "cpuinfo"
+    if written is not None:
+        cpuinfo_file.write_text(cpuinfo(written))
+    monkeypatch.setattr(precision_module, "_CPUINFO", cpuinfo_file)
+    monkeypatch.setattr(precision_module.platform, "machine", lambda: "x86_64")
+    precision_module.cpu_has_native_bf16.cache_clear()
+    try:
+        assert precision_module.cpu_has_native_bf16() is native
+        cpuinfo_file.write_text(cpuinfo(ZEN3_FLAGS if native else COOPERLAKE_FLAGS))
+        assert precision_module.cpu_has_native_bf16() is native
+    finally:
+        precision_module.cpu_has_native_bf16.cache_clear()  # the next call reads the real /proc/cpuinfo again
+
+
+def test_auto_on_a_cpu_with_native_bf16_trains_in_bf16_with_float32_weights(monkeypatch):
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: True)
+    precision = resolve_amp("auto", "cpu")
+    assert precision == Precision("bf16", "cpu") and not precision.scaled
+    assert precision.describe() == "bf16 autocast (auto: the CPU has native bfloat16)"
+    start, after = one_step(precision.scaler(), precision)
+    _, plain = one_step(GradientStep(None))
+    weights = [k for k in start if start[k].is_floating_point()]
+    assert all(after[k].dtype == torch.float32 for k in weights)  # weights and BN statistics stay float32
+    assert any(not torch.equal(after[k], plain[k]) for k in weights)  # the step really ran in bfloat16
+
+
+def test_auto_on_a_cpu_without_native_bf16_stays_float32(monkeypatch):
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: False)
+    precision = resolve_amp("auto", "cpu")
+    assert precision == Precision("off", "cpu") and precision.dtype is None
+    assert precision.describe() == "float32 (auto: the CPU has no native bfloat16)"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_explicit_modes_ignore_the_cpu_flags(monkeypatch, native):
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: native)
+    assert resolve_amp("off", "cpu") == Precision("off", "cpu") and resolve_amp("off", "cpu").describe() == "float32"
+    assert resolve_amp("bf16", "cpu") == Precision("bf16", "cpu")
+    assert resolve_amp("fp16", "cpu") == Precision("fp16", "cpu")
 
 
 def test_an_unknown_mode_names_the_choices():

@@ -19,6 +19,7 @@ from feast_edge.budget.profile import (
     derive_budget,
     fit_latency,
     load_profile,
+    profile_summary,
     save_profile,
 )
 
@@ -180,6 +181,15 @@ def test_bad_json_names_the_file_and_line(tmp_path: Path) -> None:
         ({"measurements": [[1e6]]}, "field 'measurements' entry 0 must be a [MACs, ms] pair"),
         ({"format": "something-else"}, "field 'format' is 'something-else'"),
         ({"version": 2}, "field 'version' is 2, this feast-edge reads version 1"),
+        ({"precision": "fp8"}, "field 'precision' is 'fp8', expected one of fp32, int8"),
+        ({"precision": 8}, "field 'precision' must be a string"),
+        ({"alternatives": {"fp32": {}}}, "field 'alternatives' names 'fp32'; expected another precision than 'fp32'"),
+        ({"alternatives": {"fp16": {}}}, "field 'alternatives' names 'fp16'"),
+        ({"alternatives": {"int8": {"budget_macs": 1.0}}}, "field 'alternatives.int8' must be an object of"),
+        (
+            {"alternatives": {"int8": {"latency_a_ms": 1.0, "latency_b_ms_per_mmac": -1.0, "budget_macs": 1e6}}},
+            "field 'alternatives.int8' needs latency_a_ms >= 0, latency_b_ms_per_mmac > 0",
+        ),
     ],
 )
 def test_invalid_record_names_the_field(changes: dict[str, Any], message: str, tmp_path: Path) -> None:
@@ -188,6 +198,26 @@ def test_invalid_record_names_the_field(changes: dict[str, Any], message: str, t
     with pytest.raises(ProfileError) as exc:
         load_profile(str(path))
     assert message in str(exc.value) and str(path) in str(exc.value)
+
+
+def test_a_profile_without_a_precision_is_a_float32_one() -> None:
+    data = record()
+    assert "precision" not in data  # the shipped (documented) profiles predate int8 serving
+    profile = DeviceProfile.from_dict(data)
+    assert profile.precision == "fp32" and profile.alternatives == {}
+    assert "precision" not in profile.to_dict()  # and a float32 profile is written as before
+
+
+def test_an_int8_profile_with_its_float32_alternative_round_trips(tmp_path: Path) -> None:
+    fp32 = {"latency_a_ms": 0.2, "latency_b_ms_per_mmac": 0.03, "budget_macs": 6e6, "measurements": [[1e6, 0.23]]}
+    data = record(precision="int8", alternatives={"fp32": fp32})
+    profile = DeviceProfile.from_dict(data)
+    assert profile.precision == "int8" and profile.alternatives["fp32"].budget_macs == 6e6
+    assert profile.alternatives["fp32"].measurements == ((1e6, 0.23),)
+    path = save_profile(profile, tmp_path / "int8.json")
+    assert load_profile(str(path)) == profile and json.loads(path.read_text())["precision"] == "int8"
+    summary = profile_summary(profile)  # what an agent registers with: no raw timings
+    assert summary["precision"] == "int8" and "measurements" not in summary["alternatives"]["fp32"]
 
 
 def test_a_record_must_be_an_object() -> None:

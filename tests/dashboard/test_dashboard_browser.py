@@ -41,6 +41,7 @@ def test_a_filled_state_renders_and_updates_live(
         pi.find_element("css selector", "td.budget").text == "6.60"
         and jetson.find_element("css selector", "td.budget").text == "2.79"
     )
+    assert [row.find_element("css selector", "td.precision").text for row in (pi, jetson)] == ["int8", "fp32"]
     assert pi.find_elements("css selector", "td.online") and jetson.find_elements("css selector", "td.offline")
     assert "late (after the deadline)" in jetson.text
     member = driver.find_element("css selector", '#round-members tr[data-device="pi-5"]')

@@ -106,7 +106,7 @@ def _federation_run(out: Path, tiny: Preset) -> Path:
         registry=[],
     )
     registry = Registry(out / "devices.sqlite")
-    for name, budget in (("cam-1", 2_000_000), ("pi-5", 6_000_000)):
+    for name, budget, precision in (("cam-1", 2_000_000, "fp32"), ("pi-5", 6_000_000, "int8")):
         registry.register(
             name,
             host="agent-1",
@@ -116,6 +116,7 @@ def _federation_run(out: Path, tiny: Preset) -> Path:
             preset=tiny.name,
             profile={"name": "raspberry-pi-5", "hardware": {"cpu": "4x Cortex-A76"}},
             status="online",
+            precision=precision,
         )
     registry.close()
     models = out / "models"
@@ -156,6 +157,7 @@ def test_a_federation_run_directory(tmp_path: Path, tiny: Preset) -> None:
     ) == ("cam-1", 2_000_000, 1, "rejected", "bad digest")
     assert cam["profile"] == "raspberry-pi-5" and cam["hardware"] == "4x Cortex-A76" and cam["last_seen"] <= time.time()
     assert pi["variant"] == {"label": str(Arch.from_dict(ARCH)), "macs": 123, "params": 45}
+    assert (cam["precision"], pi["precision"]) == ("fp32", "int8")
     [model] = snapshot["models"]
     assert model["url"] == "models/pi-5.onnx" and model["validation_accuracy"] == 0.4
     assert state.model_path("pi-5") == out / "models" / "pi-5.onnx"

@@ -143,6 +143,10 @@ def spawn_agent(
         "1",
         "--register-timeout",
         "120",
+        # float32 as the simulations these federations are compared with (--amp auto picks bf16 on a CPU that has it);
+        # a test that asks for another --amp passes it in extra (the last one given wins)
+        "--amp",
+        "off",
         *extra,
     ]
     process = subprocess.Popen(

@@ -32,7 +32,9 @@ def _book(registry: Registry, replies: list[Registered]) -> DeviceBook:
     )
 
 
-def _register(book: DeviceBook, device: str, instance: str, host: str | None = None, samples: int = 50) -> None:
+def _register(
+    book: DeviceBook, device: str, instance: str, host: str | None = None, samples: int = 50, precision: str = "fp32"
+) -> None:
     book.on_register(
         Register.for_client(
             federation="lab",
@@ -43,6 +45,7 @@ def _register(book: DeviceBook, device: str, instance: str, host: str | None = N
             budget_macs=6_000_000,
             samples=samples,
             profile={},
+            precision=precision,
         )
     )
 
@@ -208,3 +211,61 @@ def test_an_agent_leaves_a_federation_that_trains_another_task() -> None:
         registration.on_registered(dataclasses.replace(ours, task=theirs.to_dict(), msg_id="m2"))
     with pytest.raises(AgentError, match="malformed task"):
         registration.on_registered(dataclasses.replace(ours, task={"channels": 2}, msg_id="m3"))
+
+
+def test_the_registered_precision_is_stored_and_survives_a_restart(registry: Registry, tmp_path: Path) -> None:
+    replies: list[Registered] = []
+    book = _book(registry, replies)
+    _register(book, "pi", "one", precision="int8")
+    _register(book, "cam", "two")
+    assert [r.accepted for r in replies] == [True, True]
+    assert (registry.get("pi").precision, registry.get("cam").precision) == ("int8", "fp32")
+    assert {d["device_id"]: d["precision"] for d in registry.snapshot()} == {"cam": "fp32", "pi": "int8"}
+    registry.close()
+    reopened = Registry(tmp_path / "devices.sqlite", readonly=True)
+    assert reopened.get("pi").precision == "int8"
+    reopened.close()
+    again = Registry(tmp_path / "devices.sqlite")
+    _register(_book(again, replies), "pi", "three")  # re-profiled in float32: the registration says so
+    assert again.get("pi").precision == "fp32"
+
+
+def test_a_registry_from_before_the_precision_column_reads_as_float32(tmp_path: Path) -> None:
+    import sqlite3
+
+    from feast_edge.server import registry as registry_module
+
+    path = tmp_path / "devices.sqlite"
+    old = sqlite3.connect(str(path))
+    old.executescript(registry_module.SCHEMA.replace(",\n    precision   TEXT NOT NULL DEFAULT 'fp32'", ""))
+    old.execute(
+        "INSERT INTO devices (device_id, host, instance, budget_macs, samples, preset, profile, first_seen, last_seen, "
+        "status) VALUES ('pi', 'pi', 'i', 6000000, 50, 'fmnist-small', '{}', 1.0, 1.0, 'offline')"
+    )
+    old.commit()
+    assert "precision" not in {row[1] for row in old.execute("PRAGMA table_info(devices)")}
+    old.close()
+    readonly = Registry(path, readonly=True)  # feast-server status on an old run: nothing written
+    assert readonly.get("pi").precision == "fp32"
+    readonly.close()
+    upgraded = Registry(path)  # a server resuming the run adds the column
+    assert upgraded.get("pi").precision == "fp32"
+    _register(_book(upgraded, []), "pi", "i", precision="int8")
+    assert upgraded.get("pi").precision == "int8"
+
+
+def test_an_agent_registers_the_precision_of_its_profile() -> None:
+    from types import SimpleNamespace
+
+    from feast_edge.agent.config import AgentConfig
+    from feast_edge.agent.registration import Registration
+    from feast_edge.transport.messages import parse
+    from feast_edge.transport.topics import Topics
+
+    sent: list[bytes] = []
+    link = SimpleNamespace(publish=lambda topic, data: sent.append(data))
+    client = SimpleNamespace(budget_macs=6_000_000, data=SimpleNamespace(samples=50, holdout=0))
+    config = AgentConfig(host="cam", federation="lab", precision="int8")
+    Registration(config, PRESET, "inst", link, Topics("lab"), {"cam": client}).send()
+    [message] = [parse(data) for data in sent]
+    assert isinstance(message, Register) and message.precision == "int8"

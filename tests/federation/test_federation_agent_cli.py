@@ -118,6 +118,22 @@ def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, t
     assert "use it with: feast-agent run --profile" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ((), "--precision 'fp8' is unknown; choose fp32 (float32), int8 (onnxruntime static quantization) or auto"),
+        (("--runtime", "torch"), "--precision int8 times onnxruntime's int8 files"),
+    ],
+)
+def test_profile_command_refuses_a_precision_it_cannot_time_in_one_line(
+    agent_cli, tmp_path: Path, extra: tuple[str, ...], needle: str
+) -> None:
+    precision = "int8" if extra else "fp8"
+    result = agent_cli.invoke("profile", "--out", str(tmp_path / "p.json"), "--precision", precision, *extra)
+    agent_cli.assert_user_error(result, needle)
+    assert result.returncode == 2 and not (tmp_path / "p.json").exists()
+
+
 def test_partition_command_writes_exactly_the_simulators_shards(kit, tmp_path: Path, fashion_mnist_dir: Path) -> None:
     from feast_edge.sim.setup import SimulationConfig, build_setup
 

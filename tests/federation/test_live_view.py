@@ -33,6 +33,7 @@ def view(tmp_path: Path) -> LiveView:
         preset=PRESET.name,
         profile=PROFILE,
         status="online",
+        precision="int8",
     )
     registry.register(
         "desk",
@@ -51,12 +52,13 @@ def _member(view: LiveView, device: str) -> dict:
     return next(m for m in view.state.snapshot()["round"]["members"] if m["device"] == device)
 
 
-def test_the_fleet_shows_budget_served_variant_envelope_and_presence(view: LiveView) -> None:
+def test_the_fleet_shows_budget_precision_served_variant_envelope_and_presence(view: LiveView) -> None:
     view.refresh({"nano"}, force=True)
     devices = {d["name"]: d for d in view.state.snapshot()["devices"]}
     nano, desk = devices["nano"], devices["desk"]
     assert nano["online"] is True and desk["online"] is False
     assert nano["hardware"] == "Tegra X1" and nano["profile"] == "jetson-nano" and nano["budget_macs"] == 2_790_000
+    assert (nano["precision"], desk["precision"]) == ("int8", "fp32")  # the precision each budget is for
     served = CACHE.largest_affordable(39_150_000)
     assert desk["variant"]["macs"] == served.macs and desk["variant"]["params"] == served.params
     assert desk["envelope"]["params"] == plan_client(CACHE, 39_150_000).envelope.params(PRESET)

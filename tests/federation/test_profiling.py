@@ -323,3 +323,138 @@ def test_profile_device_on_cuda(cache: VariantCache) -> None:
     assert 0 < profile.memory_limit_bytes <= profile.hardware["cuda_memory_bytes"] // 2
     assert profile.latency_b_ms_per_mmac > 0 and profile.budget_macs in {e.macs for e in cache.entries}
     assert len(profile.measurements) == 3 and "cuda_name" in render(profile_table(profile))
+
+
+# ------------------------------------------------------------------ serving precision (issue 22, item 2)
+def _quantize_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every quantize_int8 call (the server's quantization) by the file it quantized."""
+    from feast_edge.evaluate import quantize
+
+    calls: list[str] = []
+    real = quantize.quantize_int8
+
+    def counted(fp32_path, *args, **kwargs):
+        calls.append(str(fp32_path))
+        return real(fp32_path, *args, **kwargs)
+
+    monkeypatch.setattr(quantize, "quantize_int8", counted)
+    return calls
+
+
+def _timed_precisions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ``feast.precision`` of every ONNX file profiling opens a timing session on."""
+    from feast_edge.agent import profiling
+    from feast_edge.evaluate.onnx_export import read_metadata
+
+    opened: list[str] = []
+    real = profiling.ort_session
+
+    def recorded(path, providers, threads):
+        opened.append(read_metadata(path).get("precision", "fp32"))
+        return real(path, providers, threads)
+
+    monkeypatch.setattr(profiling, "ort_session", recorded)
+    return opened
+
+
+@pytest.mark.slow  # quantizes and times three variants
+def test_profile_device_at_int8_times_the_quantized_files(monkeypatch: pytest.MonkeyPatch, cache: VariantCache) -> None:
+    quantized, opened = _quantize_calls(monkeypatch), _timed_precisions(monkeypatch)
+    profile = profile_device(
+        "fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=1, holdout=1, threads=1, precision="int8"
+    )
+    assert len(quantized) == 3 and opened == ["int8"] * 3  # every timed file is the int8 twin of an exported one
+    assert profile.precision == "int8" and not profile.alternatives
+    assert len(profile.measurements) == 2 and len(profile.holdout) == 1
+    assert (profile.latency_a_ms, profile.latency_b_ms_per_mmac) == fit_latency(profile.measurements)
+    assert "served in int8 (onnxruntime static quantization" in profile.source
+    assert DeviceProfile.from_dict(profile.to_dict()) == profile and profile.to_dict()["precision"] == "int8"
+    text = render(profile_table(profile))
+    assert "int8 (onnxruntime static quantization" in text and f"{profile.budget_macs / 1e6:.2f}M MACs (int8)" in text
+
+
+@pytest.mark.slow  # times two variants in both precisions
+def test_profile_device_auto_times_both_precisions_and_keeps_the_larger_budget(
+    monkeypatch: pytest.MonkeyPatch, fmnist: Preset, cache: VariantCache
+) -> None:
+    quantized, opened = _quantize_calls(monkeypatch), _timed_precisions(monkeypatch)
+    calls = []
+    profile = profile_device(
+        "fmnist-small",
+        "cpu",
+        latency_target_ms=1e4,
+        variants=2,
+        repeats=1,
+        holdout=0,
+        threads=1,
+        precision="auto",
+        progress=lambda d, n: calls.append((d, n)),
+    )
+    assert len(quantized) == 2 and sorted(opened) == ["fp32", "fp32", "int8", "int8"]
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]  # each variant timed in both precisions
+    [(other, fit)] = profile.alternatives.items()
+    assert {profile.precision, other} == {"fp32", "int8"}
+    assert (fit.latency_a_ms, fit.latency_b_ms_per_mmac) == fit_latency(fit.measurements)
+    assert fit.budget_macs == derive_budget(
+        cache, fmnist, fit.latency_a_ms, fit.latency_b_ms_per_mmac, 1e4, profile.memory_limit_bytes
+    )
+    # The generous target affords the largest variant in both precisions: the tie keeps float32.
+    assert profile.budget_macs == fit.budget_macs == cache.largest.macs and profile.precision == "fp32"
+    assert DeviceProfile.from_dict(profile.to_dict()) == profile
+    text = render(profile_table(profile))
+    assert f"{profile.budget_macs / 1e6:.2f}M MACs (fp32)" in text and "in int8" in text and "not chosen" in text
+
+
+def _fake_timers(monkeypatch: pytest.MonkeyPatch, lines: dict[str, tuple[float, float]]) -> None:
+    """Profiling's timers replaced by exact lines ``a + b·MACs`` per precision (no ONNX files, no noise)."""
+    from feast_edge.agent import profiling
+
+    def timers(supernet, preset, chosen, shape, device, runtime, provider, threads, precisions, workdir):
+        made = {
+            p: [lambda n, w, m=entry.macs, ab=lines[p]: ab[0] + ab[1] * m / 1e6 for entry in chosen] for p in precisions
+        }
+        return made, "exact lines"
+
+    monkeypatch.setattr(profiling, "_timers", timers)
+
+
+@pytest.mark.parametrize(
+    ("lines", "served"),
+    [
+        ({"fp32": (0.5, 0.2), "int8": (0.5, 0.1)}, "int8"),  # int8 twice as fast per MAC: a larger variant
+        ({"fp32": (0.5, 0.1), "int8": (0.5, 0.2)}, "fp32"),  # int8 slower (no integer kernels): float32
+        ({"fp32": (0.5, 0.1), "int8": (0.5, 0.1)}, "fp32"),  # a tie keeps float32
+        ({"fp32": (100.0, 0.1), "int8": (0.5, 0.1)}, "int8"),  # float32 misses the target at every size
+    ],
+)
+def test_auto_serves_the_precision_with_the_larger_budget(
+    monkeypatch: pytest.MonkeyPatch, fmnist: Preset, cache: VariantCache, lines: dict, served: str
+) -> None:
+    _fake_timers(monkeypatch, lines)
+    target = 0.5 + 0.1 * cache.entries[len(cache) // 2].macs / 1e6  # the middle variant at 0.1 ms/MMAC
+    profile = profile_device("fmnist-small", "cpu", latency_target_ms=target, variants=3, repeats=1, precision="auto")
+    budgets = {}
+    for p, (a, b) in lines.items():
+        try:
+            budgets[p] = derive_budget(cache, fmnist, a, b, target, profile.memory_limit_bytes)
+        except ProfileError:
+            pass  # this precision affords no variant at all
+    assert profile.precision == served and profile.budget_macs == budgets[served]
+    assert {p: f.budget_macs for p, f in profile.alternatives.items()} == {
+        p: v for p, v in budgets.items() if p != served
+    }
+    assert profile.latency_b_ms_per_mmac == pytest.approx(lines[served][1], rel=1e-9)
+
+
+def test_auto_is_refused_only_when_neither_precision_affords_a_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_timers(monkeypatch, {"fp32": (100.0, 0.2), "int8": (50.0, 0.1)})
+    # The reason given is int8's, whose lower estimate is the target to ask for.
+    with pytest.raises(ProfileError, match="raise --latency-target-ms to at least 50.1"):
+        profile_device("fmnist-small", "cpu", latency_target_ms=10.0, variants=2, repeats=1, precision="auto")
+
+
+def test_a_precision_or_runtime_it_cannot_time_is_a_clear_error() -> None:
+    with pytest.raises(ProfileError, match="--precision 'fp8' is unknown; choose fp32 .* int8 .* or auto"):
+        profile_device("fmnist-small", precision="fp8")
+    with pytest.raises(ProfileError, match="--precision int8 times onnxruntime's int8 files.*drop --runtime torch"):
+        profile_device("fmnist-small", runtime="torch", precision="int8")

@@ -103,6 +103,7 @@
       const hardware = [d.profile, d.hardware].filter(Boolean).join(" · ");
       cell(tr, hardware);
       cell(tr, fixed(d.budget_macs, 1e6, 2), "num budget");
+      cell(tr, d.precision, "precision");
       const v = d.variant || {};
       const variant = v.label || v.macs ? [v.label, isNumber(v.macs) ? fixed(v.macs, 1e6, 2) + "M MACs" : null].filter(Boolean).join(", ") : null;
       cell(tr, variant, "variant");
@@ -328,6 +329,7 @@
       cell(tr, m.device, "device");
       cell(tr, m.variant, "variant");
       cell(tr, fixed(m.macs, 1e6, 2), "num");
+      cell(tr, m.precision, "precision");
       // A device-calibrated model: the held-out accuracy its device reported; else the validation on the server's data.
       cell(tr, percent(isNumber(m.accuracy) ? m.accuracy : m.validation_accuracy), "num accuracy");
       cell(tr, m.accuracy_note, "measured calibration-" + String(m.calibration || "server").replace(/[^a-z]/g, ""));
