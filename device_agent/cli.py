@@ -180,7 +180,8 @@ def run(
         if budget is not None
         else (loaded.budget_macs if loaded is not None else None),
         profile=profile_summary(loaded) if loaded is not None else {},
-        precision=loaded.precision if loaded is not None else "fp32",  # a --budget (or a shard's) is a float32 one
+        # the profile's serving precision goes with its budget; a --budget (or a shard's) is a float32 one
+        precision=loaded.precision if loaded is not None and budget is None else "fp32",
         chunk_size=chunk_size,
         register_timeout=register_timeout,
         model_dir=None if model_dir is None else str(model_dir),

@@ -212,3 +212,84 @@ def test_fetch_model_calibrates_a_model_left_for_the_device_on_its_own_data(
     assert "held-out accuracy" in fetched.stdout and "calibrated here on 50 examples" in fetched.stdout
     meta = read_metadata(tmp_path / "m.onnx")
     assert meta["bn_calibration"] == "device" and int(meta["holdout_samples"]) == 4 * len(classes)
+
+
+def test_an_int8_profile_gets_an_int8_model_quantized_on_the_device(
+    kit, federation: str, tmp_path: Path, fashion_mnist_dir: Path
+) -> None:
+    """Issue 22: the agent registers its profile's precision; the server without data asks it for int8; the agent
+    quantizes on its own images, checks on its held-out split, keeps the int8 file and reports it."""
+    import dataclasses
+
+    from feast_edge.budget.profile import load_profile, save_profile
+
+    train = load_fashion_mnist(fashion_mnist_dir, "train")
+    classes, _, style = DEVICES["cam-c"]
+    write_folder(tmp_path / "photos", classes, style, train, offset=0)  # 200 images, 20 of them held out
+    profile = dataclasses.replace(load_profile("raspberry-pi-5"), name="pi-int8", precision="int8")
+    save_profile(profile, tmp_path / "pi-int8.json")
+    config = ServerConfig(
+        out=str(tmp_path / "server"),
+        federation=federation,
+        rounds=1,
+        per_round=1,
+        min_clients=1,
+        round_timeout=120.0,
+        wait_timeout=120.0,
+        batch_size=32,
+        calib_samples=50,
+        bn_calibration="device",
+        int8_samples=64,
+        int8_tolerance=1.0,  # one round on 180 images: the test is about who quantizes where, not the model
+    )
+    server = FederationServer(config, LinkConfig(broker=kit.LOCAL))
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            server.run()
+            manifests = outcome["manifests"] = server.export()
+            outcome["reports"] = server.await_device_models(manifests, server.announce_models(manifests), timeout=90)
+            outcome["registry"] = {d.device_id: d for d in server.registry.devices()}
+            server.finish(manifests)
+            server.serve(2.0)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            outcome["error"] = exc
+
+    server.start(timeout=5)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    models = tmp_path / "models"
+    agent = kit.spawn_agent(
+        tmp_path / "logs",
+        "cam-c",
+        tmp_path / "photos",
+        federation,
+        "--profile",
+        str(tmp_path / "pi-int8.json"),
+        "--model-dir",
+        str(models),
+    )
+    try:
+        thread.join(300)
+        assert not thread.is_alive(), "the federation did not finish in 300 s"
+        if "error" in outcome:
+            raise outcome["error"]
+        assert agent.wait(60) == 0, kit.log_text(agent)[-3000:]
+    finally:
+        kit.stop(agent)
+        server.stop.set()
+        server.close()
+    assert outcome["registry"]["cam-c"].precision == "int8"
+    assert outcome["registry"]["cam-c"].budget_macs == int(profile.budget_macs)
+    (manifest,) = outcome["manifests"]
+    assert manifest["precision"] == "int8" and manifest["int8_samples"] == 64
+    meta = read_metadata(models / "cam-c.onnx")
+    assert meta["precision"] == "int8" and meta["int8_calibration_samples"] == "64"
+    assert meta["int8_check_samples"] == "20" and meta["int8_calibration_origin"] == "device cam-c's training data"
+    report = outcome["reports"]["cam-c"]
+    assert report["model_precision"] == "int8" and report["int8_accuracy"] == pytest.approx(
+        float(meta["int8_accuracy"])
+    )
+    saved = json.loads((models / "cam-c.json").read_text())
+    assert saved["precision"] == "int8" and saved["sha256"] == report["model_sha256"]
