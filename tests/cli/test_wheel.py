@@ -293,3 +293,25 @@ def test_provisioning_works_from_the_wheel(installed: Installed) -> None:
     assert wrong.returncode == 2 and "differs from the credentials bundle's identity 'orin-1'" in wrong.stderr, (
         wrong.stderr
     )
+
+
+def test_the_installed_cli_writes_an_int8_model(installed: Installed, fashion_mnist_dir: Path) -> None:
+    """Issue 22: onnxruntime's quantizer and the int8 check run from the installed package, outside the checkout."""
+    checkpoint, out = installed.cwd / "init.safetensors", installed.cwd / "m-int8.onnx"
+    made = installed.script("feast-edge", "init", "--preset", "fmnist-small", "--out", str(checkpoint))
+    assert made.returncode == 0, made.stderr
+    arch = '{"d":[1,0,1,0],"e":[0.5,0.5,0.5,0.5],"w":[2,2,2,2,2]}'
+    result = installed.script(
+        "feast-edge", "export", "-k", str(checkpoint), "-a", arch, "-o", str(out),
+        "--calibration-data", str(fashion_mnist_dir), "--calibration-samples", "64",
+        "--precision", "int8", "--int8-samples", "32", "--int8-check", "100", "--int8-tolerance", "1",
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert ", int8" in result.stdout
+    code = (
+        "import sys, onnxruntime as ort; "
+        "m = ort.InferenceSession(sys.argv[1]).get_modelmeta().custom_metadata_map; print(m['feast.precision'])"
+    )
+    meta = installed.run(str(installed.venv / "bin" / "python"), "-c", code, str(out))
+    assert meta.stdout.strip() == "int8", meta.stderr

@@ -19,7 +19,7 @@ from feast_edge.space.extract import extract
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 
-TRAIN = 8000  # training images of the trained fixture: one epoch, about 25 s on 2 cores
+TRAIN = 8000  # training images of the trained fixture: one epoch, 1-2 min on 2 cores (the first slow test pays it)
 TEST = 2000
 
 
@@ -71,6 +71,7 @@ def _images(n: int, seed: int = 0) -> np.ndarray:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_int8_file_runs_keeps_the_metadata_and_agrees_with_float32(trained: Path, data, tmp_path: Path) -> None:
     train, test = data
     out = tmp_path / "int8.onnx"
@@ -102,6 +103,7 @@ def test_the_int8_file_runs_keeps_the_metadata_and_agrees_with_float32(trained: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_tensorrt_form_is_explicit_symmetric_int8_around_every_conv_and_gemm(
     trained: Path, data, tmp_path: Path
 ) -> None:
@@ -135,6 +137,7 @@ def test_an_unknown_int8_form_names_the_choices(untrained: Path, tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_bad_calibration_is_refused_and_nothing_is_written(trained: Path, data, tmp_path: Path) -> None:
     _, test = data
     out = tmp_path / "int8.onnx"
