@@ -39,6 +39,7 @@ from feast_edge.evaluate.onnx_export import INPUT_NAME, OUTPUT_NAME, export_onnx
 from feast_edge.evaluate.quantize import predictions, quantize_int8
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.space.extract import extract, recalibrate_bn
+from feast_edge.space.preset import load_preset
 
 SETTINGS = [(1, 1), (1, 2), (32, 1), (32, 2)]  # (batch, threads)
 
@@ -53,12 +54,26 @@ def _budget(cache, preset, a: float, b: float, profile) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument(
+        "--checkpoint", type=Path, help="a trained supernet (e.g. a demo's server/checkpoint.safetensors)"
+    )
     parser.add_argument("--data", default=str(FASHION_MNIST_DIR))
     parser.add_argument("--test", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--every", type=int, default=1, help="time every k-th cached variant (the largest always)")
+    parser.add_argument(
+        "--budgets-from",
+        type=float,
+        nargs=4,
+        metavar=("FP32_A", "FP32_B", "INT8_A", "INT8_B"),
+        help="skip the timing: the budget table of fmnist-small from these fits (ms, ms/MMAC) of an earlier run",
+    )
     args = parser.parse_args()
+    if args.budgets_from:
+        preset = load_preset("fmnist-small")
+        fa, fb, qa, qb = args.budgets_from
+        budgets(preset, load_cache(preset), (fa, fb), (qa, qb))
+        return
 
     supernet, _ = load_supernet(args.checkpoint)
     preset = supernet.preset
@@ -102,8 +117,12 @@ def main() -> None:
                 f"| {100 * same:.2f} % | " + " | ".join(cells) + " |",
                 flush=True,
             )
-    fa, fb = fit_latency(fp32_points)
-    qa, qb = fit_latency(int8_points)
+    budgets(preset, cache, fit_latency(fp32_points), fit_latency(int8_points))
+
+
+def budgets(preset, cache, fp32: tuple[float, float], int8: tuple[float, float]) -> None:
+    """The fits and, per built-in profile of ``preset``, the float32 and int8 budgets they give."""
+    (fa, fb), (qa, qb) = fp32, int8
     print(
         f"\nthis machine, batch 1, 1 thread: fp32 {fa:.3f} ms + {fb:.4f} ms/MMAC; int8 {qa:.3f} ms + {qb:.4f} ms/MMAC"
     )
