@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -55,21 +55,21 @@ def run(
         ),
     ],
     profile: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--profile",
             help="Device profile: a name (feast-agent profiles) or a .json file; gives the budget and preset.",
         ),
     ] = None,
     budget: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--budget", help="MAC budget, e.g. 12M (instead of --profile; shard files carry their own)."),
     ] = None,
     device: common.DeviceOpt = "auto",
     amp: common.AmpOpt = "auto",
     deterministic: common.DeterministicOpt = False,
     clients: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(
             "--clients",
             "-k",
@@ -78,7 +78,7 @@ def run(
         ),
     ] = None,
     shard: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--shard", help="With a Fashion-MNIST directory: use deterministic shard i/N of its training split."
         ),
@@ -87,7 +87,7 @@ def run(
         int, typer.Option("--offset", min=0, help="With a partition directory: first client to host.")
     ] = 0,
     holdout: Annotated[
-        Optional[float],
+        float | None,
         typer.Option(
             "--holdout",
             min=0.0,
@@ -97,11 +97,11 @@ def run(
         ),
     ] = None,
     preset: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small)."),
     ] = None,
     cache: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(
             "--cache", help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."
         ),
@@ -109,7 +109,7 @@ def run(
     device_id: DeviceIdOpt = None,
     federation: common.BundleFederationOpt = None,
     model_dir: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option("--model-dir", help="Save the ONNX model the server pushes after the last round here."),
     ] = None,
     stay: Annotated[
@@ -233,14 +233,14 @@ def profile(
         str, typer.Option("--preset", "-p", help="Preset whose cached variants are timed.")
     ] = "fmnist-small",
     cache: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(
             "--cache", help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."
         ),
     ] = None,
     device: common.DeviceOpt = "auto",
     latency_target_ms: Annotated[
-        Optional[float],
+        float | None,
         typer.Option("--latency-target-ms", min=0.001, help="Batch-1 inference latency the served variant must meet."),
     ] = None,
     memory_fraction: Annotated[
@@ -249,7 +249,7 @@ def profile(
     ] = 0.5,
     variants: Annotated[int, typer.Option(min=2, help="Cached variants to time.")] = 6,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per variant.")] = 20,
-    name: Annotated[Optional[str], typer.Option(help="Profile name (default: from the host name).")] = None,
+    name: Annotated[str | None, typer.Option(help="Profile name (default: from the host name).")] = None,
     runtime: Annotated[
         str,
         typer.Option(
@@ -257,7 +257,7 @@ def profile(
         ),
     ] = "onnxruntime",
     provider: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             help="onnxruntime execution provider: cpu, cuda or tensorrt (default: cuda on a CUDA device, else cpu)."
         ),
@@ -266,7 +266,7 @@ def profile(
         int, typer.Option(min=0, help="Variants timed but kept out of the fit, to measure its error.")
     ] = 3,
     threads: Annotated[
-        Optional[int], typer.Option(min=1, help="Inference threads (default: the runtime's own choice).")
+        int | None, typer.Option(min=1, help="Inference threads (default: the runtime's own choice).")
     ] = None,
     precision: Annotated[
         str,
@@ -280,6 +280,7 @@ def profile(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from feast_edge.agent import profiling
+    from feast_edge.agent.profile_view import profile_table
     from feast_edge.budget.profile import save_profile
     from feast_edge.util.atomic import check_writable
 
@@ -309,15 +310,13 @@ def profile(
             preset, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs
         )
     save_profile(result, out)
-    console.print(profiling.profile_table(result))
+    console.print(profile_table(result))
     console.print(f"wrote {out}; use it with: feast-agent run --profile {out} ...", soft_wrap=True)
 
 
 @app.command("profiles")
 def profiles_command(
-    preset: Annotated[
-        Optional[str], typer.Option("--preset", "-p", help="Only profiles derived for this preset.")
-    ] = None,
+    preset: Annotated[str | None, typer.Option("--preset", "-p", help="Only profiles derived for this preset.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per profile, one per line.")] = False,
 ) -> None:
     """List the device profiles --profile accepts: built-in ones and those on $FEAST_EDGE_PROFILE_PATH."""

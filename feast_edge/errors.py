@@ -23,3 +23,7 @@ class PopulationError(FeastError, ValueError):
 
 class PayloadError(FeastError, ValueError):
     """A payload is malformed, does not match what was routed, or does not fit the global state."""
+
+
+class ProfileError(FeastError, ValueError):
+    """A device profile is missing, malformed, inconsistent, or a device cannot be profiled."""

@@ -31,12 +31,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from feast_edge.cache.variants import VariantCache
-from feast_edge.errors import FeastError
+# The budget a profile implies is derived in feast_edge.budget.derive; its names stay importable from here.
+from feast_edge.budget.derive import (  # noqa: F401
+    TRAIN_BATCH_SIZE,
+    activation_elements,
+    derive_budget,
+    fit_latency,
+    training_memory_bytes,
+)
+from feast_edge.errors import ProfileError
 from feast_edge.evaluate.precisions import PRECISIONS
-from feast_edge.route.envelope import Envelope
-from feast_edge.space.arch import Arch
-from feast_edge.space.geometry import arch_layout
 from feast_edge.space.preset import Preset
 from feast_edge.util.atomic import atomic_write_bytes, check_writable
 from feast_edge.util.lookup import named_files, read_text
@@ -46,18 +50,12 @@ VERSION = 1
 PATH_ENV = "FEAST_EDGE_PROFILE_PATH"
 DEVICES = ("cpu", "cuda")
 DEFAULT_LATENCY_TARGET_MS = 50.0
-TRAIN_BATCH_SIZE = 64  # SPEC §4: local batch size of co-training
-FLOAT_BYTES = 4
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def builtin_dir() -> Path:
     """The directory of the built-in profiles (package data of ``feast_edge.profiles``)."""
     return Path(str(resources.files("feast_edge.profiles")))
-
-
-class ProfileError(FeastError, ValueError):
-    """A device profile is missing, malformed, inconsistent, or a device cannot be profiled."""
 
 
 # ------------------------------------------------------------------ the profile
@@ -147,7 +145,7 @@ class DeviceProfile:
         }
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = "<profile>") -> "DeviceProfile":
+    def from_dict(cls, d: Any, source: str = "<profile>") -> DeviceProfile:
         """Validate a JSON record and build the profile; errors name the offending field."""
         return _profile_from_dict(d, source)
 
@@ -328,142 +326,6 @@ def _profile_from_dict(data: Any, source: str) -> DeviceProfile:
         holdout=_measurements(data.get("holdout", []), source, "holdout"),
         precision=precision,
         alternatives=_alternatives(data.get("alternatives", {}), precision, source),
-    )
-
-
-def fit_latency(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``(a ms, b ms/MMAC)`` of ``ms ≈ a + b·MACs/1e6`` over ``(MACs, ms)`` points, with ``a >= 0``.
-
-    The unconstrained fit is returned when its intercept is non-negative. A
-    negative intercept (noise on a device with little fixed overhead) is
-    physically meaningless; the least-squares optimum under ``a >= 0`` then
-    lies on ``a = 0``, i.e. the fit through the origin ``b = Σxy / Σx²``.
-    """
-    xs = [float(m) / 1e6 for m, _ in points]
-    ys = [float(ms) for _, ms in points]
-    if len(set(xs)) < 2:
-        raise ProfileError(
-            f"fitting latency ≈ a + b·MACs needs at least 2 variants with different MACs (got {len(set(xs))}); raise --variants"
-        )
-    if not all(math.isfinite(v) and v > 0 for v in xs + ys):
-        raise ProfileError("latency measurements must be positive finite (MACs, ms) pairs; time the variants again")
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    a = my - b * mx
-    if a < 0:
-        a, b = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    if b <= 0:
-        raise ProfileError(
-            f"the measured latency does not grow with MACs (slope {b:.4g} ms/MMAC); the timings are dominated by noise: "
-            "close other programs, raise --repeats or --variants, or profile on a quieter machine"
-        )
-    return a, b
-
-
-# ------------------------------------------------------------------ memory and budget
-def activation_elements(preset: Preset, arch: Arch, classes: int | None = None) -> int:
-    """Per-example output elements of every conv (stem, conv1, conv2, projections) and the classifier of ``arch``."""
-    layout = arch_layout(preset, arch, classes)
-    total = layout.stem_channels * layout.stem_resolution**2
-    for stage in layout.stages:
-        area = stage.resolution**2
-        total += stage.channels * area  # block-0 projection
-        total += stage.blocks * (stage.mid + stage.channels) * area  # conv1, conv2 of every block
-    return total + layout.classes
-
-
-def training_memory_bytes(
-    preset: Preset,
-    envelope_params: int,
-    batch_size: int,
-    archs: Sequence[Arch],
-    classes: int | None = None,
-) -> int:
-    """Estimated peak memory of one client's local co-training (SPEC §7) in float32 bytes.
-
-    ``3 · 4 · envelope_params`` (weights, gradients, SGD momentum of the routed
-    envelope) ``+ 2 · 4 · batch_size · max_a activation_elements(a)``: the
-    activations kept for backward of the largest affordable variant (variants
-    are trained one after another, each backward frees its graph, so the peak
-    is the largest one), counted as conv outputs × 2 for the BN outputs that
-    backward also keeps. An estimate: it leaves out the CUDA context,
-    cuDNN workspaces and allocator slack, which is why profiles grant only a
-    fraction of the device's memory (``memory_fraction``).
-    """
-    if not archs:
-        raise ProfileError(
-            "training memory of an empty affordable set is undefined; the device can afford no cached variant"
-        )
-    if batch_size < 1 or envelope_params < 1:
-        raise ProfileError(
-            f"training memory needs batch_size >= 1 and envelope_params >= 1 (got {batch_size}, {envelope_params})"
-        )
-    activations = max(activation_elements(preset, arch, classes) for arch in archs)
-    return 3 * FLOAT_BYTES * envelope_params + 2 * FLOAT_BYTES * batch_size * activations
-
-
-def _envelope_memory(cache: VariantCache, preset: Preset, budget: float, batch_size: int) -> int:
-    archs = [e.arch for e in cache.affordable(budget)]
-    params = Envelope.of(archs).params(preset, cache.classes)
-    return training_memory_bytes(preset, params, batch_size, archs, cache.classes)
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def derive_budget(
-    cache: VariantCache,
-    preset: Preset,
-    a: float,
-    b: float,
-    latency_target_ms: float,
-    memory_limit_bytes: int,
-    batch_size: int = TRAIN_BATCH_SIZE,
-) -> float:
-    """The largest cached MACs whose variant meets the latency target and whose routed envelope trains within the memory limit.
-
-    Both limits grow monotonically with the budget (latency with MACs; the
-    routed envelope and the largest activations with the nested affordable
-    set, SPEC §5), so the affordable budgets form a prefix of the cache.
-    """
-    if cache.preset_name != preset.name:
-        raise ProfileError(
-            f"the variant cache belongs to preset {cache.preset_name}, not {preset.name}; load the cache of preset {preset.name}"
-        )
-    if not (b > 0 and a >= 0 and latency_target_ms > 0 and memory_limit_bytes > 0 and batch_size >= 1):
-        raise ProfileError(
-            f"deriving a budget needs a >= 0, b > 0, a positive latency target, memory limit and batch size "
-            f"(got a={a}, b={b}, target={latency_target_ms}, memory={memory_limit_bytes}, batch={batch_size})"
-        )
-    budget = None
-    for entry in cache.entries:
-        fast = a + b * entry.macs / 1e6 <= latency_target_ms
-        if not (fast and _envelope_memory(cache, preset, entry.macs, batch_size) <= memory_limit_bytes):
-            break
-        budget = float(entry.macs)
-    if budget is not None:
-        return budget
-    smallest = cache.smallest
-    latency = a + b * smallest.macs / 1e6
-    memory = _envelope_memory(cache, preset, smallest.macs, batch_size)
-    problems = []
-    if latency > latency_target_ms:
-        problems.append(
-            f"its estimated latency {latency:.3f} ms (a + b·MACs) exceeds the latency target {latency_target_ms:g} ms; "
-            f"raise --latency-target-ms to at least {math.ceil(latency * 1000) / 1000:g}"
-        )
-    if memory > memory_limit_bytes:
-        problems.append(
-            f"training its routed envelope at batch {batch_size} needs about {_mib(memory)} but the memory limit is "
-            f"{_mib(memory_limit_bytes)}; raise --memory-fraction or free memory on the device"
-        )
-    raise ProfileError(
-        f"even the smallest cached variant of preset {preset.name} ({smallest.macs / 1e6:.2f}M MACs) misses this device's limits: "
-        + "; ".join(problems)
-        + " (or use a preset with smaller variants)"
     )
 
 

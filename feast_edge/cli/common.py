@@ -160,7 +160,7 @@ FederationOpt = Annotated[
 ]
 # Commands that take --credentials: the bundle names the federation, so the option has no default of its own.
 BundleFederationOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--federation",
         help="Federation id (topic prefix feast/<id>/; default: the --credentials bundle's, else 'feast').",
@@ -168,7 +168,7 @@ BundleFederationOpt = Annotated[
 ]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="Console detail: debug, info, warning or error.")]
 LogFileOpt = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option("--log-file", help="Also write every log record (debug level, time-stamped) to this file."),
 ]
 DeviceOpt = Annotated[
@@ -200,7 +200,7 @@ ChunkOpt = Annotated[
 ]
 ThreadsOpt = Annotated[int, typer.Option("--threads", min=0, help="PyTorch intra-op threads (0: PyTorch's default).")]
 DashboardOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--dashboard",
         metavar="[HOST:]PORT",
@@ -208,7 +208,7 @@ DashboardOpt = Annotated[
     ),
 ]
 DashboardTokenOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--dashboard-token",
         envvar="FEAST_DASHBOARD_TOKEN",
@@ -220,6 +220,17 @@ PayloadDtypeOpt = Annotated[
     typer.Option(
         "--payload-dtype",
         help="Payloads on the wire, both directions: float32, float16 or bfloat16 (aggregation and the model stay float32).",
+    ),
+]
+PresetOpt = Annotated[
+    str, typer.Option("--preset", "-p", help="Preset name (see 'feast-edge presets') or a .toml file.")
+]
+ArchOpt = Annotated[
+    str,
+    typer.Option(
+        "--arch",
+        "-a",
+        help='Architecture as JSON {"d":[..],"e":[..],"w":[..]} or text "d=[..] e=[..] w=[..]".',
     ),
 ]
 Int8SamplesOpt = Annotated[
@@ -242,7 +253,7 @@ TensorBoardOpt = Annotated[
 ]
 
 
-def check_dashboard(bind: Optional[str], token: Optional[str]) -> None:
+def check_dashboard(bind: str | None, token: str | None) -> None:
     """Refuse a bad ``--dashboard`` / ``--dashboard-token`` (DashboardError, one line) before a command starts its work."""
     if bind is not None:
         from feast_edge.dashboard.app import check_bind
@@ -250,7 +261,7 @@ def check_dashboard(bind: Optional[str], token: Optional[str]) -> None:
         check_bind(bind, token)
 
 
-def open_dashboard(state: Any, bind: str, token: Optional[str], say: Callable[[str], None]) -> Any:
+def open_dashboard(state: Any, bind: str, token: str | None, say: Callable[[str], None]) -> Any:
     """Start the web dashboard of ``state`` on ``bind`` and say its address; DashboardError (a user error) when it cannot."""
     from feast_edge.dashboard.app import start_dashboard
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from rich.console import Console
 from torch import nn
 
-from feast_edge.agent.profiling import profile_device, profile_table, read_hardware, time_variant
+from feast_edge.agent.profile_view import profile_table
+from feast_edge.agent.profiling import profile_device, read_hardware, time_variant
 from feast_edge.budget.profile import (
     DeviceProfile,
     ProfileError,
