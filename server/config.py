@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from feast_edge.aggregate.server_opt import ServerOpt
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO, ratio_problem
 from feast_edge.errors import FeastError
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.run.checkpoint import read_record
-from feast_edge.run.loop import CHECKPOINT, RunError, RunSettings, check_run_options, recorded_settings
+from feast_edge.run.loop import CHECKPOINT, RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 KIND = "federation"
@@ -81,6 +82,12 @@ class ServerConfig:
         256  # images that set the int8 activation ranges (the server's calibration split, or a device's)
     )
     int8_tolerance: float = 0.01  # accuracy an int8 file may lose against float32 on held-out data before it is refused
+    # The server's step from each round's aggregate (feast_edge.aggregate.server_opt; avg with lr 1: SPEC §6 itself).
+    server_opt: str = "avg"
+    server_lr: float | None = None  # None: the rule's default (avg/momentum 1, adam/yogi 0.01)
+    server_momentum: float = 0.9
+    server_betas: tuple[float, ...] = (0.9, 0.99)
+    server_tau: float = 1e-3
 
     def __post_init__(self) -> None:
         checks = [
@@ -120,8 +127,13 @@ class ServerConfig:
                 raise ServerError(message)
         try:
             check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
+            self.server_optimizer()
         except RunError as exc:
             raise ServerError(str(exc)) from None
+
+    def server_optimizer(self) -> ServerOpt:
+        """The validated server optimizer of ``--server-opt`` and its settings."""
+        return server_opt_of(self.server_opt, self.server_lr, self.server_momentum, self.server_betas, self.server_tau)
 
     def recipe(self) -> tuple[TrainConfig, str]:
         """The local-training settings every device receives and the lr schedule: the preset's recipe, then these options."""
@@ -156,7 +168,9 @@ class ServerConfig:
             "federation",
         )
         train, schedule = self.recipe()
-        recorded = recorded_settings(train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype)
+        recorded = recorded_settings(
+            train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype, self.server_optimizer()
+        )
         capped = {"max_weight_ratio": self.max_weight_ratio} if self.max_weight_ratio else {}
         return {**{STORED_AS.get(name, name): getattr(self, name) for name in names}, **recorded, **capped}
 
@@ -193,4 +207,5 @@ class ServerConfig:
             lr_schedule=self.recipe()[1],
             payload_dtype=self.payload_dtype,
             max_weight_ratio=self.max_weight_ratio,
+            server_opt=self.server_optimizer(),
         )

@@ -20,6 +20,7 @@ from feast_edge.cli.common import (
     millions,
 )
 from feast_edge.cli.population import population_options
+from feast_edge.cli.server_opt import server_opt_options
 from feast_edge.cli.progress import Stage
 from feast_edge.errors import FeastError
 from feast_edge.space.arch import Arch
@@ -32,8 +33,10 @@ def _say(text: str) -> None:
 
 
 @population_options
+@server_opt_options
 def simulate(
     population: dict[str, Any],
+    server_opt: dict[str, Any],
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints and results.")],
     per_round: Annotated[int, typer.Option(help="Clients sampled per round m.")] = 5,
     rounds: Annotated[int, typer.Option(help="Federation rounds (also the cosine-decay horizon).")] = 30,
@@ -177,6 +180,7 @@ def simulate(
         trim=trim,
         clip_norm=clip_norm,
         max_weight_ratio=max_weight_ratio,
+        **server_opt,
         device=device,
         payload_dtype=payload_dtype,
         amp=precision.mode,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ FORMAT = "feast-edge/supernet"
 MODEL_FORMAT = "feast-edge/model"  # any other module (the harness's baseline networks), described by its model record
 VERSION = 1
 META_KEY = "feast_edge"
+EXTRA = "extra/"  # name prefix of tensors stored beside the model's (a server optimizer's state), covered by the digest
 
 
 def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -46,12 +48,28 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def save_supernet(path: str | os.PathLike[str], supernet: Supernet, **fields: Any) -> Path:
-    """Atomically write ``supernet`` (full physical tensors) with JSON-serialisable ``fields`` and the tensors' digest."""
+def _with_extra(tensors: dict[str, torch.Tensor], extra: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The model's tensors and, under :data:`EXTRA`, the run's other state (CPU, contiguous copies)."""
+    for name, tensor in (extra or {}).items():
+        tensors[EXTRA + name] = tensor.detach().to("cpu").contiguous().clone()
+    return tensors
+
+
+def save_supernet(
+    path: str | os.PathLike[str],
+    supernet: Supernet,
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
+    **fields: Any,
+) -> Path:
+    """Atomically write ``supernet`` (full physical tensors) with JSON-serialisable ``fields`` and the tensors' digest.
+
+    ``extra_tensors`` (a server optimizer's state) are stored beside the weights under :data:`EXTRA` and covered by the
+    same digest; loading returns them as the record's ``"extra_tensors"``.
+    """
     if supernet.layout != supernet_layout(supernet.preset, supernet.classes):
         raise ValueError("save_supernet stores full supernets only; routed sub-supernets travel as payloads")
     path = check_writable(path, "checkpoint")
-    tensors = state_tensors(supernet)
+    tensors = _with_extra(state_tensors(supernet), extra_tensors)
     record = {
         "format": FORMAT,
         "version": VERSION,
@@ -65,10 +83,16 @@ def save_supernet(path: str | os.PathLike[str], supernet: Supernet, **fields: An
     return atomic_write_bytes(path, blob)
 
 
-def save_module(path: str | os.PathLike[str], module: torch.nn.Module, model: dict[str, Any], **fields: Any) -> Path:
+def save_module(
+    path: str | os.PathLike[str],
+    module: torch.nn.Module,
+    model: dict[str, Any],
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
+    **fields: Any,
+) -> Path:
     """Atomically write a module that is not a supernet; ``model`` (JSON) describes its architecture and is checked on load."""
     path = check_writable(path, "checkpoint")
-    tensors = state_tensors(module)
+    tensors = _with_extra(state_tensors(module), extra_tensors)
     record = {
         "format": MODEL_FORMAT,
         "version": VERSION,
@@ -89,18 +113,19 @@ def load_module(path: str | os.PathLike[str], module: torch.nn.Module, model: di
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     state = _read_tensors(path, expected, f"model {model.get('method', '')}".strip())
     _check_content(path, record, state)
-    module.load_state_dict(state)
+    module.load_state_dict(_split_extra(state, record))
     return record
 
 
 def _read_tensors(
     path: str | os.PathLike[str], expected: dict[str, tuple[int, ...]], what: str
 ) -> dict[str, torch.Tensor]:
-    """Every expected tensor of a checkpoint, refusing missing, unexpected or mis-shaped ones."""
+    """Every expected tensor of a checkpoint and its :data:`EXTRA` ones, refusing missing, unexpected or mis-shaped ones."""
     with safe_open(str(path), framework="pt", device="cpu") as f:
         names = set(f.keys())
+        extra = {name for name in names if name.startswith(EXTRA)}
         missing = sorted(set(expected) - names)
-        unexpected = sorted(names - set(expected))
+        unexpected = sorted(names - set(expected) - extra)
         if missing or unexpected:
             raise CheckpointError(
                 f"checkpoint {path} does not match {what} "
@@ -116,7 +141,17 @@ def _read_tensors(
                     "the file is corrupt or belongs to another model"
                 )
             state[name] = tensor
+        for name in extra:
+            state[name] = f.get_tensor(name)
     return state
+
+
+def _split_extra(state: dict[str, torch.Tensor], record: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's tensors of a checked ``state``; the :data:`EXTRA` ones go to ``record["extra_tensors"]``."""
+    extra = {name[len(EXTRA) :]: tensor for name, tensor in state.items() if name.startswith(EXTRA)}
+    if extra:
+        record["extra_tensors"] = extra
+    return {name: tensor for name, tensor in state.items() if not name.startswith(EXTRA)}
 
 
 def _check_content(path: str | os.PathLike[str], record: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
@@ -205,5 +240,5 @@ def load_supernet(
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state = _read_tensors(path, expected, f"preset {stored.name!r}")
     _check_content(path, record, state)
-    model.load_state_dict(state)
+    model.load_state_dict(_split_extra(state, record))
     return model.to(device), record

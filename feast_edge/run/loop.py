@@ -29,13 +29,13 @@ from typing import Any, Protocol
 
 import torch
 
-from feast_edge.aggregate.robust import check_rule, rule_settings
-from feast_edge.aggregate.weights import bounded_weights, ratio_problem
+from feast_edge.aggregate.server_opt import ServerOptimizer
+from feast_edge.aggregate.weights import bounded_weights
 from feast_edge.cache.variants import VariantCache
-from feast_edge.errors import CheckpointError, FeastError
+from feast_edge.errors import CheckpointError
 from feast_edge.evaluate.evaluation import Validation
-from feast_edge.local.recipe import TrainConfig, scheduled_lr
-from feast_edge.route.payload import PAYLOAD_DTYPES, bytes_per_param
+from feast_edge.local.recipe import scheduled_lr
+from feast_edge.route.payload import bytes_per_param
 from feast_edge.run.checkpoint import (
     FORMAT,
     MODEL_FORMAT,
@@ -47,6 +47,13 @@ from feast_edge.run.checkpoint import (
 )
 from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import ClientUpdate, Collector
+from feast_edge.run.settings import (  # noqa: F401 (re-exported: the loop's settings are imported from here)
+    RunError,
+    RunSettings,
+    check_run_options,
+    recorded_settings,
+    server_opt_of,
+)
 from feast_edge.run.strategy import FeastStrategy
 from feast_edge.space.supernet import Supernet
 from feast_edge.util.atomic import DiskFullError
@@ -54,11 +61,8 @@ from feast_edge.util.atomic import DiskFullError
 CHECKPOINT = "checkpoint.safetensors"
 PREVIOUS = "checkpoint.prev.safetensors"  # the last good checkpoint before the current one
 BEST = "best.safetensors"
+OPTIONS_OF = {"server_optimizer": "server_optimizer (--server-opt and its --server-* settings)"}  # in resume errors
 HISTORY_FORMAT = 2  # 2: RoundRecord with 1-based rounds (1: 0-based RoundLog / server RoundRecord)
-
-
-class RunError(FeastError):
-    """A run cannot start or resume with the given settings."""
 
 
 @dataclass
@@ -104,53 +108,6 @@ class RoundRecord:
         return record
 
 
-@dataclass(frozen=True)
-class RunSettings:
-    """The settings of the loop itself (everything else the caller records in ``config``)."""
-
-    rounds: int
-    per_round: int
-    min_clients: int
-    seed: int
-    lr: float
-    eval_every: int = 5
-    probe_variants: int = 3
-    device: str = "cpu"
-    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
-    trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
-    clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
-    lr_schedule: str = "cosine"  # feast_edge.local.recipe.SCHEDULES, over the federation horizon
-    payload_dtype: str = (
-        "float32"  # of the payloads on the wire (feast_edge.route.payload.PAYLOAD_DTYPES); the model stays float32
-    )
-    max_weight_ratio: float = 0.0  # a self-reported count weighs at most this many median counts (0: no cap)
-
-    def __post_init__(self) -> None:
-        check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
-        problem = ratio_problem(self.max_weight_ratio)
-        if problem:
-            raise RunError(problem)
-
-
-def check_run_options(payload_dtype: str, aggregation: str, trim: float, clip_norm: float | None) -> None:
-    """The one check of a run's payload dtype and aggregation rule (RunSettings, ServerConfig, SimulationConfig): a RunError naming the option."""
-    if payload_dtype not in PAYLOAD_DTYPES:
-        raise RunError(f"--payload-dtype {payload_dtype!r} is not supported; choose one of {', '.join(PAYLOAD_DTYPES)}")
-    try:
-        check_rule(aggregation, trim, clip_norm)
-    except ValueError as exc:
-        raise RunError(str(exc)) from None
-
-
-def recorded_settings(
-    train: TrainConfig, schedule: str, aggregation: str, trim: float, clip_norm: float | None, payload_dtype: str
-) -> dict[str, Any]:
-    """What every run's fingerprint records of its recipe, aggregation and wire: the resolved recipe, the aggregation
-    settings its rule reads (none for the mean) and a payload dtype other than float32 (float32 runs keep their earlier fingerprints)."""
-    wire = {} if payload_dtype == "float32" else {"payload_dtype": payload_dtype}
-    return {"train": asdict(train), "lr_schedule": schedule, **rule_settings(aggregation, trim, clip_norm), **wire}
-
-
 class RoundMethod(Protocol):
     """What the loop asks of a training method (FEAST by default; the harness's baselines, feast_edge.sim.methods)."""
 
@@ -174,6 +131,11 @@ class RoundMethod(Protocol):
 
     def full_params(self) -> int:
         """Parameters of the whole global model (what broadcasting it to one client sends)."""
+
+    def routed(
+        self, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], names: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """Per tensor of ``names``: the positions the valid updates covered (a server optimizer steps only there)."""
 
 
 def _keep_previous(current: Path, previous: Path) -> None:
@@ -231,6 +193,11 @@ class RunLoop:
         self.validator = validator
         self.extra_fields = extra_fields
         self.full_params = self.method.full_params()
+        self.server_optimizer = (
+            None
+            if settings.server_opt.identity
+            else ServerOptimizer(settings.server_opt, {n: tuple(p.shape) for n, p in model.named_parameters()})
+        )
         self.history: list[RoundRecord] = []
         self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
         self.best: dict[str, Any] = {}
@@ -250,11 +217,12 @@ class RunLoop:
             best=self.best,
             **self.extra_fields(),
         )
+        extra = self.server_optimizer.state if self.server_optimizer is not None else None
         try:
             if self.model_record is None:
-                save_supernet(self.out / name, self.model, **fields)
+                save_supernet(self.out / name, self.model, extra, **fields)
             else:
-                save_module(self.out / name, self.model, self.model_record, **fields)
+                save_module(self.out / name, self.model, self.model_record, extra, **fields)
         except DiskFullError:
             done = len(self.history) - 1  # the round whose checkpoint could not be written is lost, no other
             kept = f"the last good checkpoint, round {done}, is intact" if done else "no round was checkpointed yet"
@@ -295,8 +263,9 @@ class RunLoop:
                 for k in {*self.config, *theirs}
                 if json.dumps(self.config.get(k), sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True)
             )
+            named = [OPTIONS_OF.get(k, k) for k in differ]
             raise RunError(
-                f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(differ) or 'the preset'}); {hint}"
+                f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(named) or 'the preset'}); {hint}"
             )
         try:
             model, record = self.load(path)
@@ -323,12 +292,26 @@ class RunLoop:
             self.recovered = f"{path} is damaged ({exc}); kept it as {damaged.name} and resumed from the previous checkpoint {previous.name}"
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
+        self._load_optimizer(path, record.get("extra_tensors", {}))
         zero_based = record["fields"].get("history_format", 1) < HISTORY_FORMAT
         self.history = [RoundRecord.from_dict(h, zero_based) for h in record["fields"]["history"]]
         self.best = dict(record["fields"].get("best", {}))
         if zero_based and "round" in self.best:
             self.best["round"] += 1
         return len(self.history)
+
+    def _load_optimizer(self, path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore the server optimizer's state from a checkpoint's extra tensors (the fingerprint already matched)."""
+        if self.server_optimizer is None:
+            if tensors:
+                raise RunError(
+                    f"{path} holds a server optimizer's state but this run averages; rerun with its --server-opt"
+                )
+            return
+        try:
+            self.server_optimizer.load(tensors)
+        except ValueError as exc:
+            raise RunError(f"cannot resume from {path}: {exc}; rerun with the checkpoint's --server-opt") from None
 
     # ------------------------------------------------------------------ rounds
     def validate(self) -> float:
@@ -378,11 +361,21 @@ class RunLoop:
                 record.variants_per_batch[str(k)] = record.variants_per_batch.get(str(k), 0) + int(v)
         if len(valid) >= s.min_clients:
             began = time.monotonic()
-            self.method.aggregate(t, global_state, valid, plans)
+            self.aggregate(t, global_state, valid, plans)
             record.aggregate_seconds = time.monotonic() - began
             record.applied = True
         record.seconds = time.monotonic() - start
         return record
+
+    def aggregate(
+        self, t: int, global_state: dict[str, torch.Tensor], valid: Sequence[ClientUpdate], plans: Mapping[str, Any]
+    ) -> None:
+        """The method's aggregation in place, then the server optimizer's step from it (when there is one)."""
+        opt = self.server_optimizer
+        before = opt.snapshot(global_state) if opt is not None else None
+        self.method.aggregate(t, global_state, valid, plans)
+        if opt is not None:
+            opt.step(global_state, before, self.method.routed(global_state, valid, list(opt.shapes)))
 
     def run(
         self,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from feast_edge.aggregate.robust import aggregate_updates, check_rule
+from feast_edge.aggregate.server_opt import routed_masks
 from feast_edge.cache.variants import VariantCache
 from feast_edge.evaluate.evaluation import calibrated_variant
 from feast_edge.evaluate.points import OperatingPoint, ServedPoints
@@ -71,6 +72,12 @@ class FeastStrategy(ServedPoints):
         aggregate_updates(
             global_state, updates, inplace=True, rule=self.aggregation, trim=self.trim, clip_norm=self.clip_norm
         )
+
+    def routed(
+        self, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], names: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """The union of the updates' leading slices, per tensor of ``names`` (where a server optimizer steps)."""
+        return routed_masks(global_state, [u.state for u in updates], names)
 
     def points(self) -> list[OperatingPoint]:
         """The cached variants, sorted by MACs."""

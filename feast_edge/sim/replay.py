@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from feast_edge.aggregate.robust import aggregate_updates
+from feast_edge.aggregate.server_opt import ServerOptimizer, routed_masks
 from feast_edge.cache.variants import load_cache
 from feast_edge.local.update import client_update
 from feast_edge.route.envelope import route_state
@@ -31,10 +32,13 @@ def replay_rounds(
     records: Sequence[RoundRecord], partition: Path, config: SimulationConfig, budgets: Mapping[str, float]
 ) -> dict[str, torch.Tensor]:
     """The global state after ``records``: each applied round's updated clients co-trained again on their shards in
-    ``partition`` with the budgets they registered, and aggregated as the run loop does (SPEC §5–§6)."""
+    ``partition`` with the budgets they registered, and aggregated as the run loop does (SPEC §5–§6, then the server optimizer's step)."""
     preset = load_preset(config.preset)
     cache = load_cache(preset, config.cache)
-    state = Supernet(preset, seed=config.seed).state_dict()
+    model = Supernet(preset, seed=config.seed)
+    state = model.state_dict()
+    opt = config.server_optimizer()
+    optimizer = None if opt.identity else ServerOptimizer(opt, {n: tuple(p.shape) for n, p in model.named_parameters()})
     shards = {e["client_id"]: read_shard(partition / e["file"]) for e in read_index(partition)["clients"]}
     for t, record in enumerate(records):
         if not record.applied:
@@ -50,7 +54,10 @@ def replay_rounds(
             )
             weight = record.capped.get(client, [0, result.num_samples])[1]  # as the run loop weighed it
             updates.append((client, new_state, weight))
+        before = optimizer.snapshot(state) if optimizer is not None else None
         aggregate_updates(
             state, updates, inplace=True, rule=config.aggregation, trim=config.trim, clip_norm=config.clip_norm
         )
+        if optimizer is not None:
+            optimizer.step(state, before, routed_masks(state, [u[1] for u in updates], list(optimizer.shapes)))
     return state

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from feast_edge.aggregate.server_opt import ServerOpt
 from feast_edge.aggregate.weights import ratio_problem
 from feast_edge.cache.variants import VariantCache, load_cache
 from feast_edge.data.images import FASHION_MNIST_DIR, DataError, ImageSet
@@ -27,12 +28,13 @@ from feast_edge.errors import FeastError
 from feast_edge.local.precision import AMP_MODES, set_deterministic
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.route.plans import plan_client
-from feast_edge.run.loop import RunError, check_run_options, recorded_settings
+from feast_edge.run.loop import RunError, check_run_options, recorded_settings, server_opt_of
 from feast_edge.sim.population import Population, build_population, server_split, zipf_population
 from feast_edge.sim.registry import method_class
 from feast_edge.space.preset import Preset, load_preset
 
 _AGGREGATION = ("aggregation", "trim", "clip_norm")
+_SERVER_OPT = ("server_opt", "server_lr", "server_momentum", "server_betas", "server_tau")
 # Stream tags of the one-off random draws (rounds use feast_edge.run.cohort's streams).
 _SPLIT, _POPULATION = 11, 12
 
@@ -86,10 +88,17 @@ class SimulationConfig:
     max_weight_ratio: float = (
         0.0  # > 0: the shard sizes count as self-reported and are capped (feast_edge.aggregate.weights)
     )
+    # The server's step from each round's aggregate (feast_edge.aggregate.server_opt); avg with lr 1 is the paper's.
+    server_opt: str = "avg"
+    server_lr: float | None = None  # None: the rule's default (avg/momentum 1, adam/yogi 0.01)
+    server_momentum: float = 0.9
+    server_betas: tuple[float, ...] = (0.9, 0.99)
+    server_tau: float = 1e-3
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
             object.__setattr__(self, "budgets", tuple(float(b) for b in self.budgets))
+        object.__setattr__(self, "server_betas", tuple(float(b) for b in self.server_betas))
         object.__setattr__(
             self, "method_options", tuple(sorted((str(k), str(v)) for k, v in dict(self.method_options).items()))
         )
@@ -127,6 +136,7 @@ class SimulationConfig:
                 raise SimulationError(message)
         try:
             check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
+            self.server_optimizer()
         except RunError as exc:
             raise SimulationError(str(exc)) from None
         if self.aggregation != "mean" and self.method != "feast":
@@ -150,6 +160,7 @@ class SimulationConfig:
             "recipe",
             "payload_dtype",
             *_AGGREGATION,
+            *_SERVER_OPT,
         )
         skip += ("amp",) if self.amp == "off" else ()
         skip += ("max_weight_ratio",) if not self.max_weight_ratio else ()  # runs without a cap keep their fingerprints
@@ -159,8 +170,23 @@ class SimulationConfig:
         train, schedule = self.recipe_settings()
         return {
             **data,
-            **recorded_settings(train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype),
+            **recorded_settings(
+                train,
+                schedule,
+                self.aggregation,
+                self.trim,
+                self.clip_norm,
+                self.payload_dtype,
+                self.server_optimizer(),
+            ),
         }
+
+    def server_optimizer(self) -> ServerOpt:
+        """The validated server optimizer of ``--server-opt`` and its settings (for a method that averages)."""
+        averaging = method_class(self.method).averaging
+        return server_opt_of(
+            self.server_opt, self.server_lr, self.server_momentum, self.server_betas, self.server_tau, averaging
+        )
 
     def fingerprint(self) -> str:
         """Digest of :meth:`decisive`."""

@@ -74,6 +74,7 @@ class Simulation:
             lr_schedule=schedule,
             payload_dtype=config.payload_dtype,
             max_weight_ratio=config.max_weight_ratio,
+            server_opt=config.server_optimizer(),
         )
         self.loop = RunLoop(
             self.model,

@@ -9,6 +9,7 @@ import typer
 
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO
 from feast_edge.cli import common
+from feast_edge.cli.server_opt import server_opt_options
 from feast_edge.errors import FeastError
 from feast_edge.server.cli.shared import (
     DataOpt,
@@ -41,8 +42,10 @@ def _refuse_method(value: Optional[str]) -> None:
 
 
 @common.mqtt_options()
+@server_opt_options
 def run(
     link: LinkConfig,
+    server_opt: dict[str, Any],
     out: OutOpt,
     preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name or .toml file.")] = "fmnist-small",
     rounds: Annotated[int, typer.Option(min=1, help="Federation rounds R (also the cosine-decay horizon).")] = 10,
@@ -240,6 +243,7 @@ def run(
         clip_norm=clip_norm,
         payload_dtype=payload_dtype,
         max_weight_ratio=max_weight_ratio,
+        **server_opt,
         precision=precision,
         int8_samples=int8_samples,
         int8_tolerance=int8_tolerance,

@@ -38,6 +38,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import nn
 
+from feast_edge.aggregate.server_opt import routed_masks
 from feast_edge.evaluate.points import ServedPoints
 from feast_edge.route.payload import on_the_wire
 from feast_edge.run.cohort import client_seed
@@ -69,6 +70,7 @@ class Method(ServedPoints):
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line for --help and reports
     supernet: ClassVar[bool] = True  # the model is a full feast_edge.space.supernet.Supernet (checkpointed as one)
+    averaging: ClassVar[bool] = True  # its aggregation is a (sparse) average, so a server optimizer can step from it
     options: ClassVar[Mapping[str, MethodOption]] = {}
 
     def __init__(self, setup: Setup, config: SimulationConfig) -> None:
@@ -152,6 +154,12 @@ class Method(ServedPoints):
     ) -> None:
         """Fold the valid updates (client-id order) into ``global_state`` in place (it aliases the model's tensors)."""
         raise NotImplementedError
+
+    def routed(
+        self, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], names: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """Per tensor of ``names``: the positions the updates covered (default: the union of their leading slices)."""
+        return routed_masks(global_state, [u.state for u in updates], names)
 
     def full_params(self) -> int:
         """Parameters of the whole global model (what broadcasting it to one client would send)."""

@@ -38,6 +38,7 @@ _POOL = 31  # stream tag of the per-round shuffles of the pooled data
 
 class Centralized(Feast):
     name = "centralized"
+    averaging = False  # it trains the global model itself: there is no aggregate to step from
     summary = "centralized reference: the same supernet and co-training loss on the pooled client data, step-matched"
 
     def payload_params(self, plan: Any) -> int:

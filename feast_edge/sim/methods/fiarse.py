@@ -343,6 +343,20 @@ class Fiarse(Method):
         if updates:
             apply_sparse_deltas(global_state, [(u.state, u.samples) for u in updates], self.opts["server_lr"])
 
+    def routed(
+        self, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], names: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """Per parameter: the union of the cohort's masks (a parameter sent unmasked: every position)."""
+        out = {}
+        for name in names:
+            sent = [u.state for u in updates if DELTA + name in u.state]
+            if sent:
+                out[name] = torch.zeros(global_state[name].shape, dtype=torch.bool)
+                for state in sent:
+                    covered = state.get(MASK + name)
+                    out[name] |= True if covered is None else covered.to(out[name].device).bool()
+        return out
+
     # ------------------------------------------------------------------ evaluation
     def points(self) -> list[OperatingPoint]:
         """One point per size: nominal ``s·full MACs``, dense MACs the full model's, params kept weights + BN/bias."""
