@@ -16,6 +16,7 @@ from rich.table import Table
 from feast_edge.cli.common import ArchOpt, PresetOpt, make_app, make_console, millions, parse_macs, run_cli
 from feast_edge.cli.dashboard import register as register_dashboard
 from feast_edge.cli.export import register as register_export
+from feast_edge.cli.extraction import register as register_extraction
 from feast_edge.cli.preset import register as register_preset
 from feast_edge.cli.report import register as register_report
 from feast_edge.cli.runs import register as register_runs
@@ -246,6 +247,7 @@ register_report(app)
 register_dashboard(app)
 register_preset(app)
 register_export(app)
+register_extraction(app)
 
 
 def main() -> None:

@@ -121,6 +121,14 @@ def simulate(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")
     ] = False,
+    match_compute: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--match-compute",
+            help="A finished run's directory: train as many rounds as spend its training compute (replaces --rounds; "
+            "a baseline matched to FEAST, as the paper's matched-compute experiment).",
+        ),
+    ] = None,
     payload_dtype: PayloadDtypeOpt = "float32",
     nproc: Annotated[
         int,
@@ -187,6 +195,19 @@ def simulate(
         deterministic=deterministic,
     )
     config.train_config()  # validates the method, its options and the recipe before any data is read
+    setup, matched = None, None
+    if match_compute is not None:
+        from feast_edge.sim.matched import matched_config
+        from feast_edge.sim.setup import build_setup
+
+        setup = build_setup(config)
+        config, matched = matched_config(config, setup, match_compute)
+        rounds = config.rounds
+        _say(
+            f"matched compute: {matched.rounds} rounds of {config.method} spend {matched.predicted_train_macs / 1e12:.2f} "
+            f"TMAC, {matched.run_method}'s {matched.run_rounds} rounds in {match_compute} spent "
+            f"{matched.target_train_macs / 1e12:.2f} TMAC"
+        )
     from feast_edge.cli.worker import COMMAND
     from feast_edge.sim.distributed import Spread
 
@@ -200,7 +221,7 @@ def simulate(
     _say(
         f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients"
     )
-    sim = Simulation(config, out)
+    sim = Simulation(config, out, setup=setup, matched=None if matched is None else matched.to_dict())
     _say(str(sim.setup.population))
     _say(f"{describe_device(device, requested)}, {precision.describe()}")
     if spread.world.size > 1:

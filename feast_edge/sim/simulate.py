@@ -19,7 +19,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.sim.collect import InProcessCollector
 from feast_edge.sim.population import Population
 from feast_edge.sim.registry import method_class
-from feast_edge.sim.setup import SimulationConfig, SimulationError, build_setup
+from feast_edge.sim.setup import Setup, SimulationConfig, SimulationError, build_setup
 from feast_edge.util.atomic import atomic_write_bytes
 
 KIND = "simulation"
@@ -50,10 +50,20 @@ class RoundProgress:
 class Simulation:
     """One simulated federation, checkpointed in ``out_dir``."""
 
-    def __init__(self, config: SimulationConfig, out_dir: str | Path) -> None:
+    def __init__(
+        self,
+        config: SimulationConfig,
+        out_dir: str | Path,
+        *,
+        setup: Setup | None = None,
+        matched: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``setup``: one already built from ``config`` (its data and population); ``matched``: how its rounds were
+        matched to another run's training compute (feast_edge.sim.matched), recorded in results.json."""
         self.config = config
         self.out = Path(out_dir)
-        self.setup = build_setup(config)
+        self.setup = setup if setup is not None else build_setup(config)
+        self.matched = dict(matched) if matched is not None else None
         self.preset = self.setup.preset
         self.method = method_class(config.method)(self.setup, config)
         self.model = self.method.model
@@ -192,6 +202,7 @@ class Simulation:
             "served": served,
             "communication": communication_summary(self.history),
             "compute": {"train_macs_total": sum(h.train_macs for h in self.history)},
+            **({"matched_compute": self.matched} if self.matched is not None else {}),
             "rounds": [asdict(h) for h in self.history],
             "seconds_total": sum(h.seconds for h in self.history),
         }

@@ -165,6 +165,11 @@ class Method(ServedPoints):
         """Parameters of the whole global model (what broadcasting it to one client would send)."""
         return sum(p.numel() for p in self.model.parameters())
 
+    def sample_train_macs(self, plan: Any) -> int | None:
+        """Forward MACs of one trained sample under ``plan`` (the compute proxy is 3× that per sample and epoch); None
+        where it is only known after training (FEAST draws its variants per batch)."""
+        return None
+
     def train_cost(self, plan: Any) -> float:
         """Relative cost of one local training sample under ``plan`` (balances a cohort over processes, ``--nproc``)."""
         return float(self.payload_params(plan))

@@ -316,6 +316,9 @@ class _FedNAS(Method):
     def payload_params(self, plan: SubnetPlan) -> int:
         return count_params(arch_layout(self.preset, plan.arch, self.model.classes))
 
+    def sample_train_macs(self, plan: SubnetPlan) -> int:
+        return plan.macs
+
     # ------------------------------------------------------------------ local training
     def train_client(
         self,

@@ -267,6 +267,10 @@ class Fiarse(Method):
         """Kept weights at size ``plan`` plus every BN and bias parameter (what a sparse transfer carries)."""
         return kept_count(self.weight_count, plan) + self.free_params
 
+    def sample_train_macs(self, plan: float) -> int:
+        """The dense model's MACs: a masked weight is still multiplied (as the reported compute counts it)."""
+        return self.full_macs
+
     def train_client(
         self,
         t: int,

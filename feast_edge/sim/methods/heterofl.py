@@ -151,6 +151,9 @@ class HeteroFL(Method):
     def payload_params(self, plan: float) -> int:
         return resnet_cost(self.shape, plan)[1]
 
+    def sample_train_macs(self, plan: float) -> int:
+        return resnet_cost(self.shape, plan)[0]
+
     def payload(self, ratio: float, global_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What a client of tier ``ratio`` receives: copies of the top-left slices, under the global names."""
         return leading_state(global_state, tensor_shapes(self.shape, ratio))

@@ -171,6 +171,9 @@ class ScaleFL(Method):
     def payload_params(self, plan: Any) -> int:
         return self.levels[plan - 1].train_params
 
+    def sample_train_macs(self, plan: Any) -> int:
+        return self.levels[plan - 1].train_macs
+
     def train_client(
         self,
         t: int,
