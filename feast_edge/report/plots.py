@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.errors import FeastError
+from feast_edge.report.experiments import draw_experiment_plots
 from feast_edge.report.runs import Group
 
 WIDE = 100.0  # a bar chart whose largest bar is this many times its smallest uses a log axis
@@ -50,7 +51,7 @@ def draw_plots(groups: Sequence[Group], reference: Group | None, out: Path) -> l
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
         drawn.append((name, title))
-    return drawn
+    return drawn + draw_experiment_plots(plt, groups, [r for g in groups for r in g.runs], out)
 
 
 def _accuracy_vs_macs(plt: Any, groups: Sequence[Group], reference: Group | None, colors: dict[str, str]) -> Any:

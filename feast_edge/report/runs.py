@@ -53,13 +53,26 @@ class Run:
     seconds: float
     rounds: int
     validation: tuple[tuple[int, float], ...]  # (round, val accuracy) where validated
+    gamma: float = 1.0  # the population's γ-allocation (SPEC §4)
+    server_opt: str = ""  # "adam lr=0.01" for a server optimizer other than plain averaging
+    matched: dict[str, Any] | None = None  # how its rounds were matched to another run's training compute
+    extraction: dict[str, Any] | None = None  # extraction.json: post-hoc extraction of uncached variants
 
     @property
     def group(self) -> str:
-        """The name runs are grouped under: the method, FEAST's ablation switch and the options, not the seed."""
+        """The name runs are grouped under: the method, FEAST's ablation switch, the options, a server optimizer,
+        matched compute and a γ other than 1, not the seed."""
         parts = [f"variants={self.variants}"] if self.method == "feast" and self.variants != "full" else []
         parts += [f"{k}={v}" for k, v in self.options]
+        parts += [f"server {self.server_opt}"] if self.server_opt else []
+        parts += ["matched compute"] if self.matched is not None else []
+        parts += [f"γ={self.gamma:g}"] if self.gamma != 1 else []
         return f"{self.method} ({', '.join(parts)})" if parts else self.method
+
+    @property
+    def kind(self) -> str:
+        """:attr:`group` without γ: the runs a γ comparison pairs up."""
+        return self.group.replace(f", γ={self.gamma:g}", "").replace(f" (γ={self.gamma:g})", "")
 
 
 class _Malformed(Exception):
@@ -133,7 +146,28 @@ def _parse(directory: Path, record: Any) -> Run:
         validation=tuple(
             (int(_at(r, "round")), float(r["val_accuracy"])) for r in rounds if r.get("val_accuracy") is not None
         ),
+        gamma=float(record.get("population", {}).get("gamma", config.get("gamma", 1.0))),
+        server_opt=_server_opt(config),
+        matched=record.get("matched_compute"),
+        extraction=_extraction(directory),
     )
+
+
+def _server_opt(config: dict[str, Any]) -> str:
+    """``"adam lr=0.01"``, or "" for plain averaging (and runs from before server optimizers)."""
+    name, lr = config.get("server_opt", "avg"), config.get("server_lr")
+    if name == "avg" and lr in (None, 1, 1.0):
+        return ""
+    return name if lr is None else f"{name} lr={lr:g}"
+
+
+def _extraction(directory: Path) -> dict[str, Any] | None:
+    """The run's extraction.json (feast-edge extraction-gap), when there is a readable one."""
+    try:
+        record = json.loads((directory / "extraction.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("points"), list) else None
 
 
 # ------------------------------------------------------------------ groups and statistics

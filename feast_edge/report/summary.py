@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from feast_edge.errors import FeastError
+from feast_edge.report.blocks import Block, Heading, Image, Table, Text, count
+from feast_edge.report.experiments import extraction_blocks, gamma_blocks, matched_blocks
 from feast_edge.report.federation import FederationRun, is_federation_run, load_federation_run
 from feast_edge.report.plots import draw_plots, require_matplotlib
 from feast_edge.report.runs import (
@@ -33,42 +35,6 @@ from feast_edge.report.runs import (
 from feast_edge.util.atomic import atomic_write_bytes
 
 FORMATS = {"markdown": "report.md", "html": "report.html"}
-
-
-# ------------------------------------------------------------------ the document
-@dataclass(frozen=True)
-class Heading:
-    level: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Text:
-    text: str
-
-
-@dataclass(frozen=True)
-class Table:
-    header: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-    left: int = 1  # leading columns aligned left; the rest are numbers, aligned right
-
-
-@dataclass(frozen=True)
-class Image:
-    file: str  # PNG beside the report
-    title: str
-
-
-Block = Heading | Text | Table | Image
-
-
-def count(n: float) -> str:
-    """``1.23G``, ``45.6M``, ``789K``: a parameter count for people."""
-    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
 
 
 def _plural(n: int, noun: str) -> str:
@@ -112,6 +78,7 @@ def build_document(runs: Sequence[Run], title: str, warnings: Sequence[str], plo
                 "positive gap is a shortfall. The population gap compares population accuracies; per-variant gaps are in the tables below."
             )
         )
+    blocks += [*matched_blocks(groups), *gamma_blocks(groups), *extraction_blocks(runs)]
     blocks.append(Heading(2, "Per-variant accuracy"))
     for group in groups:
         blocks += _variant_table(group, reference)

@@ -6,99 +6,20 @@ The run directories are synthetic ``results.json`` files in the schema
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from PIL import Image
-from rundirs import HELD_OUT, HOLDOUT_ACCURACY, federation_run
+from rundirs import CACHED, HELD_OUT, HETEROFL, HOLDOUT_ACCURACY, federation_run
+from rundirs import simulate_results as _results
+from rundirs import write_run as _write
 
 from feast_edge.report.runs import group_runs, load_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-BUDGETS = [12e6, 25e6, 50e6, 50e6]
-# label -> (MACs, params) of the cached variants FEAST and the centralized reference share
-CACHED = {"v0": (10_000_000, 100_000), "v1": (20_000_000, 200_000), "v2": (40_000_000, 400_000)}
-HETEROFL = {
-    "x0.125": (5_000_000, 50_000),
-    "x0.25": (15_000_000, 150_000),
-    "x0.5": (30_000_000, 300_000),
-    "x1": (45_000_000, 450_000),
-}
-
-
-def _results(
-    method: str,
-    seed: int,
-    accuracies: dict[str, float],
-    points: dict[str, tuple[int, int]],
-    *,
-    population: float,
-    **extra: Any,
-) -> dict[str, Any]:
-    """A results.json of ``simulate``: 4 rounds, validated on rounds 2 and 4."""
-    config = {
-        "seed": seed,
-        "rounds": 4,
-        "clients": len(BUDGETS),
-        "per_round": 2,
-        "variants": "full",
-        "method_options": [],
-        **extra.pop("config", {}),
-    }
-    variants = [
-        {
-            "index": i,
-            "label": label,
-            "macs": points[label][0],
-            "params": points[label][1],
-            "dense_macs": None,
-            "detail": {},
-            "test_accuracy": accuracies[label],
-        }
-        for i, label in enumerate(accuracies)
-    ]
-    rounds = [
-        {
-            "round": t,
-            "lr": 0.02,
-            "loss": 2.0 / t,
-            "samples": 100,
-            "train_macs": 10**12,
-            "routed_params": 1_000_000,
-            "val_accuracy": None if t % 2 else 0.1 * t + 0.01 * seed,
-            "seconds": 2.5,
-        }
-        for t in range(1, 5)
-    ]
-    return {
-        "method": method,
-        "method_summary": f"{method} (synthetic)",
-        "preset": "fmnist-small",
-        "config": config,
-        "best": {"round": 4, "val_accuracy": 0.4 + 0.01 * seed},
-        "population": {"budgets": extra.pop("budgets", BUDGETS), "clients": len(BUDGETS)},
-        "population_accuracy": population,
-        "variants": variants,
-        "served": [0, 1, 2, 2],
-        "communication": {"routed_params_total": 8_000_000, "full_params_total": 16_000_000, "reduction": 2.0},
-        "compute": {"train_macs_total": 4 * 10**12},
-        "rounds": rounds,
-        "seconds_total": 10.0,
-        **extra,
-    }
-
-
-def _write(folder: Path, record: dict[str, Any]) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "results.json").write_text(json.dumps(record))
-    return folder
-
-
 FEAST = [
     ({"v0": 0.50, "v1": 0.60, "v2": 0.70}, 0.60),  # seed 0: per-variant accuracies, population accuracy
     ({"v0": 0.53, "v1": 0.62, "v2": 0.73}, 0.63),  # seed 1
