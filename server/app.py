@@ -216,11 +216,12 @@ class FederationServer:
             payload_dtype=cfg.payload_dtype,
         )
         log.info(
-            "connected to %s as federation %r; preset %s, %d cached variants",
+            "connected to %s as federation %r; preset %s, %d cached variants; server optimizer %s",
             self.link.address,
             cfg.federation,
             self.preset.name,
             len(self.cache),
+            cfg.server_optimizer().describe(),
         )
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feast_edge.aggregate.server_opt import ServerOpt
+from feast_edge.aggregate.server_opt import DEPLOYMENT_OPT, ServerOpt
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO, ratio_problem
 from feast_edge.errors import FeastError
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
@@ -83,8 +83,8 @@ class ServerConfig:
     )
     int8_tolerance: float = 0.01  # accuracy an int8 file may lose against float32 on held-out data before it is refused
     # The server's step from each round's aggregate (feast_edge.aggregate.server_opt; avg with lr 1: SPEC §6 itself).
-    server_opt: str = "avg"
-    server_lr: float | None = None  # None: the rule's default (avg/momentum 1, adam/yogi 0.01)
+    server_opt: str = DEPLOYMENT_OPT
+    server_lr: float | None = None  # None: the rule's default (feast_edge.aggregate.server_opt.DEFAULT_LR)
     server_momentum: float = 0.9
     server_betas: tuple[float, ...] = (0.9, 0.99)
     server_tau: float = 1e-3

@@ -33,6 +33,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,16 @@ def _test_accuracy(path: Path, images: Any, labels: Any) -> float:
     return correct / len(labels)
 
 
+def _server_opt_args(server_opt: Mapping[str, Any]) -> list[str]:
+    """``feast-server run``'s --server-* options for the given config keywords (unset ones keep the server's default)."""
+    args = []
+    for key, value in server_opt.items():
+        if value is not None:
+            text = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+            args += [f"--{key.replace('_', '-')}", text]
+    return args
+
+
 def run_demo(
     *,
     broker: str | None,
@@ -118,6 +129,7 @@ def run_demo(
     dashboard: str | None = "127.0.0.1:0",
     server_data: bool = False,
     gamma: float = 1.0,
+    server_opt: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one summary row per device."""
     from feast_edge.budget.profile import load_profile
@@ -246,6 +258,7 @@ def run_demo(
                 str(min(2, os.cpu_count() or 1)),
                 "--local-epochs",
                 str(local_epochs),
+                *_server_opt_args(server_opt or {}),
                 *(["--dashboard", dashboard] if dashboard else []),
             ],
         )

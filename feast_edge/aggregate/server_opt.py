@@ -46,6 +46,9 @@ SERVER_OPTS = ("avg", "momentum", "adam", "yogi")
 # Each rule's default server learning rate: 1 keeps FedAvg's and FedAvgM's scale; the adaptive rules take steps of
 # about η per position, so η is a weight change (Reddi et al. tune it in 10^-2.5..10^-0.5).
 DEFAULT_LR = {"avg": 1.0, "momentum": 1.0, "adam": 0.01, "yogi": 0.01}
+# feast-server run's and the demo's --server-opt (the paper protocol, feast-edge simulate, stays avg): measured with
+# bench/bench_convergence.py, docs/benchmarks.md "Server optimizers".
+DEPLOYMENT_OPT = "avg"
 STATE_NAMES = {"avg": (), "momentum": ("momentum",), "adam": ("m", "v", "steps"), "yogi": ("m", "v", "steps")}
 
 
@@ -71,6 +74,14 @@ class ServerOpt:
     def identity(self) -> bool:
         """Whether it leaves the aggregate as it is (``avg`` at η = 1: SPEC §6 exactly)."""
         return self.name == "avg" and self.lr == 1.0
+
+    def describe(self) -> str:
+        """``"adam (lr 0.01, betas 0.9,0.99, tau 0.001)"``; plain averaging says it is SPEC §6's."""
+        if self.identity:
+            return "avg (SPEC §6's sparse mean)"
+        details = {"avg": f"lr {self.lr:g}", "momentum": f"lr {self.lr:g}, momentum {self.momentum:g}"}
+        adaptive = f"lr {self.lr:g}, betas {self.betas[0]:g},{self.betas[1]:g}, tau {self.tau:g}"
+        return f"{self.name} ({details.get(self.name, adaptive)})"
 
     def settings(self) -> dict[str, Any]:
         """What a run's fingerprint records: nothing for the identity (earlier runs keep their fingerprints), else the

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
+from feast_edge.aggregate.server_opt import DEPLOYMENT_OPT
 from feast_edge.cli.common import (
     PayloadDtypeOpt,
     make_console,
@@ -16,6 +17,7 @@ from feast_edge.cli.common import (
     parse_macs,
 )
 from feast_edge.cli.population import population_options
+from feast_edge.cli.server_opt import server_opt_options
 from feast_edge.cli.simulation import simulate
 from feast_edge.errors import FeastError
 from feast_edge.space.cost import arch_cost
@@ -143,7 +145,9 @@ def partition(
     )
 
 
+@server_opt_options(DEPLOYMENT_OPT)
 def demo(
+    server_opt: dict[str, Any],
     broker: Annotated[
         Optional[str],
         typer.Option(help="Use this MQTT broker (mqtt://host:port) instead of starting one on a free loopback port."),
@@ -217,4 +221,5 @@ def demo(
         dashboard=None if dashboard == "off" else dashboard,
         server_data=server_data,
         gamma=gamma,
+        server_opt=server_opt,
     )

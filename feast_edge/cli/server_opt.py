@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import typer
@@ -10,12 +11,16 @@ from feast_edge.cli.common import F, option_group
 from feast_edge.errors import FeastError
 
 
-def server_opt_options(func: F) -> F:
-    """Give a command the server-optimizer options; it receives them as ``server_opt: dict`` of config keywords."""
+def server_opt_options(default: str = "avg") -> Callable[[F], F]:
+    """Give a command the server-optimizer options (``default``: its --server-opt); it receives them as
+    ``server_opt: dict`` of config keywords."""
+    from feast_edge.aggregate.server_opt import DEFAULT_LR
+
+    lrs = ", ".join(f"{name} {lr:g}" for name, lr in DEFAULT_LR.items())
     options = {
         "server_opt": (
             str,
-            "avg",
+            default,
             typer.Option(
                 "--server-opt",
                 help="The server's step from each round's sparse aggregate: avg (SPEC §6), momentum (FedAvgM), adam "
@@ -25,7 +30,7 @@ def server_opt_options(func: F) -> F:
         "server_lr": (
             Optional[float],
             None,
-            typer.Option("--server-lr", help="Server learning rate (default: avg/momentum 1, adam/yogi 0.01)."),
+            typer.Option("--server-lr", help=f"Server learning rate (default: {lrs})."),
         ),
         "server_momentum": (
             float,
@@ -49,4 +54,4 @@ def server_opt_options(func: F) -> F:
             raise FeastError(str(exc)) from None
         return values
 
-    return option_group("server_opt", options, build)(func)
+    return option_group("server_opt", options, build)

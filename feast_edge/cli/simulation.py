@@ -33,7 +33,7 @@ def _say(text: str) -> None:
 
 
 @population_options
-@server_opt_options
+@server_opt_options()
 def simulate(
     population: dict[str, Any],
     server_opt: dict[str, Any],
@@ -224,6 +224,8 @@ def simulate(
     sim = Simulation(config, out, setup=setup, matched=None if matched is None else matched.to_dict())
     _say(str(sim.setup.population))
     _say(f"{describe_device(device, requested)}, {precision.describe()}")
+    if not config.server_optimizer().identity:
+        _say(f"server optimizer: {config.server_optimizer().describe()}")
     if spread.world.size > 1:
         _say(spread.describe())
         spread.attach(sim)

@@ -90,7 +90,7 @@ class SimulationConfig:
     )
     # The server's step from each round's aggregate (feast_edge.aggregate.server_opt); avg with lr 1 is the paper's.
     server_opt: str = "avg"
-    server_lr: float | None = None  # None: the rule's default (avg/momentum 1, adam/yogi 0.01)
+    server_lr: float | None = None  # None: the rule's default (feast_edge.aggregate.server_opt.DEFAULT_LR)
     server_momentum: float = 0.9
     server_betas: tuple[float, ...] = (0.9, 0.99)
     server_tau: float = 1e-3

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from feast_edge.aggregate.server_opt import DEPLOYMENT_OPT
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO
 from feast_edge.cli import common
 from feast_edge.cli.server_opt import server_opt_options
@@ -42,7 +43,7 @@ def _refuse_method(value: Optional[str]) -> None:
 
 
 @common.mqtt_options()
-@server_opt_options
+@server_opt_options(DEPLOYMENT_OPT)
 def run(
     link: LinkConfig,
     server_opt: dict[str, Any],

@@ -134,6 +134,9 @@ def test_avg_at_lr_1_is_the_identity_and_records_nothing():
     assert opt.identity and opt.settings() == {}
     assert not ServerOpt("avg", lr=0.5).identity and not ServerOpt("momentum").identity
     assert ServerOpt("adam").lr == 0.01 and ServerOpt("momentum").lr == 1.0
+    assert opt.describe() == "avg (SPEC §6's sparse mean)"
+    assert ServerOpt("adam").describe() == "adam (lr 0.01, betas 0.9,0.99, tau 0.001)"
+    assert ServerOpt("momentum", lr=0.1).describe() == "momentum (lr 0.1, momentum 0.9)"
     assert ServerOpt("yogi", lr=0.1).settings() == {
         "server_optimizer": {"name": "yogi", "lr": 0.1, "betas": (0.9, 0.99), "tau": 1e-3}
     }
