@@ -123,6 +123,16 @@ def gamma_blocks(groups: Sequence[Group]) -> list[Block]:
     ]
 
 
+def _mac_axes(fig: Any, ax: Any) -> Any:
+    """Test accuracy against inference MACs on a log axis, with a grid and a legend."""
+    ax.set_xscale("log")
+    ax.set_xlabel("inference MACs per example (millions, log scale)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
 def draw_gamma(plt: Any, groups: Sequence[Group]) -> Any:
     """Accuracy vs MACs, one colour per method, dashed at the smallest γ, solid at the largest."""
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -139,12 +149,7 @@ def draw_gamma(plt: Any, groups: Sequence[Group]) -> Any:
                 linestyle="--" if gamma == gammas[0] else "-",
                 label=f"{kind}, γ={gamma:g}".replace("$", r"\$"),
             )
-    ax.set_xscale("log")
-    ax.set_xlabel("inference MACs per example (millions, log scale)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    return fig
+    return _mac_axes(fig, ax)
 
 
 # ------------------------------------------------------------------ post-hoc extraction
@@ -191,12 +196,7 @@ def draw_extraction(plt: Any, runs: Sequence[Run]) -> Any:
         points = r.extraction["points"]
         ax.scatter([p["macs"] / 1e6 for p in points], [100 * p["accuracy"] for p in points], color=color, marker="x",
                    s=40, label=f"{name}: extracted (uncached)")  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_xlabel("inference MACs per example (millions, log scale)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    return fig
+    return _mac_axes(fig, ax)
 
 
 def draw_experiment_plots(plt: Any, groups: Sequence[Group], runs: Sequence[Run], out: Path) -> list[tuple[str, str]]:
