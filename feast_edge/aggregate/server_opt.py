@@ -169,6 +169,7 @@ class ServerOptimizer:
             if mask is None:
                 continue
             target, old = global_state[name], before[name]
+            self._follow(name, target.device)
             delta = target.detach() - old
             if o.name == "avg":
                 new = old + o.lr * delta
@@ -178,6 +179,13 @@ class ServerOptimizer:
             else:
                 new = old + o.lr * self._adaptive(name, mask, delta)
             target.copy_(torch.where(mask, new, old))
+
+    def _follow(self, name: str, device: torch.device) -> None:
+        """Keep ``name``'s state on the device its parameter is aggregated on."""
+        for key in STATE_NAMES[self.opt.name]:
+            slot = f"{key}/{name}"
+            if self.state[slot].device != device:
+                self.state[slot] = self.state[slot].to(device)
 
     def _adaptive(self, name: str, mask: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Adam's or Yogi's bias-corrected direction ``m̂ / (√v̂ + τ)`` (its state updated at ``mask`` only)."""

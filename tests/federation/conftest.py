@@ -208,6 +208,11 @@ def server_config(
         data=str(partition),
         federation=federation,
         wait_timeout=180.0,
+        server_opt=config.server_opt,  # the simulation's (feast-server run's default may differ)
+        server_lr=config.server_lr,
+        server_momentum=config.server_momentum,
+        server_betas=config.server_betas,
+        server_tau=config.server_tau,
     )
     settings.update(changes)
     return ServerConfig(**settings)  # type: ignore[arg-type]

@@ -75,3 +75,14 @@ def test_a_run_resumes_with_the_same_variants_and_refuses_others(tmp_path: Path)
             other.resume()
     finally:
         other.close()
+
+
+def test_the_server_runs_the_optimizer_it_is_given_and_records_it(tmp_path: Path) -> None:
+    config = ServerConfig(out=str(tmp_path), server_opt="yogi", server_lr=0.02, server_betas=(0.8, 0.9))
+    opt = config.settings().server_opt
+    assert (opt.name, opt.lr, opt.betas) == ("yogi", 0.02, (0.8, 0.9))
+    assert config.decisive()["server_optimizer"] == {"name": "yogi", "lr": 0.02, "betas": (0.8, 0.9), "tau": 1e-3}
+    plain = ServerConfig(out=str(tmp_path), server_opt="avg", server_lr=1.0)
+    assert "server_optimizer" not in plain.decisive() and plain.settings().server_opt.identity
+    with pytest.raises(ServerError, match="--server-tau"):
+        ServerConfig(out=str(tmp_path), server_opt="adam", server_tau=0.0)
