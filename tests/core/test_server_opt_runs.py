@@ -15,12 +15,12 @@ from feast_edge.sim.simulate import CHECKPOINT, Simulation
 TINY = dict(
     clients=4,
     per_round=3,
-    rounds=3,
-    train_limit=300,
+    rounds=2,
+    train_limit=240,
     val_samples=100,
     calib_samples=50,
     test_limit=100,
-    eval_every=3,
+    eval_every=2,
     probe_variants=1,
     batch_size=32,
     seed=5,
@@ -40,7 +40,7 @@ def _tensors(out) -> dict[str, torch.Tensor]:
 def test_a_resumed_run_ends_bit_identical_with_each_optimizer(opt, fashion_mnist_dir, tmp_path):
     config = _config(fashion_mnist_dir, server_opt=opt)
     Simulation(config, tmp_path / "whole").run()
-    assert Simulation(config, tmp_path / "split").run(stop_after=2) is None
+    assert Simulation(config, tmp_path / "split").run(stop_after=1) is None
     Simulation(config, tmp_path / "split").run(resume=True)
     a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "split")
     assert a.keys() == b.keys() and any(k.startswith(EXTRA) for k in a)  # the optimizer's state is checkpointed
