@@ -202,3 +202,22 @@ def test_state_loads_only_with_matching_names_and_shapes():
     bad["m/w"] = torch.zeros(2, 2)
     with pytest.raises(ValueError, match="m/w"):
         opt.load(bad)
+
+
+@pytest.mark.parametrize("rule", ["clip", "median"])
+def test_a_robust_rule_sets_the_target_the_optimizer_steps_towards(rule):
+    rng = np.random.default_rng(11)
+    theta = {k: torch.tensor(rng.normal(size=s), dtype=torch.float32) for k, s in SHAPES.items()}
+    payloads = _payloads(rng)[1]  # three overlapping, non-nested boxes
+    updates = [(f"c{i}", {k: torch.tensor(v, dtype=torch.float32) for k, v in p.items()}, n) for i, (p, n) in
+               enumerate(payloads)]  # fmt: skip
+    target = aggregate_updates(theta, updates, rule=rule, clip_norm=0.5)  # new tensors; theta untouched
+    state = {k: v.clone() for k, v in theta.items()}
+    optimizer = ServerOptimizer(ServerOpt("momentum", lr=0.5), SHAPES)
+    before = optimizer.snapshot(state)
+    aggregate_updates(state, updates, inplace=True, rule=rule, clip_norm=0.5)
+    optimizer.step(state, before, routed_masks(state, [u[1] for u in updates], list(SHAPES)))
+    for name in SHAPES:  # first step: b = Δ = target − θ, θ ← θ + 0.5·b
+        want = theta[name] + 0.5 * (target[name] - theta[name])
+        torch.testing.assert_close(state[name], want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(state["w"], target["w"])
