@@ -36,12 +36,13 @@ def matched_blocks(groups: Sequence[Group]) -> list[Block]:
     matched = [g for g in groups if all(r.matched is not None for r in g.runs)]
     if not matched:
         return []
-    feast = [g for g in groups if g.method == "feast" and all(r.matched is None for r in g.runs)]
+    targets = [Path(r.matched["run"]) for g in matched for r in g.runs]
+    feast = [g for g in groups if any(_is_target(r.directory, targets) for r in g.runs)]
     rows = []
     for g in [*feast, *matched]:
         ratio = (
             "1.00 (matched to)"
-            if g in feast
+            if g not in matched
             else f"{_mean([r.train_macs / r.matched['target_train_macs'] for r in g.runs]):.3f}"
         )
         rows.append(
@@ -73,6 +74,11 @@ def matched_blocks(groups: Sequence[Group]) -> list[Block]:
         ),
         Table(header, tuple(rows)),
     ]
+
+
+def _is_target(directory: Path, targets: Sequence[Path]) -> bool:
+    """Whether a matched run named this directory (as it was given then: the same path, or moved with its name)."""
+    return any(t.resolve() == directory.resolve() or t.name == directory.name for t in targets)
 
 
 # ------------------------------------------------------------------ γ-allocation
@@ -123,9 +129,17 @@ def gamma_blocks(groups: Sequence[Group]) -> list[Block]:
     ]
 
 
-def _mac_axes(fig: Any, ax: Any) -> Any:
+def plain_log_ticks(plt: Any, axis: Any) -> None:
+    """Log-axis ticks at 1, 2, 5 × 10^k written as plain numbers (``20``, not ``2×10¹``)."""
+    axis.set_major_locator(plt.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(plt.FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(plt.NullFormatter())
+
+
+def _mac_axes(plt: Any, fig: Any, ax: Any) -> Any:
     """Test accuracy against inference MACs on a log axis, with a grid and a legend."""
     ax.set_xscale("log")
+    plain_log_ticks(plt, ax.xaxis)
     ax.set_xlabel("inference MACs per example (millions, log scale)")
     ax.set_ylabel("test accuracy (%)")
     ax.grid(True, which="both", alpha=0.3)
@@ -149,7 +163,7 @@ def draw_gamma(plt: Any, groups: Sequence[Group]) -> Any:
                 linestyle="--" if gamma == gammas[0] else "-",
                 label=f"{kind}, γ={gamma:g}".replace("$", r"\$"),
             )
-    return _mac_axes(fig, ax)
+    return _mac_axes(plt, fig, ax)
 
 
 # ------------------------------------------------------------------ post-hoc extraction
@@ -196,7 +210,7 @@ def draw_extraction(plt: Any, runs: Sequence[Run]) -> Any:
         points = r.extraction["points"]
         ax.scatter([p["macs"] / 1e6 for p in points], [100 * p["accuracy"] for p in points], color=color, marker="x",
                    s=40, label=f"{name}: extracted (uncached)")  # fmt: skip
-    return _mac_axes(fig, ax)
+    return _mac_axes(plt, fig, ax)
 
 
 def draw_experiment_plots(plt: Any, groups: Sequence[Group], runs: Sequence[Run], out: Path) -> list[tuple[str, str]]:

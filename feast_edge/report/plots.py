@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.errors import FeastError
-from feast_edge.report.experiments import draw_experiment_plots
+from feast_edge.report.experiments import draw_experiment_plots, plain_log_ticks
 from feast_edge.report.runs import Group
 
 WIDE = 100.0  # a bar chart whose largest bar is this many times its smallest uses a log axis
@@ -68,7 +68,7 @@ def _accuracy_vs_macs(plt: Any, groups: Sequence[Group], reference: Group | None
             linestyle="--" if g is reference else "-",
         )
     ax.set_xscale("log")
-    _plain_log_ticks(plt, ax.xaxis)
+    plain_log_ticks(plt, ax.xaxis)
     ax.set_xlabel("inference MACs per example (millions, log scale)")
     ax.set_ylabel("test accuracy (%)")
     ax.grid(True, which="both", alpha=0.3)
@@ -149,13 +149,6 @@ def _bars(ax: Any, groups: Sequence[Group], values: list[float], colors: dict[st
     ax.set_ylabel(label)
     _method_ticks(ax, groups)
     ax.grid(True, axis="y", which="both", alpha=0.3)
-
-
-def _plain_log_ticks(plt: Any, axis: Any) -> None:
-    """Log-axis ticks at 1, 2, 5 × 10^k written as plain numbers (``20``, not ``2×10¹``)."""
-    axis.set_major_locator(plt.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(plt.FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.set_minor_formatter(plt.NullFormatter())
 
 
 def _method_ticks(ax: Any, groups: Sequence[Group]) -> None:

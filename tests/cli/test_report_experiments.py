@@ -36,11 +36,14 @@ def test_matched_runs_get_an_equal_compute_table_beside_the_run_they_matched(cli
     record["rounds"] = record["rounds"] * 2 + record["rounds"][:1]  # 9 rounds
     plain = write_run(tmp_path / "heterofl", simulate_results("heterofl", 0, HETERO_ACC, HETEROFL, population=0.4))
     hetero = write_run(tmp_path / "heterofl-matched", record)
-    result = cli.invoke("report", str(feast), str(plain), str(hetero), "--out", str(tmp_path / "report"))
+    other = simulate_results("feast", 0, FEAST_ACC, CACHED, population=0.5, config={"server_opt": "adam"})
+    unmatched = write_run(tmp_path / "feast-adam", other)  # nothing was matched to it: not in the table
+    dirs = (feast, plain, hetero, unmatched)
+    result = cli.invoke("report", *map(str, dirs), "--out", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "report" / "report.md").read_text()
-    names = [g.name for g in group_runs([load_run(d) for d in (feast, plain, hetero)])]
-    assert names == ["feast", "heterofl", "heterofl (matched compute)"]  # equal rounds and equal compute apart
+    names = [g.name for g in group_runs([load_run(d) for d in dirs])]
+    assert names == ["feast", "feast (server adam)", "heterofl", "heterofl (matched compute)"]
     rows = {r[0]: r for r in _rows(_section(text, "## Equal training compute"))[2:]}
     assert set(rows) == {"feast", "heterofl (matched compute)"}
     assert rows["heterofl (matched compute)"][2:5] == ["9", "5.00", "1.250"]
