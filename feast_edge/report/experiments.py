@@ -136,7 +136,7 @@ def plain_log_ticks(plt: Any, axis: Any) -> None:
     axis.set_minor_formatter(plt.NullFormatter())
 
 
-def _mac_axes(plt: Any, fig: Any, ax: Any) -> Any:
+def mac_axes(plt: Any, fig: Any, ax: Any) -> Any:
     """Test accuracy against inference MACs on a log axis, with a grid and a legend."""
     ax.set_xscale("log")
     plain_log_ticks(plt, ax.xaxis)
@@ -163,7 +163,7 @@ def draw_gamma(plt: Any, groups: Sequence[Group]) -> Any:
                 linestyle="--" if gamma == gammas[0] else "-",
                 label=f"{kind}, γ={gamma:g}".replace("$", r"\$"),
             )
-    return _mac_axes(plt, fig, ax)
+    return mac_axes(plt, fig, ax)
 
 
 # ------------------------------------------------------------------ post-hoc extraction
@@ -210,7 +210,7 @@ def draw_extraction(plt: Any, runs: Sequence[Run]) -> Any:
         points = r.extraction["points"]
         ax.scatter([p["macs"] / 1e6 for p in points], [100 * p["accuracy"] for p in points], color=color, marker="x",
                    s=40, label=f"{name}: extracted (uncached)")  # fmt: skip
-    return _mac_axes(plt, fig, ax)
+    return mac_axes(plt, fig, ax)
 
 
 def draw_experiment_plots(plt: Any, groups: Sequence[Group], runs: Sequence[Run], out: Path) -> list[tuple[str, str]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.errors import FeastError
-from feast_edge.report.experiments import draw_experiment_plots, plain_log_ticks
+from feast_edge.report.experiments import draw_experiment_plots, mac_axes
 from feast_edge.report.runs import Group
 
 WIDE = 100.0  # a bar chart whose largest bar is this many times its smallest uses a log axis
@@ -67,13 +67,7 @@ def _accuracy_vs_macs(plt: Any, groups: Sequence[Group], reference: Group | None
             label=_plain(g.name),
             linestyle="--" if g is reference else "-",
         )
-    ax.set_xscale("log")
-    plain_log_ticks(plt, ax.xaxis)
-    ax.set_xlabel("inference MACs per example (millions, log scale)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    return fig
+    return mac_axes(plt, fig, ax)
 
 
 def _validation(plt: Any, groups: Sequence[Group], reference: Group | None, colors: dict[str, str]) -> Any:

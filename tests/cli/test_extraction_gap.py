@@ -6,33 +6,20 @@ import json
 
 import numpy as np
 import pytest
+from simconfigs import tiny_config
 
 from feast_edge.evaluate.evaluation import evaluate_variants
 from feast_edge.evaluate.extraction import Extracted, curve_at, mean_abs_gap, target_budgets
 from feast_edge.run.checkpoint import load_supernet
-from feast_edge.sim.setup import SimulationConfig, build_setup
+from feast_edge.sim.setup import build_setup
 from feast_edge.sim.simulate import Simulation
 from feast_edge.space.arch import Arch
-
-TINY = dict(
-    clients=4,
-    per_round=2,
-    rounds=1,
-    train_limit=200,
-    val_samples=100,
-    calib_samples=50,
-    test_limit=200,
-    eval_every=1,
-    probe_variants=1,
-    batch_size=32,
-    seed=1,
-)
 
 
 @pytest.fixture(scope="module")
 def feast_run(tmp_path_factory, fashion_mnist_dir):
     out = tmp_path_factory.mktemp("run")
-    config = SimulationConfig(data_dir=str(fashion_mnist_dir), **TINY)
+    config = tiny_config(fashion_mnist_dir, rounds=1, train_limit=200, test_limit=200, eval_every=1, seed=1)
     return out, config, Simulation(config, out).run()
 
 

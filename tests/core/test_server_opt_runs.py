@@ -7,28 +7,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from simconfigs import tiny_config
 
 from feast_edge.run.checkpoint import EXTRA, load_supernet
 from feast_edge.sim.setup import SimulationConfig, SimulationError
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
 
-TINY = dict(
-    clients=4,
-    per_round=3,
-    rounds=2,
-    train_limit=240,
-    val_samples=100,
-    calib_samples=50,
-    test_limit=100,
-    eval_every=2,
-    probe_variants=1,
-    batch_size=32,
-    seed=5,
-)
-
 
 def _config(fashion_mnist_dir, **changes) -> SimulationConfig:
-    return SimulationConfig(data_dir=str(fashion_mnist_dir), **{**TINY, **changes})
+    return tiny_config(fashion_mnist_dir, **{"per_round": 3, "seed": 5, **changes})
 
 
 def _tensors(out) -> dict[str, torch.Tensor]:

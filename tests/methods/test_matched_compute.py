@@ -6,29 +6,16 @@ import json
 from dataclasses import replace
 
 import pytest
+from simconfigs import tiny_config
 
 from feast_edge.sim.matched import matched_config, round_train_macs
 from feast_edge.sim.registry import method_class
 from feast_edge.sim.setup import SimulationConfig, SimulationError, build_setup
 from feast_edge.sim.simulate import Simulation
 
-TINY = dict(
-    clients=4,
-    per_round=2,
-    rounds=2,
-    train_limit=240,
-    val_samples=100,
-    calib_samples=50,
-    test_limit=100,
-    eval_every=2,
-    probe_variants=1,
-    batch_size=32,
-    seed=2,
-)
-
 
 def _config(fashion_mnist_dir, **changes) -> SimulationConfig:
-    return SimulationConfig(data_dir=str(fashion_mnist_dir), **{**TINY, **changes})
+    return tiny_config(fashion_mnist_dir, **{"seed": 2, **changes})
 
 
 @pytest.fixture(scope="module")
