@@ -82,6 +82,7 @@ def round_train_macs(method: Method, setup: Setup, t: int) -> int:
     budgets = dict(zip(setup.client_ids, (float(b) for b in setup.population.budgets)))
     plans = method.plans(t, cohort, budgets.__getitem__)
     epochs = config.train_config().epochs
+    shard = dict(zip(setup.client_ids, (int(n) for n in setup.population.sizes)))  # sizes, not the images
     total = 0
     for client in cohort:
         macs = method.sample_train_macs(plans[client])
@@ -90,7 +91,7 @@ def round_train_macs(method: Method, setup: Setup, t: int) -> int:
                 f"--match-compute: {method.name} draws what it trains per batch, so its compute is only known after "
                 "a round; match a baseline to a FEAST run instead"
             )
-        total += 3 * epochs * len(setup.client_data(client)[1]) * macs
+        total += 3 * epochs * shard[client] * macs
     return total
 
 
