@@ -74,14 +74,28 @@ class Job:
         manifest, routed = decode(payload, preset, expected=expected)
         if manifest.kind != "routed":
             raise FeastError(f"payload kind {manifest.kind!r} is not 'routed'")
+        return cls.of_state(assignment, routed, data, preset, torch_device, amp)
+
+    @classmethod
+    def of_state(
+        cls,
+        assignment: Assignment,
+        routed: dict[str, torch.Tensor],
+        data: LocalClient,
+        preset: Preset,
+        torch_device: str,
+        amp: str,
+    ) -> Job:
+        """The job of ``assignment`` with its routed state, already checked against the plan's envelope (float32)."""
+        start = assignment.start
         return cls(
             preset=preset,
             round=start.round,
             rounds=start.rounds,
             device_id=data.device_id,
-            plan=plan,
+            plan=assignment.plan,
             routed=routed,
-            dtype=manifest.dtype,
+            dtype=start.payload_dtype,
             lr=start.lr,
             seed=start.client_seed,
             settings=assignment.settings,
@@ -112,14 +126,22 @@ class Declined:
     reason: str
 
 
-def train(job: Job) -> Trained | Declined:
-    """Co-train the routed sub-supernet on the client's data (SPEC §5, §7) and encode the returned slice."""
-    classes = job.preset.classes
+@dataclass(frozen=True)
+class TrainedState:
+    """The trained slice as tensors (before any encoding), its training result and the seconds training took."""
+
+    state: dict[str, torch.Tensor]
+    result: LocalResult
+    compute_seconds: float
+
+
+def train_state(job: Job) -> TrainedState | Declined:
+    """Co-train the routed sub-supernet on the client's data (SPEC §5, §7): the trained slice, or why there is none."""
     began = time.perf_counter()
     try:
         state, result = client_update(
             job.preset,
-            classes,
+            job.preset.classes,
             job.plan,
             job.routed,
             job.data.images,
@@ -142,12 +164,21 @@ def train(job: Job) -> Trained | Declined:
             result.mean_loss,
         )
         return Declined(f"training diverged (loss {result.mean_loss}, or non-finite weights)")
+    return TrainedState(state, result, compute)
+
+
+def train(job: Job) -> Trained | Declined:
+    """:func:`train_state`, the slice encoded as the update payload in the routed payload's dtype."""
+    trained = train_state(job)
+    if isinstance(trained, Declined):
+        return trained
+    manifest = job.plan.manifest(job.preset, job.preset.classes, job.round, "update", job.device_id, job.dtype)
     try:
-        payload = encode(state, job.plan.manifest(job.preset, classes, job.round, "update", job.device_id, job.dtype))
+        payload = encode(trained.state, manifest)
     except FeastError as exc:  # e.g. weights beyond float16's range
         log.warning("%s: the update of %s cannot be sent as %s: %s", job.shown, job.device_id, job.dtype, exc)
         return Declined(f"the update cannot be encoded: {exc}")
-    return Trained(payload, result, compute)
+    return Trained(payload, trained.result, trained.compute_seconds)
 
 
 def largest_payload(preset: Preset) -> int:

@@ -5,9 +5,9 @@
 * ``events.Events``: the inbox, each message handed to the piece whose job it is;
 * ``exchange.RoundExchange``: one round's messages and payloads down, replies up;
 * ``collect.DeviceCollector``: the FEAST part of a round: routed slices out, valid updates back;
-* ``feast_edge.run.loop.RunLoop``: cohorts, aggregation, checkpoints, resume,
-  validation; the loop ``feast-edge simulate`` runs, so round ``t`` here computes
-  exactly what the simulation computes;
+* ``host.RunHost`` (what the Flower ServerApp shares): preset, cache, held data, registry, export, and
+  ``feast_edge.run.loop.RunLoop``: cohorts, aggregation, checkpoints, resume, validation; the loop
+  ``feast-edge simulate`` runs, so round ``t`` here computes exactly what the simulation computes;
 * ``export`` / ``serving.ModelServer``: per-device ONNX models, pushed or fetched.
 
 Everything that arrives from the broker is parsed in paho's network thread and
@@ -17,35 +17,26 @@ queue, so no state is touched from two threads.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from feast_edge.cache.variants import load_cache
 from feast_edge.dashboard.state import DashboardState
-from feast_edge.evaluate.evaluation import Validation
-from feast_edge.run.checkpoint import load_supernet, read_record
-from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop
-from feast_edge.run.roundlog import RoundLog
+from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
 from feast_edge.server.collect import DeviceCollector, RoundTerms
-from feast_edge.server.config import KIND, ServerConfig, ServerError
+from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.events import Events
 from feast_edge.server.exchange import ExchangeSettings, RoundExchange, WaitTimeout
-from feast_edge.server.export import Int8Settings, export_device_models, export_device_variants
-from feast_edge.server.held_data import ServerData, load_server_data
+from feast_edge.server.host import REGISTRY, RunHost
 from feast_edge.server.live import LiveView
-from feast_edge.server.registry import Device, Registry
+from feast_edge.server.registry import Device
 from feast_edge.server.serving import ModelServer
 from feast_edge.server.validation import FederatedValidation
 from feast_edge.space.arch import Arch
 from feast_edge.space.extract import extract
-from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.chunks import Reassembler
@@ -57,13 +48,12 @@ from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 
 log = logging.getLogger(__name__)
 
-REGISTRY = "devices.sqlite"
 SERVER_ID = "server"
 
 __all__ = ["CHECKPOINT", "REGISTRY", "FederationServer", "RoundRecord", "ServerConfig", "ServerError"]
 
 
-class FederationServer:
+class FederationServer(RunHost):
     """Runs a federation over one MQTT link; see the module docstring."""
 
     def __init__(
@@ -74,20 +64,10 @@ class FederationServer:
         on_round: Callable[[RoundRecord, int], None] | None = None,
         dashboard: DashboardState | None = None,
     ) -> None:
-        self.config = config
-        self.out = Path(config.out)
-        self.preset = load_preset(config.preset)
-        self.cache = load_cache(self.preset, config.cache)
+        super().__init__(config, on_round=on_round, validator=self._validate_on_devices)
         self.topics = Topics(config.federation)
-        self.data: ServerData | None = None
-        if config.data is not None:
-            self.data = load_server_data(config.data, self.preset, config.val_samples, config.calib_samples)
-        self.on_round = on_round
-        self.model = Supernet(self.preset, seed=config.seed)
         presence = Presence(federation=config.federation, round=0, device=SERVER_ID, state="online", role="server")
         self.link = Link(link_config, presence=presence, on_reconnect=lambda: self.events.reconnected(presence))
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.registry = Registry(self.out / REGISTRY)
         self.devices = DeviceBook(
             self.registry,
             self.preset,
@@ -100,20 +80,6 @@ class FederationServer:
             max_devices=config.max_devices,
             shard_samples=None if self.data is None else self.data.shard_samples,
             validation=self.validation_source,
-        )
-        self.loop = RunLoop(
-            self.model,
-            self.cache,
-            config.settings(),
-            self.out,
-            kind=KIND,
-            fingerprint=self.fingerprint(),
-            config=config.decisive(),
-            validation=None
-            if self.data is None
-            else Validation(self.data.calibration_images, self.data.validation_images, self.data.validation_labels),
-            extra_fields=lambda: {"data": config.data, "seed": config.seed, "registry": self.registry.snapshot()},
-            validator=None if self.data is not None else self._validate_on_devices,
         )
         self.live = (
             None
@@ -136,11 +102,6 @@ class FederationServer:
         self.federated: FederatedValidation | None = None
         self.calibration: FederatedCalibration | None = None
 
-    @property
-    def validation_source(self) -> str:
-        """Where models are validated and BN-calibrated: "server" (its --data) or "devices" (their own data)."""
-        return "server" if self.data is not None else "devices"
-
     def _validate_on_devices(self, t: int, record: RoundRecord) -> float | None:
         assert self.federated is not None, "start() first"
         return self.federated(t, record)
@@ -150,14 +111,6 @@ class FederationServer:
         if self.data is None:
             return None if self.federated is None else self.federated.validated
         return getattr(self.loop.method, "validated", None)
-
-    @property
-    def history(self) -> list[RoundRecord]:
-        return self.loop.history
-
-    def fingerprint(self) -> str:
-        data = {**self.config.decisive(), "preset_digest": self.preset.digest}
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 10.0) -> None:
@@ -238,25 +191,10 @@ class FederationServer:
         return self.devices.online()
 
     # ------------------------------------------------------------------ the whole run
-    def resume(self, previous: bool = False) -> int:
-        """Load the last completed round from ``out``, if any (``previous``: fall back to the previous checkpoint if it is damaged)."""
-        try:
-            done = self.loop.resume(
-                "restart with the same options to resume it, or use another --out", fall_back=previous
-            )
-        except RunError as exc:
-            raise ServerError(str(exc)) from None
-        if self.loop.recovered:
-            log.warning("%s", self.loop.recovered)
-        return done
-
     def run(self, resume_previous: bool = False, tensorboard: bool = False) -> list[RoundRecord]:
         """Resume if possible, run the remaining rounds, checkpoint each (and ``rounds.csv``, TensorBoard scalars); returns the history."""
         assert self.collector is not None, "start() first"
         cfg = self.config
-        done = self.resume(previous=resume_previous)
-        if done:
-            log.info("resuming from %s: %d of %d rounds completed", self.out / CHECKPOINT, done, cfg.rounds)
         if self.data is None:
             log.info(
                 "no --data: the devices validate the model on their held-out data every %d rounds; their served "
@@ -266,79 +204,40 @@ class FederationServer:
                 if cfg.bn_calibration == "federated"
                 else "calibrated on each device's own data",
             )
-        self.events.filter.advance(done)
-        if self.live is not None:
-            self.live.resumed(self.history)
-        roundlog = RoundLog(self.out, tensorboard=tensorboard, first_round=done + 1)
+
+        def resumed(done: int) -> None:
+            self.events.filter.advance(done)
+            if self.live is not None:
+                self.live.resumed(self.history)
 
         def finished_round(record: RoundRecord) -> None:
-            roundlog.write(self.history)
-            for device in record.updated:
-                self.registry.touch(device, participated=record.applied)
-            if not record.applied:
-                log.warning(
-                    "round %d: %d valid update(s) from a cohort of %d, fewer than --min-clients %d; the global model stays unchanged",
-                    record.round,
-                    len(record.updated),
-                    len(record.cohort),
-                    cfg.min_clients,
-                )
-            if self.on_round is not None:
-                self.on_round(record, cfg.rounds)
             if self.live is not None:
                 self.live.round_finished(record, self._validated_points() if record.val_accuracy is not None else None)
             self.events.filter.advance(record.round)
             self.pump(0)
 
         try:
-            self.loop.run(self.collector, start_clients=cfg.start_clients, on_round=finished_round)
+            self.run_rounds(
+                self.collector, resume_previous, tensorboard, resumed=resumed, finished_round=finished_round
+            )
         except WaitTimeout as exc:
             if self.live is not None:
                 self.live.finished("failed", str(exc))
-            done = len(self.history)
-            saved = f"round {done} is checkpointed in {self.out / CHECKPOINT}" if done else "no round was completed"
             raise ServerError(
-                f"{exc} (federation {cfg.federation!r}); stopping: {saved}. Start more agents or lower --min-clients, then run the same "
-                f"command again to resume (--wait-timeout 0 waits forever)"
+                f"{exc} (federation {cfg.federation!r}); stopping: {self.saved()}. Start more agents or lower --min-clients, "
+                "then run the same command again to resume (--wait-timeout 0 waits forever)"
             ) from None
-        finally:
-            roundlog.close()
         self.devices.finished = self.loop.finished
         return self.history
 
     # ------------------------------------------------------------------ models
     def export(self, federated_bn: bool | None = None) -> list[dict[str, Any]]:
-        """Every registered device's model (from the best checkpoint if validated, else the last): an ONNX file
-        calibrated on the server's data, or, without --data, the variant's weights for the device to export, with
-        the online devices' federated BN statistics (``federated_bn``; None: when connected and
-        ``--bn-calibration federated``) or for the device to calibrate on its own data."""
+        """Every registered device's model (see :meth:`RunHost.export_models`); without --data, with the online devices'
+        federated BN statistics (``federated_bn``; None: when connected and ``--bn-calibration federated``) or for the
+        device to calibrate on its own data."""
         if federated_bn is None:
             federated_bn = self.calibration is not None and self.config.bn_calibration == "federated"
-        source = self.loop.selected_checkpoint()
-        if not source.is_file():
-            raise ServerError(
-                f"no checkpoint in {self.out}; run the federation first (feast-server run --out {self.out})"
-            )
-        model = load_supernet(source, self.preset)[0]
-        rounds = int(read_record(source).get("fields", {}).get("round", 0))
-        devices = self.registry.devices()
-        if not devices:
-            raise ServerError(f"no device is registered in {self.out / REGISTRY}; nothing to export")
-        where = dict(federation=self.config.federation, rounds_done=rounds, checkpoint=source.name)
-        int8 = Int8Settings(self.config.precision, self.config.int8_samples, self.config.int8_tolerance)
-        if self.data is None:
-            statistics = self._federated_statistics(model, devices, rounds) if federated_bn else None
-            return export_device_variants(
-                model,
-                self.cache,
-                devices,
-                self.out,
-                calibration=self.config.calib_samples,
-                statistics=statistics,
-                int8=int8,
-                **where,
-            )
-        return export_device_models(model, self.cache, devices, self.data, self.out, int8=int8, **where)
+        return self.export_models(self._federated_statistics if federated_bn else None)
 
     def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:
         """The online devices' BN statistics of every served variant (SPEC §8 on the federation's data)."""

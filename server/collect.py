@@ -24,7 +24,7 @@ import torch
 from feast_edge.aggregate.robust import update_norm
 from feast_edge.errors import FeastError
 from feast_edge.local.recipe import TrainConfig
-from feast_edge.protocol import RoundStart
+from feast_edge.protocol import RoundStart, Update
 from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import Manifest, decode, encode
 from feast_edge.route.plans import ClientPlan
@@ -186,18 +186,12 @@ class DeviceCollector:
             return f"undecodable payload ({type(exc).__name__})"
         if manifest.kind != "update":
             return f"payload kind {manifest.kind!r} is not 'update'"
-        change, bound = update_norm(state, global_state), self.terms.max_update_norm
-        if bound and not change <= bound:
-            return f"its update changes the routed slice by {change:.3g} (L2 norm); the limit is --max-update-norm {bound:g}"
-        u = reply.update
-        return ClientUpdate(
+        return update_of(
             reply.device,
             state,
-            u.samples,
-            loss=u.loss,
-            samples_seen=u.samples_seen,
-            train_macs=u.train_macs,
-            compute_seconds=u.compute_seconds,
+            reply.update,
+            global_state,
+            self.terms.max_update_norm,
             self_reported=reply.device not in self.devices.shard_samples,
         )
 
@@ -216,3 +210,28 @@ class DeviceCollector:
         log.warning(
             "round %d: rejected the update of %s: %s; the global model is untouched by it", t + 1, device, reason
         )
+
+
+def update_of(
+    device: str,
+    state: dict[str, torch.Tensor],
+    update: Update,
+    global_state: Mapping[str, torch.Tensor],
+    max_update_norm: float,
+    *,
+    self_reported: bool,
+) -> ClientUpdate | str:
+    """A decoded, envelope-checked update of ``device`` held to the update-norm bound, or why it is refused."""
+    change = update_norm(state, global_state)
+    if max_update_norm and not change <= max_update_norm:
+        return f"its update changes the routed slice by {change:.3g} (L2 norm); the limit is --max-update-norm {max_update_norm:g}"
+    return ClientUpdate(
+        device,
+        state,
+        update.samples,
+        loss=update.loss,
+        samples_seen=update.samples_seen,
+        train_macs=update.train_macs,
+        compute_seconds=update.compute_seconds,
+        self_reported=self_reported,
+    )

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 
 from feast_edge.cache.variants import VariantCache
-from feast_edge.errors import ProfileError
+from feast_edge.errors import FeastError, ProfileError
 from feast_edge.route.envelope import Envelope
 from feast_edge.space.arch import Arch
 from feast_edge.space.geometry import arch_layout
@@ -159,3 +159,17 @@ def derive_budget(
         + "; ".join(problems)
         + " (or use a preset with smaller variants)"
     )
+
+
+def parse_macs(text: str) -> float:
+    """MAC counts as ``25000000``, ``25e6``, ``25M``, ``1.5G`` or ``800K``."""
+    raw = text.strip().replace("_", "").replace(",", "")
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(raw[-1:].upper(), 1.0)
+    number = raw[:-1] if scale != 1.0 else raw
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise FeastError(f"cannot read {text!r} as a MAC count; write e.g. 25000000, 25e6 or 25M") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise FeastError(f"MAC count {text!r} must be a positive finite number")
+    return value

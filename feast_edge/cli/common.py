@@ -28,6 +28,7 @@ from typing import Annotated, Any, Optional, TypeVar
 import typer
 from rich.console import Console
 
+from feast_edge.budget.derive import parse_macs  # noqa: F401 (re-exported: the options parse MAC counts with it)
 from feast_edge.errors import FeastError
 from feast_edge.local.torch_device import DEVICE_CHOICES
 from feast_edge.transport.broker import LinkConfig
@@ -61,20 +62,6 @@ def run_cli(application: typer.Typer) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-
-
-def parse_macs(text: str) -> float:
-    """MAC counts as ``25000000``, ``25e6``, ``25M``, ``1.5G`` or ``800K``."""
-    raw = text.strip().replace("_", "").replace(",", "")
-    scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(raw[-1:].upper(), 1.0)
-    number = raw[:-1] if scale != 1.0 else raw
-    try:
-        value = float(number) * scale
-    except ValueError:
-        raise FeastError(f"cannot read {text!r} as a MAC count; write e.g. 25000000, 25e6 or 25M") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise FeastError(f"MAC count {text!r} must be a positive finite number")
-    return value
 
 
 def millions(n: float) -> str:

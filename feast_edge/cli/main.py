@@ -17,6 +17,7 @@ from feast_edge.cli.common import ArchOpt, PresetOpt, make_app, make_console, mi
 from feast_edge.cli.dashboard import register as register_dashboard
 from feast_edge.cli.export import register as register_export
 from feast_edge.cli.extraction import register as register_extraction
+from feast_edge.cli.flower import register as register_flower
 from feast_edge.cli.preset import register as register_preset
 from feast_edge.cli.report import register as register_report
 from feast_edge.cli.runs import register as register_runs
@@ -248,6 +249,7 @@ register_dashboard(app)
 register_preset(app)
 register_export(app)
 register_extraction(app)
+register_flower(app)
 
 
 def main() -> None:

@@ -165,14 +165,21 @@ def encode(state: Mapping[str, torch.Tensor], manifest: Manifest) -> bytes:
     A finite value that the dtype cannot hold (float16 tops out at 65,504) is a PayloadError, never an
     infinity on the wire.
     """
-    dtype = PAYLOAD_DTYPES[check_payload_dtype(manifest.dtype)]
+    tensors = wire_tensors(state, manifest.dtype)
+    return safetensors_save(tensors, metadata={META_KEY: json.dumps(manifest.to_dict(), sort_keys=True)})
+
+
+def wire_tensors(state: Mapping[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """``state`` as it travels in payload dtype ``name``: on the CPU, contiguous, floating tensors cast to ``name``
+    (a PayloadError where a finite value does not fit)."""
+    dtype = PAYLOAD_DTYPES[check_payload_dtype(name)]
     tensors = {}
-    for name, value in state.items():
+    for key, value in state.items():
         value = value.detach().to("cpu")
         if value.is_floating_point() and value.dtype != dtype:
-            value = _cast(name, value, manifest.dtype)
-        tensors[name] = value.contiguous()
-    return safetensors_save(tensors, metadata={META_KEY: json.dumps(manifest.to_dict(), sort_keys=True)})
+            value = _cast(key, value, name)
+        tensors[key] = value.contiguous()
+    return tensors
 
 
 def read_manifest(blob: bytes) -> Manifest:
@@ -220,7 +227,16 @@ def decode(blob: bytes, preset: Preset, expected: Manifest | None = None) -> tup
         tensors = safetensors_load(blob)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise PayloadError(f"payload tensors cannot be read ({exc})") from None
-    shapes = expected_shapes(preset, manifest.classes, manifest.envelope)
+    return manifest, checked_tensors(tensors, preset, manifest.classes, manifest.envelope, manifest.dtype)
+
+
+def checked_tensors(
+    tensors: Mapping[str, torch.Tensor], preset: Preset, classes: int, envelope: Envelope, dtype: str
+) -> dict[str, torch.Tensor]:
+    """``tensors`` if they are exactly the sub-supernet ``envelope`` routes (names, shapes, ``dtype``, finite values),
+    floating ones as float32; else a PayloadError naming the first problem. Whatever carried them (a safetensors
+    payload, a Flower ArrayRecord) is checked the same way."""
+    shapes = expected_shapes(preset, classes, envelope)
     missing, extra = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
     if missing or extra:
         raise PayloadError(
@@ -231,11 +247,11 @@ def decode(blob: bytes, preset: Preset, expected: Manifest | None = None) -> tup
             raise PayloadError(
                 f"payload tensor {name} has shape {tuple(tensor.shape)}, the envelope routes {shapes[name]}"
             )
-        want = torch.int64 if name.endswith("num_batches_tracked") else PAYLOAD_DTYPES[manifest.dtype]
+        want = torch.int64 if name.endswith("num_batches_tracked") else PAYLOAD_DTYPES[dtype]
         if tensor.dtype != want:
             raise PayloadError(f"payload tensor {name} has dtype {tensor.dtype}, expected {want}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise PayloadError(f"payload tensor {name} holds NaN or infinite values")
-    if manifest.dtype != "float32":
-        tensors = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in tensors.items()}
-    return manifest, tensors
+    if dtype != "float32":
+        return {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in tensors.items()}
+    return dict(tensors)

@@ -2,7 +2,8 @@
 
 Imports run one way (STYLE.md): core (``feast_edge.*``, ``feast_edge.profiles``)
 <- transport (``feast_edge.transport``) <- protocol (``feast_edge.protocol``)
-<- apps (``feast_edge.server``, ``feast_edge.agent``) <- console scripts
+<- apps (``feast_edge.server``, ``feast_edge.agent``) <- console scripts; Flower's adapter (``feast_edge.flower``)
+has its records at the protocol layer and its ServerApp / ClientApp beside the server and the agent
 (``feast_edge.cli``, ``feast_edge.server.cli``, ``feast_edge.agent.cli`` with ``fetch_cli`` and ``identity``).
 Every import counts, including those inside functions.
 """
@@ -27,6 +28,7 @@ OLD_NAMES = ("server", "device_agent", "feast_mqtt")  # top-level import names b
 CORE, TRANSPORT, PROTOCOL, APPS, CONSOLE = range(5)
 LAYER_NAMES = ("core", "transport", "protocol", "apps", "console")
 AGENT_CONSOLE = ("feast_edge.agent.fetch_cli", "feast_edge.agent.identity")  # feast-agent's commands beside its cli.py
+FLOWER_APPS = ("feast_edge.flower.serverapp", "feast_edge.flower.clientapp")  # the Flower ServerApp and ClientApp
 MAX_LINES = 450  # "no module much over 400 lines": past 450 a module holds more than one job
 
 
@@ -39,9 +41,13 @@ def layer(module: str) -> int:
     console = ("feast_edge.cli", "feast_edge.server.cli", "feast_edge.agent.cli", *AGENT_CONSOLE)
     if any(_within(module, p) for p in console):
         return CONSOLE
-    if _within(module, "feast_edge.server") or _within(module, "feast_edge.agent"):
+    if (
+        _within(module, "feast_edge.server")
+        or _within(module, "feast_edge.agent")
+        or any(_within(module, a) for a in FLOWER_APPS)
+    ):
         return APPS
-    if _within(module, "feast_edge.protocol"):
+    if _within(module, "feast_edge.protocol") or _within(module, "feast_edge.flower"):
         return PROTOCOL
     if _within(module, "feast_edge.transport"):
         return TRANSPORT
@@ -49,6 +55,9 @@ def layer(module: str) -> int:
 
 
 def _app(module: str) -> str | None:
+    """The application ``module`` belongs to: the server side (with the ServerApp) or the device side (the ClientApp)."""
+    sides = {"feast_edge.flower.serverapp": "feast_edge.server", "feast_edge.flower.clientapp": "feast_edge.agent"}
+    module = next((side for app, side in sides.items() if _within(module, app)), module)
     return next((app for app in ("feast_edge.server", "feast_edge.agent") if _within(module, app)), None)
 
 

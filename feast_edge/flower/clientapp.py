@@ -1,0 +1,243 @@
+"""feast-edge's Flower ClientApp: a SuperNode trains FEAST's routed slices on its own data, as ``feast-agent`` does.
+
+    query   -> a Register: the node's device id, MAC budget, training examples and the task its data was checked
+               against (or a Declined with the reason: no data, data that violates the task, another feast-edge)
+    train   -> the RoundStart and routed slice checked (``records.read_arrays``), the agent's own step
+               (``feast_edge.agent.step.train_state``: ``client_update`` on the node's data), an Update and the
+               trained slice back; or a Declined with the reason
+
+The node's settings come from ``flower-supernode --node-config`` (Flower's simulation sets ``partition-id``):
+
+    data       what ``feast-agent run --data`` takes: an image folder, manifest CSV, CIFAR or Fashion-MNIST folder,
+               a shard file or partition directory from ``feast-edge partition`` (required)
+    profile    a device profile (name or .json) for the MAC budget; or
+    budget     a MAC budget (25M, 1.5G); a shard file carries its own
+    name       the device id (default: the shard's client id, else ``node-<node id>``)
+    shard      "i/N" of a shared folder; partition-id / offset: which client of a partition directory
+    holdout    the share of the node's own examples held out (default: feast-agent's)
+    device     cpu, cuda, cuda:1, auto (default cpu); threads: torch CPU threads (0: torch's default)
+
+The preset is the run's (``[tool.flwr.app.config] preset``), so every node trains what the ServerApp routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from feast_edge import __version__
+from feast_edge.agent.local_data import LocalClient, client_budgets, load_clients
+from feast_edge.agent.step import Assignment, Declined, Job, train_state
+from feast_edge.budget.derive import parse_macs
+from feast_edge.budget.profile import load_profile, profile_summary
+from feast_edge.cache.variants import VariantCache, load_cache
+from feast_edge.errors import FeastError
+from feast_edge.flower import log_to_stderr, records
+from feast_edge.local.torch_device import resolve_device
+from feast_edge.protocol import MAX_REASON, Register, RoundStart, Update
+from feast_edge.protocol import Declined as DeclinedMessage
+from feast_edge.space.preset import Preset, load_preset
+from feast_edge.transport.errors import ProtocolError, TopicError
+from feast_edge.transport.topics import validate_id
+
+log = logging.getLogger(__name__)
+
+NODE_KEYS = ("data", "profile", "budget", "name", "shard", "offset", "partition-id", "holdout", "device", "threads")
+REGISTRATION = "registration"  # the "routed" id a declined registration names
+
+
+@dataclass(frozen=True)
+class Node:
+    """What this SuperNode brings: its client (device id and data), budget, serving precision and profile."""
+
+    client: LocalClient
+    preset: Preset
+    cache: VariantCache
+    budget_macs: int
+    precision: str
+    profile: dict[str, Any]
+    torch_device: str
+
+
+_nodes: dict[tuple[Any, ...], Node] = {}  # one load per node config and preset in this process
+_lock = threading.Lock()
+
+
+def _text(config: Mapping[str, Any], key: str) -> str | None:
+    value = config.get(key)
+    return None if value is None or value == "" else str(value)
+
+
+def node_of(node_config: Mapping[str, Any], run_config: Mapping[str, Any], node_id: int) -> Node:
+    """This node's client from its node config (read once per process); FeastError naming the key and the fix."""
+    unknown = sorted(set(node_config) - set(NODE_KEYS) - {"num-partitions"})
+    key = (tuple(sorted((k, str(v)) for k, v in node_config.items())), str(run_config.get("preset")), node_id)
+    with _lock:
+        if key in _nodes:
+            return _nodes[key]
+        if unknown:
+            log.warning("node config keys %s are not feast-edge's (%s); ignored", unknown, ", ".join(NODE_KEYS))
+        data = _text(node_config, "data")
+        if data is None:
+            raise FeastError(
+                "this SuperNode has no data: start it with --node-config \"data='/path/to/images' profile='NAME'\" "
+                "(an image folder, manifest CSV, Fashion-MNIST folder, or a shard from feast-edge partition)"
+            )
+        if _text(node_config, "profile") and _text(node_config, "budget"):
+            raise FeastError("node config: give either profile or budget, not both (a profile carries its budget)")
+        preset = load_preset(str(run_config.get("preset") or "fmnist-small"))
+        cache = load_cache(preset, _text(run_config, "cache"))
+        profile = load_profile(str(node_config["profile"])) if _text(node_config, "profile") else None
+        if profile is not None and profile.preset != preset.name:
+            raise FeastError(
+                f"node config: profile {profile.name} was derived for preset {profile.preset}, the run trains "
+                f"{preset.name}; re-profile with 'feast-agent profile --preset {preset.name}'"
+            )
+        offset = int(node_config.get("offset", node_config.get("partition-id", 0)) or 0)
+        holdout = float(node_config["holdout"]) if _text(node_config, "holdout") else None
+        name = _text(node_config, "name") or f"node-{node_id}"
+        hosted = load_clients(data, name, 1, _text(node_config, "shard"), offset, task=preset.task, holdout=holdout)
+        budget = parse_macs(str(node_config["budget"])) if _text(node_config, "budget") else None
+        budget = budget if budget is not None else (profile.budget_macs if profile is not None else None)
+        budgets = client_budgets(hosted, preset, cache, budget)
+        client = hosted[0]
+        threads = int(node_config.get("threads", 0) or 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
+        node = Node(
+            client=client,
+            preset=preset,
+            cache=cache,
+            budget_macs=budgets[client.device_id],
+            precision=profile.precision if profile is not None and budget is None else "fp32",
+            profile=profile_summary(profile) if profile is not None else {},
+            torch_device=str(resolve_device(str(node_config.get("device") or "cpu"))),
+        )
+        _nodes[key] = node
+        return node
+
+
+def _version_problem(message: Message) -> str:
+    server = records.sent_field(message.content, "feast_edge")
+    if server == __version__:
+        return ""
+    return (
+        f"this SuperNode runs feast-edge {__version__}, the ServerApp {server or 'an unknown version'}: "
+        "install the same feast-edge version on every SuperNode and where the ServerApp runs"
+    )
+
+
+def _federation(message: Message) -> str:
+    """The federation the ServerApp names (a valid id), else "flower"."""
+    name = records.sent_field(message.content, "federation")
+    try:
+        return validate_id(name, "federation id")
+    except TopicError:
+        return "flower"
+
+
+def _declined(message: Message, *, round: int, device: str, routed: str, reason: str) -> Message:
+    declined = DeclinedMessage(
+        federation=_federation(message),
+        round=round,
+        device=device,
+        routed=routed,
+        reason=reason[:MAX_REASON] or "declined",
+    )
+    return Message(records.reply_content(declined), reply_to=message)
+
+
+app = ClientApp()
+log_to_stderr()
+
+
+@app.query()
+def register(message: Message, context: Context) -> Message:
+    """Answer the ServerApp's question once: this node's Register, or why it cannot take part."""
+    fallback = f"node-{context.node_id}"
+    problem = _version_problem(message)
+    if problem:
+        return _declined(message, round=0, device=fallback, routed=REGISTRATION, reason=problem)
+    try:
+        node = node_of(context.node_config, context.run_config, context.node_id)
+    except FeastError as exc:
+        log.error("this SuperNode cannot take part: %s", exc)
+        return _declined(message, round=0, device=fallback, routed=REGISTRATION, reason=str(exc))
+    client = node.client
+    registration = Register.for_client(
+        federation=_federation(message),
+        device_id=client.device_id,
+        host=fallback,
+        instance=str(context.node_id),
+        preset=node.preset,
+        budget_macs=node.budget_macs,
+        samples=client.samples,
+        profile=node.profile,
+        holdout=client.holdout,
+        precision=node.precision,
+    )
+    return Message(records.reply_content(registration), reply_to=message)
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    """One round: the routed slice trained on this node's data (the MQTT agent's step), or why not."""
+    fallback = f"node-{context.node_id}"
+    try:
+        start = records.read_message(message.content, RoundStart)
+    except ProtocolError as exc:
+        return _declined(message, round=0, device=fallback, routed=REGISTRATION, reason=f"refused the round: {exc}")
+    assert isinstance(start, RoundStart)
+    routed_id = str(start.transfer.get("transfer", REGISTRATION))[:64] if isinstance(start.transfer, dict) else ""
+    where = dict(round=start.round, device=start.device, routed=routed_id or REGISTRATION)
+    problem = _version_problem(message)
+    if problem:
+        return _declined(message, **where, reason=problem)
+    try:
+        node = node_of(context.node_config, context.run_config, context.node_id)
+        if start.device != node.client.device_id:
+            raise FeastError(f"the round is for device {start.device!r}; this SuperNode is {node.client.device_id!r}")
+        assignment = Assignment.parse(start, node.preset)
+        routed_record = message.content.array_records.get(records.ROUTED)
+        if routed_record is None:
+            raise FeastError('the round carries no routed slice (ArrayRecord "routed")')
+        routed = records.read_arrays(
+            routed_record, node.preset, assignment.plan.envelope, start.payload_dtype, assignment.transfer
+        )
+        job = Job.of_state(assignment, routed, node.client, node.preset, node.torch_device, "off")
+    except (FeastError, ProtocolError) as exc:
+        log.error("round %d: refused the round for %s: %s", start.round + 1, start.device, exc)
+        return _declined(message, **where, reason=f"refused the round: {exc}")
+    log.info(
+        "%s: %s trains %d variants on %d examples",
+        job.shown,
+        job.device_id,
+        len(job.plan.affordable),
+        node.client.samples,
+    )
+    trained = train_state(job)
+    if isinstance(trained, Declined):
+        return _declined(message, **where, reason=trained.reason)
+    try:
+        state = records.wire(trained.state, start.payload_dtype)
+    except FeastError as exc:
+        return _declined(message, **where, reason=f"the update cannot be encoded: {exc}")
+    info = records.describe(state, federation=start.federation, round=start.round, device=start.device, kind="update")
+    update = Update.from_result(
+        trained.result,
+        federation=start.federation,
+        round=start.round,
+        device_id=start.device,
+        transfer=info,
+        routed=assignment.transfer.transfer,
+        compute_seconds=trained.compute_seconds,
+        torch_device=node.torch_device,
+    )
+    return Message(records.update_content(update, state), reply_to=message)

@@ -1,0 +1,183 @@
+"""FEAST's round messages as Flower records: what a Message between the ServerApp and a ClientApp carries, checked.
+
+    query  ServerApp -> node   ConfigRecord "feast": {"feast_edge": version, "preset": name, "preset_digest": sha}
+           node -> ServerApp   ConfigRecord "feast": {"message": a Register}       or {"message": a Declined}
+    train  ServerApp -> node   ConfigRecord "feast": {"message": a RoundStart, "feast_edge": version}
+                               ArrayRecord "routed": the routed sub-supernet (SPEC §5) in the round's payload dtype
+           node -> ServerApp   ConfigRecord "feast": {"message": an Update}, ArrayRecord "update": the trained slice
+                               or ConfigRecord "feast": {"message": a Declined}
+
+The JSON messages are ``feast_edge.protocol``'s own, read by the same bounded parser as over MQTT. The "transfer"
+a RoundStart or Update names describes the ArrayRecord beside it: its byte size and a SHA-256 over every tensor's
+name, dtype, shape and bytes. Arrays are materialised (Flower's ``Array.numpy``: ``np.load(allow_pickle=False)``)
+only after their names, storage type, dtypes, shapes and byte sizes match what the plan routes, and their tensors
+then pass the payload checks of ``feast_edge.route.payload.checked_tensors`` (finite values included).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from feast_edge import __version__
+from feast_edge.errors import PayloadError
+from feast_edge.protocol import Declined, Register, RoundStart, Update
+from feast_edge.route.envelope import Envelope
+from feast_edge.route.payload import checked_tensors, expected_shapes, wire_tensors
+from feast_edge.space.preset import Preset
+from feast_edge.transport.errors import ProtocolError
+from feast_edge.transport.frames import TransferInfo
+from feast_edge.transport.messages import Message, parse
+
+FEAST = "feast"  # the ConfigRecord every FEAST message carries
+ROUTED = "routed"  # the ArrayRecord of a train message
+UPDATE = "update"  # the ArrayRecord of a train reply
+FLOWER_DTYPES = ("float32", "float16")  # payload dtypes an ArrayRecord holds (NumPy has no bfloat16)
+NPY_HEADER = 4096  # bytes an Array's .npy header may add to its tensor's bytes
+NUMPY_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.int64: "int64"}
+
+
+def check_flower_dtype(name: str) -> str:
+    """``name`` if a Flower run can carry payloads in it, else a PayloadError naming the choices."""
+    if name not in FLOWER_DTYPES:
+        raise PayloadError(
+            f"payload dtype {name!r} cannot travel in a Flower ArrayRecord (NumPy has no bfloat16); "
+            f"use {' or '.join(FLOWER_DTYPES)}"
+        )
+    return name
+
+
+def digest(tensors: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+    """SHA-256 over each tensor's name, dtype, shape and bytes, in order; and the bytes the tensors hold."""
+    sha, size = hashlib.sha256(), 0
+    for name, tensor in tensors.items():
+        data = tensor.detach().cpu().contiguous().numpy().tobytes()
+        sha.update(f"{name}|{NUMPY_NAMES.get(tensor.dtype, tensor.dtype)}|{tuple(tensor.shape)}|{len(data)}|".encode())
+        sha.update(data)
+        size += len(data)
+    return sha.hexdigest(), size
+
+
+def describe(
+    tensors: Mapping[str, torch.Tensor], *, federation: str, round: int, device: str, kind: str
+) -> TransferInfo:
+    """The "transfer" a RoundStart or Update names for the ArrayRecord that travels with it."""
+    sha, size = digest(tensors)
+    return TransferInfo(
+        federation=federation,
+        round=round,
+        device=device,
+        transfer=f"{kind}-{sha[:16]}",
+        count=1 if size else 0,
+        size=size,
+        chunk=max(size, 1),
+        sha256=sha,
+    )
+
+
+def array_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """``tensors`` (already in their wire dtype) as an ArrayRecord, in order."""
+    record = ArrayRecord()
+    for name, tensor in tensors.items():
+        record[name] = Array(tensor.detach().cpu().contiguous().numpy())
+    return record
+
+
+def wire(state: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """``state`` as it travels: floating tensors in payload dtype ``dtype`` (PayloadError where one does not fit)."""
+    return wire_tensors(state, check_flower_dtype(dtype))
+
+
+def read_arrays(
+    record: ArrayRecord, preset: Preset, envelope: Envelope, dtype: str, info: TransferInfo
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``record`` if they are exactly what ``envelope`` routes in ``dtype`` and what ``info`` describes
+    (float32 out); a PayloadError naming the first problem, before anything unexpected is allocated."""
+    check_flower_dtype(dtype)
+    shapes = expected_shapes(preset, preset.classes, envelope)
+    names = list(record.keys())
+    missing, extra = sorted(set(shapes) - set(names)), sorted(set(names) - set(shapes))
+    if missing or extra:
+        raise PayloadError(
+            f"the arrays do not match the envelope ({len(missing)} missing, e.g. {missing[:2]}; "
+            f"{len(extra)} unexpected, e.g. {[str(e)[:64] for e in extra[:2]]})"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for name in names:
+        array = record[name]
+        want = "int64" if name.endswith("num_batches_tracked") else dtype
+        if array.stype != "numpy.ndarray" or array.dtype != want or tuple(array.shape) != shapes[name]:
+            raise PayloadError(
+                f"array {name} is {str(array.stype)[:32]} {str(array.dtype)[:16]} {tuple(array.shape)[:8]}; "
+                f"the envelope routes numpy.ndarray {want} {shapes[name]}"
+            )
+        limit = int(np.prod(shapes[name], dtype=np.int64)) * np.dtype(want).itemsize + NPY_HEADER
+        if len(array.data) > limit:
+            raise PayloadError(f"array {name} holds {len(array.data)} bytes; its shape needs at most {limit}")
+        try:
+            value = array.numpy()
+        except (ValueError, TypeError, EOFError, OSError) as exc:
+            raise PayloadError(f"array {name} cannot be read ({type(exc).__name__})") from None
+        if value.dtype != np.dtype(want) or value.shape != shapes[name]:
+            raise PayloadError(f"array {name} holds {value.dtype} {value.shape}, not what its header says")
+        tensors[name] = torch.from_numpy(np.array(value, copy=True))
+    sha, size = digest(tensors)
+    if (sha, size) != (info.sha256, info.size):
+        raise PayloadError(f"the arrays do not match their transfer {info.transfer} (SHA-256 or size differs)")
+    return checked_tensors(tensors, preset, preset.classes, envelope, dtype)
+
+
+def message_record(message: Message, **extra: Any) -> ConfigRecord:
+    """A protocol message (and a few plain fields) as the "feast" ConfigRecord."""
+    return ConfigRecord({"message": message.encode().decode("utf-8"), **extra})
+
+
+def read_message(content: RecordDict, *kinds: type[Message]) -> Message:
+    """The protocol message of a reply's "feast" ConfigRecord, one of ``kinds``; ProtocolError otherwise."""
+    config = content.config_records.get(FEAST) if isinstance(content, RecordDict) else None
+    text = None if config is None else config.get("message")
+    if not isinstance(text, str):
+        raise ProtocolError('the reply carries no feast-edge message (ConfigRecord "feast" with a "message" string)')
+    message = parse(text.encode("utf-8"))
+    if not isinstance(message, kinds):
+        names = ", ".join(k.__name__ for k in kinds)
+        raise ProtocolError(f"the reply is a {message.kind} message, expected {names}")
+    return message
+
+
+def query_content(preset: Preset, federation: str) -> RecordDict:
+    """What the ServerApp asks each node once: who it is, its budget and examples (answered by a Register)."""
+    config = {
+        "feast_edge": __version__,
+        "federation": federation,
+        "preset": preset.name,
+        "preset_digest": preset.digest,
+    }
+    return RecordDict({FEAST: ConfigRecord(config)})
+
+
+def train_content(start: RoundStart, routed: Mapping[str, torch.Tensor]) -> RecordDict:
+    """A round for one node: its RoundStart and its routed slice (in the wire dtype the RoundStart names)."""
+    return RecordDict({FEAST: message_record(start, feast_edge=__version__), ROUTED: array_record(routed)})
+
+
+def update_content(update: Update, state: Mapping[str, torch.Tensor]) -> RecordDict:
+    """A node's answer to a round: its Update and the trained slice (in the wire dtype)."""
+    return RecordDict({FEAST: message_record(update), UPDATE: array_record(state)})
+
+
+def reply_content(message: Declined | Register) -> RecordDict:
+    """A node's answer without tensors: a registration, or why it takes no part."""
+    return RecordDict({FEAST: message_record(message)})
+
+
+def sent_field(content: RecordDict, key: str) -> str:
+    """A plain field of the "feast" ConfigRecord the ServerApp sent (the feast-edge version, the federation), or ""."""
+    config = content.config_records.get(FEAST)
+    value = None if config is None else config.get(key)
+    return value[:64] if isinstance(value, str) else ""

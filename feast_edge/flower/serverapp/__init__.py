@@ -1,0 +1,113 @@
+"""feast-edge's Flower ServerApp: feast-edge's own run loop, with Flower's Grid as the way a cohort's updates come back.
+
+    main(grid, context)
+      config  = run_config(context.run_config)          ServerConfig: the same settings and fingerprint as feast-server
+      host    = FlowerFederation(config, grid)          RunHost: preset, cache, held data, registry, RunLoop
+      loop:   clients(needed)  query each new node once (its Register), until enough are accepted (DeviceBook)
+              collect(t, ...)  per cohort node a "train" Message: RoundStart (ConfigRecord), routed slice (ArrayRecord);
+                               each reply checked (records.read_arrays, the update-norm bound) -> ClientUpdate,
+                               or declined / rejected / incomplete with its reason; the run goes on
+      export: each registered node's largest affordable variant (ONNX with the server's data) in out-dir/models
+
+Cohorts, plans, aggregation, server optimizer, checkpoints, resume and validation are the run loop's
+(``feast_edge.run.loop``): a Flower run computes what ``feast-edge simulate`` and ``feast-server run`` compute.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from feast_edge.flower import log_to_stderr, records
+from feast_edge.flower.serverapp.collector import FlowerCollector, NodeBook
+from feast_edge.flower.serverapp.run_config import server_config
+from feast_edge.run.loop import RoundRecord
+from feast_edge.server.collect import RoundTerms
+from feast_edge.server.config import ServerConfig, ServerError
+from feast_edge.server.devices import DeviceBook
+from feast_edge.server.exchange import WaitTimeout
+from feast_edge.server.host import RunHost
+
+log = logging.getLogger(__name__)
+
+
+class FlowerFederation(RunHost):
+    """A federation run whose devices are Flower SuperNodes (see the module docstring)."""
+
+    def __init__(self, config: ServerConfig, grid: Grid) -> None:
+        super().__init__(config, on_round=_print_round)
+        self.devices = DeviceBook(
+            self.registry,
+            self.preset,
+            self.cache,
+            federation=config.federation,
+            rounds=config.rounds,
+            reply=lambda device, answer: self.nodes.reply(device, answer),
+            max_samples=config.max_samples,
+            max_devices=config.max_devices,
+            shard_samples=None if self.data is None else self.data.shard_samples,
+            validation=self.validation_source,
+        )
+        self.nodes = NodeBook(grid, self.devices, config.federation)
+        terms = RoundTerms(
+            self.preset,
+            config.train_config(),
+            config.seed,
+            config.rounds,
+            payload_dtype=records.check_flower_dtype(config.payload_dtype),
+            max_update_norm=config.max_update_norm,
+        )
+        self.collector = FlowerCollector(grid, self.nodes, terms, config)
+
+    def run(self) -> list[RoundRecord]:
+        """Resume if possible and run the remaining rounds; ServerError when too few nodes join."""
+        if self.data is None:
+            log.info("no data in the run config: no validation; served models are calibrated on each device")
+        try:
+            return self.run_rounds(self.collector)
+        except WaitTimeout as exc:
+            raise ServerError(
+                f"{exc}; stopping: {self.saved()}. Start more SuperNodes, then run again to resume"
+            ) from None
+
+
+def _print_round(record: RoundRecord, rounds: int) -> None:
+    val = "-" if record.val_accuracy is None else f"{100 * record.val_accuracy:.2f}%"
+    loss = "-" if record.loss is None else f"{record.loss:.4f}"
+    log.info(
+        "round %d/%d: %d of %d updates, loss %s, val %s (%.1f s)",
+        record.round,
+        rounds,
+        len(record.updated),
+        len(record.cohort),
+        loss,
+        val,
+        record.seconds,
+    )
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """The whole run: rounds through the SuperNodes, then each registered node's model exported."""
+    log_to_stderr()
+    config, export = server_config(context.run_config)
+    federation = FlowerFederation(config, grid)
+    log.info(
+        "feast-edge on Flower: preset %s, %d cached variants, %d rounds of %d, server optimizer %s; run directory %s",
+        federation.preset.name,
+        len(federation.cache),
+        config.rounds,
+        config.per_round,
+        config.server_optimizer().describe(),
+        config.out,
+    )
+    federation.run()
+    if export:
+        manifests = federation.export_models()
+        log.info("exported %d device model(s) to %s", len(manifests), federation.out / "models")
+    federation.registry.close()

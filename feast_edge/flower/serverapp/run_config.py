@@ -1,0 +1,86 @@
+"""A Flower run's config (``[tool.flwr.app.config]``, ``flwr run --run-config``) as feast-server's ServerConfig.
+
+Keys are feast-server's option names without the dashes in front (``per-round`` for ``--per-round``), plus
+``out-dir`` (the run directory, required: checkpoints, rounds.csv, devices.sqlite, models/) and ``export``
+(export each node's model after the last round; default true). An unknown key or a value of the wrong type is a
+ServerError naming the key and what it takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from feast_edge.aggregate.server_opt import parse_betas
+from feast_edge.errors import PayloadError
+from feast_edge.flower.records import check_flower_dtype
+from feast_edge.server.config import ServerConfig, ServerError
+
+# ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid.
+NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration"}
+EXTRA = {"out-dir": str, "export": bool}
+EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
+
+
+def run_config_keys() -> dict[str, Any]:
+    """Every key a run config takes, and its type."""
+    hints = typing.get_type_hints(ServerConfig)
+    keys = {
+        f.name.replace("_", "-"): hints[f.name] for f in dataclasses.fields(ServerConfig) if f.name not in NOT_FLOWER
+    }
+    return {**keys, **EXTRA}
+
+
+def _value(key: str, value: Any, kind: Any) -> Any:
+    """``value`` as a ServerConfig field of type ``kind`` takes it; ServerError naming ``key`` otherwise."""
+    if key == "server-betas":
+        try:
+            return parse_betas(str(value)) if isinstance(value, str) else tuple(float(v) for v in value)
+        except (TypeError, ValueError) as exc:
+            raise ServerError(f"run config {key}: {exc}") from None
+    allowed = [k for k in (typing.get_args(kind) or (kind,)) if k is not type(None)]
+    for want in allowed:
+        if want is bool and isinstance(value, bool):
+            return value
+        if want is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if want is str and isinstance(value, str):
+            return value
+    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
+    raise ServerError(f"run config {key} = {value!r} must be a {names}")
+
+
+def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
+    """The ServerConfig of a Flower run and whether to export the models after it; ServerError naming a bad key."""
+    keys = run_config_keys()
+    unknown = sorted(k for k in run_config if k not in keys)
+    if unknown:
+        raise ServerError(
+            f"run config has keys feast-edge does not know: {', '.join(unknown)}; it takes {', '.join(sorted(keys))}"
+        )
+    out = run_config.get("out-dir")
+    if not isinstance(out, str) or not out:
+        raise ServerError(f"run config needs out-dir, the run directory (an absolute path); {EXAMPLE}")
+    if not Path(out).is_absolute():
+        raise ServerError(
+            f"run config out-dir {out!r} must be an absolute path (the ServerApp runs in Flower's directory); {EXAMPLE}"
+        )
+    settings = {
+        key.replace("-", "_"): _value(key, value, keys[key])
+        for key, value in run_config.items()
+        if key not in EXTRA and value != ""
+    }
+    export = run_config.get("export", True)
+    if not isinstance(export, bool):
+        raise ServerError(f"run config export = {export!r} must be true or false")
+    config = ServerConfig(out=out, **settings)
+    try:
+        check_flower_dtype(config.payload_dtype)
+    except PayloadError as exc:
+        raise ServerError(f"run config payload-dtype: {exc}") from None
+    return config, export

@@ -1,0 +1,178 @@
+"""A federation server without its transport: what ``feast-server run`` (MQTT) and the Flower ServerApp share.
+
+    RunHost(config)          preset, cache, the server's held data (--data), supernet, device registry, run loop
+    .run_rounds(collector)   resume, the remaining rounds, rounds.csv / TensorBoard, the registry's participation
+    .export_models()         each registered device's largest affordable variant (ONNX with --data)
+
+A transport adds how devices register and how a cohort's updates are collected (the :class:`Collector`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from feast_edge.cache.variants import load_cache
+from feast_edge.evaluate.evaluation import Validation
+from feast_edge.run.checkpoint import load_supernet, read_record
+from feast_edge.run.collect import Collector
+from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop
+from feast_edge.run.roundlog import RoundLog
+from feast_edge.server.bn_calibration import Calibrated
+from feast_edge.server.config import KIND, ServerConfig, ServerError
+from feast_edge.server.export import Int8Settings, export_device_models, export_device_variants
+from feast_edge.server.held_data import ServerData, load_server_data
+from feast_edge.server.registry import Device, Registry
+from feast_edge.space.arch import Arch
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
+
+log = logging.getLogger(__name__)
+
+REGISTRY = "devices.sqlite"
+
+# Per served variant, the BN statistics gathered from the devices (model, registered devices, rounds done).
+Statistics = Callable[[Supernet, list[Device], int], dict[Arch, Calibrated]]
+
+
+class RunHost:
+    """Settings, preset, cache, held data, supernet, registry and run loop of one federation run in ``config.out``."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        on_round: Callable[[RoundRecord, int], None] | None = None,
+        validator: Callable[[int, RoundRecord], float | None] | None = None,
+    ) -> None:
+        """``validator(t, record)`` validates the model where the server holds no data (else it validates itself)."""
+        self.config = config
+        self.out = Path(config.out)
+        self.preset = load_preset(config.preset)
+        self.cache = load_cache(self.preset, config.cache)
+        self.data: ServerData | None = None
+        if config.data is not None:
+            self.data = load_server_data(config.data, self.preset, config.val_samples, config.calib_samples)
+        self.on_round = on_round
+        self.model = Supernet(self.preset, seed=config.seed)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.registry = Registry(self.out / REGISTRY)
+        self.loop = RunLoop(
+            self.model,
+            self.cache,
+            config.settings(),
+            self.out,
+            kind=KIND,
+            fingerprint=self.fingerprint(),
+            config=config.decisive(),
+            validation=None
+            if self.data is None
+            else Validation(self.data.calibration_images, self.data.validation_images, self.data.validation_labels),
+            extra_fields=lambda: {"data": config.data, "seed": config.seed, "registry": self.registry.snapshot()},
+            validator=None if self.data is not None else validator,
+        )
+
+    @property
+    def validation_source(self) -> str:
+        """Where models are validated and BN-calibrated: "server" (its --data) or "devices" (their own data)."""
+        return "server" if self.data is not None else "devices"
+
+    @property
+    def history(self) -> list[RoundRecord]:
+        return self.loop.history
+
+    def fingerprint(self) -> str:
+        data = {**self.config.decisive(), "preset_digest": self.preset.digest}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def resume(self, previous: bool = False) -> int:
+        """Load the last completed round from ``out``, if any (``previous``: fall back to the previous checkpoint if it is damaged)."""
+        try:
+            done = self.loop.resume(
+                "restart with the same options to resume it, or use another --out", fall_back=previous
+            )
+        except RunError as exc:
+            raise ServerError(str(exc)) from None
+        if self.loop.recovered:
+            log.warning("%s", self.loop.recovered)
+        return done
+
+    def saved(self) -> str:
+        """Where the run stands on disk, for a message that stops it."""
+        done = len(self.history)
+        return f"round {done} is checkpointed in {self.out / CHECKPOINT}" if done else "no round was completed"
+
+    def run_rounds(
+        self,
+        collector: Collector,
+        resume_previous: bool = False,
+        tensorboard: bool = False,
+        *,
+        resumed: Callable[[int], None] | None = None,
+        finished_round: Callable[[RoundRecord], None] | None = None,
+    ) -> list[RoundRecord]:
+        """Resume if possible, then the remaining rounds through ``collector``, each checkpointed and logged (``rounds.csv``,
+        TensorBoard scalars); ``resumed(done)`` and ``finished_round(record)`` are the transport's hooks."""
+        cfg = self.config
+        done = self.resume(previous=resume_previous)
+        if done:
+            log.info("resuming from %s: %d of %d rounds completed", self.out / CHECKPOINT, done, cfg.rounds)
+        if resumed is not None:
+            resumed(done)
+        roundlog = RoundLog(self.out, tensorboard=tensorboard, first_round=done + 1)
+
+        def after(record: RoundRecord) -> None:
+            roundlog.write(self.history)
+            for device in record.updated:
+                self.registry.touch(device, participated=record.applied)
+            if not record.applied:
+                log.warning(
+                    "round %d: %d valid update(s) from a cohort of %d, fewer than --min-clients %d; the global model stays unchanged",
+                    record.round,
+                    len(record.updated),
+                    len(record.cohort),
+                    cfg.min_clients,
+                )
+            if self.on_round is not None:
+                self.on_round(record, cfg.rounds)
+            if finished_round is not None:
+                finished_round(record)
+
+        try:
+            self.loop.run(collector, start_clients=cfg.start_clients, on_round=after)
+        finally:
+            roundlog.close()
+        return self.history
+
+    def export_models(self, statistics: Statistics | None = None) -> list[dict[str, Any]]:
+        """Every registered device's model (from the best checkpoint if validated, else the last): an ONNX file
+        calibrated on the server's data, or, without --data, the variant's weights for the device to export, with the
+        BN statistics ``statistics`` gathers from the devices or for the device to calibrate on its own data."""
+        source = self.loop.selected_checkpoint()
+        if not source.is_file():
+            raise ServerError(
+                f"no checkpoint in {self.out}; run the federation first (feast-server run --out {self.out})"
+            )
+        model = load_supernet(source, self.preset)[0]
+        rounds = int(read_record(source).get("fields", {}).get("round", 0))
+        devices = self.registry.devices()
+        if not devices:
+            raise ServerError(f"no device is registered in {self.out / REGISTRY}; nothing to export")
+        where = dict(federation=self.config.federation, rounds_done=rounds, checkpoint=source.name)
+        int8 = Int8Settings(self.config.precision, self.config.int8_samples, self.config.int8_tolerance)
+        if self.data is None:
+            return export_device_variants(
+                model,
+                self.cache,
+                devices,
+                self.out,
+                calibration=self.config.calib_samples,
+                statistics=None if statistics is None else statistics(model, devices, rounds),
+                int8=int8,
+                **where,
+            )
+        return export_device_models(model, self.cache, devices, self.data, self.out, int8=int8, **where)

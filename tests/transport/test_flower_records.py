@@ -1,0 +1,183 @@
+"""What arrives in a Flower Message is checked before it is used: arrays, protocol messages, run and node settings.
+
+Real Flower records (flwr.app) built as an attacker would: arrays whose metadata lies about their bytes, pickled
+object arrays, NaN, tensors the envelope does not route, tampered bytes, oversized and malformed messages.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from feast_edge import __version__
+from feast_edge.cache.variants import load_cache
+from feast_edge.errors import PayloadError
+from feast_edge.flower import records
+from feast_edge.flower.serverapp.run_config import server_config
+from feast_edge.protocol import Declined, Register, RoundStart, Update
+from feast_edge.route.envelope import route_state
+from feast_edge.route.plans import plan_client
+from feast_edge.server.config import ServerError
+from feast_edge.space.preset import load_preset
+from feast_edge.space.supernet import Supernet
+from feast_edge.transport.errors import ProtocolError
+
+PRESET = load_preset("fmnist-small")
+
+
+@pytest.fixture(scope="module")
+def routed() -> dict:
+    """A 6M-MAC device's routed slice of a fresh supernet, its plan, and the transfer that describes it."""
+    plan = plan_client(load_cache(PRESET), 6e6)
+    state = route_state(Supernet(PRESET, seed=0).state_dict(), plan.layout(PRESET, PRESET.classes), PRESET)
+    info = records.describe(state, federation="feast", round=0, device="client-000", kind="routed")
+    return {"plan": plan, "state": state, "info": info}
+
+
+def _read(record: ArrayRecord, routed: dict, dtype: str = "float32", info=None) -> dict[str, torch.Tensor]:
+    return records.read_arrays(record, PRESET, routed["plan"].envelope, dtype, info or routed["info"])
+
+
+def _npy(value: np.ndarray, allow_pickle: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, value, allow_pickle=allow_pickle)
+    return buffer.getvalue()
+
+
+def test_a_routed_slice_travels_bit_exact_in_order(routed: dict) -> None:
+    got = _read(records.array_record(routed["state"]), routed)
+    assert list(got) == list(routed["state"])
+    assert all(torch.equal(got[k], routed["state"][k]) and got[k].dtype == routed["state"][k].dtype for k in got)
+
+
+def test_a_float16_slice_comes_back_as_float32_of_the_rounded_values(routed: dict) -> None:
+    wire = records.wire(routed["state"], "float16")
+    info = records.describe(wire, federation="feast", round=0, device="client-000", kind="routed")
+    got = _read(records.array_record(wire), routed, "float16", info)
+    name = next(k for k, v in routed["state"].items() if v.is_floating_point())
+    assert got[name].dtype == torch.float32 and torch.equal(got[name], routed["state"][name].half().float())
+
+
+def test_bfloat16_is_refused_naming_the_dtypes_that_travel() -> None:
+    with pytest.raises(PayloadError, match=r"NumPy has no bfloat16\); use float32 or float16"):
+        records.check_flower_dtype("bfloat16")
+
+
+@pytest.mark.parametrize("change", ["missing", "extra"])
+def test_arrays_that_are_not_the_envelope_are_refused(routed: dict, change: str) -> None:
+    record = records.array_record(routed["state"])
+    if change == "missing":
+        del record[next(iter(record.keys()))]
+    else:
+        record["attacker.weight"] = Array(np.zeros(3, dtype=np.float32))
+    with pytest.raises(PayloadError, match="do not match the envelope"):
+        _read(record, routed)
+
+
+def test_an_array_whose_metadata_lies_about_its_shape_is_refused_before_it_is_read(routed: dict) -> None:
+    record = records.array_record(routed["state"])
+    name = next(iter(record.keys()))
+    record[name] = Array(dtype="float32", shape=(3,), stype="numpy.ndarray", data=_npy(np.zeros(3, np.float32)))
+    with pytest.raises(PayloadError, match=f"array {name} is numpy.ndarray float32 \\(3,\\); the envelope routes"):
+        _read(record, routed)
+
+
+def test_bytes_beyond_what_the_shape_needs_are_refused_before_np_load(routed: dict) -> None:
+    record = records.array_record(routed["state"])
+    name, value = next((k, v) for k, v in routed["state"].items() if v.is_floating_point())
+    bloated = _npy(value.numpy()) + b"\0" * (value.numel() * 4 + 10_000)
+    record[name] = Array(dtype="float32", shape=tuple(value.shape), stype="numpy.ndarray", data=bloated)
+    with pytest.raises(PayloadError, match="bytes; its shape needs at most"):
+        _read(record, routed)
+
+
+def test_a_header_that_disagrees_with_the_metadata_is_refused(routed: dict) -> None:
+    record = records.array_record(routed["state"])
+    name, value = next((k, v) for k, v in routed["state"].items() if v.is_floating_point() and v.dim() == 1)
+    wrong = np.zeros(value.shape, dtype=np.int32)  # the same byte count, another dtype in the .npy header
+    record[name] = Array(dtype="float32", shape=tuple(value.shape), stype="numpy.ndarray", data=_npy(wrong))
+    with pytest.raises(PayloadError, match="not what its header says"):
+        _read(record, routed)
+
+
+def test_a_pickled_object_array_is_never_unpickled(routed: dict) -> None:
+    record = records.array_record(routed["state"])
+    name, value = next((k, v) for k, v in routed["state"].items() if v.is_floating_point() and v.dim() == 1)
+    evil = np.empty(value.shape, dtype=object)
+    data = _npy(evil, allow_pickle=True)
+    record[name] = Array(dtype="float32", shape=tuple(value.shape), stype="numpy.ndarray", data=data)
+    with pytest.raises(PayloadError, match="cannot be read"):
+        _read(record, routed)
+
+
+def test_nan_and_tampered_bytes_are_refused(routed: dict) -> None:
+    state = dict(routed["state"])
+    name = next(k for k, v in state.items() if v.is_floating_point())
+    state[name] = state[name].clone()
+    state[name].view(-1)[0] = float("nan")
+    info = records.describe(state, federation="feast", round=0, device="client-000", kind="routed")
+    with pytest.raises(PayloadError, match="NaN or infinite"):
+        _read(records.array_record(state), routed, info=info)
+    tampered = dict(routed["state"])
+    tampered[name] = tampered[name] + 1.0  # well-formed, but not what the transfer describes
+    with pytest.raises(PayloadError, match="do not match their transfer"):
+        _read(records.array_record(tampered), routed)
+
+
+def test_protocol_messages_are_read_with_the_bounded_parser(routed: dict) -> None:
+    declined = Declined(federation="feast", round=0, device="client-000", routed="registration", reason="no data")
+    assert records.read_message(records.reply_content(declined), Register, Declined) == declined
+    with pytest.raises(ProtocolError, match="is a declined message, expected RoundStart"):
+        records.read_message(records.reply_content(declined), RoundStart)
+    with pytest.raises(ProtocolError, match="carries no feast-edge message"):
+        records.read_message(RecordDict({"feast": ConfigRecord({"message": 7})}), Update)
+    huge = json.dumps({"v": 1, "kind": "declined", "reason": "x" * 100_000})
+    with pytest.raises(ProtocolError, match="exceeds the 65536-byte limit"):
+        records.read_message(RecordDict({"feast": ConfigRecord({"message": huge})}), Declined)
+    deep = "[" * 50_000 + "]" * 50_000
+    with pytest.raises(ProtocolError):
+        records.read_message(RecordDict({"feast": ConfigRecord({"message": deep[:60_000]})}), Declined)
+
+
+def test_the_query_names_this_version_the_federation_and_the_preset() -> None:
+    content = records.query_content(PRESET, "lab-1")
+    assert records.sent_field(content, "feast_edge") == __version__
+    assert records.sent_field(content, "federation") == "lab-1"
+    assert records.sent_field(RecordDict(), "feast_edge") == ""
+
+
+@pytest.mark.parametrize(
+    ("run_config", "message"),
+    [
+        ({"rounds": 2}, "run config needs out-dir"),
+        ({"out-dir": "runs/x"}, "must be an absolute path"),
+        ({"out-dir": "/tmp/x", "roundz": 2}, "keys feast-edge does not know: roundz"),
+        ({"out-dir": "/tmp/x", "rounds": "two"}, "rounds = 'two' must be a int"),
+        ({"out-dir": "/tmp/x", "rounds": 0}, "--rounds 0 must be at least 1"),
+        ({"out-dir": "/tmp/x", "server-betas": "0.9"}, "betas"),
+        ({"out-dir": "/tmp/x", "export": "yes"}, "export = 'yes' must be true or false"),
+        ({"out-dir": "/tmp/x", "payload-dtype": "bfloat16"}, "run config payload-dtype: .* use float32 or float16"),
+    ],
+)
+def test_a_bad_run_config_is_refused_naming_the_key(run_config: dict, message: str) -> None:
+    with pytest.raises(ServerError, match=message):
+        server_config(run_config)
+
+
+def test_a_run_config_becomes_feast_servers_settings() -> None:
+    config, export = server_config(
+        {"out-dir": "/tmp/x", "rounds": 3, "server-lr": 1, "server-betas": "0.8,0.9", "data": "", "export": False}
+    )
+    assert (config.out, config.rounds, config.server_lr, config.server_betas, config.data) == (
+        "/tmp/x",
+        3,
+        1.0,
+        (0.8, 0.9),
+        None,
+    )
+    assert export is False
