@@ -1,0 +1,201 @@
+"""The Flower ServerApp's side of hostile and misconfigured nodes: each is refused with its reason, the run goes on.
+
+The ServerApp's FlowerFederation (its real run loop, registry, checks and checkpoints) talks to feast-edge's real
+ClientApp handlers through a Grid that delivers Flower Messages in this process (``LoopbackGrid``), so a test can
+play a node that lies. tests/federation/test_flower.py runs the same code over a real SuperLink and SuperNodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Array, Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from feast_edge.flower import clientapp, records
+from feast_edge.flower.serverapp import FlowerFederation
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT
+from feast_edge.server.config import ServerConfig
+from feast_edge.sim.shards import read_index
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+Handler = Callable[[Message, Context], Message]
+
+
+class LoopbackGrid:
+    """Flower's Grid as far as the ServerApp uses it, delivering each Message to a node's handlers in this process."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, tuple[dict, dict[str, Handler]]] = {}
+
+    def add(self, node: int, node_config: dict, **handlers: Handler) -> None:
+        self.nodes[node] = (node_config, {"query": clientapp.register, "train": clientapp.train, **handlers})
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.nodes)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            config, handlers = self.nodes[node]
+            context = Context(run_id=1, node_id=node, node_config=config, state=RecordDict(), run_config={})
+            reply = handlers[message.metadata.message_type](message, context)
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+
+@pytest.fixture(autouse=True)
+def flower_identity() -> None:
+    """The identity Flower's processes give themselves (a ServerApp or ClientApp creates Messages under it)."""
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+
+
+def _federation(kit, out: Path, partition: Path, grid: LoopbackGrid, **changes) -> FlowerFederation:
+    settings = dict(
+        out=str(out),
+        preset=kit.CONFIG.preset,
+        rounds=1,
+        per_round=3,
+        min_clients=2,
+        start_clients=2,
+        seed=kit.CONFIG.seed,
+        batch_size=kit.CONFIG.batch_size,
+        eval_every=1,
+        data=str(partition),
+        wait_timeout=5.0,
+    )
+    settings.update(changes)
+    return FlowerFederation(ServerConfig(**settings), grid)  # type: ignore[arg-type]
+
+
+def _good_nodes(grid: LoopbackGrid, partition: Path, count: int = 3, **handlers: Handler) -> None:
+    for i in range(count):
+        grid.add(100 + i, {"data": str(partition), "offset": i, "threads": 1}, **(handlers if i == 0 else {}))
+
+
+def test_a_node_of_another_feast_edge_version_declines_and_the_run_goes_on(
+    kit, partition: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grid = LoopbackGrid()
+    _good_nodes(grid, partition, 2)
+
+    def older(message: Message, context: Context) -> Message:
+        monkeypatch.setattr(clientapp, "__version__", "0.0.9")
+        try:
+            return clientapp.register(message, context)
+        finally:
+            monkeypatch.undo()
+
+    grid.add(7, {"data": str(partition), "offset": 2}, query=older)
+    federation = _federation(kit, tmp_path / "run", partition, grid, per_round=2)
+    history = federation.run()
+    reason = federation.nodes.answered[7]
+    assert "runs feast-edge 0.0.9, the ServerApp" in reason and "install the same feast-edge version" in reason
+    assert history[0].applied and sorted(history[0].updated) == ["client-000", "client-001"]
+
+
+def test_nodes_without_data_or_budget_decline_with_the_fix(kit, partition: Path, tmp_path: Path) -> None:
+    grid = LoopbackGrid()
+    _good_nodes(grid, partition, 2)
+    grid.add(8, {"threads": 1})
+    grid.add(9, {"data": "/usr/share/datasets/fashion-mnist", "shard": "0/100"})  # no budget for its own data
+    federation = _federation(kit, tmp_path / "run", partition, grid, per_round=2)
+    federation.run()
+    assert "this SuperNode has no data" in federation.nodes.answered[8]
+    assert "no MAC budget for device node-9" in federation.nodes.answered[9]
+    assert sorted(d.device_id for d in federation.registry.devices()) == ["client-000", "client-001"]
+
+
+def test_a_node_claiming_another_nodes_identity_is_refused(kit, partition: Path, tmp_path: Path) -> None:
+    grid = LoopbackGrid()
+    _good_nodes(grid, partition, 2)
+
+    def impostor(message: Message, context: Context) -> Message:
+        forged = Context(run_id=1, node_id=100, node_config=context.node_config, state=RecordDict(), run_config={})
+        return clientapp.register(message, forged)  # says it is node 100's host
+
+    grid.add(11, {"data": str(partition), "offset": 2}, query=impostor)
+    federation = _federation(kit, tmp_path / "run", partition, grid, per_round=2)
+    federation.run()
+    assert "registers as host 'node-100', but it is node-11" in federation.nodes.answered[11]
+
+
+def _tampered(change: Callable[[RecordDict], None]) -> Handler:
+    def train(message: Message, context: Context) -> Message:
+        reply = clientapp.train(message, context)
+        change(reply.content)
+        return reply
+
+    return train
+
+
+def _nan(content: RecordDict) -> None:
+    arrays = content.array_records[records.UPDATE]
+    name = next(k for k in arrays.keys() if not k.endswith("num_batches_tracked"))
+    value = arrays[name].numpy().copy()
+    value.reshape(-1)[0] = float("nan")
+    arrays[name] = Array(value)
+
+
+def _extra(content: RecordDict) -> None:
+    content.array_records[records.UPDATE]["attacker.weight"] = Array(torch.zeros(4).numpy())
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [(_nan, "do not match their transfer"), (_extra, "do not match the envelope")],
+    ids=["nan", "extra-array"],
+)
+def test_a_tampered_update_is_rejected_and_the_others_are_aggregated(
+    kit, partition: Path, tmp_path: Path, change: Callable, reason: str
+) -> None:
+    grid = LoopbackGrid()
+    _good_nodes(grid, partition, 3, train=_tampered(change))
+    federation = _federation(kit, tmp_path / "run", partition, grid)
+    record = federation.run()[0]
+    assert reason in record.rejected["client-000"]
+    assert record.applied and sorted(record.updated) == ["client-001", "client-002"]
+    assert read_record(tmp_path / "run" / CHECKPOINT)["fields"]["round"] == 1
+
+
+def test_a_clientapp_that_raises_is_incomplete_and_the_run_goes_on(kit, partition: Path, tmp_path: Path) -> None:
+    grid = LoopbackGrid()
+
+    def crash(message: Message, context: Context) -> Message:
+        from flwr.app import Error
+
+        return Message(Error(code=2, reason="<class 'RuntimeError'>:<'out of memory'>"), reply_to=message)
+
+    _good_nodes(grid, partition, 3, train=crash)
+    record = _federation(kit, tmp_path / "run", partition, grid).run()[0]
+    assert (
+        "the ClientApp failed" in record.incomplete["client-000"] and "out of memory" in record.incomplete["client-000"]
+    )
+    assert record.applied and sorted(record.updated) == ["client-001", "client-002"]
+
+
+def test_a_round_for_another_device_is_declined_by_the_node(kit, partition: Path, tmp_path: Path) -> None:
+    grid = LoopbackGrid()
+    entries = read_index(partition)["clients"]
+
+    def swapped(message: Message, context: Context) -> Message:
+        other = Context(
+            run_id=1,
+            node_id=context.node_id,
+            node_config={"data": str(partition), "offset": 2},
+            state=RecordDict(),
+            run_config={},
+        )
+        return clientapp.train(message, other)
+
+    _good_nodes(grid, partition, 3, train=swapped)
+    record = _federation(kit, tmp_path / "run", partition, grid).run()[0]
+    assert f"this SuperNode is {entries[2]['client_id']!r}" in record.declined["client-000"]
+    assert record.applied and "client-000" not in record.updated
