@@ -39,6 +39,103 @@ REPO = Path(__file__).resolve().parent.parent
 BUDGETS = (3e6, 8e6, 17.7e6, 39.2e6)
 
 
+def population(rounds: int, samples: int) -> SimulationConfig:
+    """The benchmark's population: one client per budget, every client in every round."""
+    n = len(BUDGETS)
+    return SimulationConfig(
+        clients=n,
+        per_round=n,
+        rounds=rounds,
+        budgets=BUDGETS,
+        train_limit=samples * n,
+        val_samples=200,
+        calib_samples=100,
+        seed=0,
+    )
+
+
+def mqtt_rounds(config: SimulationConfig, tmp_path: Path, broker: str, threads: int) -> tuple[list, dict]:
+    """A feast-server (this process) and one feast-agent process per client of ``config``'s partition, through
+    ``broker``; the server's round history and the partition index."""
+    n = config.clients
+    index = write_partition(config, tmp_path / "partition")
+    federation = f"bench-{uuid.uuid4().hex[:8]}"
+    server = FederationServer(
+        ServerConfig(
+            out=str(tmp_path / "run"),
+            rounds=config.rounds,
+            per_round=n,
+            min_clients=n,
+            round_timeout=600.0,
+            seed=0,
+            federation=federation,
+            wait_timeout=300.0,
+        ),
+        LinkConfig(broker=broker),
+    )
+    server.start()
+    history: list = []
+    thread = threading.Thread(target=lambda: history.extend(server.run()), daemon=True)
+    thread.start()
+    agents = []
+    for entry in index["clients"]:
+        log = open(tmp_path / f"{entry['client_id']}.log", "w")
+        agents.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "feast_edge.agent.cli",
+                    "run",
+                    "--insecure",
+                    "--broker",
+                    broker,
+                    "--device-id",
+                    entry["client_id"],
+                    "--data",
+                    str(tmp_path / "partition" / entry["file"]),
+                    "--federation",
+                    federation,
+                    "--threads",
+                    str(threads),
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        )
+    try:
+        thread.join(1800)
+    finally:
+        for a in agents:
+            a.send_signal(signal.SIGTERM)
+        for a in agents:
+            a.wait(30)
+        server.close()
+        clear_retained(LinkConfig(broker=broker), f"feast/{federation}/#")  # the presences this run left retained
+    return history, index
+
+
+def print_rounds(path: str, history: list) -> float:
+    """One line per round (wall, slowest client's compute, the rest); returns the mean wall seconds per round."""
+    print(f"{path}:")
+    print(
+        f"{'round':>5} {'wall s':>8} {'slowest compute s':>18} {'overhead s':>11} {'overhead %':>11} {'route+send s':>13} {'aggregate s':>12}"
+    )
+    for h in history:
+        slowest = max(h.compute_seconds.values())
+        overhead = h.seconds - slowest
+        print(
+            f"{h.round:>5} {h.seconds:>8.2f} {slowest:>18.2f} {overhead:>11.2f} {100 * overhead / h.seconds:>10.1f}% {h.send_seconds:>13.3f} {h.aggregate_seconds:>12.3f}"
+        )
+    mean = sum(h.seconds - max(h.compute_seconds.values()) for h in history) / len(history)
+    print(f"mean {path} overhead per round: {mean:.2f} s")
+    return sum(h.seconds for h in history) / len(history)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--broker", default="mqtt://127.0.0.1:1883")
@@ -47,96 +144,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="PyTorch threads per agent")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    n = len(BUDGETS)
-    config = SimulationConfig(
-        clients=n,
-        per_round=n,
-        rounds=args.rounds,
-        budgets=BUDGETS,
-        train_limit=args.samples * n,
-        val_samples=200,
-        calib_samples=100,
-        seed=0,
-    )
+    config = population(args.rounds, args.samples)
     with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        index = write_partition(config, tmp_path / "partition")
-        federation = f"bench-{uuid.uuid4().hex[:8]}"
-        server = FederationServer(
-            ServerConfig(
-                out=str(tmp_path / "run"),
-                rounds=args.rounds,
-                per_round=n,
-                min_clients=n,
-                round_timeout=600.0,
-                seed=0,
-                federation=federation,
-                wait_timeout=300.0,
-            ),
-            LinkConfig(broker=args.broker),
-        )
-        server.start()
-        history: list = []
-        thread = threading.Thread(target=lambda: history.extend(server.run()), daemon=True)
-        thread.start()
-        agents = []
-        for entry in index["clients"]:
-            log = open(tmp_path / f"{entry['client_id']}.log", "w")
-            agents.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "feast_edge.agent.cli",
-                        "run",
-                        "--insecure",
-                        "--broker",
-                        args.broker,
-                        "--device-id",
-                        entry["client_id"],
-                        "--data",
-                        str(tmp_path / "partition" / entry["file"]),
-                        "--federation",
-                        federation,
-                        "--threads",
-                        str(args.threads),
-                        "--log-level",
-                        "warning",
-                    ],
-                    cwd=REPO,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                )
-            )
-        try:
-            thread.join(1800)
-        finally:
-            for a in agents:
-                a.send_signal(signal.SIGTERM)
-            for a in agents:
-                a.wait(30)
-            server.close()
-            clear_retained(
-                LinkConfig(broker=args.broker), f"feast/{federation}/#"
-            )  # the presences this run left retained
+        history, index = mqtt_rounds(config, Path(tmp), args.broker, args.threads)
         sizes = [c["samples"] for c in index["clients"]]
         print(
-            f"fmnist-small, {n} agents (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} examples), "
+            f"fmnist-small, {config.clients} agents (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} examples), "
             f"broker {args.broker}, torch {torch.__version__}, {args.threads} thread(s) per agent, {os.cpu_count()} CPUs"
         )
-        print(
-            f"{'round':>5} {'wall s':>8} {'slowest compute s':>18} {'overhead s':>11} {'overhead %':>11} {'route+send s':>13} {'aggregate s':>12}"
-        )
-        overheads = []
-        for h in history:
-            slowest = max(h.compute_seconds.values())
-            overhead = h.seconds - slowest
-            overheads.append(overhead)
-            print(
-                f"{h.round:>5} {h.seconds:>8.2f} {slowest:>18.2f} {overhead:>11.2f} {100 * overhead / h.seconds:>10.1f}% {h.send_seconds:>13.3f} {h.aggregate_seconds:>12.3f}"
-            )
-        print(f"mean MQTT-path overhead per round: {sum(overheads) / len(overheads):.2f} s")
+        print_rounds("MQTT path", history)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ The node's settings come from ``flower-supernode --node-config`` (Flower's simul
     holdout    the share of the node's own examples held out (default: feast-agent's)
     device     cpu, cuda, cuda:1, auto (default cpu); threads: torch CPU threads (0: torch's default)
 
-The preset is the run's (``[tool.flwr.app.config] preset``), so every node trains what the ServerApp routes.
+The preset is the run's (``[tool.flwr.app.config] preset``), so every node trains what the ServerApp routes. On
+Flower's Simulation Engine (node config: ``partition-id`` only) the run config's ``node-data``, a partition
+directory written by ``feast-edge partition``, gives each simulated node its shard.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def node_of(node_config: Mapping[str, Any], run_config: Mapping[str, Any], node_
             return _nodes[key]
         if unknown:
             log.warning("node config keys %s are not feast-edge's (%s); ignored", unknown, ", ".join(NODE_KEYS))
-        data = _text(node_config, "data")
+        data = _text(node_config, "data") or _simulated_data(node_config, run_config)
         if data is None:
             raise FeastError(
                 "this SuperNode has no data: start it with --node-config \"data='/path/to/images' profile='NAME'\" "
@@ -122,6 +124,14 @@ def node_of(node_config: Mapping[str, Any], run_config: Mapping[str, Any], node_
         )
         _nodes[key] = node
         return node
+
+
+def _simulated_data(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> str | None:
+    """On Flower's Simulation Engine a node config holds only ``partition-id``: its data is then the run config's
+    ``node-data`` (a partition directory from ``feast-edge partition``), client ``partition-id`` of it."""
+    if "partition-id" in node_config and _text(run_config, "node-data"):
+        return str(run_config["node-data"])
+    return None
 
 
 def _version_problem(message: Message) -> str:

@@ -49,6 +49,7 @@ payload-dtype = "float32"     # or float16
 round-timeout = 600.0
 wait-timeout = 1800.0
 export = true                 # each node's largest affordable variant as ONNX in out-dir/models after the last round
+node-data = ""                # Simulation Engine only: the partition (feast-edge partition) simulated nodes read
 """
 
 README = """\

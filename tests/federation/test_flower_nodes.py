@@ -17,6 +17,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from feast_edge.flower import clientapp, records
 from feast_edge.flower.serverapp import FlowerFederation
+from feast_edge.protocol import RoundStart
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.config import ServerConfig
@@ -30,8 +31,9 @@ Handler = Callable[[Message, Context], Message]
 class LoopbackGrid:
     """Flower's Grid as far as the ServerApp uses it, delivering each Message to a node's handlers in this process."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_config: dict | None = None) -> None:
         self.nodes: dict[int, tuple[dict, dict[str, Handler]]] = {}
+        self.run_config = run_config or {}
 
     def add(self, node: int, node_config: dict, **handlers: Handler) -> None:
         self.nodes[node] = (node_config, {"query": clientapp.register, "train": clientapp.train, **handlers})
@@ -44,7 +46,9 @@ class LoopbackGrid:
         for message in messages:
             node = message.metadata.dst_node_id
             config, handlers = self.nodes[node]
-            context = Context(run_id=1, node_id=node, node_config=config, state=RecordDict(), run_config={})
+            context = Context(
+                run_id=1, node_id=node, node_config=config, state=RecordDict(), run_config=self.run_config
+            )
             reply = handlers[message.metadata.message_type](message, context)
             if reply is not None:
                 replies.append(reply)
@@ -199,3 +203,35 @@ def test_a_round_for_another_device_is_declined_by_the_node(kit, partition: Path
     record = _federation(kit, tmp_path / "run", partition, grid).run()[0]
     assert f"this SuperNode is {entries[2]['client_id']!r}" in record.declined["client-000"]
     assert record.applied and "client-000" not in record.updated
+
+
+def test_simulated_nodes_take_their_shard_of_the_run_configs_partition(kit, partition: Path, tmp_path: Path) -> None:
+    """Flower's Simulation Engine gives a node only its partition-id; the run config's node-data names the partition."""
+    grid = LoopbackGrid(run_config={"node-data": str(partition)})
+    for i in range(3):
+        grid.add(200 + i, {"partition-id": i, "num-partitions": 3})
+    federation = _federation(kit, tmp_path / "run", partition, grid)
+    record = federation.run()[0]
+    assert record.applied and sorted(record.updated) == ["client-000", "client-001", "client-002"]
+
+
+def test_a_crashed_run_resumes_from_its_last_round_with_the_same_weights(kit, partition: Path, tmp_path: Path) -> None:
+    def power_cut(message: Message, context: Context) -> Message:
+        if records.read_message(message.content, RoundStart).round == 1:
+            raise KeyboardInterrupt("power cut during round 2")
+        return clientapp.train(message, context)
+
+    crashing = LoopbackGrid()
+    _good_nodes(crashing, partition, 3, train=power_cut)
+    with pytest.raises(KeyboardInterrupt):
+        _federation(kit, tmp_path / "resumed", partition, crashing, rounds=2).run()
+    assert read_record(tmp_path / "resumed" / CHECKPOINT)["fields"]["round"] == 1
+    again = LoopbackGrid()
+    _good_nodes(again, partition, 3)
+    resumed = _federation(kit, tmp_path / "resumed", partition, again, rounds=2)
+    assert [h.round for h in resumed.run()] == [1, 2]
+    whole = LoopbackGrid()
+    _good_nodes(whole, partition, 3)
+    _federation(kit, tmp_path / "whole", partition, whole, rounds=2).run()
+    got, want = kit.weights(tmp_path / "resumed" / CHECKPOINT), kit.weights(tmp_path / "whole" / CHECKPOINT)
+    assert all(torch.equal(got[k], want[k]) for k in want)

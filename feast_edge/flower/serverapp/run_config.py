@@ -1,9 +1,10 @@
 """A Flower run's config (``[tool.flwr.app.config]``, ``flwr run --run-config``) as feast-server's ServerConfig.
 
 Keys are feast-server's option names without the dashes in front (``per-round`` for ``--per-round``), plus
-``out-dir`` (the run directory, required: checkpoints, rounds.csv, devices.sqlite, models/) and ``export``
-(export each node's model after the last round; default true). An unknown key or a value of the wrong type is a
-ServerError naming the key and what it takes.
+``out-dir`` (the run directory, required: checkpoints, rounds.csv, devices.sqlite, models/), ``export``
+(export each node's model after the last round; default true) and ``node-data`` (read by the ClientApp on
+Flower's Simulation Engine: the partition directory the simulated nodes take their shards from). An unknown
+key or a value of the wrong type is a ServerError naming the key and what it takes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from feast_edge.server.config import ServerConfig, ServerError
 
 # ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid.
 NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration"}
-EXTRA = {"out-dir": str, "export": bool}
+EXTRA = {"out-dir": str, "export": bool, "node-data": str}  # node-data: the simulated nodes' partition (ClientApp)
 EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
 
 
