@@ -33,8 +33,10 @@ from feast_edge.run.collect import ClientUpdate, Collected
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.exchange import DECLINED, REJECTED, Expect, Reply, RoundExchange
 from feast_edge.server.live import LiveView
+from feast_edge.server.registry import Device, Registry
 from feast_edge.space.geometry import Layout
 from feast_edge.space.preset import Preset
+from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.transfer import ChunkReceiver
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,34 @@ class RoundTerms:
     rounds: int
     payload_dtype: str = "float32"  # routed payloads go out in it; updates must come back in it
     max_update_norm: float = 0.0  # L2 bound on an update's change of its routed slice (0: none)
+
+    def round_start(
+        self,
+        plan: ClientPlan,
+        federation: str,
+        t: int,
+        device: str,
+        registered: Device | None,
+        transfer: TransferInfo,
+        timeout: float,
+        lr: float,
+    ) -> RoundStart:
+        """Round ``t`` of ``device``: its plan, routed transfer, lr, client seed and these terms' training settings."""
+        return RoundStart.from_plan(
+            plan,
+            federation=federation,
+            round=t,
+            device=device,
+            instance=registered.instance if registered is not None else "unregistered",
+            transfer=transfer,
+            sent_at=time.time(),
+            timeout=timeout,
+            rounds=self.rounds,
+            lr=lr,
+            seed=client_seed(self.seed, t, device),
+            train=self.train,
+            payload_dtype=self.payload_dtype,
+        )
 
 
 class _Slices:
@@ -98,9 +128,7 @@ class DeviceCollector:
         return self.exchange.wait_online(needed, self.devices)
 
     def budget(self, client: str) -> float:
-        device = self.devices.registry.get(client)
-        assert device is not None, f"{client} was sampled but is not registered"
-        return float(device.budget_macs)
+        return registered_budget(self.devices.registry, client)
 
     def collect(
         self,
@@ -153,20 +181,8 @@ class DeviceCollector:
             blob = encode(slices.routed(plan.layout(terms.preset, classes)), manifest)
             info = exchange.describe(device, blob)
             registered = self.devices.registry.get(device)
-            message = RoundStart.from_plan(
-                plan,
-                federation=exchange.topics.federation,
-                round=t,
-                device=device,
-                instance=registered.instance if registered is not None else "unregistered",
-                transfer=info,
-                sent_at=time.time(),
-                timeout=exchange.time_left(),
-                rounds=terms.rounds,
-                lr=lr,
-                seed=client_seed(terms.seed, t, device),
-                train=terms.train,
-                payload_dtype=terms.payload_dtype,
+            message = terms.round_start(
+                plan, exchange.topics.federation, t, device, registered, info, exchange.time_left(), lr
             )
             expect = Expect(
                 max_bytes=len(blob) + UPLOAD_SLACK, max_samples=registered.samples if registered is not None else 0
@@ -235,3 +251,10 @@ def update_of(
         compute_seconds=update.compute_seconds,
         self_reported=self_reported,
     )
+
+
+def registered_budget(registry: Registry, client: str) -> float:
+    """The MAC budget ``client`` registered with (a sampled client always has one)."""
+    device = registry.get(client)
+    assert device is not None, f"{client} was sampled but is not registered"
+    return float(device.budget_macs)

@@ -25,14 +25,19 @@ def require_flwr() -> None:
 
 
 def log_to_stderr(level: int = 20) -> None:
-    """feast-edge's log lines on stderr, where Flower collects an app's output (``flwr log``, a SuperNode's log)."""
+    """feast-edge's log lines on stderr, where Flower collects an app's output (``flwr log``, a SuperNode's log).
+
+    Only in a process whose logging nobody configured (Flower's app processes): elsewhere the caller's handlers
+    (a test's, an application's) keep receiving feast-edge's records unchanged."""
     import logging
 
+    if logging.getLogger().handlers:
+        return
     logger = logging.getLogger("feast_edge")
-    logger.setLevel(level)
+    if logger.level == logging.NOTSET or logger.level > level:
+        logger.setLevel(level)
     if not any(getattr(h, "feast_edge", False) for h in logger.handlers):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s feast-edge %(levelname)s %(message)s", "%H:%M:%S"))
         handler.feast_edge = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
-        logger.propagate = False

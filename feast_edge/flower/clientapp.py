@@ -165,12 +165,12 @@ def _declined(message: Message, *, round: int, device: str, routed: str, reason:
 
 
 app = ClientApp()
-log_to_stderr()
 
 
 @app.query()
 def register(message: Message, context: Context) -> Message:
     """Answer the ServerApp's question once: this node's Register, or why it cannot take part."""
+    log_to_stderr()
     fallback = f"node-{context.node_id}"
     problem = _version_problem(message)
     if problem:
@@ -199,6 +199,7 @@ def register(message: Message, context: Context) -> Message:
 @app.train()
 def train(message: Message, context: Context) -> Message:
     """One round: the routed slice trained on this node's data (the MQTT agent's step), or why not."""
+    log_to_stderr()
     fallback = f"node-{context.node_id}"
     try:
         start = records.read_message(message.content, RoundStart)

@@ -20,12 +20,11 @@ from flwr.serverapp import Grid
 
 from feast_edge.errors import FeastError
 from feast_edge.flower import records
-from feast_edge.protocol import Declined, Register, Registered, RoundStart, Update
+from feast_edge.protocol import Declined, Register, Registered, Update
 from feast_edge.route.envelope import route_state
 from feast_edge.route.plans import ClientPlan
-from feast_edge.run.cohort import client_seed
 from feast_edge.run.collect import ClientUpdate, Collected
-from feast_edge.server.collect import RoundTerms, update_of
+from feast_edge.server.collect import RoundTerms, registered_budget, update_of
 from feast_edge.server.config import ServerConfig
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.exchange import WaitTimeout
@@ -126,9 +125,7 @@ class FlowerCollector:
             time.sleep(POLL_SECONDS)
 
     def budget(self, client: str) -> float:
-        device = self.nodes.devices.registry.get(client)
-        assert device is not None, f"{client} was sampled but is not registered"
-        return float(device.budget_macs)
+        return registered_budget(self.nodes.devices.registry, client)
 
     def collect(
         self,
@@ -180,20 +177,8 @@ class FlowerCollector:
         )
         info = records.describe(state, federation=self.nodes.federation, round=t, device=device, kind="routed")
         registered = self.nodes.devices.registry.get(device)
-        start = RoundStart.from_plan(
-            plan,
-            federation=self.nodes.federation,
-            round=t,
-            device=device,
-            instance=registered.instance if registered is not None else "unregistered",
-            transfer=info,
-            sent_at=time.time(),
-            timeout=self.settings.round_timeout,
-            rounds=terms.rounds,
-            lr=lr,
-            seed=client_seed(terms.seed, t, device),
-            train=terms.train,
-            payload_dtype=terms.payload_dtype,
+        start = terms.round_start(
+            plan, self.nodes.federation, t, device, registered, info, self.settings.round_timeout, lr
         )
         return records.train_content(start, state), info
 
