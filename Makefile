@@ -32,6 +32,10 @@ BROKER_PORT := 1883
 VENV_DIR := $(abspath $(VENV))
 VPY := $(VENV_DIR)/bin/python
 STAMP := $(VENV_DIR)/.feast-edge-installed
+# amqtt (the demo's fallback broker, extra [amqtt]) cannot share the dev venv with flwr (pyproject.toml: typer pins);
+# it goes into a directory beside it, with the versions amqtt 0.11 pins, and the amqtt test puts it on PYTHONPATH.
+AMQTT_SIDE := $(VENV_DIR)/amqtt-side
+AMQTT_PACKAGES := amqtt>=0.11,<0.12 typer==0.15.4 websockets==15.0.1 transitions==0.9.2 passlib==1.7.4 dacite>=1.9.2
 # Console scripts of the venv first (the demo and the tests start feast-server/feast-agent),
 # /usr/sbin for mosquitto when a normal user's PATH lacks it.
 RUN_ENV := PATH="$(VENV_DIR)/bin:$$PATH:/usr/sbin"
@@ -55,7 +59,7 @@ help:
 	@echo
 	@echo "  make setup            system-packages + venv"
 	@echo "  make system-packages  apt-get install $(APT_PACKAGES) (only what is missing)"
-	@echo "  make venv             $(VENV) (--system-site-packages), PyTorch if it cannot be imported, pip install -e '.[dev]'"
+	@echo "  make venv             $(VENV) (--system-site-packages), PyTorch if it cannot be imported, pip install -e '.[dev]', amqtt in $(AMQTT_SIDE)"
 	@echo "  make broker           make sure an MQTT broker listens on $(BROKER_HOST):$(BROKER_PORT) (starts mosquitto)"
 	@echo "  make clean            remove $(VENV), build/ and dist/"
 	@echo
@@ -104,6 +108,7 @@ $(STAMP): pyproject.toml | $(VPY)
 	  echo "venv: TORCH is empty and torch/torchvision cannot be imported; pip install -e will fetch them from PyPI"; \
 	fi
 	$(VPY) -m pip install -e '.[dev]'
+	rm -rf "$(AMQTT_SIDE)" && $(VPY) -m pip install -q --no-deps --target "$(AMQTT_SIDE)" $(foreach p,$(AMQTT_PACKAGES),'$(p)')
 	@# The venv must import this checkout (not an older install in the system or user site-packages); checked outside the checkout.
 	@cd / && $(VPY) -c 'import sys, pathlib, feast_edge, feast_edge.server, feast_edge.agent; \
 	root = pathlib.Path(sys.argv[1]).resolve(); \

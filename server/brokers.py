@@ -83,7 +83,7 @@ def resolve_kind(kind: str) -> str:
         )
     if kind == AMQTT and importlib.util.find_spec("amqtt") is None:
         raise BrokerError(
-            "no MQTT broker available: install mosquitto (apt-get install mosquitto) or amqtt (pip install amqtt), or pass --broker URL"
+            "no MQTT broker available: install mosquitto (apt-get install mosquitto) or amqtt (pip install 'feast-edge[amqtt]'), or pass --broker URL"
         )
     return kind
 

@@ -164,14 +164,21 @@ class LocalFlower:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             got = self.flwr("supernode", "ls", CONNECTION, "--format", "json")
-            online = [n for n in json.loads(got.stdout or "{}").get("nodes", []) if n.get("status") == "online"]
+            try:
+                listed = json.loads(got.stdout or "{}")
+            except json.JSONDecodeError:
+                listed = {}
+            online = [n for n in listed.get("nodes", []) if n.get("status") == "online"]
             if len(online) >= count:
                 return
             dead = [p.args[0] for p in self.procs if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"{dead} exited; see the logs in {self.root}")
             time.sleep(1.0)
-        raise TimeoutError(f"fewer than {count} SuperNodes came online in {timeout:.0f} s; logs in {self.root}")
+        raise TimeoutError(
+            f"fewer than {count} SuperNodes came online in {timeout:.0f} s; logs in {self.root}; "
+            f"the last 'flwr supernode ls' (exit {got.returncode}) said:\n{got.stdout[-2000:]}{got.stderr[-2000:]}"
+        )
 
     def run(self, app: Path, run_config: dict[str, Any], timeout: float = 600.0) -> FlowerRun:
         """``flwr run APP --run-config ... --stream``, then the run's status from ``flwr ls``."""

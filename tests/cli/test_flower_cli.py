@@ -61,3 +61,12 @@ def test_without_flwr_one_line_names_the_extra(repo: Path, tmp_path: Path) -> No
         "to run feast-edge on Flower\n"
     )
     assert not (tmp_path / "app").exists()
+
+
+def test_flowers_own_commands_run_in_this_environment() -> None:
+    """The extra's pins give a working flwr CLI: flwr 1.42 declares typer>=0.13 but needs typer>=0.19 (pyproject.toml),
+    which a resolver pulled down to amqtt's typer==0.15.4 once; the Flower tests and the user's `flwr run` need it."""
+    bin_dir = Path(sys.executable).parent
+    for command in (["flwr", "--help"], ["flower-superlink", "--help"], ["flower-supernode", "--help"]):
+        done = subprocess.run([str(bin_dir / command[0]), *command[1:]], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{command[0]} does not start here:\n{done.stderr[-2000:]}"
