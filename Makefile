@@ -2,7 +2,8 @@
 #
 #   make demo    system packages + .venv + the package, then `feast-edge demo`
 #   make test    system packages + .venv + the package + a broker on 127.0.0.1:1883, then pytest (every test)
-#   make test-fast  the same set-up, then pytest -m "not slow" (<= 5 min on 2 cores; the loop while developing)
+#   make test-fast  the same set-up, then pytest -m "not slow" (the loop while developing; docs/development.md)
+#   Both run pytest-xdist on every core (-n auto --dist loadgroup); WORKERS=N changes that, WORKERS=0 runs in one process.
 #
 # Every step is idempotent: a second run only checks and goes straight to the command.
 # Variables (make VAR=value):
@@ -11,6 +12,7 @@
 #   TORCH=...         what `pip install` gets when the venv cannot import torch and torchvision;
 #                     empty (TORCH=) never installs PyTorch (keep the one the system has)
 #   PYTEST_ARGS=...   extra pytest arguments (e.g. PYTEST_ARGS="tests/core -x", PYTEST_ARGS='-m "not broker"')
+#   WORKERS=auto      pytest-xdist workers: auto (one per core), a number, or 0 (no xdist: one process)
 #   DEMO_ARGS=...     extra `feast-edge demo` options (e.g. DEMO_ARGS="--rounds 5")
 
 SHELL := /bin/bash
@@ -23,6 +25,10 @@ VENV ?= .venv
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+WORKERS ?= auto
+# pytest-xdist: one worker per core; loadgroup keeps the tests of one @pytest.mark.xdist_group (those sharing an
+# expensive module or session fixture: the wheel, a finished federation) on one worker, so it is made once.
+XDIST := $(if $(filter 0,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist loadgroup)
 
 APT_PACKAGES := dataset-fashion-mnist mosquitto openssl
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
@@ -49,7 +55,9 @@ help:
 	@echo
 	@echo "  make demo             set everything up, then run 'feast-edge demo' (DEMO_ARGS=...)"
 	@echo "  make test             set everything up, start a broker if needed, then run every test (PYTEST_ARGS=...)"
-	@echo "  make test-fast        the same, but only the tests not marked slow: pytest -m 'not slow' (<= 5 min on 2 cores)"
+	@echo "  make test-fast        the same, but only the tests not marked slow: pytest -m 'not slow'"
+	@echo "  both run on every core (pytest-xdist -n auto); WORKERS=N sets the number, WORKERS=0 runs in one process"
+	@echo "  costs on 2 cores and how to run a marker or a file: docs/development.md"
 	@echo
 	@echo "  test markers (pyproject.toml), selected with -m, e.g. make test PYTEST_ARGS='-m \"not broker and not browser\"':"
 	@echo "    slow     more than a few seconds: subprocess federations, demos, chaos, the wheel, real simulations"
@@ -63,7 +71,7 @@ help:
 	@echo "  make broker           make sure an MQTT broker listens on $(BROKER_HOST):$(BROKER_PORT) (starts mosquitto)"
 	@echo "  make clean            remove $(VENV), build/ and dist/"
 	@echo
-	@echo "  VENV=$(VENV)  PYTHON=$(PYTHON)  TORCH=$(TORCH)"
+	@echo "  VENV=$(VENV)  PYTHON=$(PYTHON)  TORCH=$(TORCH)  WORKERS=$(WORKERS)"
 	@echo "  CPU-only PyTorch:  make demo TORCH=\"torch torchvision --index-url https://download.pytorch.org/whl/cpu\""
 	@echo "  keep the system's: make demo TORCH="
 
@@ -134,10 +142,10 @@ broker: system-packages
 # make test runs every test (CI: .ci/run); make test-fast leaves out those marked slow (pyproject.toml lists the markers).
 test test-fast: BROWSER := 1
 test: setup broker
-	cd "$(CURDIR)" && $(RUN_ENV) $(VPY) -m pytest -q $(PYTEST_ARGS)
+	cd "$(CURDIR)" && $(RUN_ENV) $(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup broker
-	cd "$(CURDIR)" && $(RUN_ENV) $(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	cd "$(CURDIR)" && $(RUN_ENV) $(VPY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 demo: setup
 	$(RUN_ENV) $(VENV_DIR)/bin/feast-edge demo $(DEMO_ARGS)

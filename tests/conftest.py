@@ -20,7 +20,8 @@ import torch
 
 from feast_edge.data.images import FASHION_MNIST_DIR
 from feast_edge.space.preset import Preset, load_preset_file
-from strategies import TINY_PRESET
+from simconfigs import cli_options, tiny_config
+from strategies import PRESETS_DIR, TINY_PRESET
 
 # Test models are small: one intra-op thread is as fast and avoids oversubscription
 # when the suite shares the machine with other work.
@@ -38,6 +39,7 @@ FIXTURE_MARKERS = {
     "finished_run": (
         pytest.mark.slow,
         pytest.mark.timeout(600),
+        pytest.mark.xdist_group("finished_run"),  # one worker makes it once and runs every test that reads it
     ),  # a real feast-edge simulate run (below), made by the first test that asks
     "federation": (
         pytest.mark.broker,
@@ -66,7 +68,14 @@ def _parametrize_arguments(item: pytest.Item) -> set[str]:
     return names
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture of module scope (made once per module and worker: a federation, a simulation)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(chain and chain[-1].scope == "module" for chain in defs.values())
+
+
+# before pytest's own hook deselects by -m, and before pytest-xdist's reads the xdist_group marks (--dist loadgroup)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ())) - _parametrize_arguments(
@@ -76,6 +85,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if fixture in used:
                 for mark in marks:  # after the test's own marks: a @pytest.mark.timeout on the test wins
                     item.add_marker(mark)
+        # The tests of a module that share a module fixture run on one pytest-xdist worker, so that it is made once.
+        if item.get_closest_marker("xdist_group") is None and _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(f"module:{item.module.__name__}"))  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -89,6 +101,21 @@ def _data_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ.pop("FEAST_EDGE_DATA_CACHE", None)
     else:
         os.environ["FEAST_EDGE_DATA_CACHE"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_presets() -> Iterator[None]:
+    """The test presets (tests/presets: fmnist-tiny, test-tiny) found by name in this session and its subprocesses.
+
+    A shard written for fmnist-tiny names it, and an agent loads the preset its shard names; a test of which presets
+    are listed or shipped takes the variable away (monkeypatch.delenv)."""
+    before = os.environ.get("FEAST_EDGE_PRESET_PATH")
+    os.environ["FEAST_EDGE_PRESET_PATH"] = os.pathsep.join(filter(None, [str(PRESETS_DIR), before]))
+    yield
+    if before is None:
+        os.environ.pop("FEAST_EDGE_PRESET_PATH", None)
+    else:
+        os.environ["FEAST_EDGE_PRESET_PATH"] = before
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +169,8 @@ class FinishedRun:
 
 @pytest.fixture(scope="session")
 def finished_run(cli: Cli, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> FinishedRun:
-    """A real, small ``feast-edge simulate`` subprocess: 2 clients, both in each of 2 rounds, validated every round (about a minute).
+    """A real, small ``feast-edge simulate`` subprocess on fmnist-tiny: 2 clients, both in each of 2 rounds, validated
+    every round (seconds).
 
     Tests that only inspect a finished run (its results.json, checkpoint, console
     output, the dashboard of it) share this one; a test of an option or of resuming
@@ -150,32 +178,12 @@ def finished_run(cli: Cli, tmp_path_factory: pytest.TempPathFactory, fashion_mni
     """
     out = tmp_path_factory.mktemp("finished") / "sim"
     clients, rounds = 2, 2
+    config = tiny_config(fashion_mnist_dir, clients=clients, per_round=clients, rounds=rounds, eval_every=1)
     result = cli.run(
         "simulate",
         "--out",
         str(out),
-        "--clients",
-        str(clients),
-        "--per-round",
-        str(clients),
-        "--rounds",
-        str(rounds),
-        "--eval-every",
-        "1",
-        "--train-limit",
-        "200",
-        "--val-samples",
-        "100",
-        "--calib-samples",
-        "50",
-        "--test-limit",
-        "100",
-        "--batch-size",
-        "32",
-        "--device",
-        "cpu",
-        "--data",
-        str(fashion_mnist_dir),
+        *cli_options(config),
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import Preset, available_presets, load_preset, load_preset_file
 
-TINY_PRESET = Path(__file__).resolve().parent / "presets" / "test-tiny.toml"
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+TINY_PRESET = PRESETS_DIR / "test-tiny.toml"
+# Fashion-MNIST's task on a supernet 15x smaller than fmnist-small, with its cache beside it (fmnist-tiny.cache.json):
+# the preset of the federation, Flower, resume and dashboard tests. The session and its subprocesses find it by name
+# (FEAST_EDGE_PRESET_PATH, set by tests/conftest.py).
+FMNIST_TINY = PRESETS_DIR / "fmnist-tiny.toml"
 BUILTIN_PRESETS = sorted(available_presets())
 
 
@@ -42,3 +47,4 @@ def tiny_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (n, 1, 16, 16), dtype=torch.uint8, generator=g)
     return images, torch.randint(0, load_preset_file(TINY_PRESET).classes, (n,), generator=g)
+

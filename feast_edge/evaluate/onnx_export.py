@@ -12,6 +12,7 @@ federation did (:func:`model_task`).
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
@@ -46,10 +47,28 @@ class OnnxModelError(FeastError):
 
 
 def _to_onnx_bytes(model: torch.nn.Module, example: torch.Tensor) -> bytes:
-    """Export with the torch.export-based exporter, or the TorchScript one on older PyTorch."""
+    """Export with the TorchScript exporter, or the torch.export-based one where PyTorch no longer has it.
+
+    A variant is a plain static network (convolutions, BN, ReLU, pooling, a linear head): both exporters write the
+    same function (docs/benchmarks.md, "ONNX export"), and tracing takes well under a second where torch.export
+    takes about ten (bench/bench_onnx_export.py), which every device's export pays.
+    """
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice is for PyTorch's users, not ours
         try:
+            buffer = io.BytesIO()
+            torch.onnx.export(
+                model,
+                (example,),
+                buffer,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+                opset_version=OPSET,
+                **_TORCHSCRIPT,
+            )
+            return buffer.getvalue()
+        except _NO_TORCHSCRIPT:  # a PyTorch whose torch.onnx.export has only the torch.export-based exporter
             program = torch.onnx.export(
                 model,
                 (example,),
@@ -62,18 +81,11 @@ def _to_onnx_bytes(model: torch.nn.Module, example: torch.Tensor) -> bytes:
                 verbose=False,
             )
             return program.model_proto.SerializeToString()
-        except TypeError:  # PyTorch < 2.5: no dynamo= keyword
-            buffer = io.BytesIO()
-            torch.onnx.export(
-                model,
-                (example,),
-                buffer,
-                input_names=[INPUT_NAME],
-                output_names=[OUTPUT_NAME],
-                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-                opset_version=17,
-            )
-            return buffer.getvalue()
+
+
+# PyTorch >= 2.5 takes dynamo= (and from 2.9 defaults to True); older ones have only the TorchScript exporter.
+_TORCHSCRIPT = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
+_NO_TORCHSCRIPT = (TypeError, NotImplementedError, ImportError, AttributeError)
 
 
 def _task_of(preset: Preset, model: StaticResNet, task: Task | None) -> Task:

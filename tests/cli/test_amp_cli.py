@@ -8,22 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY = [
-    "--clients",
-    "4",
-    "--per-round",
-    "2",
-    "--train-limit",
-    "240",
-    "--val-samples",
-    "100",
-    "--calib-samples",
-    "50",
-    "--test-limit",
-    "100",
-    "--seed",
-    "3",
-]
+from simconfigs import cli_options, tiny_config
+
+# One round on fmnist-tiny, validated once (the options --amp and --deterministic are about).
+TINY = cli_options(tiny_config(seed=3, rounds=1, eval_every=1))
 
 
 def test_an_unknown_amp_mode_is_one_error_line(cli, agent_cli, tmp_path: Path) -> None:
@@ -65,14 +53,6 @@ def test_a_bf16_simulation_trains_in_bf16_and_keeps_float32_weights(cli, tmp_pat
             "-o",
             str(out),
             *TINY,
-            "--rounds",
-            "1",
-            "--eval-every",
-            "1",
-            "--batch-size",
-            "32",
-            "--device",
-            "cpu",
             "--amp",
             amp,
         )
@@ -99,14 +79,6 @@ def test_deterministic_kernels_change_nothing_on_the_cpu(cli, tmp_path: Path, fa
             "-o",
             str(tmp_path / name),
             *TINY,
-            "--rounds",
-            "1",
-            "--eval-every",
-            "1",
-            "--batch-size",
-            "32",
-            "--device",
-            "cpu",
             *extra,
         )
         assert result.returncode == 0, result.stderr

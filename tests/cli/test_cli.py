@@ -46,7 +46,9 @@ def test_help_everywhere(cli):
         assert result.returncode == 0 and "Usage" in result.stdout
 
 
-def test_user_preset_directory_is_listed(cli):
+def test_user_preset_directory_is_listed(cli, monkeypatch):
+    monkeypatch.delenv("FEAST_EDGE_PRESET_PATH")  # the session's (tests/conftest.py): listed only when set below
+    assert "test-tiny" not in cli.invoke("presets").stdout
     result = cli.invoke("presets", env={"FEAST_EDGE_PRESET_PATH": str(TINY_PRESET.parent)})
     assert result.returncode == 0 and "test-tiny" in result.stdout
 

@@ -13,11 +13,11 @@ import pytest
 
 import feast_edge.util.atomic as atomic
 from feast_edge.run.checkpoint import read_record
+from simconfigs import cli_options, tiny_config
 
 pytestmark = [pytest.mark.slow]  # real simulations
 
-TINY = ["--clients", "4", "--per-round", "2", "--train-limit", "240", "--val-samples", "100", "--calib-samples", "50"]
-TINY += ["--test-limit", "100", "--seed", "3", "--batch-size", "32", "--device", "cpu", "--eval-every", "10"]
+TINY = cli_options(tiny_config(seed=3, eval_every=10))  # each test gives its --rounds and --data after (the last wins)
 
 
 def test_an_injected_enospc_on_the_second_checkpoint_is_one_line_and_the_run_resumes(

@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 from feast_edge.cli.worker import COMMAND
 from feast_edge.sim.distributed import Spread
 from feast_edge.sim.setup import SimulationConfig
-
-# Both runs use one intra-op thread per process: the thread count changes PyTorch's float summation order.
+from simconfigs import tiny_config
+from strategies import FMNIST_TINY
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
 
+# The --nproc path's real-size guard: RUN trains fmnist-small (the default preset); the other runs use fmnist-tiny.
 # Both runs use one intra-op thread per process: the thread count changes PyTorch's float summation order.
 RUN = (
     "--clients",
@@ -85,8 +86,9 @@ def test_capped_weights_are_the_same_in_one_process_or_two(cli, tmp_path):
     """--max-weight-ratio treats the shard sizes as claims on every rank's updates: a ratio small enough to bind
     lowers the same weights, and gives the same model, whether the cohort trains in one process or is spread."""
     runs = [tmp_path / "one", tmp_path / "two"]
-    _simulate(cli, runs[0], "--max-weight-ratio", "0.5")
-    _simulate(cli, runs[1], "--max-weight-ratio", "0.5", "--nproc", "2")
+    tiny = ("--preset", str(FMNIST_TINY), "--max-weight-ratio", "0.5")
+    _simulate(cli, runs[0], *tiny)
+    _simulate(cli, runs[1], *tiny, "--nproc", "2")
     capped = [[r["capped"] for r in json.loads((d / "results.json").read_text())["rounds"]] for d in runs]
     assert capped[0] == capped[1] and any(capped[0]), capped
     _assert_same_tensors(runs[0] / "checkpoint.safetensors", runs[1] / "checkpoint.safetensors")
@@ -114,7 +116,7 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_a_killed_worker_stops_the_run_with_one_line(fashion_mnist_dir, tmp_path):
-    args = [*RUN, "--clients", "8", "--rounds", "20", "--train-limit", "2000"]
+    args = [*RUN, "--preset", str(FMNIST_TINY), "--clients", "8", "--rounds", "20", "--train-limit", "2000"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "feast_edge.cli", "simulate", *args, "--nproc", "2", "--out", str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -143,17 +145,7 @@ def test_a_killed_worker_stops_the_run_with_one_line(fashion_mnist_dir, tmp_path
 
 @pytest.mark.slow
 def test_a_spread_run_resumes_to_the_weights_of_an_uninterrupted_one(fashion_mnist_dir, tmp_path, one_thread):
-    config = SimulationConfig(
-        clients=4,
-        per_round=3,
-        rounds=3,
-        train_limit=240,
-        val_samples=100,
-        calib_samples=50,
-        test_limit=100,
-        eval_every=2,
-        seed=3,
-    )
+    config = tiny_config(fashion_mnist_dir, per_round=3, rounds=3, seed=3, batch_size=64)
     Simulation(config, tmp_path / "whole").run()
     for stop_after, resume in (
         (1, False),

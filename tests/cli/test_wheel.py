@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 # A wheel built and installed in a fresh venv (its fixture takes minutes on 2 cores), then its console scripts run.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# xdist_group: every test of the module on one pytest-xdist worker, so that the wheel is built once per run.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("wheel")]
 
 IGNORED_DIRS = (
     ".git",

@@ -238,7 +238,8 @@ def test_shipped_paper_cache_spans_the_paper_range():
         assert entry.macs >= 0.95 * entry.target  # each variant within 5% of its target
 
 
-def test_every_builtin_preset_has_a_cache_file():
+def test_every_builtin_preset_has_a_cache_file(monkeypatch):
+    monkeypatch.delenv("FEAST_EDGE_PRESET_PATH")  # built-ins only, not the test presets (tests/conftest.py)
     assert sorted(p.stem for p in cache_path(load_preset("paper-cifar100")).parent.glob("*.json")) == sorted(
         available_presets()
     )

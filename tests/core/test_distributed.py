@@ -14,10 +14,9 @@ from feast_edge.sim.distributed import assign, check_spread
 from feast_edge.sim.methods import METHODS, method_class
 from feast_edge.sim.ranks import DistributedError, pack_updates, pick_backend, plans_digest, unpack_updates
 from feast_edge.sim.setup import SimulationConfig, build_setup
+from simconfigs import tiny_config
 
-CONFIG = SimulationConfig(
-    clients=6, per_round=4, rounds=4, train_limit=300, val_samples=50, calib_samples=50, batch_size=32, seed=5
-)
+CONFIG = tiny_config(clients=6, per_round=4, rounds=4, train_limit=300, val_samples=50, eval_every=5, seed=5)
 SPREADABLE = [m for m in METHODS if m != "centralized"]
 
 

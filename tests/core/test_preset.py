@@ -31,8 +31,10 @@ def test_cpu_preset_is_one_channel_28px():
 
 
 def test_user_preset_by_path_and_search_path(monkeypatch):
+    monkeypatch.delenv("FEAST_EDGE_PRESET_PATH")  # the session's (tests/conftest.py)
     by_path = load_preset(str(TINY_PRESET))
     assert by_path.name == "test-tiny"
+    assert "test-tiny" not in available_presets()
     monkeypatch.setenv("FEAST_EDGE_PRESET_PATH", str(TINY_PRESET.parent))
     assert "test-tiny" in available_presets()
     assert load_preset("test-tiny") == by_path

@@ -25,6 +25,7 @@ from feast_edge.aggregate.sparse import PayloadError, aggregate
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.loop import RunError, RunSettings
 from feast_edge.sim.setup import SimulationConfig, SimulationError
+from simconfigs import tiny_config
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
 from feast_edge.space.geometry import envelope_layout
 from feast_edge.space.supernet import Supernet
@@ -356,17 +357,7 @@ def test_the_fingerprint_names_only_the_aggregation_settings_in_use():
 
 @pytest.mark.slow
 def test_a_median_simulation_completes_and_differs_from_the_mean(tmp_path, fashion_mnist_dir):
-    run = SimulationConfig(
-        clients=4,
-        per_round=3,
-        rounds=1,
-        train_limit=240,
-        val_samples=100,
-        calib_samples=50,
-        test_limit=100,
-        batch_size=32,
-        seed=3,
-    )
+    run = tiny_config(fashion_mnist_dir, per_round=3, rounds=1, seed=3, eval_every=5)
     results = Simulation(replace(run, aggregation="median"), tmp_path / "median").run()
     assert results["config"]["aggregation"] == "median" and results["rounds"][0]["applied"]
     Simulation(run, tmp_path / "mean").run(stop_after=1)

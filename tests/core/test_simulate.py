@@ -8,24 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from feast_edge.cache.variants import CacheError
+from feast_edge.cache.variants import CacheError, cache_path, load_cache
 from feast_edge.data.images import DataError
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.sim.setup import SimulationConfig, SimulationError
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
+from feast_edge.space.preset import load_preset
+from simconfigs import tiny_config
 
-TINY_RUN = SimulationConfig(
-    clients=4,
-    per_round=2,
-    rounds=3,
-    train_limit=240,
-    val_samples=100,
-    calib_samples=50,
-    test_limit=100,
-    eval_every=2,
-    batch_size=32,
-    seed=3,
-)
+TINY_RUN = tiny_config(rounds=3, seed=3)
 
 
 def _weights(path):
@@ -42,15 +33,16 @@ def uninterrupted(tmp_path_factory, fashion_mnist_dir):
 @pytest.mark.slow
 def test_results_cover_every_variant_and_the_population(uninterrupted):
     out, results = uninterrupted
-    assert len(results["variants"]) == 26 and all(0 <= v["test_accuracy"] <= 1 for v in results["variants"])
+    cached = len(load_cache(load_preset(TINY_RUN.preset)).entries)
+    assert len(results["variants"]) == cached and all(0 <= v["test_accuracy"] <= 1 for v in results["variants"])
     assert [v["macs"] for v in results["variants"]] == sorted(v["macs"] for v in results["variants"])
     assert 0 <= results["population_accuracy"] <= 1
     pop = results["population"]
     assert pop["clients"] == 4 and sum(pop["shard_sizes"]) == 240 and pop["shard_size_min"] >= 10
     assert results["communication"]["reduction"] >= 1.0
     assert len(results["rounds"]) == 3 and results["rounds"][-1]["val_accuracy"] is not None
-    assert json.loads((out / "results.json").read_text())["preset"] == "fmnist-small"
-    assert (out / "variants.csv").read_text().count("\n") == 27
+    assert json.loads((out / "results.json").read_text())["preset"] == "fmnist-tiny"
+    assert (out / "variants.csv").read_text().count("\n") == 1 + cached
     assert (out / "rounds.csv").read_text().count("\n") == 4
 
 
@@ -94,7 +86,7 @@ def test_resume_without_checkpoint(tmp_path):
     [
         ({"gamma": -0.5}, SimulationError, "--gamma -0.5 must be >= 0"),
         ({"per_round": 9}, SimulationError, "--per-round 9 must be between 1 and --clients"),
-        ({"budget_min": 1e6}, SimulationError, "below the smallest cached variant"),
+        ({"budget_min": 1e5}, SimulationError, "below the smallest cached variant"),  # fmnist-tiny's: 0.148M
         ({"data_dir": "/nonexistent"}, DataError, "does not exist"),
         ({"preset": "paper-cifar100"}, DataError, "choose a matching --preset"),
         ({"budgets": (1e6, 2e7)}, SimulationError, "2 budgets given for 4 clients"),
@@ -106,15 +98,12 @@ def test_bad_settings_are_refused(change, error, message, fashion_mnist_dir):
 
 
 def test_cache_of_another_preset_is_refused(tmp_path):
-    from feast_edge.cache.variants import cache_path
-    from feast_edge.space.preset import load_preset
-
-    with pytest.raises(CacheError, match="not 'fmnist-small'"):
+    with pytest.raises(CacheError, match="not 'fmnist-tiny'"):
         Simulation(replace(TINY_RUN, cache=str(cache_path(load_preset("paper-cifar100")))), tmp_path)
 
 
 def test_explicit_budgets_population(tmp_path):
-    budgets = (1.5e6, 5e6, 2e7, 9e7)
+    budgets = (1.5e5, 5e5, 1e6, 3e6)  # fmnist-tiny's cached variants: 0.148M to 1.40M
     sim = Simulation(replace(TINY_RUN, budgets=budgets), tmp_path)
     assert tuple(sim.setup.population.budgets) == budgets
     assert sim.setup.plans["client-000"].affordable == (sim.setup.cache.smallest.arch,)

@@ -18,33 +18,16 @@ from typing import Any
 import pytest
 from browser import console_errors, open_page, points, save_screenshot, wait_until
 
-from feast_edge.sim.setup import SimulationConfig
 from feast_edge.sim.shards import read_index, write_partition
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained
+from commands import LOCAL, agent_command, server_command, spawn
+from simconfigs import tiny_config
 
 # A feast-server and feast-agent processes on the broker at 127.0.0.1:1883, watched in headless Chromium.
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.browser, pytest.mark.timeout(600)]
 
-BROKER = "mqtt://127.0.0.1:1883"
-CONFIG = SimulationConfig(
-    clients=2,
-    per_round=2,
-    rounds=2,
-    train_limit=240,
-    val_samples=100,
-    calib_samples=50,
-    test_limit=50,
-    batch_size=32,
-    seed=5,
-)
-
-
-def _spawn(command: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "w") as handle:
-        return subprocess.Popen(
-            command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
+CONFIG = tiny_config(clients=2, per_round=2, test_limit=50, seed=5)
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -77,81 +60,26 @@ def federation(tmp_path: Path, fashion_mnist_dir: Path) -> Iterator[dict[str, An
     partition = tmp_path / "partition"
     write_partition(CONFIG, partition)
     clients = read_index(partition)["clients"]
-    python = sys.executable
-    server = _spawn(
-        [
-            python,
-            "-m",
-            "feast_edge.server.cli",
-            "run",
-            "--insecure",
-            "--broker",
-            BROKER,
-            "--federation",
-            name,
-            "--out",
-            str(tmp_path / "server"),
-            "--data",
-            str(partition),
-            "--rounds",
-            "2",
-            "--per-round",
-            "2",
-            "--min-clients",
-            "2",
-            "--start-clients",
-            "2",
-            "--eval-every",
-            "1",
-            "--batch-size",
-            "32",
-            "--round-timeout",
-            "120",
-            "--wait-timeout",
-            "120",
-            "--threads",
-            "1",
-            "--dashboard",
-            "127.0.0.1:0",
-            "--serve",
-        ],
+    server = spawn(
+        server_command(
+            CONFIG, tmp_path / "server", name, partition,
+            wait_timeout=120, dashboard="127.0.0.1:0", serve=True,
+        ),
         tmp_path / "server.log",
-    )
+    )  # fmt: skip
     processes = [server]
     try:
         url = _dashboard_url(tmp_path / "server.log", server)
-        for c in clients:
-            processes.append(
-                _spawn(
-                    [
-                        python,
-                        "-m",
-                        "feast_edge.agent.cli",
-                        "run",
-                        "--insecure",
-                        "--broker",
-                        BROKER,
-                        "--federation",
-                        name,
-                        "--device-id",
-                        c["client_id"],
-                        "--data",
-                        str(partition / c["file"]),
-                        "--threads",
-                        "1",
-                        "--register-timeout",
-                        "120",
-                        "--model-dir",
-                        str(tmp_path / "models"),
-                    ],
-                    tmp_path / f"agent-{c['client_id']}.log",
-                )
+        for c in clients:  # --stay: online until the test ends, however fast the tiny rounds go
+            command = agent_command(
+                c["client_id"], partition / c["file"], name, "--model-dir", str(tmp_path / "models"), "--stay"
             )
+            processes.append(spawn(command, tmp_path / f"agent-{c['client_id']}.log"))
         yield {"url": url, "clients": clients, "server": server, "logs": tmp_path}
     finally:
         for process in reversed(processes):
             _stop(process)
-        clear_retained(LinkConfig(broker=BROKER), f"feast/{name}/#")
+        clear_retained(LinkConfig(broker=LOCAL), f"feast/{name}/#")
 
 
 FLEET = """return Array.from(document.querySelectorAll('#fleet tbody tr')).map(r => ({

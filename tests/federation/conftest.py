@@ -29,10 +29,14 @@ from feast_edge.sim.shards import write_partition
 from feast_edge.sim.simulate import Simulation
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained as transport_clear_retained
+from commands import LOCAL, agent_command, command_options, server_command, spawn
+from strategies import FMNIST_TINY
 
 REPO = Path(__file__).resolve().parents[2]
-LOCAL = "mqtt://127.0.0.1:1883"
+# The federation tests' population: Fashion-MNIST on the fmnist-tiny test preset (tests/presets), a few dozen
+# images per device; the real-size guards (one end-to-end test per path) set preset="fmnist-small" themselves.
 CONFIG = SimulationConfig(
+    preset=str(FMNIST_TINY),
     clients=3,
     per_round=2,
     rounds=2,
@@ -123,38 +127,7 @@ def spawn_agent(
     logs: Path, device_id: str, data: Path | str, federation: str, *extra: str, broker: str = LOCAL
 ) -> subprocess.Popen:
     """A real ``feast-agent run`` process, logging to ``logs/agent-<id>.log``."""
-    logs.mkdir(parents=True, exist_ok=True)
-    log = open(logs / f"agent-{device_id}.log", "w")
-    cmd = [
-        sys.executable,
-        "-m",
-        "feast_edge.agent.cli",
-        "run",
-        "--insecure",
-        "--broker",
-        broker,
-        "--device-id",
-        device_id,
-        "--data",
-        str(data),
-        "--federation",
-        federation,
-        "--threads",
-        "1",
-        "--register-timeout",
-        "120",
-        # float32 as the simulations these federations are compared with (--amp auto picks bf16 on a CPU that has it);
-        # a test that asks for another --amp passes it in extra (the last one given wins)
-        "--amp",
-        "off",
-        *extra,
-    ]
-    process = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
-    process.log_path = logs / f"agent-{device_id}.log"  # type: ignore[attr-defined]
-    log.close()
-    return process
+    return spawn(agent_command(device_id, data, federation, *extra, broker=broker), logs / f"agent-{device_id}.log")
 
 
 def log_text(process: subprocess.Popen) -> str:
@@ -231,6 +204,10 @@ class Kit:
     new_federation = staticmethod(new_federation)
     clear_retained = staticmethod(clear_retained)
     spawn_agent = staticmethod(spawn_agent)
+    spawn = staticmethod(spawn)
+    command_options = staticmethod(command_options)
+    server_command = staticmethod(server_command)
+    agent_command = staticmethod(agent_command)
     log_text = staticmethod(log_text)
     stop = staticmethod(stop)
     weights = staticmethod(weights)

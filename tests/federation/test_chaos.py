@@ -96,18 +96,6 @@ def private_broker(kit, tmp_path: Path) -> Iterator[PrivateBroker]:
         broker.stop()
 
 
-def server_command(
-    kit, out: Path, federation: str, partition: Path, config: SimulationConfig, broker: str
-) -> list[str]:
-    """``feast-server run`` with the settings that reproduce ``config``'s simulation; it waits for all 3 devices before its first round."""
-    return [
-        sys.executable, "-m", "feast_edge.server.cli", "run", "--insecure", "--broker", broker, "--out", str(out), "--rounds", str(config.rounds),
-        "--per-round", str(config.per_round), "--min-clients", str(config.per_round), "--start-clients", str(config.clients),
-        "--round-timeout", "120", "--seed", str(config.seed), "--batch-size", str(config.batch_size), "--data", str(partition),
-        "--federation", federation, "--wait-timeout", "180", "--no-export", "--eval-every", "1", "--threads", "1",
-    ]  # fmt: skip
-
-
 def completed_rounds(checkpoint: Path) -> int:
     return read_record(checkpoint)["fields"]["round"] if checkpoint.is_file() else 0
 
@@ -154,14 +142,13 @@ def test_a_full_stop_resumes_in_either_restart_order(
     config = replace(kit.CONFIG, rounds=ROUNDS)
     out = tmp_path / "run"
     checkpoint = out / CHECKPOINT
-    command = server_command(kit, out, federation, partition, config, kit.LOCAL)
+    command = kit.server_command(config, out, federation, partition, no_export=True)
     clients = read_index(partition)["clients"]
 
     def agents(logs: Path) -> list[subprocess.Popen]:
         return [kit.spawn_agent(logs, c["client_id"], partition / c["file"], federation) for c in clients]
 
-    with open(tmp_path / "server-first.log", "w") as log:
-        first = subprocess.Popen(command, cwd=kit.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    first = kit.spawn(command, tmp_path / "server-first.log")
     before = agents(tmp_path / "before")
     after: list[subprocess.Popen] = []
     second = None
@@ -182,8 +169,7 @@ def test_a_full_stop_resumes_in_either_restart_order(
             after = agents(tmp_path / "after")
             # Up, connected (retained presence online) and asking a server that is not there yet.
             assert kit.wait_for(lambda: all("connected to" in kit.log_text(a) for a in after), timeout=60)
-        with open(server_log, "w") as log:
-            second = subprocess.Popen(command, cwd=kit.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+        second = kit.spawn(command, server_log)
         if order == "server-first":
             assert kit.wait_for(lambda: "waiting for devices" in server_log.read_text(), timeout=60), (
                 server_log.read_text()
@@ -223,10 +209,11 @@ def test_a_broker_restart_mid_run_lets_the_federation_finish(
     out = tmp_path / "run"
     checkpoint = out / CHECKPOINT
     # A message lost in the outage costs its round the deadline: keep that short.
-    command = [*server_command(kit, out, federation, partition, config, private_broker.url), "--round-timeout", "30"]
+    command = kit.server_command(
+        config, out, federation, partition, broker=private_broker.url, no_export=True, round_timeout=30
+    )
     server_log = tmp_path / "server.log"
-    with open(server_log, "w") as log:
-        server = subprocess.Popen(command, cwd=kit.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    server = kit.spawn(command, server_log)
     clients = read_index(partition)["clients"]
     agents = [
         kit.spawn_agent(tmp_path, c["client_id"], partition / c["file"], federation, broker=private_broker.url)
@@ -271,13 +258,14 @@ def test_an_update_sent_before_the_server_is_back_on_the_broker_still_counts(
     fix that order. The device publishes its update when the new broker has no subscriber for it yet.
     """
     out = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "feast_edge.server.cli", "run", "--insecure", "--broker", private_broker.url, "--out", str(out), "--rounds", "1", "--per-round", "1",
-        "--min-clients", "1", "--round-timeout", "30", "--federation", federation, "--wait-timeout", "120", "--no-export", "--threads", "1",
-    ]  # fmt: skip
+    # fmnist-small (the default preset) on a real shard: the chaos tests' real-size guard; no --data: a server without data.
+    command = kit.server_command(
+        replace(kit.CONFIG, preset="fmnist-small", rounds=1, per_round=1, clients=1), out, federation,
+        broker=private_broker.url, round_timeout=30, wait_timeout=120, no_export=True, seed=None, batch_size=None,
+        eval_every=None, start_clients=None,
+    )  # fmt: skip
     server_log = tmp_path / "server.log"
-    with open(server_log, "w") as log:
-        server = subprocess.Popen(command, cwd=kit.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    server = kit.spawn(command, server_log)
     # ~600 examples on the largest envelope: several seconds of training, long enough to take the broker away meanwhile.
     agent = kit.spawn_agent(
         tmp_path,

@@ -440,44 +440,8 @@ def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round
     config = replace(kit.CONFIG, rounds=3)
     expected = kit.simulated_weights(config, tmp_path / "simulation")
     out = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "feast_edge.server.cli",
-        "run",
-        "--insecure",
-        "--broker",
-        kit.LOCAL,
-        "--out",
-        str(out),
-        "--rounds",
-        "3",
-        "--per-round",
-        "2",
-        "--min-clients",
-        "2",
-        "--start-clients",
-        "3",
-        "--round-timeout",
-        "120",
-        "--seed",
-        str(config.seed),
-        "--batch-size",
-        "32",
-        "--data",
-        str(partition),
-        "--federation",
-        federation,
-        "--wait-timeout",
-        "180",
-        "--no-export",
-        "--eval-every",
-        "1",
-        "--threads",
-        "1",
-    ]
-    with open(tmp_path / "server-first.log", "w") as log:
-        first = subprocess.Popen(command, cwd=kit.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    command = kit.server_command(config, out, federation, partition, no_export=True)
+    first = kit.spawn(command, tmp_path / "server-first.log")
     # One agent hosts two virtual clients of the partition, another the third client's shard file.
     host = kit.spawn_agent(tmp_path, "lab-host", partition, federation, "--clients", "2")
     single = kit.spawn_agent(tmp_path, "client-002", partition / "client-002.safetensors", federation)
@@ -508,7 +472,13 @@ def test_a_second_agent_with_an_online_device_id_is_refused(
     kit, tmp_path: Path, federation: str, partition: Path
 ) -> None:
     config = ServerConfig(
-        out=str(tmp_path / "run"), rounds=1, per_round=5, min_clients=5, federation=federation, wait_timeout=240.0
+        out=str(tmp_path / "run"),
+        preset=kit.CONFIG.preset,
+        rounds=1,
+        per_round=5,
+        min_clients=5,
+        federation=federation,
+        wait_timeout=240.0,
     )
     server = kit.ServerThread(config).start()  # waits for 5 devices: it only handles registrations here
     shard = partition / "client-000.safetensors"
@@ -519,23 +489,7 @@ def test_a_second_agent_with_an_online_device_id_is_refused(
             kit.log_text(first)
         )
         second = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "feast_edge.agent.cli",
-                "run",
-                "--insecure",
-                "--broker",
-                kit.LOCAL,
-                "--device-id",
-                "twin",
-                "--data",
-                str(shard),
-                "--federation",
-                federation,
-                "--register-timeout",
-                "60",
-            ],
+            kit.agent_command("twin", shard, federation, "--register-timeout", "60"),
             cwd=kit.REPO,
             capture_output=True,
             text=True,

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,36 +29,10 @@ def test_agents_leave_when_the_federation_finishes(kit, tmp_path: Path, federati
     clients = read_index(partition)["clients"]
     out = tmp_path / "run"
     server_log = tmp_path / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "feast_edge.server.cli",
-        "run",
-        "--insecure",
-        "--broker",
-        kit.LOCAL,
-        "--out",
-        str(out),
-        "--rounds",
-        "1",
-        "--per-round",
-        "2",
-        "--min-clients",
-        "2",
-        "--round-timeout",
-        "120",
-        "--wait-timeout",
-        "120",
-        "--data",
-        str(partition),
-        "--federation",
-        federation,
-        "--eval-every",
-        "1",
-        "--threads",
-        "1",
-        "--serve",
-    ]
+    command = kit.server_command(
+        replace(kit.CONFIG, rounds=1), out, federation, partition,
+        wait_timeout=120, start_clients=None, seed=None, batch_size=None, serve=True,
+    )  # fmt: skip
     with open(server_log, "w") as log:
         server = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True)
     first = kit.spawn_agent(
@@ -109,31 +84,10 @@ def test_export_and_serve_work_from_the_run_directory_alone(
     clients = read_index(partition)["clients"][:2]
     out = tmp_path / "run"
     ran = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "feast_edge.server.cli",
-            "run",
-            "--insecure",
-            "--broker",
-            kit.LOCAL,
-            "--out",
-            str(out),
-            "--rounds",
-            "1",
-            "--per-round",
-            "2",
-            "--min-clients",
-            "2",
-            "--round-timeout",
-            "120",
-            "--wait-timeout",
-            "120",
-            "--federation",
-            federation,
-            "--threads",
-            "1",
-        ],
+        kit.server_command(
+            replace(kit.CONFIG, rounds=1), out, federation,
+            wait_timeout=120, start_clients=None, seed=None, batch_size=None, eval_every=None,
+        ),  # fmt: skip
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

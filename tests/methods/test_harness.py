@@ -13,22 +13,16 @@ from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.sim.methods import METHODS, MethodError, method_class
 from feast_edge.sim.setup import SimulationConfig, SimulationError
 from feast_edge.sim.simulate import Simulation
+from simconfigs import tiny_config
 
-TINY = dict(
-    clients=4,
-    per_round=2,
-    rounds=2,
-    train_limit=400,
-    val_samples=200,
-    calib_samples=100,
-    test_limit=200,
-    eval_every=1,
-    probe_variants=2,
+# Every method on the fmnist-tiny preset, validated each round.
+SETTINGS = dict(
+    train_limit=400, val_samples=200, calib_samples=100, test_limit=200, eval_every=1, probe_variants=2, batch_size=64
 )
 
 
 def _config(fashion_mnist_dir, method: str, **changes) -> SimulationConfig:
-    return SimulationConfig(method=method, data_dir=str(fashion_mnist_dir), **{**TINY, **changes})
+    return tiny_config(fashion_mnist_dir, method=method, **{**SETTINGS, **changes})
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -51,7 +45,7 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(method, fashion_
     assert not differ, f"{method}: resumed weights differ in {differ[:3]}"
     assert [v["test_accuracy"] for v in whole["variants"]] == [v["test_accuracy"] for v in resumed["variants"]]
     assert whole["population_accuracy"] == resumed["population_accuracy"]
-    assert whole["method"] == method and len(whole["served"]) == TINY["clients"]
+    assert whole["method"] == method and len(whole["served"]) == config.clients
     assert all(0 <= i < len(whole["variants"]) for i in whole["served"])
     macs = [v["macs"] for v in whole["variants"]]
     assert macs == sorted(macs)
