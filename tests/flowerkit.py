@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ports import free_port
+
 BIN = Path(sys.executable).parent  # the venv's bin: flower-superlink, flwr, and what Flower starts by name
 CONNECTION = "feast-test"  # the [superlink.<name>] entry of the CLI's config.toml
 QUIET = {
@@ -34,12 +36,6 @@ QUIET = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "PYTHONUNBUFFERED": "1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def toml_value(value: Any) -> str:

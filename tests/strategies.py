@@ -47,4 +47,3 @@ def tiny_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (n, 1, 16, 16), dtype=torch.uint8, generator=g)
     return images, torch.randint(0, load_preset_file(TINY_PRESET).classes, (n,), generator=g)
-

@@ -50,37 +50,49 @@ def _to_onnx_bytes(model: torch.nn.Module, example: torch.Tensor) -> bytes:
     """Export with the TorchScript exporter, or the torch.export-based one where PyTorch no longer has it.
 
     A variant is a plain static network (convolutions, BN, ReLU, pooling, a linear head): both exporters write the
-    same function (docs/benchmarks.md, "ONNX export"), and tracing takes well under a second where torch.export
-    takes about ten (bench/bench_onnx_export.py), which every device's export pays.
+    same function, and tracing takes well under a second where torch.export takes about ten
+    (bench/bench_onnx_export.py, docs/benchmarks.md "ONNX export"), which every device's export pays.
     """
+    try:
+        return export_torchscript(model, example)
+    except _NO_TORCHSCRIPT:  # a PyTorch whose torch.onnx.export has only the torch.export-based exporter
+        return export_dynamo(model, example)
+
+
+def export_torchscript(model: torch.nn.Module, example: torch.Tensor) -> bytes:
+    """``model`` as ONNX bytes from the TorchScript (tracing) exporter, batch dimension dynamic."""
+    buffer = io.BytesIO()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice is for PyTorch's users, not ours
-        try:
-            buffer = io.BytesIO()
-            torch.onnx.export(
-                model,
-                (example,),
-                buffer,
-                input_names=[INPUT_NAME],
-                output_names=[OUTPUT_NAME],
-                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-                opset_version=OPSET,
-                **_TORCHSCRIPT,
-            )
-            return buffer.getvalue()
-        except _NO_TORCHSCRIPT:  # a PyTorch whose torch.onnx.export has only the torch.export-based exporter
-            program = torch.onnx.export(
-                model,
-                (example,),
-                None,
-                dynamo=True,
-                input_names=[INPUT_NAME],
-                output_names=[OUTPUT_NAME],
-                dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1)}},
-                opset_version=OPSET,
-                verbose=False,
-            )
-            return program.model_proto.SerializeToString()
+        warnings.simplefilter("ignore")  # its deprecation notice is for PyTorch's users, not ours
+        torch.onnx.export(
+            model,
+            (example,),
+            buffer,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+            opset_version=OPSET,
+            **_TORCHSCRIPT,
+        )
+    return buffer.getvalue()
+
+
+def export_dynamo(model: torch.nn.Module, example: torch.Tensor) -> bytes:
+    """``model`` as ONNX bytes from the torch.export-based exporter (PyTorch >= 2.5), batch dimension dynamic."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model,
+            (example,),
+            None,
+            dynamo=True,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1)}},
+            opset_version=OPSET,
+            verbose=False,
+        )
+    return program.model_proto.SerializeToString()
 
 
 # PyTorch >= 2.5 takes dynamo= (and from 2.9 defaults to True); older ones have only the TorchScript exporter.

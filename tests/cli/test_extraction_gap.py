@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-from simconfigs import tiny_config
 
 from feast_edge.evaluate.evaluation import evaluate_variants
 from feast_edge.evaluate.extraction import Extracted, curve_at, mean_abs_gap, target_budgets
@@ -14,6 +13,7 @@ from feast_edge.run.checkpoint import load_supernet
 from feast_edge.sim.setup import build_setup
 from feast_edge.sim.simulate import Simulation
 from feast_edge.space.arch import Arch
+from simconfigs import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ from safetensors.torch import load_file
 
 from feast_edge.cli.worker import COMMAND
 from feast_edge.sim.distributed import Spread
-from feast_edge.sim.setup import SimulationConfig
+from feast_edge.sim.simulate import CHECKPOINT, Simulation
 from simconfigs import tiny_config
 from strategies import FMNIST_TINY
-from feast_edge.sim.simulate import CHECKPOINT, Simulation
 
 # The --nproc path's real-size guard: RUN trains fmnist-small (the default preset); the other runs use fmnist-tiny.
 # Both runs use one intra-op thread per process: the thread count changes PyTorch's float summation order.

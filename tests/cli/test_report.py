@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+
+from feast_edge.report.runs import group_runs, load_run
 from rundirs import CACHED, HELD_OUT, HETEROFL, HOLDOUT_ACCURACY, federation_run
 from rundirs import simulate_results as _results
 from rundirs import write_run as _write
-
-from feast_edge.report.runs import group_runs, load_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FEAST = [

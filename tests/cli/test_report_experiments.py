@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 from PIL import Image
-from rundirs import CACHED, HETEROFL, simulate_results, write_run
 
 from feast_edge.report.runs import group_runs, load_run
+from rundirs import CACHED, HETEROFL, simulate_results, write_run
 
 FEAST_ACC = {"v0": 0.50, "v1": 0.60, "v2": 0.70}
 HETERO_ACC = {"x0.125": 0.30, "x0.25": 0.40, "x0.5": 0.45, "x1": 0.52}

@@ -8,7 +8,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from rundirs import HELD_OUT, federation_run
 
 from feast_edge.run.checkpoint import save_supernet
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
@@ -16,6 +15,7 @@ from feast_edge.server.registry import Registry
 from feast_edge.server.status import ago, read_status
 from feast_edge.space.preset import load_preset_file
 from feast_edge.space.supernet import Supernet
+from rundirs import HELD_OUT, federation_run
 from strategies import TINY_PRESET
 
 CONFIG = {"rounds": 3, "preset": "test-tiny", "federation": "lab"}

@@ -25,10 +25,10 @@ from feast_edge.aggregate.sparse import PayloadError, aggregate
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.loop import RunError, RunSettings
 from feast_edge.sim.setup import SimulationConfig, SimulationError
-from simconfigs import tiny_config
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
 from feast_edge.space.geometry import envelope_layout
 from feast_edge.space.supernet import Supernet
+from simconfigs import tiny_config
 
 ROBUST = ("clip", "trimmed-mean", "median")
 

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from simconfigs import tiny_config
 
 from feast_edge.run.checkpoint import EXTRA, load_supernet
 from feast_edge.sim.setup import SimulationConfig, SimulationError
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
+from simconfigs import tiny_config
 
 
 def _config(fashion_mnist_dir, **changes) -> SimulationConfig:

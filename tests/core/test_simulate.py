@@ -11,7 +11,7 @@ import torch
 from feast_edge.cache.variants import CacheError, cache_path, load_cache
 from feast_edge.data.images import DataError
 from feast_edge.run.checkpoint import load_supernet
-from feast_edge.sim.setup import SimulationConfig, SimulationError
+from feast_edge.sim.setup import SimulationError
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
 from feast_edge.space.preset import load_preset
 from simconfigs import tiny_config

@@ -4,11 +4,9 @@ counter reaching 2 and points on the accuracy charts. A screenshot is left in bu
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,10 +16,10 @@ from typing import Any
 import pytest
 from browser import console_errors, open_page, points, save_screenshot, wait_until
 
+from commands import LOCAL, agent_command, server_command, spawn
 from feast_edge.sim.shards import read_index, write_partition
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained
-from commands import LOCAL, agent_command, server_command, spawn
 from simconfigs import tiny_config
 
 # A feast-server and feast-agent processes on the broker at 127.0.0.1:1883, watched in headless Chromium.

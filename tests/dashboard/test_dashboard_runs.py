@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-from rundirs import HELD_OUT, HOLDOUT_ACCURACY, federation_run
 
 from feast_edge.dashboard import DashboardError, load_runs
 from feast_edge.dashboard.runs import BYTES_PER_PARAM
@@ -18,6 +17,7 @@ from feast_edge.server.registry import Registry
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import Preset
 from feast_edge.space.supernet import Supernet
+from rundirs import HELD_OUT, HOLDOUT_ACCURACY, federation_run
 
 ARCH = {"d": [0, 0, 0], "e": [0.5, 0.5, 0.5], "w": [0, 0, 0, 0]}
 
@@ -26,7 +26,7 @@ def test_a_simulation_run_fills_the_page(finished_run) -> None:
     run = finished_run.out  # 2 clients, both in each of its 2 rounds
     results = json.loads((run / "results.json").read_text())
     snapshot = load_runs([run]).snapshot()
-    assert snapshot["kind"] == "runs" and snapshot["title"].startswith(f"{run.name}: feast, seed 0, fmnist-small")
+    assert snapshot["kind"] == "runs" and snapshot["title"].startswith(f"{run.name}: feast, seed 0, fmnist-tiny")
     assert (
         snapshot["run"]["status"] == "finished"
         and snapshot["run"]["rounds_done"] == snapshot["run"]["rounds_total"] == finished_run.rounds == 2

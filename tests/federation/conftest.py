@@ -8,11 +8,9 @@ retained messages are cleared afterwards.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -21,7 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
+from commands import LOCAL, agent_command, command_options, server_command, spawn
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.server.app import FederationServer, RoundRecord, ServerConfig
 from feast_edge.sim.setup import SimulationConfig
@@ -29,7 +29,6 @@ from feast_edge.sim.shards import write_partition
 from feast_edge.sim.simulate import Simulation
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained as transport_clear_retained
-from commands import LOCAL, agent_command, command_options, server_command, spawn
 from strategies import FMNIST_TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,12 +56,6 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex((host, port)) == 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from feast_edge.run.loop import CHECKPOINT
-from feast_edge.server.brokers import Broker, free_port, start_mosquitto
+from feast_edge.server.brokers import Broker, start_mosquitto
 from feast_edge.sim.shards import read_index
 
 # Two private mosquittos bridged, a server thread, real agent processes.

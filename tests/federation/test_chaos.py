@@ -20,7 +20,6 @@ from __future__ import annotations
 import getpass
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -260,8 +259,8 @@ def test_an_update_sent_before_the_server_is_back_on_the_broker_still_counts(
     out = tmp_path / "run"
     # fmnist-small (the default preset) on a real shard: the chaos tests' real-size guard; no --data: a server without data.
     command = kit.server_command(
-        replace(kit.CONFIG, preset="fmnist-small", rounds=1, per_round=1, clients=1), out, federation,
-        broker=private_broker.url, round_timeout=30, wait_timeout=120, no_export=True, seed=None, batch_size=None,
+        replace(kit.CONFIG, preset="fmnist-small", rounds=1, per_round=1), out, federation,
+        broker=private_broker.url, round_timeout=60, wait_timeout=120, no_export=True, seed=None, batch_size=None,
         eval_every=None, start_clients=None,
     )  # fmt: skip
     server_log = tmp_path / "server.log"

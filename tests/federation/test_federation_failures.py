@@ -17,7 +17,6 @@ import pickle
 import queue
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -402,6 +401,7 @@ def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, feder
     entries = read_index(partition)["clients"][:2]
     config = ServerConfig(
         out=str(tmp_path / "run"),
+        preset=kit.CONFIG.preset,
         rounds=1,
         per_round=3,
         min_clients=2,
@@ -414,8 +414,11 @@ def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, feder
     )
     server = kit.ServerThread(config).start()
     agents = [kit.spawn_agent(tmp_path, e["client_id"], partition / e["file"], federation) for e in entries]
-    # The victim trains a large shard, so it is still training when it is killed.
-    victim = kit.spawn_agent(tmp_path, "victim", FASHION_MNIST_DIR, federation, "--shard", "0/10", "--budget", "39M")
+    # The victim trains a large shard (6,000 images) on fmnist-tiny's largest variant, so it is still training when
+    # it is killed.
+    victim = kit.spawn_agent(
+        tmp_path, "victim", FASHION_MNIST_DIR, federation, "--shard", "0/10", "--budget", "1.5M", "--preset", "fmnist-tiny"
+    )
     try:
         assert kit.wait_for(lambda: "victim trains" in kit.log_text(victim), timeout=150), kit.log_text(victim)
         victim.kill()  # no clean DISCONNECT: the broker publishes its last will

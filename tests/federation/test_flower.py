@@ -24,7 +24,6 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from flowerkit import LocalFlower
 from PIL import Image
 
 from feast_edge.cache.variants import load_cache
@@ -35,6 +34,7 @@ from feast_edge.run.loop import CHECKPOINT
 from feast_edge.sim.shards import read_index
 from feast_edge.sim.simulate import Simulation
 from feast_edge.space.preset import load_preset
+from flowerkit import LocalFlower
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -22,6 +22,7 @@ from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.config import ServerConfig
 from feast_edge.sim.shards import read_index
+from strategies import FMNIST_TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -33,7 +34,7 @@ class LoopbackGrid:
 
     def __init__(self, run_config: dict | None = None) -> None:
         self.nodes: dict[int, tuple[dict, dict[str, Handler]]] = {}
-        self.run_config = run_config or {}
+        self.run_config = {"preset": str(FMNIST_TINY), **(run_config or {})}  # the run trains kit.CONFIG's preset
 
     def add(self, node: int, node_config: dict, **handlers: Handler) -> None:
         self.nodes[node] = (node_config, {"query": clientapp.register, "train": clientapp.train, **handlers})
@@ -122,7 +123,7 @@ def test_a_node_claiming_another_nodes_identity_is_refused(kit, partition: Path,
     _good_nodes(grid, partition, 2)
 
     def impostor(message: Message, context: Context) -> Message:
-        forged = Context(run_id=1, node_id=100, node_config=context.node_config, state=RecordDict(), run_config={})
+        forged = Context(run_id=1, node_id=100, node_config=context.node_config, state=RecordDict(), run_config=context.run_config)
         return clientapp.register(message, forged)  # says it is node 100's host
 
     grid.add(11, {"data": str(partition), "offset": 2}, query=impostor)
@@ -195,7 +196,7 @@ def test_a_round_for_another_device_is_declined_by_the_node(kit, partition: Path
             node_id=context.node_id,
             node_config={"data": str(partition), "offset": 2},
             state=RecordDict(),
-            run_config={},
+            run_config=context.run_config,
         )
         return clientapp.train(message, other)
 

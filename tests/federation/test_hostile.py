@@ -297,6 +297,7 @@ def test_a_finished_replayed_from_an_earlier_run_does_not_end_an_agent(
 
     config = ServerConfig(
         out=str(tmp_path / "server"),
+        preset=kit.CONFIG.preset,
         federation=federation,
         rounds=1,
         per_round=1,

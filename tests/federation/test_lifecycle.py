@@ -85,8 +85,14 @@ def test_export_and_serve_work_from_the_run_directory_alone(
     out = tmp_path / "run"
     ran = subprocess.Popen(
         kit.server_command(
-            replace(kit.CONFIG, rounds=1), out, federation,
-            wait_timeout=120, start_clients=None, seed=None, batch_size=None, eval_every=None,
+            replace(kit.CONFIG, rounds=1),
+            out,
+            federation,
+            wait_timeout=120,
+            start_clients=None,
+            seed=None,
+            batch_size=None,
+            eval_every=None,
         ),  # fmt: skip
         cwd=tmp_path,
         stdout=subprocess.PIPE,

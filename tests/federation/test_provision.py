@@ -21,9 +21,10 @@ import paho.mqtt.client as mqtt
 import pytest
 from cryptography import x509
 from paho.mqtt.enums import CallbackAPIVersion
+from ports import free_port
 
 from feast_edge.protocol import Register, Registered
-from feast_edge.server.brokers import Broker, free_port, start_mosquitto
+from feast_edge.server.brokers import Broker, start_mosquitto
 from feast_edge.server.provision import Provisioned, provision
 from feast_edge.sim.shards import read_index
 from feast_edge.transport.broker import LinkConfig

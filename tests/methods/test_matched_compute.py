@@ -6,12 +6,12 @@ import json
 from dataclasses import replace
 
 import pytest
-from simconfigs import tiny_config
 
 from feast_edge.sim.matched import matched_config, round_train_macs
 from feast_edge.sim.registry import method_class
 from feast_edge.sim.setup import SimulationConfig, SimulationError, build_setup
 from feast_edge.sim.simulate import Simulation
+from simconfigs import tiny_config
 
 
 def _config(fashion_mnist_dir, **changes) -> SimulationConfig:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ports import free_port, free_ports
 
 from feast_edge.transport.broker import LinkConfig, parse_broker_url
 from feast_edge.transport.chunks import Status
@@ -40,22 +41,6 @@ def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return bool(predicate())
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports that nothing listens on (bound together so they cannot repeat)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def port_open(port: int) -> bool:
