@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -12,6 +12,10 @@ from feast_edge.cli import common
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.credentials import credentials_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
+
+if TYPE_CHECKING:
+    from feast_edge.agent.local_data import LocalClient
+    from feast_edge.space.preset import Preset
 
 console = common.make_console()
 
@@ -41,7 +45,10 @@ def fetch_model_command(
             help="This device's data, to calibrate BN on when the server holds none (its models are calibrated on the device).",
         ),
     ] = None,
-    preset: Annotated[str, typer.Option(help="Preset name or .toml file (with --data).")] = "fmnist-small",
+    preset: Annotated[
+        Optional[str],
+        typer.Option(help="Preset name or .toml file (with --data; default: the one the server's model names)."),
+    ] = None,
     holdout: Annotated[
         Optional[float],
         typer.Option(help="Held-out share of --data the model is tested on (default: as feast-agent run)."),
@@ -56,8 +63,12 @@ def fetch_model_command(
 
     common.setup_logging(log_level, log_file)
     device_id, federation = identity(link, device_id, federation)
-    task_preset = load_preset(preset)
-    own = None if data is None else load_clients(data, device_id, task=task_preset.task, holdout=holdout)[0]
+    task_preset = None if preset is None else load_preset(preset)
+
+    def own(model_preset: Preset) -> LocalClient:  # read once the preset is known: the model's, unless --preset
+        assert data is not None
+        return load_clients(data, device_id, task=model_preset.task, holdout=holdout)[0]
+
     got = fetch_model(
         link,
         federation,
@@ -66,7 +77,7 @@ def fetch_model_command(
         timeout=timeout,
         chunk_size=chunk_size,
         repeats=repeats,
-        data=own,
+        data=None if data is None else own,
         preset=task_preset,
     )
     m = got.manifest

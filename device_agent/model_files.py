@@ -130,6 +130,23 @@ def _ask(link: Link, topic: str, request: bytes, replies: queue.Queue[ModelReady
     return None
 
 
+def _manifest_preset(manifest: dict) -> Preset:
+    """The preset a model manifest names, loaded here by name (built in, or on FEAST_EDGE_PRESET_PATH)."""
+    from feast_edge.errors import PresetError
+    from feast_edge.space.preset import load_preset
+
+    name = manifest.get("preset")
+    if not isinstance(name, str) or not name or len(name) > 128:
+        raise ModelError("the model manifest names no preset; pass --preset with the server's preset")
+    try:
+        return load_preset(name)
+    except PresetError as exc:
+        raise ModelError(
+            f"the model is a variant of preset {name!r}, which this device does not have ({exc}); pass --preset "
+            "with the server's preset file"
+        ) from None
+
+
 def fetch_model(
     link_config: LinkConfig,
     federation: str,
@@ -139,13 +156,14 @@ def fetch_model(
     timeout: float = 30.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     repeats: int = 50,
-    data: LocalClient | None = None,
+    data: Callable[[Preset], LocalClient] | None = None,
     preset: Preset | None = None,
 ) -> FetchedModel:
     """Ask the server for ``device_id``'s ONNX model, download it in chunks, verify, save and time it.
 
     A server without data sends the variant's weights instead (``"calibration": "device"``): they are calibrated
-    on ``data`` (this device's own) and exported here, as ``feast-agent run --model-dir`` does."""
+    on ``data(preset)`` (this device's own, read for that preset's task) and exported here, as ``feast-agent run
+    --model-dir`` does. ``preset``: the one the device trains; None takes the preset the model's manifest names."""
     out = check_writable(out, "model file")
     topics = Topics(federation)
     replies: queue.Queue[ModelReady] = queue.Queue()
@@ -202,12 +220,14 @@ def fetch_model(
     finally:
         link.close()
     if answer.manifest.get("calibration") in ("device", "federated"):
-        if data is None or preset is None:
+        if data is None:
             raise ModelError(
                 f"the server holds no data: the model of {device_id} is exported on the device; pass --data "
                 "(this device's data, as for feast-agent run) to export it here and measure it on its held-out split"
             )
-        path, _ = calibrate_served_variant(blob, answer.manifest, data, preset, out)
+        if preset is None:
+            preset = _manifest_preset(answer.manifest)
+        path, _ = calibrate_served_variant(blob, answer.manifest, data(preset), preset, out)
         manifest = json.loads(path.with_suffix(".json").read_text())
         return FetchedModel(path, manifest, measure_latency(path, repeats=repeats))
     path = save_model(blob, answer.manifest, out)

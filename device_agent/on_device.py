@@ -175,6 +175,12 @@ def calibrate_served_variant(
     digest = hashlib.sha256(blob).hexdigest()
     if digest != manifest.get("sha256"):
         raise OnDeviceError(f"the received weights hash to {digest}, their manifest says {manifest.get('sha256')}")
+    if "preset_digest" in manifest and manifest["preset_digest"] != preset.digest:
+        named = str(manifest.get("preset"))[:64]
+        raise OnDeviceError(
+            f"the model is a variant of preset {named!r}, this device loaded preset {preset.name!r} "
+            f"({preset.digest[:12]}); pass --preset with the server's preset ({named})"
+        )
     try:
         arch = Arch.from_dict(manifest["arch"]).validated(preset)
     except (KeyError, TypeError, ValueError) as exc:

@@ -11,6 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from simconfigs import cli_options, tiny_config
+
 # A real feast-edge simulate process with its dashboard.
 pytestmark = [pytest.mark.slow]
 
@@ -24,24 +26,19 @@ def test_a_simulation_shows_its_clients_rounds_and_results_live(tmp_path: Path, 
         "simulate",
         "--out",
         str(out),
-        "--clients",
-        "3",
-        "--per-round",
-        "2",
-        "--rounds",
-        "3",
-        "--train-limit",
-        "240",
-        "--val-samples",
-        "60",
-        "--calib-samples",
-        "30",
-        "--test-limit",
-        "60",
-        "--eval-every",
-        "1",
-        "--batch-size",
-        "32",
+        # fmnist-tiny; 1,200 examples: rounds of a second or more, so the polls below see one in progress
+        *cli_options(
+            tiny_config(
+                fashion_mnist_dir,
+                clients=3,
+                rounds=3,
+                train_limit=1200,
+                val_samples=60,
+                calib_samples=30,
+                test_limit=60,
+                eval_every=1,
+            )
+        ),  # fmt: skip
         "--dashboard",
         "127.0.0.1:0",
         "--tensorboard",
@@ -65,7 +62,7 @@ def test_a_simulation_shows_its_clients_rounds_and_results_live(tmp_path: Path, 
                     seen.append(client.get(url + "api/state").json())
                 except httpx.HTTPError:
                     break  # the simulation finished and stopped its dashboard
-                time.sleep(0.2)
+                time.sleep(0.1)
         output += process.stdout.read()
     finally:
         process.kill() if process.poll() is None else None

@@ -417,7 +417,16 @@ def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, feder
     # The victim trains a large shard (6,000 images) on fmnist-tiny's largest variant, so it is still training when
     # it is killed.
     victim = kit.spawn_agent(
-        tmp_path, "victim", FASHION_MNIST_DIR, federation, "--shard", "0/10", "--budget", "1.5M", "--preset", "fmnist-tiny"
+        tmp_path,
+        "victim",
+        FASHION_MNIST_DIR,
+        federation,
+        "--shard",
+        "0/10",
+        "--budget",
+        "1.5M",
+        "--preset",
+        "fmnist-tiny",
     )
     try:
         assert kit.wait_for(lambda: "victim trains" in kit.log_text(victim), timeout=150), kit.log_text(victim)

@@ -123,7 +123,9 @@ def test_a_node_claiming_another_nodes_identity_is_refused(kit, partition: Path,
     _good_nodes(grid, partition, 2)
 
     def impostor(message: Message, context: Context) -> Message:
-        forged = Context(run_id=1, node_id=100, node_config=context.node_config, state=RecordDict(), run_config=context.run_config)
+        forged = Context(
+            run_id=1, node_id=100, node_config=context.node_config, state=RecordDict(), run_config=context.run_config
+        )
         return clientapp.register(message, forged)  # says it is node 100's host
 
     grid.add(11, {"data": str(partition), "offset": 2}, query=impostor)

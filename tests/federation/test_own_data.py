@@ -23,12 +23,14 @@ from feast_edge.transport.broker import LinkConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
-# Each device holds its own classes (three overlapping subsets of the ten), its own image formats and sizes.
+# Each device holds its own classes (three overlapping subsets of the ten), its own image formats and sizes, and a
+# budget in fmnist-tiny's range (0.15M-1.5M MACs; the int8 test's profile is fmnist-small's raspberry-pi-5).
 DEVICES = {
-    "cam-a": ((0, 1, 2, 3, 4), 6_000_000, "png-grey"),
-    "cam-b": ((3, 4, 5, 6), 20_000_000, "jpeg-rgb-56"),
-    "cam-c": ((5, 6, 7, 8, 9), 40_000_000, "png-rgb-40"),
+    "cam-a": ((0, 1, 2, 3, 4), 220_000, "png-grey"),
+    "cam-b": ((3, 4, 5, 6), 750_000, "jpeg-rgb-56"),
+    "cam-c": ((5, 6, 7, 8, 9), 1_500_000, "png-rgb-40"),
 }
+TINY = ("--preset", "fmnist-tiny")  # the agents' preset (image folders name none): the servers' below
 PER_CLASS = 40
 
 
@@ -56,6 +58,7 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
         write_folder(tmp_path / "data" / device, classes, style, train, offset=k * PER_CLASS)
     config = ServerConfig(
         out=str(tmp_path / "server"),
+        preset=kit.CONFIG.preset,
         federation=federation,
         rounds=2,
         per_round=3,
@@ -100,6 +103,7 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
             str(budget),
             "--model-dir",
             str(models),
+            *TINY,
         )
         for device, (_, budget, _) in DEVICES.items()
     }
@@ -170,6 +174,7 @@ def test_fetch_model_calibrates_a_model_left_for_the_device_on_its_own_data(
     write_folder(tmp_path / "photos", classes, style, train, offset=0)
     config = ServerConfig(
         out=str(tmp_path / "server"),
+        preset=kit.CONFIG.preset,
         federation=federation,
         rounds=1,
         per_round=1,
@@ -193,7 +198,7 @@ def test_fetch_model_calibrates_a_model_left_for_the_device_on_its_own_data(
 
     server.start(timeout=5)
     threading.Thread(target=run, daemon=True).start()
-    agent = kit.spawn_agent(tmp_path / "logs", "cam-c", tmp_path / "photos", federation, "--budget", str(budget))
+    agent = kit.spawn_agent(tmp_path / "logs", "cam-c", tmp_path / "photos", federation, "--budget", str(budget), *TINY)
     try:
         assert agent.wait(180) == 0, kit.log_text(agent)[-3000:]
         assert done.wait(60), "the server did not finish"
@@ -224,7 +229,7 @@ def test_an_int8_profile_gets_an_int8_model_quantized_on_the_device(
     from feast_edge.budget.profile import load_profile, save_profile
 
     train = load_fashion_mnist(fashion_mnist_dir, "train")
-    classes, _, style = DEVICES["cam-c"]
+    classes, _, style = DEVICES["cam-c"]  # fmnist-small, the raspberry-pi-5 profile's preset
     write_folder(tmp_path / "photos", classes, style, train, offset=0)  # 200 images, 20 of them held out
     profile = dataclasses.replace(load_profile("raspberry-pi-5"), name="pi-int8", precision="int8")
     save_profile(profile, tmp_path / "pi-int8.json")

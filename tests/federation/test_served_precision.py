@@ -158,6 +158,16 @@ def test_a_manifest_asking_the_impossible_is_refused_before_anything_is_written(
     assert not (tmp_path / "pi.onnx").exists()
 
 
+def test_a_variant_of_another_preset_names_the_preset_to_pass(supernet, preset, test_split, tmp_path: Path) -> None:
+    """A model exported for another preset than the one the device loaded is refused with the preset to pass (not as
+    weights that fail to fit), before anything is written."""
+    blob, manifest = _weights(supernet, preset, tmp_path, Int8Settings("fp32"))
+    other = {**manifest, "preset": "my-task", "preset_digest": "0" * 64}
+    with pytest.raises(OnDeviceError, match="a variant of preset 'my-task', this device loaded preset 'fmnist-small'"):
+        calibrate_served_variant(blob, other, _own_data(test_split, 60), preset, tmp_path / "pi.onnx")
+    assert not (tmp_path / "pi.onnx").exists()
+
+
 def test_the_quantizer_is_not_reached_for_float32(supernet, preset, test_split, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(quantize, "quantize_int8", lambda *a, **k: pytest.fail("float32 was asked"))
     blob, manifest = _weights(supernet, preset, tmp_path, Int8Settings("fp32"))
