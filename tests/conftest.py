@@ -88,6 +88,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         # The tests of a module that share a module fixture run on one pytest-xdist worker, so that it is made once.
         if item.get_closest_marker("xdist_group") is None and _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(f"module:{item.module.__name__}"))  # type: ignore[attr-defined]
+    # The longest work first, each module's tests together and in their order: modules whose slow tests share a module
+    # fixture (one worker runs them in a row), then other modules with slow tests, then the rest. The workers start on
+    # the long work and end on short tests, instead of one of them running a long module alone at the end.
+    rank: dict[object, int] = {}
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            module = getattr(item, "module", None)
+            grouped = any(str(m.args[0]).startswith("module:") for m in item.iter_markers("xdist_group") if m.args)
+            rank[module] = min(rank.get(module, 2), 0 if grouped else 1)
+    items.sort(key=lambda item: rank.get(getattr(item, "module", None), 2))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,11 +13,13 @@ import pytest
 from rich.console import Console
 
 from feast_edge.budget.profile import load_profile
+from feast_edge.cache.variants import load_cache
 from feast_edge.cli.population import cycled_budgets, population_budgets
 from feast_edge.cli.progress import Stage
 from feast_edge.errors import FeastError
 from feast_edge.server.demo_fleet import Fleet
-from strategies import TINY_PRESET
+from feast_edge.space.preset import load_preset
+from strategies import FMNIST_TINY, TINY_PRESET
 
 JSON_ARCH = '{"d":[3,7,6,7],"e":[0.18,0.18,0.1,0.1],"w":[2,0,0,0,0]}'
 SMALL_ARCH = '{"d":[1,0,1,0],"e":[0.5,0.5,0.5,0.5],"w":[2,2,2,2,2]}'
@@ -256,8 +258,9 @@ def test_simulate_says_each_stage_and_the_one_based_best_round(finished_run):
     reported = [line for line in rounds if " loss " in line]
     assert [line.split()[1] for line in reported] == ["1/2", "2/2"]
     assert re.search(r"loss \d+\.\d{3}  val \d+\.\d{2}%  best \d+\.\d{2}%", reported[-1])
-    testing = [line for line in lines if line.startswith("testing 26 cached variants (BN recalibration + test set) ")]
-    assert testing[0].split(") ")[1].startswith("0/26") and testing[-1].split(") ")[1].startswith("26/26")
+    n = len(load_cache(load_preset(FMNIST_TINY)).entries)  # the finished run's preset
+    testing = [line for line in lines if line.startswith(f"testing {n} cached variants (BN recalibration + test set) ")]
+    assert testing[0].split(") ")[1].startswith(f"0/{n}") and testing[-1].split(") ")[1].startswith(f"{n}/{n}")
     results = json.loads((out / "results.json").read_text())
     validated = {r["round"]: r["val_accuracy"] for r in results["rounds"]}
     assert sorted(validated) == [1, 2] and results["best"]["round"] == max(validated, key=validated.get)

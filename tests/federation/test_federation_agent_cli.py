@@ -54,7 +54,7 @@ def test_partition_clients_keep_their_ids_budgets_and_shards(partition: Path) ->
         )
     assert len(load_clients(partition, "host")) == 4
     single = load_clients(partition / "client-003.safetensors", "my-id")
-    assert single[0].device_id == "my-id" and single[0].preset == "fmnist-small"
+    assert single[0].device_id == "my-id" and single[0].preset == "fmnist-tiny"  # kit.CONFIG's
 
 
 @pytest.mark.parametrize(
@@ -182,20 +182,20 @@ def test_partition_command_writes_exactly_the_simulators_shards(kit, tmp_path: P
         )
 
 
-def test_client_budgets_check_each_hosted_client(partition: Path) -> None:
-    preset = load_preset("fmnist-small")
+def test_client_budgets_check_each_hosted_client(kit, partition: Path) -> None:
+    preset = load_preset(kit.CONFIG.preset)  # fmnist-tiny: cached variants from 0.148M MACs
     cache = load_cache(preset)
     hosted = load_clients(partition, "host", clients=2)
     index = read_index(partition)["clients"]
     assert client_budgets(hosted, preset, cache, None) == {e["client_id"]: int(e["budget_macs"]) for e in index[:2]}
-    assert set(client_budgets(hosted, preset, cache, 20e6).values()) == {20_000_000}  # --budget overrides the shards'
+    assert set(client_budgets(hosted, preset, cache, 1e6).values()) == {1_000_000}  # --budget overrides the shards'
     with pytest.raises(DataError, match="below the smallest cached variant"):
         client_budgets(hosted, preset, cache, 1e5)
     with pytest.raises(DataError, match="appears twice"):
         client_budgets([hosted[0], hosted[0]], preset, cache, None)
     with pytest.raises(DataError, match="no MAC budget for device d"):
         client_budgets([replace(hosted[0], device_id="d", budget_macs=None)], preset, cache, None)
-    with pytest.raises(DataError, match="pass --preset fmnist-small"):
+    with pytest.raises(DataError, match="pass --preset fmnist-tiny"):
         client_budgets(hosted, load_preset("paper-cifar100"), load_cache(load_preset("paper-cifar100")), 600e6)
     with pytest.raises(DataError, match="hosts no clients"):
         client_budgets([], preset, cache, None)

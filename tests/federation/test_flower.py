@@ -2,9 +2,9 @@
 
 A real ``flower-superlink`` and five ``flower-supernode`` processes on loopback (tests/flowerkit.py), the app
 project written by ``feast-edge flower new``, the run started with ``flwr run`` as a user starts it. Three nodes
-hold kit.CONFIG's shards (``feast-edge partition``); a fourth has no data and a fifth holds images of classes the
+hold the shards of kit.CONFIG's population on fmnist-small (the Flower path's real-size guard) (``feast-edge partition``); a fourth has no data and a fifth holds images of classes the
 task does not have: both decline at registration with their reason and the run goes on. After two rounds the
-global weights must equal ``Simulation(kit.CONFIG).run()`` bit for bit, each node's ONNX file must run in
+global weights must equal that simulation's bit for bit, each node's ONNX file must run in
 onnxruntime, and ``feast-edge report`` / the dashboard must read the run directory like any other.
 
 Why the Deployment Engine and not Flower's Simulation Engine: the Simulation Engine needs Ray (flwr[simulation],
@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,8 @@ from feast_edge.dashboard.runs import read_run
 from feast_edge.data.images import load_fashion_mnist
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
-from feast_edge.sim.shards import read_index
+from feast_edge.sim.setup import SimulationConfig
+from feast_edge.sim.shards import read_index, write_partition
 from feast_edge.sim.simulate import Simulation
 from feast_edge.space.preset import load_preset
 from flowerkit import LocalFlower
@@ -64,9 +66,25 @@ def _wrong_task_folder(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def flower_run(kit, tmp_path_factory: pytest.TempPathFactory, partition: Path) -> Iterator[dict]:
+def config(kit) -> SimulationConfig:
+    """kit.CONFIG's population on fmnist-small: this module is the Flower path's real-size guard."""
+    return replace(kit.CONFIG, preset="fmnist-small")
+
+
+@pytest.fixture(scope="module")
+def partition(config: SimulationConfig, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
+    """``config``'s shards (read-only for the tests), with the server's held-out split."""
+    out = tmp_path_factory.mktemp("partition-small")
+    write_partition(config, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def flower_run(
+    kit, config: SimulationConfig, tmp_path_factory: pytest.TempPathFactory, partition: Path
+) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("flower")
-    app, out, config = _app(tmp, kit), tmp / "run", kit.CONFIG
+    app, out = _app(tmp, kit), tmp / "run"
     run_config = {
         "out-dir": str(out),
         "preset": config.preset,
@@ -91,19 +109,23 @@ def flower_run(kit, tmp_path_factory: pytest.TempPathFactory, partition: Path) -
         yield {"run": run, "out": out, "logs": flower.logs()}
 
 
-def test_the_run_completes_and_its_weights_equal_the_simulation(kit, flower_run: dict, tmp_path: Path) -> None:
+def test_the_run_completes_and_its_weights_equal_the_simulation(
+    kit, flower_run: dict, config: SimulationConfig, tmp_path: Path
+) -> None:
     run = flower_run["run"]
     assert run.status == "finished:completed", f"{run.details}\n{run.output}\n{flower_run['logs']}"
-    simulated = kit.simulated_weights(kit.CONFIG, tmp_path / "simulation")
+    simulated = kit.simulated_weights(config, tmp_path / "simulation")
     got = kit.weights(flower_run["out"] / CHECKPOINT)
     diff = kit.max_abs_diff(got, simulated)
     assert all(torch.equal(got[k], simulated[k]) for k in got), f"Flower run and simulation differ by {diff}"
 
 
-def test_rounds_use_the_simulators_cohorts_and_every_update(kit, flower_run: dict, tmp_path: Path) -> None:
+def test_rounds_use_the_simulators_cohorts_and_every_update(
+    kit, flower_run: dict, config: SimulationConfig, tmp_path: Path
+) -> None:
     record = read_record(flower_run["out"] / CHECKPOINT)
     history = record["fields"]["history"]
-    sim = Simulation(kit.CONFIG, tmp_path)
+    sim = Simulation(config, tmp_path)
     assert [h["round"] for h in history] == [1, 2]
     for t, h in enumerate(history):
         assert h["cohort"] == sim.run_round(t).cohort
@@ -119,9 +141,9 @@ def test_nodes_without_data_or_with_data_outside_the_task_decline_with_their_rea
 
 
 def test_each_node_gets_its_largest_affordable_variant_as_onnx(
-    kit, flower_run: dict, partition: Path, fashion_mnist_dir: Path
+    kit, flower_run: dict, config: SimulationConfig, partition: Path, fashion_mnist_dir: Path
 ) -> None:
-    out, preset = flower_run["out"], load_preset(kit.CONFIG.preset)
+    out, preset = flower_run["out"], load_preset(config.preset)
     cache = load_cache(preset)
     index = json.loads((out / "models" / "index.json").read_text())
     budgets = {e["client_id"]: e["budget_macs"] for e in read_index(partition)["clients"]}
