@@ -31,6 +31,23 @@ def command_options(options: dict[str, object]) -> list[str]:
     return argv
 
 
+def reproducing(config: SimulationConfig) -> dict[str, object]:
+    """The server settings (ServerConfig's names) that reproduce ``config``'s simulation: its preset, population and
+    schedule, validated every round, waiting for all of its clients before the first round."""
+    return dict(
+        preset=config.preset,
+        rounds=config.rounds,
+        per_round=config.per_round,
+        min_clients=config.per_round,
+        start_clients=config.clients,
+        round_timeout=120.0,
+        wait_timeout=180.0,
+        seed=config.seed,
+        batch_size=config.batch_size,
+        eval_every=1,
+    )
+
+
 def server_command(
     config: SimulationConfig,
     out: Path,
@@ -44,25 +61,8 @@ def server_command(
     """``feast-server run`` as a user types it, with the settings that reproduce ``config``'s simulation (the
     subprocess twin of :func:`server_config`): it waits for all of ``config``'s clients before its first round.
     ``options`` change or add options by their Python names (``round_timeout=30``, ``no_export=True``); None drops one."""
-    settings: dict[str, object] = dict(
-        insecure=True,
-        broker=broker,
-        out=out,
-        federation=federation,
-        preset=config.preset,
-        rounds=config.rounds,
-        per_round=config.per_round,
-        min_clients=config.per_round,
-        start_clients=config.clients,
-        round_timeout=120,
-        wait_timeout=180,
-        seed=config.seed,
-        batch_size=config.batch_size,
-        eval_every=1,
-        data=partition,
-        threads=1,
-    )
-    settings.update(options)
+    settings = {**reproducing(config), "insecure": True, "broker": broker, "out": out, "federation": federation}
+    settings.update(data=partition, threads=1, **options)
     return [sys.executable, "-m", "feast_edge.server.cli", command, *command_options(settings)]
 
 

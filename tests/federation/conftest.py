@@ -21,7 +21,7 @@ import pytest
 import torch
 from ports import free_port
 
-from commands import LOCAL, agent_command, command_options, server_command, spawn
+from commands import LOCAL, agent_command, command_options, reproducing, server_command, spawn
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.server.app import FederationServer, RoundRecord, ServerConfig
 from feast_edge.sim.setup import SimulationConfig
@@ -29,24 +29,12 @@ from feast_edge.sim.shards import write_partition
 from feast_edge.sim.simulate import Simulation
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.link import clear_retained as transport_clear_retained
-from strategies import FMNIST_TINY
+from simconfigs import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 # The federation tests' population: Fashion-MNIST on the fmnist-tiny test preset (tests/presets), a few dozen
 # images per device; the real-size guards (one end-to-end test per path) set preset="fmnist-small" themselves.
-CONFIG = SimulationConfig(
-    preset=str(FMNIST_TINY),
-    clients=3,
-    per_round=2,
-    rounds=2,
-    train_limit=300,
-    val_samples=100,
-    calib_samples=50,
-    test_limit=50,
-    eval_every=2,
-    batch_size=32,
-    seed=3,
-)
+CONFIG = tiny_config(clients=3, train_limit=300, test_limit=50, probe_variants=3, seed=3)
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -158,22 +146,13 @@ def server_config(
 ) -> ServerConfig:
     """The server settings that reproduce ``config``'s simulation."""
     settings = dict(
+        reproducing(config),
         out=str(out),
-        preset=config.preset,
-        rounds=config.rounds,
-        per_round=config.per_round,
-        min_clients=config.per_round,
-        start_clients=config.clients,
-        round_timeout=120.0,
-        seed=config.seed,
         lr=config.lr,
-        batch_size=config.batch_size,
         variants=config.variants,
         augment=config.augment,
-        eval_every=1,
         data=str(partition),
         federation=federation,
-        wait_timeout=180.0,
         server_opt=config.server_opt,  # the simulation's (feast-server run's default may differ)
         server_lr=config.server_lr,
         server_momentum=config.server_momentum,
