@@ -322,21 +322,21 @@ def test_simulate_errors_are_one_line(cli, tmp_path):
 
 def test_server_run_takes_the_ablation_as_variants_and_refuses_method(server_cli, tmp_path):
     """feast-server run trains FEAST: its ablation is --variants, as in feast-edge simulate, where --method is the algorithm."""
-    refused = server_cli.run(
+    refused = server_cli.invoke(
         "run", "--out", str(tmp_path), "--method", "min+max"
     )  # refused before anything else, the broker included
     server_cli.assert_user_error(
         refused, "feast-server run has no --method; the ablation is --variants min+max (as in feast-edge simulate)"
     )
     server_cli.assert_user_error(
-        server_cli.run("run", "--method", "heterofl"),
+        server_cli.invoke("run", "--method", "heterofl"),
         "the ablation is --variants MODE (min, max, min+max, min+max+kd, full)",
     )
-    bogus = server_cli.run(
+    bogus = server_cli.invoke(
         "run", "--insecure", "--broker", "mqtt://127.0.0.1:1", "--out", str(tmp_path / "run"), "--variants", "bogus"
     )
     server_cli.assert_user_error(bogus, "variants = 'bogus' is unknown")
-    assert "--variants" in server_cli.run("run", "--help", env={"COLUMNS": "200"}).stdout
+    assert "--variants" in server_cli.invoke("run", "--help", env={"COLUMNS": "200"}).stdout
 
 
 def test_partition_takes_the_population_options_of_simulate(cli, tmp_path, fashion_mnist_dir):

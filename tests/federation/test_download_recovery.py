@@ -90,6 +90,7 @@ class BitFlipProxy:
             pass
 
 
+@pytest.mark.slow  # a federation of real agent processes (make test-fast leaves it out)
 def test_one_flipped_bit_in_a_downlink_chunk_is_fetched_again_and_the_device_trains_that_round(
     kit, partition: Path, tmp_path: Path
 ) -> None:

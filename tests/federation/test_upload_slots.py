@@ -59,6 +59,7 @@ def _round(kit, out: Path, federation: str, flood: int) -> tuple[list, dict[str,
     return history, model.state_dict()
 
 
+@pytest.mark.slow  # a federation of real agent processes (make test-fast leaves it out)
 def test_a_flood_of_announcements_takes_one_slot_and_honest_updates_count_bit_identically(
     kit, tmp_path: Path, federation: str
 ) -> None:
