@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import queue
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,8 +137,13 @@ def _manifest_preset(manifest: dict) -> Preset:
     from feast_edge.space.preset import load_preset
 
     name = manifest.get("preset")
-    if not isinstance(name, str) or not name or len(name) > 128:
-        raise ModelError("the model manifest names no preset; pass --preset with the server's preset")
+    # A name from the network, never a path: load_preset would also open a .toml file it names.
+    if (
+        not isinstance(name, str)
+        or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name)
+        or name.endswith(".toml")
+    ):
+        raise ModelError("the model manifest names no valid preset; pass --preset with the server's preset")
     try:
         return load_preset(name)
     except PresetError as exc:

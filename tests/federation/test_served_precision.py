@@ -221,3 +221,13 @@ def test_the_servers_precision_options_are_checked_first(
     result = server_cli.invoke("run", "--insecure", "--broker", nowhere, "--out", str(tmp_path / "run"), *args)
     server_cli.assert_user_error(result, fragment)
     assert result.returncode == 2 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("named", ["/etc/passwd.toml", "../presets/x", "my-task.toml", "", None, 7, "a" * 65])
+def test_a_model_manifest_names_its_preset_by_name_never_by_path(named) -> None:
+    """fetch-model without --preset loads the preset the server's manifest names: a name, never a file it would open."""
+    from feast_edge.agent.model_files import ModelError, _manifest_preset
+
+    with pytest.raises(ModelError, match="names no valid preset; pass --preset"):
+        _manifest_preset({"preset": named})
+    assert _manifest_preset({"preset": "fmnist-small"}).name == "fmnist-small"
