@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from feast_edge.run.checkpoint import read_record  # noqa: E402
 from feast_edge.transport.broker import LinkConfig  # noqa: E402
-from feast_edge.transport.link import clear_retained  # noqa: E402
+from feast_edge.transport.retained import clear_retained  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FMNIST = "/usr/share/datasets/fashion-mnist"

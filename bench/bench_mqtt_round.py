@@ -33,7 +33,7 @@ from feast_edge.server.app import FederationServer, ServerConfig  # noqa: E402
 from feast_edge.sim.setup import SimulationConfig  # noqa: E402
 from feast_edge.sim.shards import write_partition  # noqa: E402
 from feast_edge.transport.broker import LinkConfig  # noqa: E402
-from feast_edge.transport.link import clear_retained  # noqa: E402
+from feast_edge.transport.retained import clear_retained  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGETS = (3e6, 8e6, 17.7e6, 39.2e6)

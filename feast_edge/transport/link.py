@@ -409,21 +409,6 @@ class Link:
         self.close()
 
 
-def clear_retained(config: LinkConfig, topic_filter: str, settle: float = 0.5) -> int:
-    """Remove every retained message under ``topic_filter`` (e.g. ``feast/<federation>/#``); returns how many there were."""
-    link = Link(config)
-    topics: set[str] = set()
-    link.subscribe(topic_filter, lambda r: topics.add(r.topic) if r.retain and r.payload else None)
-    link.connect(timeout=5)
-    try:
-        time.sleep(settle)  # retained messages arrive right after the subscription
-        for topic in sorted(topics):
-            link.publish(topic, b"", retain=True, timeout=5)
-    finally:
-        link.close()
-    return len(topics)
-
-
 def _no_delay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
     """No Nagle delay on the broker connection: a small packet (an announcement, a PUBACK awaited before the next payload)
     would otherwise wait for the ACK of the previous one, up to the peer's delayed-ACK time (40 ms on Linux)."""

@@ -26,8 +26,10 @@ def _new(repo: Path, *args: str, env: dict | None = None) -> subprocess.Complete
     )
 
 
-def test_the_project_names_feast_edges_apps_and_its_config_is_feast_servers(repo: Path, tmp_path: Path) -> None:
-    done = _new(repo, str(tmp_path / "My App"), "--rounds", "7", "--per-round", "3", "--data", "/srv/val")
+def test_the_project_names_feast_edges_apps_and_its_config_is_feast_servers(cli, tmp_path: Path) -> None:
+    done = cli.invoke(
+        "flower", "new", str(tmp_path / "My App"), "--rounds", "7", "--per-round", "3", "--data", "/srv/val"
+    )
     assert done.returncode == 0, done.stderr
     project = tomllib.loads((tmp_path / "My App" / "pyproject.toml").read_text())
     assert project["project"]["name"] == "my-app"
@@ -41,12 +43,12 @@ def test_the_project_names_feast_edges_apps_and_its_config_is_feast_servers(repo
     assert "run/" in (tmp_path / "My App" / ".gitignore").read_text()  # the run directory stays out of the app bundle
 
 
-def test_existing_files_are_not_overwritten_without_force(repo: Path, tmp_path: Path) -> None:
-    assert _new(repo, str(tmp_path / "app")).returncode == 0
-    again = _new(repo, str(tmp_path / "app"))
+def test_existing_files_are_not_overwritten_without_force(cli, tmp_path: Path) -> None:
+    assert cli.invoke("flower", "new", str(tmp_path / "app")).returncode == 0
+    again = cli.invoke("flower", "new", str(tmp_path / "app"))
     assert again.returncode == 2 and again.stderr.count("\n") == 1
     assert "pyproject.toml already exists; choose another directory or pass --force" in again.stderr
-    assert _new(repo, str(tmp_path / "app"), "--force").returncode == 0
+    assert cli.invoke("flower", "new", str(tmp_path / "app"), "--force").returncode == 0
 
 
 def test_without_flwr_one_line_names_the_extra(repo: Path, tmp_path: Path) -> None:
@@ -67,6 +69,12 @@ def test_flowers_own_commands_run_in_this_environment() -> None:
     """The extra's pins give a working flwr CLI: flwr 1.42 declares typer>=0.13 but needs typer>=0.19 (pyproject.toml),
     which a resolver pulled down to amqtt's typer==0.15.4 once; the Flower tests and the user's `flwr run` need it."""
     bin_dir = Path(sys.executable).parent
-    for command in (["flwr", "--help"], ["flower-superlink", "--help"], ["flower-supernode", "--help"]):
-        done = subprocess.run([str(bin_dir / command[0]), *command[1:]], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, f"{command[0]} does not start here:\n{done.stderr[-2000:]}"
+    started = {  # side by side: each is an interpreter importing Flower
+        name: subprocess.Popen(
+            [str(bin_dir / name), "--help"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        for name in ("flwr", "flower-superlink", "flower-supernode")
+    }
+    for name, process in started.items():
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, f"{name} does not start here:\n{stderr[-2000:]}"

@@ -19,7 +19,7 @@ from browser import console_errors, open_page, points, save_screenshot, wait_unt
 from commands import LOCAL, agent_command, server_command, spawn
 from feast_edge.sim.shards import read_index, write_partition
 from feast_edge.transport.broker import LinkConfig
-from feast_edge.transport.link import clear_retained
+from feast_edge.transport.retained import clear_retained
 from simconfigs import tiny_config
 
 # A feast-server and feast-agent processes on the broker at 127.0.0.1:1883, watched in headless Chromium.

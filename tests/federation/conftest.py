@@ -28,7 +28,7 @@ from feast_edge.sim.setup import SimulationConfig
 from feast_edge.sim.shards import write_partition
 from feast_edge.sim.simulate import Simulation
 from feast_edge.transport.broker import LinkConfig
-from feast_edge.transport.link import clear_retained as transport_clear_retained
+from feast_edge.transport.retained import clear_retained as transport_clear_retained
 from simconfigs import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -692,10 +692,10 @@ def test_agent_input_errors_are_one_line(agent_cli, kit, tmp_path: Path, partiti
         "--federation",
         federation,
         "--register-timeout",
-        "3",
+        "1",
     )
     _one_line_error(
-        silent, f"no feast-server answered the registration of d1 within 3 s: the server of federation '{federation}'"
+        silent, f"no feast-server answered the registration of d1 within 1 s: the server of federation '{federation}'"
     )
     fetch = agent_cli.invoke(
         "fetch-model",
@@ -708,6 +708,6 @@ def test_agent_input_errors_are_one_line(agent_cli, kit, tmp_path: Path, partiti
         "--federation",
         federation,
         "--timeout",
-        "2",
+        "1",
     )
     _one_line_error(fetch, "no feast-server answered the model request of d1")

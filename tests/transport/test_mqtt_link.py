@@ -25,6 +25,7 @@ from feast_edge.transport.chunks import Status
 from feast_edge.transport.errors import BrokerAuthError, BrokerTlsError, BrokerUnreachableError, LinkError
 from feast_edge.transport.frames import TransferInfo, encode_frame
 from feast_edge.transport.link import Link, Received
+from feast_edge.transport.retained import clear_retained
 from feast_edge.transport.messages import Nack, Presence, parse
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
@@ -703,3 +704,14 @@ def test_missing_tls_files_are_clear_errors(tmp_path: Path) -> None:
         Link(LinkConfig(broker="mqtts://127.0.0.1:8883", ca_file=str(tmp_path / "nope.pem")))
     with pytest.raises(BrokerTlsError, match="check --cert-file/--key-file"):
         Link(LinkConfig(broker="mqtts://127.0.0.1:8883", cert_file=str(tmp_path / "nope.pem")))
+
+
+def test_clear_retained_removes_every_retained_message_under_the_filter_and_nothing_else(local_broker: str) -> None:
+    prefix, other = f"feast/t{uuid.uuid4().hex[:12]}", f"feast/t{uuid.uuid4().hex[:12]}"
+    with Link(LinkConfig(broker=local_broker)) as link:
+        link.connect(timeout=5)
+        for topic in (f"{prefix}/status/a", f"{prefix}/status/b", f"{prefix}/server/status", f"{other}/status/c"):
+            link.publish(topic, b"online", retain=True, timeout=5)
+    assert clear_retained(LinkConfig(broker=local_broker), f"{prefix}/#") == 3
+    assert clear_retained(LinkConfig(broker=local_broker), f"{prefix}/#") == 0  # gone from the broker
+    assert clear_retained(LinkConfig(broker=local_broker), f"{other}/#") == 1  # another prefix was left alone
