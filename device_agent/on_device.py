@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -168,6 +169,35 @@ def _quantize_here(path: Path, data: LocalClient, preset: Preset, samples: int, 
     }
 
 
+KEEP_MARGIN = 0.15  # held-out accuracy the federated BN statistics may lose to the device's own before it keeps its own
+
+
+def _check_federated_bn(model: StaticResNet, data: LocalClient, preset: Preset, calibration: int) -> str:
+    """Compare ``model`` (BN statistics of the federation, as the server combined them) on this device's held-out split
+    with the same weights recalibrated on its own data. If the federation's statistics lose by more than KEEP_MARGIN
+    (and twice the figure's standard error), ``model`` takes its own statistics and the reason is returned; else "".
+
+    The server combines the statistics robustly (feast_edge.evaluate.bn_robust), but a variant only one or two devices
+    can run has no majority to check them: this is the last line, on data the server never sees.
+    """
+    if not data.holdout or data.samples < MIN_EXAMPLES:
+        return ""
+    federated = correct_count(model, data.holdout_images, data.holdout_labels, preset) / data.holdout
+    own = copy.deepcopy(model)
+    calibrated_static(own, preset, data.images, calibration, labels=data.labels)
+    mine = correct_count(own, data.holdout_images, data.holdout_labels, preset) / data.holdout
+    error = math.sqrt(max(mine * (1 - mine), 1 / data.holdout) / data.holdout)
+    if mine - federated <= max(KEEP_MARGIN, 2 * error):
+        return ""
+    model.load_state_dict(own.state_dict())
+    reason = (
+        f"the federation's BN statistics gave {100 * federated:.1f}% on its {data.holdout} held-out examples, its own "
+        f"recalibration {100 * mine:.1f}%: kept its own"
+    )
+    log.warning("the model of %s: %s", data.device_id, reason)
+    return reason
+
+
 def calibrate_served_variant(
     blob: bytes, manifest: dict[str, Any], data: LocalClient, preset: Preset, path: str | os.PathLike[str]
 ) -> tuple[Path, dict[str, Any]]:
@@ -193,8 +223,12 @@ def calibrate_served_variant(
     asked = manifest.get("calibration_samples", 500)
     calibration = int(asked) if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1 else 500
     where = "federated" if manifest.get("calibration") == "federated" else "device"
+    refused = ""
     if where == "federated":  # BN already holds the statistics of the devices' data, combined by the server
         seen = calibration
+        refused = _check_federated_bn(model, data, preset, min(calibration, MAX_CALIBRATION))
+        if refused:
+            where, seen = "device", min(calibration, MAX_CALIBRATION, data.samples)
     else:
         seen = calibrated_static(model, preset, data.images, min(calibration, MAX_CALIBRATION), labels=data.labels)
     correct = correct_count(model, data.holdout_images, data.holdout_labels, preset) if data.holdout else 0
@@ -245,6 +279,7 @@ def calibrate_served_variant(
         "model_round": manifest.get("rounds", 0),
         "holdout_accuracy": None if math.isnan(accuracy) else accuracy,  # None: no held-out split here
         "model_precision": local["precision"],
+        **({"bn_refused": refused} if refused else {}),
         **{k: v for k, v in int8.items() if k in ("int8_accuracy", "int8_refused")},
     }
     log.info(

@@ -159,6 +159,8 @@ class FederationServer(RunHost):
             probes=cfg.probe_variants,
             calibration=cfg.calib_samples,
             payload_dtype=cfg.payload_dtype,
+            rule=cfg.val_rule,
+            max_weight_ratio=cfg.max_weight_ratio,
         )
         self.calibration = FederatedCalibration(
             events.exchange,
@@ -167,6 +169,8 @@ class FederationServer(RunHost):
             self.cache,
             calibration=cfg.calib_samples,
             payload_dtype=cfg.payload_dtype,
+            rule=cfg.bn_rule,
+            max_weight_ratio=cfg.max_weight_ratio,
         )
         log.info(
             "connected to %s as federation %r; preset %s, %d cached variants; server optimizer %s",

@@ -3,8 +3,10 @@
     after the last round, before export (``feast-server run --bn-calibration federated``, the default without --data):
       per online registered device:  its routed slice of the exported model + Calibrate(the served variants it can afford)
       per answer:                    an upload of per-layer, per-channel BN input means and variances on a seeded
-                                     sample of the device's training split, weighted by its registered examples
-      per served variant:            combine_statistics(the answers of the devices that can run it) -> its BN buffers
+                                     sample of the device's training split (at most the examples it was asked for and
+                                     registered), weighted by its registered examples (capped: --max-weight-ratio)
+      per served variant:            robust_statistics(the answers of the devices that can run it, --bn-rule)
+                                     -> its BN buffers; refused reports are named (feast_edge.evaluate.bn_robust)
 
 A variant is calibrated on the data of every device that can afford it: the largest on the devices whose budget
 admits it, the smallest on all. A device that does not answer by the deadline, or whose statistics are malformed,
@@ -21,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from feast_edge.cache.variants import VariantCache
+from feast_edge.evaluate.bn_robust import DEFAULT_BN_RULE, Report, robust_statistics
 from feast_edge.evaluate.bn_stats import (
     MIN_EXAMPLES,
     StatisticsError,
     Stats,
-    combine_statistics,
     decode_statistics,
     layer_channels,
     statistics_size,
@@ -65,9 +67,12 @@ class FederatedCalibration:
         *,
         calibration: int,
         payload_dtype: str = "float32",
+        rule: str = DEFAULT_BN_RULE,
+        max_weight_ratio: float = 8.0,
     ) -> None:
         self.exchange, self.devices, self.preset, self.cache = exchange, devices, preset, cache
         self.calibration, self.payload_dtype = calibration, payload_dtype
+        self.rule, self.max_weight_ratio = rule, max_weight_ratio
 
     def calibrate(
         self, t: int, global_state: Mapping[str, torch.Tensor], variants: Mapping[Arch, StaticResNet]
@@ -106,45 +111,53 @@ class FederatedCalibration:
             log.info(
                 "federated BN statistics of %d served variant(s): asked %s", len(variants), ", ".join(sorted(asked))
             )
-        reports: dict[Arch, list[tuple[str, float, int, Stats]]] = {a: [] for a in variants}
+        reports: dict[Arch, list[Report]] = {a: [] for a in variants}
+        examples: dict[str, int] = {}
         for reply in exchange.replies() if asked else ():
             archs = asked.get(reply.device)
             if reply.update is None or reply.payload is None or archs is None:
                 log.warning("no BN statistics from %s: %s", reply.device, reply.error or "no upload")
                 continue
             registered = self.devices.registry.get(reply.device)
-            bound = min(MAX_CALIBRATION, registered.samples if registered is not None else 0)
+            samples = registered.samples if registered is not None else 0
+            bound = min(MAX_CALIBRATION, samples, self.calibration)  # what it was asked for, of what it registered
             try:
-                examples, stats = decode_statistics(reply.payload, [layers[a] for a in archs], max(bound, MIN_EXAMPLES))
+                examples[reply.device], stats = decode_statistics(
+                    reply.payload, [layers[a] for a in archs], max(bound, MIN_EXAMPLES)
+                )
             except StatisticsError as exc:
                 log.warning("rejected the BN statistics of %s: %s", reply.device, exc)
                 continue
+            weight = float(min(reply.update.samples, samples))  # its registered examples at most (--max-samples)
             for arch, variant_stats in zip(archs, stats):
-                reports[arch].append((reply.device, float(reply.update.samples), examples, variant_stats))
+                reports[arch].append(Report(reply.device, weight, variant_stats))
         unsettled = exchange.close()  # also when nobody was asked: the exchange holds no open request afterwards
         if unsettled.missing:
             log.warning("no BN statistics from %s before the deadline", ", ".join(unsettled.missing))
         combined = {}
-        for arch, got in reports.items():
-            if got:
-                stats = combine_statistics([(weight, s) for _, weight, _, s in got])
-                combined[arch] = Calibrated(stats, tuple(sorted(d for d, *_ in got)), sum(n for _, _, n, _ in got))
         for arch in variants:
             macs = next((e.macs for e in self.cache.entries if e.arch == arch), None)
             shown = str(arch) if macs is None else f"{macs / 1e6:.2f}M MACs"
-            if arch in combined:
-                c = combined[arch]
+            got = robust_statistics(reports[arch], self.rule, self.max_weight_ratio) if reports[arch] else None
+            for device, why in sorted(got.refused.items() if got is not None else ()):
+                log.warning("variant %s: refused the BN statistics of %s: %s", shown, device, why)
+            if got is not None and got.stats is not None:
+                used = tuple(sorted(got.used))
+                combined[arch] = Calibrated(got.stats, used, sum(examples[d] for d in used))
                 log.info(
-                    "variant %s: BN statistics of %d device(s) (%s), %d examples",
+                    "variant %s: BN statistics of %d device(s) (%s), %d examples, %s%s",
                     shown,
-                    len(c.devices),
-                    ", ".join(c.devices),
-                    c.examples,
+                    len(used),
+                    ", ".join(used),
+                    combined[arch].examples,
+                    self.rule,
+                    f" ({got.note})" if got.note else "",
                 )
             else:
                 log.warning(
-                    "variant %s: no device sent BN statistics; the devices it serves calibrate it on their own data",
+                    "variant %s: no usable BN statistics%s; the devices it serves calibrate it on their own data",
                     shown,
+                    f" ({got.note})" if got is not None and got.note else " (no device sent any)",
                 )
         log.info("federated BN calibration took %.1f s", time.monotonic() - began)
         return combined

@@ -10,6 +10,8 @@ from typing import Any
 from feast_edge.aggregate.server_opt import DEPLOYMENT_OPT, ServerOpt
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO, ratio_problem
 from feast_edge.errors import FeastError
+from feast_edge.evaluate.bn_robust import BN_RULES, DEFAULT_BN_RULE
+from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, VAL_RULES
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
@@ -53,6 +55,10 @@ class ServerConfig:
     val_samples: int = 5000
     calib_samples: int = 500
     bn_calibration: str = "federated"  # without data: "federated" (the devices' statistics, combined) or "device"
+    bn_rule: str = DEFAULT_BN_RULE  # how the devices' BN statistics are combined (feast_edge.evaluate.bn_robust)
+    val_rule: str = (
+        DEFAULT_VAL_RULE  # how the devices' held-out accuracies are combined (feast_edge.evaluate.federated)
+    )
     probe_variants: int = 3
     cache: str | None = None
     federation: str = "feast"
@@ -117,6 +123,8 @@ class ServerConfig:
                 0 <= self.int8_tolerance <= 1,
                 f"--int8-tolerance {self.int8_tolerance:g} must be a fraction in [0, 1] (0.01 = 1 point)",
             ),
+            (self.bn_rule in BN_RULES, f"--bn-rule {self.bn_rule!r} must be one of {', '.join(BN_RULES)}"),
+            (self.val_rule in VAL_RULES, f"--val-rule {self.val_rule!r} must be one of {', '.join(VAL_RULES)}"),
             (
                 self.bn_calibration in BN_CALIBRATIONS,
                 f"--bn-calibration {self.bn_calibration!r} must be one of {', '.join(BN_CALIBRATIONS)}",

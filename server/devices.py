@@ -13,12 +13,17 @@ import logging
 from collections.abc import Callable
 
 from feast_edge.cache.variants import VariantCache
+from feast_edge.data.holdout import MAX_HOLDOUT
 from feast_edge.protocol import Register, Registered
 from feast_edge.server.registry import Registry
 from feast_edge.space.preset import Preset
 from feast_edge.transport.messages import Presence
 
 log = logging.getLogger(__name__)
+
+# The most held-out examples per training example a device may register: --holdout 0.9 holds out round(0.9 n) of
+# each class of n >= 2 examples and trains on the rest, at worst 14 to 1 (a class of 15).
+HOLDOUT_RATIO = 16
 
 UNANSWERED = 4  # registrations of one agent instance after it was accepted: it does not hear the answers
 
@@ -131,6 +136,13 @@ class DeviceBook:
         )
         if message.samples > limit:
             return f"the device registers {message.samples} training examples; {source} at most {limit} (it is the device's aggregation weight)"
+        held = min(self.max_samples, HOLDOUT_RATIO * message.samples)
+        if message.holdout > held:
+            return (
+                f"the device registers {message.holdout} held-out examples beside {message.samples} training examples; "
+                f"at most {held} are believable (feast-agent --holdout holds out at most {MAX_HOLDOUT} of each class, "
+                f"under {HOLDOUT_RATIO} times what it trains on; --max-samples bounds both)"
+            )
         if not self.cache.affordable(message.budget_macs):
             return self.cache.below_smallest(
                 message.budget_macs, "raise --budget or use a profile of a stronger device"

@@ -30,6 +30,7 @@ from feast_edge.transport.link import Received
 from feast_edge.transport.messages import Message, MessageFilter, Presence, parse
 from feast_edge.transport.throttle import Throttle, channel_of
 from feast_edge.transport.topics import Topics
+from feast_edge.util.text import printable
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,9 @@ class Events:
                 if self.live is not None:
                     self.live.device_progress(message.device, message.values)
                 log.debug("metrics from %s: %s", message.device, json.dumps(message.values, sort_keys=True)[:300])
+                refused = message.values.get("bn_refused")
+                if isinstance(refused, str) and refused:  # the device's own check of its served model (one line)
+                    log.warning("%s refused the federated BN statistics: %s", message.device, printable(refused))
         elif channel == "events" and isinstance(message, ModelRequest) and self.models is not None:
             self.models.request(message.device, message.msg_id)
         else:

@@ -97,6 +97,8 @@ def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict
             if "calibrated_on" not in r
             else f"{r['calibrated_on']} examples on the device"
             if m.get("calibration") == "device"
+            else f"own data, {r['calibrated_on']} examples (refused the federated)"
+            if r.get("bn_refused")
             else f"federated, {r['calibrated_on']} examples",
             _pct(r.get("holdout_accuracy")) if "holdout_accuracy" in r else "no report",
             str(r.get("holdout_samples", "-")),

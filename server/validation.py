@@ -23,7 +23,13 @@ import torch
 
 from feast_edge.cache.variants import VariantCache
 from feast_edge.evaluate.evaluation import probe_indices
-from feast_edge.evaluate.federated import CALIBRATION, combine_counts, federated_accuracy
+from feast_edge.evaluate.federated import (
+    CALIBRATION,
+    DEFAULT_VAL_RULE,
+    MIN_SELECTING,
+    combine_counts,
+    robust_validation,
+)
 from feast_edge.protocol import Evaluate, RoutedRequest
 from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import encode
@@ -93,8 +99,11 @@ class FederatedValidation:
         probes: int = 3,
         calibration: int = CALIBRATION,
         payload_dtype: str = "float32",
+        rule: str = DEFAULT_VAL_RULE,
+        max_weight_ratio: float = 8.0,
     ) -> None:
         self.exchange, self.devices, self.preset, self.cache = exchange, devices, preset, cache
+        self.rule, self.max_weight_ratio = rule, max_weight_ratio
         self.global_state = global_state  # aliases the model's tensors: always the current global model
         self.probes = [cache.entries[i] for i in probe_indices(len(cache), probes)]
         self.calibration, self.payload_dtype = calibration, payload_dtype
@@ -165,30 +174,42 @@ class FederatedValidation:
             by_probe = {e.arch: c for e, c in zip(affordable, counts)}
             reports[reply.device] = [by_probe.get(e.arch, (0, 0)) for e in self.probes]
         unsettled = exchange.close()
+        result = robust_validation(reports, len(self.probes), self.rule, self.max_weight_ratio)
         combined = combine_counts(reports.values(), len(self.probes))
-        accuracy = federated_accuracy(combined)
-        points = {f"variant {self.cache.entries.index(e)}": c / n for e, (c, n) in zip(self.probes, combined) if n > 0}
+        accuracy = result.accuracy
+        labels = [f"variant {self.cache.entries.index(e)}" for e in self.probes]
+        points = {label: p for label, p in zip(labels, result.points) if p is not None}
         self.last = points
         self.validated = [
             {"label": label, "macs": e.macs, "params": e.params, "val_accuracy": points[label]}
-            for e in self.probes
-            if (label := f"variant {self.cache.entries.index(e)}") in points
+            for label, e in zip(labels, self.probes)
+            if label in points
         ]
         record.validation = {
             "source": "devices",
+            "rule": self.rule,
             "devices": sorted(reports),
             "missing": sorted(set(asked) - set(reports)),
             "samples": max((n for _, n in combined), default=0),
             "points": points,
+            "selects": result.selects,
+            "flagged": dict(sorted(result.flagged.items())),
             "seconds": round(time.monotonic() - began, 3),
         }
+        for device, why in sorted(result.flagged.items()):
+            log.warning("round %d: %s's validation disagrees with the other devices: %s", t + 1, device, why)
         shown = "none" if accuracy is None else f"{100 * accuracy:.2f}%"
         log.info(
-            "round %d: federated validation on %d device(s) (%s held-out examples): %s%s",
+            "round %d: federated validation (%s of %d device(s), %s held-out examples): %s%s%s",
             t + 1,
+            self.rule,
             len(reports),
             record.validation["samples"],
             shown,
+            ""
+            if result.selects or accuracy is None
+            else f"; shown, not used to choose the served round (fewer than {MIN_SELECTING} devices: the last "
+            "round is served unless a later validation can choose)",
             f"; no answer from {', '.join(unsettled.missing)}" if unsettled.missing else "",
         )
         return accuracy

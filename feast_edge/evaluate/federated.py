@@ -14,10 +14,13 @@ device's own examples; no example leaves the device, only counts do.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from feast_edge.aggregate.weights import weight_cap
 from feast_edge.evaluate.evaluation import calibrated_variant, correct_count, pixel_batches
 from feast_edge.route.plans import ClientPlan
 from feast_edge.space.arch import Arch
@@ -96,6 +99,93 @@ def combine_counts(reports: Iterable[Sequence[tuple[int, int]]], probes: int) ->
     for counts in reports:
         combined = [(c + dc, n + dn) for (c, n), (dc, dn) in zip(combined, counts)]
     return combined
+
+
+VAL_RULES = ("median", "pooled")
+DEFAULT_VAL_RULE = "median"
+MIN_SELECTING = 3  # devices whose validation must agree (a median of 3 or more) before it may choose the served round
+# A device whose accuracy sits this far (absolute) from the others' median, and beyond their own spread, is named.
+FLAG = 0.3
+
+
+@dataclass(frozen=True)
+class Validated:
+    """A round's federated validation: per probe the figure, and what the devices' figures were worth.
+
+    ``selects``: whether the figure may choose the served checkpoint: the median of at least MIN_SELECTING devices,
+    which no single device moves outside the honest devices' range (with ``pooled``: any figure, as before).
+    ``flagged``: device -> why its figures disagree.
+    """
+
+    points: list[float | None]
+    devices: int
+    selects: bool
+    flagged: dict[str, str]
+    selecting: float | None = None  # the figure that chooses: the mean over the probes enough devices tested
+
+    @property
+    def accuracy(self) -> float | None:
+        """The round's figure: the one that chooses where there is one, else the mean over the probes tested."""
+        if self.selecting is not None:
+            return self.selecting
+        tested = [p for p in self.points if p is not None]
+        return sum(tested) / len(tested) if tested else None
+
+
+def capped_counts(
+    reports: Mapping[str, Sequence[tuple[int, int]]], ratio: float
+) -> dict[str, list[tuple[float, float]]]:
+    """Each device's (correct, total) per probe scaled so that its total weighs at most ``ratio`` times the lower median
+    of the devices' totals (``feast_edge.aggregate.weights``); 0: as reported."""
+    totals = {d: max((n for _, n in counts), default=0) for d, counts in reports.items()}
+    cap = weight_cap([n for n in totals.values() if n > 0], ratio) if any(totals.values()) else None
+    out = {}
+    for device, counts in reports.items():
+        scale = 1.0 if cap is None or totals[device] <= cap else cap / totals[device]
+        out[device] = [(c * scale, n * scale) for c, n in counts]
+    return out
+
+
+def robust_validation(
+    reports: Mapping[str, Sequence[tuple[int, int]]],
+    probes: int,
+    rule: str = DEFAULT_VAL_RULE,
+    max_weight_ratio: float = 8.0,
+) -> Validated:
+    """Per probe, the devices' held-out accuracies combined by ``rule``: ``median`` (each device one vote; the default)
+    or ``pooled`` (Σ correct / Σ total, each device's total capped at ``max_weight_ratio`` lower medians)."""
+    if rule not in VAL_RULES:
+        raise ValueError(f"--val-rule {rule!r} is unknown; choose one of {', '.join(VAL_RULES)}")
+    testers = [sum(1 for counts in reports.values() if counts[k][1] > 0) for k in range(probes)]
+    if rule == "pooled":
+        pooled = combine_counts(capped_counts(reports, max_weight_ratio).values(), probes)
+        points = [c / n if n > 0 else None for c, n in pooled]
+    else:
+        points = []
+        for k in range(probes):
+            rates = sorted(counts[k][0] / counts[k][1] for counts in reports.values() if counts[k][1] > 0)
+            points.append(statistics.median(rates) if rates else None)
+    tested = {d: [c / n for c, n in counts if n > 0] for d, counts in reports.items()}
+    means = {d: sum(v) / len(v) for d, v in tested.items() if v}
+    flagged = {}
+    if len(means) >= MIN_SELECTING:
+        for device, mean in means.items():
+            others = [m for d, m in means.items() if d != device]
+            middle = statistics.median(others)
+            spread = statistics.median(abs(m - middle) for m in others)
+            if abs(mean - middle) > max(FLAG, 3 * spread):
+                flagged[device] = (
+                    f"its held-out accuracy {100 * mean:.1f}% is far from the other devices' median "
+                    f"{100 * middle:.1f}% (its data differs from theirs, or its report is false)"
+                )
+    if rule == "pooled":  # the user's choice to trust the devices' counts (capped): it selects as server data would
+        return Validated(points, len(means), bool(means), flagged)
+    # A probe fewer than MIN_SELECTING devices tested (a large variant few can run) has a median two devices decide:
+    # the figure that chooses the served round is the mean over the probes enough devices tested.
+    decided = [p for p, n in zip(points, testers) if p is not None and n >= MIN_SELECTING]
+    if decided:
+        return Validated(points, len(means), True, flagged, sum(decided) / len(decided))
+    return Validated(points, len(means), False, flagged)
 
 
 def federated_accuracy(combined: Sequence[tuple[int, int]]) -> float | None:

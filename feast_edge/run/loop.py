@@ -95,7 +95,7 @@ class RoundRecord:
     seconds: float = 0.0  # the whole round, from cohort sampling to the aggregated model
     val_accuracy: float | None = None
     # Federated validation (a server without data): {"source": "devices", "devices": [...], "samples": n,
-    # "points": {label: accuracy}}; empty where the validation split is server-held (or there was none).
+    # "points": {label: accuracy}, "selects": whether it may choose the best checkpoint, "flagged": {device: why}}; empty where the validation split is server-held (or there was none).
     validation: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -398,7 +398,13 @@ class RunLoop:
                 elif self.validator is not None:
                     record.val_accuracy = self.validator(t, record)
             self.history.append(record)
-            if record.val_accuracy is not None and record.val_accuracy > self.best.get("val_accuracy", -1.0):
+            # Federated validation may show a figure that must not choose the served round (too few devices agree).
+            selects = record.validation.get("selects", True)
+            if (
+                selects
+                and record.val_accuracy is not None
+                and record.val_accuracy > self.best.get("val_accuracy", -1.0)
+            ):
                 self.best = {"round": t + 1, "val_accuracy": record.val_accuracy}
                 self.save(BEST)
             self.save(CHECKPOINT)

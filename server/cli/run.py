@@ -12,6 +12,8 @@ from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO
 from feast_edge.cli import common
 from feast_edge.cli.server_opt import server_opt_options
 from feast_edge.errors import FeastError
+from feast_edge.evaluate.bn_robust import DEFAULT_BN_RULE
+from feast_edge.evaluate.federated import DEFAULT_VAL_RULE
 from feast_edge.server.cli.shared import (
     DataOpt,
     OutOpt,
@@ -118,6 +120,23 @@ def run(
             "recalibrates on its own data only).",
         ),
     ] = "federated",
+    bn_rule: Annotated[
+        str,
+        typer.Option(
+            "--bn-rule",
+            help="How the devices' BN statistics are combined: screened (refuse reports far from the median of all, "
+            "mix the rest; a lone pair that disagrees is not used), median (per-channel weighted median) or mixture "
+            "(every report as sent: one lying device steers it). docs/security.md §9.",
+        ),
+    ] = DEFAULT_BN_RULE,
+    val_rule: Annotated[
+        str,
+        typer.Option(
+            "--val-rule",
+            help="How the devices' held-out accuracies are combined: median (each device one vote; chooses the served "
+            "round only with 3 or more devices) or pooled (all counts summed, each capped by --max-weight-ratio).",
+        ),
+    ] = DEFAULT_VAL_RULE,
     cache: Annotated[
         Optional[Path],
         typer.Option(help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."),
@@ -232,6 +251,8 @@ def run(
         val_samples=val_samples,
         calib_samples=calib_samples,
         bn_calibration=bn_calibration,
+        bn_rule=bn_rule,
+        val_rule=val_rule,
         cache=None if cache is None else str(cache),
         federation=federation,
         chunk_size=chunk_size,

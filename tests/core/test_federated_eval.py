@@ -13,6 +13,7 @@ from feast_edge.evaluate.federated import (
     combine_counts,
     federated_accuracy,
     held_out_counts,
+    robust_validation,
     routed_supernet,
 )
 from feast_edge.route.envelope import route_state
@@ -86,3 +87,38 @@ def test_a_skewed_device_calibrates_on_its_classes_as_if_they_were_equally_frequ
     assert len(picked) == 30 and torch.bincount(labels[picked], minlength=3).tolist() == [10, 10, 10]
     assert len(set(picked[labels[picked] == 0].tolist())) == 10  # a class with enough examples: no repeats
     assert torch.equal(picked, calibration_subset(images, 30, labels).flatten())  # fixed
+
+
+def test_the_median_of_three_devices_is_not_moved_by_a_liar_and_the_liar_is_named() -> None:
+    # Issue 35's liar: all of its held-out examples right, at a count far above the others'.
+    reports = {"a": [(40, 100), (45, 100)], "b": [(38, 100), (0, 0)], "mallory": [(10**6, 10**6), (10**6, 10**6)]}
+    result = robust_validation(reports, 2)
+    assert result.points == [
+        pytest.approx(0.40),
+        pytest.approx((0.45 + 1.0) / 2),
+    ]  # per probe, over those who tested it
+    # The second probe has two testers, whose median the liar sets: only the first, tested by three, chooses the round.
+    assert result.selects and result.accuracy == pytest.approx(0.40)
+    assert list(result.flagged) == ["mallory"] and "100.0%" in result.flagged["mallory"]
+    pooled = robust_validation(reports, 2, "pooled", max_weight_ratio=8.0)
+    # pooled: mallory's 10**6 examples weigh as 8 lower medians (800): it still pulls the figure (what median avoids)
+    assert pooled.points[0] == pytest.approx((40 + 38 + 800) / (100 + 100 + 800))
+
+
+def test_fewer_than_three_devices_show_a_figure_that_does_not_choose_the_served_round() -> None:
+    result = robust_validation({"a": [(30, 100)], "mallory": [(169, 169)]}, 1)
+    assert result.points == [pytest.approx((0.3 + 1.0) / 2)] and not result.selects and result.flagged == {}
+    assert robust_validation({"a": [(3, 10)], "b": [(4, 10)], "c": [(5, 10)]}, 1).selects
+
+
+def test_honest_devices_that_differ_by_their_data_are_not_flagged() -> None:
+    # Label-skewed devices differ by tens of points; only a device far outside the others' own spread is named.
+    reports = {"pi": [(82, 100)], "jetson": [(60, 100)], "laptop": [(88, 100)], "desktop": [(89, 100)]}
+    assert robust_validation(reports, 1).flagged == {}
+    reports["jetson"] = [(8, 100)]  # the demo's jetson-nano: a model useless on its data is worth a line
+    assert "data differs" in robust_validation(reports, 1).flagged["jetson"]
+
+
+def test_an_unknown_validation_rule_names_the_rules() -> None:
+    with pytest.raises(ValueError, match="median, pooled"):
+        robust_validation({}, 1, "mean")

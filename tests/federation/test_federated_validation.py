@@ -22,7 +22,7 @@ PRESET = load_preset("fmnist-small")
 CACHE = load_cache(PRESET)
 
 
-def _validator(tmp_path: Path, devices: dict[str, tuple[int, int]]):
+def _validator(tmp_path: Path, devices: dict[str, tuple[int, int]], rule: str = "median"):
     """A validator over a real exchange (scripted network) and a registry with ``devices``: id -> (budget, holdout)."""
     exchange, sender, receiver, script = _exchange(timeout=1.0)
     book = DeviceBook(
@@ -44,13 +44,12 @@ def _validator(tmp_path: Path, devices: dict[str, tuple[int, int]]):
             )
         )
     state = Supernet(PRESET, seed=0).state_dict()
-    return FederatedValidation(exchange, book, PRESET, CACHE, state, probes=3, calibration=50), sender, script
+    validator = FederatedValidation(exchange, book, PRESET, CACHE, state, probes=3, calibration=50, rule=rule)
+    return validator, sender, script
 
 
-def test_counts_combine_by_examples_and_no_device_outweighs_its_registered_holdout(tmp_path: Path) -> None:
-    validator, sender, script = _validator(
-        tmp_path, {"pi": (6_000_000, 10), "gpu": (40_000_000, 30), "liar": (40_000_000, 5), "old": (40_000_000, 0)}
-    )
+def _answering(validator: FederatedValidation) -> tuple[dict[str, Evaluate], object]:
+    """What the validator sent each device, and ``answer(device, counts)`` that replies to it."""
     sent: dict[str, Evaluate] = {}
     original = validator.exchange.send
 
@@ -61,8 +60,18 @@ def test_counts_combine_by_examples_and_no_device_outweighs_its_registered_holdo
     validator.exchange.send = send  # type: ignore[method-assign]
 
     def answer(device: str, counts: list[tuple[int, int]]) -> None:
-        message = sent[device]
-        validator.exchange.on_evaluated(Evaluated.of(message, counts, 50))
+        validator.exchange.on_evaluated(Evaluated.of(sent[device], counts, 50))
+
+    return sent, answer
+
+
+def test_pooled_counts_combine_by_examples_and_no_device_outweighs_its_registered_holdout(tmp_path: Path) -> None:
+    validator, sender, script = _validator(
+        tmp_path,
+        {"pi": (6_000_000, 10), "gpu": (40_000_000, 30), "liar": (40_000_000, 5), "old": (40_000_000, 0)},
+        rule="pooled",
+    )
+    sent, answer = _answering(validator)
 
     script.steps = [
         lambda: answer("pi", [(9, 10)]),  # it can afford the smallest probe only
@@ -76,6 +85,32 @@ def test_counts_combine_by_examples_and_no_device_outweighs_its_registered_holdo
     assert record.validation["devices"] == ["gpu", "pi"] and record.validation["samples"] == 40
     assert accuracy == pytest.approx(((9 + 15) / 40 + 24 / 30 + 27 / 30) / 3)
     assert record.validation["points"]["variant 0"] == pytest.approx(24 / 40)
+
+
+def test_the_median_of_the_devices_is_not_moved_by_a_liar_and_names_it(tmp_path: Path) -> None:
+    devices = {d: (40_000_000, 30) for d in ("ann", "bob", "cat", "mallory")}
+    validator, _, script = _validator(tmp_path, devices)
+    sent, answer = _answering(validator)
+    script.steps = [
+        lambda: answer("ann", [(12, 30), (15, 30), (18, 30)]),
+        lambda: answer("bob", [(11, 30), (14, 30), (17, 30)]),
+        lambda: answer("cat", [(13, 30), (16, 30), (19, 30)]),
+        lambda: answer("mallory", [(30, 30)] * 3),  # issue 35: all right in round 1, to have round 1 chosen
+    ]
+    record = RoundRecord(round=1, lr=0.1, cohort=sorted(devices))
+    accuracy = validator(0, record)
+    # Four votes: the middle two are honest (ann's and cat's), so the liar moves the figure only inside their range.
+    assert accuracy == pytest.approx((12.5 / 30 + 15.5 / 30 + 18.5 / 30) / 3)
+    assert record.validation["selects"] and record.validation["rule"] == "median"
+    assert list(record.validation["flagged"]) == ["mallory"]
+
+
+def test_two_devices_validate_but_do_not_choose_the_served_round(tmp_path: Path) -> None:
+    validator, _, script = _validator(tmp_path, {"ann": (40_000_000, 30), "mallory": (40_000_000, 30)})
+    sent, answer = _answering(validator)
+    script.steps = [lambda: answer("ann", [(12, 30)] * 3), lambda: answer("mallory", [(30, 30)] * 3)]
+    record = RoundRecord(round=1, lr=0.1, cohort=["ann", "mallory"])
+    assert validator(0, record) == pytest.approx((0.4 + 1.0) / 2) and record.validation["selects"] is False
 
 
 def test_without_a_device_that_holds_out_there_is_no_validation(tmp_path: Path) -> None:

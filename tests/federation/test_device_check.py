@@ -1,0 +1,103 @@
+"""A device checks the model it is sent (issue 35, item 3): BN statistics of the federation that make its model much
+worse on its own held-out split than its own recalibration are not kept silently. The device keeps its own, says why
+in one line, and the line reaches the server's table."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import save
+from torch.nn import functional as F
+
+from feast_edge.agent.local_data import LocalClient
+from feast_edge.agent.on_device import calibrate_served_variant
+from feast_edge.cache.variants import load_cache
+from feast_edge.data.images import load_fashion_mnist
+from feast_edge.evaluate.bn_stats import Stats, apply_statistics, bn_statistics
+from feast_edge.evaluate.evaluation import pixel_batches
+from feast_edge.evaluate.onnx_export import read_metadata
+from feast_edge.server.output import device_models_table
+from feast_edge.space.geometry import arch_layout
+from feast_edge.space.preset import load_preset
+from feast_edge.space.static import StaticResNet
+from strategies import FMNIST_TINY
+
+PRESET = load_preset(str(FMNIST_TINY))
+ARCH = load_cache(PRESET).entries[0].arch
+
+
+@pytest.fixture(scope="module")
+def trained(fashion_mnist_dir: Path) -> tuple[StaticResNet, LocalClient]:
+    """fmnist-tiny's smallest variant trained two epochs on 1,200 real images, and a device's own data."""
+    split = load_fashion_mnist(fashion_mnist_dir, "train")
+    torch.manual_seed(0)
+    model = StaticResNet(arch_layout(PRESET, ARCH))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.train()
+    for _ in range(2):
+        for x, y in zip(pixel_batches(split.images[:1200], PRESET, 32), split.labels[:1200].long().split(32)):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    own = LocalClient(
+        "pi",
+        split.images[2000:2400],
+        split.labels[2000:2400].long(),
+        None,
+        None,
+        None,
+        "own images",
+        holdout_images=split.images[2400:2600],
+        holdout_labels=split.labels[2400:2600].long(),
+    )
+    return model, own
+
+
+def _served(model: StaticResNet, stats: Stats) -> tuple[bytes, dict]:
+    """The variant's weights with ``stats`` in its BN buffers, as the server sends a federated-BN variant."""
+    served = StaticResNet(arch_layout(PRESET, ARCH))
+    served.load_state_dict(model.state_dict())
+    apply_statistics(served, stats)
+    blob = save({k: v.contiguous() for k, v in served.state_dict().items()})
+    manifest = {
+        "device": "pi",
+        "arch": ARCH.to_dict(),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "preset": PRESET.name,
+        "preset_digest": PRESET.digest,
+        "calibration": "federated",
+        "calibration_samples": 200,
+        "rounds": 3,
+        "macs": load_cache(PRESET).entries[0].macs,
+    }
+    return blob, manifest
+
+
+def test_statistics_that_ruin_the_model_on_the_devices_data_are_replaced_by_its_own(trained, tmp_path: Path) -> None:
+    model, own = trained
+    honest = bn_statistics(model, own.images[:200], PRESET)
+    shifted = {n: (m + 3 * v.sqrt(), v * 0.25) for n, (m, v) in honest.items()}  # issue 35's plausible lie
+    path, metrics = calibrate_served_variant(*_served(model, shifted), own, PRESET, tmp_path / "pi.onnx")
+    assert "kept its own" in metrics["bn_refused"] and "\n" not in metrics["bn_refused"]
+    assert read_metadata(path)["bn_calibration"] == "device"  # the file says whose statistics it holds
+    assert json.loads(path.with_suffix(".json").read_text())["bn_calibration"] == "device"
+    kept = metrics["holdout_accuracy"]
+    assert kept > 0.5  # its own recalibration of a trained model, not the ruined one
+    # The line reaches the server's table of served models.
+    table = device_models_table([{"device": "pi", "macs": 1e6, "calibration": "federated"}], {"pi": metrics}, "models")
+    console = Console(width=200, record=True)
+    console.print(table)
+    assert "refused the federated" in console.export_text()
+
+
+def test_honest_statistics_are_kept(trained, tmp_path: Path) -> None:
+    model, own = trained
+    honest = bn_statistics(model, own.images[:200], PRESET)
+    path, metrics = calibrate_served_variant(*_served(model, honest), own, PRESET, tmp_path / "pi.onnx")
+    assert "bn_refused" not in metrics and read_metadata(path)["bn_calibration"] == "federated"
+    assert metrics["holdout_accuracy"] > 0.5
