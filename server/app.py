@@ -48,6 +48,10 @@ from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 
 log = logging.getLogger(__name__)
 
+OFFLINE_GRACE = (
+    5.0  # seconds a served device may be offline (a report may still be on its way) before it is not awaited
+)
+
 SERVER_ID = "server"
 
 __all__ = ["CHECKPOINT", "REGISTRY", "FederationServer", "RoundRecord", "ServerConfig", "ServerError"]
@@ -260,11 +264,16 @@ class FederationServer(RunHost):
         self, manifests: list[dict[str, Any]], devices: list[str], timeout: float
     ) -> dict[str, dict[str, Any]]:
         """Without server data: wait until each of ``devices`` reported the model of its manifest calibrated (with its
-        held-out accuracy), or ``timeout``; returns what each reported."""
-        end = time.monotonic() + timeout
+        held-out accuracy), went offline, or ``timeout``; returns what each reported. Every 30 s a line names the devices
+        still awaited and how long the wait may last: one silent device costs at most ``timeout``, and says so."""
+        began = time.monotonic()
+        end, said = began + timeout, began
         rounds = {m["device"]: m["rounds"] for m in manifests}
         reports: dict[str, dict[str, Any]] = {}
+        offline: dict[str, float] = {}  # device -> since when it is offline
+        gone: set[str] = set()
         while time.monotonic() < end and not self.stop.is_set():
+            online, now = set(self.online_devices()), time.monotonic()
             for device in devices:
                 metrics = (d.metrics if (d := self.registry.get(device)) is not None else None) or {}
                 settled = (
@@ -272,12 +281,29 @@ class FederationServer(RunHost):
                 )  # kept none: no --model-dir
                 if settled and metrics.get("model_round") == rounds.get(device):
                     reports[device] = metrics
-            if len(reports) == len(devices):
+                elif device in online:
+                    offline.pop(device, None)
+                elif now - offline.setdefault(device, now) >= OFFLINE_GRACE:
+                    gone.add(device)  # disconnected for good: it cannot report this model any more
+            waiting = sorted(set(devices) - set(reports) - gone)
+            if not waiting:
                 break
+            if time.monotonic() - said >= 30:
+                said = time.monotonic()
+                log.info(
+                    "waiting for the calibrated-model reports of %s (%.0f s more at most, --round-timeout)",
+                    ", ".join(waiting),
+                    end - said,
+                )
             self.pump(0.2)
         missing = sorted(set(devices) - set(reports))
         if missing:
-            log.warning("no calibrated-model report from %s within %.0f s", ", ".join(missing), timeout)
+            log.warning(
+                "no calibrated-model report from %s after %.0f s%s",
+                ", ".join(missing),
+                time.monotonic() - began,
+                f" ({', '.join(sorted(gone))} went offline)" if gone else "",
+            )
         return reports
 
     def finish(self, manifests: list[dict[str, Any]]) -> None:

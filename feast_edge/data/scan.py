@@ -20,6 +20,7 @@ class name of the task (a preset without ``class_names`` names its classes
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import os
 import stat
@@ -33,6 +34,7 @@ from feast_edge.data import skips as why
 from feast_edge.data.images import DataError
 from feast_edge.data.skips import Skips
 from feast_edge.data.task import Task, TaskError
+from feast_edge.util.text import printable
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 SPLITS = ("train", "val", "test")
@@ -132,14 +134,17 @@ def scan_folder(root: Path, task: Task) -> FileList:
                 unknown.append(entry.name)
         elif kind == "broken":
             listing.skips.add(why.BROKEN_LINK, entry.name)
+        elif kind == "loop":
+            listing.skips.add(why.SYMLINK_LOOP, entry.name)
         elif kind == "unreadable":
             listing.skips.add(why.UNREADABLE, entry.name)
         else:
             listing.skips.add(why.OUTSIDE_CLASS, entry.name)
     if unknown:  # every folder the task lacks in one line: the first with the closest names, then the others
-        others = f" (nor are {', '.join(f + '/' for f in unknown[1:6])}{', ...' if len(unknown) > 6 else ''})"
+        shown = [printable(f, why.NAME_CHARS) for f in unknown]  # a name may hold a newline: the error stays one line
+        others = f" (nor are {', '.join(f + '/' for f in shown[1:6])}{', ...' if len(unknown) > 6 else ''})"
         try:
-            task.index_of(_nfc(unknown[0]), where=f"image folder {root}: folder {unknown[0]}/")
+            task.index_of(_nfc(unknown[0]), where=f"image folder {printable(str(root))}: folder {shown[0]}/")
         except TaskError as exc:
             raise TaskError(str(exc) + (others if len(unknown) > 1 else "")) from None
     # Class folders are claimed first, so a link from one class into another counts as reached twice, not as images
@@ -167,13 +172,14 @@ def _ident(st: os.stat_result) -> tuple[int, int]:
 
 
 def _kind(entry: os.DirEntry[str]) -> tuple[str, os.stat_result | None]:
-    """``dir``, ``file``, ``other`` or ``broken`` (a link to nothing), following links, with the target's stat."""
+    """``dir``, ``file``, ``other``, ``broken`` (a link to nothing), ``loop`` (links round a cycle) or ``unreadable``,
+    following links, with the target's stat."""
     try:
         st = entry.stat()  # follows links
     except FileNotFoundError:
         return ("broken" if entry.is_symlink() else "other"), None
-    except OSError:
-        return "unreadable", None
+    except OSError as exc:  # a link that points at itself, or round a cycle of links, is a loop, not unreadable
+        return ("loop" if exc.errno == errno.ELOOP else "unreadable"), None
     if stat.S_ISDIR(st.st_mode):
         return "dir", st
     if stat.S_ISREG(st.st_mode):
@@ -222,6 +228,8 @@ def _walk(
                     listing.skips.add(why.NOT_IMAGE, name)
             elif kind == "broken":
                 listing.skips.add(why.BROKEN_LINK, name)
+            elif kind == "loop":
+                listing.skips.add(why.SYMLINK_LOOP, name)
             elif kind == "unreadable":
                 listing.skips.add(why.UNREADABLE, name)
             else:

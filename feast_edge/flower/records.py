@@ -17,6 +17,7 @@ then pass the payload checks of ``feast_edge.route.payload.checked_tensors`` (fi
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Mapping
 from typing import Any
 
@@ -119,9 +120,14 @@ def read_arrays(
         limit = int(np.prod(shapes[name], dtype=np.int64)) * np.dtype(want).itemsize + NPY_HEADER
         if len(array.data) > limit:
             raise PayloadError(f"array {name} holds {len(array.data)} bytes; its shape needs at most {limit}")
+        header = npy_header(array.data)
+        if header != (shapes[name], np.dtype(want)):
+            raise PayloadError(
+                f"array {name}'s .npy header declares {str(header)[:120]}, not {np.dtype(want)} {shapes[name]}"
+            )
         try:
             value = array.numpy()
-        except (ValueError, TypeError, EOFError, OSError) as exc:
+        except (ValueError, TypeError, EOFError, OSError, MemoryError) as exc:
             raise PayloadError(f"array {name} cannot be read ({type(exc).__name__})") from None
         if value.dtype != np.dtype(want) or value.shape != shapes[name]:
             raise PayloadError(f"array {name} holds {value.dtype} {value.shape}, not what its header says")
@@ -130,6 +136,25 @@ def read_arrays(
     if (sha, size) != (info.sha256, info.size):
         raise PayloadError(f"the arrays do not match their transfer {info.transfer} (SHA-256 or size differs)")
     return checked_tensors(tensors, preset, preset.classes, envelope, dtype)
+
+
+def npy_header(data: bytes) -> tuple[tuple[int, ...], np.dtype] | str:
+    """(shape, dtype) that the .npy ``data`` declares, read from its header alone (nothing allocated for the array), or
+    why it cannot be read: what NumPy would allocate is compared with the envelope before ``np.load`` runs."""
+    stream = io.BytesIO(bytes(data[:NPY_HEADER]))
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            return f"an unknown .npy version {version}"
+    except (ValueError, TypeError, EOFError, OSError, SyntaxError) as exc:
+        return f"an unreadable .npy header ({type(exc).__name__})"
+    if fortran:
+        return "a Fortran-ordered array"
+    return tuple(int(n) for n in shape), dtype
 
 
 def message_record(message: Message, **extra: Any) -> ConfigRecord:

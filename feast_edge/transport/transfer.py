@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 _dropped = Throttle(
     log
 )  # what the network sends that is dropped: a few lines a minute per kind and sender, whatever the rate
+_asking = Throttle(log, burst=3)  # the nacks this side sends for one stalled sender
 
 
 class ChunkSender:
@@ -263,9 +264,14 @@ class ChunkReceiver:
                 transfer=info.transfer,
                 missing=tuple(missing[:MAX_NACK_INDICES]),
             )
-            log.info(
-                "transfer %s from %s: asking again for %d missing chunks", info.transfer, info.device, len(missing)
-            )  # at most one nack's worth
+            _asking.log(  # a stalled transfer is asked again every nack_after seconds: a few lines a minute per sender
+                logging.INFO,
+                f"nack:{info.device}",
+                "transfer %s from %s: asking again for %d missing chunks",
+                info.transfer,
+                info.device,
+                len(missing),  # at most one nack's worth
+            )
             self.link.publish(self.topics.nack(self.direction, info.device), nack.encode())
         for info in self.reassembler.expire(now):
             reason = f"expired after {self.reassembler.ttl:g} s without a new chunk"

@@ -189,10 +189,20 @@ def test_symlink_loops_and_folders_reached_twice_are_counted(tmp_path: Path) -> 
     os.symlink("../cat", root / "ant" / "cats")  # into another class: its images stay that class's
     os.symlink("../ant/deep", root / "cat" / "same")  # a folder already read
     os.symlink("nowhere.png", root / "cat" / "gone.png")
+    os.symlink("self.png", root / "cat" / "self.png")  # a file link to itself: a loop, not "permission denied"
     (root / "bee").symlink_to(outside)  # a class folder may be a link
     data = load_data(root, TASK)
     assert data.labels.tolist() == [0, 0, 1, 2]
-    assert data.skipped == {why.SYMLINK_LOOP: 2, why.LINKED_TWICE: 2, why.BROKEN_LINK: 1}
+    assert data.skipped == {why.SYMLINK_LOOP: 3, why.LINKED_TWICE: 2, why.BROKEN_LINK: 1}
+
+
+def test_a_class_folder_name_with_a_newline_is_printed_escaped_in_the_one_line_error(tmp_path: Path) -> None:
+    root = _write(tmp_path / "n", {"ant/a.png": GOOD, "be\ne/b.png": GOOD, "w\x1b[31masp/c.png": GOOD})
+    with pytest.raises(TaskError) as caught:
+        load_data(root, TASK)
+    message = str(caught.value)
+    assert "\n" not in message and "\x1b" not in message  # one line, no terminal sequence
+    assert "folder be\\ne/" in message and "w\\x1b[31masp/" in message
 
 
 def test_manifest_rows_that_cannot_be_read_stop_with_their_line(tmp_path: Path) -> None:

@@ -101,3 +101,45 @@ def test_honest_statistics_are_kept(trained, tmp_path: Path) -> None:
     path, metrics = calibrate_served_variant(*_served(model, honest), own, PRESET, tmp_path / "pi.onnx")
     assert "bn_refused" not in metrics and read_metadata(path)["bn_calibration"] == "federated"
     assert metrics["holdout_accuracy"] > 0.5
+
+
+@pytest.mark.broker
+def test_the_server_stops_awaiting_a_device_that_went_offline(
+    kit, tmp_path: Path, federation: str, caplog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: one silent device added a whole --round-timeout to the end of every run while the server waited for
+    its calibrated-model report. A device that disconnected is no longer awaited (after a few seconds' grace)."""
+    import logging
+    import threading
+    import time
+
+    from test_federation_failures import ScriptedDevice
+
+    from feast_edge.server import app
+    from feast_edge.server.app import FederationServer
+    from feast_edge.server.config import ServerConfig
+    from feast_edge.transport.broker import LinkConfig
+
+    caplog.set_level(logging.INFO, logger="feast_edge")
+    monkeypatch.setattr(app, "OFFLINE_GRACE", 0.5)  # the grace a report in flight gets (5 s) is not what is tested
+    server = FederationServer(
+        ServerConfig(out=str(tmp_path / "run"), rounds=1, federation=federation, per_round=1, min_clients=1),
+        LinkConfig(broker=kit.LOCAL),
+    )
+    server.start(timeout=5)
+    device = ScriptedDevice(federation, "gone")
+    try:
+        answer: dict = {}
+        registering = threading.Thread(target=lambda: answer.update(registered=device.register()))
+        registering.start()
+        while registering.is_alive():  # the server handles messages as it pumps (its run loop's job)
+            server.pump(0.1)
+        assert answer["registered"].accepted and "gone" in server.online_devices()
+        device.close()  # leaves: its presence goes offline
+        began = time.monotonic()
+        reports = server.await_device_models([{"device": "gone", "rounds": 1}], ["gone"], timeout=120)
+        waited = time.monotonic() - began
+    finally:
+        server.close()
+    assert reports == {} and waited < 20  # not the 120 s timeout
+    assert "no calibrated-model report from gone" in caplog.text and "(gone went offline)" in caplog.text

@@ -101,7 +101,7 @@ def test_a_header_that_disagrees_with_the_metadata_is_refused(routed: dict) -> N
     name, value = next((k, v) for k, v in routed["state"].items() if v.is_floating_point() and v.dim() == 1)
     wrong = np.zeros(value.shape, dtype=np.int32)  # the same byte count, another dtype in the .npy header
     record[name] = Array(dtype="float32", shape=tuple(value.shape), stype="numpy.ndarray", data=_npy(wrong))
-    with pytest.raises(PayloadError, match="not what its header says"):
+    with pytest.raises(PayloadError, match=r"\.npy header declares \(\(\d+,\), dtype\('int32'\)\)"):
         _read(record, routed)
 
 
@@ -111,7 +111,23 @@ def test_a_pickled_object_array_is_never_unpickled(routed: dict) -> None:
     evil = np.empty(value.shape, dtype=object)
     data = _npy(evil, allow_pickle=True)
     record[name] = Array(dtype="float32", shape=tuple(value.shape), stype="numpy.ndarray", data=data)
-    with pytest.raises(PayloadError, match="cannot be read"):
+    with pytest.raises(PayloadError, match=r"\.npy header declares .*dtype\('O'\)"):
+        _read(record, routed)
+
+
+@pytest.mark.parametrize("claim", [(1 << 40,), (1 << 20, 1 << 20), "garbage"])
+def test_a_header_claiming_a_huge_array_is_refused_before_numpy_allocates(routed: dict, claim) -> None:
+    """Issue 35: the declared shape matched, the bytes were few, the .npy header inside claimed 2^40 elements; only a
+    MemoryError stopped np.load. The header is parsed and compared first."""
+    record = records.array_record(routed["state"])
+    name, value = next((k, v) for k, v in routed["state"].items() if v.is_floating_point() and v.dim() == 1)
+    data = _npy(value.numpy())
+    shown = str(tuple(value.shape)).encode()
+    forged = (
+        data.replace(shown, str(claim).encode().ljust(len(shown))) if claim != "garbage" else b"\x93NUMPY\x01\x00junk"
+    )
+    record[name] = Array(dtype="float32", shape=tuple(value.shape), stype="numpy.ndarray", data=forged)
+    with pytest.raises(PayloadError, match=r"\.npy header declares"):
         _read(record, routed)
 
 

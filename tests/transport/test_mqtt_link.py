@@ -21,12 +21,12 @@ import pytest
 from ports import free_port, free_ports
 
 from feast_edge.transport.broker import LinkConfig, parse_broker_url
-from feast_edge.transport.chunks import Status
+from feast_edge.transport.chunks import Reassembler, Status
 from feast_edge.transport.errors import BrokerAuthError, BrokerTlsError, BrokerUnreachableError, LinkError
 from feast_edge.transport.frames import TransferInfo, encode_frame
 from feast_edge.transport.link import Link, Received
-from feast_edge.transport.retained import clear_retained
 from feast_edge.transport.messages import Nack, Presence, parse
+from feast_edge.transport.retained import clear_retained
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 
@@ -715,3 +715,27 @@ def test_clear_retained_removes_every_retained_message_under_the_filter_and_noth
     assert clear_retained(LinkConfig(broker=local_broker), f"{prefix}/#") == 3
     assert clear_retained(LinkConfig(broker=local_broker), f"{prefix}/#") == 0  # gone from the broker
     assert clear_retained(LinkConfig(broker=local_broker), f"{other}/#") == 1  # another prefix was left alone
+
+
+def test_a_stalled_transfer_is_nacked_every_time_but_logged_a_few_times_a_minute(
+    local_broker: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 35: a transfer that never completes was asked again every second, one log line each (59 per minute)."""
+    caplog.set_level(logging.INFO, logger="feast_edge.transport.transfer")
+    topics = Topics(f"t{uuid.uuid4().hex[:12]}")
+    with Link(LinkConfig(broker=local_broker)) as link:
+        link.connect(timeout=5)
+        nacks: list[bytes] = []
+        link.subscribe(topics.nack("down", "d"), lambda r: nacks.append(r.payload))
+        receiver = ChunkReceiver(link, topics, "down", device="d", reassembler=Reassembler(ttl=3600.0))
+        info = TransferInfo(
+            federation=topics.federation, round=0, device="d", transfer="stuck", count=4, size=16, chunk=4,
+            sha256="0" * 64,
+        )  # fmt: skip
+        receiver.expect(info)
+        start = time.monotonic()
+        for second in range(1, 61):
+            receiver.poll(now=start + second)
+        assert wait_for(lambda: len(nacks) == 60)  # the sender is asked every time
+    lines = [r for r in caplog.records if "asking again" in r.getMessage()]
+    assert 1 <= len(lines) <= 5, [r.getMessage() for r in lines]
