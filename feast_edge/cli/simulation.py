@@ -254,8 +254,11 @@ def simulate(
         live.finished(results)
         web.stop()
         _say(f"dashboard stopped; browse the finished run with: feast-edge dashboard {out}")
+    # The preset by name (config.preset may be a long path): a title wider than the table would wrap.
+    preset_name = results.get("preset") or Path(config.preset).stem
     table = Table(
-        title=f"{config.preset}, {config.method}: test accuracy per served model (best checkpoint, round {results['best'].get('round', '-')})"
+        title=f"{preset_name}, {config.method}: test accuracy per served model "
+        f"(best checkpoint, round {results['best'].get('round', '-')})"
     )
     for col in ("#", "MACs", "params", "accuracy", "model"):
         table.add_column(col, justify="left" if col == "model" else "right")
