@@ -20,8 +20,9 @@ from feast_edge.errors import PayloadError
 from feast_edge.flower.records import check_flower_dtype
 from feast_edge.server.config import ServerConfig, ServerError
 
-# ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid.
-NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration"}
+# ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid, and the
+# devices' validation and BN statistics (with their combination rules) are the MQTT server's.
+NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", "val_rule"}
 EXTRA = {"out-dir": str, "export": bool, "node-data": str}  # node-data: the simulated nodes' partition (ClientApp)
 EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
 
