@@ -182,6 +182,9 @@ def test_feast_edge_dashboard_serves_a_real_run(simulation_run: Path, browser: B
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "COLUMNS": "200"},
+        # Ctrl-C as a terminal delivers it: a pytest started in the background (`cmd &`, nohup) ignores SIGINT, and a
+        # child inherits that, so the SIGINT below would never reach the dashboard.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         url = _read_url(process, 60.0)
@@ -205,7 +208,7 @@ def test_feast_edge_dashboard_serves_a_real_run(simulation_run: Path, browser: B
     finally:
         process.send_signal(signal.SIGINT)
         try:
-            out, err = process.communicate(timeout=60)  # a clean exit is the point, not its speed (a loaded CI machine)
+            out, err = process.communicate(timeout=30)  # a clean exit is the point, not its speed (a loaded CI machine)
         except subprocess.TimeoutExpired:
             process.kill()
             out, err = process.communicate()

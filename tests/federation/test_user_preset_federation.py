@@ -105,5 +105,5 @@ def test_a_user_preset_federates_on_the_devices_images(kit, cli, federation, tmp
         assert logits.shape == (1, 5) and np.isfinite(logits).all()
     served = log_file.read_text()
     assert re.search(r"preset my-task, \d+ cached variants", served)  # the cache beside the preset, found by the server
-    assert "round 1: federated validation on 2 device(s)" in served
+    assert "round 1: federated validation (median of 2 device(s)" in served
     assert "BN statistics of the devices' data, combined (federated)" in served
