@@ -80,7 +80,7 @@ def test_a_provisioned_liar_is_outvoted_refused_and_named(
     caplog.set_level(logging.INFO, logger="feast_edge")
     _lying(monkeypatch)
     running = start_provisioned(tmp_path / "provision", "certificate", list(BUDGETS), federation=FED)
-    agents, threads = [], []
+    agents, threads, server = [], [], None
     try:
         config = kit.server_config(
             kit.CONFIG,
@@ -121,6 +121,8 @@ def test_a_provisioned_liar_is_outvoted_refused_and_named(
             thread.join(30)
         for agent in agents:
             agent.close()
+        if server is not None:
+            server.close()  # its link too: left open, it would keep reconnecting to the stopped broker
         running.broker.stop()
     log = caplog.text
     # Validation: four votes; mallory's 100 % in round 1 is named and cannot choose round 1 for everyone.

@@ -15,7 +15,7 @@ def test_a_flood_is_a_few_lines_then_a_count(caplog: pytest.LogCaptureFixture, m
     monkeypatch.setattr("feast_edge.transport.throttle.time.monotonic", lambda: clock[0])
     throttle = Throttle(logging.getLogger("flood"), period=60.0, burst=3)
     logged = [throttle.warning("bad jet", "dropped message %d", i) for i in range(1000)]
-    assert sum(logged) == 3 and [r.getMessage() for r in caplog.records] == [
+    assert sum(logged) == 3 and [r.getMessage() for r in caplog.records if r.name == "flood"] == [
         "dropped message 0",
         "dropped message 1",
         "dropped message 2",
