@@ -145,7 +145,8 @@ def _screen_pair(reports: Sequence[Report], weights: Sequence[float]) -> Combine
             "device can tell which is right"
         )
         refused = {r.device: reason for r in reports}
-        note = f"the two reports ({a.device}, {b.device}) disagree and no third device can tell which is right"
+        first, second = sorted((a.device, b.device))  # by name, not by arrival: the line reads the same every run
+        note = f"the two reports ({first}, {second}) disagree and no third device can tell which is right"
         return Combined(None, (), refused, note)
     return Combined(combine_statistics(list(zip(weights, (a.stats, b.stats)))), (a.device, b.device))
 

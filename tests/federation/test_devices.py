@@ -33,7 +33,13 @@ def _book(registry: Registry, replies: list[Registered]) -> DeviceBook:
 
 
 def _register(
-    book: DeviceBook, device: str, instance: str, host: str | None = None, samples: int = 50, precision: str = "fp32"
+    book: DeviceBook,
+    device: str,
+    instance: str,
+    host: str | None = None,
+    samples: int = 50,
+    precision: str = "fp32",
+    holdout: int = 0,
 ) -> None:
     book.on_register(
         Register.for_client(
@@ -46,6 +52,7 @@ def _register(
             samples=samples,
             profile={},
             precision=precision,
+            holdout=holdout,
         )
     )
 
@@ -110,6 +117,22 @@ def test_the_registered_sample_count_is_bounded_by_the_servers_own_record(regist
     assert [r.accepted for r in replies] == [False, True, False, True]
     assert "its shard in the server's partition holds at most 120" in replies[0].reason
     assert "--max-samples allows at most 1000" in replies[2].reason
+
+
+def test_a_held_out_split_larger_than_the_device_can_hold_is_refused(registry: Registry) -> None:
+    """Issue 35: a device registered 10^12 held-out examples (bounded only by 2^40) and weighed validation with them."""
+    replies: list[Registered] = []
+    book = DeviceBook(
+        registry, PRESET, load_cache(PRESET), federation="lab", rounds=3, reply=lambda d, m: replies.append(m),
+        max_samples=1000,
+    )  # fmt: skip
+    _register(book, "liar", "i1", samples=50, holdout=10**12)
+    _register(book, "greedy", "i2", samples=100, holdout=1001)  # over --max-samples
+    _register(book, "pi", "i3", samples=50, holdout=16 * 50)  # what --holdout 0.9 can give, at worst
+    _register(book, "laptop", "i4", samples=900, holdout=100)  # the default 10 %
+    assert [r.accepted for r in replies] == [False, False, True, True]
+    assert "registers 1000000000000 held-out examples beside 50 training examples; at most 800" in replies[0].reason
+    assert "at most 1000 are believable" in replies[1].reason
 
 
 def test_a_provisioned_device_registers_as_itself_only(registry: Registry) -> None:

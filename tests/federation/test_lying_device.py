@@ -1,6 +1,6 @@
 """A provisioned device that lies (issue 35): its own bundle, TLS, every message signed with its own key, over a real
-Mosquitto, beside three honest devices, against a server without data. It reports BN statistics of 10⁶ and held-out
-accuracies of 100 % then 0 %. Each lie is refused or outvoted, the liar is named in the server's log, and the honest
+Mosquitto, beside three honest devices, against a server without data. It reports false BN statistics (10⁶, zero
+variances, or means shifted by 3σ with variances x 0.25) and held-out accuracies of 100 % then 0 %. Each lie is refused or outvoted, the liar is named in the server's log, and the honest
 devices' served models hold the honest devices' statistics (or, where no majority can tell, their own).
 
 Agents run in this process (threads), so that one of them can be made to lie: ``answer_calibration`` and
@@ -39,8 +39,20 @@ FED = "liars"
 BUDGETS = {"ann": 2, "bob": 6, "cat": 10, "mallory": len(CACHE) - 1}
 
 
-def _lying(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mallory's agent answers every calibrate with finite, huge BN statistics, and validation with 100 % then 0 %."""
+def _lie(key: str, value: torch.Tensor, kind: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Issue 35's lies about one tensor of a statistics upload: huge, zero variances, or shifted by 3σ (plausible)."""
+    if kind == "huge":
+        return torch.full_like(value, 1e12 if key.endswith(".var") else 1e6)
+    if kind == "zero-var":
+        return torch.zeros_like(value) if key.endswith(".var") else value
+    if key.endswith(".var"):  # shifted
+        return value * 0.25
+    return value + 3 * tensors[key[: -len(".mean")] + ".var"].sqrt()
+
+
+def _lying(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """mallory's agent answers every calibrate with finite false BN statistics (``kind``), and validation with 100 %
+    then 0 %."""
     from feast_edge.agent import on_device
 
     calibration, evaluation = on_device.answer_calibration, on_device.answer_evaluation
@@ -49,7 +61,8 @@ def _lying(monkeypatch: pytest.MonkeyPatch) -> None:
         blob, examples = calibration(message, payload, data, preset, torch_device)
         if data.device_id != "mallory":
             return blob, examples
-        lied = {k: torch.full_like(v, 1e12 if k.endswith(".var") else 1e6) for k, v in load(blob).items()}
+        tensors = load(blob)
+        lied = {k: _lie(k, v, kind, tensors) for k, v in tensors.items()}
         return save(lied, metadata={"format": STATISTICS_FORMAT, "examples": str(examples)}), examples
 
     def answer_evaluation(message, payload, data, preset, torch_device="cpu"):
@@ -74,11 +87,17 @@ def _clients(fashion_mnist_dir: Path) -> dict[str, LocalClient]:
     return clients
 
 
+@pytest.mark.parametrize("kind", ["huge", "zero-var", "shifted"])
 def test_a_provisioned_liar_is_outvoted_refused_and_named(
-    kit, tmp_path: Path, fashion_mnist_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    kit,
+    tmp_path: Path,
+    fashion_mnist_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
 ) -> None:
     caplog.set_level(logging.INFO, logger="feast_edge")
-    _lying(monkeypatch)
+    _lying(monkeypatch, kind)
     running = start_provisioned(tmp_path / "provision", "certificate", list(BUDGETS), federation=FED)
     agents, threads, server = [], [], None
     try:
