@@ -38,6 +38,7 @@ from feast_edge.agent.rounds import RoundRunner
 from feast_edge.agent.step import largest_payload
 from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError
+from feast_edge.personalize.select import Choice
 from feast_edge.protocol import Finished, Metrics, ModelReady, Registered, RoundStart, RoutedRequest
 from feast_edge.space.preset import load_preset
 from feast_edge.transport.broker import LinkConfig
@@ -58,6 +59,7 @@ class Agent:
 
     def __init__(self, config: AgentConfig, link_config: LinkConfig, clients: list[LocalClient]) -> None:
         self.config = config
+        self.personalize = Choice.parse(config.personalize)  # a bad setting is refused before anything connects
         self.preset = load_preset(config.preset)
         budgets = client_budgets(clients, self.preset, load_cache(self.preset, config.cache), config.budget_macs)
         self.instance = uuid.uuid4().hex[:16]
@@ -263,6 +265,8 @@ class Agent:
             stop=self.stop.is_set,
             data=client.data,
             preset=self.preset,
+            personalize=self.personalize,
+            torch_device=self.config.torch_device,
         )
         if kept is not None:
             client.model_path, values = kept

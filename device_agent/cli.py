@@ -112,6 +112,15 @@ def run(
         Path | None,
         typer.Option("--model-dir", help="Save the ONNX model the server pushes after the last round here."),
     ] = None,
+    personalize: Annotated[
+        str,
+        typer.Option(
+            "--personalize",
+            help="After the last round, also write a personal model beside the served one (DEVICE.personal.onnx), "
+            "chosen on a selection split of this device's training data: auto (the best method, only if it beats "
+            "the served model there), off, prior, head, bn, proximal, or METHOD:STRENGTH (e.g. prior:0.5).",
+        ),
+    ] = "auto",
     stay: Annotated[
         bool,
         typer.Option(
@@ -140,6 +149,9 @@ def run(
     if profile is not None and budget is not None:
         raise FeastError("give either --profile or --budget, not both (a profile carries its budget)")
     torch_device = resolve_device(device)
+    from feast_edge.personalize.select import Choice
+
+    choice = Choice.parse(personalize)  # an unknown setting is refused before any data is read
     precision = resolve_amp(amp, torch_device)  # a mode this device cannot run is refused before any data is read
     loaded = None
     if profile is not None:
@@ -185,6 +197,7 @@ def run(
         chunk_size=chunk_size,
         register_timeout=register_timeout,
         model_dir=None if model_dir is None else str(model_dir),
+        personalize=str(choice),
         stay=stay,
     )
     common.check_insecure(link, insecure, "feast-agent run")

@@ -31,4 +31,7 @@ class AgentConfig:
     register_timeout: float = 60.0
     send_timeout: float = 120.0
     model_dir: str | None = None  # where pushed ONNX models are saved (None: announced models are only logged)
+    # --personalize: auto, off, METHOD or METHOD:STRENGTH (feast_edge.personalize.select.CHOICES); the personal model
+    # is written beside the served one in model_dir
+    personalize: str = "auto"
     stay: bool = False  # after the federation finishes, keep waiting for the next run instead of exiting

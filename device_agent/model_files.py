@@ -19,6 +19,7 @@ from feast_edge.agent.local_data import LocalClient
 from feast_edge.agent.on_device import calibrate_served_variant
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.onnx_export import measure_latency
+from feast_edge.personalize.select import Choice
 from feast_edge.protocol import ModelReady, ModelRequest
 from feast_edge.space.preset import Preset
 from feast_edge.transport.broker import LinkConfig
@@ -92,18 +93,33 @@ def receive_pushed_model(
     *,
     data: LocalClient,
     preset: Preset,
+    personalize: Choice | None = None,
+    torch_device: str = "cpu",
 ) -> tuple[Path, dict[str, Any]] | None:
     """Wait for the model announced by ``message`` and keep it: an ONNX file as it is (:func:`keep_pushed_model`), a
-    variant's weights calibrated on ``data`` first (``on_device.calibrate_served_variant``); None (logged) if unusable."""
+    variant's weights calibrated on ``data`` first (``on_device.calibrate_served_variant``, which also writes the
+    personal model when ``personalize`` is given); None (logged) if unusable."""
     blob = downloads.wait(TransferInfo.from_dict(message.transfer), time.monotonic() + timeout, abandon=stop)
     if blob is None:
         log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", message.device)
         return None
     if message.manifest.get("calibration") not in ("device", "federated"):
-        return keep_pushed_model(blob, message, model_dir)
+        kept = keep_pushed_model(blob, message, model_dir)
+        if kept is not None and personalize is not None and personalize.method != "off":
+            # An ONNX file the server exported (it holds data): the device has no weights to personalize.
+            why = "the server exported this model as ONNX (it holds data): personalization needs the variant's weights, which a server without data sends"
+            log.info("%s keeps the served model alone: %s", message.device, why)
+            kept[1].update({"personal_method": "", "personal_reason": why, "personal_accuracy": None})
+        return kept
     try:
         return calibrate_served_variant(
-            blob, message.manifest, data, preset, Path(model_dir) / f"{message.device}.onnx"
+            blob,
+            message.manifest,
+            data,
+            preset,
+            Path(model_dir) / f"{message.device}.onnx",
+            personalize=personalize,
+            torch_device=torch_device,
         )
     except FeastError as exc:
         log.error("the model of %s is unusable: %s", message.device, exc)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from feast_edge.agent.local_data import LocalClient
+from feast_edge.agent.personal import personalize_here
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_stats import MIN_EXAMPLES, bn_statistics, encode_statistics
 from feast_edge.evaluate.evaluation import correct_count
@@ -36,6 +37,7 @@ from feast_edge.evaluate.quantize import (
     QuantizationError,
     quantize_int8,
 )
+from feast_edge.personalize.select import Choice
 from feast_edge.protocol import Calibrate, Evaluate, Evaluated, RoutedRequest
 from feast_edge.route.payload import decode
 from feast_edge.route.plans import ClientPlan
@@ -199,9 +201,19 @@ def _check_federated_bn(model: StaticResNet, data: LocalClient, preset: Preset, 
 
 
 def calibrate_served_variant(
-    blob: bytes, manifest: dict[str, Any], data: LocalClient, preset: Preset, path: str | os.PathLike[str]
+    blob: bytes,
+    manifest: dict[str, Any],
+    data: LocalClient,
+    preset: Preset,
+    path: str | os.PathLike[str],
+    *,
+    personalize: Choice | None = None,
+    torch_device: str = "cpu",
 ) -> tuple[Path, dict[str, Any]]:
-    """Calibrate, export and measure the served variant; the ONNX file's path and the metrics to report."""
+    """Calibrate, export and measure the served variant; the ONNX file's path and the metrics to report.
+
+    ``personalize``: also write the device's personal model beside it (``feast_edge.agent.personal``); None: do not.
+    """
     digest = hashlib.sha256(blob).hexdigest()
     if digest != manifest.get("sha256"):
         raise OnDeviceError(f"the received weights hash to {digest}, their manifest says {manifest.get('sha256')}")
@@ -282,6 +294,20 @@ def calibrate_served_variant(
         **({"bn_refused": refused} if refused else {}),
         **{k: v for k, v in int8.items() if k in ("int8_accuracy", "int8_refused")},
     }
+    if personalize is not None:
+        metrics.update(
+            personalize_here(
+                model,
+                arch,
+                data,
+                preset,
+                personalize,
+                path,
+                local,
+                lambda personal: _quantize_here(personal, data, preset, samples, tolerance),
+                torch_device,
+            )
+        )
     log.info(
         "exported the model of %s (BN %s) to %s (%s MACs, %s): held-out accuracy %s on %d examples, "
         "onnxruntime latency %.3f ms",

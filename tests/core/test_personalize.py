@@ -1,0 +1,174 @@
+"""Personalization on the device (feast_edge.personalize): prior correction against NumPy, fine-tuning moves only what
+its method may, and honest selection never ships a model worse than the served one on the selection split."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from feast_edge.cache.variants import load_cache
+from feast_edge.data.holdout import holdout_split
+from feast_edge.evaluate.evaluation import correct_count, pixel_batches
+from feast_edge.personalize.finetune import fine_tuned
+from feast_edge.personalize.prior import SMOOTHING, class_prior, prior_corrected, prior_offsets
+from feast_edge.personalize.select import (
+    MIN_TRAINING,
+    SELECTION_SEED,
+    SELECTION_SHARE,
+    Choice,
+    PersonalizeError,
+    personal_step,
+    personalize,
+    worst_decile,
+)
+from feast_edge.space.extract import extract
+from feast_edge.space.preset import load_preset_file
+from feast_edge.space.supernet import Supernet
+from strategies import FMNIST_TINY
+
+PRESET = load_preset_file(FMNIST_TINY)
+
+
+@pytest.fixture(scope="module")
+def served():
+    cache = load_cache(PRESET)
+    return extract(Supernet(PRESET, seed=3), cache.entries[len(cache.entries) // 2].arch).eval()
+
+
+def _images(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 1, 28, 28), generator=g, dtype=torch.uint8)
+
+
+def _logits(model, images) -> np.ndarray:
+    with torch.no_grad():
+        return torch.cat([model(x) for x in pixel_batches(images, PRESET, 100)]).double().numpy()
+
+
+def test_prior_correction_adds_tau_log_of_the_smoothed_class_prior_to_every_logit(served) -> None:
+    labels = torch.tensor([6] * 30 + [0] * 5 + [2] * 1)  # classes 1, 3, 4, 5, 7, 8, 9 never seen
+    images = _images(20, 1)
+    counts = np.bincount(labels.numpy(), minlength=10)
+    want_prior = (counts + SMOOTHING) / (counts.sum() + SMOOTHING * 10)
+    assert class_prior(labels, 10).numpy() == pytest.approx(want_prior, rel=1e-12)
+    for tau in (0.0, 0.5, 1.0):
+        personal = prior_corrected(served, prior_offsets(class_prior(labels, 10), tau))
+        want = _logits(served, images) + tau * np.log(want_prior)
+        assert np.allclose(_logits(personal, images), want, atol=1e-5)
+    assert np.allclose(_logits(served, images), _logits(served, images))  # the served model is a copy's source only
+
+
+def test_head_and_bn_fine_tuning_move_only_their_parameters_and_leave_the_served_model(served) -> None:
+    images, labels = _images(48, 2), torch.randint(0, 10, (48,), generator=torch.Generator().manual_seed(2))
+    before = {k: v.clone() for k, v in served.state_dict().items()}
+    head, bn = (
+        fine_tuned(served, images, labels, PRESET, m, [1], torch.Generator().manual_seed(0))[0] for m in ("head", "bn")
+    )
+    assert all(torch.equal(v, served.state_dict()[k]) for k, v in before.items())
+    moved = {
+        name: {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+        for name, model in (("head", head), ("bn", bn))
+    }
+    assert moved["head"] == {"classifier.weight", "classifier.bias"}
+    assert moved["bn"] and all(".bn" in k or k.startswith("stem.bn") for k in moved["bn"])
+    assert any(k.endswith("running_mean") for k in moved["bn"])  # FedBN: the device's own statistics
+
+
+def test_a_strong_proximal_pull_keeps_the_model_nearer_the_served_one(served) -> None:
+    images, labels = _images(64, 4), torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(4))
+    weak, strong = fine_tuned(
+        served, images, labels, PRESET, "proximal", [0.0, 100.0], torch.Generator().manual_seed(0)
+    )
+
+    def distance(model) -> float:
+        return sum(float(((p - q) ** 2).sum().detach()) for p, q in zip(model.parameters(), served.parameters()))
+
+    assert 0 < distance(strong) < distance(weak)
+
+
+def _skewed(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random pixels whose labels are 90 % class 6: a device whose users see mostly shirts."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.where(torch.rand(n, generator=g) < 0.9, 6, torch.randint(0, 10, (n,), generator=g))
+    return _images(n, seed), labels
+
+
+def test_auto_on_a_skewed_device_beats_the_served_model_on_its_selection_and_held_out_splits(served) -> None:
+    images, labels = _skewed(200, 5)
+    held_images, held_labels = _skewed(60, 6)
+    outcome, own = personal_step(served, images, labels, held_images, held_labels, PRESET, Choice.parse("auto"))
+    assert outcome.model is not None and outcome.method in ("prior", "head", "bn", "proximal")
+    # The recorded counts are the model's on the selection split the test carves the same way, independently:
+    _, select = holdout_split(labels, SELECTION_SHARE, SELECTION_SEED)
+    served_right = correct_count(served, images[select], labels[select], PRESET)
+    mine = correct_count(outcome.model, images[select], labels[select], PRESET)
+    assert (outcome.selection_global, outcome.selection_personal) == (served_right, mine) and mine > served_right
+    assert own.examples == 60 and own.personal > own.served
+    assert own.personal == correct_count(outcome.model, held_images, held_labels, PRESET)
+    assert outcome.metadata()["personal_selection_examples"] == len(select)
+    assert "chose" in outcome.reason and outcome.method in outcome.reason
+
+
+def test_auto_keeps_the_served_model_when_nothing_beats_it_on_the_selection_split(served) -> None:
+    served = copy.deepcopy(served)
+    with torch.no_grad():
+        served.classifier.weight.mul_(30)  # decisive logits: images of different brightness get different classes
+    g = torch.Generator().manual_seed(7)
+    shade = torch.randint(0, 256, (120, 1, 1, 1), generator=g)
+    images = (shade + torch.randint(-20, 20, (120, 1, 28, 28), generator=g)).clamp(0, 255).to(torch.uint8)
+    labels = torch.from_numpy(_logits(served, images).argmax(1))  # the served model is right on every example
+    assert torch.unique(labels).numel() >= 3
+    outcome = personalize(served, images, labels, PRESET, Choice.parse("auto"), holdout=10)
+    assert outcome.model is None and outcome.selection_personal is None
+    assert outcome.reason.startswith("no method beat the served model on the selection split")
+    assert len(outcome.candidates) == 10 and max(c.correct for c in outcome.candidates) <= outcome.selection_global
+    # Asked for by name, the method's best strength is written, and said not to be better:
+    asked = personalize(served, images, labels, PRESET, Choice.parse("head"), holdout=10)
+    assert asked.model is not None and asked.method == "head" and "not better than the served model" in asked.reason
+
+
+@pytest.mark.parametrize(
+    ("labels", "holdout", "choice", "reason"),
+    [
+        (torch.full((80,), 3), 8, "auto", "its training data holds one class"),
+        (torch.arange(80) % 10, 0, "auto", "no held-out split"),
+        (torch.arange(MIN_TRAINING - 1) % 10, 8, "prior", f"fewer than the {MIN_TRAINING} personalization needs"),
+        (torch.arange(80) % 10, 8, "off", "personalization is off"),
+    ],
+    ids=["one-class", "no-holdout", "too-few", "off"],
+)
+def test_a_device_that_cannot_personalize_keeps_the_served_model_with_a_one_line_reason(
+    served, labels, holdout, choice, reason
+) -> None:
+    outcome = personalize(served, _images(len(labels), 8), labels, PRESET, Choice.parse(choice), holdout=holdout)
+    assert outcome.model is None and reason in outcome.reason and "\n" not in outcome.reason
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("best", "is unknown; choose one of auto, off, prior, head, bn, proximal"),
+        ("auto:1", "takes no strength"),
+        ("head:0", "must be a whole number of epochs in [1, 20]"),
+        ("head:1.5", "must be a whole number of epochs"),
+        ("prior:-1", "its tau must be a number in [0, 4]"),
+        ("prior:1e9", "its tau must be a number in [0, 4]"),
+    ],
+)
+def test_an_unknown_personalize_setting_is_refused_naming_the_choices(text, fragment) -> None:
+    with pytest.raises(PersonalizeError) as caught:
+        Choice.parse(text)
+    assert fragment in str(caught.value)
+
+
+def test_a_fixed_strength_is_the_only_candidate() -> None:
+    assert Choice.parse("prior:0.5").candidates() == [("prior", (0.5,))]
+    assert str(Choice.parse(" head : 3 ")) == "head:3" and Choice.parse("off").candidates() == []
+
+
+def test_the_worst_decile_is_the_mean_of_the_lowest_tenth() -> None:
+    assert worst_decile([0.9] * 18 + [0.1, 0.3]) == pytest.approx(0.2)
+    assert worst_decile([0.5, 0.7]) == 0.5
