@@ -294,6 +294,18 @@ def calibrate_served_variant(
         **({"bn_refused": refused} if refused else {}),
         **{k: v for k, v in int8.items() if k in ("int8_accuracy", "int8_refused")},
     }
+    log.info(
+        "exported the model of %s (BN %s) to %s (%s MACs, %s): held-out accuracy %s on %d examples, "
+        "onnxruntime latency %.3f ms",
+        data.device_id,
+        f"calibrated on {seen} of its examples" if where == "device" else f"of the federation's data, {seen} examples",
+        path,
+        f"{local['macs']:,}",
+        local["precision"],
+        "-" if math.isnan(accuracy) else f"{100 * accuracy:.2f}%",
+        data.holdout,
+        latency["median_ms"],
+    )
     if personalize is not None:
         metrics.update(
             personalize_here(
@@ -308,16 +320,4 @@ def calibrate_served_variant(
                 torch_device,
             )
         )
-    log.info(
-        "exported the model of %s (BN %s) to %s (%s MACs, %s): held-out accuracy %s on %d examples, "
-        "onnxruntime latency %.3f ms",
-        data.device_id,
-        f"calibrated on {seen} of its examples" if where == "device" else f"of the federation's data, {seen} examples",
-        path,
-        f"{local['macs']:,}",
-        local["precision"],
-        "-" if math.isnan(accuracy) else f"{100 * accuracy:.2f}%",
-        data.holdout,
-        latency["median_ms"],
-    )
     return path, metrics

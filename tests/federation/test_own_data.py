@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from PIL import Image
+from imagefolders import write_image_folder
 
 from feast_edge.dashboard import DashboardState, load_runs
 from feast_edge.data.images import FASHION_MNIST_CLASSES, load_fashion_mnist
@@ -36,18 +36,7 @@ PER_CLASS = 40
 
 def write_folder(root: Path, classes: tuple[int, ...], style: str, train, offset: int) -> None:
     """``PER_CLASS`` Fashion-MNIST training images of each class as files ``root/<class name>/*``."""
-    for c in classes:
-        picks = (train.labels == c).nonzero().flatten()[offset : offset + PER_CLASS]
-        folder = root / FASHION_MNIST_CLASSES[c]
-        folder.mkdir(parents=True)
-        for n, i in enumerate(picks.tolist()):
-            image = Image.fromarray(train.images[i, 0].numpy(), "L")
-            if style == "png-grey":
-                image.save(folder / f"{n}.png")
-            elif style == "jpeg-rgb-56":
-                image.convert("RGB").resize((56, 56)).save(folder / f"{n}.jpg", quality=95)
-            else:
-                image.convert("RGB").resize((40, 40)).save(folder / f"{n}.png")
+    write_image_folder(root, dict.fromkeys(classes, PER_CLASS), style, train, FASHION_MNIST_CLASSES, offset)
 
 
 def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statistics(

@@ -12,11 +12,11 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+from imagefolders import write_image_folder
 from PIL import Image
 
 from feast_edge.data.images import load_fashion_mnist
@@ -30,18 +30,6 @@ DEVICES = {"cam-a": ((0, 1, 2), "2M", "png-64"), "cam-b": ((2, 3, 4), "6M", "jpe
 PER_CLASS = 20
 
 
-def _write_folder(root: Path, classes: tuple[int, ...], style: str, train, offset: int) -> None:
-    for c in classes:
-        folder = root / CLASSES[c]
-        folder.mkdir(parents=True)
-        for n, i in enumerate((train.labels == c).nonzero().flatten()[offset : offset + PER_CLASS].tolist()):
-            image = Image.fromarray(train.images[i, 0].numpy(), "L").convert("RGB")
-            if style == "png-64":
-                image.resize((64, 64)).save(folder / f"{n}.png")
-            else:  # another size and aspect ratio: the preset's resize policy brings it to 64x64
-                image.resize((80, 60)).save(folder / f"{n}.jpg", quality=95)
-
-
 def test_a_user_preset_federates_on_the_devices_images(kit, cli, federation, tmp_path, fashion_mnist_dir):
     preset_file = tmp_path / "my-task.toml"
     made = cli.invoke(
@@ -53,7 +41,9 @@ def test_a_user_preset_federates_on_the_devices_images(kit, cli, federation, tmp
     assert built.returncode == 0 and (tmp_path / "my-task.cache.json").is_file(), built.stderr
     train = load_fashion_mnist(fashion_mnist_dir, "train")
     for k, (device, (classes, _, style)) in enumerate(DEVICES.items()):
-        _write_folder(tmp_path / "data" / device, classes, style, train, offset=k * PER_CLASS)
+        write_image_folder(
+            tmp_path / "data" / device, dict.fromkeys(classes, PER_CLASS), style, train, CLASSES, k * PER_CLASS
+        )
 
     log_file, models = tmp_path / "server.log", tmp_path / "models"
     command = [
