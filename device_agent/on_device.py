@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -200,20 +201,20 @@ def _check_federated_bn(model: StaticResNet, data: LocalClient, preset: Preset, 
     return reason
 
 
-def calibrate_served_variant(
-    blob: bytes,
-    manifest: dict[str, Any],
-    data: LocalClient,
-    preset: Preset,
-    path: str | os.PathLike[str],
-    *,
-    personalize: Choice | None = None,
-    torch_device: str = "cpu",
-) -> tuple[Path, dict[str, Any]]:
-    """Calibrate, export and measure the served variant; the ONNX file's path and the metrics to report.
+@dataclass(frozen=True)
+class ServedModel:
+    """The served variant as this device runs it: its weights checked, its BN statistics the federation's or its own."""
 
-    ``personalize``: also write the device's personal model beside it (``feast_edge.agent.personal``); None: do not.
-    """
+    model: StaticResNet
+    arch: Arch
+    where: str  # "federated" or "device": whose BN statistics it holds
+    seen: int  # examples its BN statistics were computed on
+    refused: str  # why the federation's statistics were refused ("" when they were not)
+    digest: str  # SHA-256 of the received weights
+
+
+def served_model(blob: bytes, manifest: dict[str, Any], data: LocalClient, preset: Preset) -> ServedModel:
+    """The served variant's weights checked against the manifest and the architecture, BN calibrated as it asks."""
     digest = hashlib.sha256(blob).hexdigest()
     if digest != manifest.get("sha256"):
         raise OnDeviceError(f"the received weights hash to {digest}, their manifest says {manifest.get('sha256')}")
@@ -229,7 +230,6 @@ def calibrate_served_variant(
         raise OnDeviceError(f"the model manifest names no valid architecture of preset {preset.name} ({exc})") from None
     if data.samples == 0 and manifest.get("calibration") != "federated":
         raise OnDeviceError("this device has no training examples to calibrate BN on")
-    precision, samples, tolerance = _asked_precision(manifest)
     model = StaticResNet(arch_layout(preset, arch))
     model.load_state_dict(_variant_state(blob, model))
     asked = manifest.get("calibration_samples", 500)
@@ -243,6 +243,33 @@ def calibrate_served_variant(
             where, seen = "device", min(calibration, MAX_CALIBRATION, data.samples)
     else:
         seen = calibrated_static(model, preset, data.images, min(calibration, MAX_CALIBRATION), labels=data.labels)
+    return ServedModel(model, arch, where, seen, refused, digest)
+
+
+def calibrate_served_variant(
+    blob: bytes,
+    manifest: dict[str, Any],
+    data: LocalClient,
+    preset: Preset,
+    path: str | os.PathLike[str],
+    *,
+    personalize: Choice | None = None,
+    torch_device: str = "cpu",
+) -> tuple[Path, dict[str, Any]]:
+    """Calibrate, export and measure the served variant; the ONNX file's path and the metrics to report.
+
+    ``personalize``: also write the device's personal model beside it (``feast_edge.agent.personal``); None: do not.
+    """
+    precision, samples, tolerance = _asked_precision(manifest)
+    served = served_model(blob, manifest, data, preset)
+    model, arch, where, seen, refused, digest = (
+        served.model,
+        served.arch,
+        served.where,
+        served.seen,
+        served.refused,
+        served.digest,
+    )
     correct = correct_count(model, data.holdout_images, data.holdout_labels, preset) if data.holdout else 0
     accuracy = correct / data.holdout if data.holdout else math.nan
     path = check_writable(path, "model file")

@@ -14,7 +14,10 @@
    validation), then every device's served variant (its largest affordable) sent
    to it, BN-recalibrated on its own data and exported to ONNX there;
 5. each device's model timed in onnxruntime and tested on the Fashion-MNIST test
-   split; a summary table with the accuracy each device measured itself.
+   split; a summary table with the accuracy each device measured itself, of the
+   served model and of the personal model it made after the last round
+   (``feast-agent run --personalize auto``, the default), their means and the
+   worst device.
 
 ``--server-data`` runs the paper's server-held protocol instead (the agents train
 their shard files, the server validates and calibrates on its held-out split).
@@ -41,8 +44,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from feast_edge.run.rundir import fleet_accuracy, model_accuracy
 from feast_edge.server.brokers import MOSQUITTO, Broker, free_port, resolve_kind, start_broker, start_mosquitto
 from feast_edge.server.demo_fleet import DemoError, Fleet, relative
+from feast_edge.server.output import add_fleet_rows, personal_cell
 from feast_edge.server.provision import provision
 
 
@@ -297,37 +302,15 @@ def run_demo(
         fleet.await_models(received, say)
         fleet.stop()
         rows = _device_rows(loaded, received, data, test_samples, say)
-        table = Table(title=f"feast-edge demo: {n} devices, {rounds} rounds, {preset}")
-        for col in (
-            "device",
-            "budget",
-            "variant MACs",
-            "params",
-            "BN calibrated on",
-            "own acc" if not server_data else "val acc",
-            f"test acc ({rows[0]['test_images']})",
-            "ONNX file",
-            "onnxruntime ms",
-        ):
-            table.add_column(col, justify="left" if col in ("device", "ONNX file") else "right")
-        for r in rows:
-            table.add_row(
-                r["device"],
-                f"{r['budget_macs'] / 1e6:.2f}M",
-                f"{r['macs'] / 1e6:.2f}M",
-                f"{r['params'] / 1e6:.3f}M",
-                r["calibrated"],
-                "-" if r["own_accuracy"] is None else f"{100 * r['own_accuracy']:.2f}%",
-                f"{100 * r['test_accuracy']:.2f}%",
-                r["onnx"],
-                f"{r['latency_ms']:.3f}",
-            )
+        table = summary_table(rows, f"feast-edge demo: {n} devices, {rounds} rounds, {preset}", server_data)
         # Outside a terminal rich would squeeze the table into 80 columns.
         (console if console.is_terminal else Console(file=console.file, width=200)).print(table)
         if not server_data:
             say(
-                "own acc: what each device measured on its own held-out split (10 % of its images, never trained on); "
-                "the server saw only counts"
+                "own acc: what each device measured on its own held-out split (10 % of its images, never trained on), "
+                "of the served model and of the personal model it made on its own training images after the last "
+                "round (a method only where it beat the served model on a selection split of them); the server saw "
+                "only counts"
             )
         say(
             f"onnxruntime latency: batch 1, one thread, this machine's CPU (the profiles' budgets describe the real devices). "
@@ -363,7 +346,7 @@ def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: in
                 "budget_macs": profile.budget_macs,
                 "macs": manifest["macs"],
                 "params": manifest["params"],
-                "own_accuracy": manifest.get("holdout_accuracy", manifest.get("validation_accuracy")),
+                "own": own_accuracy(path, manifest),
                 "calibrated": (
                     f"{manifest['calibration']} ({manifest.get('calibration_samples')})"
                     if manifest.get("calibration") in ("device", "federated")
@@ -377,3 +360,63 @@ def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: in
             }
         )
     return rows
+
+
+def own_accuracy(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The accuracy of the model the device kept at ``path`` (``manifest``: its ``.json``), and of its personal model:
+    ``{device}.personal.json`` beside it (written by the agent for this served file; none: the served model is kept),
+    checked as the server checks a device's report (:func:`feast_edge.run.rundir.model_accuracy`)."""
+    report = {"holdout_accuracy": manifest.get("holdout_accuracy"), "personal_method": ""}
+    report["personal_accuracy"] = report["holdout_accuracy"]  # the served model kept: its accuracy is the personal one
+    personal = path.with_name(f"{path.stem}.personal.json")
+    if personal.is_file():
+        written = json.loads(personal.read_text())
+        if written.get("served_sha256") == manifest.get("sha256"):  # not a stale one of an earlier served file
+            report.update(
+                personal_method=written.get("personal_method"),
+                personal_strength=written.get("personal_strength"),
+                personal_accuracy=written.get("holdout_accuracy_personal"),
+            )
+    return model_accuracy(manifest, report)
+
+
+def summary_table(rows: list[dict[str, Any]], title: str, server_data: bool) -> Table:
+    """One row per device (:func:`_device_rows`): its model, own accuracy served -> personal, its test accuracy and
+    latency; then the means over the devices and the worst device."""
+    table = Table(
+        title=title,
+        caption=None
+        if server_data
+        else "personalization on (feast-agent run --personalize auto, the default); own acc: each device's held-out split",
+    )
+    for col in (
+        "device",
+        "budget",
+        "variant MACs",
+        "params",
+        "BN calibrated on",
+        "own acc, served" if not server_data else "val acc",
+        "own acc, personal",
+        f"test acc ({rows[0]['test_images']})",
+        "ONNX file",
+        "onnxruntime ms",
+    ):
+        table.add_column(col, justify="left" if col in ("device", "own acc, personal", "ONNX file") else "right")
+    for i, r in enumerate(rows):
+        own = r["own"]
+        table.add_row(
+            r["device"],
+            f"{r['budget_macs'] / 1e6:.2f}M",
+            f"{r['macs'] / 1e6:.2f}M",
+            f"{r['params'] / 1e6:.3f}M",
+            r["calibrated"],
+            "-" if own["accuracy"] is None else f"{100 * own['accuracy']:.2f}%",
+            personal_cell(own),
+            f"{100 * r['test_accuracy']:.2f}%",
+            r["onnx"],
+            f"{r['latency_ms']:.3f}",
+            end_section=i == len(rows) - 1,
+        )
+    if not server_data:  # the models are the server's: the devices have no own accuracy to average
+        add_fleet_rows(table, fleet_accuracy((r["device"], r["own"]) for r in rows), 5)
+    return table

@@ -280,9 +280,9 @@ class LiveView:
         reports: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """The exported ONNX models (served for download), or without server data the models each device calibrates
-        (``reports``: what each device reported of its model, its held-out accuracy). Their accuracy gives the
-        population accuracy (the mean over devices of the model each is served); a server-validated one also joins the
-        accuracy-vs-MACs points."""
+        (``reports``: what each device reported of its model, its held-out accuracy and its personal model's, which
+        the state sums up as the means and the worst device). Their accuracy gives the population accuracy (the mean
+        over devices of the model each is served); a server-validated one also joins the accuracy-vs-MACs points."""
         self.state.set_models([dict(m) for m in manifests], model_dir, reports)
         accuracies = [model_accuracy(m, (reports or {}).get(str(m.get("device"))))["accuracy"] for m in manifests]
         if accuracies and all(isinstance(a, (int, float)) for a in accuracies):

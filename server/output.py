@@ -6,13 +6,15 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
+from rich.text import Text
 
-from feast_edge.run.rundir import served_precision
+from feast_edge.run.rundir import FleetAccuracy, fleet_accuracy, model_accuracy, served_precision
 
 if TYPE_CHECKING:
     from feast_edge.run.loop import RoundRecord
 
 log = logging.getLogger("feast_edge.server")
+OWN_CAPTION = "own acc: on the device's own held-out split, of the served model and of its personal model"
 
 
 def _pct(v: float | None) -> str:
@@ -72,22 +74,49 @@ def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
     return table
 
 
+def served_cell(accuracy: dict[str, Any]) -> str:
+    """A device-calibrated model's own held-out accuracy (:func:`feast_edge.run.rundir.model_accuracy`) in a cell."""
+    return _pct(accuracy["accuracy"]) if "holdout_accuracy" in accuracy else "no report"
+
+
+def personal_cell(accuracy: dict[str, Any]) -> Text:
+    """``94.40% (prior τ=1)``, ``70.00% (served model kept: …)``, or why there is no accuracy; as plain text (a
+    device's reason may hold what rich reads as markup)."""
+    note = accuracy["personal_note"]
+    return Text(note if accuracy["personal_accuracy"] is None else f"{_pct(accuracy['personal_accuracy'])} ({note})")
+
+
+def add_fleet_rows(table: Table, fleet: FleetAccuracy, served_column: int) -> None:
+    """Below a table's rows, the means over the devices of their own accuracy, served and personal (in the columns
+    ``served_column`` and the next), and the worst device's."""
+    rows = [(f"mean ({fleet.counted_words})", fleet.served, fleet.personal)]
+    if fleet.worst is not None:
+        rows.append((f"worst: {fleet.worst}", fleet.worst_served, fleet.worst_personal))
+    for label, served, personal in rows:
+        table.add_row(Text(label), *[""] * (served_column - 1), _pct(served), _pct(personal))
+
+
 def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict[str, Any]], title: str) -> Table:
-    """The devices' own models: where BN was calibrated, on how many examples, and the accuracy each device measured
-    on its held-out split (what a server without data learns of its models)."""
-    table = Table(title=title)
+    """The devices' own models: where BN was calibrated, on how many examples, the accuracy each device measured on
+    its held-out split, of the served model and of its personal one (what a server without data learns of its
+    models); then the means over the devices and the worst device."""
+    table = Table(title=title, caption=OWN_CAPTION)
     for col in (
         "device",
         "variant MACs",
         "precision",
         "calibrated on",
-        "held-out accuracy",
+        "own acc, served",
+        "own acc, personal",
         "held-out examples",
         "ONNX latency",
     ):
-        table.add_column(col, justify="left" if col == "device" else "right")
-    for m in manifests:
+        table.add_column(col, justify="left" if col in ("device", "own acc, personal") else "right")
+    accuracies = []
+    for i, m in enumerate(manifests):
         r = reports.get(m["device"], {})
+        accuracy = model_accuracy(m, r)
+        accuracies.append((m["device"], accuracy))
         latency = r.get("onnx_latency_ms")
         table.add_row(
             m["device"],
@@ -100,8 +129,11 @@ def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict
             else f"own data, {r['calibrated_on']} examples (refused the federated)"
             if r.get("bn_refused")
             else f"federated, {r['calibrated_on']} examples",
-            _pct(r.get("holdout_accuracy")) if "holdout_accuracy" in r else "no report",
-            str(r.get("holdout_samples", "-")),
+            served_cell(accuracy),
+            personal_cell(accuracy),
+            "-" if accuracy.get("holdout_samples") is None else str(accuracy["holdout_samples"]),
             "-" if latency is None else f"{latency:.3f} ms",
+            end_section=i == len(manifests) - 1,
         )
+    add_fleet_rows(table, fleet_accuracy(accuracies), 4)
     return table

@@ -2,10 +2,13 @@
 
 Only reads what ``feast-server run`` keeps in ``--out``: the device registry
 (``devices.sqlite``: who registered, online or not, last seen, rounds taken
-part in) and the record of the latest checkpoint (completed rounds, the round
-history, the best validation accuracy). A running server is not disturbed:
-the registry is SQLite in WAL mode, which serves readers beside the writer,
-and checkpoints are replaced atomically.
+part in, what each reported of its model), the record of the latest checkpoint
+(completed rounds, the round history, the best validation accuracy) and the
+exported models' index (the models their devices calibrated: their own
+held-out accuracy, served model -> personal model, the mean and the worst
+device). A running server is not disturbed: the registry is SQLite in WAL
+mode, which serves readers beside the writer, and checkpoints are replaced
+atomically.
 """
 
 from __future__ import annotations
@@ -19,8 +22,17 @@ from rich.table import Table
 from feast_edge.errors import FeastError
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
-from feast_edge.run.rundir import run_validated_on, validation_words
+from feast_edge.run.rundir import (
+    FleetAccuracy,
+    device_calibrated,
+    fleet_accuracy,
+    model_accuracy,
+    read_manifests,
+    run_validated_on,
+    validation_words,
+)
 from feast_edge.server.app import REGISTRY
+from feast_edge.server.output import OWN_CAPTION, add_fleet_rows, personal_cell, served_cell
 from feast_edge.server.registry import Registry
 
 
@@ -57,6 +69,13 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
     words = validation_words(where)
     if federated and "devices" in where:
         words = f"{words} in the last validated round"
+    # The models their devices calibrated: their own held-out accuracy, served -> personal, as each reported it.
+    metrics = {d.device_id: d.metrics for d in devices}
+    models = {
+        str(m.get("device")): model_accuracy(m, metrics.get(str(m.get("device"))))
+        for m in read_manifests(out)
+        if device_calibrated(m)
+    }
     return {
         "out": str(out),
         "validation": {
@@ -79,6 +98,7 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
         "best": None
         if best is None or "round" not in best
         else {"round": best["round"] + shift, "val_accuracy": best.get("val_accuracy")},
+        "own_accuracy": fleet_accuracy(models.items()).to_dict() if models else None,
         "online": sum(d.status == "online" for d in devices),
         "devices": [
             {
@@ -92,6 +112,7 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
                 "samples": d.samples,
                 "rounds": d.rounds,
                 "profile": d.profile.get("name"),
+                "model": models.get(d.device_id),  # None: no model it calibrated itself
             }
             for d in devices
         ],
@@ -127,21 +148,27 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         else f"best validation accuracy: {_pct(best['val_accuracy'])} (round {best['round']})"
     )
     words = (status.get("validation") or {}).get("words")
+    own = status.get("own_accuracy")
     return [
         run,
         progress,
         best_line,
         *([words] if words else []),
         f"devices: {status['online']} of {len(status['devices'])} online",
+        *([FleetAccuracy(**own).words()] if own else []),
     ]
 
 
 def status_table(status: dict[str, Any]) -> Table:
-    """One row per registered device."""
-    table = Table(title=f"devices registered in {status['out']}")
-    for col in ("device", "host", "status", "last seen", "budget", "precision", "samples", "rounds", "profile"):
-        table.add_column(col, justify="right" if col in ("budget", "samples", "rounds") else "left")
-    for d in status["devices"]:
+    """One row per registered device; where devices calibrated their models, their own held-out accuracy (served ->
+    personal) and, below, the means and the worst device."""
+    own = any(d.get("model") is not None for d in status["devices"])
+    table = Table(title=f"devices registered in {status['out']}", caption=OWN_CAPTION if own else None)
+    columns = ["device", "host", "status", "last seen", "budget", "precision", "samples", "rounds", "profile"]
+    for col in columns + (["own acc, served", "own acc, personal"] if own else []):
+        table.add_column(col, justify="right" if col in ("budget", "samples", "rounds", "own acc, served") else "left")
+    for i, d in enumerate(status["devices"]):
+        model = d.get("model")
         table.add_row(
             d["device"],
             d["host"],
@@ -152,5 +179,9 @@ def status_table(status: dict[str, Any]) -> Table:
             str(d["samples"]),
             str(d["rounds"]),
             d["profile"] or "-",
+            *([] if not own else ["-", "-"] if model is None else [served_cell(model), personal_cell(model)]),
+            end_section=own and i == len(status["devices"]) - 1,
         )
+    if own:
+        add_fleet_rows(table, FleetAccuracy(**status["own_accuracy"]), len(columns))
     return table

@@ -1,5 +1,6 @@
 """A local Flower Deployment Engine for tests and benchmarks: a real ``flower-superlink`` and ``flower-supernode`` processes
-on loopback, and ``flwr run`` / ``flwr ls`` as a user types them (flwr 1.42).
+on loopback, and ``flwr run`` / ``flwr ls`` as a user types them (flwr 1.42); and ``LoopbackGrid``, Flower's Grid
+delivering each Message to feast-edge's ClientApp handlers in the test's own process.
 
     with LocalFlower(tmp) as flower:
         flower.supernode({"data": "/path/partition", "offset": 0, "threads": 1})
@@ -10,6 +11,10 @@ on loopback, and ``flwr run`` / ``flwr ls`` as a user types them (flwr 1.42).
 Every process gets its own FLWR_HOME under ``root`` (nothing is written to ~/.flwr); Flower's telemetry, update check
 and runtime dependency installation are off (nothing is fetched); on exit every process started here, and every
 process they started (SuperExec, flwr-serverapp, flwr-clientapp), is stopped.
+
+    grid = LoopbackGrid()                                   # after set_flower_identity()
+    grid.add(100, {"data": "/path/partition", "offset": 0})   # a node: its node config, handlers to replace
+    FlowerFederation(ServerConfig(...), grid).run()
 """
 
 from __future__ import annotations
@@ -22,11 +27,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flwr.app import Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 from ports import free_port
+
+from feast_edge.flower import clientapp
+from strategies import FMNIST_TINY
 
 BIN = Path(sys.executable).parent  # the venv's bin: flower-superlink, flwr, and what Flower starts by name
 CONNECTION = "feast-test"  # the [superlink.<name>] entry of the CLI's config.toml
@@ -224,3 +235,39 @@ class LocalFlower:
         return "\n".join(
             f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(self.root.glob("*.log"))
         )
+
+
+Handler = Callable[[Message, Context], Message]
+
+
+def set_flower_identity() -> None:
+    """The identity Flower's processes give themselves (a ServerApp or ClientApp creates Messages under it)."""
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+
+
+class LoopbackGrid:
+    """Flower's Grid as far as the ServerApp uses it, delivering each Message to a node's handlers in this process."""
+
+    def __init__(self, run_config: dict | None = None) -> None:
+        self.nodes: dict[int, tuple[dict, dict[str, Handler]]] = {}
+        self.run_config = {"preset": str(FMNIST_TINY), **(run_config or {})}  # the run trains kit.CONFIG's preset
+
+    def add(self, node: int, node_config: dict, **handlers: Handler) -> None:
+        defaults = {"query": clientapp.register, "train": clientapp.train, "evaluate": clientapp.evaluate}
+        self.nodes[node] = (node_config, {**defaults, **handlers})
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.nodes)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            config, handlers = self.nodes[node]
+            context = Context(
+                run_id=1, node_id=node, node_config=config, state=RecordDict(), run_config=self.run_config
+            )
+            reply = handlers[message.metadata.message_type](message, context)
+            if reply is not None:
+                replies.append(reply)
+        return replies

@@ -2,7 +2,9 @@
 models) and synthetic ``feast-edge simulate`` results.json files.
 
 ``federated=True``: a server without ``--data`` (validation on the devices' held-out splits, the model of pi-5
-calibrated on pi-5, which reported its held-out accuracy); ``federated=False``: the server's ``--data``.
+calibrated on pi-5, which reported its held-out accuracy and that of its personal model); ``federated=False``: the
+server's ``--data``. :func:`add_personal_fleet` adds device-calibrated models to a federated run: one device that kept
+its served model and three that lie in their reports.
 """
 
 from __future__ import annotations
@@ -21,6 +23,67 @@ ARCH = {"d": [0, 0, 0], "e": [0.5, 0.5, 0.5], "w": [0, 0, 0, 0]}
 DEVICES = ("cam-1", "pi-5")
 HELD_OUT = 60  # examples the cohort held out, in all (the federated run's validation)
 HOLDOUT_ACCURACY = 0.875  # what pi-5 reported of the model it calibrated
+PERSONAL_ACCURACY = 0.9375  # ... and of its personal model (prior correction, τ = 1)
+PERSONAL = {
+    "personal_method": "prior",
+    "personal_strength": 1.0,
+    "personal_reason": "chose prior (tau 1): 45/50 right on its selection split against 40/50 for the served model",
+    "personal_accuracy": PERSONAL_ACCURACY,
+    "personal_seconds": 0.4,
+    "personal_sha256": "ab" * 32,
+    "personal_precision": "fp32",
+}
+# add_personal_fleet: device -> what it reported of its models (its held-out accuracy, served and personal).
+KEPT_ACCURACY = 0.7  # cam-1 kept its served model: its personal accuracy is its served one
+FLEET = {
+    "cam-1": {
+        "holdout_accuracy": KEPT_ACCURACY,
+        "personal_method": "",
+        "personal_strength": None,
+        # what rich reads as markup, and a terminal escape: shown as text, never obeyed
+        "personal_reason": "[/bold]\x1b[31m no method beat the served model on the selection split",
+        "personal_accuracy": KEPT_ACCURACY,
+    },
+    # Three liars, each with a plausible served accuracy that must not enter the means either.
+    "liar-range": {"holdout_accuracy": 0.95, **PERSONAL, "personal_accuracy": 7.5},
+    "liar-method": {"holdout_accuracy": 0.95, **PERSONAL, "personal_method": "m" * 5000},
+    "liar-type": {"holdout_accuracy": 0.95, **PERSONAL, "personal_accuracy": "0.99"},
+}
+# What every summary of a federated run with add_personal_fleet shows (feast_edge.run.rundir.FleetAccuracy): the means
+# over pi-5 and cam-1 alone (a liar counts for nothing, not even its served accuracy), cam-1 the worst device.
+FLEET_OWN_ACCURACY = {
+    "devices": 5,
+    "counted": 2,
+    "served": (HOLDOUT_ACCURACY + KEPT_ACCURACY) / 2,
+    "personal": (PERSONAL_ACCURACY + KEPT_ACCURACY) / 2,
+    "worst": "cam-1",
+    "worst_served": KEPT_ACCURACY,
+    "worst_personal": KEPT_ACCURACY,
+}
+
+
+def register_device(
+    registry: Registry,
+    name: str,
+    preset: Preset,
+    budget: int,
+    profile: dict[str, Any] | None = None,
+    *,
+    status: str = "online",
+    precision: str = "fp32",
+) -> None:
+    """Register ``name`` (100 samples, on host agent-1) as the runs here do; a Raspberry Pi 5 unless ``profile``."""
+    registry.register(
+        name,
+        host="agent-1",
+        instance="i",
+        budget_macs=budget,
+        samples=100,
+        preset=preset.name,
+        profile=profile or {"name": "raspberry-pi-5", "hardware": {"cpu": "4x Cortex-A76"}},
+        status=status,
+        precision=precision,
+    )
 
 
 def federation_run(out: Path, preset: Preset, *, federated: bool) -> Path:
@@ -68,16 +131,7 @@ def federation_run(out: Path, preset: Preset, *, federated: bool) -> Path:
     )
     registry = Registry(out / "devices.sqlite")
     for name, budget in (("cam-1", 2_000_000), ("pi-5", 6_000_000)):
-        registry.register(
-            name,
-            host="agent-1",
-            instance="i",
-            budget_macs=budget,
-            samples=100,
-            preset=preset.name,
-            profile={"name": "raspberry-pi-5", "hardware": {"cpu": "4x Cortex-A76"}},
-            status="online",
-        )
+        register_device(registry, name, preset, budget)
     models = out / "models"
     models.mkdir()
     manifest = {
@@ -101,6 +155,7 @@ def federation_run(out: Path, preset: Preset, *, federated: bool) -> Path:
                 "model_sha256": "ef" * 32,
                 "model_macs": 1_230_000,
                 "model_round": 2,
+                **PERSONAL,
             },
         )
     else:
@@ -108,6 +163,33 @@ def federation_run(out: Path, preset: Preset, *, federated: bool) -> Path:
         manifest.update(file="pi-5.onnx", validation_accuracy=0.4, bn_recalibrated=True)
     registry.close()
     (models / "index.json").write_text(json.dumps({"models": [manifest]}))
+    return out
+
+
+def add_personal_fleet(out: Path, preset: Preset) -> Path:
+    """Give each device of :data:`FLEET` a model it calibrated and its report of it, in the federated run ``out``."""
+    registry = Registry(out / "devices.sqlite")
+    index = json.loads((out / "models" / "index.json").read_text())
+    for name, metrics in FLEET.items():
+        if registry.get(name) is None:
+            register_device(registry, name, preset, 4_000_000, {"name": "jetson-nano"}, status="offline")
+        registry.touch(name, metrics={"holdout_samples": 40, "calibrated_on": 200, "model_round": 2, **metrics})
+        index["models"].append(
+            {
+                "device": name,
+                "arch": ARCH,
+                "macs": 1_000_000,
+                "params": 40,
+                "rounds": 2,
+                "sha256": "cd" * 32,
+                "size": 4,
+                "file": f"{name}.variant.safetensors",
+                "calibration": "device",
+                "bn_recalibrated": False,
+            }
+        )
+    registry.close()
+    (out / "models" / "index.json").write_text(json.dumps(index))
     return out
 
 

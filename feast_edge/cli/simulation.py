@@ -26,6 +26,7 @@ from feast_edge.errors import FeastError
 from feast_edge.space.arch import Arch
 
 console = make_console()
+PERSONALIZING = "personalizing every client (--personalize)"
 
 
 def _say(text: str) -> None:
@@ -153,6 +154,23 @@ def simulate(
             help="With --nproc or torchrun: auto (NCCL with a GPU per process, else gloo), gloo or nccl.",
         ),
     ] = "auto",
+    personalize: Annotated[
+        str,
+        typer.Option(
+            "--personalize",
+            help="After the last round, each client's personal model of its served variant, measured on its own "
+            "held-out split: auto (the best of prior, head, bn, proximal on a selection split, kept only if it beats "
+            "the served model there), off, METHOD or METHOD:STRENGTH (e.g. prior:0.5); FEAST only.",
+        ),
+    ] = "off",
+    holdout: Annotated[
+        Optional[float],
+        typer.Option(
+            "--holdout",
+            help="With --personalize: each client's share of its shard held out per class (default 0.1). The held-out "
+            "examples never train, so the training data (and the weights) differ from a run without --personalize.",
+        ),
+    ] = None,
     dashboard: DashboardOpt = None,
     dashboard_token: DashboardTokenOpt = None,
     tensorboard: TensorBoardOpt = False,
@@ -160,7 +178,7 @@ def simulate(
     """Run the paper's protocol in one process: population, rounds, evaluation, results."""
     from feast_edge.local.precision import resolve_amp
     from feast_edge.local.torch_device import describe_device, resolve_device
-    from feast_edge.sim.setup import SimulationConfig
+    from feast_edge.sim.setup import DEFAULT_HOLDOUT, SimulationConfig
     from feast_edge.sim.simulate import Simulation
 
     requested, device = device, resolve_device(device)
@@ -193,6 +211,8 @@ def simulate(
         payload_dtype=payload_dtype,
         amp=precision.mode,
         deterministic=deterministic,
+        personalize=personalize.strip(),
+        holdout=holdout if holdout is not None else (0.0 if personalize.strip() == "off" else DEFAULT_HOLDOUT),
     )
     config.train_config()  # validates the method, its options and the recipe before any data is read
     setup, matched = None, None
@@ -241,6 +261,7 @@ def simulate(
             on_test=display.on_test,
             on_record=live and live.round_finished,
             tensorboard=tensorboard,
+            on_personal=display.on_personal,
         )
     except BaseException:
         display.stage.finish(ok=False)
@@ -268,6 +289,9 @@ def simulate(
             str(v["index"]), millions(v["macs"]), millions(v["params"]), f"{100 * v['test_accuracy']:.2f}%", model
         )
     console.print(table)
+    if "personalization" in results:
+        console.print(personalization_table(results["personalization"]))
+        _say(personalization_line(results["personalization"]))
     comm = results["communication"]
     saving = "nothing sent" if comm["reduction"] is None else f"{comm['reduction']:.2f}x less"
     in_bytes = (
@@ -283,6 +307,27 @@ def simulate(
         f"({saving}){in_bytes}; training compute {results['compute']['train_macs_total'] / 1e12:,.2f} TMAC\n"
         f"results: {out / 'results.json'}, {out / 'variants.csv'}, {out / 'rounds.csv'}",
         soft_wrap=True,
+    )
+
+
+def personalization_table(block: dict[str, Any]) -> Table:
+    """``--personalize``'s summary: own held-out accuracy, mean and worst decile over the clients, served and personal."""
+    summary = block["summary"]
+    pct = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+    table = Table()
+    for col in (f"own held-out acc. ({summary['choice']})", "mean", "worst decile"):
+        table.add_column(col, justify="right" if table.columns else "left")
+    for name in ("served", "personal"):
+        table.add_row(name, pct(summary[f"{name}_mean"]), pct(summary[f"{name}_worst_decile"]))
+    return table
+
+
+def personalization_line(block: dict[str, Any]) -> str:
+    """Who got a personal model and what the step cost, under :func:`personalization_table`."""
+    s = block["summary"]
+    return (
+        f"personalization: {s['personalized']} of {s['clients']} clients chose a personal model, "
+        f"{s['measured']} measured on their own held-out split; device time {s['device_seconds_total']:.1f} s"
     )
 
 
@@ -347,6 +392,12 @@ class _SimulationDisplay:
 
     def on_test(self, done: int, total: int) -> None:
         self._start_testing()
+        self.stage.update(done)
+
+    def on_personal(self, done: int, total: int) -> None:
+        if self.stage.label != PERSONALIZING:
+            self.stage.finish()
+            self.stage = Stage(console, PERSONALIZING, total).start()
         self.stage.update(done)
 
     def _start_testing(self) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import quote
 
 from feast_edge.errors import ArchError
-from feast_edge.run.rundir import device_calibrated, model_accuracy, served_precision
+from feast_edge.run.rundir import device_calibrated, fleet_accuracy, model_accuracy, served_precision
 from feast_edge.space.arch import Arch
 
 KINDS = ("federation", "simulation", "runs")
@@ -128,6 +128,7 @@ class DashboardState:
         self._variants: list[dict[str, Any]] = []
         self._population: float | None = None
         self._models: list[dict[str, Any]] = []
+        self._own_accuracy: dict[str, Any] | None = None  # over the device-calibrated models: fleet_accuracy
         self._model_paths: dict[str, Path] = {}
         self._runs: list[dict[str, Any]] = []
 
@@ -156,6 +157,7 @@ class DashboardState:
                 "variants": _copy(self._variants),
                 "population_accuracy": self._population,
                 "models": _copy(self._models),
+                "own_accuracy": _copy(self._own_accuracy),
                 "runs": _copy(self._runs),
             }
 
@@ -251,9 +253,10 @@ class DashboardState:
         """The exported models: one manifest per device; the files stay in ``model_dir`` and the page gets a link.
 
         A model calibrated on its device (``"calibration": "device"``) shows the held-out accuracy the device reported
-        (``metrics``: device -> its registry metrics) and no link: its ONNX file is on the device, and the weights the
-        server sent it never reach the page."""
-        models, paths = [], {}
+        (``metrics``: device -> its registry metrics), served model -> its personal model, and no link: its ONNX file is
+        on the device, and the weights the server sent it never reach the page. Over those models, ``own_accuracy``:
+        the means and the worst device (``feast_edge.run.rundir.fleet_accuracy``)."""
+        models, paths, own = [], {}, []
         for manifest in list(manifests)[:MAX_DEVICES]:
             device = clean(str(manifest.get("device", "")))
             file = str(manifest.get("file", ""))
@@ -263,6 +266,8 @@ class DashboardState:
             if not on_device:
                 paths[device] = Path(model_dir) / file
             accuracy = model_accuracy(manifest, (metrics or {}).get(str(manifest.get("device", ""))))
+            if on_device:
+                own.append((device, accuracy))
             models.append(
                 clean(
                     {
@@ -279,8 +284,9 @@ class DashboardState:
                     }
                 )
             )
+        summary = clean(fleet_accuracy(own).to_dict()) if own else None
         with self._changed:
-            self._models, self._model_paths = models, paths
+            self._models, self._model_paths, self._own_accuracy = models, paths, summary
             self._bump()
 
     def add_run(self, run: dict[str, Any]) -> None:

@@ -5,6 +5,10 @@
     train   -> the RoundStart and routed slice checked (``records.read_arrays``), the agent's own step
                (``feast_edge.agent.step.train_state``: ``client_update`` on the node's data), an Update and the
                trained slice back; or a Declined with the reason
+    evaluate -> (run config ``personalize``, after the last round) the node's served variant checked
+               (``records.ServedVariant.read``), its BN calibrated on the node's training split where the ServerApp
+               holds no data, then the agent's personalization step (``personal_step``) on the node's training
+               split, counted on its held-out split: the counts back (MetricRecord "personal"); or a Declined
 
 The node's settings come from ``flower-supernode --node-config`` (Flower's simulation sets ``partition-id``):
 
@@ -19,13 +23,15 @@ The node's settings come from ``flower-supernode --node-config`` (Flower's simul
 
 The preset is the run's (``[tool.flwr.app.config] preset``), so every node trains what the ServerApp routes. On
 Flower's Simulation Engine (node config: ``partition-id`` only) the run config's ``node-data``, a partition
-directory written by ``feast-edge partition``, gives each simulated node its shard.
+directory written by ``feast-edge partition``, gives each simulated node its shard, and ``node-holdout`` the share
+of it held out.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +47,15 @@ from feast_edge.budget.derive import parse_macs
 from feast_edge.budget.profile import load_profile, profile_summary
 from feast_edge.cache.variants import VariantCache, load_cache
 from feast_edge.errors import FeastError
+from feast_edge.evaluate.federated import calibrated_static
+from feast_edge.evaluate.own_accuracy import OwnRow
 from feast_edge.flower import log_to_stderr, records
 from feast_edge.local.torch_device import resolve_device
+from feast_edge.personalize.select import personal_step
 from feast_edge.protocol import MAX_REASON, Register, RoundStart, Update
 from feast_edge.protocol import Declined as DeclinedMessage
+from feast_edge.space.cost import count_macs
+from feast_edge.space.geometry import arch_layout
 from feast_edge.space.preset import Preset, load_preset
 from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.topics import validate_id
@@ -53,6 +64,8 @@ log = logging.getLogger(__name__)
 
 NODE_KEYS = ("data", "profile", "budget", "name", "shard", "offset", "partition-id", "holdout", "device", "threads")
 REGISTRATION = "registration"  # the "routed" id a declined registration names
+PERSONALIZATION = "personalization"  # the "routed" id a declined evaluate message names
+MAX_CALIBRATION = 100_000  # training examples a served variant is calibrated on at most (the agent's bound)
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,12 @@ def _text(config: Mapping[str, Any], key: str) -> str | None:
 def node_of(node_config: Mapping[str, Any], run_config: Mapping[str, Any], node_id: int) -> Node:
     """This node's client from its node config (read once per process); FeastError naming the key and the fix."""
     unknown = sorted(set(node_config) - set(NODE_KEYS) - {"num-partitions"})
-    key = (tuple(sorted((k, str(v)) for k, v in node_config.items())), str(run_config.get("preset")), node_id)
+    key = (
+        tuple(sorted((k, str(v)) for k, v in node_config.items())),
+        str(run_config.get("preset")),
+        str(run_config.get("node-holdout")),
+        node_id,
+    )
     with _lock:
         if key in _nodes:
             return _nodes[key]
@@ -104,6 +122,8 @@ def node_of(node_config: Mapping[str, Any], run_config: Mapping[str, Any], node_
             )
         offset = int(node_config.get("offset", node_config.get("partition-id", 0)) or 0)
         holdout = float(node_config["holdout"]) if _text(node_config, "holdout") else None
+        if holdout is None and not _text(node_config, "data") and _text(run_config, "node-holdout"):
+            holdout = float(run_config["node-holdout"])  # a simulated node's share of its node-data shard
         name = _text(node_config, "name") or f"node-{node_id}"
         hosted = load_clients(data, name, 1, _text(node_config, "shard"), offset, task=preset.task, holdout=holdout)
         budget = parse_macs(str(node_config["budget"])) if _text(node_config, "budget") else None
@@ -252,3 +272,54 @@ def train(message: Message, context: Context) -> Message:
         torch_device=node.torch_device,
     )
     return Message(records.update_content(update, state), reply_to=message)
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    """After the last round: the node's served variant personalized on its training split and both counted on its
+    held-out split (the device agent's ``personal_step``); the counts back, or why not."""
+    log_to_stderr()
+    where = {"round": 0, "device": f"node-{context.node_id}", "routed": PERSONALIZATION}
+    problem = _version_problem(message)
+    if problem:
+        return _declined(message, **where, reason=problem)
+    try:
+        node = node_of(context.node_config, context.run_config, context.node_id)
+        client = node.client
+        where["device"] = client.device_id
+        asked, served = records.ServedVariant.read(message.content, node.preset)
+        if asked.device != client.device_id:
+            raise FeastError(
+                f"the served variant is for device {asked.device!r}; this SuperNode is {client.device_id!r}"
+            )
+        if asked.calibration == "device":  # the ServerApp holds no data: BN on this node's own training split
+            if client.samples == 0:
+                raise FeastError("this node has no training examples to calibrate BN on")
+            examples = min(asked.calibration_samples, MAX_CALIBRATION)
+            calibrated_static(served, node.preset, client.images, examples, labels=client.labels)
+    except (FeastError, ProtocolError) as exc:
+        log.error("personalization: refused the served variant: %s", exc)
+        return _declined(message, **where, reason=f"refused the served variant: {exc}")
+    began = time.perf_counter()
+    outcome, own = personal_step(
+        served,
+        client.images,
+        client.labels,
+        client.holdout_images,
+        client.holdout_labels,
+        node.preset,
+        asked.choice,
+        seed=asked.seed,
+        device=node.torch_device,
+    )
+    macs = count_macs(arch_layout(node.preset, asked.arch))
+    row = OwnRow.of(client.device_id, macs, outcome, own, time.perf_counter() - began)
+    log.info(
+        "%s: %s; held-out: %d/%d right served, %d personal",
+        client.device_id,
+        outcome.reason,
+        own.served,
+        own.examples,
+        own.personal,
+    )
+    return Message(records.personal_content(row), reply_to=message)

@@ -6,6 +6,11 @@
                                ArrayRecord "routed": the routed sub-supernet (SPEC §5) in the round's payload dtype
            node -> ServerApp   ConfigRecord "feast": {"message": an Update}, ArrayRecord "update": the trained slice
                                or ConfigRecord "feast": {"message": a Declined}
+    evaluate  (run config personalize, after the last round)
+           ServerApp -> node   ConfigRecord "feast": the node's served variant (ServedVariant: arch, where its BN was
+                               calibrated, the --personalize choice, seed), ArrayRecord "served": its float32 weights
+           node -> ServerApp   MetricRecord "personal": its held-out counts, served and personal; ConfigRecord
+                               "feast": {"device", "method", "reason"}; or ConfigRecord "feast": {"message": a Declined}
 
 The JSON messages are ``feast_edge.protocol``'s own, read by the same bounded parser as over MQTT. The "transfer"
 a RoundStart or Update names describes the ArrayRecord beside it: its byte size and a SHA-256 over every tensor's
@@ -18,19 +23,26 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from feast_edge import __version__
 from feast_edge.errors import PayloadError
-from feast_edge.protocol import Declined, Register, RoundStart, Update
+from feast_edge.evaluate.own_accuracy import OwnRow
+from feast_edge.personalize.select import METHODS, Choice, PersonalizeError
+from feast_edge.protocol import MAX_REASON, Declined, Register, RoundStart, Update
 from feast_edge.route.envelope import Envelope
 from feast_edge.route.payload import checked_tensors, expected_shapes, wire_tensors
+from feast_edge.space.arch import Arch
+from feast_edge.space.geometry import arch_layout
 from feast_edge.space.preset import Preset
+from feast_edge.space.static import StaticResNet
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.messages import Message, parse
@@ -38,6 +50,9 @@ from feast_edge.transport.messages import Message, parse
 FEAST = "feast"  # the ConfigRecord every FEAST message carries
 ROUTED = "routed"  # the ArrayRecord of a train message
 UPDATE = "update"  # the ArrayRecord of a train reply
+SERVED = "served"  # the ArrayRecord of an evaluate message: the node's served variant
+PERSONAL = "personal"  # the MetricRecord of an evaluate reply: its personalization step's counts
+CALIBRATIONS = ("server", "device")  # where a served variant's BN is calibrated: the ServerApp's data, the node's own
 FLOWER_DTYPES = ("float32", "float16")  # payload dtypes an ArrayRecord holds (NumPy has no bfloat16)
 NPY_HEADER = 4096  # bytes an Array's .npy header may add to its tensor's bytes
 NUMPY_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.int64: "int64"}
@@ -100,7 +115,16 @@ def read_arrays(
     """The tensors of ``record`` if they are exactly what ``envelope`` routes in ``dtype`` and what ``info`` describes
     (float32 out); a PayloadError naming the first problem, before anything unexpected is allocated."""
     check_flower_dtype(dtype)
-    shapes = expected_shapes(preset, preset.classes, envelope)
+    tensors = _exact_arrays(record, expected_shapes(preset, preset.classes, envelope), dtype)
+    sha, size = digest(tensors)
+    if (sha, size) != (info.sha256, info.size):
+        raise PayloadError(f"the arrays do not match their transfer {info.transfer} (SHA-256 or size differs)")
+    return checked_tensors(tensors, preset, preset.classes, envelope, dtype)
+
+
+def _exact_arrays(record: ArrayRecord, shapes: Mapping[str, tuple[int, ...]], dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``record`` if their names are ``shapes``' and each is a numpy array of its shape in ``dtype``
+    (int64 for BN's ``num_batches_tracked``), read only after its .npy header says so; PayloadError otherwise."""
     names = list(record.keys())
     missing, extra = sorted(set(shapes) - set(names)), sorted(set(names) - set(shapes))
     if missing or extra:
@@ -132,10 +156,7 @@ def read_arrays(
         if value.dtype != np.dtype(want) or value.shape != shapes[name]:
             raise PayloadError(f"array {name} holds {value.dtype} {value.shape}, not what its header says")
         tensors[name] = torch.from_numpy(np.array(value, copy=True))
-    sha, size = digest(tensors)
-    if (sha, size) != (info.sha256, info.size):
-        raise PayloadError(f"the arrays do not match their transfer {info.transfer} (SHA-256 or size differs)")
-    return checked_tensors(tensors, preset, preset.classes, envelope, dtype)
+    return tensors
 
 
 def npy_header(data: bytes) -> tuple[tuple[int, ...], np.dtype] | str:
@@ -206,3 +227,129 @@ def sent_field(content: RecordDict, key: str) -> str:
     config = content.config_records.get(FEAST)
     value = None if config is None else config.get(key)
     return value[:64] if isinstance(value, str) else ""
+
+
+# ------------------------------------------------------------------ personalization (evaluate, after the last round)
+@dataclass(frozen=True)
+class ServedVariant:
+    """What an evaluate message asks of a node: personalize this served variant (its weights travel beside it)."""
+
+    federation: str
+    device: str
+    arch: Arch
+    choice: Choice
+    calibration: str  # "server": BN calibrated on the ServerApp's data; "device": the node calibrates it on its own
+    calibration_samples: int  # with "device": the training examples it calibrates BN on, at most
+    seed: int
+    rounds: int  # the rounds the served checkpoint holds
+
+    def content(self, model: StaticResNet) -> RecordDict:
+        """The evaluate message's content: this and ``model``'s float32 weights."""
+        config = {
+            "feast_edge": __version__,
+            "federation": self.federation,
+            "device": self.device,
+            "arch": self.arch.to_json(),
+            "personalize": str(self.choice),
+            "calibration": self.calibration,
+            "calibration_samples": self.calibration_samples,
+            "seed": self.seed,
+            "rounds": self.rounds,
+        }
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        return RecordDict({FEAST: ConfigRecord(config), SERVED: array_record(state)})
+
+    @classmethod
+    def read(cls, content: RecordDict, preset: Preset) -> tuple[ServedVariant, StaticResNet]:
+        """The request of an evaluate message and its served model holding the weights that came with it (checked
+        against the arch before they are read, finite float32); ProtocolError or PayloadError naming the problem."""
+        config = content.config_records.get(FEAST)
+        arrays = content.array_records.get(SERVED)
+        if config is None or arrays is None:
+            raise ProtocolError(
+                'the evaluate message carries no served variant (ConfigRecord "feast", ArrayRecord "served")'
+            )
+        try:
+            arch = Arch.parse(str(config["arch"])[:2000]).validated(preset)
+            asked = cls(
+                federation=str(config.get("federation", "")),
+                device=str(config["device"]),
+                arch=arch,
+                choice=Choice.parse(str(config["personalize"])),
+                calibration=str(config["calibration"]),
+                calibration_samples=int(config["calibration_samples"]),
+                seed=int(config["seed"]),
+                rounds=int(config.get("rounds", 0)),
+            )
+        except (KeyError, TypeError, ValueError, PersonalizeError) as exc:
+            raise ProtocolError(f"the evaluate message's served variant is malformed ({str(exc)[:200]})") from None
+        if asked.calibration not in CALIBRATIONS or asked.calibration_samples < 1:
+            raise ProtocolError(
+                f"the evaluate message's calibration {asked.calibration[:16]!r} ({asked.calibration_samples}) is not "
+                f"one of {', '.join(CALIBRATIONS)} with at least one example"
+            )
+        model = StaticResNet(arch_layout(preset, arch))
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        state = _exact_arrays(arrays, want, "float32")
+        bad = next((k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+        if bad is not None:
+            raise PayloadError(f"the served variant's tensor {bad} holds non-finite values")
+        model.load_state_dict(state)
+        return asked, model.eval()
+
+
+def personal_content(row: OwnRow) -> RecordDict:
+    """A node's answer to an evaluate message: its personalization step's counts (never an example) and its choice."""
+    metrics = {
+        "examples": row.examples,
+        "served-correct": row.served_correct,
+        "personal-correct": row.personal_correct,
+        "served-macs": row.served_macs,
+        "seconds": float(row.seconds),
+        **({} if row.strength is None else {"strength": float(row.strength)}),
+    }
+    config = {"device": row.client, "method": row.method, "reason": row.reason[:MAX_REASON]}
+    return RecordDict({PERSONAL: MetricRecord(metrics), FEAST: ConfigRecord(config)})
+
+
+def read_personal(content: RecordDict, holdout: int) -> OwnRow:
+    """The row of a node's evaluate reply, if its counts are possible for a node that registered ``holdout`` held-out
+    examples (non-negative, at most that many right, a known method); ProtocolError naming the first problem."""
+    metrics = content.metric_records.get(PERSONAL)
+    config = content.config_records.get(FEAST)
+    if metrics is None or config is None:
+        raise ProtocolError('the reply carries no personalization counts (MetricRecord "personal")')
+    try:
+        counts = {k: metrics[k] for k in ("examples", "served-correct", "personal-correct", "served-macs")}
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in counts.values()):
+            raise ValueError("the counts must be non-negative integers")
+        method, reason = str(config["method"]), str(config.get("reason", ""))[:MAX_REASON]
+        strength = metrics.get("strength")
+        strength = None if strength is None else float(strength)
+        seconds = float(metrics.get("seconds", 0.0))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"the personalization counts are malformed ({str(exc)[:200]})") from None
+    examples = counts["examples"]
+    if examples != holdout:
+        raise ProtocolError(f"it counts {examples} held-out examples; it registered {holdout}")
+    if max(counts["served-correct"], counts["personal-correct"]) > examples:
+        raise ProtocolError(f"it counts more right answers than its {examples} held-out examples")
+    if method not in ("", *METHODS):
+        raise ProtocolError(f"its method {method[:32]!r} is not one of {', '.join(METHODS)}")
+    if (method == "") != (strength is None) or not (strength is None or math.isfinite(strength)):
+        raise ProtocolError("its strength does not go with its method")
+    if method == "" and counts["personal-correct"] != counts["served-correct"]:
+        raise ProtocolError("it keeps the served model but counts the personal one differently")
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ProtocolError("its device time is not a non-negative number")
+    return OwnRow(
+        str(config.get("device", ""))[:64],
+        counts["served-macs"],
+        method,
+        strength,
+        examples,
+        counts["served-correct"],
+        counts["personal-correct"],
+        reason,
+        round(seconds, 3),
+    )

@@ -49,7 +49,10 @@ payload-dtype = "float32"     # or float16
 round-timeout = 600.0
 wait-timeout = 1800.0
 export = true                 # each node's largest affordable variant as ONNX in out-dir/models after the last round
+personalize = "off"           # or auto, prior, head, bn, proximal, METHOD:STRENGTH: each node's personal model, counted
+                              # on its held-out split -> out-dir/personalization.json
 node-data = ""                # Simulation Engine only: the partition (feast-edge partition) simulated nodes read
+node-holdout = 0.0            # Simulation Engine only: the share of each simulated node's shard held out
 """
 
 README = """\

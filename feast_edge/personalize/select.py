@@ -14,15 +14,16 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from feast_edge.data.holdout import holdout_split
 from feast_edge.errors import FeastError
-from feast_edge.evaluate.evaluation import correct_count
+from feast_edge.evaluate.evaluation import pixel_batches
 from feast_edge.personalize.finetune import FINE_TUNED, fine_tuned
 from feast_edge.personalize.prior import class_prior, prior_corrected, prior_offsets
 from feast_edge.space.preset import Preset
@@ -32,8 +33,8 @@ METHODS = ("prior", *FINE_TUNED)
 CHOICES = ("auto", "off", *METHODS)
 # The strengths each method is tried at: τ for prior, epochs for head and bn, μ for proximal (bench/bench_personalize.py).
 STRENGTHS: dict[str, tuple[float, ...]] = {
-    "prior": (0.25, 0.5, 1.0, 1.5),
-    "head": (1, 3),
+    "prior": (0.25, 0.5, 1.0, 1.5, 2.0),
+    "head": (1, 3, 10),
     "bn": (1, 3),
     "proximal": (0.1, 1.0),
 }
@@ -99,11 +100,12 @@ class Choice:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One tried personal model: its selection-split correct count and the device time it took."""
+    """One tried personal model: its selection-split correct count and mean cross-entropy, and the device time it took."""
 
     method: str
     strength: float
     correct: int
+    loss: float
     seconds: float
 
 
@@ -156,8 +158,24 @@ def _count(
     model: StaticResNet, images: torch.Tensor, labels: torch.Tensor, preset: Preset, device: str | torch.device
 ) -> int:
     """``model``'s correct predictions on ``images``, counted on ``device`` (the model is left on the CPU)."""
+    return _score(model, images, labels, preset, device)[0]
+
+
+@torch.no_grad()
+def _score(
+    model: StaticResNet, images: torch.Tensor, labels: torch.Tensor, preset: Preset, device: str | torch.device
+) -> tuple[int, float]:
+    """``model``'s correct predictions on ``images`` and its mean cross-entropy there, computed on ``device`` (the
+    model is left on the CPU)."""
+    model.to(device).eval()
     try:
-        return correct_count(model.to(device), images, labels, preset, device=device)
+        correct, loss = 0, 0.0
+        for x, y in zip(pixel_batches(images, preset, 500, device), labels.split(500)):
+            logits = model(x).float()
+            y = y.to(logits.device)
+            correct += int((logits.argmax(dim=1) == y).sum())
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        return correct, loss / max(1, int(labels.shape[0]))
     finally:
         model.cpu()
 
@@ -167,6 +185,32 @@ def _sample(count: int, cap: int, seed: int) -> torch.Tensor:
     if count <= cap:
         return torch.arange(count)
     return torch.randperm(count, generator=torch.Generator().manual_seed(seed))[:cap].sort().values
+
+
+def fitted_candidates(
+    served: StaticResNet,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    preset: Preset,
+    choice: Choice,
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> Iterator[tuple[str, float, StaticResNet, float]]:
+    """Every candidate ``choice`` names fitted on uint8 ``images``: (method, strength, model, device seconds it took).
+    Fine-tuning sees at most MAX_FIT of them (a seeded sample); prior correction counts them all."""
+    tuned = _sample(int(labels.shape[0]), MAX_FIT, seed)
+    for method, strengths in choice.candidates():
+        began = time.perf_counter()
+        if method == "prior":
+            prior = class_prior(labels, preset.classes)
+            models = [prior_corrected(served, prior_offsets(prior, tau)) for tau in strengths]
+        else:
+            generator = torch.Generator().manual_seed(seed)
+            models = fine_tuned(served, images[tuned], labels[tuned], preset, method, strengths, generator, device)
+        seconds = (time.perf_counter() - began) / len(models)
+        for strength, model in zip(strengths, models):
+            yield method, float(strength), model, seconds
 
 
 def personalize(
@@ -194,27 +238,22 @@ def personalize(
     sel_images, sel_labels = images[select], labels[select]
     fit_images, fit_labels = images[fit], labels[fit]
     tuned = _sample(len(fit), MAX_FIT, seed)
-    baseline = _count(served, sel_images, sel_labels, preset, device)
+    baseline, baseline_loss = _score(served, sel_images, sel_labels, preset, device)
     tried: list[tuple[Candidate, StaticResNet]] = []
-    for method, strengths in choice.candidates():
-        began = time.perf_counter()
-        if method == "prior":
-            prior = class_prior(fit_labels, preset.classes)
-            models = [prior_corrected(served, prior_offsets(prior, tau)) for tau in strengths]
-        else:
-            generator = torch.Generator().manual_seed(seed)
-            models = fine_tuned(
-                served, fit_images[tuned], fit_labels[tuned], preset, method, strengths, generator, device
-            )
-        seconds = (time.perf_counter() - began) / len(models)
-        for strength, model in zip(strengths, models):
-            correct = _count(model, sel_images, sel_labels, preset, device)
-            tried.append((Candidate(method, float(strength), correct, seconds), model))
-    best, model = max(tried, key=lambda t: t[0].correct)  # the first of equals: the cheaper method, the weaker strength
+    for method, strength, model, seconds in fitted_candidates(
+        served, fit_images, fit_labels, preset, choice, seed=seed, device=device
+    ):
+        correct, loss = _score(model, sel_images, sel_labels, preset, device)
+        tried.append((Candidate(method, strength, correct, loss, seconds), model))
+    # auto ships only a candidate with more selection examples right than the served model; among those (and among a
+    # named method's strengths) the lowest cross-entropy wins: a few dozen selection examples often leave several
+    # candidates with the same count, and the loss tells them apart where the count cannot (docs/personalization.md).
+    better = [t for t in tried if t[0].correct > baseline]
+    best, model = min(better or tried, key=lambda t: t[0].loss)
     n = len(select)
     said = (
         f"{best.method} ({STRENGTH_NAME[best.method]} {best.strength:g}): {best.correct}/{n} right on its selection "
-        f"split against {baseline}/{n} for the served model"
+        f"split (loss {best.loss:.3f}) against {baseline}/{n} (loss {baseline_loss:.3f}) for the served model"
     )
     common: dict[str, Any] = {
         "fit_examples": len(tuned) if best.method != "prior" else len(fit),
@@ -222,7 +261,7 @@ def personalize(
         "selection_global": baseline,
         "candidates": tuple(c for c, _ in tried),
     }
-    if choice.method == "auto" and best.correct <= baseline:
+    if choice.method == "auto" and not better:
         return Personalized(
             None, reason=f"no method beat the served model on the selection split (best: {said})", **common
         )

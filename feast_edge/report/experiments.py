@@ -1,9 +1,10 @@
-"""The report's sections for the paper's further experiments: matched training compute, γ-allocation, post-hoc extraction.
+"""The report's sections for the paper's further experiments: matched training compute, γ-allocation, post-hoc
+extraction, personalization.
 
 Each section appears only when the runs hold what it needs: a run whose rounds
 were matched to another run's compute (``simulate --match-compute``), runs of
 one method at more than one γ, a run with an ``extraction.json``
-(``feast-edge extraction-gap``).
+(``feast-edge extraction-gap``), a run with a personalization block (``simulate --personalize``).
 """
 
 from __future__ import annotations
@@ -194,6 +195,53 @@ def extraction_blocks(runs: Sequence[Run]) -> list[Block]:
             "Architectures searched under evenly spaced MAC targets (feast-edge extraction-gap), extracted from the "
             "trained supernet, BN-recalibrated and tested; a gap is the accuracy minus the cached-variant curve "
             f"interpolated at the same MACs. Paper (CIFAR-100, 25–52M MACs): {PAPER_EXTRACTION_GAP} points."
+        ),
+        Table(header, tuple(rows), left=2),
+    ]
+
+
+# ------------------------------------------------------------------ personalization
+def personalization_blocks(runs: Sequence[Run]) -> list[Block]:
+    """Per run of ``simulate --personalize``: own held-out accuracy, mean and worst decile, served and personal."""
+    done = [r for r in runs if r.personalization is not None]
+    if not done:
+        return []
+
+    def pct(value: Any) -> str:
+        return "—" if value is None else f"{100 * value:.2f}"
+
+    rows = []
+    for r in done:
+        s = r.personalization
+        rows.append(
+            (
+                str(r.directory),
+                str(s["choice"]),
+                f"{s.get('personalized', 0)}/{s.get('clients', 0)}",
+                pct(s.get("served_mean")),
+                pct(s.get("personal_mean")),
+                pct(s.get("served_worst_decile")),
+                pct(s.get("personal_worst_decile")),
+                f"{s.get('device_seconds_total', 0.0):.1f}",
+            )
+        )
+    header = (
+        "run",
+        "--personalize",
+        "personal models",
+        "served mean (%)",
+        "personal mean (%)",
+        "served worst decile (%)",
+        "personal worst decile (%)",
+        "device seconds",
+    )
+    return [
+        Heading(2, "Personalization"),
+        Text(
+            "After the last round each client personalized its served variant on its training split (method and "
+            "strength chosen on a selection split of it) and counted both models on its own held-out split, which "
+            "never trained. Accuracies are means over the clients of that own accuracy; the worst decile is the mean "
+            "of the lowest tenth of clients."
         ),
         Table(header, tuple(rows), left=2),
     ]

@@ -2,7 +2,8 @@
 
 A federation leaves no ``results.json`` (no test split is held anywhere): the report reads the record of its
 ``checkpoint.safetensors``, its device registry and its exported models' manifests
-(:mod:`feast_edge.run.rundir`), and says in the dashboard's words where it validated and calibrated.
+(:mod:`feast_edge.run.rundir`), and says in the dashboard's words where it validated and calibrated, and for the models
+the devices calibrated, their own held-out accuracy, served model -> personal model, the means and the worst device.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 from feast_edge.run.rundir import (
     FEDERATION,
+    FleetAccuracy,
     device_calibrated,
+    fleet_accuracy,
     model_accuracy,
     read_manifests,
     read_registry,
@@ -33,6 +36,8 @@ class ServedModel:
     accuracy: float | None
     measured: str
     on_device: bool  # BN-calibrated (and exported as ONNX) on the device
+    personal_accuracy: float | None = None  # the device's own held-out accuracy of its personal model (checked)
+    personal: str = ""  # how that model was made, in words (``prior τ=1``, ``served model kept: …``)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class FederationRun:
     best_round: int | None
     validation: str | None  # where it validated, in words (:func:`feast_edge.run.rundir.validation_words`)
     models: tuple[ServedModel, ...]
+    own: FleetAccuracy | None = None  # over the models the devices calibrated: the means and the worst device
 
     @property
     def calibration(self) -> str | None:
@@ -81,20 +87,25 @@ def load_federation_run(directory: Path) -> FederationRun:
     shift = 1 if fields.get("history_format", 1) < HISTORY_FORMAT else 0  # older checkpoints counted rounds from 0
     best = fields.get("best") or {}
     metrics = {str(d.get("device_id")): d.get("metrics") or {} for d in read_registry(directory, fields)}
-    models = []
+    models, own = [], []
     for manifest in read_manifests(directory):
         device = str(manifest.get("device", ""))
         measured = model_accuracy(manifest, metrics.get(device))
         macs = manifest.get("macs")
+        on_device = device_calibrated(manifest)
         models.append(
             ServedModel(
                 device,
                 macs if isinstance(macs, int) else None,
                 measured["accuracy"],
                 measured["accuracy_note"],
-                device_calibrated(manifest),
+                on_device,
+                measured["personal_accuracy"],
+                measured["personal_note"],
             )
         )
+        if on_device:
+            own.append((device, measured))
     return FederationRun(
         directory=directory,
         federation=config.get("federation"),
@@ -105,4 +116,5 @@ def load_federation_run(directory: Path) -> FederationRun:
         best_round=None if "round" not in best else int(best["round"]) + shift,
         validation=validation_words(run_validated_on(fields)),
         models=tuple(sorted(models, key=lambda m: m.device)),
+        own=fleet_accuracy(own) if own else None,
     )

@@ -57,6 +57,7 @@ class Run:
     server_opt: str = ""  # "adam lr=0.01" for a server optimizer other than plain averaging
     matched: dict[str, Any] | None = None  # how its rounds were matched to another run's training compute
     extraction: dict[str, Any] | None = None  # extraction.json: post-hoc extraction of uncached variants
+    personalization: dict[str, Any] | None = None  # simulate --personalize: the summary of its "personalization" block
 
     @property
     def group(self) -> str:
@@ -150,6 +151,7 @@ def _parse(directory: Path, record: Any) -> Run:
         server_opt=_server_opt(config),
         matched=record.get("matched_compute"),
         extraction=_extraction(directory),
+        personalization=_personalization(record),
     )
 
 
@@ -168,6 +170,17 @@ def _extraction(directory: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return record if isinstance(record, dict) and isinstance(record.get("points"), list) else None
+
+
+def _personalization(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The summary of ``simulate --personalize`` (own held-out accuracy, served and personal), when the run has one."""
+    block = record.get("personalization")
+    summary = block.get("summary") if isinstance(block, dict) else None
+    if summary is None:
+        return None
+    if not isinstance(summary, dict) or not isinstance(summary.get("choice"), str):
+        raise _Malformed("has a personalization block without its summary")
+    return summary
 
 
 # ------------------------------------------------------------------ groups and statistics

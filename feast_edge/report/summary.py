@@ -19,7 +19,7 @@ from pathlib import Path
 
 from feast_edge.errors import FeastError
 from feast_edge.report.blocks import Block, Heading, Image, Table, Text, count
-from feast_edge.report.experiments import extraction_blocks, gamma_blocks, matched_blocks
+from feast_edge.report.experiments import extraction_blocks, gamma_blocks, matched_blocks, personalization_blocks
 from feast_edge.report.federation import FederationRun, is_federation_run, load_federation_run
 from feast_edge.report.plots import draw_plots, require_matplotlib
 from feast_edge.report.runs import (
@@ -32,6 +32,7 @@ from feast_edge.report.runs import (
     reference_group,
     variant_gaps,
 )
+from feast_edge.run.rundir import FleetAccuracy
 from feast_edge.util.atomic import atomic_write_bytes
 
 FORMATS = {"markdown": "report.md", "html": "report.html"}
@@ -78,7 +79,7 @@ def build_document(runs: Sequence[Run], title: str, warnings: Sequence[str], plo
                 "positive gap is a shortfall. The population gap compares population accuracies; per-variant gaps are in the tables below."
             )
         )
-    blocks += [*matched_blocks(groups), *gamma_blocks(groups), *extraction_blocks(runs)]
+    blocks += [*matched_blocks(groups), *gamma_blocks(groups), *extraction_blocks(runs), *personalization_blocks(runs)]
     blocks.append(Heading(2, "Per-variant accuracy"))
     for group in groups:
         blocks += _variant_table(group, reference)
@@ -187,11 +188,31 @@ def federation_blocks(runs: Sequence[FederationRun]) -> list[Block]:
         blocks += [Heading(3, str(r.directory)), Text("; ".join(filter(None, (r.validation, r.calibration))) or "—")]
         if r.models:
             models = tuple(
-                (m.device, m.measured, "—" if m.macs is None else f"{m.macs / 1e6:,.2f}", _percent(m.accuracy))
+                (
+                    m.device,
+                    m.measured,
+                    "—" if m.macs is None else f"{m.macs / 1e6:,.2f}",
+                    _percent(m.accuracy),
+                    _percent(m.personal_accuracy),
+                    m.personal or "—",
+                )
                 for m in r.models
             )
-            blocks.append(Table(("device", "measured", "MACs (M)", "accuracy (%)"), models, left=2))
+            header = ("device", "measured", "MACs (M)", "accuracy (%)", "personal (%)", "personal model")
+            blocks.append(Table(header, models + _own_rows(r.own), left=2))
+        if r.own is not None:
+            blocks.append(Text(r.own.words()))
     return blocks
+
+
+def _own_rows(own: FleetAccuracy | None) -> tuple[tuple[str, ...], ...]:
+    """The mean over the devices of their own accuracy, served and personal, and the worst device's, as table rows."""
+    if own is None:
+        return ()
+    rows = [("mean", f"own held-out, {own.counted_words}", "", own.served, own.personal)]
+    if own.worst is not None:
+        rows.append((f"worst: {own.worst}", "own held-out, lowest personal", "", own.worst_served, own.worst_personal))
+    return tuple((*words, _percent(served), _percent(personal), "") for *words, served, personal in rows)
 
 
 # ------------------------------------------------------------------ rendering

@@ -7,18 +7,27 @@ status`` read a run directory here and describe it in the same words:
   variants on its held-out splits (``RoundRecord.validation`` says on which devices and how many examples);
 * a device's model was BN-calibrated on the server's data (its manifest has a ``validation_accuracy``), or on the device
   itself (``"calibration": "device"``): then the accuracy is the one the device reported on its own held-out split
-  (the registry's ``metrics`` of that device, for the exported round).
+  (the registry's ``metrics`` of that device, for the exported round);
+* beside it, the device's own held-out accuracy of its *personal* model (``feast_edge.personalize``) and how it was
+  made, and over the devices (:func:`fleet_accuracy`) the mean served -> personal and the worst device.
+
+What a device reported came over the network: every value is checked here (an accuracy in [0, 1], a method this
+toolkit knows, text cut and made printable) so that no reader has to trust it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from feast_edge.errors import FeastError
+from feast_edge.personalize.select import MAX_STRENGTH, METHODS, STRENGTH_NAME
+from feast_edge.util.text import printable
 
 REGISTRY = "devices.sqlite"  # feast-server's device registry (the apps' constant; core does not import them)
 MODELS = "models"
@@ -141,35 +150,175 @@ def served_precision(manifest: Mapping[str, Any], metrics: Mapping[str, Any] | N
     return f"{kept} (int8 refused)" if refused else kept
 
 
+def _reported_fraction(value: Any) -> float | None:
+    """``value`` if it is a number in [0, 1] (an accuracy a device reported), else None: a device may send anything."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value) if 0 <= value <= 1 else None
+
+
+def _reported_count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def model_accuracy(manifest: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     """How one exported model is calibrated and how accurate it is: ``calibration`` (server/device), ``accuracy``,
-    ``accuracy_note`` (in words), and for a device-calibrated model what the device reported for the exported round."""
+    ``accuracy_note`` (in words), for a device-calibrated model what the device reported for the exported round, and
+    its personal model (:func:`personal_model`; the ``personal_*`` keys)."""
+    metrics = metrics or {}
+    # metrics of an earlier export are not this model's
+    current = metrics.get("model_round", manifest.get("rounds")) == manifest.get("rounds")
     if not device_calibrated(manifest):
+        # Its accuracy is the server's validation, not the device's own: no own accuracy to set a personal one beside.
         return {
             "calibration": SERVER,
             "accuracy": manifest.get("validation_accuracy"),
             "accuracy_note": "validation, on the server's data",
+            **personal_model(metrics if current else {}),
+            "personal_accuracy": None,
         }
-    metrics = metrics or {}
-    reported = "holdout_accuracy" in metrics and metrics.get("model_round", manifest.get("rounds")) == manifest.get(
-        "rounds"
-    )  # metrics of an earlier export are not this model's
     where = manifest["calibration"]
     calibrated = "calibrated on the device" if where == DEVICE else "federated BN statistics"
-    if not reported:
+    if "holdout_accuracy" not in metrics or not current:
         return {
             "calibration": where,
             "accuracy": None,
             "accuracy_note": f"{calibrated}; no report from it yet",
+            **personal_model({}),
         }
-    samples = metrics.get("holdout_samples")
+    samples = _reported_count(metrics.get("holdout_samples"))
+    accuracy = _reported_fraction(metrics.get("holdout_accuracy"))
+    note = f"{calibrated}; held-out accuracy on its own data" + (
+        f" ({samples} examples)" if samples is not None else ""
+    )
+    if accuracy is None and metrics.get("holdout_accuracy") is not None:
+        note = f"{calibrated}; it reported an invalid held-out accuracy"
     return {
         "calibration": where,
-        "accuracy": metrics.get("holdout_accuracy"),
-        "accuracy_note": f"{calibrated}; held-out accuracy on its own data"
-        + (f" ({samples} examples)" if isinstance(samples, int) else ""),
-        "holdout_accuracy": metrics.get("holdout_accuracy"),
+        "accuracy": accuracy,
+        "accuracy_note": note,
+        "holdout_accuracy": accuracy,
         "holdout_samples": samples,
         "calibrated_on": metrics.get("calibrated_on"),
         "model_sha256": metrics.get("model_sha256"),
+        **personal_model(metrics),
     }
+
+
+# ------------------------------------------------------------------ the devices' personal models
+KEPT = "served model kept"  # a device without a personal model: it uses the served one
+NOTE_REASON = 40  # characters of a device's reason a table cell shows (the whole, cut at 300, is ``personal_reason``)
+_SYMBOLS = {"tau": "τ", "mu": "μ"}
+
+
+def _strength_lies(method: str, value: Any) -> bool:
+    """Whether a reported strength of ``method`` is neither None nor a number in [0, the method's maximum]."""
+    if value is None:
+        return False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return True
+    return not 0 <= value <= MAX_STRENGTH[method]
+
+
+def _strength_words(method: str, strength: float) -> str:
+    """``τ=1``, ``μ=0.1``, ``3 epochs``."""
+    name = STRENGTH_NAME[method]
+    if name == "epochs":
+        return f"{strength:g} epoch" + ("" if strength == 1 else "s")
+    return f"{_SYMBOLS.get(name, name)}={strength:g}"
+
+
+def personal_model(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """A device's report of its personal model, checked: ``personal_accuracy`` (its own held-out accuracy, in [0, 1],
+    or None), ``personal_method`` (a known method, ``""`` when it kept the served model, None when it reported nothing
+    usable), ``personal_strength``, ``personal_reason`` (printable, cut) and ``personal_note`` (a few words for a table:
+    ``prior τ=1``, ``served model kept: …``, ``no report``, ``invalid report (FIELD)``).
+
+    One value out of bounds voids the whole report: a device that lies about its method is not believed about its
+    accuracy either."""
+    nothing = {"personal_accuracy": None, "personal_method": None, "personal_strength": None, "personal_reason": None}
+    if "personal_method" not in metrics and "personal_accuracy" not in metrics:
+        return {**nothing, "personal_note": "no report"}
+    method, raw, strength = (metrics.get(f"personal_{k}") for k in ("method", "accuracy", "strength"))
+    accuracy = _reported_fraction(raw)
+    if not isinstance(method, str) or method not in ("", *METHODS):
+        return {**nothing, "personal_note": "invalid report (personal_method)"}
+    if accuracy is None and raw is not None:
+        return {**nothing, "personal_note": "invalid report (personal_accuracy)"}
+    if method and _strength_lies(method, strength):
+        return {**nothing, "personal_note": "invalid report (personal_strength)"}
+    strength = float(strength) if method and strength is not None else None
+    reason = metrics.get("personal_reason")
+    reason = printable(reason) if isinstance(reason, str) else None
+    if method:
+        words = method if strength is None else f"{method} {_strength_words(method, strength)}"
+    else:
+        words = KEPT + (f": {printable(reason, NOTE_REASON)}" if reason else "")
+    return {
+        "personal_accuracy": accuracy,
+        "personal_method": method,
+        "personal_strength": strength,
+        "personal_reason": reason,
+        "personal_note": words,
+    }
+
+
+@dataclass(frozen=True)
+class FleetAccuracy:
+    """Own held-out accuracy over the devices, served model -> personal model: the means over the devices that
+    reported both (``counted`` of ``devices``), and the worst device, the one with the lowest personal accuracy."""
+
+    devices: int
+    counted: int
+    served: float | None
+    personal: float | None
+    worst: str | None
+    worst_served: float | None
+    worst_personal: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def counted_words(self) -> str:
+        """``2 of 5 devices``: how many devices the means are over."""
+        return f"{self.counted} of {self.devices} device" + ("" if self.devices == 1 else "s")
+
+    def words(self) -> str:
+        """``own held-out accuracy, served -> personal: mean 78.75% -> 82.20% over 2 of 3 devices; worst device cam-1:
+        70.00% -> 70.00%`` (or that no device reported both)."""
+        said = "own held-out accuracy, served -> personal: "
+        if not self.counted:
+            return said + f"no device reported both (of {self.devices})"
+        return (
+            said + f"mean {_percent(self.served)} -> {_percent(self.personal)} over {self.counted_words}; "
+            f"worst device {self.worst}: {_percent(self.worst_served)} -> {_percent(self.worst_personal)}"
+        )
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def fleet_accuracy(models: Iterable[tuple[str, Mapping[str, Any]]]) -> FleetAccuracy:
+    """Summarize ``(device, model_accuracy(...))`` pairs: the means over the devices with both own accuracies (a
+    device without one, or whose report was invalid, is left out of both), and the worst of them."""
+    models = list(models)
+    both = [
+        (personal, served, str(device))
+        for device, model in models
+        if (served := _reported_fraction(model.get("accuracy"))) is not None
+        and (personal := _reported_fraction(model.get("personal_accuracy"))) is not None
+    ]
+    if not both:
+        return FleetAccuracy(len(models), 0, None, None, None, None, None)
+    worst = min(both)  # the lowest personal accuracy; among equals the lowest served, then the first name
+    return FleetAccuracy(
+        devices=len(models),
+        counted=len(both),
+        served=sum(b[1] for b in both) / len(both),
+        personal=sum(b[0] for b in both) / len(both),
+        worst=worst[2],
+        worst_served=worst[1],
+        worst_personal=worst[0],
+    )

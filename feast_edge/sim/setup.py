@@ -22,11 +22,13 @@ import torch
 from feast_edge.aggregate.server_opt import ServerOpt
 from feast_edge.aggregate.weights import ratio_problem
 from feast_edge.cache.variants import VariantCache, load_cache
+from feast_edge.data.holdout import MAX_HOLDOUT, holdout_split
 from feast_edge.data.images import FASHION_MNIST_DIR, DataError, ImageSet
 from feast_edge.data.sources import load_dataset
 from feast_edge.errors import FeastError
 from feast_edge.local.precision import AMP_MODES, set_deterministic
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
+from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RunError, check_run_options, recorded_settings, server_opt_of
 from feast_edge.sim.population import Population, build_population, server_split, zipf_population
@@ -37,6 +39,8 @@ _AGGREGATION = ("aggregation", "trim", "clip_norm")
 _SERVER_OPT = ("server_opt", "server_lr", "server_momentum", "server_betas", "server_tau")
 # Stream tags of the one-off random draws (rounds use feast_edge.run.cohort's streams).
 _SPLIT, _POPULATION = 11, 12
+HOLDOUT_SEED = 0  # the seed of each client's held-out split: the device agent's (LocalClient.with_holdout)
+DEFAULT_HOLDOUT = 0.1  # --holdout with --personalize: the device agent's share of its own data
 
 
 class SimulationError(FeastError, ValueError):
@@ -94,6 +98,9 @@ class SimulationConfig:
     server_momentum: float = 0.9
     server_betas: tuple[float, ...] = (0.9, 0.99)
     server_tau: float = 1e-3
+    # After the last round, each client's personal model (feast_edge.personalize): auto, off, METHOD or METHOD:STRENGTH.
+    personalize: str = "off"
+    holdout: float = 0.0  # each client's held-out share of its shard (never trains), which personalize measures on
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -146,6 +153,34 @@ class SimulationConfig:
         method_class(self.method).parse_options(
             dict(self.method_options)
         )  # unknown method or option: one line, before any data is read
+        self._check_personalize()
+
+    def _check_personalize(self) -> None:
+        """--personalize and --holdout: a known choice, FEAST's served variants, and a held-out split exactly when asked."""
+        try:
+            choice = Choice.parse(self.personalize)
+        except PersonalizeError as exc:
+            raise SimulationError(str(exc)) from None
+        if isinstance(self.holdout, bool) or not 0.0 <= self.holdout <= MAX_HOLDOUT:
+            raise SimulationError(
+                f"--holdout {self.holdout!r} must be a fraction between 0 and {MAX_HOLDOUT}, e.g. --holdout 0.1"
+            )
+        if choice.method == "off":
+            if self.holdout:
+                raise SimulationError(
+                    f"--holdout {self.holdout:g} holds out examples that only --personalize measures on; "
+                    "add --personalize auto (or METHOD), or drop --holdout"
+                )
+            return
+        if self.method != "feast":
+            raise SimulationError(
+                f"--personalize {self.personalize} applies to --method feast only (its served models are the cached "
+                f"variants); {self.method} serves models of its own"
+            )
+        if not self.holdout:
+            raise SimulationError(
+                f"--personalize {self.personalize} needs each client's own held-out split: give --holdout > 0 (e.g. 0.1)"
+            )
 
     def decisive(self) -> dict[str, Any]:
         """Every setting that changes the trained weights or the selection (not the device), the resolved recipe included."""
@@ -164,6 +199,8 @@ class SimulationConfig:
         )
         skip += ("amp",) if self.amp == "off" else ()
         skip += ("max_weight_ratio",) if not self.max_weight_ratio else ()  # runs without a cap keep their fingerprints
+        skip += ("personalize",)  # what happens after the last round: the weights and the selection are the same
+        skip += ("holdout",) if not self.holdout else ()  # a held-out split changes the training data
         data = {
             k: v for k, v in asdict(self).items() if k not in skip
         }  # float32 training keeps earlier runs' fingerprints
@@ -230,11 +267,26 @@ class Setup:
     population: Population
     client_ids: list[str]
     plans: dict[str, Any] = field(default_factory=dict)
+    holdout: float = 0.0  # each client's held-out share of its shard (config.holdout): never trains
 
-    def client_data(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shard(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         shard = self.pool[self.population.partition.shards[self.client_ids.index(client_id)]]
         index = torch.tensor(np.asarray(shard), dtype=torch.long)
         return self.train_set.images[index], self.train_set.labels[index]
+
+    def client_data(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's training examples: its shard, less its held-out split when ``holdout`` > 0."""
+        images, labels = self._shard(client_id)
+        if not self.holdout:
+            return images, labels
+        train, _ = holdout_split(labels, self.holdout, HOLDOUT_SEED)
+        return images[train], labels[train]
+
+    def client_holdout(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's own held-out examples (none when ``holdout`` is 0): the device agent's split of its shard."""
+        images, labels = self._shard(client_id)
+        _, held = holdout_split(labels, self.holdout, HOLDOUT_SEED)
+        return images[held], labels[held]
 
     def calibration_images(self) -> torch.Tensor:
         """The server-held BN-calibration images (SPEC §8), in their fixed order."""
@@ -304,6 +356,8 @@ def build_setup(config: SimulationConfig) -> Setup:
             cache.below_smallest(low, f"raise the budgets (--budget-min) to at least {cache.smallest.macs}")
         )
     ids = [f"client-{i:03d}" for i in range(config.clients)]
-    setup = Setup(preset, cache, train, test, split.validation, split.calibration, pool, population, ids)
+    setup = Setup(
+        preset, cache, train, test, split.validation, split.calibration, pool, population, ids, holdout=config.holdout
+    )
     setup.plans = {cid: plan_client(cache, float(b)) for cid, b in zip(ids, population.budgets)}
     return setup

@@ -132,11 +132,12 @@ class Simulation:
         on_test: Callable[[int, int], None] | None = None,
         on_record: Callable[[RoundRecord], None] | None = None,
         tensorboard: bool = False,
+        on_personal: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any] | None:
         """Run (or resume) to the last round, then test; ``stop_after`` rounds ends early (returns None).
 
         After every round ``rounds.csv`` is rewritten (and TensorBoard scalars added with ``tensorboard``); ``on_record``
-        gets the round's record (e.g. a dashboard).
+        gets the round's record (e.g. a dashboard); ``on_personal(done, clients)`` follows ``--personalize``.
         """
         self.out.mkdir(parents=True, exist_ok=True)
         if resume:
@@ -161,11 +162,16 @@ class Simulation:
             log.close()
         if not self.loop.finished:
             return None
-        return self.finish(on_test)
+        return self.finish(on_test, on_personal)
 
     # ----------------------------------------------------------------- results
-    def finish(self, on_test: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        """Test every cached variant of the best checkpoint; write results.json, variants.csv, rounds.csv."""
+    def finish(
+        self,
+        on_test: Callable[[int, int], None] | None = None,
+        on_personal: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Test every cached variant of the best checkpoint (and, with ``personalize``, run every client's
+        personalization step on its served variant); write results.json, variants.csv, rounds.csv."""
         s, cfg = self.setup, self.config
         best_path = self.out / BEST
         if best_path.is_file():
@@ -203,6 +209,7 @@ class Simulation:
             "communication": communication_summary(self.history),
             "compute": {"train_macs_total": sum(h.train_macs for h in self.history)},
             **({"matched_compute": self.matched} if self.matched is not None else {}),
+            **({"personalization": self.personalization(served, on_personal)} if cfg.personalize != "off" else {}),
             "rounds": [asdict(h) for h in self.history],
             "seconds_total": sum(h.seconds for h in self.history),
         }
@@ -217,6 +224,22 @@ class Simulation:
         )
         write_rounds_csv(self.out / ROUNDS_CSV, self.history)
         return results
+
+    def personalization(self, served: list[int], progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Every client's personalization step on the variant it is served (feast_edge.sim.personal)."""
+        from feast_edge.personalize.select import Choice
+        from feast_edge.sim.personal import personalize_clients
+
+        cfg = self.config
+        return personalize_clients(
+            self.setup,
+            self.method,
+            served,
+            Choice.parse(cfg.personalize),
+            seed=cfg.seed,
+            device=cfg.device,
+            progress=progress,
+        )
 
 
 def population_summary(population: Population) -> dict[str, Any]:

@@ -15,7 +15,16 @@ import pytest
 from PIL import Image
 
 from feast_edge.report.runs import group_runs, load_run
-from rundirs import CACHED, HELD_OUT, HETEROFL, HOLDOUT_ACCURACY, federation_run
+from rundirs import (
+    CACHED,
+    FLEET_OWN_ACCURACY,
+    HELD_OUT,
+    HETEROFL,
+    HOLDOUT_ACCURACY,
+    PERSONAL_ACCURACY,
+    add_personal_fleet,
+    federation_run,
+)
 from rundirs import simulate_results as _results
 from rundirs import write_run as _write
 
@@ -53,8 +62,16 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
+def _row_or_none(section: str, first: str) -> list[str] | None:
+    return next(
+        (_cells(line) for line in section.splitlines() if line.startswith("|") and _cells(line)[0] == first), None
+    )
+
+
 def _row(section: str, first: str) -> list[str]:
-    return next(_cells(line) for line in section.splitlines() if line.startswith("|") and _cells(line)[0] == first)
+    row = _row_or_none(section, first)
+    assert row is not None, f"no row {first!r} in\n{section}"
+    return row
 
 
 def test_markdown_report_groups_seeds_and_measures_gaps_to_the_centralized_run(
@@ -139,11 +156,49 @@ def test_a_report_of_federations_says_where_each_validated_and_calibrated(cli, t
         "calibrated on the device; held-out accuracy on its own data (40 examples)",
         "1.23",
         f"{100 * HOLDOUT_ACCURACY:.2f}",
+        f"{100 * PERSONAL_ACCURACY:.2f}",
+        "prior τ=1",
     ]
     theirs = _section(text, f"### {held}")
     assert "validation: on the server's data; BN calibration: on the server's data" in theirs
-    assert _row(theirs, "pi-5")[1] == "validation, on the server's data" and _row(theirs, "pi-5")[3] == "40.00"
+    # A model the server calibrated and validated: no own accuracy of the device, so no personal one beside it.
+    assert _row(theirs, "pi-5")[1:] == ["validation, on the server's data", "1.23", "40.00", "—", "no report"]
+    assert not _row_or_none(theirs, "mean") and "own held-out accuracy" not in theirs
     assert "## Summary" not in text and not list(out.glob("*.png"))  # no simulation: no method table, no plots
+
+
+def test_a_federation_report_shows_each_devices_own_accuracy_served_and_personal_the_mean_and_the_worst(
+    cli, tiny, tmp_path: Path
+) -> None:
+    run = add_personal_fleet(federation_run(tmp_path / "own", tiny, federated=True), tiny)
+    result = cli.invoke("report", str(run), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    mine = _section((tmp_path / "out" / "report.md").read_text(encoding="utf-8"), f"### {run}")
+    assert _row(mine, "pi-5")[3:] == [f"{100 * HOLDOUT_ACCURACY:.2f}", f"{100 * PERSONAL_ACCURACY:.2f}", "prior τ=1"]
+    kept = _row(mine, "cam-1")
+    assert kept[3:5] == ["70.00", "70.00"]
+    # The device's reason, cut for the table and made printable: no escape byte, no line break reaches the report.
+    assert kept[5].startswith("served model kept: [/bold]\\x1b[31m no method") and kept[5].endswith("…")
+    # Each lie is shown as an invalid report, never as a number.
+    for liar, field in (
+        ("liar-range", "personal_accuracy"),
+        ("liar-method", "personal_method"),
+        ("liar-type", "personal_accuracy"),
+    ):
+        assert _row(mine, liar)[3:] == ["95.00", "—", f"invalid report ({field})"], liar
+    # The means are over pi-5 and cam-1 only: the liars' plausible 95% served accuracy stays out of both columns.
+    served, personal = FLEET_OWN_ACCURACY["served"], FLEET_OWN_ACCURACY["personal"]
+    assert _row(mine, "mean")[1:5] == [
+        "own held-out, 2 of 5 devices",
+        "",
+        f"{100 * served:.2f}",
+        f"{100 * personal:.2f}",
+    ]
+    assert _row(mine, "worst: cam-1")[3:5] == ["70.00", "70.00"]
+    assert (
+        f"own held-out accuracy, served -> personal: mean {100 * served:.2f}% -> {100 * personal:.2f}% over 2 of 5 "
+        "devices; worst device cam-1: 70.00% -> 70.00%"
+    ) in mine
 
 
 def test_a_federation_beside_simulations_gets_its_own_section(cli, runs: list[Path], tiny, tmp_path: Path) -> None:

@@ -15,7 +15,14 @@ from feast_edge.server.registry import Registry
 from feast_edge.server.status import ago, read_status
 from feast_edge.space.preset import load_preset_file
 from feast_edge.space.supernet import Supernet
-from rundirs import HELD_OUT, federation_run
+from rundirs import (
+    FLEET_OWN_ACCURACY,
+    HELD_OUT,
+    HOLDOUT_ACCURACY,
+    PERSONAL_ACCURACY,
+    add_personal_fleet,
+    federation_run,
+)
 from strategies import TINY_PRESET
 
 CONFIG = {"rounds": 3, "preset": "test-tiny", "federation": "lab"}
@@ -185,3 +192,46 @@ def test_a_run_without_data_before_its_first_validation_is_federated(tmp_path: P
 
 def test_a_checkpoint_from_before_federated_validation_validated_on_the_server(run_dir: Path) -> None:
     assert read_status(run_dir)["validation"]["words"] == "validation: on the server's data"  # no "data" field
+
+
+def test_status_shows_each_devices_own_accuracy_served_and_personal_the_mean_and_the_worst(
+    server_cli, tmp_path: Path
+) -> None:
+    preset = load_preset_file(TINY_PRESET)
+    out = add_personal_fleet(federation_run(tmp_path / "fed", preset, federated=True), preset)
+    result = server_cli.invoke("status", "--out", str(out))
+    assert result.returncode == 0, result.stderr  # the markup and the escape in cam-1's reason did not stop it
+    assert _row(result.stdout, "pi-5")[9:] == [
+        f"{100 * HOLDOUT_ACCURACY:.2f}%",
+        f"{100 * PERSONAL_ACCURACY:.2f}% (prior τ=1)",
+    ]
+    kept = _row(result.stdout, "cam-1")
+    assert kept[9] == "70.00%" and kept[10].startswith("70.00% (served model kept: [/bold]\\x1b[31m no method")
+    for liar, field in (
+        ("liar-range", "personal_accuracy"),
+        ("liar-method", "personal_method"),
+        ("liar-type", "personal_accuracy"),
+    ):
+        assert _row(result.stdout, liar)[9:] == ["95.00%", f"invalid report ({field})"], liar
+    served, personal = FLEET_OWN_ACCURACY["served"], FLEET_OWN_ACCURACY["personal"]
+    assert _row(result.stdout, "mean (2 of 5 devices)")[9:] == [f"{100 * served:.2f}%", f"{100 * personal:.2f}%"]
+    assert _row(result.stdout, "worst: cam-1")[9:] == ["70.00%", "70.00%"]
+    assert (
+        f"own held-out accuracy, served -> personal: mean {100 * served:.2f}% -> {100 * personal:.2f}% over 2 of 5 "
+        "devices; worst device cam-1: 70.00% -> 70.00%"
+    ) in result.stdout.splitlines()
+
+    status = json.loads(server_cli.invoke("status", "--out", str(out), "--json").stdout)
+    assert status["own_accuracy"] == pytest.approx(FLEET_OWN_ACCURACY)
+    models = {d["device"]: d["model"] for d in status["devices"]}
+    assert (models["pi-5"]["personal_method"], models["pi-5"]["personal_strength"]) == ("prior", 1.0)
+    assert models["liar-method"]["personal_method"] is None and models["liar-range"]["personal_accuracy"] is None
+    assert "\x1b" not in models["cam-1"]["personal_reason"]  # printable: the escape is shown, not sent
+
+
+def test_status_of_a_run_whose_models_the_server_calibrated_has_no_own_accuracy(server_cli, tmp_path: Path) -> None:
+    out = federation_run(tmp_path / "held", load_preset_file(TINY_PRESET), federated=False)
+    status = read_status(out)
+    assert status["own_accuracy"] is None and all(d["model"] is None for d in status["devices"])
+    result = server_cli.invoke("status", "--out", str(out))
+    assert "own acc" not in result.stdout and len(_row(result.stdout, "pi-5")) == 9

@@ -18,6 +18,7 @@ from feast_edge.personalize.select import (
     MIN_TRAINING,
     SELECTION_SEED,
     SELECTION_SHARE,
+    STRENGTHS,
     Choice,
     PersonalizeError,
     personal_step,
@@ -124,7 +125,7 @@ def test_auto_keeps_the_served_model_when_nothing_beats_it_on_the_selection_spli
     outcome = personalize(served, images, labels, PRESET, Choice.parse("auto"), holdout=10)
     assert outcome.model is None and outcome.selection_personal is None
     assert outcome.reason.startswith("no method beat the served model on the selection split")
-    assert len(outcome.candidates) == 10 and max(c.correct for c in outcome.candidates) <= outcome.selection_global
+    assert len(outcome.candidates) == sum(map(len, STRENGTHS.values())) and max(c.correct for c in outcome.candidates) <= outcome.selection_global
     # Asked for by name, the method's best strength is written, and said not to be better:
     asked = personalize(served, images, labels, PRESET, Choice.parse("head"), holdout=10)
     assert asked.model is not None and asked.method == "head" and "not better than the served model" in asked.reason
@@ -172,3 +173,20 @@ def test_a_fixed_strength_is_the_only_candidate() -> None:
 def test_the_worst_decile_is_the_mean_of_the_lowest_tenth() -> None:
     assert worst_decile([0.9] * 18 + [0.1, 0.3]) == pytest.approx(0.2)
     assert worst_decile([0.5, 0.7]) == 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")
+def test_personalization_on_the_gpu_computes_what_it_computes_on_the_cpu(served) -> None:
+    images, labels = _skewed(200, 9)
+    held_images, held_labels = _skewed(60, 10)
+    for choice in ("prior:1", "head:2", "proximal:0.1"):
+        cpu = personal_step(served, images, labels, held_images, held_labels, PRESET, Choice.parse(choice))
+        gpu = personal_step(
+            served, images, labels, held_images, held_labels, PRESET, Choice.parse(choice), device="cuda"
+        )
+        assert next(served.parameters()).device.type == "cpu"  # the served model is left where it was
+        assert gpu[0].model is not None and next(gpu[0].model.parameters()).device.type == "cpu"
+        if cpu[0].model is not None:
+            assert np.allclose(_logits(gpu[0].model, held_images), _logits(cpu[0].model, held_images), atol=1e-3)
+        assert abs(gpu[1].personal - cpu[1].personal) <= 1 and gpu[1].served == cpu[1].served

@@ -79,13 +79,47 @@ def test_a_filled_state_renders_and_updates_live(
         "calibration": "device",
         "file": "j.safetensors",
     }
-    filled.set_models([jetson_model], tmp_path / "models", {"jetson": {"holdout_accuracy": 0.8125, "model_round": 3}})
+    personal = {
+        "personal_method": "bn",
+        "personal_strength": 1,
+        "personal_accuracy": 0.875,
+        "personal_reason": "chose bn",
+    }
+    liar = {**jetson_model, "device": "liar"}  # its personal accuracy is a lie: shown as such, kept out of the means
+    filled.set_models(
+        [jetson_model, liar],
+        tmp_path / "models",
+        {
+            "jetson": {"holdout_accuracy": 0.8125, "model_round": 3, **personal},
+            "liar": {"holdout_accuracy": 0.5, "model_round": 3, **personal, "personal_accuracy": 7.5},
+        },
+    )
     wait_until(driver, lambda d: "federated" in d.find_element("id", "validation-source").text)
     assert driver.find_element("id", "validation-source").text == (
         "(validation: federated, on 2 devices' held-out data (60 examples))"
     )
     model = driver.find_element("css selector", '#models tr[data-device="jetson"]')
     assert model.find_element("css selector", "td.accuracy").text == "81.25"
+    # Its personal model: the device's own accuracy of it and how it was made (the device's reason as a tooltip).
+    assert model.find_element("css selector", "td.personal").text == "87.50"
+    note = model.find_element("css selector", "td.personal-note")
+    assert note.text == "bn 1 epoch" and note.get_attribute("title") == "chose bn"
+    liar_row = driver.find_element("css selector", '#models tr[data-device="liar"]')
+    assert liar_row.find_element("css selector", "td.personal").text == "–"
+    assert liar_row.find_element("css selector", "td.personal-note").text == "invalid report (personal_accuracy)"
+    # Below the models: the mean over the devices that reported both (the liar is not one) and the worst device.
+    mean = driver.find_element("css selector", "#own-accuracy tr.own-mean")
+    assert [mean.find_element("css selector", f"td.{c}").text for c in ("variant", "accuracy", "personal")] == [
+        "1 of 2 devices",
+        "81.25",
+        "87.50",
+    ]
+    worst = driver.find_element("css selector", "#own-accuracy tr.own-worst")
+    assert [worst.find_element("css selector", f"td.{c}").text for c in ("variant", "accuracy", "personal")] == [
+        "jetson",
+        "81.25",
+        "87.50",
+    ]
     assert "calibrated on the device" in model.find_element("css selector", "td.measured").text
     assert model.find_element("css selector", "td.download").text == "on the device" and not model.find_elements(
         "css selector", "a"
@@ -129,7 +163,19 @@ def test_hostile_strings_stay_text(tmp_path: Path, browser: Browser) -> None:
     state.member(HOSTILE, "rejected", reason=HOSTILE)
     state.end_round({"round": 4, "val_accuracy": 0.5, "devices": {HOSTILE: {"down": 1, "up": 1}}})
     (tmp_path / "models" / "h.onnx").write_bytes(b"h")
-    state.set_models([{"device": HOSTILE, "label": HOSTILE, "sha256": HOSTILE, "file": "h.onnx"}], tmp_path / "models")
+    own = {"label": HOSTILE, "sha256": HOSTILE, "calibration": "device", "file": "h.variant.safetensors"}
+    state.set_models(
+        [{"device": HOSTILE, "label": HOSTILE, "sha256": HOSTILE, "file": "h.onnx"}, {**own, "device": "pi-5"}],
+        tmp_path / "models",
+        {
+            "pi-5": {
+                "holdout_accuracy": 0.5,
+                "personal_method": "",
+                "personal_accuracy": 0.5,
+                "personal_reason": HOSTILE,
+            }
+        },
+    )
     state.add_run(
         {
             "name": HOSTILE,
@@ -151,6 +197,9 @@ def test_hostile_strings_stay_text(tmp_path: Path, browser: Browser) -> None:
         assert HOSTILE in driver.find_element("css selector", "#round-members").text
         assert HOSTILE in driver.find_element("css selector", "#traffic-devices").text
         assert HOSTILE in driver.find_element("css selector", "#models").text
+        assert driver.find_element("css selector", '#models tr[data-device="pi-5"] td.personal-note').get_attribute(
+            "title"
+        ) == HOSTILE.replace("\n", "\\n")  # the device's reason, whole (printable), as a tooltip
         assert HOSTILE in driver.find_element("css selector", "#chart-accuracy-macs").text  # the chart legend
         assert len(driver.find_elements("css selector", "script")) == 2  # uPlot and dashboard.js, nothing injected
         assert driver.find_element("id", "run-message").text == HOSTILE

@@ -17,7 +17,15 @@ from feast_edge.server.registry import Registry
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import Preset
 from feast_edge.space.supernet import Supernet
-from rundirs import HELD_OUT, HOLDOUT_ACCURACY, federation_run
+from rundirs import (
+    FLEET_OWN_ACCURACY,
+    HELD_OUT,
+    HOLDOUT_ACCURACY,
+    PERSONAL_ACCURACY,
+    add_personal_fleet,
+    federation_run,
+    register_device,
+)
 
 ARCH = {"d": [0, 0, 0], "e": [0.5, 0.5, 0.5], "w": [0, 0, 0, 0]}
 
@@ -107,17 +115,7 @@ def _federation_run(out: Path, tiny: Preset) -> Path:
     )
     registry = Registry(out / "devices.sqlite")
     for name, budget, precision in (("cam-1", 2_000_000, "fp32"), ("pi-5", 6_000_000, "int8")):
-        registry.register(
-            name,
-            host="agent-1",
-            instance="i",
-            budget_macs=budget,
-            samples=100,
-            preset=tiny.name,
-            profile={"name": "raspberry-pi-5", "hardware": {"cpu": "4x Cortex-A76"}},
-            status="online",
-            precision=precision,
-        )
+        register_device(registry, name, tiny, budget, precision=precision)
     registry.close()
     models = out / "models"
     models.mkdir()
@@ -183,6 +181,42 @@ def test_a_federation_without_server_data_says_it_validated_and_calibrated_on_th
     # The server holds only the weights it sent: no download link, nothing served.
     assert model["url"] is None and state.model_path("pi-5") is None
     assert snapshot["variants"] == [] and snapshot["population_accuracy"] == pytest.approx(HOLDOUT_ACCURACY)
+    # Beside it, its personal model: the device's own held-out accuracy and how it made it.
+    assert (model["personal_accuracy"], model["personal_method"], model["personal_note"]) == (
+        PERSONAL_ACCURACY,
+        "prior",
+        "prior τ=1",
+    )
+    assert snapshot["own_accuracy"] == {
+        "devices": 1,
+        "counted": 1,
+        "served": HOLDOUT_ACCURACY,
+        "personal": PERSONAL_ACCURACY,
+        "worst": "pi-5",
+        "worst_served": HOLDOUT_ACCURACY,
+        "worst_personal": PERSONAL_ACCURACY,
+    }
+
+
+def test_the_devices_own_accuracy_has_a_mean_and_a_worst_device_and_lying_reports_count_for_nothing(
+    tmp_path: Path, tiny: Preset
+) -> None:
+    out = add_personal_fleet(federation_run(tmp_path / "fed", tiny, federated=True), tiny)
+    snapshot = load_runs([out]).snapshot()
+    models = {m["device"]: m for m in snapshot["models"]}
+    assert (
+        models["cam-1"]["personal_accuracy"] == models["cam-1"]["accuracy"] and models["cam-1"]["personal_method"] == ""
+    )
+    assert models["cam-1"]["personal_note"].startswith("served model kept: [/bold]\\x1b[31m no method")
+    for liar, field in (
+        ("liar-range", "personal_accuracy"),
+        ("liar-method", "personal_method"),
+        ("liar-type", "personal_accuracy"),
+    ):
+        model = models[liar]
+        assert model["accuracy"] == 0.95 and model["personal_accuracy"] is None, liar
+        assert (model["personal_method"], model["personal_note"]) == (None, f"invalid report ({field})"), liar
+    assert snapshot["own_accuracy"] == pytest.approx(FLEET_OWN_ACCURACY)
 
 
 def test_a_federation_on_server_data_says_so(tmp_path: Path, tiny: Preset) -> None:
@@ -197,6 +231,7 @@ def test_a_federation_on_server_data_says_so(tmp_path: Path, tiny: Preset) -> No
         "validation, on the server's data",
     )
     assert model["url"] == "models/pi-5.onnx" and state.model_path("pi-5") == tmp_path / "fed" / "models" / "pi-5.onnx"
+    assert model["personal_accuracy"] is None and snapshot["own_accuracy"] is None  # no own accuracy to set it beside
 
 
 def test_compared_federations_say_where_each_validated(tmp_path: Path, tiny: Preset) -> None:

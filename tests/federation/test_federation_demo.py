@@ -9,11 +9,15 @@ export, push, onnxruntime, summary table.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
+
+from feast_edge.server.demo import own_accuracy, summary_table
 
 PROFILES = ("raspberry-pi-5", "jetson-nano", "laptop-cpu", "desktop-gpu")
 
@@ -30,8 +34,54 @@ def test_demo_trains_exports_and_times_a_model_for_every_device(cli, tmp_path: P
     for name in PROFILES:
         assert (tmp_path / "demo" / "device-models" / f"{name}.onnx").is_file()
         row = next(line for line in out.splitlines() if line.startswith(f"│ {name} "))
-        assert f"{name}.onnx" in row and row.count("%") == 2
+        assert f"{name}.onnx" in row and row.count("%") == 3  # own acc served, own acc personal, test acc
+    assert next(line for line in out.splitlines() if line.startswith("│ mean (")).count("%") == 2
+    assert "personalization on (feast-agent run --personalize auto, the default)" in out
     assert "Wall time" in out
+
+
+def _kept_model(folder: Path, device: str, accuracy: float, personal: dict | None = None) -> dict:
+    """A summary row of the demo for a model ``device`` calibrated (held-out ``accuracy``), its personal model's
+    manifest beside it when ``personal`` is given."""
+    manifest = {"device": device, "calibration": "device", "holdout_accuracy": accuracy, "sha256": device * 8}
+    path = folder / f"{device}.onnx"
+    (folder / f"{device}.json").write_text(json.dumps(manifest))
+    if personal is not None:
+        (folder / f"{device}.personal.json").write_text(json.dumps({"served_sha256": device * 8, **personal}))
+    return {
+        "device": device,
+        "budget_macs": 5e6,
+        "macs": 4e6,
+        "params": 1e5,
+        "calibrated": "device (200)",
+        "own": own_accuracy(path, manifest),
+        "test_accuracy": 0.5,
+        "test_images": 100,
+        "onnx": f"device-models/{device}.onnx",
+        "latency_ms": 0.5,
+    }
+
+
+def test_the_demo_summary_shows_own_accuracy_served_and_personal_the_mean_and_the_worst(tmp_path: Path) -> None:
+    personal = {"personal_method": "bn", "personal_strength": 1, "holdout_accuracy_personal": 0.85}
+    stale = {**personal, "served_sha256": "an earlier served file"}
+    rows = [
+        _kept_model(tmp_path, "pi", 0.8, personal),
+        _kept_model(tmp_path, "nano", 0.75),  # kept the served model: no .personal.json
+        _kept_model(tmp_path, "desk", 0.9, stale),  # a personal model of another served file is not this one's
+    ]
+    console = Console(width=250, record=True)
+    console.print(summary_table(rows, "demo", server_data=False))
+    lines = console.export_text().splitlines()
+    cells = {
+        c[0]: c for c in ([c.strip() for c in line.strip("│").split("│")] for line in lines if line.startswith("│"))
+    }
+    assert cells["pi"][5:7] == ["80.00%", "85.00% (bn 1 epoch)"]
+    assert cells["nano"][5:7] == ["75.00%", "75.00% (served model kept)"]
+    assert cells["desk"][5:7] == ["90.00%", "90.00% (served model kept)"]
+    assert cells["mean (3 of 3 devices)"][5:7] == ["81.67%", "83.33%"]
+    assert cells["worst: nano"][5:7] == ["75.00%", "75.00%"]
+    assert any("personalization on (feast-agent run --personalize auto, the default)" in line for line in lines)
 
 
 def _amqtt_env() -> dict[str, str]:

@@ -7,13 +7,12 @@ play a node that lies. tests/federation/test_flower.py runs the same code over a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from flwr.app import Array, Context, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from feast_edge.flower import clientapp, records
 from feast_edge.flower.serverapp import FlowerFederation
@@ -22,44 +21,14 @@ from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.config import ServerConfig
 from feast_edge.sim.shards import read_index
-from strategies import FMNIST_TINY
+from flowerkit import Handler, LoopbackGrid, set_flower_identity
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-Handler = Callable[[Message, Context], Message]
-
-
-class LoopbackGrid:
-    """Flower's Grid as far as the ServerApp uses it, delivering each Message to a node's handlers in this process."""
-
-    def __init__(self, run_config: dict | None = None) -> None:
-        self.nodes: dict[int, tuple[dict, dict[str, Handler]]] = {}
-        self.run_config = {"preset": str(FMNIST_TINY), **(run_config or {})}  # the run trains kit.CONFIG's preset
-
-    def add(self, node: int, node_config: dict, **handlers: Handler) -> None:
-        self.nodes[node] = (node_config, {"query": clientapp.register, "train": clientapp.train, **handlers})
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.nodes)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        replies = []
-        for message in messages:
-            node = message.metadata.dst_node_id
-            config, handlers = self.nodes[node]
-            context = Context(
-                run_id=1, node_id=node, node_config=config, state=RecordDict(), run_config=self.run_config
-            )
-            reply = handlers[message.metadata.message_type](message, context)
-            if reply is not None:
-                replies.append(reply)
-        return replies
 
 
 @pytest.fixture(autouse=True)
 def flower_identity() -> None:
-    """The identity Flower's processes give themselves (a ServerApp or ClientApp creates Messages under it)."""
-    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    set_flower_identity()
 
 
 def _federation(kit, out: Path, partition: Path, grid: LoopbackGrid, **changes) -> FlowerFederation:

@@ -227,12 +227,18 @@ def test_a_server_without_data_shows_federated_validation_and_the_devices_own_ac
     live.models([manifest], tmp_path)  # exported: the device has yet to calibrate it
     [model] = live.state.snapshot()["models"]
     assert model["accuracy"] is None and model["accuracy_note"] == "calibrated on the device; no report from it yet"
+    assert model["personal_accuracy"] is None and model["personal_note"] == "no report"
     assert live.state.snapshot()["population_accuracy"] is None
-    live.models([manifest], tmp_path, {"nano": {"holdout_accuracy": 0.81, "holdout_samples": 13, "model_round": 1}})
+    assert live.state.snapshot()["own_accuracy"]["counted"] == 0
+    report = {"holdout_accuracy": 0.81, "holdout_samples": 13, "model_round": 1}
+    personal = {"personal_method": "head", "personal_strength": 3, "personal_accuracy": 0.9, "personal_reason": "chose"}
+    live.models([manifest], tmp_path, {"nano": {**report, **personal}})
     snap = live.state.snapshot()
     [model] = snap["models"]
     assert (model["calibration"], model["holdout_accuracy"], model["url"]) == ("device", 0.81, None)
-    assert snap["population_accuracy"] == pytest.approx(0.81)
+    assert (model["personal_accuracy"], model["personal_note"]) == (0.9, "head 3 epochs")
+    assert (snap["own_accuracy"]["served"], snap["own_accuracy"]["personal"]) == (0.81, 0.9)
+    assert snap["population_accuracy"] == pytest.approx(0.81)  # the served models' accuracy, as before
     assert [v["macs"] for v in snap["variants"]] == [1_390_000]  # a device's own accuracy is no validation point
 
 

@@ -333,6 +333,9 @@
       // A device-calibrated model: the held-out accuracy its device reported; else the validation on the server's data.
       cell(tr, percent(isNumber(m.accuracy) ? m.accuracy : m.validation_accuracy), "num accuracy");
       cell(tr, m.accuracy_note, "measured calibration-" + String(m.calibration || "server").replace(/[^a-z]/g, ""));
+      // Its personal model: the device's own held-out accuracy and how it was made (checked on the server).
+      cell(tr, percent(m.personal_accuracy), "num personal");
+      cell(tr, m.personal_note, "personal-note", typeof m.personal_reason === "string" ? m.personal_reason : null);
       const sha = typeof m.sha256 === "string" ? m.sha256 : "";
       cell(tr, sha ? sha.slice(0, 12) + "…" : null, "sha", sha);
       const link = cell(tr, m.calibration === "device" || m.calibration === "federated" ? "on the device" : null, "download");
@@ -347,6 +350,36 @@
     });
     replaceRows(document.querySelector("#models tbody"), rows);
     document.querySelector("#models .empty").hidden = s.models.length > 0;
+    renderOwnAccuracy(s.own_accuracy);
+  }
+
+  // Over the models the devices calibrated: the means of their own accuracy, served and personal, and the worst device.
+  function renderOwnAccuracy(own) {
+    const foot = byId("own-accuracy");
+    const rows = [];
+    if (own && isNumber(own.devices)) {
+      const counted = own.counted + " of " + plural(own.devices, "device");
+      rows.push(["mean", counted, own.served, own.personal, "own held-out accuracy, mean over the devices"]);
+      if (typeof own.worst === "string") {
+        rows.push(["worst", own.worst, own.worst_served, own.worst_personal, "the device with the lowest personal"]);
+      }
+    }
+    replaceRows(
+      foot,
+      rows.map(function ([kind, who, served, personal, words]) {
+        const tr = document.createElement("tr");
+        tr.className = "own-" + kind;
+        cell(tr, kind, "device");
+        cell(tr, who, "variant");
+        tr.append(document.createElement("td"), document.createElement("td"));
+        cell(tr, percent(served), "num accuracy");
+        cell(tr, words, "measured");
+        cell(tr, percent(personal), "num personal");
+        tr.append(document.createElement("td"), document.createElement("td"), document.createElement("td"));
+        return tr;
+      })
+    );
+    foot.hidden = rows.length === 0;
   }
 
   // ------------------------------------------------------------------ clock

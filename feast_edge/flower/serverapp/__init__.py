@@ -8,6 +8,8 @@
                                each reply checked (records.read_arrays, the update-norm bound) -> ClientUpdate,
                                or declined / rejected / incomplete with its reason; the run goes on
       export: each registered node's largest affordable variant (ONNX with the server's data) in out-dir/models
+      personalize (run config personalize, default off): per accepted node an "evaluate" Message with its served
+              variant; the node's personalization step's held-out counts back -> out-dir/personalization.json
 
 Cohorts, plans, aggregation, server optimizer, checkpoints, resume and validation are the run loop's
 (``feast_edge.run.loop``): a Flower run computes what ``feast-edge simulate`` and ``feast-server run`` compute.
@@ -22,7 +24,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from feast_edge.flower import log_to_stderr, records
 from feast_edge.flower.serverapp.collector import FlowerCollector, NodeBook
-from feast_edge.flower.serverapp.run_config import server_config
+from feast_edge.flower.serverapp.personal import personalize_nodes
+from feast_edge.flower.serverapp.run_config import personalize_choice, server_config
 from feast_edge.run.loop import RoundRecord
 from feast_edge.server.collect import RoundTerms
 from feast_edge.server.config import ServerConfig, ServerError
@@ -93,9 +96,11 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """The whole run: rounds through the SuperNodes, then each registered node's model exported."""
+    """The whole run: rounds through the SuperNodes, then each registered node's model exported (and, with
+    ``personalize``, each accepted node's personalization step)."""
     log_to_stderr()
     config, export = server_config(context.run_config)
+    choice = personalize_choice(context.run_config)
     federation = FlowerFederation(config, grid)
     log.info(
         "feast-edge on Flower: preset %s, %d cached variants, %d rounds of %d, server optimizer %s; run directory %s",
@@ -110,4 +115,6 @@ def main(grid: Grid, context: Context) -> None:
     if export:
         manifests = federation.export_models()
         log.info("exported %d device model(s) to %s", len(manifests), federation.out / "models")
+    if choice.method != "off":
+        personalize_nodes(federation, federation.nodes, choice)
     federation.registry.close()

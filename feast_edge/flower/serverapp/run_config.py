@@ -2,9 +2,11 @@
 
 Keys are feast-server's option names without the dashes in front (``per-round`` for ``--per-round``), plus
 ``out-dir`` (the run directory, required: checkpoints, rounds.csv, devices.sqlite, models/), ``export``
-(export each node's model after the last round; default true) and ``node-data`` (read by the ClientApp on
-Flower's Simulation Engine: the partition directory the simulated nodes take their shards from). An unknown
-key or a value of the wrong type is a ServerError naming the key and what it takes.
+(export each node's model after the last round; default true), ``personalize`` (after the last round, each node's
+personalization step on its served variant: auto, off, METHOD or METHOD:STRENGTH; default off), ``node-data`` and
+``node-holdout`` (read by the ClientApp on Flower's Simulation Engine: the partition directory the simulated nodes
+take their shards from, and the share of each shard they hold out). An unknown key or a value of the wrong type is
+a ServerError naming the key and what it takes.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.aggregate.server_opt import parse_betas
+from feast_edge.data.holdout import MAX_HOLDOUT
 from feast_edge.errors import PayloadError
 from feast_edge.flower.records import check_flower_dtype
+from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.server.config import ServerConfig, ServerError
 
 # ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid, and the
 # devices' validation and BN statistics (with their combination rules) are the MQTT server's.
 NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", "val_rule"}
-EXTRA = {"out-dir": str, "export": bool, "node-data": str}  # node-data: the simulated nodes' partition (ClientApp)
+# node-data, node-holdout: the simulated nodes' partition and held-out share (ClientApp)
+EXTRA = {"out-dir": str, "export": bool, "personalize": str, "node-data": str, "node-holdout": float}
 EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
 
 
@@ -80,9 +85,23 @@ def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
     export = run_config.get("export", True)
     if not isinstance(export, bool):
         raise ServerError(f"run config export = {export!r} must be true or false")
+    personalize_choice(run_config)
+    holdout = run_config.get("node-holdout", "")
+    if holdout != "" and (
+        isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout <= MAX_HOLDOUT
+    ):
+        raise ServerError(f"run config node-holdout = {holdout!r} must be a fraction between 0 and {MAX_HOLDOUT}")
     config = ServerConfig(out=out, **settings)
     try:
         check_flower_dtype(config.payload_dtype)
     except PayloadError as exc:
         raise ServerError(f"run config payload-dtype: {exc}") from None
     return config, export
+
+
+def personalize_choice(run_config: Mapping[str, Any]) -> Choice:
+    """The run config's ``personalize`` (default off); ServerError naming the choices."""
+    try:
+        return Choice.parse(str(run_config.get("personalize") or "off"))
+    except PersonalizeError as exc:
+        raise ServerError(f"run config personalize: {exc}".replace("--personalize ", "")) from None

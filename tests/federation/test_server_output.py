@@ -1,0 +1,48 @@
+"""What ``feast-server run`` prints at the end of a run without data: the devices' own models, served -> personal."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from feast_edge.server.output import device_models_table
+from rundirs import FLEET, FLEET_OWN_ACCURACY, HOLDOUT_ACCURACY, PERSONAL, PERSONAL_ACCURACY
+
+
+def _rows(manifests: list[dict], reports: dict[str, dict]) -> dict[str, list[str]]:
+    """The printed table's rows by their first cell (a wrapped cell's first line)."""
+    console = Console(width=200, record=True)
+    console.print(device_models_table(manifests, reports, "the devices' models"))
+    rows = {}
+    for line in console.export_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if line.startswith("│") and cells[0] and cells[0] not in rows:
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_the_devices_models_show_own_accuracy_served_and_personal_the_mean_and_the_worst() -> None:
+    reports = {
+        "pi-5": {"holdout_accuracy": HOLDOUT_ACCURACY, "holdout_samples": 40, "calibrated_on": 200, **PERSONAL},
+        **{name: {"holdout_samples": 40, "calibrated_on": 200, **metrics} for name, metrics in FLEET.items()},
+    }
+    manifests = [{"device": name, "macs": 1e6, "calibration": "device"} for name in [*reports, "silent"]]
+    rows = _rows(manifests, reports)
+    assert rows["pi-5"][4:6] == [f"{100 * HOLDOUT_ACCURACY:.2f}%", f"{100 * PERSONAL_ACCURACY:.2f}% (prior τ=1)"]
+    # Its reason, with what rich would read as markup and a terminal escape, is printed as text.
+    assert rows["cam-1"][4] == "70.00%" and rows["cam-1"][5].startswith("70.00% (served model kept: [/bold]\\x1b[31m")
+    for liar, field in (
+        ("liar-range", "personal_accuracy"),
+        ("liar-method", "personal_method"),
+        ("liar-type", "personal_accuracy"),
+    ):
+        assert rows[liar][4:6] == ["95.00%", f"invalid report ({field})"], liar
+    assert rows["silent"][4:6] == ["no report", "no report"]
+    served, personal = FLEET_OWN_ACCURACY["served"], FLEET_OWN_ACCURACY["personal"]  # the silent device adds nothing
+    assert rows["mean (2 of 6 devices)"][4:6] == [f"{100 * served:.2f}%", f"{100 * personal:.2f}%"]
+    assert rows["worst: cam-1"][4:6] == ["70.00%", "70.00%"]
+
+
+def test_before_any_report_the_mean_is_empty_and_no_device_is_the_worst() -> None:
+    rows = _rows([{"device": "pi-5", "macs": 1e6, "calibration": "federated"}], {})
+    assert rows["mean (0 of 1 device)"][4:6] == ["-", "-"]
+    assert not any(name.startswith("worst") for name in rows)
