@@ -48,9 +48,9 @@ from feast_edge.budget.profile import load_profile, profile_summary
 from feast_edge.cache.variants import VariantCache, load_cache
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.federated import calibrated_static
-from feast_edge.evaluate.own_accuracy import OwnRow
 from feast_edge.flower import log_to_stderr, records
 from feast_edge.local.torch_device import resolve_device
+from feast_edge.personalize.fleet import OwnRow
 from feast_edge.personalize.select import personal_step
 from feast_edge.protocol import MAX_REASON, Register, RoundStart, Update
 from feast_edge.protocol import Declined as DeclinedMessage

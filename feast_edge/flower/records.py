@@ -34,7 +34,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from feast_edge import __version__
 from feast_edge.errors import PayloadError
-from feast_edge.evaluate.own_accuracy import OwnRow
+from feast_edge.personalize.fleet import OwnRow
 from feast_edge.personalize.select import METHODS, Choice, PersonalizeError
 from feast_edge.protocol import MAX_REASON, Declined, Register, RoundStart, Update
 from feast_edge.route.envelope import Envelope

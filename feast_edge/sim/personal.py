@@ -5,7 +5,7 @@
                    final test does (``Method.point_network``)
     step           ``feast_edge.personalize.select.personal_step`` on the client's training split (its shard less
                    its held-out split), counted on its own held-out split (``Setup.client_holdout``)
-    record         one ``OwnRow`` per client and the fleet's mean and worst decile (feast_edge.evaluate.own_accuracy)
+    record         one ``OwnRow`` per client and the fleet's mean and worst decile (feast_edge.personalize.fleet)
 
 The device agent and the Flower ClientApp run the same step on their own data.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from feast_edge.evaluate.own_accuracy import OwnRow, personalization_record
+from feast_edge.personalize.fleet import OwnRow, personalization_record
 from feast_edge.personalize.select import Choice, personal_step
 from feast_edge.sim.methods.base import Method
 from feast_edge.sim.setup import HOLDOUT_SEED, Setup

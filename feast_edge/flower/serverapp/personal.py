@@ -6,7 +6,7 @@ served variant   the largest cached variant the node's budget affords, of the ch
 evaluate         one Message per node (``records.ServedVariant``); the ClientApp runs ``personal_step`` and
                  answers its held-out counts, checked here against what the node registered
 personalization.json in the run directory: every node's row, and the mean and worst decile of the nodes' own
-                 held-out accuracy, served and personal (``feast_edge.evaluate.own_accuracy``)
+                 held-out accuracy, served and personal (``feast_edge.personalize.fleet``)
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 from flwr.app import Message
 
 from feast_edge.evaluate.evaluation import calibrated_variant
-from feast_edge.evaluate.own_accuracy import OwnRow, personalization_record
 from feast_edge.flower import records
 from feast_edge.flower.serverapp.collector import NodeBook
+from feast_edge.personalize.fleet import OwnRow, personalization_record
 from feast_edge.personalize.select import Choice
 from feast_edge.protocol import Declined
 from feast_edge.run.checkpoint import load_supernet, read_record
