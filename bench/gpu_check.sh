@@ -8,7 +8,11 @@
 # 2. the co-training step on paper-cifar100 at batch 128, float32 vs AMP (bench/bench_cotrain.py --amp auto);
 # 3. `feast-agent profile --device cuda` with PyTorch and (when onnxruntime-gpu is installed) the CUDA provider;
 # 4. a short `feast-edge simulate` on the GPU, --amp off and --amp auto (needs Fashion-MNIST: $FMNIST,
-#    default /usr/share/datasets/fashion-mnist; skipped with a note when absent).
+#    default /usr/share/datasets/fashion-mnist; skipped with a note when absent);
+# 5. personalization on the GPU: bench/bench_personalize.py --device cuda, 20 clients of Dirichlet(0.1) shards
+#    (every method side by side, own held-out accuracy and device seconds; needs Fashion-MNIST too).
+#
+# STEPS (default "tests cotrain profile simulate personalize") runs a subset, e.g. STEPS="tests personalize".
 #
 # It needs a Python with a CUDA build of PyTorch ($PYTHON, default: .venv/bin/python if present, else python3)
 # and installs this checkout into it without touching its dependencies when `feast_edge` is not importable.
@@ -48,19 +52,28 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {p.name}, {p.total
 PY
 nvidia-smi --query-gpu=name,driver_version,memory.used,utilization.gpu --format=csv,noheader >>"$SUMMARY" 2>/dev/null
 
+STEPS=${STEPS:-tests cotrain profile simulate personalize}
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
+have_fmnist() { [ -f "$FMNIST/train-images-idx3-ubyte" ] || [ -f "$FMNIST/train-images-idx3-ubyte.gz" ]; }
+
 # 1. CUDA tests: none of them may skip for want of a GPU.
-step cuda-tests 300 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/core/test_accel.py tests/federation/test_cuda_agent.py \
-    tests/core/test_train.py::test_runs_on_cuda_and_matches_cpu_closely tests/core/test_runtime.py tests/federation/test_profiling.py::test_profile_device_on_cuda
-grep -E "passed|failed" "$OUT_DIR/cuda-tests.log" | tail -1 | tee -a "$SUMMARY"
-if grep -q "needs a CUDA device" "$OUT_DIR/cuda-tests.log"; then say "!! CUDA tests skipped on a CUDA machine"; status=1; fi
+wants tests && step cuda-tests 300 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/core/test_accel.py tests/federation/test_cuda_agent.py \
+    tests/core/test_train.py::test_runs_on_cuda_and_matches_cpu_closely tests/core/test_runtime.py tests/federation/test_profiling.py::test_profile_device_on_cuda \
+    tests/core/test_personalize.py::test_personalization_on_the_gpu_computes_what_it_computes_on_the_cpu
+if wants tests; then
+    grep -E "passed|failed" "$OUT_DIR/cuda-tests.log" | tail -1 | tee -a "$SUMMARY"
+    if grep -q "needs a CUDA device" "$OUT_DIR/cuda-tests.log"; then say "!! CUDA tests skipped on a CUDA machine"; status=1; fi
+fi
 
 # 2. Co-training step, paper-cifar100, batch 128: float32 vs AMP (auto: bf16 where the GPU has it).
-step cotrain-amp 240 "$PYTHON" bench/bench_cotrain.py --preset paper-cifar100 --batch 128 --repeats 20 --device cuda --amp auto
-grep -E "^(preset|co-train|sum|ratio)" "$OUT_DIR/cotrain-amp.log" | tee -a "$SUMMARY"
+wants cotrain && step cotrain-amp 240 "$PYTHON" bench/bench_cotrain.py --preset paper-cifar100 --batch 128 --repeats 20 --device cuda --amp auto
+wants cotrain && grep -E "^(preset|co-train|sum|ratio)" "$OUT_DIR/cotrain-amp.log" | tee -a "$SUMMARY"
 
 # 3. Profiling on the GPU: PyTorch eager, and ONNX Runtime's CUDA provider when installed.
-step profile-torch 180 feast-agent profile --device cuda --runtime torch --preset paper-cifar100 --variants 6 --repeats 20 --out "$OUT_DIR/profile-torch.json"
-if "$PYTHON" -c 'import onnxruntime as o, sys; sys.exit(0 if "CUDAExecutionProvider" in o.get_available_providers() else 1)' 2>/dev/null; then
+wants profile && step profile-torch 180 feast-agent profile --device cuda --runtime torch --preset paper-cifar100 --variants 6 --repeats 20 --out "$OUT_DIR/profile-torch.json"
+if ! wants profile; then
+    :
+elif "$PYTHON" -c 'import onnxruntime as o, sys; sys.exit(0 if "CUDAExecutionProvider" in o.get_available_providers() else 1)' 2>/dev/null; then
     step profile-ort 180 feast-agent profile --device cuda --provider cuda --preset paper-cifar100 --variants 6 --repeats 20 --out "$OUT_DIR/profile-ort.json"
 else
     say "== profile-ort: skipped (onnxruntime has no CUDAExecutionProvider here; pip install onnxruntime-gpu)"
@@ -70,7 +83,9 @@ for f in "$OUT_DIR"/profile-*.json; do
 done
 
 # 4. A short simulation on the GPU, float32 and AMP.
-if [ -f "$FMNIST/train-images-idx3-ubyte" ] || [ -f "$FMNIST/train-images-idx3-ubyte.gz" ]; then
+if ! wants simulate; then
+    :
+elif have_fmnist; then
     for amp in off auto; do
         step "simulate-$amp" 300 feast-edge simulate --data "$FMNIST" --device cuda --amp "$amp" --clients 10 --per-round 5 --rounds 3 \
             --train-limit 5000 --eval-every 3 --test-limit 2000 --out "$OUT_DIR/simulate-$amp"
@@ -79,6 +94,16 @@ if [ -f "$FMNIST/train-images-idx3-ubyte" ] || [ -f "$FMNIST/train-images-idx3-u
     done
 else
     say "== simulate: skipped (no Fashion-MNIST in $FMNIST; set FMNIST=DIR)"
+fi
+# 5. Personalization on the GPU: every method side by side on a 20-client Dirichlet(0.1) fleet.
+if ! wants personalize; then
+    :
+elif have_fmnist; then
+    step personalize 420 env PYTHONPATH=".:${PYTHONPATH:-}" "$PYTHON" bench/bench_personalize.py --data "$FMNIST" --device cuda \
+        --clients 20 --per-round 10 --rounds 8 --alpha 0.1 --train-limit 20000 --json "$OUT_DIR/personalize.json"
+    sed -n '/^20 clients/,$p' "$OUT_DIR/personalize.log" | tee -a "$SUMMARY"
+else
+    say "== personalize: skipped (no Fashion-MNIST in $FMNIST; set FMNIST=DIR)"
 fi
 say "== gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs in $OUT_DIR)"
 exit $status

@@ -158,6 +158,19 @@ def reference_cache_csv() -> Path:
     return path
 
 
+@pytest.fixture
+def full_float32() -> Iterator[None]:
+    """Float32 arithmetic on a GPU for the test: no TF32 in cuDNN's convolutions (PyTorch's default on Ampere and
+    later) nor in matrix products, so a CUDA result can be held to the CPU's within float32 rounding (TF32 keeps 10
+    mantissa bits; after a few SGD steps its weights differed from the CPU's by 1e-2 on an H200)."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @pytest.fixture(scope="session")
 def fashion_mnist_dir() -> Path:
     # CI installs Debian's dataset-fashion-mnist; a missing data set is a setup error, not a skip.

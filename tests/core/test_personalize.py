@@ -125,7 +125,10 @@ def test_auto_keeps_the_served_model_when_nothing_beats_it_on_the_selection_spli
     outcome = personalize(served, images, labels, PRESET, Choice.parse("auto"), holdout=10)
     assert outcome.model is None and outcome.selection_personal is None
     assert outcome.reason.startswith("no method beat the served model on the selection split")
-    assert len(outcome.candidates) == sum(map(len, STRENGTHS.values())) and max(c.correct for c in outcome.candidates) <= outcome.selection_global
+    assert (
+        len(outcome.candidates) == sum(map(len, STRENGTHS.values()))
+        and max(c.correct for c in outcome.candidates) <= outcome.selection_global
+    )
     # Asked for by name, the method's best strength is written, and said not to be better:
     asked = personalize(served, images, labels, PRESET, Choice.parse("head"), holdout=10)
     assert asked.model is not None and asked.method == "head" and "not better than the served model" in asked.reason
@@ -177,7 +180,7 @@ def test_the_worst_decile_is_the_mean_of_the_lowest_tenth() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (PyTorch sees none here)")
-def test_personalization_on_the_gpu_computes_what_it_computes_on_the_cpu(served) -> None:
+def test_personalization_on_the_gpu_computes_what_it_computes_on_the_cpu(served, full_float32) -> None:
     images, labels = _skewed(200, 9)
     held_images, held_labels = _skewed(60, 10)
     for choice in ("prior:1", "head:2", "proximal:0.1"):

@@ -261,7 +261,7 @@ def test_rejects_labels_outside_the_models_classes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_runs_on_cuda_and_matches_cpu_closely():
+def test_runs_on_cuda_and_matches_cpu_closely(full_float32):
     cpu, rc = train_tiny(seed=2, augment=False)
     model = Supernet(TINY, seed=0)
     images, labels = tiny_data(40)
