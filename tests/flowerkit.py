@@ -271,3 +271,26 @@ class LoopbackGrid:
             if reply is not None:
                 replies.append(reply)
         return replies
+
+
+def loopback_federation(kit, out: Path, data: Path | str, grid: LoopbackGrid, **changes: Any):
+    """The Flower ServerApp's federation over ``grid``: one round of kit.CONFIG's settings on ``data`` (a partition,
+    or "" for a server without data), evaluated every round; ``changes`` override any ServerConfig field."""
+    from feast_edge.flower.serverapp import FlowerFederation
+    from feast_edge.server.app import ServerConfig
+
+    settings: dict[str, Any] = {
+        "out": str(out),
+        "preset": kit.CONFIG.preset,
+        "rounds": 1,
+        "per_round": 3,
+        "min_clients": 2,
+        "start_clients": 2,
+        "seed": kit.CONFIG.seed,
+        "batch_size": kit.CONFIG.batch_size,
+        "eval_every": 1,
+        "data": str(data),
+        "wait_timeout": 5.0,
+        **changes,
+    }
+    return FlowerFederation(ServerConfig(**settings), grid)

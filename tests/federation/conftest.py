@@ -85,7 +85,7 @@ class ServerThread:
         except BaseException as exc:  # noqa: BLE001 - reported by join()
             self.error = exc
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self.server.start(timeout=5)
         self.thread.start()
         return self
@@ -163,6 +163,49 @@ def server_config(
     return ServerConfig(**settings)  # type: ignore[arg-type]
 
 
+def own_data_federation(
+    server: FederationServer, start_agents: Callable[[], dict[str, subprocess.Popen]], timeout: float = 400
+) -> dict:
+    """A server without data (started here) through its rounds, export and the devices' model reports, as
+    ``feast-server run`` does, with the agents ``start_agents()`` spawns; every agent must exit 0. Returns the run's
+    ``history``, ``manifests``, ``reports`` and ``registry``; the agents and the server are stopped whatever happens."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["history"] = server.run()
+            manifests = outcome["manifests"] = server.export()
+            served = server.announce_models(manifests)
+            outcome["reports"] = server.await_device_models(manifests, served, timeout=120)
+            if server.live is not None:
+                server.live.models(manifests, Path(server.config.out) / "models", outcome["reports"])
+            outcome["registry"] = {d.device_id: d for d in server.registry.devices()}
+            server.finish(manifests)
+            server.serve(2.0)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            outcome["error"] = exc
+
+    server.start(timeout=5)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        agents = start_agents()
+        thread.join(timeout)
+        assert not thread.is_alive(), f"the federation did not finish in {timeout:g} s"
+        if "error" in outcome:
+            raise outcome["error"]
+        for process in agents.values():
+            assert process.wait(60) == 0, log_text(process)[-3000:]
+    finally:
+        for process in agents.values():
+            stop(process)
+        server.stop.set()
+        server.close()
+    outcome["agents"] = agents
+    return outcome
+
+
 class Kit:
     """The federation tests' shared helpers and settings, handed to tests as the ``kit`` fixture."""
 
@@ -186,6 +229,7 @@ class Kit:
     max_abs_diff = staticmethod(max_abs_diff)
     simulated_weights = staticmethod(simulated_weights)
     server_config = staticmethod(server_config)
+    own_data_federation = staticmethod(own_data_federation)
 
 
 @pytest.fixture(scope="session")

@@ -9,17 +9,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from rich.console import Console
 from safetensors.torch import save
-from torch.nn import functional as F
+from tinymodels import trained_smallest
 
 from feast_edge.agent.local_data import LocalClient
 from feast_edge.agent.on_device import calibrate_served_variant
 from feast_edge.cache.variants import load_cache
 from feast_edge.data.images import load_fashion_mnist
 from feast_edge.evaluate.bn_stats import Stats, apply_statistics, bn_statistics
-from feast_edge.evaluate.evaluation import pixel_batches
 from feast_edge.evaluate.onnx_export import read_metadata
 from feast_edge.server.output import device_models_table
 from feast_edge.space.geometry import arch_layout
@@ -35,15 +33,7 @@ ARCH = load_cache(PRESET).entries[0].arch
 def trained(fashion_mnist_dir: Path) -> tuple[StaticResNet, LocalClient]:
     """fmnist-tiny's smallest variant trained two epochs on 1,200 real images, and a device's own data."""
     split = load_fashion_mnist(fashion_mnist_dir, "train")
-    torch.manual_seed(0)
-    model = StaticResNet(arch_layout(PRESET, ARCH))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model.train()
-    for _ in range(2):
-        for x, y in zip(pixel_batches(split.images[:1200], PRESET, 32), split.labels[:1200].long().split(32)):
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
+    model = trained_smallest(split)
     own = LocalClient(
         "pi",
         split.images[2000:2400],

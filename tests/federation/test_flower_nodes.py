@@ -15,13 +15,11 @@ import torch
 from flwr.app import Array, Context, Message, RecordDict
 
 from feast_edge.flower import clientapp, records
-from feast_edge.flower.serverapp import FlowerFederation
 from feast_edge.protocol import RoundStart
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
-from feast_edge.server.config import ServerConfig
 from feast_edge.sim.shards import read_index
-from flowerkit import Handler, LoopbackGrid, set_flower_identity
+from flowerkit import Handler, LoopbackGrid, loopback_federation, set_flower_identity
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -29,24 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(autouse=True)
 def flower_identity() -> None:
     set_flower_identity()
-
-
-def _federation(kit, out: Path, partition: Path, grid: LoopbackGrid, **changes) -> FlowerFederation:
-    settings = dict(
-        out=str(out),
-        preset=kit.CONFIG.preset,
-        rounds=1,
-        per_round=3,
-        min_clients=2,
-        start_clients=2,
-        seed=kit.CONFIG.seed,
-        batch_size=kit.CONFIG.batch_size,
-        eval_every=1,
-        data=str(partition),
-        wait_timeout=5.0,
-    )
-    settings.update(changes)
-    return FlowerFederation(ServerConfig(**settings), grid)  # type: ignore[arg-type]
 
 
 def _good_nodes(grid: LoopbackGrid, partition: Path, count: int = 3, **handlers: Handler) -> None:
@@ -68,7 +48,7 @@ def test_a_node_of_another_feast_edge_version_declines_and_the_run_goes_on(
             monkeypatch.undo()
 
     grid.add(7, {"data": str(partition), "offset": 2}, query=older)
-    federation = _federation(kit, tmp_path / "run", partition, grid, per_round=2)
+    federation = loopback_federation(kit, tmp_path / "run", partition, grid, per_round=2)
     history = federation.run()
     reason = federation.nodes.answered[7]
     assert "runs feast-edge 0.0.9, the ServerApp" in reason and "install the same feast-edge version" in reason
@@ -80,7 +60,7 @@ def test_nodes_without_data_or_budget_decline_with_the_fix(kit, partition: Path,
     _good_nodes(grid, partition, 2)
     grid.add(8, {"threads": 1})
     grid.add(9, {"data": "/usr/share/datasets/fashion-mnist", "shard": "0/100"})  # no budget for its own data
-    federation = _federation(kit, tmp_path / "run", partition, grid, per_round=2)
+    federation = loopback_federation(kit, tmp_path / "run", partition, grid, per_round=2)
     federation.run()
     assert "this SuperNode has no data" in federation.nodes.answered[8]
     assert "no MAC budget for device node-9" in federation.nodes.answered[9]
@@ -98,7 +78,7 @@ def test_a_node_claiming_another_nodes_identity_is_refused(kit, partition: Path,
         return clientapp.register(message, forged)  # says it is node 100's host
 
     grid.add(11, {"data": str(partition), "offset": 2}, query=impostor)
-    federation = _federation(kit, tmp_path / "run", partition, grid, per_round=2)
+    federation = loopback_federation(kit, tmp_path / "run", partition, grid, per_round=2)
     federation.run()
     assert "registers as host 'node-100', but it is node-11" in federation.nodes.answered[11]
 
@@ -134,7 +114,7 @@ def test_a_tampered_update_is_rejected_and_the_others_are_aggregated(
 ) -> None:
     grid = LoopbackGrid()
     _good_nodes(grid, partition, 3, train=_tampered(change))
-    federation = _federation(kit, tmp_path / "run", partition, grid)
+    federation = loopback_federation(kit, tmp_path / "run", partition, grid)
     record = federation.run()[0]
     assert reason in record.rejected["client-000"]
     assert record.applied and sorted(record.updated) == ["client-001", "client-002"]
@@ -150,7 +130,7 @@ def test_a_clientapp_that_raises_is_incomplete_and_the_run_goes_on(kit, partitio
         return Message(Error(code=2, reason="<class 'RuntimeError'>:<'out of memory'>"), reply_to=message)
 
     _good_nodes(grid, partition, 3, train=crash)
-    record = _federation(kit, tmp_path / "run", partition, grid).run()[0]
+    record = loopback_federation(kit, tmp_path / "run", partition, grid).run()[0]
     assert (
         "the ClientApp failed" in record.incomplete["client-000"] and "out of memory" in record.incomplete["client-000"]
     )
@@ -172,7 +152,7 @@ def test_a_round_for_another_device_is_declined_by_the_node(kit, partition: Path
         return clientapp.train(message, other)
 
     _good_nodes(grid, partition, 3, train=swapped)
-    record = _federation(kit, tmp_path / "run", partition, grid).run()[0]
+    record = loopback_federation(kit, tmp_path / "run", partition, grid).run()[0]
     assert f"this SuperNode is {entries[2]['client_id']!r}" in record.declined["client-000"]
     assert record.applied and "client-000" not in record.updated
 
@@ -182,7 +162,7 @@ def test_simulated_nodes_take_their_shard_of_the_run_configs_partition(kit, part
     grid = LoopbackGrid(run_config={"node-data": str(partition)})
     for i in range(3):
         grid.add(200 + i, {"partition-id": i, "num-partitions": 3})
-    federation = _federation(kit, tmp_path / "run", partition, grid)
+    federation = loopback_federation(kit, tmp_path / "run", partition, grid)
     record = federation.run()[0]
     assert record.applied and sorted(record.updated) == ["client-000", "client-001", "client-002"]
 
@@ -196,14 +176,14 @@ def test_a_crashed_run_resumes_from_its_last_round_with_the_same_weights(kit, pa
     crashing = LoopbackGrid()
     _good_nodes(crashing, partition, 3, train=power_cut)
     with pytest.raises(KeyboardInterrupt):
-        _federation(kit, tmp_path / "resumed", partition, crashing, rounds=2).run()
+        loopback_federation(kit, tmp_path / "resumed", partition, crashing, rounds=2).run()
     assert read_record(tmp_path / "resumed" / CHECKPOINT)["fields"]["round"] == 1
     again = LoopbackGrid()
     _good_nodes(again, partition, 3)
-    resumed = _federation(kit, tmp_path / "resumed", partition, again, rounds=2)
+    resumed = loopback_federation(kit, tmp_path / "resumed", partition, again, rounds=2)
     assert [h.round for h in resumed.run()] == [1, 2]
     whole = LoopbackGrid()
     _good_nodes(whole, partition, 3)
-    _federation(kit, tmp_path / "whole", partition, whole, rounds=2).run()
+    loopback_federation(kit, tmp_path / "whole", partition, whole, rounds=2).run()
     got, want = kit.weights(tmp_path / "resumed" / CHECKPOINT), kit.weights(tmp_path / "whole" / CHECKPOINT)
     assert all(torch.equal(got[k], want[k]) for k in want)

@@ -24,10 +24,10 @@ from feast_edge.flower.serverapp.run_config import server_config
 from feast_edge.personalize.select import Choice, personal_step
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.loop import CHECKPOINT
-from feast_edge.server.config import ServerConfig, ServerError
+from feast_edge.server.config import ServerError
 from feast_edge.space.extract import extract
 from feast_edge.space.preset import load_preset
-from flowerkit import LoopbackGrid, set_flower_identity
+from flowerkit import LoopbackGrid, loopback_federation, set_flower_identity
 from strategies import FMNIST_TINY
 
 CHOICE = Choice.parse("auto")
@@ -36,23 +36,6 @@ CHOICE = Choice.parse("auto")
 @pytest.fixture(autouse=True)
 def flower_identity() -> None:
     set_flower_identity()
-
-
-def _federation(kit, out: Path, grid: LoopbackGrid, data: str) -> FlowerFederation:
-    config = ServerConfig(
-        out=str(out),
-        preset=kit.CONFIG.preset,
-        rounds=1,
-        per_round=3,
-        min_clients=2,
-        start_clients=2,
-        seed=kit.CONFIG.seed,
-        batch_size=kit.CONFIG.batch_size,
-        eval_every=1,
-        data=data,
-        wait_timeout=5.0,
-    )
-    return FlowerFederation(config, grid)
 
 
 def _inflated(message: Message, context: Context) -> Message:
@@ -73,7 +56,7 @@ def personalized(kit, partition: Path, tmp_path_factory):
     grid.add(100, {"partition-id": 0, "num-partitions": 3}, evaluate=_inflated)
     grid.add(101, {"partition-id": 1, "num-partitions": 3})
     grid.add(102, {"data": str(partition), "offset": 2})
-    federation = _federation(kit, tmp_path_factory.mktemp("flower-personal") / "run", grid, str(partition))
+    federation = loopback_federation(kit, tmp_path_factory.mktemp("flower-personal") / "run", partition, grid)
     federation.run()
     return federation, personalize_nodes(federation, federation.nodes, CHOICE)
 

@@ -61,53 +61,26 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
     )
     live = DashboardState("federation", "own data")
     server = FederationServer(config, LinkConfig(broker=kit.LOCAL), dashboard=live)
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["history"] = server.run()
-            manifests = outcome["manifests"] = server.export()
-            served = server.announce_models(manifests)
-            outcome["reports"] = server.await_device_models(manifests, served, timeout=120)
-            server.live.models(
-                manifests, tmp_path / "server" / "models", outcome["reports"]
-            )  # as feast-server run does
-            outcome["registry"] = {d.device_id: d for d in server.registry.devices()}
-            server.finish(manifests)
-            server.serve(2.0)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            outcome["error"] = exc
-
-    server.start(timeout=5)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
     models = tmp_path / "models"
-    agents = {
-        device: kit.spawn_agent(
-            tmp_path / "logs",
-            device,
-            tmp_path / "data" / device,
-            federation,
-            "--budget",
-            str(budget),
-            "--model-dir",
-            str(models),
-            *TINY,
-        )
-        for device, (_, budget, _) in DEVICES.items()
-    }
-    try:
-        thread.join(400)
-        assert not thread.is_alive(), "the federation did not finish in 400 s"
-        if "error" in outcome:
-            raise outcome["error"]
-        for process in agents.values():
-            assert process.wait(60) == 0, kit.log_text(process)[-3000:]
-    finally:
-        for process in agents.values():
-            kit.stop(process)
-        server.stop.set()
-        server.close()
+
+    def start_agents() -> dict:
+        return {
+            device: kit.spawn_agent(
+                tmp_path / "logs",
+                device,
+                tmp_path / "data" / device,
+                federation,
+                "--budget",
+                str(budget),
+                "--model-dir",
+                str(models),
+                *TINY,
+            )
+            for device, (_, budget, _) in DEVICES.items()
+        }
+
+    outcome = kit.own_data_federation(server, start_agents)
+    agents = outcome["agents"]
 
     # Federated validation: every round validated on all three devices' held-out splits.
     for record in outcome["history"]:

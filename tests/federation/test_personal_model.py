@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 from imagefolders import write_image_folder
 from rich.console import Console
 from safetensors.torch import save
-from torch.nn import functional as F
+from tinymodels import trained_smallest
 
 from feast_edge.agent.local_data import LocalClient
 from feast_edge.agent.on_device import calibrate_served_variant
@@ -44,15 +43,7 @@ def trained(fashion_mnist_dir: Path) -> tuple[StaticResNet, LocalClient]:
     """fmnist-tiny's smallest variant trained two epochs on 1,200 balanced real images, and a device whose own images
     are nine in ten shirts (its held-out split drawn the same way)."""
     split = load_fashion_mnist(fashion_mnist_dir, "train")
-    torch.manual_seed(0)
-    model = StaticResNet(arch_layout(PRESET, ARCH))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model.train()
-    for _ in range(2):
-        for x, y in zip(pixel_batches(split.images[:1200], PRESET, 32), split.labels[:1200].long().split(32)):
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
+    model = trained_smallest(split)
     rest = torch.arange(2000, 8000)
     shirts, others = rest[split.labels[rest] == SHIRT], rest[split.labels[rest] != SHIRT]
     train, held = torch.cat([shirts[:270], others[:30]]), torch.cat([shirts[270:360], others[30:40]])
@@ -207,38 +198,19 @@ def test_a_skewed_device_of_a_real_federation_ends_with_a_personal_model_that_be
         calib_samples=100,
     )
     server = FederationServer(config, LinkConfig(broker=kit.LOCAL))
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            server.run()
-            manifests = outcome["manifests"] = server.export()
-            outcome["reports"] = server.await_device_models(manifests, server.announce_models(manifests), timeout=120)
-            server.finish(manifests)
-            server.serve(2.0)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            outcome["error"] = exc
-
-    server.start(timeout=5)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
     models = tmp_path / "models"
-    agents = {}
-    for device, (_, budget) in FLEET.items():
-        options = ("--budget", str(budget), "--model-dir", str(models), "--preset", "fmnist-tiny")
-        agents[device] = kit.spawn_agent(tmp_path / "logs", device, tmp_path / "data" / device, federation, *options)
-    try:
-        thread.join(400)
-        assert not thread.is_alive(), "the federation did not finish in 400 s"
-        if "error" in outcome:
-            raise outcome["error"]
-        for process in agents.values():
-            assert process.wait(60) == 0, kit.log_text(process)[-3000:]
-    finally:
-        for process in agents.values():
-            kit.stop(process)
-        server.stop.set()
-        server.close()
+
+    def start_agents() -> dict:
+        agents = {}
+        for device, (_, budget) in FLEET.items():
+            options = ("--budget", str(budget), "--model-dir", str(models), "--preset", "fmnist-tiny")
+            agents[device] = kit.spawn_agent(
+                tmp_path / "logs", device, tmp_path / "data" / device, federation, *options
+            )
+        return agents
+
+    outcome = kit.own_data_federation(server, start_agents)
+    agents = outcome["agents"]
 
     # The skewed device: its personal model, chosen on its selection split, beats the served one on its held-out split.
     personal = json.loads((models / "jetson-shirts.personal.json").read_text())
