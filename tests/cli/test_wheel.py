@@ -173,15 +173,13 @@ def test_wheel_holds_one_package_and_its_data(installed: Installed) -> None:
     }
     assert all(data.values()), data
     expected = {f"feast_edge/{kind}/{p.name}" for kind, files in data.items() for p in files}
-    # The applications' folders are installed inside the namespace, every module of them.
-    for folder, package in (
-        ("server", "server"),
-        ("device_agent", "agent"),
-        ("profiles", "profiles"),
-        ("feast_edge/transport", "transport"),
-        ("feast_edge/cli", "cli"),
-    ):
-        expected |= {f"feast_edge/{package}/{p.name}" for p in (src / folder).glob("*.py")}
+    # Every module of the library (a package missing from pyproject's list would be left out silently), and the
+    # applications' folders inside the namespace, every module of them, subpackages too.
+    expected |= {p.relative_to(src).as_posix() for p in (src / "feast_edge").rglob("*.py")}
+    for folder, package in (("server", "server"), ("device_agent", "agent"), ("profiles", "profiles")):
+        expected |= {
+            f"feast_edge/{package}/{p.relative_to(src / folder).as_posix()}" for p in (src / folder).rglob("*.py")
+        }
     assert sorted(expected - names) == []
     assert {
         "feast_edge/presets/fmnist-small.toml",
