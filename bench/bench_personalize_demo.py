@@ -44,7 +44,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     console = Console()
-    cpu = next((ln.split(":", 1)[1] for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln), "?")
+    cpu = next(
+        (ln.split(":", 1)[1] for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln), "?"
+    )
     console.print(f"{platform.node()}: {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     test = load_fashion_mnist(args.data, "test")
     test_images, test_labels = test.images[: args.test_limit], test.labels[: args.test_limit].long()
