@@ -33,6 +33,7 @@ from feast_edge.agent.config import AgentConfig
 from feast_edge.agent.hosted import Hosted
 from feast_edge.agent.inbox import Inbox, Incoming
 from feast_edge.agent.local_data import LocalClient, client_budgets
+from feast_edge.agent.profiling import evaluation_macs
 from feast_edge.agent.registration import HEARTBEAT, AgentError, Registration
 from feast_edge.agent.rounds import RoundRunner
 from feast_edge.agent.step import largest_payload
@@ -61,7 +62,13 @@ class Agent:
         self.config = config
         self.personalize = Choice.parse(config.personalize)  # a bad setting is refused before anything connects
         self.preset = load_preset(config.preset)
-        budgets = client_budgets(clients, self.preset, load_cache(self.preset, config.cache), config.budget_macs)
+        cache = load_cache(self.preset, config.cache)
+        budgets = client_budgets(clients, self.preset, cache, config.budget_macs)
+        # What each client offers to evaluate for the federation's validation: above its budget, memory allowing.
+        evaluate = {
+            d: evaluation_macs(config.evaluate_up_to, cache, self.preset, config.torch_device, b)
+            for d, b in budgets.items()
+        }
         self.instance = uuid.uuid4().hex[:16]
         self.topics = Topics(config.federation)
         presence = Presence(federation=config.federation, round=0, device=config.host, state="online", role="device")
@@ -77,7 +84,9 @@ class Agent:
         self.current_round = 0
         self.inbox = Inbox(self.topics, self._expect_announced)
         self.inbox.instance = self.instance
-        self.registration = Registration(config, self.preset, self.instance, self.link, self.topics, self.clients)
+        self.registration = Registration(
+            config, self.preset, self.instance, self.link, self.topics, self.clients, evaluate
+        )
         self._receipts = Confirmations()  # uploads awaiting the server's receipt
         self.rounds = RoundRunner(
             config, self.preset, self.link, self.topics, self.inbox, self._receipts, self._metrics, self.stop

@@ -121,6 +121,15 @@ def run(
             "the served model there), off, prior, head, bn, proximal, or METHOD:STRENGTH (e.g. prior:0.5).",
         ),
     ] = "auto",
+    evaluate_up_to: Annotated[
+        str,
+        typer.Option(
+            "--evaluate-up-to",
+            help="Largest variant this device evaluates and BN-calibrates for the federation's validation: auto (as "
+            "large as half the available memory allows; evaluation is a one-off, not serving), serving (only what "
+            "its budget serves), or MACs such as 20M.",
+        ),
+    ] = "auto",
     stay: Annotated[
         bool,
         typer.Option(
@@ -152,6 +161,8 @@ def run(
     from feast_edge.personalize.select import Choice
 
     choice = Choice.parse(personalize)  # an unknown setting is refused before any data is read
+    from feast_edge.agent.profiling import check_evaluate_up_to
+
     precision = resolve_amp(amp, torch_device)  # a mode this device cannot run is refused before any data is read
     loaded = None
     if profile is not None:
@@ -198,6 +209,7 @@ def run(
         register_timeout=register_timeout,
         model_dir=None if model_dir is None else str(model_dir),
         personalize=str(choice),
+        evaluate_up_to=check_evaluate_up_to(evaluate_up_to),
         stay=stay,
     )
     common.check_insecure(link, insecure, "feast-agent run")

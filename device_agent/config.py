@@ -34,4 +34,7 @@ class AgentConfig:
     # --personalize: auto, off, METHOD or METHOD:STRENGTH (feast_edge.personalize.select.CHOICES); the personal model
     # is written beside the served one in model_dir
     personalize: str = "auto"
+    # --evaluate-up-to: "auto" (memory allowing), "serving" (its budget), or a MAC count as text ("20M"): the largest
+    # variant it evaluates and BN-calibrates for the federation (feast_edge.budget.derive.evaluation_limit).
+    evaluate_up_to: str = "auto"
     stay: bool = False  # after the federation finishes, keep waiting for the next run instead of exiting

@@ -37,6 +37,7 @@ import psutil
 import torch
 from torch import nn
 
+from feast_edge.budget.derive import evaluation_limit, parse_macs
 from feast_edge.budget.profile import (
     DEFAULT_LATENCY_TARGET_MS,
     NAME_PATTERN,
@@ -46,11 +47,12 @@ from feast_edge.budget.profile import (
     derive_budget,
     fit_latency,
 )
-from feast_edge.cache.variants import load_cache
+from feast_edge.cache.variants import VariantCache, load_cache
+from feast_edge.errors import FeastError
 from feast_edge.evaluate.precisions import PRECISIONS
 from feast_edge.local.torch_device import resolve_device
 from feast_edge.space.extract import extract
-from feast_edge.space.preset import load_preset
+from feast_edge.space.preset import Preset, load_preset
 from feast_edge.space.supernet import Supernet
 
 WARMUP = 3  # untimed forward passes before timing each variant
@@ -232,6 +234,31 @@ def _memory_available(device: str) -> int:
     if device.startswith("cuda"):
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
     return int(psutil.virtual_memory().available)
+
+
+EVALUATION_MEMORY_FRACTION = 0.5  # --evaluate-up-to auto: the share of the free memory one evaluation may take
+
+
+def check_evaluate_up_to(setting: str) -> str:
+    """``--evaluate-up-to`` as given, once checked: auto, serving or a MAC count (FeastError naming the fix)."""
+    if setting not in ("auto", "serving"):
+        try:
+            parse_macs(setting)
+        except FeastError:
+            raise FeastError(f"--evaluate-up-to {setting!r}: write auto, serving or a MAC count such as 20M") from None
+    return setting
+
+
+def evaluation_macs(setting: str, cache: VariantCache, preset: Preset, device: str, budget: float) -> int:
+    """The largest variant (MACs) this device offers to evaluate and calibrate for the federation, at least ``budget``:
+    ``auto`` as large as EVALUATION_MEMORY_FRACTION of its free memory allows, ``serving`` its budget, or a MAC count."""
+    if setting == "serving":
+        return int(budget)
+    if setting == "auto":
+        limit = evaluation_limit(cache, preset, int(EVALUATION_MEMORY_FRACTION * _memory_available(device)))
+    else:
+        limit = int(parse_macs(setting))
+    return max(int(budget), limit)
 
 
 def profile_device(

@@ -8,6 +8,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+import torch
+
 from feast_edge.agent.config import AgentConfig
 from feast_edge.agent.hosted import Hosted
 from feast_edge.data.task import Task, TaskError
@@ -28,6 +30,11 @@ class AgentError(FeastError):
     """The agent cannot start or continue (refused registration, no server, unusable data or budget)."""
 
 
+def class_counts(labels: torch.Tensor, classes: int) -> tuple[int, ...]:
+    """Examples per class of ``labels`` (int64), for every class of the task."""
+    return tuple(int(n) for n in torch.bincount(labels.long(), minlength=classes)[:classes].tolist())
+
+
 class Registration:
     """Registers every hosted client and follows what the server says of them: accepted, refused, finished."""
 
@@ -39,8 +46,11 @@ class Registration:
         link: Link,
         topics: Topics,
         clients: Mapping[str, Hosted],
+        evaluate_macs: Mapping[str, int] | None = None,
     ) -> None:
+        """``evaluate_macs``: per client, the largest variant it evaluates for the federation (default its budget)."""
         self.config, self.preset, self.instance = config, preset, instance
+        self.evaluate_macs = dict(evaluate_macs or {})
         self.link, self.topics, self.clients = link, topics, clients
         self.server_online: bool | None = None  # None: the server never reported
         self.accepted: set[str] = set()
@@ -78,6 +88,10 @@ class Registration:
                 profile=self.config.profile,
                 holdout=client.data.holdout,
                 precision=self.config.precision,
+                # Counts only: how many examples of each class it trains on and holds out (the server's coverage).
+                class_counts=class_counts(client.data.labels, self.preset.classes),
+                holdout_counts=class_counts(client.data.holdout_labels, self.preset.classes),
+                evaluate_macs=self.evaluate_macs.get(device_id, client.budget_macs),
             )
             self.link.publish(self.topics.register(device_id), message.encode())
 

@@ -250,7 +250,7 @@ class FederationServer(RunHost):
     def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:
         """The online devices' BN statistics of every served variant (SPEC §8 on the federation's data)."""
         assert self.calibration is not None, "start() first"
-        served = {self.cache.largest_affordable(d.budget_macs).arch for d in devices}
+        served = {self.cache.entries[s.index].arch for s in self.serving(devices).values()}
         variants = {arch: extract(model, arch) for arch in sorted(served, key=str)}
         t = max(rounds, self.events.filter.current_round)  # after the last round: its messages are not stale
         return self.calibration.calibrate(t, model.state_dict(), variants)

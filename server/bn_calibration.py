@@ -8,8 +8,9 @@
       per served variant:            robust_statistics(the answers of the devices that can run it, --bn-rule)
                                      -> its BN buffers; refused reports are named (feast_edge.evaluate.bn_robust)
 
-A variant is calibrated on the data of every device that can afford it: the largest on the devices whose budget
-admits it, the smallest on all. A device that does not answer by the deadline, or whose statistics are malformed,
+A variant is calibrated on the data of every device that may evaluate it: its registered evaluation limit (memory
+allowing, above its serving budget; at least its budget), so that a large variant's statistics are not those of the
+few devices that can serve it. A device that does not answer by the deadline, or whose statistics are malformed,
 is left out; a variant no device answered for falls back to calibration on each device it serves.
 """
 
@@ -36,7 +37,7 @@ from feast_edge.protocol import Calibrate
 from feast_edge.route.plans import plan_client
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.exchange import Expect, RoundExchange
-from feast_edge.server.validation import send_routed_request
+from feast_edge.server.validation import evaluation_budget, send_routed_request
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import Preset
 from feast_edge.space.static import StaticResNet
@@ -86,7 +87,7 @@ class FederatedCalibration:
             registered = self.devices.registry.get(device)
             if registered is None or registered.samples < MIN_EXAMPLES:
                 continue
-            plan = plan_client(self.cache, registered.budget_macs)
+            plan = plan_client(self.cache, evaluation_budget(self.devices, device))  # above its budget, memory allowing
             archs = [a for a in plan.affordable if a in variants]
             if not archs:
                 continue

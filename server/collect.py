@@ -139,6 +139,7 @@ class DeviceCollector:
         lr: float,
     ) -> Collected:
         start = time.monotonic()
+        self.devices.coverage.check()  # a label-skewed fleet is said once, in one line per problem, before it trains
         self.exchange.open(t)
         if self.live is not None:
             self.live.round_started(t, cohort, self.exchange.settings.round_timeout)

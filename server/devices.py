@@ -15,6 +15,7 @@ from collections.abc import Callable
 from feast_edge.cache.variants import VariantCache
 from feast_edge.data.holdout import MAX_HOLDOUT
 from feast_edge.protocol import Register, Registered
+from feast_edge.server.coverage import CoverageWatch
 from feast_edge.server.registry import Registry
 from feast_edge.space.preset import Preset
 from feast_edge.transport.messages import Presence
@@ -61,6 +62,7 @@ class DeviceBook:
         self.max_devices = max_devices  # the registry (and every per-device record) stays bounded whoever registers
         self.shard_samples = shard_samples or {}
         self.task = preset.task  # announced in every answer; a device checked its data against it
+        self.coverage = CoverageWatch(registry, cache, preset.task.classes)  # warns of label skew once per problem
         self.validation = validation  # "server" (server-held data) or "devices" (federated validation and calibration)
         self.finished = False  # the federation ran all its rounds: registrations are answered with finished=True
         self.hosts_online: set[str] = set()
@@ -143,6 +145,9 @@ class DeviceBook:
                 f"at most {held} are believable (feast-agent --holdout holds out at most {MAX_HOLDOUT} of each class, "
                 f"under {HOLDOUT_RATIO} times what it trains on; --max-samples bounds both)"
             )
+        counts = self._count_refusal(message)
+        if counts:
+            return counts
         if not self.cache.affordable(message.budget_macs):
             return self.cache.below_smallest(
                 message.budget_macs, "raise --budget or use a profile of a stronger device"
@@ -153,6 +158,24 @@ class DeviceBook:
         taken = existing is not None and existing.instance != message.instance and existing.host in self.hosts_online
         if taken and device not in self._released:
             return f"device id {device!r} is already online (hosted by agent {existing.host!r}); give this agent another --device-id, or stop the other agent first"
+        return ""
+
+    def _count_refusal(self, message: Register) -> str:
+        """Why the per-class counts of ``message`` are not believable ("" when they are, or when it sent none)."""
+        classes = len(self.task.classes)
+        for name, counts, total, what in (
+            ("class_counts", message.class_counts, message.samples, "training"),
+            ("holdout_counts", message.holdout_counts, message.holdout, "held-out"),
+        ):
+            if not counts:
+                continue  # an agent from before per-class counts: coverage leaves it out, and says so
+            if len(counts) != classes:
+                return f"the device registers {len(counts)} per-class {what} counts; the task has {classes} classes"
+            if sum(counts) != total:
+                return (
+                    f"the device's per-class {what} counts sum to {sum(counts)}, but it registers {total} {what} "
+                    "examples; the counts must add up"
+                )
         return ""
 
     def _unanswered(self, device: str, instance: str) -> None:
@@ -186,7 +209,13 @@ class DeviceBook:
                 budget_macs=message.budget_macs,
                 samples=message.samples,
                 preset=message.preset,
-                profile={**message.profile, "holdout": message.holdout},
+                profile={
+                    **message.profile,
+                    "holdout": message.holdout,
+                    "class_counts": list(message.class_counts),
+                    "holdout_counts": list(message.holdout_counts),
+                    "evaluate_macs": max(message.evaluate_macs, message.budget_macs),
+                },
                 status=status,
                 precision=message.precision,
             )

@@ -1,4 +1,5 @@
-"""One model per registered device: its largest affordable cached variant, BN-recalibrated (SPEC §8).
+"""One model per registered device: its largest affordable cached variant (unless a smaller affordable one is better
+on the federation's validation: ``feast_edge.evaluate.coverage``), BN-recalibrated (SPEC §8).
 
 With server-held data, each distinct variant is extracted, recalibrated on the
 server's calibration split, validated and exported once; every device it serves
@@ -26,13 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from feast_edge.cache.variants import VariantCache
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_stats import apply_statistics
+from feast_edge.evaluate.coverage import Serving
 from feast_edge.evaluate.evaluation import accuracy, calibrated_variant
 from feast_edge.evaluate.onnx_export import export_onnx
 from feast_edge.evaluate.quantize import DEFAULT_CALIBRATION, DEFAULT_TOLERANCE, QuantizationError, quantize_int8
 from feast_edge.server.bn_calibration import Calibrated
+from feast_edge.server.coverage import manifest_coverage, serving_plan
 from feast_edge.server.held_data import ServerData
 from feast_edge.server.registry import Device
 from feast_edge.space.arch import Arch
@@ -63,19 +68,25 @@ class Int8Settings:
         return device.precision if self.precision == "auto" else self.precision
 
 
+def _validated_variant(supernet: Supernet, arch: Arch, data: ServerData) -> tuple[torch.nn.Module, float]:
+    """One variant calibrated on the server's data, and its validation accuracy in float32."""
+    model = calibrated_variant(supernet, arch, data.calibration_images).cpu()
+    return model, accuracy(model, data.validation_images, data.validation_labels, supernet.preset)
+
+
 def _served_variant(
     supernet: Supernet,
     arch: Arch,
+    validated: tuple[torch.nn.Module, float],
     data: ServerData,
     directory: Path,
     extra: dict[str, Any],
     precision: str,
     int8: Int8Settings,
 ) -> tuple[bytes, dict[str, str], float, str]:
-    """One variant calibrated on the server's data, exported (and quantized when ``precision`` is int8): the file's
-    bytes, its metadata, its validation accuracy in float32, and why int8 was refused ("" when it was not)."""
-    model = calibrated_variant(supernet, arch, data.calibration_images).cpu()
-    acc = accuracy(model, data.validation_images, data.validation_labels, supernet.preset)
+    """One calibrated variant exported (and quantized when ``precision`` is int8): the file's bytes, its metadata, its
+    validation accuracy in float32, and why int8 was refused ("" when it was not)."""
+    model, acc = validated
     tmp = directory / f".variant-{arch.slug}-{precision}.onnx"
     try:
         meta = export_onnx(
@@ -116,20 +127,28 @@ def export_device_models(
     progress: Callable[[str], None] | None = None,
     int8: Int8Settings = Int8Settings(),
 ) -> list[dict[str, Any]]:
-    """Export every device's model into ``out/models``; returns the manifests (sorted by device id)."""
+    """Export every device's model into ``out/models``; returns the manifests (sorted by device id).
+
+    The serving rule compares, on the server's validation split, every variant the largest-affordable rule serves
+    some device: a device gets a smaller one of those it can afford when it is better (feast_edge.evaluate.coverage).
+    """
     directory = Path(out) / MODELS
     directory.mkdir(parents=True, exist_ok=True)
     preset = supernet.preset
     variants: dict[tuple[Arch, str], tuple[bytes, dict[str, str], float, str]] = {}
     manifests = []
     extra = {"bn_recalibrated": True, "federation": federation, "rounds": rounds_done}
+    candidates = sorted({cache.entries.index(cache.largest_affordable(d.budget_macs)) for d in devices})
+    validated = {i: _validated_variant(supernet, cache.entries[i].arch, data) for i in candidates}
+    serving = serving_plan(cache, devices, {i: acc for i, (_, acc) in validated.items()})
     for device in sorted(devices, key=lambda d: d.device_id):
-        entry = cache.largest_affordable(device.budget_macs)
+        chosen = serving[device.device_id]
+        entry = cache.entries[chosen.index]
         precision = int8.for_device(device)
         if (entry.arch, precision) not in variants:
             start = time.perf_counter()
             variants[entry.arch, precision] = _served_variant(
-                supernet, entry.arch, data, directory, extra, precision, int8
+                supernet, entry.arch, validated[chosen.index], data, directory, extra, precision, int8
             )
             blob, meta, acc, _ = variants[entry.arch, precision]
             message = (
@@ -157,6 +176,9 @@ def export_device_models(
             "params": int(meta["feast.params"]),
             "validation_accuracy": acc,
             "validation_samples": int(data.validation_labels.shape[0]),
+            **_serving_fields(chosen),
+            # The server's validation split holds every class it was given; training covered the trainers' classes.
+            "coverage": manifest_coverage(devices, entry.macs, preset.task.classes),
             "precision": meta["feast.precision"],
             **_int8_fields(meta, precision, refused),
             "bn_recalibrated": True,
@@ -170,6 +192,15 @@ def export_device_models(
         manifests.append(manifest)
     atomic_write_bytes(directory / "index.json", (json.dumps({"models": manifests}, indent=1) + "\n").encode())
     return manifests
+
+
+def _serving_fields(chosen: Serving) -> dict[str, Any]:
+    """The manifest's record of the serving rule that chose the variant."""
+    return {
+        "serving_rule": chosen.rule,
+        "largest_affordable_macs": chosen.largest_macs,
+        **({} if chosen.accuracy is None else {"serving_validation": chosen.accuracy}),
+    }
 
 
 def _int8_fields(meta: dict[str, str], asked: str, refused: str) -> dict[str, Any]:
@@ -198,9 +229,10 @@ def export_device_variants(
     calibration: int,
     statistics: Mapping[Arch, Calibrated] | None = None,
     int8: Int8Settings = Int8Settings(),
+    serving: Mapping[str, Serving] | None = None,
 ) -> list[dict[str, Any]]:
     """Every device's served variant as weights for the device to export (in the precision ``int8`` gives it); returns
-    the manifests.
+    the manifests. ``serving``: each device's variant by the serving rule (None: its largest affordable).
 
     A variant with federated ``statistics`` carries them in its BN buffers (``"calibration": "federated"``); the
     others are recalibrated by each device on its own data (``"calibration": "device"``).
@@ -212,8 +244,10 @@ def export_device_variants(
     preset, statistics = supernet.preset, statistics or {}
     blobs: dict[Arch, bytes] = {}
     manifests = []
+    serving = serving or serving_plan(cache, devices, {})
     for device in sorted(devices, key=lambda d: d.device_id):
-        entry = cache.largest_affordable(device.budget_macs)
+        chosen = serving[device.device_id]
+        entry = cache.entries[chosen.index]
         federated = statistics.get(entry.arch)
         if entry.arch not in blobs:
             model = extract(supernet, entry.arch)
@@ -241,6 +275,10 @@ def export_device_variants(
             "calibration": "device" if federated is None else "federated",
             "calibration_samples": calibration if federated is None else federated.examples,
             **({} if federated is None else {"calibration_devices": list(federated.devices)}),
+            **_serving_fields(chosen),
+            "coverage": manifest_coverage(
+                devices, entry.macs, preset.task.classes, None if federated is None else federated.devices
+            ),
             "bn_recalibrated": federated is not None,
             # The device exports float32, or quantizes on its own training data and checks on its held-out split.
             "precision": int8.for_device(device),

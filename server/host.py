@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.cache.variants import load_cache
+from feast_edge.evaluate.coverage import Serving
 from feast_edge.evaluate.evaluation import Validation
 from feast_edge.run.checkpoint import load_supernet, read_record
 from feast_edge.run.collect import Collector
@@ -24,6 +25,7 @@ from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import RoundLog
 from feast_edge.server.bn_calibration import Calibrated
 from feast_edge.server.config import KIND, ServerConfig, ServerError
+from feast_edge.server.coverage import serving_plan, validation_points
 from feast_edge.server.export import Int8Settings, export_device_models, export_device_variants
 from feast_edge.server.held_data import ServerData, load_server_data
 from feast_edge.server.registry import Device, Registry
@@ -148,6 +150,20 @@ class RunHost:
             roundlog.close()
         return self.history
 
+    def selected_points(self) -> dict[int, float]:
+        """The federated validation of the served checkpoint's round: cache index -> accuracy ({} if none)."""
+        source = self.loop.selected_checkpoint()
+        if not source.is_file():
+            return {}
+        served_round = int(read_record(source).get("fields", {}).get("round", 0))
+        record = next((r for r in self.history if r.round == served_round), None)
+        return {} if record is None else validation_points(record.validation.get("points") or {}, self.cache)
+
+    def serving(self, devices: list[Device]) -> dict[str, Serving]:
+        """Each device's served variant: its largest affordable, unless the federated validation of the served round
+        found a smaller affordable one better (feast_edge.evaluate.coverage.serving_choice)."""
+        return serving_plan(self.cache, devices, self.selected_points())
+
     def export_models(self, statistics: Statistics | None = None) -> list[dict[str, Any]]:
         """Every registered device's model (from the best checkpoint if validated, else the last): an ONNX file
         calibrated on the server's data, or, without --data, the variant's weights for the device to export, with the
@@ -173,6 +189,7 @@ class RunHost:
                 calibration=self.config.calib_samples,
                 statistics=None if statistics is None else statistics(model, devices, rounds),
                 int8=int8,
+                serving=self.serving(devices),
                 **where,
             )
         return export_device_models(model, self.cache, devices, self.data, self.out, int8=int8, **where)

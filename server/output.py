@@ -53,9 +53,41 @@ def _precision(manifest: dict[str, Any], report: dict[str, Any] | None) -> str:
     return words if accuracy is None else f"int8 ({_pct(accuracy)})"
 
 
+def coverage_cell(manifest: dict[str, Any], part: str = "trained") -> str:
+    """A served variant's class coverage (``trained``, ``validated`` or ``calibrated``) from its manifest: ``all 10``,
+    ``7 of 10 (missing two, three, four)``, or ``-`` when the manifest does not say."""
+    covered = (manifest.get("coverage") or {}).get(part)
+    if not isinstance(covered, dict):
+        return "-"
+    have, missing = len(covered.get("classes", ())), list(covered.get("missing", ()))
+    if not missing:
+        return f"all {have}"
+    shown = ", ".join(missing[:4]) + (f" +{len(missing) - 4}" if len(missing) > 4 else "")
+    return f"{have} of {have + len(missing)} (missing {shown})"
+
+
+def rule_cell(manifest: dict[str, Any]) -> str:
+    """Which serving rule chose the variant: the largest affordable, or a smaller one better on validation."""
+    rule = manifest.get("serving_rule")
+    if not rule:
+        return "-"
+    return "smaller: " + rule if rule.startswith("better") else rule
+
+
 def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
-    for col in ("device", "budget", "variant MACs", "params", "precision", "val accuracy", "file", "sha256"):
+    for col in (
+        "device",
+        "budget",
+        "variant MACs",
+        "params",
+        "precision",
+        "val accuracy",
+        "chosen by",
+        "classes trained",
+        "file",
+        "sha256",
+    ):
         table.add_column(
             col, justify="right" if col in ("budget", "variant MACs", "params", "val accuracy") else "left"
         )
@@ -68,10 +100,18 @@ def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
             f"{m['params'] / 1e6:.3f}M",
             _precision(m, None),
             _pct(m.get("validation_accuracy")) if not on_device else "on the device",
+            rule_cell(m),
+            coverage_cell(m),
             m["file"],
             m["sha256"][:12],
         )
     return table
+
+
+def coverage_lines(lines: list[str]) -> None:
+    """The fleet's class-coverage problems again, under the final table (each was warned about once before)."""
+    for line in lines:
+        log.warning("class coverage: %s", line)
 
 
 def served_cell(accuracy: dict[str, Any]) -> str:

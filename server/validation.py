@@ -1,14 +1,17 @@
 """Federated validation: a server without data asks the round's cohort to test the aggregated model (SPEC §8).
 
     after round t's aggregation (every ``--eval-every`` rounds and the last):
-      per online cohort device:  its routed slice of the new global model + Evaluate(probes it can afford)
+      per online cohort device:  its routed slice of the new global model + Evaluate(the probes and the served
+                                 variants it may evaluate: up to its registered evaluation limit, which a
+                                 device may set above its serving budget, memory allowing)
       per answer:                Evaluated: (correct, total) per probe on the device's held-out split,
                                  each probe BN-recalibrated on the device's training split first
       -> per probe Σ correct / Σ total over the devices (sample-weighted); the round's validation accuracy is
          the mean over the probes some device tested, and selects the best checkpoint as server-held data would
 
-The probes are the server-held protocol's (``probe_indices`` over the cache); a device tests those within its
-budget (the smallest always is). Only devices that registered a held-out split are asked; those that do not answer by
+The probes are the server-held protocol's (``probe_indices`` over the cache) and give the round's figure; the
+served variants are tested beside them so that the serving rule (``feast_edge.evaluate.coverage``) can compare them,
+and ``tested_by`` records whose held-out split (whose classes) each covered. Only devices that registered a held-out split are asked; those that do not answer by
 the deadline are left out of that round's figure.
 """
 
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from feast_edge.cache.variants import VariantCache
+from feast_edge.cache.variants import CacheEntry, VariantCache
 from feast_edge.evaluate.evaluation import probe_indices
 from feast_edge.evaluate.federated import (
     CALIBRATION,
@@ -30,7 +33,7 @@ from feast_edge.evaluate.federated import (
     combine_counts,
     robust_validation,
 )
-from feast_edge.protocol import Evaluate, RoutedRequest
+from feast_edge.protocol import MAX_PROBES, Evaluate, RoutedRequest
 from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import encode
 from feast_edge.route.plans import ClientPlan, plan_client
@@ -78,6 +81,15 @@ def send_routed_request(
     return exchange.send(device, message, blob, info, expect)
 
 
+def evaluation_budget(devices: DeviceBook, device: str) -> int:
+    """The largest variant (MACs) ``device`` may evaluate and calibrate: what it registered, at least its budget."""
+    registered = devices.registry.get(device)
+    if registered is None:
+        return 0
+    limit = registered.profile.get("evaluate_macs", 0)
+    return max(registered.budget_macs, limit if isinstance(limit, int) else 0)
+
+
 def _holds_out(devices: DeviceBook, device: str) -> bool:
     """Whether ``device`` registered a held-out split (agents before the task contract, or with --holdout 0, did not)."""
     registered = devices.registry.get(device)
@@ -111,6 +123,16 @@ class FederatedValidation:
         # The same as points (label, macs, params, val_accuracy), for the dashboard's accuracy-vs-MACs chart.
         self.validated: list[dict[str, Any]] = []
 
+    def targets(self) -> list[CacheEntry]:
+        """What a validation tests: the probes and the variants the registered devices are served, by MACs."""
+        served = {
+            self.cache.largest_affordable(d.budget_macs)
+            for d in self.devices.registry.devices()
+            if self.cache.affordable(d.budget_macs)
+        }
+        extra = sorted(served - set(self.probes), key=lambda e: e.macs, reverse=True)  # the largest first
+        return sorted([*self.probes, *extra[: max(0, MAX_PROBES - len(self.probes))]], key=lambda e: e.macs)
+
     def __call__(self, t: int, record: RoundRecord) -> float | None:
         online = set(self.devices.online())
         asked = [d for d in record.cohort if d in online and _holds_out(self.devices, d)]
@@ -124,11 +146,16 @@ class FederatedValidation:
         began = time.monotonic()
         exchange = self.exchange
         exchange.open(t)
+        targets = self.targets()
+        sent: dict[str, list[Arch]] = {}
         for device in asked:
             registered = self.devices.registry.get(device)
             assert registered is not None
-            plan = plan_client(self.cache, registered.budget_macs)
-            probes = [e.arch for e in self.probes if e.arch in plan.affordable]
+            # A device evaluates every target it may (its registered evaluation limit, at least its budget): the
+            # served variants above its budget are validated on its classes too (evaluation is a one-off, not serving).
+            plan = plan_client(self.cache, evaluation_budget(self.devices, device))
+            probes = [e.arch for e in targets if e.arch in plan.affordable]
+            sent[device] = probes
             send_routed_request(
                 exchange,
                 Evaluate,
@@ -150,7 +177,7 @@ class FederatedValidation:
                 continue
             counts = reply.evaluation.counts()
             registered = self.devices.registry.get(reply.device)
-            affordable = [e for e in self.probes if registered is not None and e.macs <= registered.budget_macs]
+            affordable = sent.get(reply.device, [])
             if len(counts) != len(affordable):
                 log.warning(
                     "round %d: %s answered %d results for %d probes; ignored",
@@ -170,19 +197,25 @@ class FederatedValidation:
                     held_out,
                 )
                 continue
-            # Back to the server's probe order: a device answers only for the probes it can afford.
-            by_probe = {e.arch: c for e, c in zip(affordable, counts)}
-            reports[reply.device] = [by_probe.get(e.arch, (0, 0)) for e in self.probes]
+            # Back to the server's order of targets: a device answers only for those it may evaluate.
+            by_probe = {arch: c for arch, c in zip(affordable, counts)}
+            reports[reply.device] = [by_probe.get(e.arch, (0, 0)) for e in targets]
         unsettled = exchange.close()
-        result = robust_validation(reports, len(self.probes), self.rule, self.max_weight_ratio)
-        combined = combine_counts(reports.values(), len(self.probes))
+        # The round's figure (and the checkpoint it selects) is the probes' as before; the served variants'
+        # points beside them feed the serving rule (feast_edge.evaluate.coverage.serving_choice).
+        base = [k for k, e in enumerate(targets) if e in self.probes]
+        result = robust_validation(
+            {d: [c[k] for k in base] for d, c in reports.items()}, len(base), self.rule, self.max_weight_ratio
+        )
+        every = robust_validation(reports, len(targets), self.rule, self.max_weight_ratio)
+        combined = combine_counts(reports.values(), len(targets))
         accuracy = result.accuracy
-        labels = [f"variant {self.cache.entries.index(e)}" for e in self.probes]
-        points = {label: p for label, p in zip(labels, result.points) if p is not None}
+        labels = [f"variant {self.cache.entries.index(e)}" for e in targets]
+        points = {label: p for label, p in zip(labels, every.points) if p is not None}
         self.last = points
         self.validated = [
             {"label": label, "macs": e.macs, "params": e.params, "val_accuracy": points[label]}
-            for label, e in zip(labels, self.probes)
+            for label, e in zip(labels, targets)
             if label in points
         ]
         record.validation = {
@@ -192,6 +225,10 @@ class FederatedValidation:
             "missing": sorted(set(asked) - set(reports)),
             "samples": max((n for _, n in combined), default=0),
             "points": points,
+            # Per target, the devices whose held-out split tested it (the classes its validation covered).
+            "tested_by": {
+                label: sorted(d for d, c in reports.items() if c[k][1] > 0) for k, label in enumerate(labels)
+            },
             "selects": result.selects,
             "flagged": dict(sorted(result.flagged.items())),
             "seconds": round(time.monotonic() - began, 3),

@@ -104,6 +104,33 @@ def _envelope_memory(cache: VariantCache, preset: Preset, budget: float, batch_s
     return training_memory_bytes(preset, params, batch_size, archs, cache.classes)
 
 
+EVALUATION_BATCH = 500  # the batch feast_edge.evaluate.evaluation.accuracy tests held-out examples in
+
+
+def evaluation_memory_bytes(
+    cache: VariantCache, preset: Preset, budget: float, batch_size: int = EVALUATION_BATCH
+) -> int:
+    """Estimated peak memory of evaluating (and BN-calibrating) the variants of the envelope routed at ``budget``.
+
+    ``2 · 4 · envelope_params`` (the routed payload and the model built from it) ``+ 2 · 4 · batch_size ·
+    max_a activation_elements(a)`` (no gradients: a forward keeps at most a layer's input and output). Far below
+    training's (:func:`training_memory_bytes`), which is why a device may evaluate variants it cannot train or serve.
+    """
+    archs = [e.arch for e in cache.affordable(budget)]
+    if not archs:
+        return 0
+    params = Envelope.of(archs).params(preset, cache.classes)
+    activations = max(activation_elements(preset, arch, cache.classes) for arch in archs)
+    return 2 * FLOAT_BYTES * params + 2 * FLOAT_BYTES * batch_size * activations
+
+
+def evaluation_limit(cache: VariantCache, preset: Preset, memory_limit_bytes: int) -> int:
+    """The largest cached MACs whose routed envelope evaluates within ``memory_limit_bytes`` (0 if even the smallest
+    does not)."""
+    fits = [e.macs for e in cache.entries if evaluation_memory_bytes(cache, preset, e.macs) <= memory_limit_bytes]
+    return max(fits, default=0)
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 

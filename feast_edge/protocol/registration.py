@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from feast_edge.evaluate.precisions import PRECISIONS
-from feast_edge.protocol.limits import MAX_EXAMPLES
+from feast_edge.protocol.limits import MAX_CLASSES, MAX_EXAMPLES
 from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.messages import Message, check_choice, check_ids, message_kind
@@ -36,6 +36,11 @@ class Register(Message):
     task_digest: str = ""  # the task (feast_edge.data.task) the device checked its data against; "" from older agents
     holdout: int = 0  # examples the device holds out for federated validation (0: it cannot validate)
     precision: str = "fp32"  # the serving precision its budget is for (PRECISIONS); "fp32" from older agents
+    # Per class of the task, in its order: training and held-out examples (counts only; () from older agents). The
+    # server checks them against the task's classes and the registered totals (feast_edge.evaluate.coverage).
+    class_counts: tuple[int, ...] = ()
+    holdout_counts: tuple[int, ...] = ()
+    evaluate_macs: int = 0  # the largest variant it may evaluate and calibrate (memory allowing); 0: its budget
 
     def check(self) -> None:
         check_ids(self, "host", "instance")
@@ -46,6 +51,14 @@ class Register(Message):
         if not 0 <= self.holdout <= MAX_EXAMPLES:
             raise ProtocolError(f"field 'holdout' must be between 0 and {MAX_EXAMPLES}")
         check_choice("precision", self.precision, PRECISIONS)
+        for name in ("class_counts", "holdout_counts"):
+            counts = getattr(self, name)
+            if len(counts) > MAX_CLASSES:
+                raise ProtocolError(f"field {name!r} must list at most {MAX_CLASSES} counts")
+            if not all(0 <= n <= MAX_EXAMPLES for n in counts):
+                raise ProtocolError(f"field {name!r} must hold counts between 0 and {MAX_EXAMPLES}")
+        if not 0 <= self.evaluate_macs <= MAX_EXAMPLES:
+            raise ProtocolError(f"field 'evaluate_macs' must be an integer between 0 and {MAX_EXAMPLES}")
 
     @classmethod
     def for_client(
@@ -61,6 +74,9 @@ class Register(Message):
         profile: dict[str, Any],
         holdout: int = 0,
         precision: str = "fp32",
+        class_counts: tuple[int, ...] = (),
+        holdout_counts: tuple[int, ...] = (),
+        evaluate_macs: int = 0,
     ) -> Register:
         """The registration of hosted client ``device_id`` training ``preset`` (its data checked against ``preset.task``)."""
         return cls(
@@ -77,6 +93,9 @@ class Register(Message):
             task_digest=preset.task.digest,
             holdout=int(holdout),
             precision=precision,
+            class_counts=tuple(int(n) for n in class_counts),
+            holdout_counts=tuple(int(n) for n in holdout_counts),
+            evaluate_macs=int(evaluate_macs),
         )
 
 

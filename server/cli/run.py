@@ -23,7 +23,7 @@ from feast_edge.server.cli.shared import (
     install_signal_handlers,
     log,
 )
-from feast_edge.server.output import device_models_table, models_table, print_round
+from feast_edge.server.output import coverage_lines, device_models_table, models_table, print_round
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
@@ -293,7 +293,10 @@ def run(
                 if data is not None
                 else "weights for BN calibration on each device"
             )
-            log.info("exporting each device's largest affordable variant (%s)", calibrate)
+            log.info(
+                "exporting each device's largest affordable variant, or a smaller one better on validation (%s)",
+                calibrate,
+            )
             if server.live is not None:
                 server.live.finished("exporting")
             with common.heartbeat(log, "still exporting"):
@@ -314,6 +317,7 @@ def run(
                     else "BN calibrated on each device's own data"
                 )
                 console.print(device_models_table(manifests, reports, title))
+            coverage_lines(server.devices.coverage.lines())
         server.finish(manifests)
         if server.live is not None:
             server.live.finished("finished")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from feast_edge.cache.variants import load_cache
 from feast_edge.protocol import Register, Registered
@@ -287,8 +288,14 @@ def test_an_agent_registers_the_precision_of_its_profile() -> None:
 
     sent: list[bytes] = []
     link = SimpleNamespace(publish=lambda topic, data: sent.append(data))
-    client = SimpleNamespace(budget_macs=6_000_000, data=SimpleNamespace(samples=50, holdout=0))
+    labels = torch.tensor([3] * 30 + [7] * 20)
+    data = SimpleNamespace(samples=50, holdout=2, labels=labels, holdout_labels=torch.tensor([3, 3]))
+    client = SimpleNamespace(budget_macs=6_000_000, data=data)
     config = AgentConfig(host="cam", federation="lab", precision="int8")
     Registration(config, PRESET, "inst", link, Topics("lab"), {"cam": client}).send()
     [message] = [parse(data) for data in sent]
     assert isinstance(message, Register) and message.precision == "int8"
+    # Counts only, per class of the task: 30 of class 3 and 20 of class 7 train; two of class 3 are held out.
+    assert message.class_counts == tuple(30 if k == 3 else 20 if k == 7 else 0 for k in range(PRESET.classes))
+    assert message.holdout_counts == tuple(2 if k == 3 else 0 for k in range(PRESET.classes))
+    assert message.evaluate_macs == 6_000_000  # no evaluation limit given: its budget

@@ -22,13 +22,14 @@ PRESET = load_preset("fmnist-small")
 CACHE = load_cache(PRESET)
 
 
-def _validator(tmp_path: Path, devices: dict[str, tuple[int, int]], rule: str = "median"):
-    """A validator over a real exchange (scripted network) and a registry with ``devices``: id -> (budget, holdout)."""
+def _validator(tmp_path: Path, devices: dict[str, tuple[int, ...]], rule: str = "median"):
+    """A validator over a real exchange (scripted network) and a registry with ``devices``: id -> (budget, holdout)
+    or (budget, holdout, evaluation limit)."""
     exchange, sender, receiver, script = _exchange(timeout=1.0)
     book = DeviceBook(
         Registry(tmp_path / "devices.sqlite"), PRESET, CACHE, federation=FED, rounds=5, reply=lambda d, m: None
     )
-    for device, (budget, holdout) in devices.items():
+    for device, (budget, holdout, *evaluate) in devices.items():
         book.on_presence(Presence(federation=FED, round=0, device=device, state="online"))
         book.on_register(
             Register.for_client(
@@ -41,6 +42,7 @@ def _validator(tmp_path: Path, devices: dict[str, tuple[int, int]], rule: str = 
                 samples=100,
                 profile={},
                 holdout=holdout,
+                evaluate_macs=evaluate[0] if evaluate else 0,
             )
         )
     state = Supernet(PRESET, seed=0).state_dict()
@@ -68,7 +70,8 @@ def _answering(validator: FederatedValidation) -> tuple[dict[str, Evaluate], obj
 def test_pooled_counts_combine_by_examples_and_no_device_outweighs_its_registered_holdout(tmp_path: Path) -> None:
     validator, sender, script = _validator(
         tmp_path,
-        {"pi": (6_000_000, 10), "gpu": (40_000_000, 30), "liar": (40_000_000, 5), "old": (40_000_000, 0)},
+        # pi is served the smallest variant, the gpus the largest: both are probes, so only the 3 probes are tested.
+        {"pi": (1_500_000, 10), "gpu": (40_000_000, 30), "liar": (40_000_000, 5), "old": (40_000_000, 0)},
         rule="pooled",
     )
     sent, answer = _answering(validator)
@@ -117,3 +120,27 @@ def test_without_a_device_that_holds_out_there_is_no_validation(tmp_path: Path) 
     validator, sender, _ = _validator(tmp_path, {"old": (6_000_000, 0)})
     assert validator(0, RoundRecord(round=1, lr=0.1, cohort=["old"])) is None and sender.sent == []
     assert torch.is_tensor(next(iter(validator.global_state.values())))
+
+
+def test_served_variants_are_validated_beside_the_probes_by_every_device_that_may_evaluate_them(tmp_path: Path) -> None:
+    # "small" serves variant 6 (5.92M MACs) but may evaluate up to 40M (memory allowing); "fixed" may not.
+    devices = {"small": (6_000_000, 10, 40_000_000), "fixed": (6_000_000, 10), "big": (40_000_000, 30)}
+    validator, _, script = _validator(tmp_path, devices)
+    sent, answer = _answering(validator)
+    labels = [f"variant {CACHE.entries.index(e)}" for e in validator.targets()]
+    assert labels == ["variant 0", "variant 6", "variant 12", "variant 25"]  # probes 0, 12, 25 and the served 6
+    script.steps = [
+        lambda: answer("small", [(5, 10), (6, 10), (7, 10), (2, 10)]),  # the largest knows few of its classes
+        lambda: answer("fixed", [(5, 10), (6, 10)]),
+        lambda: answer("big", [(20, 30), (21, 30), (24, 30), (27, 30)]),
+    ]
+    record = RoundRecord(round=1, lr=0.1, cohort=sorted(devices))
+    accuracy = validator(0, record)
+    assert [len(sent[d].probes) for d in ("small", "fixed", "big")] == [4, 2, 4]
+    # The round's figure is the probes' only, as before: variant 0's median (12 and 25 have two testers, fewer than
+    # MIN_SELECTING); the served variant 6's point (three testers) is beside it, not in it.
+    assert accuracy == pytest.approx(0.5)
+    assert record.validation["points"]["variant 25"] == pytest.approx((0.2 + 0.9) / 2)
+    assert record.validation["points"]["variant 6"] == pytest.approx(0.6)
+    assert record.validation["tested_by"]["variant 25"] == ["big", "small"]
+    assert record.validation["tested_by"]["variant 6"] == ["big", "fixed", "small"]
