@@ -1,9 +1,11 @@
 """Decoding images into the task's uint8 tensors, in parallel threads (Pillow releases the GIL while it decodes).
 
-Each item becomes ``Task.image_tensor`` of it, written into its row of a
-preallocated ``[M, C, S, S]`` uint8 array (in RAM or a memory map of the cache
-file). An item that cannot be decoded leaves its row unused and gets a skip
-reason (:mod:`feast_edge.data.skips`), never an exception:
+Each item becomes ``Task.image_tensor`` of it (turned upright by its EXIF
+orientation, converted, resized), written into its row of a preallocated
+``[M, C, S, S]`` uint8 array (in RAM or a memory map of the cache file). An
+item that cannot be decoded leaves its row unused and gets a skip reason
+(:mod:`feast_edge.data.skips`), never an exception (a malformed EXIF block is
+no reason: the image is read as stored):
 
 * Pillow cannot identify it as PNG, JPEG, WebP or BMP    -> not an image file
 * it is truncated or corrupt                              -> corrupt or truncated image

@@ -10,9 +10,12 @@ version, the task digest, the kind of source, its resolved path and split, and
 every file's name relative to it, size, mtime_ns and mode. A file added,
 removed, edited, touched or chmod-ed changes the key, so the source is read
 again and a stale cache is never used; the new file replaces the source's old
-one. The header's metadata holds the SHA-256 of the tensor bytes; a file whose
-header, size or hash does not match (truncated, edited) is logged, deleted and
-rebuilt. Files are written to a temporary name and renamed (never torn).
+one. The format version changes with how files become tensors (2: turned
+upright by their EXIF orientation), so an entry an older version wrote is
+never read, and is replaced the same way. The header's metadata holds the
+SHA-256 of the tensor bytes; a file whose header, size or hash does not match
+(truncated, edited) is logged, deleted and rebuilt. Files are written to a
+temporary name and renamed (never torn).
 
 Memory bound: a set of up to ``$FEAST_EDGE_DATA_MEMORY_LIMIT`` bytes of images
 (default 2 GiB; suffixes K, M, G, T, powers of 1024) is held in RAM as uint8,
@@ -44,7 +47,9 @@ from feast_edge.util.atomic import AtomicFile
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: images are turned upright by their EXIF orientation (Task.image_tensor); a version 1 entry holds them as stored.
+FORMAT_VERSION = 2
+_SLOT_FORMAT = 1  # the slot hashes the source as version 1 did: every later version's entry replaces the older one
 CACHE_ENV = "FEAST_EDGE_DATA_CACHE"
 LIMIT_ENV = "FEAST_EDGE_DATA_MEMORY_LIMIT"
 DEFAULT_LIMIT = 2 * 1024**3
@@ -104,11 +109,11 @@ class CacheEntry:
     @classmethod
     def of(cls, folder: Path | None, identity: dict[str, str], items: list[str]) -> CacheEntry:
         """The entry for a source named by ``identity`` (task digest, kind, path, split) whose files are ``items``."""
-        head = json.dumps({"format": FORMAT_VERSION, **identity}, sort_keys=True).encode()
-        key = hashlib.sha256(head)
+        key = hashlib.sha256(json.dumps({"format": FORMAT_VERSION, **identity}, sort_keys=True).encode())
         for item in items:
             key.update(item.encode("utf-8", "surrogateescape") + b"\n")
-        return cls(folder, hashlib.sha256(head).hexdigest()[:16], key.hexdigest())
+        slot = hashlib.sha256(json.dumps({"format": _SLOT_FORMAT, **identity}, sort_keys=True).encode())
+        return cls(folder, slot.hexdigest()[:16], key.hexdigest())
 
     @property
     def path(self) -> Path | None:

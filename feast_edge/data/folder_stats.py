@@ -5,8 +5,9 @@ torchvision's ``ImageFolder`` uses), NFC-normalised; a folder laid out as
 ``ROOT/train/<class>/`` (with ``test/`` or ``val/`` beside it) is read from
 ``ROOT/train``. The per-channel mean and std are measured on a deterministic
 sample of at most ``limit`` images spread evenly over the classes, each
-converted and resized as the task does (``Task.image_tensor``): an estimate
-for the preset's normalization, at the cost of decoding ``limit`` images.
+turned upright, converted and resized as the task does (``Task.image_tensor``):
+an estimate for the preset's normalization, at the cost of decoding ``limit``
+images.
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ A task is the input a model takes and the classes it tells apart, *by name*:
     classes    the class names, in the order of the model's outputs
     mean, std  per-channel normalization of pixels in [0, 1]
 
+Before any of it, an image is turned upright by its EXIF Orientation tag (how
+a phone records a photo taken sideways, and how viewers show it): every image
+is read as people see it, in training, the decoded cache, ``predict`` and
+``evaluate`` alike. An image without the tag, or with a malformed EXIF block
+or value, is read as stored (never skipped).
+
 It has a digest (SHA-256 of its canonical JSON): the server announces the task
 when a device registers, the agent checks its own data against it before
 anything trains, and every device maps its labels to the task's indices by
@@ -178,11 +184,13 @@ class Task:
 
     # ------------------------------------------------------------------ one image
     def image_tensor(self, image: Any) -> torch.Tensor:
-        """A Pillow image as the task's uint8 ``[C, size, size]``: converted to grey/RGB, then resized by the policy."""
+        """A Pillow image as the task's uint8 ``[C, size, size]``: turned upright, converted to grey/RGB, resized by the policy."""
         import numpy as np
         import torch
         from PIL import Image
 
+        image.load()  # a truncated or corrupt file fails here, before the EXIF block is read (which must never fail)
+        turn = upright_transpose(image)  # read first: the converted image no longer carries the EXIF block
         image = _eight_bit(image)
         mode = CHANNELS[self.channels]
         if image.mode != mode:
@@ -193,6 +201,8 @@ class Task:
                 canvas.alpha_composite(image)
                 image = canvas
             image = image.convert(mode)
+        if turn is not None:
+            image = image.transpose(turn)  # before the resize: crop and pad act on the upright picture
         image = self._resized(image)
         array = np.asarray(image, dtype=np.uint8)
         if array.ndim == 2:
@@ -226,6 +236,38 @@ class Task:
         shape = (1, -1, 1, 1)
         pixels = images.float().div_(255.0)
         return (pixels - pixels.new_tensor(self.mean).view(shape)) / pixels.new_tensor(self.std).view(shape)
+
+
+EXIF_ORIENTATION = 0x0112
+# EXIF Orientation -> the transpose that shows the picture upright; Pillow's ImageOps.exif_transpose table.
+# 1 is upright already; any other value (0, 9, ...) is not an orientation, and the image is read as stored.
+_UPRIGHT = {
+    2: "FLIP_LEFT_RIGHT",
+    3: "ROTATE_180",
+    4: "FLIP_TOP_BOTTOM",
+    5: "TRANSPOSE",
+    6: "ROTATE_270",
+    7: "TRANSVERSE",
+    8: "ROTATE_90",
+}
+
+
+def upright_transpose(image: Any) -> Any:
+    """The ``Image.Transpose`` that turns ``image`` upright by its EXIF orientation; None if it needs none.
+
+    Not ``ImageOps.exif_transpose``: that copies every image without a tag and
+    rewrites the EXIF block of every image with one, which can raise on a
+    malformed block. Here a malformed block (or value) reads as "no
+    orientation": the picture is still fine, only its metadata is not.
+    """
+    from PIL import Image
+
+    try:
+        orientation = image.getexif().get(EXIF_ORIENTATION)
+    except Exception:  # noqa: BLE001 - Pillow's EXIF parser raises many types (SyntaxError, struct.error, ...)
+        return None
+    name = _UPRIGHT.get(orientation) if isinstance(orientation, int) else None
+    return None if name is None else Image.Transpose[name]
 
 
 def _eight_bit(image: Any) -> Any:

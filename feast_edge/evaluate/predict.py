@@ -2,9 +2,10 @@
 
 The ONNX file says everything needed (:func:`~feast_edge.evaluate.onnx_export.model_task`):
 each file is opened with Pillow, turned into the task's uint8 ``[C, size,
-size]`` (grey/RGB conversion and resize policy: ``Task.image_tensor``), scaled
-to [0, 1] and run in onnxruntime in batches; the graph normalizes the pixels
-itself. Probabilities are the softmax of the logits.
+size]`` (EXIF orientation, grey/RGB conversion and resize policy:
+``Task.image_tensor``, as in training), scaled to [0, 1] and run in
+onnxruntime in batches; the graph normalizes the pixels itself. Probabilities
+are the softmax of the logits.
 
 A file that cannot be decoded (truncated, not an image, a decompression bomb)
 is skipped and counted when it was found by walking a folder, and is an error
