@@ -3,12 +3,19 @@
 A cache is built offline, once per preset, by one GA search per MAC target
 (:mod:`feast_edge.cache.search`), and shipped as JSON in ``feast_edge/caches/``.
 
-Duplicates: when two targets return the same architecture the cache keeps one
+Duplicates: when two targets return the same network the cache keeps one
 entry and records every search job that found it (``CacheEntry.jobs``, sorted
 by target). The cache is a *set* of variants: a duplicate would add no
 operating point but would double that variant's chance of being drawn as the
 random intermediate variant in local co-training (SPEC §7). (The published
 paper cache lists its 369.57M variant twice; loaded here it has 55 entries.)
+One network can have several encodings: channel counts are rounded to the
+preset's divisor, so two width indices (or expansion ratios) can give the same
+width, and archs with equal :func:`~feast_edge.space.geometry.arch_layout` are
+the same tensors of the supernet. Such entries are merged too, when a cache is
+built and when one is loaded; the entry keeps the encoding that its earliest
+job (smallest target, then seed) returned, so it is what that recorded search
+reproduces.
 
 MACs and params of every entry are counted with the head of ``classes``
 classes, recorded in the file (default: the preset's own class count).
@@ -27,10 +34,11 @@ import csv
 import json
 import math
 import os
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from feast_edge.cache.fitness import evaluate
 from feast_edge.cache.search import (
@@ -45,6 +53,7 @@ from feast_edge.cache.search import (
 from feast_edge.errors import ArchError, FeastError
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import arch_cost
+from feast_edge.space.geometry import Layout, arch_layout
 from feast_edge.space.preset import BUILTIN_DIR, Preset, preset_file
 from feast_edge.util.atomic import atomic_write_bytes, check_writable
 
@@ -217,6 +226,12 @@ def default_cache_path(preset: Preset) -> Path:
     return cache_path(preset)
 
 
+def _build_command(preset: Preset) -> str:
+    """The command that builds ``preset``'s cache: by its file when it was loaded from one, else by name."""
+    source = preset_file(preset)
+    return f"feast-edge cache build --preset {source if source is not None else preset.name}"
+
+
 def _fail(path: Any, problem: str, fix: str = "rebuild it with feast_edge.cache.variants.build_cache") -> CacheError:
     return CacheError(f"variant cache {path}: {problem}; {fix}")
 
@@ -269,17 +284,22 @@ def cache_from_dict(data: Any, preset: Preset, source: str = "<cache>") -> Varia
     if data.get("version") != VERSION:
         raise _fail(source, f"has version {data.get('version')!r}, this feast-edge reads version {VERSION}")
     name, digest = data.get("preset"), data.get("preset_digest")
+    user = user_cache_path(preset)  # a user preset has no shipped cache: its fix is to build one
     if name != preset.name:
         raise _fail(
             source,
             f"was built for preset {name!r}, not {preset.name!r}",
-            f"load the cache of preset {preset.name} (feast_edge/caches/{preset.name}.json) or pass --preset {name}",
+            f"build the cache of preset {preset.name} with '{_build_command(preset)}' (it writes {user}) or pass --preset {name}"
+            if user is not None
+            else f"load the cache of preset {preset.name} (feast_edge/caches/{preset.name}.json) or pass --preset {name}",
         )
     if digest != preset.digest:
         raise _fail(
             source,
             f"was built for another definition of preset {name!r} (its shape digest differs)",
-            f"rebuild it for the current preset {name}",
+            f"rebuild it with '{_build_command(preset)}' (it writes {user}), or pass --cache FILE"
+            if user is not None
+            else f"rebuild it for the current preset {name}",
         )
     classes = data.get("classes")
     if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
@@ -292,7 +312,8 @@ def cache_from_dict(data: Any, preset: Preset, source: str = "<cache>") -> Varia
         raise _fail(source, "has a malformed 'search' record")
     parsed = tuple(_entry_from_dict(e, preset, classes, f"{source} entry {i}") for i, e in enumerate(entries))
     try:
-        return VariantCache(preset.name, preset.digest, classes, parsed, search)
+        # A cache built before encodings of one network were merged may list one twice (see the module's docstring).
+        return VariantCache(preset.name, preset.digest, classes, one_per_network(preset, parsed, classes), search)
     except CacheError as exc:
         raise _fail(source, str(exc)) from None
 
@@ -304,8 +325,7 @@ def load_cache(preset: Preset, path: str | os.PathLike[str] | None = None) -> Va
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        source = preset_file(preset)
-        build = f"feast-edge cache build --preset {source if source is not None else preset.name}"
+        build = _build_command(preset)
         raise _fail(
             path,
             "does not exist",
@@ -375,8 +395,34 @@ def cache_jobs(targets: Sequence[tuple[float, float]], seed: int) -> tuple[Searc
     return tuple(SearchJob(float(t), float(r), seed + k) for k, (t, r) in enumerate(ordered))
 
 
+def _job_order(job: SearchJob) -> tuple[float, int]:
+    return job.target, job.seed
+
+
+def one_per_network(preset: Preset, entries: Sequence[CacheEntry], classes: int) -> tuple[CacheEntry, ...]:
+    """``entries`` with the encodings of one network (equal layouts) merged into one entry, order kept.
+
+    The merged entry lists every job of the group and keeps the encoding of the
+    earliest job (smallest target, then seed): the result does not depend on
+    the order of ``entries``. One encoding listed twice is an error.
+    """
+    groups: dict[Layout, list[CacheEntry]] = {}
+    for entry in entries:
+        groups.setdefault(arch_layout(preset, entry.arch, classes), []).append(entry)
+    merged = []
+    for group in groups.values():
+        if len({e.arch for e in group}) != len(group):
+            raise CacheError(
+                f"variant cache of preset {preset.name} lists an architecture twice; merge the duplicates (see CacheEntry.jobs)"
+            )
+        first = min(group, key=lambda e: (_job_order(e.jobs[0]), e.arch.text))
+        jobs = tuple(sorted((j for e in group for j in e.jobs), key=_job_order))
+        merged.append(replace(first, jobs=jobs))
+    return tuple(merged)
+
+
 def merge_entries(preset: Preset, found: Sequence[tuple[SearchJob, Arch]], classes: int) -> tuple[CacheEntry, ...]:
-    """MAC-sorted cache entries, one per distinct architecture, each listing every job that found it."""
+    """MAC-sorted cache entries, one per distinct network, each listing every job that found it."""
     jobs_of: dict[Arch, list[SearchJob]] = {}
     for job, arch in found:
         jobs_of.setdefault(arch.validated(preset), []).append(job)
@@ -384,9 +430,9 @@ def merge_entries(preset: Preset, found: Sequence[tuple[SearchJob, Arch]], class
     for arch, jobs in jobs_of.items():
         fit = evaluate(preset, arch, classes=classes)
         params = arch_cost(preset, arch, classes)[1]
-        ordered = tuple(sorted(jobs, key=lambda j: (j.target, j.seed)))
+        ordered = tuple(sorted(jobs, key=_job_order))
         entries.append(CacheEntry(arch, fit.macs, params, fit.fitness, fit.rho, fit.entropy, ordered))
-    return tuple(sorted(entries, key=lambda e: (e.macs, e.arch.text)))
+    return tuple(sorted(one_per_network(preset, entries, classes), key=lambda e: (e.macs, e.arch.text)))
 
 
 def _run_job(preset: Preset, job: SearchJob, population: int, generations: int, classes: int) -> SearchResult:

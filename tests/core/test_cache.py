@@ -25,6 +25,7 @@ from feast_edge.cache.variants import (
 from feast_edge.errors import FeastError, PresetError
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import arch_cost
+from feast_edge.space.geometry import arch_layout
 from feast_edge.space.preset import Preset, available_presets, load_preset, load_preset_file
 from strategies import BUILTIN_PRESETS, TINY_PRESET
 
@@ -132,6 +133,34 @@ def test_same_arch_from_two_targets_is_one_entry(fmnist):
     assert entries[1].target == 150e6 and entries[1].seed == 1
 
 
+def _synonyms(preset: Preset) -> tuple[Arch, Arch]:
+    """Two encodings of one network: stem width indices 0 and 1 round to the same channel count."""
+    a = Arch.smallest(preset)
+    b = dataclasses.replace(a, w=(1, *a.w[1:]))
+    assert a != b and arch_layout(preset, a) == arch_layout(preset, b)
+    return a, b
+
+
+def test_two_encodings_of_one_network_are_one_entry(fmnist):
+    a, b = _synonyms(fmnist)
+    low, high = SearchJob(2e6, 0.4, 0), SearchJob(3e6, 0.4, 1)
+    found = [(high, a), (low, b)]
+    (entry,) = merge_entries(fmnist, found, classes=10)
+    assert entry.arch == b  # the encoding of the earliest job (smallest target), whatever the order found
+    assert entry.jobs == (low, high)
+    assert merge_entries(fmnist, found[::-1], classes=10) == (entry,)
+
+
+def test_a_cache_listing_one_network_twice_loads_as_one_entry(tmp_path, fmnist):
+    a, b = _synonyms(fmnist)
+    low, high = SearchJob(2e6, 0.4, 0), SearchJob(3e6, 0.4, 1)
+    entries = [merge_entries(fmnist, [(job, arch)], classes=10)[0] for job, arch in [(low, b), (high, a)]]
+    for listed in (entries, entries[::-1]):  # a file written before such encodings were merged
+        path = VariantCache(fmnist.name, fmnist.digest, 10, tuple(listed), {}).save(tmp_path / "old.json")
+        (entry,) = load_cache(fmnist, path).entries
+        assert entry.arch == b and entry.jobs == (low, high)
+
+
 def test_reference_cache_duplicate_is_merged(reference_cache_csv):
     ref = read_reference_csv(reference_cache_csv, load_preset("paper-cifar100"))
     assert len(ref) == 55 and ref.classes == 10
@@ -153,6 +182,41 @@ def test_foreign_preset_is_rejected_with_the_fix(tmp_path, small_cache):
         match=r"was built for preset 'fmnist-small', not 'paper-cifar100'; load the cache of preset paper-cifar100",
     ):
         load_cache(load_preset("paper-cifar100"), path)
+
+
+def _user_preset(tmp_path, fmnist, stages: str = "[24, 48, 96, 192]") -> Preset:
+    """A user preset (a file of its own, as 'feast-edge preset new' writes): fmnist-small renamed 'mine'."""
+    text = cache_path(fmnist).parent.parent.joinpath("presets", "fmnist-small.toml").read_text()
+    text = text.replace('name = "fmnist-small"', 'name = "mine"').replace("[24, 48, 96, 192]", stages)
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    return load_preset_file(path)
+
+
+def test_user_preset_with_another_presets_cache_is_told_to_build_its_own(tmp_path, fmnist, small_cache):
+    mine = _user_preset(tmp_path, fmnist)
+    small_cache.save(tmp_path / "mine.cache.json")  # beside it, but fmnist-small's
+    with pytest.raises(CacheError) as error:
+        load_cache(mine)
+    message = str(error.value)
+    assert "was built for preset 'fmnist-small', not 'mine'" in message
+    assert (
+        f"'feast-edge cache build --preset {tmp_path / 'mine.toml'}' (it writes {tmp_path / 'mine.cache.json'})"
+        in message
+    )
+    assert "feast_edge/caches" not in message  # a user preset never has a shipped cache
+
+
+def test_user_preset_whose_definition_changed_is_told_to_rebuild_its_cache(tmp_path, fmnist, small_cache):
+    record = small_cache.to_dict()
+    record["preset"] = "mine"
+    (tmp_path / "mine.cache.json").write_text(json.dumps(record))
+    mine = _user_preset(tmp_path, fmnist, stages="[24, 48, 96, 160]")
+    with pytest.raises(
+        CacheError,
+        match=r"another definition of preset 'mine'.*rebuild it with 'feast-edge cache build --preset .*mine\.toml'",
+    ):
+        load_cache(mine)
 
 
 def test_changed_preset_definition_is_rejected(tmp_path, fmnist, small_cache):
