@@ -99,7 +99,15 @@ def run(
             "--method", hidden=True, is_eager=True, callback=_refuse_method, help="Refused: the ablation is --variants."
         ),
     ] = None,
-    eval_every: Annotated[int, typer.Option("--eval-every", min=1, help="Validate every k rounds (needs --data).")] = 5,
+    eval_every: Annotated[
+        int,
+        typer.Option(
+            "--eval-every",
+            min=1,
+            help="Validate the model every k rounds and after the last, keeping the best round's: on --data, or "
+            "without it on the held-out examples of the round's devices (feast-agent run --holdout).",
+        ),
+    ] = 5,
     val_samples: Annotated[
         int, typer.Option("--val-samples", min=1, help="Validation examples taken from --data (server-held data).")
     ] = 5000,

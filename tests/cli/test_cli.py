@@ -343,6 +343,13 @@ def test_server_run_takes_the_ablation_as_variants_and_refuses_method(server_cli
     assert "--variants" in server_cli.invoke("run", "--help", env={"COLUMNS": "200"}).stdout
 
 
+def test_server_eval_every_help_says_the_devices_validate_without_data(server_cli):
+    text = " ".join(server_cli.invoke("run", "--help", env={"COLUMNS": "200"}).stdout.replace("│", " ").split())
+    option = text[text.index("--eval-every") : text.index("--val-samples")]
+    assert "on --data, or without it on the held-out examples of the round's devices" in option, option
+    assert "needs --data" not in option
+
+
 def test_partition_takes_the_population_options_of_simulate(cli, tmp_path, fashion_mnist_dir):
     result = cli.invoke(
         "partition",
