@@ -11,6 +11,7 @@ from feast_edge.aggregate.server_opt import DEPLOYMENT_OPT, ServerOpt
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO, ratio_problem
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_robust import BN_RULES, DEFAULT_BN_RULE
+from feast_edge.evaluate.coverage import SERVING_RULES
 from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, VAL_RULES
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.run.checkpoint import read_record
@@ -55,6 +56,9 @@ class ServerConfig:
     val_samples: int = 5000
     calib_samples: int = 500
     bn_calibration: str = "federated"  # without data: "federated" (the devices' statistics, combined) or "device"
+    # Which variant a device is served: "validated" (its largest affordable unless a smaller affordable one is clearly
+    # better on the federation's validation) or "largest" (SPEC §8's largest affordable, whatever validation says).
+    serving_rule: str = "validated"
     bn_rule: str = DEFAULT_BN_RULE  # how the devices' BN statistics are combined (feast_edge.evaluate.bn_robust)
     val_rule: str = (
         DEFAULT_VAL_RULE  # how the devices' held-out accuracies are combined (feast_edge.evaluate.federated)
@@ -125,6 +129,10 @@ class ServerConfig:
             ),
             (self.bn_rule in BN_RULES, f"--bn-rule {self.bn_rule!r} must be one of {', '.join(BN_RULES)}"),
             (self.val_rule in VAL_RULES, f"--val-rule {self.val_rule!r} must be one of {', '.join(VAL_RULES)}"),
+            (
+                self.serving_rule in SERVING_RULES,
+                f"--serving-rule {self.serving_rule!r} must be one of {', '.join(SERVING_RULES)}",
+            ),
             (
                 self.bn_calibration in BN_CALIBRATIONS,
                 f"--bn-calibration {self.bn_calibration!r} must be one of {', '.join(BN_CALIBRATIONS)}",

@@ -11,7 +11,15 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 from feast_edge.cache.variants import VariantCache
-from feast_edge.evaluate.coverage import Holder, Serving, coverage_warnings, holder_of, serving_choice, variant_coverage
+from feast_edge.evaluate.coverage import (
+    LARGEST_BY_SETTING,
+    Holder,
+    Serving,
+    coverage_warnings,
+    holder_of,
+    serving_choice,
+    variant_coverage,
+)
 from feast_edge.server.registry import Device, Registry
 
 log = logging.getLogger(__name__)
@@ -69,9 +77,21 @@ def validation_points(points: Mapping[str, float], cache: VariantCache) -> dict[
     return out
 
 
-def serving_plan(cache: VariantCache, devices: Sequence[Device], points: Mapping[int, float]) -> dict[str, Serving]:
-    """Each device's served variant by the serving rule over the validation ``points`` (cache index -> accuracy)."""
-    return {
-        d.device_id: serving_choice([(i, e.macs) for i, e in enumerate(cache.affordable(d.budget_macs))], points)
-        for d in devices
-    }
+def serving_plan(
+    cache: VariantCache,
+    devices: Sequence[Device],
+    points: Mapping[int, float],
+    examples: Mapping[int, int] | None = None,
+    rule: str = "validated",
+) -> dict[str, Serving]:
+    """Each device's served variant by the serving ``rule``: "validated" (feast_edge.evaluate.coverage.serving_choice
+    over the validation ``points``, cache index -> accuracy, on ``examples`` held-out examples each) or "largest"."""
+    plans = {}
+    for d in devices:
+        affordable = [(i, e.macs) for i, e in enumerate(cache.affordable(d.budget_macs))]
+        if rule == "largest":
+            index, macs = affordable[-1]
+            plans[d.device_id] = Serving(index, macs, LARGEST_BY_SETTING, macs, points.get(index))
+        else:
+            plans[d.device_id] = serving_choice(affordable, points, examples)
+    return plans

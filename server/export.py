@@ -126,6 +126,7 @@ def export_device_models(
     checkpoint: str,
     progress: Callable[[str], None] | None = None,
     int8: Int8Settings = Int8Settings(),
+    rule: str = "validated",
 ) -> list[dict[str, Any]]:
     """Export every device's model into ``out/models``; returns the manifests (sorted by device id).
 
@@ -140,7 +141,9 @@ def export_device_models(
     extra = {"bn_recalibrated": True, "federation": federation, "rounds": rounds_done}
     candidates = sorted({cache.entries.index(cache.largest_affordable(d.budget_macs)) for d in devices})
     validated = {i: _validated_variant(supernet, cache.entries[i].arch, data) for i in candidates}
-    serving = serving_plan(cache, devices, {i: acc for i, (_, acc) in validated.items()})
+    held = int(data.validation_labels.shape[0])
+    points = {i: acc for i, (_, acc) in validated.items()}
+    serving = serving_plan(cache, devices, points, dict.fromkeys(points, held), rule)
     for device in sorted(devices, key=lambda d: d.device_id):
         chosen = serving[device.device_id]
         entry = cache.entries[chosen.index]

@@ -150,19 +150,23 @@ class RunHost:
             roundlog.close()
         return self.history
 
-    def selected_points(self) -> dict[int, float]:
-        """The federated validation of the served checkpoint's round: cache index -> accuracy ({} if none)."""
+    def selected_validation(self) -> tuple[dict[int, float], dict[int, int]]:
+        """The federated validation of the served checkpoint's round: cache index -> accuracy, and -> the held-out
+        examples behind it (both {} without one)."""
         source = self.loop.selected_checkpoint()
-        if not source.is_file():
-            return {}
-        served_round = int(read_record(source).get("fields", {}).get("round", 0))
-        record = next((r for r in self.history if r.round == served_round), None)
-        return {} if record is None else validation_points(record.validation.get("points") or {}, self.cache)
+        history = read_record(source).get("fields", {}).get("history") if source.is_file() else None
+        # The checkpoint's own history ends with the round it holds (also for `feast-server export`, which resumes
+        # nothing).
+        validation = (history[-1].get("validation") if isinstance(history, list) and history else None) or {}
+        points = validation_points(validation.get("points") or {}, self.cache)
+        examples = {i: int(n) for i, n in validation_points(validation.get("examples") or {}, self.cache).items()}
+        return points, examples
 
     def serving(self, devices: list[Device]) -> dict[str, Serving]:
         """Each device's served variant: its largest affordable, unless the federated validation of the served round
-        found a smaller affordable one better (feast_edge.evaluate.coverage.serving_choice)."""
-        return serving_plan(self.cache, devices, self.selected_points())
+        found a smaller affordable one clearly better (--serving-rule validated; feast_edge.evaluate.coverage)."""
+        points, examples = self.selected_validation()
+        return serving_plan(self.cache, devices, points, examples, self.config.serving_rule)
 
     def export_models(self, statistics: Statistics | None = None) -> list[dict[str, Any]]:
         """Every registered device's model (from the best checkpoint if validated, else the last): an ONNX file
@@ -192,4 +196,6 @@ class RunHost:
                 serving=self.serving(devices),
                 **where,
             )
-        return export_device_models(model, self.cache, devices, self.data, self.out, int8=int8, **where)
+        return export_device_models(
+            model, self.cache, devices, self.data, self.out, int8=int8, rule=self.config.serving_rule, **where
+        )

@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
-from feast_edge.run.rundir import FleetAccuracy, fleet_accuracy, model_accuracy, served_precision
+from feast_edge.run.rundir import (
+    FleetAccuracy,
+    chosen_by,
+    coverage_words,
+    fleet_accuracy,
+    model_accuracy,
+    served_precision,
+)
 
 if TYPE_CHECKING:
     from feast_edge.run.loop import RoundRecord
@@ -53,27 +60,6 @@ def _precision(manifest: dict[str, Any], report: dict[str, Any] | None) -> str:
     return words if accuracy is None else f"int8 ({_pct(accuracy)})"
 
 
-def coverage_cell(manifest: dict[str, Any], part: str = "trained") -> str:
-    """A served variant's class coverage (``trained``, ``validated`` or ``calibrated``) from its manifest: ``all 10``,
-    ``7 of 10 (missing two, three, four)``, or ``-`` when the manifest does not say."""
-    covered = (manifest.get("coverage") or {}).get(part)
-    if not isinstance(covered, dict):
-        return "-"
-    have, missing = len(covered.get("classes", ())), list(covered.get("missing", ()))
-    if not missing:
-        return f"all {have}"
-    shown = ", ".join(missing[:4]) + (f" +{len(missing) - 4}" if len(missing) > 4 else "")
-    return f"{have} of {have + len(missing)} (missing {shown})"
-
-
-def rule_cell(manifest: dict[str, Any]) -> str:
-    """Which serving rule chose the variant: the largest affordable, or a smaller one better on validation."""
-    rule = manifest.get("serving_rule")
-    if not rule:
-        return "-"
-    return "smaller: " + rule if rule.startswith("better") else rule
-
-
 def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for col in (
@@ -100,10 +86,28 @@ def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
             f"{m['params'] / 1e6:.3f}M",
             _precision(m, None),
             _pct(m.get("validation_accuracy")) if not on_device else "on the device",
-            rule_cell(m),
-            coverage_cell(m),
+            chosen_by(m),
+            coverage_words(m),
             m["file"],
             m["sha256"][:12],
+        )
+    return table
+
+
+def coverage_table(rows: list[dict[str, Any]], title: str) -> Table:
+    """One row per served variant (:func:`feast_edge.run.rundir.served_variants`): whom it serves, which rule chose it,
+    and the classes it was trained, validated and BN-calibrated on."""
+    table = Table(title=title)
+    for col in ("variant MACs", "serves", "chosen by", "trained on", "validated on", "BN calibrated on"):
+        table.add_column(col, justify="right" if col == "variant MACs" else "left")
+    for row in rows:
+        table.add_row(
+            f"{row['macs'] / 1e6:.2f}M",
+            Text(", ".join(row["devices"])),
+            Text("; ".join(row["chosen_by"])),
+            Text(row["trained"]),
+            Text(row["validated"]),
+            Text(row["calibrated"]),
         )
     return table
 

@@ -29,11 +29,13 @@ from feast_edge.run.rundir import (
     model_accuracy,
     read_manifests,
     run_validated_on,
+    served_variants,
     validation_words,
 )
 from feast_edge.server.app import REGISTRY
+from feast_edge.server.coverage import holders
 from feast_edge.server.output import OWN_CAPTION, add_fleet_rows, personal_cell, served_cell
-from feast_edge.server.registry import Registry
+from feast_edge.server.registry import Device, Registry
 
 
 class StatusError(FeastError):
@@ -71,13 +73,18 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
         words = f"{words} in the last validated round"
     # The models their devices calibrated: their own held-out accuracy, served -> personal, as each reported it.
     metrics = {d.device_id: d.metrics for d in devices}
+    manifests = read_manifests(out)
     models = {
         str(m.get("device")): model_accuracy(m, metrics.get(str(m.get("device"))))
-        for m in read_manifests(out)
+        for m in manifests
         if device_calibrated(m)
     }
     return {
         "out": str(out),
+        # Per served variant: whom it serves, the rule that chose it, the classes it was trained, validated and
+        # BN-calibrated on (from the exported manifests); and the fleet's coverage problems (from the registry).
+        "coverage": served_variants(manifests),
+        "coverage_warnings": _coverage_warnings(devices, manifests, config.get("preset")),
         "validation": {
             "source": None if where is None else where["source"],
             "devices": validation.get("devices", []) if federated else [],
@@ -119,6 +126,20 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
     }
 
 
+def _coverage_warnings(devices: list[Device], manifests: list[dict[str, Any]], preset: Any) -> list[str]:
+    """The coverage problems of the registered fleet, with the task's class names from the run's preset ([] when the
+    preset cannot be loaded here, e.g. a user preset file on another machine)."""
+    from feast_edge.evaluate.coverage import coverage_warnings
+    from feast_edge.space.preset import load_preset
+
+    try:
+        names = load_preset(str(preset)).task.classes
+    except (FeastError, OSError, ValueError):
+        return []
+    served = [m["macs"] for m in manifests if isinstance(m.get("macs"), int)]
+    return coverage_warnings(holders(devices), served, names)
+
+
 def ago(seconds: float) -> str:
     """``12 s ago``, ``3 min ago``, ``5 h ago``, ``2 d ago``."""
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
@@ -156,6 +177,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         *([words] if words else []),
         f"devices: {status['online']} of {len(status['devices'])} online",
         *([FleetAccuracy(**own).words()] if own else []),
+        *(f"class coverage: {line}" for line in status.get("coverage_warnings", [])),
     ]
 
 

@@ -225,7 +225,9 @@ class FederatedValidation:
             "missing": sorted(set(asked) - set(reports)),
             "samples": max((n for _, n in combined), default=0),
             "points": points,
-            # Per target, the devices whose held-out split tested it (the classes its validation covered).
+            # Per target, the held-out examples behind its point (the serving rule's standard errors) and the devices
+            # whose held-out split tested it (the classes its validation covered).
+            "examples": {label: n for label, (_, n) in zip(labels, combined)},
             "tested_by": {
                 label: sorted(d for d, c in reports.items() if c[k][1] > 0) for k, label in enumerate(labels)
             },

@@ -10,18 +10,22 @@ counts the devices register (counts only), the server knows, per variant:
 * ``calibrated``: the classes of the devices whose BN statistics it was given (reported by the calibration).
 
 The serving rule (:func:`serving_choice`): a device gets its largest affordable variant, unless a smaller affordable
-one is better on the federation's validation by more than ``SERVE_MARGIN`` (the variant it would get may have been
-trained on fewer classes than the smaller ones).
+one is better on the federation's validation by more than ``SERVE_MARGIN`` and than two standard errors of the
+difference (the variant it would get may have been trained on fewer classes than the smaller ones).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-SERVE_MARGIN = 0.02  # validation accuracy a smaller variant must gain over the largest affordable one to be served
+SERVE_MARGIN = 0.02  # validation accuracy a smaller variant must gain over the largest affordable one, at least
+SERVE_Z = 2.0  # ... and this many standard errors of the difference, where the examples behind the figures are known
+SERVING_RULES = ("validated", "largest")  # feast-server run --serving-rule
 LARGEST = "largest affordable"
 NOT_VALIDATED = "largest affordable (not validated)"
+LARGEST_BY_SETTING = "largest affordable (--serving-rule largest)"
 
 
 @dataclass(frozen=True)
@@ -199,19 +203,39 @@ class Serving:
     accuracy: float | None = None  # the served variant's validation accuracy, where validated
 
 
+def required_gain(top: float, other: float, n_top: int | None, n_other: int | None, margin: float) -> float:
+    """How much ``other`` must beat ``top`` by: ``margin``, or SERVE_Z standard errors of the difference of two
+    accuracies measured on ``n_top`` and ``n_other`` examples when both are known (binomial; no variant is swapped
+    for another on a difference that the held-out splits' size cannot tell from noise)."""
+    if not n_top or not n_other:
+        return margin
+    variance = top * (1 - top) / n_top + other * (1 - other) / n_other
+    return max(margin, SERVE_Z * math.sqrt(max(variance, 1e-12)))
+
+
 def serving_choice(
-    affordable: Sequence[tuple[int, int]], validation: Mapping[int, float], margin: float = SERVE_MARGIN
+    affordable: Sequence[tuple[int, int]],
+    validation: Mapping[int, float],
+    examples: Mapping[int, int] | None = None,
+    margin: float = SERVE_MARGIN,
 ) -> Serving:
     """Among the ``affordable`` variants ((cache index, MACs), sorted by MACs), the largest, unless a smaller one with
-    a validation accuracy in ``validation`` (cache index -> accuracy) beats the largest's by more than ``margin``
-    (then the best of those; the larger among ties)."""
+    a validation accuracy in ``validation`` (cache index -> accuracy) beats the largest's by more than
+    :func:`required_gain` (``examples``: cache index -> held-out examples behind the figure); then the best of those
+    (the larger among ties)."""
     if not affordable:
         raise ValueError("serving_choice: no affordable variant")
+    examples = examples or {}
     largest, largest_macs = affordable[-1]
     if largest not in validation:
         return Serving(largest, largest_macs, NOT_VALIDATED, largest_macs)
     top = validation[largest]
-    better = [(i, m) for i, m in affordable[:-1] if i in validation and validation[i] > top + margin]
+    better = [
+        (i, m)
+        for i, m in affordable[:-1]
+        if i in validation
+        and validation[i] - top > required_gain(top, validation[i], examples.get(largest), examples.get(i), margin)
+    ]
     if not better:
         return Serving(largest, largest_macs, LARGEST, largest_macs, top)
     best, macs = max(better, key=lambda im: (validation[im[0]], im[1]))

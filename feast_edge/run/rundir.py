@@ -205,6 +205,51 @@ def model_accuracy(manifest: Mapping[str, Any], metrics: Mapping[str, Any] | Non
     }
 
 
+# ------------------------------------------------------------------ class coverage and the serving rule
+COVERAGE_PARTS = ("trained", "validated", "calibrated")
+
+
+def coverage_words(manifest: Mapping[str, Any], part: str = "trained") -> str:
+    """A served variant's class coverage (``trained``, ``validated`` or ``calibrated``) as its manifest records it:
+    ``all 10``, ``7 of 10 (missing two, three, four)``, or ``-`` when the manifest does not say."""
+    coverage = manifest.get("coverage")
+    covered = coverage.get(part) if isinstance(coverage, Mapping) else None
+    if not isinstance(covered, Mapping):
+        return "-"
+    have, missing = covered.get("classes"), covered.get("missing")
+    if not isinstance(have, list) or not isinstance(missing, list):
+        return "-"
+    if not missing:
+        return f"all {len(have)}"
+    shown = ", ".join(str(m)[:40] for m in missing[:4]) + (f" +{len(missing) - 4}" if len(missing) > 4 else "")
+    return f"{len(have)} of {len(have) + len(missing)} (missing {shown})"
+
+
+def chosen_by(manifest: Mapping[str, Any]) -> str:
+    """Which serving rule chose a device's variant: ``largest affordable``, or ``smaller: better on validation: …``."""
+    rule = manifest.get("serving_rule")
+    if not isinstance(rule, str) or not rule:
+        return "-"
+    rule = rule[:120]
+    return "smaller: " + rule if rule.startswith("better") else rule
+
+
+def served_variants(manifests: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per served variant (by MACs): the devices it serves, the rules that chose it, its class coverage."""
+    rows: dict[int, dict[str, Any]] = {}
+    for m in manifests:
+        macs = m.get("macs")
+        if not isinstance(macs, int) or isinstance(macs, bool):
+            continue
+        row = rows.setdefault(
+            macs, {"macs": macs, "devices": [], "chosen_by": [], **{p: coverage_words(m, p) for p in COVERAGE_PARTS}}
+        )
+        row["devices"].append(str(m.get("device")))
+        if chosen_by(m) not in row["chosen_by"]:
+            row["chosen_by"].append(chosen_by(m))
+    return [rows[k] for k in sorted(rows)]
+
+
 # ------------------------------------------------------------------ the devices' personal models
 KEPT = "served model kept"  # a device without a personal model: it uses the served one
 NOTE_REASON = 40  # characters of a device's reason a table cell shows (the whole, cut at 300, is ``personal_reason``)

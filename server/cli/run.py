@@ -14,6 +14,7 @@ from feast_edge.cli.server_opt import server_opt_options
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_robust import DEFAULT_BN_RULE
 from feast_edge.evaluate.federated import DEFAULT_VAL_RULE
+from feast_edge.run.rundir import served_variants
 from feast_edge.server.cli.shared import (
     DataOpt,
     OutOpt,
@@ -23,7 +24,7 @@ from feast_edge.server.cli.shared import (
     install_signal_handlers,
     log,
 )
-from feast_edge.server.output import coverage_lines, device_models_table, models_table, print_round
+from feast_edge.server.output import coverage_lines, coverage_table, device_models_table, models_table, print_round
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
@@ -119,6 +120,15 @@ def run(
             help="BN-calibration examples: taken from --data, or, without it, what each device recalibrates on.",
         ),
     ] = 500,
+    serving_rule: Annotated[
+        str,
+        typer.Option(
+            "--serving-rule",
+            help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
+            "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
+            "(SPEC §8's largest affordable, whatever validation says).",
+        ),
+    ] = "validated",
     bn_calibration: Annotated[
         str,
         typer.Option(
@@ -259,6 +269,7 @@ def run(
         val_samples=val_samples,
         calib_samples=calib_samples,
         bn_calibration=bn_calibration,
+        serving_rule=serving_rule,
         bn_rule=bn_rule,
         val_rule=val_rule,
         cache=None if cache is None else str(cache),
@@ -325,6 +336,7 @@ def run(
                     else "BN calibrated on each device's own data"
                 )
                 console.print(device_models_table(manifests, reports, title))
+            console.print(coverage_table(served_variants(manifests), "served variants: the classes each saw"))
             coverage_lines(server.devices.coverage.lines())
         server.finish(manifests)
         if server.live is not None:

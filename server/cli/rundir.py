@@ -46,6 +46,15 @@ def export_command(
     precision: PrecisionOpt = "auto",
     int8_samples: common.Int8SamplesOpt = 256,
     int8_tolerance: common.Int8ToleranceOpt = 0.01,
+    serving_rule: Annotated[
+        str,
+        typer.Option(
+            "--serving-rule",
+            help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
+            "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
+            "(SPEC §8's largest affordable, whatever validation says).",
+        ),
+    ] = "validated",
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,
@@ -64,6 +73,7 @@ def export_command(
         int8_samples=int8_samples,
         int8_tolerance=int8_tolerance,
         chunk_size=chunk_size,
+        serving_rule=serving_rule,
     )
     if config.data is None:
         log.info(
@@ -134,3 +144,7 @@ def status_command(
     for line in status_lines(status):
         console.print(line, soft_wrap=True, highlight=False)
     console.print(status_table(status))
+    if status["coverage"]:
+        from feast_edge.server.output import coverage_table
+
+        console.print(coverage_table(status["coverage"], "served variants: the classes each saw"))

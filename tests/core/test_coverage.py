@@ -9,9 +9,11 @@ from feast_edge.cache.variants import load_cache
 from feast_edge.evaluate.coverage import (
     LARGEST,
     NOT_VALIDATED,
+    SERVE_MARGIN,
     Holder,
     coverage_warnings,
     holder_of,
+    required_gain,
     serving_choice,
     variant_coverage,
 )
@@ -134,3 +136,14 @@ def test_evaluating_a_variant_needs_far_less_memory_than_training_it_and_the_lim
     assert evaluation_limit(cache, preset, evaluates) == top.macs
     assert evaluation_limit(cache, preset, evaluates - 1) < top.macs
     assert evaluation_limit(cache, preset, 1) == 0
+
+
+def test_a_difference_the_held_out_splits_cannot_tell_from_noise_swaps_nothing() -> None:
+    # 5 points better on 100 examples each: about 1.3 standard errors, not 2; on 2,000 each: about 6.
+    assert serving_choice(AFFORDABLE, {4: 0.85, 9: 0.80}, {4: 100, 9: 100}).index == 9
+    assert serving_choice(AFFORDABLE, {4: 0.85, 9: 0.80}, {4: 2000, 9: 2000}).index == 4
+    assert required_gain(0.8, 0.85, 100, 100, SERVE_MARGIN) == pytest.approx(
+        2 * ((0.8 * 0.2 + 0.85 * 0.15) / 100) ** 0.5
+    )
+    assert required_gain(1.0, 1.0, 10**6, 10**6, SERVE_MARGIN) == SERVE_MARGIN  # never below the margin
+    assert required_gain(0.5, 0.9, None, 100, SERVE_MARGIN) == SERVE_MARGIN  # examples unknown: the margin alone

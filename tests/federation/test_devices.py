@@ -136,6 +136,68 @@ def test_a_held_out_split_larger_than_the_device_can_hold_is_refused(registry: R
     assert "at most 1000 are believable" in replies[1].reason
 
 
+def test_per_class_counts_must_match_the_task_and_add_up_to_the_registered_totals(registry: Registry) -> None:
+    """A provisioned device that lies about its classes (issue 37): counts for another task, or that do not add up."""
+    replies: list[Registered] = []
+    book = _book(registry, replies)
+    classes = PRESET.classes
+
+    def register(device: str, counts: tuple[int, ...], held: tuple[int, ...] = ()) -> None:
+        message = Register.for_client(
+            federation="lab",
+            device_id=device,
+            host=device,
+            instance="i",
+            preset=PRESET,
+            budget_macs=6_000_000,
+            samples=50,
+            profile={"class_counts": [10**9] * classes},  # a profile cannot smuggle counts in: the fields replace it
+            holdout=sum(held),
+            class_counts=counts,
+            holdout_counts=held,
+        )
+        book.on_register(message)
+
+    register("short", (25, 25))
+    register("inflated", (50,) * classes)
+    register("held", (5,) * classes, (1, 0, 1) + (0,) * (classes - 3) + (9,))
+    register("honest", (50,) + (0,) * (classes - 1), (2,) + (0,) * (classes - 1))
+    register("older", ())  # an agent before per-class counts: accepted, coverage leaves it out
+    assert [r.accepted for r in replies] == [False, False, False, True, True]
+    assert f"registers 2 per-class training counts; the task has {classes} classes" in replies[0].reason
+    assert (
+        f"per-class training counts sum to {50 * classes}, but it registers 50 training examples" in replies[1].reason
+    )
+    assert "held-out counts" in replies[2].reason
+    honest = registry.get("honest")
+    assert honest is not None and honest.profile["class_counts"] == [50] + [0] * (classes - 1)
+    assert (
+        honest.profile["holdout_counts"] == [2] + [0] * (classes - 1) and honest.profile["evaluate_macs"] == 6_000_000
+    )
+
+
+def test_count_lists_are_bounded_and_typed_before_anything_reads_them() -> None:
+    import json
+
+    from feast_edge.protocol.limits import MAX_CLASSES
+    from feast_edge.transport.errors import ProtocolError
+    from feast_edge.transport.messages import parse
+
+    base = json.loads(
+        Register.for_client(
+            federation="lab", device_id="x", host="x", instance="i", preset=PRESET, budget_macs=1, samples=1, profile={}
+        ).encode()
+    )
+    assert parse(json.dumps({**base, "class_counts": [3, 0]}).encode()).class_counts == (3, 0)
+    # As they arrive from the network: parsed and refused before any server code reads them.
+    for bad in ([1] * (MAX_CLASSES + 1), [-1], ["3"], [True], [1.5], {"a": 1}, 7, [2**41]):
+        with pytest.raises(ProtocolError):
+            parse(json.dumps({**base, "class_counts": bad}).encode())
+    for bad in (-5, "8M", 2**41):
+        with pytest.raises(ProtocolError):
+            parse(json.dumps({**base, "evaluate_macs": bad}).encode())
+
+
 def test_a_provisioned_device_registers_as_itself_only(registry: Registry) -> None:
     replies: list[Registered] = []
     book = DeviceBook(

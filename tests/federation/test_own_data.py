@@ -9,6 +9,7 @@ held-out accuracy it reported.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -40,8 +41,12 @@ def write_folder(root: Path, classes: tuple[int, ...], style: str, train, offset
 
 
 def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statistics(
-    kit, federation: str, tmp_path: Path, fashion_mnist_dir: Path
+    kit, federation: str, tmp_path: Path, fashion_mnist_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Also the label-skewed top tier of issue 37: the largest variant (1.5M MACs) is reachable by cam-c alone, which
+    holds classes five to nine. The server warns of it; every device evaluates it (memory allows), so its validation
+    covers all ten classes; and each device is served what that validation supports."""
+    caplog.set_level(logging.WARNING, logger="feast_edge.server.coverage")
     train = load_fashion_mnist(fashion_mnist_dir, "train")
     for k, (device, (classes, _, style)) in enumerate(DEVICES.items()):
         write_folder(tmp_path / "data" / device, classes, style, train, offset=k * PER_CLASS)
@@ -90,12 +95,42 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
         # 10 % of each class held out on each device (4 of 40), never trained on.
         assert record.validation["samples"] == sum(4 * len(classes) for classes, _, _ in DEVICES.values())
     # The server's export holds weights only, their BN statistics federated: each served variant's come from every
-    # device that can run it (the largest from cam-c alone, the smallest from all three), 100 examples each.
+    # device that may evaluate it (here all three: a device evaluates above its budget when memory allows), 100
+    # examples each.
     for m in outcome["manifests"]:
         assert m["calibration"] == "federated" and m["file"].endswith(".variant.safetensors")
-        contributors = sorted(d for d, (_, budget, _) in DEVICES.items() if budget >= m["macs"])
-        assert m["calibration_devices"] == contributors and m["calibration_samples"] == 100 * len(contributors)
-    assert {len(m["calibration_devices"]) for m in outcome["manifests"]} == {1, 2, 3}
+        assert m["calibration_devices"] == sorted(DEVICES) and m["calibration_samples"] == 100 * len(DEVICES)
+        assert m["coverage"]["calibrated"]["missing"] == []
+
+    # Class coverage: the top variant is trained by cam-c alone, on its five classes; said once, in one line.
+    cache = server.cache
+    top = cache.largest_affordable(DEVICES["cam-c"][1])
+    warned = [r.getMessage() for r in caplog.records if r.name == "feast_edge.server.coverage"]
+    trained_only = f"variant {top.macs / 1e6:.2f}M MACs is trained only by cam-c, on 5 of 10 classes"
+    assert sum(trained_only in line for line in warned) == 1, warned
+    # Validation of every served variant covers all ten classes: every device tested it on its held-out split.
+    served = outcome["history"][outcome["manifests"][0]["rounds"] - 1].validation  # the served checkpoint's round
+    top_label = f"variant {cache.entries.index(top)}"
+    assert served["tested_by"][top_label] == sorted(DEVICES)
+    # The serving rule: each device's variant is the one the served round's validation supports.
+    points = {int(label.split()[1]): p for label, p in served["points"].items()}
+    for m in outcome["manifests"]:
+        budget = DEVICES[m["device"]][1]
+        largest = cache.largest_affordable(budget)
+        chosen = next(i for i, e in enumerate(cache.entries) if e.macs == m["macs"])
+        smaller = [points[i] for i, e in enumerate(cache.affordable(budget)[:-1]) if i in points]
+        assert m["largest_affordable_macs"] == largest.macs
+        if m["serving_rule"] == "largest affordable":
+            assert m["macs"] == largest.macs
+            assert all(p <= points[cache.entries.index(largest)] + 0.02 for p in smaller)
+        else:
+            assert m["serving_rule"].startswith("better on validation") and m["macs"] < largest.macs
+            assert points[chosen] > points[cache.entries.index(largest)] + 0.02 and points[chosen] == max(smaller)
+        trained = m["coverage"]["trained"]
+        holders = [d for d, (_, b, _) in DEVICES.items() if b >= m["macs"]]
+        assert trained["devices"] == sorted(holders)
+        assert len(trained["classes"]) == len({k for d in holders for k in DEVICES[d][0]})
+        assert m["coverage"]["validated"]["missing"] == []
     for device, (classes, _, _) in DEVICES.items():
         log = kit.log_text(agents[device])
         # Labels by class name: each device holds its own classes, at the task's indices.
