@@ -24,7 +24,14 @@ from typing import Any
 from urllib.parse import quote
 
 from feast_edge.errors import ArchError
-from feast_edge.run.rundir import device_calibrated, fleet_accuracy, model_accuracy, served_precision
+from feast_edge.run.rundir import (
+    chosen_by,
+    coverage_words,
+    device_calibrated,
+    fleet_accuracy,
+    model_accuracy,
+    served_precision,
+)
 from feast_edge.space.arch import Arch
 
 KINDS = ("federation", "simulation", "runs")
@@ -277,6 +284,10 @@ class DashboardState:
                         "params": manifest.get("params"),
                         "validation_accuracy": manifest.get("validation_accuracy"),
                         "precision": served_precision(manifest, (metrics or {}).get(device)),
+                        # Which rule chose the variant, and the classes it was trained and validated on (issue 37).
+                        "chosen_by": chosen_by(manifest),
+                        "classes_trained": coverage_words(manifest, "trained"),
+                        "classes_validated": coverage_words(manifest, "validated"),
                         **accuracy,
                         "sha256": accuracy.get("model_sha256") if on_device else manifest.get("sha256"),
                         "size": None if on_device else manifest.get("size"),

@@ -3,7 +3,8 @@
 A federation leaves no ``results.json`` (no test split is held anywhere): the report reads the record of its
 ``checkpoint.safetensors``, its device registry and its exported models' manifests
 (:mod:`feast_edge.run.rundir`), and says in the dashboard's words where it validated and calibrated, and for the models
-the devices calibrated, their own held-out accuracy, served model -> personal model, the means and the worst device.
+the devices calibrated, their own held-out accuracy, served model -> personal model, the means and the worst device,
+and per served variant the rule that chose it and the classes it was trained, validated and calibrated on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from feast_edge.run.rundir import (
     read_manifests,
     read_registry,
     run_validated_on,
+    served_variants,
     validation_words,
 )
 
@@ -54,6 +56,9 @@ class FederationRun:
     validation: str | None  # where it validated, in words (:func:`feast_edge.run.rundir.validation_words`)
     models: tuple[ServedModel, ...]
     own: FleetAccuracy | None = None  # over the models the devices calibrated: the means and the worst device
+    # Per served variant: whom it serves, the rules that chose it, the classes it was trained, validated and
+    # BN-calibrated on (:func:`feast_edge.run.rundir.served_variants`).
+    coverage: tuple[dict, ...] = ()
 
     @property
     def calibration(self) -> str | None:
@@ -88,7 +93,8 @@ def load_federation_run(directory: Path) -> FederationRun:
     best = fields.get("best") or {}
     metrics = {str(d.get("device_id")): d.get("metrics") or {} for d in read_registry(directory, fields)}
     models, own = [], []
-    for manifest in read_manifests(directory):
+    manifests = read_manifests(directory)
+    for manifest in manifests:
         device = str(manifest.get("device", ""))
         measured = model_accuracy(manifest, metrics.get(device))
         macs = manifest.get("macs")
@@ -117,4 +123,5 @@ def load_federation_run(directory: Path) -> FederationRun:
         validation=validation_words(run_validated_on(fields)),
         models=tuple(sorted(models, key=lambda m: m.device)),
         own=fleet_accuracy(own) if own else None,
+        coverage=tuple(served_variants(manifests)),
     )

@@ -202,6 +202,20 @@ def federation_blocks(runs: Sequence[FederationRun]) -> list[Block]:
             blocks.append(Table(header, models + _own_rows(r.own), left=2))
         if r.own is not None:
             blocks.append(Text(r.own.words()))
+        if r.coverage:
+            header = ("variant MACs (M)", "serves", "chosen by", "trained on", "validated on", "BN calibrated on")
+            variants = tuple(
+                (
+                    f"{v['macs'] / 1e6:,.2f}",
+                    ", ".join(v["devices"]),
+                    "; ".join(v["chosen_by"]),
+                    v["trained"],
+                    v["validated"],
+                    v["calibrated"],
+                )
+                for v in r.coverage
+            )
+            blocks.append(Table(header, variants, left=6))
     return blocks
 
 

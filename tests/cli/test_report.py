@@ -201,6 +201,21 @@ def test_a_federation_report_shows_each_devices_own_accuracy_served_and_personal
     ) in mine
 
 
+def test_a_federation_report_shows_each_served_variants_rule_and_class_coverage(cli, tiny, tmp_path: Path) -> None:
+    run = federation_run(tmp_path / "own", tiny, federated=True)
+    result = cli.invoke("report", str(run), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    mine = _section((tmp_path / "out" / "report.md").read_text(encoding="utf-8"), f"### {run}")
+    assert _row(mine, "1.23") == [
+        "1.23",
+        "pi-5",
+        "smaller: better on validation: 90.0% vs 60.0% for the 5.50M variant",
+        "3 of 4 (missing d)",
+        "all 4",
+        "-",
+    ]
+
+
 def test_a_federation_beside_simulations_gets_its_own_section(cli, runs: list[Path], tiny, tmp_path: Path) -> None:
     own = federation_run(tmp_path / "own", tiny, federated=True)
     result = cli.invoke("report", str(runs[0]), str(own), "--out", str(tmp_path / "out"))

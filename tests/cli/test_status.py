@@ -13,7 +13,7 @@ from feast_edge.run.checkpoint import save_supernet
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.registry import Registry
 from feast_edge.server.status import ago, read_status
-from feast_edge.space.preset import load_preset_file
+from feast_edge.space.preset import load_preset, load_preset_file
 from feast_edge.space.supernet import Supernet
 from rundirs import (
     FLEET_OWN_ACCURACY,
@@ -22,6 +22,7 @@ from rundirs import (
     PERSONAL_ACCURACY,
     add_personal_fleet,
     federation_run,
+    register_device,
 )
 from strategies import TINY_PRESET
 
@@ -235,3 +236,35 @@ def test_status_of_a_run_whose_models_the_server_calibrated_has_no_own_accuracy(
     assert status["own_accuracy"] is None and all(d["model"] is None for d in status["devices"])
     result = server_cli.invoke("status", "--out", str(out))
     assert "own acc" not in result.stdout and len(_row(result.stdout, "pi-5")) == 9
+
+
+def test_status_shows_each_served_variants_class_coverage_and_the_fleets_coverage_problems(
+    server_cli, tmp_path: Path
+) -> None:
+    preset = load_preset("fmnist-small")  # a preset status can load: the warnings name its classes
+    out = federation_run(tmp_path / "fed", preset, federated=True)
+    registry = Registry(out / "devices.sqlite")
+    one_class = {"class_counts": [5] + [0] * 9, "holdout_counts": [1] + [0] * 9}
+    register_device(registry, "solo", preset, 3_000_000, {"name": "x", **one_class})
+    registry.close()
+    result = server_cli.invoke("status", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("class coverage: solo holds one class only (T-shirt_top)") for line in lines), lines
+    assert "served variants: the classes each saw" in result.stdout
+    row = next(line for line in lines if "1.23M" in line and "pi-5" in line)
+    assert "3 of 4 (missing d)" in row and "all 4" in row
+    status = json.loads(server_cli.invoke("status", "--out", str(out), "--json").stdout)
+    assert status["coverage"] == [
+        {
+            "macs": 1_230_000,
+            "devices": ["pi-5"],
+            "chosen_by": ["smaller: better on validation: 90.0% vs 60.0% for the 5.50M variant"],
+            "trained": "3 of 4 (missing d)",
+            "validated": "all 4",
+            "calibrated": "-",
+        }
+    ]
+    assert [w for w in status["coverage_warnings"] if "solo" in w] == [
+        "solo holds one class only (T-shirt_top): its updates teach the model to answer T-shirt_top whatever it sees"
+    ]

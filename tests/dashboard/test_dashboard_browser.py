@@ -78,6 +78,12 @@ def test_a_filled_state_renders_and_updates_live(
         "rounds": 3,
         "calibration": "device",
         "file": "j.safetensors",
+        # A smaller variant than its largest affordable, trained on 7 of 10 classes (issue 37).
+        "serving_rule": "better on validation: 91.0% vs 68.8% for the 7.06M variant",
+        "coverage": {
+            "trained": {"classes": list("abcdefg"), "missing": ["h", "i", "j"], "devices": ["jetson"]},
+            "validated": {"classes": list("abcdefghij"), "missing": [], "devices": ["jetson", "liar"]},
+        },
     }
     personal = {
         "personal_method": "bn",
@@ -120,6 +126,17 @@ def test_a_filled_state_renders_and_updates_live(
         "81.25",
         "87.50",
     ]
+    assert model.find_element("css selector", "td.chosen-by").text == (
+        "smaller: better on validation: 91.0% vs 68.8% for the 7.06M variant"
+    )
+    coverage = model.find_element("css selector", "td.coverage")
+    assert coverage.text == "7 of 10 (missing h, i, j)" and coverage.get_attribute("title") == "validated on all 10"
+    assert liar_row.find_element("css selector", "td.coverage").text == "7 of 10 (missing h, i, j)"
+    # The footer's cells line up under the header's columns.
+    header = driver.find_elements("css selector", "#models thead th")
+    assert (
+        len(mean.find_elements("css selector", "td")) == len(header) == len(model.find_elements("css selector", "td"))
+    )
     assert "calibrated on the device" in model.find_element("css selector", "td.measured").text
     assert model.find_element("css selector", "td.download").text == "on the device" and not model.find_elements(
         "css selector", "a"

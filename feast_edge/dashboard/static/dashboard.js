@@ -329,6 +329,10 @@
       cell(tr, m.device, "device");
       cell(tr, m.variant, "variant");
       cell(tr, fixed(m.macs, 1e6, 2), "num");
+      // Which rule chose it (the largest affordable, or a smaller one better on validation) and the classes its own
+      // weights were trained on (a variant only a few devices can run may never have seen some).
+      cell(tr, m.chosen_by, "chosen-by");
+      cell(tr, m.classes_trained, "coverage", typeof m.classes_validated === "string" ? "validated on " + m.classes_validated : null);
       cell(tr, m.precision, "precision");
       // A device-calibrated model: the held-out accuracy its device reported; else the validation on the server's data.
       cell(tr, percent(isNumber(m.accuracy) ? m.accuracy : m.validation_accuracy), "num accuracy");
@@ -371,7 +375,8 @@
         tr.className = "own-" + kind;
         cell(tr, kind, "device");
         cell(tr, who, "variant");
-        tr.append(document.createElement("td"), document.createElement("td"));
+        tr.append(document.createElement("td"), document.createElement("td"), document.createElement("td"));
+        tr.append(document.createElement("td"));
         cell(tr, percent(served), "num accuracy");
         cell(tr, words, "measured");
         cell(tr, percent(personal), "num personal");
