@@ -261,6 +261,17 @@ def calibrate_served_variant(
     ``personalize``: also write the device's personal model beside it (``feast_edge.agent.personal``); None: do not.
     """
     precision, samples, tolerance = _asked_precision(manifest)
+    # The steps below take tens of seconds on a small device: say what the agent does before it goes quiet.
+    macs = manifest.get("macs")
+    log.info(
+        "%s: preparing the served model%s: %s, exporting it to ONNX%s, testing and timing it",
+        data.device_id,
+        f" ({macs:,} MACs)" if isinstance(macs, int) and not isinstance(macs, bool) else "",
+        "checking the federation's BN statistics on its data"
+        if manifest.get("calibration") == "federated"
+        else "calibrating its BN statistics on its data",
+        " and int8" if precision == "int8" else "",
+    )
     served = served_model(blob, manifest, data, preset)
     model, arch, where, seen, refused, digest = (
         served.model,

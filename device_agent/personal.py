@@ -51,6 +51,8 @@ def personalize_here(
     removed when this one keeps none, so the two files on the device always belong to the same served model.
     """
     began = time.perf_counter()
+    if choice.method != "off":
+        log.info("%s: personalizing the served model on its data (--personalize %s)", data.device_id, choice)
     outcome, own = personal_step(
         model,
         data.images,
