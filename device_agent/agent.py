@@ -153,9 +153,10 @@ class Agent:
             self._receipts.check(cancelled=lambda device_id: device_id in self._pending or self.stop.is_set())
             now = time.monotonic()
             self.registration.retry(now)
-            if self._pending or self._models or self._evaluations:
-                idle_since = last_note = now
-            elif now - last_note >= HEARTBEAT:
+            busy = bool(self._pending or self._models or self._evaluations)
+            if self.finished and not busy and not self.config.stay:
+                return  # before the heartbeat: an agent that leaves never says it waits for the next run
+            if not busy and now - last_note >= HEARTBEAT:
                 self._heartbeat(now - idle_since)
                 last_note = now
             while self._evaluations and not self.stop.is_set():
@@ -173,8 +174,8 @@ class Agent:
                 model = self._models.pop(0)
                 with self._guarded(f"the model of {model.device}"):
                     self._receive_model(model)
-            if self.finished and not self._pending and not self._models and not self.config.stay:
-                return
+            if busy:
+                idle_since = last_note = time.monotonic()  # a wait starts when the work ends, not when it began
 
     def summary(self) -> str:
         """One line for people: what each hosted client did in this federation."""

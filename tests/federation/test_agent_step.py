@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -229,3 +230,39 @@ def test_a_newer_round_ends_the_wait_for_a_payload_that_never_came(
     )
     downloading = [m.values for m in metrics if isinstance(m, Metrics) and m.values.get("phase") == "downloading"]
     assert {v["round"] for v in downloading} == {0, 1} and len(downloading) >= 4, downloading
+
+
+@pytest.mark.parametrize("stay", [False, True])
+def test_an_agent_says_it_leaves_or_that_it_waits_for_the_next_run_never_both(
+    stay: bool, federation: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: the end of the federation came while the agent exported and timed its model; it said "finished ...;
+    leaving", then "waiting for the server's next run" (a heartbeat was due since the export began), then left."""
+    monkeypatch.setattr("feast_edge.agent.agent.HEARTBEAT", 0.3)
+    config = AgentConfig(host="end", federation=federation, budget_macs=BUDGET, stay=stay)
+    agent = Agent(config, LinkConfig(broker="mqtt://127.0.0.1:1883"), [_client("end")])  # never connects
+    topics, link = Topics(federation), _FakeLink()
+    agent.inbox.subscribe(link, ["end"], "end", on_own_offline=lambda: None)  # type: ignore[arg-type]
+    end = Finished(federation=federation, round=0, device="end", rounds=1, completed=1, instance=agent.instance)
+
+    def export_and_time(model: object) -> None:  # the server's end arrives meanwhile, as paho delivers it
+        time.sleep(0.8)
+        link.handlers[topics.ctrl("end")](Received(topics.ctrl("end"), end.encode()))
+
+    agent._receive_model = export_and_time  # type: ignore[method-assign]
+    agent._models.append(SimpleNamespace(device="end"))  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO, logger="feast_edge.agent")
+    runner = threading.Thread(target=agent.run, daemon=True)
+    runner.start()
+    runner.join(3.0)
+    left = not runner.is_alive()
+    agent.stop.set()
+    runner.join(5.0)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("feast_edge.agent")]
+    finished = [line for line in lines if "finished after 1 of 1 rounds" in line]
+    waiting = [line for line in lines if line.startswith("waiting for the server's next run")]
+    assert len(finished) == 1 and left is not stay, lines
+    if stay:
+        assert not finished[0].endswith("leaving") and waiting, lines
+    else:
+        assert finished[0].endswith("; leaving") and not [line for line in lines if line.startswith("waiting")], lines
