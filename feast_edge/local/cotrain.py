@@ -164,14 +164,20 @@ def _forward_backward(
     config: TrainConfig,
     precision: Precision,
     grad: GradientStep,
+    logit_scale: torch.Tensor | None = None,
 ) -> tuple[float, dict[str, float]]:
-    """Forward/backward every variant of one batch, teacher first; returns the objective and each role's L_sup."""
+    """Forward/backward every variant of one batch, teacher first; returns the objective and each role's L_sup.
+
+    ``logit_scale`` (``[classes]``, or None): the restricted softmax's factor per class (:func:`absent_class_scale`).
+    """
     x, targets = batch.images, batch.targets
     total, role_sup = 0.0, {}
     teacher = None
     for role, arch in variants:
         with precision.autocast():  # forward and losses in the AMP dtype (autocast keeps the losses float32)
             logits = model(x, arch)
+            if logit_scale is not None:
+                logits = logits * logit_scale
             sup = supervised_loss(logits, targets)
             if role == "max" or len(variants) == 1 or not config.uses_kd:
                 loss = sup
@@ -207,6 +213,7 @@ def cotrain_step(
     shapes: ShapeCache,
     precision: Precision = PLAIN,
     grad: GradientStep = PLAIN_STEP,
+    logit_scale: torch.Tensor | None = None,
 ) -> tuple[float, dict[str, float]]:
     """One SPEC §7 step: zero grads, every variant's loss backward, clip to ``clip_norm``, masked decay, SGD step.
 
@@ -215,7 +222,7 @@ def cotrain_step(
     scaler; the defaults are plain float32. Returns the batch objective and each role's L_sup.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss, role_sup = _forward_backward(model, batch, variants, config, precision, grad)
+    loss, role_sup = _forward_backward(model, batch, variants, config, precision, grad, logit_scale)
     params = dict(model.named_parameters())
     grad.step(
         optimizer,
@@ -224,6 +231,15 @@ def cotrain_step(
         lambda: add_masked_weight_decay(params, [shapes[a] for _, a in variants], config.weight_decay),
     )
     return loss, role_sup
+
+
+def absent_class_scale(labels: torch.Tensor, classes: int, scale: float) -> torch.Tensor | None:
+    """The restricted softmax's factor per class (FedRS): 1 for the classes in ``labels``, ``scale`` for the others;
+    None where it changes nothing (``scale`` 1, or every class present)."""
+    present = torch.bincount(labels.long(), minlength=classes)[:classes] > 0
+    if scale == 1.0 or bool(present.all()):
+        return None
+    return torch.where(present, torch.tensor(1.0), torch.tensor(float(scale)))
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig, lr: float) -> torch.optim.SGD:
@@ -317,6 +333,8 @@ def local_train(
     grad = precision.scaler()
     shapes = ShapeCache(model)
     bn_needs_two = model.layout.stages[-1].resolution == 1
+    logit_scale = absent_class_scale(labels, model.classes, config.absent_logit_scale)
+    logit_scale = None if logit_scale is None else logit_scale.to(device)
     log = _RoundLog()
     was_training = model.training
     model.train()
@@ -325,7 +343,9 @@ def local_train(
             images_uint8, labels, model.preset, model.classes, config, shuffle_gen, augment_gen, device, bn_needs_two
         ):
             variants = batch_variants(plan, config.variants, variant_gen)
-            loss, role_sup = cotrain_step(model, optimizer, batch, variants, config, shapes, precision, grad)
+            loss, role_sup = cotrain_step(
+                model, optimizer, batch, variants, config, shapes, precision, grad, logit_scale
+            )
             log.add(len(batch), variants, loss, role_sup)
     finally:
         model.train(was_training)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from feast_edge.errors import FeastError
 from feast_edge.local.augment import DEFAULT_POLICY, POLICIES
@@ -44,6 +44,10 @@ class TrainConfig:
     variants: str = "full"
     augment: str = DEFAULT_POLICY  # feast_edge.local.augment.POLICIES; True/False mean the SPEC §7 policy / "none"
     crop_padding: int = 2  # crop-flip policies: zero padding before the random crop
+    # Restricted softmax for label-skewed clients (FedRS, Li & Zhan, KDD 2021): in the training losses, the logits of
+    # the classes a client holds no example of are multiplied by this factor, so its updates stop pushing those classes
+    # down through weights only it trains (a top-tier variant's own slices). 1.0: SPEC §7's plain softmax.
+    absent_logit_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "randaugment", tuple(self.randaugment))
@@ -61,6 +65,10 @@ class TrainConfig:
             (self.weight_decay >= 0, f"weight_decay = {self.weight_decay} must be >= 0"),
             (self.clip_norm > 0, f"clip_norm = {self.clip_norm} must be > 0"),
             (0 <= self.kd_weight <= 1, f"kd_weight = {self.kd_weight} must be in [0, 1]"),
+            (
+                0 <= self.absent_logit_scale <= 1,
+                f"absent_logit_scale = {self.absent_logit_scale} must be in [0, 1] (1: plain softmax)",
+            ),
             (self.temperature > 0, f"temperature = {self.temperature} must be > 0"),
             (self.batch_size >= 1, f"batch_size = {self.batch_size} must be >= 1"),
             (self.epochs >= 1, f"epochs = {self.epochs} must be >= 1"),
@@ -73,6 +81,14 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise TrainError(f"TrainConfig: {message}")
+
+    def settings(self) -> dict[str, object]:
+        """The settings as JSON-ready values, for round messages and run fingerprints; a setting added after SPEC §7
+        is left out at its SPEC value, so that earlier agents read the message and earlier runs keep their fingerprint."""
+        values = asdict(self)
+        if self.absent_logit_scale == 1.0:
+            del values["absent_logit_scale"]
+        return values
 
     @property
     def uses_kd(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from feast_edge.local.cotrain import LocalResult
@@ -79,7 +79,7 @@ class RoundStart(Message):
         payload_dtype: str = "float32",
     ) -> RoundStart:
         """Round ``round`` of ``device``: its plan, the routed transfer, the lr, its client seed and the training settings."""
-        settings = asdict(train)
+        settings = train.settings()
         settings["randaugment"] = list(settings["randaugment"])
         return cls(
             federation=federation,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from feast_edge.aggregate.robust import check_rule, rule_settings
@@ -73,7 +73,7 @@ def recorded_settings(
     wire = {} if payload_dtype == "float32" else {"payload_dtype": payload_dtype}
     opt = server_opt.settings() if server_opt is not None else {}
     return {
-        "train": asdict(train),
+        "train": train.settings(),
         "lr_schedule": schedule,
         **rule_settings(aggregation, trim, clip_norm),
         **wire,

@@ -199,7 +199,7 @@ class Simulation:
         results = {
             "method": cfg.method,
             "method_summary": self.method.summary,
-            "config": {**asdict(cfg), "train": asdict(cfg.train_config()), "lr_schedule": cfg.recipe_settings()[1]},
+            "config": {**asdict(cfg), "train": cfg.train_config().settings(), "lr_schedule": cfg.recipe_settings()[1]},
             "preset": self.preset.name,
             "best": self.best,
             "population": population_summary(s.population),

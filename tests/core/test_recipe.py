@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -58,7 +57,7 @@ def test_options_override_the_recipe_and_enter_the_fingerprint():
         "constant",
     )
     assert base.fingerprint() != changed.fingerprint()
-    assert changed.decisive()["train"] == asdict(train)
+    assert changed.decisive()["train"] == train.settings()
 
 
 @pytest.mark.parametrize(

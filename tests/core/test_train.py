@@ -313,3 +313,37 @@ def test_co_training_on_fashion_mnist_lowers_held_out_loss(fashion_mnist_dir):
     assert result.num_batches == steps and result.variants_per_batch == {3: steps}
     assert before[0] > 2.0 and before[1] > 2.0  # chance level for 10 classes is ln 10 = 2.30
     assert after[0] < 0.75 * before[0] and after[1] < 0.75 * before[1], (before, after)
+
+
+# ------------------------------------------------------------------ restricted softmax (issue 37)
+@pytest.mark.parametrize("scale", [0.0, 0.5, 1.0])
+def test_a_restricted_softmax_stops_pushing_down_the_classes_a_client_never_saw(scale: float) -> None:
+    model = Supernet(TINY, seed=0)
+    images, labels = tiny_data(40)
+    labels = labels % 3  # the client holds classes 0, 1 and 2 only
+    before = snapshot(model)
+    cfg = TrainConfig(batch_size=16, weight_decay=0.0, absent_logit_scale=scale)
+    local_train(model, images, labels, [A_MIN, A_MID, A_MAX], A_MIN, cfg, lr=0.05, seed=0)
+    after = snapshot(model)
+    absent = slice(3, None)
+    moved = {k: not torch.equal(before[k][absent], after[k][absent]) for k in ("classifier.weight", "classifier.bias")}
+    # scale 0: the absent classes' logits leave the loss, so no gradient reaches their classifier rows; otherwise the
+    # plain softmax (and FedRS's 0.5) keeps lowering them.
+    assert moved == dict.fromkeys(moved, scale != 0.0)
+    assert not torch.equal(before["classifier.weight"][:3], after["classifier.weight"][:3])  # the held classes learn
+
+
+def test_a_restricted_softmax_changes_nothing_for_a_client_holding_every_class() -> None:
+    plain, _ = train_tiny(weight_decay=0.0)
+    restricted, _ = train_tiny(weight_decay=0.0, absent_logit_scale=0.5)
+    labels = tiny_data(40)[1]
+    assert set(labels.tolist()) == set(range(TINY.classes))  # tiny_data holds every class
+    sp, sr = snapshot(plain), snapshot(restricted)
+    assert all(torch.equal(sp[k], sr[k]) for k in sp)
+
+
+def test_the_restricted_softmax_setting_is_checked_and_sent_only_when_set() -> None:
+    with pytest.raises(TrainError, match="absent_logit_scale"):
+        TrainConfig(absent_logit_scale=1.5)
+    assert "absent_logit_scale" not in TrainConfig().settings()  # SPEC §7's: earlier agents and fingerprints unchanged
+    assert TrainConfig(**TrainConfig(absent_logit_scale=0.5).settings()).absent_logit_scale == 0.5
