@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from feast_edge.cache.variants import load_cache, read_reference_csv
+from feast_edge.cache.build import read_reference_csv
+from feast_edge.cache.variants import load_cache
 from feast_edge.route.envelope import communication_report, route_state
 from feast_edge.route.payload import PAYLOAD_DTYPES, bytes_per_param, decode, encode
 from feast_edge.route.plans import plan_client

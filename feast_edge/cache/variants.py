@@ -1,7 +1,8 @@
 """The fixed, MAC-sorted variant cache A (SPEC §3) and its affordable sets (SPEC §4).
 
 A cache is built offline, once per preset, by one GA search per MAC target
-(:mod:`feast_edge.cache.search`), and shipped as JSON in ``feast_edge/caches/``.
+(:mod:`feast_edge.cache.search`, assembled by :mod:`feast_edge.cache.build`), and shipped as JSON in
+``feast_edge/caches/``.
 
 Duplicates: when two targets return the same network the cache keeps one
 entry and records every search job that found it (``CacheEntry.jobs``, sorted
@@ -30,25 +31,17 @@ every command that loads one also takes ``--cache FILE``.
 from __future__ import annotations
 
 import bisect
-import csv
 import json
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from feast_edge.cache.fitness import evaluate
 from feast_edge.cache.search import (
-    GENERATIONS,
-    MUTATION_PROB,
-    MUTATION_TRIES,
-    POPULATION,
-    TOURNAMENT,
     SearchResult,
-    search_target,
 )
 from feast_edge.errors import ArchError, FeastError
 from feast_edge.space.arch import Arch
@@ -128,12 +121,12 @@ class VariantCache:
     def __post_init__(self) -> None:
         if not self.entries:
             raise CacheError(
-                f"variant cache of preset {self.preset_name} has no entries; build it with feast_edge.cache.variants.build_cache"
+                f"variant cache of preset {self.preset_name} has no entries; build it with feast_edge.cache.build.build_cache"
             )
         macs = [e.macs for e in self.entries]
         if macs != sorted(macs):
             raise CacheError(
-                f"variant cache of preset {self.preset_name} is not sorted by MACs; rebuild it with feast_edge.cache.variants.build_cache"
+                f"variant cache of preset {self.preset_name} is not sorted by MACs; rebuild it with feast_edge.cache.build.build_cache"
             )
         if len({e.arch for e in self.entries}) != len(self.entries):
             raise CacheError(
@@ -232,7 +225,7 @@ def _build_command(preset: Preset) -> str:
     return f"feast-edge cache build --preset {source if source is not None else preset.name}"
 
 
-def _fail(path: Any, problem: str, fix: str = "rebuild it with feast_edge.cache.variants.build_cache") -> CacheError:
+def _fail(path: Any, problem: str, fix: str = "rebuild it with feast_edge.cache.build.build_cache") -> CacheError:
     return CacheError(f"variant cache {path}: {problem}; {fix}")
 
 
@@ -340,59 +333,8 @@ def load_cache(preset: Preset, path: str | os.PathLike[str] | None = None) -> Va
     return cache_from_dict(data, preset, str(path))
 
 
-def read_reference_csv(path: str | os.PathLike[str], preset: Preset, classes: int = 10) -> VariantCache:
-    """The paper's published cache CSV (``reference/feast-cifar100-cache.csv``, 10-class MACs, SPEC §2).
-
-    The CSV does not record ρ0; each job's ceiling is that of the preset's
-    [cache] segment containing its target.
-    """
-    ceilings = cache_targets(preset)
-    found: list[tuple[SearchJob, Arch]] = []
-    with open(path, newline="", encoding="utf-8") as f:
-        for i, row in enumerate(csv.DictReader(f)):
-            try:
-                arch = Arch(d=json.loads(row["d"]), e=json.loads(row["e"]), w=json.loads(row["w_indices"])).validated(
-                    preset
-                )
-                target, seed = float(row["job_target_macs"]), int(row["job_seed"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise _fail(
-                    f"{path} row {i + 2}",
-                    f"is malformed ({type(exc).__name__}: {exc})",
-                    "pass the published CSV unchanged",
-                ) from None
-            rho0 = [r for t, r in ceilings if math.isclose(t, target, rel_tol=1e-9)]
-            if not rho0:
-                raise _fail(
-                    f"{path} row {i + 2}",
-                    f"target {target:g} is not a cache target of preset {preset.name}",
-                    "pass the CSV of this preset",
-                )
-            found.append((SearchJob(target, rho0[0], seed), arch))
-    return VariantCache(
-        preset.name, preset.digest, classes, merge_entries(preset, found, classes), {"source": Path(path).name}
-    )
-
-
 # ------------------------------------------------------------------ building
 ProgressFn = Callable[[int, int, SearchResult], None]
-
-
-def cache_targets(preset: Preset) -> tuple[tuple[float, float], ...]:
-    """``(target MACs, rho0)`` of every segment in the preset's [cache] data, merged and sorted (SPEC §3)."""
-    if not preset.cache_segments:
-        raise CacheError(
-            f"preset {preset.name} defines no cache targets; add a [cache] section with segments "
-            "(see feast_edge/presets/paper-cifar100.toml) or pass targets explicitly"
-        )
-    pairs = [(t, seg.rho0) for seg in preset.cache_segments for t in seg.targets]
-    return tuple(sorted(pairs, key=lambda pair: pair[0]))
-
-
-def cache_jobs(targets: Sequence[tuple[float, float]], seed: int) -> tuple[SearchJob, ...]:
-    """One job per target, sorted by target; job ``k`` runs with seed ``seed + k``."""
-    ordered = sorted(targets, key=lambda pair: pair[0])
-    return tuple(SearchJob(float(t), float(r), seed + k) for k, (t, r) in enumerate(ordered))
 
 
 def _job_order(job: SearchJob) -> tuple[float, int]:
@@ -419,70 +361,3 @@ def one_per_network(preset: Preset, entries: Sequence[CacheEntry], classes: int)
         jobs = tuple(sorted((j for e in group for j in e.jobs), key=_job_order))
         merged.append(replace(first, jobs=jobs))
     return tuple(merged)
-
-
-def merge_entries(preset: Preset, found: Sequence[tuple[SearchJob, Arch]], classes: int) -> tuple[CacheEntry, ...]:
-    """MAC-sorted cache entries, one per distinct network, each listing every job that found it."""
-    jobs_of: dict[Arch, list[SearchJob]] = {}
-    for job, arch in found:
-        jobs_of.setdefault(arch.validated(preset), []).append(job)
-    entries = []
-    for arch, jobs in jobs_of.items():
-        fit = evaluate(preset, arch, classes=classes)
-        params = arch_cost(preset, arch, classes)[1]
-        ordered = tuple(sorted(jobs, key=_job_order))
-        entries.append(CacheEntry(arch, fit.macs, params, fit.fitness, fit.rho, fit.entropy, ordered))
-    return tuple(sorted(one_per_network(preset, entries, classes), key=lambda e: (e.macs, e.arch.text)))
-
-
-def _run_job(preset: Preset, job: SearchJob, population: int, generations: int, classes: int) -> SearchResult:
-    return search_target(preset, job.target, job.rho0, job.seed, population, generations, classes)
-
-
-def build_cache(
-    preset: Preset,
-    targets: Sequence[tuple[float, float]] | None = None,
-    seed: int = DEFAULT_SEED,
-    population: int = POPULATION,
-    generations: int = GENERATIONS,
-    classes: int | None = None,
-    progress: ProgressFn | None = None,
-    workers: int = 1,
-) -> VariantCache:
-    """Search every ``(target, rho0)`` (default: the preset's [cache] targets) and assemble the cache (SPEC §3).
-
-    Each target runs its own GA seeded with ``seed + k`` (``k``: its rank by
-    target), so the result does not depend on ``workers``. ``progress(done,
-    total, result)`` is called as targets finish.
-    """
-    classes = preset.classes if classes is None else classes
-    jobs = cache_jobs(cache_targets(preset) if targets is None else targets, seed)
-    if not jobs:
-        raise CacheError(f"no cache targets given for preset {preset.name}; pass at least one (target MACs, rho0) pair")
-    results: dict[int, SearchResult] = {}
-
-    def record(k: int, result: SearchResult) -> None:
-        results[k] = result
-        if progress is not None:
-            progress(len(results), len(jobs), result)
-
-    if workers <= 1:
-        for k, job in enumerate(jobs):
-            record(k, _run_job(preset, job, population, generations, classes))
-    else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {
-                pool.submit(_run_job, preset, job, population, generations, classes): k for k, job in enumerate(jobs)
-            }
-            for future in as_completed(futures):
-                record(futures[future], future.result())
-    entries = merge_entries(preset, [(job, results[k].arch) for k, job in enumerate(jobs)], classes)
-    search = {
-        "seed": seed,
-        "population": population,
-        "generations": generations,
-        "tournament": TOURNAMENT,
-        "mutation_prob": MUTATION_PROB,
-        "mutation_tries": MUTATION_TRIES,
-    }
-    return VariantCache(preset.name, preset.digest, classes, entries, search)

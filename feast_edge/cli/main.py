@@ -193,8 +193,9 @@ def cache_build(
     """Search the best architecture for every MAC target and write the cache (one GA per target)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from feast_edge.cache.build import build_cache, cache_targets
     from feast_edge.cache.search import extraction_rho0
-    from feast_edge.cache.variants import build_cache, cache_targets, user_cache_path
+    from feast_edge.cache.variants import user_cache_path
     from feast_edge.util.atomic import check_writable
 
     p = load_preset(preset)

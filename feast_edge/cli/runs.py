@@ -61,7 +61,8 @@ def routing(
     """Routed envelope sizes and the communication report for a Zipf population (SPEC §5), in parameters and bytes."""
     import numpy as np
 
-    from feast_edge.cache.variants import load_cache, read_reference_csv
+    from feast_edge.cache.build import read_reference_csv
+    from feast_edge.cache.variants import load_cache
     from feast_edge.route.envelope import communication_report
     from feast_edge.sim.population import zipf_budgets
 

@@ -9,18 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from feast_edge.cache.build import build_cache, cache_jobs, cache_targets, merge_entries, read_reference_csv
 from feast_edge.cache.fitness import evaluate
 from feast_edge.cache.variants import (
     CacheError,
     SearchJob,
     VariantCache,
-    build_cache,
-    cache_jobs,
     cache_path,
-    cache_targets,
     load_cache,
-    merge_entries,
-    read_reference_csv,
 )
 from feast_edge.errors import FeastError, PresetError
 from feast_edge.space.arch import Arch

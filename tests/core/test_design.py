@@ -7,20 +7,23 @@ import math
 import numpy as np
 import pytest
 
+from feast_edge.cache.build import cache_targets
 from feast_edge.cache.design import (
     DRAW_LIMIT,
     HEADROOM,
     MIN_HEADROOM,
+    SMALL_DATA_IMAGES,
     design_preset,
     initial_draws,
     stride_plans,
+    train_recipe,
 )
 from feast_edge.cache.design_toml import preset_toml
 from feast_edge.cache.fitness import population_evaluator
 from feast_edge.cache.search import initial_population, search_target
-from feast_edge.cache.variants import cache_targets
 from feast_edge.data.task import TaskError
 from feast_edge.errors import PresetError
+from feast_edge.local.recipe import TrainConfig, recipe_config
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import arch_cost
 from feast_edge.space.geometry import arch_layout
@@ -53,6 +56,27 @@ def test_fmnist_input_and_budgets_give_back_fmnist_small():
     assert p.digest == shipped.digest  # so the shipped cache would serve it
     assert cache_targets(p) == cache_targets(shipped)
     assert [(s.from_macs, s.rho0) for s in p.extraction_rho] == [(s.from_macs, s.rho0) for s in shipped.extraction_rho]
+
+
+def test_fashion_mnist_s_60000_images_give_fmnist_small_s_recipe():
+    """Oracle: with Fashion-MNIST's training set measured, the designed [train] table is fmnist-small's own."""
+    shipped = load_preset("fmnist-small")
+    p = design_preset("x", 1, 28, shipped.class_names, 1.5e6, 40e6, shipped.mean, shipped.std, images=60_000).preset
+    assert p.recipe == shipped.recipe == {"augment": "none", "lr": 0.05}
+
+
+@pytest.mark.parametrize(
+    ("images", "batch"), [(None, 64), (1, 32), (1_438, 32), (SMALL_DATA_IMAGES - 1, 32), (SMALL_DATA_IMAGES, 64)]
+)
+def test_the_recipe_takes_batch_32_below_the_small_data_threshold(images, batch):
+    train, schedule = recipe_config(train_recipe(images))
+    assert train == TrainConfig(augment="none", lr=0.05, batch_size=batch) and schedule == "cosine"
+
+
+@pytest.mark.parametrize("name", ["paper-cifar100", "paper-cinic10", "paper-tinyimagenet"])
+def test_the_paper_presets_keep_spec7_s_recipe(name):
+    """The designed recipe is for `preset new`; the paper presets name no [train] table (SPEC §7's recipe)."""
+    assert load_preset(name).train == ()
 
 
 def test_the_family_spans_the_budget_range(rgb64):
@@ -97,15 +121,21 @@ def test_the_toml_reads_back_as_the_design(rgb64, tmp_path):
     assert load_preset_file(path) == rgb64.preset
     assert all(len(line) <= 120 for line in text.splitlines())
     assert "placeholders" in text  # mean/std not measured: the file says so
+    # images not counted: the light recipe at batch 64, and the file says when to lower it
+    assert load_preset_file(path).recipe == {"augment": "none", "lr": 0.05}
+    assert "was not measured" in text and "set batch_size = 32" in text
 
 
 def test_measured_statistics_and_names_are_kept(tmp_path):
-    d = design_preset("t", 1, 32, ("ünïcode", "b"), 1e6, 20e6, (0.123456,), (0.3,), "pad", stats_note="Measured.")
+    d = design_preset(
+        "t", 1, 32, ("ünïcode", "b"), 1e6, 20e6, (0.123456,), (0.3,), "pad", stats_note="Measured.", images=1_438
+    )
     path = tmp_path / "t.toml"
     path.write_text(preset_toml(d))
     p = load_preset_file(path)
     assert p.mean == (0.1235,) and p.class_names == ("ünïcode", "b") and p.resize == "pad"
-    assert "Measured." in path.read_text()
+    assert p == d.preset and p.recipe == {"augment": "none", "batch_size": 32, "lr": 0.05}
+    assert "Measured." in path.read_text() and "1,438 training images measured" in path.read_text()
 
 
 @pytest.mark.parametrize(
