@@ -47,11 +47,12 @@ def personalize_nodes(host: RunHost, nodes: NodeBook, choice: Choice) -> dict[st
     where = "device" if host.data is None else "server"
     served: dict[Arch, StaticResNet] = {}
     messages, asked = [], {}
+    serving = host.serving(nodes.devices.registry.devices())  # the variant each device was served (its export's rule)
     for node, device in sorted(nodes.device_of.items()):
         registered = nodes.devices.registry.get(device)
-        if registered is None:
+        if registered is None or device not in serving:
             continue
-        entry = host.cache.largest_affordable(registered.budget_macs)
+        entry = host.cache.entries[serving[device].index]
         if entry.arch not in served:
             served[entry.arch] = (
                 extract(model, entry.arch)
