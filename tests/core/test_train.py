@@ -316,15 +316,22 @@ def test_co_training_on_fashion_mnist_lowers_held_out_loss(fashion_mnist_dir):
 
 
 # ------------------------------------------------------------------ restricted softmax (issue 37)
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("scale", [0.0, 0.5, 1.0])
-def test_a_restricted_softmax_stops_pushing_down_the_classes_a_client_never_saw(scale: float) -> None:
+def test_a_restricted_softmax_stops_pushing_down_the_classes_a_client_never_saw(scale: float, device: str) -> None:
     model = Supernet(TINY, seed=0)
     images, labels = tiny_data(40)
     labels = labels % 3  # the client holds classes 0, 1 and 2 only
     before = snapshot(model)
     cfg = TrainConfig(batch_size=16, weight_decay=0.0, absent_logit_scale=scale)
-    local_train(model, images, labels, [A_MIN, A_MID, A_MAX], A_MIN, cfg, lr=0.05, seed=0)
-    after = snapshot(model)
+    local_train(model, images, labels, [A_MIN, A_MID, A_MAX], A_MIN, cfg, lr=0.05, seed=0, device=device)
+    after = {k: v.cpu() for k, v in snapshot(model).items()}
     absent = slice(3, None)
     moved = {k: not torch.equal(before[k][absent], after[k][absent]) for k in ("classifier.weight", "classifier.bias")}
     # scale 0: the absent classes' logits leave the loss, so no gradient reaches their classifier rows; otherwise the
