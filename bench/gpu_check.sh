@@ -58,7 +58,7 @@ have_fmnist() { [ -f "$FMNIST/train-images-idx3-ubyte" ] || [ -f "$FMNIST/train-
 
 # 1. CUDA tests: none of them may skip for want of a GPU.
 wants tests && step cuda-tests 300 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/core/test_accel.py tests/federation/test_cuda_agent.py \
-    tests/core/test_train.py::test_runs_on_cuda_and_matches_cpu_closely tests/core/test_runtime.py tests/federation/test_profiling.py::test_profile_device_on_cuda \
+    tests/core/test_train.py::test_runs_on_cuda_and_matches_cpu_closely tests/core/test_train.py::test_a_restricted_softmax_stops_pushing_down_the_classes_a_client_never_saw tests/core/test_runtime.py tests/federation/test_profiling.py::test_profile_device_on_cuda \
     tests/core/test_personalize.py::test_personalization_on_the_gpu_computes_what_it_computes_on_the_cpu
 if wants tests; then
     grep -E "passed|failed" "$OUT_DIR/cuda-tests.log" | tail -1 | tee -a "$SUMMARY"
