@@ -20,6 +20,10 @@ cost model and the cache search's own feasibility test, no forward pass:
    is feasible for the GA's initial population (:func:`initial_draws`).
 4. **Population** budgets (SPEC §4) from the range: Zipf over [low, 2.5 x high],
    allocation cap at the top budget (the paper's 1500M / 600M).
+5. **Training recipe** (:func:`train_recipe`): ``fmnist-small``'s measured
+   ``[train]`` table (no augmentation, lr 0.05) instead of SPEC §7's heavy
+   one, and batch 32 when the measured image folder holds fewer than
+   ``SMALL_DATA_IMAGES`` images (bench/bench_label_skew.py, docs/presets.md).
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ SAMPLES = 1 << 17  # most uniform draws per target of the feasibility estimate
 BATCH = 1 << 12
 HITS = 256
 DRAW_LIMIT = MAX_INITIAL_DRAWS // 4  # expected draws to fill the GA's first population must stay below this
+# The [train] recipe of a designed preset (docs/presets.md §1, measured with bench/bench_label_skew.py): SPEC §7's
+# RandAugment + Mixup/CutMix at lr 0.025 regularises the paper's long runs on 50,000+ images, but on a few thousand
+# images over tens of rounds it stops the model from learning at all (digits: 48 % test accuracy after 20 rounds).
+LIGHT_RECIPE = {"augment": "none", "lr": 0.05}  # fmnist-small's measured recipe (bench/bench_recipe.py)
+SMALL_DATA_IMAGES = 10_000  # fewer measured images: batch 32, twice the local steps per round of batch 64
+SMALL_DATA_BATCH = 32
 
 
 @dataclass(frozen=True)
@@ -89,10 +99,24 @@ class PresetDesign:
     draws: dict[str, float]  # segment name -> most expected initial draws over its targets
     stats_note: str = ""  # where mean/std came from
     extra_stride: bool = False  # one stride-2 step more than the ~4x4 rule, to get under the low budget
+    images: int | None = None  # images counted in the --classes-from folder (None: not measured)
 
     @property
     def targets(self) -> tuple[float, ...]:
         return tuple(sorted(t for seg in self.preset.cache_segments for t in seg.targets))
+
+
+def train_recipe(images: int | None) -> dict[str, object]:
+    """The [train] table of a designed preset: :data:`LIGHT_RECIPE`, with batch 32 under ``SMALL_DATA_IMAGES`` images.
+
+    ``images`` is the number of training images measured in the user's folder (None: not measured, batch 64 as
+    SPEC §7 and fmnist-small). With few images a device's shard is a handful of batches of 64, so a round is a
+    handful of SGD steps; batch 32 doubles them at the same compute per round.
+    """
+    recipe = dict(LIGHT_RECIPE)
+    if images is not None and images < SMALL_DATA_IMAGES:
+        recipe["batch_size"] = SMALL_DATA_BATCH
+    return recipe
 
 
 def stride_plans(size: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -204,8 +228,12 @@ def design_preset(
     resize: str = "stretch",
     description: str | None = None,
     stats_note: str = "",
+    images: int | None = None,
 ) -> PresetDesign:
-    """The preset of a ``channels`` x ``size`` x ``size`` task whose devices afford ``low`` to ``high`` MACs."""
+    """The preset of a ``channels`` x ``size`` x ``size`` task whose devices afford ``low`` to ``high`` MACs.
+
+    ``images``: the number of training images measured in the user's folder, which sets the [train] recipe
+    (:func:`train_recipe`; None: not measured)."""
     # What the TOML file holds: statistics to 4 decimals, MAC counts as integers.
     mean = (0.5,) * channels if mean is None else tuple(round(float(v), 4) for v in mean)
     std = (0.25,) * channels if std is None else tuple(round(float(v), 4) for v in std)
@@ -237,6 +265,7 @@ def design_preset(
         budget_min=low,
         budget_max=float(round(HEADROOM * high)),
         budget_cap=high,
+        train=train_recipe(images),
     )
     floor, ceiling = math.inf, 0
     for rank, plan in enumerate(stride_plans(size)):
@@ -257,7 +286,7 @@ def design_preset(
                     continue
                 segments, draws = planned
                 design = _designed(family, segments, draws, shape, scale, low, high, stats_note)
-                return replace(design, extra_stride=rank > 0)
+                return replace(design, extra_stride=rank > 0, images=images)
     if ceiling == 0:
         top = _top(base)
         raise PresetError(

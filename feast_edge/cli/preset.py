@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -51,7 +52,7 @@ def parse_range(text: str) -> tuple[float, float]:
     return low, high
 
 
-def _floats(text: Optional[str], channels: int, flag: str) -> Optional[tuple[float, ...]]:
+def _floats(text: str | None, channels: int, flag: str) -> tuple[float, ...] | None:
     if text is None:
         return None
     try:
@@ -65,6 +66,15 @@ def _floats(text: Optional[str], channels: int, flag: str) -> Optional[tuple[flo
     return values
 
 
+def count_images(folder: Path, names: tuple[str, ...]) -> int:
+    """Image files (by suffix, undecoded) under ``folder/<class>/`` for every class in ``names``."""
+    from feast_edge.data.folder_stats import IMAGE_SUFFIXES
+
+    return sum(
+        f.lower().endswith(IMAGE_SUFFIXES) for name in names for _, _, files in os.walk(folder / name) for f in files
+    )
+
+
 @preset_app.command("new")
 def new(
     input_shape: Annotated[str, typer.Option("--input", help="Input shape CxHxW, e.g. 3x64x64 (C: 1 grey or 3 RGB).")],
@@ -73,24 +83,22 @@ def new(
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Preset file to write (.toml).")],
     classes: Annotated[
-        Optional[str], typer.Option("--classes", help="Class names in output order, comma-separated: cat,dog,bird.")
+        str | None, typer.Option("--classes", help="Class names in output order, comma-separated: cat,dog,bird.")
     ] = None,
     classes_from: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(
             "--classes-from",
             help="Image folder DIR/<class>/ (or DIR/train/<class>/): its sorted sub-folder names are the classes, "
             "and mean/std are measured on a sample of its images.",
         ),
     ] = None,
-    name: Annotated[
-        Optional[str], typer.Option("--name", help="Preset name (default: the file name of --out).")
-    ] = None,
-    description: Annotated[Optional[str], typer.Option("--description", help="One line describing the task.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Preset name (default: the file name of --out).")] = None,
+    description: Annotated[str | None, typer.Option("--description", help="One line describing the task.")] = None,
     mean: Annotated[
-        Optional[str], typer.Option("--mean", help="Per-channel mean of pixels in [0, 1], e.g. 0.49,0.48,0.45.")
+        str | None, typer.Option("--mean", help="Per-channel mean of pixels in [0, 1], e.g. 0.49,0.48,0.45.")
     ] = None,
-    std: Annotated[Optional[str], typer.Option("--std", help="Per-channel std of pixels in [0, 1].")] = None,
+    std: Annotated[str | None, typer.Option("--std", help="Per-channel std of pixels in [0, 1].")] = None,
     resize: Annotated[
         str,
         typer.Option("--resize", help=f"How images of another size are brought to HxH: {', '.join(RESIZE_POLICIES)}."),
@@ -111,7 +119,12 @@ def new(
     low, high = parse_range(budgets)
     if resize not in RESIZE_POLICIES:
         raise FeastError(f"--resize {resize!r} is unknown; choose one of {', '.join(RESIZE_POLICIES)}")
-    if (classes is None) == (classes_from is None):
+    if classes is not None and classes_from is not None:
+        raise FeastError(
+            "--classes and --classes-from were both given; give the classes once: --classes a,b,c or "
+            "--classes-from DIR (an image folder)"
+        )
+    if classes is None and classes_from is None:
         raise FeastError("give the classes once: --classes a,b,c or --classes-from DIR (an image folder)")
     if out.suffix != ".toml":
         raise FeastError(f"--out {out}: a preset file ends in .toml; write e.g. --out {out.with_suffix('.toml').name}")
@@ -121,11 +134,12 @@ def new(
     name = out.stem if name is None else name
     if not name or name.strip() != name or "/" in name or "\\" in name:
         raise FeastError(f"--name {name!r} must be a non-empty name without spaces around it or slashes")
-    folder, stats_note = None, ""
+    folder, stats_note, images = None, "", None
     if classes_from is not None:
         from feast_edge.data.folder_stats import class_folders
 
         folder, names = class_folders(classes_from)
+        images = count_images(folder, names)
     else:
         names = tuple(parse_list(classes))
         if not names:
@@ -148,7 +162,9 @@ def new(
     elif mean_v is not None or std_v is not None:
         stats_note = "Given with --mean / --std (one not given is the placeholder: 0.5 for mean, 0.25 for std)."
     with console.status("designing the supernet family and checking its cache targets"):
-        design = design_preset(name, channels, size, names, low, high, mean_v, std_v, resize, description, stats_note)
+        design = design_preset(
+            name, channels, size, names, low, high, mean_v, std_v, resize, description, stats_note, images
+        )
     text = preset_toml(design)
     atomic_write_bytes(out, text.encode())
     written = load_preset_file(out)  # what the user's file says, read back
@@ -182,6 +198,8 @@ def _print(design, out: Path) -> None:
         f"Zipf {millions(p.budget_min)} .. {millions(p.budget_max)}, cap {millions(p.budget_cap)}",
     )
     table.add_row("mean / std", f"{[round(v, 4) for v in p.mean]} / {[round(v, 4) for v in p.std]}")
+    measured = "images not counted" if design.images is None else f"{design.images:,} images"
+    table.add_row("recipe", ", ".join(f"{k} {v}" for k, v in p.train) + f" ({measured})")
     console.print(table)
     console.print(f"wrote {out}", soft_wrap=True, highlight=False)
     console.print(

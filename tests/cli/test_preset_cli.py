@@ -47,6 +47,7 @@ def test_preset_new_writes_a_preset_and_says_what_it_chose(cli, tmp_path):
     assert "MAC range" in result.stdout and "1.36M .. 484.98M" in result.stdout
     assert "cache low-compute" in result.stdout and "12 targets 2.00M .. 24.00M" in result.stdout
     assert f"feast-edge cache build --preset {out}" in result.stdout
+    assert p.recipe == {"augment": "none", "lr": 0.05} and "[train]" in out.read_text()  # no images counted: batch 64
     # not overwritten without --force; overwritten with it, under another name
     cli.assert_user_error(_preset_new(cli, tmp_path)[1], "exists; choose another file or pass --force")
     _, again = _preset_new(cli, tmp_path, "--force", "--name", "renamed", "--mean", "0.4", "--std", "0.2,0.2,0.3")
@@ -72,6 +73,10 @@ def test_preset_new_writes_a_preset_and_says_what_it_chose(cli, tmp_path):
         (("--input", "3x64x64", "--classes", "a,b", "--mean", "0.1,0.2"), "--mean '0.1,0.2' has 2 values"),
         (("--input", "3x64x64", "--classes", "a,b", "--resize", "crop"), "--resize 'crop' is unknown"),
         (("--input", "3x64x64"), "give the classes once"),
+        (
+            ("--input", "3x64x64", "--classes", "a,b", "--classes-from", "images"),
+            "--classes and --classes-from were both given; give the classes once",
+        ),
     ],
 )
 def test_preset_new_refuses_bad_input_in_one_line(cli, tmp_path, args, fragment):
@@ -99,6 +104,9 @@ def test_classes_and_statistics_from_an_image_folder(cli, tmp_path, fashion_mnis
     assert p.mean == pytest.approx(tuple(pixels.mean(axis=(0, 1, 2))), abs=1e-4)  # all 9 images read
     assert p.std == pytest.approx(tuple(pixels.std(axis=(0, 1, 2))), abs=1e-4)
     assert "Measured on 9 images" in out.read_text()
+    # the recipe for the images it counted: 9, so the small-data batch
+    assert p.recipe == {"augment": "none", "batch_size": 32, "lr": 0.05}
+    assert "9 training images measured" in out.read_text() and "batch_size 32" in result.stdout
     cli.assert_user_error(
         cli.invoke(*NEW, "--classes-from", str(tmp_path / "none"), "--out", str(tmp_path / "x.toml")),
         "does not exist",
