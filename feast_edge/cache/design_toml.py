@@ -159,7 +159,7 @@ def _train_text(d: PresetDesign) -> list[str]:
     why = (
         "Training recipe (SPEC §7 for every key not given here; keys: feast_edge/space/preset.py RECIPE_KEYS). Not "
         "the paper's RandAugment + Mixup/CutMix at lr 0.025: that regularises long runs on 50,000+ images, and on a "
-        "few thousand it keeps the model from learning within tens of rounds (docs/presets.md: 48 % against 96 % "
+        "few thousand it keeps the model from learning within tens of rounds (docs/presets.md: 54 % against 96 % "
         "test accuracy on handwritten digits after 20 rounds). No augmentation and lr 0.05 are fmnist-small's "
         "measured recipe; a flip would also be wrong for digits and text."
     )
