@@ -19,6 +19,7 @@ from feast_edge.server.cli.shared import (
     DataOpt,
     OutOpt,
     PrecisionOpt,
+    ServingRuleOpt,
     check_server_bundle,
     console,
     install_signal_handlers,
@@ -120,15 +121,7 @@ def run(
             help="BN-calibration examples: taken from --data, or, without it, what each device recalibrates on.",
         ),
     ] = 500,
-    serving_rule: Annotated[
-        str,
-        typer.Option(
-            "--serving-rule",
-            help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
-            "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
-            "(SPEC §8's largest affordable, whatever validation says).",
-        ),
-    ] = "validated",
+    serving_rule: ServingRuleOpt = "validated",
     bn_calibration: Annotated[
         str,
         typer.Option(

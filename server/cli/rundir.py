@@ -12,6 +12,7 @@ from feast_edge.cli import common
 from feast_edge.server.cli.shared import (
     OutOpt,
     PrecisionOpt,
+    ServingRuleOpt,
     console,
     install_signal_handlers,
     log,
@@ -46,15 +47,7 @@ def export_command(
     precision: PrecisionOpt = "auto",
     int8_samples: common.Int8SamplesOpt = 256,
     int8_tolerance: common.Int8ToleranceOpt = 0.01,
-    serving_rule: Annotated[
-        str,
-        typer.Option(
-            "--serving-rule",
-            help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
-            "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
-            "(SPEC §8's largest affordable, whatever validation says).",
-        ),
-    ] = "validated",
+    serving_rule: ServingRuleOpt = "validated",
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,

@@ -49,6 +49,15 @@ def check_server_bundle(link: Optional[LinkConfig]) -> None:
         )
 
 
+ServingRuleOpt = Annotated[
+    str,
+    typer.Option(
+        "--serving-rule",
+        help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
+        "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
+        "(SPEC §8's largest affordable, whatever validation says).",
+    ),
+]
 PrecisionOpt = Annotated[
     str,
     typer.Option(
