@@ -59,6 +59,7 @@ RECIPE_KEYS = (
     "cutmix_alpha",
     "crop_padding",
     "kd_weight",
+    "temperature",
     "absent_logit_scale",
 )
 

@@ -121,3 +121,12 @@ def test_crop_flip_keeps_the_picture_and_moves_it():
     moved = [not torch.equal(out.images[i], images[i].float() / 255) for i in range(16)]
     assert any(moved)
     assert all(float(x.sum()) <= 8 * 4 + 1e-6 for x in out.images)  # a crop never adds ink, padding is black
+
+
+def test_every_training_setting_can_be_written_in_a_presets_train_table() -> None:
+    from dataclasses import fields
+
+    from feast_edge.space.preset import RECIPE_KEYS
+
+    settings = {f.name for f in fields(TrainConfig)} - {"variants"}  # the ablation is a run option, not a recipe
+    assert settings <= set(RECIPE_KEYS), sorted(settings - set(RECIPE_KEYS))
