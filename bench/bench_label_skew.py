@@ -24,7 +24,9 @@ Prints progress lines, then per device: budget -> served MACs, own held-out accu
 test accuracy, the classes below 50 % on the test folder, and the change from the first recipe to each other one.
 Every process runs one intra-op thread in float32 (--amp off); the federations run one at a time. ``--serving-rule
 largest`` gives each device its own tier (the server's default may serve a smaller variant that validated better), so
-the top device's own variant is the one tested. Figures: docs/presets.md §1.1 and docs/experiments.md.
+the top device's own variant is the one tested. ``--preset fmnist-small`` (with ``--data fmnist``) runs a shipped
+preset and its cache instead of ``preset new`` and ``cache build`` (recipe ``preset``: the shipped [train]).
+Figures: docs/presets.md §1.1 and docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -252,6 +254,24 @@ def report(found: dict[str, dict[str, dict]], budgets: dict[str, str], names: tu
             print(f"  {recipe}: " + ", ".join(cells) + f"; fleet mean {100 * mean_a:.2f} % -> {100 * mean_b:.2f} %")
 
 
+def make_preset(args: argparse.Namespace, work: Path, cli: list[str], env: dict[str, str]) -> Path:
+    """``feast-edge preset new --classes-from`` on the training folder, then ``feast-edge cache build``."""
+    written = work / f"{args.data}.toml"
+    began = time.monotonic()
+    new = [
+        *cli, "preset", "new", "--input", INPUT[args.data], "--classes-from", str(work / "data" / "train"),
+        "--budgets", BUDGET_RANGE[args.data], "--out", str(written),
+    ]  # fmt: skip
+    run_logged(new, work / "preset-new.log", env)
+    written_train = tomllib.loads(written.read_text()).get("train", {})
+    say(f"preset new: {written} ({time.monotonic() - began:.0f} s); its [train]: {written_train}")
+    began = time.monotonic()
+    run_logged([*cli, "cache", "build", "--preset", str(written)], work / "cache-build.log", env)
+    entries = json.loads(written.with_name(written.stem + ".cache.json").read_text())["entries"]
+    say(f"cache build: {len(entries)} variants ({time.monotonic() - began:.0f} s)")
+    return written
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", choices=("digits", "fmnist"), default="digits")
@@ -266,6 +286,11 @@ def main() -> None:
         "--serving-rule",
         default=None,
         help="feast-server run --serving-rule (largest: the top device gets its own tier)",
+    )
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="a shipped preset (e.g. fmnist-small, with --data fmnist) instead of preset new and cache build",
     )
     parser.add_argument("--test-share", type=float, default=0.2)
     parser.add_argument("--per-class", type=int, default=250, help="fmnist: images of each class (train and test)")
@@ -294,20 +319,15 @@ def main() -> None:
     say(f"{args.data}: {len(labels)} images written: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     budgets = {d: (b_digits if args.data == "digits" else b_fmnist) for d, (_, b_digits, b_fmnist) in DEVICES.items()}
 
-    written = work / f"{args.data}.toml"
     cli = [sys.executable, "-m", "feast_edge.cli.main"]
-    began = time.monotonic()
-    new = [
-        *cli, "preset", "new", "--input", INPUT[args.data], "--classes-from", str(work / "data" / "train"),
-        "--budgets", BUDGET_RANGE[args.data], "--out", str(written),
-    ]  # fmt: skip
-    run_logged(new, work / "preset-new.log", env)
-    written_train = tomllib.loads(written.read_text()).get("train", {})
-    say(f"preset new: {written} ({time.monotonic() - began:.0f} s); its [train]: {written_train}")
-    began = time.monotonic()
-    run_logged([*cli, "cache", "build", "--preset", str(written)], work / "cache-build.log", env)
-    entries = json.loads(written.with_name(written.stem + ".cache.json").read_text())["entries"]
-    say(f"cache build: {len(entries)} variants ({time.monotonic() - began:.0f} s)")
+    if args.preset:  # a shipped preset and its cache instead of preset new + cache build (e.g. fmnist-small)
+        written = work / f"{args.preset}.toml"
+        written.write_bytes((REPO / "feast_edge" / "presets" / f"{args.preset}.toml").read_bytes())
+        cache = (REPO / "feast_edge" / "caches" / f"{args.preset}.json").read_bytes()
+        written.with_name(written.stem + ".cache.json").write_bytes(cache)
+        say(f"preset {args.preset} (shipped) and its cache, instead of preset new and cache build")
+    else:
+        written = make_preset(args, work, cli, env)
 
     found: dict[str, dict[str, dict]] = {}
     for recipe, body in recipes.items():
