@@ -187,6 +187,13 @@ def test_wheel_holds_one_package_and_its_data(installed: Installed) -> None:
         "feast_edge/caches/fmnist-small.json",
     } <= names
 
+    # The licence travels with the wheel: its text in the dist-info, its name in the metadata (issue 38).
+    licence = [n for n in names if ".dist-info/" in n and n.rsplit("/", 1)[-1] == "LICENSE"]
+    assert len(licence) == 1, sorted(n for n in names if ".dist-info/" in n)
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    with zipfile.ZipFile(installed.wheel) as archive:
+        assert b"Apache License" in archive.read(licence[0])
+        assert "Apache-2.0" in archive.read(metadata).decode()
     entry_points = next(archive_name for archive_name in names if archive_name.endswith(".dist-info/entry_points.txt"))
     with zipfile.ZipFile(installed.wheel) as archive:
         scripts = archive.read(entry_points).decode()
