@@ -1,4 +1,5 @@
-"""Every ``feast-edge|feast-server|feast-agent SUBCOMMAND --option`` the README and docs/ write exists (issue 38).
+"""Every ``feast-edge|feast-server|feast-agent SUBCOMMAND --option`` the README and docs/ write exists, and every
+relative link they make resolves inside the repository (issue 38).
 
 The commands' options are read from the Typer apps themselves (click's parameters), so a renamed or removed option
 that a page still shows fails here, not on a user's machine. Commands are read from code blocks and inline code:
@@ -89,3 +90,18 @@ def test_an_option_a_command_lost_is_caught() -> None:
     [(_, word, words, options)] = _mentions("feast-edge partition --out parts --clients 2 --per-round 2")
     command, taken = _resolve(_apps()[word], words)
     assert taken == 1 and [o for o in options if o not in _options(command)] == ["--per-round"]
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_relative_link_a_page_makes_resolves_inside_the_repository(page: Path) -> None:
+    broken = []
+    for target in LINK.findall(page.read_text(encoding="utf-8")):
+        if target.startswith(("http://", "https://", "mailto:", "#")):
+            continue
+        path = (page.parent / target.split("#", 1)[0]).resolve()
+        if not path.exists() or REPO not in path.parents:
+            broken.append(target)
+    assert broken == [], f"{page.name}: links to files a clone does not have: {broken}"
