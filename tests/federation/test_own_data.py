@@ -245,43 +245,23 @@ def test_an_int8_profile_gets_an_int8_model_quantized_on_the_device(
         int8_tolerance=1.0,  # one round on 180 images: the test is about who quantizes where, not the model
     )
     server = FederationServer(config, LinkConfig(broker=kit.LOCAL))
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            server.run()
-            manifests = outcome["manifests"] = server.export()
-            outcome["reports"] = server.await_device_models(manifests, server.announce_models(manifests), timeout=90)
-            outcome["registry"] = {d.device_id: d for d in server.registry.devices()}
-            server.finish(manifests)
-            server.serve(2.0)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            outcome["error"] = exc
-
-    server.start(timeout=5)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
     models = tmp_path / "models"
-    agent = kit.spawn_agent(
-        tmp_path / "logs",
-        "cam-c",
-        tmp_path / "photos",
-        federation,
-        "--profile",
-        str(tmp_path / "pi-int8.json"),
-        "--model-dir",
-        str(models),
+    outcome = kit.own_data_federation(
+        server,
+        lambda: {
+            "cam-c": kit.spawn_agent(
+                tmp_path / "logs",
+                "cam-c",
+                tmp_path / "photos",
+                federation,
+                "--profile",
+                str(tmp_path / "pi-int8.json"),
+                "--model-dir",
+                str(models),
+            )
+        },
+        timeout=300,
     )
-    try:
-        thread.join(300)
-        assert not thread.is_alive(), "the federation did not finish in 300 s"
-        if "error" in outcome:
-            raise outcome["error"]
-        assert agent.wait(60) == 0, kit.log_text(agent)[-3000:]
-    finally:
-        kit.stop(agent)
-        server.stop.set()
-        server.close()
     assert outcome["registry"]["cam-c"].precision == "int8"
     assert outcome["registry"]["cam-c"].budget_macs == int(profile.budget_macs)
     (manifest,) = outcome["manifests"]
