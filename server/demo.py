@@ -44,7 +44,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from feast_edge.run.rundir import fleet_accuracy, model_accuracy
+from feast_edge.run.rundir import chosen_by, fleet_accuracy, model_accuracy
 from feast_edge.server.brokers import MOSQUITTO, Broker, free_port, resolve_kind, start_broker, start_mosquitto
 from feast_edge.server.demo_fleet import DemoError, Fleet, relative
 from feast_edge.server.output import add_fleet_rows, personal_cell
@@ -357,6 +357,7 @@ def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: in
                 "onnx": f"{path.parent.name}/{path.name}",
                 "latency_ms": latency["median_ms"],
                 "predicted_ms": profile.latency_ms(manifest["macs"]),
+                "chosen_by": chosen_by(manifest),  # the largest affordable, or a smaller one better on validation
             }
         )
     return rows
@@ -383,12 +384,11 @@ def own_accuracy(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 def summary_table(rows: list[dict[str, Any]], title: str, server_data: bool) -> Table:
     """One row per device (:func:`_device_rows`): its model, own accuracy served -> personal, its test accuracy and
     latency; then the means over the devices and the worst device."""
-    table = Table(
-        title=title,
-        caption=None
-        if server_data
-        else "personalization on (feast-agent run --personalize auto, the default); own acc: each device's held-out split",
-    )
+    smaller = [f"* {r['device']}: {r['chosen_by']}" for r in rows if r.get("chosen_by", "").startswith("smaller")]
+    captions = [] if server_data else [
+        "personalization on (feast-agent run --personalize auto, the default); own acc: each device's held-out split"
+    ]  # fmt: skip
+    table = Table(title=title, caption="\n".join(captions + smaller) or None)
     for col in (
         "device",
         "budget",
@@ -407,7 +407,7 @@ def summary_table(rows: list[dict[str, Any]], title: str, server_data: bool) -> 
         table.add_row(
             r["device"],
             f"{r['budget_macs'] / 1e6:.2f}M",
-            f"{r['macs'] / 1e6:.2f}M",
+            f"{r['macs'] / 1e6:.2f}M" + ("*" if r.get("chosen_by", "").startswith("smaller") else ""),
             f"{r['params'] / 1e6:.3f}M",
             r["calibrated"],
             "-" if own["accuracy"] is None else f"{100 * own['accuracy']:.2f}%",

@@ -84,6 +84,17 @@ def test_the_demo_summary_shows_own_accuracy_served_and_personal_the_mean_and_th
     assert any("personalization on (feast-agent run --personalize auto, the default)" in line for line in lines)
 
 
+def test_the_demo_summary_marks_a_variant_the_serving_rule_chose_smaller(tmp_path: Path) -> None:
+    rule = "smaller: better on validation: 87.2% vs 79.3% for the 6.60M variant"
+    rows = [{**_kept_model(tmp_path, "pi", 0.8), "chosen_by": rule}, _kept_model(tmp_path, "desk", 0.9)]
+    console = Console(width=250, record=True)
+    console.print(summary_table(rows, "demo", server_data=False))
+    text = console.export_text()
+    cells = {c[0]: c for c in ([c.strip() for c in ln.strip("│").split("│")] for ln in text.splitlines() if "│" in ln)}
+    assert cells["pi"][2].endswith("*") and not cells["desk"][2].endswith("*")
+    assert f"* pi: {rule}" in text
+
+
 def _amqtt_env() -> dict[str, str]:
     """amqtt as `pip install 'feast-edge[amqtt]'` gives it: installed here, or in the directory make venv puts beside the
     venv (amqtt and flwr cannot share an environment; pyproject.toml says why)."""
