@@ -1,4 +1,4 @@
-"""Sparse aggregation of one routed cohort vs a dense ``torch.add_`` over the same elements (SPEC §6).
+"""Sparse aggregation of one routed cohort vs a dense ``torch.add_`` over the same elements (method §6).
 
 Clients get growing envelopes: client i of m routes width index round(9·i/(m-1))
 for the stem and every stage and depth round(d_max·i/(m-1)) in every stage, so

@@ -1,4 +1,4 @@
-"""Scalar vs vectorized fitness throughput (SPEC §3), measured side by side in one run.
+"""Scalar vs vectorized fitness throughput (method §3), measured side by side in one run.
 
     PYTHONPATH=. python3 bench/bench_fitness.py [--preset paper-cifar100] [--n 4000]
 

@@ -16,7 +16,7 @@ and per recipe a ``feast-server run`` without data and three ``feast-agent run``
 (a fresh federation id each), ``--rounds`` rounds, and ``feast-agent evaluate`` of each device's served ONNX model on
 the test folder. Recipes (``--recipes``, run one after the other on the same preset, cache and folders):
 
-    paper   no [train] table: SPEC §7's recipe, what `preset new` wrote before issue 37
+    paper   no [train] table: method §7's recipe, what `preset new` wrote before issue 37
     preset  the [train] table `preset new` writes now (docs/presets.md)
     NAME:KEY=VALUE;KEY=VALUE   any other [train] table, for screening (e.g. 'b32:augment="none";lr=0.05;batch_size=32')
 
@@ -333,7 +333,7 @@ def main() -> None:
     for recipe, body in recipes.items():
         preset = recipe_preset(written, work / recipe, body)
         train = tomllib.loads(preset.read_text()).get("train", {})
-        say(f"recipe {recipe}: [train] {train or '(none: SPEC §7)'}; {args.rounds} rounds")
+        say(f"recipe {recipe}: [train] {train or '(none: method §7)'}; {args.rounds} rounds")
         found[recipe] = federation(preset, work / recipe, work / "data", budgets, args, env)
         for device, r in found[recipe].items():
             own, test = r["manifest"].get("holdout_accuracy"), r["test"]["accuracy"]

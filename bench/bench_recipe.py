@@ -6,7 +6,7 @@ Every candidate runs on the same population, partition, cohorts and seed;
 only the [train] recipe differs (augmentation policy, learning rate, local
 epochs). Prints population accuracy, the largest and the smallest cached
 variant's test accuracy, the wall time, and each candidate's ratio to the
-first (SPEC §7's recipe). The measurement behind fmnist-small's [train]
+first (method §7's recipe). The measurement behind fmnist-small's [train]
 table (docs/benchmarks.md).
 """
 
@@ -18,10 +18,10 @@ import time
 
 from feast_edge.sim.setup import SimulationConfig
 
-# name -> recipe settings on top of SPEC §7 (randaugment+mix, lr 0.025, batch 64, 1 local epoch)
+# name -> recipe settings on top of method §7 (randaugment+mix, lr 0.025, batch 64, 1 local epoch)
 from feast_edge.sim.simulate import Simulation
 
-# name -> recipe settings on top of SPEC §7 (randaugment+mix, lr 0.025, batch 64, 1 local epoch)
+# name -> recipe settings on top of method §7 (randaugment+mix, lr 0.025, batch 64, 1 local epoch)
 CANDIDATES = {
     "spec7 (randaugment+mix, lr 0.025)": {"augment": "randaugment+mix", "lr": 0.025},
     "crop-flip, lr 0.025": {"augment": "crop-flip", "lr": 0.025},

@@ -1,4 +1,4 @@
-"""Cost of the robust aggregation rules against the SPEC §6 mean, on the same routed cohort in one run (issue 9).
+"""Cost of the robust aggregation rules against the method §6 mean, on the same routed cohort in one run (issue 9).
 
 The cohort is bench_aggregate.py's: client i of m routes growing width and
 depth, the last one the full supernet, with sample counts 50 + 40·i. Every
@@ -31,7 +31,7 @@ import torch
 from feast_edge.aggregate.robust import robust_aggregate
 
 RULES = {  # label -> (rule, keyword arguments)
-    "mean (SPEC §6)": ("mean", {}),
+    "mean (method §6)": ("mean", {}),
     "clip (adaptive)": ("clip", {}),
     "trimmed-mean β=0.1": ("trimmed-mean", {"trim": 0.1}),
     "median": ("median", {}),
@@ -102,7 +102,7 @@ def main() -> None:
         )
         seconds = time_rules(global_state, payloads, args.repeats)
         memory = peak_memory(global_state, payloads)
-        mean = seconds["mean (SPEC §6)"]
+        mean = seconds["mean (method §6)"]
         print(f"| {'rule':<20} | {'seconds':>8} | {'x mean':>7} | {'peak memory':>11} |")  # a Markdown table
         print(f"|{'-' * 22}|{'-' * 9}:|{'-' * 8}:|{'-' * 12}:|")
         for label, s in seconds.items():

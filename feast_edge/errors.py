@@ -18,7 +18,7 @@ class CheckpointError(FeastError, ValueError):
 
 
 class PopulationError(FeastError, ValueError):
-    """A client-population or data-partition setting cannot be realized (SPEC §4)."""
+    """A client-population or data-partition setting cannot be realized (method §4)."""
 
 
 class PayloadError(FeastError, ValueError):

@@ -248,7 +248,7 @@ class FederationServer(RunHost):
         return self.export_models(self._federated_statistics if federated_bn else None)
 
     def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:
-        """The online devices' BN statistics of every served variant (SPEC §8 on the federation's data)."""
+        """The online devices' BN statistics of every served variant (method §8 on the federation's data)."""
         assert self.calibration is not None, "start() first"
         served = {self.cache.entries[s.index].arch for s in self.serving(devices).values()}
         variants = {arch: extract(model, arch) for arch in sorted(served, key=str)}

@@ -1,4 +1,4 @@
-"""Federated BN statistics: a server without data calibrates each served variant on the devices' data (SPEC §8).
+"""Federated BN statistics: a server without data calibrates each served variant on the devices' data (method §8).
 
     after the last round, before export (``feast-server run --bn-calibration federated``, the default without --data):
       per online registered device:  its routed slice of the exported model + Calibrate(the served variants it can afford)

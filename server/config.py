@@ -48,7 +48,7 @@ class ServerConfig:
     seed: int = 0
     lr: float | None = None  # None: the preset's [train] recipe (as batch_size, augment)
     batch_size: int | None = None
-    variants: str = "full"  # FEAST's variants per batch: full, min, max, min+max or min+max+kd (SPEC §7 ablations)
+    variants: str = "full"  # FEAST's variants per batch: full, min, max, min+max or min+max+kd (method §7 ablations)
     augment: str | bool | None = None
     epochs: int | None = None  # local epochs per round (None: the recipe's)
     eval_every: int = 5
@@ -57,7 +57,7 @@ class ServerConfig:
     calib_samples: int = 500
     bn_calibration: str = "federated"  # without data: "federated" (the devices' statistics, combined) or "device"
     # Which variant a device is served: "validated" (its largest affordable unless a smaller affordable one is clearly
-    # better on the federation's validation) or "largest" (SPEC §8's largest affordable, whatever validation says).
+    # better on the federation's validation) or "largest" (method §8's largest affordable, whatever validation says).
     serving_rule: str = "validated"
     bn_rule: str = DEFAULT_BN_RULE  # how the devices' BN statistics are combined (feast_edge.evaluate.bn_robust)
     val_rule: str = (
@@ -73,7 +73,7 @@ class ServerConfig:
     send_timeout: float = 120.0
     max_samples: int = 1_000_000  # the most training examples a device may register (its aggregation weight)
     max_devices: int = 10_000  # the most devices the registry takes
-    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
+    aggregation: str = "mean"  # mean (method §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     max_update_norm: float = (
@@ -92,7 +92,7 @@ class ServerConfig:
         256  # images that set the int8 activation ranges (the server's calibration split, or a device's)
     )
     int8_tolerance: float = 0.01  # accuracy an int8 file may lose against float32 on held-out data before it is refused
-    # The server's step from each round's aggregate (feast_edge.aggregate.server_opt; avg with lr 1: SPEC §6 itself).
+    # The server's step from each round's aggregate (feast_edge.aggregate.server_opt; avg with lr 1: method §6 itself).
     server_opt: str = DEPLOYMENT_OPT
     server_lr: float | None = None  # None: the rule's default (feast_edge.aggregate.server_opt.DEFAULT_LR)
     server_momentum: float = 0.9

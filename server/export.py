@@ -1,5 +1,5 @@
 """One model per registered device: its largest affordable cached variant (unless a smaller affordable one is better
-on the federation's validation: ``feast_edge.evaluate.coverage``), BN-recalibrated (SPEC §8).
+on the federation's validation: ``feast_edge.evaluate.coverage``), BN-recalibrated (method §8).
 
 With server-held data, each distinct variant is extracted, recalibrated on the
 server's calibration split, validated and exported once; every device it serves

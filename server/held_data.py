@@ -1,4 +1,4 @@
-"""Server-held data: the validation split for model selection and the BN-calibration split for export (SPEC §4, §8)."""
+"""Server-held data: the validation split for model selection and the BN-calibration split for export (method §4, §8)."""
 
 from __future__ import annotations
 

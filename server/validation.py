@@ -1,4 +1,4 @@
-"""Federated validation: a server without data asks the round's cohort to test the aggregated model (SPEC §8).
+"""Federated validation: a server without data asks the round's cohort to test the aggregated model (method §8).
 
     after round t's aggregation (every ``--eval-every`` rounds and the last):
       per online cohort device:  its routed slice of the new global model + Evaluate(the probes and the served

@@ -1,1 +1,1 @@
-"""Sparse aggregation of the returned slices (SPEC §6), and the robust rules."""
+"""Sparse aggregation of the returned slices (method §6), and the robust rules."""

@@ -1,12 +1,12 @@
 """Robust aggregation over the clients covering each position: norm clipping, trimmed mean, median (issue 9).
 
-SPEC §6 averages every global position over the cohort clients whose routed
+method §6 averages every global position over the cohort clients whose routed
 leading slice contains it. One client that sends a huge update moves that
 average as far as it likes; the rules here bound its influence and keep the
 sparse structure (a position only hears from the clients that were routed it;
 a position nobody routed keeps the global value)::
 
-    mean          θ[u] = Σ n_i θ'_i[u] / Σ n_i                  (SPEC §6: exactly ``aggregate``)
+    mean          θ[u] = Σ n_i θ'_i[u] / Σ n_i                  (method §6: exactly ``aggregate``)
     clip          θ'_i ← θ_i + Δ_i · min(1, c / ‖Δ_i‖₂), then mean   (Sun et al. 2019, "Can you really backdoor FL?")
     trimmed-mean  per position: drop the ⌊β·k⌋ lowest and highest of the k covering values, average the rest (Yin et al. 2018)
     median        per position: the median of the k covering values (the mean of the two middle ones when k is even)
@@ -284,7 +284,7 @@ def aggregate_updates(
     trim: float = 0.1,
     clip_norm: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Aggregation of ``(client_id, state, n_samples)`` in client-id order: SPEC §6's sparse sample-weighted mean by default.
+    """Aggregation of ``(client_id, state, n_samples)`` in client-id order: method §6's sparse sample-weighted mean by default.
 
     ``rule``, ``trim`` and ``clip_norm`` choose a robust rule instead
     (:mod:`feast_edge.aggregate.robust`). ``inplace=True`` writes the result into

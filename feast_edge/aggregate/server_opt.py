@@ -1,6 +1,6 @@
 """Server optimizers over sparse aggregation: FedAvg with a server step, FedAvgM, FedAdam, FedYogi (issue 23).
 
-SPEC §6 replaces every routed global position by the cohort's sample-weighted
+method §6 replaces every routed global position by the cohort's sample-weighted
 mean ``θ̄[u]`` and leaves the others alone. Adaptive federated optimization
 (Reddi et al., ICLR 2021) reads that mean as a pseudo-gradient
 ``Δ[u] = θ̄[u] − θ[u]`` and lets a server optimizer take the step. Here it is
@@ -8,7 +8,7 @@ applied *per position*, and only where some cohort member was routed ``u``
 this round; an unrouted position keeps its value **and** its optimizer state
 (momentum does not decay, a step count does not advance)::
 
-    avg       θ ← θ + η·Δ                                              (η = 1: SPEC §6 itself)
+    avg       θ ← θ + η·Δ                                              (η = 1: method §6 itself)
     momentum  b ← μ·b + Δ;  θ ← θ + η·b                                (FedAvgM, Hsu et al. 2019)
     adam      k ← k+1;  m ← β₁m + (1−β₁)Δ;  v ← β₂v + (1−β₂)Δ²
               θ ← θ + η·m̂ / (√v̂ + τ),  m̂ = m/(1−β₁ᵏ),  v̂ = v/(1−β₂ᵏ)    (FedAdam)
@@ -21,7 +21,7 @@ position is ``η·Δ/(|Δ|+τ)``, Adam's usual ``≈ η·sign(Δ)``.
 
 The optimizer acts on the model's *parameters*. Buffers (BatchNorm running
 statistics, counters) keep the aggregate itself: an Adam step on a running
-variance could make it negative, and SPEC §8 recalibrates them anyway.
+variance could make it negative, and method §8 recalibrates them anyway.
 
 ``Δ`` is whatever the aggregation rule produced minus the current value, so a
 robust rule (``clip``, ``trimmed-mean``, ``median``; ``feast_edge.aggregate.robust``)
@@ -72,13 +72,13 @@ class ServerOpt:
 
     @property
     def identity(self) -> bool:
-        """Whether it leaves the aggregate as it is (``avg`` at η = 1: SPEC §6 exactly)."""
+        """Whether it leaves the aggregate as it is (``avg`` at η = 1: method §6 exactly)."""
         return self.name == "avg" and self.lr == 1.0
 
     def describe(self) -> str:
-        """``"adam (lr 0.01, betas 0.9,0.99, tau 0.001)"``; plain averaging says it is SPEC §6's."""
+        """``"adam (lr 0.01, betas 0.9,0.99, tau 0.001)"``; plain averaging says it is method §6's."""
         if self.identity:
-            return "avg (SPEC §6's sparse mean)"
+            return "avg (method §6's sparse mean)"
         details = {"avg": f"lr {self.lr:g}", "momentum": f"lr {self.lr:g}, momentum {self.momentum:g}"}
         adaptive = f"lr {self.lr:g}, betas {self.betas[0]:g},{self.betas[1]:g}, tau {self.tau:g}"
         return f"{self.name} ({details.get(self.name, adaptive)})"
@@ -130,7 +130,7 @@ def parse_betas(text: str) -> tuple[float, ...]:
 
 
 def routed_masks(global_state: StateDict, states: Iterable[StateDict], names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Per tensor of ``names``: the positions some payload's leading slice covers (the union of their boxes, SPEC §5)."""
+    """Per tensor of ``names``: the positions some payload's leading slice covers (the union of their boxes, method §5)."""
     states = list(states)
     masks = {}
     for name in names:

@@ -1,7 +1,7 @@
-"""Sparse sample-weighted aggregation of routed payloads (SPEC §6).
+"""Sparse sample-weighted aggregation of routed payloads (method §6).
 
 Each returned local state dict holds, per tensor name, the *leading slice* of
-the global tensor of the same name that the client was routed (SPEC §1, §5).
+the global tensor of the same name that the client was routed (method §1, §5).
 Every global position ``u`` becomes the sample-weighted mean over the cohort
 clients whose payload contains it, and keeps its value when none does::
 
@@ -34,7 +34,7 @@ Buffers:
 
 * BatchNorm ``running_mean`` / ``running_var`` are floating tensors and are
   treated exactly like weights: sample-weighted over the clients that routed
-  each channel. SPEC §8 recalibrates BN statistics before every evaluated
+  each channel. method §8 recalibrates BN statistics before every evaluated
   operating point, so these averages only seed that recalibration.
 * Integer buffers (``num_batches_tracked``) cannot be meaningfully averaged;
   they take the element-wise maximum over the clients that sent them, and keep
@@ -60,7 +60,7 @@ StateDict = Mapping[str, torch.Tensor]
 
 
 def check_payload(global_state: StateDict, local_state: StateDict) -> None:
-    """Raise :class:`PayloadError` unless every local tensor is a leading slice of the same-named global one (SPEC §5)."""
+    """Raise :class:`PayloadError` unless every local tensor is a leading slice of the same-named global one (method §5)."""
     for name, local in local_state.items():
         if name not in global_state:
             raise PayloadError(
@@ -169,7 +169,7 @@ class _Slot:
 
 
 class SparseAccumulator:
-    """Value and count accumulators over one global state dict; ``add`` payloads, then ``result`` (SPEC §6).
+    """Value and count accumulators over one global state dict; ``add`` payloads, then ``result`` (method §6).
 
     Each tensor keeps a running mean while its boxes stay nested (largest
     first) and switches to explicit sums and counts otherwise; see the module
@@ -409,7 +409,7 @@ def aggregate(
     dtype: torch.dtype = torch.float32,
     inplace: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Sparse sample-weighted average of ``(local_state, n_samples)`` payloads (SPEC §6).
+    """Sparse sample-weighted average of ``(local_state, n_samples)`` payloads (method §6).
 
     Every payload is validated before anything is written, so a bad one raises
     :class:`PayloadError` and changes nothing. Payloads are then folded in

@@ -1,6 +1,6 @@
 """Bounded influence of self-reported sample counts (issue 21, item 3).
 
-SPEC §6 weighs each client's update by its sample count ``n_i``. Where the
+method §6 weighs each client's update by its sample count ``n_i``. Where the
 server knows the counts (the simulation's shards, a partitioned federation's
 record) they are facts; where a device reports its own (a device training on
 its own data) the count is a claim, and one device claiming 10⁶ examples

@@ -4,7 +4,7 @@ Two limits decide which cached variants a device may be served and trained on (`
 
 * **latency**: ``a + b·MACs ≤ latency_target_ms`` at batch 1, with ``a`` (ms) and ``b`` (ms per million MACs)
   fitted by least squares to timed cached variants (:func:`fit_latency`);
-* **memory**: local co-training (SPEC §7) of the envelope routed at the budget (SPEC §5) must fit in the memory
+* **memory**: local co-training (method §7) of the envelope routed at the budget (method §5) must fit in the memory
   limit (:func:`training_memory_bytes` gives the estimate and its formula).
 
 :func:`derive_budget` is the largest cached variant's MACs meeting both.
@@ -22,7 +22,7 @@ from feast_edge.space.arch import Arch
 from feast_edge.space.geometry import arch_layout
 from feast_edge.space.preset import Preset
 
-TRAIN_BATCH_SIZE = 64  # SPEC §4: local batch size of co-training
+TRAIN_BATCH_SIZE = 64  # method §4: local batch size of co-training
 FLOAT_BYTES = 4
 
 
@@ -75,7 +75,7 @@ def training_memory_bytes(
     archs: Sequence[Arch],
     classes: int | None = None,
 ) -> int:
-    """Estimated peak memory of one client's local co-training (SPEC §7) in float32 bytes.
+    """Estimated peak memory of one client's local co-training (method §7) in float32 bytes.
 
     ``3 · 4 · envelope_params`` (weights, gradients, SGD momentum of the routed
     envelope) ``+ 2 · 4 · batch_size · max_a activation_elements(a)``: the
@@ -148,7 +148,7 @@ def derive_budget(
 
     Both limits grow monotonically with the budget (latency with MACs; the
     routed envelope and the largest activations with the nested affordable
-    set, SPEC §5), so the affordable budgets form a prefix of the cache.
+    set, method §5), so the affordable budgets form a prefix of the cache.
     """
     if cache.preset_name != preset.name:
         raise ProfileError(

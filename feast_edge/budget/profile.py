@@ -7,8 +7,8 @@ this device be served and trained on? Two limits decide it:
   ``a + b·MACs ≤ latency_target_ms``, where ``a`` (ms) and ``b`` (ms per
   million MACs) are fitted by least squares (:func:`fit_latency`) to timed
   cached variants;
-* **memory**: local co-training (SPEC §7) of the envelope routed at the
-  budget (SPEC §5) must fit in ``memory_limit_bytes``
+* **memory**: local co-training (method §7) of the envelope routed at the
+  budget (method §5) must fit in ``memory_limit_bytes``
   (:func:`training_memory_bytes` gives the estimate and its formula).
 
 The budget is the largest cached variant's MACs meeting both

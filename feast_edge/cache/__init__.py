@@ -1,1 +1,1 @@
-"""The variant cache (SPEC §3): fitness, the evolutionary search, and the cached operating points a device can be served."""
+"""The variant cache (method §3): fitness, the evolutionary search, and the cached operating points a device can be served."""

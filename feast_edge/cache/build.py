@@ -1,4 +1,4 @@
-"""Building the variant cache A of a preset: one GA search per MAC target, merged into one entry per network (SPEC §3).
+"""Building the variant cache A of a preset: one GA search per MAC target, merged into one entry per network (method §3).
 
 ``feast-edge cache build`` calls :func:`build_cache`; :mod:`feast_edge.cache.variants` holds the cache it returns and
 how it is stored, found and loaded.
@@ -41,7 +41,7 @@ from feast_edge.space.preset import Preset
 
 
 def cache_targets(preset: Preset) -> tuple[tuple[float, float], ...]:
-    """``(target MACs, rho0)`` of every segment in the preset's [cache] data, merged and sorted (SPEC §3)."""
+    """``(target MACs, rho0)`` of every segment in the preset's [cache] data, merged and sorted (method §3)."""
     if not preset.cache_segments:
         raise CacheError(
             f"preset {preset.name} defines no cache targets; add a [cache] section with segments "
@@ -85,7 +85,7 @@ def build_cache(
     progress: ProgressFn | None = None,
     workers: int = 1,
 ) -> VariantCache:
-    """Search every ``(target, rho0)`` (default: the preset's [cache] targets) and assemble the cache (SPEC §3).
+    """Search every ``(target, rho0)`` (default: the preset's [cache] targets) and assemble the cache (method §3).
 
     Each target runs its own GA seeded with ``seed + k`` (``k``: its rank by
     target), so the result does not depend on ``workers``. ``progress(done,
@@ -125,7 +125,7 @@ def build_cache(
 
 
 def read_reference_csv(path: str | os.PathLike[str], preset: Preset, classes: int = 10) -> VariantCache:
-    """The paper's published cache CSV (``reference/feast-cifar100-cache.csv``, 10-class MACs, SPEC §2).
+    """The paper's published cache CSV (``reference/feast-cifar100-cache.csv``, 10-class MACs, method §2).
 
     The CSV does not record ρ0; each job's ceiling is that of the preset's
     [cache] segment containing its target.

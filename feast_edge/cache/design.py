@@ -1,4 +1,4 @@
-"""A preset for another input, designed from its device-budget range: family, cache targets, population (SPEC §1-§4).
+"""A preset for another input, designed from its device-budget range: family, cache targets, population (method §1-§4).
 
 :func:`design_preset` answers "my images are 3x64x64, 5 classes, my devices
 afford 2M to 200M MACs: which supernet family, which cache?" with the analytic
@@ -13,15 +13,22 @@ cost model and the cache search's own feasibility test, no forward pass:
    top budget (fmnist-small: 99.7M = 2.5 x 40M), the width divisor 8, or 4 when
    8 cannot get below the low budget. Of the shapes that fit, the one needing
    the smaller rescaling wins.
-3. **Cache targets** shaped like the shipped presets' (SPEC §3): a main segment
+3. **Cache targets** shaped like the shipped presets' (method §3): a main segment
    of ``MAIN_COUNT`` targets up to the top budget under ρ0 = 0.31 and a
    low-compute segment of ``LOW_COUNT`` targets down to the low budget under
    the smallest relaxed ρ0 (0.40 or above) at which every one of its targets
    is feasible for the GA's initial population (:func:`initial_draws`).
-4. **Population** budgets (SPEC §4) from the range: Zipf over [low, 2.5 x high],
+   **The top budget must be reachable**: the cache's own search job for the top
+   target (:func:`top_search`) must find a network of at least ``REACH`` x the
+   top budget. Above some size the fitness's 1000·ρ term loses more to a wider
+   network than its entropy gains, so in a small family the search stops short
+   (digits at 16x16, 0.5M..8M, divisor 4, scale 0.39: every target from 6.2M to
+   8M finds the same 6.21M network); the family's scale is then raised a step at
+   a time (at most ``MAX_REACH_STEPS``) until the top is reached.
+4. **Population** budgets (method §4) from the range: Zipf over [low, 2.5 x high],
    allocation cap at the top budget (the paper's 1500M / 600M).
 5. **Training recipe** (:func:`train_recipe`): ``fmnist-small``'s measured
-   ``[train]`` table (no augmentation, lr 0.05) instead of SPEC §7's heavy
+   ``[train]`` table (no augmentation, lr 0.05) instead of method §7's heavy
    one, and batch 32 when the measured image folder holds fewer than
    ``SMALL_DATA_IMAGES`` images (bench/bench_label_skew.py, docs/presets.md).
 """
@@ -34,7 +41,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from feast_edge.cache.fitness import OVER_RHO, effectiveness, population_evaluator
-from feast_edge.cache.search import MAX_INITIAL_DRAWS, POPULATION, gene_box, split_genes
+from feast_edge.cache.search import MAX_INITIAL_DRAWS, POPULATION, gene_box, search_target, split_genes
+from feast_edge.cache.variants import DEFAULT_SEED
 from feast_edge.data.task import Task
 from feast_edge.errors import PresetError
 from feast_edge.space.arch import Arch
@@ -64,7 +72,7 @@ HEADROOM = 2.5  # full supernet MACs / top budget: fmnist-small 99.7M / 40M, the
 MIN_HEADROOM = 2.0
 DIVISORS = (8, 4)
 FINAL_RESOLUTION = 4
-MAIN_RHO0 = 0.31  # the paper's main ceiling (SPEC §3)
+MAIN_RHO0 = 0.31  # the paper's main ceiling (method §3)
 RELAXED_RHO0 = 0.40  # the paper's low-compute ceiling
 RHO0_STEP = 0.05
 MAX_RHO0 = 0.80
@@ -74,8 +82,10 @@ MAX_LOW_COUNT = 12
 SAMPLES = 1 << 17  # most uniform draws per target of the feasibility estimate
 BATCH = 1 << 12
 HITS = 256
+REACH = 0.95  # the top target's search must find at least this fraction of the top budget (fmnist-small: 97.9 %)
+MAX_REACH_STEPS = 8  # scale steps (9 % each) tried above the headroom rule's scale for a reachable top
 DRAW_LIMIT = MAX_INITIAL_DRAWS // 4  # expected draws to fill the GA's first population must stay below this
-# The [train] recipe of a designed preset (docs/presets.md §1.1, measured with bench/bench_label_skew.py): SPEC §7's
+# The [train] recipe of a designed preset (docs/presets.md §1.1, measured with bench/bench_label_skew.py): method §7's
 # RandAugment + Mixup/CutMix at lr 0.025 regularises the paper's long runs on 50,000+ images, but on a few thousand
 # images over tens of rounds the model hardly learns (digits, 20 rounds: 54 % test accuracy, 96 % with this one).
 LIGHT_RECIPE = {"augment": "none", "lr": 0.05}  # fmnist-small's measured recipe (bench/bench_recipe.py)
@@ -97,6 +107,9 @@ class PresetDesign:
     low: float
     high: float
     draws: dict[str, float]  # segment name -> most expected initial draws over its targets
+    top_macs: int = 0  # the network the cache's search job for the top target finds
+    short_scale: float | None = None  # the headroom rule's scale, when its top search fell short of REACH
+    short_macs: int = 0  # what that search found there
     stats_note: str = ""  # where mean/std came from
     extra_stride: bool = False  # one stride-2 step more than the ~4x4 rule, to get under the low budget
     images: int | None = None  # images counted in the --classes-from folder (None: not measured)
@@ -110,7 +123,7 @@ def train_recipe(images: int | None) -> dict[str, object]:
     """The [train] table of a designed preset: :data:`LIGHT_RECIPE`, with batch 32 under ``SMALL_DATA_IMAGES`` images.
 
     ``images`` is the number of training images measured in the user's folder (None: not measured, batch 64 as
-    SPEC §7 and fmnist-small). With few images a device's shard is a handful of batches of 64, so a round is a
+    method §7 and fmnist-small). With few images a device's shard is a handful of batches of 64, so a round is a
     handful of SGD steps; batch 32 doubles them at the same compute per round.
     """
     recipe = dict(LIGHT_RECIPE)
@@ -281,12 +294,9 @@ def design_preset(
                 if smallest <= low:
                     fits.append((abs(math.log(scale)), shape.preset, family, shape, scale))
             for _, _, family, shape, scale in sorted(fits, key=lambda f: f[:2]):
-                planned = cache_segments(family, low, high)
-                if planned is None:
-                    continue
-                segments, draws = planned
-                design = _designed(family, segments, draws, shape, scale, low, high, stats_note)
-                return replace(design, extra_stride=rank > 0, images=images)
+                design = _reachable(base, family, shape, scale, divisor, plan, low, high, stats_note)
+                if design is not None:
+                    return replace(design, extra_stride=rank > 0, images=images)
     if ceiling == 0:
         top = _top(base)
         raise PresetError(
@@ -317,6 +327,45 @@ def _scaled(
         return None
     _, family, scale, largest = best
     return family, scale, arch_cost(family, Arch.smallest(family))[0], largest
+
+
+def top_search(preset: Preset) -> int:
+    """MACs of the network that the default cache build's job for the top target finds (its target, ρ0 and seed)."""
+    from feast_edge.cache.build import cache_jobs, cache_targets
+
+    job = cache_jobs(cache_targets(preset), DEFAULT_SEED)[-1]
+    return search_target(preset, job.target, job.rho0, job.seed).fitness.macs
+
+
+def _reachable(
+    base: Preset,
+    family: Preset,
+    shape: Shape,
+    scale: float,
+    divisor: int,
+    plan: tuple[int, tuple[int, ...]],
+    low: float,
+    high: float,
+    stats_note: str,
+) -> PresetDesign | None:
+    """The design at ``scale``, or at the first of the next ``MAX_REACH_STEPS`` scales whose top search reaches
+    ``REACH`` x ``high`` (None: no feasible cache at ``scale``; no larger scale reaches: the design at ``scale``)."""
+    first = None
+    for step, candidate in enumerate(SCALES[SCALES.index(scale) :][: MAX_REACH_STEPS + 1]):
+        family = family if step == 0 else _family(base, shape, candidate, divisor, plan)
+        if arch_cost(family, Arch.smallest(family))[0] > low:
+            break
+        planned = cache_segments(family, low, high)
+        if planned is None:
+            if first is None:
+                return None
+            continue
+        design = _designed(family, *planned, shape, candidate, low, high, stats_note)
+        if first is None:
+            first = design
+        if design.top_macs >= REACH * high:
+            return design if design is first else replace(design, short_scale=first.scale, short_macs=first.top_macs)
+    return first
 
 
 def _top(base: Preset) -> int:
@@ -350,6 +399,7 @@ def _designed(
         low=low,
         high=high,
         draws=draws,
+        top_macs=top_search(preset),
         stats_note=stats_note,
     )
 

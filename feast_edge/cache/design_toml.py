@@ -8,6 +8,7 @@ import textwrap
 from feast_edge.cache.design import (
     FINAL_RESOLUTION,
     HEADROOM,
+    REACH,
     SMALL_DATA_BATCH,
     SMALL_DATA_IMAGES,
     PresetDesign,
@@ -80,8 +81,9 @@ def preset_toml(d: PresetDesign) -> str:
         *_comment(
             f"Proportions of {d.shape.preset} (stem {d.shape.stem}, stages {list(d.shape.stages)}, up to "
             f"{d.shape.max_extra_blocks} extra blocks, its expansion ratios) scaled by {d.scale:.2f}, the shipped "
-            f"shape that needs the smaller rescaling to put the full supernet near {HEADROOM:g}x the top budget. "
-            f"Resolutions (stem, then each stage): {res}; "
+            f"shape that needs the smaller rescaling to put the full supernet near {HEADROOM:g}x the top budget"
+            + _reach_text(d)
+            + f"Resolutions (stem, then each stage): {res}; "
             + (
                 "one stride-2 step more than the shipped presets' rule (last stage at about "
                 f"{FINAL_RESOLUTION}x{FINAL_RESOLUTION}): without it no architecture fits the low budget."
@@ -124,7 +126,7 @@ def preset_toml(d: PresetDesign) -> str:
         "]",
         "",
         *_comment(
-            "Simulated client budgets (SPEC §4, feast-edge simulate): Zipf over [budget_min, budget_max] MACs; data "
+            "Simulated client budgets (method §4, feast-edge simulate): Zipf over [budget_min, budget_max] MACs; data "
             "allocation uses min(b, budget_cap). The floor is the low budget, the cap the top one, the ceiling "
             f"{HEADROOM:g}x the cap (the paper's 1500M over 600M)."
         ),
@@ -155,9 +157,9 @@ def _train_text(d: PresetDesign) -> list[str]:
             "device's few images still give it enough SGD steps per round (twice those of batch 64, same compute)."
         )
     else:
-        data = f"{d.images:,} training images measured ({SMALL_DATA_IMAGES:,} or more): batch 64, as SPEC §7."
+        data = f"{d.images:,} training images measured ({SMALL_DATA_IMAGES:,} or more): batch 64, as method §7."
     why = (
-        "Training recipe (SPEC §7 for every key not given here; keys: feast_edge/space/preset.py RECIPE_KEYS). Not "
+        "Training recipe (method §7 for every key not given here; keys: feast_edge/space/preset.py RECIPE_KEYS). Not "
         "the paper's RandAugment + Mixup/CutMix at lr 0.025: that regularises long runs on 50,000+ images, and on a "
         "few thousand it keeps the model from learning within tens of rounds (docs/presets.md: 54 % against 96 % "
         "test accuracy on handwritten digits after 20 rounds). No augmentation and lr 0.05 are fmnist-small's "
@@ -166,9 +168,20 @@ def _train_text(d: PresetDesign) -> list[str]:
     return [why, data, "[train] is not in the preset digest: edit it freely, no cache rebuild."]
 
 
+def _reach_text(d: PresetDesign) -> str:
+    if d.short_scale is None:
+        return ". "
+    return (
+        f" ({d.short_scale:.2f}), raised: there the cache's search for the top target stops at a "
+        f"{macs_text(d.short_macs)} network ({d.short_macs / d.high:.0%} of {macs_text(d.high)}), as wider networks "
+        f"lose more in the fitness's 1000 x rho term than they gain in entropy; here it finds {macs_text(d.top_macs)} "
+        f"(at least {REACH:.0%} is required). "
+    )
+
+
 def _cache_text(d: PresetDesign) -> list[str]:
     segs = d.preset.cache_segments
-    text = ["Targets of the fixed variant cache (SPEC §3): one GA search per target, merged and sorted by MACs."]
+    text = ["Targets of the fixed variant cache (method §3): one GA search per target, merged and sorted by MACs."]
     if len(segs) == 1:
         s = segs[0]
         text.append(
@@ -189,6 +202,8 @@ def _cache_text(d: PresetDesign) -> list[str]:
         )
     text.append(
         f"Feasibility: the GA fills its first population within about {max(d.draws.values()):,.0f} uniform draws at "
-        f"the worst target (it gives up after {MAX_INITIAL_DRAWS:,}). These settings do not enter the preset digest."
+        f"the worst target (it gives up after {MAX_INITIAL_DRAWS:,}); the top target's search finds a "
+        f"{macs_text(d.top_macs)} network ({d.top_macs / d.high:.0%} of it). These settings do not enter the preset "
+        "digest."
     )
     return text

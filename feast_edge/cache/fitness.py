@@ -1,4 +1,4 @@
-"""Training-free fitness of an architecture at a MAC target (SPEC §3, paper Eq. 10).
+"""Training-free fitness of an architecture at a MAC target (method §3, paper Eq. 10).
 
 The fitness is DeepFedNAS' objective, reused unchanged:
 
@@ -26,15 +26,15 @@ from feast_edge.space.cost import count_macs
 from feast_edge.space.geometry import Layout, StageLayout, arch_layout
 from feast_edge.space.preset import Preset
 
-BETA = 10.0  # weight of the depth-variance penalty (SPEC §3)
-RHO_WEIGHT = 1000.0  # weight of the effectiveness term (SPEC §3)
+BETA = 10.0  # weight of the depth-variance penalty (method §3)
+RHO_WEIGHT = 1000.0  # weight of the effectiveness term (method §3)
 OVER_BUDGET = -1e9  # fitness of an architecture with MAC(a) > B
 OVER_RHO = -1e8  # fitness of an architecture with ρ(a) > ρ0
 
 
 @dataclass(frozen=True)
 class Fitness:
-    """Fitness terms of one architecture at one target (SPEC §3)."""
+    """Fitness terms of one architecture at one target (method §3)."""
 
     fitness: float
     rho: float
@@ -59,12 +59,12 @@ def _stage_log_widths(stage: StageLayout) -> list[float]:
 
 
 def entropy(layout: Layout) -> float:
-    """``Σ_j log(H_j²·C_j)·S_j`` over stages, α_j = 1 (SPEC §3)."""
+    """``Σ_j log(H_j²·C_j)·S_j`` over stages, α_j = 1 (method §3)."""
     return sum(math.log(s.resolution**2 * s.channels) * sum(_stage_log_widths(s)) for s in layout.stages)
 
 
 def effectiveness(layout: Layout) -> float:
-    """ρ = L / exp(mean log width) over every conv layer, stem included (SPEC §3)."""
+    """ρ = L / exp(mean log width) over every conv layer, stem included (method §3)."""
     logs = [math.log(layout.in_channels * 9)]
     for stage in layout.stages:
         logs += _stage_log_widths(stage)
@@ -72,25 +72,25 @@ def effectiveness(layout: Layout) -> float:
 
 
 def depth_penalty(layout: Layout, beta: float = BETA) -> float:
-    """``β·exp(Var(1 + d_j))``, population variance of the stage block counts (SPEC §3)."""
+    """``β·exp(Var(1 + d_j))``, population variance of the stage block counts (method §3)."""
     blocks = [s.blocks for s in layout.stages]
     mean = sum(blocks) / len(blocks)
     return beta * math.exp(sum((b - mean) ** 2 for b in blocks) / len(blocks))
 
 
 def width_penalty(layout: Layout) -> float:
-    """``Σ_j max(0, C_j − C_{j+1})``: how much the stage widths decrease (SPEC §3)."""
+    """``Σ_j max(0, C_j − C_{j+1})``: how much the stage widths decrease (method §3)."""
     widths = [s.channels for s in layout.stages]
     return float(sum(max(0, a - b) for a, b in zip(widths, widths[1:])))
 
 
 def score(layout: Layout, beta: float = BETA) -> float:
-    """Unconstrained fitness of a layout (SPEC §3)."""
+    """Unconstrained fitness of a layout (method §3)."""
     return entropy(layout) - depth_penalty(layout, beta) + RHO_WEIGHT * effectiveness(layout) - width_penalty(layout)
 
 
 def constrained(value: float, macs: int, rho: float, max_macs: float, rho0: float) -> float:
-    """Apply the infeasibility sentinels: MAC over target first, then ρ over ceiling (SPEC §3)."""
+    """Apply the infeasibility sentinels: MAC over target first, then ρ over ceiling (method §3)."""
     if macs > max_macs:
         return OVER_BUDGET
     if rho > rho0:
@@ -105,7 +105,7 @@ def evaluate(
     rho0: float = math.inf,
     classes: int | None = None,
 ) -> Fitness:
-    """Fitness of ``arch`` under target ``max_macs`` and ceiling ``rho0`` (SPEC §3).
+    """Fitness of ``arch`` under target ``max_macs`` and ceiling ``rho0`` (method §3).
 
     ``classes`` sets the head used for the MAC count (default: the preset's);
     the fitness terms themselves do not depend on it.
@@ -132,7 +132,7 @@ class PopulationFitness:
 
 
 class PopulationEvaluator:
-    """Vectorized SPEC §3 fitness over integer gene arrays of one preset.
+    """Vectorized method §3 fitness over integer gene arrays of one preset.
 
     Genes per individual: ``d`` (extra blocks, ``(P, S)``), ``e`` (expansion
     *indices*, ``(P, S)``), ``w`` (width indices, ``(P, S + 1)``, stem first).

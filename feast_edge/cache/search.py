@@ -1,4 +1,4 @@
-"""Per-target genetic search for the best architecture under a MAC budget (SPEC §3).
+"""Per-target genetic search for the best architecture under a MAC budget (method §3).
 
 Chromosome: ``S`` depth genes (extra blocks), ``S`` expansion-index genes and
 ``S + 1`` width-index genes (stem first), ``S`` = the preset's stage count.
@@ -29,8 +29,8 @@ from feast_edge.space.arch import Arch
 from feast_edge.space.cost import arch_cost
 from feast_edge.space.preset import Preset
 
-POPULATION = 256  # SPEC §3
-GENERATIONS = 512  # SPEC §3
+POPULATION = 256  # method §3
+GENERATIONS = 512  # method §3
 EXTRACTION_POPULATION = 512  # paper supplement F (post-hoc extraction)
 TOURNAMENT = 3
 MUTATION_PROB = 0.3
@@ -122,7 +122,7 @@ def initial_population(
     rng: np.random.Generator,
     max_draws: int = MAX_INITIAL_DRAWS,
 ) -> np.ndarray:
-    """``size`` chromosomes drawn uniformly and kept only if feasible (SPEC §3).
+    """``size`` chromosomes drawn uniformly and kept only if feasible (method §3).
 
     Draws come from :func:`gene_box`, which holds every feasible chromosome, so
     the kept ones are uniform over the feasible set exactly as with draws from
@@ -217,7 +217,7 @@ def run_ga(
     generations: int = GENERATIONS,
     max_draws: int = MAX_INITIAL_DRAWS,
 ) -> tuple[np.ndarray, tuple[float, ...]]:
-    """Best-ever chromosome of one GA run and the best-ever fitness history (SPEC §3)."""
+    """Best-ever chromosome of one GA run and the best-ever fitness history (method §3)."""
     if population < 2 or generations < 0:
         raise SearchError(
             f"population = {population} and generations = {generations}: need population >= 2 and generations >= 0"
@@ -249,7 +249,7 @@ def search_target(
     generations: int = GENERATIONS,
     classes: int | None = None,
 ) -> SearchResult:
-    """Best architecture with MAC ≤ ``target`` and ρ ≤ ``rho0`` found by one seeded GA run (SPEC §3)."""
+    """Best architecture with MAC ≤ ``target`` and ρ ≤ ``rho0`` found by one seeded GA run (method §3)."""
     evaluator = population_evaluator(preset, classes)
     genes, history = run_ga(evaluator, target, rho0, np.random.default_rng(seed), population, generations)
     arch = decode(preset, genes)
@@ -283,7 +283,7 @@ def best_arch_under(
     generations: int = GENERATIONS,
     classes: int | None = None,
 ) -> SearchResult:
-    """Post-hoc extraction: the best architecture under ``max_macs`` MACs (SPEC §3, paper supplement F)."""
+    """Post-hoc extraction: the best architecture under ``max_macs`` MACs (method §3, paper supplement F)."""
     floor = arch_cost(preset, Arch.smallest(preset), classes)[0]
     if not math.isfinite(max_macs) or max_macs < floor:
         raise SearchError(

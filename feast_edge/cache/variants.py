@@ -1,4 +1,4 @@
-"""The fixed, MAC-sorted variant cache A (SPEC §3) and its affordable sets (SPEC §4).
+"""The fixed, MAC-sorted variant cache A (method §3) and its affordable sets (method §4).
 
 A cache is built offline, once per preset, by one GA search per MAC target
 (:mod:`feast_edge.cache.search`, assembled by :mod:`feast_edge.cache.build`), and shipped as JSON in
@@ -8,7 +8,7 @@ Duplicates: when two targets return the same network the cache keeps one
 entry and records every search job that found it (``CacheEntry.jobs``, sorted
 by target). The cache is a *set* of variants: a duplicate would add no
 operating point but would double that variant's chance of being drawn as the
-random intermediate variant in local co-training (SPEC §7). (The published
+random intermediate variant in local co-training (method §7). (The published
 paper cache lists its 369.57M variant twice; loaded here it has 55 entries.)
 One network can have several encodings: channel counts are rounded to the
 preset's divisor, so two width indices (or expansion ratios) can give the same
@@ -64,7 +64,7 @@ class CacheError(FeastError, ValueError):
 
 @dataclass(frozen=True)
 class SearchJob:
-    """One GA run of the cache build: MAC target, effectiveness ceiling, seed (SPEC §3)."""
+    """One GA run of the cache build: MAC target, effectiveness ceiling, seed (method §3)."""
 
     target: float
     rho0: float
@@ -110,7 +110,7 @@ class CacheEntry:
 
 @dataclass(frozen=True)
 class VariantCache:
-    """The fixed cache A of one preset: entries sorted by MACs, affordability queries (SPEC §3, §4)."""
+    """The fixed cache A of one preset: entries sorted by MACs, affordability queries (method §3, §4)."""
 
     preset_name: str
     preset_digest: str
@@ -145,7 +145,7 @@ class VariantCache:
 
     @property
     def smallest(self) -> CacheEntry:
-        """The globally smallest variant, affordable to every client (SPEC §7 ``a_min``)."""
+        """The globally smallest variant, affordable to every client (method §7 ``a_min``)."""
         return self.entries[0]
 
     @property
@@ -153,11 +153,11 @@ class VariantCache:
         return self.entries[-1]
 
     def affordable(self, budget: float) -> tuple[CacheEntry, ...]:
-        """``A_i = {a ∈ A : MAC(a) ≤ budget}``, sorted by MACs, possibly empty (SPEC §4)."""
+        """``A_i = {a ∈ A : MAC(a) ≤ budget}``, sorted by MACs, possibly empty (method §4)."""
         return self.entries[: bisect.bisect_right([e.macs for e in self.entries], budget)]
 
     def largest_affordable(self, budget: float) -> CacheEntry:
-        """The largest cached variant with MAC ≤ budget (SPEC §8 serving)."""
+        """The largest cached variant with MAC ≤ budget (method §8 serving)."""
         affordable = self.affordable(budget)
         if not affordable:
             raise CacheError(self.below_smallest(budget))
@@ -262,7 +262,7 @@ def _entry_from_dict(data: Any, preset: Preset, classes: int, where: str) -> Cac
         )
     fit = evaluate(preset, arch, classes=classes)
     if not (_close(entry.rho, fit.rho) and _close(entry.entropy, fit.entropy) and _close(entry.fitness, fit.fitness)):
-        raise _fail(where, f"entry {arch} records fitness terms that differ from the current fitness (SPEC §3)")
+        raise _fail(where, f"entry {arch} records fitness terms that differ from the current fitness (method §3)")
     return entry
 
 

@@ -88,7 +88,7 @@ def export(
     ] = None,
     calibration_data: Annotated[
         Path | None,
-        typer.Option("--calibration-data", help="Fashion-MNIST directory for BN recalibration (SPEC §8)."),
+        typer.Option("--calibration-data", help="Fashion-MNIST directory for BN recalibration (method §8)."),
     ] = None,
     calibration_samples: Annotated[
         int, typer.Option(min=1, help="Calibration samples (first N of the training split).")

@@ -146,7 +146,7 @@ def init(
     )
 
 
-cache_app = typer.Typer(help="Build and inspect fixed variant caches (SPEC §3).", no_args_is_help=True)
+cache_app = typer.Typer(help="Build and inspect fixed variant caches (method §3).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
 

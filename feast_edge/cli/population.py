@@ -1,4 +1,4 @@
-"""The data and population options of ``feast-edge simulate`` and ``partition`` (SPEC §4): clients, budgets, γ, the data set."""
+"""The data and population options of ``feast-edge simulate`` and ``partition`` (method §4): clients, budgets, γ, the data set."""
 
 from __future__ import annotations
 

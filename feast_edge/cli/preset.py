@@ -180,7 +180,8 @@ def _print(design, out: Path) -> None:
     )
     table.add_column("", justify="left")
     table.add_column("", justify="left")
-    table.add_row("family", f"{design.shape.preset}'s shape x {design.scale:.2f}, divisor {p.divisor}")
+    raised = "" if design.short_scale is None else f" (raised from {design.short_scale:.2f}: top unreachable there)"
+    table.add_row("family", f"{design.shape.preset}'s shape x {design.scale:.2f}{raised}, divisor {p.divisor}")
     table.add_row("stem", f"{p.stem_channels} channels, stride {p.stem_stride}")
     table.add_row("stages", f"channels {list(p.stage_channels)}, strides {list(p.stage_strides)}")
     table.add_row("choices", f"up to {p.max_extra_blocks} extra blocks, expansion {list(p.expansion_ratios)}")
@@ -193,6 +194,7 @@ def _print(design, out: Path) -> None:
             f"cache {seg.name}",
             f"{seg.count} targets {millions(seg.start)} .. {millions(seg.stop)}, rho0 {seg.rho0:.2f}",
         )
+    table.add_row("top target", f"{millions(design.high)} finds a {millions(design.top_macs)} network")
     table.add_row(
         "population",
         f"Zipf {millions(p.budget_min)} .. {millions(p.budget_max)}, cap {millions(p.budget_cap)}",

@@ -58,7 +58,7 @@ def routing(
     ] = None,
     payload_dtype: PayloadDtypeOpt = "float32",
 ) -> None:
-    """Routed envelope sizes and the communication report for a Zipf population (SPEC §5), in parameters and bytes."""
+    """Routed envelope sizes and the communication report for a Zipf population (method §5), in parameters and bytes."""
     import numpy as np
 
     from feast_edge.cache.build import read_reference_csv
@@ -155,7 +155,7 @@ def demo(
     ] = None,
     rounds: Annotated[int, typer.Option(min=1, help="Federation rounds.")] = 6,
     samples: Annotated[
-        int, typer.Option(min=50, help="Training examples per device on average (split by budget, SPEC §4 γ = 1).")
+        int, typer.Option(min=50, help="Training examples per device on average (split by budget, method §4 γ = 1).")
     ] = 2000,
     local_epochs: Annotated[
         int,
@@ -194,7 +194,7 @@ def demo(
         float,
         typer.Option(
             min=0.0,
-            help="How strongly data follows budgets (SPEC §4 γ: 1 the paper's proportional allocation, 0 equal shares).",
+            help="How strongly data follows budgets (method §4 γ: 1 the paper's proportional allocation, 0 equal shares).",
         ),
     ] = 1.0,
     server_data: Annotated[

@@ -23,7 +23,7 @@ def server_opt_options(default: str = "avg") -> Callable[[F], F]:
             default,
             typer.Option(
                 "--server-opt",
-                help="The server's step from each round's sparse aggregate: avg (SPEC §6), momentum (FedAvgM), adam "
+                help="The server's step from each round's sparse aggregate: avg (method §6), momentum (FedAvgM), adam "
                 "(FedAdam) or yogi (FedYogi); routed positions only.",
             ),
         ),

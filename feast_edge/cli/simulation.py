@@ -76,7 +76,7 @@ def simulate(
         Optional[str],
         typer.Option(
             "--augment",
-            help="Augmentation policy: randaugment+mix (SPEC §7), crop-flip+mix, crop-flip, randaugment or none (default: the preset's recipe).",
+            help="Augmentation policy: randaugment+mix (method §7), crop-flip+mix, crop-flip, randaugment or none (default: the preset's recipe).",
         ),
     ] = None,
     recipe: Annotated[
@@ -92,7 +92,7 @@ def simulate(
         str,
         typer.Option(
             "--aggregation",
-            help="mean (SPEC §6), clip (norm clipping), trimmed-mean or median over the clients covering each position.",
+            help="mean (method §6), clip (norm clipping), trimmed-mean or median over the clients covering each position.",
         ),
     ] = "mean",
     trim: Annotated[

@@ -1,1 +1,1 @@
-"""Evaluation (SPEC §8): per-variant BN recalibration, accuracy, and the self-describing ONNX export."""
+"""Evaluation (method §8): per-variant BN recalibration, accuracy, and the self-describing ONNX export."""

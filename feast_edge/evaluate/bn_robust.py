@@ -1,7 +1,7 @@
 """Federated BN statistics one device cannot steer: capped weights, a robust centre, and reports screened against it.
 
 A served variant's BN statistics are the devices' per-channel moments combined (``bn_stats.combine_statistics``,
-SPEC §8). The devices are provisioned but may lie: finite means of 10⁶, variances of 0, moments shifted by 3σ, a
+method §8). The devices are provisioned but may lie: finite means of 10⁶, variances of 0, moments shifted by 3σ, a
 claimed weight of 10⁶ examples. Each moves the exact mixture anywhere, and with it every device's served model.
 The rules (``feast-server run --bn-rule``):
 

@@ -1,4 +1,4 @@
-"""Federated BN statistics: a served variant's BN recalibrated on the federation's data without moving it (SPEC §8).
+"""Federated BN statistics: a served variant's BN recalibrated on the federation's data without moving it (method §8).
 
     device:  bn_statistics(variant, a seeded sample of its training split) -> per BN layer, per channel,
              the mean and variance of the layer's input (float64), from the same train-mode pass as

@@ -1,6 +1,6 @@
 """Class coverage of a label-skewed fleet, and the serving rule that uses the federation's validation.
 
-In FEAST a variant's parameters are trained only by the devices whose budget admits it (SPEC §4-§5), so a class
+In FEAST a variant's parameters are trained only by the devices whose budget admits it (method §4-§5), so a class
 that only small devices hold never reaches the weights exclusive to the large variants. From the per-class example
 counts the devices register (counts only), the server knows, per variant:
 

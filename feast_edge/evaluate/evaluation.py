@@ -1,4 +1,4 @@
-"""Evaluation protocol (SPEC §8): per-variant BN recalibration, accuracy, validation probes, largest-affordable serving, population accuracy."""
+"""Evaluation protocol (method §8): per-variant BN recalibration, accuracy, validation probes, largest-affordable serving, population accuracy."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def evaluate_points(
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
 ) -> list[float]:
-    """Top-1 accuracy of ``network(point)`` for every point, one network alive at a time: the one evaluation loop (SPEC §8).
+    """Top-1 accuracy of ``network(point)`` for every point, one network alive at a time: the one evaluation loop (method §8).
 
     ``network`` builds what a device served that point runs, BN recalibrated (e.g. :func:`calibrated_variant`).
     """
@@ -109,7 +109,7 @@ def evaluate_variants(
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
 ) -> list[float]:
-    """Accuracy of every arch, each with its own BN recalibration (SPEC §8)."""
+    """Accuracy of every arch, each with its own BN recalibration (method §8)."""
     network = partial(_calibrated, supernet, calibration_images, device)
     return evaluate_points(archs, network, images, labels, supernet.preset, device, progress)
 
@@ -121,7 +121,7 @@ def _calibrated(
 
 
 def probe_indices(n: int, k: int) -> list[int]:
-    """``k`` of ``n`` rank-sorted points evenly spaced by rank, smallest and largest included: the validation probes (SPEC §8)."""
+    """``k`` of ``n`` rank-sorted points evenly spaced by rank, smallest and largest included: the validation probes (method §8)."""
     if k >= n:
         return list(range(n))
     return sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
@@ -139,5 +139,5 @@ def largest_affordable_index(macs: Sequence[int], budget: float) -> int:
 
 
 def population_accuracy(served: Sequence[int], variant_accuracy: Sequence[float]) -> float:
-    """Mean over clients of the accuracy of the variant each is served (SPEC §8: the largest it can afford, :func:`largest_affordable_index`)."""
+    """Mean over clients of the accuracy of the variant each is served (method §8: the largest it can afford, :func:`largest_affordable_index`)."""
     return sum(variant_accuracy[i] for i in served) / len(served)

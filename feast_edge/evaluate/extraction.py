@@ -1,11 +1,11 @@
 """Post-hoc extraction evaluated: uncached variants between the cached operating points, against the cached curve.
 
 After federation the supernet serves architectures it never trained as such
-(paper, Sec. 4 and Supplement E): a training-free search (SPEC §3's fitness,
+(paper, Sec. 4 and Supplement E): a training-free search (method §3's fitness,
 :func:`feast_edge.cache.search.best_arch_under`, what ``feast-edge extract``
 runs) picks the best architecture under each of N MAC targets, its weights are
 the supernet's leading slices, its BN statistics are recalibrated on the run's
-calibration split (SPEC §8), and it is tested on the run's test split. Its gap
+calibration split (method §8), and it is tested on the run's test split. Its gap
 is its accuracy minus the cached-variant curve *linearly interpolated at its
 realized MACs*; the paper reports the mean absolute gap (CIFAR-100: 1.14 points
 over 25–52M MACs, 14 searched architectures). An architecture the search returns

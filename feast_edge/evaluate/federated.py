@@ -1,4 +1,4 @@
-"""Evaluation where the data lives (SPEC §8 on the devices): a server that holds no data validates and calibrates this way.
+"""Evaluation where the data lives (method §8 on the devices): a server that holds no data validates and calibrates this way.
 
     device:  held_out_counts(routed sub-supernet, probes, its training split, its held-out split)
                each probe extracted, BN recalibrated on ``calibration`` training examples (a fixed, seeded
@@ -81,7 +81,7 @@ def held_out_counts(
     device: str | torch.device = "cpu",
     train_labels: torch.Tensor | None = None,
 ) -> list[tuple[int, int]]:
-    """(correct, total) of every probe on the held-out split, each BN-recalibrated on the training split first (SPEC §8)."""
+    """(correct, total) of every probe on the held-out split, each BN-recalibrated on the training split first (method §8)."""
     total = int(holdout_labels.shape[0])
     if total == 0 or train_images.shape[0] == 0:
         return [(0, 0) for _ in probes]

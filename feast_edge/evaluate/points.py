@@ -1,4 +1,4 @@
-"""Operating points and what is measured of them (SPEC §8): the models a method serves, probed, tested and served by budget.
+"""Operating points and what is measured of them (method §8): the models a method serves, probed, tested and served by budget.
 
 Every method (FEAST on the server and in the harness, the baselines) states
 its operating points and the network a device served one of them runs;
@@ -76,7 +76,7 @@ class ServedPoints:
         device: str | torch.device = "cpu",
         progress: Callable[[int, int], None] | None = None,
     ) -> list[float]:
-        """Top-1 accuracy of each point, each after its own BN recalibration on ``calibration_images`` (SPEC §8)."""
+        """Top-1 accuracy of each point, each after its own BN recalibration on ``calibration_images`` (method §8)."""
         network = partial(self._network, calibration_images, device)
         return evaluate_points(points, network, images, labels, self.preset, device, progress)
 
@@ -86,7 +86,7 @@ class ServedPoints:
         return self.point_network(point, calibration_images, device)
 
     def validate(self, validation: Validation, k: int, device: str | torch.device = "cpu") -> float:
-        """Mean validation accuracy of the ``k`` probe points (checkpoint selection, SPEC §8)."""
+        """Mean validation accuracy of the ``k`` probe points (checkpoint selection, method §8)."""
         points = self.probe_points(k)
         accs = self.evaluate(points, validation.calibration_images, validation.images, validation.labels, device)
         self.validated = [
@@ -96,5 +96,5 @@ class ServedPoints:
         return float(sum(accs) / len(accs))
 
     def served(self, budget: float) -> int:
-        """Index in :meth:`points` of the largest point with MACs <= ``budget`` (SPEC §8; ValueError below the smallest)."""
+        """Index in :meth:`points` of the largest point with MACs <= ``budget`` (method §8; ValueError below the smallest)."""
         return largest_affordable_index([p.macs for p in self.points()], budget)

@@ -3,7 +3,7 @@
     query  ServerApp -> node   ConfigRecord "feast": {"feast_edge": version, "preset": name, "preset_digest": sha}
            node -> ServerApp   ConfigRecord "feast": {"message": a Register}       or {"message": a Declined}
     train  ServerApp -> node   ConfigRecord "feast": {"message": a RoundStart, "feast_edge": version}
-                               ArrayRecord "routed": the routed sub-supernet (SPEC §5) in the round's payload dtype
+                               ArrayRecord "routed": the routed sub-supernet (method §5) in the round's payload dtype
            node -> ServerApp   ConfigRecord "feast": {"message": an Update}, ArrayRecord "update": the trained slice
                                or ConfigRecord "feast": {"message": a Declined}
     evaluate  (run config personalize, after the last round)

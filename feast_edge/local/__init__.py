@@ -1,1 +1,1 @@
-"""Local co-training on the device (SPEC §7): the recipe, batches and augmentation, mixed precision, one client update."""
+"""Local co-training on the device (method §7): the recipe, batches and augmentation, mixed precision, one client update."""

@@ -1,4 +1,4 @@
-"""Training-time augmentation of one mini-batch (SPEC §7).
+"""Training-time augmentation of one mini-batch (method §7).
 
 Every image gets its own RandAugment(2, 6) draw (on uint8 pixels, as
 torchvision expects); the batch is then mixed by Mixup(α = 0.4) on even batch
@@ -6,7 +6,7 @@ indices and CutMix(α = 1.0) on odd ones, and normalized with the preset's
 mean/std last. All three are torchvision's ``transforms.v2`` implementations.
 
 Mixed labels come back as soft targets ``λ·onehot(y_a) + (1−λ)·onehot(y_b)``.
-Cross-entropy is linear in the target, so ``CE(z, soft)`` equals SPEC §7's
+Cross-entropy is linear in the target, so ``CE(z, soft)`` equals method §7's
 ``λ·CE(z, y_a) + (1−λ)·CE(z, y_b)`` exactly (for CutMix λ is torchvision's
 area-corrected λ, i.e. the true pixel share of ``y_a``).
 
@@ -29,7 +29,7 @@ from feast_edge.data.images import normalize
 MIXERS = ("mixup", "cutmix")
 # Augmentation policies a training recipe can name: per-image transform, then (``+mix``) Mixup/CutMix.
 POLICIES = ("randaugment+mix", "crop-flip+mix", "crop-flip", "randaugment", "none")
-DEFAULT_POLICY = "randaugment+mix"  # SPEC §7
+DEFAULT_POLICY = "randaugment+mix"  # method §7
 _SEED_BOUND = 2**62
 
 
@@ -46,7 +46,7 @@ class MixedBatch:
 
 
 def mixer_for(batch_index: int) -> str:
-    """Mixup on even batches, CutMix on odd ones: the two alternate between batches (SPEC §7)."""
+    """Mixup on even batches, CutMix on odd ones: the two alternate between batches (method §7)."""
     return MIXERS[batch_index % 2]
 
 
@@ -84,7 +84,7 @@ class _CropFlip:
 class BatchAugmenter:
     """A per-image transform, then Mixup/CutMix alternating by batch index, then normalization.
 
-    ``policy`` (:data:`POLICIES`): ``randaugment+mix`` is SPEC §7 (RandAugment(ops, magnitude) per
+    ``policy`` (:data:`POLICIES`): ``randaugment+mix`` is method §7 (RandAugment(ops, magnitude) per
     image, Mixup/CutMix between batches); ``crop-flip`` is a random crop after zero padding by
     ``crop_padding`` pixels and a horizontal flip; ``+mix`` adds the Mixup/CutMix alternation; a
     policy without it keeps one-hot targets (``mixer`` ``"none"``).

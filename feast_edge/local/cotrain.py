@@ -1,4 +1,4 @@
-"""Local multi-variant co-training: one client, one round (SPEC §7).
+"""Local multi-variant co-training: one client, one round (method §7).
 
 Per mini-batch the client trains its largest affordable variant ``a_max`` on
 the supervised loss and uses its detached softmax as the teacher of the
@@ -37,7 +37,7 @@ from feast_edge.util.slicing import leading_index
 
 @dataclass(frozen=True)
 class VariantPlan:
-    """The client's ``a_min``, ``a_max`` and intermediate set ``A_int`` with their MACs (SPEC §7)."""
+    """The client's ``a_min``, ``a_max`` and intermediate set ``A_int`` with their MACs (method §7)."""
 
     a_min: Arch
     a_max: Arch
@@ -47,7 +47,7 @@ class VariantPlan:
 
 @dataclass(frozen=True)
 class LocalResult:
-    """What one client-round of local training reports back (SPEC §6, §7)."""
+    """What one client-round of local training reports back (method §6, §7)."""
 
     num_samples: int  # local data-set size n_i, the aggregation weight
     samples_seen: int  # samples trained on over all epochs
@@ -66,7 +66,7 @@ def stayed_finite(state: Mapping[str, torch.Tensor], loss: float) -> bool:
 
 
 def plan_variants(model: Supernet, affordable: Sequence[Arch], global_min: Arch) -> VariantPlan:
-    """``a_max`` = largest affordable by MACs, ``A_int`` = affordable strictly between ``a_min`` and ``a_max`` (SPEC §7)."""
+    """``a_max`` = largest affordable by MACs, ``A_int`` = affordable strictly between ``a_min`` and ``a_max`` (method §7)."""
     if not affordable:
         raise TrainError(
             "the client's affordable set is empty; every client can afford at least the globally smallest cached variant"
@@ -100,7 +100,7 @@ def batch_variants(plan: VariantPlan, mode: str, generator: torch.Generator) -> 
 
 
 def supervised_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``L_sup``: CE with the mixed soft target, i.e. ``λ·CE(z, y_a) + (1−λ)·CE(z, y_b)`` (SPEC §7)."""
+    """``L_sup``: CE with the mixed soft target, i.e. ``λ·CE(z, y_a) + (1−λ)·CE(z, y_b)`` (method §7)."""
     return F.cross_entropy(logits, targets)
 
 
@@ -110,7 +110,7 @@ def kd_loss(logits: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.
 
 
 def compute_proxy(batch_sizes: Sequence[int], variant_sets: Sequence[Sequence[Arch]], macs: dict[Arch, int]) -> int:
-    """Training-compute proxy ``3 · Σ_batches n_batch · Σ_{a∈V} MAC(a)`` (SPEC §7)."""
+    """Training-compute proxy ``3 · Σ_batches n_batch · Σ_{a∈V} MAC(a)`` (method §7)."""
     return 3 * sum(n * sum(macs[a] for a in archs) for n, archs in zip(batch_sizes, variant_sets))
 
 
@@ -215,7 +215,7 @@ def cotrain_step(
     grad: GradientStep = PLAIN_STEP,
     logit_scale: torch.Tensor | None = None,
 ) -> tuple[float, dict[str, float]]:
-    """One SPEC §7 step: zero grads, every variant's loss backward, clip to ``clip_norm``, masked decay, SGD step.
+    """One method §7 step: zero grads, every variant's loss backward, clip to ``clip_norm``, masked decay, SGD step.
 
     ``optimizer`` must be built without weight decay; the decay is added here on the trained slices only.
     ``precision``/``grad`` (feast_edge.local.precision) run the passes under autocast and the step through a gradient
@@ -243,7 +243,7 @@ def absent_class_scale(labels: torch.Tensor, classes: int, scale: float) -> torc
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig, lr: float) -> torch.optim.SGD:
-    """Fresh local SGD with momentum (SPEC §7); weight decay is left to :func:`add_masked_weight_decay`."""
+    """Fresh local SGD with momentum (method §7); weight decay is left to :func:`add_masked_weight_decay`."""
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum, weight_decay=0.0)
 
 
@@ -307,7 +307,7 @@ def local_train(
     device: str | torch.device = "cpu",
     amp: str = "off",
 ) -> LocalResult:
-    """One client-round of multi-variant co-training, in place on ``model`` (SPEC §7).
+    """One client-round of multi-variant co-training, in place on ``model`` (method §7).
 
     Args:
         model: the client's (routed) supernet; moved to ``device`` and trained in place.
@@ -329,7 +329,7 @@ def local_train(
     precision = resolve_amp(amp, device)
     model.to(device)
     shuffle_gen, augment_gen, variant_gen = (torch.Generator().manual_seed(s) for s in seeds(seed, 3))
-    optimizer = make_optimizer(model, config, lr)  # fresh optimizer state every round (SPEC §7)
+    optimizer = make_optimizer(model, config, lr)  # fresh optimizer state every round (method §7)
     grad = precision.scaler()
     shapes = ShapeCache(model)
     bn_needs_two = model.layout.stages[-1].resolution == 1

@@ -1,4 +1,4 @@
-"""The local-training recipe (SPEC §7): hyper-parameters, the paper's ablation switch, the lr schedule over the horizon.
+"""The local-training recipe (method §7): hyper-parameters, the paper's ablation switch, the lr schedule over the horizon.
 
 A preset's ``[train]`` table, the CLI's overrides and a round message all
 resolve to one :class:`TrainConfig`; nothing here trains, so the protocol and
@@ -24,7 +24,7 @@ class TrainError(FeastError, ValueError):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Local-training hyper-parameters (SPEC §7 defaults) and the paper's ablation switch ``variants``.
+    """Local-training hyper-parameters (method §7 defaults) and the paper's ablation switch ``variants``.
 
     ``variants``: ``"min"`` (global-min only), ``"max"`` (local-max only),
     ``"min+max"`` (no KD), ``"min+max+kd"``, ``"full"`` (min + rand + max + KD).
@@ -42,11 +42,11 @@ class TrainConfig:
     cutmix_alpha: float = 1.0
     randaugment: tuple[int, int] = (2, 6)  # (num_ops, magnitude)
     variants: str = "full"
-    augment: str = DEFAULT_POLICY  # feast_edge.local.augment.POLICIES; True/False mean the SPEC §7 policy / "none"
+    augment: str = DEFAULT_POLICY  # feast_edge.local.augment.POLICIES; True/False mean the method §7 policy / "none"
     crop_padding: int = 2  # crop-flip policies: zero padding before the random crop
     # Restricted softmax for label-skewed clients (FedRS, Li & Zhan, KDD 2021): in the training losses, the logits of
     # the classes a client holds no example of are multiplied by this factor, so its updates stop pushing those classes
-    # down through weights only it trains (a top-tier variant's own slices). 1.0: SPEC §7's plain softmax.
+    # down through weights only it trains (a top-tier variant's own slices). 1.0: method §7's plain softmax.
     absent_logit_scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -83,8 +83,8 @@ class TrainConfig:
                 raise TrainError(f"TrainConfig: {message}")
 
     def settings(self) -> dict[str, object]:
-        """The settings as JSON-ready values, for round messages and run fingerprints; a setting added after SPEC §7
-        is left out at its SPEC value, so that earlier agents read the message and earlier runs keep their fingerprint."""
+        """The settings as JSON-ready values, for round messages and run fingerprints; a setting added after method §7
+        is left out at its method §7 value, so that earlier agents read the message and earlier runs keep their fingerprint."""
         values = asdict(self)
         if self.absent_logit_scale == 1.0:
             del values["absent_logit_scale"]
@@ -129,7 +129,7 @@ def scheduled_lr(schedule: str, base_lr: float, round_index: int, total_rounds: 
 
 
 def cosine_lr(base_lr: float, round_index: int, total_rounds: int) -> float:
-    """Cosine decay over the federation horizon: ``base·(1 + cos(π·t/T))/2`` for round ``t`` of ``T`` (SPEC §7)."""
+    """Cosine decay over the federation horizon: ``base·(1 + cos(π·t/T))/2`` for round ``t`` of ``T`` (method §7)."""
     if total_rounds < 1 or not 0 <= round_index < total_rounds:
         raise TrainError(f"round {round_index} is outside the federation horizon 0..{total_rounds - 1}")
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * round_index / total_rounds))

@@ -1,4 +1,4 @@
-"""One client's update (SPEC §7): build the routed sub-supernet, co-train it on local data, return its state."""
+"""One client's update (method §7): build the routed sub-supernet, co-train it on local data, return its state."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def client_update(
     device: str | torch.device = "cpu",
     amp: str = "off",
 ) -> tuple[dict[str, torch.Tensor], LocalResult]:
-    """Build the routed sub-supernet, co-train it on local data (``amp``: feast_edge.local.precision), return its updated state (SPEC §7)."""
+    """Build the routed sub-supernet, co-train it on local data (``amp``: feast_edge.local.precision), return its updated state (method §7)."""
     model = Supernet(preset, classes=classes, layout=plan.layout(preset, classes), seed=None)
     model.load_state_dict(routed_state)
     result = local_train(

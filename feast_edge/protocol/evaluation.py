@@ -97,7 +97,7 @@ class RoutedRequest(Message):
 @message_kind("evaluate")
 @dataclass(frozen=True, kw_only=True)
 class Evaluate(RoutedRequest):
-    """Server -> device on ``ctrl/{device}``: federated validation of round ``round``'s aggregated model (SPEC §8).
+    """Server -> device on ``ctrl/{device}``: federated validation of round ``round``'s aggregated model (method §8).
 
     The device recalibrates each of ``probes`` (indices into the plan's affordable set) on up to ``calibration``
     of its training examples, tests it on its held-out split and answers ``evaluated`` within ``timeout`` seconds.

@@ -17,7 +17,7 @@ from typing import Any
 from feast_edge.report.blocks import Block, Heading, Table, Text
 from feast_edge.report.runs import Group, Run
 
-# The paper's figures these sections are read against (SPEC §10; paper Sec. 4 and Fig. 1).
+# The paper's figures these sections are read against (method §10; paper Sec. 4 and Fig. 1).
 PAPER_GAMMA_GAP = "−4.29 → +6.17 points (CIFAR-100: FEAST's largest minus smallest operating point, γ = 0 → 1)"
 PAPER_EXTRACTION_GAP = 1.14  # mean |gap| over 25–52M MACs, CIFAR-100
 
@@ -123,7 +123,7 @@ def gamma_blocks(groups: Sequence[Group]) -> list[Block]:
         Heading(2, "γ-allocation"),
         Text(
             "The same method on populations that differ only in how data shares follow budgets: γ = 0 draws them "
-            "independently of budget, γ = 1 makes the expected share proportional to the capped budget (SPEC §4). "
+            "independently of budget, γ = 1 makes the expected share proportional to the capped budget (method §4). "
             f"Paper: {PAPER_GAMMA_GAP}."
         ),
         Table(header, tuple(rows)),

@@ -2,7 +2,7 @@
 
 Runs of one method (same FEAST ``variants`` switch and method options) with
 different seeds form a :class:`Group`, reported as mean ± sample standard
-deviation; a run of method ``centralized`` is the reference (SPEC §8). The
+deviation; a run of method ``centralized`` is the reference (method §8). The
 report (:mod:`feast_edge.report.summary`), its plots and the dashboard read
 runs through here.
 """
@@ -53,7 +53,7 @@ class Run:
     seconds: float
     rounds: int
     validation: tuple[tuple[int, float], ...]  # (round, val accuracy) where validated
-    gamma: float = 1.0  # the population's γ-allocation (SPEC §4)
+    gamma: float = 1.0  # the population's γ-allocation (method §4)
     server_opt: str = ""  # "adam lr=0.01" for a server optimizer other than plain averaging
     matched: dict[str, Any] | None = None  # how its rounds were matched to another run's training compute
     extraction: dict[str, Any] | None = None  # extraction.json: post-hoc extraction of uncached variants

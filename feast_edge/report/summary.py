@@ -5,7 +5,7 @@ Each run directory holds the ``results.json`` that ``simulate`` writes. Runs of
 one method (same FEAST ``variants`` switch and method options) with different
 seeds form a group, reported as mean ± sample standard deviation. A run with
 method ``centralized`` is the reference: a gap is its accuracy minus the
-method's, in points (SPEC §8). The document is a list of blocks rendered as
+method's, in points (method §8). The document is a list of blocks rendered as
 Markdown (PNG links) or HTML (PNGs embedded); :mod:`feast_edge.report.plots` draws.
 """
 

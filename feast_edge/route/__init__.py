@@ -1,1 +1,1 @@
-"""From budget to payload (SPEC §5): the affordable set and its envelope, the routed sub-supernet, its wire format."""
+"""From budget to payload (method §5): the affordable set and its envelope, the routed sub-supernet, its wire format."""

@@ -1,4 +1,4 @@
-"""Budget-tailored routing: the envelope of a client's affordable set as a physical sub-supernet (SPEC §5).
+"""Budget-tailored routing: the envelope of a client's affordable set as a physical sub-supernet (method §5).
 
 The envelope is the coordinate-wise maximum of depths and width indices over
 the affordable variants; its blocks keep the largest mid width any expansion
@@ -32,7 +32,7 @@ class Envelope:
 
     @classmethod
     def of(cls, archs: Iterable[Arch]) -> "Envelope":
-        """The envelope ``d*_s = max d_s(a)``, ``w*_j = max w_j(a)`` over ``archs`` (SPEC §5)."""
+        """The envelope ``d*_s = max d_s(a)``, ``w*_j = max w_j(a)`` over ``archs`` (method §5)."""
         archs = list(archs)
         if not archs:
             raise ValueError(
@@ -52,7 +52,7 @@ class Envelope:
         )
 
     def params(self, preset: Preset, classes: int | None = None) -> int:
-        """Payload size P_i in parameters (SPEC §2 rules)."""
+        """Payload size P_i in parameters (method §2 rules)."""
         return count_params(self.layout(preset, classes))
 
     def contains(self, other: "Envelope") -> bool:
@@ -89,7 +89,7 @@ def sub_supernet(global_model: Supernet, envelope: Envelope) -> Supernet:
 
 @dataclass(frozen=True)
 class CommunicationReport:
-    """Routed vs full-supernet payloads over a client population (SPEC §5)."""
+    """Routed vs full-supernet payloads over a client population (method §5)."""
 
     full_params: int
     payloads: tuple[int, ...]  # P_i per client

@@ -1,4 +1,4 @@
-"""Routed payloads on the wire: safetensors bytes whose header carries a JSON manifest (SPEC §5).
+"""Routed payloads on the wire: safetensors bytes whose header carries a JSON manifest (method §5).
 
 The same container carries the server's routed sub-supernet to a client and
 the client's trained slice back. Decoding never unpickles; it checks the

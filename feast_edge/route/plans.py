@@ -1,4 +1,4 @@
-"""What the server decides for one client (SPEC §5, §7): its affordable set, the set's envelope, the payload's manifest."""
+"""What the server decides for one client (method §5, §7): its affordable set, the set's envelope, the payload's manifest."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from feast_edge.space.preset import Preset
 
 @dataclass(frozen=True)
 class ClientPlan:
-    """What the server decides for one client: its affordable variants and their envelope (SPEC §5, §7)."""
+    """What the server decides for one client: its affordable variants and their envelope (method §5, §7)."""
 
     affordable: tuple[Arch, ...]
     global_min: Arch

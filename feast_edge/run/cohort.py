@@ -1,4 +1,4 @@
-"""Who trains in round ``t`` and with which seed (SPEC §4): pure functions of ``(seed, t)`` and the client id.
+"""Who trains in round ``t`` and with which seed (method §4): pure functions of ``(seed, t)`` and the client id.
 
 Every random choice of a round derives from ``(seed, t)`` and the client id,
 never from hidden state, so a resumed run and a distributed run draw the same
@@ -34,7 +34,7 @@ def client_seed(seed: int, round_index: int, client_id: str) -> int:
 
 
 def sample_cohort(n_clients: int, m: int, rng: np.random.Generator) -> np.ndarray:
-    """``m`` client ids drawn uniformly without replacement for one round, sorted (SPEC §4)."""
+    """``m`` client ids drawn uniformly without replacement for one round, sorted (method §4)."""
     if not 1 <= m <= n_clients:
         raise CohortError(f"cohort size m = {m} must be between 1 and the number of clients ({n_clients}); lower m")
     cohort = np.sort(rng.choice(n_clients, size=m, replace=False))
@@ -43,7 +43,7 @@ def sample_cohort(n_clients: int, m: int, rng: np.random.Generator) -> np.ndarra
 
 
 def sample_round_cohort(client_ids: Sequence[str], m: int, seed: int, round_index: int) -> list[str]:
-    """``m`` of the given clients, uniformly without replacement, sorted (SPEC §4)."""
+    """``m`` of the given clients, uniformly without replacement, sorted (method §4)."""
     ids = sorted(client_ids)
     picked = sample_cohort(len(ids), m, round_rng(seed, round_index))
     return [ids[i] for i in picked]

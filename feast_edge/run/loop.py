@@ -2,11 +2,11 @@
 
     for t in remaining rounds:
         clients = collector.clients(needed)                  # simulation: every client; server: online devices
-        cohort  = sample_round_cohort(clients, m, seed, t)   # SPEC §4
+        cohort  = sample_round_cohort(clients, m, seed, t)   # method §4
         plans   = {c: plan_client(cache, collector.budget(c))}
         got     = collector.collect(t, cohort, plans, global_state, lr)   # in process, or over MQTT
         >= min_clients valid updates: aggregate_updates (in place, client-id order, settings.aggregation); else unchanged
-        every eval_every rounds: validate the probe variants (BN-recalibrated, SPEC §8), keep best.safetensors
+        every eval_every rounds: validate the probe variants (BN-recalibrated, method §8), keep best.safetensors
         checkpoint.safetensors (atomic): weights, round, history, best, the caller's extra fields
 
 Only the :class:`Collector` differs between simulation and deployment, so the
@@ -315,7 +315,7 @@ class RunLoop:
 
     # ------------------------------------------------------------------ rounds
     def validate(self) -> float:
-        """Mean validation accuracy of the probe operating points, each BN-recalibrated (SPEC §8)."""
+        """Mean validation accuracy of the probe operating points, each BN-recalibrated (method §8)."""
         assert self.validation is not None
         return self.method.validate(self.validation, self.settings.probe_variants, self.settings.device)
 

@@ -29,7 +29,7 @@ class RunSettings:
     eval_every: int = 5
     probe_variants: int = 3
     device: str = "cpu"
-    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
+    aggregation: str = "mean"  # mean (method §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     lr_schedule: str = "cosine"  # feast_edge.local.recipe.SCHEDULES, over the federation horizon
@@ -39,7 +39,7 @@ class RunSettings:
     max_weight_ratio: float = 0.0  # a self-reported count weighs at most this many median counts (0: no cap)
     server_opt: ServerOpt = field(
         default_factory=ServerOpt
-    )  # the step from the aggregate (feast_edge.aggregate.server_opt); avg: SPEC §6
+    )  # the step from the aggregate (feast_edge.aggregate.server_opt); avg: method §6
 
     def __post_init__(self) -> None:
         check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)

@@ -1,9 +1,9 @@
-"""FEAST's round steps (SPEC §5–§8) as one strategy: what ``feast-server`` runs and ``feast-edge simulate --method feast`` runs.
+"""FEAST's round steps (method §5–§8) as one strategy: what ``feast-server`` runs and ``feast-edge simulate --method feast`` runs.
 
     plans(t, cohort, budget)        affordable set and envelope per cohort member     (route.plans.plan_client)
-    payload_params(plan)            parameters of the routed sub-supernet               (SPEC §5)
+    payload_params(plan)            parameters of the routed sub-supernet               (method §5)
     aggregate(t, state, updates)    sparse sample-weighted mean, or a robust rule       (aggregate.robust.aggregate_updates)
-    points() / point_network(p)     the cached variants, extracted and BN-recalibrated  (SPEC §8)
+    points() / point_network(p)     the cached variants, extracted and BN-recalibrated  (method §8)
 
 Like Flower's strategies it holds no math of its own: it calls the stage
 functions, so the server and the simulator cannot compute different things.
@@ -49,7 +49,7 @@ class FeastStrategy(ServedPoints):
         self.validated: list[dict[str, Any]] = []
 
     def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, ClientPlan]:
-        """Each cohort member's affordable set ``A_i`` and its envelope (SPEC §5)."""
+        """Each cohort member's affordable set ``A_i`` and its envelope (method §5)."""
         return {c: plan_client(self.cache, budget(c)) for c in cohort}
 
     def payload_params(self, plan: ClientPlan) -> int:
@@ -67,7 +67,7 @@ class FeastStrategy(ServedPoints):
         updates: Sequence[ClientUpdate],
         plans: Mapping[str, Any],
     ) -> None:
-        """Fold the valid updates into ``global_state`` in place (SPEC §6, or the robust rule chosen)."""
+        """Fold the valid updates into ``global_state`` in place (method §6, or the robust rule chosen)."""
         updates = [(u.client, u.state, u.samples) for u in updates]
         aggregate_updates(
             global_state, updates, inplace=True, rule=self.aggregation, trim=self.trim, clip_norm=self.clip_norm
@@ -88,5 +88,5 @@ class FeastStrategy(ServedPoints):
     def point_network(
         self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
     ) -> StaticResNet:
-        """The cached variant extracted as a static network, BN recalibrated (SPEC §8)."""
+        """The cached variant extracted as a static network, BN recalibrated (method §8)."""
         return calibrated_variant(self.model, Arch.from_dict(dict(point.detail)), calibration_images, device=device)

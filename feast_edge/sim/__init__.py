@@ -1,1 +1,1 @@
-"""The research harness (SPEC §4, §9): population, set-up, the in-process simulation, --nproc, replay, the methods compared."""
+"""The research harness (method §4, §9): population, set-up, the in-process simulation, --nproc, replay, the methods compared."""

@@ -3,7 +3,7 @@
 The paper's matched-compute experiment gives each baseline the rounds it needs to
 spend FEAST's training compute (CIFAR-100: FIARSE 4,139, HeteroFL 8,286, ScaleFL
 8,150 rounds against FEAST's 4,000). The compute is the harness's MAC proxy
-(SPEC §7: forward + backward ≈ 3 × forward MACs per trained sample), summed over
+(method §7: forward + backward ≈ 3 × forward MACs per trained sample), summed over
 the rounds (``results.json``: ``compute.train_macs_total``).
 
 A baseline trains one fixed network per client and round, so its compute is known

@@ -1,4 +1,4 @@
-"""Simulated client population: Zipf budgets, γ-allocation, budget-aware Dirichlet partition (SPEC §4).
+"""Simulated client population: Zipf budgets, γ-allocation, budget-aware Dirichlet partition (method §4).
 
 The data flow, one function per step::
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from feast_edge.errors import PopulationError
 
-# Paper defaults (SPEC §4).
+# Paper defaults (method §4).
 ZIPF_S = 1.2
 B_MIN = 25e6
 B_MAX = 1500e6
@@ -71,7 +71,7 @@ def zipf_budgets(
     b_min: float = B_MIN,
     b_max: float = B_MAX,
 ) -> np.ndarray:
-    """Budgets ``b_i = clip(B_min + (r_i - 1)ΔB + ε_i, B_min, B_max)``, ``r_i ~ Zipf(s)`` on {1..N} (SPEC §4)."""
+    """Budgets ``b_i = clip(B_min + (r_i - 1)ΔB + ε_i, B_min, B_max)``, ``r_i ~ Zipf(s)`` on {1..N} (method §4)."""
     _check_clients(n_clients)
     _require(_finite(s) and s >= 0, f"s = {s} must be a finite number >= 0 (0 gives uniform ranks, the paper uses 1.2)")
     _require(_finite(b_min) and b_min > 0, f"b_min = {b_min} must be a positive number of MACs; pass e.g. b_min=25e6")
@@ -90,7 +90,7 @@ def zipf_budgets(
 
 
 def budgets_from_list(values: Sequence[float]) -> np.ndarray:
-    """Budgets (MACs) given explicitly, one per client, e.g. from a profile mix (SPEC §4)."""
+    """Budgets (MACs) given explicitly, one per client, e.g. from a profile mix (method §4)."""
     budgets = np.array(values, dtype=np.float64)
     _require(
         budgets.ndim == 1 and len(budgets) >= 2,
@@ -105,7 +105,7 @@ def budgets_from_list(values: Sequence[float]) -> np.ndarray:
 
 
 def allocation(budgets: np.ndarray | Sequence[float], gamma: float = 1.0, b_cap: float = B_CAP) -> np.ndarray:
-    """γ-allocation ``q_i = b̄_i^γ / Σ_j b̄_j^γ`` with ``b̄ = min(b, B_cap)`` (SPEC §4, paper Eq. 1)."""
+    """γ-allocation ``q_i = b̄_i^γ / Σ_j b̄_j^γ`` with ``b̄ = min(b, B_cap)`` (method §4, paper Eq. 1)."""
     _require(
         _finite(gamma) and gamma >= 0,
         f"gamma = {gamma} must be a finite number >= 0 (0 gives every client the same expected share, the paper uses 1)",
@@ -119,12 +119,12 @@ def allocation(budgets: np.ndarray | Sequence[float], gamma: float = 1.0, b_cap:
 
 
 def alpha_data_for(alpha_eff: float, n_train: int, n_classes: int, n_clients: int) -> float:
-    """``α_data = α_eff·K·N / N_train``, the inverse of ``α_eff = α_data·N_train/(K·N)`` (SPEC §4)."""
+    """``α_data = α_eff·K·N / N_train``, the inverse of ``α_eff = α_data·N_train/(K·N)`` (method §4)."""
     return alpha_eff * n_classes * n_clients / n_train
 
 
 def alpha_eff_for(alpha_data: float, n_train: int, n_classes: int, n_clients: int) -> float:
-    """``α_eff = α_data·N_train / (K·N)`` (SPEC §4)."""
+    """``α_eff = α_data·N_train / (K·N)`` (method §4)."""
     return alpha_data * n_train / (n_classes * n_clients)
 
 
@@ -133,7 +133,7 @@ def alpha_eff_for(alpha_data: float, n_train: int, n_classes: int, n_clients: in
 
 @dataclass(frozen=True, eq=False)
 class Partition:
-    """Disjoint, exhaustive client shards of a training pool and the statistics SPEC §4 reports."""
+    """Disjoint, exhaustive client shards of a training pool and the statistics method §4 reports."""
 
     shards: tuple[np.ndarray, ...]  # sorted positions into the pool, one array per client
     classes: np.ndarray  # class label of each column of ``class_counts``
@@ -223,7 +223,7 @@ def dirichlet_partition(
     min_shard: int = MIN_SHARD,
     max_draws: int = MAX_DRAWS,
 ) -> Partition:
-    """Budget-aware Dirichlet partition ``p_k ~ Dir(α_data·N_k·q)`` with cap masking and redraws (SPEC §4)."""
+    """Budget-aware Dirichlet partition ``p_k ~ Dir(α_data·N_k·q)`` with cap masking and redraws (method §4)."""
     labels = np.asarray(labels)
     q = np.asarray(q, dtype=np.float64)
     _require(labels.ndim == 1 and len(labels) > 0, f"labels has shape {labels.shape}; pass a non-empty 1-D label array")
@@ -277,7 +277,7 @@ def _partition(
 
 @dataclass(frozen=True, eq=False)
 class Population:
-    """N simulated clients: raw budgets, γ-allocation and their data shards (SPEC §4)."""
+    """N simulated clients: raw budgets, γ-allocation and their data shards (method §4)."""
 
     budgets: np.ndarray  # raw b_i in MACs; affordability uses these
     gamma: float
@@ -321,7 +321,7 @@ def build_population(
     min_shard: int = MIN_SHARD,
     max_draws: int = MAX_DRAWS,
 ) -> Population:
-    """Population with the given budgets: γ-allocation, then the budget-aware partition (SPEC §4)."""
+    """Population with the given budgets: γ-allocation, then the budget-aware partition (method §4)."""
     b = budgets_from_list(budgets)
     q = allocation(b, gamma, b_cap)
     part = dirichlet_partition(labels, q, rng, alpha_eff=alpha_eff, min_shard=min_shard, max_draws=max_draws)
@@ -342,7 +342,7 @@ def zipf_population(
     min_shard: int = MIN_SHARD,
     max_draws: int = MAX_DRAWS,
 ) -> Population:
-    """The paper's simulated population: Zipf budgets, then :func:`build_population` (SPEC §4)."""
+    """The paper's simulated population: Zipf budgets, then :func:`build_population` (method §4)."""
     budgets = zipf_budgets(n_clients, rng, s=s, b_min=b_min, b_max=b_max)
     return build_population(
         labels, budgets, rng, gamma=gamma, alpha_eff=alpha_eff, b_cap=b_cap, min_shard=min_shard, max_draws=max_draws
@@ -353,7 +353,7 @@ def zipf_population(
 
 
 class ServerSplit(NamedTuple):
-    """Sorted dataset positions: client-training pool, server validation, BN-calibration (SPEC §4)."""
+    """Sorted dataset positions: client-training pool, server validation, BN-calibration (method §4)."""
 
     train: np.ndarray
     validation: np.ndarray
@@ -361,7 +361,7 @@ class ServerSplit(NamedTuple):
 
 
 def server_split(n_examples: int, rng: np.random.Generator, *, n_val: int, n_calib: int) -> ServerSplit:
-    """Hold out disjoint validation and BN-calibration sets for the server; the rest trains clients (SPEC §4)."""
+    """Hold out disjoint validation and BN-calibration sets for the server; the rest trains clients (method §4)."""
     _require(n_val >= 0 and n_calib >= 0, f"n_val = {n_val} and n_calib = {n_calib} must both be >= 0")
     _require(
         n_val + n_calib < n_examples,

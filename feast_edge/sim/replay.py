@@ -32,7 +32,7 @@ def replay_rounds(
     records: Sequence[RoundRecord], partition: Path, config: SimulationConfig, budgets: Mapping[str, float]
 ) -> dict[str, torch.Tensor]:
     """The global state after ``records``: each applied round's updated clients co-trained again on their shards in
-    ``partition`` with the budgets they registered, and aggregated as the run loop does (SPEC §5–§6, then the server optimizer's step)."""
+    ``partition`` with the budgets they registered, and aggregated as the run loop does (method §5–§6, then the server optimizer's step)."""
     preset = load_preset(config.preset)
     cache = load_cache(preset, config.cache)
     model = Supernet(preset, seed=config.seed)

@@ -67,11 +67,11 @@ class SimulationConfig:
     seed: int = 0
     method: str = "feast"  # feast_edge.sim.methods.METHODS
     method_options: tuple[tuple[str, str], ...] = ()  # --method-option KEY=VALUE pairs, sorted by key
-    variants: str = "full"  # FEAST's ablation switch (SPEC §7)
-    # Training recipe: None takes the preset's [train] value (SPEC §7's where the preset is silent).
+    variants: str = "full"  # FEAST's ablation switch (method §7)
+    # Training recipe: None takes the preset's [train] value (method §7's where the preset is silent).
     lr: float | None = None
     batch_size: int | None = None
-    augment: str | bool | None = None  # feast_edge.local.augment.POLICIES (True/False: SPEC §7's policy / none)
+    augment: str | bool | None = None  # feast_edge.local.augment.POLICIES (True/False: method §7's policy / none)
     epochs: int | None = None  # local epochs per round
     lr_schedule: str | None = None  # cosine or constant, over the federation horizon
     recipe: tuple[tuple[str, Any], ...] = ()  # further [train] keys to override (--recipe KEY=VALUE), sorted
@@ -82,7 +82,7 @@ class SimulationConfig:
     test_limit: int | None = None
     probe_variants: int = 3  # cached variants, evenly spaced by rank, averaged for checkpoint selection
     cache: str | None = None  # cache JSON (None: beside the preset's own file, else the shipped one)
-    aggregation: str = "mean"  # mean (SPEC §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
+    aggregation: str = "mean"  # mean (method §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
     clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
     device: str = "cpu"
@@ -289,7 +289,7 @@ class Setup:
         return images[held], labels[held]
 
     def calibration_images(self) -> torch.Tensor:
-        """The server-held BN-calibration images (SPEC §8), in their fixed order."""
+        """The server-held BN-calibration images (method §8), in their fixed order."""
         return self.train_set.images[torch.tensor(np.asarray(self.calibration), dtype=torch.long)]
 
     def validation_data(self) -> tuple[torch.Tensor, torch.Tensor]:

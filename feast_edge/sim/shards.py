@@ -1,4 +1,4 @@
-"""A simulated population written to disk: one data shard per client, plus the server-held splits (SPEC §4).
+"""A simulated population written to disk: one data shard per client, plus the server-held splits (method §4).
 
 ``write_partition(config, out)`` runs the simulator's own ``build_setup`` and
 writes, for every client, a safetensors file with its uint8 images and int64
@@ -62,7 +62,7 @@ class Shard:
 
 @dataclass(frozen=True)
 class ServerSplit:
-    """The server-held data of a partition: validation images/labels and BN-calibration images (SPEC §4, §8)."""
+    """The server-held data of a partition: validation images/labels and BN-calibration images (method §4, §8)."""
 
     validation_images: torch.Tensor
     validation_labels: torch.Tensor

@@ -1,4 +1,4 @@
-"""The paper's research protocol in one process (SPEC §4–§8), with checkpoints and exact resume.
+"""The paper's research protocol in one process (method §4–§8), with checkpoints and exact resume.
 
 ``Simulation(config, out_dir).run()`` builds the server-held splits, the
 client population and the global supernet, then runs the federation's run
@@ -243,7 +243,7 @@ class Simulation:
 
 
 def population_summary(population: Population) -> dict[str, Any]:
-    """α_eff, shard sizes, budgets and per-class counts of a population (SPEC §4)."""
+    """α_eff, shard sizes, budgets and per-class counts of a population (method §4)."""
     sizes = population.sizes
     return {
         "clients": population.n_clients,

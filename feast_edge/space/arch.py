@@ -1,4 +1,4 @@
-"""Architecture value type ``a = (d, e, w)`` (SPEC §1).
+"""Architecture value type ``a = (d, e, w)`` (method §1).
 
 * ``d[s]``: extra blocks of stage ``s`` (the stage runs ``1 + d[s]`` blocks);
 * ``e[s]``: expansion ratio of stage ``s`` (one of the preset's ratios);

@@ -1,4 +1,4 @@
-"""Analytic cost model: MACs and parameters of a Layout, no forward pass (SPEC §2).
+"""Analytic cost model: MACs and parameters of a Layout, no forward pass (method §2).
 
 MACs count conv and linear multiply-accumulates only; params count conv
 weights, BN weight+bias (running statistics are buffers) and linear

@@ -1,4 +1,4 @@
-"""Elastic layers: standard layers whose forward uses a leading slice of their tensors (SPEC §1).
+"""Elastic layers: standard layers whose forward uses a leading slice of their tensors (method §1).
 
 Input channels are read from the input tensor; output channels are passed in.
 The layers hold no "active" state, so one module can serve several

@@ -1,4 +1,4 @@
-"""Extraction: one architecture of the supernet as a plain static model (SPEC §1, §8)."""
+"""Extraction: one architecture of the supernet as a plain static model (method §1, §8)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def extract(supernet: Supernet, arch: Arch) -> StaticResNet:
 
 @torch.no_grad()
 def recalibrate_bn(model: nn.Module, batches: Iterable[torch.Tensor]) -> int:
-    """Reset BN running statistics and re-estimate them as a cumulative average (SPEC §8).
+    """Reset BN running statistics and re-estimate them as a cumulative average (method §8).
 
     ``batches`` are (already normalized) input tensors in a fixed order, without
     Mixup/CutMix. Returns the number of samples seen. The model ends in eval mode.

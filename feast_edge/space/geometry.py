@@ -1,4 +1,4 @@
-"""Resolved layer geometry of an architecture or of a (sub-)supernet (SPEC §1).
+"""Resolved layer geometry of an architecture or of a (sub-)supernet (method §1).
 
 A :class:`Layout` lists the concrete channel counts, block counts, strides and
 resolutions of a network of the family. The same type describes three things:
@@ -167,7 +167,7 @@ def envelope_layout(
     """Physical layout holding every variant with widths/depths up to the given maxima.
 
     Blocks keep the largest mid width any expansion ratio may need at the given
-    width (SPEC §5: ``mid_max = make_divisible(C·max(e))``).
+    width (method §5: ``mid_max = make_divisible(C·max(e))``).
     """
     n = preset.num_stages
     channels = tuple(stage_width(preset, s, stage_w[s]) for s in range(n))

@@ -1,4 +1,4 @@
-"""Presets: the constants of one elastic-ResNet family, stored as TOML data (SPEC §1).
+"""Presets: the constants of one elastic-ResNet family, stored as TOML data (method §1).
 
 A preset is looked up by name among the built-in files in ``feast_edge/presets/``
 and the directories listed in the ``FEAST_EDGE_PRESET_PATH`` environment
@@ -66,7 +66,7 @@ RECIPE_KEYS = (
 
 @dataclass(frozen=True)
 class CacheSegment:
-    """``count`` cache targets evenly spaced from ``start`` to ``stop`` MACs, searched under ``rho0`` (SPEC §3)."""
+    """``count`` cache targets evenly spaced from ``start`` to ``stop`` MACs, searched under ``rho0`` (method §3)."""
 
     name: str
     start: float
@@ -76,7 +76,7 @@ class CacheSegment:
 
     @property
     def targets(self) -> tuple[float, ...]:
-        """The MAC targets, ``numpy.linspace(start, stop, count)`` (SPEC §3)."""
+        """The MAC targets, ``numpy.linspace(start, stop, count)`` (method §3)."""
         if self.count == 1:
             return (float(self.start),)
         step = (self.stop - self.start) / (self.count - 1)
@@ -117,11 +117,11 @@ class Preset:
     divisor: int = 8
     cache_segments: tuple[CacheSegment, ...] = ()
     extraction_rho: tuple[RhoStep, ...] = ()
-    # Simulated client budgets in MACs (SPEC §4): Zipf over [budget_min, budget_max], allocation cap budget_cap.
+    # Simulated client budgets in MACs (method §4): Zipf over [budget_min, budget_max], allocation cap budget_cap.
     budget_min: float = 25e6
     budget_max: float = 1500e6
     budget_cap: float = 600e6
-    # Training recipe ([train] table): (key, value) pairs sorted by key; empty means SPEC §7's defaults.
+    # Training recipe ([train] table): (key, value) pairs sorted by key; empty means method §7's defaults.
     train: tuple[tuple[str, Any], ...] = ()
     # The task contract's names and image policy (feast_edge.data.task); () names the classes "0", "1", ...
     class_names: tuple[str, ...] = ()
@@ -158,7 +158,7 @@ class Preset:
 
     @property
     def recipe(self) -> dict[str, Any]:
-        """The [train] table as a dict (what the preset overrides of SPEC §7's training defaults)."""
+        """The [train] table as a dict (what the preset overrides of method §7's training defaults)."""
         return dict(self.train)
 
     def to_dict(self) -> dict[str, Any]:
@@ -295,7 +295,7 @@ def _check_cache_settings(p: Preset, name: str) -> None:
 
 
 def _cache_from_toml(cache: dict[str, Any]) -> dict[str, Any]:
-    """The optional ``[cache]`` table: target segments and extraction ceilings (SPEC §3)."""
+    """The optional ``[cache]`` table: target segments and extraction ceilings (method §3)."""
     segments = tuple(
         CacheSegment(
             name=str(seg["name"]),
@@ -313,7 +313,7 @@ def _cache_from_toml(cache: dict[str, Any]) -> dict[str, Any]:
 
 
 def _population_from_toml(table: dict[str, Any]) -> dict[str, float]:
-    """The optional ``[population]`` table: simulated budget range and allocation cap (SPEC §4)."""
+    """The optional ``[population]`` table: simulated budget range and allocation cap (method §4)."""
     keys = {"budget_min": "budget_min", "budget_max": "budget_max", "budget_cap": "budget_cap"}
     unknown = sorted(set(table) - set(keys))
     if unknown:

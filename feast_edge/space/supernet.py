@@ -1,8 +1,8 @@
-"""The elastic supernet: one ResNet whose leading slices are every variant (SPEC §1).
+"""The elastic supernet: one ResNet whose leading slices are every variant (method §1).
 
 ``Supernet(preset)`` holds the full physical tensors; ``Supernet(preset,
 layout=envelope)`` holds a smaller physical sub-supernet with the same tensor
-names (a routed envelope, SPEC §5). ``model(x, arch)`` runs the variant
+names (a routed envelope, method §5). ``model(x, arch)`` runs the variant
 ``arch``; nothing about the active variant is stored on the modules.
 
 State-dict names are shared with :class:`feast_edge.space.static.StaticResNet`, so a

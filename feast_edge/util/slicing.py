@@ -1,4 +1,4 @@
-"""Leading-slice addressing shared by extraction, routing and aggregation (SPEC §1, §5)."""
+"""Leading-slice addressing shared by extraction, routing and aggregation (method §1, §5)."""
 
 from __future__ import annotations
 

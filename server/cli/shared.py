@@ -55,7 +55,7 @@ ServingRuleOpt = Annotated[
         "--serving-rule",
         help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
         "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
-        "(SPEC §8's largest affordable, whatever validation says).",
+        "(method §8's largest affordable, whatever validation says).",
     ),
 ]
 PrecisionOpt = Annotated[

@@ -1,4 +1,4 @@
-"""Sparse sample-weighted aggregation (SPEC §6)."""
+"""Sparse sample-weighted aggregation (method §6)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def test_float32_default_matches_float64(global_state):
 
 
 def _naive(global_np: dict[str, np.ndarray], clients: list[tuple[dict[str, np.ndarray], int]]) -> tuple[dict, dict]:
-    """Per-element reference of SPEC §6, written as literally as possible: (new values, counts)."""
+    """Per-element reference of method §6, written as literally as possible: (new values, counts)."""
     values, counts = {}, {}
     for name, g in global_np.items():
         new, count = g.copy(), np.zeros(g.shape)
@@ -252,7 +252,7 @@ def test_matches_naive_per_element_reference(cohort):
 
 @st.composite
 def _nested_cohort(draw):
-    """A cohort whose boxes are nested, as FEAST envelopes are (SPEC §5): the one-pass running-mean path."""
+    """A cohort whose boxes are nested, as FEAST envelopes are (method §5): the one-pass running-mean path."""
     shapes = draw(st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=3), min_size=1, max_size=3))
     global_np = {
         f"t{i}": np.asarray(

@@ -1,4 +1,4 @@
-"""Training-time augmentation (SPEC §7): torchvision RandAugment + alternating Mixup/CutMix, seeded."""
+"""Training-time augmentation (method §7): torchvision RandAugment + alternating Mixup/CutMix, seeded."""
 
 from __future__ import annotations
 

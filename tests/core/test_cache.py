@@ -1,4 +1,4 @@
-"""Variant cache (SPEC §3, §4): building, JSON round trip, validation, affordable sets."""
+"""Variant cache (method §3, §4): building, JSON round trip, validation, affordable sets."""
 
 from __future__ import annotations
 

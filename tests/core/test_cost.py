@@ -1,4 +1,4 @@
-"""Cost model: SPEC §2 test vectors, the published cache as oracle, and a hook counter cross-check."""
+"""Cost model: method §2 test vectors, the published cache as oracle, and a hook counter cross-check."""
 
 from __future__ import annotations
 

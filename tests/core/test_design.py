@@ -7,11 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from feast_edge.cache.build import cache_targets
+from feast_edge.cache.build import build_cache, cache_targets
 from feast_edge.cache.design import (
     DRAW_LIMIT,
     HEADROOM,
     MIN_HEADROOM,
+    REACH,
     SMALL_DATA_IMAGES,
     design_preset,
     initial_draws,
@@ -75,7 +76,7 @@ def test_the_recipe_takes_batch_32_below_the_small_data_threshold(images, batch)
 
 @pytest.mark.parametrize("name", ["paper-cifar100", "paper-cinic10", "paper-tinyimagenet"])
 def test_the_paper_presets_keep_spec7_s_recipe(name):
-    """The designed recipe is for `preset new`; the paper presets name no [train] table (SPEC §7's recipe)."""
+    """The designed recipe is for `preset new`; the paper presets name no [train] table (method §7's recipe)."""
     assert load_preset(name).train == ()
 
 
@@ -156,6 +157,27 @@ def test_a_low_budget_the_first_strides_cannot_reach_takes_a_finer_divisor_or_on
     d = design_preset("x", 1, 28, FIVE, 0.3e6, 40e6)
     assert d.smallest_macs <= 0.3e6
     assert d.preset.divisor == 4 or d.extra_stride
+
+
+def test_the_designs_of_the_shipped_range_and_the_issue_example_reach_their_top_without_a_raise(rgb64):
+    fmnist = design_preset("x", 1, 28, FIVE, 1.5e6, 40e6)
+    for d in (fmnist, rgb64):
+        assert d.short_scale is None
+        assert REACH * d.high <= d.top_macs <= d.high
+
+
+@pytest.mark.slow
+def test_a_top_budget_the_headroom_scale_cannot_reach_raises_the_scale_and_the_cache_reaches_it():
+    """Issue 37: digits at 16x16 over 0.5M..8M. At the headroom rule's scale (divisor 4) the fitness's optimum stops
+    at a 6.21M network for every target from 6.2M to 8M, so an 8M device would serve 78 % of its budget; the design
+    raises the scale, and the cache `feast-edge cache build` writes for it reaches the top budget."""
+    d = design_preset("digits", 1, 16, tuple("0123456789"), 0.5e6, 8e6)
+    assert d.short_scale is not None and d.short_scale < d.scale
+    assert d.short_macs < REACH * 8e6
+    cache = build_cache(d.preset)
+    macs = [e.macs for e in cache.entries]
+    assert macs[-1] == d.top_macs and macs[-1] >= REACH * 8e6
+    assert len({e.arch for e in cache.entries}) == len(macs)
 
 
 def test_a_narrow_range_gets_one_segment():

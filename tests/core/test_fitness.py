@@ -1,4 +1,4 @@
-"""Training-free fitness (SPEC §3): oracle values and scalar == vectorized."""
+"""Training-free fitness (method §3): oracle values and scalar == vectorized."""
 
 from __future__ import annotations
 

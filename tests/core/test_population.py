@@ -1,4 +1,4 @@
-"""Client population: Zipf budgets, γ-allocation, budget-aware Dirichlet partition (SPEC §4)."""
+"""Client population: Zipf budgets, γ-allocation, budget-aware Dirichlet partition (method §4)."""
 
 from __future__ import annotations
 

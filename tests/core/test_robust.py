@@ -66,7 +66,7 @@ def routed(preset, global_state):
     return payloads
 
 
-# --------------------------------------------------------------------------- mean and clip are the SPEC §6 average
+# --------------------------------------------------------------------------- mean and clip are the method §6 average
 
 
 @pytest.mark.parametrize("inplace", [False, True])

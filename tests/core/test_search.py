@@ -1,4 +1,4 @@
-"""Per-target GA (SPEC §3): determinism, feasibility, operators, post-hoc extraction."""
+"""Per-target GA (method §3): determinism, feasibility, operators, post-hoc extraction."""
 
 from __future__ import annotations
 

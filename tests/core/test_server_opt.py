@@ -74,7 +74,7 @@ def _reference(opt: ServerOpt, theta: dict[str, np.ndarray], rounds) -> dict[str
 
 
 def _run(opt: ServerOpt, theta: dict[str, np.ndarray], rounds) -> tuple[dict[str, torch.Tensor], ServerOptimizer]:
-    """The same rounds through the library: SPEC §6's aggregate in place, then the optimizer's step."""
+    """The same rounds through the library: method §6's aggregate in place, then the optimizer's step."""
     state = {k: torch.tensor(v, dtype=torch.float32) for k, v in theta.items()}
     optimizer = ServerOptimizer(opt, {k: tuple(v.shape) for k, v in state.items()})
     for payloads in rounds:
@@ -134,7 +134,7 @@ def test_avg_at_lr_1_is_the_identity_and_records_nothing():
     assert opt.identity and opt.settings() == {}
     assert not ServerOpt("avg", lr=0.5).identity and not ServerOpt("momentum").identity
     assert ServerOpt("adam").lr == 0.01 and ServerOpt("momentum").lr == 1.0
-    assert opt.describe() == "avg (SPEC §6's sparse mean)"
+    assert opt.describe() == "avg (method §6's sparse mean)"
     assert ServerOpt("adam").describe() == "adam (lr 0.01, betas 0.9,0.99, tau 0.001)"
     assert ServerOpt("momentum", lr=0.1).describe() == "momentum (lr 0.1, momentum 0.9)"
     assert ServerOpt("yogi", lr=0.1).settings() == {

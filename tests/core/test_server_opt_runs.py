@@ -1,4 +1,4 @@
-"""Server optimizers in whole runs: exact resume, avg bit-identical to SPEC §6, baselines, checkpoints, bad options."""
+"""Server optimizers in whole runs: exact resume, avg bit-identical to method §6, baselines, checkpoints, bad options."""
 
 from __future__ import annotations
 

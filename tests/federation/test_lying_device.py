@@ -113,7 +113,7 @@ def test_a_provisioned_liar_is_outvoted_refused_and_named(
             start_clients=4,
             eval_every=1,
             round_timeout=120,
-            # Served by SPEC §8's rule, so that cat and mallory are served the variants only they can tell apart
+            # Served by method §8's rule, so that cat and mallory are served the variants only they can tell apart
             # ("shifted": the default, validated).
             serving_rule="validated" if kind == "shifted" else "largest",
         )

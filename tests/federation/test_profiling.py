@@ -124,7 +124,7 @@ def test_training_memory_uses_the_largest_activations_of_the_affordable_set(
 
 
 def test_training_memory_grows_with_the_budget(fmnist: Preset, cache: VariantCache) -> None:
-    # Nested affordable sets (SPEC §5) make the estimate monotone, so the affordable budgets are a prefix.
+    # Nested affordable sets (method §5) make the estimate monotone, so the affordable budgets are a prefix.
     memories = [envelope_memory(cache, fmnist, e.macs) for e in cache.entries]
     assert memories == sorted(memories)
 

@@ -1,4 +1,4 @@
-"""SuperFedNAS / DeepFedNAS transferred: sandwich assignment, samplers, MaxNet schedule and aggregation, a short real run (SPEC §9)."""
+"""SuperFedNAS / DeepFedNAS transferred: sandwich assignment, samplers, MaxNet schedule and aggregation, a short real run (method §9)."""
 
 from __future__ import annotations
 

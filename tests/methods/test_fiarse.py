@@ -1,4 +1,4 @@
-"""FIARSE baseline (SPEC §9): global top-k masks, the threshold-controlled biased gradient, sparse-Δ aggregation, a real run."""
+"""FIARSE baseline (method §9): global top-k masks, the threshold-controlled biased gradient, sparse-Δ aggregation, a real run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ScaleFL baseline: exit loss, level search, level sub-models, slice-wise aggregation, a short real run (SPEC §9)."""
+"""ScaleFL baseline: exit loss, level search, level sub-models, slice-wise aggregation, a short real run (method §9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training methods of the simulation harness: FEAST, the centralized reference and the paper's baselines (SPEC §9).
+"""Training methods of the simulation harness: FEAST, the centralized reference and the paper's baselines (method §9).
 
 ``feast-edge simulate --method NAME`` picks one; every method runs on the same
 population, partition, cohorts, budgets, data and evaluation (see

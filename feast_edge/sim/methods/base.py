@@ -13,10 +13,10 @@ final test. A method decides only what differs between methods:
     train_client(...)          the client's local training -> a ClientUpdate (any tensors: state, Δ, masks)
     aggregate(...)             folds the round's valid updates into the global model, in place
     points()                   the operating points it serves, sorted by MACs
-    evaluate(...)              each point's accuracy, after that point's own BN recalibration (SPEC §8)
+    evaluate(...)              each point's accuracy, after that point's own BN recalibration (method §8)
 
 A client is served the largest point whose MACs fit its budget; population
-accuracy is the mean over clients of that point's test accuracy (SPEC §8).
+accuracy is the mean over clients of that point's test accuracy (method §8).
 
 Determinism: everything a method draws in round ``t`` must come from
 ``(config.seed, t)`` and the client id (``client_seed``), never from state
@@ -214,7 +214,7 @@ class Method(ServedPoints):
 
     # ------------------------------------------------------------------ evaluation
     def served(self, budget: float) -> int:
-        """Index in :meth:`points` of the largest point with MACs <= ``budget`` (SPEC §8)."""
+        """Index in :meth:`points` of the largest point with MACs <= ``budget`` (method §8)."""
         try:
             return super().served(budget)
         except ValueError:

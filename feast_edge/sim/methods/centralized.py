@@ -2,7 +2,7 @@
 
 What the same data would give without federated constraints, in the same
 harness: the global supernet itself is trained on the union of every client's
-shard, with SPEC §7's loss taken over the whole cached range (``a_max`` the
+shard, with method §7's loss taken over the whole cached range (``a_max`` the
 largest cached variant, ``a_min`` the smallest, ``a_rand`` any in between),
 the preset's recipe (augmentation, batch size) and the run's learning-rate
 schedule, and evaluated exactly like FEAST (every cached variant after its own

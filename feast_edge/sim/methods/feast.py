@@ -1,4 +1,4 @@
-"""FEAST itself as a harness method (SPEC §5–§8): the strategy ``feast-server`` runs, plus local training in process.
+"""FEAST itself as a harness method (method §5–§8): the strategy ``feast-server`` runs, plus local training in process.
 
 Plans, payload sizes, aggregation (the sparse sample-weighted mean, or a robust
 rule, ``--aggregation``) and the operating points (the cached variants, each

@@ -1,4 +1,4 @@
-"""SuperFedNAS (SFN) and DeepFedNAS (DFN) transferred to FEAST's space: one subnet per client, MaxNet aggregation (SPEC §9).
+"""SuperFedNAS (SFN) and DeepFedNAS (DFN) transferred to FEAST's space: one subnet per client, MaxNet aggregation (method §9).
 
 Both train the FEAST supernet, but every cohort client trains ONE subnet per
 round (the paper's "standard" single-subnet loop, as the reference
@@ -26,7 +26,7 @@ subnet covers it (``M``: this round's "largest" clients, ``O``: the others)::
     θ[u]  = Σ_{k covers u} w_k θ_k[u] / Σ_{k covers u} w_k      (uncovered positions keep their value)
 
 so a position only non-max clients cover is their sample-weighted mean. The
-served points are FEAST's cached variants, each BN-recalibrated (SPEC §8).
+served points are FEAST's cached variants, each BN-recalibrated (method §8).
 
 Choices (the reference transfer is the guide; where this differs, why):
 
@@ -57,7 +57,7 @@ Choices (the reference transfer is the guide; where this differs, why):
 * Evaluation recalibrates BN on the server's calibration split, as FEAST's
   points are (the reference resets BN on a 10 % sample of the training data).
 * Integer buffers (``num_batches_tracked``) take the maximum of the clients
-  that sent them, as SPEC §6 does (the reference skips them).
+  that sent them, as method §6 does (the reference skips them).
 * Assignment counters are not stored: ``plans(t)`` replays rounds ``0..t−1``
   (their cohorts and draws are pure functions of ``(seed, round, client)``),
   memoised so an uninterrupted run stays O(T) and a resumed one draws the same.
@@ -402,7 +402,7 @@ class _FedNAS(Method):
     def point_network(
         self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
     ) -> nn.Module:
-        """The cached variant extracted as a static network, BN recalibrated (SPEC §8)."""
+        """The cached variant extracted as a static network, BN recalibrated (method §8)."""
         return calibrated_variant(self.model, Arch.from_dict(dict(point.detail)), calibration_images, device=device)
 
 

@@ -1,8 +1,8 @@
-"""FIARSE: importance-aware unstructured sub-models of one dense model (Wu et al., NeurIPS 2024; SPEC §9).
+"""FIARSE: importance-aware unstructured sub-models of one dense model (Wu et al., NeurIPS 2024; method §9).
 
 The dense model is the FEAST supernet itself, ``Supernet(preset, seed=config.seed)``,
 always run at the largest architecture of the space (max depth, max expansion,
-max width): FIARSE trains "the same dense model" as FEAST (SPEC §9). A client
+max width): FIARSE trains "the same dense model" as FEAST (method §9). A client
 with MAC budget ``b`` gets the size ``s = clip(b / full MACs, 1/256, 1)`` and
 the global top-k mask of that size over ALL conv and linear weights together::
 
@@ -21,7 +21,7 @@ classifier bias) are in every client's "mask", so with η_g = 1 they become the
 sample-weighted mean of the trained values; BN running statistics are that
 mean as well, ``num_batches_tracked`` the maximum. A size is evaluated with the
 global top-k mask at that size applied, BN recalibrated on the calibration
-split (SPEC §8).
+split (method §8).
 
 Choices (what and why):
 
@@ -37,18 +37,18 @@ Choices (what and why):
   autograd treats as non-differentiable, so its backward never runs and the
   code as published trains with the plain masked gradient ``g·m``. Option
   ``gradient=masked`` reproduces that; the default ``tcb`` is the method as
-  the paper and SPEC §9 describe it.
+  the paper and method §9 describe it.
 * τ is fixed when the client receives the model, the mask is recomputed from
   the current |θ| at every forward pass (as the original's ``Bern(|θ|, τ)``):
   a kept weight that shrinks below τ drops out; masked weights get no gradient
   and never move. The mask the client returns is the one it was sent.
 * Aggregation counts the explicit mask (the positions routed to the client,
-  SPEC §6: routing decides), where the original counts ``Δ ≠ 0``; both agree
+  method §6: routing decides), where the original counts ``Δ ≠ 0``; both agree
   unless a kept weight ends exactly where it started. Weights are the sample
-  counts n_k (SPEC §9); the original averages unweighted.
+  counts n_k (method §9); the original averages unweighted.
 * Biases are never masked (the original also masks the classifier bias; it has
   ``classes`` entries). BN keeps running statistics (the original's ``sbn`` has
-  none): they only seed SPEC §8's recalibration.
+  none): they only seed method §8's recalibration.
 * Recipe shared with every method: ``feast_edge.local.cotrain.training_batches``
   (augmentation, batch size, epochs, same shuffling streams as FEAST), the
   harness's cosine learning rate and the recipe's gradient-norm clip (the
@@ -100,12 +100,12 @@ from feast_edge.space.supernet import Supernet
 if TYPE_CHECKING:
     from feast_edge.sim.setup import Setup, SimulationConfig
 
-MIN_SIZE = 1 / 256  # smallest model size (SPEC §9, the original's smallest evaluated size)
+MIN_SIZE = 1 / 256  # smallest model size (method §9, the original's smallest evaluated size)
 DELTA, MASK = "delta.", "mask."  # update keys: Δ of a parameter, the mask of a masked weight
 
 
 def model_size(budget: float, full_macs: int) -> float:
-    """``s = clip(budget / full MACs, 1/256, 1)`` (SPEC §9)."""
+    """``s = clip(budget / full MACs, 1/256, 1)`` (method §9)."""
     return min(1.0, max(MIN_SIZE, budget / full_macs))
 
 
@@ -389,7 +389,7 @@ class Fiarse(Method):
     def point_network(
         self, point: OperatingPoint, calibration_images: torch.Tensor, device: str | torch.device = "cpu"
     ) -> nn.Module:
-        """The dense model with the top-k mask of the point's size applied, BN recalibrated (SPEC §8)."""
+        """The dense model with the top-k mask of the point's size applied, BN recalibrated (method §8)."""
         return calibrated_variant(
             self.masked_model(float(point.detail["size"])), self.arch, calibration_images, device=device
         )

@@ -1,4 +1,4 @@
-"""HeteroFL (Diao et al., ICLR 2021) as a harness baseline: width tiers of one ResNet-18, count-normalised averaging (SPEC §9).
+"""HeteroFL (Diao et al., ICLR 2021) as a harness baseline: width tiers of one ResNet-18, count-normalised averaging (method §9).
 
 Mechanics, as the original code (``src/models/resnet.py``, ``src/fed.py``) does them:
 
@@ -6,7 +6,7 @@ Mechanics, as the original code (``src/models/resnet.py``, ``src/fed.py``) does 
   running statistics. A *tier* is a width ratio ``r`` of it, at full depth; the defaults are the paper's
   ``{1, 1/2, 1/4, 1/8, 1/16}`` (option ``tiers``). Tiers are HeteroFL's own ratios of its own network, not
   FEAST's width multipliers (which act on a different, elastic network).
-* **Plan.** A client trains the largest tier whose MACs fit its raw budget (SPEC §4: affordability uses the
+* **Plan.** A client trains the largest tier whose MACs fit its raw budget (method §4: affordability uses the
   raw budget). A budget below the smallest tier is an error (raise ``--budget-min``).
 * **Payload.** The top-left slice of every global tensor, under the same name: convs
   ``[:ceil(r·out), :ceil(r·in)]`` (image input channels never sliced), classifier ``[:, :ceil(r·in)]``
@@ -15,7 +15,7 @@ Mechanics, as the original code (``src/models/resnet.py``, ``src/fed.py``) does 
   batch-statistics BN; plain cross-entropy on the recipe's augmented batches (``training_batches``), SGD with
   the recipe's momentum, weight decay and gradient clipping at the harness's learning rate; fresh optimizer
   state every round. The client returns its whole trained slice.
-* **Aggregation** (SPEC §6 over leading slices; untouched positions keep their value)::
+* **Aggregation** (method §6 over leading slices; untouched positions keep their value)::
 
       θ[p] = Σ_k n_k θ_k[p] / Σ_k n_k·1[p ∈ S_k]     (some client's slice S_k holds p)
       θ[p] = θ[p]                                      (otherwise)
@@ -31,7 +31,7 @@ Choices (where this departs from, or had to pin down, the original):
   preset's ``budget_cap`` (:func:`~feast_edge.sim.methods.resnet18.hidden_for_budget`): this gives the paper's
   ``[64, 128, 256, 512]`` (555.47M MACs) on paper-cifar100/-cinic10/-tinyimagenet, ``[16, 32, 64, 128]``
   (28.57M MACs) on fmnist-small.
-* **Sample-weighted counts** ``n_k`` (SPEC §6/§9) where the original counts each client once, and no
+* **Sample-weighted counts** ``n_k`` (method §6/§9) where the original counts each client once, and no
   label-split restriction of the classifier rows nor logit masking (the original's ``cfg['mask']``): every
   method of the harness shares the same loss recipe and aggregation weights.
 * **Recipe.** The harness's (augmentation, batch size, epochs, SGD momentum/weight decay/clip, cosine lr)
@@ -205,7 +205,7 @@ class HeteroFL(Method):
             samples_seen=seen,
             train_macs=3
             * seen
-            * resnet_cost(self.shape, ratio)[0],  # SPEC §7's proxy: forward + backward ≈ 3 × forward
+            * resnet_cost(self.shape, ratio)[0],  # method §7's proxy: forward + backward ≈ 3 × forward
         )
 
     def aggregate(

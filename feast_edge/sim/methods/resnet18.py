@@ -21,9 +21,9 @@ width ``c`` becomes ``ceil(r·c)``; the image input channels and the classes
 never shrink. Its tensors have the global model's names and the leading-slice
 shapes ``[:ceil(r·out), :ceil(r·in)]`` (convs), ``[:, :ceil(r·in)]`` (the
 classifier weight), ``[:ceil(r·n)]`` (BN), so :func:`leading_state` cuts a
-ratio-``r`` payload from a ratio-1 state dict and SPEC §6's leading-slice
+ratio-``r`` payload from a ratio-1 state dict and method §6's leading-slice
 aggregation folds it back. :func:`resnet_cost` is the analytic MAC/parameter
-count (SPEC §2's rules: conv + linear MACs; conv weights, BN weight + bias,
+count (method §2's rules: conv + linear MACs; conv weights, BN weight + bias,
 linear weight + bias).
 """
 

@@ -1,4 +1,4 @@
-"""ScaleFL (Ilhan, Su and Liu, CVPR 2023): four depth–width levels with early exits and self-distillation (SPEC §9).
+"""ScaleFL (Ilhan, Su and Liu, CVPR 2023): four depth–width levels with early exits and self-distillation (method §9).
 
 The global model is a ResNet-18-style stack of 8 BasicBlocks with an exit head
 (GAP → Linear) after the last block of every level (network, width rule and
@@ -17,7 +17,7 @@ ScaleFL's compute ratios 0.061 / 0.13 / 0.25 / 1.0; on paper-cifar100 they are
   1..l, leading slices of every global tensor, on the shared recipe's batches
   (``feast_edge.local.cotrain.training_batches``; SGD with the recipe's momentum,
   weight decay and gradient clipping, fresh each round). Loss (ScaleFL Eq. 5
-  as SPEC §9 and the FEAST reference write it)::
+  as method §9 and the FEAST reference write it)::
 
       L = Σ_{i≤l} i/(l(l+1)) · [CE(z_i, ỹ) + β·τ²·KL(σ(z_l/τ) ‖ σ(z_i/τ))]
 
@@ -31,11 +31,11 @@ ScaleFL's compute ratios 0.061 / 0.13 / 0.25 / 1.0; on paper-cifar100 they are
   their value:  θ[u] = Σ_{k: u∈S_k} n_k θ_k[u] / Σ_{k: u∈S_k} n_k
   (``feast_edge.aggregate.robust.robust_aggregate`` with the run's rule, "mean" by default).
 * Evaluation: each level at its deepest exit, after recomputing its BN
-  statistics on the calibration images (SPEC §8).
+  statistics on the calibration images (method §8).
 
 Choices (what and why):
 
-* Loss weights i/(l(l+1)) sum to ½, as in SPEC §9 and the FEAST reference the
+* Loss weights i/(l(l+1)) sum to ½, as in method §9 and the FEAST reference the
   paper ran; ScaleFL's own code divides by l(l+1)/2 (weights sum to 1), i.e.
   gradients twice as large. Its code also uses ``KLDivLoss`` with element-wise
   mean (KL / classes) and switches KD on after a quarter of the rounds; we use
@@ -46,7 +46,7 @@ Choices (what and why):
 * BN running statistics are neither sent nor averaged (the clients return
   parameters only): every evaluation recomputes them, as ScaleFL's
   ``track_running_stats=False`` implies.
-* Aggregation is weighted by sample counts (SPEC §6, FEAST reference);
+* Aggregation is weighted by sample counts (method §6, FEAST reference);
   ScaleFL's own code counts clients.
 * Costs: a level's operating point is what a device serves (backbone + its
   deepest exit); its assignment uses what a client trains (backbone + every

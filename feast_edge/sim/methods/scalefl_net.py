@@ -99,7 +99,7 @@ class Geometry:
         return self.channels(width)[(after - 1) // BLOCKS_PER_STAGE]
 
     def macs(self, blocks: int, width: float, exits: Sequence[int]) -> int:
-        """Conv + linear MACs of the first ``blocks`` blocks at ``width`` with heads after the blocks ``exits`` (SPEC §2 rules)."""
+        """Conv + linear MACs of the first ``blocks`` blocks at ``width`` with heads after the blocks ``exits`` (method §2 rules)."""
         size = (self.input_size - 1) // self.stem_stride + 1
         total = self.in_channels * self.channels(width)[0] * 9 * size * size
         for c_in, c_out, stride, h in self.layout(blocks, width):
