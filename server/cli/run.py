@@ -185,7 +185,8 @@ def run(
     aggregation: Annotated[
         str,
         typer.Option(
-            "--aggregation", help="mean (method §6), or a robust rule: clip, trimmed-mean, median (docs/security.md §5)."
+            "--aggregation",
+            help="mean (method §6), or a robust rule: clip, trimmed-mean, median (docs/security.md §5).",
         ),
     ] = "mean",
     trim: Annotated[

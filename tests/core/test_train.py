@@ -352,5 +352,6 @@ def test_a_restricted_softmax_changes_nothing_for_a_client_holding_every_class()
 def test_the_restricted_softmax_setting_is_checked_and_sent_only_when_set() -> None:
     with pytest.raises(TrainError, match="absent_logit_scale"):
         TrainConfig(absent_logit_scale=1.5)
-    assert "absent_logit_scale" not in TrainConfig().settings()  # method §7's: earlier agents and fingerprints unchanged
+    # method §7's value is left out: earlier agents and fingerprints unchanged
+    assert "absent_logit_scale" not in TrainConfig().settings()
     assert TrainConfig(**TrainConfig(absent_logit_scale=0.5).settings()).absent_logit_scale == 0.5
