@@ -4,6 +4,7 @@
 #   make test    system packages + .venv + the package + a broker on 127.0.0.1:1883, then pytest (every test)
 #   make test-fast  the same set-up, then pytest -m "not slow" (the loop while developing; docs/development.md)
 #   Both run pytest-xdist on every core (-n auto --dist loadgroup); WORKERS=N changes that, WORKERS=0 runs in one process.
+#   make docs    .venv + the package, then the documentation site into site/ (mkdocs build --strict)
 #
 # Every step is idempotent: a second run only checks and goes straight to the command.
 # Variables (make VAR=value):
@@ -48,7 +49,7 @@ RUN_ENV := PATH="$(VENV_DIR)/bin:$$PATH:/usr/sbin"
 
 export PIP_DISABLE_PIP_VERSION_CHECK ?= 1
 
-.PHONY: help setup system-packages venv broker test test-fast demo clean
+.PHONY: help setup system-packages venv broker test test-fast demo docs clean
 
 help:
 	@echo "feast-edge set-up (Debian/Ubuntu, Python >= 3.10, root or sudo for apt-get)"
@@ -56,6 +57,7 @@ help:
 	@echo "  make demo             set everything up, then run 'feast-edge demo' (DEMO_ARGS=...)"
 	@echo "  make test             set everything up, start a broker if needed, then run every test (PYTEST_ARGS=...)"
 	@echo "  make test-fast        the same, but only the tests not marked slow: pytest -m 'not slow'"
+	@echo "  make docs             the documentation site into site/ (mkdocs build --strict: a broken link fails it)"
 	@echo "  both run on every core (pytest-xdist -n auto); WORKERS=N sets the number, WORKERS=0 runs in one process"
 	@echo "  costs on 2 cores and how to run a marker or a file: docs/development.md"
 	@echo
@@ -69,7 +71,7 @@ help:
 	@echo "  make system-packages  apt-get install $(APT_PACKAGES) (only what is missing)"
 	@echo "  make venv             $(VENV) (--system-site-packages), PyTorch if it cannot be imported, pip install -e '.[dev]', amqtt in $(AMQTT_SIDE)"
 	@echo "  make broker           make sure an MQTT broker listens on $(BROKER_HOST):$(BROKER_PORT) (starts mosquitto)"
-	@echo "  make clean            remove $(VENV), build/ and dist/"
+	@echo "  make clean            remove $(VENV), build/, dist/ and site/"
 	@echo
 	@echo "  VENV=$(VENV)  PYTHON=$(PYTHON)  TORCH=$(TORCH)  WORKERS=$(WORKERS)"
 	@echo "  CPU-only PyTorch:  make demo TORCH=\"torch torchvision --index-url https://download.pytorch.org/whl/cpu\""
@@ -153,5 +155,12 @@ test-fast: setup broker
 demo: setup
 	$(RUN_ENV) $(VENV_DIR)/bin/feast-edge demo $(DEMO_ARGS)
 
+# The documentation site (mkdocs.yml; docs/development.md, "Documentation"): strict, so a broken link, a missing
+# anchor or a page left out of the nav fails it. The command-line reference is generated from the programs, so the
+# package must be importable: the venv, not the system packages. Open site/index.html, or serve it with
+# `$(VENV)/bin/python -m mkdocs serve`.
+docs: venv
+	cd "$(CURDIR)" && NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf "$(VENV_DIR)" build dist
+	rm -rf "$(VENV_DIR)" build dist site
