@@ -51,9 +51,6 @@ Choices (what and why):
 * Costs: a level's operating point is what a device serves (backbone + its
   deepest exit); its assignment uses what a client trains (backbone + every
   exit up to its own). The two differ by the earlier heads (< 0.05 %).
-* A budget below level 1 is an error, not the FEAST paper's minimum-tier
-  fallback (its clients under ScaleFL's 35M level were trained and served
-  level 1 anyway), so no client trains a network it cannot afford.
 """
 
 from __future__ import annotations
