@@ -20,8 +20,9 @@ from feast_edge.cli.common import (
     millions,
 )
 from feast_edge.cli.population import population_options
-from feast_edge.cli.server_opt import server_opt_options
+from feast_edge.cli.privacy import dp_options
 from feast_edge.cli.progress import Stage
+from feast_edge.cli.server_opt import server_opt_options
 from feast_edge.errors import FeastError
 from feast_edge.space.arch import Arch
 
@@ -35,9 +36,11 @@ def _say(text: str) -> None:
 
 @population_options
 @server_opt_options()
+@dp_options()
 def simulate(
     population: dict[str, Any],
     server_opt: dict[str, Any],
+    dp: dict[str, Any],
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints and results.")],
     per_round: Annotated[int, typer.Option(help="Clients sampled per round m.")] = 5,
     rounds: Annotated[int, typer.Option(help="Federation rounds (also the cosine-decay horizon).")] = 30,
@@ -207,6 +210,7 @@ def simulate(
         clip_norm=clip_norm,
         max_weight_ratio=max_weight_ratio,
         **server_opt,
+        **dp,
         device=device,
         payload_dtype=payload_dtype,
         amp=precision.mode,
@@ -292,6 +296,10 @@ def simulate(
     if "personalization" in results:
         console.print(personalization_table(results["personalization"]))
         _say(personalization_line(results["personalization"]))
+    if "privacy" in results:
+        from feast_edge.privacy.rounds import privacy_line
+
+        _say(privacy_line(results["privacy"]))
     comm = results["communication"]
     saving = "nothing sent" if comm["reduction"] is None else f"{comm['reduction']:.2f}x less"
     in_bytes = (

@@ -35,6 +35,7 @@ from feast_edge.cache.variants import VariantCache
 from feast_edge.errors import CheckpointError
 from feast_edge.evaluate.evaluation import Validation
 from feast_edge.local.recipe import scheduled_lr
+from feast_edge.privacy.rounds import BudgetReached, PrivateRounds
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.run.checkpoint import (
     FORMAT,
@@ -97,6 +98,7 @@ class RoundRecord:
     # Federated validation (a server without data): {"source": "devices", "devices": [...], "samples": n,
     # "points": {label: accuracy}, "selects": whether it may choose the best checkpoint, "flagged": {device: why}}; empty where the validation split is server-held (or there was none).
     validation: dict[str, Any] = field(default_factory=dict)
+    dp: dict[str, Any] = field(default_factory=dict)  # DP runs: population, cohort (sizes), epsilon after it, delta
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], zero_based: bool = False) -> RoundRecord:
@@ -199,6 +201,9 @@ class RunLoop:
             else ServerOptimizer(settings.server_opt, {n: tuple(p.shape) for n, p in model.named_parameters()})
         )
         self.history: list[RoundRecord] = []
+        params = [name for name, _ in model.named_parameters()]
+        self.privacy = PrivateRounds(settings.dp, params) if settings.dp is not None else None
+        self.stopped: str | None = None  # why the run ended before its last round (the privacy budget)
         self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
         self.best: dict[str, Any] = {}
         self.stop = threading.Event()
@@ -325,6 +330,10 @@ class RunLoop:
         clients = collector.clients(needed)
         start = time.monotonic()
         cohort = sample_round_cohort(clients, min(s.per_round, len(clients)), s.seed, t)
+        dp = {}
+        if self.privacy is not None:  # before anything is sent: refuse a round past --dp-epsilon
+            earlier = [h.dp for h in self.history], [h.cohort for h in self.history]
+            dp = self.privacy.check_next(*earlier, t + 1, len(clients), cohort)
         lr = scheduled_lr(s.lr_schedule, s.lr, t, s.rounds)
         plans = self.method.plans(t, cohort, collector.budget)
         global_state = self.model.state_dict()  # aliases the model's tensors: aggregation writes into the model
@@ -346,6 +355,10 @@ class RunLoop:
         record.routed_bytes = record.routed_params * bytes_per_param(s.payload_dtype)
         record.full_bytes = record.full_params * bytes_per_param("float32")
         valid = sorted(got.updates, key=lambda u: u.client)
+        if self.privacy is not None:  # clipped, BN statistics kept global, uniform weights (feast_edge.privacy)
+            private = self.privacy.update
+            valid = [replace(u, state=private(global_state, u.state, t, u.client), samples=1) for u in valid]
+        record.dp = dp
         record.updated = [u.client for u in valid]
         weights = bounded_weights([u.samples for u in valid], [u.self_reported for u in valid], s.max_weight_ratio)
         record.capped = {u.client: [u.samples, w] for u, w in zip(valid, weights) if w != u.samples}
@@ -374,6 +387,8 @@ class RunLoop:
         opt = self.server_optimizer
         before = opt.snapshot(global_state) if opt is not None else None
         self.method.aggregate(t, global_state, valid, plans)
+        if self.privacy is not None:
+            self.privacy.noise(global_state, [u.state for u in valid], t)
         if opt is not None:
             opt.step(global_state, before, self.method.routed(global_state, valid, list(opt.shapes)))
 
@@ -391,7 +406,11 @@ class RunLoop:
         first = len(self.history)
         for t in range(first, s.rounds):
             needed = (start_clients or s.min_clients) if t == first else s.min_clients
-            record = self.run_round(t, collector, needed)
+            try:
+                record = self.run_round(t, collector, needed)
+            except BudgetReached as exc:
+                self.stopped = str(exc)
+                break
             if (t + 1) % s.eval_every == 0 or t + 1 == s.rounds:
                 if self.validation is not None:
                     record.val_accuracy = self.validate()
@@ -416,7 +435,8 @@ class RunLoop:
 
     @property
     def finished(self) -> bool:
-        return len(self.history) >= self.settings.rounds
+        """Every round ran, or the privacy budget ended the run (``stopped``)."""
+        return len(self.history) >= self.settings.rounds or self.stopped is not None
 
     def selected_checkpoint(self) -> Path:
         """``best.safetensors`` when validation chose one, else the last checkpoint."""

@@ -39,6 +39,7 @@ COLUMNS = [
     "dropped",
     "declined",
     "incomplete",
+    "epsilon",  # DP runs: ε after the round at the run's δ (feast_edge.privacy); empty otherwise
 ]
 
 
@@ -66,6 +67,7 @@ def round_row(h: RoundRecord) -> list[Any]:
         len(h.dropped),
         len(h.declined),
         len(h.incomplete),
+        f"{h.dp['epsilon']:.4f}" if h.dp else "",
     ]
 
 
@@ -105,6 +107,7 @@ class TensorBoardLog:
             "round/updated": len(h.updated),
             "round/rejected": len(h.rejected),
             "validation/accuracy": h.val_accuracy,
+            "privacy/epsilon": h.dp.get("epsilon"),
         }
         for tag, value in scalars.items():
             if value is not None:

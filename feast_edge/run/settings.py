@@ -10,6 +10,7 @@ from feast_edge.aggregate.server_opt import ServerOpt
 from feast_edge.aggregate.weights import ratio_problem
 from feast_edge.errors import FeastError
 from feast_edge.local.recipe import TrainConfig
+from feast_edge.privacy.settings import DpSettings
 from feast_edge.route.payload import PAYLOAD_DTYPES
 
 
@@ -40,6 +41,7 @@ class RunSettings:
     server_opt: ServerOpt = field(
         default_factory=ServerOpt
     )  # the step from the aggregate (feast_edge.aggregate.server_opt); avg: method §6
+    dp: DpSettings | None = None  # client-level differential privacy (feast_edge.privacy); None: none
 
     def __post_init__(self) -> None:
         check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)
@@ -66,6 +68,7 @@ def recorded_settings(
     clip_norm: float | None,
     payload_dtype: str,
     server_opt: ServerOpt | None = None,
+    dp: DpSettings | None = None,
 ) -> dict[str, Any]:
     """What every run's fingerprint records of its recipe, aggregation and wire: the resolved recipe, the aggregation
     settings its rule reads (none for the mean), a payload dtype other than float32 and a server optimizer other than
@@ -78,6 +81,7 @@ def recorded_settings(
         **rule_settings(aggregation, trim, clip_norm),
         **wire,
         **opt,
+        **(dp.settings() if dp is not None else {}),
     }
 
 

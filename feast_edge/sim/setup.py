@@ -29,6 +29,8 @@ from feast_edge.errors import FeastError
 from feast_edge.local.precision import AMP_MODES, set_deterministic
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.personalize.select import Choice, PersonalizeError
+from feast_edge.privacy.rounds import check_plan
+from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RunError, check_run_options, recorded_settings, server_opt_of
 from feast_edge.sim.population import Population, build_population, server_split, zipf_population
@@ -101,6 +103,13 @@ class SimulationConfig:
     # After the last round, each client's personal model (feast_edge.personalize): auto, off, METHOD or METHOD:STRENGTH.
     personalize: str = "off"
     holdout: float = 0.0  # each client's held-out share of its shard (never trains), which personalize measures on
+    # Client-level differential privacy (feast_edge.privacy, docs/privacy.md): dp_clip and dp_noise together, or neither.
+    dp_clip: float | None = None
+    dp_noise: float | None = None
+    dp_delta: float | None = None  # None: 1e-5 or 0.1/clients, whichever is smaller
+    dp_epsilon: float | None = None  # the privacy budget; None: no limit
+    dp_seed: int | None = None  # None: noise from the OS (not reproducible)
+    dp_mode: str = "central"
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -154,6 +163,42 @@ class SimulationConfig:
             dict(self.method_options)
         )  # unknown method or option: one line, before any data is read
         self._check_personalize()
+        self._check_privacy()
+
+    def dp_settings(self) -> DpSettings | None:
+        """The run's validated DP settings (None: no DP)."""
+        if self.dp_clip is None and self.dp_noise is None:
+            given = [f"--dp-{k}" for k in ("delta", "epsilon", "seed") if getattr(self, f"dp_{k}") is not None]
+            given += ["--dp-mode"] if self.dp_mode != "central" else []
+            if given:
+                raise SimulationError(
+                    f"{', '.join(given)} needs --dp-clip and --dp-noise (without them there is no DP)"
+                )
+            return None
+        if self.dp_clip is None or self.dp_noise is None:
+            raise SimulationError(
+                "differential privacy needs both --dp-clip C and --dp-noise z, e.g. --dp-clip 1 --dp-noise 1"
+            )
+        try:
+            return DpSettings(self.dp_clip, self.dp_noise, self.dp_delta, self.dp_epsilon, self.dp_seed, self.dp_mode)
+        except PrivacyError as exc:
+            raise SimulationError(str(exc)) from None
+
+    def _check_privacy(self) -> None:
+        """DP composes with the run (a sum-based aggregation, uniform weights) and its planned rounds fit --dp-epsilon."""
+        dp = self.dp_settings()
+        if dp is None:
+            return
+        if self.max_weight_ratio:
+            raise SimulationError(
+                "--max-weight-ratio caps sample-count weights, and under DP every update weighs 1 (a self-reported "
+                "count would leak and break the noise's calibration): drop --max-weight-ratio"
+            )
+        try:
+            check_composes(self.aggregation, method_class(self.method).private_aggregation, self.method)
+            check_plan(dp, self.rounds, self.clients, self.per_round)
+        except PrivacyError as exc:
+            raise SimulationError(str(exc)) from None
 
     def _check_personalize(self) -> None:
         """--personalize and --holdout: a known choice, FEAST's served variants, and a held-out split exactly when asked."""
@@ -199,6 +244,7 @@ class SimulationConfig:
         )
         skip += ("amp",) if self.amp == "off" else ()
         skip += ("max_weight_ratio",) if not self.max_weight_ratio else ()  # runs without a cap keep their fingerprints
+        skip += tuple(f for f in asdict(self) if f.startswith("dp_"))  # recorded below, resolved, only when DP is on
         skip += ("personalize",)  # what happens after the last round: the weights and the selection are the same
         skip += ("holdout",) if not self.holdout else ()  # a held-out split changes the training data
         data = {
@@ -215,6 +261,7 @@ class SimulationConfig:
                 self.clip_norm,
                 self.payload_dtype,
                 self.server_optimizer(),
+                self.dp_settings(),
             ),
         }
 

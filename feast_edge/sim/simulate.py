@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.evaluate.evaluation import Validation, population_accuracy
+from feast_edge.privacy.rounds import privacy_summary
 from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.sim.collect import InProcessCollector
@@ -85,6 +86,7 @@ class Simulation:
             payload_dtype=config.payload_dtype,
             max_weight_ratio=config.max_weight_ratio,
             server_opt=config.server_optimizer(),
+            dp=config.dp_settings(),
         )
         self.loop = RunLoop(
             self.model,
@@ -173,6 +175,7 @@ class Simulation:
         """Test every cached variant of the best checkpoint (and, with ``personalize``, run every client's
         personalization step on its served variant); write results.json, variants.csv, rounds.csv."""
         s, cfg = self.setup, self.config
+        dp = cfg.dp_settings()
         best_path = self.out / BEST
         if best_path.is_file():
             model = self.loop.load(best_path)[0]
@@ -210,6 +213,7 @@ class Simulation:
             "compute": {"train_macs_total": sum(h.train_macs for h in self.history)},
             **({"matched_compute": self.matched} if self.matched is not None else {}),
             **({"personalization": self.personalization(served, on_personal)} if cfg.personalize != "off" else {}),
+            **({"privacy": privacy_summary(dp, [h.dp for h in self.history], self.loop.stopped)} if dp else {}),
             "rounds": [asdict(h) for h in self.history],
             "seconds_total": sum(h.seconds for h in self.history),
         }

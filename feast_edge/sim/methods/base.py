@@ -71,6 +71,7 @@ class Method(ServedPoints):
     summary: ClassVar[str] = ""  # one line for --help and reports
     supernet: ClassVar[bool] = True  # the model is a full feast_edge.space.supernet.Supernet (checkpointed as one)
     averaging: ClassVar[bool] = True  # its aggregation is a (sparse) average, so a server optimizer can step from it
+    private_aggregation: ClassVar[bool] = False  # the uniform mean of routed slices, so DP's per-coordinate noise fits
     options: ClassVar[Mapping[str, MethodOption]] = {}
 
     def __init__(self, setup: Setup, config: SimulationConfig) -> None:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 class Feast(Method):
     name = "feast"
+    private_aggregation = True  # sparse mean of leading slices (feast_edge.privacy)
     summary = "FEAST: routed sub-supernets, multi-variant co-training, sparse sample-weighted aggregation"
 
     def __init__(self, setup: Setup, config: SimulationConfig) -> None:

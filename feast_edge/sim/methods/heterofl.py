@@ -97,6 +97,7 @@ def tier_label(ratio: float) -> str:
 
 class HeteroFL(Method):
     name = "heterofl"
+    private_aggregation = True  # sparse mean of leading slices (feast_edge.privacy)
     summary = "HeteroFL: width tiers of one ResNet-18, top-left-slice payloads, count-normalised averaging, static BN"
     supernet = False
     options: ClassVar[Mapping[str, MethodOption]] = {

@@ -119,6 +119,7 @@ class ScaleFL(Method):
     """ScaleFL baseline: levels of (blocks, width) with early exits, self-distillation and slice-wise averaging."""
 
     name = "scalefl"
+    private_aggregation = True  # sparse mean of leading slices (feast_edge.privacy)
     summary = "ScaleFL (Ilhan et al. 2023): 4 depth-width levels, early exits, self-distillation"
     supernet = False
     options: ClassVar[Mapping[str, MethodOption]] = {

@@ -1,0 +1,66 @@
+"""The differential-privacy options of ``feast-edge simulate`` and ``feast-server run`` (feast_edge.privacy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import typer
+
+from feast_edge.cli.common import F, option_group
+
+
+def dp_options() -> Callable[[F], F]:
+    """Give a command the ``--dp-*`` options; it receives them as ``dp: dict`` of config keywords (``dp_clip``, ...)."""
+    options = {
+        "dp_clip": (
+            Optional[float],
+            None,
+            typer.Option(
+                "--dp-clip",
+                help="Client-level differential privacy: clip each update of a routed slice to this L2 norm C "
+                "(with --dp-noise; docs/privacy.md).",
+            ),
+        ),
+        "dp_noise": (
+            Optional[float],
+            None,
+            typer.Option(
+                "--dp-noise",
+                help="Noise multiplier z: N(0, z²C²) on every coordinate's sum of clipped updates, divided by the "
+                "number of devices routed that coordinate.",
+            ),
+        ),
+        "dp_delta": (
+            Optional[float],
+            None,
+            typer.Option(
+                "--dp-delta", help="δ of the reported ε; below 1/population (default: 1e-5 or 0.1/population)."
+            ),
+        ),
+        "dp_epsilon": (
+            Optional[float],
+            None,
+            typer.Option(
+                "--dp-epsilon",
+                help="Privacy budget: refuse a run whose planned rounds exceed it; stop before a round that would.",
+            ),
+        ),
+        "dp_seed": (
+            Optional[int],
+            None,
+            typer.Option(
+                "--dp-seed", help="Seed the noise (tests only: default noise comes from the OS, never replayed)."
+            ),
+        ),
+        "dp_mode": (
+            str,
+            "central",
+            typer.Option(
+                "--dp-mode",
+                help="central (the server adds the noise: trusts the server) or local (each device noises its own "
+                "clipped update: trusts nobody, costs accuracy).",
+            ),
+        ),
+    }
+    return option_group("dp", options, dict)

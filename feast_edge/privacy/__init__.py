@@ -1,0 +1,1 @@
+"""Client-level differential privacy for routed slices: clipping, per-coordinate noise, accounting (docs/privacy.md)."""

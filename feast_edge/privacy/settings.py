@@ -1,0 +1,88 @@
+"""A run's differential-privacy settings and their one check (``--dp-*``; docs/privacy.md)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from feast_edge.errors import FeastError
+
+MODES = ("central", "local")
+DEFAULT_DELTA = 1e-5  # at most; below 1/population always (default_delta)
+AGGREGATIONS = ("mean",)  # the sensitivity bound holds for the sum of clipped updates; robust rules are no sums
+
+
+class PrivacyError(FeastError, ValueError):
+    """Differential-privacy settings that cannot give the stated guarantee."""
+
+
+@dataclass(frozen=True)
+class DpSettings:
+    """Client-level DP: every update clipped to L2 norm ``clip``; Gaussian noise ``noise`` x ``clip`` per coordinate sum.
+
+    ``mode``: ``central`` (the server adds the noise to each coordinate's sum: trusts the server) or ``local`` (each
+    client noises its own clipped update before it leaves: trusts nobody, costs accuracy). ``delta``: the δ of the
+    reported ε (None: :func:`default_delta` of the population). ``epsilon``: the budget a run may not exceed (None:
+    none). ``seed``: the noise generator's seed (None: drawn from the OS every round, not reproducible; tests only).
+    """
+
+    clip: float
+    noise: float
+    delta: float | None = None
+    epsilon: float | None = None
+    seed: int | None = None
+    mode: str = "central"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.clip, (int, float)) and math.isfinite(self.clip) and self.clip > 0):
+            raise PrivacyError(f"--dp-clip {self.clip!r} must be a positive L2 norm, e.g. --dp-clip 1.0")
+        if not (isinstance(self.noise, (int, float)) and math.isfinite(self.noise) and self.noise > 0):
+            raise PrivacyError(
+                f"--dp-noise {self.noise!r} must be a positive noise multiplier z (noise std = z x clip), e.g. 1.0; "
+                "to train without privacy leave out --dp-clip and --dp-noise"
+            )
+        if self.delta is not None and not (0 < self.delta < 1):
+            raise PrivacyError(f"--dp-delta {self.delta!r} must lie in (0, 1), and below 1/population, e.g. 1e-5")
+        if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
+            raise PrivacyError(f"--dp-epsilon {self.epsilon!r} must be a positive privacy budget, e.g. 8")
+        if self.mode not in MODES:
+            raise PrivacyError(f"--dp-mode {self.mode!r} is not one of {', '.join(MODES)}")
+
+    def resolved_delta(self, population: int) -> float:
+        """δ for a population of ``population`` clients: the given one, checked to be below 1/population, or the default."""
+        if self.delta is None:
+            return default_delta(population)
+        if self.delta >= 1 / population:
+            raise PrivacyError(
+                f"--dp-delta {self.delta:g} is not below 1/population = 1/{population}: a mechanism that publishes one "
+                f"client's whole update with probability δ would satisfy it; use at most {default_delta(population):.2g}"
+            )
+        return self.delta
+
+    def settings(self) -> dict[str, Any]:
+        """What a run's fingerprint records (a resume with other DP settings is refused)."""
+        return {"dp": {"clip": self.clip, "noise": self.noise, "delta": self.delta, "epsilon": self.epsilon,
+                       "seed": self.seed, "mode": self.mode}}  # fmt: skip
+
+
+def default_delta(population: int) -> float:
+    """The default δ: 1e-5, or 0.1/population where that is smaller (δ must stay well below 1/population)."""
+    return min(DEFAULT_DELTA, 0.1 / max(1, population))
+
+
+def check_composes(aggregation: str, private_aggregation: bool, method: str) -> None:
+    """Refuse the aggregations DP cannot bound: robust rules (not sums) and methods that do not average routed slices.
+
+    Every server optimizer composes: it steps from the noised aggregate, which is post-processing."""
+    if aggregation not in AGGREGATIONS:
+        raise PrivacyError(
+            f"--aggregation {aggregation} does not compose with differential privacy: the noise is calibrated to the "
+            "sum of clipped updates, and a trimmed mean, median or adaptive clip is not that sum; use --aggregation "
+            "mean (the clipping bounds every device's influence already)"
+        )
+    if not private_aggregation:
+        raise PrivacyError(
+            f"method {method} does not aggregate by averaging routed slices, so the per-coordinate noise cannot be "
+            "calibrated to it; DP runs with feast, heterofl or scalefl"
+        )

@@ -1,0 +1,110 @@
+"""DP in a whole run (feast-edge simulate): uniform weights, ε per round, exact resume, the budget, bad input refused."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import replace
+
+import pytest
+import torch
+
+from feast_edge.privacy.accountant import planned_epsilon
+from feast_edge.privacy.rounds import PrivateRounds
+from feast_edge.privacy.settings import DpSettings
+from feast_edge.run.checkpoint import load_supernet
+from feast_edge.sim.setup import SimulationError
+from feast_edge.sim.simulate import CHECKPOINT, Simulation
+from simconfigs import cli_options, tiny_config
+
+DP_RUN = tiny_config(rounds=3, seed=3, eval_every=3, dp_clip=0.5, dp_noise=0.8, dp_seed=11)
+
+
+@pytest.fixture(scope="module")
+def private(tmp_path_factory, fashion_mnist_dir):
+    out = tmp_path_factory.mktemp("dp")
+    return out, Simulation(DP_RUN, out).run()
+
+
+@pytest.mark.slow
+def test_every_round_has_uniform_weights_and_its_epsilon_in_the_csv_and_the_results(private):
+    out, results = private
+    rounds = results["rounds"]
+    assert [r["samples"] for r in rounds] == [len(r["updated"]) for r in rounds] and all(
+        not r["capped"] for r in rounds
+    )
+    eps = [r["dp"]["epsilon"] for r in rounds]
+    assert eps == sorted(eps) and eps[0] > 0
+    assert eps[-1] == pytest.approx(planned_epsilon(3, DP_RUN.clients, DP_RUN.per_round, 0.8, 1e-5))
+    assert [float(row["epsilon"]) for row in csv.DictReader((out / "rounds.csv").open())] == pytest.approx(eps, 1e-4)
+    block = results["privacy"]
+    assert block["epsilon"] == eps[-1] and block["delta"] == 1e-5 and block["weights"] == "uniform"
+    assert block["stopped"] is None and block["noise_seed"] == 11
+
+
+@pytest.mark.slow
+def test_a_resumed_private_run_continues_the_noise_and_the_accounting_exactly(private, tmp_path):
+    full_out, full = private
+    assert Simulation(DP_RUN, tmp_path).run(stop_after=2) is None
+    resumed = Simulation(DP_RUN, tmp_path).run(resume=True)
+    a, b = load_supernet(full_out / CHECKPOINT)[0].state_dict(), load_supernet(tmp_path / CHECKPOINT)[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["dp"] for r in resumed["rounds"]] == [r["dp"] for r in full["rounds"]]
+
+
+@pytest.mark.slow
+def test_noise_changes_the_model_and_a_resume_with_other_dp_settings_is_refused(private, tmp_path):
+    full_out, _ = private
+    Simulation(replace(DP_RUN, rounds=1), tmp_path / "a").run()
+    Simulation(replace(DP_RUN, rounds=1, dp_seed=12), tmp_path / "b").run()
+    a, b = (load_supernet(tmp_path / d / CHECKPOINT)[0].state_dict() for d in "ab")
+    assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
+    with pytest.raises(SimulationError, match=r"other settings \(differs in: dp\)"):
+        Simulation(replace(DP_RUN, dp_noise=1.0), full_out).run(resume=True)
+
+
+@pytest.mark.slow
+def test_the_run_stops_before_the_round_that_would_pass_the_budget(fashion_mnist_dir, tmp_path):
+    sim = Simulation(DP_RUN, tmp_path)
+    budget = planned_epsilon(1, DP_RUN.clients, DP_RUN.per_round, 0.8, 1e-5) * 1.01  # round 1 fits, round 2 does not
+    sim.loop.privacy = PrivateRounds(replace(DP_RUN.dp_settings(), epsilon=budget), sim.loop.privacy.params)
+    results = sim.run()
+    assert len(results["rounds"]) == 1
+    assert (
+        "round 2 would bring ε to" in results["privacy"]["stopped"]
+        and "stopped after round 1" in results["privacy"]["stopped"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"dp_noise": 1.0}, "needs both --dp-clip C and --dp-noise z"),
+        ({"dp_clip": 1.0, "dp_noise": 0.0}, "--dp-noise 0.0 must be a positive noise multiplier"),
+        ({"dp_clip": 0.0, "dp_noise": 1.0}, "--dp-clip 0.0 must be a positive L2 norm"),
+        ({"dp_epsilon": 3.0}, "--dp-epsilon needs --dp-clip and --dp-noise"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "dp_delta": 0.3}, r"--dp-delta 0\.3 is not below 1/population = 1/4"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "aggregation": "median"}, "--aggregation median does not compose"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "max_weight_ratio": 3.0}, "drop --max-weight-ratio"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "method": "sfn"}, "method sfn does not aggregate by averaging"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "dp_epsilon": 0.5}, r"--dp-epsilon 0\.5: the planned 2 rounds"),
+    ],
+)
+def test_bad_dp_settings_are_refused_before_anything_runs(changes, message):
+    with pytest.raises(SimulationError, match=message):
+        tiny_config(**changes)
+
+
+def test_the_command_line_refuses_a_bad_setting_in_one_line_and_writes_nothing(cli, tmp_path):
+    out = tmp_path / "run"
+    result = cli.invoke(
+        "simulate", *cli_options(tiny_config()), "--out", str(out), "--dp-clip", "1", "--dp-noise", "-1"
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--dp-noise -1.0 must be a positive noise multiplier" in result.stderr + result.stdout
+    assert not out.exists()
+
+
+def test_dp_settings_enter_the_fingerprint_only_when_dp_is_on():
+    plain = tiny_config()
+    assert "dp" not in plain.decisive() and plain.dp_settings() is None
+    assert tiny_config(dp_clip=1.0, dp_noise=1.0).decisive()["dp"] == DpSettings(1.0, 1.0).settings()["dp"]
