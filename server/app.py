@@ -203,7 +203,14 @@ class FederationServer(RunHost):
         """Resume if possible, run the remaining rounds, checkpoint each (and ``rounds.csv``, TensorBoard scalars); returns the history."""
         assert self.collector is not None, "start() first"
         cfg = self.config
-        if self.data is None:
+        if self.data is None and not cfg.federated_statistics:
+            log.info(
+                "no --data, and under differential privacy the devices' held-out accuracy counts and BN statistics "
+                "would leave them unnoised: no federated validation (the last round is served, each device its "
+                "largest affordable variant) and every served model's BN statistics are calibrated on its device's "
+                "own data (docs/privacy.md)"
+            )
+        elif self.data is None:
             log.info(
                 "no --data: the devices validate the model on their held-out data every %d rounds; their served "
                 "models' BN statistics are %s",
@@ -244,7 +251,11 @@ class FederationServer(RunHost):
         federated BN statistics (``federated_bn``; None: when connected and ``--bn-calibration federated``) or for the
         device to calibrate on its own data."""
         if federated_bn is None:
-            federated_bn = self.calibration is not None and self.config.bn_calibration == "federated"
+            federated_bn = (
+                self.calibration is not None
+                and self.config.bn_calibration == "federated"
+                and self.config.federated_statistics
+            )
         return self.export_models(self._federated_statistics if federated_bn else None)
 
     def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:

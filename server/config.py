@@ -14,6 +14,7 @@ from feast_edge.evaluate.bn_robust import BN_RULES, DEFAULT_BN_RULE
 from feast_edge.evaluate.coverage import SERVING_RULES
 from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, VAL_RULES
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
+from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes, dp_of
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
@@ -98,6 +99,13 @@ class ServerConfig:
     server_momentum: float = 0.9
     server_betas: tuple[float, ...] = (0.9, 0.99)
     server_tau: float = 1e-3
+    # Client-level differential privacy (feast_edge.privacy, docs/privacy.md): dp_clip and dp_noise together, or neither.
+    dp_clip: float | None = None
+    dp_noise: float | None = None
+    dp_delta: float | None = None  # None: 1e-5 or 0.1/population (the first round's), whichever is smaller
+    dp_epsilon: float | None = None  # the privacy budget; None: no limit
+    dp_seed: int | None = None  # None: noise from the OS (not reproducible)
+    dp_mode: str = "central"
 
     def __post_init__(self) -> None:
         checks = [
@@ -146,6 +154,24 @@ class ServerConfig:
             self.server_optimizer()
         except RunError as exc:
             raise ServerError(str(exc)) from None
+        try:
+            if self.dp_settings() is not None:
+                check_composes(self.aggregation, True, "feast")
+        except PrivacyError as exc:
+            raise ServerError(str(exc)) from None
+
+    def dp_settings(self) -> DpSettings | None:
+        """The run's DP settings (None: no DP)."""
+        try:
+            return dp_of(self)
+        except PrivacyError as exc:
+            raise ServerError(str(exc)) from None
+
+    @property
+    def federated_statistics(self) -> bool:
+        """Whether devices send statistics of their data besides their clipped updates (BN statistics of the served
+        variants, held-out accuracy counts). Not under DP: they would leave the devices unnoised."""
+        return self.dp_settings() is None
 
     def server_optimizer(self) -> ServerOpt:
         """The validated server optimizer of ``--server-opt`` and its settings."""
@@ -185,7 +211,14 @@ class ServerConfig:
         )
         train, schedule = self.recipe()
         recorded = recorded_settings(
-            train, schedule, self.aggregation, self.trim, self.clip_norm, self.payload_dtype, self.server_optimizer()
+            train,
+            schedule,
+            self.aggregation,
+            self.trim,
+            self.clip_norm,
+            self.payload_dtype,
+            self.server_optimizer(),
+            self.dp_settings(),
         )
         capped = {"max_weight_ratio": self.max_weight_ratio} if self.max_weight_ratio else {}
         return {**{STORED_AS.get(name, name): getattr(self, name) for name in names}, **recorded, **capped}
@@ -224,4 +257,5 @@ class ServerConfig:
             payload_dtype=self.payload_dtype,
             max_weight_ratio=self.max_weight_ratio,
             server_opt=self.server_optimizer(),
+            dp=self.dp_settings(),
         )

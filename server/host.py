@@ -75,7 +75,8 @@ class RunHost:
             if self.data is None
             else Validation(self.data.calibration_images, self.data.validation_images, self.data.validation_labels),
             extra_fields=lambda: {"data": config.data, "seed": config.seed, "registry": self.registry.snapshot()},
-            validator=None if self.data is not None else validator,
+            # Under DP the devices' held-out counts stay on the devices: no federated validation (config.federated_statistics).
+            validator=None if self.data is not None or not config.federated_statistics else validator,
         )
 
     @property
@@ -148,6 +149,10 @@ class RunHost:
             self.loop.run(collector, start_clients=cfg.start_clients, on_round=after)
         finally:
             roundlog.close()
+        if self.loop.stopped is not None:  # the privacy budget: refused before round 1, or ended the run
+            if not self.history:
+                raise ServerError(self.loop.stopped)
+            log.warning("%s", self.loop.stopped)
         return self.history
 
     def selected_validation(self) -> tuple[dict[int, float], dict[int, int]]:

@@ -32,9 +32,12 @@ class BudgetReached(PrivacyError):
 class PrivateRounds:
     """One run's DP steps over the model's parameters ``params`` (module docstring)."""
 
-    def __init__(self, dp: DpSettings, params: Collection[str]) -> None:
+    def __init__(self, dp: DpSettings, params: Collection[str], rounds: int | None = None) -> None:
+        """``rounds``: the run's planned rounds, checked against ``--dp-epsilon`` when the first round knows its
+        population (a server learns it only then)."""
         self.dp = dp
         self.params = frozenset(params)
+        self.rounds = rounds
 
     def update(self, global_state: StateDict, state: StateDict, t: int, client: str) -> dict[str, torch.Tensor]:
         """The update as it enters the aggregate: clipped (central); clipped and noised by the client itself (local)."""
@@ -64,6 +67,11 @@ class PrivateRounds:
         """Round ``round_no``'s DP record, or :class:`BudgetReached` when it would exceed ``--dp-epsilon``.
 
         ``history``: the earlier rounds' records (their δ is kept: the first round fixes it from its population)."""
+        if not history and self.rounds is not None:  # the whole plan, before the first round sends anything
+            try:
+                check_plan(self.dp, self.rounds, population, len(cohort))
+            except PrivacyError as exc:
+                raise BudgetReached(f"{exc}; nothing was sent") from None
         delta = history[0]["delta"] if history else self.dp.resolved_delta(population)
         rounds = [(h["population"], h["cohort"]) for h in history] + [(population, len(cohort))]
         eps = self.epsilon(rounds, [*cohorts, cohort], delta)

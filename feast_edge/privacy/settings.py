@@ -86,3 +86,19 @@ def check_composes(aggregation: str, private_aggregation: bool, method: str) -> 
             f"method {method} does not aggregate by averaging routed slices, so the per-coordinate noise cannot be "
             "calibrated to it; DP runs with feast, heterofl or scalefl"
         )
+
+
+def dp_of(owner: Any) -> DpSettings | None:
+    """The DP settings of a run configuration's ``dp_clip``, ``dp_noise``, ``dp_delta``, ``dp_epsilon``, ``dp_seed`` and
+    ``dp_mode`` fields (``--dp-*``): None without DP, a :class:`PrivacyError` naming the options that do not fit."""
+    if owner.dp_clip is None and owner.dp_noise is None:
+        given = [f"--dp-{k}" for k in ("delta", "epsilon", "seed") if getattr(owner, f"dp_{k}") is not None]
+        given += ["--dp-mode"] if owner.dp_mode != "central" else []
+        if given:
+            raise PrivacyError(f"{', '.join(given)} needs --dp-clip and --dp-noise (without them there is no DP)")
+        return None
+    if owner.dp_clip is None or owner.dp_noise is None:
+        raise PrivacyError(
+            "differential privacy needs both --dp-clip C and --dp-noise z, e.g. --dp-clip 1 --dp-noise 1"
+        )
+    return DpSettings(owner.dp_clip, owner.dp_noise, owner.dp_delta, owner.dp_epsilon, owner.dp_seed, owner.dp_mode)

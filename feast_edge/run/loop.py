@@ -202,7 +202,7 @@ class RunLoop:
         )
         self.history: list[RoundRecord] = []
         params = [name for name, _ in model.named_parameters()]
-        self.privacy = PrivateRounds(settings.dp, params) if settings.dp is not None else None
+        self.privacy = PrivateRounds(settings.dp, params, settings.rounds) if settings.dp is not None else None
         self.stopped: str | None = None  # why the run ended before its last round (the privacy budget)
         self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
         self.best: dict[str, Any] = {}

@@ -30,7 +30,7 @@ from feast_edge.local.precision import AMP_MODES, set_deterministic
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.privacy.rounds import check_plan
-from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
+from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes, dp_of
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RunError, check_run_options, recorded_settings, server_opt_of
 from feast_edge.sim.population import Population, build_population, server_split, zipf_population
@@ -167,20 +167,8 @@ class SimulationConfig:
 
     def dp_settings(self) -> DpSettings | None:
         """The run's validated DP settings (None: no DP)."""
-        if self.dp_clip is None and self.dp_noise is None:
-            given = [f"--dp-{k}" for k in ("delta", "epsilon", "seed") if getattr(self, f"dp_{k}") is not None]
-            given += ["--dp-mode"] if self.dp_mode != "central" else []
-            if given:
-                raise SimulationError(
-                    f"{', '.join(given)} needs --dp-clip and --dp-noise (without them there is no DP)"
-                )
-            return None
-        if self.dp_clip is None or self.dp_noise is None:
-            raise SimulationError(
-                "differential privacy needs both --dp-clip C and --dp-noise z, e.g. --dp-clip 1 --dp-noise 1"
-            )
         try:
-            return DpSettings(self.dp_clip, self.dp_noise, self.dp_delta, self.dp_epsilon, self.dp_seed, self.dp_mode)
+            return dp_of(self)
         except PrivacyError as exc:
             raise SimulationError(str(exc)) from None
 

@@ -10,6 +10,7 @@ import typer
 from feast_edge.aggregate.server_opt import DEPLOYMENT_OPT
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO
 from feast_edge.cli import common
+from feast_edge.cli.privacy import dp_options
 from feast_edge.cli.server_opt import server_opt_options
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_robust import DEFAULT_BN_RULE
@@ -48,9 +49,11 @@ def _refuse_method(value: Optional[str]) -> None:
 
 @common.mqtt_options()
 @server_opt_options(DEPLOYMENT_OPT)
+@dp_options()
 def run(
     link: LinkConfig,
     server_opt: dict[str, Any],
+    dp: dict[str, Any],
     out: OutOpt,
     preset: Annotated[str, typer.Option("--preset", "-p", help="Preset name or .toml file.")] = "fmnist-small",
     rounds: Annotated[int, typer.Option(min=1, help="Federation rounds R (also the cosine-decay horizon).")] = 10,
@@ -279,6 +282,7 @@ def run(
         payload_dtype=payload_dtype,
         max_weight_ratio=max_weight_ratio,
         **server_opt,
+        **dp,
         precision=precision,
         int8_samples=int8_samples,
         int8_tolerance=int8_tolerance,

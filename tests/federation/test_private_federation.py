@@ -1,0 +1,74 @@
+"""DP over MQTT computes what DP in simulation computes: the server clips, noises and accounts with the same core.
+
+Three ``feast-agent run`` processes train the partitioned shards of a small simulation for two rounds through the
+Mosquitto at 127.0.0.1:1883 under ``--dp-clip/--dp-noise`` with a fixed ``--dp-seed``; the final weights and every
+round's ε equal the simulator's. A server without data under DP neither collects the devices' held-out counts nor
+their BN statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from feast_edge.run.loop import CHECKPOINT
+from feast_edge.server.config import ServerConfig, ServerError
+from feast_edge.server.host import RunHost
+from feast_edge.sim.shards import read_index
+from feast_edge.sim.simulate import Simulation
+
+DP = dict(dp_clip=0.5, dp_noise=0.6, dp_seed=21)
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.timeout(600)
+def test_a_private_federation_equals_the_private_simulation(kit, tmp_path: Path, partition: Path) -> None:
+    config = replace(kit.CONFIG, **DP)
+    simulated = Simulation(config, tmp_path / "simulation").run()
+    fed = kit.new_federation()
+    out = tmp_path / "federation"
+    server = kit.ServerThread(kit.server_config(config, out, partition, fed, **DP)).start()
+    agents = {}
+    try:
+        for entry in read_index(partition)["clients"]:
+            cid = entry["client_id"]
+            agents[cid] = kit.spawn_agent(out / "logs", cid, partition / entry["file"], fed)
+        history = server.join(timeout=300)
+    finally:
+        codes = {cid: kit.stop(p) for cid, p in agents.items()}
+        server.close()
+        kit.clear_retained(fed)
+    assert all(code == 0 for code in codes.values()), codes
+    got, want = kit.weights(out / CHECKPOINT), kit.weights(tmp_path / "simulation" / CHECKPOINT)
+    assert all(torch.equal(got[k], want[k]) for k in got), f"differ by {kit.max_abs_diff(got, want)}"
+    assert [h.dp for h in history] == [r["dp"] for r in simulated["rounds"]]
+    assert all(h.samples == len(h.updated) for h in history)  # uniform weights, whatever the devices registered
+    assert (out / "rounds.csv").read_text().splitlines()[0].endswith(",epsilon")
+
+
+def test_a_server_without_data_keeps_the_devices_statistics_on_the_devices_under_dp(tmp_path: Path) -> None:
+    private = ServerConfig(out=str(tmp_path / "dp"), preset="fmnist-small", **DP)
+    assert not private.federated_statistics
+    assert RunHost(private, validator=lambda t, record: 1.0).loop.validator is None
+    plain = ServerConfig(out=str(tmp_path / "plain"), preset="fmnist-small")
+    assert plain.federated_statistics and RunHost(plain, validator=lambda t, record: 1.0).loop.validator is not None
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"dp_clip": 1.0}, "needs both --dp-clip C and --dp-noise z"),
+        (
+            {"dp_clip": 1.0, "dp_noise": 1.0, "aggregation": "trimmed-mean"},
+            "--aggregation trimmed-mean does not compose",
+        ),
+        ({"dp_seed": 3}, "--dp-seed needs --dp-clip and --dp-noise"),
+    ],
+)
+def test_the_server_refuses_dp_settings_that_cannot_hold(tmp_path: Path, changes: dict, message: str) -> None:
+    with pytest.raises(ServerError, match=message):
+        ServerConfig(out=str(tmp_path), **changes)
