@@ -20,6 +20,7 @@ from typing import Any
 from rich.table import Table
 
 from feast_edge.errors import FeastError
+from feast_edge.privacy.rounds import privacy_line, stored_privacy
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 from feast_edge.run.rundir import (
@@ -93,6 +94,9 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
         },
         "federation": config.get("federation"),
         "preset": config.get("preset"),
+        "privacy": stored_privacy(
+            config, history
+        ),  # None: no DP; else ε at δ after the last round (feast_edge.privacy)
         "rounds": {"completed": int(fields.get("round", 0)), "total": config.get("rounds")},
         "last_round": None
         if last is None
@@ -177,6 +181,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         *([words] if words else []),
         f"devices: {status['online']} of {len(status['devices'])} online",
         *([FleetAccuracy(**own).words()] if own else []),
+        *([privacy_line(status["privacy"])] if status.get("privacy") else []),
         *(f"class coverage: {line}" for line in status.get("coverage_warnings", [])),
     ]
 

@@ -133,3 +133,12 @@ def privacy_line(block: Mapping[str, Any]) -> str:
         f"({block['mode']} DP, clip C = {block['clip']:g}, noise z = {block['noise']:g}, uniform weights, {seeded})"
     )
     return text + (f"; {block['stopped']}" if block["stopped"] else "")
+
+
+def stored_privacy(config: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The privacy block of a stored run (its recorded config and round history), or None for a run without DP."""
+    stored = config.get("dp")
+    if not isinstance(stored, Mapping):
+        return None
+    dp = DpSettings(**stored)
+    return privacy_summary(dp, [h["dp"] for h in history if h.get("dp")], None)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.report.blocks import Block, Heading, Table, Text
+from feast_edge.report.privacy import draw_privacy
 from feast_edge.report.runs import Group, Run
 
 # The paper's figures these sections are read against (method §10; paper Sec. 4 and Fig. 1).
@@ -268,6 +269,7 @@ def draw_experiment_plots(plt: Any, groups: Sequence[Group], runs: Sequence[Run]
         ("gamma.png", "Test accuracy vs MACs at each γ (mean over seeds)", bool(gamma_pairs(groups)), draw_gamma, groups),
         ("extraction.png", "Post-hoc extraction against the cached curve", any(r.extraction for r in runs),
          draw_extraction, runs),
+        ("privacy.png", "Test accuracy against ε", any(r.privacy for r in runs), draw_privacy, runs),
     )  # fmt: skip
     for name, title, needed, draw, what in wanted:
         if not needed:

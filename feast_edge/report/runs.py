@@ -58,6 +58,7 @@ class Run:
     matched: dict[str, Any] | None = None  # how its rounds were matched to another run's training compute
     extraction: dict[str, Any] | None = None  # extraction.json: post-hoc extraction of uncached variants
     personalization: dict[str, Any] | None = None  # simulate --personalize: the summary of its "personalization" block
+    privacy: dict[str, Any] | None = None  # simulate --dp-*: its "privacy" block (ε at δ, the settings)
 
     @property
     def group(self) -> str:
@@ -68,6 +69,7 @@ class Run:
         parts += [f"server {self.server_opt}"] if self.server_opt else []
         parts += ["matched compute"] if self.matched is not None else []
         parts += [f"γ={self.gamma:g}"] if self.gamma != 1 else []
+        parts += [dp_words(self.privacy)] if self.privacy else []
         return f"{self.method} ({', '.join(parts)})" if parts else self.method
 
     @property
@@ -152,7 +154,14 @@ def _parse(directory: Path, record: Any) -> Run:
         matched=record.get("matched_compute"),
         extraction=_extraction(directory),
         personalization=_personalization(record),
+        privacy=record.get("privacy") if isinstance(record.get("privacy"), dict) else None,
     )
+
+
+def dp_words(privacy: dict[str, Any]) -> str:
+    """``dp z=1 C=0.5`` (``local dp ...`` for local DP): how a run's group names its privacy settings."""
+    mode = "local dp" if privacy.get("mode") == "local" else "dp"
+    return f"{mode} z={privacy['noise']:g} C={privacy['clip']:g}"
 
 
 def _server_opt(config: dict[str, Any]) -> str:

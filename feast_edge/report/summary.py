@@ -22,6 +22,7 @@ from feast_edge.report.blocks import Block, Heading, Image, Table, Text, count
 from feast_edge.report.experiments import extraction_blocks, gamma_blocks, matched_blocks, personalization_blocks
 from feast_edge.report.federation import FederationRun, is_federation_run, load_federation_run
 from feast_edge.report.plots import draw_plots, require_matplotlib
+from feast_edge.report.privacy import privacy_blocks
 from feast_edge.report.runs import (
     REFERENCE,
     Group,
@@ -79,7 +80,8 @@ def build_document(runs: Sequence[Run], title: str, warnings: Sequence[str], plo
                 "positive gap is a shortfall. The population gap compares population accuracies; per-variant gaps are in the tables below."
             )
         )
-    blocks += [*matched_blocks(groups), *gamma_blocks(groups), *extraction_blocks(runs), *personalization_blocks(runs)]
+    blocks += [*matched_blocks(groups), *gamma_blocks(groups), *extraction_blocks(runs), *personalization_blocks(runs),
+               *privacy_blocks(runs)]  # fmt: skip
     blocks.append(Heading(2, "Per-variant accuracy"))
     for group in groups:
         blocks += _variant_table(group, reference)

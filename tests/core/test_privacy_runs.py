@@ -108,3 +108,17 @@ def test_dp_settings_enter_the_fingerprint_only_when_dp_is_on():
     plain = tiny_config()
     assert "dp" not in plain.decisive() and plain.dp_settings() is None
     assert tiny_config(dp_clip=1.0, dp_noise=1.0).decisive()["dp"] == DpSettings(1.0, 1.0).settings()["dp"]
+
+
+@pytest.mark.slow
+def test_the_report_puts_accuracy_against_epsilon_beside_a_run_without_dp(private, tmp_path, cli):
+    out, results = private
+    plain = tmp_path / "plain"
+    Simulation(replace(DP_RUN, dp_clip=None, dp_noise=None, dp_seed=None), plain).run()
+    result = cli.invoke("report", str(out), str(plain), "--out", str(tmp_path / "report"))
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "report" / "report.md").read_text()
+    section = text[text.index("## Privacy") :]
+    assert "dp z=0.8 C=0.5" in section and "| no DP |" in section.replace("  ", " ")
+    assert f"{results['privacy']['epsilon']:.3g}" in section and "∞" in section
+    assert (tmp_path / "report" / "privacy.png").stat().st_size > 10_000

@@ -17,6 +17,7 @@ import torch
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.host import RunHost
+from feast_edge.server.status import read_status, status_lines
 from feast_edge.sim.shards import read_index
 from feast_edge.sim.simulate import Simulation
 
@@ -48,6 +49,9 @@ def test_a_private_federation_equals_the_private_simulation(kit, tmp_path: Path,
     assert [h.dp for h in history] == [r["dp"] for r in simulated["rounds"]]
     assert all(h.samples == len(h.updated) for h in history)  # uniform weights, whatever the devices registered
     assert (out / "rounds.csv").read_text().splitlines()[0].endswith(",epsilon")
+    status = read_status(out)
+    assert status["privacy"]["epsilon"] == history[-1].dp["epsilon"] and status["privacy"]["rounds"] == 2
+    assert any(line.startswith("privacy: ε = ") for line in status_lines(status))
 
 
 def test_a_server_without_data_keeps_the_devices_statistics_on_the_devices_under_dp(tmp_path: Path) -> None:
