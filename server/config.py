@@ -159,6 +159,12 @@ class ServerConfig:
                 check_composes(self.aggregation, True, "feast")
         except PrivacyError as exc:
             raise ServerError(str(exc)) from None
+        if self.dp_mode == "local" and self.dp_settings() is not None:
+            raise ServerError(
+                "--dp-mode local needs every device to noise its own clipped update before it leaves, which "
+                "feast-agent does not do yet (the server would see the raw update); use --dp-mode central, or measure "
+                "local DP with feast-edge simulate --dp-mode local (docs/privacy.md)"
+            )
 
     def dp_settings(self) -> DpSettings | None:
         """The run's DP settings (None: no DP)."""

@@ -71,6 +71,7 @@ def test_a_server_without_data_keeps_the_devices_statistics_on_the_devices_under
             "--aggregation trimmed-mean does not compose",
         ),
         ({"dp_seed": 3}, "--dp-seed needs --dp-clip and --dp-noise"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "dp_mode": "local"}, "--dp-mode local needs every device to noise"),
     ],
 )
 def test_the_server_refuses_dp_settings_that_cannot_hold(tmp_path: Path, changes: dict, message: str) -> None:
