@@ -61,7 +61,9 @@ def provision_command(
     broker_user: Annotated[
         Optional[str],
         typer.Option(
-            "--broker-user", help="System user Mosquitto runs as (its 'user' setting); default: Mosquitto's own."
+            "--broker-user",
+            help="System user Mosquitto runs as (its 'user' setting); default: Mosquitto's own, which cannot read the "
+            'broker key this writes when Mosquitto starts as root: give the files\' owner, e.g. "$(id -un)".',
         ),
     ] = None,
     revoke: Annotated[
@@ -103,7 +105,14 @@ def provision_command(
         table.add_row(name, str(path), "yes" if name in done.added else "")
     console.print(table)
     console.print(
-        f"broker: mosquitto -c {done.broker_config} (TLS on {listen or 'every interface'}, port {broker_port})\n"
+        f"broker: mosquitto -c {done.broker_config} (TLS on {listen or 'every interface'}, port {broker_port})"
+        + (
+            ""
+            if broker_user
+            else "; started as root it runs as user mosquitto, which cannot read the broker key: "
+            'provision again with --broker-user "$(id -un)" or give mosquitto read access'
+        )
+        + "\n"
         f"server: feast-server run --credentials {done.server} --out RUN_DIR ...\n"
         f"device: copy its bundle to the device, then feast-agent run --credentials BUNDLE --data ...\n"
         f"Keep {out / 'ca' / 'ca.key'} off the devices; a bundle is its device's identity (treat it like a password).",
