@@ -16,7 +16,8 @@ from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, VAL_RULES
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes, dp_of
 from feast_edge.run.checkpoint import read_record
-from feast_edge.run.loop import CHECKPOINT, RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
+from feast_edge.run.loop import CHECKPOINT, RunError, RunSettings, check_run_options, server_opt_of
+from feast_edge.run.settings import recorded_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 KIND = "federation"
@@ -216,16 +217,7 @@ class ServerConfig:
             "federation",
         )
         train, schedule = self.recipe()
-        recorded = recorded_settings(
-            train,
-            schedule,
-            self.aggregation,
-            self.trim,
-            self.clip_norm,
-            self.payload_dtype,
-            self.server_optimizer(),
-            self.dp_settings(),
-        )
+        recorded = recorded_of(self, train, schedule)
         capped = {"max_weight_ratio": self.max_weight_ratio} if self.max_weight_ratio else {}
         return {**{STORED_AS.get(name, name): getattr(self, name) for name in names}, **recorded, **capped}
 

@@ -85,6 +85,21 @@ def recorded_settings(
     }
 
 
+def recorded_of(config: Any, train: TrainConfig, schedule: str) -> dict[str, Any]:
+    """:func:`recorded_settings` of a run configuration (``SimulationConfig``, ``ServerConfig``): its aggregation,
+    payload dtype, ``server_optimizer()`` and ``dp_settings()``."""
+    return recorded_settings(
+        train,
+        schedule,
+        config.aggregation,
+        config.trim,
+        config.clip_norm,
+        config.payload_dtype,
+        config.server_optimizer(),
+        config.dp_settings(),
+    )
+
+
 def server_opt_of(
     name: str, lr: float | None, momentum: float, betas: tuple[float, ...], tau: float, averaging: bool = True
 ) -> ServerOpt:
