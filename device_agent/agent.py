@@ -277,6 +277,7 @@ class Agent:
             preset=self.preset,
             personalize=self.personalize,
             torch_device=self.config.torch_device,
+            threads=self.config.threads,
         )
         if kept is not None:
             client.model_path, values = kept

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from feast_edge.agent.fetch_cli import fetch_model_command
 from feast_edge.agent.identity import DeviceIdOpt, identity
+from feast_edge.agent.threads import ort_threads, use_threads
 from feast_edge.cli import common, inference
 from feast_edge.errors import FeastError
 from feast_edge.transport.broker import LinkConfig
@@ -29,6 +31,22 @@ app = common.make_app(
 console = common.make_console()
 
 log = logging.getLogger("feast_edge.agent")
+
+F = TypeVar("F", bound=Callable[..., Any])
+THREADS = typer.Option(
+    "--threads",
+    min=0,
+    help="Threads PyTorch and onnxruntime use (0: their own default, one per core). 1 on a Raspberry Pi 4 that stops "
+    "with 'Illegal instruction'.",
+)
+
+
+def threaded(command: F) -> F:
+    """``command`` with the --threads option every computing command shares: PyTorch uses that many threads before the
+    command starts, and the command receives the count as ``threads`` for the onnxruntime sessions it opens."""
+    return common.option_group("threads", {"threads": (int, 0, THREADS)}, lambda given: use_threads(given["threads"]))(
+        command
+    )
 
 
 def _preset_name(preset: str) -> str:
@@ -44,6 +62,7 @@ class _Terminated(BaseException):  # not an Exception: the agent's error boundar
 
 @app.command()
 @common.mqtt_options()
+@threaded
 def run(
     link: LinkConfig,
     data: Annotated[
@@ -140,7 +159,7 @@ def run(
         float,
         typer.Option("--register-timeout", min=0.1, help="Seconds to wait for the server to accept the registration."),
     ] = 60.0,
-    threads: common.ThreadsOpt = 0,
+    threads: int = 0,  # --threads (threaded): PyTorch's is set; onnxruntime's goes through the config
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     insecure: common.InsecureOpt = False,
     log_level: common.LogLevelOpt = "info",
@@ -189,7 +208,6 @@ def run(
         raise FeastError(
             f"profile {loaded.name} was derived for preset {loaded.preset}, not {chosen}; re-profile with 'feast-agent profile --preset {chosen}'"
         )
-    common.torch_threads(threads)
     if deterministic:
         set_deterministic()
     config = AgentConfig(
@@ -206,6 +224,7 @@ def run(
         # the profile's serving precision goes with its budget; a --budget (or a shard's) is a float32 one
         precision=loaded.precision if loaded is not None and budget is None else "fp32",
         chunk_size=chunk_size,
+        threads=threads,
         register_timeout=register_timeout,
         model_dir=None if model_dir is None else str(model_dir),
         personalize=str(choice),
@@ -252,6 +271,7 @@ def run(
 
 
 @app.command()
+@threaded
 def profile(
     out: Annotated[Path, typer.Option("--out", "-o", help="Profile file to write (.json).")],
     preset: Annotated[
@@ -290,9 +310,7 @@ def profile(
     holdout: Annotated[
         int, typer.Option(min=0, help="Variants timed but kept out of the fit, to measure its error.")
     ] = 3,
-    threads: Annotated[
-        int | None, typer.Option(min=1, help="Inference threads (default: the runtime's own choice).")
-    ] = None,
+    threads: int = 0,  # --threads (threaded)
     precision: Annotated[
         str,
         typer.Option(
@@ -320,7 +338,7 @@ def profile(
         "runtime": runtime,
         "provider": provider,
         "holdout": holdout,
-        "threads": threads,
+        "threads": ort_threads(threads),  # PyTorch eager (--runtime torch) already runs on them
         "cache_file": None if cache is None else str(cache),
         "precision": precision,
     }
@@ -385,9 +403,10 @@ def profiles_command(
     console.print(table)
 
 
-app.command("fetch-model")(fetch_model_command)
-app.command("predict")(inference.predict)
-app.command("evaluate")(inference.evaluate)
+# fetch-model, predict and evaluate pass --threads to their onnxruntime sessions; threaded sets PyTorch's too.
+app.command("fetch-model")(threaded(fetch_model_command))
+app.command("predict")(threaded(inference.predict))
+app.command("evaluate")(threaded(inference.evaluate))
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from feast_edge.agent.identity import DeviceIdOpt, identity
+from feast_edge.agent.threads import latency_threads
 from feast_edge.cli import common
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.credentials import credentials_of
@@ -53,6 +54,7 @@ def fetch_model_command(
         Optional[float],
         typer.Option(help="Held-out share of --data the model is tested on (default: as feast-agent run)."),
     ] = None,
+    threads: int = 0,  # --threads (feast_edge.agent.cli.threaded)
     log_level: common.LogLevelOpt = "warning",
     log_file: common.LogFileOpt = None,
 ) -> None:
@@ -79,8 +81,9 @@ def fetch_model_command(
         repeats=repeats,
         data=None if data is None else own,
         preset=task_preset,
+        threads=threads,
     )
-    m = got.manifest
+    m, timed = got.manifest, latency_threads(threads)
     accuracy = (
         f"held-out accuracy {100 * m['holdout_accuracy']:.2f}% ({_bn_words(m)})"
         if m.get("calibration") in ("device", "federated") and m.get("holdout_accuracy") is not None
@@ -96,7 +99,7 @@ def fetch_model_command(
     console.print(
         f"saved {got.path} ({m['size']:,} bytes, sha256 {m['sha256'][:16]}… verified{checked})\n"
         f"arch {m['arch']}  {m['macs'] / 1e6:.2f}M MACs  {m['params'] / 1e6:.3f}M params  {accuracy}\n"
-        f"onnxruntime latency (batch 1, CPU): median {got.latency['median_ms']:.3f} ms, p90 {got.latency['p90_ms']:.3f} ms",
+        f"onnxruntime latency (batch 1, CPU, {timed} thread{'' if timed == 1 else 's'}): median {got.latency['median_ms']:.3f} ms, p90 {got.latency['p90_ms']:.3f} ms",
         soft_wrap=True,
         highlight=False,
     )

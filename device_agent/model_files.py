@@ -17,6 +17,7 @@ from typing import Any
 from feast_edge.agent.downloads import Downloads
 from feast_edge.agent.local_data import LocalClient
 from feast_edge.agent.on_device import calibrate_served_variant
+from feast_edge.agent.threads import latency_threads
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.onnx_export import measure_latency
 from feast_edge.personalize.select import Choice
@@ -54,19 +55,21 @@ def save_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[st
     return path
 
 
-def keep_model(blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[str]) -> tuple[Path, dict[str, float]]:
-    """Save a received model (SHA-256 checked) and time it in onnxruntime: the saved path and its latency."""
+def keep_model(
+    blob: bytes, manifest: dict[str, Any], path: str | os.PathLike[str], threads: int = 0
+) -> tuple[Path, dict[str, float]]:
+    """Save a received model (SHA-256 checked) and time it in onnxruntime (``threads``: --threads): its path and latency."""
     saved = save_model(blob, manifest, path)
-    return saved, measure_latency(saved)
+    return saved, measure_latency(saved, threads=latency_threads(threads))
 
 
 def keep_pushed_model(
-    blob: bytes, message: ModelReady, model_dir: str | os.PathLike[str]
+    blob: bytes, message: ModelReady, model_dir: str | os.PathLike[str], threads: int = 0
 ) -> tuple[Path, dict[str, Any]] | None:
     """Save a model the server pushed after the last round; its path and the metrics to report, or None (logged) if unusable."""
     device_id, manifest = message.device, message.manifest
     try:
-        path, latency = keep_model(blob, manifest, Path(model_dir) / f"{device_id}.onnx")
+        path, latency = keep_model(blob, manifest, Path(model_dir) / f"{device_id}.onnx", threads)
     except FeastError as exc:
         log.error("the model of %s is unusable: %s", device_id, exc)
         return None
@@ -95,16 +98,17 @@ def receive_pushed_model(
     preset: Preset,
     personalize: Choice | None = None,
     torch_device: str = "cpu",
+    threads: int = 0,
 ) -> tuple[Path, dict[str, Any]] | None:
     """Wait for the model announced by ``message`` and keep it: an ONNX file as it is (:func:`keep_pushed_model`), a
     variant's weights calibrated on ``data`` first (``on_device.calibrate_served_variant``, which also writes the
-    personal model when ``personalize`` is given); None (logged) if unusable."""
+    personal model when ``personalize`` is given); None (logged) if unusable. ``threads``: --threads."""
     blob = downloads.wait(TransferInfo.from_dict(message.transfer), time.monotonic() + timeout, abandon=stop)
     if blob is None:
         log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", message.device)
         return None
     if message.manifest.get("calibration") not in ("device", "federated"):
-        kept = keep_pushed_model(blob, message, model_dir)
+        kept = keep_pushed_model(blob, message, model_dir, threads)
         if kept is not None and personalize is not None and personalize.method != "off":
             # An ONNX file the server exported (it holds data): the device has no weights to personalize.
             why = "the server exported this model as ONNX (it holds data): personalization needs the variant's weights, which a server without data sends"
@@ -120,6 +124,7 @@ def receive_pushed_model(
             Path(model_dir) / f"{message.device}.onnx",
             personalize=personalize,
             torch_device=torch_device,
+            threads=threads,
         )
     except FeastError as exc:
         log.error("the model of %s is unusable: %s", message.device, exc)
@@ -180,12 +185,14 @@ def fetch_model(
     repeats: int = 50,
     data: Callable[[Preset], LocalClient] | None = None,
     preset: Preset | None = None,
+    threads: int = 0,
 ) -> FetchedModel:
     """Ask the server for ``device_id``'s ONNX model, download it in chunks, verify, save and time it.
 
     A server without data sends the variant's weights instead (``"calibration": "device"``): they are calibrated
     on ``data(preset)`` (this device's own, read for that preset's task) and exported here, as ``feast-agent run
-    --model-dir`` does. ``preset``: the one the device trains; None takes the preset the model's manifest names."""
+    --model-dir`` does. ``preset``: the one the device trains; None takes the preset the model's manifest names.
+    ``threads``: --threads (PyTorch's is set by the caller; the latency is timed on :func:`latency_threads`)."""
     out = check_writable(out, "model file")
     topics = Topics(federation)
     replies: queue.Queue[ModelReady] = queue.Queue()
@@ -249,8 +256,8 @@ def fetch_model(
             )
         if preset is None:
             preset = _manifest_preset(answer.manifest)
-        path, _ = calibrate_served_variant(blob, answer.manifest, data(preset), preset, out)
+        path, _ = calibrate_served_variant(blob, answer.manifest, data(preset), preset, out, threads=threads)
         manifest = json.loads(path.with_suffix(".json").read_text())
-        return FetchedModel(path, manifest, measure_latency(path, repeats=repeats))
+        return FetchedModel(path, manifest, measure_latency(path, repeats=repeats, threads=latency_threads(threads)))
     path = save_model(blob, answer.manifest, out)
-    return FetchedModel(path, answer.manifest, measure_latency(path, repeats=repeats))
+    return FetchedModel(path, answer.manifest, measure_latency(path, repeats=repeats, threads=latency_threads(threads)))

@@ -1,6 +1,6 @@
 """Evaluation and calibration where the data lives: what an agent does for a server that holds no data.
 
-* :func:`answer_evaluation`: an ``evaluate`` request (federated validation, SPEC §8): decode the routed
+* :func:`answer_evaluation`: an ``evaluate`` request (federated validation, method §8): decode the routed
   state, recalibrate each probe's BN on this device's training split, test it on its held-out split,
   answer the counts. No example leaves the device.
 * :func:`calibrate_served_variant`: the served variant's weights (``"calibration": "device"`` in the
@@ -26,6 +26,7 @@ import torch
 
 from feast_edge.agent.local_data import LocalClient
 from feast_edge.agent.personal import personalize_here
+from feast_edge.agent.threads import latency_threads
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_stats import MIN_EXAMPLES, bn_statistics, encode_statistics
 from feast_edge.evaluate.evaluation import correct_count
@@ -255,10 +256,12 @@ def calibrate_served_variant(
     *,
     personalize: Choice | None = None,
     torch_device: str = "cpu",
+    threads: int = 0,
 ) -> tuple[Path, dict[str, Any]]:
     """Calibrate, export and measure the served variant; the ONNX file's path and the metrics to report.
 
     ``personalize``: also write the device's personal model beside it (``feast_edge.agent.personal``); None: do not.
+    ``threads``: --threads, the onnxruntime threads its latency is timed on (``threads.latency_threads``).
     """
     precision, samples, tolerance = _asked_precision(manifest)
     # The steps below take tens of seconds on a small device: say what the agent does before it goes quiet.
@@ -319,7 +322,7 @@ def calibrate_served_variant(
         **int8,
     }
     atomic_write_bytes(path.with_suffix(".json"), (json.dumps(local, indent=1) + "\n").encode())
-    latency = measure_latency(path)
+    latency = measure_latency(path, threads=latency_threads(threads))
     metrics: dict[str, Any] = {
         "calibrated_on": seen,
         "holdout_samples": data.holdout,

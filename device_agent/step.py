@@ -136,7 +136,7 @@ class TrainedState:
 
 
 def train_state(job: Job) -> TrainedState | Declined:
-    """Co-train the routed sub-supernet on the client's data (SPEC §5, §7): the trained slice, or why there is none."""
+    """Co-train the routed sub-supernet on the client's data (method §5, §7): the trained slice, or why there is none."""
     began = time.perf_counter()
     try:
         state, result = client_update(

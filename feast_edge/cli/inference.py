@@ -24,7 +24,6 @@ ModelOpt = Annotated[
 ]
 BatchOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Images per onnxruntime run.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout (for scripts), nothing else.")]
-ThreadsOpt = Annotated[int, typer.Option("--threads", min=0, help="onnxruntime threads (0: its own choice).")]
 SHOWN_SKIPS = 3  # skipped files named on the console; the rest are counted
 
 
@@ -50,7 +49,7 @@ def predict(
     k: Annotated[int, typer.Option("--top-k", "-k", help="Classes shown per image, most probable first.")] = 3,
     as_json: JsonOpt = False,
     batch_size: BatchOpt = 64,
-    threads: ThreadsOpt = 0,
+    threads: int = 0,  # --threads: feast-agent registers these commands with its one threads option (threaded)
 ) -> None:
     """Classify image files with the ONNX model: the top-k class names and probabilities per file."""
     from feast_edge.evaluate.predict import check_top_k, collect_files, load_model
@@ -90,7 +89,7 @@ def evaluate(
     ],
     as_json: JsonOpt = False,
     batch_size: BatchOpt = 64,
-    threads: ThreadsOpt = 0,
+    threads: int = 0,  # --threads: feast-agent registers these commands with its one threads option (threaded)
 ) -> None:
     """Accuracy of the ONNX model on an image folder labelled by class name: overall and per class."""
     from feast_edge.cli.progress import lazy_stage

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from rich.console import Console
+from timers import noise_free
 from torch import nn
 
 from feast_edge.agent.profile_view import profile_table
@@ -379,7 +380,7 @@ def test_profile_device_auto_times_both_precisions_and_keeps_the_larger_budget(
     monkeypatch: pytest.MonkeyPatch, fmnist: Preset, cache: VariantCache
 ) -> None:
     quantized, opened = _quantize_calls(monkeypatch), _timed_precisions(monkeypatch)
-    _noise_free(monkeypatch, {"fp32": (0.5, 0.2), "int8": (0.4, 0.1)})
+    noise_free(monkeypatch, {"fp32": (0.5, 0.2), "int8": (0.4, 0.1)})
     calls = []
     profile = profile_device(
         "fmnist-small",
@@ -405,25 +406,6 @@ def test_profile_device_auto_times_both_precisions_and_keeps_the_larger_budget(
     assert DeviceProfile.from_dict(profile.to_dict()) == profile
     text = render(profile_table(profile))
     assert f"{profile.budget_macs / 1e6:.2f}M MACs (fp32)" in text and "in int8" in text and "not chosen" in text
-
-
-def _noise_free(monkeypatch: pytest.MonkeyPatch, lines: dict[str, tuple[float, float]]) -> None:
-    """Profiling's real timers (real ONNX files, real sessions, every forward pass run), each reporting the exact line
-    ``a + b·MACs`` of its precision instead of its clock: two variants timed once each on a loaded machine can fit a
-    line sloping down, and the precision is then dropped (what a test of both precisions must not depend on)."""
-    from feast_edge.agent import profiling
-
-    real = profiling._timers
-
-    def timers(supernet, preset, chosen, shape, device, runtime, provider, threads, precisions, workdir):
-        made, text = real(supernet, preset, chosen, shape, device, runtime, provider, threads, precisions, workdir)
-
-        def exact(timer, macs, ab):
-            return lambda n, w: (timer(n, w), ab[0] + ab[1] * macs / 1e6)[1]
-
-        return {p: [exact(t, e.macs, lines[p]) for t, e in zip(made[p], chosen)] for p in precisions}, text
-
-    monkeypatch.setattr(profiling, "_timers", timers)
 
 
 def _fake_timers(monkeypatch: pytest.MonkeyPatch, lines: dict[str, tuple[float, float]]) -> None:

@@ -1,0 +1,35 @@
+"""How many threads PyTorch and onnxruntime use in a feast-agent command: the count ``--threads`` gives.
+
+``feast-agent run``, ``profile``, ``fetch-model``, ``predict`` and ``evaluate``
+take ``--threads`` (one option, ``feast_edge.agent.cli.threaded``). PyTorch's
+intra-op threads are set before the command reads or computes anything
+(``torch.set_num_threads`` must come before the first operator); the command
+passes the count on to the onnxruntime sessions it opens as their intra-op
+threads. 0, the default, leaves both to their own choice, one thread per core
+they detect; the latency of a received model is then timed on one thread. On a
+Raspberry Pi 4 whose PyTorch build stops with "Illegal instruction" in
+multi-threaded kernels, ``--threads 1`` keeps every kernel on one thread
+(docs/deployment.md, "Raspberry Pi 4 and 5").
+"""
+
+from __future__ import annotations
+
+
+def use_threads(threads: int) -> int:
+    """Set PyTorch's intra-op threads to ``threads`` (0 keeps PyTorch's default); ``threads`` again, for onnxruntime."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return threads
+
+
+def ort_threads(threads: int) -> int | None:
+    """The intra-op threads of an onnxruntime session under ``--threads threads``: None (its own default) for 0."""
+    return threads or None
+
+
+def latency_threads(threads: int) -> int:
+    """The onnxruntime threads a received model's batch-1 latency is timed on: ``threads``, or one for 0 (comparable
+    between devices, as ``feast_edge.evaluate.onnx_export.measure_latency`` times it)."""
+    return threads or 1
