@@ -353,7 +353,7 @@ def profile(
             preset, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs
         )
     save_profile(result, out)
-    console.print(profile_table(result))
+    console.print(profile_table(result, preset, None if cache is None else str(cache)))
     console.print(f"wrote {out}; use it with: feast-agent run --profile {out} ...", soft_wrap=True)
 
 

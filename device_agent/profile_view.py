@@ -17,8 +17,11 @@ def _bytes(n: Any) -> str:
     return f"{n / 2**30:.2f} GiB" if isinstance(n, (int, float)) and not isinstance(n, bool) else str(n)
 
 
-def profile_table(profile: DeviceProfile) -> Table:
-    """A readable summary: hardware, latency fit, target, memory limit, budget and the variant it serves."""
+def profile_table(profile: DeviceProfile, preset: str | None = None, cache: str | None = None) -> Table:
+    """A readable summary: hardware, latency fit, target, memory limit, budget and the variant it serves.
+
+    ``preset`` and ``cache``: where the timed preset and its cache are (a preset file, as ``--preset`` gave it; the
+    profile records only the preset's name), for the served variant's line."""
     table = Table(title=f"device profile {profile.name}", show_header=False)
     table.add_column("field", style="bold", no_wrap=True)
     table.add_column("value")
@@ -51,8 +54,8 @@ def profile_table(profile: DeviceProfile) -> Table:
             f"ms/MMAC × MACs over {len(fit.measurements)} timed variants; not chosen)",
         )
     try:
-        preset = load_preset(profile.preset)
-        entry = load_cache(preset).largest_affordable(profile.budget_macs)
+        timed = load_preset(preset or profile.preset)
+        entry = load_cache(timed, cache).largest_affordable(profile.budget_macs)
         served = (
             f"{entry.macs / 1e6:.2f}M MACs, {entry.params / 1e6:.3f}M params, "
             f"predicted {profile.latency_ms(entry.macs):.3f} ms: {entry.arch}"

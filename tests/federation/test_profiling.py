@@ -461,3 +461,21 @@ def test_a_precision_or_runtime_it_cannot_time_is_a_clear_error() -> None:
         profile_device("fmnist-small", precision="fp8")
     with pytest.raises(ProfileError, match="--precision int8 times onnxruntime's int8 files.*drop --runtime torch"):
         profile_device("fmnist-small", runtime="torch", precision="int8")
+
+
+def test_the_profile_of_a_preset_file_names_the_variant_it_serves(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A profile records the preset's name; the table finds the preset (and its cache beside it) from the file the
+    user timed, as `feast-agent profile --preset FILE` passes it (issue 38: "largest affordable: unavailable")."""
+    from strategies import FMNIST_TINY
+
+    mine = tmp_path / "my-task.toml"
+    mine.write_text(FMNIST_TINY.read_text().replace('name = "fmnist-tiny"', 'name = "my-task"'))
+    cache = FMNIST_TINY.with_name("fmnist-tiny.cache.json").read_text()
+    (tmp_path / "my-task.cache.json").write_text(cache.replace('"preset": "fmnist-tiny"', '"preset": "my-task"'))
+    _fake_timers(monkeypatch, {"fp32": (0.5, 0.2)})
+    profile = profile_device(str(mine), "cpu", latency_target_ms=1.0, variants=2, repeats=1, holdout=0)
+    served = load_cache(load_preset(str(mine))).largest_affordable(profile.budget_macs)
+    assert profile.preset == "my-task" and str(served.arch) in render(profile_table(profile, str(mine)))
+    assert "unknown preset 'my-task'" in render(profile_table(profile))  # its name alone finds no preset
