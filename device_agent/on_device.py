@@ -144,7 +144,9 @@ def _asked_precision(manifest: dict[str, Any]) -> tuple[str, int, float]:
     return precision, samples, float(tolerance)
 
 
-def _quantize_here(path: Path, data: LocalClient, preset: Preset, samples: int, tolerance: float) -> dict[str, Any]:
+def _quantize_here(
+    path: Path, data: LocalClient, preset: Preset, samples: int, tolerance: float, threads: int | None = None
+) -> dict[str, Any]:
     """Replace the exported float32 file by its int8 twin, calibrated on this device's training data and checked on its
     held-out split; what the manifest records of it, or why the float32 file stays (logged)."""
     try:
@@ -159,6 +161,7 @@ def _quantize_here(path: Path, data: LocalClient, preset: Preset, samples: int, 
             origin=f"device {data.device_id}'s training data",
             task_digest=preset.task.digest,
             tolerance=tolerance,
+            threads=threads,
         )
     except QuantizationError as exc:
         log.warning(
@@ -304,7 +307,7 @@ def calibrate_served_variant(
             "device": data.device_id,
         },
     )
-    int8 = _quantize_here(path, data, preset, samples, tolerance) if precision == "int8" else {}
+    int8 = _quantize_here(path, data, preset, samples, tolerance, threads or None) if precision == "int8" else {}
     onnx_bytes = path.read_bytes()
     local = {
         **{k: v for k, v in manifest.items() if k not in ("file", "size", "sha256")},
@@ -357,7 +360,7 @@ def calibrate_served_variant(
                 personalize,
                 path,
                 local,
-                lambda personal: _quantize_here(personal, data, preset, samples, tolerance),
+                lambda personal: _quantize_here(personal, data, preset, samples, tolerance, threads or None),
                 torch_device,
             )
         )

@@ -197,7 +197,9 @@ def time_session(session: Any, input_shape: Sequence[int], repeats: int, warmup:
     return statistics.median(times)
 
 
-def quantize_for_timing(fp32_path: Path, out: Path, input_shape: Sequence[int], seed: int = 0) -> Path:
+def quantize_for_timing(
+    fp32_path: Path, out: Path, input_shape: Sequence[int], seed: int = 0, threads: int | None = None
+) -> Path:
     """The int8 twin of an exported variant, for timing only: calibrated on random pixels, never refused.
 
     The server's quantization (``quantize_int8``) makes the file, so what is timed has the graph that is served;
@@ -215,9 +217,10 @@ def quantize_for_timing(fp32_path: Path, out: Path, input_shape: Sequence[int], 
         out,
         calibration,
         check,
-        predictions(fp32_path, check),
+        predictions(fp32_path, check, threads),
         origin="random uniform pixels (feast-agent profile: timing only)",
         tolerance=1.0,
+        threads=threads,
     )
     return out
 
@@ -440,7 +443,9 @@ def _timers(
         files = {"fp32": workdir / f"variant-{i}.onnx"}
         export_onnx(model, files["fp32"], preset, entry.arch)  # the file a device is served, as the server exports it
         if "int8" in precisions:
-            files["int8"] = quantize_for_timing(files["fp32"], workdir / f"variant-{i}-int8.onnx", shape, seed=i)
+            files["int8"] = quantize_for_timing(
+                files["fp32"], workdir / f"variant-{i}-int8.onnx", shape, seed=i, threads=threads
+            )
         for p in precisions:
             session = ort_session(files[p], providers, threads)
             timers[p].append(lambda n, w, s=session: time_session(s, shape, n, w))

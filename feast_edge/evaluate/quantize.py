@@ -165,14 +165,16 @@ def quantize_int8(
     task_digest: str | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
     form: str = "onnxruntime",
+    threads: int | None = None,
 ) -> tuple[dict[str, str], Int8Check]:
     """Write the int8 twin of the exported float32 file ``fp32_path`` to ``out``; its metadata and its check.
 
     ``calibration``: pixels [N, C, H, W] (uint8, or float32 in [0, 1]) that set the activation ranges; ``check_images`` and
     ``check_labels``: held-out images the int8 file must classify within ``tolerance`` of the float32 one;
     ``origin``: where the images came from (recorded); ``task_digest``: the task the images were checked
-    against, refused when it is not the model's; ``form``: one of :data:`FORMS`. QuantizationError when any of it
-    fails; ``out`` is then untouched.
+    against, refused when it is not the model's; ``form``: one of :data:`FORMS`; ``threads``: onnxruntime's intra-op
+    threads for the check (None: its own choice; onnxruntime's calibration session takes none). QuantizationError
+    when any of it fails; ``out`` is then untouched.
     """
     if form not in FORMS:
         raise QuantizationError(f"--int8-form {form!r} is unknown; choose {' or '.join(FORMS)}")
@@ -205,12 +207,12 @@ def quantize_int8(
         candidate = Path(tmp) / "checked.onnx"
         candidate.write_bytes(blob)
         try:
-            got = predictions(candidate, check_images)
+            got = predictions(candidate, check_images, threads)
         except Exception as exc:  # noqa: BLE001 - a file onnxruntime cannot load or run
             raise QuantizationError(
                 f"onnxruntime cannot run the int8 file ({type(exc).__name__}: {exc}); serve the float32 model"
             ) from None
-    want = predictions(fp32_path, check_images)
+    want = predictions(fp32_path, check_images, threads)
     labels = check_labels.astype(np.int64)
     check = Int8Check(
         samples=int(labels.shape[0]),
