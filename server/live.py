@@ -16,6 +16,7 @@ from typing import Any
 
 from feast_edge.cache.variants import VariantCache
 from feast_edge.dashboard.state import DashboardState
+from feast_edge.privacy.rounds import privacy_entry
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RoundRecord
@@ -233,6 +234,7 @@ class LiveView:
                 "seconds": record.seconds,
                 "devices": {d: dict(t) for d, t in self._traffic.items()},
                 "validated_on": self._validated_on(record),
+                **privacy_entry(record.dp),
             }
         )
         if probes:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from feast_edge.privacy.rounds import privacy_entry
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.run.loop import RoundRecord
 
@@ -84,6 +85,7 @@ class SimulationLive:
                 "train_macs": record.train_macs,
                 "seconds": record.seconds,
                 "devices": {c: {"down": b, "up": b} for c, b in self._down.items()},
+                **privacy_entry(record.dp),
             }
         )
         if record.val_accuracy is not None and self.sim.method.validated:

@@ -23,6 +23,7 @@ from typing import Any
 from feast_edge.dashboard.app import DashboardError
 from feast_edge.dashboard.state import DashboardState, arch_label
 from feast_edge.errors import FeastError
+from feast_edge.privacy.rounds import privacy_entry
 from feast_edge.report.runs import load_run
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
@@ -141,6 +142,7 @@ def history_entry(record: dict[str, Any], shift: int = 0) -> dict[str, Any]:
         "train_macs": record.get("train_macs"),
         "seconds": record.get("seconds"),
         "validated_on": validated_on(record.get("val_accuracy"), record.get("validation")),
+        **privacy_entry(record.get("dp") or {}),
     }
 
 

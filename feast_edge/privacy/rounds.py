@@ -142,3 +142,8 @@ def stored_privacy(config: Mapping[str, Any], history: Sequence[Mapping[str, Any
         return None
     dp = DpSettings(**stored)
     return privacy_summary(dp, [h["dp"] for h in history if h.get("dp")], None)
+
+
+def privacy_entry(dp: Mapping[str, Any]) -> dict[str, float]:
+    """A round's ε and δ for the dashboard's history entry ({} for a round without DP)."""
+    return {"epsilon": float(dp["epsilon"]), "delta": float(dp["delta"])} if dp else {}

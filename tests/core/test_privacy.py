@@ -164,3 +164,11 @@ def test_a_round_that_would_pass_the_budget_is_refused_before_it_runs():
     assert first["delta"] == 1e-5 and first["epsilon"] < second["epsilon"]
     with pytest.raises(BudgetReached, match=r"round 3 would bring ε to .* stopped after round 2 at ε = "):
         rounds.check_next([first, second], [list("abcdefghij")] * 2, 3, 100, list("abcdefghij"))
+
+
+def test_the_dashboard_history_carries_a_round_s_epsilon_and_only_under_dp():
+    from feast_edge.dashboard.runs import history_entry
+
+    private = history_entry({"round": 2, "dp": {"population": 100, "cohort": 10, "epsilon": 4.5, "delta": 1e-5}})
+    assert private["epsilon"] == 4.5 and private["delta"] == 1e-5
+    assert "epsilon" not in history_entry({"round": 2}) and "epsilon" not in history_entry({"round": 2, "dp": {}})

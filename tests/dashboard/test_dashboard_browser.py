@@ -57,11 +57,24 @@ def test_a_filled_state_renders_and_updates_live(
     assert link.get_attribute("href") == served.url + "models/pi-5.onnx"
     assert driver.find_element("css selector", "#models td.sha").get_attribute("title") == "ab" * 32
 
+    assert not driver.find_element("id", "privacy").is_displayed()  # no round under DP yet
+
     driver.execute_script("window.notReloaded = true;")
     filled.member("pi-5", "aggregated")
     filled.end_round(
-        {"round": 3, "val_accuracy": 0.7, "bytes_down": 1, "bytes_up": 1, "broadcast_bytes": 2, "train_macs": 5}
+        {
+            "round": 3,
+            "val_accuracy": 0.7,
+            "bytes_down": 1,
+            "bytes_up": 1,
+            "broadcast_bytes": 2,
+            "train_macs": 5,
+            "epsilon": 4.591,
+            "delta": 1e-5,
+        }  # fmt: skip
     )
+    wait_until(driver, lambda d: d.find_element("id", "privacy").is_displayed(), message="ε was never shown")
+    assert driver.find_element("id", "privacy-epsilon").text == "ε = 4.59 at δ = 1e-5 after round 3"
     filled.set_device("jetson", online=True)
     wait_until(
         driver,

@@ -252,6 +252,14 @@
       ]);
     }
     renderRunsTable(s.runs);
+    renderPrivacy(s.history);
+  }
+
+  // Client-level DP (feast-server run / simulate --dp-*): the last round's ε at δ; hidden for a run without DP.
+  function renderPrivacy(history) {
+    const last = history.filter((h) => isNumber(h.epsilon)).pop();
+    byId("privacy").hidden = !last;
+    text(byId("privacy-epsilon"), last ? "ε = " + last.epsilon.toPrecision(3) + " at δ = " + last.delta.toExponential(0) + " after round " + last.round : null);
   }
 
   function renderRunsTable(runs) {
