@@ -209,19 +209,10 @@ def quantize_for_timing(
     from feast_edge.evaluate.quantize import predictions, quantize_int8
 
     rng = np.random.default_rng(seed)
-    shape = (INT8_IMAGES, *input_shape[1:])
-    calibration = rng.random(shape, dtype=np.float32)
-    check = rng.random(shape, dtype=np.float32)
-    quantize_int8(
-        fp32_path,
-        out,
-        calibration,
-        check,
-        predictions(fp32_path, check, threads),
-        origin="random uniform pixels (feast-agent profile: timing only)",
-        tolerance=1.0,
-        threads=threads,
-    )
+    calibration, check = (rng.random((INT8_IMAGES, *input_shape[1:]), dtype=np.float32) for _ in range(2))
+    origin = "random uniform pixels (feast-agent profile: timing only)"
+    labels = predictions(fp32_path, check, threads)
+    quantize_int8(fp32_path, out, calibration, check, labels, origin=origin, tolerance=1.0, threads=threads)
     return out
 
 
