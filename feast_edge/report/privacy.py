@@ -49,17 +49,25 @@ def privacy_blocks(runs: Sequence[Run]) -> list[Block]:
 
 
 def draw_privacy(plt: Any, runs: Sequence[Run]) -> Any:
-    """Population, smallest- and largest-variant accuracy against ε (log scale); runs without DP as dashed lines."""
+    """Population, smallest- and largest-variant accuracy against ε (log scale): central DP as lines, local DP as
+    crosses, runs without DP as dashed lines."""
     fig, ax = plt.subplots(figsize=(8, 5))
     private = sorted((r for r in runs if r.privacy), key=lambda r: r.privacy["epsilon"])
-    eps = [r.privacy["epsilon"] for r in private]
     series = (
         ("population", lambda r: r.population_accuracy, "C0"),
         ("smallest variant", lambda r: r.points[0].accuracy, "C1"),
         ("largest variant", lambda r: r.points[-1].accuracy, "C2"),
     )
     for name, value, color in series:
-        ax.plot(eps, [100 * value(r) for r in private], marker="o", color=color, label=name)
+        for local in (False, True):
+            chosen = [r for r in private if (r.privacy.get("mode") == "local") == local]
+            if not chosen:
+                continue
+            eps, acc = [r.privacy["epsilon"] for r in chosen], [100 * value(r) for r in chosen]
+            if local:
+                ax.scatter(eps, acc, marker="x", s=60, color=color, label=f"{name}, local DP")
+            else:
+                ax.plot(eps, acc, marker="o", color=color, label=f"{name}, central DP")
         for r in (x for x in runs if not x.privacy):
             ax.axhline(100 * value(r), color=color, linestyle="--", linewidth=1, label=f"{name}, no DP")
     ax.set_xscale("log")
