@@ -135,6 +135,15 @@ def repo() -> Path:
 
 
 @pytest.fixture(scope="session")
+def project_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the copied sources, feast-edge's wheel), built once per test process: the tests that install it share the
+    xdist group "wheel", so one worker builds it once per run (tests/wheels.py)."""
+    from wheels import build_wheel
+
+    return build_wheel(REPO, tmp_path_factory.mktemp("project-wheel"))
+
+
+@pytest.fixture(scope="session")
 def tiny() -> Preset:
     return load_preset_file(TINY_PRESET)
 

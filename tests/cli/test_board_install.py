@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import types
@@ -47,7 +46,6 @@ PAGE = REPO / "docs" / "deployment.md"
 NO_DEPS_MARK = "# feast-agent's runtime dependencies besides PyTorch"
 CLASSIFY_MARK = '"""Classify image files with a feast-edge ONNX model'
 OPSET_MARK = "model.ir_version = 7"
-SKIPPED_SOURCES = (".git", ".venv", "build", "dist", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis")
 
 
 def _code_block(mark: str) -> str:
@@ -120,28 +118,7 @@ def _repack(name: str, folder: Path) -> Path:
     return wheel
 
 
-def _project_wheel(folder: Path) -> Path:
-    """feast-edge's wheel, built from a copy of the repository's files (a stale build/ cannot leak into it)."""
-    source = folder / "source"
-    try:
-        listed = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=REPO,
-            capture_output=True,
-            check=True,
-            timeout=60,
-        ).stdout.decode()
-        for name in filter(None, listed.split("\0")):
-            if (REPO / name).is_file():
-                (source / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(REPO / name, source / name)
-    except (OSError, subprocess.SubprocessError):  # no git, or not a work tree
-        shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*SKIPPED_SOURCES))
-    _run(sys.executable, "-m", "pip", "--isolated", "wheel", "--no-deps", "--no-build-isolation", source, "-w", folder)
-    return next(folder.glob("feast_edge-*.whl"))
-
-
-def _jetson_like_venv(root: Path, packages: list[str]) -> Path:
+def _jetson_like_venv(root: Path, packages: list[str], project: Path) -> Path:
     """An empty venv with ``packages`` and feast-edge installed --no-deps, seeing only PyTorch's files from outside.
 
     Outside means torch, torchvision and what torch requires; torchvision's own numpy and pillow stay out: the agent
@@ -155,7 +132,7 @@ def _jetson_like_venv(root: Path, packages: list[str]) -> Path:
         (pytorch / top.name).symlink_to(top)
     missing = [p for p in packages if _installed(p) is None]
     assert not missing, f"docs/deployment.md lists packages that are not distributions installed here: {missing}"
-    built = [_repack(name, wheels) for name in packages] + [_project_wheel(wheels)]
+    built = [_repack(name, wheels) for name in packages] + [project]
     venv.EnvBuilder(with_pip=False, symlinks=True).create(env)
     python = env / "bin" / "python"
     purelib = _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
@@ -192,8 +169,9 @@ def _model(tmp: Path, resize: str = "stretch", preset: str = "fmnist-small") -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_documented_jetson_no_deps_list_runs_the_agent(tmp_path: Path) -> None:
-    env = _jetson_like_venv(tmp_path, documented_packages())
+@pytest.mark.xdist_group("wheel")  # beside test_wheel.py: the project's wheel is built once (conftest.project_wheel)
+def test_the_documented_jetson_no_deps_list_runs_the_agent(tmp_path: Path, project_wheel: tuple[Path, Path]) -> None:
+    env = _jetson_like_venv(tmp_path, documented_packages(), project_wheel[1])
     assert "predict" in _run(env / "bin" / "feast-agent", "--help")
 
     model, image = _model(tmp_path), tmp_path / "photo.png"

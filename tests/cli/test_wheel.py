@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import site
 import subprocess
 import sys
@@ -27,41 +26,6 @@ import pytest
 # A wheel built and installed in a fresh venv (its fixture takes minutes on 2 cores), then its console scripts run.
 # xdist_group: every test of the module on one pytest-xdist worker, so that the wheel is built once per run.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("wheel")]
-
-IGNORED_DIRS = (
-    ".git",
-    ".venv",
-    "venv",
-    "build",
-    "dist",
-    "__pycache__",
-    "*.egg-info",
-    ".pytest_cache",
-    ".hypothesis",
-    ".benchmarks",
-    "runs",
-    "feast-demo",
-)
-
-
-def _copy_sources(repo: Path, dest: Path) -> None:
-    """The repository's files (tracked, plus untracked ones git does not ignore), without build outputs or the venv."""
-    try:
-        listed = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=repo,
-            capture_output=True,
-            check=True,
-            timeout=60,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):  # no git, not a work tree, or an owner git refuses
-        shutil.copytree(repo, dest, ignore=shutil.ignore_patterns(*IGNORED_DIRS), symlinks=True)
-        return
-    for name in filter(None, listed.decode().split("\0")):
-        source = repo / name
-        if source.is_file():  # a tracked file deleted in the work tree is not part of it
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, dest / name)
 
 
 def _outer_site_dirs() -> list[str]:
@@ -90,14 +54,12 @@ class Installed:
 
 
 @pytest.fixture(scope="module")
-def installed(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Installed:
+def installed(repo: Path, project_wheel: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Installed:
     if find_spec("venv") is None or find_spec("ensurepip") is None:
         pytest.skip("this Python has no venv/ensurepip module (on Debian/Ubuntu: apt-get install python3-venv)")
     base = tmp_path_factory.mktemp("wheel")
-    src, dist, venv, cwd = base / "src", base / "dist", base / "venv", base / "cwd"
-    for d in (src, dist, cwd):
-        d.mkdir()
-    _copy_sources(repo, src)
+    venv, cwd = base / "venv", base / "cwd"
+    cwd.mkdir()
 
     env = {
         k: v
@@ -115,23 +77,7 @@ def installed(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Installed
         )
         return result
 
-    check(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "-w",
-            str(dist),
-            str(src),
-        ]
-    )
-    wheels = sorted(dist.glob("feast_edge-*.whl"))
-    assert len(wheels) == 1, [p.name for p in dist.iterdir()]
-
+    src, wheel = project_wheel
     made = subprocess.run(
         [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
         cwd=cwd,
@@ -152,8 +98,8 @@ def installed(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Installed
     # When the tests run in a venv, --system-site-packages reaches the base interpreter's packages only; add the
     # running environment's, after the venv's own (lines of a .pth file are appended to sys.path).
     (site_packages / "_feast_test_outer_env.pth").write_text("".join(f"{d}\n" for d in _outer_site_dirs()))
-    check([python, "-m", "pip", "install", "--no-deps", "--no-index", str(wheels[0])])
-    return Installed(repo.resolve(), src, wheels[0], venv, site_packages.resolve(), cwd, env)
+    check([python, "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)])
+    return Installed(repo.resolve(), src, wheel, venv, site_packages.resolve(), cwd, env)
 
 
 def test_wheel_holds_one_package_and_its_data(installed: Installed) -> None:
