@@ -110,12 +110,16 @@ ACCOUNTANT = "dp-accounting RDP: fixed-size cohorts sampled without replacement,
 def privacy_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]], stopped: str | None) -> dict[str, Any]:
     """A run's privacy block (results.json, the run record): settings, ε at δ after its last round, and how."""
     last = records[-1] if records else {}
+    exposed = None  # central DP against whoever sees the cohorts: every round at q = 1 (no amplification by sampling)
+    if dp.mode == "central" and records:
+        exposed = epsilon_of([(r["cohort"], r["cohort"]) for r in records], dp.noise, last["delta"])
     return {
         "mode": dp.mode,
         "clip": dp.clip,
         "noise": dp.noise,
         "delta": last.get("delta", dp.delta),
         "epsilon": last.get("epsilon", 0.0),
+        "epsilon_without_sampling": exposed,  # the ε for an adversary who knows who was in each cohort
         "epsilon_budget": dp.epsilon,
         "rounds": len(records),
         "stopped": stopped,
@@ -132,6 +136,9 @@ def privacy_line(block: Mapping[str, Any]) -> str:
         f"privacy: ε = {block['epsilon']:.3g} at δ = {block['delta']:.2g} after {block['rounds']} rounds "
         f"({block['mode']} DP, clip C = {block['clip']:g}, noise z = {block['noise']:g}, uniform weights, {seeded})"
     )
+    exposed = block.get("epsilon_without_sampling")
+    if exposed is not None:
+        text += f"; ε = {exposed:.3g} against whoever sees the cohorts (no amplification by sampling)"
     return text + (f"; {block['stopped']}" if block["stopped"] else "")
 
 

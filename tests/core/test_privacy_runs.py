@@ -39,6 +39,9 @@ def test_every_round_has_uniform_weights_and_its_epsilon_in_the_csv_and_the_resu
     block = results["privacy"]
     assert block["epsilon"] == eps[-1] and block["delta"] == 1e-5 and block["weights"] == "uniform"
     assert block["stopped"] is None and block["noise_seed"] == 11
+    # Against whoever sees who was sampled: every round at q = 1, a larger ε.
+    assert block["epsilon_without_sampling"] == pytest.approx(planned_epsilon(3, 2, 2, 0.8, 1e-5))
+    assert block["epsilon_without_sampling"] > block["epsilon"]
 
 
 @pytest.mark.slow

@@ -77,3 +77,20 @@ def test_a_server_without_data_keeps_the_devices_statistics_on_the_devices_under
 def test_the_server_refuses_dp_settings_that_cannot_hold(tmp_path: Path, changes: dict, message: str) -> None:
     with pytest.raises(ServerError, match=message):
         ServerConfig(out=str(tmp_path), **changes)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--dp-clip", "1", "--dp-noise", "0"], "--dp-noise 0.0 must be a positive noise multiplier"),
+        (["--dp-clip", "-1", "--dp-noise", "1"], "--dp-clip -1.0 must be a positive L2 norm"),
+        (["--dp-clip", "1", "--dp-noise", "1", "--aggregation", "median"], "--aggregation median does not compose"),
+        (["--dp-clip", "1", "--dp-noise", "1", "--dp-mode", "local"], "--dp-mode local needs every device"),
+        (["--dp-epsilon", "8"], "--dp-epsilon needs --dp-clip and --dp-noise"),
+    ],
+)
+def test_feast_server_run_refuses_bad_dp_settings_before_anything_is_written(server_cli, tmp_path, args, fragment):
+    nowhere = "mqtt://127.0.0.1:9"  # never reached: the options are refused before any connection
+    result = server_cli.invoke("run", "--insecure", "--broker", nowhere, "--out", str(tmp_path / "run"), *args)
+    server_cli.assert_user_error(result, fragment)
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
