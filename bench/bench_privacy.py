@@ -2,13 +2,14 @@
 
 One population (``--clients`` fmnist-small clients, ``--per-round`` per round, the paper's Zipf budgets), one seed,
 one schedule; the runs differ only in ``--dp-*``: no DP, central DP at each of ``--noises`` (clip ``--clip``), and
-local DP at ``--local`` (each client noises its own clipped update). For each: ε at δ after the last round, the
+local DP at ``--local`` (each client noises its own clipped update); with ``--adaptive Q``, each noise also with
+adaptive clipping toward the Q quantile of the update norms (starting at ``--clip``). For each: ε at δ after the last round, the
 population accuracy and the smallest and largest served variants' test accuracy, each as a ratio to the run without
 DP, and the wall time. A ``feast-edge report`` of the runs (the privacy table and the accuracy-against-ε plot) is
 written to ``WORK/report``.
 
     PYTHONPATH=. python3 bench/bench_privacy.py [--rounds 10] [--train-limit 12000] [--noises 0.5,1,2] [--local 1]
-        [--clip 1.0] [--work /tmp/bench-privacy]
+        [--clip 1.0] [--adaptive 0.5] [--work /tmp/bench-privacy]
 
 Record the command, ``lscpu``'s model name and the table in docs/experiments.md.
 """
@@ -30,6 +31,12 @@ def runs(args: argparse.Namespace) -> dict[str, dict]:
     found = {"no DP": {}}
     for z in (float(v) for v in args.noises.split(",") if v):
         found[f"central z={z:g}"] = {"dp_clip": args.clip, "dp_noise": z}
+        if args.adaptive:
+            found[f"adaptive q={args.adaptive:g} z={z:g}"] = {
+                "dp_clip": args.clip,
+                "dp_noise": z,
+                "dp_clip_quantile": args.adaptive,
+            }
     if args.local:
         found[f"local z={args.local:g}"] = {"dp_clip": args.clip, "dp_noise": args.local, "dp_mode": "local"}
     return found
@@ -44,7 +51,10 @@ def main() -> None:
     parser.add_argument("--test-limit", type=int, default=2_000)
     parser.add_argument("--noises", default="0.5,1,2")
     parser.add_argument("--local", type=float, default=1.0, help="local DP's noise multiplier (0: no local run)")
-    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--clip", type=float, default=1.0, help="the bound (adaptive clipping: the first round's)")
+    parser.add_argument(
+        "--adaptive", type=float, default=0.0, help="also each noise with adaptive clipping toward this quantile"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-privacy"))
     args = parser.parse_args()
@@ -75,6 +85,8 @@ def main() -> None:
     for name, (found, seconds) in results.items():
         privacy = found.get("privacy")
         eps = "∞" if privacy is None else f"{privacy['epsilon']:.3g} ({privacy['delta']:.2g})"
+        if privacy and privacy.get("adaptive_clip"):
+            eps += f", C {privacy['adaptive_clip']['first']:.3g} → {privacy['adaptive_clip']['last']:.3g}"
         variants = found["variants"]
         ratio = found["population_accuracy"] / plain["population_accuracy"]
         print(

@@ -159,6 +159,30 @@ def run(
         float,
         typer.Option("--register-timeout", min=0.1, help="Seconds to wait for the server to accept the registration."),
     ] = 60.0,
+    dp_clip: Annotated[
+        float | None,
+        typer.Option(
+            "--dp-clip",
+            help="Local differential privacy this device requires, whatever the server asks (with --dp-noise): clip "
+            "every update to this L2 norm before it leaves; rounds of a server without --dp-mode local are declined "
+            "(docs/privacy.md).",
+        ),
+    ] = None,
+    dp_noise: Annotated[
+        float | None,
+        typer.Option("--dp-noise", help="Local DP: add N(0, (z·C)²) to every parameter of each clipped update."),
+    ] = None,
+    dp_delta: Annotated[
+        float, typer.Option("--dp-delta", help="δ of the local-DP ε this device reports (below 1/its examples).")
+    ] = 1e-5,
+    dp_ledger: Annotated[
+        Path | None,
+        typer.Option(
+            "--dp-ledger",
+            help="JSON file that keeps every noised update this device sent, across runs, for its ε (default: "
+            "$XDG_STATE_HOME/feast-edge/privacy-ledger.json, else ~/.local/state/...).",
+        ),
+    ] = None,
     threads: int = 0,  # --threads (threaded): PyTorch's is set; onnxruntime's goes through the config
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     insecure: common.InsecureOpt = False,
@@ -178,8 +202,10 @@ def run(
         raise FeastError("give either --profile or --budget, not both (a profile carries its budget)")
     torch_device = resolve_device(device)
     from feast_edge.personalize.select import Choice
+    from feast_edge.privacy.local import check_device_dp, default_ledger
 
     choice = Choice.parse(personalize)  # an unknown setting is refused before any data is read
+    check_device_dp(dp_clip, dp_noise, dp_delta)
     from feast_edge.agent.profiling import check_evaluate_up_to
 
     precision = resolve_amp(amp, torch_device)  # a mode this device cannot run is refused before any data is read
@@ -230,6 +256,10 @@ def run(
         personalize=str(choice),
         evaluate_up_to=check_evaluate_up_to(evaluate_up_to),
         stay=stay,
+        dp_clip=dp_clip,
+        dp_noise=dp_noise,
+        dp_delta=dp_delta,
+        dp_ledger=str(dp_ledger or default_ledger()),
     )
     common.check_insecure(link, insecure, "feast-agent run")
     agent = Agent(config, link, hosted)

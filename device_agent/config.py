@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from feast_edge.privacy.local import LocalDp
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 
@@ -39,3 +40,13 @@ class AgentConfig:
     # variant it evaluates and BN-calibrates for the federation (feast_edge.budget.derive.evaluation_limit).
     evaluate_up_to: str = "auto"
     stay: bool = False  # after the federation finishes, keep waiting for the next run instead of exiting
+    # --dp-clip/--dp-noise: local DP this device requires on every update it sends, whatever the server asks
+    # (feast_edge.privacy.local); the ledger keeps what it spent across runs, ε reported at dp_delta.
+    dp_clip: float | None = None
+    dp_noise: float | None = None
+    dp_delta: float = 1e-5
+    dp_ledger: str | None = None  # None: nothing kept between runs (the CLI always gives one)
+
+    def required_dp(self) -> LocalDp | None:
+        """The local DP this device requires (None: what the server asks, if anything)."""
+        return None if self.dp_clip is None or self.dp_noise is None else LocalDp(self.dp_clip, self.dp_noise)

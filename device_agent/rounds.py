@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from feast_edge import protocol
@@ -21,6 +22,7 @@ from feast_edge.agent.hosted import Hosted
 from feast_edge.agent.inbox import Inbox, Incoming
 from feast_edge.agent.step import Assignment, Declined, Job, Trained, train
 from feast_edge.errors import FeastError
+from feast_edge.privacy.local import DeviceLedger, stricter
 from feast_edge.protocol import MAX_REASON, Calibrate, Evaluate, RoundStart, RoutedRequest
 from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import LinkError
@@ -49,6 +51,7 @@ class RoundRunner:
         self.config, self.preset, self.link, self.topics = config, preset, link, topics
         self.inbox, self.receipts, self.report, self.stop = inbox, receipts, report, stop
         self.training = False  # True while a client trains (a stop signal then interrupts it at once)
+        self.ledger = DeviceLedger(None if config.dp_ledger is None else Path(config.dp_ledger), config.dp_delta)
 
     def run(self, client: Hosted, incoming: Incoming) -> bool:
         """Round ``incoming.message`` of ``client``; True when its update was sent."""
@@ -60,6 +63,14 @@ class RoundRunner:
         except FeastError as exc:
             log.error("%s: refused the round message for %s: %s", shown, device_id, exc)
             return False
+        required, asked = self.config.required_dp(), start.local_dp()
+        if required is not None and asked is None:  # this device trusts no server with its raw update
+            log.warning("%s: %s requires local DP and the round asks for none; declined", shown, device_id)
+            return self._decline(
+                assignment,
+                "this device requires local differential privacy (feast-agent run --dp-clip/--dp-noise) and the "
+                "round asks for none: run the server with --dp-mode local",
+            )
         info = assignment.transfer
         blob = client.downloads.wait(
             info,
@@ -78,7 +89,8 @@ class RoundRunner:
             return False
         self.report(device_id, {"phase": "training", "round": start.round})
         try:
-            job = Job.of(assignment, blob, client.data, self.preset, self.config.torch_device, self.config.amp)
+            dp = stricter(asked, required)
+            job = Job.of(assignment, blob, client.data, self.preset, self.config.torch_device, self.config.amp, dp)
         except FeastError as exc:
             log.error("%s: refused the routed payload for %s: %s", shown, device_id, exc)
             return self._decline(assignment, f"refused the routed payload: {exc}")
@@ -97,6 +109,19 @@ class RoundRunner:
             self.training = False
         if isinstance(outcome, Declined):
             return self._decline(assignment, outcome.reason)
+        if job.dp is not None:  # counted before it leaves: an update that may have left is spent
+            eps = self.ledger.record(device_id, self.config.federation, job.dp.noise)
+            log.info(
+                "%s: %s clipped its update to C = %g and noised it (z = %g): local DP ε = %.3g at δ = %.2g after %d "
+                "noised updates from this device",
+                shown,
+                device_id,
+                job.dp.clip,
+                job.dp.noise,
+                eps,
+                self.ledger.delta,
+                self.ledger.updates(device_id),
+            )
         if time.monotonic() > deadline:
             late = time.monotonic() - deadline
             log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, late)
@@ -107,6 +132,9 @@ class RoundRunner:
         message, device_id = incoming.message, client.device_id
         assert isinstance(message, RoutedRequest)
         shown = f"round {message.round + 1}"
+        if self.config.required_dp() is not None:  # held-out counts and BN statistics would leave unnoised
+            log.warning("%s: %s requires local DP: the %s request is not answered", shown, device_id, message.kind)
+            return False
         try:
             info = message.transfer_info()
         except FeastError as exc:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,6 +21,7 @@ from feast_edge.errors import FeastError
 from feast_edge.local.cotrain import LocalResult, stayed_finite
 from feast_edge.local.recipe import TrainConfig
 from feast_edge.local.update import client_update
+from feast_edge.privacy.local import LocalDp, parameter_names, privatize
 from feast_edge.protocol import RoundStart
 from feast_edge.route.payload import decode, encode
 from feast_edge.route.plans import ClientPlan
@@ -63,10 +64,18 @@ class Job:
     data: LocalClient
     torch_device: str
     amp: str = "off"  # mixed precision of local training (feast_edge.local.precision)
+    dp: LocalDp | None = None  # local DP applied to the trained slice before it is encoded (feast_edge.privacy.local)
 
     @classmethod
     def of(
-        cls, assignment: Assignment, payload: bytes, data: LocalClient, preset: Preset, torch_device: str, amp: str
+        cls,
+        assignment: Assignment,
+        payload: bytes,
+        data: LocalClient,
+        preset: Preset,
+        torch_device: str,
+        amp: str,
+        dp: LocalDp | None = None,
     ) -> Job:
         """The job of ``assignment`` with its routed ``payload``; FeastError when the payload is not what it routes."""
         start, plan = assignment.start, assignment.plan
@@ -74,7 +83,7 @@ class Job:
         manifest, routed = decode(payload, preset, expected=expected)
         if manifest.kind != "routed":
             raise FeastError(f"payload kind {manifest.kind!r} is not 'routed'")
-        return cls.of_state(assignment, routed, data, preset, torch_device, amp)
+        return replace(cls.of_state(assignment, routed, data, preset, torch_device, amp), dp=dp)
 
     @classmethod
     def of_state(
@@ -168,13 +177,17 @@ def train_state(job: Job) -> TrainedState | Declined:
 
 
 def train(job: Job) -> Trained | Declined:
-    """:func:`train_state`, the slice encoded as the update payload in the routed payload's dtype."""
+    """:func:`train_state`, the slice (clipped and noised under local DP) encoded as the update payload in the routed
+    payload's dtype."""
     trained = train_state(job)
     if isinstance(trained, Declined):
         return trained
     manifest = job.plan.manifest(job.preset, job.preset.classes, job.round, "update", job.device_id, job.dtype)
+    state = trained.state
+    if job.dp is not None:  # nothing of the raw update leaves the device (docs/privacy.md, the trust model)
+        state = privatize(job.routed, state, parameter_names(job.preset), job.dp, job.device_id, job.round)
     try:
-        payload = encode(trained.state, manifest)
+        payload = encode(state, manifest)
     except FeastError as exc:  # e.g. weights beyond float16's range
         log.warning("%s: the update of %s cannot be sent as %s: %s", job.shown, job.device_id, job.dtype, exc)
         return Declined(f"the update cannot be encoded: {exc}")

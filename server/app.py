@@ -151,6 +151,7 @@ class FederationServer(RunHost):
             cfg.rounds,
             payload_dtype=cfg.payload_dtype,
             max_update_norm=cfg.max_update_norm,
+            local_dp=cfg.local_dp(),
         )
         self.collector = DeviceCollector(events.exchange, self.devices, terms, self.live)
         self.models = events.models = ModelServer(self.out, self.link, t, sender, cfg.send_timeout)

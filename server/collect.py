@@ -24,6 +24,7 @@ import torch
 from feast_edge.aggregate.robust import update_norm
 from feast_edge.errors import FeastError
 from feast_edge.local.recipe import TrainConfig
+from feast_edge.privacy.local import LocalDp, noised_norm_bound
 from feast_edge.protocol import RoundStart, Update
 from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import Manifest, decode, encode
@@ -57,6 +58,7 @@ class RoundTerms:
     rounds: int
     payload_dtype: str = "float32"  # routed payloads go out in it; updates must come back in it
     max_update_norm: float = 0.0  # L2 bound on an update's change of its routed slice (0: none)
+    local_dp: LocalDp | None = None  # --dp-mode local: what each device applies to its own update before it leaves
 
     def round_start(
         self,
@@ -84,6 +86,7 @@ class RoundTerms:
             seed=client_seed(self.seed, t, device),
             train=self.train,
             payload_dtype=self.payload_dtype,
+            dp=self.local_dp,
         )
 
 
@@ -210,6 +213,7 @@ class DeviceCollector:
             global_state,
             self.terms.max_update_norm,
             self_reported=reply.device not in self.devices.shard_samples,
+            local_dp=self.terms.local_dp,
         )
 
     def _unsettled(self, got: Collected, t: int, reply: Reply) -> None:
@@ -237,9 +241,16 @@ def update_of(
     max_update_norm: float,
     *,
     self_reported: bool,
+    local_dp: LocalDp | None = None,
 ) -> ClientUpdate | str:
-    """A decoded, envelope-checked update of ``device`` held to the update-norm bound, or why it is refused."""
+    """A decoded, envelope-checked update of ``device`` held to the update-norm bound, or why it is refused.
+
+    Under local DP the device's noise is part of its change: the bound is the larger of ``--max-update-norm`` and
+    what an honest noised update of this size can reach (``feast_edge.privacy.local.noised_norm_bound``)."""
     change = update_norm(state, global_state)
+    if local_dp is not None and max_update_norm:
+        numel = sum(x.numel() for x in state.values() if x.is_floating_point())
+        max_update_norm = max(max_update_norm, noised_norm_bound(local_dp, numel))
     if max_update_norm and not change <= max_update_norm:
         return f"its update changes the routed slice by {change:.3g} (L2 norm); the limit is --max-update-norm {max_update_norm:g}"
     return ClientUpdate(

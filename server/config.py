@@ -14,6 +14,7 @@ from feast_edge.evaluate.bn_robust import BN_RULES, DEFAULT_BN_RULE
 from feast_edge.evaluate.coverage import SERVING_RULES
 from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, VAL_RULES
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
+from feast_edge.privacy.local import LocalDp
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes, dp_of
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, RunError, RunSettings, check_run_options, server_opt_of
@@ -107,6 +108,9 @@ class ServerConfig:
     dp_epsilon: float | None = None  # the privacy budget; None: no limit
     dp_seed: int | None = None  # None: noise from the OS (not reproducible)
     dp_mode: str = "central"
+    dp_clip_quantile: float | None = None  # adaptive clipping toward this quantile of the update norms; None: fixed
+    dp_clip_lr: float = 0.2
+    dp_clip_count_std: float | None = None  # None: a tenth of the privacy on the unclipped count
 
     def __post_init__(self) -> None:
         checks = [
@@ -160,12 +164,6 @@ class ServerConfig:
                 check_composes(self.aggregation, True, "feast")
         except PrivacyError as exc:
             raise ServerError(str(exc)) from None
-        if self.dp_mode == "local" and self.dp_settings() is not None:
-            raise ServerError(
-                "--dp-mode local needs every device to noise its own clipped update before it leaves, which "
-                "feast-agent does not do yet (the server would see the raw update); use --dp-mode central, or measure "
-                "local DP with feast-edge simulate --dp-mode local (docs/privacy.md)"
-            )
 
     def dp_settings(self) -> DpSettings | None:
         """The run's DP settings (None: no DP)."""
@@ -173,6 +171,11 @@ class ServerConfig:
             return dp_of(self)
         except PrivacyError as exc:
             raise ServerError(str(exc)) from None
+
+    def local_dp(self) -> LocalDp | None:
+        """What every cohort device is asked to apply to its own update (``--dp-mode local``); None otherwise."""
+        dp = self.dp_settings()
+        return LocalDp(dp.clip, dp.noise, dp.seed) if dp is not None and dp.mode == "local" else None
 
     @property
     def federated_statistics(self) -> bool:
@@ -256,4 +259,5 @@ class ServerConfig:
             max_weight_ratio=self.max_weight_ratio,
             server_opt=self.server_optimizer(),
             dp=self.dp_settings(),
+            dp_on_devices=self.local_dp() is not None,
         )

@@ -62,5 +62,28 @@ def dp_options() -> Callable[[F], F]:
                 "clipped update: trusts nobody, costs accuracy).",
             ),
         ),
+        "dp_clip_quantile": (
+            Optional[float],
+            None,
+            typer.Option(
+                "--dp-clip-quantile",
+                help="Adaptive clipping (central DP): start at --dp-clip and move the bound each round toward this "
+                "quantile of the update norms, privately (e.g. 0.5; Andrew et al. 2021).",
+            ),
+        ),
+        "dp_clip_lr": (
+            float,
+            0.2,
+            typer.Option("--dp-clip-lr", help="Adaptive clipping: the geometric step of the bound per round."),
+        ),
+        "dp_clip_count_std": (
+            Optional[float],
+            None,
+            typer.Option(
+                "--dp-clip-count-std",
+                help="Adaptive clipping: noise std on the count of unclipped updates (default: a tenth of the "
+                "privacy, 1.58 z; the updates' noise grows so ε stays that of --dp-noise).",
+            ),
+        ),
     }
     return option_group("dp", options, dict)

@@ -40,10 +40,21 @@ def round_rdp(population: int, cohort: int, noise: float) -> tuple[float, ...]:
 
 def epsilon_of(rounds: Iterable[tuple[int, int]], noise: float, delta: float, mode: str = "central") -> float:
     """ε at ``delta`` after ``rounds`` of ``(population, cohort)`` with noise multiplier ``noise`` (0 rounds: 0)."""
+    # local DP: no amplification (the server knows the cohort): the Gaussian mechanism itself, q = 1
+    curves = [round_rdp(population, cohort, noise) if mode == "central" else round_rdp(1, 1, noise)
+              for population, cohort in rounds]  # fmt: skip
+    return _epsilon(curves, delta)
+
+
+def local_epsilon(noises: Iterable[float], delta: float) -> float:
+    """ε at ``delta`` of one client's own noised updates, one Gaussian mechanism each (no amplification: local DP)."""
+    return _epsilon([round_rdp(1, 1, noise) for noise in noises], delta)
+
+
+def _epsilon(curves: Iterable[tuple[float, ...]], delta: float) -> float:
     total = np.zeros(len(ORDERS))
-    for population, cohort in rounds:
-        # local DP: no amplification (the server knows the cohort): the Gaussian mechanism itself, q = 1
-        total += np.array(round_rdp(population, cohort, noise) if mode == "central" else round_rdp(1, 1, noise))
+    for curve in curves:
+        total += np.array(curve)
     if not total.any():
         return 0.0
     eps, _ = rdp.compute_epsilon(ORDERS, total, delta)

@@ -21,6 +21,7 @@ would break the 2C bound. This module is the arithmetic; :mod:`feast_edge.privac
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Collection, Mapping, Sequence
 
@@ -63,12 +64,15 @@ def routed_counts(
     return counts
 
 
-def noise_generator(seed: int | None, t: int) -> torch.Generator:
+UPDATES, COUNT = 0xD1, 0xC7  # the two noise streams of a round: the coordinates' sums, the unclipped count
+
+
+def noise_generator(seed: int | None, t: int, stream: int = UPDATES) -> torch.Generator:
     """Round ``t``'s noise generator: from ``seed`` and ``t`` (reproducible, tests) or from the OS (every other run)."""
     if seed is None:
         start = secrets.randbits(63)
     else:
-        start = int(np.random.SeedSequence([seed, t, 0xD1]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+        start = int(np.random.SeedSequence([seed, t, stream]).generate_state(1, np.uint64)[0] >> np.uint64(1))
     return torch.Generator().manual_seed(start)
 
 
@@ -93,8 +97,29 @@ def noised_update(
     """Local DP: ``state`` (already clipped) with N(0, std²) added to each routed parameter before it leaves the client."""
     out = dict(state)
     with torch.no_grad():
-        for name in params:
-            if name in state:
-                x = state[name]
-                out[name] = x + (torch.randn(x.shape, generator=generator, dtype=torch.float64) * std).to(x.dtype)
+        for name in sorted(
+            set(params) & state.keys()
+        ):  # by name: a set's or a state's order may differ between processes
+            x = state[name]
+            out[name] = x + (torch.randn(x.shape, generator=generator, dtype=torch.float64) * std).to(x.dtype)
     return out
+
+
+def noised_unclipped(norms: Sequence[float], clip: float, std: float, generator: torch.Generator) -> float:
+    """Adaptive clipping's private statistic: the fraction of ``norms`` within ``clip``, from ``Σ(b_i − ½) + N(0, std²)``.
+
+    Centring the bits halves the count's sensitivity (one client moves it by at most ½ added or removed, 1 replaced);
+    the cohort size is public. Andrew, Thakkar, McMahan, Ramaswamy 2021, Algorithm 1."""
+    centred = sum((1.0 if n <= clip else 0.0) - 0.5 for n in norms)
+    draw = float(torch.randn((), generator=generator, dtype=torch.float64))
+    return (centred + std * draw) / max(1, len(norms)) + 0.5
+
+
+def next_clip(clip: float, unclipped: float, quantile: float, lr: float) -> float:
+    """The next round's bound: ``C·exp(−lr·(b̃ − γ))``, smaller when more than the quantile ``γ`` went unclipped."""
+    return clip * math.exp(-lr * (unclipped - quantile))
+
+
+def client_seed(seed: int, client: str) -> int:
+    """The seed of ``client``'s own local-DP noise in a seeded run (the device agent draws the same)."""
+    return int(np.random.SeedSequence([seed, *client.encode()]).generate_state(1)[0])

@@ -11,15 +11,24 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from feast_edge.privacy.accountant import epsilon_of, planned_epsilon
-from feast_edge.privacy.mechanism import add_sum_noise, noise_generator, noised_update, private_update, routed_counts
+from feast_edge.privacy.local import LocalDp, privatize
+from feast_edge.privacy.mechanism import (
+    COUNT,
+    add_sum_noise,
+    next_clip,
+    noise_generator,
+    noised_unclipped,
+    private_update,
+    routed_counts,
+)
 from feast_edge.privacy.settings import DpSettings, PrivacyError
 
 StateDict = Mapping[str, torch.Tensor]
@@ -32,28 +41,48 @@ class BudgetReached(PrivacyError):
 class PrivateRounds:
     """One run's DP steps over the model's parameters ``params`` (module docstring)."""
 
-    def __init__(self, dp: DpSettings, params: Collection[str], rounds: int | None = None) -> None:
+    def __init__(
+        self, dp: DpSettings, params: Collection[str], rounds: int | None = None, *, clients_noise: bool = False
+    ) -> None:
         """``rounds``: the run's planned rounds, checked against ``--dp-epsilon`` when the first round knows its
-        population (a server learns it only then)."""
+        population (a server learns it only then). ``clients_noise``: local DP where the clients are real devices
+        that clipped and noised their updates themselves (a server): their updates are taken as they come."""
         self.dp = dp
         self.params = frozenset(params)
         self.rounds = rounds
+        self.clients_noise = clients_noise
 
-    def update(self, global_state: StateDict, state: StateDict, t: int, client: str) -> dict[str, torch.Tensor]:
-        """The update as it enters the aggregate: clipped (central); clipped and noised by the client itself (local)."""
-        clipped, _ = private_update(global_state, state, self.params, self.dp.clip)
-        if self.dp.mode != "local":
-            return clipped
-        generator = noise_generator(None if self.dp.seed is None else _client_seed(self.dp.seed, client), t)
-        return noised_update(global_state, clipped, self.params, self.dp.noise * self.dp.clip, generator)
+    def privatize(
+        self, global_state: StateDict, updates: Sequence[tuple[str, StateDict]], t: int, record: dict[str, Any]
+    ) -> list[dict[str, torch.Tensor]]:
+        """The ``(client, state)`` updates as they enter the aggregate, in order: clipped to the round's bound (central);
+        clipped and noised by each client itself (local). Adaptive clipping adds the round's noised unclipped
+        fraction and the next bound to ``record``."""
+        if self.clients_noise:  # each device clipped and noised its own: only BN statistics go back to global
+            return [private_update(global_state, state, self.params, math.inf)[0] for _, state in updates]
+        if self.dp.mode == "local":  # what each device does before its update leaves (feast_edge.privacy.local)
+            local = LocalDp(self.dp.clip, self.dp.noise, self.dp.seed)
+            return [privatize(global_state, state, self.params, local, client, t) for client, state in updates]
+        clip = record.get("clip", self.dp.clip)
+        clipped = [private_update(global_state, state, self.params, clip) for _, state in updates]
+        if self.dp.adaptive:
+            norms = [norm for _, norm in clipped]
+            generator = noise_generator(self.dp.seed, t, COUNT)
+            unclipped = noised_unclipped(norms, clip, self.dp.count_std(), generator) if norms else None
+            record["unclipped"] = unclipped
+            record["next_clip"] = (
+                clip if unclipped is None else next_clip(clip, unclipped, self.dp.clip_quantile, self.dp.clip_lr)
+            )
+        return [state for state, _ in clipped]
 
-    def noise(self, global_state: StateDict, states: Sequence[StateDict], t: int) -> None:
+    def noise(self, global_state: StateDict, states: Sequence[StateDict], t: int, record: Mapping[str, Any]) -> None:
         """Central DP: the noise of every routed coordinate's sum, in place (local DP: the clients added theirs)."""
         if self.dp.mode != "central" or not states:
             return
-        names = [n for n in self.params if n in global_state and global_state[n].is_floating_point()]
+        names = sorted(n for n in self.params if n in global_state and global_state[n].is_floating_point())
         counts = routed_counts(global_state, states, names)
-        add_sum_noise(global_state, counts, self.dp.noise * self.dp.clip, noise_generator(self.dp.seed, t))
+        std = self.dp.update_noise() * record.get("clip", self.dp.clip)
+        add_sum_noise(global_state, counts, std, noise_generator(self.dp.seed, t))
 
     def epsilon(self, rounds: Sequence[tuple[int, int]], cohorts: Sequence[Sequence[str]], delta: float) -> float:
         """ε at ``delta`` after ``rounds`` (population, cohort size); local DP: the client in most ``cohorts``."""
@@ -81,11 +110,10 @@ class PrivateRounds:
                 f"privacy budget reached: round {round_no} would bring ε to {eps:.3g} > --dp-epsilon {self.dp.epsilon:g} "
                 f"(δ = {delta:.2g}); stopped after round {round_no - 1} at ε = {before:.3g}"
             )
-        return {"population": population, "cohort": len(cohort), "epsilon": eps, "delta": delta}
-
-
-def _client_seed(seed: int, client: str) -> int:
-    return int(np.random.SeedSequence([seed, *client.encode()]).generate_state(1)[0])
+        entry = {"population": population, "cohort": len(cohort), "epsilon": eps, "delta": delta}
+        if self.dp.adaptive:  # this round's bound: the one the last round chose (resume continues it)
+            entry["clip"] = history[-1]["next_clip"] if history else self.dp.clip
+        return entry
 
 
 def check_plan(dp: DpSettings, rounds: int, population: int, cohort: int) -> float:
@@ -126,15 +154,37 @@ def privacy_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]], stoppe
         "noise_seed": dp.seed,  # None: drawn from the OS every round, so the run cannot be replayed
         "weights": "uniform",
         "accountant": ACCOUNTANT,
+        **({"adaptive_clip": adaptive_summary(dp, records)} if dp.adaptive else {}),
+    }
+
+
+def adaptive_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Adaptive clipping's settings and path: the target quantile, the bound of the first and last round and the
+    next one, and the noise multipliers the count and the updates got (together: ``noise``)."""
+    return {
+        "quantile": dp.clip_quantile,
+        "lr": dp.clip_lr,
+        "count_std": dp.count_std(),
+        "update_noise": dp.update_noise(),
+        "first": records[0]["clip"] if records else dp.clip,
+        "last": records[-1]["clip"] if records else dp.clip,
+        "next": records[-1].get("next_clip", records[-1]["clip"]) if records else dp.clip,
     }
 
 
 def privacy_line(block: Mapping[str, Any]) -> str:
     """One line for people: ``privacy: ε = 7.62 at δ = 1e-05 after 30 rounds (central, C = 1, z = 1.1) ...``."""
     seeded = "seeded noise (tests only)" if block["noise_seed"] is not None else "noise from the OS"
+    adaptive = block.get("adaptive_clip")
+    clip = f"clip C = {block['clip']:g}"
+    if adaptive:
+        clip = (
+            f"adaptive clip toward the {adaptive['quantile']:g} quantile of update norms, C = "
+            f"{adaptive['first']:.3g} → {adaptive['last']:.3g}"
+        )
     text = (
         f"privacy: ε = {block['epsilon']:.3g} at δ = {block['delta']:.2g} after {block['rounds']} rounds "
-        f"({block['mode']} DP, clip C = {block['clip']:g}, noise z = {block['noise']:g}, uniform weights, {seeded})"
+        f"({block['mode']} DP, {clip}, noise z = {block['noise']:g}, uniform weights, {seeded})"
     )
     exposed = block.get("epsilon_without_sampling")
     if exposed is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from feast_edge.local.cotrain import LocalResult
 from feast_edge.local.recipe import TrainConfig
+from feast_edge.privacy.local import LocalDp
 from feast_edge.protocol.limits import MAX_REASON
 from feast_edge.protocol.plans import check_plan, client_plan, plan_dict
 from feast_edge.route.payload import PAYLOAD_DTYPES
@@ -42,9 +43,11 @@ class RoundStart(Message):
     plan: dict[str, Any]
     train: dict[str, Any] = field(default_factory=dict)
     payload_dtype: str = "float32"  # of the routed payload, and of the update the device must send back
+    dp: dict[str, Any] = field(default_factory=dict)  # local DP the device must apply ({}: none; LocalDp.wire)
 
     def check(self) -> None:
         check_ids(self, "instance")
+        check_local_dp(self.dp)
         check_transfer(self.transfer)
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ProtocolError(
@@ -77,6 +80,7 @@ class RoundStart(Message):
         seed: int,
         train: TrainConfig,
         payload_dtype: str = "float32",
+        dp: LocalDp | None = None,
     ) -> RoundStart:
         """Round ``round`` of ``device``: its plan, the routed transfer, the lr, its client seed and the training settings."""
         settings = train.settings()
@@ -95,7 +99,12 @@ class RoundStart(Message):
             train=settings,
             payload_dtype=payload_dtype,
             plan=plan_dict(plan),
+            dp={} if dp is None else dp.wire(),
         )
+
+    def local_dp(self) -> LocalDp | None:
+        """The local DP this round asks the device for (None: none)."""
+        return LocalDp.of_wire(self.dp)
 
     def client_plan(self, preset: Preset) -> ClientPlan:
         """The plan this message carries, every arch validated against ``preset`` (ArchError / ProtocolError when it does not fit)."""
@@ -120,6 +129,22 @@ class RoundStart(Message):
                 f"the round message's transfer names device {info.device!r} round {info.round}, not {self.device!r} round {self.round}"
             )
         return info
+
+
+def check_local_dp(value: dict[str, Any]) -> None:
+    """A round's ``dp`` field: empty, or ``{"mode": "local", "clip": C > 0, "noise": z > 0[, "seed": "123"]}``."""
+    if not value:
+        return
+    unknown = set(value) - {"mode", "clip", "noise", "seed"}
+    if unknown or value.get("mode") != "local":
+        raise ProtocolError(f"field 'dp' must be local DP settings (mode, clip, noise, seed), got {sorted(value)[:6]}")
+    for name in ("clip", "noise"):
+        number = value.get(name)
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not (0 < number < math.inf):
+            raise ProtocolError(f"field 'dp.{name}' must be a positive finite number, got {str(number)[:24]!r}")
+    seed = value.get("seed")
+    if seed is not None and not (isinstance(seed, str) and seed.isascii() and seed.isdigit() and len(seed) <= 20):
+        raise ProtocolError(f"field 'dp.seed' must be a decimal integer as text, got {str(seed)[:24]!r}")
 
 
 def _json_number(value: float) -> float | None:

@@ -159,9 +159,12 @@ def _parse(directory: Path, record: Any) -> Run:
 
 
 def dp_words(privacy: dict[str, Any]) -> str:
-    """``dp z=1 C=0.5`` (``local dp ...`` for local DP): how a run's group names its privacy settings."""
+    """``dp z=1 C=0.5`` (``local dp ...`` for local DP; ``C=0.5 q=0.5`` adaptive): how a run's group names its
+    privacy settings."""
     mode = "local dp" if privacy.get("mode") == "local" else "dp"
-    return f"{mode} z={privacy['noise']:g} C={privacy['clip']:g}"
+    adaptive = privacy.get("adaptive_clip")
+    quantile = f" q={adaptive['quantile']:g}" if isinstance(adaptive, dict) else ""
+    return f"{mode} z={privacy['noise']:g} C={privacy['clip']:g}{quantile}"
 
 
 def _server_opt(config: dict[str, Any]) -> str:

@@ -201,8 +201,10 @@ class RunLoop:
             else ServerOptimizer(settings.server_opt, {n: tuple(p.shape) for n, p in model.named_parameters()})
         )
         self.history: list[RoundRecord] = []
-        params = [name for name, _ in model.named_parameters()]
-        self.privacy = PrivateRounds(settings.dp, params, settings.rounds) if settings.dp is not None else None
+        params, dp = [name for name, _ in model.named_parameters()], settings.dp
+        self.privacy = (
+            None if dp is None else PrivateRounds(dp, params, settings.rounds, clients_noise=settings.dp_on_devices)
+        )
         self.stopped: str | None = None  # why the run ended before its last round (the privacy budget)
         self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
         self.best: dict[str, Any] = {}
@@ -356,8 +358,8 @@ class RunLoop:
         record.full_bytes = record.full_params * bytes_per_param("float32")
         valid = sorted(got.updates, key=lambda u: u.client)
         if self.privacy is not None:  # clipped, BN statistics kept global, uniform weights (feast_edge.privacy)
-            private = self.privacy.update
-            valid = [replace(u, state=private(global_state, u.state, t, u.client), samples=1) for u in valid]
+            states = self.privacy.privatize(global_state, [(u.client, u.state) for u in valid], t, dp)
+            valid = [replace(u, state=state, samples=1) for u, state in zip(valid, states)]
         record.dp = dp
         record.updated = [u.client for u in valid]
         weights = bounded_weights([u.samples for u in valid], [u.self_reported for u in valid], s.max_weight_ratio)
@@ -374,21 +376,21 @@ class RunLoop:
                 record.variants_per_batch[str(k)] = record.variants_per_batch.get(str(k), 0) + int(v)
         if len(valid) >= s.min_clients:
             began = time.monotonic()
-            self.aggregate(t, global_state, valid, plans)
+            self.aggregate(t, global_state, valid, plans, dp)
             record.aggregate_seconds = time.monotonic() - began
             record.applied = True
         record.seconds = time.monotonic() - start
         return record
 
-    def aggregate(
-        self, t: int, global_state: dict[str, torch.Tensor], valid: Sequence[ClientUpdate], plans: Mapping[str, Any]
-    ) -> None:
-        """The method's aggregation in place, then the server optimizer's step from it (when there is one)."""
+    def aggregate(self, t: int, global_state: dict[str, torch.Tensor], valid: Sequence[ClientUpdate],
+                  plans: Mapping[str, Any], dp: Mapping[str, Any]) -> None:  # fmt: skip
+        """The method's aggregation in place, then DP's noise (``dp``: the round's privacy record) and the server
+        optimizer's step from it (when there is one)."""
         opt = self.server_optimizer
         before = opt.snapshot(global_state) if opt is not None else None
         self.method.aggregate(t, global_state, valid, plans)
         if self.privacy is not None:
-            self.privacy.noise(global_state, [u.state for u in valid], t)
+            self.privacy.noise(global_state, [u.state for u in valid], t, dp)
         if opt is not None:
             opt.step(global_state, before, self.method.routed(global_state, valid, list(opt.shapes)))
 

@@ -40,6 +40,7 @@ COLUMNS = [
     "declined",
     "incomplete",
     "epsilon",  # DP runs: ε after the round at the run's δ (feast_edge.privacy); empty otherwise
+    "clip",  # adaptive clipping: the round's L2 bound on each update; empty otherwise
 ]
 
 
@@ -68,6 +69,7 @@ def round_row(h: RoundRecord) -> list[Any]:
         len(h.declined),
         len(h.incomplete),
         f"{h.dp['epsilon']:.4f}" if h.dp else "",
+        f"{h.dp['clip']:.6g}" if "clip" in h.dp else "",
     ]
 
 
@@ -108,6 +110,7 @@ class TensorBoardLog:
             "round/rejected": len(h.rejected),
             "validation/accuracy": h.val_accuracy,
             "privacy/epsilon": h.dp.get("epsilon"),
+            "privacy/clip": h.dp.get("clip"),
         }
         for tag, value in scalars.items():
             if value is not None:

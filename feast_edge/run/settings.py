@@ -42,6 +42,7 @@ class RunSettings:
         default_factory=ServerOpt
     )  # the step from the aggregate (feast_edge.aggregate.server_opt); avg: method §6
     dp: DpSettings | None = None  # client-level differential privacy (feast_edge.privacy); None: none
+    dp_on_devices: bool = False  # local DP applied by real devices (a server): their updates arrive noised
 
     def __post_init__(self) -> None:
         check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)

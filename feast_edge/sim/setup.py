@@ -111,6 +111,9 @@ class SimulationConfig:
     dp_epsilon: float | None = None  # the privacy budget; None: no limit
     dp_seed: int | None = None  # None: noise from the OS (not reproducible)
     dp_mode: str = "central"
+    dp_clip_quantile: float | None = None  # adaptive clipping toward this quantile of the update norms; None: fixed
+    dp_clip_lr: float = 0.2
+    dp_clip_count_std: float | None = None  # None: a tenth of the privacy on the unclipped count
 
     def __post_init__(self) -> None:
         if self.budgets is not None:

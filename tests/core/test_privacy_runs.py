@@ -90,6 +90,12 @@ def test_the_run_stops_before_the_round_that_would_pass_the_budget(fashion_mnist
         ({"dp_clip": 1.0, "dp_noise": 1.0, "max_weight_ratio": 3.0}, "drop --max-weight-ratio"),
         ({"dp_clip": 1.0, "dp_noise": 1.0, "method": "sfn"}, "method sfn does not aggregate by averaging"),
         ({"dp_clip": 1.0, "dp_noise": 1.0, "dp_epsilon": 0.5}, r"--dp-epsilon 0\.5: the planned 2 rounds"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "dp_clip_quantile": 2.0}, r"--dp-clip-quantile 2\.0 must be a fraction"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "dp_clip_lr": 0.1}, "need --dp-clip-quantile"),
+        (
+            {"dp_clip": 1.0, "dp_noise": 1.0, "dp_clip_quantile": 0.5, "dp_mode": "local"},
+            "works with --dp-mode central only",
+        ),
     ],
 )
 def test_bad_dp_settings_are_refused_before_anything_runs(changes, message):
@@ -125,3 +131,26 @@ def test_the_report_puts_accuracy_against_epsilon_beside_a_run_without_dp(privat
     assert "dp z=0.8 C=0.5" in section and "| no DP |" in section.replace("  ", " ")
     assert f"{results['privacy']['epsilon']:.3g}" in section and "∞" in section
     assert (tmp_path / "report" / "privacy.png").stat().st_size > 10_000
+
+
+ADAPTIVE_RUN = replace(DP_RUN, dp_clip_quantile=0.5, dp_clip_lr=0.5)
+
+
+@pytest.mark.slow
+def test_adaptive_clipping_moves_the_bound_in_the_csv_and_a_resume_continues_it_exactly(fashion_mnist_dir, tmp_path):
+    full = Simulation(ADAPTIVE_RUN, tmp_path / "full").run()
+    clips = [r["dp"]["clip"] for r in full["rounds"]]
+    assert clips[0] == 0.5 and clips[1:] == [r["dp"]["next_clip"] for r in full["rounds"][:-1]]
+    assert len(set(clips)) == 3  # the bound moved every round
+    rows = list(csv.DictReader((tmp_path / "full" / "rounds.csv").open()))
+    assert [float(row["clip"]) for row in rows] == pytest.approx(clips, 1e-5)
+    # The count costs no ε: the same accounting as a fixed bound of the same --dp-noise.
+    assert full["privacy"]["epsilon"] == pytest.approx(planned_epsilon(3, DP_RUN.clients, DP_RUN.per_round, 0.8, 1e-5))
+    assert full["privacy"]["adaptive_clip"]["last"] == clips[-1]
+    assert Simulation(ADAPTIVE_RUN, tmp_path / "resumed").run(stop_after=2) is None
+    resumed = Simulation(ADAPTIVE_RUN, tmp_path / "resumed").run(resume=True)
+    assert [r["dp"] for r in resumed["rounds"]] == [r["dp"] for r in full["rounds"]]
+    a, b = (load_supernet(tmp_path / d / CHECKPOINT)[0].state_dict() for d in ("full", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(SimulationError, match=r"other settings \(differs in: dp\)"):
+        Simulation(replace(ADAPTIVE_RUN, dp_clip_quantile=0.3), tmp_path / "full").run(resume=True)

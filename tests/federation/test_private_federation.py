@@ -1,19 +1,22 @@
-"""DP over MQTT computes what DP in simulation computes: the server clips, noises and accounts with the same core.
+"""DP over MQTT computes what DP in simulation computes, with the same core: central DP (the server clips, noises and
+accounts) and local DP (each ``feast-agent`` clips and noises its own update before it leaves).
 
 Three ``feast-agent run`` processes train the partitioned shards of a small simulation for two rounds through the
 Mosquitto at 127.0.0.1:1883 under ``--dp-clip/--dp-noise`` with a fixed ``--dp-seed``; the final weights and every
 round's ε equal the simulator's. A server without data under DP neither collects the devices' held-out counts nor
-their BN statistics.
+their BN statistics; a device that requires local DP declines the rounds of a server that does not run it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from feast_edge.privacy.accountant import local_epsilon
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.host import RunHost
@@ -27,17 +30,22 @@ DP = dict(dp_clip=0.5, dp_noise=0.6, dp_seed=21)
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.timeout(600)
-def test_a_private_federation_equals_the_private_simulation(kit, tmp_path: Path, partition: Path) -> None:
-    config = replace(kit.CONFIG, **DP)
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_a_private_federation_equals_the_private_simulation(kit, tmp_path: Path, partition: Path, mode: str) -> None:
+    dp = DP | {"dp_mode": mode}
+    config = replace(kit.CONFIG, **dp)
     simulated = Simulation(config, tmp_path / "simulation").run()
     fed = kit.new_federation()
     out = tmp_path / "federation"
-    server = kit.ServerThread(kit.server_config(config, out, partition, fed, **DP)).start()
+    server = kit.ServerThread(kit.server_config(config, out, partition, fed, **dp)).start()
     agents = {}
     try:
-        for entry in read_index(partition)["clients"]:
+        for i, entry in enumerate(read_index(partition)["clients"]):
             cid = entry["client_id"]
-            agents[cid] = kit.spawn_agent(out / "logs", cid, partition / entry["file"], fed)
+            # Local DP: the first device also requires it itself, at the server's settings (the stricter of equals).
+            own = ["--dp-clip", "0.5", "--dp-noise", "0.6"] if mode == "local" and i == 0 else []
+            extra = [*own, "--dp-ledger", str(tmp_path / f"ledger-{cid}.json")]
+            agents[cid] = kit.spawn_agent(out / "logs", cid, partition / entry["file"], fed, *extra)
         history = server.join(timeout=300)
     finally:
         codes = {cid: kit.stop(p) for cid, p in agents.items()}
@@ -48,7 +56,14 @@ def test_a_private_federation_equals_the_private_simulation(kit, tmp_path: Path,
     assert all(torch.equal(got[k], want[k]) for k in got), f"differ by {kit.max_abs_diff(got, want)}"
     assert [h.dp for h in history] == [r["dp"] for r in simulated["rounds"]]
     assert all(h.samples == len(h.updated) for h in history)  # uniform weights, whatever the devices registered
-    assert (out / "rounds.csv").read_text().splitlines()[0].endswith(",epsilon")
+    assert (out / "rounds.csv").read_text().splitlines()[0].endswith(",epsilon,clip")
+    if mode == "local":  # each device counted what it sent, in its own ledger
+        sent = {cid: sum(cid in h.updated for h in history) for cid in agents}
+        for cid, n in sent.items():
+            ledger = tmp_path / f"ledger-{cid}.json"
+            assert (json.loads(ledger.read_text()) if n else {}) == ({cid: {fed: [0.6] * n}} if n else {})
+        first = next(iter(agents))
+        assert f"local DP ε = {local_epsilon([0.6] * sent[first], 1e-5):.3g}" in kit.log_text(agents[first])
     status = read_status(out)
     assert status["privacy"]["epsilon"] == history[-1].dp["epsilon"] and status["privacy"]["rounds"] == 2
     assert any(line.startswith("privacy: ε = ") for line in status_lines(status))
@@ -71,7 +86,7 @@ def test_a_server_without_data_keeps_the_devices_statistics_on_the_devices_under
             "--aggregation trimmed-mean does not compose",
         ),
         ({"dp_seed": 3}, "--dp-seed needs --dp-clip and --dp-noise"),
-        ({"dp_clip": 1.0, "dp_noise": 1.0, "dp_mode": "local"}, "--dp-mode local needs every device to noise"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "dp_mode": "local", "dp_clip_quantile": 0.5}, "central only"),
     ],
 )
 def test_the_server_refuses_dp_settings_that_cannot_hold(tmp_path: Path, changes: dict, message: str) -> None:
@@ -85,7 +100,7 @@ def test_the_server_refuses_dp_settings_that_cannot_hold(tmp_path: Path, changes
         (["--dp-clip", "1", "--dp-noise", "0"], "--dp-noise 0.0 must be a positive noise multiplier"),
         (["--dp-clip", "-1", "--dp-noise", "1"], "--dp-clip -1.0 must be a positive L2 norm"),
         (["--dp-clip", "1", "--dp-noise", "1", "--aggregation", "median"], "--aggregation median does not compose"),
-        (["--dp-clip", "1", "--dp-noise", "1", "--dp-mode", "local"], "--dp-mode local needs every device"),
+        (["--dp-clip", "1", "--dp-noise", "1", "--dp-clip-quantile", "1.5"], "--dp-clip-quantile 1.5 must be"),
         (["--dp-epsilon", "8"], "--dp-epsilon needs --dp-clip and --dp-noise"),
     ],
 )
@@ -94,3 +109,30 @@ def test_feast_server_run_refuses_bad_dp_settings_before_anything_is_written(ser
     result = server_cli.invoke("run", "--insecure", "--broker", nowhere, "--out", str(tmp_path / "run"), *args)
     server_cli.assert_user_error(result, fragment)
     assert result.returncode == 2 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.timeout(300)
+def test_a_device_that_requires_local_dp_declines_a_server_without_it(kit, tmp_path: Path, partition: Path) -> None:
+    fed, out = kit.new_federation(), tmp_path / "federation"
+    config = replace(kit.CONFIG, rounds=1, per_round=3)  # every device in the cohort, the strict one too
+    server = kit.ServerThread(kit.server_config(config, out, partition, fed, min_clients=2)).start()
+    agents, ledger = {}, tmp_path / "ledger.json"
+    try:
+        for i, entry in enumerate(read_index(partition)["clients"]):
+            own = ["--dp-clip", "1", "--dp-noise", "1", "--dp-ledger", str(ledger)] if i == 0 else []
+            agents[entry["client_id"]] = kit.spawn_agent(
+                out / "logs", entry["client_id"], partition / entry["file"], fed, *own
+            )
+        history = server.join(timeout=200)
+    finally:
+        for p in agents.values():
+            kit.stop(p)
+        server.close()
+        kit.clear_retained(fed)
+    strict = next(iter(agents))
+    [record] = history
+    assert strict in record.declined and "requires local differential privacy" in record.declined[strict]
+    assert strict not in record.updated and len(record.updated) == len(agents) - 1
+    assert not ledger.exists()  # nothing was noised, nothing spent
