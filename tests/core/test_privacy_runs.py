@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import replace
 
 import pytest
@@ -154,3 +155,14 @@ def test_adaptive_clipping_moves_the_bound_in_the_csv_and_a_resume_continues_it_
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(SimulationError, match=r"other settings \(differs in: dp\)"):
         Simulation(replace(ADAPTIVE_RUN, dp_clip_quantile=0.3), tmp_path / "full").run(resume=True)
+
+
+@pytest.mark.slow
+def test_simulate_prints_the_adaptive_bound_s_path_on_its_privacy_line(cli, fashion_mnist_dir, tmp_path):
+    out = tmp_path / "run"
+    options = ["--dp-clip", "0.5", "--dp-noise", "0.8", "--dp-clip-quantile", "0.5", "--dp-seed", "3"]
+    result = cli.invoke("simulate", *cli_options(tiny_config()), "--out", str(out), *options)
+    assert result.returncode == 0, result.stderr
+    block = json.loads((out / "results.json").read_text())["privacy"]["adaptive_clip"]
+    line = " ".join(result.stdout.split())
+    assert f"adaptive clip toward the 0.5 quantile of update norms, C = 0.5 → {block['last']:.3g}" in line
