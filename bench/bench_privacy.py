@@ -9,7 +9,7 @@ DP, and the wall time. A ``feast-edge report`` of the runs (the privacy table an
 written to ``WORK/report``.
 
     PYTHONPATH=. python3 bench/bench_privacy.py [--rounds 10] [--train-limit 12000] [--noises 0.5,1,2] [--local 1]
-        [--clip 1.0] [--adaptive 0.5] [--work /tmp/bench-privacy]
+        [--clip 1.0] [--adaptive 0.5 --clip-lr 0.2] [--gamma 1] [--alpha-eff 0.45] [--work /tmp/bench-privacy]
 
 Record the command, ``lscpu``'s model name and the table in docs/experiments.md.
 """
@@ -36,6 +36,7 @@ def runs(args: argparse.Namespace) -> dict[str, dict]:
                 "dp_clip": args.clip,
                 "dp_noise": z,
                 "dp_clip_quantile": args.adaptive,
+                "dp_clip_lr": args.clip_lr,
             }
     if args.local:
         found[f"local z={args.local:g}"] = {"dp_clip": args.clip, "dp_noise": args.local, "dp_mode": "local"}
@@ -55,6 +56,9 @@ def main() -> None:
     parser.add_argument(
         "--adaptive", type=float, default=0.0, help="also each noise with adaptive clipping toward this quantile"
     )
+    parser.add_argument("--clip-lr", type=float, default=0.2, help="adaptive clipping's step (--dp-clip-lr)")
+    parser.add_argument("--gamma", type=float, default=1.0, help="data ∝ budget^gamma (0: independent of budget)")
+    parser.add_argument("--alpha-eff", type=float, default=0.45, help="label skew: Dirichlet's effective alpha")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-privacy"))
     args = parser.parse_args()
@@ -66,6 +70,8 @@ def main() -> None:
         train_limit=args.train_limit or None,
         test_limit=args.test_limit,
         seed=args.seed,
+        gamma=args.gamma,
+        alpha_eff=args.alpha_eff,
     )
     results, dirs = {}, []
     for name, changes in runs(args).items():

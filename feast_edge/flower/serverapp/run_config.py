@@ -92,6 +92,12 @@ def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
     ):
         raise ServerError(f"run config node-holdout = {holdout!r} must be a fraction between 0 and {MAX_HOLDOUT}")
     config = ServerConfig(out=out, **settings)
+    if config.dp_settings() is not None:
+        raise ServerError(
+            "run config dp-*: differential privacy runs with feast-server run over MQTT and feast-edge simulate; the "
+            "Flower apps do not offer it yet (the ClientApp sends raw updates, and Flower's own DP wrappers noise a "
+            "dense average, wrong for routed slices: docs/privacy.md)"
+        )
     try:
         check_flower_dtype(config.payload_dtype)
     except PayloadError as exc:
