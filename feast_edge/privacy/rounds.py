@@ -1,9 +1,11 @@
 """What the run loop does differently under DP, in one place: privatize each update, noise the aggregate, account ε.
 
-    valid updates -> update(): BN statistics back to global, parameters' change clipped to C (+ own noise: local)
-                  -> the method's aggregation with weight 1 each (the uniform sparse mean)
-                  -> noise(): N(0, z²C²)/n_u on every routed coordinate (central)
-                  -> record(): the round's population, cohort size, ε after it and δ (RoundRecord.dp)
+    before the round -> check_next(): ε after it (refused past --dp-epsilon), its bound C_t (adaptive clipping)
+    valid updates    -> privatize(): BN statistics back to global, parameters' change clipped to C_t (+ each
+                        client's own noise: local; a server's devices added theirs); adaptive: the noised count of
+                        unclipped updates and the next bound
+                     -> the method's aggregation with weight 1 each (the uniform sparse mean)
+                     -> noise(): N(0, (z_Δ·C_t)²)/n_u on every routed coordinate (central; z_Δ = z with a fixed bound)
 
 ``--dp-epsilon``: :meth:`PrivateRounds.check_next` refuses a round that would take ε past the budget, and
 :func:`check_plan` a run whose planned rounds would, before anything is written.
