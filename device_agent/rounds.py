@@ -111,15 +111,18 @@ class RoundRunner:
             return self._decline(assignment, outcome.reason)
         if job.dp is not None:  # counted before it leaves: an update that may have left is spent
             eps = self.ledger.record(device_id, self.config.federation, job.dp.noise)
+            spent = (
+                "ε not computed here: pip install dp-accounting (the ledger keeps every update)"
+                if eps is None
+                else f"local DP ε = {eps:.3g} at δ = {self.ledger.delta:.2g}"
+            )
             log.info(
-                "%s: %s clipped its update to C = %g and noised it (z = %g): local DP ε = %.3g at δ = %.2g after %d "
-                "noised updates from this device",
+                "%s: %s clipped its update to C = %g and noised it (z = %g): %s after %d noised updates from this device",
                 shown,
                 device_id,
                 job.dp.clip,
                 job.dp.noise,
-                eps,
-                self.ledger.delta,
+                spent,
                 self.ledger.updates(device_id),
             )
         if time.monotonic() > deadline:

@@ -13,6 +13,7 @@ device knows it was sampled, and so may the server).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -23,7 +24,6 @@ from typing import Any
 
 import torch
 
-from feast_edge.privacy.accountant import local_epsilon
 from feast_edge.privacy.mechanism import client_seed, noise_generator, noised_update, private_update
 from feast_edge.privacy.settings import DEFAULT_DELTA, PrivacyError
 from feast_edge.space.preset import Preset
@@ -112,6 +112,11 @@ def noised_norm_bound(dp: LocalDp, numel: int) -> float:
     return dp.clip + dp.noise * dp.clip * (math.sqrt(numel) + NORM_SLACK)
 
 
+def accountant_available() -> bool:
+    """Whether dp-accounting is installed (a board's minimal install leaves it out: docs/deployment.md)."""
+    return importlib.util.find_spec("dp_accounting") is not None
+
+
 class DeviceLedger:
     """Each device's own ε: the noise multiplier of every noised update it sent, kept in ``path`` across runs.
 
@@ -132,7 +137,7 @@ class DeviceLedger:
                     "move it away knowingly to start counting again"
                 ) from None
 
-    def record(self, device: str, federation: str, noise: float) -> float:
+    def record(self, device: str, federation: str, noise: float) -> float | None:
         """Count one more update of ``device`` sent with multiplier ``noise``; its ε at δ over all it sent."""
         self.spent.setdefault(device, {}).setdefault(federation, []).append(noise)
         if self.path is not None:
@@ -140,8 +145,13 @@ class DeviceLedger:
             atomic_write_bytes(self.path, json.dumps(self.spent, indent=1).encode())
         return self.epsilon(device)
 
-    def epsilon(self, device: str) -> float:
-        """ε at δ of every update ``device`` sent, in every federation (they all saw the same data)."""
+    def epsilon(self, device: str) -> float | None:
+        """ε at δ of every update ``device`` sent, in every federation (they all saw the same data); None where
+        dp-accounting is not installed (a board's minimal install: the ledger still keeps every update)."""
+        if not accountant_available():
+            return None
+        from feast_edge.privacy.accountant import local_epsilon
+
         return local_epsilon([z for spent in self.spent.get(device, {}).values() for z in spent], self.delta)
 
     def updates(self, device: str) -> int:

@@ -190,3 +190,12 @@ def test_the_server_takes_an_honest_noised_update_and_refuses_a_larger_one() -> 
     assert isinstance(refused, str) and "--max-update-norm 10" in refused
     poisoned = {"w": honest["w"] * 3, "bn.running_mean": honest["bn.running_mean"]}
     assert isinstance(update_of("d", poisoned, update, glob, 10.0, self_reported=False, local_dp=dp), str)
+
+
+def test_a_board_without_dp_accounting_still_keeps_the_ledger_and_says_it_cannot_count(tmp_path, monkeypatch) -> None:
+    import feast_edge.privacy.local as local
+
+    monkeypatch.setattr(local, "accountant_available", lambda: False)
+    ledger = DeviceLedger(tmp_path / "ledger.json")
+    assert ledger.record("cam-1", "lab", 1.0) is None and ledger.updates("cam-1") == 1
+    assert json.loads((tmp_path / "ledger.json").read_text()) == {"cam-1": {"lab": [1.0]}}
