@@ -202,14 +202,10 @@ def run(
         raise FeastError("give either --profile or --budget, not both (a profile carries its budget)")
     torch_device = resolve_device(device)
     from feast_edge.personalize.select import Choice
-    from feast_edge.privacy.local import accountant_available, check_device_dp, default_ledger
+    from feast_edge.privacy.local import check_device_dp, default_ledger
 
     choice = Choice.parse(personalize)  # an unknown setting is refused before any data is read
-    if check_device_dp(dp_clip, dp_noise, dp_delta) is not None and not accountant_available():
-        log.warning(
-            "local DP: this device noises every update, but dp-accounting is not installed, so it cannot compute its "
-            "ε; pip install dp-accounting (the ledger keeps every update meanwhile)"
-        )
+    check_device_dp(dp_clip, dp_noise, dp_delta)
     from feast_edge.agent.profiling import check_evaluate_up_to
 
     precision = resolve_amp(amp, torch_device)  # a mode this device cannot run is refused before any data is read

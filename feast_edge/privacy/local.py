@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import math
 import os
 from collections.abc import Collection, Mapping
@@ -31,6 +32,7 @@ from feast_edge.space.supernet import Supernet
 from feast_edge.util.atomic import atomic_write_bytes
 
 StateDict = Mapping[str, torch.Tensor]
+log = logging.getLogger(__name__)
 NORM_SLACK = 8.0  # a Gaussian vector's norm exceeds σ(√d + t) with probability below exp(−t²/2): 1e-14 at t = 8
 
 
@@ -64,14 +66,22 @@ class LocalDp:
 
 
 def check_device_dp(clip: float | None, noise: float | None, delta: float) -> LocalDp | None:
-    """A device's own ``--dp-clip``/``--dp-noise``/``--dp-delta``: both or neither, positive, δ in (0, 1)."""
+    """A device's own ``--dp-clip``/``--dp-noise``/``--dp-delta``: both or neither, positive, δ in (0, 1); a warning
+    where the device cannot compute its ε (no dp-accounting)."""
     if (clip is None) != (noise is None):
         raise PrivacyError(
             "local DP on this device needs both --dp-clip C and --dp-noise z, e.g. --dp-clip 1 --dp-noise 1"
         )
     if not 0 < delta < 1:
         raise PrivacyError(f"--dp-delta {delta:g} must lie in (0, 1), below 1/(this device's examples), e.g. 1e-5")
-    return None if clip is None or noise is None else LocalDp(clip, noise)
+    if clip is None or noise is None:
+        return None
+    if not accountant_available():
+        log.warning(
+            "local DP: this device noises every update, but dp-accounting is not installed, so it cannot compute its "
+            "ε; pip install dp-accounting (the ledger keeps every update meanwhile)"
+        )
+    return LocalDp(clip, noise)
 
 
 def default_ledger() -> Path:
