@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torchvision.datasets.mnist import read_image_file, read_label_file
 
 from feast_edge.errors import FeastError
 
@@ -112,6 +111,9 @@ def load_fashion_mnist(root: str | os.PathLike[str] = FASHION_MNIST_DIR, split: 
             f"'apt-get install dataset-fashion-mnist' or pass the directory that holds the IDX files"
         )
     image_name, label_name = _FILES[split]
+    # Imported here: torchvision's import costs every command about two seconds, and only this loader needs it.
+    from torchvision.datasets.mnist import read_image_file, read_label_file
+
     try:
         images = read_image_file(str(_idx_file(root, image_name)))
         labels = read_label_file(str(_idx_file(root, label_name)))

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torchvision.transforms import v2
 
 from feast_edge.data.images import normalize
 
@@ -58,6 +57,14 @@ def plain_batch(
     return MixedBatch(pixels, F.one_hot(labels, classes).float(), "none")
 
 
+def _transforms():
+    """torchvision's ``transforms.v2``, imported when a batch is first augmented: importing torchvision costs a
+    command about two seconds of start-up (its models pull in torch._dynamo), paid only by the ones that augment."""
+    from torchvision.transforms import v2
+
+    return v2
+
+
 def check_policy(policy: str) -> str:
     """``policy`` if it is one of :data:`POLICIES`, else a ValueError naming them."""
     if policy not in POLICIES:
@@ -70,13 +77,14 @@ class _CropFlip:
 
     def __init__(self, padding: int) -> None:
         self.padding = padding
-        self.flip = v2.RandomHorizontalFlip()
-        self.crops: dict[tuple[int, int], v2.RandomCrop] = {}
+        self.v2 = _transforms()
+        self.flip = self.v2.RandomHorizontalFlip()
+        self.crops: dict[tuple[int, int], torch.nn.Module] = {}
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         if self.padding:
             size = (int(image.shape[-2]), int(image.shape[-1]))
-            crop = self.crops.setdefault(size, v2.RandomCrop(size, padding=self.padding))
+            crop = self.crops.setdefault(size, self.v2.RandomCrop(size, padding=self.padding))
             image = crop(image)
         return self.flip(image)
 
@@ -107,6 +115,7 @@ class BatchAugmenter:
         self.policy = check_policy(policy)
         self.mix = policy.endswith("+mix")
         ops, magnitude = randaugment
+        v2 = _transforms()
         if policy.startswith("randaugment"):
             self.transform = v2.RandAugment(num_ops=ops, magnitude=magnitude)
         elif policy.startswith("crop-flip"):
