@@ -58,7 +58,7 @@ def plain_batch(
 
 
 def _transforms():
-    """torchvision's ``transforms.v2``, imported when a batch is first augmented: importing torchvision costs a
+    """torchvision's ``transforms.v2``, imported when an augmenter is built: importing torchvision costs a
     command about two seconds of start-up (its models pull in torch._dynamo), paid only by the ones that augment."""
     from torchvision.transforms import v2
 
