@@ -12,7 +12,10 @@ from pathlib import Path
 
 from feast_edge.errors import FeastError
 
-SERVER_TIMEOUT = 600.0  # seconds the demo waits for the federation before giving up
+# How long the demo waits for the federation before giving up: start, export and personalization, plus each round at
+# about twice what a round takes on a 2-core machine (feast-server's own --round-timeout bounds a stuck round sooner).
+SERVER_TIMEOUT_S = 300.0
+ROUND_TIMEOUT_S = 60.0
 HEARTBEAT_S = 9.0  # while waiting, a status line at least every 10 s (the wait polls every 0.5 s)
 _STAMP = re.compile(r"^\d\d:\d\d:\d\d ")  # the console formatter's time stamp (feast_edge.cli.common)
 _ROUND = re.compile(r"^round \d+/\d+\s")  # feast-server's line per round
@@ -80,12 +83,29 @@ class Fleet:
             if process is not None and process.poll() not in (None, 0):
                 raise DemoError(f"agent {name} exited with status {process.returncode}:\n{_tail(self.log(name))}")
 
+    def preparing(self) -> str:
+        """After the last round: which devices are still exporting or personalizing the model they were served."""
+        steps: dict[str, list[str]] = {"exporting": [], "personalizing": [], "done": []}
+        for name in self.agents:
+            lines = _lines(self.log(name))
+            if not any(line.startswith("exported the model of ") for line in lines):
+                steps["exporting"].append(name)
+            elif any(line.startswith(f"{name}: personalizing ") for line in lines) and not any(
+                line.startswith((f"{name}: personal model written", f"{name} keeps the served model")) for line in lines
+            ):
+                steps["personalizing"].append(name)
+            else:
+                steps["done"].append(name)
+        busy = "; ".join(f"{step}: {', '.join(names)}" for step, names in steps.items() if names and step != "done")
+        return f"devices preparing their models: {len(steps['done'])}/{len(self.agents)} done" + (
+            f" ({busy})" if busy else ""
+        )
+
     def status(self, shown: int, since: float) -> str:
         """What the federation is doing now, after ``shown`` round lines, for a heartbeat line."""
         elapsed = f"{time.monotonic() - since:.0f} s"
         if shown >= self.rounds:
-            exported = sum(line.startswith("exported ") for line in _lines(self.log("server")))
-            return f"exporting models... {exported}/{len(self.agents)} done ({elapsed})"
+            return f"{self.preparing()} ({elapsed})"
         states = {name: self.agent_state(name) for name in self.agents}
         registered = [name for name, (state, _) in states.items() if state == "registered"]
         if shown == 0 and len(registered) < len(self.agents):
@@ -111,7 +131,8 @@ class Fleet:
     def follow_federation(self, say: Callable[[str], None]) -> None:
         """Print the server's round lines as they come, and a status line whenever nothing was printed for a while."""
         server = self.processes["server"]
-        deadline = time.monotonic() + SERVER_TIMEOUT
+        limit = SERVER_TIMEOUT_S + ROUND_TIMEOUT_S * self.rounds
+        deadline = time.monotonic() + limit
         shown, since, said = 0, time.monotonic(), time.monotonic()
         url = None
         while True:
@@ -136,9 +157,7 @@ class Fleet:
                 break
             self.check_agents()
             if time.monotonic() > deadline:
-                raise DemoError(
-                    f"the federation did not finish within {SERVER_TIMEOUT:g} s:\n{_tail(self.log('server'))}"
-                )
+                raise DemoError(f"the federation did not finish within {limit:g} s:\n{_tail(self.log('server'))}")
             if time.monotonic() - said >= HEARTBEAT_S:
                 say(f"  ... {self.status(shown, since)}")
                 said = time.monotonic()

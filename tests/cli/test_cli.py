@@ -445,7 +445,22 @@ def test_demo_reads_round_lines_with_or_without_time_stamps_and_says_what_it_wai
     (tmp_path / "agent-nano.log").write_text("registered nano with federation 'f'\n")
     (tmp_path / "agent-gpu.log").write_text("registered gpu with federation 'f'\n")
     assert fleet.status(0, since).startswith("round 1/2 running: updates sent 1/3 ")
-    assert fleet.status(2, since).startswith("exporting models... 0/3 done ")
+    assert fleet.status(2, since).startswith("devices preparing their models: 0/3 done (exporting: pi, nano, gpu) (")
+    (tmp_path / "agent-pi.log").write_text(
+        "10:01:00 exported the model of pi (BN of the federation's data) to m/pi.onnx\n"
+        "10:01:00 pi: personalizing the served model on its data (--personalize auto)\n"
+    )
+    (tmp_path / "agent-nano.log").write_text(
+        "exported the model of nano to m/nano.onnx\nnano: personalizing the served model on its data\n"
+        "nano keeps the served model alone: no method beat the served model on the selection split\n"
+    )
+    (tmp_path / "agent-gpu.log").write_text(
+        "exported the model of gpu to m/gpu.onnx\ngpu: personalizing the served model on its data\n"
+        "gpu: personal model written to m/gpu.personal.onnx: chose prior (tau 1)\n"
+    )
+    assert fleet.status(2, since).startswith("devices preparing their models: 2/3 done (personalizing: pi) (")
+    (tmp_path / "agent-pi.log").write_text("exported the model of pi to m/pi.onnx\n")  # --personalize off
+    assert fleet.status(2, since).startswith("devices preparing their models: 3/3 done (")
 
 
 def test_heartbeat_speaks_while_a_step_runs_and_stops_after(caplog) -> None:
