@@ -1,5 +1,7 @@
-"""How far personalization could go on a finished demo's devices: the same architecture trained centrally on the
-federation's data, judged on each device's own held-out split and class mix.
+"""How far personalization could go on a finished demo's devices: each served architecture trained centrally.
+
+The architecture is trained on the federation's data in one place and judged on each device's own held-out split
+and class mix.
 
     PYTHONPATH=. python bench/bench_personalize_ceiling.py feast-demo [--devices raspberry-pi-5] [--epochs 20]
 
@@ -21,15 +23,13 @@ of a ``feast-edge demo`` run directory this prints, on that estimate:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import platform
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _timing import demo_arguments, machine
 from rich.console import Console
 from rich.table import Table
 
@@ -100,22 +100,16 @@ def _central(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("demo", type=Path, help="a finished feast-edge demo run directory (its --out)")
-    parser.add_argument("--data", type=Path, default=Path("/usr/share/datasets/fashion-mnist"))
+    parser = demo_arguments(__doc__)
     parser.add_argument("--devices", help="comma-separated device names (default: every device of the demo)")
     parser.add_argument(
         "--pool", choices=("devices", "all"), default="devices", help="what the central model trains on"
     )
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     console = Console()
-    cpu = next(
-        (ln.split(":", 1)[1] for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln), "?"
-    )
-    console.print(f"{platform.node()}: {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    console.print(machine())
     test = load_fashion_mnist(args.data, "test")
     manifests = [json.loads(p.read_text()) for p in sorted((args.demo / "server" / "models").glob("*.json"))]
     manifests = [m for m in manifests if "device" in m]  # not index.json

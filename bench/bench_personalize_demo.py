@@ -13,13 +13,11 @@ it. Two tables: per device, and the fleet's mean and worst device per method.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import time
-from pathlib import Path
 
 import torch
+from _timing import demo_arguments, machine
 from rich.console import Console
 from rich.table import Table
 
@@ -37,17 +35,11 @@ def _pct(right: int, n: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("demo", type=Path, help="a finished feast-edge demo run directory (its --out)")
-    parser.add_argument("--data", type=Path, default=Path("/usr/share/datasets/fashion-mnist"))
+    parser = demo_arguments(__doc__)
     parser.add_argument("--test-limit", type=int, default=2000)
-    parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     console = Console()
-    cpu = next(
-        (ln.split(":", 1)[1] for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln), "?"
-    )
-    console.print(f"{platform.node()}: {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    console.print(machine())
     test = load_fashion_mnist(args.data, "test")
     test_images, test_labels = test.images[: args.test_limit], test.labels[: args.test_limit].long()
     rows: dict[str, dict[str, dict]] = {}
