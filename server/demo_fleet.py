@@ -12,9 +12,10 @@ from pathlib import Path
 
 from feast_edge.errors import FeastError
 
-# How long the demo waits for the federation before giving up: start, export and personalization, plus each round at
-# about twice what a round takes on a 2-core machine (feast-server's own --round-timeout bounds a stuck round sooner).
-SERVER_TIMEOUT_S = 300.0
+# How long the demo waits for the federation before giving up: the start, the export and the personalization (on a
+# loaded 2-core machine these alone took over 360 s), plus each round at about twice what a round takes on an idle
+# 2-core machine (feast-server's own --round-timeout bounds a stuck round sooner).
+SERVER_TIMEOUT_S = 600.0
 ROUND_TIMEOUT_S = 60.0
 HEARTBEAT_S = 9.0  # while waiting, a status line at least every 10 s (the wait polls every 0.5 s)
 _STAMP = re.compile(r"^\d\d:\d\d:\d\d ")  # the console formatter's time stamp (feast_edge.cli.common)
@@ -83,6 +84,10 @@ class Fleet:
             if process is not None and process.poll() not in (None, 0):
                 raise DemoError(f"agent {name} exited with status {process.returncode}:\n{_tail(self.log(name))}")
 
+    def limit_s(self) -> float:
+        """Seconds the demo waits for the federation before it gives up: more for more rounds."""
+        return SERVER_TIMEOUT_S + ROUND_TIMEOUT_S * self.rounds
+
     def preparing(self) -> str:
         """After the last round: which devices are still exporting or personalizing the model they were served."""
         steps: dict[str, list[str]] = {"exporting": [], "personalizing": [], "done": []}
@@ -131,7 +136,7 @@ class Fleet:
     def follow_federation(self, say: Callable[[str], None]) -> None:
         """Print the server's round lines as they come, and a status line whenever nothing was printed for a while."""
         server = self.processes["server"]
-        limit = SERVER_TIMEOUT_S + ROUND_TIMEOUT_S * self.rounds
+        limit = self.limit_s()
         deadline = time.monotonic() + limit
         shown, since, said = 0, time.monotonic(), time.monotonic()
         url = None
