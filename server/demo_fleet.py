@@ -16,7 +16,7 @@ from feast_edge.errors import FeastError
 # loaded 2-core machine these alone took over 360 s), plus each round at about twice what a round takes on an idle
 # 2-core machine (feast-server's own --round-timeout bounds a stuck round sooner).
 SERVER_TIMEOUT_S = 600.0
-ROUND_TIMEOUT_S = 60.0
+PER_ROUND_LIMIT_S = 60.0
 HEARTBEAT_S = 9.0  # while waiting, a status line at least every 10 s (the wait polls every 0.5 s)
 _STAMP = re.compile(r"^\d\d:\d\d:\d\d ")  # the console formatter's time stamp (feast_edge.cli.common)
 _ROUND = re.compile(r"^round \d+/\d+\s")  # feast-server's line per round
@@ -86,7 +86,7 @@ class Fleet:
 
     def limit_s(self) -> float:
         """Seconds the demo waits for the federation before it gives up: more for more rounds."""
-        return SERVER_TIMEOUT_S + ROUND_TIMEOUT_S * self.rounds
+        return SERVER_TIMEOUT_S + PER_ROUND_LIMIT_S * self.rounds
 
     def preparing(self) -> str:
         """After the last round: which devices are still exporting or personalizing the model they were served."""
