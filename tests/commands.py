@@ -11,12 +11,24 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 
 from feast_edge.sim.setup import SimulationConfig
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL = "mqtt://127.0.0.1:1883"  # the broker make test starts (make broker)
+
+
+def share_the_cores(environ: MutableMapping[str, str], cores: int) -> None:
+    """Give the processes tests start the worker's share of ``cores`` as PyTorch's default threads (OMP_NUM_THREADS).
+
+    Every ``feast-server``, ``feast-agent`` or ``feast-edge simulate`` without ``--threads`` takes one thread per core;
+    under pytest-xdist every worker's processes would do so at once (three workers on two cores: six threads or more).
+    ``environ`` gets cores // workers, at least 1, under more than one worker; an OMP_NUM_THREADS already there is kept."""
+    workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
 
 
 def command_options(options: dict[str, object]) -> list[str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from commands import share_the_cores
 from feast_edge.data.images import FASHION_MNIST_DIR
 from feast_edge.space.preset import Preset, load_preset_file
 from simconfigs import cli_options, tiny_config
@@ -27,18 +28,7 @@ from strategies import PRESETS_DIR, TINY_PRESET
 # when the suite shares the machine with other work.
 torch.set_num_threads(1)
 
-
-def _share_the_cores() -> None:
-    """The processes a test starts (feast-server, feast-agent, feast-edge simulate) take PyTorch's default threads,
-    one per core; under pytest-xdist every worker's processes would do so at once (three workers on two cores:
-    six threads or more). They get the worker's share of the cores instead, at least one; a command's own
-    ``--threads`` still wins, and so does an OMP_NUM_THREADS the caller set."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-
-
-_share_the_cores()
+share_the_cores(os.environ, os.cpu_count() or 1)  # the processes tests start (tests/commands.py)
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = (

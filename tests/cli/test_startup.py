@@ -43,3 +43,25 @@ def test_the_console_scripts_start_without_torchvision_and_its_two_users_import_
         }
     )
     assert seen == {"import": False, "reader": True}
+
+
+def test_a_process_a_test_starts_under_three_workers_on_two_cores_takes_one_thread() -> None:
+    from commands import share_the_cores
+
+    environ = {"PYTEST_XDIST_WORKER_COUNT": "3"}
+    share_the_cores(environ, cores=2)
+    probe = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
+    result = subprocess.run(
+        probe, capture_output=True, text=True, timeout=120, env={**environ, "PATH": "/usr/bin:/bin"}
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1"]
+    shares = {}
+    for workers, cores in [("2", 16), ("4", 2), ("1", 16)]:
+        environ = {"PYTEST_XDIST_WORKER_COUNT": workers}
+        share_the_cores(environ, cores)
+        shares[workers, cores] = environ.get("OMP_NUM_THREADS")
+    assert shares == {("2", 16): "8", ("4", 2): "1", ("1", 16): None}  # one worker: PyTorch's own default
+    mine = {"PYTEST_XDIST_WORKER_COUNT": "2", "OMP_NUM_THREADS": "3"}
+    share_the_cores(mine, cores=2)
+    assert mine["OMP_NUM_THREADS"] == "3"  # the caller's setting is kept
