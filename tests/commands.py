@@ -3,7 +3,8 @@ processes of this checkout.
 
 ``server_command(config, ...)`` is the ``feast-server run`` that reproduces a simulation config (the subprocess twin
 of tests/federation/conftest.py's ``server_config``); ``agent_command`` is a ``feast-agent run`` with the tests'
-settings (one intra-op thread, float32); ``spawn`` starts either with its output in a log file.
+settings (one intra-op thread, float32); ``spawn`` starts either with its output in a log file; ``share_the_cores``
+(called by tests/conftest.py) gives every process a test starts its xdist worker's share of the cores.
 """
 
 from __future__ import annotations
