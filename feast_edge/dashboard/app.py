@@ -14,6 +14,8 @@ other address. With a token, every route needs it: ``?token=`` (which also sets
 an HttpOnly, SameSite=Strict cookie, so the page's own requests carry it),
 ``Authorization: Bearer`` or that cookie. Every response carries a strict
 Content-Security-Policy (no inline script or style, nothing from elsewhere).
+HTTP only: uvicorn runs without WebSocket support (nothing here uses it), so an
+upgrade request is answered as the plain GET it also is, and logs nothing.
 Starlette and uvicorn are imported only here, inside functions: the rest of the
 package works without the ``dashboard`` extra.
 """
@@ -25,6 +27,7 @@ import errno
 import hmac
 import ipaddress
 import json
+import logging
 import re
 import socket
 import threading
@@ -53,6 +56,9 @@ MEDIA_TYPES = {
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
 }
+# What uvicorn logs, at warning level, for every request that asks for an upgrade when WebSocket support is off: anyone
+# who can reach the port could fill the console with it, and its advice (install a WebSocket library) is wrong here.
+_UPGRADE_WARNINGS = ("Unsupported upgrade request.", "No supported WebSocket library detected.")
 _BIND = re.compile(r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[A-Za-z0-9._-]+)):(?P<port>\d{1,5})|(?P<only>\d{1,5})")
 
 
@@ -263,6 +269,10 @@ class Dashboard:
         self.stop()
 
 
+def _drop_upgrade_warnings(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_UPGRADE_WARNINGS)
+
+
 def _listen(host: str, port: int, option: str) -> socket.socket:
     """A socket bound to (host, port); a taken port or a bad host is a one-line :class:`DashboardError`."""
     try:
@@ -322,6 +332,8 @@ def start_dashboard(
     host, port = check_bind(bind, token, option=option, token_option=token_option)
     import uvicorn
 
+    if _drop_upgrade_warnings not in logging.getLogger("uvicorn.error").filters:
+        logging.getLogger("uvicorn.error").addFilter(_drop_upgrade_warnings)
     token = token or None
     sock = _listen(host, port, option)
     port = sock.getsockname()[1]  # the free port chosen for port 0
@@ -334,6 +346,7 @@ def start_dashboard(
         lifespan="off",
         server_header=False,
         timeout_graceful_shutdown=1,
+        ws="none",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dashboard", daemon=True)

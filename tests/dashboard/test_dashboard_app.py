@@ -89,6 +89,29 @@ def test_every_response_carries_the_security_headers(served: Dashboard) -> None:
     assert "script-src 'self'" in CSP and "unsafe-inline" not in CSP
 
 
+WEBSOCKET_UPGRADE = {
+    "Connection": "Upgrade",
+    "Upgrade": "websocket",
+    "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+    "Sec-WebSocket-Version": "13",
+}
+
+
+def test_an_upgrade_request_is_a_plain_request_behind_the_token_and_logs_nothing(
+    filled: DashboardState, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("DEBUG"), start_dashboard(filled, "127.0.0.1:0", token="s3cret") as dashboard:
+        url = base(dashboard)
+        denied = httpx.get(url + "/api/state", headers=WEBSOCKET_UPGRADE)
+        assert denied.status_code == 401 and denied.headers["content-security-policy"] == CSP
+        answered = httpx.get(url + "/api/state", headers={**WEBSOCKET_UPGRADE, "Authorization": "Bearer s3cret"})
+        assert answered.status_code == 200 and answered.json()["kind"] == "federation"
+        assert (
+            httpx.get(url + "/ws", headers={**WEBSOCKET_UPGRADE, "Authorization": "Bearer s3cret"}).status_code == 404
+        )
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("uvicorn") and r.levelname != "DEBUG"] == []
+
+
 def test_model_download_and_unknown_devices(served: Dashboard, filled: DashboardState, tmp_path: Path) -> None:
     url = base(served)
     download = httpx.get(url + "/models/pi-5.onnx")
