@@ -417,7 +417,7 @@ def profiles_command(
         return
     table = Table(title="device profiles (feast-agent run --profile NAME)")
     for col in ("profile", "preset", "budget", "latency target", "kind", "description", "source"):
-        table.add_column(col, justify="right" if col in ("budget", "latency target") else "left")
+        table.add_column(col, justify="right" if col in ("budget", "latency target") else "left", overflow="fold")
     builtin = builtin_dir().resolve()
     for p, path in found:
         where = "built-in" if path.resolve().parent == builtin else str(path)

@@ -385,10 +385,13 @@ def summary_table(rows: list[dict[str, Any]], title: str, server_data: bool) -> 
     """One row per device (:func:`_device_rows`): its model, own accuracy served -> personal, its test accuracy and
     latency; then the means over the devices and the worst device."""
     smaller = [f"* {r['device']}: {r['chosen_by']}" for r in rows if r.get("chosen_by", "").startswith("smaller")]
-    captions = [] if server_data else [
-        "personalization on (feast-agent run --personalize auto, the default); own acc: each device's held-out split"
-    ]  # fmt: skip
-    table = Table(title=title, caption="\n".join(captions + smaller) or None)
+    folder = str(Path(rows[0]["onnx"]).parent)
+    captions = [f"ONNX files: {folder}/DEVICE.onnx" + ("" if server_data else ", DEVICE.personal.onnx beside it")]
+    if not server_data:
+        captions.append(
+            "personalization on (feast-agent run --personalize auto, the default); own acc: each device's held-out split"
+        )
+    table = Table(title=title, caption="\n".join(captions + smaller))
     for col in (
         "device",
         "budget",
@@ -398,10 +401,10 @@ def summary_table(rows: list[dict[str, Any]], title: str, server_data: bool) -> 
         "own acc, served" if not server_data else "val acc",
         "own acc, personal",
         f"test acc ({rows[0]['test_images']})",
-        "ONNX file",
-        "onnxruntime ms",
+        "latency ms",
     ):
-        table.add_column(col, justify="left" if col in ("device", "own acc, personal", "ONNX file") else "right")
+        # folded, never cut with an ellipsis: a device's name is what a reader looks for, however narrow the terminal
+        table.add_column(col, justify="left" if col in ("device", "own acc, personal") else "right", overflow="fold")
     for i, r in enumerate(rows):
         own = r["own"]
         table.add_row(
@@ -413,7 +416,6 @@ def summary_table(rows: list[dict[str, Any]], title: str, server_data: bool) -> 
             "-" if own["accuracy"] is None else f"{100 * own['accuracy']:.2f}%",
             personal_cell(own),
             f"{100 * r['test_accuracy']:.2f}%",
-            r["onnx"],
             f"{r['latency_ms']:.3f}",
             end_section=i == len(rows) - 1,
         )

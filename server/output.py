@@ -75,7 +75,9 @@ def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
         "sha256",
     ):
         table.add_column(
-            col, justify="right" if col in ("budget", "variant MACs", "params", "val accuracy") else "left"
+            col,
+            justify="right" if col in ("budget", "variant MACs", "params", "val accuracy") else "left",
+            overflow="fold",
         )
     for m in manifests:
         on_device = m.get("calibration") in ("device", "federated")
@@ -99,7 +101,7 @@ def coverage_table(rows: list[dict[str, Any]], title: str) -> Table:
     and the classes it was trained, validated and BN-calibrated on."""
     table = Table(title=title)
     for col in ("variant MACs", "serves", "chosen by", "trained on", "validated on", "BN calibrated on"):
-        table.add_column(col, justify="right" if col == "variant MACs" else "left")
+        table.add_column(col, justify="right" if col == "variant MACs" else "left", overflow="fold")
     for row in rows:
         table.add_row(
             f"{row['macs'] / 1e6:.2f}M",
@@ -155,7 +157,7 @@ def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict
         "held-out examples",
         "ONNX latency",
     ):
-        table.add_column(col, justify="left" if col in ("device", "own acc, personal") else "right")
+        table.add_column(col, justify="left" if col in ("device", "own acc, personal") else "right", overflow="fold")
     accuracies = []
     for i, m in enumerate(manifests):
         r = reports.get(m["device"], {})

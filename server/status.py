@@ -193,7 +193,11 @@ def status_table(status: dict[str, Any]) -> Table:
     table = Table(title=f"devices registered in {status['out']}", caption=OWN_CAPTION if own else None)
     columns = ["device", "host", "status", "last seen", "budget", "precision", "samples", "rounds", "profile"]
     for col in columns + (["own acc, served", "own acc, personal"] if own else []):
-        table.add_column(col, justify="right" if col in ("budget", "samples", "rounds", "own acc, served") else "left")
+        table.add_column(
+            col,
+            justify="right" if col in ("budget", "samples", "rounds", "own acc, served") else "left",
+            overflow="fold",
+        )
     for i, d in enumerate(status["devices"]):
         model = d.get("model")
         table.add_row(

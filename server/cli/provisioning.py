@@ -97,8 +97,8 @@ def provision_command(
         bind=listen,
     )
     table = Table(title=f"federation {federation!r}: {len(done.devices)} devices ({auth} authentication)")
-    table.add_column("identity")
-    table.add_column("bundle (--credentials)")
+    table.add_column("identity", overflow="fold")
+    table.add_column("bundle (--credentials)", overflow="fold")
     table.add_column("new", justify="center")
     table.add_row("server", str(done.server), "")
     for name, path in done.devices.items():

@@ -84,6 +84,21 @@ def test_the_demo_summary_shows_own_accuracy_served_and_personal_the_mean_and_th
     assert any("personalization on (feast-agent run --personalize auto, the default)" in line for line in lines)
 
 
+def test_the_demo_summary_cuts_nothing_in_a_narrow_terminal_and_names_the_model_files(tmp_path: Path) -> None:
+    rows = [_kept_model(tmp_path, "raspberry-pi-5", 0.8), _kept_model(tmp_path, "desktop-gpu", 0.9)]
+    wide = Console(width=160, record=True)
+    wide.print(summary_table(rows, "demo", server_data=False))
+    text = wide.export_text()
+    assert "ONNX files: device-models/DEVICE.onnx, DEVICE.personal.onnx beside it" in text
+    assert "│ raspberry-pi-5 " in text  # at 160 columns a device's row is one line
+    narrow = Console(width=90, record=True)
+    narrow.print(summary_table(rows, "demo", server_data=False))
+    text = narrow.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 90
+    first_column = "".join(line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│"))
+    assert first_column.startswith("raspberry-pi-5desktop-gpu") and first_column.endswith("worst:raspberry-pi-5")
+
+
 def test_the_demo_summary_marks_a_variant_the_serving_rule_chose_smaller(tmp_path: Path) -> None:
     rule = "smaller: better on validation: 87.2% vs 79.3% for the 6.60M variant"
     rows = [{**_kept_model(tmp_path, "pi", 0.8), "chosen_by": rule}, _kept_model(tmp_path, "desk", 0.9)]

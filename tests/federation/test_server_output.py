@@ -46,3 +46,15 @@ def test_before_any_report_the_mean_is_empty_and_no_device_is_the_worst() -> Non
     rows = _rows([{"device": "pi-5", "macs": 1e6, "calibration": "federated"}], {})
     assert rows["mean (0 of 1 device)"][4:6] == ["-", "-"]
     assert not any(name.startswith("worst") for name in rows)
+
+
+def test_in_a_narrow_terminal_the_table_folds_and_cuts_nothing() -> None:
+    names = ["raspberry-pi-5-kitchen", "jetson-orin-nano-door"]
+    reports = {name: {"holdout_accuracy": 0.9, "holdout_samples": 40, "calibrated_on": 200} for name in names}
+    manifests = [{"device": name, "macs": 1e6, "calibration": "device", "file": f"{name}.onnx"} for name in names]
+    console = Console(width=70, record=True)
+    console.print(device_models_table(manifests, reports, "the devices' models"))
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 70
+    first_column = "".join(line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│"))
+    assert first_column.startswith("".join(names))  # each name whole, folded over lines
