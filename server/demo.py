@@ -392,29 +392,22 @@ def summary_table(rows: list[dict[str, Any]], title: str, server_data: bool) -> 
             "personalization on (feast-agent run --personalize auto, the default); own acc: each device's held-out split"
         )
     table = Table(title=title, caption="\n".join(captions + smaller))
-    for col in (
-        "device",
-        "budget",
-        "variant MACs",
-        "params",
-        "BN calibrated on",
-        "own acc, served" if not server_data else "val acc",
-        "own acc, personal",
-        f"test acc ({rows[0]['test_images']})",
-        "latency ms",
-    ):
+    # With --server-data the devices train shard files, which hold no held-out split: they make no personal model.
+    accuracy = ["val acc"] if server_data else ["own acc, served", "own acc, personal"]
+    for col in ("device", "budget", "variant MACs", "params", "BN calibrated on", *accuracy, "test acc", "latency ms"):
         # folded, never cut with an ellipsis: a device's name is what a reader looks for, however narrow the terminal
-        table.add_column(col, justify="left" if col in ("device", "own acc, personal") else "right", overflow="fold")
+        header = f"test acc ({rows[0]['test_images']})" if col == "test acc" else col
+        table.add_column(header, justify="left" if col in ("device", "own acc, personal") else "right", overflow="fold")
     for i, r in enumerate(rows):
         own = r["own"]
+        served = "-" if own["accuracy"] is None else f"{100 * own['accuracy']:.2f}%"
         table.add_row(
             r["device"],
             f"{r['budget_macs'] / 1e6:.2f}M",
             f"{r['macs'] / 1e6:.2f}M" + ("*" if r.get("chosen_by", "").startswith("smaller") else ""),
             f"{r['params'] / 1e6:.3f}M",
             r["calibrated"],
-            "-" if own["accuracy"] is None else f"{100 * own['accuracy']:.2f}%",
-            personal_cell(own),
+            *([served] if server_data else [served, personal_cell(own)]),
             f"{100 * r['test_accuracy']:.2f}%",
             f"{r['latency_ms']:.3f}",
             end_section=i == len(rows) - 1,

@@ -100,6 +100,16 @@ def test_the_demo_summary_cuts_nothing_in_a_narrow_terminal_and_names_the_model_
     assert first_column.startswith("raspberry-pi-5desktop-gpu") and first_column.endswith("worst:raspberry-pi-5")
 
 
+def test_with_server_data_the_summary_has_no_personal_column(tmp_path: Path) -> None:
+    console = Console(width=250, record=True)
+    console.print(summary_table([_kept_model(tmp_path, "pi", 0.8)], "demo", server_data=True))
+    text = console.export_text()
+    header = next(line for line in text.splitlines() if "device" in line and "┃" in line)
+    assert [c.strip() for c in header.strip("┃").split("┃")][5:7] == ["val acc", "test acc (100)"]
+    assert "personal" not in text and "served model kept" not in text
+    assert "ONNX files: device-models/DEVICE.onnx" in text  # and no personal file: "personal" is nowhere
+
+
 def test_the_demo_summary_marks_a_variant_the_serving_rule_chose_smaller(tmp_path: Path) -> None:
     rule = "smaller: better on validation: 87.2% vs 79.3% for the 6.60M variant"
     rows = [{**_kept_model(tmp_path, "pi", 0.8), "chosen_by": rule}, _kept_model(tmp_path, "desk", 0.9)]
