@@ -27,11 +27,11 @@ import sys
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file
 
 from feast_edge.agent.local_data import load_clients
+from feast_edge.cli.common import make_console
 from feast_edge.data.images import load_fashion_mnist
 from feast_edge.evaluate.bn_stats import apply_statistics, bn_statistics, combine_statistics
 from feast_edge.evaluate.evaluation import correct_count
@@ -90,7 +90,7 @@ def main() -> int:
             *(f"{100 * v:.2f}%" for v in (own, fed, fed_all, pooled)),
             f"{fed / own:.3f}",
         )
-    Console().print(table)
+    make_console().print(table)
     return 0
 
 

@@ -18,12 +18,12 @@ import json
 import time
 
 from _timing import demo_arguments, machine
-from rich.console import Console
 from rich.table import Table
 
 from feast_edge.agent.local_data import load_clients
 from feast_edge.agent.on_device import served_model
 from feast_edge.cache.variants import load_cache
+from feast_edge.cli.common import make_console
 from feast_edge.data.holdout import holdout_split
 from feast_edge.evaluate.evaluation import correct_count
 from feast_edge.evaluate.federated import CALIBRATION, calibrated_static
@@ -40,7 +40,7 @@ def _pct(right: int, n: int) -> str:
 def main() -> None:
     parser = demo_arguments(__doc__)
     args = parser.parse_args()
-    console = Console()
+    console = make_console()
     console.print(machine())
     table = Table(title=f"{args.demo}: personal model from the served variant vs the largest affordable one")
     for col in ("device", "base", "MACs", "selection", "own, base", "own, auto", "auto chose", "device s"):

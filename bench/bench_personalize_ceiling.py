@@ -30,11 +30,11 @@ import time
 import torch
 import torch.nn.functional as F
 from _timing import demo_arguments, machine
-from rich.console import Console
 from rich.table import Table
 
 from feast_edge.agent.local_data import load_clients
 from feast_edge.agent.on_device import served_model
+from feast_edge.cli.common import make_console
 from feast_edge.data.images import load_fashion_mnist, normalize
 from feast_edge.evaluate.evaluation import pixel_batches
 from feast_edge.personalize.prior import class_prior, prior_offsets
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    console = Console()
+    console = make_console()
     console.print(machine())
     test = load_fashion_mnist(args.data, "test")
     manifests = [json.loads(p.read_text()) for p in sorted((args.demo / "server" / "models").glob("*.json"))]

@@ -18,11 +18,11 @@ import time
 
 import torch
 from _timing import demo_arguments, machine
-from rich.console import Console
 from rich.table import Table
 
 from feast_edge.agent.local_data import load_clients
 from feast_edge.agent.on_device import served_model
+from feast_edge.cli.common import make_console
 from feast_edge.data.holdout import holdout_split
 from feast_edge.data.images import load_fashion_mnist
 from feast_edge.evaluate.evaluation import correct_count
@@ -38,7 +38,7 @@ def main() -> None:
     parser = demo_arguments(__doc__)
     parser.add_argument("--test-limit", type=int, default=2000)
     args = parser.parse_args()
-    console = Console()
+    console = make_console()
     console.print(machine())
     test = load_fashion_mnist(args.data, "test")
     test_images, test_labels = test.images[: args.test_limit], test.labels[: args.test_limit].long()

@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from feast_edge.aggregate.robust import aggregate_updates
 from feast_edge.aggregate.weights import bounded_weights
 from feast_edge.cache.variants import load_cache
+from feast_edge.cli.common import make_console
 from feast_edge.data.images import FASHION_MNIST_DIR, load_fashion_mnist
 from feast_edge.local.recipe import preset_recipe
 from feast_edge.local.update import client_update
@@ -100,7 +100,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/weight-cap"))
     args = parser.parse_args()
     ratios = sorted(set([0.0, *args.ratios]))
-    console = Console()
+    console = make_console()
     table = Table(title=f"honest γ = 1 Zipf population, {args.rounds} rounds")
     for column in ("seed", "--max-weight-ratio", "weights capped", "population acc", "Δ", "largest variant", "Δ"):
         table.add_column(column, justify="right")
