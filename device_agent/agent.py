@@ -49,10 +49,13 @@ from feast_edge.transport.link import Link
 from feast_edge.transport.messages import MessageFilter, Presence
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import Confirmations
+from feast_edge.util.cores import Threads
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Agent", "AgentConfig", "AgentError"]
+
+STEPS = {"evaluate": "validating", "calibrate": "calibrating BN statistics"}  # a request's step, for the threads line
 
 
 class Agent:
@@ -81,6 +84,8 @@ class Agent:
             for c in clients
         }
         self.stop = threading.Event()
+        # --threads N fixes PyTorch's threads; 0 chooses them from the free cores before each step (feast_edge.util.cores).
+        self.threads = Threads(config.threads, logger=log)
         self.current_round = 0
         self.inbox = Inbox(self.topics, self._expect_announced)
         self.inbox.instance = self.instance
@@ -122,6 +127,7 @@ class Agent:
         """Leave: offline presence and DISCONNECT (none if the server refused us: the id's owner stays online)."""
         self.registration.leave()
         self.link.close()
+        self.threads.close()
 
     def register(self, timeout: float | None = None) -> bool:
         """Register every client (False if ``stop`` was set first); AgentError when refused or no server answers."""
@@ -162,17 +168,20 @@ class Agent:
             while self._evaluations and not self.stop.is_set():
                 incoming = self._evaluations.pop(0)
                 with self._guarded(f"the {incoming.message.kind} request of round {incoming.message.round + 1}"):
+                    self.threads.use(STEPS.get(incoming.message.kind, incoming.message.kind))
                     self.rounds.answer(self.clients[incoming.message.device], incoming)
             if self._pending:
                 device_id = min(self._pending, key=lambda d: (self._pending[d].message.round, self._pending[d].at))
                 incoming = self._pending.pop(device_id)
                 with self._guarded(f"round {incoming.message.round + 1} of {device_id}"):
+                    self.threads.use("training")
                     self.rounds.run(self.clients[device_id], incoming)
                 if max_rounds is not None and self.rounds_trained >= max_rounds:
                     return
             while self._models and not self.stop.is_set():
                 model = self._models.pop(0)
                 with self._guarded(f"the model of {model.device}"):
+                    self.threads.use("preparing the served model")
                     self._receive_model(model)
             if busy:
                 idle_since = last_note = time.monotonic()  # a wait starts when the work ends, not when it began
@@ -277,7 +286,7 @@ class Agent:
             preset=self.preset,
             personalize=self.personalize,
             torch_device=self.config.torch_device,
-            threads=self.config.threads,
+            threads=self.config.threads or 0,  # the latency is timed on one thread unless --threads fixes them
         )
         if kept is not None:
             client.model_path, values = kept

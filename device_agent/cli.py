@@ -18,7 +18,8 @@ import typer
 
 from feast_edge.agent.fetch_cli import fetch_model_command
 from feast_edge.agent.identity import DeviceIdOpt, identity
-from feast_edge.agent.threads import ort_threads, use_threads
+from feast_edge.agent.profiles_cli import profiles_command
+from feast_edge.agent.threads import profile_threads, use_threads
 from feast_edge.cli import common, inference
 from feast_edge.errors import FeastError
 from feast_edge.transport.broker import LinkConfig
@@ -36,8 +37,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 THREADS = typer.Option(
     "--threads",
     min=0,
-    help="Threads PyTorch and onnxruntime use (0: their own default, one per core). 1 on a Raspberry Pi 4 that stops "
-    "with 'Illegal instruction'.",
+    help="Threads PyTorch and onnxruntime use. 0: run chooses them from the cores free before each step (training, "
+    "validation, export), profile times on every core, the others use their own default. 1 on a Raspberry Pi 4 that "
+    "stops with 'Illegal instruction'.",
 )
 
 
@@ -184,6 +186,15 @@ def run(
         ),
     ] = None,
     threads: int = 0,  # --threads (threaded): PyTorch's is set; onnxruntime's goes through the config
+    nice: Annotated[
+        int,
+        typer.Option(
+            "--nice",
+            min=0,
+            max=19,
+            help="Run at this OS niceness, so the device's own applications keep their speed (0: normal priority).",
+        ),
+    ] = 10,
     chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
     insecure: common.InsecureOpt = False,
     log_level: common.LogLevelOpt = "info",
@@ -197,6 +208,9 @@ def run(
     from feast_edge.local.torch_device import describe_device, resolve_device
 
     common.setup_logging(log_level, log_file)
+    from feast_edge.util.priority import lower_priority
+
+    priority = lower_priority(nice)
     device_id, federation = identity(link, device_id, federation)
     if profile is not None and budget is not None:
         raise FeastError("give either --profile or --budget, not both (a profile carries its budget)")
@@ -263,7 +277,7 @@ def run(
     )
     common.check_insecure(link, insecure, "feast-agent run")
     agent = Agent(config, link, hosted)
-    log.info("%s, %s", describe_device(torch_device, device), precision.describe())
+    log.info("%s, %s; running %s", describe_device(torch_device, device), precision.describe(), priority)
 
     def terminate(signum: int, frame: Any) -> None:
         # Loops notice the flag within 0.2 s; a local epoch can take minutes, so training is interrupted at once.
@@ -368,7 +382,7 @@ def profile(
         "runtime": runtime,
         "provider": provider,
         "holdout": holdout,
-        "threads": ort_threads(threads),  # PyTorch eager (--runtime torch) already runs on them
+        "threads": profile_threads(threads),  # a declared count, recorded in the profile
         "cache_file": None if cache is None else str(cache),
         "precision": precision,
     }
@@ -387,53 +401,8 @@ def profile(
     console.print(f"wrote {out}; use it with: feast-agent run --profile {out} ...", soft_wrap=True)
 
 
-@app.command("profiles")
-def profiles_command(
-    preset: Annotated[str | None, typer.Option("--preset", "-p", help="Only profiles derived for this preset.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per profile, one per line.")] = False,
-) -> None:
-    """List the device profiles --profile accepts: built-in ones and those on $FEAST_EDGE_PROFILE_PATH."""
-    import json
-
-    from rich.table import Table
-
-    from feast_edge.budget.profile import available_profiles, builtin_dir, load_profile
-
-    found = [(load_profile(path), path) for path in available_profiles().values()]
-    found = [(p, path) for p, path in found if preset is None or p.preset == preset]
-    if as_json:
-        for p, path in found:
-            typer.echo(
-                json.dumps(
-                    {
-                        "name": p.name,
-                        "preset": p.preset,
-                        "device": p.device,
-                        "budget_macs": p.budget_macs,
-                        "file": str(path),
-                    }
-                )
-            )
-        return
-    table = Table(title="device profiles (feast-agent run --profile NAME)")
-    for col in ("profile", "preset", "budget", "latency target", "kind", "description", "source"):
-        table.add_column(col, justify="right" if col in ("budget", "latency target") else "left", overflow="fold")
-    builtin = builtin_dir().resolve()
-    for p, path in found:
-        where = "built-in" if path.resolve().parent == builtin else str(path)
-        table.add_row(
-            p.name,
-            p.preset,
-            f"{p.budget_macs / 1e6:.2f}M MACs",
-            f"{p.latency_target_ms:g} ms",
-            "measured" if p.measurements else "documented",
-            p.description,
-            where,
-        )
-    console.print(table)
-
-
 # fetch-model, predict and evaluate pass --threads to their onnxruntime sessions; threaded sets PyTorch's too.
+app.command("profiles")(profiles_command)
 app.command("fetch-model")(threaded(fetch_model_command))
 app.command("predict")(threaded(inference.predict))
 app.command("evaluate")(threaded(inference.evaluate))

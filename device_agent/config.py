@@ -29,7 +29,9 @@ class AgentConfig:
     # Not --amp: that is how local training computes.
     precision: str = "fp32"
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    threads: int = 0  # --threads: PyTorch's (set by the CLI) and onnxruntime's; 0: their own default
+    # --threads: N fixes PyTorch's and onnxruntime's; 0 (feast-agent run's default) chooses them from the free cores
+    # before each step (feast_edge.util.cores); None leaves PyTorch's as the process has it (a library caller's)
+    threads: int | None = None
     register_timeout: float = 60.0
     send_timeout: float = 120.0
     model_dir: str | None = None  # where pushed ONNX models are saved (None: announced models are only logged)

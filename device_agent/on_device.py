@@ -307,7 +307,11 @@ def calibrate_served_variant(
             "device": data.device_id,
         },
     )
-    int8 = _quantize_here(path, data, preset, samples, tolerance, threads or None) if precision == "int8" else {}
+    int8 = (
+        _quantize_here(path, data, preset, samples, tolerance, threads or torch.get_num_threads())
+        if precision == "int8"
+        else {}
+    )
     onnx_bytes = path.read_bytes()
     local = {
         **{k: v for k, v in manifest.items() if k not in ("file", "size", "sha256")},
@@ -360,7 +364,9 @@ def calibrate_served_variant(
                 personalize,
                 path,
                 local,
-                lambda personal: _quantize_here(personal, data, preset, samples, tolerance, threads or None),
+                lambda personal: _quantize_here(
+                    personal, data, preset, samples, tolerance, threads or torch.get_num_threads()
+                ),
                 torch_device,
             )
         )

@@ -5,8 +5,12 @@ take ``--threads`` (one option, ``feast_edge.agent.cli.threaded``). PyTorch's
 intra-op threads are set before the command reads or computes anything
 (``torch.set_num_threads`` must come before the first operator); the command
 passes the count on to the onnxruntime sessions it opens as their intra-op
-threads. 0, the default, leaves both to their own choice, one thread per core
-they detect; the latency of a received model is then timed on one thread. On a
+threads. 0, the default, means: ``run`` chooses the threads from the cores free
+before each step (training, validation, BN calibration, the served model:
+``feast_edge.util.cores.Threads``); ``profile`` times on every core of the
+process's affinity mask, a declared count recorded in the profile; the others
+leave PyTorch and onnxruntime their own choice. The latency of a received model
+is timed on one thread under 0, whatever the load. On a
 Raspberry Pi 4 whose PyTorch build stops with "Illegal instruction" in
 multi-threaded kernels, ``--threads 1`` keeps every kernel on one thread
 (docs/deployment.md, "Raspberry Pi 4 and 5").
@@ -24,9 +28,12 @@ def use_threads(threads: int) -> int:
     return threads
 
 
-def ort_threads(threads: int) -> int | None:
-    """The intra-op threads of an onnxruntime session under ``--threads threads``: None (its own default) for 0."""
-    return threads or None
+def profile_threads(threads: int) -> int:
+    """The threads ``feast-agent profile`` times variants on: ``threads``, or every core this process may use for 0
+    (declared and recorded, so a device's budget does not depend on what else ran while it was profiled)."""
+    from feast_edge.util.cores import affinity_cpus
+
+    return threads or len(affinity_cpus())
 
 
 def latency_threads(threads: int) -> int:

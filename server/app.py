@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from feast_edge.dashboard.state import DashboardState
+from feast_edge.route.plans import ClientPlan
+from feast_edge.run.collect import Collected, Collector
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
 from feast_edge.server.collect import DeviceCollector, RoundTerms
@@ -45,6 +49,7 @@ from feast_edge.transport.link import Link
 from feast_edge.transport.messages import Presence
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
+from feast_edge.util.cores import Threads
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +72,12 @@ class FederationServer(RunHost):
         *,
         on_round: Callable[[RoundRecord, int], None] | None = None,
         dashboard: DashboardState | None = None,
+        threads: Threads | None = None,
     ) -> None:
+        """``threads``: PyTorch's threads for the server's own computing (aggregation, validation, export), chosen
+        before each step (``feast-server run --threads``; None leaves them as they are)."""
         super().__init__(config, on_round=on_round, validator=self._validate_on_devices)
+        self.threads = threads
         self.topics = Topics(config.federation)
         presence = Presence(federation=config.federation, round=0, device=SERVER_ID, state="online", role="server")
         self.link = Link(link_config, presence=presence, on_reconnect=lambda: self.events.reconnected(presence))
@@ -232,10 +241,11 @@ class FederationServer(RunHost):
             self.events.filter.advance(record.round)
             self.pump(0)
 
+        collector: Collector = (
+            self.collector if self.threads is None else _ThreadedCollector(self.collector, self.threads)
+        )
         try:
-            self.run_rounds(
-                self.collector, resume_previous, tensorboard, resumed=resumed, finished_round=finished_round
-            )
+            self.run_rounds(collector, resume_previous, tensorboard, resumed=resumed, finished_round=finished_round)
         except WaitTimeout as exc:
             if self.live is not None:
                 self.live.finished("failed", str(exc))
@@ -257,6 +267,8 @@ class FederationServer(RunHost):
                 and self.config.bn_calibration == "federated"
                 and self.config.federated_statistics
             )
+        if self.threads is not None:
+            self.threads.use("exporting")
         return self.export_models(self._federated_statistics if federated_bn else None)
 
     def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:
@@ -330,3 +342,28 @@ class FederationServer(RunHost):
         end = None if seconds is None else time.monotonic() + seconds
         while not self.stop.is_set() and (end is None or time.monotonic() < end):
             self.pump(0.2)
+
+
+class _ThreadedCollector:
+    """A collector whose round ends by choosing the server's threads for what it computes next (aggregation, validation)."""
+
+    def __init__(self, inner: Collector, threads: Threads) -> None:
+        self.inner, self.threads = inner, threads
+
+    def clients(self, needed: int) -> list[str]:
+        return self.inner.clients(needed)
+
+    def budget(self, client: str) -> float:
+        return self.inner.budget(client)
+
+    def collect(
+        self,
+        t: int,
+        cohort: Sequence[str],
+        plans: Mapping[str, ClientPlan],
+        global_state: Mapping[str, torch.Tensor],
+        lr: float,
+    ) -> Collected:
+        collected = self.inner.collect(t, cohort, plans, global_state, lr)
+        self.threads.use("aggregating")
+        return collected

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
 import shutil
 import sys
 import time
@@ -49,6 +48,12 @@ from feast_edge.server.brokers import MOSQUITTO, Broker, free_port, resolve_kind
 from feast_edge.server.demo_fleet import DemoError, Fleet, relative
 from feast_edge.server.output import add_fleet_rows, personal_cell
 from feast_edge.server.provision import provision
+from feast_edge.util.cores import affinity_cpus
+
+# Every process is the demo's own, so feast-server waits for every device: a busy machine makes a round slower, and
+# dropping the update of a device the machine slowed down would throw its training away. An agent that dies goes
+# offline (its last will), and the round goes on without it; the demo itself gives up only on a stalled federation.
+ROUND_WAIT_S = 24 * 3600
 
 
 def _provisioned_broker(out: Path, logs: Path, federation: str, names: list[str], kind: str) -> tuple[Broker, Path]:
@@ -106,6 +111,22 @@ def _test_accuracy(path: Path, images: Any, labels: Any) -> float:
         logits = session.run([OUTPUT_NAME], {INPUT_NAME: x})[0]
         correct += int((logits.argmax(axis=1) == labels[start : start + 500].numpy()).sum())
     return correct / len(labels)
+
+
+def thread_plan(cores: int, samples: list[int]) -> tuple[int, list[int]]:
+    """The demo's threads on ``cores`` cores: the server's, and each agent's (``samples``: each agent's shard size).
+
+    The agents train at the same moment, so together they take max(cores, agents) threads: one each when there are at
+    least as many agents as cores, else the cores shared out, the largest shards first (the round waits for them).
+    The server computes (aggregation, validation, export) only while the agents wait for it: every core then.
+    """
+    agents = len(samples)
+    threads = [1] * agents
+    spare = max(0, cores - agents)
+    order = sorted(range(agents), key=lambda i: (-samples[i], i))
+    for k in range(spare):
+        threads[order[k % agents]] += 1
+    return max(1, cores), threads
 
 
 def _server_opt_args(server_opt: Mapping[str, Any]) -> list[str]:
@@ -229,7 +250,7 @@ def run_demo(
                 "the server holds no data (each device validates on its 10 % held-out split and calibrates its own model)"
             )
         python = sys.executable
-        # The server computes (validation, export) only while the agents wait for it: it may take both cores then.
+        server_threads, agent_threads = thread_plan(len(affinity_cpus()), [c["samples"] for c in index["clients"]])
         fleet.spawn(
             "server",
             [
@@ -251,7 +272,7 @@ def run_demo(
                 "--start-clients",
                 str(n),
                 "--round-timeout",
-                "180",
+                str(ROUND_WAIT_S),
                 "--seed",
                 str(seed),
                 *(["--data", str(out / "partition")] if server_data else ["--calib-samples", "200"]),
@@ -260,7 +281,7 @@ def run_demo(
                 "--wait-timeout",
                 "180",
                 "--threads",
-                str(min(2, os.cpu_count() or 1)),
+                str(server_threads),
                 "--local-epochs",
                 str(local_epochs),
                 *_server_opt_args(server_opt or {}),
@@ -268,10 +289,7 @@ def run_demo(
             ],
         )
         received = out / "device-models"
-        # The device with the largest shard trains longest and the round waits for it: it gets a second core when there is one.
-        busiest = max(range(n), key=lambda i: index["clients"][i]["samples"])
         for i, (profile, entry) in enumerate(zip(loaded, device_data)):
-            threads = 2 if i == busiest and (os.cpu_count() or 1) >= 2 else 1
             fleet.spawn(
                 profile.name,
                 [
@@ -287,7 +305,7 @@ def run_demo(
                     "--device",
                     "cpu",
                     "--threads",
-                    str(threads),
+                    str(agent_threads[i]),
                     "--model-dir",
                     str(received),
                     "--register-timeout",

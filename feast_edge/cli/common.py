@@ -130,14 +130,6 @@ def heartbeat(logger: logging.Logger, text: str, every: float = 10.0) -> Iterato
         thread.join()
 
 
-def torch_threads(threads: int) -> None:
-    """``--threads N`` (0 keeps PyTorch's default)."""
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-
-
 # --- options shared by several commands -----------------------------------------------------------
 
 DEFAULT_FEDERATION = "feast"
@@ -185,7 +177,12 @@ ChunkOpt = Annotated[
         help="Chunk size in bytes for model payloads, and the largest chunk accepted.",
     ),
 ]
-ThreadsOpt = Annotated[int, typer.Option("--threads", min=0, help="PyTorch intra-op threads (0: PyTorch's default).")]
+ThreadsOpt = Annotated[
+    int,
+    typer.Option(
+        "--threads", min=0, help="PyTorch intra-op threads (0: chosen from the cores free before each computing step)."
+    ),
+]
 DashboardOpt = Annotated[
     str | None,
     typer.Option(

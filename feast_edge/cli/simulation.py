@@ -146,7 +146,8 @@ def simulate(
         typer.Option(
             "--threads",
             min=0,
-            help="PyTorch intra-op threads per process (0: PyTorch's default, shared out by --nproc).",
+            help="PyTorch intra-op threads per process (0: the cores free at the start, shared out by --nproc; kept for "
+            "the whole run and recorded in results.json).",
         ),
     ] = 0,
     deterministic: DeterministicOpt = False,
@@ -245,11 +246,15 @@ def simulate(
     _say(
         f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients"
     )
-    sim = Simulation(config, out, setup=setup, matched=None if matched is None else matched.to_dict())
+    threads = {"intra_op": spread.threads, "chosen": spread.chosen}
+    sim = Simulation(config, out, setup=setup, matched=None if matched is None else matched.to_dict(), threads=threads)
     _say(str(sim.setup.population))
     _say(f"{describe_device(device, requested)}, {precision.describe()}")
     if not config.server_optimizer().identity:
         _say(f"server optimizer: {config.server_optimizer().describe()}")
+    _say(
+        f"{spread.threads} intra-op thread{'s' * (spread.threads != 1)} per process for the whole run: {spread.chosen}"
+    )
     if spread.world.size > 1:
         _say(spread.describe())
         spread.attach(sim)

@@ -49,6 +49,7 @@ from feast_edge.sim.ranks import (
     worker_device,
 )
 from feast_edge.sim.setup import Setup, SimulationConfig, build_setup
+from feast_edge.util.cores import threads_now
 
 _JOINED = "feast-edge/joined/"
 
@@ -241,10 +242,14 @@ class Spread:
         self.config, self.launched, self.command = config, launched, tuple(command)
         self.world = launched or World(0, nproc, 0, nproc)
         self.backend = pick_backend(backend, config.device, self.world.local_size)
-        if threads == 0 and launched is None and nproc > 1:
-            threads = max(
-                1, torch.get_num_threads() // nproc
-            )  # the machine's cores shared out (the rule in docs/deployment.md)
+        if threads == 0 and launched is None:
+            # One count for the whole run, from the cores free now, shared out by --nproc: the count changes PyTorch's
+            # summation order, so it is recorded (results.json) and never changes mid-run (docs/simulation.md).
+            free = threads_now()
+            threads = max(1, free.threads // nproc)
+            self.chosen = free.reason if nproc == 1 else f"{free.reason}, shared out by --nproc {nproc}"
+        else:
+            self.chosen = "--threads" if threads else "torchrun's OMP_NUM_THREADS"
         if threads > 0:
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()

@@ -58,9 +58,12 @@ class Simulation:
         *,
         setup: Setup | None = None,
         matched: Mapping[str, Any] | None = None,
+        threads: Mapping[str, Any] | None = None,
     ) -> None:
         """``setup``: one already built from ``config`` (its data and population); ``matched``: how its rounds were
-        matched to another run's training compute (feast_edge.sim.matched), recorded in results.json."""
+        matched to another run's training compute (feast_edge.sim.matched), recorded in results.json; ``threads``: the
+        intra-op threads the run computes on and why (``{"intra_op": 2, "chosen": "..."}``), recorded there too."""
+        self.threads = dict(threads) if threads is not None else None
         self.config = config
         self.out = Path(out_dir)
         self.setup = setup if setup is not None else build_setup(config)
@@ -212,6 +215,7 @@ class Simulation:
             "communication": communication_summary(self.history),
             "compute": {"train_macs_total": sum(h.train_macs for h in self.history)},
             **({"matched_compute": self.matched} if self.matched is not None else {}),
+            **({"threads": self.threads} if self.threads is not None else {}),
             **({"personalization": self.personalization(served, on_personal)} if cfg.personalize != "off" else {}),
             **({"privacy": privacy_summary(dp, [h.dp for h in self.history], self.loop.stopped)} if dp else {}),
             "rounds": [asdict(h) for h in self.history],

@@ -245,7 +245,8 @@ def run(
 
     common.setup_logging(log_level, log_file)
     common.check_dashboard(dashboard, dashboard_token)
-    common.torch_threads(threads)
+    from feast_edge.util.cores import Threads
+
     federation = common.federation_of(link, federation)
     check_server_bundle(link)
     config = ServerConfig(
@@ -289,7 +290,8 @@ def run(
     )
     common.check_insecure(link, insecure, "feast-server run")  # before anything is created or connects
     state = None if dashboard is None else DashboardState("federation", f"feast-server: federation {federation}")
-    server = FederationServer(config, link, on_round=print_round, dashboard=state)
+    # --threads N fixes PyTorch's threads; 0 chooses them from the free cores before each computing step.
+    server = FederationServer(config, link, on_round=print_round, dashboard=state, threads=Threads(threads, logger=log))
     web = None if state is None else common.open_dashboard(state, dashboard, dashboard_token, log.info)
     install_signal_handlers()
     common.warn_insecure(link)

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from feast_edge.server.demo import own_accuracy, summary_table
+from feast_edge.server.demo import own_accuracy, summary_table, thread_plan
+from feast_edge.sim.shards import read_index
+from feast_edge.util.cores import affinity_cpus
 
 PROFILES = ("raspberry-pi-5", "jetson-nano", "laptop-cpu", "desktop-gpu")
 
@@ -39,6 +41,30 @@ def test_demo_trains_exports_and_times_a_model_for_every_device(cli, tmp_path: P
     assert "ONNX files: device-models/DEVICE.onnx, DEVICE.personal.onnx beside it" in out
     assert "personalization on (feast-agent run --personalize auto, the default)" in out
     assert "Wall time" in out
+    # The thread plan, read from what each process said it computes with: one thread per agent when there are at
+    # least as many agents as cores, every core for the server (it computes while the agents wait).
+    logs = tmp_path / "demo" / "logs"
+    samples = [c["samples"] for c in read_index(tmp_path / "demo" / "partition")["clients"]]
+    server_threads, agent_threads = thread_plan(len(affinity_cpus()), samples)
+    for name, threads in zip(PROFILES, agent_threads):
+        said = (logs / f"agent-{name}.log").read_text()
+        assert f"training with {threads} thread{'s' * (threads != 1)}: --threads {threads}" in said, said
+    said = (logs / "server.log").read_text()
+    assert f"aggregating with {server_threads} thread{'s' * (server_threads != 1)}: --threads" in said, said
+
+
+@pytest.mark.parametrize(
+    ("cores", "samples", "server", "agents"),
+    [
+        (2, [400, 900, 300, 1200], 2, [1, 1, 1, 1]),  # agents >= cores: one thread each, 4 = max(cores, agents)
+        (4, [100, 300], 4, [2, 2]),
+        (8, [100, 300, 200], 8, [2, 3, 3]),  # the cores shared out, the largest shards first
+        (1, [100, 300], 1, [1, 1]),
+    ],
+)
+def test_the_demo_thread_plan_takes_max_of_cores_and_agents_while_they_train(cores, samples, server, agents) -> None:
+    assert thread_plan(cores, samples) == (server, agents)
+    assert sum(agents) == max(cores, len(samples))
 
 
 def _kept_model(folder: Path, device: str, accuracy: float, personal: dict | None = None) -> dict:
