@@ -1,7 +1,8 @@
 """Threads on a shared machine: the co-training step beside busy processes at 1 thread, every core and the adaptive
 choice; and how much a device's own application slows down beside the agent at normal and at lowered priority.
 
-    python bench/bench_threads.py [--preset fmnist-small] [--batch 64] [--steps 6] [--blocks 4] [--seconds 12]
+    python bench/bench_threads.py [--preset fmnist-small] [--batch 64] [--steps 3] [--blocks 8] [--seconds 8]
+                                  [--pairs 3] [--skip-foreground]
 
 Part 1, the step. For 0, 1 and 2 competing processes (a Python loop each, normal
 priority, started before the row and running through it), the co-training step of
@@ -13,11 +14,12 @@ median step per setting, the adaptive count chosen and its ratio to the better
 fixed setting (target <= 1.15).
 
 Part 2, the foreground. A device's own application is a process that runs a small
-network's batch-1 inference on one thread in a loop; its rate alone is the
-reference. Beside it the agent's training runs in another process (co-training
-steps without end) at the adaptive choice and at every core, each at niceness 0
-and at ``feast-agent run``'s default 10. Prints the application's slowdown
-(rate alone / rate beside the agent) and the agent's own step rate.
+network's batch-1 inference on one thread in a loop. Its rate is measured alone,
+then beside the agent's training in another process (co-training steps without
+end, choosing its threads again every 3 steps) at the adaptive choice and at
+every core, each at niceness 0 and at ``feast-agent run``'s default 10; ``--pairs``
+such pairs per setting. Prints the application's slowdown (rate alone / rate
+beside the agent, median of the pairs) and the agent's own step time.
 """
 
 from __future__ import annotations
@@ -128,15 +130,16 @@ def foreground(seconds: float) -> None:
     with torch.inference_mode():
         for _ in range(20):
             model(x)
-        done, start = 0, time.perf_counter()
+        done, start, began = 0, time.perf_counter(), time.time()
         while time.perf_counter() - start < seconds:
             model(x)
             done += 1
-    print(done / (time.perf_counter() - start))
+    print(done / (time.perf_counter() - start), began, time.time())
 
 
 def agent(preset: str, batch: int, threads: int, nice: int) -> None:
-    """The agent's training: co-training steps without end at niceness ``nice``; prints each step's seconds."""
+    """The agent's training: co-training steps without end at niceness ``nice``; prints each step's end (wall clock)
+    and seconds."""
     from feast_edge.util.priority import lower_priority
 
     lower_priority(nice)
@@ -147,51 +150,69 @@ def agent(preset: str, batch: int, threads: int, nice: int) -> None:
         for _ in range(3):
             start = time.perf_counter()
             step()
-            print(time.perf_counter() - start, flush=True)
+            print(time.time(), time.perf_counter() - start, flush=True)
 
 
-def run_foreground(seconds: float) -> float:
+def run_foreground(seconds: float) -> tuple[float, float, float]:
+    """The application's inferences/s, and the wall-clock times its timed loop began and ended."""
     out = subprocess.run(
         [sys.executable, __file__, "--foreground", str(seconds)], capture_output=True, text=True, check=True
     )
-    return float(out.stdout.strip().splitlines()[-1])
+    rate, began, ended = map(float, out.stdout.strip().splitlines()[-1].split())
+    return rate, began, ended
+
+
+def beside_agent(args: argparse.Namespace, threads: int, nice: int) -> tuple[float, float, float]:
+    """The application's rate alone, then beside an agent training at ``threads`` (0: adaptive) and niceness ``nice``;
+    and the agent's median step while the application ran (seconds)."""
+    alone = run_foreground(args.seconds)[0]  # just before: a 2-core VM's own speed drifts from minute to minute
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-threads-agent-{os.getpid()}.txt"
+    with open(log, "w") as sink:
+        trainer = subprocess.Popen(
+            [sys.executable, __file__, "--agent", str(threads), str(nice), "--preset", args.preset],
+            stdout=sink,
+            stderr=subprocess.DEVNULL,
+        )
+    try:
+        time.sleep(8.0)  # its data and model are ready, its first steps taken
+        rate, began, ended = run_foreground(args.seconds)
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    rows = [line.split() for line in log.read_text().splitlines() if len(line.split()) == 2]
+    log.unlink(missing_ok=True)
+    # The agent's steps that ran while the application did (its start-up and warm-up are not the agent's pace).
+    steps = [float(s) for end, s in rows if began <= float(end) - float(s) and float(end) <= ended]
+    return alone, rate, statistics.median(steps) if steps else float("nan")
 
 
 def part_foreground(args: argparse.Namespace) -> None:
     cores = len(affinity_cpus())
-    alone = run_foreground(args.seconds)
     print(f"\na device's own application (batch-1 inference, one thread) beside the agent's training; {cores} cores")
-    print(f"application alone: {alone:.0f} inferences/s")
-    print(f"{'agent threads':>14} | {'agent nice':>10} | {'app slowdown':>12} | {'agent step ms':>13}")
+    print(f"{'agent threads':>14} | {'agent nice':>10} | {'app alone /s':>12} | {'app beside /s':>13} | "
+          f"{'app slowdown':>12} | {'agent step ms':>13}")  # fmt: skip
     for threads, label in ((0, "adaptive"), (cores, f"all ({cores})")):
         for nice in (0, 10):
-            log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-threads-agent-{os.getpid()}.txt"
-            with open(log, "w") as sink:
-                trainer = subprocess.Popen(
-                    [sys.executable, __file__, "--agent", str(threads), str(nice), "--preset", args.preset],
-                    stdout=sink,
-                    stderr=subprocess.DEVNULL,
-                )
-            try:
-                time.sleep(8.0)  # its data and model are ready, its first steps taken
-                rate = run_foreground(args.seconds)
-            finally:
-                trainer.kill()
-                trainer.wait(10)
-            steps = [float(v) for v in log.read_text().split()]
-            log.unlink(missing_ok=True)
-            step_ms = statistics.median(steps[2:]) * 1e3 if len(steps) > 2 else float("nan")
-            print(f"{label:>14} | {nice:>10} | {alone / rate:>11.2f}x | {step_ms:>13.1f}")
-    print("app slowdown: inferences/s alone / beside the agent (1.00x: not slowed at all)")
+            runs = [beside_agent(args, threads, nice) for _ in range(args.pairs)]
+            alone = statistics.median(r[0] for r in runs)
+            rate = statistics.median(r[1] for r in runs)
+            slowdown = statistics.median(r[0] / r[1] for r in runs)
+            step_ms = statistics.median(r[2] for r in runs) * 1e3
+            print(f"{label:>14} | {nice:>10} | {alone:>12.0f} | {rate:>13.0f} | {slowdown:>11.2f}x | {step_ms:>13.1f}")
+    print(
+        "app slowdown: the application's inferences/s just before the agent started / beside it, median of "
+        f"{args.pairs} pairs (1.00x: not slowed); agent step: the median of its steps while the application ran"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="fmnist-small")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=6, help="steps per timed block")
-    parser.add_argument("--blocks", type=int, default=4, help="blocks per setting and row")
-    parser.add_argument("--seconds", type=float, default=12.0, help="how long the application runs each time")
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
+    parser.add_argument("--blocks", type=int, default=8, help="blocks per setting and row, the settings taking turns")
+    parser.add_argument("--seconds", type=float, default=8.0, help="how long the application runs each time")
+    parser.add_argument("--pairs", type=int, default=3, help="alone/beside pairs per setting")
     parser.add_argument("--skip-foreground", action="store_true", help="only the step table")
     parser.add_argument("--foreground", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--agent", nargs=2, type=int, help=argparse.SUPPRESS)

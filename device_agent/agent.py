@@ -96,6 +96,7 @@ class Agent:
         self.rounds = RoundRunner(
             config, self.preset, self.link, self.topics, self.inbox, self._receipts, self._metrics, self.stop
         )
+        self.rounds.between_steps = lambda: self.threads.refresh("training")
         self._filter = MessageFilter(config.federation)
         self._pending: dict[str, Incoming] = {}  # device -> its latest round message
         self._models: list[ModelReady] = []

@@ -51,6 +51,7 @@ class RoundRunner:
         self.config, self.preset, self.link, self.topics = config, preset, link, topics
         self.inbox, self.receipts, self.report, self.stop = inbox, receipts, report, stop
         self.training = False  # True while a client trains (a stop signal then interrupts it at once)
+        self.between_steps: Callable[[], None] | None = None  # called after every training step (the agent's threads)
         self.ledger = DeviceLedger(None if config.dp_ledger is None else Path(config.dp_ledger), config.dp_delta)
 
     def run(self, client: Hosted, incoming: Incoming) -> bool:
@@ -104,7 +105,7 @@ class RoundRunner:
         )
         self.training = True
         try:
-            outcome = train(job)
+            outcome = train(job, self.between_steps)
         finally:
             self.training = False
         if isinstance(outcome, Declined):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -144,8 +145,9 @@ class TrainedState:
     compute_seconds: float
 
 
-def train_state(job: Job) -> TrainedState | Declined:
-    """Co-train the routed sub-supernet on the client's data (method §5, §7): the trained slice, or why there is none."""
+def train_state(job: Job, between_steps: Callable[[], None] | None = None) -> TrainedState | Declined:
+    """Co-train the routed sub-supernet on the client's data (method §5, §7): the trained slice, or why there is none.
+    ``between_steps``: called after every training step (the agent re-chooses its threads there)."""
     began = time.perf_counter()
     try:
         state, result = client_update(
@@ -160,6 +162,7 @@ def train_state(job: Job) -> TrainedState | Declined:
             seed=job.seed,
             device=job.torch_device,
             amp=job.amp,
+            between_steps=between_steps,
         )
     except (FeastError, RuntimeError) as exc:  # e.g. settings this device cannot train with, or out of memory
         log.error("%s: local training of %s failed: %s; skipped", job.shown, job.device_id, exc)
@@ -176,10 +179,10 @@ def train_state(job: Job) -> TrainedState | Declined:
     return TrainedState(state, result, compute)
 
 
-def train(job: Job) -> Trained | Declined:
+def train(job: Job, between_steps: Callable[[], None] | None = None) -> Trained | Declined:
     """:func:`train_state`, the slice (clipped and noised under local DP) encoded as the update payload in the routed
     payload's dtype."""
-    trained = train_state(job)
+    trained = train_state(job, between_steps)
     if isinstance(trained, Declined):
         return trained
     manifest = job.plan.manifest(job.preset, job.preset.classes, job.round, "update", job.device_id, job.dtype)

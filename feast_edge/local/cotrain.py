@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -306,6 +306,7 @@ def local_train(
     seed: int = 0,
     device: str | torch.device = "cpu",
     amp: str = "off",
+    between_steps: Callable[[], None] | None = None,
 ) -> LocalResult:
     """One client-round of multi-variant co-training, in place on ``model`` (method §7).
 
@@ -320,6 +321,7 @@ def local_train(
         seed: seeds shuffling, augmentation and the ``a_rand`` draws; same seed, same result.
         device: where the forward/backward passes run (``"cpu"``, ``"cuda"``, ...).
         amp: mixed precision of the passes (feast_edge.local.precision.AMP_MODES; ``off``: float32).
+        between_steps: called after every step (an agent re-chooses its threads there; it changes no value).
     """
     lr = config.lr if lr is None else lr
     images_uint8, labels = images_uint8.cpu(), labels.cpu()
@@ -347,6 +349,8 @@ def local_train(
                 model, optimizer, batch, variants, config, shapes, precision, grad, logit_scale
             )
             log.add(len(batch), variants, loss, role_sup)
+            if between_steps is not None:
+                between_steps()
     finally:
         model.train(was_training)
     return log.result(len(labels), plan.macs, lr)

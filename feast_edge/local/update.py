@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -25,12 +25,24 @@ def client_update(
     seed: int,
     device: str | torch.device = "cpu",
     amp: str = "off",
+    between_steps: Callable[[], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], LocalResult]:
-    """Build the routed sub-supernet, co-train it on local data (``amp``: feast_edge.local.precision), return its updated state (method §7)."""
+    """Build the routed sub-supernet, co-train it on local data (``amp``: feast_edge.local.precision), return its updated
+    state (method §7); ``between_steps`` is called after every step (:func:`feast_edge.local.cotrain.local_train`)."""
     model = Supernet(preset, classes=classes, layout=plan.layout(preset, classes), seed=None)
     model.load_state_dict(routed_state)
     result = local_train(
-        model, images, labels, plan.affordable, plan.global_min, config, lr=lr, seed=seed, device=device, amp=amp
+        model,
+        images,
+        labels,
+        plan.affordable,
+        plan.global_min,
+        config,
+        lr=lr,
+        seed=seed,
+        device=device,
+        amp=amp,
+        between_steps=between_steps,
     )
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     return state, result

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 WINDOW_S = 3.0  # other processes' busy time is averaged over this many seconds
 SAMPLE_EVERY_S = 0.5
 FIRST_WINDOW_S = 1.0  # a choice made before the monitor has this much history waits for it
+REFRESH_S = 2.0  # within a long step (a round's local training), the choice is made again this often
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,7 @@ class Threads:
         self.monitor = None if fixed is None or fixed > 0 else (monitor or CoreMonitor()).start()
         self.log = logger
         self.current: ThreadChoice | None = None
+        self._chosen_at = 0.0
 
     @property
     def adaptive(self) -> bool:
@@ -308,8 +310,14 @@ class Threads:
         if self.current is None or choice.threads != self.current.threads:
             threads = torch.get_num_threads()
             self.log.info("%s with %d thread%s: %s", step, threads, "s" * (threads != 1), choice.reason)
-        self.current = choice
+        self.current, self._chosen_at = choice, time.monotonic()
         return choice.threads
+
+    def refresh(self, step: str) -> None:
+        """Within a long step: choose again when the last choice is ``REFRESH_S`` old (adaptive threads only), so an
+        application that starts on the device mid-round gets its core back within seconds, not at the next round."""
+        if self.monitor is not None and time.monotonic() - self._chosen_at >= REFRESH_S:
+            self.use(step)
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -211,3 +211,28 @@ def test_lower_priority_never_raises_it_and_refuses_a_bad_value():
     assert lower_priority(0).startswith(f"at niceness {current_nice()}")
     with pytest.raises(ValueError, match="between 0"):
         lower_priority(20)
+
+
+def test_within_a_long_step_the_choice_is_made_again_every_few_seconds(monkeypatch: pytest.MonkeyPatch):
+    import feast_edge.util.cores as cores
+
+    before = torch.get_num_threads()
+    busy = {"others": 0.0}
+    monitor = CoreMonitor(sample=lambda cpus: None)
+    monitor.state = lambda: CoreState(2, None, busy["others"])  # type: ignore[method-assign]
+    threads = Threads(0, monitor=monitor, logger=logging.getLogger("test.cores"))
+    clock = {"now": 100.0}
+    monkeypatch.setattr(cores.time, "monotonic", lambda: clock["now"])
+    try:
+        assert threads.use("training") == 2
+        busy["others"] = 1.0  # an application starts on the device mid-round
+        threads.refresh("training")
+        assert torch.get_num_threads() == 2  # too soon: the last choice is fresh
+        clock["now"] += cores.REFRESH_S
+        threads.refresh("training")
+        assert torch.get_num_threads() == 1 and threads.current.reason == "1 of 2 cores busy with other work"
+        Threads(3).refresh("training")  # fixed threads are never chosen again
+        assert torch.get_num_threads() == 1
+    finally:
+        threads.close()
+        torch.set_num_threads(before)
