@@ -1,8 +1,8 @@
 """Threads on a shared machine: the co-training step beside busy processes at 1 thread, every core and the adaptive
 choice; and how much a device's own application slows down beside the agent at normal and at lowered priority.
 
-    python bench/bench_threads.py [--preset fmnist-small] [--batch 64] [--steps 3] [--blocks 8] [--seconds 8]
-                                  [--pairs 3] [--skip-foreground]
+    python bench/bench_threads.py [--preset fmnist-small] [--batch 64] [--steps 3] [--blocks 8] [--seconds 12]
+                                  [--pairs 3] [--part both|steps|foreground]
 
 Part 1, the step. For 0, 1 and 2 competing processes (a Python loop each, normal
 priority, started before the row and running through it), the co-training step of
@@ -16,7 +16,7 @@ fixed setting (target <= 1.15).
 Part 2, the foreground. A device's own application is a process that runs a small
 network's batch-1 inference on one thread in a loop. Its rate is measured alone,
 then beside the agent's training in another process (co-training steps without
-end, choosing its threads again every 3 steps) at the adaptive choice and at
+end, its threads chosen again between steps every 2 s, as ``feast-agent run`` does) at the adaptive choice and at
 every core, each at niceness 0 and at ``feast-agent run``'s default 10; ``--pairs``
 such pairs per setting. Prints the application's slowdown (rate alone / rate
 beside the agent, median of the pairs) and the agent's own step time.
@@ -145,12 +145,12 @@ def agent(preset: str, batch: int, threads: int, nice: int) -> None:
     lower_priority(nice)
     policy = Threads(threads)
     step = training_step(preset, batch)
-    while True:
-        policy.use("training")
-        for _ in range(3):
-            start = time.perf_counter()
-            step()
-            print(time.time(), time.perf_counter() - start, flush=True)
+    policy.use("training")
+    while True:  # as feast-agent run trains: the threads chosen again between steps, every 2 s (Threads.refresh)
+        start = time.perf_counter()
+        step()
+        print(time.time(), time.perf_counter() - start, flush=True)
+        policy.refresh("training")
 
 
 def run_foreground(seconds: float) -> tuple[float, float, float]:
@@ -211,9 +211,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
     parser.add_argument("--blocks", type=int, default=8, help="blocks per setting and row, the settings taking turns")
-    parser.add_argument("--seconds", type=float, default=8.0, help="how long the application runs each time")
+    parser.add_argument("--seconds", type=float, default=12.0, help="how long the application runs each time")
     parser.add_argument("--pairs", type=int, default=3, help="alone/beside pairs per setting")
-    parser.add_argument("--skip-foreground", action="store_true", help="only the step table")
+    parser.add_argument("--part", choices=("both", "steps", "foreground"), default="both", help="which part to run")
     parser.add_argument("--foreground", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--agent", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -222,8 +222,9 @@ def main() -> None:
     if args.agent is not None:
         return agent(args.preset, args.batch, *args.agent)
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; affinity {len(affinity_cpus())} cores")
-    part_steps(args)
-    if not args.skip_foreground:
+    if args.part in ("both", "steps"):
+        part_steps(args)
+    if args.part in ("both", "foreground"):
         part_foreground(args)
 
 
