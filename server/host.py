@@ -74,7 +74,14 @@ class RunHost:
             validation=None
             if self.data is None
             else Validation(self.data.calibration_images, self.data.validation_images, self.data.validation_labels),
-            extra_fields=lambda: {"data": config.data, "seed": config.seed, "registry": self.registry.snapshot()},
+            # The task's class names too: `feast-server status` names the classes of its coverage warnings from them,
+            # wherever it runs (a user preset given by a relative path may not load there).
+            extra_fields=lambda: {
+                "data": config.data,
+                "seed": config.seed,
+                "registry": self.registry.snapshot(),
+                "classes": list(self.preset.task.classes),
+            },
             # Under DP the devices' held-out counts stay on the devices: no federated validation (config.federated_statistics).
             validator=None if self.data is not None or not config.federated_statistics else validator,
         )

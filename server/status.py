@@ -85,7 +85,7 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
         # Per served variant: whom it serves, the rule that chose it, the classes it was trained, validated and
         # BN-calibrated on (from the exported manifests); and the fleet's coverage problems (from the registry).
         "coverage": served_variants(manifests),
-        "coverage_warnings": _coverage_warnings(devices, manifests, config.get("preset")),
+        "coverage_warnings": _coverage_warnings(devices, manifests, fields.get("classes"), config.get("preset")),
         "validation": {
             "source": None if where is None else where["source"],
             "devices": validation.get("devices", []) if federated else [],
@@ -130,16 +130,20 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
     }
 
 
-def _coverage_warnings(devices: list[Device], manifests: list[dict[str, Any]], preset: Any) -> list[str]:
-    """The coverage problems of the registered fleet, with the task's class names from the run's preset ([] when the
-    preset cannot be loaded here, e.g. a user preset file on another machine)."""
+def _coverage_warnings(devices: list[Device], manifests: list[dict[str, Any]], classes: Any, preset: Any) -> list[str]:
+    """The coverage problems of the registered fleet, with the task's class names as the run recorded them
+    (``classes``), else from the run's preset ([] when neither is there: a run written before the names were recorded,
+    whose user preset file does not load here)."""
     from feast_edge.evaluate.coverage import coverage_warnings
     from feast_edge.space.preset import load_preset
 
-    try:
-        names = load_preset(str(preset)).task.classes
-    except (FeastError, OSError, ValueError):
-        return []
+    if isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes):
+        names = tuple(classes)
+    else:
+        try:
+            names = load_preset(str(preset)).task.classes
+        except (FeastError, OSError, ValueError):
+            return []
     served = [m["macs"] for m in manifests if isinstance(m.get("macs"), int)]
     return coverage_warnings(holders(devices), served, names)
 

@@ -98,8 +98,12 @@ PI_SERVING_AND_COVERAGE = {
 }
 
 
-def federation_run(out: Path, preset: Preset, *, federated: bool) -> Path:
-    """A checkpoint with 2 of 3 rounds (both validated), the registry of cam-1 and pi-5, pi-5's exported model."""
+def federation_run(
+    out: Path, preset: Preset, *, federated: bool, preset_name: str | None = None, classes: bool = False
+) -> Path:
+    """A checkpoint with 2 of 3 rounds (both validated), the registry of cam-1 and pi-5, pi-5's exported model.
+    ``preset_name``: the preset the run's settings name (default: ``preset``'s); ``classes``: the checkpoint records
+    the task's class names, as feast-server run does."""
     out.mkdir()
     history = [
         {
@@ -127,7 +131,7 @@ def federation_run(out: Path, preset: Preset, *, federated: bool) -> Path:
         }
         for r in (1, 2)
     ]
-    config = {"federation": "lab", "preset": preset.name, "rounds": 3, "method": "feast", "seed": 7}
+    config = {"federation": "lab", "preset": preset_name or preset.name, "rounds": 3, "method": "feast", "seed": 7}
     save_supernet(
         out / CHECKPOINT,
         Supernet(preset, seed=0),
@@ -140,6 +144,7 @@ def federation_run(out: Path, preset: Preset, *, federated: bool) -> Path:
         best={"round": 2, "val_accuracy": 0.4},
         data=None if federated else "/data/fashion-mnist",
         registry=[],
+        **({"classes": list(preset.task.classes)} if classes else {}),
     )
     registry = Registry(out / "devices.sqlite")
     for name, budget in (("cam-1", 2_000_000), ("pi-5", 6_000_000)):

@@ -147,17 +147,19 @@ def _train_text(d: PresetDesign) -> list[str]:
     batch = dict(d.preset.train).get("batch_size")
     if d.images is None:
         data = (
-            "The number of training images was not measured (--classes, not --classes-from), so the batch stays 64; "
+            "The number of images was not measured (--classes, not --classes-from), so the batch stays 64; "
             f"with fewer than {SMALL_DATA_IMAGES:,} images set batch_size = {SMALL_DATA_BATCH}: twice the SGD steps "
             "per round at the same compute."
         )
     elif batch is not None:
         data = (
-            f"{d.images:,} training images measured (fewer than {SMALL_DATA_IMAGES:,}): batch {batch}, so that a "
+            f"{d.images:,} images in the --classes-from folder (fewer than {SMALL_DATA_IMAGES:,}): batch {batch}, so that a "
             "device's few images still give it enough SGD steps per round (twice those of batch 64, same compute)."
         )
     else:
-        data = f"{d.images:,} training images measured ({SMALL_DATA_IMAGES:,} or more): batch 64, as method §7."
+        data = (
+            f"{d.images:,} images in the --classes-from folder ({SMALL_DATA_IMAGES:,} or more): batch 64, as method §7."
+        )
     why = (
         "Training recipe (method §7 for every key not given here; keys: feast_edge/space/preset.py RECIPE_KEYS). Not "
         "the paper's RandAugment + Mixup/CutMix at lr 0.025: that regularises long runs on 50,000+ images, and on a "

@@ -106,7 +106,7 @@ def test_classes_and_statistics_from_an_image_folder(cli, tmp_path, fashion_mnis
     assert "Measured on 9 images" in out.read_text()
     # the recipe for the images it counted: 9, so the small-data batch
     assert p.recipe == {"augment": "none", "batch_size": 32, "lr": 0.05}
-    assert "9 training images measured" in out.read_text() and "batch_size 32" in result.stdout
+    assert "9 images in the --classes-from folder" in out.read_text() and "batch_size 32" in result.stdout
     cli.assert_user_error(
         cli.invoke(*NEW, "--classes-from", str(tmp_path / "none"), "--out", str(tmp_path / "x.toml")),
         "does not exist",

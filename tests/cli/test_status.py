@@ -268,3 +268,20 @@ def test_status_shows_each_served_variants_class_coverage_and_the_fleets_coverag
     assert [w for w in status["coverage_warnings"] if "solo" in w] == [
         "solo holds one class only (T-shirt_top): its updates teach the model to answer T-shirt_top whatever it sees"
     ]
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_status_names_the_coverage_warnings_classes_where_the_runs_preset_file_does_not_load(
+    server_cli, tmp_path: Path, recorded: bool
+) -> None:
+    preset = load_preset("fmnist-small")
+    # A `preset new` file given by a relative path: status runs in another directory, where it does not load.
+    out = federation_run(tmp_path / "fed", preset, federated=True, preset_name="my-preset.toml", classes=recorded)
+    registry = Registry(out / "devices.sqlite")
+    register_device(registry, "solo", preset, 3_000_000, {"name": "x", "class_counts": [5] + [0] * 9})
+    registry.close()
+    status = json.loads(server_cli.invoke("status", "--out", str(out), "--json", cwd=tmp_path).stdout)
+    solo = [w for w in status["coverage_warnings"] if "solo" in w]
+    # The names the run recorded; a run written before they were recorded has none to give.
+    assert solo == (["solo holds one class only (T-shirt_top): its updates teach the model to answer T-shirt_top "
+                     "whatever it sees"] if recorded else [])  # fmt: skip

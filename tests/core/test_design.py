@@ -136,7 +136,7 @@ def test_measured_statistics_and_names_are_kept(tmp_path):
     p = load_preset_file(path)
     assert p.mean == (0.1235,) and p.class_names == ("ünïcode", "b") and p.resize == "pad"
     assert p == d.preset and p.recipe == {"augment": "none", "batch_size": 32, "lr": 0.05}
-    assert "Measured." in path.read_text() and "1,438 training images measured" in path.read_text()
+    assert "Measured." in path.read_text() and "1,438 images in the --classes-from folder" in path.read_text()
 
 
 @pytest.mark.parametrize(

@@ -108,6 +108,11 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
     warned = [r.getMessage() for r in caplog.records if r.name == "feast_edge.server.coverage"]
     trained_only = f"variant {top.macs / 1e6:.2f}M MACs is trained only by cam-c, on 5 of 10 classes"
     assert sum(trained_only in line for line in warned) == 1, warned
+    # The checkpoint records the task's class names: feast-server status names the classes of these warnings from them
+    # wherever it runs, whether or not the preset file loads there.
+    from feast_edge.run.checkpoint import read_record
+
+    assert read_record(server.out / "checkpoint.safetensors")["fields"]["classes"] == list(FASHION_MNIST_CLASSES)
     # Validation of every served variant covers all ten classes: every device tested it on its held-out split.
     served = outcome["history"][outcome["manifests"][0]["rounds"] - 1].validation  # the served checkpoint's round
     top_label = f"variant {cache.entries.index(top)}"
