@@ -13,20 +13,52 @@ the noised sum by at most 2C, so the Gaussian's noise multiplier relative to tha
 * local DP: the server sees who is in each cohort, so there is no amplification: a client's ε composes the Gaussian
   mechanism over the rounds it took part in, and the run reports the client that took part most.
 
-ε at δ comes from the composed RDP curve (``compute_epsilon``: the conversion of Canonne, Kamath, Steinke 2020,
-tighter than ``rdp + log(1/δ)/(α−1)``).
+ε at δ comes from two accountants, and the smaller is reported with its name (:class:`Epsilon`):
+
+* RDP: the composed RDP curve of the events above (``compute_epsilon``: the conversion of Canonne, Kamath, Steinke
+  2020, tighter than ``rdp + log(1/δ)/(α−1)``);
+* PLD: the privacy loss distribution of the *dominating pair* of a round (Zhu, Dong, Wang 2022, "Optimal accounting
+  of differential privacy via characteristic function"): sampling ``m`` of ``N`` without replacement under
+  replace-one is dominated by Poisson sampling at ``q = m/N`` of the Gaussian with multiplier ``z/2`` under
+  add/remove, which dp-accounting's PLD accountant composes numerically (its pessimistic discretisation: the figure
+  is an upper bound). At ``q = 1`` it is the Gaussian mechanism itself. RDP's conversion to (ε, δ) is loose: for 100
+  devices, 10 a round, z = 1, 8 rounds, δ = 1e-5 RDP says 16.0 and PLD 11.4, the true worst case of the mechanism
+  within the discretisation (Opacus's PRV accountant agrees; tests/core/test_privacy.py checks against Microsoft's
+  prv-accountant, an independent implementation).
 """
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import dp_accounting
 import numpy as np
+from dp_accounting.pld import pld_privacy_accountant as pld
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
 ORDERS = tuple(rdp.DEFAULT_RDP_ORDERS)
+# The PLD's value discretisation, in ε: 1e-2 up to ε = 20, then growing with ε (a pessimistic discretisation stays an
+# upper bound; 11.4224 against 11.4222 at 1e-3 for the figure in the docstring, 10x faster; a run with little noise,
+# ε in the hundreds, would otherwise take seconds per round).
+PLD_INTERVAL = 1e-2
+PLD_SCALE_FROM = 20.0
+ACCOUNTANTS = {
+    "pld": "dp-accounting PLD of the dominating pair (Poisson q = m/N, Gaussian z/2, add/remove; Zhu, Dong, Wang 2022)",
+    "rdp": "dp-accounting RDP: fixed-size cohorts sampled without replacement, replace-one, sensitivity 2C",
+}
+
+
+@dataclass(frozen=True)
+class Epsilon:
+    """ε at δ, the smaller of the two accountants' figures, and which one gave it (``"pld"`` or ``"rdp"``)."""
+
+    value: float
+    accountant: str
+    rdp: float
+    pld: float
 
 
 @functools.lru_cache(maxsize=256)
@@ -38,17 +70,47 @@ def round_rdp(population: int, cohort: int, noise: float) -> tuple[float, ...]:
     return tuple(float(v) for v in accountant.rdp)
 
 
+def pld_epsilon(events: Iterable[tuple[int, int, float]], delta: float, scale: float = 1.0) -> float:
+    """ε at ``delta`` of ``(population, cohort, noise)`` rounds through the PLD of each round's dominating pair
+    (``scale``: the discretisation interval's multiple of :data:`PLD_INTERVAL`)."""
+    return _pld_epsilon(tuple(sorted(Counter(events).items())), delta, scale)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pld_epsilon(counted: tuple[tuple[tuple[int, int, float], int], ...], delta: float, scale: float) -> float:
+    if not counted:
+        return 0.0
+    accountant = pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, PLD_INTERVAL * scale)
+    for (population, cohort, noise), count in counted:
+        gaussian = dp_accounting.GaussianDpEvent(noise / 2)  # sensitivity 2C under replace-one
+        q = min(cohort, population) / population
+        accountant.compose(gaussian if q >= 1 else dp_accounting.PoissonSampledDpEvent(q, gaussian), count)
+    return float(accountant.get_epsilon(delta))
+
+
+def account(events: Iterable[tuple[int, int, float]], delta: float) -> Epsilon:
+    """ε at ``delta`` of ``(population, cohort, noise)`` rounds: the smaller of RDP and PLD, naming which."""
+    events = list(events)
+    by_rdp = _epsilon([round_rdp(population, cohort, noise) for population, cohort, noise in events], delta)
+    by_pld = pld_epsilon(events, delta, round(max(1.0, by_rdp / PLD_SCALE_FROM), 1))
+    return Epsilon(min(by_rdp, by_pld), "pld" if by_pld < by_rdp else "rdp", by_rdp, by_pld)
+
+
 def epsilon_of(rounds: Iterable[tuple[int, int]], noise: float, delta: float, mode: str = "central") -> float:
-    """ε at ``delta`` after ``rounds`` of ``(population, cohort)`` with noise multiplier ``noise`` (0 rounds: 0)."""
+    """ε at ``delta`` after ``rounds`` of ``(population, cohort)`` with noise multiplier ``noise`` (0 rounds: 0): the
+    smaller of RDP and PLD (:func:`account` names which)."""
+    return accounted(rounds, noise, delta, mode).value
+
+
+def accounted(rounds: Iterable[tuple[int, int]], noise: float, delta: float, mode: str = "central") -> Epsilon:
+    """:func:`epsilon_of` with both accountants' figures and the name of the one reported."""
     # local DP: no amplification (the server knows the cohort): the Gaussian mechanism itself, q = 1
-    curves = [round_rdp(population, cohort, noise) if mode == "central" else round_rdp(1, 1, noise)
-              for population, cohort in rounds]  # fmt: skip
-    return _epsilon(curves, delta)
+    return account([(p, c, noise) if mode == "central" else (1, 1, noise) for p, c in rounds], delta)
 
 
 def local_epsilon(noises: Iterable[float], delta: float) -> float:
     """ε at ``delta`` of one client's own noised updates, one Gaussian mechanism each (no amplification: local DP)."""
-    return _epsilon([round_rdp(1, 1, noise) for noise in noises], delta)
+    return account([(1, 1, noise) for noise in noises], delta).value
 
 
 def _epsilon(curves: Iterable[tuple[float, ...]], delta: float) -> float:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from feast_edge.privacy.accountant import epsilon_of, planned_epsilon
+from feast_edge.privacy.accountant import ACCOUNTANTS, Epsilon, accounted, planned_epsilon
 from feast_edge.privacy.local import LocalDp, privatize
 from feast_edge.privacy.mechanism import (
     COUNT,
@@ -86,12 +86,13 @@ class PrivateRounds:
         std = self.dp.update_noise() * record.get("clip", self.dp.clip)
         add_sum_noise(global_state, counts, std, noise_generator(self.dp.seed, t))
 
-    def epsilon(self, rounds: Sequence[tuple[int, int]], cohorts: Sequence[Sequence[str]], delta: float) -> float:
-        """ε at ``delta`` after ``rounds`` (population, cohort size); local DP: the client in most ``cohorts``."""
+    def epsilon(self, rounds: Sequence[tuple[int, int]], cohorts: Sequence[Sequence[str]], delta: float) -> Epsilon:
+        """ε at ``delta`` after ``rounds`` (population, cohort size), the smaller of RDP and PLD (named); local DP: the
+        client in most ``cohorts``."""
         if self.dp.mode == "local":
             most = max(Counter(c for cohort in cohorts for c in cohort).values(), default=0)
-            return epsilon_of([(1, 1)] * most, self.dp.noise, delta, "local")
-        return epsilon_of(rounds, self.dp.noise, delta)
+            return accounted([(1, 1)] * most, self.dp.noise, delta, "local")
+        return accounted(rounds, self.dp.noise, delta)
 
     def check_next(self, history: Sequence[Mapping[str, Any]], cohorts: Sequence[Sequence[str]], round_no: int,
                    population: int, cohort: Sequence[str]) -> dict[str, Any]:  # fmt: skip
@@ -105,14 +106,21 @@ class PrivateRounds:
                 raise BudgetReached(f"{exc}; nothing was sent") from None
         delta = history[0]["delta"] if history else self.dp.resolved_delta(population)
         rounds = [(h["population"], h["cohort"]) for h in history] + [(population, len(cohort))]
-        eps = self.epsilon(rounds, [*cohorts, cohort], delta)
+        accounted_eps = self.epsilon(rounds, [*cohorts, cohort], delta)
+        eps = accounted_eps.value
         if self.dp.epsilon is not None and eps > self.dp.epsilon:
             before = history[-1]["epsilon"] if history else 0.0
             raise BudgetReached(
                 f"privacy budget reached: round {round_no} would bring ε to {eps:.3g} > --dp-epsilon {self.dp.epsilon:g} "
                 f"(δ = {delta:.2g}); stopped after round {round_no - 1} at ε = {before:.3g}"
             )
-        entry = {"population": population, "cohort": len(cohort), "epsilon": eps, "delta": delta}
+        entry = {
+            "population": population,
+            "cohort": len(cohort),
+            "epsilon": eps,
+            "delta": delta,
+            "accountant": accounted_eps.accountant,
+        }
         if self.dp.adaptive:  # this round's bound: the one the last round chose (resume continues it)
             entry["clip"] = history[-1]["next_clip"] if history else self.dp.clip
         return entry
@@ -125,8 +133,13 @@ def check_plan(dp: DpSettings, rounds: int, population: int, cohort: int) -> flo
     planned = planned_epsilon(rounds, population, cohort, dp.noise, delta, dp.mode)
     if dp.epsilon is None or planned <= dp.epsilon:
         return planned
-    fits = max((r for r in range(rounds) if planned_epsilon(r, population, cohort, dp.noise, delta, dp.mode) <= dp.epsilon),
-               default=0)  # fmt: skip
+    fits, above = 0, rounds  # ε grows with the rounds: the most that fit, by bisection
+    while above - fits > 1:
+        middle = (fits + above) // 2
+        if planned_epsilon(middle, population, cohort, dp.noise, delta, dp.mode) <= dp.epsilon:
+            fits = middle
+        else:
+            above = middle
     raise PrivacyError(
         f"--dp-epsilon {dp.epsilon:g}: the planned {rounds} rounds ({cohort} of {population} clients each, "
         f"--dp-noise {dp.noise:g}) reach ε = {planned:.3g} at δ = {delta:.2g}; {fits} rounds fit the budget: lower "
@@ -134,7 +147,16 @@ def check_plan(dp: DpSettings, rounds: int, population: int, cohort: int) -> flo
     )
 
 
-ACCOUNTANT = "dp-accounting RDP: fixed-size cohorts sampled without replacement, replace-one, sensitivity 2C"
+def accountant_words(records: Sequence[Mapping[str, Any]]) -> str:
+    """Which accountant gave the run's last ε; a history recorded before PLD accounting says so."""
+    if not records:
+        return "the smaller of " + " and ".join(ACCOUNTANTS.values())
+    last = records[-1]
+    if "accountant" not in last:
+        return ACCOUNTANTS["rdp"] + " (recorded by an earlier feast-edge, which accounted with RDP only)"
+    earlier = sum("accountant" not in r for r in records)
+    note = f"; rounds 1-{earlier} recorded with RDP only, before the run was resumed" if earlier else ""
+    return ACCOUNTANTS[last["accountant"]] + f", the smaller of RDP and PLD{note}"
 
 
 def privacy_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]], stopped: str | None) -> dict[str, Any]:
@@ -142,7 +164,11 @@ def privacy_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]], stoppe
     last = records[-1] if records else {}
     exposed = None  # central DP against whoever sees the cohorts: every round at q = 1 (no amplification by sampling)
     if dp.mode == "central" and records:
-        exposed = epsilon_of([(r["cohort"], r["cohort"]) for r in records], dp.noise, last["delta"])
+        exposed = accounted([(r["cohort"], r["cohort"]) for r in records], dp.noise, last["delta"]).value
+    both = None  # the last ε by each accountant, recomputed from the recorded rounds (local DP: its stored figure)
+    if dp.mode == "central" and records:
+        figures = accounted([(r["population"], r["cohort"]) for r in records], dp.noise, last["delta"])
+        both = {"rdp": figures.rdp, "pld": figures.pld}
     return {
         "mode": dp.mode,
         "clip": dp.clip,
@@ -150,12 +176,13 @@ def privacy_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]], stoppe
         "delta": last.get("delta", dp.delta),
         "epsilon": last.get("epsilon", 0.0),
         "epsilon_without_sampling": exposed,  # the ε for an adversary who knows who was in each cohort
+        "epsilon_by": both,  # {"rdp": ..., "pld": ...}
         "epsilon_budget": dp.epsilon,
         "rounds": len(records),
         "stopped": stopped,
         "noise_seed": dp.seed,  # None: drawn from the OS every round, so the run cannot be replayed
         "weights": "uniform",
-        "accountant": ACCOUNTANT,
+        "accountant": accountant_words(records),
         **({"adaptive_clip": adaptive_summary(dp, records)} if dp.adaptive else {}),
     }
 
@@ -184,8 +211,13 @@ def privacy_line(block: Mapping[str, Any]) -> str:
             f"adaptive clip toward the {adaptive['quantile']:g} quantile of update norms, C = "
             f"{adaptive['first']:.3g} → {adaptive['last']:.3g}"
         )
+    both = block.get("epsilon_by")
+    by = ""
+    if both:  # the figure is the smaller; the other accountant's beside it
+        shown, other = ("PLD", "RDP") if both["pld"] < both["rdp"] else ("RDP", "PLD")
+        by = f" ({shown}; {other}: {both[other.lower()]:.3g})"
     text = (
-        f"privacy: ε = {block['epsilon']:.3g} at δ = {block['delta']:.2g} after {block['rounds']} rounds "
+        f"privacy: ε = {block['epsilon']:.3g}{by} at δ = {block['delta']:.2g} after {block['rounds']} rounds "
         f"({block['mode']} DP, {clip}, noise z = {block['noise']:g}, uniform weights, {seeded})"
     )
     exposed = block.get("epsilon_without_sampling")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 
 import dp_accounting
+import dp_accounting.pld
 import numpy as np
 import pytest
 import torch
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-from feast_edge.privacy.accountant import ORDERS, epsilon_of, planned_epsilon, round_rdp
+from feast_edge.privacy.accountant import ORDERS, accounted, epsilon_of, local_epsilon, planned_epsilon, round_rdp
 from feast_edge.privacy.mechanism import add_sum_noise, noise_generator, private_update, routed_counts
 from feast_edge.privacy.rounds import BudgetReached, PrivateRounds, check_plan
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes, default_delta
@@ -110,7 +111,7 @@ def test_epsilon_grows_with_rounds_shrinks_with_noise_and_sampling_helps():
 def test_local_dp_accounts_the_client_that_took_part_most_without_amplification():
     rounds = PrivateRounds(DpSettings(1.0, 1.0, mode="local"), PARAMS)
     eps = rounds.epsilon([(100, 2)] * 3, [["a", "b"], ["a", "c"], ["a", "d"]], 1e-5)
-    assert eps == pytest.approx(epsilon_of([(1, 1)] * 3, 1.0, 1e-5, "local"))
+    assert eps.value == pytest.approx(epsilon_of([(1, 1)] * 3, 1.0, 1e-5, "local"))
 
 
 @pytest.mark.parametrize(
@@ -172,3 +173,81 @@ def test_the_dashboard_history_carries_a_round_s_epsilon_and_only_under_dp():
     private = history_entry({"round": 2, "dp": {"population": 100, "cohort": 10, "epsilon": 4.5, "delta": 1e-5}})
     assert private["epsilon"] == 4.5 and private["delta"] == 1e-5
     assert "epsilon" not in history_entry({"round": 2}) and "epsilon" not in history_entry({"round": 2, "dp": {}})
+
+
+# --- the tighter accountant: PLD of the dominating pair ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("population", "cohort", "noise", "rounds", "expected"),
+    [(100, 10, 1.0, 8, 11.4), (1000, 100, 1.0, 40, 20.5)],  # the worst cases an independent recomputation found
+)
+def test_epsilon_is_the_pld_figure_of_the_dominating_pair_within_5_percent_of_the_true_worst_case(
+    population, cohort, noise, rounds, expected
+):
+    eps = accounted([(population, cohort)] * rounds, noise, 1e-5)
+    assert eps.accountant == "pld" and eps.value == eps.pld < eps.rdp
+    assert eps.value == pytest.approx(expected, rel=0.05)
+    # dp-accounting's PLD of Poisson sampling at q = m/N of the Gaussian z/2 under add/remove, composed directly.
+    direct = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, 1e-4)
+    direct.compose(
+        dp_accounting.PoissonSampledDpEvent(cohort / population, dp_accounting.GaussianDpEvent(noise / 2)), rounds
+    )
+    assert (
+        eps.value == pytest.approx(direct.get_epsilon(1e-5), rel=1e-3) and eps.value >= direct.get_epsilon(1e-5) - 1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    ("population", "cohort", "noise", "rounds"),
+    [(100, 10, 1.0, 8), (1000, 100, 1.0, 40), (100, 10, 2.0, 8), (50, 5, 1.5, 30)],
+)
+def test_epsilon_agrees_with_an_independent_accountant(population, cohort, noise, rounds):
+    """Microsoft's prv-accountant (Gopi, Lee, Wutschitz 2021), another implementation of the same pair's composition."""
+    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+
+    prv = PoissonSubsampledGaussianMechanism(sampling_probability=cohort / population, noise_multiplier=noise / 2)
+    low, estimate, high = PRVAccountant(
+        prvs=[prv], max_self_compositions=[rounds], eps_error=0.1, delta_error=1e-9
+    ).compute_epsilon(delta=1e-5, num_self_compositions=[rounds])
+    ours = epsilon_of([(population, cohort)] * rounds, noise, 1e-5)
+    assert low - 0.01 <= ours <= high + 0.01, (low, estimate, high, ours)
+
+
+def test_without_sampling_the_pld_is_the_gaussian_mechanism():
+    """q = 1 (local DP, or whoever sees the cohorts): the composition of T Gaussians z/2 is one Gaussian z/(2√T), whose
+    exact δ(ε) (Balle and Wang 2018) the figure must meet."""
+    from scipy.stats import norm
+
+    noise, rounds, eps = 1.0, 3, local_epsilon([1.0] * 3, 1e-5)
+    mu = 2 * math.sqrt(rounds) / noise  # sensitivity over the composed Gaussian's σ
+    delta = norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+    assert delta == pytest.approx(1e-5, rel=0.02) and delta <= 1e-5 * 1.0001
+    assert eps < accounted([(1, 1)] * rounds, noise, 1e-5, "local").rdp  # RDP's conversion is looser here too
+
+
+def test_the_budget_check_uses_the_tighter_figure():
+    rdp_only = accounted([(100, 10)] * 8, 1.0, 1e-5)
+    dp = DpSettings(1.0, 1.0, epsilon=(rdp_only.pld + rdp_only.rdp) / 2)  # PLD fits, RDP would not
+    assert check_plan(dp, 8, 100, 10) == pytest.approx(rdp_only.pld)
+    rounds = PrivateRounds(dp, PARAMS)
+    record = rounds.check_next([], [], 1, 100, list("abcdefghij"))
+    assert record["accountant"] == "pld" and record["epsilon"] == accounted([(100, 10)], 1.0, 1e-5).value
+
+
+def test_a_history_recorded_with_rdp_only_says_so():
+    from feast_edge.privacy.rounds import privacy_line, privacy_summary
+
+    dp = DpSettings(1.0, 1.0)
+    old = [{"population": 100, "cohort": 10, "epsilon": 5.0, "delta": 1e-5}]
+    assert (
+        "recorded by an earlier feast-edge, which accounted with RDP only"
+        in privacy_summary(dp, old, None)["accountant"]
+    )
+    resumed = [*old, {"population": 100, "cohort": 10, "epsilon": 4.0, "delta": 1e-5, "accountant": "pld"}]
+    block = privacy_summary(dp, resumed, None)
+    assert (
+        block["accountant"].startswith("dp-accounting PLD")
+        and "rounds 1-1 recorded with RDP only" in block["accountant"]
+    )
+    both = accounted([(100, 10)] * 2, 1.0, 1e-5)
+    assert block["epsilon_by"] == {"rdp": both.rdp, "pld": both.pld}
+    assert f"ε = 4 (PLD; RDP: {both.rdp:.3g}) at δ = 1e-05 after 2 rounds" in privacy_line(block)
