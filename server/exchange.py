@@ -31,6 +31,7 @@ from feast_edge.transport.messages import Message
 from feast_edge.transport.throttle import Throttle
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
+from feast_edge.util.text import duration
 
 log = logging.getLogger(__name__)
 
@@ -231,13 +232,13 @@ class RoundExchange:
             now = time.monotonic()
             if now - last_note >= HEARTBEAT:
                 log.info(
-                    "round %d/%d: %d of %d updates in; waiting for %s (%.0f s left)",
+                    "round %d/%d: %d of %d updates in; waiting for %s (%s left)",
                     current.t + 1,
                     rounds,
                     len(current.pending) - len(waiting),
                     len(current.pending),
                     ", ".join(waiting),
-                    current.deadline - now,
+                    duration(current.deadline - now),  # "24 h" where the server waits for every device (the demo)
                 )
                 last_note = now
             self.events.pump(min(0.1, max(0.0, current.deadline - time.monotonic())))

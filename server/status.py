@@ -37,6 +37,7 @@ from feast_edge.server.app import REGISTRY
 from feast_edge.server.coverage import holders
 from feast_edge.server.output import OWN_CAPTION, add_fleet_rows, personal_cell, served_cell
 from feast_edge.server.registry import Device, Registry
+from feast_edge.util.text import duration
 
 
 class StatusError(FeastError):
@@ -150,10 +151,7 @@ def _coverage_warnings(devices: list[Device], manifests: list[dict[str, Any]], c
 
 def ago(seconds: float) -> str:
     """``12 s ago``, ``3 min ago``, ``5 h ago``, ``2 d ago``."""
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= 1.5 * size:
-            return f"{seconds / size:.0f} {unit} ago"
-    return f"{max(0.0, seconds):.0f} s ago"
+    return f"{duration(seconds)} ago"
 
 
 def _pct(value: float | None) -> str:

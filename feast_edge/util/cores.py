@@ -72,7 +72,7 @@ def choose_threads(state: CoreState, fixed: int = 0) -> ThreadChoice:
         limit = f"a CPU quota of {state.quota:g} {of}"
     if state.declared is not None and 0 < state.declared < ceiling:
         ceiling, limit = state.declared, f"OMP_NUM_THREADS={state.declared} ({cores} cores)"
-    busy = min(cores, max(0, math.floor(max(0.0, state.others_busy) + 0.5 - 1e-9)))  # half a core busy counts as free
+    busy = min(cores, math.ceil(max(0.0, state.others_busy) - 0.5))  # half a core busy counts as free
     free = cores - busy
     threads = max(1, min(ceiling, free))
     if busy and free <= ceiling:

@@ -1,4 +1,5 @@
-"""Text from outside (a device's message, a file name) made safe for a one-line log or error: ``printable``."""
+"""Text for one log line: outside text (a device's message, a file name) made safe (``printable``), a duration in words
+(``duration``)."""
 
 from __future__ import annotations
 
@@ -9,3 +10,11 @@ def printable(text: str, limit: int = 300) -> str:
     cut = text[:limit]
     shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
     return shown + ("…" if len(text) > limit else "")
+
+
+def duration(seconds: float) -> str:
+    """``12 s``, ``3 min``, ``5 h``, ``2 d``: the largest unit of which ``seconds`` holds at least one and a half."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 1.5 * size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{max(0.0, seconds):.0f} s"
