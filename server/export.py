@@ -127,6 +127,7 @@ def export_device_models(
     progress: Callable[[str], None] | None = None,
     int8: Int8Settings = Int8Settings(),
     rule: str = "validated",
+    served: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Export every device's model into ``out/models``; returns the manifests (sorted by device id).
 
@@ -186,6 +187,8 @@ def export_device_models(
             **_int8_fields(meta, precision, refused),
             "bn_recalibrated": True,
             "rounds": rounds_done,
+            # The served weights' round of the run's rounds, and the rule's reason (feast_edge.evaluate.served_round).
+            "served_round": dict(served or {"round": rounds_done}),
             "checkpoint": checkpoint,
             "file": path.name,
             "size": len(blob),
@@ -233,6 +236,7 @@ def export_device_variants(
     statistics: Mapping[Arch, Calibrated] | None = None,
     int8: Int8Settings = Int8Settings(),
     serving: Mapping[str, Serving] | None = None,
+    served: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Every device's served variant as weights for the device to export (in the precision ``int8`` gives it); returns
     the manifests. ``serving``: each device's variant by the serving rule (None: its largest affordable).
@@ -291,6 +295,8 @@ def export_device_variants(
                 else {}
             ),
             "rounds": rounds_done,
+            # The served weights' round of the run's rounds, and the rule's reason (feast_edge.evaluate.served_round).
+            "served_round": dict(served or {"round": rounds_done}),
             "checkpoint": checkpoint,
             "file": path.name,
             "size": len(blob),

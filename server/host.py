@@ -19,6 +19,7 @@ from typing import Any
 from feast_edge.cache.variants import load_cache
 from feast_edge.evaluate.coverage import Serving
 from feast_edge.evaluate.evaluation import Validation
+from feast_edge.evaluate.served_round import served_record
 from feast_edge.run.checkpoint import load_supernet, read_record
 from feast_edge.run.collect import Collector
 from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop
@@ -194,7 +195,10 @@ class RunHost:
         devices = self.registry.devices()
         if not devices:
             raise ServerError(f"no device is registered in {self.out / REGISTRY}; nothing to export")
-        where = dict(federation=self.config.federation, rounds_done=rounds, checkpoint=source.name)
+        last = read_record(self.out / CHECKPOINT).get("fields", {}) if (self.out / CHECKPOINT).is_file() else {}
+        served = served_record(int(last.get("round", rounds)), last.get("best") or {})
+        log.info("serving %s (of %d rounds)", served["reason"], served["of"])
+        where = dict(federation=self.config.federation, rounds_done=rounds, checkpoint=source.name, served=served)
         int8 = Int8Settings(self.config.precision, self.config.int8_samples, self.config.int8_tolerance)
         if self.data is None:
             return export_device_variants(

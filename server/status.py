@@ -20,6 +20,7 @@ from typing import Any
 from rich.table import Table
 
 from feast_edge.errors import FeastError
+from feast_edge.evaluate.served_round import served_record
 from feast_edge.privacy.rounds import privacy_line, stored_privacy
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
@@ -66,6 +67,7 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
     history = fields.get("history", [])
     last = history[-1] if history else None
     best = fields.get("best") or None
+    chosen = None if best is None or "round" not in best else {**best, "round": best["round"] + shift}
     # Where the validation figures come from: the server's --data, or the devices' held-out splits (federated).
     where = run_validated_on({"kind": "federation", **fields})
     validation = next((h.get("validation") or {} for h in reversed(history) if h.get("val_accuracy") is not None), {})
@@ -107,9 +109,9 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
             "loss": last.get("loss"),
             "val_accuracy": last.get("val_accuracy"),
         },
-        "best": None
-        if best is None or "round" not in best
-        else {"round": best["round"] + shift, "val_accuracy": best.get("val_accuracy")},
+        "best": chosen,
+        # The weights a device would be served now: their round and why (feast_edge.evaluate.served_round).
+        "served": served_record(int(fields["round"]), chosen or {}) if fields.get("round") else None,
         "own_accuracy": fleet_accuracy(models.items()).to_dict() if models else None,
         "online": sum(d.status == "online" for d in devices),
         "devices": [
@@ -169,10 +171,13 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     else:
         state = "aggregated" if last["applied"] else "unchanged"
         progress = f"rounds: {rounds['completed']}/{rounds['total'] or '?'} completed; last, round {last['round']}: {state}, val {_pct(last['val_accuracy'])}"
+    served = status.get("served")
     best_line = (
-        "best validation accuracy: none yet"
-        if best is None
-        else f"best validation accuracy: {_pct(best['val_accuracy'])} (round {best['round']})"
+        "served: no round completed yet"
+        if served is None
+        else f"served: weights of round {served['round']} of {served['of']}"
+        + ("" if best is None else f", validation {_pct(best['val_accuracy'])}")
+        + f" ({served['reason']})"
     )
     words = (status.get("validation") or {}).get("words")
     own = status.get("own_accuracy")

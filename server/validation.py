@@ -7,7 +7,8 @@
       per answer:                Evaluated: (correct, total) per probe on the device's held-out split,
                                  each probe BN-recalibrated on the device's training split first
       -> per probe Σ correct / Σ total over the devices (sample-weighted); the round's validation accuracy is
-         the mean over the probes some device tested, and selects the best checkpoint as server-held data would
+         the mean over the probes some device tested; each device's result on its served variant votes on the
+         served round (feast_edge.evaluate.served_round)
 
 The probes are the server-held protocol's (``probe_indices`` over the cache) and give the round's figure; the
 served variants are tested beside them so that the serving rule (``feast_edge.evaluate.coverage``) can compare them,
@@ -25,14 +26,9 @@ from typing import Any
 import torch
 
 from feast_edge.cache.variants import CacheEntry, VariantCache
+from feast_edge.evaluate.device_validation import device_record, validation_targets
 from feast_edge.evaluate.evaluation import probe_indices
-from feast_edge.evaluate.federated import (
-    CALIBRATION,
-    DEFAULT_VAL_RULE,
-    MIN_SELECTING,
-    combine_counts,
-    robust_validation,
-)
+from feast_edge.evaluate.federated import CALIBRATION, DEFAULT_VAL_RULE
 from feast_edge.protocol import MAX_PROBES, Evaluate, RoutedRequest
 from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import encode
@@ -125,13 +121,9 @@ class FederatedValidation:
 
     def targets(self) -> list[CacheEntry]:
         """What a validation tests: the probes and the variants the registered devices are served, by MACs."""
-        served = {
-            self.cache.largest_affordable(d.budget_macs)
-            for d in self.devices.registry.devices()
-            if self.cache.affordable(d.budget_macs)
-        }
-        extra = sorted(served - set(self.probes), key=lambda e: e.macs, reverse=True)  # the largest first
-        return sorted([*self.probes, *extra[: max(0, MAX_PROBES - len(self.probes))]], key=lambda e: e.macs)
+        return validation_targets(
+            self.cache, self.probes, (d.budget_macs for d in self.devices.registry.devices()), MAX_PROBES
+        )
 
     def __call__(self, t: int, record: RoundRecord) -> float | None:
         online = set(self.devices.online())
@@ -201,54 +193,44 @@ class FederatedValidation:
             by_probe = {arch: c for arch, c in zip(affordable, counts)}
             reports[reply.device] = [by_probe.get(e.arch, (0, 0)) for e in targets]
         unsettled = exchange.close()
-        # The round's figure (and the checkpoint it selects) is the probes' as before; the served variants'
-        # points beside them feed the serving rule (feast_edge.evaluate.coverage.serving_choice).
-        base = [k for k, e in enumerate(targets) if e in self.probes]
-        result = robust_validation(
-            {d: [c[k] for k in base] for d, c in reports.items()}, len(base), self.rule, self.max_weight_ratio
+        served = {}
+        for device in reports:
+            registered = self.devices.registry.get(device)
+            if registered is not None and self.cache.affordable(registered.budget_macs):
+                served[device] = self.cache.largest_affordable(registered.budget_macs)
+        mixes = {d: self._holdout_mix(d) for d in reports}
+        result, record.validation = device_record(
+            reports, targets, self.probes, self.cache, served, mixes, self.rule, self.max_weight_ratio
         )
-        every = robust_validation(reports, len(targets), self.rule, self.max_weight_ratio)
-        combined = combine_counts(reports.values(), len(targets))
         accuracy = result.accuracy
-        labels = [f"variant {self.cache.entries.index(e)}" for e in targets]
-        points = {label: p for label, p in zip(labels, every.points) if p is not None}
+        points = record.validation["points"]
         self.last = points
         self.validated = [
-            {"label": label, "macs": e.macs, "params": e.params, "val_accuracy": points[label]}
-            for label, e in zip(labels, targets)
-            if label in points
-        ]
-        record.validation = {
-            "source": "devices",
-            "rule": self.rule,
-            "devices": sorted(reports),
-            "missing": sorted(set(asked) - set(reports)),
-            "samples": max((n for _, n in combined), default=0),
-            "points": points,
-            # Per target, the held-out examples behind its point (the serving rule's standard errors) and the devices
-            # whose held-out split tested it (the classes its validation covered).
-            "examples": {label: n for label, (_, n) in zip(labels, combined)},
-            "tested_by": {
-                label: sorted(d for d, c in reports.items() if c[k][1] > 0) for k, label in enumerate(labels)
-            },
-            "selects": result.selects,
-            "flagged": dict(sorted(result.flagged.items())),
-            "seconds": round(time.monotonic() - began, 3),
-        }
+            {"label": f"variant {self.cache.entries.index(e)}", "macs": e.macs, "params": e.params,
+             "val_accuracy": points[f"variant {self.cache.entries.index(e)}"]}
+            for e in targets
+            if f"variant {self.cache.entries.index(e)}" in points
+        ]  # fmt: skip
+        record.validation["missing"] = sorted(set(asked) - set(reports))
+        record.validation["seconds"] = round(time.monotonic() - began, 3)
         for device, why in sorted(result.flagged.items()):
             log.warning("round %d: %s's validation disagrees with the other devices: %s", t + 1, device, why)
+        for device, why in sorted(result.differs.items()):
+            log.info("round %d: %s's validation differs from the other devices': %s", t + 1, device, why)
         shown = "none" if accuracy is None else f"{100 * accuracy:.2f}%"
         log.info(
-            "round %d: federated validation (%s of %d device(s), %s held-out examples): %s%s%s",
+            "round %d: federated validation (%s of %d device(s), %s held-out examples): %s%s",
             t + 1,
             self.rule,
             len(reports),
             record.validation["samples"],
             shown,
-            ""
-            if result.selects or accuracy is None
-            else f"; shown, not used to choose the served round (fewer than {MIN_SELECTING} devices: the last "
-            "round is served unless a later validation can choose)",
             f"; no answer from {', '.join(unsettled.missing)}" if unsettled.missing else "",
         )
         return accuracy
+
+    def _holdout_mix(self, device: str) -> list[int]:
+        """The held-out examples per class ``device`` registered ([] when it registered none)."""
+        registered = self.devices.registry.get(device)
+        counts = registered.profile.get("holdout_counts") if registered is not None else None
+        return [int(n) for n in counts] if isinstance(counts, list) else []

@@ -14,9 +14,10 @@ device's own examples; no example leaves the device, only counts do.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -112,9 +113,10 @@ FLAG = 0.3
 class Validated:
     """A round's federated validation: per probe the figure, and what the devices' figures were worth.
 
-    ``selects``: whether the figure may choose the served checkpoint: the median of at least MIN_SELECTING devices,
-    which no single device moves outside the honest devices' range (with ``pooled``: any figure, as before).
-    ``flagged``: device -> why its figures disagree.
+    ``selects``: whether the figure is the median of at least MIN_SELECTING devices, which no single device moves
+    outside the honest devices' range (with ``pooled``: any figure). The served round is chosen apart from it, by each
+    device's figure on its served variant (feast_edge.evaluate.served_round).
+    ``flagged``: device -> why its figures disagree in a way its classes cannot explain (its report may be false).
     """
 
     points: list[float | None]
@@ -122,6 +124,7 @@ class Validated:
     selects: bool
     flagged: dict[str, str]
     selecting: float | None = None  # the figure that chooses: the mean over the probes enough devices tested
+    differs: dict[str, str] = field(default_factory=dict)  # device -> the disagreement its class mix explains
 
     @property
     def accuracy(self) -> float | None:
@@ -151,12 +154,15 @@ def robust_validation(
     probes: int,
     rule: str = DEFAULT_VAL_RULE,
     max_weight_ratio: float = 8.0,
+    mixes: Mapping[str, Sequence[int]] | None = None,
 ) -> Validated:
     """Per probe, the devices' held-out accuracies combined by ``rule``: ``median`` (each device one vote; the default)
-    or ``pooled`` (Σ correct / Σ total, each device's total capped at ``max_weight_ratio`` lower medians)."""
+    or ``pooled`` (Σ correct / Σ total, each device's total capped at ``max_weight_ratio`` lower medians).
+    ``mixes``: each device's held-out examples per class (what it registered), which may explain a disagreement."""
     if rule not in VAL_RULES:
         raise ValueError(f"--val-rule {rule!r} is unknown; choose one of {', '.join(VAL_RULES)}")
     testers = [sum(1 for counts in reports.values() if counts[k][1] > 0) for k in range(probes)]
+    answered = [d for d, counts in reports.items() if any(n > 0 for _, n in counts)]
     if rule == "pooled":
         pooled = combine_counts(capped_counts(reports, max_weight_ratio).values(), probes)
         points = [c / n if n > 0 else None for c, n in pooled]
@@ -165,27 +171,64 @@ def robust_validation(
         for k in range(probes):
             rates = sorted(counts[k][0] / counts[k][1] for counts in reports.values() if counts[k][1] > 0)
             points.append(statistics.median(rates) if rates else None)
-    tested = {d: [c / n for c, n in counts if n > 0] for d, counts in reports.items()}
-    means = {d: sum(v) / len(v) for d, v in tested.items() if v}
-    flagged = {}
-    if len(means) >= MIN_SELECTING:
-        for device, mean in means.items():
-            others = [m for d, m in means.items() if d != device]
-            middle = statistics.median(others)
-            spread = statistics.median(abs(m - middle) for m in others)
-            if abs(mean - middle) > max(FLAG, 3 * spread):
-                flagged[device] = (
-                    f"its held-out accuracy {100 * mean:.1f}% is far from the other devices' median "
-                    f"{100 * middle:.1f}% (its data differs from theirs, or its report is false)"
-                )
+    flagged, differs = disagreements(reports, probes, mixes or {})
     if rule == "pooled":  # the user's choice to trust the devices' counts (capped): it selects as server data would
-        return Validated(points, len(means), bool(means), flagged)
+        return Validated(points, len(answered), bool(answered), flagged, differs=differs)
     # A probe fewer than MIN_SELECTING devices tested (a large variant few can run) has a median two devices decide:
     # the figure that chooses the served round is the mean over the probes enough devices tested.
     decided = [p for p, n in zip(points, testers) if p is not None and n >= MIN_SELECTING]
     if decided:
-        return Validated(points, len(means), True, flagged, sum(decided) / len(decided))
-    return Validated(points, len(means), False, flagged)
+        return Validated(points, len(answered), True, flagged, sum(decided) / len(decided), differs)
+    return Validated(points, len(answered), False, flagged, differs=differs)
+
+
+def class_distance(mix: Sequence[int], others: Sequence[int]) -> float:
+    """Total-variation distance between two class mixes (examples per class): an upper bound on how far any model's
+    accuracy can differ between them (|Σ (p_k - q_k) a_k| <= TV for per-class accuracies a_k in [0, 1])."""
+    a, b = sum(mix), sum(others)
+    if not a or not b or len(mix) != len(others):
+        return 0.0
+    return 0.5 * sum(abs(x / a - y / b) for x, y in zip(mix, others))
+
+
+def disagreements(
+    reports: Mapping[str, Sequence[tuple[int, int]]], probes: int, mixes: Mapping[str, Sequence[int]]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The devices whose held-out accuracy sits more than FLAG (and 3 median deviations) from the other devices' median,
+    on the probes every device tested: (those their class mix cannot explain, those it can).
+
+    A device's class mix explains a gap up to the total-variation distance between its held-out classes and the
+    others' pooled (:func:`class_distance`), plus two standard errors of its figure.
+    """
+    common = [k for k in range(probes) if all(counts[k][1] > 0 for counts in reports.values())] or range(probes)
+    sums = {d: [(c, n) for k, (c, n) in enumerate(counts) if k in common and n > 0] for d, counts in reports.items()}
+    means = {d: sum(c / n for c, n in v) / len(v) for d, v in sums.items() if v}
+    flagged: dict[str, str] = {}
+    differs: dict[str, str] = {}
+    if len(means) < MIN_SELECTING:
+        return flagged, differs
+    for device, mean in means.items():
+        others = [m for d, m in means.items() if d != device]
+        middle = statistics.median(others)
+        spread = statistics.median(abs(m - middle) for m in others)
+        gap = abs(mean - middle)
+        if gap <= max(FLAG, 3 * spread):
+            continue
+        said = f"its held-out accuracy {100 * mean:.1f}% is far from the other devices' median {100 * middle:.1f}%"
+        mix = mixes.get(device)
+        pooled = [sum(col) for col in zip(*(m for d, m in mixes.items() if d != device and d in means))]
+        examples = max((n for _, n in sums[device]), default=0)
+        noise = 2 * math.sqrt(max(mean * (1 - mean), 1e-12) / examples) if examples else 1.0
+        distance = class_distance(mix, pooled) if mix and pooled else 0.0
+        if mix and pooled and gap <= distance + noise:
+            held = sum(1 for n in mix if n > 0)
+            mine = f"it holds {held} of {len(mix)}" if held < len(mix) else f"its mix is {distance:.2f} from theirs"
+            differs[device] = f"its classes differ: {mine} ({said})"
+        elif mix and pooled:
+            flagged[device] = f"{said}: its class mix cannot explain the gap, its report may be false"
+        else:  # no class counts registered (an older agent): nothing tells the two apart
+            flagged[device] = f"{said} (its data differs from theirs, or its report is false)"
+    return flagged, differs
 
 
 def federated_accuracy(combined: Sequence[tuple[int, int]]) -> float | None:

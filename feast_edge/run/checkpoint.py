@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,19 @@ def _check_content(path: str | os.PathLike[str], record: dict[str, Any], state: 
         raise CheckpointError(
             f"checkpoint {path} holds NaN or infinite values (in {len(broken)} tensors, e.g. {broken[0]}); it cannot be resumed or exported"
         )
+
+
+def keep_previous(current: Path, previous: Path) -> None:
+    """Keep ``current`` as ``previous`` before it is replaced: a hard link (no copy), the new file is then written beside it."""
+    if not current.is_file():
+        return
+    staging = previous.with_name(previous.name + ".tmp")
+    staging.unlink(missing_ok=True)
+    try:
+        os.link(current, staging)
+    except OSError:  # a file system without hard links: copy instead
+        shutil.copyfile(current, staging)
+    os.replace(staging, previous)
 
 
 def read_record(path: str | os.PathLike[str], format: str | None = FORMAT) -> dict[str, Any]:

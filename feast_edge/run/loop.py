@@ -6,7 +6,8 @@
         plans   = {c: plan_client(cache, collector.budget(c))}
         got     = collector.collect(t, cohort, plans, global_state, lr)   # in process, or over MQTT
         >= min_clients valid updates: aggregate_updates (in place, client-id order, settings.aggregation); else unchanged
-        every eval_every rounds: validate the probe variants (BN-recalibrated, method §8), keep best.safetensors
+        every eval_every rounds: validate (BN-recalibrated, method §8); best.safetensors holds the served round's
+            weights: on server data the best validation, validated by devices the newest without a regression
         checkpoint.safetensors (atomic): weights, round, history, best, the caller's extra fields
 
 Only the :class:`Collector` differs between simulation and deployment, so the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,12 +34,14 @@ from feast_edge.aggregate.weights import bounded_weights
 from feast_edge.cache.variants import VariantCache
 from feast_edge.errors import CheckpointError
 from feast_edge.evaluate.evaluation import Validation
+from feast_edge.evaluate.served_round import best_after
 from feast_edge.local.recipe import scheduled_lr
 from feast_edge.privacy.rounds import BudgetReached, PrivateRounds
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.run.checkpoint import (
     FORMAT,
     MODEL_FORMAT,
+    keep_previous,
     load_module,
     load_supernet,
     read_record,
@@ -96,7 +98,8 @@ class RoundRecord:
     seconds: float = 0.0  # the whole round, from cohort sampling to the aggregated model
     val_accuracy: float | None = None
     # Federated validation (a server without data): {"source": "devices", "devices": [...], "samples": n,
-    # "points": {label: accuracy}, "selects": whether it may choose the best checkpoint, "flagged": {device: why}}; empty where the validation split is server-held (or there was none).
+    # "points": {label: accuracy}, "flagged": {device: why}, "served": {device: [variant, correct, total]},
+    # "served_round", "served_reason"} (feast_edge.evaluate.device_validation, .served_round); empty where the validation split is server-held (or there was none).
     validation: dict[str, Any] = field(default_factory=dict)
     dp: dict[str, Any] = field(default_factory=dict)  # DP runs: population, cohort (sizes), epsilon after it, delta
 
@@ -138,19 +141,6 @@ class RoundMethod(Protocol):
         self, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], names: Sequence[str]
     ) -> dict[str, torch.Tensor]:
         """Per tensor of ``names``: the positions the valid updates covered (a server optimizer steps only there)."""
-
-
-def _keep_previous(current: Path, previous: Path) -> None:
-    """Keep ``current`` as ``previous`` before it is replaced: a hard link (no copy), the new file is then written beside it."""
-    if not current.is_file():
-        return
-    staging = previous.with_name(previous.name + ".tmp")
-    staging.unlink(missing_ok=True)
-    try:
-        os.link(current, staging)
-    except OSError:  # a file system without hard links: copy instead
-        shutil.copyfile(current, staging)
-    os.replace(staging, previous)
 
 
 class RunLoop:
@@ -213,7 +203,7 @@ class RunLoop:
     # ------------------------------------------------------------------ checkpoints
     def save(self, name: str) -> None:
         if name == CHECKPOINT:
-            _keep_previous(self.out / CHECKPOINT, self.out / PREVIOUS)
+            keep_previous(self.out / CHECKPOINT, self.out / PREVIOUS)
         fields = dict(
             kind=self.kind,
             fingerprint=self.fingerprint,
@@ -419,14 +409,7 @@ class RunLoop:
                 elif self.validator is not None:
                     record.val_accuracy = self.validator(t, record)
             self.history.append(record)
-            # Federated validation may show a figure that must not choose the served round (too few devices agree).
-            selects = record.validation.get("selects", True)
-            if (
-                selects
-                and record.val_accuracy is not None
-                and record.val_accuracy > self.best.get("val_accuracy", -1.0)
-            ):
-                self.best = {"round": t + 1, "val_accuracy": record.val_accuracy}
+            if self.choose_served(record):
                 self.save(BEST)
             self.save(CHECKPOINT)
             if on_round is not None:
@@ -434,6 +417,28 @@ class RunLoop:
             if stop_after is not None and t + 1 >= stop_after:
                 break
         return self.history
+
+    def choose_served(self, record: RoundRecord) -> bool:
+        """Update ``best`` (the served round and why) after ``record``; True when its weights became the served ones.
+
+        Validated by the devices (a server without data): the newest round unless its devices' served variants
+        regressed (feast_edge.evaluate.served_round); on server-held data: the best validation accuracy.
+        """
+        if record.validation.get("source") == "devices":
+            validated = [
+                (h.round, h.validation, h.val_accuracy) for h in self.history if h.validation.get("source") == "devices"
+            ]
+            best = best_after(validated)
+            self.best = best or self.best
+            return best.get("round") == record.round
+        if record.val_accuracy is None or record.val_accuracy <= self.best.get("val_accuracy", -1.0):
+            return False
+        self.best = {
+            "round": record.round,
+            "val_accuracy": record.val_accuracy,
+            "reason": f"round {record.round}: the best validation accuracy on the server's data so far",
+        }
+        return True
 
     @property
     def finished(self) -> bool:

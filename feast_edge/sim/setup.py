@@ -43,6 +43,7 @@ _SERVER_OPT = ("server_opt", "server_lr", "server_momentum", "server_betas", "se
 # Stream tags of the one-off random draws (rounds use feast_edge.run.cohort's streams).
 _SPLIT, _POPULATION = 11, 12
 HOLDOUT_SEED = 0  # the seed of each client's held-out split: the device agent's (LocalClient.with_holdout)
+VALIDATE_ON = ("server", "devices")  # --validate-on
 DEFAULT_HOLDOUT = 0.1  # --holdout with --personalize: the device agent's share of its own data
 
 
@@ -104,6 +105,9 @@ class SimulationConfig:
     # After the last round, each client's personal model (feast_edge.personalize): auto, off, METHOD or METHOD:STRENGTH.
     personalize: str = "off"
     holdout: float = 0.0  # each client's held-out share of its shard (never trains), which personalize measures on
+    # Who validates (checkpoint selection): the server's held split, or the cohort's held-out splits (a server without
+    # data: the served-round rule, feast_edge.evaluate.served_round).
+    validate_on: str = "server"
     # Client-level differential privacy (feast_edge.privacy, docs/privacy.md): dp_clip and dp_noise together, or neither.
     dp_clip: float | None = None
     dp_noise: float | None = None
@@ -202,11 +206,20 @@ class SimulationConfig:
             raise SimulationError(
                 f"--holdout {self.holdout!r} must be a fraction between 0 and {MAX_HOLDOUT}, e.g. --holdout 0.1"
             )
+        if self.validate_on not in VALIDATE_ON:
+            raise SimulationError(
+                f"--validate-on {self.validate_on!r} is unknown; choose one of {', '.join(VALIDATE_ON)}"
+            )
+        if self.validate_on == "devices" and (self.method != "feast" or not self.holdout):
+            raise SimulationError(
+                "--validate-on devices validates FEAST's variants on each client's held-out split: use --method feast "
+                "and --holdout > 0 (e.g. 0.1)"
+            )
         if choice.method == "off":
-            if self.holdout:
+            if self.holdout and self.validate_on != "devices":
                 raise SimulationError(
-                    f"--holdout {self.holdout:g} holds out examples that only --personalize measures on; "
-                    "add --personalize auto (or METHOD), or drop --holdout"
+                    f"--holdout {self.holdout:g} holds out examples that only --personalize and --validate-on devices "
+                    "measure on; add --personalize auto (or METHOD) or --validate-on devices, or drop --holdout"
                 )
             return
         if self.method != "feast":
@@ -239,6 +252,7 @@ class SimulationConfig:
         skip += tuple(f for f in asdict(self) if f.startswith("dp_"))  # recorded below, resolved, only when DP is on
         skip += ("personalize",)  # what happens after the last round: the weights and the selection are the same
         skip += ("holdout",) if not self.holdout else ()  # a held-out split changes the training data
+        skip += ("validate_on",) if self.validate_on == "server" else ()  # earlier runs keep their fingerprints
         data = {
             k: v for k, v in asdict(self).items() if k not in skip
         }  # float32 training keeps earlier runs' fingerprints

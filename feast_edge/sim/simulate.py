@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.evaluate.evaluation import Validation, population_accuracy
+from feast_edge.evaluate.served_round import served_record
 from feast_edge.privacy.rounds import privacy_summary
 from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.sim.collect import InProcessCollector
+from feast_edge.sim.device_validation import InProcessValidation
 from feast_edge.sim.population import Population
 from feast_edge.sim.registry import method_class
 from feast_edge.sim.setup import Setup, SimulationConfig, SimulationError, build_setup
@@ -46,6 +48,7 @@ class RoundProgress:
     loss: float
     val_accuracy: float | None
     best_val: float | None
+    served_round: int | None = None  # --validate-on devices: the round served so far (feast_edge.evaluate.served_round)
 
 
 class Simulation:
@@ -73,6 +76,7 @@ class Simulation:
         self.model = self.method.model
         s = self.setup
         _, schedule = config.recipe_settings()
+        on_devices = config.validate_on == "devices"
         settings = RunSettings(
             rounds=config.rounds,
             per_round=config.per_round,
@@ -99,11 +103,20 @@ class Simulation:
             kind=KIND,
             fingerprint=config.fingerprint(),
             config=config.decisive(),
-            validation=Validation(s.calibration_images(), *s.validation_data()),
+            validation=None if on_devices else Validation(s.calibration_images(), *s.validation_data()),
             method=self.method,
             model_record=None if self.method.supernet else self.method.model_record(),
+            validator=None if not on_devices else self._device_validation(),
         )
         self.collector = InProcessCollector(s, self.method, self_reported=config.max_weight_ratio > 0)
+
+    def _device_validation(self) -> InProcessValidation:
+        """--validate-on devices: each round's cohort tests the model on its held-out splits (a server without data)."""
+        c, s = self.config, self.setup
+        budgets = {cid: float(b) for cid, b in zip(s.client_ids, s.population.budgets)}
+        return InProcessValidation(
+            s, self.model, s.cache, budgets, probes=c.probe_variants, calibration=c.calib_samples, device=c.device
+        )
 
     @property
     def history(self) -> list[RoundRecord]:
@@ -157,7 +170,12 @@ class Simulation:
             if on_round is not None:
                 on_round(
                     RoundProgress(
-                        record.round, rounds, record.loss or 0.0, record.val_accuracy, self.best.get("val_accuracy")
+                        record.round,
+                        rounds,
+                        record.loss or 0.0,
+                        record.val_accuracy,
+                        self.best.get("val_accuracy"),
+                        self.best.get("round") if self.config.validate_on == "devices" else None,
                     )
                 )
 
@@ -208,6 +226,7 @@ class Simulation:
             "config": {**asdict(cfg), "train": cfg.train_config().settings(), "lr_schedule": cfg.recipe_settings()[1]},
             "preset": self.preset.name,
             "best": self.best,
+            "served_round": served_record(len(self.history), self.best),
             "population": population_summary(s.population),
             "population_accuracy": population_accuracy(served, accs),
             "variants": variants,

@@ -20,6 +20,9 @@ from rundirs import (
     HELD_OUT,
     HOLDOUT_ACCURACY,
     PERSONAL_ACCURACY,
+    TUNED,
+    TUNED_CLASSES,
+    TUNED_WORDS,
     add_personal_fleet,
     federation_run,
     register_device,
@@ -91,7 +94,8 @@ def test_status_lists_devices_rounds_and_the_best_round(server_cli, run_dir: Pat
     assert result.returncode == 0, result.stderr
     assert f"run {run_dir}: federation 'lab', preset test-tiny" in result.stdout
     assert "rounds: 2/3 completed; last, round 2: unchanged, val 35.00%" in result.stdout
-    assert "best validation accuracy: 40.00% (round 1)" in result.stdout
+    # A record from before the served-round rule (no reason stored): the best validation accuracy's round.
+    assert "served: weights of round 1 of 2, validation 40.00% (round 1: the best validation accuracy)" in result.stdout
     assert "devices: 1 of 2 online" in result.stdout
     device, host, status, seen, budget, precision, samples, rounds, profile = _row(result.stdout, "pi-5")
     assert (device, host, status, budget, precision, samples, rounds, profile) == (
@@ -285,3 +289,34 @@ def test_status_names_the_coverage_warnings_classes_where_the_runs_preset_file_d
     # The names the run recorded; a run written before they were recorded has none to give.
     assert solo == (["solo holds one class only (T-shirt_top): its updates teach the model to answer T-shirt_top "
                      "whatever it sees"] if recorded else [])  # fmt: skip
+
+
+def _cell(stdout: str, device: str, column: int) -> str:
+    """The text of one cell of ``device``'s row, over the lines it folds onto."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"│ {device} "))
+    words = []
+    for line in lines[start:]:
+        cells = [cell.strip() for cell in line.strip("│").split("│")]
+        if not line.startswith("│") or (line is not lines[start] and cells[0]):
+            break
+        words.append(cells[column])
+    return " ".join(w for w in words if w)
+
+
+def test_status_names_the_classes_a_personal_model_was_tuned_to(server_cli, tmp_path: Path) -> None:
+    preset = load_preset_file(TINY_PRESET)
+    out = add_personal_fleet(federation_run(tmp_path / "fed", preset, federated=True), preset, TUNED)
+    result = server_cli.invoke("status", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert _cell(result.stdout, "jetson-shirts", 10) == f"100.00% (prior τ=1; {TUNED_WORDS})"
+    assert _cell(result.stdout, "pi-5", 10) == f"{100 * PERSONAL_ACCURACY:.2f}% (prior τ=1)"  # a report from before
+    assert _cell(result.stdout, "liar-classes", 10) == "invalid report (personal_classes)"
+    status = json.loads(server_cli.invoke("status", "--out", str(out), "--json").stdout)
+    models = {d["device"]: d["model"] for d in status["devices"]}
+    assert (models["jetson-shirts"]["personal_classes"], models["jetson-shirts"]["personal_task_classes"]) == (
+        TUNED_CLASSES,
+        10,
+    )
+    assert models["jetson-shirts"]["personal_tuned"] == TUNED_WORDS
+    assert (models["pi-5"]["personal_classes"], models["pi-5"]["personal_tuned"]) == (None, "")

@@ -104,16 +104,18 @@ def test_the_median_of_the_devices_is_not_moved_by_a_liar_and_names_it(tmp_path:
     accuracy = validator(0, record)
     # Four votes: the middle two are honest (ann's and cat's), so the liar moves the figure only inside their range.
     assert accuracy == pytest.approx((12.5 / 30 + 15.5 / 30 + 18.5 / 30) / 3)
-    assert record.validation["selects"] and record.validation["rule"] == "median"
+    assert record.validation["rule"] == "median"
     assert list(record.validation["flagged"]) == ["mallory"]
 
 
-def test_two_devices_validate_but_do_not_choose_the_served_round(tmp_path: Path) -> None:
+def test_each_device_reports_its_served_variant_for_the_served_round(tmp_path: Path) -> None:
     validator, _, script = _validator(tmp_path, {"ann": (40_000_000, 30), "mallory": (40_000_000, 30)})
     sent, answer = _answering(validator)
     script.steps = [lambda: answer("ann", [(12, 30)] * 3), lambda: answer("mallory", [(30, 30)] * 3)]
     record = RoundRecord(round=1, lr=0.1, cohort=["ann", "mallory"])
-    assert validator(0, record) == pytest.approx((0.4 + 1.0) / 2) and record.validation["selects"] is False
+    assert validator(0, record) == pytest.approx((0.4 + 1.0) / 2)
+    served = f"variant {CACHE.entries.index(CACHE.largest_affordable(40_000_000))}"
+    assert record.validation["served"] == {"ann": [served, 12, 30], "mallory": [served, 30, 30]}
 
 
 def test_without_a_device_that_holds_out_there_is_no_validation(tmp_path: Path) -> None:

@@ -1,0 +1,86 @@
+"""``simulate --validate-on devices``: each round's cohort validates the model on its own held-out splits, in process,
+as a server without data has its devices do (server/validation.py), through the same core functions.
+
+    per cohort client:  held_out_counts(global model, the targets its budget affords, its training split, its held-out
+                        split): each variant BN-recalibrated on its training examples (class-balanced), then tested
+    -> device_record(...): the round's figure, the flags and each client's figure on its served variant, which vote on
+       the served round (feast_edge.evaluate.served_round)
+
+A client evaluates the variants its budget affords (an agent's ``--evaluate-up-to serving``); the routed slice it
+would receive holds exactly those variants' weights, so testing them on the global model gives the same counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from feast_edge.cache.variants import VariantCache
+from feast_edge.evaluate.device_validation import device_record, validation_targets
+from feast_edge.evaluate.evaluation import probe_indices
+from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, Validated, held_out_counts
+from feast_edge.run.loop import RoundRecord
+from feast_edge.sim.setup import Setup
+from feast_edge.space.supernet import Supernet
+
+
+class InProcessValidation:
+    """``validator(t, record)`` for the run loop: the round's cohort tests the global model on its held-out splits."""
+
+    def __init__(
+        self,
+        setup: Setup,
+        model: Supernet,
+        cache: VariantCache,
+        budgets: dict[str, float],
+        *,
+        probes: int = 3,
+        calibration: int = 500,
+        device: str = "cpu",
+        rule: str = DEFAULT_VAL_RULE,
+    ) -> None:
+        self.setup, self.model, self.cache, self.budgets = setup, model, cache, budgets
+        self.probes = [cache.entries[i] for i in probe_indices(len(cache), probes)]
+        self.targets = validation_targets(cache, self.probes, budgets.values())
+        self.calibration, self.device, self.rule = calibration, device, rule
+        self.reports: dict[int, dict[str, list[tuple[int, int]]]] = {}  # 1-based round -> the clients' counts
+        self.mixes: dict[str, list[int]] = {}  # client -> its held-out examples per class
+
+    def __call__(self, t: int, record: RoundRecord) -> float | None:
+        reports: dict[str, list[tuple[int, int]]] = {}
+        mixes: dict[str, list[int]] = {}
+        classes = self.setup.preset.classes
+        self.model.eval()
+        for client in record.cohort:
+            held_images, held_labels = self.setup.client_holdout(client)
+            if held_labels.numel() == 0:
+                continue
+            images, labels = self.setup.client_data(client)
+            affordable = [e for e in self.targets if e.macs <= self.budgets[client]]
+            counts = held_out_counts(
+                self.model,
+                [e.arch for e in affordable],
+                images,
+                held_images,
+                held_labels,
+                self.calibration,
+                self.device,
+                train_labels=labels,
+            )
+            by_target = dict(zip(affordable, counts))
+            reports[client] = [by_target.get(e, (0, 0)) for e in self.targets]
+            mixes[client] = torch.bincount(held_labels, minlength=classes).tolist()
+        if not reports:
+            return None
+        self.reports[record.round] = reports
+        self.mixes.update(mixes)
+        result, record.validation = self.record(reports)
+        record.validation["missing"] = []
+        return result.accuracy
+
+    def record(self, reports: dict[str, list[tuple[int, int]]]) -> tuple[Validated, dict[str, Any]]:
+        """The round's figure and validation record from the clients' counts (a benchmark may replay altered ones)."""
+        served = {c: self.cache.largest_affordable(self.budgets[c]) for c in reports}
+        mixes = {c: self.mixes[c] for c in reports}
+        return device_record(reports, self.targets, self.probes, self.cache, served, mixes, self.rule, 0.0)
