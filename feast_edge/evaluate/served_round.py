@@ -149,7 +149,7 @@ def served_round(history: Sequence[tuple[int, Mapping[str, Any]]], margin: float
 def best_after(validated: Sequence[tuple[int, dict[str, Any], float | None]]) -> dict[str, Any]:
     """The run loop's ``best`` after device validations ((round, validation record, its figure), the newest last):
     {"round", "val_accuracy", "reason"}, {} while none chose; stamps the newest record with the choice and why."""
-    choice = served_round([(r, v) for r, v, _ in validated])
+    choice = served_round([(r, v) for r, v, _ in validated if v.get("source") == "devices"])
     newest = validated[-1][1]
     newest["served_round"], newest["served_reason"] = choice.round, choice.reason
     if choice.distrusted:

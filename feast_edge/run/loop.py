@@ -425,10 +425,7 @@ class RunLoop:
         regressed (feast_edge.evaluate.served_round); on server-held data: the best validation accuracy.
         """
         if record.validation.get("source") == "devices":
-            validated = [
-                (h.round, h.validation, h.val_accuracy) for h in self.history if h.validation.get("source") == "devices"
-            ]
-            best = best_after(validated)
+            best = best_after([(h.round, h.validation, h.val_accuracy) for h in self.history if h.validation])
             self.best = best or self.best
             return best.get("round") == record.round
         if record.val_accuracy is None or record.val_accuracy <= self.best.get("val_accuracy", -1.0):
