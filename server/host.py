@@ -148,6 +148,11 @@ class RunHost:
                     len(record.cohort),
                     cfg.min_clients,
                 )
+            if record.validation.get("served_reason"):
+                log.info("round %d: serving %s", record.round, record.validation["served_reason"])
+            for device, why in sorted((record.validation.get("distrusted") or {}).items()):
+                if why.startswith(f"round {record.round}:"):  # named once, in the round that found it out
+                    log.warning("%s is distrusted since %s", device, why)
             if self.on_round is not None:
                 self.on_round(record, cfg.rounds)
             if finished_round is not None:

@@ -1,7 +1,7 @@
 """A provisioned device that lies (issue 35): its own bundle, TLS, every message signed with its own key, over a real
 Mosquitto, beside three honest devices, against a server without data. It reports false BN statistics (10⁶, zero
-variances, or means shifted by 3σ with variances x 0.25) and held-out accuracies of 100 % then 0 %. Each lie is refused or outvoted, the liar is named in the server's log, and the honest
-devices' served models hold the honest devices' statistics (or, where no majority can tell, their own).
+variances, or means shifted by 3σ with variances x 0.25) and held-out accuracies of 100 % then 0 %. Each lie is refused or outvoted, the liar is named in the server's log (and distrusted for the served round),
+and the honest devices' served models hold the honest devices' statistics (or, where no majority can tell, their own).
 
 Agents run in this process (threads), so that one of them can be made to lie: ``answer_calibration`` and
 ``answer_evaluation`` are wrapped for device ``mallory`` only; everything it sends still goes through its agent, its
@@ -25,6 +25,7 @@ from feast_edge.agent.local_data import LocalClient
 from feast_edge.cache.variants import load_cache
 from feast_edge.data.images import load_fashion_mnist
 from feast_edge.evaluate.bn_stats import STATISTICS_FORMAT
+from feast_edge.evaluate.served_round import served_round
 from feast_edge.protocol import Evaluated
 from feast_edge.space.preset import load_preset
 from feast_edge.transport.credentials import load_credentials
@@ -155,7 +156,27 @@ def test_a_provisioned_liar_is_outvoted_refused_and_named(
     assert first["rule"] == "median" and "mallory" in first["flagged"]
     assert "mallory's validation disagrees with the other devices" in log
     assert history[0].val_accuracy < 0.9  # the honest devices' figure, not the liar's 100 %
-    combined = [line.split("device(s) (")[1].split(")")[0] for line in log.splitlines() if "device(s) (" in line]
+    # The served round: mallory's 100 % -> 0 % against the others' trend gets it distrusted (named once) and it no
+    # longer votes; no honest device is ever called possibly false; the round served is the one the honest devices'
+    # votes alone choose, and every manifest names it.
+    assert (
+        history[1].validation["distrusted"]["mallory"].startswith("round 2: its held-out accuracy went 100.0% -> 0.0%")
+    )
+    assert "mallory is distrusted since round 2" in log
+    assert all(set(h.validation["flagged"]) <= {"mallory"} for h in history)
+    honest = [
+        (h.round, {**h.validation, "served": {d: f for d, f in h.validation["served"].items() if d != "mallory"}})
+        for h in history
+    ]
+    chosen = served_round(honest).round
+    assert history[-1].validation["served_round"] == chosen
+    assert {m["served_round"]["round"] for m in manifests.values()} == {chosen}
+    assert f"round 2: serving round {chosen}" in log
+    combined = [
+        line.split("device(s) (")[1].split(")")[0]
+        for line in log.splitlines()
+        if "BN statistics of" in line and "device(s) (" in line
+    ]
     assert "refused the BN statistics of mallory" in log
     if kind == "shifted":
         # Four voters on every served variant: the liar is refused everywhere, its own variant included, and every
