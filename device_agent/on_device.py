@@ -60,6 +60,20 @@ class OnDeviceError(FeastError):
     """What the server sent cannot be evaluated or calibrated here."""
 
 
+def served_round_words(manifest: dict[str, Any]) -> str:
+    """``; the weights of round 8 of 20 (<why>)`` from a server's manifest ('' from servers before the served round)."""
+    served = manifest.get("served_round")
+    if (
+        not isinstance(served, dict)
+        or not isinstance(served.get("round"), int)
+        or not isinstance(served.get("of"), int)
+    ):
+        return ""
+    reason = served.get("reason")
+    words = f"; the weights of round {served['round']} of {served['of']}"
+    return words + (f" ({reason[:300]})" if isinstance(reason, str) and reason else "")
+
+
 def _routed_model(message: RoutedRequest, payload: bytes, preset: Preset) -> tuple[ClientPlan, Supernet]:
     """The plan ``message`` carries and its routed sub-supernet holding ``payload`` (decoded and checked against it)."""
     plan = message.client_plan(preset)
@@ -344,7 +358,7 @@ def calibrate_served_variant(
     }
     log.info(
         "exported the model of %s (BN %s) to %s (%s MACs, %s): held-out accuracy %s on %d examples, "
-        "onnxruntime latency %.3f ms",
+        "onnxruntime latency %.3f ms%s",
         data.device_id,
         f"calibrated on {seen} of its examples" if where == "device" else f"of the federation's data, {seen} examples",
         path,
@@ -353,6 +367,7 @@ def calibrate_served_variant(
         "-" if math.isnan(accuracy) else f"{100 * accuracy:.2f}%",
         data.holdout,
         latency["median_ms"],
+        served_round_words(manifest),
     )
     if personalize is not None:
         metrics.update(

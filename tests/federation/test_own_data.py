@@ -160,6 +160,7 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
         log = kit.log_text(agents[device])
         # Labels by class name: each device holds its own classes, at the task's indices.
         assert f"{len(classes)} of the task's 10 classes" in log, log[-2000:]
+        assert f"; the weights of round {choice.round} of 2 ({choice.reason})" in log  # the served round, said
         manifest = json.loads((models / f"{device}.json").read_text())
         meta = read_metadata(models / f"{device}.onnx")
         held_out = 4 * len(classes)
