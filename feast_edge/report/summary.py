@@ -173,11 +173,12 @@ def federation_blocks(runs: Sequence[FederationRun]) -> list[Block]:
             r.federation or "—",
             (r.validation or "—").removeprefix("validation: "),
             f"{r.rounds}/{r.rounds_total or '?'}",
-            _percent(r.best_val) + ("" if r.best_round is None else f" (round {r.best_round})"),
+            "last" if r.best_round is None else str(r.best_round),
+            _percent(r.best_val),
         )
         for r in runs
     )
-    header = ("directory", "federation", "validation", "rounds", "best val. acc. (%)")
+    header = ("directory", "federation", "validation", "rounds", "served round", "its val. acc. (%)")
     blocks: list[Block] = [
         Heading(2, "Federations"),
         Text(
@@ -187,7 +188,11 @@ def federation_blocks(runs: Sequence[FederationRun]) -> list[Block]:
         Table(header, rows, left=3),
     ]
     for r in runs:
-        blocks += [Heading(3, str(r.directory)), Text("; ".join(filter(None, (r.validation, r.calibration))) or "—")]
+        served = f"served: {r.served_reason}" if r.served_reason else None
+        blocks += [
+            Heading(3, str(r.directory)),
+            Text("; ".join(filter(None, (r.validation, r.calibration, served))) or "—"),
+        ]
         if r.models:
             models = tuple(
                 (
