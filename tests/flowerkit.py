@@ -289,7 +289,7 @@ def loopback_federation(kit, out: Path, data: Path | str, grid: LoopbackGrid, **
         "seed": kit.CONFIG.seed,
         "batch_size": kit.CONFIG.batch_size,
         "eval_every": 1,
-        "data": str(data),
+        "data": str(data) or None,  # "": a server without data (as the run config's data = "")
         "wait_timeout": 5.0,
         **changes,
     }

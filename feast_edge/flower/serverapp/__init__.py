@@ -7,6 +7,10 @@
               collect(t, ...)  per cohort node a "train" Message: RoundStart (ConfigRecord), routed slice (ArrayRecord);
                                each reply checked (records.read_arrays, the update-norm bound) -> ClientUpdate,
                                or declined / rejected / incomplete with its reason; the run goes on
+      validate (run config data = ""; every eval-every rounds and the last): per cohort node with a held-out split
+              an "evaluate" Message (validation_records: its routed slice, the targets it may evaluate); its counts
+              back -> record.validation (source "devices"), whose per-node served figures choose the served round
+              (FlowerValidation; feast_edge.evaluate.served_round)
       export: each registered node's largest affordable variant (ONNX with the server's data) in out-dir/models
       personalize (run config personalize, default off): per accepted node an "evaluate" Message with its served
               variant; the node's personalization step's held-out counts back -> out-dir/personalization.json
@@ -26,6 +30,7 @@ from feast_edge.flower import log_to_stderr, records
 from feast_edge.flower.serverapp.collector import FlowerCollector, NodeBook
 from feast_edge.flower.serverapp.personal import personalize_nodes
 from feast_edge.flower.serverapp.run_config import personalize_choice, server_config
+from feast_edge.flower.serverapp.validation import FlowerValidation
 from feast_edge.run.loop import RoundRecord
 from feast_edge.server.collect import RoundTerms
 from feast_edge.server.config import ServerConfig, ServerError
@@ -40,7 +45,7 @@ class FlowerFederation(RunHost):
     """A federation run whose devices are Flower SuperNodes (see the module docstring)."""
 
     def __init__(self, config: ServerConfig, grid: Grid) -> None:
-        super().__init__(config, on_round=_print_round)
+        super().__init__(config, on_round=_print_round, validator=self._validate_on_nodes)
         self.devices = DeviceBook(
             self.registry,
             self.preset,
@@ -63,17 +68,51 @@ class FlowerFederation(RunHost):
             max_update_norm=config.max_update_norm,
         )
         self.collector = FlowerCollector(grid, self.nodes, terms, config)
+        # Without server data the cohort nodes validate on their held-out splits (the run loop calls it).
+        self.validation = FlowerValidation(
+            self.nodes,
+            self.preset,
+            self.cache,
+            self.model,
+            probes=config.probe_variants,
+            calibration=config.calib_samples,
+            payload_dtype=terms.payload_dtype,
+            rule=config.val_rule,
+            max_weight_ratio=config.max_weight_ratio,
+            timeout=config.round_timeout,
+        )
+
+    def _validate_on_nodes(self, t: int, record: RoundRecord) -> float | None:
+        return self.validation(t, record)
 
     def run(self) -> list[RoundRecord]:
         """Resume if possible and run the remaining rounds; ServerError when too few nodes join."""
-        if self.data is None:
-            log.info("no data in the run config: no validation; served models are calibrated on each device")
+        if self.data is None and self.loop.validator is None:
+            log.info(
+                "no data in the run config and no federated validation: the last round is served; served models "
+                "are calibrated on each device"
+            )
+        elif self.data is None:
+            log.info(
+                "no data in the run config: the cohort nodes validate the model on their held-out splits every %d "
+                "rounds and after the last; the newest validated round is served unless the nodes' served variants "
+                'regressed (docs/deployment.md, "The served round"); where no node holds examples out, the last '
+                "round is served; served models are calibrated on each device",
+                self.config.eval_every,
+            )
         try:
-            return self.run_rounds(self.collector)
+            history = self.run_rounds(self.collector)
         except WaitTimeout as exc:
             raise ServerError(
                 f"{exc}; stopping: {self.saved()}. Start more SuperNodes, then run again to resume"
             ) from None
+        if self.data is None and history and self.loop.best.get("round") is None:
+            log.info(
+                "no round was validated (no cohort node with a held-out split answered: node config holdout, or "
+                "run config node-holdout): the last round, %d, is served",
+                history[-1].round,
+            )
+        return history
 
 
 def _print_round(record: RoundRecord, rounds: int) -> None:

@@ -25,8 +25,9 @@ from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.server.config import ServerConfig, ServerError
 
 # ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid, and the
-# devices' validation and BN statistics (with their combination rules) are the MQTT server's.
-NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", "val_rule"}
+# devices' BN statistics (with their combination rule) are the MQTT server's. (The nodes' validation without data is
+# the Flower run's too: val-rule combines it.)
+NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule"}
 # node-data, node-holdout: the simulated nodes' partition and held-out share (ClientApp)
 EXTRA = {"out-dir": str, "export": bool, "personalize": str, "node-data": str, "node-holdout": float}
 EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
