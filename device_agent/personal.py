@@ -3,7 +3,8 @@
 After the served variant is calibrated and exported (``on_device.calibrate_served_variant``), the agent runs the
 personalization step of ``feast_edge.personalize.select`` on its own training split, exports the chosen model with
 the served one's architecture (int8 where the served file is int8) and measures both on its held-out split. The
-served file is never touched; the counts, method and strength are what the server learns of it.
+served file is never touched; the counts, method and strength, and the classes it was tuned to (``personal_classes``:
+its training split's, which its held-out split shares) are what the server learns of it.
 """
 
 from __future__ import annotations
@@ -89,7 +90,15 @@ def personalize_here(
         **int8,
     }
     atomic_write_bytes(path.with_suffix(".json"), (json.dumps(manifest, indent=1) + "\n").encode())
-    log.info("%s: personal model written to %s: %s; held-out accuracy %s", data.device_id, path, outcome.reason, words)
+    tuned = "" if outcome.tuned is None else outcome.tuned.words()
+    log.info(
+        "%s: personal model written to %s: %s; held-out accuracy %s%s",
+        data.device_id,
+        path,
+        outcome.reason,
+        words,
+        f"; {tuned}" if tuned else "",
+    )
     return _metrics(outcome, own, seconds, manifest)
 
 
@@ -122,4 +131,6 @@ def _metrics(
             if manifest is None
             else {"personal_sha256": manifest["sha256"], "personal_precision": manifest["precision"]}
         ),
+        # The classes it was tuned to (names and the task's count), so the server can say what it forgot.
+        **({} if manifest is None or outcome.tuned is None else outcome.tuned.to_metrics()),
     }

@@ -395,6 +395,8 @@ def own_accuracy(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
                 personal_method=written.get("personal_method"),
                 personal_strength=written.get("personal_strength"),
                 personal_accuracy=written.get("holdout_accuracy_personal"),
+                # the classes it was tuned to (absent from a file written before them)
+                **{k: written[k] for k in ("personal_classes", "personal_task_classes") if k in written},
             )
     return model_accuracy(manifest, report)
 

@@ -60,8 +60,16 @@ def _precision(manifest: dict[str, Any], report: dict[str, Any] | None) -> str:
     return words if accuracy is None else f"int8 ({_pct(accuracy)})"
 
 
+def served_words(manifests: list[dict[str, Any]]) -> str:
+    """``weights of round 8 of 20: <the serving rule's reason>`` from the manifests ('' in older ones)."""
+    served = next((m["served_round"] for m in manifests if isinstance(m.get("served_round"), dict)), None)
+    if not served or "of" not in served:
+        return ""
+    return f"weights of round {served['round']} of {served['of']}: {served.get('reason', '')}"
+
+
 def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
-    table = Table(title=title)
+    table = Table(title=title, caption=served_words(manifests) or None)
     for col in (
         "device",
         "budget",
@@ -126,9 +134,10 @@ def served_cell(accuracy: dict[str, Any]) -> str:
 
 
 def personal_cell(accuracy: dict[str, Any]) -> Text:
-    """``94.40% (prior τ=1)``, ``70.00% (served model kept: …)``, or why there is no accuracy; as plain text (a
-    device's reason may hold what rich reads as markup)."""
-    note = accuracy["personal_note"]
+    """``94.40% (prior τ=1)``, ``70.00% (served model kept: …)``, or why there is no accuracy, then the classes a
+    personal model tuned to fewer than all was tuned to (``; tuned to 6 of 10 classes: …; serve the global model for
+    the others``); as plain text (a device's reason may hold what rich reads as markup)."""
+    note = "; ".join(filter(None, (accuracy["personal_note"], accuracy.get("personal_tuned"))))
     return Text(note if accuracy["personal_accuracy"] is None else f"{_pct(accuracy['personal_accuracy'])} ({note})")
 
 
@@ -146,7 +155,7 @@ def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict
     """The devices' own models: where BN was calibrated, on how many examples, the accuracy each device measured on
     its held-out split, of the served model and of its personal one (what a server without data learns of its
     models); then the means over the devices and the worst device."""
-    table = Table(title=title, caption=OWN_CAPTION)
+    table = Table(title=title, caption="\n".join(filter(None, [served_words(manifests), OWN_CAPTION])))
     for col in (
         "device",
         "variant MACs",

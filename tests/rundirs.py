@@ -4,7 +4,7 @@ models) and synthetic ``feast-edge simulate`` results.json files.
 ``federated=True``: a server without ``--data`` (validation on the devices' held-out splits, the model of pi-5
 calibrated on pi-5, which reported its held-out accuracy and that of its personal model); ``federated=False``: the
 server's ``--data``. :func:`add_personal_fleet` adds device-calibrated models to a federated run: one device that kept
-its served model and three that lie in their reports.
+its served model and three that lie in their reports (or, with :data:`TUNED`, a personal model tuned to 3 classes).
 """
 
 from __future__ import annotations
@@ -48,6 +48,25 @@ FLEET = {
     "liar-range": {"holdout_accuracy": 0.95, **PERSONAL, "personal_accuracy": 7.5},
     "liar-method": {"holdout_accuracy": 0.95, **PERSONAL, "personal_method": "m" * 5000},
     "liar-type": {"holdout_accuracy": 0.95, **PERSONAL, "personal_accuracy": "0.99"},
+}
+# add_personal_fleet(..., TUNED): a device whose personal model was tuned to 3 of the 10 classes (its own images hold no
+# others), and one whose classes do not add up (a class named twice): its whole personal report is void.
+TUNED_CLASSES = ["T-shirt_top", "Pullover", "Shirt"]
+TUNED_WORDS = "tuned to 3 of 10 classes: T-shirt_top, Pullover, Shirt; serve the global model for the others"
+TUNED = {
+    "jetson-shirts": {
+        "holdout_accuracy": 0.5,
+        **PERSONAL,
+        "personal_accuracy": 1.0,
+        "personal_classes": TUNED_CLASSES,
+        "personal_task_classes": 10,
+    },
+    "liar-classes": {
+        "holdout_accuracy": 0.95,
+        **PERSONAL,
+        "personal_classes": ["Shirt", "Shirt"],
+        "personal_task_classes": 10,
+    },
 }
 # What every summary of a federated run with add_personal_fleet shows (feast_edge.run.rundir.FleetAccuracy): the means
 # over pi-5 and cam-1 alone (a liar counts for nothing, not even its served accuracy), cam-1 the worst device.
@@ -141,7 +160,7 @@ def federation_run(
         round=2,
         history=history,
         history_format=HISTORY_FORMAT,
-        best={"round": 2, "val_accuracy": 0.4},
+        best={"round": 2, "val_accuracy": 0.4, "reason": "round 2: the newest validated round (a test's words)"},
         data=None if federated else "/data/fashion-mnist",
         registry=[],
         **({"classes": list(preset.task.classes)} if classes else {}),
@@ -185,11 +204,12 @@ def federation_run(
     return out
 
 
-def add_personal_fleet(out: Path, preset: Preset) -> Path:
-    """Give each device of :data:`FLEET` a model it calibrated and its report of it, in the federated run ``out``."""
+def add_personal_fleet(out: Path, preset: Preset, fleet: dict[str, dict[str, Any]] = FLEET) -> Path:
+    """Give each device of ``fleet`` (:data:`FLEET`, :data:`TUNED`) a model it calibrated and its report of it, in the
+    federated run ``out``."""
     registry = Registry(out / "devices.sqlite")
     index = json.loads((out / "models" / "index.json").read_text())
-    for name, metrics in FLEET.items():
+    for name, metrics in fleet.items():
         if registry.get(name) is None:
             register_device(registry, name, preset, 4_000_000, {"name": "jetson-nano"}, status="offline")
         registry.touch(name, metrics={"holdout_samples": 40, "calibrated_on": 200, "model_round": 2, **metrics})

@@ -2,7 +2,9 @@
 
 Both read the task (input size, channels, resize policy, class names) from the
 model file's metadata; tables go to stdout, progress to stderr, and with
-``--json`` stdout holds one JSON document and nothing else.
+``--json`` stdout holds one JSON document and nothing else. A personal model's
+file also names the classes it was tuned to (``feast_edge.personalize.tuned``):
+both say which, and ``evaluate`` scores those classes apart from the others.
 """
 
 from __future__ import annotations
@@ -30,6 +32,19 @@ SHOWN_SKIPS = 3  # skipped files named on the console; the rest are counted
 def _stage(label: str, total: int, batch_size: int) -> Any:
     """A progress bar on stderr when the work takes more than one batch."""
     return Stage(common.make_console(stderr=True), label, total) if total > batch_size else nullcontext(None)
+
+
+def _personal(loaded: Any) -> tuple[bool, Any]:
+    """Whether ``loaded`` is a personal model (``DEVICE.personal.onnx``) and the classes it was tuned to (None: its
+    file is from before it recorded them, or it is no personal model); FeastError if its metadata does not add up."""
+    from feast_edge.errors import FeastError
+    from feast_edge.personalize.tuned import Tuned, TunedError
+
+    try:
+        tuned = Tuned.read_metadata(loaded.meta, loaded.task.classes)
+    except TunedError as exc:
+        raise FeastError(f"model {loaded.path}: {exc}; write the personal model again (feast-agent run)") from None
+    return "personal_method" in loaded.meta or tuned is not None, tuned
 
 
 def _say_skipped(skipped: tuple[Any, ...]) -> None:
@@ -67,6 +82,9 @@ def predict(
         return
     console = common.make_console()
     console.print(f"{model}: {escape(loaded.task.describe())}", soft_wrap=True, highlight=False)
+    tuned = _personal(loaded)[1]
+    if tuned is not None and tuned.partial:
+        console.print(f"personal model {escape(tuned.words())}", soft_wrap=True, highlight=False)
     table = Table()
     table.add_column("file", overflow="fold")
     for rank in range(1, k + 1):
@@ -98,6 +116,7 @@ def evaluate(
     from feast_edge.evaluate.predict import load_model
 
     loaded = load_model(model, threads=threads or None)
+    personal, tuned = _personal(loaded)
     # The agent's own loader (decoded once, cached), with the model's task: labels by class name.
     with lazy_stage(common.make_console(stderr=True), "reading images") as update:
         labelled = load_data(data, loaded.task, progress=update)
@@ -108,18 +127,27 @@ def evaluate(
     with _stage("evaluating", len(labelled.labels), batch_size) as stage:
         update = None if stage is None else (lambda done, total: stage.update(done))
         scores = run_evaluate(loaded, labelled.images, labelled.labels, batch_size, skipped=skipped, progress=update)
+    report = scores.to_dict()
+    if personal:
+        report["personal"] = _personal_report(tuned, scores, loaded.task.classes)
+        if tuned is not None:
+            for row in report["classes"]:
+                row["tuned"] = row["class"] in tuned.classes
     if as_json:
-        typer.echo(json.dumps({"model": str(model), "data": str(data), **scores.to_dict()}, indent=2))
+        typer.echo(json.dumps({"model": str(model), "data": str(data), **report}, indent=2))
         return
     console = common.make_console()
     console.print(
         f"{model} on {escape(labelled.source)}: {escape(loaded.task.describe())}", soft_wrap=True, highlight=False
     )
     table = Table()
-    for col in ("class", "index", "examples", "correct", "accuracy"):
-        table.add_column(col, justify="left" if col == "class" else "right")
+    columns = ("class", "index", "examples", "correct", "accuracy", *(["tuned to"] if tuned is not None else []))
+    for col in columns:
+        table.add_column(col, justify="right" if col in ("index", "examples", "correct", "accuracy") else "left")
     for c in scores.classes:
-        table.add_row(escape(c.name), str(c.index), f"{c.examples:,}", f"{c.correct:,}", f"{100 * c.accuracy:.2f}%")
+        mark = [] if tuned is None else ["yes" if c.name in tuned.classes else "no: serve the global model"]
+        row = (escape(c.name), str(c.index), f"{c.examples:,}", f"{c.correct:,}", f"{100 * c.accuracy:.2f}%", *mark)
+        table.add_row(*row)
     table.add_section()
     table.add_row("all", "", f"{scores.examples:,}", f"{scores.correct:,}", f"{100 * scores.accuracy:.2f}%")
     console.print(table)
@@ -128,4 +156,42 @@ def evaluate(
         f"{len(scores.classes)} of the model's {len(loaded.task.classes)} classes), {scores.skipped} file(s) skipped",
         soft_wrap=True,
         highlight=False,
+    )
+    if personal:
+        console.print(escape(_personal_line(report["personal"])), soft_wrap=True, highlight=False)
+
+
+def _personal_report(tuned: Any, scores: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """What ``evaluate --json`` says of a personal model: the classes it was tuned to and not, and the accuracy over
+    each part of the images evaluated (None where the file is from before it recorded its classes)."""
+    from feast_edge.personalize.tuned import split_accuracy
+
+    if tuned is None:
+        return {"personal_classes": None, "personal_task_classes": None, "not_tuned_to": None, "tuned": ""}
+    split = split_accuracy(tuned, ((c.name, c.examples, c.correct) for c in scores.classes))
+    return {
+        **tuned.to_dict(),
+        "not_tuned_to": tuned.untuned(names),
+        "tuned": tuned.words(),
+        "on_tuned_classes": split["tuned"],
+        "on_other_classes": split["not_tuned"],
+    }
+
+
+def _personal_line(part: dict[str, Any]) -> str:
+    """``personal model tuned to 6 of 10 classes: …; serve the global model for the others: 98.00% on those (…),
+    0.00% on the other classes (…)``, or what is known where less is."""
+    if part["personal_classes"] is None:
+        return "personal model: its file does not record the classes it was tuned to (written before it did)"
+    if not part["tuned"]:
+        return f"personal model tuned to all {part['personal_task_classes']} classes"
+
+    def share(s: dict[str, Any]) -> str:
+        if not s["examples"]:
+            return "no images"
+        return f"{100 * s['accuracy']:.2f}% ({s['correct']:,} of {s['examples']:,} images)"
+
+    return (
+        f"personal model {part['tuned']}: {share(part['on_tuned_classes'])} on those, "
+        f"{share(part['on_other_classes'])} on the other {len(part['not_tuned_to'])}"
     )

@@ -171,10 +171,20 @@ def simulate(
         Optional[float],
         typer.Option(
             "--holdout",
-            help="With --personalize: each client's share of its shard held out per class (default 0.1). The held-out "
-            "examples never train, so the training data (and the weights) differ from a run without --personalize.",
+            help="With --personalize or --validate-on devices: each client's share of its shard held out per class "
+            "(default 0.1). The held-out examples never train, so the training data (and the weights) differ from a "
+            "run without them.",
         ),
     ] = None,
+    validate_on: Annotated[
+        str,
+        typer.Option(
+            "--validate-on",
+            help="server: validate on the server's held split (the best round is served); devices: each cohort "
+            "client tests the model on its own held-out split, as devices do for a server without data, and the "
+            "served round is the newest without a regression on their served variants (needs --holdout).",
+        ),
+    ] = "server",
     dashboard: DashboardOpt = None,
     dashboard_token: DashboardTokenOpt = None,
     tensorboard: TensorBoardOpt = False,
@@ -217,7 +227,10 @@ def simulate(
         amp=precision.mode,
         deterministic=deterministic,
         personalize=personalize.strip(),
-        holdout=holdout if holdout is not None else (0.0 if personalize.strip() == "off" else DEFAULT_HOLDOUT),
+        holdout=holdout
+        if holdout is not None
+        else (0.0 if personalize.strip() == "off" and validate_on != "devices" else DEFAULT_HOLDOUT),
+        validate_on=validate_on,
     )
     config.train_config()  # validates the method, its options and the recipe before any data is read
     setup, matched = None, None
@@ -286,9 +299,11 @@ def simulate(
         _say(f"dashboard stopped; browse the finished run with: feast-edge dashboard {out}")
     # The preset by name (config.preset may be a long path): a title wider than the table would wrap.
     preset_name = results.get("preset") or Path(config.preset).stem
+    chosen = "best checkpoint" if config.validate_on == "server" else "served round"
     table = Table(
         title=f"{preset_name}, {config.method}: test accuracy per served model "
-        f"(best checkpoint, round {results['best'].get('round', '-')})"
+        f"({chosen}, round {results['best'].get('round', '-')})",
+        caption=None if config.validate_on == "server" else results["served_round"]["reason"],
     )
     for col in ("#", "MACs", "params", "accuracy", "model"):
         table.add_column(col, justify="left" if col == "model" else "right")
@@ -336,12 +351,12 @@ def personalization_table(block: dict[str, Any]) -> Table:
 
 
 def personalization_line(block: dict[str, Any]) -> str:
-    """Who got a personal model and what the step cost, under :func:`personalization_table`."""
-    s = block["summary"]
-    return (
-        f"personalization: {s['personalized']} of {s['clients']} clients chose a personal model, "
-        f"{s['measured']} measured on their own held-out split; device time {s['device_seconds_total']:.1f} s"
-    )
+    """Under :func:`personalization_table`: ``feast_edge.personalize.fleet.summary_lines``, as markup-safe text."""
+    from rich.markup import escape
+
+    from feast_edge.personalize.fleet import summary_lines
+
+    return "\n".join(escape(line) for line in summary_lines(block))
 
 
 def _simulation_dashboard(sim: Any, bind: str | None, token: str | None, out: Path) -> tuple[Any, Any]:
@@ -399,7 +414,8 @@ class _SimulationDisplay:
 
     def on_round(self, p: Any) -> None:
         pct = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
-        self.stage.update(p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  best {pct(p.best_val)}", line=True)
+        chosen = f"best {pct(p.best_val)}" if p.served_round is None else f"served round {p.served_round}"
+        self.stage.update(p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  {chosen}", line=True)
         if p.round == p.rounds:
             self._start_testing()  # say so at once: the first variant takes a while
 

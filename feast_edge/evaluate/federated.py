@@ -197,37 +197,46 @@ def disagreements(
     """The devices whose held-out accuracy sits more than FLAG (and 3 median deviations) from the other devices' median,
     on the probes every device tested: (those their class mix cannot explain, those it can).
 
-    A device's class mix explains a gap up to the total-variation distance between its held-out classes and the
-    others' pooled (:func:`class_distance`), plus two standard errors of its figure.
+    Two honest devices testing the same model differ by at most the total-variation distance between their held-out
+    class mixes (:func:`class_distance`), plus sampling noise (two standard errors of the difference). A device's gap
+    is explained by its classes when that holds against at least half of the other devices, one by one: beside a
+    liar, an honest device still agrees with the other honest ones, so a liar cannot get it called false.
     """
     common = [k for k in range(probes) if all(counts[k][1] > 0 for counts in reports.values())] or range(probes)
     sums = {d: [(c, n) for k, (c, n) in enumerate(counts) if k in common and n > 0] for d, counts in reports.items()}
     means = {d: sum(c / n for c, n in v) / len(v) for d, v in sums.items() if v}
+    examples = {d: max((n for _, n in sums[d]), default=0) for d in means}
     flagged: dict[str, str] = {}
     differs: dict[str, str] = {}
     if len(means) < MIN_SELECTING:
         return flagged, differs
+
+    def consistent(a: str, b: str) -> bool:
+        variance = sum(means[d] * (1 - means[d]) / examples[d] for d in (a, b) if examples[d])
+        return abs(means[a] - means[b]) <= class_distance(mixes[a], mixes[b]) + 2 * math.sqrt(variance)
+
     for device, mean in means.items():
         others = [m for d, m in means.items() if d != device]
         middle = statistics.median(others)
         spread = statistics.median(abs(m - middle) for m in others)
-        gap = abs(mean - middle)
-        if gap <= max(FLAG, 3 * spread):
+        if abs(mean - middle) <= max(FLAG, 3 * spread):
             continue
         said = f"its held-out accuracy {100 * mean:.1f}% is far from the other devices' median {100 * middle:.1f}%"
         mix = mixes.get(device)
-        pooled = [sum(col) for col in zip(*(m for d, m in mixes.items() if d != device and d in means))]
-        examples = max((n for _, n in sums[device]), default=0)
-        noise = 2 * math.sqrt(max(mean * (1 - mean), 1e-12) / examples) if examples else 1.0
-        distance = class_distance(mix, pooled) if mix and pooled else 0.0
-        if mix and pooled and gap <= distance + noise:
-            held = sum(1 for n in mix if n > 0)
-            mine = f"it holds {held} of {len(mix)}" if held < len(mix) else f"its mix is {distance:.2f} from theirs"
-            differs[device] = f"its classes differ: {mine} ({said})"
-        elif mix and pooled:
-            flagged[device] = f"{said}: its class mix cannot explain the gap, its report may be false"
-        else:  # no class counts registered (an older agent): nothing tells the two apart
+        peers = [d for d in means if d != device and mixes.get(d)]
+        if not mix or not peers:  # no class counts registered (an older agent): nothing tells the two apart
             flagged[device] = f"{said} (its data differs from theirs, or its report is false)"
+        elif 2 * sum(consistent(device, d) for d in peers) >= len(peers):
+            held = sum(1 for n in mix if n > 0)
+            pooled = [sum(col) for col in zip(*(mixes[d] for d in peers))]
+            mine = (
+                f"it holds {held} of {len(mix)}"
+                if held < len(mix)
+                else f"its mix is {class_distance(mix, pooled):.2f} from theirs"
+            )
+            differs[device] = f"its classes differ: {mine} ({said})"
+        else:
+            flagged[device] = f"{said}: its class mix cannot explain the gap, its report may be false"
     return flagged, differs
 
 

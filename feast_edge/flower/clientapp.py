@@ -9,6 +9,10 @@
                (``records.ServedVariant.read``), its BN calibrated on the node's training split where the ServerApp
                holds no data, then the agent's personalization step (``personal_step``) on the node's training
                split, counted on its held-out split: the counts back (MetricRecord "personal"); or a Declined
+    evaluate -> (a validated round of a run without server data: ``validation_records.is_validation``) the routed
+               slice checked (``validation_records.read_validation``), each target variant BN-recalibrated on the
+               node's training split (class-balanced) and counted on its held-out split (``held_out_counts``, as the
+               agent's ``answer_evaluation``): an Evaluated back; a node without a held-out split declines
 
 The node's settings come from ``flower-supernode --node-config`` (Flower's simulation sets ``partition-id``):
 
@@ -47,8 +51,8 @@ from feast_edge.budget.derive import parse_macs
 from feast_edge.budget.profile import load_profile, profile_summary
 from feast_edge.cache.variants import VariantCache, load_cache
 from feast_edge.errors import FeastError
-from feast_edge.evaluate.federated import calibrated_static
-from feast_edge.flower import log_to_stderr, records
+from feast_edge.evaluate.federated import calibrated_static, held_out_counts, routed_supernet
+from feast_edge.flower import log_to_stderr, records, validation_records
 from feast_edge.local.torch_device import resolve_device
 from feast_edge.personalize.fleet import OwnRow
 from feast_edge.personalize.select import personal_step
@@ -65,6 +69,7 @@ log = logging.getLogger(__name__)
 NODE_KEYS = ("data", "profile", "budget", "name", "shard", "offset", "partition-id", "holdout", "device", "threads")
 REGISTRATION = "registration"  # the "routed" id a declined registration names
 PERSONALIZATION = "personalization"  # the "routed" id a declined evaluate message names
+VALIDATION = "validation"  # the "routed" id a declined validation names when its own is unreadable
 MAX_CALIBRATION = 100_000  # training examples a served variant is calibrated on at most (the agent's bound)
 
 
@@ -212,8 +217,16 @@ def register(message: Message, context: Context) -> Message:
         profile=node.profile,
         holdout=client.holdout,
         precision=node.precision,
+        # Per class, as the agent registers them: the ServerApp's validation explains a node's figures by its classes.
+        class_counts=_per_class(client.labels, node.preset.classes),
+        holdout_counts=_per_class(client.holdout_labels, node.preset.classes),
     )
     return Message(records.reply_content(registration), reply_to=message)
+
+
+def _per_class(labels: torch.Tensor, classes: int) -> tuple[int, ...]:
+    """Examples per class of ``labels``, for every class of the task."""
+    return tuple(int(n) for n in torch.bincount(labels.long(), minlength=classes)[:classes].tolist())
 
 
 @app.train()
@@ -274,11 +287,67 @@ def train(message: Message, context: Context) -> Message:
     return Message(records.update_content(update, state), reply_to=message)
 
 
+def validate(message: Message, context: Context) -> Message:
+    """A validated round of a run without server data: each target of the routed slice BN-recalibrated on this node's
+    training split (class-balanced) and counted on its held-out split, as the agent's ``answer_evaluation`` does; the
+    counts back (never an example), or why not (a node without a held-out split declines)."""
+    where = {"round": 0, "device": f"node-{context.node_id}", "routed": VALIDATION}
+    problem = _version_problem(message)
+    if problem:
+        return _declined(message, **where, reason=problem)
+    try:
+        node = node_of(context.node_config, context.run_config, context.node_id)
+        client = node.client
+        where["device"] = client.device_id
+        asked = validation_records.read_validation(message.content, node.preset)
+        where.update(round=asked.request.round, routed=asked.request.transfer_info().transfer)
+        if asked.request.device != client.device_id:
+            raise FeastError(
+                f"the validation is for device {asked.request.device!r}; this SuperNode is {client.device_id!r}"
+            )
+        affordable = {e.arch for e in node.cache.affordable(node.budget_macs)}
+        if not all(arch in affordable for arch in asked.targets):
+            raise FeastError("it names a variant above this node's MAC budget")
+    except (FeastError, ProtocolError) as exc:
+        log.error("validation: refused the request: %s", exc)
+        return _declined(message, **where, reason=f"refused the validation: {exc}")
+    if client.holdout == 0 or client.samples == 0:
+        reason = (
+            "this node holds no examples out to validate on (node config holdout, or run config node-holdout on "
+            "Flower's Simulation Engine)"
+        )
+        return _declined(message, **where, reason=reason)
+    began = time.perf_counter()
+    examples = min(asked.request.calibration, MAX_CALIBRATION)
+    counts = held_out_counts(
+        routed_supernet(node.preset, asked.plan, asked.routed),
+        asked.targets,
+        client.images,
+        client.holdout_images,
+        client.holdout_labels,
+        examples,
+        node.torch_device,
+        train_labels=client.labels,
+    )
+    log.info(
+        "round %d: %s validated %d variant(s) on its %d held-out examples (%.1f s)",
+        asked.request.round + 1,
+        client.device_id,
+        len(counts),
+        client.holdout,
+        time.perf_counter() - began,
+    )
+    return Message(asked.answer(counts, min(examples, client.samples)), reply_to=message)
+
+
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
     """After the last round: the node's served variant personalized on its training split and both counted on its
-    held-out split (the device agent's ``personal_step``); the counts back, or why not."""
+    held-out split (the device agent's ``personal_step``); the counts back, or why not. A validation request (a run
+    without server data) is answered by ``validate``."""
     log_to_stderr()
+    if validation_records.is_validation(message.content):
+        return validate(message, context)
     where = {"round": 0, "device": f"node-{context.node_id}", "routed": PERSONALIZATION}
     problem = _version_problem(message)
     if problem:
@@ -314,12 +383,14 @@ def evaluate(message: Message, context: Context) -> Message:
     )
     macs = count_macs(arch_layout(node.preset, asked.arch))
     row = OwnRow.of(client.device_id, macs, outcome, own, time.perf_counter() - began)
+    tuned = "" if row.tuned is None else row.tuned.words()
     log.info(
-        "%s: %s; held-out: %d/%d right served, %d personal",
+        "%s: %s; held-out: %d/%d right served, %d personal%s",
         client.device_id,
         outcome.reason,
         own.served,
         own.examples,
         own.personal,
+        f"; {tuned}" if tuned else "",
     )
     return Message(records.personal_content(row), reply_to=message)

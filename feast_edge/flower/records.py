@@ -9,8 +9,9 @@
     evaluate  (run config personalize, after the last round)
            ServerApp -> node   ConfigRecord "feast": the node's served variant (ServedVariant: arch, where its BN was
                                calibrated, the --personalize choice, seed), ArrayRecord "served": its float32 weights
-           node -> ServerApp   MetricRecord "personal": its held-out counts, served and personal; ConfigRecord
-                               "feast": {"device", "method", "reason"}; or ConfigRecord "feast": {"message": a Declined}
+           node -> ServerApp   MetricRecord "personal": its held-out counts, served and personal (and "task-classes");
+                               ConfigRecord "feast": {"device", "method", "reason", "classes": the classes its personal
+                               model was tuned to}; or ConfigRecord "feast": {"message": a Declined}
 
 The JSON messages are ``feast_edge.protocol``'s own, read by the same bounded parser as over MQTT. The "transfer"
 a RoundStart or Update names describes the ArrayRecord beside it: its byte size and a SHA-256 over every tensor's
@@ -24,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from feast_edge import __version__
 from feast_edge.errors import PayloadError
 from feast_edge.personalize.fleet import OwnRow
 from feast_edge.personalize.select import METHODS, Choice, PersonalizeError
+from feast_edge.personalize.tuned import Tuned, TunedError
 from feast_edge.protocol import MAX_REASON, Declined, Register, RoundStart, Update
 from feast_edge.route.envelope import Envelope
 from feast_edge.route.payload import checked_tensors, expected_shapes, wire_tensors
@@ -307,14 +309,18 @@ def personal_content(row: OwnRow) -> RecordDict:
         "served-macs": row.served_macs,
         "seconds": float(row.seconds),
         **({} if row.strength is None else {"strength": float(row.strength)}),
+        **({} if row.tuned is None else {"task-classes": row.tuned.of}),
     }
     config = {"device": row.client, "method": row.method, "reason": row.reason[:MAX_REASON]}
+    if row.tuned is not None:
+        config["classes"] = list(row.tuned.classes)
     return RecordDict({PERSONAL: MetricRecord(metrics), FEAST: ConfigRecord(config)})
 
 
-def read_personal(content: RecordDict, holdout: int) -> OwnRow:
+def read_personal(content: RecordDict, holdout: int, names: Sequence[str] = ()) -> OwnRow:
     """The row of a node's evaluate reply, if its counts are possible for a node that registered ``holdout`` held-out
-    examples (non-negative, at most that many right, a known method); ProtocolError naming the first problem."""
+    examples (non-negative, at most that many right, a known method) and the classes its personal model was tuned to
+    are classes of the task (``names``: the task's, when known); ProtocolError naming the first problem."""
     metrics = content.metric_records.get(PERSONAL)
     config = content.config_records.get(FEAST)
     if metrics is None or config is None:
@@ -342,6 +348,9 @@ def read_personal(content: RecordDict, holdout: int) -> OwnRow:
         raise ProtocolError("it keeps the served model but counts the personal one differently")
     if not (math.isfinite(seconds) and seconds >= 0):
         raise ProtocolError("its device time is not a non-negative number")
+    tuned = _tuned(config, metrics, names)
+    if method == "" and tuned is not None:
+        raise ProtocolError("it keeps the served model but names classes a personal model was tuned to")
     return OwnRow(
         str(config.get("device", ""))[:64],
         counts["served-macs"],
@@ -352,4 +361,20 @@ def read_personal(content: RecordDict, holdout: int) -> OwnRow:
         counts["personal-correct"],
         reason,
         round(seconds, 3),
+        tuned,
     )
+
+
+def _tuned(config: ConfigRecord, metrics: MetricRecord, names: Sequence[str]) -> Tuned | None:
+    """The classes a node's personal model was tuned to (None: its reply names none, as before they were sent),
+    checked (``feast_edge.personalize.tuned``) and, where ``names`` are known, classes of that task."""
+    raw = {"personal_classes": config.get("classes"), "personal_task_classes": metrics.get("task-classes")}
+    try:
+        if isinstance(raw["personal_classes"], (list, tuple)):
+            raw["personal_classes"] = list(raw["personal_classes"])
+        tuned = Tuned.read(raw)
+    except TunedError as exc:
+        raise ProtocolError(f"the classes of its personal model do not add up: {exc}") from None
+    if tuned is not None and names and (tuned.of != len(names) or not set(tuned.classes) <= set(names)):
+        raise ProtocolError(f"the classes of its personal model are not the task's ({len(names)} classes)")
+    return tuned

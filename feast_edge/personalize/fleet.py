@@ -3,17 +3,20 @@
 Every path that personalizes (``feast-edge simulate --personalize``, the Flower ClientApp, the device agent) runs
 ``feast_edge.personalize.select.personal_step`` per device; what comes back from each is one :class:`OwnRow` (counts,
 never an example), and :func:`fleet_summary` turns the rows into the figures reported: the mean over devices and the
-worst decile (the mean of the lowest tenth), of the served and of the personal model.
+worst decile (the mean of the lowest tenth), of the served and of the personal model. A row also holds the classes its
+personal model was tuned to (:mod:`feast_edge.personalize.tuned`): :func:`tuned_lines` says which fell short of all.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from feast_edge.personalize.select import worst_decile
+from feast_edge.personalize.tuned import Tuned, TunedError
+from feast_edge.util.text import printable
 
 if TYPE_CHECKING:
     from feast_edge.personalize.select import OwnAccuracy, Personalized
@@ -34,6 +37,7 @@ class OwnRow:
     personal_correct: int  # served_correct when it keeps the served model
     reason: str
     seconds: float  # device time of the step (selection, fitting and both counts)
+    tuned: Tuned | None = None  # the classes its personal model was tuned to (None: no personal model, or not said)
 
     @classmethod
     def of(cls, client: str, served_macs: int, outcome: Personalized, own: OwnAccuracy, seconds: float) -> OwnRow:
@@ -48,6 +52,7 @@ class OwnRow:
             own.personal,
             outcome.reason,
             round(float(seconds), 3),
+            outcome.tuned if outcome.model is not None else None,
         )
 
     @property
@@ -59,11 +64,14 @@ class OwnRow:
         return self.personal_correct / self.examples if self.examples else None
 
     def to_dict(self) -> dict[str, Any]:
-        """The row as results.json holds it (JSON values), its two accuracies included."""
+        """The row as results.json holds it (JSON values), its two accuracies and its personal model's classes
+        included (``personal_classes``, ``personal_task_classes``, and ``tuned``: the words, "" for all classes)."""
+        row = {k: v for k, v in asdict(self).items() if k != "tuned"}
         return {
-            **asdict(self),
+            **row,
             "served_accuracy": self.served_accuracy,
             "personal_accuracy": self.personal_accuracy,
+            **({} if self.tuned is None else {**self.tuned.to_dict(), "tuned": self.tuned.words()}),
         }
 
 
@@ -79,6 +87,7 @@ def fleet_summary(rows: Sequence[OwnRow], choice: str) -> dict[str, Any]:
         "clients": len(rows),
         "measured": len(measured),
         "personalized": sum(1 for r in rows if r.method),
+        "tuned_to_fewer_classes": sum(1 for r in rows if r.method and r.tuned is not None and r.tuned.partial),
         "served_mean": statistics.fmean(served) if measured else None,
         "personal_mean": statistics.fmean(personal) if measured else None,
         "served_worst_decile": worst_decile(served) if measured else None,
@@ -98,3 +107,35 @@ def personalization_record(rows: Sequence[OwnRow], choice: str, **extra: Any) ->
         "summary": fleet_summary(ordered, choice),
         "clients": [r.to_dict() for r in ordered],
     }
+
+
+def tuned_lines(clients: Sequence[Mapping[str, Any]], limit: int = 10) -> list[str]:
+    """``client-003: personal model tuned to 6 of 10 classes: …; serve the global model for the others``, one per row of
+    ``clients`` (a personalization record's, :meth:`OwnRow.to_dict`) whose personal model was tuned to fewer than all
+    the task's classes; after ``limit`` of them, how many more. Rows from before the fields say nothing."""
+    lines = []
+    for row in clients:
+        try:
+            tuned = Tuned.read(row) if row.get("method") else None
+        except TunedError:
+            tuned = None  # a row that does not add up says nothing of classes
+        words = "" if tuned is None else tuned.words()
+        if words:
+            lines.append(f"{printable(str(row.get('client')), 64)}: personal model {words}")
+    if len(lines) > limit:
+        lines = [*lines[:limit], f"and {len(lines) - limit} more clients' personal models tuned to fewer classes"]
+    return lines
+
+
+def summary_lines(block: Mapping[str, Any]) -> list[str]:
+    """What ``simulate --personalize`` prints under its table of a personalization record ``block``: who chose a
+    personal model (and how many of those were tuned to fewer classes), the step's device time, then
+    :func:`tuned_lines`."""
+    s = block["summary"]
+    fewer = s.get("tuned_to_fewer_classes")  # absent from results written before it
+    return [
+        f"personalization: {s['personalized']} of {s['clients']} clients chose a personal model"
+        + (f" ({fewer} tuned to fewer than all the task's classes)" if fewer else "")
+        + f", {s['measured']} measured on their own held-out split; device time {s['device_seconds_total']:.1f} s",
+        *tuned_lines(block.get("clients", [])),
+    ]

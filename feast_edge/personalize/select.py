@@ -26,6 +26,7 @@ from feast_edge.errors import FeastError
 from feast_edge.evaluate.evaluation import pixel_batches
 from feast_edge.personalize.finetune import FINE_TUNED, fine_tuned
 from feast_edge.personalize.prior import class_prior, prior_corrected, prior_offsets
+from feast_edge.personalize.tuned import Tuned
 from feast_edge.space.preset import Preset
 from feast_edge.space.static import StaticResNet
 
@@ -122,11 +123,13 @@ class Personalized:
     selection_global: int = 0  # correct on the selection split
     selection_personal: int | None = None
     candidates: tuple[Candidate, ...] = field(default=())
+    tuned: Tuned | None = None  # the classes of the training split it was tuned on (None: no personal model)
 
     def metadata(self) -> dict[str, Any]:
         """What the personal model's files and reports say of it (JSON values)."""
         n = self.selection_examples
         return {
+            **({} if self.tuned is None else self.tuned.to_dict()),
             "personal_method": self.method,
             "personal_strength": self.strength,
             "personal_strength_name": STRENGTH_NAME.get(self.method, ""),
@@ -267,7 +270,13 @@ def personalize(
         )
     note = "" if best.correct > baseline else " (asked for; not better than the served model there)"
     return Personalized(
-        model, best.method, best.strength, f"chose {said}{note}", selection_personal=best.correct, **common
+        model,
+        best.method,
+        best.strength,
+        f"chose {said}{note}",
+        selection_personal=best.correct,
+        tuned=Tuned.of_labels(labels, preset.task.classes),
+        **common,
     )
 
 

@@ -245,7 +245,25 @@ def personalization_blocks(runs: Sequence[Run]) -> list[Block]:
             "of the lowest tenth of clients."
         ),
         Table(header, tuple(rows), left=2),
+        *_tuned_texts(done),
     ]
+
+
+def _tuned_texts(runs: Sequence[Run]) -> list[Block]:
+    """Under the table: per run, how many personal models were tuned to fewer than all the task's classes (a summary
+    from before the count says nothing)."""
+    texts = []
+    for r in runs:
+        fewer = r.personalization.get("tuned_to_fewer_classes")
+        if isinstance(fewer, int) and not isinstance(fewer, bool) and fewer > 0:
+            texts.append(
+                Text(
+                    f"{r.directory}: {fewer} of {r.personalization.get('personalized', 0)} personal models were tuned "
+                    "to fewer than all the task's classes (results.json names them per client, personal_classes); "
+                    "serve the global model for the others."
+                )
+            )
+    return texts
 
 
 def draw_extraction(plt: Any, runs: Sequence[Run]) -> Any:

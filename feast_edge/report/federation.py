@@ -39,7 +39,9 @@ class ServedModel:
     measured: str
     on_device: bool  # BN-calibrated (and exported as ONNX) on the device
     personal_accuracy: float | None = None  # the device's own held-out accuracy of its personal model (checked)
-    personal: str = ""  # how that model was made, in words (``prior τ=1``, ``served model kept: …``)
+    # How that model was made, in words (``prior τ=1``, ``served model kept: …``), and the classes it was tuned to
+    # where those are fewer than all (``prior τ=1; tuned to 6 of 10 classes: …; serve the global model for the others``).
+    personal: str = ""
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class FederationRun:
     rounds_total: int | None
     best_val: float | None
     best_round: int | None
+    served_reason: str | None  # why those weights are served (feast_edge.evaluate.served_round); None in older runs
     validation: str | None  # where it validated, in words (:func:`feast_edge.run.rundir.validation_words`)
     models: tuple[ServedModel, ...]
     own: FleetAccuracy | None = None  # over the models the devices calibrated: the means and the worst device
@@ -107,7 +110,7 @@ def load_federation_run(directory: Path) -> FederationRun:
                 measured["accuracy_note"],
                 on_device,
                 measured["personal_accuracy"],
-                measured["personal_note"],
+                "; ".join(filter(None, (measured["personal_note"], measured["personal_tuned"]))),
             )
         )
         if on_device:
@@ -120,6 +123,7 @@ def load_federation_run(directory: Path) -> FederationRun:
         rounds_total=config.get("rounds"),
         best_val=best.get("val_accuracy"),
         best_round=None if "round" not in best else int(best["round"]) + shift,
+        served_reason=best.get("reason"),
         validation=validation_words(run_validated_on(fields)),
         models=tuple(sorted(models, key=lambda m: m.device)),
         own=fleet_accuracy(own) if own else None,

@@ -27,6 +27,7 @@ from typing import Any
 
 from feast_edge.errors import FeastError
 from feast_edge.personalize.select import MAX_STRENGTH, METHODS, STRENGTH_NAME
+from feast_edge.personalize.tuned import Tuned, TunedError
 from feast_edge.util.text import printable
 
 REGISTRY = "devices.sqlite"  # feast-server's device registry (the apps' constant; core does not import them)
@@ -276,12 +277,23 @@ def _strength_words(method: str, strength: float) -> str:
 def personal_model(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """A device's report of its personal model, checked: ``personal_accuracy`` (its own held-out accuracy, in [0, 1],
     or None), ``personal_method`` (a known method, ``""`` when it kept the served model, None when it reported nothing
-    usable), ``personal_strength``, ``personal_reason`` (printable, cut) and ``personal_note`` (a few words for a table:
-    ``prior τ=1``, ``served model kept: …``, ``no report``, ``invalid report (FIELD)``).
+    usable), ``personal_strength``, ``personal_reason`` (printable, cut), ``personal_note`` (a few words for a table:
+    ``prior τ=1``, ``served model kept: …``, ``no report``, ``invalid report (FIELD)``), the classes the personal model
+    was tuned to (``personal_classes``, ``personal_task_classes``; None in a report from before them) and
+    ``personal_tuned``, their words where those are fewer than all the task's (``tuned to 6 of 10 classes: …; serve the
+    global model for the others``; "" otherwise).
 
     One value out of bounds voids the whole report: a device that lies about its method is not believed about its
     accuracy either."""
-    nothing = {"personal_accuracy": None, "personal_method": None, "personal_strength": None, "personal_reason": None}
+    nothing = {
+        "personal_accuracy": None,
+        "personal_method": None,
+        "personal_strength": None,
+        "personal_reason": None,
+        "personal_classes": None,
+        "personal_task_classes": None,
+        "personal_tuned": "",
+    }
     if "personal_method" not in metrics and "personal_accuracy" not in metrics:
         return {**nothing, "personal_note": "no report"}
     method, raw, strength = (metrics.get(f"personal_{k}") for k in ("method", "accuracy", "strength"))
@@ -292,6 +304,10 @@ def personal_model(metrics: Mapping[str, Any]) -> dict[str, Any]:
         return {**nothing, "personal_note": "invalid report (personal_accuracy)"}
     if method and _strength_lies(method, strength):
         return {**nothing, "personal_note": "invalid report (personal_strength)"}
+    try:
+        tuned = Tuned.read(metrics) if method else None  # a device that kept the served model tuned nothing
+    except TunedError:
+        return {**nothing, "personal_note": "invalid report (personal_classes)"}
     strength = float(strength) if method and strength is not None else None
     reason = metrics.get("personal_reason")
     reason = printable(reason) if isinstance(reason, str) else None
@@ -305,6 +321,9 @@ def personal_model(metrics: Mapping[str, Any]) -> dict[str, Any]:
         "personal_strength": strength,
         "personal_reason": reason,
         "personal_note": words,
+        "personal_classes": None if tuned is None else list(tuned.classes),
+        "personal_task_classes": None if tuned is None else tuned.of,
+        "personal_tuned": "" if tuned is None else tuned.words(),
     }
 
 

@@ -134,3 +134,50 @@ def test_bad_input_is_one_line_and_exit_2(agent_cli, model, images, tmp_path):
         assert result.returncode == 2, (args, result.stderr)
         agent_cli.assert_user_error(result, fragment)
         assert result.stdout == ""
+
+
+def _personal_file(folder: Path, name: str, extra: dict) -> Path:
+    """The fixture's variant exported as a personal model's file whose metadata holds ``extra``."""
+    arch = Arch.smallest(SMALL)
+    variant = extract(Supernet(SMALL, seed=1), arch)
+    noise = torch.rand(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    recalibrate_bn(variant, [(noise - SMALL.mean[0]) / SMALL.std[0]])
+    path = folder / name
+    export_onnx(variant, path, SMALL, arch, extra={"personal_method": "prior", "personal_strength": 1.0, **extra})
+    return path
+
+
+def test_evaluate_names_what_a_personal_model_was_tuned_to_and_reads_one_written_before_it_said(
+    agent_cli, images, tmp_path
+):
+    tuned = _personal_file(tmp_path, "tuned.onnx", {"personal_classes": ["Coat"], "personal_task_classes": 10})
+    document = json.loads(agent_cli.invoke("evaluate", "--model", str(tuned), "--data", str(images), "--json").stdout)
+    part = document["personal"]
+    assert part["personal_classes"] == ["Coat"] and len(part["not_tuned_to"]) == 9 and "Sneaker" in part["not_tuned_to"]
+    assert part["tuned"] == "tuned to 1 of 10 classes: Coat; serve the global model for the others"
+    assert [(c["class"], c["tuned"]) for c in document["classes"]] == [("Coat", True), ("Sneaker", False)]
+    assert (part["on_tuned_classes"]["examples"], part["on_other_classes"]["examples"]) == (3, 3)
+    # A personal model's file from before the classes were recorded: evaluated as it was, and said so.
+    old = _personal_file(tmp_path, "old.onnx", {})
+    result = agent_cli.invoke("evaluate", "--model", str(old), "--data", str(images))
+    assert result.returncode == 0, result.stderr
+    assert "personal model: its file does not record the classes it was tuned to" in " ".join(result.stdout.split())
+    document = json.loads(agent_cli.invoke("evaluate", "--model", str(old), "--data", str(images), "--json").stdout)
+    assert document["personal"]["personal_classes"] is None and "tuned" not in document["classes"][0]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"personal_classes": ["Coat", "Coat"], "personal_task_classes": 10},
+        {"personal_classes": ["Unicorn"], "personal_task_classes": 10},
+        {"personal_classes": ["Coat"], "personal_task_classes": 9},
+        {"personal_classes": "[not json", "personal_task_classes": 10},
+    ],
+    ids=["twice", "not-a-class", "other-task", "not-json"],
+)
+def test_a_personal_models_classes_that_do_not_add_up_are_one_line_and_exit_2(agent_cli, images, tmp_path, extra):
+    path = _personal_file(tmp_path, "bad.onnx", extra)
+    result = agent_cli.invoke("evaluate", "--model", str(path), "--data", str(images))
+    assert result.returncode == 2 and result.stdout == ""
+    agent_cli.assert_user_error(result, "write the personal model again")

@@ -22,6 +22,8 @@ from rundirs import (
     HETEROFL,
     HOLDOUT_ACCURACY,
     PERSONAL_ACCURACY,
+    TUNED,
+    TUNED_WORDS,
     add_personal_fleet,
     federation_run,
 )
@@ -144,13 +146,15 @@ def test_a_report_of_federations_says_where_each_validated_and_calibrated(cli, t
         "lab",
         f"federated, on 2 devices' held-out data ({HELD_OUT} examples)",
         "2/3",
-        "40.00 (round 2)",
+        "2",
+        "40.00",
     ]
     assert _row(federations, str(held))[2] == "on the server's data"
     mine = _section(text, f"### {own}")
     assert (
         f"validation: federated, on 2 devices' held-out data ({HELD_OUT} examples); "
-        "BN calibration: on each device, on its own data" in mine
+        "BN calibration: on each device, on its own data; served: round 2: the newest validated round (a test's words)"
+        in mine
     )
     assert _row(mine, "pi-5")[1:] == [
         "calibrated on the device; held-out accuracy on its own data (40 examples)",
@@ -339,3 +343,13 @@ def test_ablations_and_options_are_groups_of_their_own(tmp_path: Path) -> None:
     groups = group_runs(runs)
     assert [g.name for g in groups] == ["feast", "feast (variants=min)", "centralized", "heterofl (tiers=4)", "mystery"]
     assert [r.seed for r in groups[0].runs] == [0, 1]
+
+
+def test_a_federation_report_names_the_classes_a_personal_model_was_tuned_to(cli, tiny, tmp_path: Path) -> None:
+    run = add_personal_fleet(federation_run(tmp_path / "own", tiny, federated=True), tiny, TUNED)
+    result = cli.invoke("report", str(run), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    mine = _section((tmp_path / "out" / "report.md").read_text(encoding="utf-8"), f"### {run}")
+    assert _row(mine, "jetson-shirts")[3:] == ["50.00", "100.00", f"prior τ=1; {TUNED_WORDS}"]
+    assert _row(mine, "pi-5")[5] == "prior τ=1"  # a report from before the classes reads as it did
+    assert _row(mine, "liar-classes")[4:] == ["—", "invalid report (personal_classes)"]

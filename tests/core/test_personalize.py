@@ -13,6 +13,7 @@ from feast_edge.cache.variants import load_cache
 from feast_edge.data.holdout import holdout_split
 from feast_edge.evaluate.evaluation import correct_count, pixel_batches
 from feast_edge.personalize.finetune import fine_tuned
+from feast_edge.personalize.fleet import OwnRow, fleet_summary, personalization_record, summary_lines, tuned_lines
 from feast_edge.personalize.prior import SMOOTHING, class_prior, prior_corrected, prior_offsets
 from feast_edge.personalize.select import (
     MIN_TRAINING,
@@ -25,6 +26,7 @@ from feast_edge.personalize.select import (
     personalize,
     worst_decile,
 )
+from feast_edge.personalize.tuned import Tuned
 from feast_edge.space.extract import extract
 from feast_edge.space.preset import load_preset_file
 from feast_edge.space.supernet import Supernet
@@ -111,6 +113,45 @@ def test_auto_on_a_skewed_device_beats_the_served_model_on_its_selection_and_hel
     assert own.personal == correct_count(outcome.model, held_images, held_labels, PRESET)
     assert outcome.metadata()["personal_selection_examples"] == len(select)
     assert "chose" in outcome.reason and outcome.method in outcome.reason
+
+
+def test_a_personal_model_of_a_device_with_three_classes_says_it_was_tuned_to_those_three(served) -> None:
+    g = torch.Generator().manual_seed(11)
+    three = torch.tensor([0, 2, 6])  # T-shirt_top, Pullover, Shirt: the device holds no other class
+    labels, held_labels = (three[torch.randint(0, 3, (n,), generator=g)] for n in (120, 30))
+    choice = Choice.parse("prior:1")  # asked for by name: a personal model is written whatever it scores
+    outcome, own = personal_step(served, _images(120, 12), labels, _images(30, 13), held_labels, PRESET, choice)
+    words = "tuned to 3 of 10 classes: T-shirt_top, Pullover, Shirt; serve the global model for the others"
+    assert outcome.model is not None and outcome.tuned == Tuned(("T-shirt_top", "Pullover", "Shirt"), 10)
+    assert outcome.tuned.words() == words
+    assert outcome.tuned.untuned(PRESET.task.classes) == [PRESET.task.classes[k] for k in (1, 3, 4, 5, 7, 8, 9)]
+    meta = outcome.metadata()  # what the agent's manifest and ONNX file record
+    assert (meta["personal_classes"], meta["personal_task_classes"]) == (["T-shirt_top", "Pullover", "Shirt"], 10)
+    # The row simulate and the Flower ServerApp record, its summary, and the line under the summary.
+    row = OwnRow.of("client-007", 1_000_000, outcome, own, 0.1)
+    assert row.to_dict()["personal_classes"] == ["T-shirt_top", "Pullover", "Shirt"] and row.to_dict()["tuned"] == words
+    assert fleet_summary([row], "prior:1")["tuned_to_fewer_classes"] == 1
+    assert tuned_lines([row.to_dict()]) == [f"client-007: personal model {words}"]
+    record = personalization_record([row], "prior:1")
+    assert summary_lines(record)[0].startswith("personalization: 1 of 1 clients chose a personal model (1 tuned to ")
+    assert summary_lines(record)[1:] == tuned_lines(record["clients"])
+    # Every class held: nothing to say; no personal model: no classes.
+    every = personalize(served, _images(100, 14), torch.arange(100) % 10, PRESET, choice, holdout=10)
+    assert every.tuned == Tuned(PRESET.task.classes, 10) and every.tuned.words() == ""
+    off = personalize(served, _images(100, 14), labels[:100], PRESET, Choice.parse("off"), holdout=10)
+    assert off.tuned is None and "personal_classes" not in off.metadata()
+
+
+def test_a_device_sends_its_class_names_only_while_they_fit_one_metrics_message() -> None:
+    few = Tuned(("T-shirt_top", "Pullover"), 10)
+    assert few.to_metrics() == {"personal_classes": ["T-shirt_top", "Pullover"], "personal_task_classes": 10}
+    many = Tuned(tuple(f"class-{k:04d}-" + "x" * 80 for k in range(400)), 500)  # 36,000 characters of names
+    assert many.to_metrics() == {} and len(many.to_dict()["personal_classes"]) == 400  # the manifest keeps them
+
+
+def test_rows_written_before_the_classes_say_nothing_of_them() -> None:
+    old = {"client": "client-001", "method": "prior", "strength": 1.0, "examples": 10, "served_correct": 5}
+    assert tuned_lines([old, {**old, "personal_classes": ["a", "a"], "personal_task_classes": 3}]) == []
 
 
 def test_auto_keeps_the_served_model_when_nothing_beats_it_on_the_selection_split(served) -> None:

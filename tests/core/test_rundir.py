@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feast_edge.run.rundir import fleet_accuracy, model_accuracy
+from rundirs import TUNED, TUNED_CLASSES, TUNED_WORDS
 
 MANIFEST = {"device": "pi", "calibration": "device", "rounds": 3}
 # Anything a device can put in a JSON message.
@@ -17,8 +18,17 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=8,
 )
-PERSONAL_KEYS = ("holdout_accuracy", "personal_method", "personal_strength", "personal_accuracy", "personal_reason")
+PERSONAL_KEYS = (
+    "holdout_accuracy",
+    "personal_method",
+    "personal_strength",
+    "personal_accuracy",
+    "personal_reason",
+    "personal_classes",
+    "personal_task_classes",
+)
 HONEST = {"personal_method": "prior", "personal_strength": 0.5, "personal_accuracy": 0.9, "personal_reason": "chose"}
+TUNED_CLASSES_DICT = {"personal_classes": TUNED_CLASSES, "personal_task_classes": 10}
 
 
 @settings(max_examples=200, deadline=None)
@@ -31,6 +41,9 @@ def test_any_report_reads_as_bounded_accuracies_and_one_printable_line(report: d
     note = model["personal_note"]
     assert isinstance(note, str) and note.isprintable() and len(note) <= 80
     assert model["personal_reason"] is None or model["personal_reason"].isprintable()
+    tuned = model["personal_tuned"]
+    assert isinstance(tuned, str) and tuned.isprintable() and len(tuned) <= 200
+    assert tuned == "" or (tuned.startswith("tuned to ") and tuned.endswith("; serve the global model for the others"))
 
 
 @pytest.mark.parametrize(
@@ -52,6 +65,60 @@ def test_one_lie_voids_the_whole_personal_report(lie: dict, field: str) -> None:
     assert model["accuracy"] == 0.8  # the served model's own accuracy is another report
     assert (model["personal_accuracy"], model["personal_method"], model["personal_strength"]) == (None, None, None)
     assert model["personal_note"] == f"invalid report ({field})"
+
+
+def test_a_personal_model_tuned_to_fewer_classes_says_which_and_to_serve_the_global_model_for_the_others() -> None:
+    model = model_accuracy(MANIFEST, TUNED["jetson-shirts"])
+    assert model["personal_accuracy"] == 1.0 and model["personal_note"] == "prior τ=1"
+    assert (model["personal_classes"], model["personal_task_classes"]) == (TUNED_CLASSES, 10)
+    assert model["personal_tuned"] == TUNED_WORDS
+    # Tuned to every class: nothing to say. A device that kept the served model tuned nothing.
+    every_class = {"personal_classes": [str(k) for k in range(10)], "personal_task_classes": 10}
+    every = model_accuracy(MANIFEST, {"holdout_accuracy": 0.8, **HONEST, **every_class})
+    assert every["personal_tuned"] == "" and len(every["personal_classes"]) == 10
+    kept = model_accuracy(
+        MANIFEST,
+        {"holdout_accuracy": 0.8, **HONEST, "personal_method": "", "personal_strength": None, **TUNED_CLASSES_DICT},
+    )
+    assert (kept["personal_tuned"], kept["personal_classes"]) == ("", None)
+
+
+def test_a_long_class_list_is_shortened_and_the_words_stay_one_bounded_line() -> None:
+    names = [f"class-{k}-with-a-long-name" for k in range(40)]
+    model = model_accuracy(
+        MANIFEST, {"holdout_accuracy": 0.8, **HONEST, "personal_classes": names[:30], "personal_task_classes": 40}
+    )
+    words = model["personal_tuned"]
+    assert words.startswith("tuned to 30 of 40 classes: class-0-with-a-l…, ") and " and 24 more; " in words
+    assert words.endswith("; serve the global model for the others") and len(words) <= 200
+
+
+def test_a_report_from_before_the_classes_reads_as_it_did() -> None:
+    model = model_accuracy(MANIFEST, {"holdout_accuracy": 0.8, **HONEST})
+    assert (model["personal_accuracy"], model["personal_note"]) == (0.9, "prior τ=0.5")
+    assert (model["personal_classes"], model["personal_task_classes"], model["personal_tuned"]) == (None, None, "")
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        {"personal_classes": "Shirt", "personal_task_classes": 10},
+        {"personal_classes": ["Shirt", "Shirt"], "personal_task_classes": 10},
+        {"personal_classes": ["Shirt", 3], "personal_task_classes": 10},
+        {"personal_classes": ["a/b"], "personal_task_classes": 10},
+        {"personal_classes": ["x" * 101], "personal_task_classes": 10},
+        {"personal_classes": [], "personal_task_classes": 10},
+        {"personal_classes": ["a", "b", "c"], "personal_task_classes": 2},
+        {"personal_classes": ["a"], "personal_task_classes": True},
+        {"personal_classes": ["a"], "personal_task_classes": 10**6},
+        {"personal_classes": ["a"]},
+        {"personal_task_classes": 10},
+    ],
+)
+def test_classes_that_do_not_add_up_void_the_whole_personal_report(lie: dict) -> None:
+    model = model_accuracy(MANIFEST, {"holdout_accuracy": 0.8, **HONEST, **lie})
+    assert (model["personal_accuracy"], model["personal_classes"], model["personal_tuned"]) == (None, None, "")
+    assert model["personal_note"] == "invalid report (personal_classes)"
 
 
 def test_a_report_of_an_earlier_export_is_not_this_models() -> None:

@@ -99,16 +99,31 @@ def test_class_distance_bounds_the_accuracy_gap_of_any_model_between_two_mixes()
 
 
 def test_a_device_whose_classes_explain_its_gap_is_said_to_differ_not_to_lie() -> None:
-    # dana holds 5 of 10 classes: half of the others' examples are of classes she lacks (distance 0.5 > her 40 points).
-    reports = {"ann": [(30, 100)], "bob": [(32, 100)], "cat": [(28, 100)], "dana": [(70, 100)]}
+    # dana holds 5 of 10 classes: half of each other device's examples are of classes she lacks (distance 0.5 > her
+    # 40 points).
+    reports = {"ann": [(300, 1000)], "bob": [(320, 1000)], "cat": [(280, 1000)], "dana": [(700, 1000)]}
     mixes = {d: [10] * 10 for d in ("ann", "bob", "cat")} | {"dana": [0] * 5 + [10] * 5}
-    assert abs(class_distance(mixes["dana"], [30] * 10) - 0.5) < 1e-12
+    assert abs(class_distance(mixes["dana"], mixes["ann"]) - 0.5) < 1e-12
     flagged, differs = disagreements(reports, 1, mixes)
     assert flagged == {}
     assert differs["dana"].startswith("its classes differ: it holds 5 of 10 (its held-out accuracy 70.0%")
-    # With 7 of 10 (distance 0.3), a 40-point gap is more than her classes and her 100 examples' noise explain.
+    # With 7 of 10 (distance 0.3), a 40-point gap is more than her classes and 1,000 examples' noise explain.
     flagged, _ = disagreements(reports, 1, {**mixes, "dana": [0] * 3 + [10] * 7})
     assert "its class mix cannot explain the gap" in flagged["dana"]
+
+
+def test_a_liar_beside_two_honest_devices_cannot_get_an_honest_one_called_false() -> None:
+    # The label-skewed fleet of bench/bench_served_round.py: a holds classes 0-3, b 2-7, c 0, 1 and 5-9; b lies (0 %).
+    # Against the median of the two others (b's 0 % and a's 35.8 %), c's 87.3 % is 69 points off; against a alone, the
+    # class mixes (distance 0.71) explain the 52 points between them.
+    mixes = {
+        "a": [25] * 4 + [0] * 6,
+        "b": [0, 0] + [25] * 6 + [0, 0],
+        "c": [25, 25, 0, 0, 0] + [25] * 5,
+    }
+    reports = {"a": [(43, 120)], "b": [(0, 150)], "c": [(157, 180)]}
+    flagged, differs = disagreements(reports, 1, mixes)
+    assert "c" not in flagged and differs["c"].startswith("its classes differ: it holds 7 of 10")
 
 
 def test_a_gap_the_class_mix_cannot_explain_is_flagged_as_possibly_false() -> None:

@@ -88,6 +88,9 @@ def test_the_block_holds_the_counts_of_personal_step_on_each_clients_served_vari
             own.served,
             own.personal,
         )
+        # The classes its personal model was tuned to: those of its training split, by name (none without a model).
+        held_classes = [setup.preset.task.classes[k] for k in sorted(set(labels[train].tolist()))]
+        assert row.get("personal_classes") == (held_classes if outcome.model is not None else None)
     assert any(r["method"] for r in rows.values()) and any(not r["method"] for r in rows.values())
 
 
@@ -120,6 +123,12 @@ def test_the_console_and_the_report_show_the_mean_and_worst_decile(personalized,
     assert f"served {100 * s['served_mean']:.2f}% {100 * s['served_worst_decile']:.2f}%" in text
     assert f"personal {100 * s['personal_mean']:.2f}% {100 * s['personal_worst_decile']:.2f}%" in text
     assert f"personalization: {s['personalized']} of {s['clients']} clients chose a personal model" in text
+    # A line per client whose personal model was tuned to fewer than all classes, naming them (results.json's words).
+    fewer = [r for r in results["personalization"]["clients"] if r["method"] and r["tuned"]]
+    assert s["tuned_to_fewer_classes"] == len(fewer)
+    for r in fewer:
+        assert r["tuned"].startswith(f"tuned to {len(r['personal_classes'])} of 10 classes: ")
+        assert f"{r['client']}: personal model {r['tuned']}" in text
     report = render_markdown(build_document([load_run(out)], "t", [], []))
     row = (
         f"| {out} | {CHOICE} | {s['personalized']}/{s['clients']} | {100 * s['served_mean']:.2f} | "
@@ -127,6 +136,8 @@ def test_the_console_and_the_report_show_the_mean_and_worst_decile(personalized,
         f"{100 * s['personal_worst_decile']:.2f} |"
     )
     assert "## Personalization" in report and row in report
+    if fewer:
+        assert f"{out}: {len(fewer)} of {s['personalized']} personal models were tuned to fewer than all" in report
 
 
 def test_without_personalize_nothing_is_held_out_and_the_fingerprint_is_unchanged() -> None:
@@ -147,7 +158,10 @@ def test_without_personalize_nothing_is_held_out_and_the_fingerprint_is_unchange
         (["--personalize", "prior:9"], "--personalize prior:9: its tau must be a number in [0, 4]"),
         (["--personalize", "head", "--holdout", "0"], "needs each client's own held-out split: give --holdout > 0"),
         (["--personalize", "auto", "--holdout", "0.95"], "--holdout 0.95 must be a fraction between 0 and 0.9"),
-        (["--holdout", "0.2"], "--holdout 0.2 holds out examples that only --personalize measures on"),
+        (
+            ["--holdout", "0.2"],
+            "--holdout 0.2 holds out examples that only --personalize and --validate-on devices measure on",
+        ),
         (["--personalize", "auto", "--method", "heterofl"], "--personalize auto applies to --method feast only"),
     ],
 )

@@ -103,6 +103,9 @@ def test_a_filled_state_renders_and_updates_live(
         "personal_strength": 1,
         "personal_accuracy": 0.875,
         "personal_reason": "chose bn",
+        # tuned to the 7 classes the device holds (issue 53): the page says so, and to serve the global model for the rest
+        "personal_classes": list("abcdefg"),
+        "personal_task_classes": 10,
     }
     liar = {**jetson_model, "device": "liar"}  # its personal accuracy is a lie: shown as such, kept out of the means
     filled.set_models(
@@ -122,7 +125,11 @@ def test_a_filled_state_renders_and_updates_live(
     # Its personal model: the device's own accuracy of it and how it was made (the device's reason as a tooltip).
     assert model.find_element("css selector", "td.personal").text == "87.50"
     note = model.find_element("css selector", "td.personal-note")
-    assert note.text == "bn 1 epoch" and note.get_attribute("title") == "chose bn"
+    assert note.get_attribute("title") == "chose bn"
+    assert (
+        note.text
+        == "bn 1 epoch; tuned to 7 of 10 classes: a, b, c, d, e, f and 1 more; serve the global model for the others"
+    )
     liar_row = driver.find_element("css selector", '#models tr[data-device="liar"]')
     assert liar_row.find_element("css selector", "td.personal").text == "–"
     assert liar_row.find_element("css selector", "td.personal-note").text == "invalid report (personal_accuracy)"

@@ -22,6 +22,9 @@ from rundirs import (
     HELD_OUT,
     HOLDOUT_ACCURACY,
     PERSONAL_ACCURACY,
+    TUNED,
+    TUNED_CLASSES,
+    TUNED_WORDS,
     add_personal_fleet,
     federation_run,
     register_device,
@@ -268,3 +271,13 @@ def test_paths_that_are_not_run_directories(tmp_path: Path) -> None:
     (tmp_path / "results.json").write_text("{not json")
     with pytest.raises(DashboardError, match=f"^cannot read {tmp_path / 'results.json'}"):
         load_runs([tmp_path])
+
+
+def test_a_personal_model_tuned_to_fewer_classes_shows_them_on_the_page(tmp_path: Path, tiny: Preset) -> None:
+    out = add_personal_fleet(federation_run(tmp_path / "fed", tiny, federated=True), tiny, TUNED)
+    models = {m["device"]: m for m in load_runs([out]).snapshot()["models"]}
+    shirts = models["jetson-shirts"]
+    assert (shirts["personal_classes"], shirts["personal_task_classes"]) == (TUNED_CLASSES, 10)
+    assert shirts["personal_tuned"] == TUNED_WORDS and shirts["personal_note"] == "prior τ=1"
+    assert (models["pi-5"]["personal_tuned"], models["pi-5"]["personal_classes"]) == ("", None)
+    assert models["liar-classes"]["personal_note"] == "invalid report (personal_classes)"

@@ -111,6 +111,22 @@ def test_the_demo_summary_shows_own_accuracy_served_and_personal_the_mean_and_th
     assert any("personalization on (feast-agent run --personalize auto, the default)" in line for line in lines)
 
 
+def test_the_demo_summary_names_the_classes_a_personal_model_was_tuned_to(tmp_path: Path) -> None:
+    """Read from the ``.personal.json`` the agent wrote; one written before the field reads as it did."""
+    personal = {"personal_method": "head", "personal_strength": 10, "holdout_accuracy_personal": 1.0}
+    tuned = {**personal, "personal_classes": ["T-shirt_top", "Pullover", "Shirt"], "personal_task_classes": 10}
+    rows = [_kept_model(tmp_path, "jetson", 0.5, tuned), _kept_model(tmp_path, "pi", 0.8, personal)]
+    console = Console(width=300, record=True)
+    console.print(summary_table(rows, "demo", server_data=False))
+    cells = {
+        c[0]: c
+        for c in ([c.strip() for c in line.strip("│").split("│")] for line in console.export_text().splitlines())
+    }
+    words = "tuned to 3 of 10 classes: T-shirt_top, Pullover, Shirt; serve the global model for the others"
+    assert cells["jetson"][5:7] == ["50.00%", f"100.00% (head 10 epochs; {words})"]
+    assert cells["pi"][5:7] == ["80.00%", "100.00% (head 10 epochs)"]
+
+
 def test_the_demo_summary_cuts_nothing_in_a_narrow_terminal_and_names_the_model_files(tmp_path: Path) -> None:
     rows = [_kept_model(tmp_path, "raspberry-pi-5", 0.8), _kept_model(tmp_path, "desktop-gpu", 0.9)]
     wide = Console(width=160, record=True)

@@ -23,7 +23,7 @@ from feast_edge.flower.serverapp.personal import PERSONALIZATION, personalize_no
 from feast_edge.flower.serverapp.run_config import server_config
 from feast_edge.personalize.select import Choice, personal_step
 from feast_edge.run.checkpoint import load_supernet
-from feast_edge.run.loop import CHECKPOINT
+from feast_edge.run.loop import BEST
 from feast_edge.server.config import ServerError
 from feast_edge.space.extract import extract
 from feast_edge.space.preset import load_preset
@@ -93,6 +93,10 @@ def test_a_node_returns_the_counts_of_personal_step_on_its_server_calibrated_ser
     assert (row["method"], row["strength"], row["reason"]) == (outcome.method, outcome.strength, outcome.reason)
     assert (row["examples"], row["served_correct"], row["personal_correct"]) == (own.examples, own.served, own.personal)
     assert row["served_macs"] == entry.macs
+    # The classes its personal model was tuned to travel with the counts, checked against the ServerApp's task.
+    tuned = None if outcome.model is None else outcome.tuned
+    assert row.get("personal_classes") == (None if tuned is None else list(tuned.classes))
+    assert row.get("tuned") == (None if tuned is None else tuned.words())
     assert json.loads((federation.out / PERSONALIZATION).read_text()) == record
 
 
@@ -141,7 +145,8 @@ def test_the_serverapp_personalizes_after_the_rounds_and_without_data_each_node_
     config, _ = server_config(grid.run_config)
     preset = load_preset(str(FMNIST_TINY))
     client = load_clients(partition, "direct", 1, None, 1, task=preset.task, holdout=0.1)[0]
-    model = load_supernet(out / CHECKPOINT, preset)[0]  # no validation without data: the last checkpoint is served
+    # Without data the nodes validate on their held-out splits: the one validated round is served (best.safetensors).
+    model = load_supernet(out / BEST, preset)[0]
     served = extract(model, load_cache(preset).largest_affordable(client.budget_macs).arch)
     calibrated_static(served, preset, client.images, config.calib_samples, labels=client.labels)
     outcome, own = personal_step(
@@ -155,7 +160,7 @@ def test_the_serverapp_personalizes_after_the_rounds_and_without_data_each_node_
         seed=config.seed,
     )
     row = next(r for r in record["clients"] if r["client"] == client.device_id)
-    assert record["calibration"] == "device" and record["checkpoint"] == CHECKPOINT and not record["refused"]
+    assert record["calibration"] == "device" and record["checkpoint"] == BEST and not record["refused"]
     assert outcome.candidates  # the node had enough examples to choose among the methods
     assert (row["method"], row["examples"], row["served_correct"], row["personal_correct"]) == (
         outcome.method,

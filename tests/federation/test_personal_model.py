@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +26,15 @@ from feast_edge.evaluate.evaluation import correct_count, pixel_batches
 from feast_edge.evaluate.federated import calibrated_static
 from feast_edge.evaluate.onnx_export import onnx_session, read_metadata
 from feast_edge.personalize.select import Choice, personalize
+from feast_edge.protocol import Metrics
+from feast_edge.run.rundir import model_accuracy
 from feast_edge.server.app import FederationServer, ServerConfig
 from feast_edge.server.output import device_models_table
 from feast_edge.space.geometry import arch_layout
 from feast_edge.space.preset import load_preset
 from feast_edge.space.static import StaticResNet
 from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.messages import parse
 from strategies import FMNIST_TINY
 
 PRESET = load_preset(str(FMNIST_TINY))
@@ -128,6 +132,79 @@ def test_a_skewed_device_writes_a_personal_onnx_file_that_is_the_pytorch_persona
     assert not path.exists() and not path.with_suffix(".json").exists()
     assert again["personal_method"] == "" and "off" in again["personal_reason"]
     assert again["personal_accuracy"] == again["holdout_accuracy"]
+
+
+THREE = (0, 2, 6)  # T-shirt_top, Pullover, Shirt
+TUNED_WORDS = "tuned to 3 of 10 classes: T-shirt_top, Pullover, Shirt; serve the global model for the others"
+
+
+def test_a_device_holding_three_classes_names_them_wherever_its_personal_models_accuracy_goes(
+    trained, tmp_path, fashion_mnist_dir, agent_cli, caplog
+) -> None:
+    """Its log line, its manifest and ONNX metadata, what it reports to the server (through the bounded parser) and the
+    server's reading of that report, and ``feast-agent evaluate`` on an all-class folder, per class."""
+    model, _ = trained
+    split = load_fashion_mnist(fashion_mnist_dir, "train")
+    rest = torch.arange(2000, 8000)
+    mine = rest[torch.isin(split.labels[rest].long(), torch.tensor(THREE))]
+    train, held = mine[:240], mine[240:300]
+    own = LocalClient(
+        "jetson",
+        split.images[train],
+        split.labels[train].long(),
+        None,
+        None,
+        None,
+        "own images",
+        holdout_images=split.images[held],
+        holdout_labels=split.labels[held].long(),
+    )
+    with caplog.at_level(logging.INFO, logger="feast_edge.agent.personal"):
+        served_path, metrics = calibrate_served_variant(
+            *_variant(model), own, PRESET, tmp_path / "jetson.onnx", personalize=Choice.parse("prior:1")
+        )
+    path = personal_path(served_path)
+    written = next(r.getMessage() for r in caplog.records if "personal model written to" in r.getMessage())
+    assert written.endswith(f"personal ({own.holdout} examples); {TUNED_WORDS}")
+    names = ["T-shirt_top", "Pullover", "Shirt"]
+    manifest, meta = json.loads(path.with_suffix(".json").read_text()), read_metadata(path)
+    assert (manifest["personal_classes"], manifest["personal_task_classes"]) == (names, 10)
+    assert (json.loads(meta["personal_classes"]), json.loads(meta["personal_task_classes"])) == (names, 10)
+    # What the server learns: the names and the count, through the same parser every message passes.
+    sent = parse(Metrics(federation="lab", round=0, device="jetson", values=metrics).encode())
+    assert (sent.values["personal_classes"], sent.values["personal_task_classes"]) == (names, 10)
+    server_side = model_accuracy({"device": "jetson", "calibration": "device", "rounds": 3}, sent.values)
+    assert server_side["personal_tuned"] == TUNED_WORDS
+
+    # feast-agent evaluate on ten images of every class: per-class counts, the classes it was not tuned to, and its
+    # accuracy over its own three classes apart from the other seven.
+    test = load_fashion_mnist(fashion_mnist_dir, "test")
+    write_image_folder(tmp_path / "every-class", dict.fromkeys(range(10), 10), "png-grey", test, FASHION_MNIST_CLASSES)
+    result = agent_cli.invoke("evaluate", "--model", str(path), "--data", str(tmp_path / "every-class"), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    per_class = {c["class"]: c for c in report["classes"]}
+    assert len(per_class) == 10 and all(c["examples"] == 10 for c in per_class.values())
+    assert {name for name, c in per_class.items() if c["tuned"]} == set(names)
+    personal = report["personal"]
+    others = [n for k, n in enumerate(FASHION_MNIST_CLASSES) if k not in THREE]
+    assert (personal["personal_classes"], personal["not_tuned_to"], personal["tuned"]) == (names, others, TUNED_WORDS)
+    on_three, on_others = personal["on_tuned_classes"], personal["on_other_classes"]
+    assert on_three["correct"] == sum(per_class[n]["correct"] for n in names) and on_three["examples"] == 30
+    assert on_others["correct"] == sum(per_class[n]["correct"] for n in others) and on_others["examples"] == 70
+    table = agent_cli.invoke("evaluate", "--model", str(path), "--data", str(tmp_path / "every-class"))
+    assert table.returncode == 0, table.stderr
+    assert f"personal model {TUNED_WORDS}: " in " ".join(table.stdout.split())
+    assert "no: serve the global model" in table.stdout
+    # The served file is no personal model: its report has no such part; predict names the classes too.
+    served_report = json.loads(
+        agent_cli.invoke(
+            "evaluate", "--model", str(served_path), "--data", str(tmp_path / "every-class"), "--json"
+        ).stdout
+    )
+    assert "personal" not in served_report and "tuned" not in served_report["classes"][0]
+    predicted = agent_cli.invoke("predict", "--model", str(path), str(tmp_path / "every-class" / "Shirt"))
+    assert predicted.returncode == 0 and f"personal model {TUNED_WORDS}" in " ".join(predicted.stdout.split())
 
 
 def test_the_personal_model_is_int8_where_the_served_one_is(trained, tmp_path) -> None:

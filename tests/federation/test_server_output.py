@@ -1,11 +1,20 @@
-"""What ``feast-server run`` prints at the end of a run without data: the devices' own models, served -> personal."""
+"""What ``feast-server run`` prints at the end of a run without data: the devices' own models, served -> personal, and
+the classes a personal model was tuned to."""
 
 from __future__ import annotations
 
 from rich.console import Console
 
 from feast_edge.server.output import device_models_table
-from rundirs import FLEET, FLEET_OWN_ACCURACY, HOLDOUT_ACCURACY, PERSONAL, PERSONAL_ACCURACY
+from rundirs import (
+    FLEET,
+    FLEET_OWN_ACCURACY,
+    HOLDOUT_ACCURACY,
+    PERSONAL,
+    PERSONAL_ACCURACY,
+    TUNED,
+    TUNED_WORDS,
+)
 
 
 def _rows(manifests: list[dict], reports: dict[str, dict]) -> dict[str, list[str]]:
@@ -58,3 +67,19 @@ def test_in_a_narrow_terminal_the_table_folds_and_cuts_nothing() -> None:
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 70
     first_column = "".join(line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│"))
     assert first_column.startswith("".join(names))  # each name whole, folded over lines
+
+
+def test_a_personal_model_tuned_to_fewer_classes_names_them_in_the_table_and_an_old_report_still_reads() -> None:
+    reports = {
+        "jetson-shirts": {"holdout_samples": 40, "calibrated_on": 200, **TUNED["jetson-shirts"]},
+        "pi-5": {"holdout_accuracy": HOLDOUT_ACCURACY, "holdout_samples": 40, "calibrated_on": 200, **PERSONAL},
+        "liar-classes": {"holdout_samples": 40, "calibrated_on": 200, **TUNED["liar-classes"]},
+    }
+    manifests = [{"device": name, "macs": 1e6, "calibration": "device"} for name in reports]
+    console = Console(width=400, record=True)
+    console.print(device_models_table(manifests, reports, "the devices' models"))
+    lines = console.export_text().splitlines()
+    row = {name: next(line for line in lines if line.startswith(f"│ {name} ")) for name in reports}
+    assert f"100.00% (prior τ=1; {TUNED_WORDS})" in row["jetson-shirts"]
+    assert f"{100 * PERSONAL_ACCURACY:.2f}% (prior τ=1) " in row["pi-5"]  # a report from before the classes
+    assert "invalid report (personal_classes)" in row["liar-classes"] and "tuned to" not in row["liar-classes"]

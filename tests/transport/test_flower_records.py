@@ -19,6 +19,8 @@ from feast_edge.cache.variants import load_cache
 from feast_edge.errors import PayloadError
 from feast_edge.flower import records
 from feast_edge.flower.serverapp.run_config import server_config
+from feast_edge.personalize.fleet import OwnRow
+from feast_edge.personalize.tuned import Tuned
 from feast_edge.protocol import Declined, Register, RoundStart, Update
 from feast_edge.route.envelope import route_state
 from feast_edge.route.plans import plan_client
@@ -197,3 +199,42 @@ def test_a_run_config_becomes_feast_servers_settings() -> None:
         None,
     )
     assert export is False
+
+
+NAMES = PRESET.task.classes
+ROW = OwnRow("jetson", 6_000_000, "prior", 1.0, 40, 20, 38, "chose prior", 0.5, Tuned(NAMES[:3], 10))
+
+
+def test_a_nodes_personal_row_brings_the_classes_its_personal_model_was_tuned_to() -> None:
+    got = records.read_personal(records.personal_content(ROW), 40, NAMES)
+    assert got == ROW and got.tuned.words().startswith("tuned to 3 of 10 classes: ")
+    old = OwnRow("jetson", 6_000_000, "prior", 1.0, 40, 20, 38, "chose prior", 0.5)  # a node from before the classes
+    assert records.read_personal(records.personal_content(old), 40, NAMES).tuned is None
+
+
+def _kept(config, metrics) -> None:
+    """A row of a node that kept the served model (no method, no strength, the same counts), classes and all."""
+    config["method"] = ""
+    metrics.pop("strength")
+    metrics["personal-correct"] = metrics["served-correct"]
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda c, m: c.__setitem__("classes", ["Shirt", "Shirt"]), "names a class twice"),
+        (lambda c, m: c.__setitem__("classes", ["Unicorn"]), "are not the task's"),
+        (lambda c, m: m.__setitem__("task-classes", 9), "are not the task's"),
+        (lambda c, m: m.__setitem__("task-classes", 10**6), "whole number of classes"),
+        (lambda c, m: c.__setitem__("classes", "Shirt"), "list of 1 to"),
+        (lambda c, m: c.__setitem__("classes", ["a/b"]), "cannot name a folder"),
+        (lambda c, m: m.pop("task-classes"), "whole number of classes"),
+        (lambda c, m: _kept(c, m), "keeps the served model but names classes"),
+    ],
+    ids=["twice", "unknown", "other-task", "huge", "not-a-list", "bad-name", "no-count", "kept"],
+)
+def test_classes_that_do_not_add_up_refuse_the_row(change, fragment) -> None:
+    content = records.personal_content(ROW)
+    change(content.config_records[records.FEAST], content.metric_records[records.PERSONAL])
+    with pytest.raises(ProtocolError, match=fragment):
+        records.read_personal(content, 40, NAMES)

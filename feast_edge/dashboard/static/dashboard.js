@@ -345,9 +345,12 @@
       // A device-calibrated model: the held-out accuracy its device reported; else the validation on the server's data.
       cell(tr, percent(isNumber(m.accuracy) ? m.accuracy : m.validation_accuracy), "num accuracy");
       cell(tr, m.accuracy_note, "measured calibration-" + String(m.calibration || "server").replace(/[^a-z]/g, ""));
-      // Its personal model: the device's own held-out accuracy and how it was made (checked on the server).
+      // Its personal model: the device's own held-out accuracy and how it was made (checked on the server), and the
+      // classes it was tuned to where those are fewer than all ("tuned to 6 of 10 classes: ...; serve the global ...").
       cell(tr, percent(m.personal_accuracy), "num personal");
-      cell(tr, m.personal_note, "personal-note", typeof m.personal_reason === "string" ? m.personal_reason : null);
+      const tuned = typeof m.personal_tuned === "string" && m.personal_tuned ? m.personal_tuned : "";
+      const note = typeof m.personal_note === "string" && tuned ? m.personal_note + "; " + tuned : m.personal_note;
+      cell(tr, note, "personal-note", typeof m.personal_reason === "string" ? m.personal_reason : null);
       const sha = typeof m.sha256 === "string" ? m.sha256 : "";
       cell(tr, sha ? sha.slice(0, 12) + "…" : null, "sha", sha);
       const link = cell(tr, m.calibration === "device" || m.calibration === "federated" ? "on the device" : null, "download");

@@ -5,8 +5,9 @@ served variant   the largest cached variant the node's budget affords, of the ch
                  ``feast-edge simulate`` does), or by the node on its own training split where the run holds none
 evaluate         one Message per node (``records.ServedVariant``); the ClientApp runs ``personal_step`` and
                  answers its held-out counts, checked here against what the node registered
-personalization.json in the run directory: every node's row, and the mean and worst decile of the nodes' own
-                 held-out accuracy, served and personal (``feast_edge.personalize.fleet``)
+personalization.json in the run directory: every node's row (with the classes its personal model was tuned to), and
+                 the mean and worst decile of the nodes' own held-out accuracy, served and personal
+                 (``feast_edge.personalize.fleet``); a line per node whose personal model was tuned to fewer classes
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from flwr.app import Message
 from feast_edge.evaluate.evaluation import calibrated_variant
 from feast_edge.flower import records
 from feast_edge.flower.serverapp.collector import NodeBook
-from feast_edge.personalize.fleet import OwnRow, personalization_record
+from feast_edge.personalize.fleet import OwnRow, personalization_record, tuned_lines
 from feast_edge.personalize.select import Choice
 from feast_edge.protocol import Declined
 from feast_edge.run.checkpoint import load_supernet, read_record
@@ -78,7 +79,7 @@ def personalize_nodes(host: RunHost, nodes: NodeBook, choice: Choice) -> dict[st
         if node not in asked or asked[node][0] in refused or any(r.client == asked[node][0] for r in rows):
             continue
         device, holdout, macs = asked[node]
-        outcome = _row(reply, device, holdout)
+        outcome = _row(reply, device, holdout, host.preset.task.classes)
         if isinstance(outcome, OwnRow):
             rows.append(replace(outcome, served_macs=macs))  # the variant the ServerApp sent, whatever the node says
         else:
@@ -100,10 +101,12 @@ def personalize_nodes(host: RunHost, nodes: NodeBook, choice: Choice) -> dict[st
     )
     atomic_write_bytes(host.out / PERSONALIZATION, (json.dumps(record, indent=1) + "\n").encode())
     _log_summary(record["summary"])
+    for line in tuned_lines(record["clients"]):  # what the nodes' personal models forgot
+        log.info("personalization: %s", line)
     return record
 
 
-def _row(reply: Message, device: str, holdout: int) -> OwnRow | str:
+def _row(reply: Message, device: str, holdout: int, names: tuple[str, ...]) -> OwnRow | str:
     """A node's evaluate reply as its row, or why it holds none (declined, failed, impossible counts)."""
     if reply.has_error():
         return f"the ClientApp failed: {reply.error.reason[:300]}"
@@ -114,7 +117,7 @@ def _row(reply: Message, device: str, holdout: int) -> OwnRow | str:
             return f"its answer holds no counts: {exc}"
         return f"it declined: {declined.reason}"
     try:
-        row = records.read_personal(reply.content, holdout)
+        row = records.read_personal(reply.content, holdout, names)
     except ProtocolError as exc:
         return f"its counts were refused: {exc}"
     if row.client != device:
@@ -128,7 +131,7 @@ def _log_summary(summary: dict[str, Any]) -> None:
 
     log.info(
         "personalization (%s): own held-out accuracy over %d nodes, mean %s served -> %s personal, worst decile %s "
-        "-> %s; %d of %d chose a personal model, %.1f s of device time",
+        "-> %s; %d of %d chose a personal model (%d tuned to fewer than all the task's classes), %.1f s of device time",
         summary["choice"],
         summary["measured"],
         pct(summary["served_mean"]),
@@ -137,5 +140,6 @@ def _log_summary(summary: dict[str, Any]) -> None:
         pct(summary["personal_worst_decile"]),
         summary["personalized"],
         summary["clients"],
+        summary["tuned_to_fewer_classes"],
         summary["device_seconds_total"],
     )
