@@ -28,7 +28,7 @@ import torch
 from feast_edge.cache.variants import CacheEntry, VariantCache
 from feast_edge.evaluate.device_validation import device_record, validation_targets
 from feast_edge.evaluate.evaluation import probe_indices
-from feast_edge.evaluate.federated import CALIBRATION, DEFAULT_VAL_RULE
+from feast_edge.evaluate.federated import CALIBRATION, DEFAULT_VAL_RULE, Validated
 from feast_edge.protocol import MAX_PROBES, Evaluate, RoutedRequest
 from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import encode
@@ -91,6 +91,33 @@ def _holds_out(devices: DeviceBook, device: str) -> bool:
     registered = devices.registry.get(device)
     holdout = registered.profile.get("holdout", 0) if registered is not None else 0
     return isinstance(holdout, int) and holdout > 0
+
+
+def registered_record(
+    devices: DeviceBook,
+    cache: VariantCache,
+    reports: Mapping[str, list[tuple[int, int]]],
+    targets: list[CacheEntry],
+    probes: list[CacheEntry],
+    rule: str,
+    max_weight_ratio: float,
+    t: int,
+) -> tuple[Validated, dict[str, Any]]:
+    """``device_record`` of the devices' ``reports`` with what they registered (each one's budget: the variant it is
+    served; its held-out class mix), its disagreements logged; MQTT's and Flower's validation share it."""
+    served, mixes = {}, {}
+    for device in reports:
+        registered = devices.registry.get(device)
+        if registered is not None and cache.affordable(registered.budget_macs):
+            served[device] = cache.largest_affordable(registered.budget_macs)
+        counts = registered.profile.get("holdout_counts") if registered is not None else None
+        mixes[device] = [int(n) for n in counts] if isinstance(counts, list) else []
+    result, record = device_record(reports, targets, probes, cache, served, mixes, rule, max_weight_ratio)
+    for device, why in sorted(result.flagged.items()):
+        log.warning("round %d: %s's validation disagrees with the other devices: %s", t + 1, device, why)
+    for device, why in sorted(result.differs.items()):
+        log.info("round %d: %s's validation differs from the other devices': %s", t + 1, device, why)
+    return result, record
 
 
 class FederatedValidation:
@@ -193,14 +220,8 @@ class FederatedValidation:
             by_probe = {arch: c for arch, c in zip(affordable, counts)}
             reports[reply.device] = [by_probe.get(e.arch, (0, 0)) for e in targets]
         unsettled = exchange.close()
-        served = {}
-        for device in reports:
-            registered = self.devices.registry.get(device)
-            if registered is not None and self.cache.affordable(registered.budget_macs):
-                served[device] = self.cache.largest_affordable(registered.budget_macs)
-        mixes = {d: self._holdout_mix(d) for d in reports}
-        result, record.validation = device_record(
-            reports, targets, self.probes, self.cache, served, mixes, self.rule, self.max_weight_ratio
+        result, record.validation = registered_record(
+            self.devices, self.cache, reports, targets, self.probes, self.rule, self.max_weight_ratio, t
         )
         accuracy = result.accuracy
         points = record.validation["points"]
@@ -213,10 +234,6 @@ class FederatedValidation:
         ]  # fmt: skip
         record.validation["missing"] = sorted(set(asked) - set(reports))
         record.validation["seconds"] = round(time.monotonic() - began, 3)
-        for device, why in sorted(result.flagged.items()):
-            log.warning("round %d: %s's validation disagrees with the other devices: %s", t + 1, device, why)
-        for device, why in sorted(result.differs.items()):
-            log.info("round %d: %s's validation differs from the other devices': %s", t + 1, device, why)
         shown = "none" if accuracy is None else f"{100 * accuracy:.2f}%"
         log.info(
             "round %d: federated validation (%s of %d device(s), %s held-out examples): %s%s",
@@ -228,9 +245,3 @@ class FederatedValidation:
             f"; no answer from {', '.join(unsettled.missing)}" if unsettled.missing else "",
         )
         return accuracy
-
-    def _holdout_mix(self, device: str) -> list[int]:
-        """The held-out examples per class ``device`` registered ([] when it registered none)."""
-        registered = self.devices.registry.get(device)
-        counts = registered.profile.get("holdout_counts") if registered is not None else None
-        return [int(n) for n in counts] if isinstance(counts, list) else []

@@ -24,7 +24,7 @@ import torch
 from flwr.app import Message, RecordDict
 
 from feast_edge.cache.variants import CacheEntry, VariantCache
-from feast_edge.evaluate.device_validation import device_record, validation_targets
+from feast_edge.evaluate.device_validation import validation_targets
 from feast_edge.evaluate.evaluation import probe_indices
 from feast_edge.evaluate.federated import CALIBRATION, DEFAULT_VAL_RULE
 from feast_edge.flower import records, validation_records
@@ -34,7 +34,7 @@ from feast_edge.route.envelope import route_state
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RoundRecord
 from feast_edge.server.devices import DeviceBook
-from feast_edge.server.validation import evaluation_budget
+from feast_edge.server.validation import evaluation_budget, registered_record
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import Preset
 from feast_edge.space.supernet import Supernet
@@ -115,21 +115,11 @@ class FlowerValidation:
             by_target = dict(zip(archs, outcome))  # back to the ServerApp's order of targets
             reports[device] = [by_target.get(e.arch, (0, 0)) for e in targets]
         unanswered = [d for d in asked if d not in reports and d not in refused]
-        served = {}
-        for device in reports:
-            registered = self.devices.registry.get(device)
-            if registered is not None and self.cache.affordable(registered.budget_macs):
-                served[device] = self.cache.largest_affordable(registered.budget_macs)
-        mixes = {d: self._holdout_mix(d) for d in reports}
-        result, record.validation = device_record(
-            reports, targets, self.probes, self.cache, served, mixes, self.rule, self.max_weight_ratio
+        result, record.validation = registered_record(
+            self.devices, self.cache, reports, targets, self.probes, self.rule, self.max_weight_ratio, t
         )
         record.validation["missing"] = sorted(set(asked) - set(reports))
         record.validation["seconds"] = round(time.monotonic() - began, 3)
-        for device, why in sorted(result.flagged.items()):
-            log.warning("round %d: %s's validation disagrees with the other nodes: %s", t + 1, device, why)
-        for device, why in sorted(result.differs.items()):
-            log.info("round %d: %s's validation differs from the other nodes': %s", t + 1, device, why)
         accuracy = result.accuracy
         log.info(
             "round %d: federated validation (%s of %d node(s), %s held-out examples): %s%s",
@@ -182,9 +172,3 @@ class FlowerValidation:
         if isinstance(answer, Declined):
             return f"it declined: {answer.reason}"
         return answer
-
-    def _holdout_mix(self, device: str) -> list[int]:
-        """The held-out examples per class ``device`` registered ([] when it registered none)."""
-        registered = self.devices.registry.get(device)
-        counts = registered.profile.get("holdout_counts") if registered is not None else None
-        return [int(n) for n in counts] if isinstance(counts, list) else []
