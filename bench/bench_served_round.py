@@ -242,6 +242,14 @@ def altered(
     return out
 
 
+def averaged(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The mean of several rounds' weights (floating tensors; counters such as BN's batch count: the last's)."""
+    return {
+        k: torch.stack([s[k] for s in states]).mean(0) if v.is_floating_point() else v.clone()
+        for k, v in states[-1].items()
+    }
+
+
 def named_round(reason: str) -> int | None:
     found = re.match(r"round (\d+):", reason)
     return int(found.group(1)) if found else None
@@ -308,7 +316,7 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
     scratch = copy.deepcopy(sim.model)
     scores: dict[tuple[str, int], float] = {}
 
-    def score(device: str, round_: int) -> float:
+    def score(device: str, round_: int | str) -> float:
         if (device, round_) not in scores:
             scratch.load_state_dict(snapshots[round_])
             model = extract(scratch, served[device].arch)
@@ -319,6 +327,7 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
 
     last = config.rounds
     window = list(range(max(1, last - LAST + 1), last + 1))
+    snapshots["average"] = averaged([snapshots[r] for r in window])
     rows = {}
     for device in DEVICES:
         mean5 = statistics.mean(score(device, r) for r in window)
@@ -331,11 +340,13 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
             "mean_last": mean5,
             "last": score(device, last),
             "window": {r: score(device, r) for r in window},
+            "average": score(device, "average"),
         }
         r = rows[device]
         say(
             f"  {device}: served round {honest.round} {100 * r['served']:.2f} %, mean of rounds {window[0]}-{last} "
-            f"{100 * mean5:.2f} %, round {last} {100 * r['last']:.2f} %"
+            f"{100 * mean5:.2f} %, round {last} {100 * r['last']:.2f} %, the average of their weights "
+            f"{100 * r['average']:.2f} %"
         )
 
     # --- liars, replayed

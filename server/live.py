@@ -20,7 +20,7 @@ from feast_edge.privacy.rounds import privacy_entry
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RoundRecord
-from feast_edge.run.rundir import device_calibrated, model_accuracy, validated_on, validation_words
+from feast_edge.run.rundir import device_calibrated, model_accuracy, served_so_far, validated_on, validation_words
 from feast_edge.server.registry import Device, Registry
 from feast_edge.space.preset import Preset
 from feast_edge.transport.chunks import Reassembler
@@ -240,6 +240,7 @@ class LiveView:
         if probes:
             self._probes = [dict(p) for p in probes]
             self.state.set_variants(self._probes)
+        self.state.set_served(served_so_far(record.validation))
         self.state.set_run(rounds_done=record.round)
         self._round = None
 

@@ -15,6 +15,7 @@ from feast_edge.run.rundir import (
     fleet_accuracy,
     model_accuracy,
     served_precision,
+    served_words,
 )
 
 if TYPE_CHECKING:
@@ -58,14 +59,6 @@ def _precision(manifest: dict[str, Any], report: dict[str, Any] | None) -> str:
     words = served_precision(manifest, report)
     accuracy = (report or manifest).get("int8_accuracy") if words == "int8" else None
     return words if accuracy is None else f"int8 ({_pct(accuracy)})"
-
-
-def served_words(manifests: list[dict[str, Any]]) -> str:
-    """``weights of round 8 of 20: <the serving rule's reason>`` from the manifests ('' in older ones)."""
-    served = next((m["served_round"] for m in manifests if isinstance(m.get("served_round"), dict)), None)
-    if not served or "of" not in served:
-        return ""
-    return f"weights of round {served['round']} of {served['of']}: {served.get('reason', '')}"
 
 
 def models_table(manifests: list[dict[str, Any]], title: str) -> Table:

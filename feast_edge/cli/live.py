@@ -16,6 +16,7 @@ from typing import Any
 from feast_edge.privacy.rounds import privacy_entry
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.run.loop import RoundRecord
+from feast_edge.run.rundir import served_so_far, served_words
 
 
 class SimulationLive:
@@ -90,6 +91,7 @@ class SimulationLive:
         )
         if record.val_accuracy is not None and self.sim.method.validated:
             self.state.set_variants([dict(v) for v in self.sim.method.validated])
+        self.state.set_served(served_so_far(record.validation))
         self.state.set_run(rounds_done=record.round)
 
     def finished(self, results: Mapping[str, Any] | None) -> None:
@@ -110,4 +112,5 @@ class SimulationLive:
             ]
         )
         self.state.set_population(results["population_accuracy"])
+        self.state.set_served(served_words([{"served_round": results.get("served_round")}]))
         self.state.set_run(status="finished")

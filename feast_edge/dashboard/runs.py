@@ -34,6 +34,7 @@ from feast_edge.run.rundir import (
     read_manifests,
     read_registry,
     run_validated_on,
+    served_words,
     validated_on,
     validation_words,
 )
@@ -59,6 +60,9 @@ class RunData:
     manifests: list[dict[str, Any]] = field(default_factory=list)
     model_dir: Path | None = None
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # device -> what it reported (registry metrics)
+    served: str = (
+        ""  # a simulation's served round: "weights of round 8 of 20: <reason>" (a federation's: its manifests)
+    )
 
     def fill(self, state: DashboardState) -> None:
         """Show this run in the page's main sections."""
@@ -71,6 +75,7 @@ class RunData:
         state.set_population(self.population_accuracy)
         if self.model_dir is not None:
             state.set_models(self.manifests, self.model_dir, self.metrics)
+        state.set_served(self.served)
 
     def summary(self) -> dict[str, Any]:
         """This run as one of several compared: name, method, seed, history, variants, population accuracy."""
@@ -205,6 +210,7 @@ def _simulation(path: Path) -> RunData:
         variants=variants,
         population_accuracy=run.population_accuracy,
         devices=devices,
+        served=served_words([{"served_round": record.get("served_round")}]),
     )
 
 

@@ -31,6 +31,7 @@ from feast_edge.run.rundir import (
     fleet_accuracy,
     model_accuracy,
     served_precision,
+    served_words,
 )
 from feast_edge.space.arch import Arch
 
@@ -136,6 +137,9 @@ class DashboardState:
         self._population: float | None = None
         self._models: list[dict[str, Any]] = []
         self._own_accuracy: dict[str, Any] | None = None  # over the device-calibrated models: fleet_accuracy
+        self._served = (
+            ""  # the weights the models were made of: "weights of round 8 of 20: <the serving rule's reason>"
+        )
         self._model_paths: dict[str, Path] = {}
         self._runs: list[dict[str, Any]] = []
 
@@ -165,6 +169,7 @@ class DashboardState:
                 "population_accuracy": self._population,
                 "models": _copy(self._models),
                 "own_accuracy": _copy(self._own_accuracy),
+                "served": self._served,
                 "runs": _copy(self._runs),
             }
 
@@ -262,7 +267,8 @@ class DashboardState:
         A model calibrated on its device (``"calibration": "device"``) shows the held-out accuracy the device reported
         (``metrics``: device -> its registry metrics), served model -> its personal model, and no link: its ONNX file is
         on the device, and the weights the server sent it never reach the page. Over those models, ``own_accuracy``:
-        the means and the worst device (``feast_edge.run.rundir.fleet_accuracy``)."""
+        the means and the worst device (``feast_edge.run.rundir.fleet_accuracy``). Manifests that name the served round
+        set ``served`` (:meth:`set_served`)."""
         models, paths, own = [], {}, []
         for manifest in list(manifests)[:MAX_DEVICES]:
             device = clean(str(manifest.get("device", "")))
@@ -298,6 +304,16 @@ class DashboardState:
         summary = clean(fleet_accuracy(own).to_dict()) if own else None
         with self._changed:
             self._models, self._model_paths, self._own_accuracy = models, paths, summary
+            self._bump()
+        self.set_served(served_words(manifests))
+
+    def set_served(self, words: str) -> None:
+        """The round whose weights are served and why the rule chose it: ``weights of round 8 of 20: <reason>``
+        (:func:`feast_edge.run.rundir.served_words`); ``''`` keeps what the page shows."""
+        if not words:
+            return
+        with self._changed:
+            self._served = clean(str(words))
             self._bump()
 
     def add_run(self, run: dict[str, Any]) -> None:

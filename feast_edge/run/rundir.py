@@ -235,6 +235,24 @@ def chosen_by(manifest: Mapping[str, Any]) -> str:
     return "smaller: " + rule if rule.startswith("better") else rule
 
 
+def served_words(manifests: Iterable[Mapping[str, Any]]) -> str:
+    """``weights of round 8 of 20: <the serving rule's reason>`` from the manifests' ``served_round`` (``''`` where no
+    manifest says, as in runs from before it)."""
+    served = next((m["served_round"] for m in manifests if isinstance(m.get("served_round"), Mapping)), None)
+    if not served or "of" not in served:
+        return ""
+    return f"weights of round {served.get('round')} of {served['of']}: {served.get('reason', '')}"
+
+
+def served_so_far(validation: Mapping[str, Any]) -> str:
+    """During a run validated by its devices: ``weights of round 8 so far: <the serving rule's reason>`` from a round
+    record's validation (``''`` where the rule did not run)."""
+    served = validation.get("served_round")
+    if not isinstance(served, int) or isinstance(served, bool):
+        return ""
+    return f"weights of round {served} so far: {validation.get('served_reason') or ''}"
+
+
 def served_variants(manifests: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per served variant (by MACs): the devices it serves, the rules that chose it, its class coverage."""
     rows: dict[int, dict[str, Any]] = {}

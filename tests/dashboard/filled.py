@@ -81,6 +81,7 @@ def fill(state: DashboardState, model_dir: Path) -> DashboardState:
                 "validation_accuracy": 0.52,
                 "sha256": "ab" * 32,
                 "file": "pi-5.onnx",
+                "served_round": {"round": 2, "of": 3, "reason": "round 2: round 3 regressed on 2 of 2 devices"},
             }
         ],
         model_dir,

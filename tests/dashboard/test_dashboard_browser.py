@@ -56,6 +56,10 @@ def test_a_filled_state_renders_and_updates_live(
     link = driver.find_element("css selector", '#models tr[data-device="pi-5"] a')
     assert link.get_attribute("href") == served.url + "models/pi-5.onnx"
     assert driver.find_element("css selector", "#models td.sha").get_attribute("title") == "ab" * 32
+    # The round whose weights are served is named in the header, with the rule's reason: not always the last round.
+    assert driver.find_element("id", "served-round").text == (
+        "served: weights of round 2 of 3: round 2: round 3 regressed on 2 of 2 devices"
+    )
 
     assert not driver.find_element("id", "privacy").is_displayed()  # no round under DP yet
 
@@ -286,6 +290,10 @@ def test_feast_edge_dashboard_serves_a_real_run(simulation_run: Path, browser: B
             driver.find_element("id", "round-counter").text == "round 2 / 2"
         )  # the shared run: 2 clients, 2 rounds, validated each round
         assert [r.get_attribute("data-device") for r in rows(driver, "#fleet")] == ["client-000", "client-001"]
+        served_round = json.loads((simulation_run / "results.json").read_text())["served_round"]
+        assert driver.find_element("id", "served-round").text == (
+            f"served: weights of round {served_round['round']} of 2: {served_round['reason']}"
+        )
         assert (
             points(driver, "chart-validation") == 2 and points(driver, "chart-traffic") == 3 * 2
         )  # down, up, broadcast per round

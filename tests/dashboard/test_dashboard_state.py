@@ -217,3 +217,16 @@ def test_history_and_round_members_are_bounded(monkeypatch: pytest.MonkeyPatch) 
     snapshot = state.snapshot()
     assert [h["round"] for h in snapshot["history"]] == [4, 5, 6, 7, 8]  # the latest are kept
     assert [m["device"] for m in snapshot["round"]["members"]] == ["d0", "d1", "d2"]
+
+
+def test_the_served_round_is_named_from_the_manifests_bounded_and_kept_when_none_says() -> None:
+    state = DashboardState("federation", "lab")
+    assert state.snapshot()["served"] == ""
+    state.set_served("weights of round 4 so far: round 4: the newest validated round")
+    assert state.snapshot()["served"] == "weights of round 4 so far: round 4: the newest validated round"
+    manifest = {"device": "pi", "file": "pi.onnx", "served_round": {"round": 3, "of": 5, "reason": "x" * 10_000}}
+    state.set_models([manifest], Path("models"))
+    served = state.snapshot()["served"]
+    assert served.startswith("weights of round 3 of 5: xxx") and len(served) == MAX_STRING
+    state.set_models([{"device": "pi", "file": "pi.onnx"}], Path("models"))  # an older manifest: no served round
+    assert state.snapshot()["served"] == served

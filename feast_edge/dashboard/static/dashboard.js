@@ -365,6 +365,10 @@
     });
     replaceRows(document.querySelector("#models tbody"), rows);
     document.querySelector("#models .empty").hidden = s.models.length > 0;
+    // The round whose weights the models are, and why the serving rule chose it (not always the last round).
+    const served = byId("served-round");
+    served.textContent = typeof s.served === "string" && s.served ? "served: " + s.served : "";
+    served.hidden = !served.textContent;
     renderOwnAccuracy(s.own_accuracy);
   }
 
