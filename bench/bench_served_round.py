@@ -452,26 +452,29 @@ def summary(results: list[dict], tolerance: float, liar_tolerance: float) -> Non
     print(f"\nsummary over seeds {seeds}:")
     print(
         "| device | served rounds | served (mean) | mean of last 5 (mean) | last round (mean) | |served - mean5| max "
-        f"| within {100 * tolerance:g} pt | not below mean5 - {100 * tolerance:g} pt | served >= last |"
+        f"| within {100 * tolerance:g} pt | not below mean5 - {100 * tolerance:g} pt | served >= last "
+        f"| the last 5 rounds' weights averaged (mean) | |averaged - mean5| max | averaged within {100 * tolerance:g} pt |"
     )
-    print("|---|---|---:|---:|---:|---:|---|---|---|")
+    print("|---|---|---:|---:|---:|---:|---|---|---|---:|---:|---|")
     for device in DEVICES:
         rows = [r["devices"][device] for r in results]
         gaps = [abs(x["served"] - x["mean_last"]) for x in rows]
         within = sum(g <= tolerance + 1e-12 for g in gaps)
         above = sum(x["served"] >= x["mean_last"] - tolerance - 1e-12 for x in rows)
         not_below = sum(x["served"] >= x["last"] - 1e-12 for x in rows)
+        averaged = [abs(x["average"] - x["mean_last"]) for x in rows]
         print(
             f"| {device} | {', '.join(str(x['served_round']) for x in rows)} | "
             f"{pct(statistics.mean(x['served'] for x in rows))} | {pct(statistics.mean(x['mean_last'] for x in rows))} "
             f"| {pct(statistics.mean(x['last'] for x in rows))} | {100 * max(gaps):.2f} pt | {within} of {len(rows)} "
-            f"| {above} of {len(rows)} | {not_below} of {len(rows)} |"
+            f"| {above} of {len(rows)} | {not_below} of {len(rows)} | {pct(statistics.mean(x['average'] for x in rows))} "
+            f"| {100 * max(averaged):.2f} pt | {sum(g <= tolerance + 1e-12 for g in averaged)} of {len(rows)} |"
         )
     print(
         f"\n| liar | lie | served rounds (honest run's) | honest devices' largest change | within {100 * liar_tolerance:g} "
-        "pt | liar distrusted | honest device flagged |"
+        'pt | liar named "possibly false" (first round) | liar distrusted | honest device flagged |'
     )
-    print("|---|---|---|---:|---|---|---|")
+    print("|---|---|---|---:|---|---|---|---|")
     for liar in LIARS:
         for kind in KINDS:
             cases = [(r, c) for r in results for c in r["liars"] if c["liar"] == liar and c["kind"] == kind]
@@ -482,10 +485,13 @@ def summary(results: list[dict], tolerance: float, liar_tolerance: float) -> Non
             rounds_named = ", ".join(f"r{d}" for d in distrusted if d is not None)
             others = {d for _, c in cases for d in c["distrusted"] if d != liar}
             flagged = sum(bool(c["honest_flagged"]) for _, c in cases)
+            first_flags = [c["liar_flagged"][0] for _, c in cases if c["liar_flagged"]]
             print(
                 f"| {liar} | {kind} | "
                 + ", ".join(f"{c['served_round']} ({r['served_round']})" for r, c in cases)
-                + f" | {100 * max(changes):.2f} pt | {within} of {len(cases)} | {named} of {len(cases)}"
+                + f" | {100 * max(changes):.2f} pt | {within} of {len(cases)} | {len(first_flags)} of {len(cases)}"
+                + (f" ({', '.join(f'r{r}' for r in first_flags)})" if first_flags else "")
+                + f" | {named} of {len(cases)}"
                 + (f" ({rounds_named})" if rounds_named else "")
                 + (f"; honest distrusted: {sorted(others)}" if others else "")
                 + f" | {flagged} of {len(cases)} |"

@@ -191,16 +191,49 @@ def class_distance(mix: Sequence[int], others: Sequence[int]) -> float:
     return 0.5 * sum(abs(x / a - y / b) for x, y in zip(mix, others))
 
 
+def accuracy_range(mix: Sequence[int], other: Sequence[int], accuracy: float) -> tuple[float, float]:
+    """The accuracies a model can have on class mix ``mix`` when it has ``accuracy`` on class mix ``other``: the least
+    and the most of Σ p_k a_k over per-class accuracies a_k in [0, 1] with Σ q_k a_k = ``accuracy`` (p, q the two mixes
+    as shares). A linear programme solved greedily (a fractional knapsack): for the most, a_k = 1 on the classes only
+    ``mix`` holds, then the other's accuracy spent on the classes where p_k / q_k is largest; for the least, the
+    reverse. Tighter than :func:`class_distance`, which ignores the other device's level."""
+    a, b = sum(mix), sum(other)
+    if not a or not b or len(mix) != len(other):
+        return 0.0, 1.0
+    p, q = [x / a for x in mix], [y / b for y in other]
+    shared = sorted((k for k in range(len(p)) if q[k] > 0), key=lambda k: p[k] / q[k])
+    only_mine = sum(pk for pk, qk in zip(p, q) if qk == 0)
+
+    def spend(order: Sequence[int]) -> float:
+        left, total = accuracy, 0.0
+        for k in order:
+            share = min(1.0, left / q[k])
+            total, left = total + share * p[k], left - share * q[k]
+            if left <= 0:
+                break
+        return total
+
+    return spend(shared), only_mine + spend(shared[::-1])
+
+
+def binomial_se(accuracy: float, examples: int) -> float:
+    """A standard error of an accuracy measured on ``examples`` that is not 0 at 0 % or 100 % (Agresti-Coull's
+    add-two-successes-and-two-failures estimate of the rate)."""
+    rate = (accuracy * examples + 2) / (examples + 4)
+    return math.sqrt(rate * (1 - rate) / (examples + 4))
+
+
 def disagreements(
     reports: Mapping[str, Sequence[tuple[int, int]]], probes: int, mixes: Mapping[str, Sequence[int]]
 ) -> tuple[dict[str, str], dict[str, str]]:
     """The devices whose held-out accuracy sits more than FLAG (and 3 median deviations) from the other devices' median,
     on the probes every device tested: (those their class mix cannot explain, those it can).
 
-    Two honest devices testing the same model differ by at most the total-variation distance between their held-out
-    class mixes (:func:`class_distance`), plus sampling noise (two standard errors of the difference). A device's gap
-    is explained by its classes when that holds against at least half of the other devices, one by one: beside a
-    liar, an honest device still agrees with the other honest ones, so a liar cannot get it called false.
+    Two honest devices testing the same model can differ only as far as their held-out class mixes allow given what
+    each measured (:func:`accuracy_range`: the same per-class accuracies behind both figures), plus sampling noise (two
+    standard errors of each figure). A device's gap is explained by its classes when that holds against at least half
+    of the other devices, one by one: beside a liar, an honest device still agrees with the other honest ones, so a
+    liar cannot get it called false.
     """
     common = [k for k in range(probes) if all(counts[k][1] > 0 for counts in reports.values())] or range(probes)
     sums = {d: [(c, n) for k, (c, n) in enumerate(counts) if k in common and n > 0] for d, counts in reports.items()}
@@ -212,8 +245,11 @@ def disagreements(
         return flagged, differs
 
     def consistent(a: str, b: str) -> bool:
-        variance = sum(means[d] * (1 - means[d]) / examples[d] for d in (a, b) if examples[d])
-        return abs(means[a] - means[b]) <= class_distance(mixes[a], mixes[b]) + 2 * math.sqrt(variance)
+        slack_b = 2 * binomial_se(means[b], examples[b])
+        low, _ = accuracy_range(mixes[a], mixes[b], max(0.0, means[b] - slack_b))
+        _, high = accuracy_range(mixes[a], mixes[b], min(1.0, means[b] + slack_b))
+        slack_a = 2 * binomial_se(means[a], examples[a])
+        return low - slack_a <= means[a] <= high + slack_a
 
     for device, mean in means.items():
         others = [m for d, m in means.items() if d != device]

@@ -15,8 +15,8 @@ A device's held-out split is fixed, so its figures of two rounds compare without
 Each device judges only the variant it is served, never a probe above its budget that only stronger devices train
 (and that fails on its classes). One device is one vote of several: a liar can keep serving the newest round, never
 roll the fleet back alone. A device whose figures disagree with the others' in a way its class mix cannot explain,
-and which moves against the others' trend between validations (100 % then 0 %), is distrusted from then on: it no
-longer votes and is named. The rule is a pure function of the run's history, so a resumed run decides the same.
+and which moves against the others' trend between two validations (100 % then 0 %), the one before or after the
+other, is distrusted from then on: it no longer votes and is named. The rule is a pure function of the run's history, so a resumed run decides the same.
 """
 
 from __future__ import annotations
@@ -65,14 +65,15 @@ def figures_of(validation: Mapping[str, Any]) -> dict[str, Figure]:
 
 
 def _distrusted(validations: Sequence[tuple[int, Mapping[str, Any]]]) -> dict[str, str]:
-    """Devices flagged as disagreeing (what their class mix cannot explain) whose change since their previous
-    validation differs from the other devices' median change by more than INCONSISTENT; the first such round names them."""
+    """Devices flagged as disagreeing (what their class mix cannot explain) whose change between two validations
+    differed from the other devices' median change by more than INCONSISTENT, the flag and the move in either order;
+    the round where both are first known names them."""
     out: dict[str, str] = {}
     previous: dict[str, tuple[int, Figure]] = {}
+    moves: dict[str, str] = {}  # device -> its first move against the others' trend, in words
     flagged_before: set[str] = set()
     for round_, validation in validations:
         figures = figures_of(validation)
-        flagged = set(validation.get("flagged") or {})
         changes = {
             d: f.accuracy - previous[d][1].accuracy
             for d, f in figures.items()
@@ -80,17 +81,21 @@ def _distrusted(validations: Sequence[tuple[int, Mapping[str, Any]]]) -> dict[st
         }
         for device, change in changes.items():
             others = [c for d, c in changes.items() if d != device and d not in out]
-            if device in out or len(others) < 2 or not ({device} & (flagged | flagged_before)):
+            if device in moves or len(others) < 2:
                 continue
             trend = statistics.median(others)
             if abs(change - trend) > INCONSISTENT:
                 was, now = previous[device][1].accuracy, figures[device].accuracy
-                out[device] = (
-                    f"round {round_}: its held-out accuracy went {100 * was:.1f}% -> {100 * now:.1f}% "
-                    f"(round {previous[device][0]} -> {round_}) while the other devices' moved {100 * trend:+.1f} "
-                    "points, and its figures disagree with theirs: it no longer votes on the served round"
+                moves[device] = (
+                    f"its held-out accuracy went {100 * was:.1f}% -> {100 * now:.1f}% (round {previous[device][0]} -> "
+                    f"{round_}) while the other devices' moved {100 * trend:+.1f} points"
                 )
-        flagged_before |= flagged
+        flagged_before |= set(validation.get("flagged") or {})
+        for device in sorted(moves.keys() & flagged_before - out.keys()):
+            out[device] = (
+                f"round {round_}: {moves[device]}, and its figures disagree with theirs: it no longer votes on the "
+                "served round"
+            )
         previous.update({d: (round_, f) for d, f in figures.items()})
     return out
 

@@ -3,7 +3,9 @@ a device with other classes from one whose report may be false (feast_edge.evalu
 
 from __future__ import annotations
 
-from feast_edge.evaluate.federated import class_distance, disagreements, robust_validation
+import itertools
+
+from feast_edge.evaluate.federated import accuracy_range, class_distance, disagreements, robust_validation
 from feast_edge.evaluate.served_round import served_record, served_round
 
 N = 400  # held-out examples per device: 2 standard errors of a difference near 80 % are about 5.7 points
@@ -57,6 +59,22 @@ def test_one_liar_reporting_100_then_0_is_distrusted_named_and_cannot_roll_the_f
     assert choice.distrusted["mallory"].startswith("round 2: its held-out accuracy went 100.0% -> 0.0%")
 
 
+def test_a_liar_whose_100_percent_its_classes_could_explain_is_distrusted_once_its_0_percent_is_flagged() -> None:
+    # Its first 100 % was not flagged (its class mix allowed it); its fall came first, the flag later.
+    history = [
+        (1, _validation({"ann": 0.2, "bob": 0.25, "mallory": 1.0})),
+        (2, _validation({"ann": 0.35, "bob": 0.4, "mallory": 0.0})),
+        (3, _validation({"ann": 0.45, "bob": 0.5, "mallory": 0.0})),
+    ]
+    assert served_round(history).distrusted == {}  # never flagged: one vote of three
+    flagged = [*history, (4, _validation({"ann": 0.6, "bob": 0.7, "mallory": 0.0}, flagged=("mallory",)))]
+    choice = served_round(flagged)
+    assert set(choice.distrusted) == {"mallory"}
+    assert choice.distrusted["mallory"].startswith(
+        "round 4: its held-out accuracy went 100.0% -> 0.0% (round 1 -> 2) while the other devices' moved +15.0 points"
+    )
+
+
 def test_a_plausible_liar_favouring_an_early_round_is_one_vote_of_three() -> None:
     # In the honest range (not flagged), high in round 5 and low afterwards: it votes "regressed" every time.
     history = [
@@ -77,6 +95,9 @@ def test_an_honest_device_that_moves_against_the_trend_but_is_not_flagged_keeps_
         (15, _validation({"a": 0.4, "b": 0.34, "c": 0.3})),
     ]
     assert served_round(history).distrusted == {}
+    # Its classes explain its gap later ("differs", not "flagged"): still one vote.
+    differs = {**_validation({"a": 0.9, "b": 0.4, "c": 0.35}), "differs": {"a": "its classes differ: it holds 7 of 10"}}
+    assert served_round([*history, (20, differs)]).distrusted == {}
 
 
 def test_without_served_figures_nothing_is_chosen_and_the_record_names_the_last_round() -> None:
@@ -99,17 +120,39 @@ def test_class_distance_bounds_the_accuracy_gap_of_any_model_between_two_mixes()
 
 
 def test_a_device_whose_classes_explain_its_gap_is_said_to_differ_not_to_lie() -> None:
-    # dana holds 5 of 10 classes: half of each other device's examples are of classes she lacks (distance 0.5 > her
-    # 40 points).
+    # dana holds 3 of 10 classes; the others, all 10 at 30 %: the same model could be right on all of dana's classes
+    # (3 classes' worth of accuracy is 30 % of ten), so her 70 % is explained.
     reports = {"ann": [(300, 1000)], "bob": [(320, 1000)], "cat": [(280, 1000)], "dana": [(700, 1000)]}
-    mixes = {d: [10] * 10 for d in ("ann", "bob", "cat")} | {"dana": [0] * 5 + [10] * 5}
-    assert abs(class_distance(mixes["dana"], mixes["ann"]) - 0.5) < 1e-12
+    mixes = {d: [10] * 10 for d in ("ann", "bob", "cat")} | {"dana": [0] * 7 + [10] * 3}
     flagged, differs = disagreements(reports, 1, mixes)
     assert flagged == {}
-    assert differs["dana"].startswith("its classes differ: it holds 5 of 10 (its held-out accuracy 70.0%")
-    # With 7 of 10 (distance 0.3), a 40-point gap is more than her classes and 1,000 examples' noise explain.
-    flagged, _ = disagreements(reports, 1, {**mixes, "dana": [0] * 3 + [10] * 7})
+    assert differs["dana"].startswith("its classes differ: it holds 3 of 10 (its held-out accuracy 70.0%")
+    # With 5 of 10 (total-variation distance 0.5, more than her 40 points), a model at 30 % on ann's ten classes is at
+    # most 60 % on dana's five: 70 % is more than her classes and 1,000 examples' noise explain.
+    five = {**mixes, "dana": [0] * 5 + [10] * 5}
+    assert abs(class_distance(five["dana"], five["ann"]) - 0.5) < 1e-12
+    flagged, _ = disagreements(reports, 1, five)
     assert "its class mix cannot explain the gap" in flagged["dana"]
+
+
+def test_accuracy_range_is_the_least_and_most_a_model_can_score_on_one_mix_given_its_score_on_another() -> None:
+    # Brute force over per-class accuracies in steps of 1/4: every model's pair (score on other, score on mix) lies in
+    # the range; at 0 % and 100 % on the other mix its ends are worked out by hand.
+    mix, other = [3, 1, 0, 2], [1, 2, 3, 0]
+    p, q = [x / 6 for x in mix], [y / 6 for y in other]
+    grid = [i / 4 for i in range(5)]
+    seen: dict[float, list[float]] = {}
+    for a in itertools.product(grid, repeat=4):
+        on_other = round(sum(qk * ak for qk, ak in zip(q, a)), 9)
+        seen.setdefault(on_other, []).append(sum(pk * ak for pk, ak in zip(p, a)))
+    for on_other, scores in seen.items():
+        low, high = accuracy_range(mix, other, on_other)
+        assert low - 1e-6 <= min(scores) and max(scores) <= high + 1e-6
+    low, high = accuracy_range(mix, other, 0.0)
+    assert low == 0.0 and abs(high - 2 / 6) < 1e-12  # only class 3 is free of the other's classes
+    low, high = accuracy_range(mix, other, 1.0)
+    assert abs(low - 4 / 6) < 1e-12 and high == 1.0
+    assert accuracy_range(mix, [0, 0, 0, 0], 0.5) == (0.0, 1.0)  # no mix to compare: anything goes
 
 
 def test_a_liar_beside_two_honest_devices_cannot_get_an_honest_one_called_false() -> None:
