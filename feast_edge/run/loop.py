@@ -1,4 +1,4 @@
-"""The run loop shared by ``feast-edge simulate`` and ``feast-server``: rounds, checkpoints, resume, validation.
+"""The run loop shared by ``feast-edge simulate`` and ``feast-server``: rounds, validation, the served round.
 
     for t in remaining rounds:
         clients = collector.clients(needed)                  # simulation: every client; server: online devices
@@ -8,7 +8,7 @@
         >= min_clients valid updates: aggregate_updates (in place, client-id order, settings.aggregation); else unchanged
         every eval_every rounds: validate (BN-recalibrated, method §8); best.safetensors holds the served round's
             weights: on server data the best validation, validated by devices the newest without a regression
-        checkpoint.safetensors (atomic): weights, round, history, best, the caller's extra fields
+        checkpoint.safetensors (atomic; feast_edge.run.store): weights, round, history, best, the caller's extra fields
 
 Only the :class:`Collector` differs between simulation and deployment, so the
 two cannot drift apart (tests/federation/test_federation_same_math.py checks
@@ -18,8 +18,6 @@ and 1-based wherever a person reads them (:attr:`RoundRecord.round`, logs).
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,22 +30,11 @@ import torch
 from feast_edge.aggregate.server_opt import ServerOptimizer
 from feast_edge.aggregate.weights import bounded_weights
 from feast_edge.cache.variants import VariantCache
-from feast_edge.errors import CheckpointError
 from feast_edge.evaluate.evaluation import Validation
 from feast_edge.evaluate.served_round import best_after
 from feast_edge.local.recipe import scheduled_lr
 from feast_edge.privacy.rounds import BudgetReached, PrivateRounds
 from feast_edge.route.payload import bytes_per_param
-from feast_edge.run.checkpoint import (
-    FORMAT,
-    MODEL_FORMAT,
-    keep_previous,
-    load_module,
-    load_supernet,
-    read_record,
-    save_module,
-    save_supernet,
-)
 from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import ClientUpdate, Collector
 from feast_edge.run.settings import (  # noqa: F401 (re-exported: the loop's settings are imported from here)
@@ -57,15 +44,16 @@ from feast_edge.run.settings import (  # noqa: F401 (re-exported: the loop's set
     recorded_settings,
     server_opt_of,
 )
+from feast_edge.run.store import (  # noqa: F401 (re-exported: the run directory's file names)
+    BEST,
+    CHECKPOINT,
+    HISTORY_FORMAT,
+    OPTIONS_OF,
+    PREVIOUS,
+    RunStore,
+)
 from feast_edge.run.strategy import FeastStrategy
 from feast_edge.space.supernet import Supernet
-from feast_edge.util.atomic import DiskFullError
-
-CHECKPOINT = "checkpoint.safetensors"
-PREVIOUS = "checkpoint.prev.safetensors"  # the last good checkpoint before the current one
-BEST = "best.safetensors"
-OPTIONS_OF = {"server_optimizer": "server_optimizer (--server-opt and its --server-* settings)"}  # in resume errors
-HISTORY_FORMAT = 2  # 2: RoundRecord with 1-based rounds (1: 0-based RoundLog / server RoundRecord)
 
 
 @dataclass
@@ -178,9 +166,15 @@ class RunLoop:
         )
         self.model_record = None if isinstance(model, Supernet) else dict(model_record or {})
         self.out = Path(out)
-        self.kind = kind
-        self.fingerprint = fingerprint
-        self.config = dict(config)
+        self.store = RunStore(
+            self.out,
+            model,
+            kind=kind,
+            fingerprint=fingerprint,
+            config=config,
+            preset=self.preset,
+            model_record=self.model_record,
+        )
         self.validation = validation
         self.validator = validator
         self.extra_fields = extra_fields
@@ -202,38 +196,22 @@ class RunLoop:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, name: str) -> None:
-        if name == CHECKPOINT:
-            keep_previous(self.out / CHECKPOINT, self.out / PREVIOUS)
-        fields = dict(
-            kind=self.kind,
-            fingerprint=self.fingerprint,
-            config=self.config,
-            round=len(self.history),
-            history=[asdict(h) for h in self.history],
-            history_format=HISTORY_FORMAT,
-            best=self.best,
-            **self.extra_fields(),
+        """Checkpoint the run as it stands to ``out/name`` (feast_edge.run.store)."""
+        self.store.write(
+            name,
+            dict(
+                round=len(self.history),
+                history=[asdict(h) for h in self.history],
+                history_format=HISTORY_FORMAT,
+                best=self.best,
+                **self.extra_fields(),
+            ),
+            self.server_optimizer.state if self.server_optimizer is not None else None,
         )
-        extra = self.server_optimizer.state if self.server_optimizer is not None else None
-        try:
-            if self.model_record is None:
-                save_supernet(self.out / name, self.model, extra, **fields)
-            else:
-                save_module(self.out / name, self.model, self.model_record, extra, **fields)
-        except DiskFullError:
-            done = len(self.history) - 1  # the round whose checkpoint could not be written is lost, no other
-            kept = f"the last good checkpoint, round {done}, is intact" if done else "no round was checkpointed yet"
-            raise RunError(
-                f"cannot write the checkpoint to {self.out / name}: no space left on device; free space and rerun the "
-                f"same command ({kept})"
-            ) from None
 
     def load(self, path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         """A checkpoint of this loop's model (validated against it): (a loaded copy or the model itself, the record)."""
-        if self.model_record is None:
-            return load_supernet(path, self.preset)
-        record = load_module(path, self.model, self.model_record)
-        return self.model, record
+        return self.store.load(path)
 
     def resume(self, hint: str, *, fall_back: bool = False) -> int:
         """Load ``checkpoint.safetensors`` from ``out`` if there is one; returns the completed rounds.
@@ -242,57 +220,14 @@ class RunLoop:
         A damaged checkpoint (hash or finite-value check) stops the resume with a message naming the kept
         previous one; with ``fall_back`` the run resumes from that one instead, keeping the damaged file renamed.
         """
-        path = self.out / CHECKPOINT
-        if not path.is_file():
+        resumed = self.store.resume(hint, fall_back=fall_back)
+        if resumed is None:
             return 0
-        record = read_record(path, format=None)
-        stored = record.get("fields", {})
-        if record["format"] != (FORMAT if self.model_record is None else MODEL_FORMAT):
-            raise RunError(
-                f"{path} holds another kind of model ({record.get('model', {}).get('method', 'a supernet')}); {hint}"
-            )
-        if stored.get("kind") != self.kind:
-            raise RunError(f"{path} is not a {self.kind} checkpoint; {hint}")
-        if stored.get("fingerprint") != self.fingerprint:
-            theirs = stored.get("config", {})
-            differ = sorted(
-                k
-                for k in {*self.config, *theirs}
-                if json.dumps(self.config.get(k), sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True)
-            )
-            named = [OPTIONS_OF.get(k, k) for k in differ]
-            raise RunError(
-                f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(named) or 'the preset'}); {hint}"
-            )
-        try:
-            model, record = self.load(path)
-        except CheckpointError as exc:
-            previous = self.out / PREVIOUS
-            if not previous.is_file():
-                raise RunError(
-                    f"cannot resume: {exc}; no previous checkpoint is kept; start a new run in another --out"
-                ) from None
-            if not fall_back:
-                raise RunError(
-                    f"cannot resume: {exc}; the previous good checkpoint is kept beside it: to resume from there, run 'mv {previous} {path}' "
-                    f"and start again with the same options (feast-server run --resume-previous does this itself)"
-                ) from None
-            damaged = path.with_name(f"checkpoint.damaged-{time.strftime('%Y%m%d-%H%M%S')}.safetensors")
-            try:
-                model, record = self.load(previous)
-            except CheckpointError as second:
-                raise RunError(
-                    f"cannot resume: {exc}; the previous checkpoint is damaged too: {second}; start a new run in another --out"
-                ) from None
-            path.rename(damaged)
-            os.link(previous, path)  # the previous one becomes the last good checkpoint; it stays the previous one too
-            self.recovered = f"{path} is damaged ({exc}); kept it as {damaged.name} and resumed from the previous checkpoint {previous.name}"
-        if model is not self.model:
-            self.model.load_state_dict(model.state_dict())
-        self._load_optimizer(path, record.get("extra_tensors", {}))
-        zero_based = record["fields"].get("history_format", 1) < HISTORY_FORMAT
-        self.history = [RoundRecord.from_dict(h, zero_based) for h in record["fields"]["history"]]
-        self.best = dict(record["fields"].get("best", {}))
+        self.recovered = resumed.recovered
+        self._load_optimizer(resumed.path, resumed.extra)
+        zero_based = resumed.fields.get("history_format", 1) < HISTORY_FORMAT
+        self.history = [RoundRecord.from_dict(h, zero_based) for h in resumed.fields["history"]]
+        self.best = dict(resumed.fields.get("best", {}))
         if zero_based and "round" in self.best:
             self.best["round"] += 1
         return len(self.history)
@@ -444,5 +379,4 @@ class RunLoop:
 
     def selected_checkpoint(self) -> Path:
         """``best.safetensors`` when validation chose one, else the last checkpoint."""
-        best = self.out / BEST
-        return best if best.is_file() else self.out / CHECKPOINT
+        return self.store.selected()
