@@ -1,4 +1,4 @@
-"""One MQTT connection, shared by server and device agent: a thin layer over paho-mqtt 2 (docs/protocol.md §Connection).
+"""One MQTT connection, shared by server and device agent: a thin layer over paho-mqtt 2 (docs/protocol.md §1).
 
 ``Link`` adds to paho's client what both sides need: broker URLs, TLS and
 credentials from one config, errors that say how to fix the connection,

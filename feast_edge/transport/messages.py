@@ -1,4 +1,4 @@
-"""JSON control messages: small validated dataclasses, one ``parse`` for the wire (docs/protocol.md §Messages).
+"""JSON control messages: small validated dataclasses, one ``parse`` for the wire (docs/protocol.md §3).
 
 Every message carries ``federation``, ``round``, ``device`` and a unique
 ``msg_id``; ``parse`` turns untrusted bytes into one of the registered kinds or

@@ -1,4 +1,4 @@
-"""Topic names of one federation: the only place that builds or parses them (docs/protocol.md §Topics).
+"""Topic names of one federation: the only place that builds or parses them (docs/protocol.md §2).
 
 Every topic lives under ``feast/{federation}/``, and every topic a device
 publishes on names that device, so a broker ACL can pin each identity to its

@@ -1,4 +1,4 @@
-"""Chunked transfers over a Link: the sender answers nacks, the receiver nacks gaps and sends receipts (docs/protocol.md §Chunks).
+"""Chunked transfers over a Link: the sender answers nacks, the receiver nacks gaps and sends receipts (docs/protocol.md §4).
 
 Direction 'down' is server -> device, 'up' is device -> server. For direction
 D and device X, frames go to ``xfer/D/X`` and the receiver's feedback (nacks,
