@@ -47,7 +47,16 @@ CASES: dict[str, list[str]] = {
     "scalefl": ["--method", "scalefl"],
     # seeded noise (the default noise comes from the OS and is never replayed)
     "dp-central-fixed-clip": ["--dp-clip", "1.0", "--dp-noise", "0.5", "--dp-seed", "7"],
-    "dp-central-adaptive-clip": ["--dp-clip", "1.0", "--dp-noise", "0.5", "--dp-clip-quantile", "0.5", "--dp-seed", "7"],
+    "dp-central-adaptive-clip": [
+        "--dp-clip",
+        "1.0",
+        "--dp-noise",
+        "0.5",
+        "--dp-clip-quantile",
+        "0.5",
+        "--dp-seed",
+        "7",
+    ],
     "dp-local": ["--dp-mode", "local", "--dp-clip", "1.0", "--dp-noise", "0.2", "--dp-seed", "7"],
     # five clients a round, so that a trimmed mean (one value off each end) is neither the mean nor the median
     "robust-clip": ["--clients", "5", "--per-round", "5", "--aggregation", "clip"],

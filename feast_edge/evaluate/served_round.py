@@ -176,3 +176,22 @@ def served_record(rounds: int, best: Mapping[str, Any]) -> dict[str, Any]:
         }
     reason = best.get("reason") or f"round {best['round']}: the best validation accuracy"
     return {"round": int(best["round"]), "of": rounds, "reason": str(reason)}
+
+
+def serve_after(best: Mapping[str, Any], history: Sequence[Any], record: Any) -> tuple[dict[str, Any], bool]:
+    """The run's ``best`` (the served round and why) after ``record``, the newest of ``history`` (round records), and
+    whether its weights became the served ones.
+
+    Validated by the devices (a server without data): the newest round unless its devices' served variants regressed
+    (:func:`best_after`); on server-held data: the best validation accuracy.
+    """
+    if record.validation.get("source") == "devices":
+        chosen = best_after([(h.round, h.validation, h.val_accuracy) for h in history if h.validation])
+        return (chosen or dict(best)), chosen.get("round") == record.round
+    if record.val_accuracy is None or record.val_accuracy <= best.get("val_accuracy", -1.0):
+        return dict(best), False
+    return {
+        "round": record.round,
+        "val_accuracy": record.val_accuracy,
+        "reason": f"round {record.round}: the best validation accuracy on the server's data so far",
+    }, True

@@ -13,6 +13,7 @@ from feast_edge.privacy.accountant import planned_epsilon
 from feast_edge.privacy.rounds import PrivateRounds
 from feast_edge.privacy.settings import DpSettings
 from feast_edge.run.checkpoint import load_supernet
+from feast_edge.run.stages.privacy_noise import PrivacyStage
 from feast_edge.sim.setup import SimulationError
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
 from simconfigs import cli_options, tiny_config
@@ -70,7 +71,8 @@ def test_noise_changes_the_model_and_a_resume_with_other_dp_settings_is_refused(
 def test_the_run_stops_before_the_round_that_would_pass_the_budget(fashion_mnist_dir, tmp_path):
     sim = Simulation(DP_RUN, tmp_path)
     budget = planned_epsilon(1, DP_RUN.clients, DP_RUN.per_round, 0.8, 1e-5) * 1.01  # round 1 fits, round 2 does not
-    sim.loop.privacy = PrivateRounds(replace(DP_RUN.dp_settings(), epsilon=budget), sim.loop.privacy.params)
+    [stage] = [s for s in sim.loop.release.stages if isinstance(s, PrivacyStage)]
+    stage.rounds = PrivateRounds(replace(DP_RUN.dp_settings(), epsilon=budget), stage.rounds.params)
     results = sim.run()
     assert len(results["rounds"]) == 1
     assert (

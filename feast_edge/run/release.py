@@ -1,0 +1,139 @@
+"""What turns a round's collected updates into the next global model: one composed object, a pipeline of stages.
+
+    admit    before anything is sent, each stage may refuse the round (:class:`RunStops`: a privacy budget)
+    prepare  the valid updates (client-id order) pass through each stage in turn (clipping, weight caps)
+    begin    each stage sees the global model before aggregation (a server optimizer's snapshot)
+    the method's aggregation, in place (method §6; a robust rule is the method's own)
+    finish   each stage in turn, in place (privacy noise, then a server optimizer's step)
+
+A stage implements those of the four steps it needs (:class:`BaseStage` gives the others as no-ops) and may keep state
+that the checkpoint stores beside the weights (``state`` / ``load``). ``feast_edge.run.stages.release_of`` composes the
+stages a run's settings ask for, in their fixed order; the run loop (feast_edge.run.loop) knows none of them by name.
+A new stage is a new module in feast_edge/run/stages/ and one line in ``release_of`` (CONTRIBUTING.md, "Where a
+change goes").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from feast_edge.errors import FeastError
+from feast_edge.run.collect import ClientUpdate
+from feast_edge.run.settings import RunError
+
+if TYPE_CHECKING:
+    from feast_edge.run.round_record import RoundMethod, RoundRecord
+
+StateDict = dict[str, torch.Tensor]
+
+
+class RunStops(FeastError):
+    """A stage refuses the next round: the run ends before it, saying why (e.g. the privacy budget is spent)."""
+
+
+@dataclass
+class RoundContext:
+    """One round as the stages see it."""
+
+    t: int  # 0-based
+    population: int  # the clients the cohort was drawn from
+    cohort: list[str]
+    history: Sequence[RoundRecord]  # the rounds before this one
+    record: RoundRecord | None = None  # this round's, once its updates are collected (stages note what they did)
+    notes: dict[str, Any] = field(default_factory=dict)  # what one stage's steps pass to its later ones
+
+
+class Stage(Protocol):
+    """One step of the release (see the module docstring)."""
+
+    def admit(self, ctx: RoundContext) -> None: ...
+
+    def prepare(
+        self, ctx: RoundContext, global_state: StateDict, updates: list[ClientUpdate]
+    ) -> list[ClientUpdate]: ...
+
+    def begin(self, ctx: RoundContext, global_state: StateDict) -> None: ...
+
+    def finish(
+        self, ctx: RoundContext, global_state: StateDict, updates: Sequence[ClientUpdate], plans: Mapping[str, Any]
+    ) -> None: ...
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]: ...
+
+    def load(self, tensors: Mapping[str, torch.Tensor], path: Path) -> None: ...
+
+
+class BaseStage:
+    """The steps a stage does not need: nothing happens."""
+
+    def admit(self, ctx: RoundContext) -> None:
+        return None
+
+    def prepare(self, ctx: RoundContext, global_state: StateDict, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        return updates
+
+    def begin(self, ctx: RoundContext, global_state: StateDict) -> None:
+        return None
+
+    def finish(
+        self, ctx: RoundContext, global_state: StateDict, updates: Sequence[ClientUpdate], plans: Mapping[str, Any]
+    ) -> None:
+        return None
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load(self, tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+        return None
+
+
+class Release:
+    """The method's aggregation wrapped in ``stages`` (in order)."""
+
+    def __init__(self, method: RoundMethod, stages: Sequence[Stage]) -> None:
+        self.method = method
+        self.stages = list(stages)
+
+    def admit(self, ctx: RoundContext) -> None:
+        for stage in self.stages:
+            stage.admit(ctx)
+
+    def prepare(self, ctx: RoundContext, global_state: StateDict, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        for stage in self.stages:
+            updates = stage.prepare(ctx, global_state, updates)
+        return updates
+
+    def apply(
+        self, ctx: RoundContext, global_state: StateDict, updates: Sequence[ClientUpdate], plans: Mapping[str, Any]
+    ) -> None:
+        """The new global model, in place: each stage's ``begin``, the aggregation, each stage's ``finish``."""
+        for stage in self.stages:
+            stage.begin(ctx, global_state)
+        self.method.aggregate(ctx.t, global_state, updates, plans)
+        for stage in self.stages:
+            stage.finish(ctx, global_state, updates, plans)
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the checkpoint stores of the stages (their names never collide: each stage prefixes its own)."""
+        return {name: tensor for stage in self.stages for name, tensor in stage.state.items()}
+
+    def load(self, tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+        """Give each stage its state back from a checkpoint (whose settings matched this run's); state no stage keeps
+        means the checkpoint was written with other settings."""
+        kept = {name for stage in self.stages for name in stage.state}
+        stray = sorted(set(tensors) - kept)
+        if stray:
+            raise RunError(
+                f"{path} holds state this run keeps none of ({len(stray)} tensors, e.g. {stray[0]}): it was written "
+                "with another --server-opt; rerun with the checkpoint's --server-opt settings"
+            )
+        for stage in self.stages:
+            stage.load(tensors, path)

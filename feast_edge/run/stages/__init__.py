@@ -1,0 +1,31 @@
+"""The stages of a round's release (feast_edge.run.release), and :func:`release_of`, which composes those a run's
+settings ask for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from feast_edge.run.release import Release, Stage
+from feast_edge.run.stages.privacy_noise import PrivacyStage
+from feast_edge.run.stages.server_step import ServerStepStage
+from feast_edge.run.stages.weight_cap import WeightCapStage
+
+if TYPE_CHECKING:
+    from feast_edge.run.round_record import RoundMethod
+    from feast_edge.run.settings import RunSettings
+
+
+def release_of(settings: RunSettings, model: torch.nn.Module, method: RoundMethod) -> Release:
+    """The stages ``settings`` ask for, in their fixed order: privacy (clip; noise after the aggregate), the cap on
+    self-reported weights, the server optimizer (its step from the noised aggregate: post-processing)."""
+    params = [name for name, _ in model.named_parameters()]
+    stages: list[Stage] = []
+    if settings.dp is not None:
+        stages.append(PrivacyStage(settings.dp, params, settings.rounds, clients_noise=settings.dp_on_devices))
+    stages.append(WeightCapStage(settings.max_weight_ratio))
+    if not settings.server_opt.identity:
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        stages.append(ServerStepStage(settings.server_opt, shapes, method))
+    return Release(method, stages)
