@@ -17,8 +17,8 @@ from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.privacy.local import LocalDp
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes, dp_of
 from feast_edge.run.checkpoint import read_record
-from feast_edge.run.loop import CHECKPOINT, RunError, RunSettings, check_run_options, server_opt_of
-from feast_edge.run.settings import recorded_of
+from feast_edge.run.loop import CHECKPOINT
+from feast_edge.run.settings import RunError, RunSettings, check_run_options, recorded_of, server_opt_of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 KIND = "federation"

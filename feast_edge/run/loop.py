@@ -37,13 +37,7 @@ from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import Collector
 from feast_edge.run.release import RoundContext, RunStops
 from feast_edge.run.round_record import RoundMethod, RoundRecord
-from feast_edge.run.settings import (  # noqa: F401 (re-exported: the loop's settings are imported from here)
-    RunError,
-    RunSettings,
-    check_run_options,
-    recorded_settings,
-    server_opt_of,
-)
+from feast_edge.run.settings import RunError, RunSettings  # noqa: F401 (re-exported)
 from feast_edge.run.stages import release_of
 from feast_edge.run.store import (  # noqa: F401 (re-exported: the run directory's file names)
     BEST,
@@ -85,11 +79,7 @@ class RunLoop:
         self.preset = model.preset if isinstance(model, Supernet) else None
         self.cache = cache
         self.settings = settings
-        self.method: RoundMethod = (
-            method
-            if method is not None
-            else FeastStrategy(model, cache, settings.aggregation, settings.trim, settings.clip_norm)
-        )
+        self.method: RoundMethod = method if method is not None else FeastStrategy.of_settings(model, cache, settings)
         self.model_record = None if isinstance(model, Supernet) else dict(model_record or {})
         self.out = Path(out)
         self.store = RunStore(
@@ -237,7 +227,7 @@ class RunLoop:
 
     @property
     def finished(self) -> bool:
-        """Every round ran, or a stage refused the next one (``stopped``: the privacy budget)."""
+        """Every round ran, or a stage refused the next one (``stopped`` says why)."""
         return len(self.history) >= self.settings.rounds or self.stopped is not None
 
     def selected_checkpoint(self) -> Path:

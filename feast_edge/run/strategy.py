@@ -24,6 +24,7 @@ from feast_edge.evaluate.evaluation import calibrated_variant
 from feast_edge.evaluate.points import OperatingPoint, ServedPoints
 from feast_edge.route.plans import ClientPlan, plan_client
 from feast_edge.run.collect import ClientUpdate
+from feast_edge.run.settings import RunSettings
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import count_params
 from feast_edge.space.geometry import supernet_layout
@@ -33,6 +34,11 @@ from feast_edge.space.supernet import Supernet
 
 class FeastStrategy(ServedPoints):
     """FEAST's plans, payload sizes, aggregation and operating points over one supernet and its variant cache."""
+
+    @classmethod
+    def of_settings(cls, model: Supernet, cache: VariantCache, settings: RunSettings) -> FeastStrategy:
+        """FEAST's steps with the aggregation rule a run's settings ask for (mean, clip, trimmed-mean or median)."""
+        return cls(model, cache, settings.aggregation, settings.trim, settings.clip_norm)
 
     def __init__(
         self,

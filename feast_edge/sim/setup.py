@@ -32,8 +32,7 @@ from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.privacy.rounds import check_plan
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes, dp_of
 from feast_edge.route.plans import plan_client
-from feast_edge.run.loop import RunError, check_run_options, server_opt_of
-from feast_edge.run.settings import recorded_of
+from feast_edge.run.settings import RunError, check_run_options, recorded_of, server_opt_of
 from feast_edge.sim.population import Population, build_population, server_split, zipf_population
 from feast_edge.sim.registry import method_class
 from feast_edge.space.preset import Preset, load_preset
