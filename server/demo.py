@@ -43,7 +43,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from feast_edge.run.rundir import chosen_by, fleet_accuracy, model_accuracy
+from feast_edge.report.model_words import chosen_by, fleet_accuracy, model_accuracy
 from feast_edge.server.brokers import MOSQUITTO, Broker, free_port, resolve_kind, start_broker, start_mosquitto
 from feast_edge.server.demo_fleet import DemoError, Fleet, relative
 from feast_edge.server.output import add_fleet_rows, personal_cell
@@ -384,7 +384,7 @@ def _device_rows(loaded: list[Any], received: Path, data: Path, test_samples: in
 def own_accuracy(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The accuracy of the model the device kept at ``path`` (``manifest``: its ``.json``), and of its personal model:
     ``{device}.personal.json`` beside it (written by the agent for this served file; none: the served model is kept),
-    checked as the server checks a device's report (:func:`feast_edge.run.rundir.model_accuracy`)."""
+    checked as the server checks a device's report (:func:`feast_edge.report.model_words.model_accuracy`)."""
     report = {"holdout_accuracy": manifest.get("holdout_accuracy"), "personal_method": ""}
     report["personal_accuracy"] = report["holdout_accuracy"]  # the served model kept: its accuracy is the personal one
     personal = path.with_name(f"{path.stem}.personal.json")

@@ -17,10 +17,16 @@ from typing import Any
 from feast_edge.cache.variants import VariantCache
 from feast_edge.dashboard.state import DashboardState
 from feast_edge.privacy.rounds import privacy_entry
+from feast_edge.report.model_words import (
+    device_calibrated,
+    model_accuracy,
+    served_so_far,
+    validated_on,
+    validation_words,
+)
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RoundRecord
-from feast_edge.run.rundir import device_calibrated, model_accuracy, served_so_far, validated_on, validation_words
 from feast_edge.server.registry import Device, Registry
 from feast_edge.space.preset import Preset
 from feast_edge.transport.chunks import Reassembler

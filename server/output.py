@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
-from feast_edge.run.rundir import (
+from feast_edge.report.model_words import (
     FleetAccuracy,
     chosen_by,
     coverage_words,
@@ -98,7 +98,7 @@ def models_table(manifests: list[dict[str, Any]], title: str) -> Table:
 
 
 def coverage_table(rows: list[dict[str, Any]], title: str) -> Table:
-    """One row per served variant (:func:`feast_edge.run.rundir.served_variants`): whom it serves, which rule chose it,
+    """One row per served variant (:func:`feast_edge.report.model_words.served_variants`): whom it serves, which rule chose it,
     and the classes it was trained, validated and BN-calibrated on."""
     table = Table(title=title)
     for col in ("variant MACs", "serves", "chosen by", "trained on", "validated on", "BN calibrated on"):
@@ -122,7 +122,7 @@ def coverage_lines(lines: list[str]) -> None:
 
 
 def served_cell(accuracy: dict[str, Any]) -> str:
-    """A device-calibrated model's own held-out accuracy (:func:`feast_edge.run.rundir.model_accuracy`) in a cell."""
+    """A device-calibrated model's own held-out accuracy (:func:`feast_edge.report.model_words.model_accuracy`) in a cell."""
     return _pct(accuracy["accuracy"]) if "holdout_accuracy" in accuracy else "no report"
 
 

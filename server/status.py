@@ -22,18 +22,18 @@ from rich.table import Table
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.served_round import served_record
 from feast_edge.privacy.rounds import privacy_line, stored_privacy
-from feast_edge.run.checkpoint import read_record
-from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
-from feast_edge.run.rundir import (
+from feast_edge.report.model_words import (
     FleetAccuracy,
     device_calibrated,
     fleet_accuracy,
     model_accuracy,
-    read_manifests,
     run_validated_on,
     served_variants,
     validation_words,
 )
+from feast_edge.report.run_files import read_manifests
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 from feast_edge.server.app import REGISTRY
 from feast_edge.server.coverage import holders
 from feast_edge.server.output import OWN_CAPTION, add_fleet_rows, personal_cell, served_cell

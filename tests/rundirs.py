@@ -68,7 +68,7 @@ TUNED = {
         "personal_task_classes": 10,
     },
 }
-# What every summary of a federated run with add_personal_fleet shows (feast_edge.run.rundir.FleetAccuracy): the means
+# What every summary of a federated run with add_personal_fleet shows (feast_edge.report.model_words.FleetAccuracy): the means
 # over pi-5 and cam-1 alone (a liar counts for nothing, not even its served accuracy), cam-1 the worst device.
 FLEET_OWN_ACCURACY = {
     "devices": 5,
@@ -78,6 +78,9 @@ FLEET_OWN_ACCURACY = {
     "worst": "cam-1",
     "worst_served": KEPT_ACCURACY,
     "worst_personal": KEPT_ACCURACY,
+    # the mean of the lowest tenth (at least one device) of each: of two devices, the lower
+    "served_worst_decile": min(HOLDOUT_ACCURACY, KEPT_ACCURACY),
+    "personal_worst_decile": min(PERSONAL_ACCURACY, KEPT_ACCURACY),
 }
 
 

@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from feast_edge.privacy.rounds import privacy_entry
+from feast_edge.report.model_words import served_so_far, served_words
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.run.loop import RoundRecord
-from feast_edge.run.rundir import served_so_far, served_words
 
 
 class SimulationLive:

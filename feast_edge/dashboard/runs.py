@@ -24,20 +24,18 @@ from feast_edge.dashboard.app import DashboardError
 from feast_edge.dashboard.state import DashboardState, arch_label
 from feast_edge.errors import FeastError
 from feast_edge.privacy.rounds import privacy_entry
-from feast_edge.report.runs import load_run
-from feast_edge.run.checkpoint import read_record
-from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
-from feast_edge.run.rundir import (
-    MODELS,
+from feast_edge.report.model_words import (
     device_calibrated,
     model_accuracy,
-    read_manifests,
-    read_registry,
     run_validated_on,
     served_words,
     validated_on,
     validation_words,
 )
+from feast_edge.report.run_files import MODELS, read_manifests, read_registry
+from feast_edge.report.runs import load_run
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 
 RESULTS = "results.json"
 BYTES_PER_PARAM = 4
@@ -135,7 +133,7 @@ def read_run(path: Path) -> RunData:
 
 def history_entry(record: dict[str, Any], shift: int = 0) -> dict[str, Any]:
     """A stored round record (:class:`feast_edge.run.loop.RoundRecord` as a dict) as a dashboard history entry;
-    ``validated_on`` says where it was validated (:func:`feast_edge.run.rundir.validated_on`)."""
+    ``validated_on`` says where it was validated (:func:`feast_edge.report.model_words.validated_on`)."""
     routed, full = record.get("routed_params"), record.get("full_params")
     return {
         "round": int(record.get("round", 0)) + shift,

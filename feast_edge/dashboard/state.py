@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import quote
 
 from feast_edge.errors import ArchError
-from feast_edge.run.rundir import (
+from feast_edge.report.model_words import (
     chosen_by,
     coverage_words,
     device_calibrated,
@@ -267,7 +267,7 @@ class DashboardState:
         A model calibrated on its device (``"calibration": "device"``) shows the held-out accuracy the device reported
         (``metrics``: device -> its registry metrics), served model -> its personal model, and no link: its ONNX file is
         on the device, and the weights the server sent it never reach the page. Over those models, ``own_accuracy``:
-        the means and the worst device (``feast_edge.run.rundir.fleet_accuracy``). Manifests that name the served round
+        the means and the worst device (``feast_edge.report.model_words.fleet_accuracy``). Manifests that name the served round
         set ``served`` (:meth:`set_served`)."""
         models, paths, own = [], {}, []
         for manifest in list(manifests)[:MAX_DEVICES]:
@@ -309,7 +309,7 @@ class DashboardState:
 
     def set_served(self, words: str) -> None:
         """The round whose weights are served and why the rule chose it: ``weights of round 8 of 20: <reason>``
-        (:func:`feast_edge.run.rundir.served_words`); ``''`` keeps what the page shows."""
+        (:func:`feast_edge.report.model_words.served_words`); ``''`` keeps what the page shows."""
         if not words:
             return
         with self._changed:

@@ -10,7 +10,7 @@ personal model was tuned to (:mod:`feast_edge.personalize.tuned`): :func:`tuned_
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,23 +75,85 @@ class OwnRow:
         }
 
 
+@dataclass(frozen=True)
+class FleetAccuracy:
+    """Own held-out accuracy over the devices, served model -> personal model: the means over the devices with both
+    (``counted`` of ``devices``), the worst decile of each (the mean of the lowest tenth), and the worst device, the
+    one with the lowest personal accuracy. The one fleet summary: of a simulation's or a Flower run's rows
+    (:func:`fleet_summary`) and of what a federation's devices reported (feast_edge.report.model_words)."""
+
+    devices: int
+    counted: int
+    served: float | None
+    personal: float | None
+    worst: str | None
+    worst_served: float | None
+    worst_personal: float | None
+    served_worst_decile: float | None = None
+    personal_worst_decile: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def counted_words(self) -> str:
+        """``2 of 5 devices``: how many devices the means are over."""
+        return f"{self.counted} of {self.devices} device" + ("" if self.devices == 1 else "s")
+
+    def words(self) -> str:
+        """``own held-out accuracy, served -> personal: mean 78.75% -> 82.20% over 2 of 3 devices; worst device cam-1:
+        70.00% -> 70.00%`` (or that no device reported both)."""
+        said = "own held-out accuracy, served -> personal: "
+        if not self.counted:
+            return said + f"no device reported both (of {self.devices})"
+        return (
+            said + f"mean {_percent(self.served)} -> {_percent(self.personal)} over {self.counted_words}; "
+            f"worst device {self.worst}: {_percent(self.worst_served)} -> {_percent(self.worst_personal)}"
+        )
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def fleet_accuracy_of(pairs: Iterable[tuple[str, float | None, float | None]]) -> FleetAccuracy:
+    """Summarize ``(device, served accuracy, personal accuracy)`` triples (None: not measured or not believed)."""
+    pairs = list(pairs)
+    both = [
+        (personal, served, device) for device, served, personal in pairs if served is not None and personal is not None
+    ]
+    if not both:
+        return FleetAccuracy(len(pairs), 0, None, None, None, None, None)
+    worst = min(both)  # the lowest personal accuracy; among equals the lowest served, then the first name
+    return FleetAccuracy(
+        devices=len(pairs),
+        counted=len(both),
+        served=statistics.fmean(b[1] for b in both),
+        personal=statistics.fmean(b[0] for b in both),
+        worst=worst[2],
+        worst_served=worst[1],
+        worst_personal=worst[0],
+        served_worst_decile=worst_decile([b[1] for b in both]),
+        personal_worst_decile=worst_decile([b[0] for b in both]),
+    )
+
+
 def fleet_summary(rows: Sequence[OwnRow], choice: str) -> dict[str, Any]:
     """Mean and worst decile of the devices' own held-out accuracy, served and personal, over the devices that hold a
     held-out split; how many chose a personal model, and the device time the step took in all and per device."""
-    measured = [r for r in rows if r.examples]
-    served = [r.served_accuracy for r in measured]
-    personal = [r.personal_accuracy for r in measured]
+    fleet = fleet_accuracy_of((r.client, r.served_accuracy, r.personal_accuracy) for r in rows)
     seconds = sum(r.seconds for r in rows)
     return {
         "choice": choice,
         "clients": len(rows),
-        "measured": len(measured),
+        "measured": fleet.counted,
         "personalized": sum(1 for r in rows if r.method),
         "tuned_to_fewer_classes": sum(1 for r in rows if r.method and r.tuned is not None and r.tuned.partial),
-        "served_mean": statistics.fmean(served) if measured else None,
-        "personal_mean": statistics.fmean(personal) if measured else None,
-        "served_worst_decile": worst_decile(served) if measured else None,
-        "personal_worst_decile": worst_decile(personal) if measured else None,
+        "served_mean": fleet.served,
+        "personal_mean": fleet.personal,
+        "served_worst_decile": fleet.served_worst_decile,
+        "personal_worst_decile": fleet.personal_worst_decile,
+        "worst": fleet.worst,
         "device_seconds_total": round(seconds, 3),
         "device_seconds_mean": round(seconds / len(rows), 3) if rows else None,
     }

@@ -2,7 +2,7 @@
 
 A federation leaves no ``results.json`` (no test split is held anywhere): the report reads the record of its
 ``checkpoint.safetensors``, its device registry and its exported models' manifests
-(:mod:`feast_edge.run.rundir`), and says in the dashboard's words where it validated and calibrated, and for the models
+(:mod:`feast_edge.report.model_words`), and says in the dashboard's words where it validated and calibrated, and for the models
 the devices calibrated, their own held-out accuracy, served model -> personal model, the means and the worst device,
 and per served variant the rule that chose it and the classes it was trained, validated and calibrated on.
 """
@@ -13,20 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from feast_edge.errors import FeastError
-from feast_edge.run.checkpoint import read_record
-from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
-from feast_edge.run.rundir import (
-    FEDERATION,
+from feast_edge.report.model_words import (
     FleetAccuracy,
     device_calibrated,
     fleet_accuracy,
     model_accuracy,
-    read_manifests,
-    read_registry,
     run_validated_on,
     served_variants,
     validation_words,
 )
+from feast_edge.report.run_files import FEDERATION, read_manifests, read_registry
+from feast_edge.run.checkpoint import read_record
+from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 
 
 @dataclass(frozen=True)
@@ -56,11 +54,11 @@ class FederationRun:
     best_val: float | None
     best_round: int | None
     served_reason: str | None  # why those weights are served (feast_edge.evaluate.served_round); None in older runs
-    validation: str | None  # where it validated, in words (:func:`feast_edge.run.rundir.validation_words`)
+    validation: str | None  # where it validated, in words (:func:`feast_edge.report.model_words.validation_words`)
     models: tuple[ServedModel, ...]
     own: FleetAccuracy | None = None  # over the models the devices calibrated: the means and the worst device
     # Per served variant: whom it serves, the rules that chose it, the classes it was trained, validated and
-    # BN-calibrated on (:func:`feast_edge.run.rundir.served_variants`).
+    # BN-calibrated on (:func:`feast_edge.report.model_words.served_variants`).
     coverage: tuple[dict, ...] = ()
 
     @property

@@ -21,6 +21,7 @@ from feast_edge.errors import FeastError
 from feast_edge.report.blocks import Block, Heading, Image, Table, Text, count
 from feast_edge.report.experiments import extraction_blocks, gamma_blocks, matched_blocks, personalization_blocks
 from feast_edge.report.federation import FederationRun, is_federation_run, load_federation_run
+from feast_edge.report.model_words import FleetAccuracy
 from feast_edge.report.plots import draw_plots, require_matplotlib
 from feast_edge.report.privacy import privacy_blocks
 from feast_edge.report.runs import (
@@ -33,7 +34,6 @@ from feast_edge.report.runs import (
     reference_group,
     variant_gaps,
 )
-from feast_edge.run.rundir import FleetAccuracy
 from feast_edge.util.atomic import atomic_write_bytes
 
 FORMATS = {"markdown": "report.md", "html": "report.html"}

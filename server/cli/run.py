@@ -15,7 +15,7 @@ from feast_edge.cli.server_opt import server_opt_options
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_robust import DEFAULT_BN_RULE
 from feast_edge.evaluate.federated import DEFAULT_VAL_RULE
-from feast_edge.run.rundir import served_variants
+from feast_edge.report.model_words import served_variants
 from feast_edge.server.cli.shared import (
     DataOpt,
     OutOpt,

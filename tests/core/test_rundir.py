@@ -1,4 +1,4 @@
-"""What a device reported of its models, read for people (feast_edge.run.rundir): checked, never trusted."""
+"""What a device reported of its models, read for people (feast_edge.report.model_words): checked, never trusted."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feast_edge.run.rundir import fleet_accuracy, model_accuracy
+from feast_edge.personalize.fleet import OwnRow, fleet_summary
+from feast_edge.report.model_words import fleet_accuracy, model_accuracy
 from rundirs import TUNED, TUNED_CLASSES, TUNED_WORDS
 
 MANIFEST = {"device": "pi", "calibration": "device", "rounds": 3}
@@ -156,3 +157,16 @@ def test_the_means_are_over_the_devices_with_both_accuracies_and_the_worst_is_th
     assert fleet.served == pytest.approx(sum(v[0] for v in valid) / len(valid))
     assert fleet.personal == pytest.approx(sum(v[1] for v in valid) / len(valid))
     assert fleet.worst_personal == min(v[1] for v in valid) <= fleet.personal
+
+
+def test_a_simulations_rows_and_a_federations_reports_give_one_and_the_same_fleet_summary() -> None:
+    # The same 12 devices' own held-out figures, as personalization rows (counts) and as what devices reported.
+    examples = 40
+    counts = [(10 + 2 * i, 12 + 2 * i) for i in range(12)]
+    rows = [OwnRow(f"d{i:02d}", 1, "prior", 1.0, examples, s, p, "", 0.1) for i, (s, p) in enumerate(counts)]
+    reported = [(r.client, {"accuracy": r.served_accuracy, "personal_accuracy": r.personal_accuracy}) for r in rows]
+    fleet, summary = fleet_accuracy(reported), fleet_summary(rows, "auto")
+    assert (summary["served_mean"], summary["personal_mean"]) == (fleet.served, fleet.personal)
+    assert (summary["served_worst_decile"], summary["personal_worst_decile"]) == (10 / examples, 12 / examples)
+    assert (fleet.served_worst_decile, fleet.personal_worst_decile) == (10 / examples, 12 / examples)
+    assert summary["worst"] == fleet.worst == "d00" and summary["measured"] == fleet.counted == 12

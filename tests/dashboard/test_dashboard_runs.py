@@ -198,6 +198,8 @@ def test_a_federation_without_server_data_says_it_validated_and_calibrated_on_th
         "worst": "pi-5",
         "worst_served": HOLDOUT_ACCURACY,
         "worst_personal": PERSONAL_ACCURACY,
+        "served_worst_decile": HOLDOUT_ACCURACY,
+        "personal_worst_decile": PERSONAL_ACCURACY,
     }
 
 

@@ -27,7 +27,7 @@ from feast_edge.evaluate.federated import calibrated_static
 from feast_edge.evaluate.onnx_export import onnx_session, read_metadata
 from feast_edge.personalize.select import Choice, personalize
 from feast_edge.protocol import Metrics
-from feast_edge.run.rundir import model_accuracy
+from feast_edge.report.model_words import model_accuracy
 from feast_edge.server.app import FederationServer, ServerConfig
 from feast_edge.server.output import device_models_table
 from feast_edge.space.geometry import arch_layout

@@ -202,7 +202,7 @@ def test_the_quantizer_is_not_reached_for_float32(supernet, preset, test_split, 
     ],
 )
 def test_the_served_precision_is_what_was_kept(manifest: dict, metrics, shown: str) -> None:
-    from feast_edge.run.rundir import served_precision
+    from feast_edge.report.model_words import served_precision
 
     assert served_precision(manifest, metrics) == shown
 

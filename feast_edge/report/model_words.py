@@ -1,4 +1,4 @@
-"""What a ``feast-server run`` directory says for people: its registry, its exported models, where validation and BN calibration ran.
+"""What a run directory says for people: where validation and BN calibration ran, its exported models, the devices' personal models.
 
 The dashboard (``feast-edge dashboard RUN_DIR``), the report (``feast-edge report RUN_DIR``) and ``feast-server
 status`` read a run directory here and describe it in the same words:
@@ -17,69 +17,15 @@ toolkit knows, text cut and made printable) so that no reader has to trust it.
 
 from __future__ import annotations
 
-import json
 import math
-import sqlite3
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from feast_edge.errors import FeastError
+from feast_edge.personalize.fleet import FleetAccuracy, fleet_accuracy_of
 from feast_edge.personalize.select import MAX_STRENGTH, METHODS, STRENGTH_NAME
 from feast_edge.personalize.tuned import Tuned, TunedError
+from feast_edge.report.run_files import DEVICE, DEVICES, FEDERATED, FEDERATION, SERVER
 from feast_edge.util.text import printable
-
-REGISTRY = "devices.sqlite"  # feast-server's device registry (the apps' constant; core does not import them)
-MODELS = "models"
-SERVER, DEVICES = "server", "devices"  # where validation ran
-DEVICE = "device"  # a manifest's "calibration" when its device calibrates BN on its own data
-FEDERATED = "federated"  # ... when BN holds the statistics of the devices' data, combined by the server
-FEDERATION = "federation"  # the checkpoint kind of a feast-server run
-
-
-class RunDirError(FeastError):
-    """A run directory's registry or model index cannot be read."""
-
-
-def read_registry(path: Path, fields: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The registered devices (profile and metrics parsed): ``devices.sqlite`` read-only when present, else the checkpoint's copy."""
-    database = path / REGISTRY
-    if not database.is_file():
-        return [dict(d) for d in fields.get("registry") or () if isinstance(d, Mapping)]
-    try:
-        connection = sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
-        try:
-            connection.row_factory = sqlite3.Row
-            rows = connection.execute("SELECT * FROM devices ORDER BY device_id").fetchall()
-        finally:
-            connection.close()
-    except sqlite3.Error as exc:
-        raise RunDirError(
-            f"cannot read the device registry {database} ({exc}); is it a feast-server run directory?"
-        ) from None
-    devices = []
-    for row in rows:
-        device = dict(row)
-        for key in ("profile", "metrics"):
-            try:
-                device[key] = json.loads(device.get(key) or "{}")
-            except (TypeError, json.JSONDecodeError):
-                device[key] = {}
-        devices.append(device)
-    return devices
-
-
-def read_manifests(path: Path) -> list[dict[str, Any]]:
-    """The manifests of the exported models (``models/index.json``), if the run exported any."""
-    index = path / MODELS / "index.json"
-    if not index.is_file():
-        return []
-    try:
-        models = json.loads(index.read_text(encoding="utf-8")).get("models", [])
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-        raise RunDirError(f"cannot read {index} ({exc}); run 'feast-server export --out {path}' again") from None
-    return [m for m in models if isinstance(m, dict)]
 
 
 # ------------------------------------------------------------------ validation
@@ -345,62 +291,11 @@ def personal_model(metrics: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class FleetAccuracy:
-    """Own held-out accuracy over the devices, served model -> personal model: the means over the devices that
-    reported both (``counted`` of ``devices``), and the worst device, the one with the lowest personal accuracy."""
-
-    devices: int
-    counted: int
-    served: float | None
-    personal: float | None
-    worst: str | None
-    worst_served: float | None
-    worst_personal: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def counted_words(self) -> str:
-        """``2 of 5 devices``: how many devices the means are over."""
-        return f"{self.counted} of {self.devices} device" + ("" if self.devices == 1 else "s")
-
-    def words(self) -> str:
-        """``own held-out accuracy, served -> personal: mean 78.75% -> 82.20% over 2 of 3 devices; worst device cam-1:
-        70.00% -> 70.00%`` (or that no device reported both)."""
-        said = "own held-out accuracy, served -> personal: "
-        if not self.counted:
-            return said + f"no device reported both (of {self.devices})"
-        return (
-            said + f"mean {_percent(self.served)} -> {_percent(self.personal)} over {self.counted_words}; "
-            f"worst device {self.worst}: {_percent(self.worst_served)} -> {_percent(self.worst_personal)}"
-        )
-
-
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
-
-
 def fleet_accuracy(models: Iterable[tuple[str, Mapping[str, Any]]]) -> FleetAccuracy:
-    """Summarize ``(device, model_accuracy(...))`` pairs: the means over the devices with both own accuracies (a
-    device without one, or whose report was invalid, is left out of both), and the worst of them."""
+    """Summarize ``(device, model_accuracy(...))`` pairs (feast_edge.personalize.fleet.fleet_accuracy_of): a device
+    without both own accuracies, or whose report was invalid, is left out of the means."""
     models = list(models)
-    both = [
-        (personal, served, str(device))
+    return fleet_accuracy_of(
+        (str(device), _reported_fraction(model.get("accuracy")), _reported_fraction(model.get("personal_accuracy")))
         for device, model in models
-        if (served := _reported_fraction(model.get("accuracy"))) is not None
-        and (personal := _reported_fraction(model.get("personal_accuracy"))) is not None
-    ]
-    if not both:
-        return FleetAccuracy(len(models), 0, None, None, None, None, None)
-    worst = min(both)  # the lowest personal accuracy; among equals the lowest served, then the first name
-    return FleetAccuracy(
-        devices=len(models),
-        counted=len(both),
-        served=sum(b[1] for b in both) / len(both),
-        personal=sum(b[0] for b in both) / len(both),
-        worst=worst[2],
-        worst_served=worst[1],
-        worst_personal=worst[0],
     )
