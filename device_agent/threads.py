@@ -13,7 +13,7 @@ leave PyTorch and onnxruntime their own choice. The latency of a received model
 is timed on one thread under 0, whatever the load. On a
 Raspberry Pi 4 whose PyTorch build stops with "Illegal instruction" in
 multi-threaded kernels, ``--threads 1`` keeps every kernel on one thread
-(docs/deployment.md, "Raspberry Pi 4 and 5").
+(docs/install-device.md, "Raspberry Pi 4 and 5").
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ class DeviceBook:
         if count == UNANSWERED:
             log.warning(
                 "%s registered but never receives: its agent sent %d registrations and heard no answer on feast/%s/ctrl/%s; a broker bridge or ACL "
-                "that does not forward the federation's topics both ways (feast/%s/#) cuts it off (docs/deployment.md, bridged brokers)",
+                "that does not forward the federation's topics both ways (feast/%s/#) cuts it off (docs/broker.md, bridged brokers)",
                 device,
                 count,
                 self.federation,

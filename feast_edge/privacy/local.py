@@ -123,7 +123,7 @@ def noised_norm_bound(dp: LocalDp, numel: int) -> float:
 
 
 def accountant_available() -> bool:
-    """Whether dp-accounting is installed (a board's minimal install leaves it out: docs/deployment.md)."""
+    """Whether dp-accounting is installed (a board's minimal install leaves it out: docs/install-device.md)."""
     return importlib.util.find_spec("dp_accounting") is not None
 
 

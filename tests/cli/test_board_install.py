@@ -1,4 +1,5 @@
-"""The board installs of docs/deployment.md as written (issue 38): the test reads what it checks from the page itself.
+"""The board installs of docs/install-device.md as written (issue 38): the test reads what it checks from the page
+itself.
 
 * **Jetson boards**: the ``pip install --no-deps`` list for a board whose PyTorch is NVIDIA's. An empty venv gets
   exactly the listed packages with ``--no-deps`` (repacked from this environment's installed copies: nothing is
@@ -41,7 +42,7 @@ from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 
 REPO = Path(__file__).resolve().parents[2]
-PAGE = REPO / "docs" / "deployment.md"
+PAGE = REPO / "docs" / "install-device.md"
 # The comment line that marks the documented --no-deps list, and the first line of the ONNX Runtime-only script.
 NO_DEPS_MARK = "# feast-agent's runtime dependencies besides PyTorch"
 CLASSIFY_MARK = '"""Classify image files with a feast-edge ONNX model'
@@ -49,10 +50,10 @@ OPSET_MARK = "model.ir_version = 7"
 
 
 def _code_block(mark: str) -> str:
-    """The fenced code block of docs/deployment.md that contains ``mark`` (exactly one must)."""
+    """The fenced code block of docs/install-device.md that contains ``mark`` (exactly one must)."""
     blocks = re.findall(r"^```[a-z]*\n(.*?)^```", PAGE.read_text(), flags=re.S | re.M)
     found = [block for block in blocks if mark in block]
-    assert len(found) == 1, f"docs/deployment.md has {len(found)} code blocks with {mark!r}; it needs exactly one"
+    assert len(found) == 1, f"docs/install-device.md has {len(found)} code blocks with {mark!r}; it needs exactly one"
     return found[0]
 
 
@@ -131,7 +132,7 @@ def _jetson_like_venv(root: Path, packages: list[str], project: Path) -> Path:
     for top in set().union(*(_top_levels(name) for name in outside)):
         (pytorch / top.name).symlink_to(top)
     missing = [p for p in packages if _installed(p) is None]
-    assert not missing, f"docs/deployment.md lists packages that are not distributions installed here: {missing}"
+    assert not missing, f"docs/install-device.md lists packages that are not distributions installed here: {missing}"
     built = [_repack(name, wheels) for name in packages] + [project]
     venv.EnvBuilder(with_pip=False, symlinks=True).create(env)
     python = env / "bin" / "python"
@@ -197,7 +198,7 @@ def test_the_documented_jetson_no_deps_list_runs_the_agent(tmp_path: Path, proje
 
 @pytest.fixture(scope="module")
 def classify():
-    """docs/deployment.md's ONNX Runtime-only script, loaded as a module."""
+    """docs/install-device.md's ONNX Runtime-only script, loaded as a module."""
     module = types.ModuleType("classify")
     exec(compile(_code_block(CLASSIFY_MARK), "classify.py", "exec"), module.__dict__)  # noqa: S102 - the page's own code
     return module

@@ -69,6 +69,10 @@ COVERED = {
     "make test": "CI: .ci/run runs make test in a fresh clone",
     "make test-fast": "CI: make test runs the same set-up and every test make test-fast runs",
     "mosquitto": "tests/federation/test_provision.py (mosquitto -c on the configuration provision writes)",
+    # the quickstart without root or apt-get
+    "python3 -m": "tests/cli/test_wheel.py (a fresh venv, the package installed into it, run from an empty directory)",
+    "pip install": "tests/cli/test_wheel.py (pip installs the package into that venv; PyTorch is the machine's)",
+    "feast-edge demo": "tests/federation/test_federation_demo.py (--data on a folder of the four files, amqtt broker)",
 }
 CLASSES = {0: "T-shirt_top", 1: "Trouser", 8: "Bag"}  # Fashion-MNIST labels -> the class folders the test writes
 
@@ -218,3 +222,13 @@ def test_the_three_machines_block_runs_as_written(
                     "lab-pki/devices/cam-2/bundle.json", "cam-1.json"):  # fmt: skip
         assert (tmp_path / written).is_file(), written
     assert f"user {getpass.getuser()}" in (tmp_path / "lab-pki" / "broker" / "mosquitto.conf").read_text()
+
+
+def test_the_quickstart_without_root_parses_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    [block] = [b for b in code_blocks(README.read_text(encoding="utf-8")) if any(" demo --data " in line for line in b)]
+    [demo] = [words(line) for line in block if command_of(words(line))[0] == "feast-edge demo"]
+    (tmp_path / "fashion-mnist").mkdir()  # the folder the README names, where the reader put the four files
+    _, command, args = command_of(demo)
+    monkeypatch.chdir(tmp_path)
+    with command.make_context("feast-edge demo", list(args)) as ctx:
+        assert Path(ctx.params["data"]).name == "fashion-mnist"

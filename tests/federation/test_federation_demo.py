@@ -177,8 +177,16 @@ def _amqtt_env() -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_demo_runs_on_the_pure_python_broker(cli, tmp_path: Path, fashion_mnist_dir: Path) -> None:
+    # The README's quickstart without root: the four Fashion-MNIST files in a folder of the user's, given with --data.
+    own = tmp_path / "fashion-mnist"
+    own.mkdir()
+    for file in fashion_mnist_dir.iterdir():
+        if file.name.startswith(("train-", "t10k-")):
+            (own / file.name).symlink_to(file)
     result = cli.run(
         "demo",
+        "--data",
+        str(own),
         "--rounds",
         "1",
         "--samples",
