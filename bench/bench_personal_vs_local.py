@@ -10,7 +10,7 @@ in every round's cohort. Side by side, per device:
     A  personal    FEAST's federation (``feast-edge simulate``'s rounds, fmnist-small or a ``preset new`` preset), the
                    device's served variant of the last round's weights (BN on the server's calibration split), then
                    the device's personalization step as ``simulate --personalize auto`` runs it
-                   (``feast_edge.sim.personal``: ``feast_edge.personalize.select.personal_step``)
+                   (``feast_edge.sim.personalize_clients``: ``feast_edge.personalize.select.personal_step``)
     B  local only  the same variant, freshly initialised from the same seed, trained on the device's own training
                    split alone with the same recipe (``feast_edge.local.cotrain.local_train``, the client's own step)
                    for the same local epochs in total (--rounds x the recipe's epochs, the same lr schedule), BN
@@ -174,7 +174,7 @@ def main() -> None:
             point = points[sim.method.served(float(budget))]
             images, labels = setup.client_data(client)
             held_images, held_labels = setup.client_holdout(client)
-            # A: what feast_edge.sim.personal.personalize_clients does for the client (simulate --personalize).
+            # A: what feast_edge.sim.personalize_clients.personalize_clients does for the client (simulate --personalize).
             began = time.perf_counter()
             served = sim.method.point_network(point, calibration, "cpu")
             outcome, own = personal_step(

@@ -4,7 +4,7 @@
         [--train-limit 20000] [--device cpu|cuda] [--json FILE]
 
 Trains one FEAST simulation (fmnist-small, Zipf budgets, Dirichlet(--alpha) shards, every client holding out 10 % of
-its shard as the device agent does), then runs the device's personalization step (feast_edge.sim.personal, the code
+its shard as the device agent does), then runs the device's personalization step (feast_edge.sim.personalize_clients, the code
 `feast-edge simulate --personalize` runs) on every client's served variant once per choice: off, each method with the
 strengths `auto` tries, and auto. Prints, per choice, the mean and worst decile of the clients' own held-out
 accuracy, how many clients got a personal model, the mean test accuracy of the models the clients end with (what a

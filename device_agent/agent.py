@@ -10,7 +10,7 @@ the client seed, the affordable variants and the training settings
 
 The pieces, one job each: ``inbox.py`` (paho's thread: parse and queue),
 ``registration.py`` (registrations, the server's presence, the federation's
-end), ``rounds.py`` (one client's round around ``step.train``), ``downloads.py``
+end), ``client_round.py`` (one client's round around ``step.train``), ``downloads.py``
 (waiting for a transfer), ``model_files.py`` (a pushed model). This module
 wires them and runs the loop: paho's network thread only parses and queues; the
 agent's own thread (the caller of :meth:`Agent.run`) handles the queue, trains
@@ -29,13 +29,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from feast_edge.agent.client_round import RoundRunner
 from feast_edge.agent.config import AgentConfig
 from feast_edge.agent.hosted import Hosted
 from feast_edge.agent.inbox import Inbox, Incoming
 from feast_edge.agent.local_data import LocalClient, client_budgets
 from feast_edge.agent.profiling import evaluation_macs
 from feast_edge.agent.registration import HEARTBEAT, AgentError, Registration
-from feast_edge.agent.rounds import RoundRunner
 from feast_edge.agent.step import largest_payload
 from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from feast_edge.agent.local_data import LocalClient
-from feast_edge.agent.personal import personalize_here
+from feast_edge.agent.personal_model import personalize_here
 from feast_edge.agent.threads import latency_threads
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_stats import MIN_EXAMPLES, bn_statistics, encode_statistics
@@ -277,7 +277,7 @@ def calibrate_served_variant(
 ) -> tuple[Path, dict[str, Any]]:
     """Calibrate, export and measure the served variant; the ONNX file's path and the metrics to report.
 
-    ``personalize``: also write the device's personal model beside it (``feast_edge.agent.personal``); None: do not.
+    ``personalize``: also write the device's personal model beside it (``feast_edge.agent.personal_model``); None: do not.
     ``threads``: --threads, the onnxruntime threads its latency is timed on (``threads.latency_threads``).
     """
     precision, samples, tolerance = _asked_precision(manifest)

@@ -4,7 +4,7 @@ The round message is parsed once (:meth:`Assignment.parse`, before the agent
 waits for the payload), the routed payload decoded once (:meth:`Job.of`), and
 :func:`train` runs exactly what the simulator runs for that client
 (``feast_edge.local.update.client_update``) with exactly the inputs the server
-sent. Nothing here touches MQTT: the round runner (``rounds.py``) moves the
+sent. Nothing here touches MQTT: the round runner (``client_round.py``) moves the
 bytes and messages around it.
 """
 

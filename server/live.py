@@ -16,7 +16,7 @@ from typing import Any
 
 from feast_edge.cache.variants import VariantCache
 from feast_edge.dashboard.state import DashboardState
-from feast_edge.privacy.rounds import privacy_entry
+from feast_edge.privacy.private_rounds import privacy_entry
 from feast_edge.report.model_words import (
     device_calibrated,
     model_accuracy,

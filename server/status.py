@@ -21,7 +21,7 @@ from rich.table import Table
 
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.served_round import served_record
-from feast_edge.privacy.rounds import privacy_line, stored_privacy
+from feast_edge.privacy.private_rounds import privacy_line, stored_privacy
 from feast_edge.report.model_words import (
     FleetAccuracy,
     device_calibrated,

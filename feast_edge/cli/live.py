@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from feast_edge.privacy.rounds import privacy_entry
+from feast_edge.privacy.private_rounds import privacy_entry
 from feast_edge.report.model_words import served_so_far, served_words
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.run.loop import RoundRecord

@@ -317,7 +317,7 @@ def simulate(
         console.print(personalization_table(results["personalization"]))
         _say(personalization_line(results["personalization"]))
     if "privacy" in results:
-        from feast_edge.privacy.rounds import privacy_line
+        from feast_edge.privacy.private_rounds import privacy_line
 
         _say(privacy_line(results["privacy"]))
     comm = results["communication"]

@@ -23,7 +23,7 @@ from typing import Any
 from feast_edge.dashboard.app import DashboardError
 from feast_edge.dashboard.state import DashboardState, arch_label
 from feast_edge.errors import FeastError
-from feast_edge.privacy.rounds import privacy_entry
+from feast_edge.privacy.private_rounds import privacy_entry
 from feast_edge.report.model_words import (
     device_calibrated,
     model_accuracy,

@@ -26,7 +26,7 @@ from feast_edge.protocol.evaluation import Calibrate, Evaluate, Evaluated, Route
 from feast_edge.protocol.limits import MAX_EXAMPLES, MAX_PROBES, MAX_REASON
 from feast_edge.protocol.models import Finished, Metrics, ModelReady, ModelRequest
 from feast_edge.protocol.registration import Register, Registered
-from feast_edge.protocol.rounds import Declined, RoundStart, Update
+from feast_edge.protocol.round_messages import Declined, RoundStart, Update
 
 __all__ = [
     "MAX_EXAMPLES",

@@ -29,7 +29,7 @@ from feast_edge.errors import FeastError
 from feast_edge.local.precision import AMP_MODES, set_deterministic
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.personalize.select import Choice, PersonalizeError
-from feast_edge.privacy.rounds import check_plan
+from feast_edge.privacy.private_rounds import check_plan
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes, dp_of
 from feast_edge.route.plans import plan_client
 from feast_edge.run.settings import RunError, check_run_options, recorded_of, server_opt_of

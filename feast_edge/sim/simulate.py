@@ -26,7 +26,7 @@ from typing import Any
 
 from feast_edge.evaluate.evaluation import Validation, population_accuracy
 from feast_edge.evaluate.served_round import served_record
-from feast_edge.privacy.rounds import privacy_summary
+from feast_edge.privacy.private_rounds import privacy_summary
 from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.sim.collect import InProcessCollector
@@ -253,9 +253,9 @@ class Simulation:
         return results
 
     def personalization(self, served: list[int], progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        """Every client's personalization step on the variant it is served (feast_edge.sim.personal)."""
+        """Every client's personalization step on the variant it is served (feast_edge.sim.personalize_clients)."""
         from feast_edge.personalize.select import Choice
-        from feast_edge.sim.personal import personalize_clients
+        from feast_edge.sim.personalize_clients import personalize_clients
 
         cfg = self.config
         return personalize_clients(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from feast_edge.privacy.mechanism import COUNT, next_clip, noise_generator, noised_unclipped
-from feast_edge.privacy.rounds import PrivateRounds, privacy_line, privacy_summary
+from feast_edge.privacy.private_rounds import PrivateRounds, privacy_line, privacy_summary
 from feast_edge.privacy.settings import COUNT_SHARE, DpSettings, PrivacyError, dp_of
 
 PARAMS = {"w"}

@@ -13,7 +13,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
 from feast_edge.privacy.accountant import ORDERS, accounted, epsilon_of, local_epsilon, planned_epsilon, round_rdp
 from feast_edge.privacy.mechanism import add_sum_noise, noise_generator, private_update, routed_counts
-from feast_edge.privacy.rounds import BudgetReached, PrivateRounds, check_plan
+from feast_edge.privacy.private_rounds import BudgetReached, PrivateRounds, check_plan
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes, default_delta
 
 PARAMS = {"w", "b"}
@@ -234,7 +234,7 @@ def test_the_budget_check_uses_the_tighter_figure():
 
 
 def test_a_history_recorded_with_rdp_only_says_so():
-    from feast_edge.privacy.rounds import privacy_line, privacy_summary
+    from feast_edge.privacy.private_rounds import privacy_line, privacy_summary
 
     dp = DpSettings(1.0, 1.0)
     old = [{"population": 100, "cohort": 10, "epsilon": 5.0, "delta": 1e-5}]

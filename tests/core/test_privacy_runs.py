@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from feast_edge.privacy.accountant import planned_epsilon
-from feast_edge.privacy.rounds import PrivateRounds
+from feast_edge.privacy.private_rounds import PrivateRounds
 from feast_edge.privacy.settings import DpSettings
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.stages.privacy_noise import PrivacyStage

@@ -19,7 +19,7 @@ from feast_edge.evaluate.evaluation import calibrated_variant
 from feast_edge.evaluate.federated import calibrated_static
 from feast_edge.flower import clientapp, records, serverapp
 from feast_edge.flower.serverapp import FlowerFederation
-from feast_edge.flower.serverapp.personal import PERSONALIZATION, personalize_nodes
+from feast_edge.flower.serverapp.personalize_nodes import PERSONALIZATION, personalize_nodes
 from feast_edge.flower.serverapp.run_config import server_config
 from feast_edge.personalize.select import Choice, personal_step
 from feast_edge.run.checkpoint import load_supernet

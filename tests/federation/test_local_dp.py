@@ -26,7 +26,7 @@ from feast_edge.privacy.local import (
     privatize,
     stricter,
 )
-from feast_edge.privacy.rounds import PrivateRounds
+from feast_edge.privacy.private_rounds import PrivateRounds
 from feast_edge.privacy.settings import DpSettings, PrivacyError
 from feast_edge.protocol import RoundStart, Update
 from feast_edge.route.envelope import route_state

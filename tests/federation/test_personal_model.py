@@ -19,7 +19,7 @@ from tinymodels import trained_smallest
 
 from feast_edge.agent.local_data import LocalClient
 from feast_edge.agent.on_device import calibrate_served_variant
-from feast_edge.agent.personal import personal_path
+from feast_edge.agent.personal_model import personal_path
 from feast_edge.cache.variants import load_cache
 from feast_edge.data.images import FASHION_MNIST_CLASSES, load_fashion_mnist
 from feast_edge.evaluate.evaluation import correct_count, pixel_batches
@@ -159,7 +159,7 @@ def test_a_device_holding_three_classes_names_them_wherever_its_personal_models_
         holdout_images=split.images[held],
         holdout_labels=split.labels[held].long(),
     )
-    with caplog.at_level(logging.INFO, logger="feast_edge.agent.personal"):
+    with caplog.at_level(logging.INFO, logger="feast_edge.agent.personal_model"):
         served_path, metrics = calibrate_served_variant(
             *_variant(model), own, PRESET, tmp_path / "jetson.onnx", personalize=Choice.parse("prior:1")
         )

@@ -28,7 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from feast_edge.flower import log_to_stderr, records
 from feast_edge.flower.serverapp.collector import FlowerCollector, NodeBook
-from feast_edge.flower.serverapp.personal import personalize_nodes
+from feast_edge.flower.serverapp.personalize_nodes import personalize_nodes
 from feast_edge.flower.serverapp.run_config import personalize_choice, server_config
 from feast_edge.flower.serverapp.validation import FlowerValidation
 from feast_edge.run.loop import RoundRecord
@@ -96,7 +96,7 @@ class FlowerFederation(RunHost):
             log.info(
                 "no data in the run config: the cohort nodes validate the model on their held-out splits every %d "
                 "rounds and after the last; the newest validated round is served unless the nodes' served variants "
-                'regressed (docs/deployment.md, "The served round"); where no node holds examples out, the last '
+                'regressed (docs/server.md, "The served round"); where no node holds examples out, the last '
                 "round is served; served models are calibrated on each device",
                 self.config.eval_every,
             )

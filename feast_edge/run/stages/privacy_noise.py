@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from feast_edge.privacy.rounds import BudgetReached, PrivateRounds
+from feast_edge.privacy.private_rounds import BudgetReached, PrivateRounds
 from feast_edge.privacy.settings import DpSettings
 from feast_edge.run.collect import ClientUpdate
 from feast_edge.run.release import BaseStage, RoundContext, RunStops, StateDict
