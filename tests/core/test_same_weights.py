@@ -11,11 +11,12 @@ to them.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
-from sameweights import CASES, build_commit, machine, read_record, run_cases
+from sameweights import CASES, build_commit, command, digest, machine, read_record, run_cases
 
 pytestmark = pytest.mark.slow
 
@@ -48,3 +49,20 @@ def test_a_fixed_seed_run_ends_on_the_recorded_weights(
     else:
         [then] = run_cases([case], tmp_path / "then", str(fashion_mnist_dir), str(recorded["site"])).values()
     assert now == then, f"{case}: the final weights differ from commit {recorded['commit'][:12]}'s"
+
+
+def test_a_run_directory_the_recorded_commit_wrote_resumes_here(
+    recorded: dict, fashion_mnist_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # The recorded commit's build writes a finished run; this checkout resumes it (same options, --resume) and ends on
+    # its weights: the checkpoint's format and the settings' fingerprint still match.
+    site = recorded["site"] or build_commit(recorded["commit"], tmp_path_factory.mktemp("same-weights-build"))
+    [then] = run_cases(["server-adam"], tmp_path, str(fashion_mnist_dir), str(site)).values()
+    run = tmp_path / "server-adam"
+    written = [r["seconds"] for r in json.loads((run / "results.json").read_text())["rounds"]]
+    resumed = subprocess.run([*command("server-adam", run, str(fashion_mnist_dir)), "--resume"], capture_output=True,
+                             text=True, cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert digest(run) == then
+    # the rounds came from the old checkpoint, not from training them again (their timings are the old run's)
+    assert [r["seconds"] for r in json.loads((run / "results.json").read_text())["rounds"]] == written
