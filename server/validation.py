@@ -153,6 +153,8 @@ class FederatedValidation:
         )
 
     def __call__(self, t: int, record: RoundRecord) -> float | None:
+        """Ask the online cohort devices that hold out examples to test the round's model, gather their counts, and
+        fill ``record.validation`` (the round's figure, per target, whose data, the served variants' votes)."""
         online = set(self.devices.online())
         asked = [d for d in record.cohort if d in online and _holds_out(self.devices, d)]
         if not asked:
@@ -163,34 +165,61 @@ class FederatedValidation:
             )
             return None
         began = time.monotonic()
-        exchange = self.exchange
-        exchange.open(t)
+        self.exchange.open(t)
         targets = self.targets()
-        sent: dict[str, list[Arch]] = {}
-        for device in asked:
-            registered = self.devices.registry.get(device)
-            assert registered is not None
-            # A device evaluates every target it may (its registered evaluation limit, at least its budget): the
-            # served variants above its budget are validated on its classes too (evaluation is a one-off, not serving).
-            plan = plan_client(self.cache, evaluation_budget(self.devices, device))
-            probes = [e.arch for e in targets if e.arch in plan.affordable]
-            sent[device] = probes
-            send_routed_request(
-                exchange,
-                Evaluate,
-                plan,
-                probes,
-                self.global_state,
-                self.preset,
-                t=t,
-                device=device,
-                instance=registered.instance,
-                calibration=self.calibration,
-                payload_dtype=self.payload_dtype,
-                expect=Expect(max_bytes=0, max_samples=0),
-            )
+        sent = {device: self._ask(t, device, targets) for device in asked}
+        reports = self._gather(t, sent, targets)
+        unsettled = self.exchange.close()
+        result, record.validation = registered_record(
+            self.devices, self.cache, reports, targets, self.probes, self.rule, self.max_weight_ratio, t
+        )
+        self._keep(targets, record.validation["points"])
+        record.validation["missing"] = sorted(set(asked) - set(reports))
+        record.validation["seconds"] = round(time.monotonic() - began, 3)
+        shown = "none" if result.accuracy is None else f"{100 * result.accuracy:.2f}%"
+        log.info(
+            "round %d: federated validation (%s of %d device(s), %s held-out examples): %s%s",
+            t + 1,
+            self.rule,
+            len(reports),
+            record.validation["samples"],
+            shown,
+            f"; no answer from {', '.join(unsettled.missing)}" if unsettled.missing else "",
+        )
+        return result.accuracy
+
+    def _ask(self, t: int, device: str, targets: list[CacheEntry]) -> list[Arch]:
+        """Send ``device`` its routed slice of the model and the targets it may evaluate; returns those targets.
+
+        A device evaluates every target it may (its registered evaluation limit, at least its budget): the served
+        variants above its budget are validated on its classes too (evaluation is a one-off, not serving)."""
+        registered = self.devices.registry.get(device)
+        assert registered is not None
+        plan = plan_client(self.cache, evaluation_budget(self.devices, device))
+        probes = [e.arch for e in targets if e.arch in plan.affordable]
+        send_routed_request(
+            self.exchange,
+            Evaluate,
+            plan,
+            probes,
+            self.global_state,
+            self.preset,
+            t=t,
+            device=device,
+            instance=registered.instance,
+            calibration=self.calibration,
+            payload_dtype=self.payload_dtype,
+            expect=Expect(max_bytes=0, max_samples=0),
+        )
+        return probes
+
+    def _gather(
+        self, t: int, sent: Mapping[str, list[Arch]], targets: list[CacheEntry]
+    ) -> dict[str, list[tuple[int, int]]]:
+        """Each answering device's (correct, total) per target, in the server's order of targets; an answer that does
+        not fit what was asked (another number of results, more examples than the device registered) is ignored."""
         reports: dict[str, list[tuple[int, int]]] = {}
-        for reply in exchange.replies():
+        for reply in self.exchange.replies():
             if reply.evaluation is None:
                 log.warning("round %d: %s did not validate the model: %s", t + 1, reply.device, reply.error)
                 continue
@@ -219,12 +248,10 @@ class FederatedValidation:
             # Back to the server's order of targets: a device answers only for those it may evaluate.
             by_probe = {arch: c for arch, c in zip(affordable, counts)}
             reports[reply.device] = [by_probe.get(e.arch, (0, 0)) for e in targets]
-        unsettled = exchange.close()
-        result, record.validation = registered_record(
-            self.devices, self.cache, reports, targets, self.probes, self.rule, self.max_weight_ratio, t
-        )
-        accuracy = result.accuracy
-        points = record.validation["points"]
+        return reports
+
+    def _keep(self, targets: list[CacheEntry], points: dict[str, float]) -> None:
+        """The last validation's points, also as the dashboard's accuracy-vs-MACs entries."""
         self.last = points
         self.validated = [
             {"label": f"variant {self.cache.entries.index(e)}", "macs": e.macs, "params": e.params,
@@ -232,16 +259,3 @@ class FederatedValidation:
             for e in targets
             if f"variant {self.cache.entries.index(e)}" in points
         ]  # fmt: skip
-        record.validation["missing"] = sorted(set(asked) - set(reports))
-        record.validation["seconds"] = round(time.monotonic() - began, 3)
-        shown = "none" if accuracy is None else f"{100 * accuracy:.2f}%"
-        log.info(
-            "round %d: federated validation (%s of %d device(s), %s held-out examples): %s%s",
-            t + 1,
-            self.rule,
-            len(reports),
-            record.validation["samples"],
-            shown,
-            f"; no answer from {', '.join(unsettled.missing)}" if unsettled.missing else "",
-        )
-        return accuracy
