@@ -73,6 +73,40 @@ def digits_set() -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     return images, digits.target.astype(np.int64), DIGIT_NAMES
 
 
+def digits_folders(work: Path, seed: int) -> Path:
+    """:func:`digits_set` as ``work/data/{train,test}/<name>/`` PNG files, a fifth of each class (seeded) testing."""
+    images, labels, names = digits_set()
+    rng = np.random.default_rng(seed)
+    root = work / "data"
+    for c, name in enumerate(names):
+        index = rng.permutation(np.flatnonzero(labels == c))
+        n_test = round(0.2 * len(index))
+        for split, part in (("test", index[:n_test]), ("train", index[n_test:])):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in part.tolist():
+                Image.fromarray(images[i], "L").save(folder / f"{i:05d}.png")
+    return root
+
+
+def digits_preset(work: Path, data: Path) -> Path:
+    """``feast-edge preset new`` for the digits' folders, then ``feast-edge cache build``: what a new user runs."""
+    preset = work / "digits.toml"
+    cli = [sys.executable, "-m", "feast_edge.cli.main"]
+    steps = (
+        [*cli, "preset", "new", "--input", "1x16x16", "--classes-from", str(data / "train"), "--budgets", "0.8M..8M",
+         "--out", str(preset)],
+        [*cli, "cache", "build", "--preset", str(preset)],
+    )  # fmt: skip
+    for step in steps:
+        began = time.monotonic()
+        done = subprocess.run(step, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            sys.exit(f"{' '.join(step[3:5])} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        say(f"{' '.join(step[3:5])}: {time.monotonic() - began:.0f} s")
+    return preset
+
+
 def fmnist_set(root: Path, per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """``per_class`` Fashion-MNIST training images of each class (seeded draw) and labels."""
     from feast_edge.data.images import load_fashion_mnist

@@ -30,15 +30,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from feast_edge.evaluate.evaluation import calibrated_variant, correct_count
 from feast_edge.local.cotrain import local_train
@@ -49,7 +46,8 @@ from feast_edge.sim.simulate import Simulation
 from feast_edge.space.arch import Arch
 from feast_edge.space.supernet import Supernet
 
-DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+sys.path.insert(0, str(Path(__file__).parent))  # bench_label_skew: the digits as image folders and their preset
+from bench_label_skew import digits_folders, digits_preset
 
 
 def say(text: str) -> None:
@@ -61,42 +59,6 @@ def machine() -> str:
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), platform.processor())
     return f"{cpu}, {torch.get_num_threads()} PyTorch threads, torch {torch.__version__}"
-
-
-def digits_folders(work: Path, seed: int) -> Path:
-    """scikit-learn's digits as ``work/data/{train,test}/<name>/`` 16x16 grey PNG files (a fifth of each class tests)."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    small = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
-    rng = np.random.default_rng(seed)
-    for c, name in enumerate(DIGIT_NAMES):
-        index = rng.permutation(np.flatnonzero(digits.target == c))
-        n_test = round(0.2 * len(index))
-        for split, part in (("test", index[:n_test]), ("train", index[n_test:])):
-            folder = work / "data" / split / name
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in part.tolist():
-                Image.fromarray(small[i], "L").resize((16, 16), Image.BILINEAR).save(folder / f"{i:04d}.png")
-    return work / "data"
-
-
-def digits_preset(work: Path, data: Path) -> Path:
-    """``feast-edge preset new`` for the digits' folders, then ``feast-edge cache build``: what a new user runs."""
-    preset = work / "digits.toml"
-    cli = [sys.executable, "-m", "feast_edge.cli.main"]
-    steps = (
-        [*cli, "preset", "new", "--input", "1x16x16", "--classes-from", str(data / "train"), "--budgets", "0.8M..8M",
-         "--out", str(preset)],
-        [*cli, "cache", "build", "--preset", str(preset)],
-    )  # fmt: skip
-    for step in steps:
-        began = time.monotonic()
-        done = subprocess.run(step, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            sys.exit(f"{' '.join(step[3:5])} failed:\n{done.stderr[-2000:]}")
-        say(f"{' '.join(step[3:5])}: {time.monotonic() - began:.0f} s")
-    return preset
 
 
 def local_only(setup, config: SimulationConfig, client: str, arch, index: int) -> tuple[torch.nn.Module, int]:

@@ -55,7 +55,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from feast_edge.cache.variants import load_cache
 from feast_edge.evaluate.evaluation import accuracy
@@ -111,31 +110,10 @@ def cpu_line() -> str:
 def digits_data(work: Path, seed: int) -> tuple[str, Path]:
     """scikit-learn's digits as ``work/data/{train,test}/<class>/`` PNGs (20 % stratified, seeded, test) and a preset
     written by ``feast-edge preset new`` with its ``cache build``; returns (the preset's path, the data folder)."""
-    from bench_label_skew import digits_set
+    from bench_label_skew import digits_folders, digits_preset
 
-    images, labels, names = digits_set()
-    rng = np.random.default_rng(seed)
-    root = work / "data"
-    for c, name in enumerate(names):
-        index = rng.permutation(np.flatnonzero(labels == c))
-        n_test = round(0.2 * len(index))
-        for split, part in (("test", index[:n_test]), ("train", index[n_test:])):
-            folder = root / split / name
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in part.tolist():
-                Image.fromarray(images[i], "L").save(folder / f"{i:05d}.png")
-    preset = work / "digits.toml"
-    cli = [sys.executable, "-m", "feast_edge.cli.main"]
-    steps = (
-        [*cli, "preset", "new", "--input", "1x16x16", "--classes-from", str(root / "train"), "--budgets", "0.8M..8M",
-         "--out", str(preset)],
-        [*cli, "cache", "build", "--preset", str(preset)],
-    )  # fmt: skip
-    for command in steps:
-        done = subprocess.run(command, check=False, capture_output=True, text=True, cwd=REPO)
-        if done.returncode != 0:
-            sys.exit(f"{' '.join(command[3:5])} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return str(preset), root
+    data = digits_folders(work, seed)
+    return str(digits_preset(work, data)), data
 
 
 def skewed(setup, holders: list[list[int]], seed: int):
