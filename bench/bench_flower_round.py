@@ -24,31 +24,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from bench_mqtt_round import BUDGETS, mqtt_rounds, population, print_rounds  # noqa: E402
-from flowerkit import LocalFlower  # noqa: E402
 
 from feast_edge.flower.template import write_template  # noqa: E402
 from feast_edge.run.checkpoint import read_record  # noqa: E402
 from feast_edge.run.loop import CHECKPOINT, RoundRecord  # noqa: E402
+from flowerkit import LocalFlower  # noqa: E402
 
 
 def flower_rounds(config, tmp: Path, partition: Path, threads: int) -> tuple[list[RoundRecord], float]:
     """The same population through a local Flower deployment; its round history and the run's wall seconds."""
     app = tmp / "app"
-    write_template(app, rounds=config.rounds, per_round=config.clients)
+    write_template(app, rounds=config.training.rounds, per_round=config.population.clients)
     run_config = {
         "out-dir": str(tmp / "flower-run"),
-        "rounds": config.rounds,
-        "per-round": config.clients,
-        "min-clients": config.clients,
+        "rounds": config.training.rounds,
+        "per-round": config.population.clients,
+        "min-clients": config.population.clients,
         "seed": 0,
         "round-timeout": 600.0,
         "wait-timeout": 300.0,
         "export": False,
     }
     with LocalFlower(tmp / "deployment") as flower:
-        for i in range(config.clients):
+        for i in range(config.population.clients):
             flower.supernode({"data": str(partition), "offset": i, "threads": threads})
-        flower.wait_nodes(config.clients)
+        flower.wait_nodes(config.population.clients)
         run = flower.run(app, run_config, timeout=1800)
         if run.status != "finished:completed":
             raise SystemExit(f"the Flower run ended {run.status}: {run.details}\n{run.output}\n{flower.logs()}")
@@ -71,7 +71,7 @@ def main() -> None:
         flower, run_seconds = flower_rounds(config, tmp_path / "flower", tmp_path / "mqtt" / "partition", args.threads)
     sizes = [c["samples"] for c in index["clients"]]
     print(
-        f"fmnist-small, {config.clients} clients (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} "
+        f"fmnist-small, {config.population.clients} clients (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} "
         f"examples), {args.rounds} rounds, torch {torch.__version__}, {args.threads} thread(s) per client, "
         f"{os.cpu_count()} CPUs"
     )

@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for method in args.methods.split(","):
-        config = SimulationConfig(
+        config = SimulationConfig.of(
             preset=args.preset,
             method=method,
             clients=args.clients,

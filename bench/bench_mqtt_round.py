@@ -42,7 +42,7 @@ BUDGETS = (3e6, 8e6, 17.7e6, 39.2e6)
 def population(rounds: int, samples: int) -> SimulationConfig:
     """The benchmark's population: one client per budget, every client in every round."""
     n = len(BUDGETS)
-    return SimulationConfig(
+    return SimulationConfig.of(
         clients=n,
         per_round=n,
         rounds=rounds,
@@ -57,13 +57,13 @@ def population(rounds: int, samples: int) -> SimulationConfig:
 def mqtt_rounds(config: SimulationConfig, tmp_path: Path, broker: str, threads: int) -> tuple[list, dict]:
     """A feast-server (this process) and one feast-agent process per client of ``config``'s partition, through
     ``broker``; the server's round history and the partition index."""
-    n = config.clients
+    n = config.population.clients
     index = write_partition(config, tmp_path / "partition")
     federation = f"bench-{uuid.uuid4().hex[:8]}"
     server = FederationServer(
-        ServerConfig(
+        ServerConfig.of(
             out=str(tmp_path / "run"),
-            rounds=config.rounds,
+            rounds=config.training.rounds,
             per_round=n,
             min_clients=n,
             round_timeout=600.0,
@@ -149,7 +149,7 @@ def main() -> None:
         history, index = mqtt_rounds(config, Path(tmp), args.broker, args.threads)
         sizes = [c["samples"] for c in index["clients"]]
         print(
-            f"fmnist-small, {config.clients} agents (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} examples), "
+            f"fmnist-small, {config.population.clients} agents (budgets {', '.join(f'{b / 1e6:.1f}M' for b in BUDGETS)}; {sizes} examples), "
             f"broker {args.broker}, torch {torch.__version__}, {args.threads} thread(s) per agent, {os.cpu_count()} CPUs"
         )
         print_rounds("MQTT path", history)

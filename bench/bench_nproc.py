@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    config = SimulationConfig(
+    config = SimulationConfig.of(
         clients=args.clients,
         per_round=args.clients,
         rounds=args.rounds,

@@ -67,10 +67,10 @@ def local_only(setup, config: SimulationConfig, client: str, arch, index: int) -
     images, labels = setup.client_data(client)
     train, schedule = config.recipe_settings()
     model = Supernet(setup.preset, seed=config.seed)
-    for t in range(config.rounds):
-        lr = scheduled_lr(schedule, train.lr, t, config.rounds)
+    for t in range(config.training.rounds):
+        lr = scheduled_lr(schedule, train.lr, t, config.training.rounds)
         local_train(model, images, labels, [arch], arch, train, lr=lr, seed=config.seed * 100_003 + index * 1_009 + t)
-    return calibrated_variant(model, arch, images).cpu().eval(), train.epochs * config.rounds
+    return calibrated_variant(model, arch, images).cpu().eval(), train.epochs * config.training.rounds
 
 
 def pct(value: float | None) -> str:
@@ -105,7 +105,7 @@ def main() -> None:
             where |= {"calib_samples": 150, "train_limit": None}
         else:
             where = {"data_dir": args.fmnist_dir, "train_limit": args.train_limit}
-        config = SimulationConfig(
+        config = SimulationConfig.of(
             **where,
             gamma=args.gamma,
             val_samples=args.val_samples or (150 if args.data == "digits" else 500),

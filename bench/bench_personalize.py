@@ -47,7 +47,7 @@ def main() -> None:
     )
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "no GPU"
     print(f"{platform.node()}: {cpu.strip()}, {gpu}, torch {torch.__version__}", flush=True)
-    config = SimulationConfig(
+    config = SimulationConfig.of(
         data_dir=args.data,
         clients=args.clients,
         per_round=args.per_round,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from feast_edge.report.summary import write_report
@@ -62,7 +61,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-privacy"))
     args = parser.parse_args()
-    base = SimulationConfig(
+    base = SimulationConfig.of(
         clients=args.clients,
         per_round=args.per_round,
         rounds=args.rounds,
@@ -76,7 +75,7 @@ def main() -> None:
     results, dirs = {}, []
     for name, changes in runs(args).items():
         out = args.work / name.replace(" ", "-").replace("=", "")
-        config = replace(base, **changes)
+        config = base.changed(**changes)
         start = time.monotonic()
         print(f"{name}: {args.rounds} rounds ...", flush=True)
         found = Simulation(config, out).run(

@@ -50,7 +50,7 @@ def main() -> None:
         chosen = [chosen[int(i)] for i in args.only.split(",")]
     rows = []
     for name, recipe in chosen:
-        config = SimulationConfig(
+        config = SimulationConfig.of(
             preset=args.preset,
             clients=args.clients,
             per_round=args.per_round,

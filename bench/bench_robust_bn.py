@@ -92,7 +92,7 @@ def main() -> int:
     parser.add_argument("--calibration", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    config = SimulationConfig(
+    config = SimulationConfig.of(
         preset="fmnist-small",
         clients=args.clients,
         per_round=args.clients // 2,

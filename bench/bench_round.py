@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    config = SimulationConfig(
+    config = SimulationConfig.of(
         clients=args.clients,
         per_round=args.clients,
         rounds=args.rounds,
@@ -47,8 +47,8 @@ def main() -> None:
         )
         print(f"{'round':>5} {'samples':>8} {'route s':>8} {'train s':>8} {'aggregate s':>12} {'total s':>8}")
         for t in range(args.rounds):
-            cohort = sample_round_cohort(s.client_ids, config.per_round, config.seed, t)
-            lr = cosine_lr(config.lr, t, config.rounds)
+            cohort = sample_round_cohort(s.client_ids, config.population.per_round, config.seed, t)
+            lr = cosine_lr(config.training.lr, t, config.training.rounds)
             global_state = sim.model.state_dict()
             t_route = t_train = 0.0
             updates, samples = [], 0

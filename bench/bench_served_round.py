@@ -3,7 +3,7 @@
     python bench/bench_served_round.py [--data fmnist|digits] [--seeds 0,1,2] [--rounds 20] [--train-limit 3000]
                                        [--test-limit 2000] [--calib 500] [--threads 1] [--work DIR]
 
-A 3-client FEAST simulation validated by its devices (``SimulationConfig(validate_on="devices", holdout=0.1)``,
+A 3-client FEAST simulation validated by its devices (``SimulationConfig.of(validate_on="devices", holdout=0.1)``,
 ``eval_every=1``, all three clients every round), its shards replaced by label-skewed ones as in
 bench/bench_label_skew.py (each class's examples of the pool dealt in equal, disjoint, seeded parts to the clients
 that hold it):
@@ -150,7 +150,7 @@ def fleet(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Path |
     entries = sorted(cache.entries, key=lambda e: e.macs)
     budgets = (entries[0].macs, entries[len(entries) // 2].macs, entries[-1].macs)
     digits = args.data == "digits"
-    config = SimulationConfig(
+    config = SimulationConfig.of(
         preset=preset_ref,
         dataset="imagefolder" if digits else "fashion-mnist",
         data_dir=str(data_dir) if digits else str(args.fmnist_dir),
@@ -262,7 +262,7 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
         flags = [devices[c] for c in record.validation.get("flagged", {})]
         differs = [devices[c] for c in record.validation.get("differs", {})]
         say(
-            f"  seed {seed} round {record.round}/{config.rounds}: loss {record.loss or 0:.3f}, held-out on the served "
+            f"  seed {seed} round {record.round}/{config.training.rounds}: loss {record.loss or 0:.3f}, held-out on the served "
             f"variants {shown}; served round {sim.best.get('round')}"
             + (f"; flagged {flags}" if flags else "")
             + (f"; differs {differs}" if differs else "")
@@ -283,7 +283,7 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
     honest_flagged = sorted({(r, devices[c]) for r, v in history for c in v.get("flagged", {})})
     honest_differs = sorted({devices[c] for _, v in history for c in v.get("differs", {})})
     say(
-        f"  seed {seed}: trained {config.rounds} rounds in {trained:.0f} s; served round {honest.round}: {honest.reason}"
+        f"  seed {seed}: trained {config.training.rounds} rounds in {trained:.0f} s; served round {honest.round}: {honest.reason}"
     )
 
     # --- the test set, each device's served variant from kept weights
@@ -303,7 +303,7 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
             scores[device, round_] = accuracy(model, test_images, test_labels, preset)
         return scores[device, round_]
 
-    last = config.rounds
+    last = config.training.rounds
     window = list(range(max(1, last - LAST + 1), last + 1))
     snapshots["average"] = averaged([snapshots[r] for r in window])
     rows = {}
@@ -358,7 +358,7 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
     say(f"seed {seed} done in {seconds:.0f} s ({trained:.0f} s training and validation)")
     return {
         "seed": seed,
-        "rounds": config.rounds,
+        "rounds": config.training.rounds,
         "test_images": int(test_labels.shape[0]),
         "served_round": honest.round,
         "reason": honest.reason,

@@ -139,10 +139,10 @@ class Chaos:
             "broker", "broker", [shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)], logs
         )
         server = [
-            sys.executable, "-m", "feast_edge.server.cli", "run", "--insecure", "--broker", self.url, "--out", str(self.out), "--rounds", str(config.rounds),
-            "--per-round", str(config.per_round), "--min-clients", str(args.min_clients), "--round-timeout", str(args.round_timeout),
-            "--seed", str(config.seed), "--batch-size", str(config.batch_size), "--data", str(work / "partition"), "--federation", self.federation,
-            "--no-export", "--eval-every", str(config.rounds), "--threads", "1",
+            sys.executable, "-m", "feast_edge.server.cli", "run", "--insecure", "--broker", self.url, "--out", str(self.out), "--rounds", str(config.training.rounds),
+            "--per-round", str(config.population.per_round), "--min-clients", str(args.min_clients), "--round-timeout", str(args.round_timeout),
+            "--seed", str(config.seed), "--batch-size", str(config.training.batch_size), "--data", str(work / "partition"), "--federation", self.federation,
+            "--no-export", "--eval-every", str(config.training.rounds), "--threads", "1",
         ]  # fmt: skip
         self.server = Supervised("server", "server", server, logs)
         self.agents = [
@@ -194,7 +194,7 @@ class Chaos:
             now = time.monotonic()
             done = self.completed()
             if done != last_round:
-                self.say(f"checkpoint: {done}/{self.config.rounds} rounds")
+                self.say(f"checkpoint: {done}/{self.config.training.rounds} rounds")
                 last_round = done
             self._reap(now)
             if self.server.finished:
@@ -202,7 +202,7 @@ class Chaos:
                 self._await_agents(5.0)
                 return True
             self._restart(now)
-            if not self.outage_done and done >= self.config.rounds // 2 and self.broker.running:
+            if not self.outage_done and done >= self.config.training.rounds // 2 and self.broker.running:
                 self.broker.kill(self.args.outage)
                 self.outage_done, self.outage_until = True, now + self.args.outage
                 self.say(f"broker outage: killed for {self.args.outage:g} s")
@@ -369,21 +369,25 @@ def report(chaos: Chaos, finished: bool, wall: float, partition: Path) -> None:
     else:
         replayed = verdict(max_abs_diff(final, replay(records, partition, config, budgets(out))))
         differ = sum(
-            h.cohort != sample_round_cohort(ids, config.per_round, config.seed, t) for t, h in enumerate(records)
+            h.cohort != sample_round_cohort(ids, config.population.per_round, config.seed, t)
+            for t, h in enumerate(records)
         )
         if total_lost:
             undisturbed = f"n/a ({total_lost} updates lost)"
         elif differ:
             undisturbed = f"n/a (cohorts of {differ} rounds differ: devices were offline when they were drawn)"
-        elif len(records) < config.rounds:
-            undisturbed = f"n/a (only {len(records)} of {config.rounds} rounds completed)"
+        elif len(records) < config.training.rounds:
+            undisturbed = f"n/a (only {len(records)} of {config.training.rounds} rounds completed)"
         else:
             sim = chaos.work / "undisturbed"
             Simulation(config, sim).run()
             undisturbed = verdict(max_abs_diff(final, load_supernet(sim / CHECKPOINT)[0].state_dict()))
     reasons = failures(chaos)
     rows = [
-        ("rounds completed", f"{len(records)}/{config.rounds}" + ("" if finished else "  (stopped by --duration)")),
+        (
+            "rounds completed",
+            f"{len(records)}/{config.training.rounds}" + ("" if finished else "  (stopped by --duration)"),
+        ),
         ("rounds aggregated", str(sum(h.applied for h in records))),
         ("cohort slots", str(sum(len(h.cohort) for h in records))),
         ("updates lost", str(total_lost)),
@@ -428,7 +432,7 @@ def main() -> None:
     if args.quick:
         args.rounds, args.agents, args.outage = 4, 3, 0.0
     per_round = args.per_round or max(2, args.agents // 2)
-    config = SimulationConfig(
+    config = SimulationConfig.of(
         clients=args.agents,
         per_round=per_round,
         rounds=args.rounds,

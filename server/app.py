@@ -86,11 +86,11 @@ class FederationServer(RunHost):
             self.preset,
             self.cache,
             federation=config.federation,
-            rounds=config.rounds,
+            rounds=config.training.rounds,
             reply=lambda device, message: self.link.publish(self.topics.ctrl(device), message.encode()),
             authenticated=link_config.credentials is not None,
-            max_samples=config.max_samples,
-            max_devices=config.max_devices,
+            max_samples=config.population.max_samples,
+            max_devices=config.population.max_devices,
             shard_samples=None if self.data is None else self.data.shard_samples,
             validation=self.validation_source,
         )
@@ -102,9 +102,9 @@ class FederationServer(RunHost):
                 self.preset,
                 self.cache,
                 self.registry,
-                rounds=config.rounds,
+                rounds=config.training.rounds,
                 federation=config.federation,
-                payload_dtype=config.payload_dtype,
+                payload_dtype=config.aggregation.payload_dtype,
                 validation=self.validation_source,
             )
         )
@@ -134,57 +134,57 @@ class FederationServer(RunHost):
         self.link.subscribe(t.status("+"), events.on_message("status"))
         self.link.subscribe(t.register("+"), events.on_message("register"))
         self.link.subscribe(t.events("+"), events.on_message("events"))
-        sender = ChunkSender(self.link, t, "down", chunk_size=cfg.chunk_size)
+        sender = ChunkSender(self.link, t, "down", chunk_size=cfg.network.chunk_size)
         # Uploads are taken only when announced by a cohort device's update (which also bounds their size): nothing a
         # stranger sends on xfer/up allocates anything here.
         # Every cohort device may upload at once (one announced upload each): the reassembler's transfer cap grows with the cohort.
         reassembler = Reassembler(
             federation=cfg.federation,
-            max_chunk_size=cfg.chunk_size,
+            max_chunk_size=cfg.network.chunk_size,
             min_chunk_size=MIN_CHUNK_SIZE,
             expected_only=True,
-            max_transfers=max(32, cfg.per_round),
+            max_transfers=max(32, cfg.population.per_round),
         )
         receiver = ChunkReceiver(self.link, t, "up", reassembler=reassembler)
         waits = ExchangeSettings(
-            rounds=cfg.rounds,
-            round_timeout=cfg.round_timeout,
-            send_timeout=cfg.send_timeout,
-            wait_timeout=cfg.wait_timeout or None,
+            rounds=cfg.training.rounds,
+            round_timeout=cfg.network.round_timeout,
+            send_timeout=cfg.network.send_timeout,
+            wait_timeout=cfg.network.wait_timeout or None,
         )
         events.exchange = RoundExchange(t, sender, receiver, events, waits)
         terms = RoundTerms(
             self.preset,
             cfg.train_config(),
             cfg.seed,
-            cfg.rounds,
-            payload_dtype=cfg.payload_dtype,
-            max_update_norm=cfg.max_update_norm,
+            cfg.training.rounds,
+            payload_dtype=cfg.aggregation.payload_dtype,
+            max_update_norm=cfg.aggregation.max_update_norm,
             local_dp=cfg.local_dp(),
         )
         self.collector = DeviceCollector(events.exchange, self.devices, terms, self.live)
-        self.models = events.models = ModelServer(self.out, self.link, t, sender, cfg.send_timeout)
+        self.models = events.models = ModelServer(self.out, self.link, t, sender, cfg.network.send_timeout)
         self.federated = FederatedValidation(
             events.exchange,
             self.devices,
             self.preset,
             self.cache,
             self.model.state_dict(),
-            probes=cfg.probe_variants,
-            calibration=cfg.calib_samples,
-            payload_dtype=cfg.payload_dtype,
-            rule=cfg.val_rule,
-            max_weight_ratio=cfg.max_weight_ratio,
+            probes=cfg.validation.probe_variants,
+            calibration=cfg.validation.calib_samples,
+            payload_dtype=cfg.aggregation.payload_dtype,
+            rule=cfg.validation.val_rule,
+            max_weight_ratio=cfg.aggregation.max_weight_ratio,
         )
         self.calibration = FederatedCalibration(
             events.exchange,
             self.devices,
             self.preset,
             self.cache,
-            calibration=cfg.calib_samples,
-            payload_dtype=cfg.payload_dtype,
-            rule=cfg.bn_rule,
-            max_weight_ratio=cfg.max_weight_ratio,
+            calibration=cfg.validation.calib_samples,
+            payload_dtype=cfg.aggregation.payload_dtype,
+            rule=cfg.validation.bn_rule,
+            max_weight_ratio=cfg.aggregation.max_weight_ratio,
         )
         log.info(
             "connected to %s as federation %r; preset %s, %d cached variants; server optimizer %s",
@@ -224,9 +224,9 @@ class FederationServer(RunHost):
             log.info(
                 "no --data: the devices validate the model on their held-out data every %d rounds; their served "
                 "models' BN statistics are %s",
-                cfg.eval_every,
+                cfg.validation.eval_every,
                 "federated (combined from the devices that can run each variant)"
-                if cfg.bn_calibration == "federated"
+                if cfg.validation.bn_calibration == "federated"
                 else "calibrated on each device's own data",
             )
 
@@ -264,7 +264,7 @@ class FederationServer(RunHost):
         if federated_bn is None:
             federated_bn = (
                 self.calibration is not None
-                and self.config.bn_calibration == "federated"
+                and self.config.validation.bn_calibration == "federated"
                 and self.config.federated_statistics
             )
         if self.threads is not None:
@@ -335,7 +335,7 @@ class FederationServer(RunHost):
         assert self.models is not None, "start() first"
         self.devices.finished = True
         devices = [(d.device_id, d.instance) for d in self.registry.devices()]
-        self.models.finish(devices, self.config.rounds, len(self.history), [m["device"] for m in manifests])
+        self.models.finish(devices, self.config.training.rounds, len(self.history), [m["device"] for m in manifests])
 
     def serve(self, seconds: float | None = None) -> None:
         """Answer model requests (and registrations) until ``stop`` is set or ``seconds`` pass."""

@@ -220,7 +220,7 @@ def run_demo(
                 for name in ["server", *names]
             }
         n = len(loaded)
-        config = SimulationConfig(
+        config = SimulationConfig.of(
             preset=preset,
             data_dir=str(data),
             clients=n,

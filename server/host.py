@@ -59,7 +59,9 @@ class RunHost:
         self.cache = load_cache(self.preset, config.cache)
         self.data: ServerData | None = None
         if config.data is not None:
-            self.data = load_server_data(config.data, self.preset, config.val_samples, config.calib_samples)
+            self.data = load_server_data(
+                config.data, self.preset, config.validation.val_samples, config.validation.calib_samples
+            )
         self.on_round = on_round
         self.model = Supernet(self.preset, seed=config.seed)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -131,7 +133,7 @@ class RunHost:
         cfg = self.config
         done = self.resume(previous=resume_previous)
         if done:
-            log.info("resuming from %s: %d of %d rounds completed", self.out / CHECKPOINT, done, cfg.rounds)
+            log.info("resuming from %s: %d of %d rounds completed", self.out / CHECKPOINT, done, cfg.training.rounds)
         if resumed is not None:
             resumed(done)
         roundlog = RoundLog(self.out, tensorboard=tensorboard, first_round=done + 1)
@@ -146,7 +148,7 @@ class RunHost:
                     record.round,
                     len(record.updated),
                     len(record.cohort),
-                    cfg.min_clients,
+                    cfg.population.min_clients,
                 )
             if record.validation.get("served_reason"):
                 log.info("round %d: serving %s", record.round, record.validation["served_reason"])
@@ -154,12 +156,12 @@ class RunHost:
                 if why.startswith(f"round {record.round}:"):  # named once, in the round that found it out
                     log.warning("%s is distrusted since %s", device, why)
             if self.on_round is not None:
-                self.on_round(record, cfg.rounds)
+                self.on_round(record, cfg.training.rounds)
             if finished_round is not None:
                 finished_round(record)
 
         try:
-            self.loop.run(collector, start_clients=cfg.start_clients, on_round=after)
+            self.loop.run(collector, start_clients=cfg.population.start_clients, on_round=after)
         finally:
             roundlog.close()
         if self.loop.stopped is not None:  # the privacy budget: refused before round 1, or ended the run
@@ -184,7 +186,7 @@ class RunHost:
         """Each device's served variant: its largest affordable, unless the federated validation of the served round
         found a smaller affordable one clearly better (--serving-rule validated; feast_edge.evaluate.coverage)."""
         points, examples = self.selected_validation()
-        return serving_plan(self.cache, devices, points, examples, self.config.serving_rule)
+        return serving_plan(self.cache, devices, points, examples, self.config.serving.serving_rule)
 
     def export_models(self, statistics: Statistics | None = None) -> list[dict[str, Any]]:
         """Every registered device's model (from the best checkpoint if validated, else the last): an ONNX file
@@ -204,19 +206,21 @@ class RunHost:
         served = served_record(int(last.get("round", rounds)), last.get("best") or {})
         log.info("serving %s (of %d rounds)", served["reason"], served["of"])
         where = dict(federation=self.config.federation, rounds_done=rounds, checkpoint=source.name, served=served)
-        int8 = Int8Settings(self.config.precision, self.config.int8_samples, self.config.int8_tolerance)
+        int8 = Int8Settings(
+            self.config.serving.precision, self.config.serving.int8_samples, self.config.serving.int8_tolerance
+        )
         if self.data is None:
             return export_device_variants(
                 model,
                 self.cache,
                 devices,
                 self.out,
-                calibration=self.config.calib_samples,
+                calibration=self.config.validation.calib_samples,
                 statistics=None if statistics is None else statistics(model, devices, rounds),
                 int8=int8,
                 serving=self.serving(devices),
                 **where,
             )
         return export_device_models(
-            model, self.cache, devices, self.data, self.out, int8=int8, rule=self.config.serving_rule, **where
+            model, self.cache, devices, self.data, self.out, int8=int8, rule=self.config.serving.serving_rule, **where
         )

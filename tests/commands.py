@@ -49,14 +49,14 @@ def reproducing(config: SimulationConfig) -> dict[str, object]:
     schedule, validated every round, waiting for all of its clients before the first round."""
     return dict(
         preset=config.preset,
-        rounds=config.rounds,
-        per_round=config.per_round,
-        min_clients=config.per_round,
-        start_clients=config.clients,
+        rounds=config.training.rounds,
+        per_round=config.population.per_round,
+        min_clients=config.population.per_round,
+        start_clients=config.population.clients,
         round_timeout=120.0,
         wait_timeout=180.0,
         seed=config.seed,
-        batch_size=config.batch_size,
+        batch_size=config.training.batch_size,
         eval_every=1,
     )
 

@@ -287,10 +287,10 @@ def loopback_federation(kit, out: Path, data: Path | str, grid: LoopbackGrid, **
         "min_clients": 2,
         "start_clients": 2,
         "seed": kit.CONFIG.seed,
-        "batch_size": kit.CONFIG.batch_size,
+        "batch_size": kit.CONFIG.training.batch_size,
         "eval_every": 1,
         "data": str(data) or None,  # "": a server without data (as the run config's data = "")
         "wait_timeout": 5.0,
         **changes,
     }
-    return FlowerFederation(ServerConfig(**settings), grid)
+    return FlowerFederation(ServerConfig.of(**settings), grid)

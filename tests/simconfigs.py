@@ -32,17 +32,17 @@ TINY = dict(
 
 def tiny_config(data_dir: Path | str = FASHION_MNIST_DIR, **changes: Any) -> SimulationConfig:
     """A tiny simulation of the Fashion-MNIST files in ``data_dir``, with ``changes`` to :data:`TINY`."""
-    return SimulationConfig(data_dir=str(data_dir), **{**TINY, **changes})
+    return SimulationConfig.of(data_dir=str(data_dir), **{**TINY, **changes})
 
 
 def cli_options(config: SimulationConfig) -> list[str]:
     """``config``'s population and schedule as ``feast-edge simulate`` options (the command line has no probe_variants:
     it keeps its default)."""
     return [
-        "--preset", config.preset, "--clients", str(config.clients), "--per-round", str(config.per_round),
-        "--rounds", str(config.rounds), "--train-limit", str(config.train_limit),
-        "--val-samples", str(config.val_samples), "--calib-samples", str(config.calib_samples),
-        "--test-limit", str(config.test_limit), "--eval-every", str(config.eval_every),
-        "--batch-size", str(config.batch_size),
+        "--preset", config.preset, "--clients", str(config.population.clients), "--per-round", str(config.population.per_round),
+        "--rounds", str(config.training.rounds), "--train-limit", str(config.population.train_limit),
+        "--val-samples", str(config.validation.val_samples), "--calib-samples", str(config.validation.calib_samples),
+        "--test-limit", str(config.test_limit), "--eval-every", str(config.validation.eval_every),
+        "--batch-size", str(config.training.batch_size),
         "--seed", str(config.seed), "--data", config.data_dir, "--device", "cpu",
     ]  # fmt: skip

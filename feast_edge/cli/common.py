@@ -324,7 +324,7 @@ def mqtt_options(
             )
         return None if url is None else LinkConfig(broker=url, **values)
 
-    return option_group("link", options, build)
+    return option_group("link", options, build, panel="Broker")
 
 
 InsecureOpt = Annotated[
@@ -370,9 +370,15 @@ def federation_of(link: LinkConfig | None, federation: str | None) -> str:
 
 
 def option_group(
-    target: str, options: dict[str, tuple[Any, Any, Any]], build: Callable[[dict[str, Any]], Any]
+    target: str,
+    options: dict[str, tuple[Any, Any, Any]],
+    build: Callable[[dict[str, Any]], Any],
+    panel: str | None = None,
 ) -> Callable[[F], F]:
-    """Add ``options`` (name -> (type, default, typer.Option)) to a command, which receives ``build(their values)`` as ``target``."""
+    """Add ``options`` (name -> (type, default, typer.Option)) to a command, which receives ``build(their values)`` as
+    ``target``; ``panel``: the ``--help`` panel they are shown in."""
+    for _, _, option in options.values():
+        option.rich_help_panel = option.rich_help_panel or panel
 
     def decorate(func: F) -> F:
         signature = inspect.signature(func, eval_str=True)

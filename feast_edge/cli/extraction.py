@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -46,8 +45,7 @@ def extraction_gap(
     if points < 1 or population < 4 or generations < 1:
         raise FeastError("--points, --generations must be at least 1 and --population at least 4")
     results = _finished_feast_run(run)
-    known = {f.name for f in dataclasses.fields(SimulationConfig)}
-    config = SimulationConfig(**{k: v for k, v in results["config"].items() if k in known})
+    config = SimulationConfig.recorded(results["config"])
     setup = build_setup(config)
     cached = [float(v["test_accuracy"]) for v in sorted(results["variants"], key=lambda v: v["index"])]
     if len(cached) != len(setup.cache.entries):

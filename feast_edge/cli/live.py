@@ -29,7 +29,7 @@ class SimulationLive:
         state.set_run(
             preset=cfg.preset,
             method=cfg.method,
-            rounds_total=cfg.rounds,
+            rounds_total=cfg.training.rounds,
             rounds_done=len(sim.history),
             status="running",
             started=time.time(),
@@ -55,7 +55,7 @@ class SimulationLive:
 
     def round_started(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any]) -> None:
         params = {c: self.sim.method.payload_params(plans[c]) for c in cohort}
-        self._down = {c: p * bytes_per_param(self.sim.config.payload_dtype) for c, p in params.items()}
+        self._down = {c: p * bytes_per_param(self.sim.config.aggregation.payload_dtype) for c, p in params.items()}
         self.state.start_round(t + 1, list(cohort), None)
         for client, size in self._down.items():
             self.state.set_device(client, envelope={"params": params[client], "bytes": size}, last_seen=time.time())

@@ -130,8 +130,8 @@ def partition(
     from feast_edge.sim.setup import SimulationConfig
     from feast_edge.sim.shards import write_partition
 
-    config = SimulationConfig(**population, per_round=1)
-    _say(f"loading {config.dataset} from {config.data_dir}; splitting it over {config.clients} clients")
+    config = SimulationConfig.of(**population, per_round=1)
+    _say(f"loading {config.dataset} from {config.data_dir}; splitting it over {config.population.clients} clients")
     index = write_partition(config, out)
     table = Table(title=f"{index['preset']}: {len(index['clients'])} client shards in {out}")
     for col in ("client", "budget", "samples", "file"):

@@ -19,14 +19,18 @@ from feast_edge.cli.common import (
     make_console,
     millions,
 )
+from feast_edge.cli.panels import by_concern
 from feast_edge.cli.population import population_options
 from feast_edge.cli.privacy import dp_options
 from feast_edge.cli.progress import Stage
 from feast_edge.cli.server_opt import server_opt_options
 from feast_edge.errors import FeastError
+from feast_edge.sim.config import SimulationConfig
 from feast_edge.space.arch import Arch
 
 console = make_console()
+# simulate's options whose names differ from their settings' keys (feast_edge.sim.config.SimulationConfig)
+RENAMED = {"local_epochs": "epochs", "data": "data_dir", "method_option": "method_options", "profiles": "budgets"}
 PERSONALIZING = "personalizing every client (--personalize)"
 
 
@@ -34,6 +38,7 @@ def _say(text: str) -> None:
     console.print(text, soft_wrap=True, highlight=False)
 
 
+@by_concern(SimulationConfig, renamed=RENAMED, rest="Process and output")
 @population_options
 @server_opt_options()
 @dp_options()
@@ -192,7 +197,7 @@ def simulate(
     """Run the paper's protocol in one process: population, rounds, evaluation, results."""
     from feast_edge.local.precision import resolve_amp
     from feast_edge.local.torch_device import describe_device, resolve_device
-    from feast_edge.sim.setup import DEFAULT_HOLDOUT, SimulationConfig
+    from feast_edge.sim.setup import DEFAULT_HOLDOUT
     from feast_edge.sim.simulate import Simulation
 
     requested, device = device, resolve_device(device)
@@ -201,7 +206,7 @@ def simulate(
 
     if method in VARIANT_MODES:
         raise FeastError(f"--method {method} is an ablation of FEAST; use --method feast --variants {method}")
-    config = SimulationConfig(
+    config = SimulationConfig.of(
         **population,
         per_round=per_round,
         rounds=rounds,
@@ -240,7 +245,7 @@ def simulate(
 
         setup = build_setup(config)
         config, matched = matched_config(config, setup, match_compute)
-        rounds = config.rounds
+        rounds = config.training.rounds
         _say(
             f"matched compute: {matched.rounds} rounds of {config.method} spend {matched.predicted_train_macs / 1e12:.2f} "
             f"TMAC, {matched.run_method}'s {matched.run_rounds} rounds in {match_compute} spent "
@@ -257,7 +262,7 @@ def simulate(
         return
     check_dashboard(dashboard, dashboard_token)
     _say(
-        f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.clients} clients"
+        f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.population.clients} clients"
     )
     threads = {"intra_op": spread.threads, "chosen": spread.chosen}
     sim = Simulation(config, out, setup=setup, matched=None if matched is None else matched.to_dict(), threads=threads)
@@ -299,11 +304,11 @@ def simulate(
         _say(f"dashboard stopped; browse the finished run with: feast-edge dashboard {out}")
     # The preset by name (config.preset may be a long path): a title wider than the table would wrap.
     preset_name = results.get("preset") or Path(config.preset).stem
-    chosen = "best checkpoint" if config.validate_on == "server" else "served round"
+    chosen = "best checkpoint" if config.validation.validate_on == "server" else "served round"
     table = Table(
         title=f"{preset_name}, {config.method}: test accuracy per served model "
         f"({chosen}, round {results['best'].get('round', '-')})",
-        caption=None if config.validate_on == "server" else results["served_round"]["reason"],
+        caption=None if config.validation.validate_on == "server" else results["served_round"]["reason"],
     )
     for col in ("#", "MACs", "params", "accuracy", "model"):
         table.add_column(col, justify="left" if col == "model" else "right")
@@ -326,7 +331,7 @@ def simulate(
         ""
         if comm["bytes_reduction"] is None
         else (
-            f"; {comm['routed_bytes_total'] / 1e6:,.1f} MB as {config.payload_dtype} vs {comm['full_bytes_total'] / 1e6:,.1f} MB float32 ({comm['bytes_reduction']:.2f}x less)"
+            f"; {comm['routed_bytes_total'] / 1e6:,.1f} MB as {config.aggregation.payload_dtype} vs {comm['full_bytes_total'] / 1e6:,.1f} MB float32 ({comm['bytes_reduction']:.2f}x less)"
         )
     )
     console.print(

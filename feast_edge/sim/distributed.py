@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from feast_edge.run.collect import Collected
+from feast_edge.settings import flat
 from feast_edge.sim.collect import InProcessCollector
 from feast_edge.sim.methods import Method, method_class
 from feast_edge.sim.ranks import (
@@ -58,10 +58,10 @@ def check_spread(config: SimulationConfig, nproc: int) -> None:
     """One-line errors for a process count a run cannot use (before any data is read)."""
     if nproc < 1:
         raise DistributedError(f"--nproc {nproc} must be at least 1 (1: one process)")
-    if nproc > config.per_round:
+    if nproc > config.population.per_round:
         raise DistributedError(
-            f"--nproc {nproc} exceeds the cohort (--per-round {config.per_round}): every process trains at least one client a round; "
-            f"lower --nproc to at most {config.per_round} or raise --per-round"
+            f"--nproc {nproc} exceeds the cohort (--per-round {config.population.per_round}): every process trains at least one client a round; "
+            f"lower --nproc to at most {config.population.per_round} or raise --per-round"
         )
     if nproc > 1 and method_class(config.method).collect is not Method.collect:
         raise DistributedError(
@@ -163,7 +163,7 @@ class LocalWorkers:
         self.backend = backend
         self.store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
         job = json.dumps(
-            {"config": asdict(config), "threads": threads, "backend": backend, "port": self.store.port}
+            {"config": flat(config), "threads": threads, "backend": backend, "port": self.store.port}
         ).encode()
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, nproc):
@@ -266,9 +266,8 @@ class Spread:
 
     def serve(self) -> int:
         """A worker rank under torchrun: build the setup, join, train rounds until rank 0 stops; returns the rounds served."""
-        from dataclasses import replace
 
-        setup, method = build_worker(replace(self.config, device=worker_device(self.config.device, self.world)))
+        setup, method = build_worker(self.config.changed(device=worker_device(self.config.device, self.world)))
         connect(self.world, self.backend)
         try:
             return serve(setup, method, Channel(self.world, channel_device(self.backend, self.world), lambda: None))
@@ -290,7 +289,7 @@ class Spread:
             self.close(ok=False)
             raise
         self.collector = SpreadCollector(
-            sim.setup, sim.method, channel, self.config.rounds, self_reported=sim.collector.self_reported
+            sim.setup, sim.method, channel, self.config.training.rounds, self_reported=sim.collector.self_reported
         )
         sim.collector = self.collector
 
@@ -323,7 +322,7 @@ def serve_local() -> None:
         raise DistributedError("a simulation worker is started by feast-edge simulate --nproc N, not by hand")
     if job["threads"] > 0:
         torch.set_num_threads(job["threads"])
-    config = SimulationConfig(**{**job["config"], "device": worker_device(job["config"]["device"], world)})
+    config = SimulationConfig.of(**{**job["config"], "device": worker_device(job["config"]["device"], world)})
     setup, method = build_worker(config)
     store = dist.TCPStore("127.0.0.1", int(job["port"]), world.size, is_master=False, timeout=TIMEOUT)
     store.set(f"{_JOINED}{world.rank}", "1")

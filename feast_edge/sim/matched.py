@@ -19,7 +19,7 @@ compute is only known afterwards; it is the run others are matched to.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,7 @@ def round_train_macs(method: Method, setup: Setup, t: int) -> int:
     """The training compute round ``t`` will spend (its cohort and plans are pure functions of the seed and ``t``)."""
     config = method.config
     clients = list(setup.client_ids)
-    cohort = sample_round_cohort(clients, min(config.per_round, len(clients)), config.seed, t)
+    cohort = sample_round_cohort(clients, min(config.population.per_round, len(clients)), config.seed, t)
     budgets = dict(zip(setup.client_ids, (float(b) for b in setup.population.budgets)))
     plans = method.plans(t, cohort, budgets.__getitem__)
     epochs = config.train_config().epochs
@@ -121,4 +121,4 @@ def matched_rounds(method: Method, setup: Setup, run: Path) -> MatchedCompute:
 def matched_config(config: SimulationConfig, setup: Setup, run: Path) -> tuple[SimulationConfig, MatchedCompute]:
     """``config`` with the rounds that match ``run``'s training compute, and how they were found."""
     matched = matched_rounds(method_class(config.method)(setup, config), setup, run)
-    return replace(config, rounds=matched.rounds), matched
+    return config.changed(rounds=matched.rounds), matched

@@ -56,7 +56,12 @@ def replay_rounds(
             updates.append((client, new_state, weight))
         before = optimizer.snapshot(state) if optimizer is not None else None
         aggregate_updates(
-            state, updates, inplace=True, rule=config.aggregation, trim=config.trim, clip_norm=config.clip_norm
+            state,
+            updates,
+            inplace=True,
+            rule=config.aggregation.rule,
+            trim=config.aggregation.trim,
+            clip_norm=config.aggregation.clip_norm,
         )
         if optimizer is not None:
             optimizer.step(state, before, routed_masks(state, [u[1] for u in updates], list(optimizer.shapes)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_save
 
 from feast_edge.errors import FeastError
+from feast_edge.settings import flat
 from feast_edge.util.atomic import atomic_write_bytes
 
 if TYPE_CHECKING:  # writing a partition needs the harness set-up; reading a shard (what an agent does) does not
@@ -138,7 +139,7 @@ def write_partition(
         "format": INDEX_FORMAT,
         "version": VERSION,
         **common,
-        "config": asdict(config),
+        "config": flat(config),
         "clients": clients,
         "server": {"file": SERVER_FILE, "validation": len(val), "calibration": len(calib), "sha256": server_sha},
     }

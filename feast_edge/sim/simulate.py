@@ -27,8 +27,10 @@ from typing import Any
 from feast_edge.evaluate.evaluation import Validation, population_accuracy
 from feast_edge.evaluate.served_round import served_record
 from feast_edge.privacy.private_rounds import privacy_summary
-from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop, RunSettings
+from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
+from feast_edge.settings import SettingsError, flat
+from feast_edge.settings.concerns import loop_settings
 from feast_edge.sim.collect import InProcessCollector
 from feast_edge.sim.device_validation import InProcessValidation
 from feast_edge.sim.population import Population
@@ -75,26 +77,11 @@ class Simulation:
         self.method = method_class(config.method)(self.setup, config)
         self.model = self.method.model
         s = self.setup
-        _, schedule = config.recipe_settings()
-        on_devices = config.validate_on == "devices"
-        settings = RunSettings(
-            rounds=config.rounds,
-            per_round=config.per_round,
-            min_clients=1,
-            seed=config.seed,
-            lr=config.train_config().lr,
-            eval_every=config.eval_every,
-            probe_variants=config.probe_variants,
-            device=config.device,
-            aggregation=config.aggregation,
-            trim=config.trim,
-            clip_norm=config.clip_norm,
-            lr_schedule=schedule,
-            payload_dtype=config.payload_dtype,
-            max_weight_ratio=config.max_weight_ratio,
-            server_opt=config.server_optimizer(),
-            dp=config.dp_settings(),
-        )
+        on_devices = config.validation.validate_on == "devices"
+        try:
+            settings = loop_settings(config, min_clients=1, averaging=self.method.averaging, device=config.device)
+        except SettingsError as exc:
+            raise SimulationError(str(exc)) from None
         self.loop = RunLoop(
             self.model,
             s.cache,
@@ -108,14 +95,20 @@ class Simulation:
             model_record=None if self.method.supernet else self.method.model_record(),
             validator=None if not on_devices else self._device_validation(),
         )
-        self.collector = InProcessCollector(s, self.method, self_reported=config.max_weight_ratio > 0)
+        self.collector = InProcessCollector(s, self.method, self_reported=config.aggregation.max_weight_ratio > 0)
 
     def _device_validation(self) -> InProcessValidation:
         """--validate-on devices: each round's cohort tests the model on its held-out splits (a server without data)."""
         c, s = self.config, self.setup
         budgets = {cid: float(b) for cid, b in zip(s.client_ids, s.population.budgets)}
         return InProcessValidation(
-            s, self.model, s.cache, budgets, probes=c.probe_variants, calibration=c.calib_samples, device=c.device
+            s,
+            self.model,
+            s.cache,
+            budgets,
+            probes=c.validation.probe_variants,
+            calibration=c.validation.calib_samples,
+            device=c.device,
         )
 
     @property
@@ -160,7 +153,7 @@ class Simulation:
         self.out.mkdir(parents=True, exist_ok=True)
         if resume:
             self.resume()
-        rounds = self.config.rounds
+        rounds = self.config.training.rounds
         log = RoundLog(self.out, tensorboard=tensorboard, first_round=len(self.history) + 1)
 
         def progress(record: RoundRecord) -> None:
@@ -175,7 +168,7 @@ class Simulation:
                         record.loss or 0.0,
                         record.val_accuracy,
                         self.best.get("val_accuracy"),
-                        self.best.get("round") if self.config.validate_on == "devices" else None,
+                        self.best.get("round") if self.config.validation.validate_on == "devices" else None,
                     )
                 )
 
@@ -223,7 +216,7 @@ class Simulation:
         results = {
             "method": cfg.method,
             "method_summary": self.method.summary,
-            "config": {**asdict(cfg), "train": cfg.train_config().settings(), "lr_schedule": cfg.recipe_settings()[1]},
+            "config": {**flat(cfg), "train": cfg.train_config().settings(), "lr_schedule": cfg.recipe_settings()[1]},
             "preset": self.preset.name,
             "best": self.best,
             "served_round": served_record(len(self.history), self.best),
@@ -235,7 +228,11 @@ class Simulation:
             "compute": {"train_macs_total": sum(h.train_macs for h in self.history)},
             **({"matched_compute": self.matched} if self.matched is not None else {}),
             **({"threads": self.threads} if self.threads is not None else {}),
-            **({"personalization": self.personalization(served, on_personal)} if cfg.personalize != "off" else {}),
+            **(
+                {"personalization": self.personalization(served, on_personal)}
+                if cfg.serving.personalize != "off"
+                else {}
+            ),
             **({"privacy": privacy_summary(dp, [h.dp for h in self.history], self.loop.stopped)} if dp else {}),
             "rounds": [asdict(h) for h in self.history],
             "seconds_total": sum(h.seconds for h in self.history),
@@ -262,7 +259,7 @@ class Simulation:
             self.setup,
             self.method,
             served,
-            Choice.parse(cfg.personalize),
+            Choice.parse(cfg.serving.personalize),
             seed=cfg.seed,
             device=cfg.device,
             progress=progress,

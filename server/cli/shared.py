@@ -20,15 +20,6 @@ log = logging.getLogger("feast_edge.server")
 OutOpt = Annotated[
     Path, typer.Option("--out", "-o", help="Run directory: checkpoints, device registry, exported models.")
 ]
-DataOpt = Annotated[
-    Optional[Path],
-    typer.Option(
-        "--data",
-        help="Server-held validation/calibration data: a partition directory (feast-edge partition), a Fashion-MNIST "
-        "or CIFAR directory (its test split), or an image folder or manifest CSV (labelled by the preset's class names). "
-        "Without it the server holds no data: the devices validate on their held-out splits and calibrate their own models.",
-    ),
-]
 
 
 def install_signal_handlers() -> None:

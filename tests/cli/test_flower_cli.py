@@ -38,7 +38,7 @@ def test_the_project_names_feast_edges_apps_and_its_config_is_feast_servers(cli,
         module, attr = ref.split(":")
         assert type(getattr(importlib.import_module(module), attr)).__name__ in ("ServerApp", "ClientApp")
     config, export = server_config(project["tool"]["flwr"]["app"]["config"])  # every key is one the ServerApp takes
-    assert (config.rounds, config.per_round, config.data, export) == (7, 3, "/srv/val", True)
+    assert (config.training.rounds, config.population.per_round, config.data, export) == (7, 3, "/srv/val", True)
     assert config.out == str((tmp_path / "My App" / "run").resolve())
     assert "run/" in (tmp_path / "My App" / ".gitignore").read_text()  # the run directory stays out of the app bundle
 

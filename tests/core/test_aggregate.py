@@ -188,112 +188,141 @@ def test_float32_default_matches_float64(global_state):
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
 
 
-# --------------------------------------------------------------------------- property test
+# --------------------------------------------------------------------------- the oracle: method §6 as written
 
 
-def _naive(global_np: dict[str, np.ndarray], clients: list[tuple[dict[str, np.ndarray], int]]) -> tuple[dict, dict]:
-    """Per-element reference of method §6, written as literally as possible: (new values, counts)."""
+def _oracle(global_np: dict[str, np.ndarray], clients: list[tuple[dict[str, np.ndarray], int]]) -> tuple[dict, dict]:
+    """Method §6 written literally, position by position and client by client, in float64: (new values, Σ n_i).
+
+    θ_{t+1}[u] = Σ_{i: u∈U_i} n_i θ'_i[u] / Σ_{i: u∈U_i} n_i where some client routed u, θ_t[u] otherwise; an integer
+    buffer takes the maximum of θ'_i[u] over the clients that routed u instead.
+    """
     values, counts = {}, {}
-    for name, g in global_np.items():
-        new, count = g.copy(), np.zeros(g.shape)
-        for u in itertools.product(*(range(n) for n in g.shape)):
-            num = den = 0.0
-            for local, n in clients:
-                if name in local and all(i < m for i, m in zip(u, local[name].shape)):
-                    num += n * local[name][u]
-                    den += n
-            if den > 0:
-                new[u] = num / den
-            count[u] = den
+    for name, theta_t in global_np.items():
+        integer = np.issubdtype(theta_t.dtype, np.integer)
+        new, count = theta_t.copy() if integer else theta_t.astype(np.float64), np.zeros(theta_t.shape)
+        for u in itertools.product(*(range(n) for n in theta_t.shape)):
+            routed = [
+                (local[name], n)
+                for local, n in clients
+                if name in local and all(i < m for i, m in zip(u, local[name].shape))  # u ∈ U_i
+            ]
+            count[u] = sum(n for _, n in routed)
+            if not routed:
+                continue  # θ_{t+1}[u] = θ_t[u]
+            if integer:
+                new[u] = max(theta_i[u] for theta_i, _ in routed)
+            else:
+                new[u] = sum(n * np.float64(theta_i[u]) for theta_i, n in routed) / count[u]
         values[name], counts[name] = new, count
     return values, counts
 
 
-@st.composite
-def _cohort(draw):
+def _assert_matches_the_oracle(got: dict[str, torch.Tensor], global_np: dict, clients: list, tol: float) -> None:
+    """Averages within ``tol`` of the oracle, integer buffers equal to it, unrouted positions bit-identical to θ_t."""
+    expected, counts = _oracle(global_np, clients)
+    for name, theta_t in global_np.items():
+        new = got[name].numpy()
+        assert new.dtype == theta_t.dtype, name
+        unrouted = counts[name] == 0
+        assert new[unrouted].tobytes() == theta_t[unrouted].tobytes(), name
+        if np.issubdtype(theta_t.dtype, np.integer):
+            np.testing.assert_array_equal(new, expected[name])
+        else:
+            np.testing.assert_allclose(new, expected[name], rtol=tol, atol=tol)
+
+
+def _array(draw, shape: tuple[int, ...], integer: bool, dtype: type = np.float64) -> np.ndarray:
+    """A drawn tensor: integers (a counter buffer) or floats that float32 holds exactly."""
+    size = int(np.prod(shape))
+    elements = st.integers(-1000, 1000) if integer else st.floats(-10, 10, width=32)
+    return np.asarray(draw(st.lists(elements, min_size=size, max_size=size)), np.int64 if integer else dtype).reshape(
+        shape
+    )
+
+
+def _global(draw, dtype: type) -> dict[str, np.ndarray]:
+    """Up to three small tensors of rank 0 to 3, some of them integer buffers."""
     shapes = draw(st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=3), min_size=1, max_size=3))
-    global_np = {
-        f"t{i}": np.asarray(
-            draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(s)), max_size=int(np.prod(s))))
-        ).reshape(s)
-        for i, s in enumerate(shapes)
-    }
+    return {f"t{i}": _array(draw, tuple(s), draw(st.booleans()), dtype) for i, s in enumerate(shapes)}
+
+
+@st.composite
+def _cohort(draw, dtype: type = np.float64):
+    """A cohort whose payloads are arbitrary leading boxes of any of the tensors: boxes that stick out of each other."""
+    global_np = _global(draw, dtype)
     clients = []
     for _ in range(draw(st.integers(1, 4))):
         local = {}
         for name, g in global_np.items():
             if draw(st.booleans()):
                 shape = tuple(draw(st.integers(1, n)) for n in g.shape)
-                values = draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
-                local[name] = np.asarray(values).reshape(shape)
+                local[name] = _array(draw, shape, g.dtype == np.int64, dtype)
         clients.append((local, draw(st.integers(1, 1000))))
     return global_np, clients
 
 
-@settings(max_examples=60, deadline=None)
-@given(_cohort())
-def test_matches_naive_per_element_reference(cohort):
-    global_np, clients = cohort
-    torch_global = {k: torch.from_numpy(v) for k, v in global_np.items()}
-    acc = SparseAccumulator(torch_global, dtype=torch.float64)
-    for local, n in clients:
-        acc.add({k: torch.from_numpy(v) for k, v in local.items()}, n)
-    expected, counts = _naive(global_np, clients)
-    for name in global_np:
-        np.testing.assert_array_equal(acc.count(name).numpy(), counts[name])
-    got = acc.result()
-    for name in global_np:
-        np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-12, atol=1e-12)
-        assert torch.equal(torch_global[name], torch.from_numpy(global_np[name]))
-    _check_inplace_matches(
-        torch_global, [({k: torch.from_numpy(v) for k, v in local.items()}, n) for local, n in clients]
-    )
-
-
 @st.composite
-def _nested_cohort(draw):
-    """A cohort whose boxes are nested, as FEAST envelopes are (method §5): the one-pass running-mean path."""
-    shapes = draw(st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=3), min_size=1, max_size=3))
-    global_np = {
-        f"t{i}": np.asarray(
-            draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(s)), max_size=int(np.prod(s))))
-        ).reshape(s)
-        for i, s in enumerate(shapes)
-    }
+def _nested_cohort(draw, dtype: type = np.float64):
+    """A cohort whose boxes are nested, as FEAST envelopes are (method §5), arriving in any order."""
+    global_np = _global(draw, dtype)
     boxes = {name: [tuple(g.shape)] for name, g in global_np.items()}
     m = draw(st.integers(1, 5))
-    for name, g in global_np.items():
+    for name in global_np:
         for _ in range(m - 1):  # each client's box inside the previous (larger-budget) one
             boxes[name].append(tuple(draw(st.integers(1, b)) for b in boxes[name][-1]))
     clients = []
     for i in range(m):
-        local = {}
-        for name in global_np:
-            box = boxes[name][i]
-            local[name] = np.asarray(
-                draw(st.lists(st.floats(-10, 10), min_size=int(np.prod(box)), max_size=int(np.prod(box))))
-            ).reshape(box)
+        local = {name: _array(draw, boxes[name][i], g.dtype == np.int64, dtype) for name, g in global_np.items()}
         clients.append((local, draw(st.integers(1, 1000))))
     return global_np, draw(st.permutations(clients))
 
 
+def _torch(clients: list[tuple[dict[str, np.ndarray], int]]) -> list[tuple[dict[str, torch.Tensor], int]]:
+    return [({k: torch.from_numpy(v) for k, v in local.items()}, n) for local, n in clients]
+
+
 @settings(max_examples=60, deadline=None)
-@given(_nested_cohort())
-def test_nested_envelopes_in_any_arrival_order_match_the_reference(cohort):
+@given(_cohort())
+def test_boxes_that_stick_out_match_the_oracle(cohort):
     global_np, clients = cohort
-    torch_global = {k: torch.from_numpy(v) for k, v in global_np.items()}
-    torch_clients = [({k: torch.from_numpy(v) for k, v in local.items()}, n) for local, n in clients]
-    expected, counts = _naive(global_np, clients)
-    streamed = SparseAccumulator(torch_global, dtype=torch.float64)  # arrival order: may switch paths mid-way
+    torch_global, torch_clients = {k: torch.from_numpy(v) for k, v in global_np.items()}, _torch(clients)
+    streamed = SparseAccumulator(torch_global, dtype=torch.float64)
     for local, n in torch_clients:
         streamed.add(local, n)
+    _, counts = _oracle(global_np, clients)
     for name in global_np:
         np.testing.assert_array_equal(streamed.count(name).numpy(), counts[name])
     for got in (aggregate(torch_global, torch_clients, dtype=torch.float64), streamed.result()):
-        for name in global_np:
-            np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-12, atol=1e-12)
+        _assert_matches_the_oracle(got, global_np, clients, tol=1e-12)
     assert all(torch.equal(torch_global[k], torch.from_numpy(v)) for k, v in global_np.items())
     _check_inplace_matches(torch_global, torch_clients)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_nested_cohort())
+def test_nested_envelopes_in_any_arrival_order_match_the_oracle(cohort):
+    global_np, clients = cohort
+    torch_global, torch_clients = {k: torch.from_numpy(v) for k, v in global_np.items()}, _torch(clients)
+    streamed = SparseAccumulator(torch_global, dtype=torch.float64)  # arrival order: may switch paths mid-way
+    for local, n in torch_clients:
+        streamed.add(local, n)
+    _, counts = _oracle(global_np, clients)
+    for name in global_np:
+        np.testing.assert_array_equal(streamed.count(name).numpy(), counts[name])
+    for got in (aggregate(torch_global, torch_clients, dtype=torch.float64), streamed.result()):
+        _assert_matches_the_oracle(got, global_np, clients, tol=1e-12)
+    assert all(torch.equal(torch_global[k], torch.from_numpy(v)) for k, v in global_np.items())
+    _check_inplace_matches(torch_global, torch_clients)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(_cohort(np.float32), _nested_cohort(np.float32)))
+def test_float32_aggregate_matches_the_oracle(cohort):
+    global_np, clients = cohort
+    torch_global = {k: torch.from_numpy(v) for k, v in global_np.items()}
+    _assert_matches_the_oracle(aggregate(torch_global, _torch(clients)), global_np, clients, tol=1e-4)
+    _check_inplace_matches(torch_global, _torch(clients), dtype=torch.float32)
 
 
 def _check_inplace_matches(global_state, clients, dtype=torch.float64):

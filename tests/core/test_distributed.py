@@ -13,7 +13,7 @@ from feast_edge.run.collect import ClientUpdate
 from feast_edge.sim.distributed import assign, check_spread
 from feast_edge.sim.methods import METHODS, method_class
 from feast_edge.sim.ranks import DistributedError, pack_updates, pick_backend, plans_digest, unpack_updates
-from feast_edge.sim.setup import SimulationConfig, build_setup
+from feast_edge.sim.setup import build_setup
 from simconfigs import tiny_config
 
 CONFIG = tiny_config(clients=6, per_round=4, rounds=4, train_limit=300, val_samples=50, eval_every=5, seed=5)
@@ -81,10 +81,10 @@ def test_check_spread_refuses_counts_the_cohort_cannot_use(nproc, fragment):
 
 def test_only_the_pooled_reference_cannot_be_spread():
     for method in SPREADABLE:
-        check_spread(SimulationConfig(**{**CONFIG.__dict__, "method": method}), 4)
+        check_spread(CONFIG.changed(method=method), 4)
     with pytest.raises(DistributedError, match="--method centralized trains one pooled model"):
-        check_spread(SimulationConfig(**{**CONFIG.__dict__, "method": "centralized"}), 2)
-    check_spread(SimulationConfig(**{**CONFIG.__dict__, "method": "centralized"}), 1)
+        check_spread(CONFIG.changed(method="centralized"), 2)
+    check_spread(CONFIG.changed(method="centralized"), 1)
 
 
 def test_backend_choice():
@@ -111,9 +111,12 @@ def test_a_worker_plans_a_round_as_rank_0_did(setup, method):
     """A worker sees only some rounds (it may join a resumed run): its plans must still equal rank 0's, which saw them all."""
     from feast_edge.run.cohort import sample_round_cohort
 
-    config = SimulationConfig(**{**CONFIG.__dict__, "method": method})
+    config = CONFIG.changed(method=method)
     rank0, worker = (method_class(method)(setup, config) for _ in range(2))
-    cohorts = [sample_round_cohort(setup.client_ids, config.per_round, config.seed, t) for t in range(config.rounds)]
+    cohorts = [
+        sample_round_cohort(setup.client_ids, config.population.per_round, config.seed, t)
+        for t in range(config.training.rounds)
+    ]
     seen = [plans_digest(rank0.plans(t, c, _budget(setup)), c) for t, c in enumerate(cohorts)]
     assert plans_digest(worker.plans(3, cohorts[3], _budget(setup)), cohorts[3]) == seen[3]
     assert len(set(seen)) == len(seen)  # the digest tells rounds apart
@@ -122,7 +125,7 @@ def test_a_worker_plans_a_round_as_rank_0_did(setup, method):
 @pytest.mark.parametrize("method", SPREADABLE)
 def test_a_clients_update_does_not_depend_on_what_its_process_trained_before(setup, method, one_thread):
     """Spreading moves clients between processes: an update must be a function of its inputs alone."""
-    config = SimulationConfig(**{**CONFIG.__dict__, "method": method})
+    config = CONFIG.changed(method=method)
     cohort = setup.client_ids[:2]
     alone, after = (method_class(method)(setup, config) for _ in range(2))
     plans = alone.plans(1, cohort, _budget(setup))

@@ -59,12 +59,12 @@ def test_a_resumed_private_run_continues_the_noise_and_the_accounting_exactly(pr
 @pytest.mark.slow
 def test_noise_changes_the_model_and_a_resume_with_other_dp_settings_is_refused(private, tmp_path):
     full_out, _ = private
-    Simulation(replace(DP_RUN, rounds=1), tmp_path / "a").run()
-    Simulation(replace(DP_RUN, rounds=1, dp_seed=12), tmp_path / "b").run()
+    Simulation(DP_RUN.changed(rounds=1), tmp_path / "a").run()
+    Simulation(DP_RUN.changed(rounds=1, dp_seed=12), tmp_path / "b").run()
     a, b = (load_supernet(tmp_path / d / CHECKPOINT)[0].state_dict() for d in "ab")
     assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
     with pytest.raises(SimulationError, match=r"other settings \(differs in: dp\)"):
-        Simulation(replace(DP_RUN, dp_noise=1.0), full_out).run(resume=True)
+        Simulation(DP_RUN.changed(dp_noise=1.0), full_out).run(resume=True)
 
 
 @pytest.mark.slow
@@ -126,7 +126,7 @@ def test_dp_settings_enter_the_fingerprint_only_when_dp_is_on():
 def test_the_report_puts_accuracy_against_epsilon_beside_a_run_without_dp(private, tmp_path, cli):
     out, results = private
     plain = tmp_path / "plain"
-    Simulation(replace(DP_RUN, dp_clip=None, dp_noise=None, dp_seed=None), plain).run()
+    Simulation(DP_RUN.changed(dp_clip=None, dp_noise=None, dp_seed=None), plain).run()
     result = cli.invoke("report", str(out), str(plain), "--out", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "report" / "report.md").read_text()
@@ -136,7 +136,7 @@ def test_the_report_puts_accuracy_against_epsilon_beside_a_run_without_dp(privat
     assert (tmp_path / "report" / "privacy.png").stat().st_size > 10_000
 
 
-ADAPTIVE_RUN = replace(DP_RUN, dp_clip_quantile=0.5, dp_clip_lr=0.5)
+ADAPTIVE_RUN = DP_RUN.changed(dp_clip_quantile=0.5, dp_clip_lr=0.5)
 
 
 @pytest.mark.slow
@@ -156,7 +156,7 @@ def test_adaptive_clipping_moves_the_bound_in_the_csv_and_a_resume_continues_it_
     a, b = (load_supernet(tmp_path / d / CHECKPOINT)[0].state_dict() for d in ("full", "resumed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(SimulationError, match=r"other settings \(differs in: dp\)"):
-        Simulation(replace(ADAPTIVE_RUN, dp_clip_quantile=0.3), tmp_path / "full").run(resume=True)
+        Simulation(ADAPTIVE_RUN.changed(dp_clip_quantile=0.3), tmp_path / "full").run(resume=True)
 
 
 @pytest.mark.slow

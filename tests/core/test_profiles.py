@@ -238,8 +238,10 @@ def test_budgets_cycle_through_the_profiles() -> None:
 
 def test_profile_budgets_make_a_simulation_population() -> None:
     budgets = budgets_from_profiles(DOCUMENTED, 12, "fmnist-small")
-    config = SimulationConfig(clients=12, per_round=3, budgets=budgets)
-    assert config.budgets == budgets and sorted(set(budgets)) == [load_profile(n).budget_macs for n in DOCUMENTED]
+    config = SimulationConfig.of(clients=12, per_round=3, budgets=budgets)
+    assert config.population.budgets == budgets and sorted(set(budgets)) == [
+        load_profile(n).budget_macs for n in DOCUMENTED
+    ]
 
 
 def test_budgets_refuse_a_profile_of_another_preset(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -37,14 +36,14 @@ def test_paper_presets_keep_spec7_exactly(name):
 def test_fmnist_small_has_its_own_recipe_and_the_simulation_uses_it():
     preset = load_preset("fmnist-small")
     assert preset.recipe, "fmnist-small names its own [train] recipe"
-    train, schedule = SimulationConfig().recipe_settings()
+    train, schedule = SimulationConfig.of().recipe_settings()
     for key, value in preset.recipe.items():
         assert (schedule if key == "lr_schedule" else getattr(train, key)) == value
 
 
 def test_options_override_the_recipe_and_enter_the_fingerprint():
-    base = SimulationConfig()
-    changed = SimulationConfig(
+    base = SimulationConfig.of()
+    changed = SimulationConfig.of(
         lr=0.1, batch_size=16, epochs=2, augment="none", lr_schedule="constant", recipe={"mixup_alpha": 0.2}
     )
     train, schedule = changed.recipe_settings()
@@ -71,7 +70,7 @@ def test_options_override_the_recipe_and_enter_the_fingerprint():
 )
 def test_a_bad_recipe_value_is_a_one_line_error(change, message):
     with pytest.raises(SimulationError, match="training recipe: ") as err:
-        SimulationConfig(**change).recipe_settings()
+        SimulationConfig.of(**change).recipe_settings()
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

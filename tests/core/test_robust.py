@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -335,30 +334,30 @@ def test_bad_rule_settings_are_refused_before_anything_runs(kwargs, message):
     with pytest.raises(RunError, match=message):
         RunSettings(rounds=1, per_round=1, min_clients=1, seed=0, lr=0.1, **settings)
     with pytest.raises(SimulationError, match=message):
-        SimulationConfig(**settings)
+        SimulationConfig.of(**settings)
 
 
 # --------------------------------------------------------------------------- in a run
 
 
 def test_the_fingerprint_names_only_the_aggregation_settings_in_use():
-    base = SimulationConfig()
+    base = SimulationConfig.of()
     assert "aggregation" not in base.decisive() and "trim" not in base.decisive()  # runs from before the rules resume
-    assert SimulationConfig(aggregation="median").fingerprint() != base.fingerprint()
+    assert SimulationConfig.of(aggregation="median").fingerprint() != base.fingerprint()
     assert (
-        SimulationConfig(aggregation="median", trim=0.3).fingerprint()
-        == SimulationConfig(aggregation="median").fingerprint()
+        SimulationConfig.of(aggregation="median", trim=0.3).fingerprint()
+        == SimulationConfig.of(aggregation="median").fingerprint()
     )
     assert (
-        SimulationConfig(aggregation="trimmed-mean", trim=0.3).fingerprint()
-        != SimulationConfig(aggregation="trimmed-mean").fingerprint()
+        SimulationConfig.of(aggregation="trimmed-mean", trim=0.3).fingerprint()
+        != SimulationConfig.of(aggregation="trimmed-mean").fingerprint()
     )
 
 
 @pytest.mark.slow
 def test_a_median_simulation_completes_and_differs_from_the_mean(tmp_path, fashion_mnist_dir):
     run = tiny_config(fashion_mnist_dir, per_round=3, rounds=1, seed=3, eval_every=5)
-    results = Simulation(replace(run, aggregation="median"), tmp_path / "median").run()
+    results = Simulation(run.changed(aggregation="median"), tmp_path / "median").run()
     assert results["config"]["aggregation"] == "median" and results["rounds"][0]["applied"]
     Simulation(run, tmp_path / "mean").run(stop_after=1)
     median, mean = (load_supernet(tmp_path / d / CHECKPOINT)[0].state_dict() for d in ("median", "mean"))

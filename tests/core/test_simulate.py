@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -60,10 +59,10 @@ def test_resume_after_a_kill_ends_with_identical_weights(uninterrupted, tmp_path
 @pytest.mark.slow
 def test_same_seed_same_result_other_seed_differs(uninterrupted, tmp_path):
     full_out, _ = uninterrupted
-    one_round = replace(TINY_RUN, rounds=1)
+    one_round = TINY_RUN.changed(rounds=1)
     Simulation(one_round, tmp_path / "a").run(stop_after=1)
     Simulation(one_round, tmp_path / "b").run(stop_after=1)
-    Simulation(replace(one_round, seed=4), tmp_path / "c").run(stop_after=1)
+    Simulation(one_round.changed(seed=4), tmp_path / "c").run(stop_after=1)
     a, b, c = (_weights(tmp_path / d / CHECKPOINT) for d in "abc")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
@@ -73,7 +72,7 @@ def test_same_seed_same_result_other_seed_differs(uninterrupted, tmp_path):
 def test_resume_refuses_a_foreign_checkpoint(uninterrupted):
     full_out, _ = uninterrupted
     with pytest.raises(SimulationError, match=r"other settings \(differs in: gamma\)"):
-        Simulation(replace(TINY_RUN, gamma=0.5), full_out).run(resume=True)
+        Simulation(TINY_RUN.changed(gamma=0.5), full_out).run(resume=True)
 
 
 def test_resume_without_checkpoint(tmp_path):
@@ -94,17 +93,17 @@ def test_resume_without_checkpoint(tmp_path):
 )
 def test_bad_settings_are_refused(change, error, message, fashion_mnist_dir):
     with pytest.raises(error, match=message):
-        Simulation(replace(TINY_RUN, **change), "/tmp/never-written")
+        Simulation(TINY_RUN.changed(**change), "/tmp/never-written")
 
 
 def test_cache_of_another_preset_is_refused(tmp_path):
     with pytest.raises(CacheError, match="not 'fmnist-tiny'"):
-        Simulation(replace(TINY_RUN, cache=str(cache_path(load_preset("paper-cifar100")))), tmp_path)
+        Simulation(TINY_RUN.changed(cache=str(cache_path(load_preset("paper-cifar100")))), tmp_path)
 
 
 def test_explicit_budgets_population(tmp_path):
     budgets = (1.5e5, 5e5, 1e6, 3e6)  # fmnist-tiny's cached variants: 0.148M to 1.40M
-    sim = Simulation(replace(TINY_RUN, budgets=budgets), tmp_path)
+    sim = Simulation(TINY_RUN.changed(budgets=budgets), tmp_path)
     assert tuple(sim.setup.population.budgets) == budgets
     assert sim.setup.plans["client-000"].affordable == (sim.setup.cache.smallest.arch,)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -36,8 +35,7 @@ def personalized(cli, tmp_path_factory, fashion_mnist_dir):
 
 def _config(results: dict, **changes) -> SimulationConfig:
     """The run's SimulationConfig, as results.json records it."""
-    known = {f.name for f in fields(SimulationConfig)}
-    return SimulationConfig(**{**{k: v for k, v in results["config"].items() if k in known}, **changes})
+    return SimulationConfig.recorded(results["config"], **changes)
 
 
 def _shard(setup, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +48,10 @@ def _shard(setup, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_each_client_holds_out_a_tenth_of_its_shard_and_never_trains_on_it(personalized) -> None:
     _, results, _ = personalized
     config = _config(results)
-    assert (config.personalize, config.holdout) == (CHOICE, 0.1)  # the CLI's default share with --personalize
+    assert (config.serving.personalize, config.serving.holdout) == (
+        CHOICE,
+        0.1,
+    )  # the CLI's default share with --personalize
     setup = build_setup(config)
     for i, cid in enumerate(setup.client_ids):
         images, labels = _shard(setup, i)
@@ -142,7 +143,7 @@ def test_the_console_and_the_report_show_the_mean_and_worst_decile(personalized,
 
 def test_without_personalize_nothing_is_held_out_and_the_fingerprint_is_unchanged() -> None:
     plain = tiny_config()
-    assert (plain.personalize, plain.holdout) == ("off", 0.0)
+    assert (plain.serving.personalize, plain.serving.holdout) == ("off", 0.0)
     assert "holdout" not in plain.decisive() and "personalize" not in plain.decisive()
     asked = tiny_config(personalize="prior", holdout=0.1)
     assert asked.decisive() == {**plain.decisive(), "holdout": 0.1}  # the choice itself changes no weight

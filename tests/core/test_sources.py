@@ -205,7 +205,7 @@ def test_simulate_builds_on_an_image_folder(tmp_path: Path) -> None:
         for cls in classes:
             for i in range(n):
                 _save(tmp_path / split / cls / f"{i}.png", rng.integers(0, 256, (28, 28), np.uint8))
-    config = SimulationConfig(
+    config = SimulationConfig.of(
         dataset="imagefolder", data_dir=str(tmp_path), clients=2, per_round=1, rounds=1, val_samples=10, calib_samples=5
     )
     setup = build_setup(config)

@@ -148,19 +148,19 @@ def server_config(
     settings = dict(
         reproducing(config),
         out=str(out),
-        lr=config.lr,
-        variants=config.variants,
-        augment=config.augment,
+        lr=config.training.lr,
+        variants=config.training.variants,
+        augment=config.training.augment,
         data=str(partition),
         federation=federation,
-        server_opt=config.server_opt,  # the simulation's (feast-server run's default may differ)
-        server_lr=config.server_lr,
-        server_momentum=config.server_momentum,
-        server_betas=config.server_betas,
-        server_tau=config.server_tau,
+        server_opt=config.aggregation.server_opt,  # the simulation's (feast-server run's default may differ)
+        server_lr=config.aggregation.server_lr,
+        server_momentum=config.aggregation.server_momentum,
+        server_betas=config.aggregation.server_betas,
+        server_tau=config.aggregation.server_tau,
     )
     settings.update(changes)
-    return ServerConfig(**settings)  # type: ignore[arg-type]
+    return ServerConfig.of(**settings)  # type: ignore[arg-type]
 
 
 def own_data_federation(

@@ -22,7 +22,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,7 @@ ROUNDS = 3
 @pytest.fixture(scope="module")
 def expected(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> dict[str, torch.Tensor]:
     """The weights of the undisturbed run: the simulation of the same config, ROUNDS rounds."""
-    return kit.simulated_weights(replace(kit.CONFIG, rounds=ROUNDS), tmp_path_factory.mktemp("simulation"))
+    return kit.simulated_weights(kit.CONFIG.changed(rounds=ROUNDS), tmp_path_factory.mktemp("simulation"))
 
 
 class PrivateBroker:
@@ -138,7 +137,7 @@ def test_a_full_stop_resumes_in_either_restart_order(
     kit, tmp_path: Path, federation: str, partition: Path, expected: dict, order: str
 ) -> None:
     """SIGKILL to the server and every agent mid-federation; whichever comes back first, the run resumes and ends as if undisturbed."""
-    config = replace(kit.CONFIG, rounds=ROUNDS)
+    config = kit.CONFIG.changed(rounds=ROUNDS)
     out = tmp_path / "run"
     checkpoint = out / CHECKPOINT
     command = kit.server_command(config, out, federation, partition, no_export=True)
@@ -204,7 +203,7 @@ def test_a_broker_restart_mid_run_lets_the_federation_finish(
     kit, tmp_path: Path, federation: str, partition: Path, private_broker: PrivateBroker
 ) -> None:
     """SIGKILL to the broker after round 1 (retained presences die with it), down 4 s, back on the same port: every round completes."""
-    config = replace(kit.CONFIG, rounds=ROUNDS)
+    config = kit.CONFIG.changed(rounds=ROUNDS)
     out = tmp_path / "run"
     checkpoint = out / CHECKPOINT
     # A message lost in the outage costs its round the deadline: keep that short.
@@ -259,7 +258,7 @@ def test_an_update_sent_before_the_server_is_back_on_the_broker_still_counts(
     out = tmp_path / "run"
     # fmnist-small (the default preset) on a real shard: the chaos tests' real-size guard; no --data: a server without data.
     command = kit.server_command(
-        replace(kit.CONFIG, preset="fmnist-small", rounds=1, per_round=1), out, federation,
+        kit.CONFIG.changed(preset="fmnist-small", rounds=1, per_round=1), out, federation,
         broker=private_broker.url, round_timeout=60, wait_timeout=120, no_export=True, seed=None, batch_size=None,
         eval_every=None, start_clients=None,
     )  # fmt: skip
@@ -352,7 +351,7 @@ def test_a_device_killed_without_leaving_is_replaced_by_its_next_instance(
 ) -> None:
     """SIGKILL an agent after it registered: its last will frees the id, the restarted agent is accepted and the run ends as undisturbed."""
     out = tmp_path / "run"
-    config = replace(kit.CONFIG, rounds=ROUNDS)
+    config = kit.CONFIG.changed(rounds=ROUNDS)
     server = kit.ServerThread(kit.server_config(config, out, partition, federation)).start()  # waits for all 3 devices
     clients = read_index(partition)["clients"]
     victim = clients[-1]

@@ -140,7 +140,7 @@ def test_the_server_stops_awaiting_a_device_that_went_offline(
     caplog.set_level(logging.INFO, logger="feast_edge")
     monkeypatch.setattr(app, "OFFLINE_GRACE", 0.5)  # the grace a report in flight gets (5 s) is not what is tested
     server = FederationServer(
-        ServerConfig(out=str(tmp_path / "run"), rounds=1, federation=federation, per_round=1, min_clients=1),
+        ServerConfig.of(out=str(tmp_path / "run"), rounds=1, federation=federation, per_round=1, min_clients=1),
         LinkConfig(broker=kit.LOCAL),
     )
     server.start(timeout=5)

@@ -20,7 +20,7 @@ from feast_edge.space.preset import load_preset
 @pytest.fixture(scope="module")
 def partition(kit, tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
     out = tmp_path_factory.mktemp("partition")
-    write_partition(replace(kit.CONFIG, clients=4, per_round=2), out)
+    write_partition(kit.CONFIG.changed(clients=4, per_round=2), out)
     return out
 
 
@@ -166,7 +166,7 @@ def test_partition_command_writes_exactly_the_simulators_shards(kit, tmp_path: P
     )
     assert result.returncode == 0, result.stderr
     setup = build_setup(
-        SimulationConfig(
+        SimulationConfig.of(
             clients=3, per_round=1, budgets=(3e6, 40e6, 3e6), train_limit=300, val_samples=50, calib_samples=20, seed=3
         )
     )

@@ -20,7 +20,6 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,7 +50,7 @@ PRESET = load_preset("fmnist-small")
 def scripted_server(kit, out: Path, fed: str, rounds: int, **changes: object):
     """A server that trains with one device per round and needs one valid update to aggregate (``changes``: other settings)."""
     settings = dict(per_round=1, min_clients=1, round_timeout=20.0, seed=0, batch_size=32, wait_timeout=30.0)
-    config = ServerConfig(out=str(out), rounds=rounds, federation=fed, **{**settings, **changes})  # type: ignore[arg-type]
+    config = ServerConfig.of(out=str(out), rounds=rounds, federation=fed, **{**settings, **changes})  # type: ignore[arg-type]
     return kit.ServerThread(config).start()
 
 
@@ -399,7 +398,7 @@ def test_malformed_messages_are_logged_and_never_stop_the_server(
 @pytest.mark.slow  # real agent processes
 def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, federation: str, partition: Path) -> None:
     entries = read_index(partition)["clients"][:2]
-    config = ServerConfig(
+    config = ServerConfig.of(
         out=str(tmp_path / "run"),
         preset=kit.CONFIG.preset,
         rounds=1,
@@ -449,7 +448,7 @@ def test_a_device_vanishing_mid_round_never_blocks_it(kit, tmp_path: Path, feder
 def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round(
     kit, tmp_path: Path, federation: str, partition: Path
 ) -> None:
-    config = replace(kit.CONFIG, rounds=3)
+    config = kit.CONFIG.changed(rounds=3)
     expected = kit.simulated_weights(config, tmp_path / "simulation")
     out = tmp_path / "run"
     command = kit.server_command(config, out, federation, partition, no_export=True)
@@ -483,7 +482,7 @@ def test_server_restart_resumes_at_the_last_checkpoint_without_repeating_a_round
 def test_a_second_agent_with_an_online_device_id_is_refused(
     kit, tmp_path: Path, federation: str, partition: Path
 ) -> None:
-    config = ServerConfig(
+    config = ServerConfig.of(
         out=str(tmp_path / "run"),
         preset=kit.CONFIG.preset,
         rounds=1,

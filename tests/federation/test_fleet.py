@@ -28,7 +28,7 @@ def test_sixty_virtual_clients_in_one_agent_complete_every_round(
     kit, federation: str, fashion_mnist_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    config = ServerConfig(
+    config = ServerConfig.of(
         out=str(out),
         rounds=2,
         per_round=CLIENTS,
@@ -79,7 +79,7 @@ def test_sixty_virtual_clients_in_one_agent_complete_every_round(
 def test_the_server_takes_an_upload_from_every_cohort_device_at_once(federation: str, tmp_path: Path) -> None:
     # Hundreds of devices finishing together upload together: a fixed cap (32) on transfers in progress refused the rest.
     server = FederationServer(
-        ServerConfig(out=str(tmp_path / "run"), per_round=100, min_clients=2, federation=federation),
+        ServerConfig.of(out=str(tmp_path / "run"), per_round=100, min_clients=2, federation=federation),
         LinkConfig(broker=BROKER),
     )
     server.start(timeout=5)

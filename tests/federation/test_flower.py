@@ -18,7 +18,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +67,7 @@ def _wrong_task_folder(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def config(kit) -> SimulationConfig:
     """kit.CONFIG's population on fmnist-small: this module is the Flower path's real-size guard."""
-    return replace(kit.CONFIG, preset="fmnist-small")
+    return kit.CONFIG.changed(preset="fmnist-small")
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +87,12 @@ def flower_run(
     run_config = {
         "out-dir": str(out),
         "preset": config.preset,
-        "rounds": config.rounds,
-        "per-round": config.per_round,
-        "min-clients": config.per_round,
+        "rounds": config.training.rounds,
+        "per-round": config.population.per_round,
+        "min-clients": config.population.per_round,
         "seed": config.seed,
-        "batch-size": config.batch_size,
-        "start-clients": config.clients,
+        "batch-size": config.training.batch_size,
+        "start-clients": config.population.clients,
         "eval-every": 1,
         "data": str(partition),
         "round-timeout": 300.0,

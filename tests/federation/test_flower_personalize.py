@@ -130,7 +130,7 @@ def test_the_serverapp_personalizes_after_the_rounds_and_without_data_each_node_
         "min-clients": 2,
         "start-clients": 2,
         "seed": kit.CONFIG.seed,
-        "batch-size": kit.CONFIG.batch_size,
+        "batch-size": kit.CONFIG.training.batch_size,
         "wait-timeout": 5.0,
         "export": False,
         "personalize": str(CHOICE),
@@ -148,7 +148,7 @@ def test_the_serverapp_personalizes_after_the_rounds_and_without_data_each_node_
     # Without data the nodes validate on their held-out splits: the one validated round is served (best.safetensors).
     model = load_supernet(out / BEST, preset)[0]
     served = extract(model, load_cache(preset).largest_affordable(client.budget_macs).arch)
-    calibrated_static(served, preset, client.images, config.calib_samples, labels=client.labels)
+    calibrated_static(served, preset, client.images, config.validation.calib_samples, labels=client.labels)
     outcome, own = personal_step(
         served,
         client.images,

@@ -86,7 +86,7 @@ def test_the_counts_are_held_out_counts_on_each_nodes_own_split(validated: dict,
             client.images,
             client.holdout_images,
             client.holdout_labels,
-            federation.config.calib_samples,
+            federation.config.validation.calib_samples,
             train_labels=client.labels,
         )
         by_target = dict(zip(affordable, counts))
@@ -101,7 +101,7 @@ def test_the_counts_are_held_out_counts_on_each_nodes_own_split(validated: dict,
         cache,
         served,
         mixes,
-        federation.config.val_rule,
+        federation.config.validation.val_rule,
         validation.max_weight_ratio,
     )
     got = {k: v for k, v in last.validation.items() if k in want}

@@ -3,7 +3,6 @@ and the MQTT federation still computes exactly what the simulator computes with 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def half(kit) -> object:
-    return dataclasses.replace(kit.CONFIG, payload_dtype="float16")
+    return kit.CONFIG.changed(payload_dtype="float16")
 
 
 def test_a_float16_federation_equals_the_float16_simulation_and_halves_the_bytes(

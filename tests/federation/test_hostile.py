@@ -35,7 +35,7 @@ PRESET = load_preset("fmnist-small")
 def test_a_server_without_enough_devices_ends_at_its_idle_limit_with_a_clear_message(
     kit, tmp_path: Path, federation: str
 ) -> None:
-    config = ServerConfig(
+    config = ServerConfig.of(
         out=str(tmp_path / "run"), rounds=2, per_round=2, min_clients=2, federation=federation, wait_timeout=2.0
     )
     server = kit.ServerThread(config).start()
@@ -49,7 +49,7 @@ def test_a_server_without_enough_devices_ends_at_its_idle_limit_with_a_clear_mes
     message = str(caught.value)
     assert "only 0 of the 2 devices needed were online after 2 s" in message
     assert "no round was completed" in message and "run the same command again to resume" in message
-    assert ServerConfig(out="x").wait_timeout > 0, "by default a server must not wait forever"
+    assert ServerConfig.of(out="x").network.wait_timeout > 0, "by default a server must not wait forever"
 
 
 @pytest.mark.slow  # real agent processes
@@ -150,13 +150,13 @@ def test_a_forged_round_announcing_a_huge_payload_allocates_nothing_and_the_agen
 
 
 def test_robust_aggregation_is_part_of_the_run_settings_and_checked(tmp_path: Path) -> None:
-    assert ServerConfig(out=str(tmp_path), aggregation="median").settings().aggregation == "median"
+    assert ServerConfig.of(out=str(tmp_path), aggregation="median").settings().aggregation == "median"
     assert (
-        "aggregation" not in ServerConfig(out=str(tmp_path)).decisive()
+        "aggregation" not in ServerConfig.of(out=str(tmp_path)).decisive()
     )  # runs from before the rules existed keep their fingerprint
-    assert ServerConfig(out=str(tmp_path), aggregation="trimmed-mean", trim=0.2).decisive()["trim"] == 0.2
+    assert ServerConfig.of(out=str(tmp_path), aggregation="trimmed-mean", trim=0.2).decisive()["trim"] == 0.2
     with pytest.raises(ServerError, match="unknown; choose one of mean, clip, trimmed-mean, median"):
-        ServerConfig(out=str(tmp_path), aggregation="krum")
+        ServerConfig.of(out=str(tmp_path), aggregation="krum")
 
 
 def test_floods_from_a_stranger_cost_the_server_no_memory_and_the_round_still_completes(
@@ -229,7 +229,7 @@ def test_one_devices_flood_never_crowds_out_another_devices_update(tmp_path: Pat
     from feast_edge.transport.frames import describe
 
     server = FederationServer(
-        ServerConfig(out=str(tmp_path), federation=federation), LinkConfig(broker="mqtt://127.0.0.1:1883")
+        ServerConfig.of(out=str(tmp_path), federation=federation), LinkConfig(broker="mqtt://127.0.0.1:1883")
     )
     try:
         for i in range(10_000):
@@ -295,7 +295,7 @@ def test_a_finished_replayed_from_an_earlier_run_does_not_end_an_agent(
     an earlier run (another instance of the same device) is dropped, and the agent goes on to train this run."""
     from feast_edge.protocol import Finished
 
-    config = ServerConfig(
+    config = ServerConfig.of(
         out=str(tmp_path / "server"),
         preset=kit.CONFIG.preset,
         federation=federation,

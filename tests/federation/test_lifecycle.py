@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ def test_agents_leave_when_the_federation_finishes(kit, tmp_path: Path, federati
     out = tmp_path / "run"
     server_log = tmp_path / "server.log"
     command = kit.server_command(
-        replace(kit.CONFIG, rounds=1), out, federation, partition,
+        kit.CONFIG.changed(rounds=1), out, federation, partition,
         wait_timeout=120, start_clients=None, seed=None, batch_size=None, serve=True,
     )  # fmt: skip
     with open(server_log, "w") as log:
@@ -85,7 +84,7 @@ def test_export_and_serve_work_from_the_run_directory_alone(
     out = tmp_path / "run"
     ran = subprocess.Popen(
         kit.server_command(
-            replace(kit.CONFIG, rounds=1),
+            kit.CONFIG.changed(rounds=1),
             out,
             federation,
             wait_timeout=120,

@@ -53,7 +53,7 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
     train = load_fashion_mnist(fashion_mnist_dir, "train")
     for k, (device, (classes, _, style)) in enumerate(DEVICES.items()):
         write_folder(tmp_path / "data" / device, classes, style, train, offset=k * PER_CLASS)
-    config = ServerConfig(
+    config = ServerConfig.of(
         out=str(tmp_path / "server"),
         preset=kit.CONFIG.preset,
         federation=federation,
@@ -195,7 +195,7 @@ def test_fetch_model_calibrates_a_model_left_for_the_device_on_its_own_data(
     train = load_fashion_mnist(fashion_mnist_dir, "train")
     classes, budget, style = DEVICES["cam-c"]
     write_folder(tmp_path / "photos", classes, style, train, offset=0)
-    config = ServerConfig(
+    config = ServerConfig.of(
         out=str(tmp_path / "server"),
         preset=kit.CONFIG.preset,
         federation=federation,
@@ -256,7 +256,7 @@ def test_an_int8_profile_gets_an_int8_model_quantized_on_the_device(
     write_folder(tmp_path / "photos", classes, style, train, offset=0)  # 200 images, 20 of them held out
     profile = dataclasses.replace(load_profile("raspberry-pi-5"), name="pi-int8", precision="int8")
     save_profile(profile, tmp_path / "pi-int8.json")
-    config = ServerConfig(
+    config = ServerConfig.of(
         out=str(tmp_path / "server"),
         federation=federation,
         rounds=1,

@@ -261,7 +261,7 @@ def test_a_skewed_device_of_a_real_federation_ends_with_a_personal_model_that_be
     train = load_fashion_mnist(fashion_mnist_dir, "train")
     for k, (device, (counts, _)) in enumerate(FLEET.items()):
         write_image_folder(tmp_path / "data" / device, counts, "png-grey", train, FASHION_MNIST_CLASSES, 200 * k)
-    config = ServerConfig(
+    config = ServerConfig.of(
         out=str(tmp_path / "server"),
         preset=kit.CONFIG.preset,
         federation=federation,

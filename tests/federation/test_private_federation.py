@@ -10,7 +10,6 @@ their BN statistics; a device that requires local DP declines the rounds of a se
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ DP = dict(dp_clip=0.5, dp_noise=0.6, dp_seed=21)
 @pytest.mark.parametrize("mode", ["central", "local"])
 def test_a_private_federation_equals_the_private_simulation(kit, tmp_path: Path, partition: Path, mode: str) -> None:
     dp = DP | {"dp_mode": mode}
-    config = replace(kit.CONFIG, **dp)
+    config = kit.CONFIG.changed(**dp)
     simulated = Simulation(config, tmp_path / "simulation").run()
     fed = kit.new_federation()
     out = tmp_path / "federation"
@@ -70,10 +69,10 @@ def test_a_private_federation_equals_the_private_simulation(kit, tmp_path: Path,
 
 
 def test_a_server_without_data_keeps_the_devices_statistics_on_the_devices_under_dp(tmp_path: Path) -> None:
-    private = ServerConfig(out=str(tmp_path / "dp"), preset="fmnist-small", **DP)
+    private = ServerConfig.of(out=str(tmp_path / "dp"), preset="fmnist-small", **DP)
     assert not private.federated_statistics
     assert RunHost(private, validator=lambda t, record: 1.0).loop.validator is None
-    plain = ServerConfig(out=str(tmp_path / "plain"), preset="fmnist-small")
+    plain = ServerConfig.of(out=str(tmp_path / "plain"), preset="fmnist-small")
     assert plain.federated_statistics and RunHost(plain, validator=lambda t, record: 1.0).loop.validator is not None
 
 
@@ -91,7 +90,7 @@ def test_a_server_without_data_keeps_the_devices_statistics_on_the_devices_under
 )
 def test_the_server_refuses_dp_settings_that_cannot_hold(tmp_path: Path, changes: dict, message: str) -> None:
     with pytest.raises(ServerError, match=message):
-        ServerConfig(out=str(tmp_path), **changes)
+        ServerConfig.of(out=str(tmp_path), **changes)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +115,7 @@ def test_feast_server_run_refuses_bad_dp_settings_before_anything_is_written(ser
 @pytest.mark.timeout(300)
 def test_a_device_that_requires_local_dp_declines_a_server_without_it(kit, tmp_path: Path, partition: Path) -> None:
     fed, out = kit.new_federation(), tmp_path / "federation"
-    config = replace(kit.CONFIG, rounds=1, per_round=3)  # every device in the cohort, the strict one too
+    config = kit.CONFIG.changed(rounds=1, per_round=3)  # every device in the cohort, the strict one too
     server = kit.ServerThread(kit.server_config(config, out, partition, fed, min_clients=2)).start()
     agents, ledger = {}, tmp_path / "ledger.json"
     try:

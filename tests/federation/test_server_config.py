@@ -17,7 +17,7 @@ BROKER = "mqtt://127.0.0.1:1883"  # never connected to: the tests only build ser
 
 
 def test_the_fingerprint_keeps_the_key_runs_stored_before_the_rename(tmp_path: Path) -> None:
-    decisive = ServerConfig(out=str(tmp_path), variants="min+max").decisive()
+    decisive = ServerConfig.of(out=str(tmp_path), variants="min+max").decisive()
     assert decisive["method"] == "min+max" and "variants" not in decisive
 
 
@@ -47,7 +47,12 @@ def test_a_config_stored_with_the_old_method_key_loads_as_variants(tmp_path: Pat
         data=None,
     )
     stored = ServerConfig.stored(tmp_path)
-    assert (stored.variants, stored.rounds, stored.seed, stored.federation) == ("min+max+kd", 3, 7, "lab")
+    assert (stored.training.variants, stored.training.rounds, stored.seed, stored.federation) == (
+        "min+max+kd",
+        3,
+        7,
+        "lab",
+    )
     assert stored.decisive()["method"] == "min+max+kd"
 
 
@@ -62,14 +67,14 @@ def _checkpointed(config: ServerConfig) -> None:
 
 
 def test_a_run_resumes_with_the_same_variants_and_refuses_others(tmp_path: Path) -> None:
-    config = ServerConfig(out=str(tmp_path), rounds=2, variants="min")
+    config = ServerConfig.of(out=str(tmp_path), rounds=2, variants="min")
     _checkpointed(config)
     again = FederationServer(config, LinkConfig(broker=BROKER))
     try:
         assert again.resume() == 1
     finally:
         again.close()
-    other = FederationServer(ServerConfig(out=str(tmp_path), rounds=2, variants="max"), LinkConfig(broker=BROKER))
+    other = FederationServer(ServerConfig.of(out=str(tmp_path), rounds=2, variants="max"), LinkConfig(broker=BROKER))
     try:
         with pytest.raises(ServerError, match=r"other settings \(differs in: method, train\)"):
             other.resume()
@@ -78,11 +83,11 @@ def test_a_run_resumes_with_the_same_variants_and_refuses_others(tmp_path: Path)
 
 
 def test_the_server_runs_the_optimizer_it_is_given_and_records_it(tmp_path: Path) -> None:
-    config = ServerConfig(out=str(tmp_path), server_opt="yogi", server_lr=0.02, server_betas=(0.8, 0.9))
+    config = ServerConfig.of(out=str(tmp_path), server_opt="yogi", server_lr=0.02, server_betas=(0.8, 0.9))
     opt = config.settings().server_opt
     assert (opt.name, opt.lr, opt.betas) == ("yogi", 0.02, (0.8, 0.9))
     assert config.decisive()["server_optimizer"] == {"name": "yogi", "lr": 0.02, "betas": (0.8, 0.9), "tau": 1e-3}
-    plain = ServerConfig(out=str(tmp_path), server_opt="avg", server_lr=1.0)
+    plain = ServerConfig.of(out=str(tmp_path), server_opt="avg", server_lr=1.0)
     assert "server_optimizer" not in plain.decisive() and plain.settings().server_opt.identity
     with pytest.raises(ServerError, match="--server-tau"):
-        ServerConfig(out=str(tmp_path), server_opt="adam", server_tau=0.0)
+        ServerConfig.of(out=str(tmp_path), server_opt="adam", server_tau=0.0)

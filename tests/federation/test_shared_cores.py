@@ -15,7 +15,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -57,7 +56,7 @@ def test_an_agent_beside_a_busy_sibling_trains_on_one_thread_at_a_lower_priority
     kit, tmp_path: Path, federation: str, partition: Path
 ) -> None:
     client = read_index(partition)["clients"][0]
-    config = replace(kit.CONFIG, rounds=1, per_round=1)
+    config = kit.CONFIG.changed(rounds=1, per_round=1)
     server = kit.spawn(
         kit.server_command(config, tmp_path / "run", federation, partition, start_clients=1, no_export=True),
         tmp_path / "server.log",

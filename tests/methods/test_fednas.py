@@ -45,7 +45,7 @@ def _config(fashion_mnist_dir, **kw) -> SimulationConfig:
         "train_limit": 1200,
     }
     base |= {"val_samples": 500, "calib_samples": 200, "test_limit": 500}
-    return SimulationConfig(**{**base, **kw})
+    return SimulationConfig.of(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_plans_follow_the_roles_and_a_resumed_run_plans_the_same(setup, fashion_
         straight = cls(setup, config)
         sequence = [
             straight.plans(t, sample_round_cohort(setup.client_ids, 3, config.seed, t), budgets.__getitem__)
-            for t in range(config.rounds)
+            for t in range(config.training.rounds)
         ]
         resumed = cls(setup, config)  # a fresh process resuming at round 4 replays rounds 0..3
         assert (
@@ -250,12 +250,12 @@ def test_short_real_run_serves_its_largest_variant_above_chance(cls, fashion_mni
     )
     setup = build_setup(config)
     method = cls(setup, config)
-    for t in range(config.rounds):
-        cohort = sample_round_cohort(setup.client_ids, config.per_round, config.seed, t)
+    for t in range(config.training.rounds):
+        cohort = sample_round_cohort(setup.client_ids, config.population.per_round, config.seed, t)
         plans = method.plans(t, cohort, lambda c: 8e6)
         glob = method.model.state_dict()
         before = {k: v.clone() for k, v in glob.items()}
-        updates = method.collect(t, cohort, plans, glob, cosine_lr(config.train_config().lr, t, config.rounds))
+        updates = method.collect(t, cohort, plans, glob, cosine_lr(config.train_config().lr, t, config.training.rounds))
         assert all(torch.equal(before[k], v) for k, v in glob.items())  # train_client copies what it sends
         for u in updates:
             layout = arch_layout(setup.preset, plans[u.client].arch, setup.preset.classes)

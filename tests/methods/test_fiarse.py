@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
@@ -169,7 +167,7 @@ BUDGETS = (2e6, 10e6, 25e6, 50e6, 100e6, 100e6)
 def config(fashion_mnist_dir) -> SimulationConfig:
     # Plain SGD at the original's batch size (20) and a lr between the paper's 0.1 and the recipe's 0.025, no
     # augmentation and a near-IID split: three short rounds of a dense model must show that it learns.
-    return SimulationConfig(
+    return SimulationConfig.of(
         data_dir=str(fashion_mnist_dir), method="fiarse", clients=6, per_round=3, rounds=3, train_limit=1200, val_samples=500, calib_samples=200,
         test_limit=500, budgets=BUDGETS, gamma=0.0, alpha_eff=10.0, lr=0.05, batch_size=20, augment=False,
     )  # fmt: skip
@@ -205,12 +203,12 @@ def test_points_are_nominal_sizes_of_the_dense_model(setup, config):
 
 
 def test_sizes_must_serve_the_smallest_budget(setup, config):
-    assert [p.label for p in Fiarse(setup, replace(config, method_options=(("sizes", "0.02,1"),))).points()] == [
+    assert [p.label for p in Fiarse(setup, config.changed(method_options=(("sizes", "0.02,1"),))).points()] == [
         "size 0.02",
         "size 1",
     ]
     with pytest.raises(MethodError, match="smallest client budget"):
-        Fiarse(setup, replace(config, method_options=(("sizes", "0.25,1"),)))  # 0.25·full ≈ 24.9M > 2M
+        Fiarse(setup, config.changed(method_options=(("sizes", "0.25,1"),)))  # 0.25·full ≈ 24.9M > 2M
 
 
 def test_client_trains_only_its_global_top_k_mask(setup, config):
@@ -248,10 +246,10 @@ def test_client_trains_only_its_global_top_k_mask(setup, config):
 def test_short_fashion_mnist_run_learns(setup, config):
     method = Fiarse(setup, config)
     budgets = dict(zip(setup.client_ids, BUDGETS))
-    for t in range(config.rounds):
-        cohort = sample_round_cohort(setup.client_ids, config.per_round, config.seed, t)
+    for t in range(config.training.rounds):
+        cohort = sample_round_cohort(setup.client_ids, config.population.per_round, config.seed, t)
         plans = method.plans(t, cohort, budgets.__getitem__)
-        lr = cosine_lr(config.lr, t, config.rounds)
+        lr = cosine_lr(config.training.lr, t, config.training.rounds)
         updates = [
             method.train_client(
                 t,
@@ -271,4 +269,4 @@ def test_short_fashion_mnist_run_learns(setup, config):
     [acc] = method.evaluate(
         [largest], calibration, setup.test_set.images[: config.test_limit], setup.test_set.labels[: config.test_limit]
     )
-    assert acc > 0.2, f"{largest.label}: test accuracy {acc:.3f} after {config.rounds} rounds"
+    assert acc > 0.2, f"{largest.label}: test accuracy {acc:.3f} after {config.training.rounds} rounds"

@@ -45,7 +45,7 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(method, fashion_
     assert not differ, f"{method}: resumed weights differ in {differ[:3]}"
     assert [v["test_accuracy"] for v in whole["variants"]] == [v["test_accuracy"] for v in resumed["variants"]]
     assert whole["population_accuracy"] == resumed["population_accuracy"]
-    assert whole["method"] == method and len(whole["served"]) == config.clients
+    assert whole["method"] == method and len(whole["served"]) == config.population.clients
     assert all(0 <= i < len(whole["variants"]) for i in whole["served"])
     macs = [v["macs"] for v in whole["variants"]]
     assert macs == sorted(macs)
@@ -66,11 +66,11 @@ def test_resume_refuses_another_methods_run(fashion_mnist_dir, tmp_path):
 
 def test_unknown_method_and_bad_options_are_one_line_errors():
     with pytest.raises(MethodError, match="unknown method 'fedavgx'; choose one of: feast, centralized"):
-        SimulationConfig(method="fedavgx")
+        SimulationConfig.of(method="fedavgx")
     with pytest.raises(MethodError, match="takes no option bogus"):
-        SimulationConfig(method="heterofl", method_options={"bogus": "1"})
+        SimulationConfig.of(method="heterofl", method_options={"bogus": "1"})
     with pytest.raises(SimulationError, match="applies to --method feast only"):
-        SimulationConfig(method="fiarse", aggregation="median")
+        SimulationConfig.of(method="fiarse", aggregation="median")
     for name in METHODS:
         for opt in method_class(name).options.values():
             assert opt.help and "\n" not in opt.help
@@ -97,7 +97,7 @@ def test_centralized_takes_the_federations_optimizer_steps_on_pooled_data(fashio
     method, setup = sim.method, sim.setup
     sizes = dict(zip(setup.client_ids, setup.population.sizes))
     for t in range(3):
-        cohort = sample_round_cohort(setup.client_ids, config.per_round, config.seed, t)
+        cohort = sample_round_cohort(setup.client_ids, config.population.per_round, config.seed, t)
         assert method.round_steps(cohort) == sum(math.ceil(int(sizes[c]) / 16) for c in cohort)
     # the pooled data is every client's shard, shuffled per round (seeded by the round)
     pooled = np.sort(np.concatenate([np.asarray(s) for s in setup.population.partition.shards]))
@@ -109,7 +109,7 @@ def test_centralized_takes_the_federations_optimizer_steps_on_pooled_data(fashio
     results = sim.run()
     seen = [r["samples"] for r in results["rounds"]]
     expected = [
-        16 * method.round_steps(sample_round_cohort(setup.client_ids, config.per_round, config.seed, t))
+        16 * method.round_steps(sample_round_cohort(setup.client_ids, config.population.per_round, config.seed, t))
         for t in range(3)
     ]
     assert seen == expected  # each round trained exactly that many batches of 16

@@ -28,7 +28,7 @@ TINY = ResNetShape(in_channels=3, input_size=8, classes=5, hidden=(3, 6, 12, 24)
 
 @pytest.fixture(scope="module")
 def config(fashion_mnist_dir) -> SimulationConfig:
-    return SimulationConfig(
+    return SimulationConfig.of(
         method="heterofl",
         data_dir=str(fashion_mnist_dir),
         train_limit=1200,
@@ -189,18 +189,17 @@ def test_a_client_trains_the_largest_tier_within_its_budget(method):
 
 
 def test_tiers_option_and_model_record(setup, config):
-    from dataclasses import replace
 
-    m = method_class("heterofl")(setup, replace(config, method_options=(("tiers", "1,0.125"),)))
+    m = method_class("heterofl")(setup, config.changed(method_options=(("tiers", "1,0.125"),)))
     assert [p.label for p in m.points()] == ["tier 1/8", "tier 1"]
     record = m.model_record()
     assert record["hidden"] == [16, 32, 64, 128] and record["tiers"] == [0.125, 1.0]
     assert (record["classes"], record["in_channels"], record["input_size"], record["stem_stride"]) == (10, 1, 28, 1)
     for bad in ("0,1", "1,1.5", "1,1"):
         with pytest.raises(MethodError, match="tiers"):
-            HeteroFL(setup, replace(config, method_options=(("tiers", bad),)))
+            HeteroFL(setup, config.changed(method_options=(("tiers", bad),)))
     with pytest.raises(MethodError, match="raise --budget-min"):  # the population's poorest client cannot run tier 1/2
-        HeteroFL(setup, replace(config, method_options=(("tiers", "1,0.5"),)))
+        HeteroFL(setup, config.changed(method_options=(("tiers", "1,0.5"),)))
 
 
 # ---------------------------------------------------------------- training
@@ -228,10 +227,12 @@ def test_local_training_is_deterministic_and_leaves_the_global_model_alone(metho
 def test_short_fashion_mnist_run_learns(method, setup, config):
     train = config.train_config()
     budgets = dict(zip(setup.client_ids, (float(b) for b in setup.population.budgets)))
-    for t in range(config.rounds):
-        cohort = sample_round_cohort(setup.client_ids, config.per_round, config.seed, t)
+    for t in range(config.training.rounds):
+        cohort = sample_round_cohort(setup.client_ids, config.population.per_round, config.seed, t)
         plans = method.plans(t, cohort, budgets.__getitem__)
-        updates = method.collect(t, cohort, plans, method.model.state_dict(), cosine_lr(train.lr, t, config.rounds))
+        updates = method.collect(
+            t, cohort, plans, method.model.state_dict(), cosine_lr(train.lr, t, config.training.rounds)
+        )
         method.aggregate(t, method.model.state_dict(), updates, plans)
     assert 1.0 in set(method.plans(0, setup.client_ids, budgets.__getitem__).values())  # the largest tier was trained
     calibration = setup.calibration_images()

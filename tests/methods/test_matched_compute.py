@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 
@@ -94,4 +93,4 @@ def test_rounds_are_replaced_not_added(fashion_mnist_dir, tmp_path):
     }
     (tmp_path / "results.json").write_text(json.dumps(results))
     matched_cfg, matched = matched_config(config, setup, tmp_path)
-    assert matched.rounds == 1 and matched_cfg == replace(config, rounds=1)
+    assert matched.rounds == 1 and matched_cfg == config.changed(rounds=1)

@@ -34,7 +34,7 @@ def _config(fashion_mnist_dir, **kw) -> SimulationConfig:
         "test_limit": 500,
         "budgets": BUDGETS,
     }
-    return SimulationConfig(**{**base, **kw})
+    return SimulationConfig.of(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -259,13 +259,15 @@ def test_short_fashion_mnist_run_beats_chance_at_the_largest_level(fashion_mnist
     setup = build_setup(config)
     method = ScaleFL(setup, config)
     budgets = dict(zip(setup.client_ids, setup.population.budgets))
-    for t in range(config.rounds):
-        cohort = sample_round_cohort(setup.client_ids, config.per_round, config.seed, t)
+    for t in range(config.training.rounds):
+        cohort = sample_round_cohort(setup.client_ids, config.population.per_round, config.seed, t)
         plans = method.plans(t, cohort, budgets.__getitem__)
         assert sorted(set(plans.values())) == [1, 2, 3, 4]
         state = method.model.state_dict()
         snapshot = {name: x.clone() for name, x in state.items()}
-        updates = method.collect(t, cohort, plans, state, cosine_lr(config.train_config().lr, t, config.rounds))
+        updates = method.collect(
+            t, cohort, plans, state, cosine_lr(config.train_config().lr, t, config.training.rounds)
+        )
         assert all(torch.equal(state[n], snapshot[n]) for n in state)  # local training leaves the global state alone
         assert all(math.isfinite(u.loss) for u in updates)
         assert [u.train_macs for u in updates] == [

@@ -191,7 +191,13 @@ def test_a_run_config_becomes_feast_servers_settings() -> None:
     config, export = server_config(
         {"out-dir": "/tmp/x", "rounds": 3, "server-lr": 1, "server-betas": "0.8,0.9", "data": "", "export": False}
     )
-    assert (config.out, config.rounds, config.server_lr, config.server_betas, config.data) == (
+    assert (
+        config.out,
+        config.training.rounds,
+        config.aggregation.server_lr,
+        config.aggregation.server_betas,
+        config.data,
+    ) == (
         "/tmp/x",
         3,
         1.0,

@@ -51,10 +51,10 @@ class FlowerFederation(RunHost):
             self.preset,
             self.cache,
             federation=config.federation,
-            rounds=config.rounds,
+            rounds=config.training.rounds,
             reply=lambda device, answer: self.nodes.reply(device, answer),
-            max_samples=config.max_samples,
-            max_devices=config.max_devices,
+            max_samples=config.population.max_samples,
+            max_devices=config.population.max_devices,
             shard_samples=None if self.data is None else self.data.shard_samples,
             validation=self.validation_source,
         )
@@ -63,9 +63,9 @@ class FlowerFederation(RunHost):
             self.preset,
             config.train_config(),
             config.seed,
-            config.rounds,
-            payload_dtype=records.check_flower_dtype(config.payload_dtype),
-            max_update_norm=config.max_update_norm,
+            config.training.rounds,
+            payload_dtype=records.check_flower_dtype(config.aggregation.payload_dtype),
+            max_update_norm=config.aggregation.max_update_norm,
         )
         self.collector = FlowerCollector(grid, self.nodes, terms, config)
         # Without server data the cohort nodes validate on their held-out splits (the run loop calls it).
@@ -74,12 +74,12 @@ class FlowerFederation(RunHost):
             self.preset,
             self.cache,
             self.model,
-            probes=config.probe_variants,
-            calibration=config.calib_samples,
+            probes=config.validation.probe_variants,
+            calibration=config.validation.calib_samples,
             payload_dtype=terms.payload_dtype,
-            rule=config.val_rule,
-            max_weight_ratio=config.max_weight_ratio,
-            timeout=config.round_timeout,
+            rule=config.validation.val_rule,
+            max_weight_ratio=config.aggregation.max_weight_ratio,
+            timeout=config.network.round_timeout,
         )
 
     def _validate_on_nodes(self, t: int, record: RoundRecord) -> float | None:
@@ -98,7 +98,7 @@ class FlowerFederation(RunHost):
                 "rounds and after the last; the newest validated round is served unless the nodes' served variants "
                 'regressed (docs/server.md, "The served round"); where no node holds examples out, the last '
                 "round is served; served models are calibrated on each device",
-                self.config.eval_every,
+                self.config.validation.eval_every,
             )
         try:
             history = self.run_rounds(self.collector)
@@ -145,8 +145,8 @@ def main(grid: Grid, context: Context) -> None:
         "feast-edge on Flower: preset %s, %d cached variants, %d rounds of %d, server optimizer %s; run directory %s",
         federation.preset.name,
         len(federation.cache),
-        config.rounds,
-        config.per_round,
+        config.training.rounds,
+        config.population.per_round,
         config.server_optimizer().describe(),
         config.out,
     )

@@ -66,7 +66,7 @@ def personalize_nodes(host: RunHost, nodes: NodeBook, choice: Choice) -> dict[st
             arch=entry.arch,
             choice=choice,
             calibration=where,
-            calibration_samples=config.calib_samples,
+            calibration_samples=config.validation.calib_samples,
             seed=config.seed,
             rounds=rounds,
         )
@@ -74,7 +74,7 @@ def personalize_nodes(host: RunHost, nodes: NodeBook, choice: Choice) -> dict[st
         asked[node] = (device, int(registered.profile.get("holdout", 0) or 0), int(entry.macs))
     rows: list[OwnRow] = []
     refused: dict[str, str] = {}
-    for reply in nodes.grid.send_and_receive(messages, timeout=config.round_timeout):
+    for reply in nodes.grid.send_and_receive(messages, timeout=config.network.round_timeout):
         node = reply.metadata.src_node_id
         if node not in asked or asked[node][0] in refused or any(r.client == asked[node][0] for r in rows):
             continue
@@ -93,7 +93,9 @@ def personalize_nodes(host: RunHost, nodes: NodeBook, choice: Choice) -> dict[st
         rows,
         str(choice),
         calibration=where,
-        calibration_samples=config.calib_samples if where == "device" else int(host.data.calibration_images.shape[0]),
+        calibration_samples=config.validation.calib_samples
+        if where == "device"
+        else int(host.data.calibration_images.shape[0]),
         checkpoint=source.name,
         rounds=rounds,
         seed=config.seed,

@@ -11,7 +11,6 @@ a ServerError naming the key and what it takes.
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,11 +22,13 @@ from feast_edge.errors import PayloadError
 from feast_edge.flower.records import check_flower_dtype
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.server.config import ServerConfig, ServerError
+from feast_edge.settings import flat_types
 
 # ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid, and the
 # devices' BN statistics (with their combination rule) are the MQTT server's. (The nodes' validation without data is
 # the Flower run's too: val-rule combines it.)
-NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule"}
+# --recipe KEY=VALUE pairs have no run-config form (a TOML table would need its own check).
+NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", "recipe"}
 # node-data, node-holdout: the simulated nodes' partition and held-out share (ClientApp)
 EXTRA = {"out-dir": str, "export": bool, "personalize": str, "node-data": str, "node-holdout": float}
 EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
@@ -35,10 +36,7 @@ EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
 
 def run_config_keys() -> dict[str, Any]:
     """Every key a run config takes, and its type."""
-    hints = typing.get_type_hints(ServerConfig)
-    keys = {
-        f.name.replace("_", "-"): hints[f.name] for f in dataclasses.fields(ServerConfig) if f.name not in NOT_FLOWER
-    }
+    keys = {key.replace("_", "-"): kind for key, kind in flat_types(ServerConfig).items() if key not in NOT_FLOWER}
     return {**keys, **EXTRA}
 
 
@@ -92,7 +90,7 @@ def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
         isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout <= MAX_HOLDOUT
     ):
         raise ServerError(f"run config node-holdout = {holdout!r} must be a fraction between 0 and {MAX_HOLDOUT}")
-    config = ServerConfig(out=out, **settings)
+    config = ServerConfig.of(out=out, **settings)
     if config.dp_settings() is not None:
         raise ServerError(
             "run config dp-*: differential privacy runs with feast-server run over MQTT and feast-edge simulate; the "
@@ -100,7 +98,7 @@ def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
             "dense average, wrong for routed slices: docs/privacy.md)"
         )
     try:
-        check_flower_dtype(config.payload_dtype)
+        check_flower_dtype(config.aggregation.payload_dtype)
     except PayloadError as exc:
         raise ServerError(f"run config payload-dtype: {exc}") from None
     return config, export

@@ -177,7 +177,7 @@ class Method(ServedPoints):
 
     def delivered(self, global_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What a routed payload in the wire's dtype delivers (slicing commutes with the cast)."""
-        return on_the_wire(global_state, self.config.payload_dtype)
+        return on_the_wire(global_state, self.config.aggregation.payload_dtype)
 
     def train_one(
         self, t: int, client: str, plan: Any, delivered: Mapping[str, torch.Tensor], lr: float
@@ -190,7 +190,7 @@ class Method(ServedPoints):
         update = self.train_client(
             t, client, plan, delivered, images, labels, lr, client_seed(self.config.seed, t, client)
         )
-        wire = self.config.payload_dtype
+        wire = self.config.aggregation.payload_dtype
         update.state = (
             on_the_wire(load_tensors(save_tensors({k: v.contiguous() for k, v in update.state.items()})), wire)
             if update.state

@@ -5,7 +5,7 @@ rule, ``--aggregation``) and the operating points (the cached variants, each
 evaluated after its own BN recalibration) are :class:`FeastStrategy`'s, the
 very object the server's run loop uses; what this class adds is the client's
 side: the routed sub-supernet (``route_state``) co-trained on its shard
-(``client_update``, with ``config.variants`` choosing the paper's ablations).
+(``client_update``, with ``config.training.variants`` choosing the paper's ablations).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ class Feast(Method):
 
     def __init__(self, setup: Setup, config: SimulationConfig) -> None:
         super().__init__(setup, config)
-        self.strategy = FeastStrategy(self.model, setup.cache, config.aggregation, config.trim, config.clip_norm)
+        self.strategy = FeastStrategy(
+            self.model, setup.cache, config.aggregation.rule, config.aggregation.trim, config.aggregation.clip_norm
+        )
 
     def build_model(self) -> Supernet:
         return Supernet(self.preset, seed=self.config.seed)

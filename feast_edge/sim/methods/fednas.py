@@ -304,7 +304,7 @@ class _FedNAS(Method):
         self._memo = {k: v for k, v in self._memo.items() if k in keep}
 
     def replayed_cohort(self, t: int) -> list[str]:
-        return sample_round_cohort(self.setup.client_ids, self.config.per_round, self.config.seed, t)
+        return sample_round_cohort(self.setup.client_ids, self.config.population.per_round, self.config.seed, t)
 
     def plans(self, t: int, cohort: Sequence[str], budget: Callable[[str], float]) -> dict[str, SubnetPlan]:
         tally = self.tally_before(t)
@@ -378,7 +378,7 @@ class _FedNAS(Method):
     # ------------------------------------------------------------------ aggregation
     def share(self, t: int) -> float:
         """This round's MaxNet weight ``a(t)``."""
-        horizon = max(1, round(self.opts["anneal"] * self.config.rounds))
+        horizon = max(1, round(self.opts["anneal"] * self.config.training.rounds))
         return maxnet_share(t, horizon, self.opts["a0"], self.opts["rho_final"])
 
     def aggregate(

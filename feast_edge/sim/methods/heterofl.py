@@ -222,9 +222,9 @@ class HeteroFL(Method):
         robust_aggregate(
             global_state,
             [(u.state, u.samples) for u in updates],
-            c.aggregation,
-            trim=c.trim,
-            clip_norm=c.clip_norm,
+            c.aggregation.rule,
+            trim=c.aggregation.trim,
+            clip_norm=c.aggregation.clip_norm,
             inplace=True,
         )
 

@@ -233,9 +233,9 @@ class ScaleFL(Method):
         robust_aggregate(
             global_state,
             [(u.state, u.samples) for u in updates],
-            cfg.aggregation,
-            trim=cfg.trim,
-            clip_norm=cfg.clip_norm,
+            cfg.aggregation.rule,
+            trim=cfg.aggregation.trim,
+            clip_norm=cfg.aggregation.clip_norm,
             inplace=True,
         )
 

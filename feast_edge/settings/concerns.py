@@ -1,0 +1,190 @@
+"""The concerns both a simulation and a federation server are configured by: how devices train, how their updates
+become the model, the privacy of those updates, and how rounds are validated (each app adds its own to them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from feast_edge.aggregate.server_opt import ServerOpt
+from feast_edge.aggregate.weights import ratio_problem
+from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
+from feast_edge.privacy.settings import DpSettings, PrivacyError, dp_of
+from feast_edge.run.settings import RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
+from feast_edge.settings.nested import Concern, SettingsError, setting
+
+
+def _check(checks: list[tuple[bool, str]]) -> None:
+    """A SettingsError with the message of the first check that fails."""
+    for ok, message in checks:
+        if not ok:
+            raise SettingsError(message)
+
+
+@dataclass(frozen=True)
+class Population(Concern):
+    """Who trains in a round: the cohort's size (the app adds where its devices come from)."""
+
+    per_round: int = 5  # devices (clients) sampled per round
+
+    def __post_init__(self) -> None:
+        _check([(self.per_round >= 1, f"--per-round {self.per_round} must be at least 1")])
+
+
+@dataclass(frozen=True)
+class Training(Concern):
+    """How each device trains: the rounds' horizon and the local recipe (None: the preset's [train] value)."""
+
+    rounds: int = 10  # federation rounds (also the cosine-decay horizon)
+    lr: float | None = None
+    batch_size: int | None = None
+    variants: str = "full"  # FEAST's variants per batch (method §7 ablations)
+    augment: str | bool | None = None  # feast_edge.local.augment.POLICIES (True/False: method §7's policy / none)
+    epochs: int | None = None  # local epochs per round (--local-epochs)
+    lr_schedule: str | None = None  # cosine or constant, over the federation horizon
+    recipe: tuple[tuple[str, Any], ...] = ()  # further [train] keys to override (--recipe KEY=VALUE), sorted
+
+    def __post_init__(self) -> None:
+        recipe = tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in dict(self.recipe).items()))
+        object.__setattr__(self, "recipe", recipe)
+        _check([(self.rounds >= 1, f"--rounds {self.rounds} must be at least 1")])
+
+    def recipe_of(self, preset: str) -> tuple[TrainConfig, str]:
+        """The training recipe: ``preset``'s [train] table, then --recipe, then the explicit options (and the lr
+        schedule)."""
+        try:
+            return preset_recipe(
+                preset,
+                dict(self.recipe),
+                lr=self.lr,
+                batch_size=self.batch_size,
+                augment=self.augment,
+                epochs=self.epochs,
+                lr_schedule=self.lr_schedule,
+                variants=self.variants,
+            )
+        except TrainError as exc:
+            raise SettingsError(f"training recipe: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Aggregation(Concern):
+    """How a round's updates become the next model: the rule over the clients covering each position (method §6 or a
+    robust one), the weights' cap, the wire's dtype and the server's step."""
+
+    rule: str = setting("mean", key="aggregation")  # mean (method §6), clip, trimmed-mean or median
+    trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
+    clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
+    # A self-reported sample count weighs at most this many times the round's lower-median count (0: no cap;
+    # feast_edge.aggregate.weights).
+    max_weight_ratio: float = 0.0
+    payload_dtype: str = "float32"  # routed states and updates on the wire are rounded to it (the model stays float32)
+    # The server's step from each round's aggregate (feast_edge.aggregate.server_opt); avg with lr 1 is method §6's.
+    server_opt: str = "avg"
+    server_lr: float | None = None  # None: the rule's default (feast_edge.aggregate.server_opt.DEFAULT_LR)
+    server_momentum: float = 0.9
+    server_betas: tuple[float, ...] = (0.9, 0.99)
+    server_tau: float = 1e-3
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "server_betas", tuple(float(b) for b in self.server_betas))
+        _check([(not ratio_problem(self.max_weight_ratio), ratio_problem(self.max_weight_ratio))])
+        try:
+            check_run_options(self.payload_dtype, self.rule, self.trim, self.clip_norm)
+            self.optimizer()
+        except RunError as exc:
+            raise SettingsError(str(exc)) from None
+
+    def optimizer(self, averaging: bool = True) -> ServerOpt:
+        """The validated server optimizer of ``--server-opt`` and its settings (``averaging``: the method's
+        aggregation is an average, which a step other than plain averaging needs)."""
+        try:
+            return server_opt_of(
+                self.server_opt, self.server_lr, self.server_momentum, self.server_betas, self.server_tau, averaging
+            )
+        except RunError as exc:
+            raise SettingsError(str(exc)) from None
+
+    def recorded(
+        self, train: TrainConfig, schedule: str, dp: DpSettings | None, averaging: bool = True
+    ) -> dict[str, Any]:
+        """What the run's fingerprint records of its recipe, aggregation, wire and privacy
+        (feast_edge.run.settings.recorded_settings)."""
+        opt = self.optimizer(averaging)
+        return recorded_settings(train, schedule, self.rule, self.trim, self.clip_norm, self.payload_dtype, opt, dp)
+
+
+@dataclass(frozen=True)
+class Privacy(Concern):
+    """Client-level differential privacy (feast_edge.privacy, docs/privacy.md): dp_clip and dp_noise together, or
+    neither."""
+
+    dp_clip: float | None = None
+    dp_noise: float | None = None
+    dp_delta: float | None = None  # None: 1e-5 or 0.1/population, whichever is smaller
+    dp_epsilon: float | None = None  # the privacy budget; None: no limit
+    dp_seed: int | None = None  # None: noise from the OS (not reproducible)
+    dp_mode: str = "central"
+    dp_clip_quantile: float | None = None  # adaptive clipping toward this quantile of the update norms; None: fixed
+    dp_clip_lr: float = 0.2
+    dp_clip_count_std: float | None = None  # None: a tenth of the privacy on the unclipped count
+
+    def __post_init__(self) -> None:
+        self.settings()
+
+    def settings(self) -> DpSettings | None:
+        """The validated DP settings (None: no DP)."""
+        try:
+            return dp_of(self)
+        except PrivacyError as exc:
+            raise SettingsError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class Validation(Concern):
+    """How rounds are validated to choose the served one (the app adds who validates)."""
+
+    eval_every: int = 5  # validate every k rounds and after the last
+    val_samples: int = 5000  # validation examples of server-held data
+    calib_samples: int = 500  # BN-calibration examples of server-held data (method §8)
+    probe_variants: int = 3  # cached variants, evenly spaced by rank, averaged for checkpoint selection
+
+    def __post_init__(self) -> None:
+        _check(
+            [
+                (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
+                (
+                    self.val_samples >= 1 and self.calib_samples >= 1,
+                    "--val-samples and --calib-samples must be at least 1",
+                ),
+                (self.probe_variants >= 1, f"--probe-variants {self.probe_variants} must be at least 1"),
+            ]
+        )
+
+
+def loop_settings(
+    config: Any, *, min_clients: int, averaging: bool = True, device: str = "cpu", dp_on_devices: bool = False
+) -> RunSettings:
+    """What the round loop reads of a run's configuration (a ``SimulationConfig`` or ``ServerConfig``: its preset,
+    seed, population, training, aggregation, privacy and validation)."""
+    train, schedule = config.training.recipe_of(config.preset)
+    rule, check = config.aggregation, config.validation
+    return RunSettings(
+        rounds=config.training.rounds,
+        per_round=config.population.per_round,
+        min_clients=min_clients,
+        seed=config.seed,
+        lr=train.lr,
+        eval_every=check.eval_every,
+        probe_variants=check.probe_variants,
+        device=device,
+        aggregation=rule.rule,
+        trim=rule.trim,
+        clip_norm=rule.clip_norm,
+        lr_schedule=schedule,
+        payload_dtype=rule.payload_dtype,
+        max_weight_ratio=rule.max_weight_ratio,
+        server_opt=rule.optimizer(averaging),
+        dp=config.privacy.settings(),
+        dp_on_devices=dp_on_devices,
+    )

@@ -1,0 +1,134 @@
+"""Settings nested by concern, and their flat form: the command line's options, stored configs and fingerprints.
+
+A run's configuration (``SimulationConfig``, ``ServerConfig``) holds a few plain fields and one frozen dataclass per
+concern (population, training, aggregation, privacy, validation, serving), each a :class:`Concern`. Every setting of
+every concern has one *key*, unique across the configuration: its option is ``--key`` with dashes (``dp_clip`` is
+``--dp-clip``) and its name in a run's stored config and fingerprint, as before settings were nested. So the flat form
+is the contract the command line, run directories and Flower's run config keep, and the nested form is what code reads:
+``config.privacy.dp_clip``, ``config.training.lr``.
+
+    flat(config)               -> {"preset": ..., "per_round": 5, "lr": None, "dp_clip": None, ...}
+    of(SimulationConfig, **kw) -> the configuration with the keys in ``kw`` changed from its defaults
+    changed(config, **kw)      -> ``config`` with the keys in ``kw`` changed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from feast_edge.errors import FeastError
+
+C = TypeVar("C")
+
+
+class SettingsError(FeastError, ValueError):
+    """A setting's value does not fit (the message names its option and what to give)."""
+
+
+@dataclass(frozen=True)
+class Concern:
+    """One concern's settings (frozen; each setting's key unique across a configuration)."""
+
+
+def setting(default: Any = dataclasses.MISSING, *, key: str | None = None, **factory: Any) -> Any:
+    """A concern's field whose key (its option, stored name) differs from its name: ``rule = setting("mean",
+    key="aggregation")`` is ``--aggregation``."""
+    return dataclasses.field(default=default, metadata={"key": key} if key else {}, **factory)
+
+
+def key_of(field: dataclasses.Field) -> str:
+    """A concern field's key: its option without the dashes and its stored name."""
+    return field.metadata.get("key", field.name)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def concern_fields(cls: type) -> dict[str, type]:
+    """The fields of configuration class ``cls`` that are concerns, with their classes."""
+    hints = _hints(cls)
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(cls)
+        if isinstance(hints[f.name], type) and issubclass(hints[f.name], Concern)
+    }
+
+
+def _settings(cls: type) -> Iterator[tuple[str | None, dataclasses.Field, Any]]:
+    """Every setting of ``cls``: (its concern's field name or None for a plain field, its field, its type)."""
+    concerns = concern_fields(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in concerns:
+            hints = _hints(concerns[f.name])
+            yield from ((f.name, g, hints[g.name]) for g in dataclasses.fields(concerns[f.name]))
+        else:
+            yield None, f, _hints(cls)[f.name]
+
+
+def flat_types(cls: type) -> dict[str, Any]:
+    """Every key of configuration class ``cls`` with its type (Flower's run config is checked against these)."""
+    return {key_of(f): kind for _, f, kind in _settings(cls)}
+
+
+def flat(config: Any) -> dict[str, Any]:
+    """``config``'s settings by key, in declaration order: what runs stored before settings were nested."""
+    values: dict[str, Any] = {}
+    for concern, f, _ in _settings(type(config)):
+        owner = config if concern is None else getattr(config, concern)
+        values[key_of(f)] = getattr(owner, f.name)
+    return values
+
+
+def _grouped(cls: type, values: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
+    """``values`` by key, sorted out by concern (None: plain fields) and renamed to field names; a TypeError for a key
+    ``cls`` does not have, as a dataclass gives for an unknown keyword."""
+    where = {key_of(f): (concern, f.name) for concern, f, _ in _settings(cls)}
+    unknown = sorted(set(values) - set(where))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no setting {', '.join(unknown)}")
+    grouped: dict[str | None, dict[str, Any]] = {}
+    for key, value in values.items():
+        concern, name = where[key]
+        grouped.setdefault(concern, {})[name] = value
+    return grouped
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The concern instances ``cls`` gives by default (each concern field has a default factory)."""
+    return {name: f.default_factory() for f in dataclasses.fields(cls) if (name := f.name) in concern_fields(cls)}  # type: ignore[misc]
+
+
+def of(cls: Callable[..., C], **values: Any) -> C:
+    """Configuration class ``cls`` with the settings ``values`` (by key) changed from its defaults."""
+    grouped = _grouped(cls, values)  # type: ignore[arg-type]
+    concerns = {
+        name: dataclasses.replace(default, **grouped.get(name, {}))
+        for name, default in _defaults(cls).items()  # type: ignore[arg-type]
+    }
+    return cls(**grouped.get(None, {}), **concerns)
+
+
+def changed(config: C, **values: Any) -> C:
+    """``config`` with the settings ``values`` (by key) changed."""
+    grouped = _grouped(type(config), values)
+    concerns = {
+        name: dataclasses.replace(getattr(config, name), **grouped[name]) for name in grouped if name is not None
+    }
+    return dataclasses.replace(config, **grouped.get(None, {}), **concerns)  # type: ignore[type-var]
+
+
+def concern_of_keys(cls: type) -> dict[str, str | None]:
+    """Every key of configuration class ``cls`` -> the name of its concern (None: a plain field)."""
+    return {key_of(f): concern for concern, f, _ in _settings(cls)}
+
+
+def defaults(cls: Callable[..., Any], **required: Any) -> dict[str, Any]:
+    """Every key of configuration class ``cls`` -> its default (``required``: the fields without one)."""
+    return flat(cls(**required))

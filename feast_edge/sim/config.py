@@ -1,0 +1,260 @@
+"""What decides a simulation's result: its settings by concern (feast_edge.settings) and the checks across them."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from feast_edge.aggregate.server_opt import ServerOpt
+from feast_edge.data.holdout import MAX_HOLDOUT
+from feast_edge.data.images import FASHION_MNIST_DIR
+from feast_edge.errors import FeastError
+from feast_edge.local.precision import AMP_MODES
+from feast_edge.local.recipe import TrainConfig
+from feast_edge.personalize.select import Choice, PersonalizeError
+from feast_edge.privacy.private_rounds import check_plan
+from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
+from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
+from feast_edge.settings.nested import changed, flat_types, key_of, of
+from feast_edge.sim.registry import method_class
+
+VALIDATE_ON = ("server", "devices")  # --validate-on
+DEFAULT_HOLDOUT = 0.1  # --holdout with --personalize: the device agent's share of its own data
+
+
+class SimulationError(FeastError, ValueError):
+    """A simulation cannot start or resume with the given settings."""
+
+
+@dataclass(frozen=True)
+class ClientPopulation(Population):
+    """The simulated clients: how many, their MAC budgets (Zipf, method §4.1, or given) and their data (method §4.2)."""
+
+    clients: int = 20
+    gamma: float = 1.0
+    zipf_s: float = 1.2
+    alpha_eff: float = 0.45
+    budget_min: float | None = None  # default: the preset's [population] values
+    budget_max: float | None = None
+    budget_cap: float | None = None
+    budgets: tuple[float, ...] | None = None  # explicit budgets instead of Zipf (e.g. from device profiles)
+    train_limit: int | None = None  # client pool size (None: all remaining training data)
+
+    def __post_init__(self) -> None:
+        if self.budgets is not None:
+            object.__setattr__(self, "budgets", tuple(float(b) for b in self.budgets))
+        checks = [
+            (self.clients >= 2, f"--clients {self.clients} must be at least 2"),
+            (
+                1 <= self.per_round <= self.clients,
+                f"--per-round {self.per_round} must be between 1 and --clients ({self.clients})",
+            ),
+            (self.gamma >= 0, f"--gamma {self.gamma} must be >= 0 (0: data independent of budget, 1: proportional)"),
+            (self.zipf_s > 0, f"--zipf-s {self.zipf_s} must be > 0"),
+            (self.alpha_eff > 0, f"--alpha-eff {self.alpha_eff} must be > 0"),
+            (
+                self.budgets is None or len(self.budgets) == self.clients,
+                f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SettingsError(message)
+
+
+@dataclass(frozen=True)
+class ClientValidation(Validation):
+    """Who validates (checkpoint selection): the server's held split, or the cohort's held-out splits (a server
+    without data: the served-round rule, feast_edge.evaluate.served_round)."""
+
+    validate_on: str = "server"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.validate_on not in VALIDATE_ON:
+            raise SettingsError(
+                f"--validate-on {self.validate_on!r} is unknown; choose one of {', '.join(VALIDATE_ON)}"
+            )
+
+
+@dataclass(frozen=True)
+class Personalization(Concern):
+    """What each client is served after the last round (feast_edge.personalize), and its held-out split."""
+
+    # auto, off, METHOD or METHOD:STRENGTH
+    personalize: str = "off"
+    holdout: float = 0.0  # each client's held-out share of its shard (never trains), which personalize measures on
+
+    def __post_init__(self) -> None:
+        try:
+            Choice.parse(self.personalize)
+        except PersonalizeError as exc:
+            raise SettingsError(str(exc)) from None
+        if isinstance(self.holdout, bool) or not 0.0 <= self.holdout <= MAX_HOLDOUT:
+            raise SettingsError(
+                f"--holdout {self.holdout!r} must be a fraction between 0 and {MAX_HOLDOUT}, e.g. --holdout 0.1"
+            )
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """Everything that decides a simulation's result (``device`` aside), by concern. ``SimulationConfig.of(...)``
+    takes the settings flat, by their keys (``per_round=3, dp_clip=1.0``), as the command line and stored runs give
+    them."""
+
+    preset: str = "fmnist-small"
+    dataset: str = "fashion-mnist"
+    data_dir: str = str(FASHION_MNIST_DIR)
+    seed: int = 0
+    method: str = "feast"  # feast_edge.sim.methods.METHODS
+    method_options: tuple[tuple[str, str], ...] = ()  # --method-option KEY=VALUE pairs, sorted by key
+    test_limit: int | None = None
+    cache: str | None = None  # cache JSON (None: beside the preset's own file, else the shipped one)
+    device: str = "cpu"
+    amp: str = "off"  # mixed precision of local training (feast_edge.local.precision; as --amp resolved on --device)
+    deterministic: bool = False  # deterministic PyTorch kernels in every process of the run (CUDA; the CPU already is)
+    population: ClientPopulation = field(default_factory=ClientPopulation)
+    training: Training = field(default_factory=lambda: Training(rounds=30))
+    aggregation: Aggregation = field(default_factory=Aggregation)
+    privacy: Privacy = field(default_factory=Privacy)
+    validation: ClientValidation = field(default_factory=ClientValidation)
+    serving: Personalization = field(default_factory=Personalization)
+
+    @classmethod
+    def of(cls, **settings: Any) -> SimulationConfig:
+        """The configuration with ``settings`` (by key) changed from the defaults; a SimulationError naming a bad one."""
+        try:
+            return of(cls, **settings)
+        except SettingsError as exc:
+            raise SimulationError(str(exc)) from None
+
+    @classmethod
+    def recorded(cls, config: dict[str, Any], **changes: Any) -> SimulationConfig:
+        """The configuration a run recorded (results.json's ``config``: its settings by key, and what the run resolved
+        beside them), with ``changes``."""
+        known = flat_types(cls)
+        return cls.of(**{**{k: v for k, v in config.items() if k in known}, **changes})
+
+    def changed(self, **settings: Any) -> SimulationConfig:
+        """This configuration with ``settings`` (by key) changed."""
+        try:
+            return changed(self, **settings)
+        except SettingsError as exc:
+            raise SimulationError(str(exc)) from None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "method_options", tuple(sorted((str(k), str(v)) for k, v in dict(self.method_options).items()))
+        )
+        checks = [
+            (self.amp in AMP_MODES, f"--amp {self.amp!r} is unknown; choose one of {', '.join(AMP_MODES)}"),
+            (
+                self.amp == "off" or self.method == "feast",
+                f"--amp {self.amp} applies to --method feast only; {self.method} trains in float32",
+            ),
+            (
+                self.aggregation.rule == "mean" or self.method == "feast",
+                f"--aggregation {self.aggregation.rule} applies to --method feast only; {self.method} aggregates as "
+                "its paper does",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SimulationError(message)
+        try:
+            self.server_optimizer()
+        except SettingsError as exc:
+            raise SimulationError(str(exc)) from None
+        method_class(self.method).parse_options(
+            dict(self.method_options)
+        )  # unknown method or option: one line, before any data is read
+        self._check_personalize()
+        self._check_privacy()
+
+    def dp_settings(self) -> DpSettings | None:
+        """The run's validated DP settings (None: no DP)."""
+        return self.privacy.settings()
+
+    def _check_privacy(self) -> None:
+        """DP composes with the run (a sum-based aggregation, uniform weights) and its planned rounds fit --dp-epsilon."""
+        dp = self.dp_settings()
+        if dp is None:
+            return
+        if self.aggregation.max_weight_ratio:
+            raise SimulationError(
+                "--max-weight-ratio caps sample-count weights, and under DP every update weighs 1 (a self-reported "
+                "count would leak and break the noise's calibration): drop --max-weight-ratio"
+            )
+        try:
+            check_composes(self.aggregation.rule, method_class(self.method).private_aggregation, self.method)
+            check_plan(dp, self.training.rounds, self.population.clients, self.population.per_round)
+        except PrivacyError as exc:
+            raise SimulationError(str(exc)) from None
+
+    def _check_personalize(self) -> None:
+        """--personalize and --holdout: FEAST's served variants, and a held-out split exactly when asked."""
+        serving, validate_on = self.serving, self.validation.validate_on
+        if validate_on == "devices" and (self.method != "feast" or not serving.holdout):
+            raise SimulationError(
+                "--validate-on devices validates FEAST's variants on each client's held-out split: use --method feast "
+                "and --holdout > 0 (e.g. 0.1)"
+            )
+        if Choice.parse(serving.personalize).method == "off":
+            if serving.holdout and validate_on != "devices":
+                raise SimulationError(
+                    f"--holdout {serving.holdout:g} holds out examples that only --personalize and --validate-on "
+                    "devices measure on; add --personalize auto (or METHOD) or --validate-on devices, or drop --holdout"
+                )
+            return
+        if self.method != "feast":
+            raise SimulationError(
+                f"--personalize {serving.personalize} applies to --method feast only (its served models are the "
+                f"cached variants); {self.method} serves models of its own"
+            )
+        if not serving.holdout:
+            raise SimulationError(
+                f"--personalize {serving.personalize} needs each client's own held-out split: give --holdout > 0 "
+                "(e.g. 0.1)"
+            )
+
+    def decisive(self) -> dict[str, Any]:
+        """Every setting that changes the trained weights or the selection (not the device), the resolved recipe
+        included: the keys runs have always recorded, so earlier runs keep their fingerprints."""
+        values = flat(self)
+        recipe = ("lr", "batch_size", "augment", "epochs", "lr_schedule", "recipe")
+        skip = {"device", "deterministic", *recipe, *_fields_of(self.aggregation), *_fields_of(self.privacy)}
+        skip |= {"amp"} if self.amp == "off" else set()
+        skip |= {"personalize"}  # what happens after the last round: the weights and the selection are the same
+        skip |= {"holdout"} if not self.serving.holdout else set()  # a held-out split changes the training data
+        skip |= {"validate_on"} if self.validation.validate_on == "server" else set()
+        capped = {"max_weight_ratio": values["max_weight_ratio"]} if values["max_weight_ratio"] else {}
+        train, schedule = self.recipe_settings()
+        recorded = self.aggregation.recorded(train, schedule, self.dp_settings(), method_class(self.method).averaging)
+        return {**{k: v for k, v in values.items() if k not in skip}, **capped, **recorded}
+
+    def server_optimizer(self) -> ServerOpt:
+        """The validated server optimizer of ``--server-opt`` and its settings (for a method that averages)."""
+        return self.aggregation.optimizer(method_class(self.method).averaging)
+
+    def fingerprint(self) -> str:
+        """Digest of :meth:`decisive`."""
+        return hashlib.sha256(json.dumps(self.decisive(), sort_keys=True).encode()).hexdigest()
+
+    def recipe_settings(self) -> tuple[TrainConfig, str]:
+        """The training recipe: the preset's [train] table, then --recipe, then the explicit options (and the lr
+        schedule)."""
+        try:
+            return self.training.recipe_of(self.preset)
+        except SettingsError as exc:
+            raise SimulationError(str(exc)) from None
+
+    def train_config(self) -> TrainConfig:
+        return self.recipe_settings()[0]
+
+
+def _fields_of(concern: Concern) -> set[str]:
+    """The keys of one concern's settings."""
+    return {key_of(f) for f in dataclasses.fields(concern)}
