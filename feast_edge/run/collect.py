@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from feast_edge.aggregate.segments import SegmentSums
 from feast_edge.route.plans import ClientPlan
 
 
@@ -33,7 +34,9 @@ class ClientUpdate:
 
 @dataclass
 class Collected:
-    """What collecting one round's cohort produced."""
+    """What collecting one round's cohort produced: the valid updates, or, from a collector that never hands over a
+    single update, their per-segment sums (feast_edge.aggregate.segments) with ``updates`` holding only what each
+    contributor reported (its ``state`` empty)."""
 
     updates: list[ClientUpdate]
     rejected: dict[str, str] = field(default_factory=dict)  # client -> why what it sent is refused
@@ -43,6 +46,7 @@ class Collected:
     dropped: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     send_seconds: float = 0.0
+    sums: SegmentSums | None = None
 
 
 class Collector(Protocol):

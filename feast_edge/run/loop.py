@@ -1,12 +1,14 @@
 """The run loop shared by ``feast-edge simulate`` and ``feast-server``: rounds, validation, the served round.
 
     for t in remaining rounds:
-        clients = collector.clients(needed)                  # simulation: every client; server: online devices
-        cohort  = sample_round_cohort(clients, m, seed, t)   # method §4
-        plans   = {c: plan_client(cache, collector.budget(c))}
-        got     = collector.collect(t, cohort, plans, global_state, lr)   # in process, or over MQTT
-        >= min_clients valid updates: the release (feast_edge.run.release): its stages around the method's aggregation,
-            in place (client-id order); else unchanged
+        the scheduler (feast_edge.run.schedule; synchronous rounds by default):
+            clients = collector.clients(needed)                  # simulation: every client; server: online devices
+            cohort  = sample_round_cohort(clients, m, seed, t)   # method §4
+            plans   = {c: plan_client(cache, collector.budget(c))}
+            got     = collector.collect(t, cohort, plans, global_state, lr)   # in process, or over MQTT
+        the release's stages prepare the valid updates (client-id order)
+        the release policy (feast_edge.run.policy; by default >= min_clients contributors): the release
+            (feast_edge.run.release), its stages around the method's aggregation, in place; else unchanged
         every eval_every rounds: validate (BN-recalibrated, method §8); best.safetensors holds the served round's
             weights: on server data the best validation, validated by devices the newest without a regression
         checkpoint.safetensors (atomic; feast_edge.run.store): weights, round, history, best, the caller's extra fields
@@ -31,12 +33,12 @@ import torch
 from feast_edge.cache.variants import VariantCache
 from feast_edge.evaluate.evaluation import Validation
 from feast_edge.evaluate.served_round import serve_after
-from feast_edge.local.recipe import scheduled_lr
 from feast_edge.route.payload import bytes_per_param
-from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import Collector
-from feast_edge.run.release import RoundContext, RunStops
+from feast_edge.run.policy import EveryRound, ReleasePolicy
+from feast_edge.run.release import RunStops
 from feast_edge.run.round_record import RoundMethod, RoundRecord
+from feast_edge.run.schedule import Scheduler, SyncRounds
 from feast_edge.run.settings import RunError, RunSettings  # noqa: F401 (re-exported)
 from feast_edge.run.stages import release_of
 from feast_edge.run.store import (  # noqa: F401 (re-exported: the run directory's file names)
@@ -69,8 +71,12 @@ class RunLoop:
         method: RoundMethod | None = None,
         model_record: Mapping[str, Any] | None = None,
         validator: Callable[[int, RoundRecord], float | None] | None = None,
+        scheduler: Scheduler | None = None,
+        policy: ReleasePolicy | None = None,
     ) -> None:
         """``method`` defaults to FEAST's steps; a model that is not a full Supernet needs ``model_record`` (its checkpoint header).
+        ``scheduler`` (who trains next) and ``policy`` (when collected input becomes a model) default to synchronous
+        rounds (feast_edge.run.schedule.SyncRounds, feast_edge.run.policy.EveryRound).
 
         ``validator(t, record)`` validates round ``t``'s aggregated model where no ``validation`` split is held
         (federated validation: the devices test it and report counts); it may fill ``record.validation``.
@@ -96,6 +102,8 @@ class RunLoop:
         self.extra_fields = extra_fields
         self.full_params = self.method.full_params()
         self.release = release_of(settings, model, self.method)  # aggregation and its stages (feast_edge.run.release)
+        self.scheduler = scheduler if scheduler is not None else SyncRounds(settings, self.method, model)
+        self.policy = policy if policy is not None else EveryRound(self.release, settings.min_clients)
         self.history: list[RoundRecord] = []
         self.stopped: str | None = None  # why the run ended before its last round (a stage refused it)
         self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
@@ -147,20 +155,16 @@ class RunLoop:
         return self.method.validate(self.validation, self.settings.probe_variants, self.settings.device)
 
     def run_round(self, t: int, collector: Collector, needed: int) -> RoundRecord:
-        """Cohort -> plans -> collection -> sparse aggregation (or unchanged) for round ``t``."""
+        """The scheduler's step ``t`` (cohort -> plans -> collection), then the release policy (sparse aggregation, or
+        the model unchanged)."""
         s = self.settings
-        clients = collector.clients(needed)
         start = time.monotonic()
-        cohort = sample_round_cohort(clients, min(s.per_round, len(clients)), s.seed, t)
-        ctx = RoundContext(t, len(clients), list(cohort), self.history)
-        self.release.admit(ctx)  # before anything is sent: a stage may refuse the round (RunStops)
-        lr = scheduled_lr(s.lr_schedule, s.lr, t, s.rounds)
-        plans = self.method.plans(t, cohort, collector.budget)
-        global_state = self.model.state_dict()  # aliases the model's tensors: aggregation writes into the model
-        got = collector.collect(t, cohort, plans, global_state, lr)
+        # admit: before anything is sent, a stage may refuse the round (RunStops)
+        step = self.scheduler.gather(t, collector, needed, self.release.admit, self.history)
+        ctx, plans, got, cohort = step.ctx, step.plans, step.got, step.ctx.cohort
         record = RoundRecord(
             round=t + 1,
-            lr=lr,
+            lr=step.lr,
             cohort=list(cohort),
             rejected=got.rejected,
             declined=got.declined,
@@ -175,11 +179,12 @@ class RunLoop:
         record.routed_bytes = record.routed_params * bytes_per_param(s.payload_dtype)
         record.full_bytes = record.full_params * bytes_per_param("float32")
         ctx.record = record
-        valid = self.release.prepare(ctx, global_state, sorted(got.updates, key=lambda u: u.client))
+        global_state = self.model.state_dict()  # aliases the model's tensors: the release writes into the model
+        valid = sorted(got.updates, key=lambda u: u.client)
+        valid = valid if got.sums is not None else self.release.prepare(ctx, global_state, valid)
         record.tally(valid)
-        if len(valid) >= s.min_clients:
-            began = time.monotonic()
-            self.release.apply(ctx, global_state, valid, plans)
+        began = time.monotonic()
+        if self.policy.release(ctx, global_state, valid, plans, got.sums):
             record.aggregate_seconds = time.monotonic() - began
             record.applied = True
         record.seconds = time.monotonic() - start

@@ -6,6 +6,10 @@
     the method's aggregation, in place (method §6; a robust rule is the method's own)
     finish   each stage in turn, in place (privacy noise, then a server optimizer's step)
 
+A collector may deliver per-segment sums instead of updates (feast_edge.aggregate.segments): ``apply_sums`` releases
+them (method §6 from the sums) when the method takes sums and every stage says ``takes_sums``; a stage that needs
+single updates (clipping each, capping each weight) refuses such a run with the reason.
+
 A stage implements those of the four steps it needs (:class:`BaseStage` gives the others as no-ops) and may keep state
 that the checkpoint stores beside the weights (``state`` / ``load``). ``feast_edge.run.stages.release_of`` composes the
 stages a run's settings ask for, in their fixed order; the run loop (feast_edge.run.loop) knows none of them by name.
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from feast_edge.aggregate.segments import SegmentSums
 from feast_edge.errors import FeastError
 from feast_edge.run.collect import ClientUpdate
 from feast_edge.run.settings import RunError
@@ -51,6 +56,8 @@ class RoundContext:
 class Stage(Protocol):
     """One step of the release (see the module docstring)."""
 
+    takes_sums: bool  # works on per-segment sums as well as on single updates
+
     def admit(self, ctx: RoundContext) -> None: ...
 
     def prepare(
@@ -71,6 +78,8 @@ class Stage(Protocol):
 
 class BaseStage:
     """The steps a stage does not need: nothing happens."""
+
+    takes_sums = False  # a stage that never looks at single updates may say True
 
     def admit(self, ctx: RoundContext) -> None:
         return None
@@ -119,6 +128,25 @@ class Release:
         self.method.aggregate(ctx.t, global_state, updates, plans)
         for stage in self.stages:
             stage.finish(ctx, global_state, updates, plans)
+
+    def apply_sums(self, ctx: RoundContext, global_state: StateDict, sums: SegmentSums) -> None:
+        """The new global model from per-segment sums, in place: each stage's ``begin``, method §6 from the sums,
+        each stage's ``finish``; a RunError naming what needs single updates otherwise."""
+        aggregate_sums = getattr(self.method, "aggregate_sums", None)
+        if aggregate_sums is None:
+            raise RunError(f"{type(self.method).__name__} aggregates single updates; this collector delivers sums")
+        needing = [type(stage).__name__ for stage in self.stages if not stage.takes_sums]
+        if needing:
+            raise RunError(
+                f"this collector delivers per-segment sums, and {', '.join(needing)} needs each device's update: "
+                "drop the setting that adds it (a cap on self-reported counts, central DP's clipping, a server "
+                "optimizer)"
+            )
+        for stage in self.stages:
+            stage.begin(ctx, global_state)
+        aggregate_sums(ctx.t, global_state, sums)
+        for stage in self.stages:
+            stage.finish(ctx, global_state, [], {})
 
     @property
     def state(self) -> dict[str, torch.Tensor]:

@@ -52,7 +52,7 @@ class RunSettings:
 
 
 def check_run_options(payload_dtype: str, aggregation: str, trim: float, clip_norm: float | None) -> None:
-    """The one check of a run's payload dtype and aggregation rule (RunSettings, ServerConfig, SimulationConfig): a RunError naming the option."""
+    """The one check of a run's payload dtype and aggregation rule (RunSettings, feast_edge.settings.Aggregation): a RunError naming the option."""
     if payload_dtype not in PAYLOAD_DTYPES:
         raise RunError(f"--payload-dtype {payload_dtype!r} is not supported; choose one of {', '.join(PAYLOAD_DTYPES)}")
     try:
@@ -86,25 +86,10 @@ def recorded_settings(
     }
 
 
-def recorded_of(config: Any, train: TrainConfig, schedule: str) -> dict[str, Any]:
-    """:func:`recorded_settings` of a run configuration (``SimulationConfig``, ``ServerConfig``): its aggregation,
-    payload dtype, ``server_optimizer()`` and ``dp_settings()``."""
-    return recorded_settings(
-        train,
-        schedule,
-        config.aggregation,
-        config.trim,
-        config.clip_norm,
-        config.payload_dtype,
-        config.server_optimizer(),
-        config.dp_settings(),
-    )
-
-
 def server_opt_of(
     name: str, lr: float | None, momentum: float, betas: tuple[float, ...], tau: float, averaging: bool = True
 ) -> ServerOpt:
-    """The one check of a run's --server-* options (ServerConfig, SimulationConfig): a RunError naming the option."""
+    """The one check of a run's --server-* options (feast_edge.settings.Aggregation): a RunError naming the option."""
     try:
         opt = ServerOpt(name, lr, momentum, tuple(betas), tau)
     except ValueError as exc:

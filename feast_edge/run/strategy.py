@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from feast_edge.aggregate.robust import aggregate_updates, check_rule
+from feast_edge.aggregate.segments import SegmentSums, apply_sums
 from feast_edge.aggregate.server_opt import routed_masks
 from feast_edge.cache.variants import VariantCache
 from feast_edge.evaluate.evaluation import calibrated_variant
 from feast_edge.evaluate.points import OperatingPoint, ServedPoints
 from feast_edge.route.plans import ClientPlan, plan_client
 from feast_edge.run.collect import ClientUpdate
-from feast_edge.run.settings import RunSettings
+from feast_edge.run.settings import RunError, RunSettings
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import count_params
 from feast_edge.space.geometry import supernet_layout
@@ -78,6 +79,16 @@ class FeastStrategy(ServedPoints):
         aggregate_updates(
             global_state, updates, inplace=True, rule=self.aggregation, trim=self.trim, clip_norm=self.clip_norm
         )
+
+    def aggregate_sums(self, t: int, global_state: Mapping[str, torch.Tensor], sums: SegmentSums) -> None:
+        """Method §6 from per-segment sums, in place (feast_edge.aggregate.segments); a robust rule needs each
+        update, so it refuses them."""
+        if self.aggregation != "mean":
+            raise RunError(
+                f"--aggregation {self.aggregation} needs each device's update; a collector that delivers per-segment "
+                "sums takes --aggregation mean"
+            )
+        apply_sums(dict(global_state), sums)
 
     def routed(
         self, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], names: Sequence[str]

@@ -52,7 +52,7 @@ class Setup:
     population: Population
     client_ids: list[str]
     plans: dict[str, Any] = field(default_factory=dict)
-    holdout: float = 0.0  # each client's held-out share of its shard (config.holdout): never trains
+    holdout: float = 0.0  # each client's held-out share of its shard (config.serving.holdout): never trains
 
     def _shard(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         shard = self.pool[self.population.partition.shards[self.client_ids.index(client_id)]]

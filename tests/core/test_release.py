@@ -16,11 +16,14 @@ from feast_edge.aggregate.server_opt import ServerOpt
 from feast_edge.privacy.settings import DpSettings
 from feast_edge.run.collect import ClientUpdate
 from feast_edge.run.release import BaseStage, Release, RoundContext, RunStops
+from feast_edge.run.schedule import SyncRounds
 from feast_edge.run.settings import RunError, RunSettings
 from feast_edge.run.stages import release_of
 from feast_edge.run.stages.privacy_noise import PrivacyStage
 from feast_edge.run.stages.server_step import ServerStepStage
 from feast_edge.run.stages.weight_cap import WeightCapStage
+from feast_edge.sim.simulate import Simulation
+from simconfigs import tiny_config
 
 
 class Mean:
@@ -105,12 +108,19 @@ def test_stage_state_round_trips_and_a_checkpoint_with_state_no_stage_keeps_is_r
 def test_release_of_puts_privacy_first_and_the_server_step_after_its_noise() -> None:
     dp = DpSettings(clip=1.0, noise=1.0, seed=0)
     settings = RunSettings(
-        rounds=3, per_round=2, min_clients=1, seed=0, lr=0.1, dp=dp, server_opt=ServerOpt("adam", 0.01)
+        rounds=3,
+        per_round=2,
+        min_clients=1,
+        seed=0,
+        lr=0.1,
+        dp=dp,
+        server_opt=ServerOpt("adam", 0.01),
+        max_weight_ratio=8.0,
     )
     stages = release_of(settings, torch.nn.Linear(2, 1), Mean([])).stages
     assert [type(s) for s in stages] == [PrivacyStage, WeightCapStage, ServerStepStage]
     plain = RunSettings(rounds=3, per_round=2, min_clients=1, seed=0, lr=0.1)
-    assert [type(s) for s in release_of(plain, torch.nn.Linear(2, 1), Mean([])).stages] == [WeightCapStage]
+    assert release_of(plain, torch.nn.Linear(2, 1), Mean([])).stages == []  # the paper's release: §6 alone
 
 
 def test_the_weight_cap_notes_each_capped_client_in_the_round_record() -> None:
@@ -125,3 +135,37 @@ def test_the_weight_cap_notes_each_capped_client_in_the_round_record() -> None:
     out = WeightCapStage(2.0).prepare(ctx, {}, updates)
     assert [u.samples for u in out] == [10, 10, 20]
     assert ctx.record.capped == {"c": [10_000, 20]}
+
+
+class _Holding:
+    """A release policy that keeps every round's input and releases nothing (a buffer that never fills)."""
+
+    def __init__(self) -> None:
+        self.held: list[list[str]] = []
+
+    def release(self, ctx, global_state, valid, plans, sums) -> bool:
+        self.held.append([u.client for u in valid])
+        return False
+
+
+class _Counting(SyncRounds):
+    """Synchronous rounds that note each step they gathered."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.steps: list[int] = []
+
+    def gather(self, t, collector, needed, admit, history):
+        self.steps.append(t)
+        return super().gather(t, collector, needed, admit, history)
+
+
+def test_the_loop_takes_its_scheduler_and_release_policy(fashion_mnist_dir: Path, tmp_path: Path) -> None:
+    sim = Simulation(tiny_config(fashion_mnist_dir, rounds=2), tmp_path)
+    before = {name: t.clone() for name, t in sim.model.state_dict().items()}
+    holding, counting = _Holding(), _Counting(sim.loop.settings, sim.loop.method, sim.model)
+    sim.loop.policy, sim.loop.scheduler = holding, counting
+    sim.run()
+    assert counting.steps == [0, 1]
+    assert holding.held == [r.cohort for r in sim.loop.history] and not any(r.applied for r in sim.loop.history)
+    assert all(torch.equal(before[n], t) for n, t in sim.model.state_dict().items())  # nothing was released

@@ -114,7 +114,7 @@ class FlowerCollector:
 
     def clients(self, needed: int) -> list[str]:
         """Block until ``needed`` accepted nodes are connected (``--wait-timeout``: WaitTimeout past it)."""
-        limit = self.settings.wait_timeout
+        limit = self.settings.network.wait_timeout
         end = time.monotonic() + limit if limit else None
         while True:
             online = self.nodes.refresh()
@@ -146,7 +146,7 @@ class FlowerCollector:
             messages.append(Message(message, dst_node_id=node, message_type="train", group_id=str(t)))
         got = Collected([], send_seconds=time.monotonic() - began)
         valid: dict[str, ClientUpdate] = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.settings.round_timeout):
+        for reply in self.grid.send_and_receive(messages, timeout=self.settings.network.round_timeout):
             node = reply.metadata.src_node_id
             if node not in routed or routed[node][0] in valid or routed[node][0] in got.declined:
                 got.ignored.append(f"{_host(node)}: a reply nobody in this round's cohort was asked for")
@@ -178,7 +178,7 @@ class FlowerCollector:
         info = records.describe(state, federation=self.nodes.federation, round=t, device=device, kind="routed")
         registered = self.nodes.devices.registry.get(device)
         start = terms.round_start(
-            plan, self.nodes.federation, t, device, registered, info, self.settings.round_timeout, lr
+            plan, self.nodes.federation, t, device, registered, info, self.settings.network.round_timeout, lr
         )
         return records.train_content(start, state), info
 

@@ -24,7 +24,8 @@ def release_of(settings: RunSettings, model: torch.nn.Module, method: RoundMetho
     stages: list[Stage] = []
     if settings.dp is not None:
         stages.append(PrivacyStage(settings.dp, params, settings.rounds, clients_noise=settings.dp_on_devices))
-    stages.append(WeightCapStage(settings.max_weight_ratio))
+    if settings.max_weight_ratio:
+        stages.append(WeightCapStage(settings.max_weight_ratio))
     if not settings.server_opt.identity:
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         stages.append(ServerStepStage(settings.server_opt, shapes, method))

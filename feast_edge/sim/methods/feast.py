@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from feast_edge.aggregate.segments import SegmentSums
 from feast_edge.evaluate.points import OperatingPoint
 from feast_edge.local.update import client_update
 from feast_edge.route.envelope import route_state
@@ -96,6 +97,9 @@ class Feast(Method):
         plans: Mapping[str, Any],
     ) -> None:
         self.strategy.aggregate(t, global_state, updates, plans)
+
+    def aggregate_sums(self, t: int, global_state: Mapping[str, torch.Tensor], sums: SegmentSums) -> None:
+        self.strategy.aggregate_sums(t, global_state, sums)
 
     def points(self) -> list[OperatingPoint]:
         return self.strategy.points()

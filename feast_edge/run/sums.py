@@ -1,0 +1,43 @@
+"""A collector whose rounds come back as per-segment sums (feast_edge.aggregate.segments) computed in the clear from
+another collector's updates: the reference a collector that never reveals single updates (secure aggregation) must
+equal, and the way to run the release's sums path on any collector."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import torch
+
+from feast_edge.aggregate.checks import check_payload
+from feast_edge.aggregate.segments import plain_sums
+from feast_edge.route.plans import ClientPlan
+from feast_edge.run.collect import Collected, Collector
+
+
+class PlainSums:
+    """``inner``'s rounds, each as its valid updates' per-segment sums; the updates keep only what was reported."""
+
+    def __init__(self, inner: Collector) -> None:
+        self.inner = inner
+
+    def clients(self, needed: int) -> list[str]:
+        return self.inner.clients(needed)
+
+    def budget(self, client: str) -> float:
+        return self.inner.budget(client)
+
+    def collect(
+        self,
+        t: int,
+        cohort: Sequence[str],
+        plans: Mapping[str, ClientPlan],
+        global_state: Mapping[str, torch.Tensor],
+        lr: float,
+    ) -> Collected:
+        got = self.inner.collect(t, cohort, plans, global_state, lr)
+        updates = sorted(got.updates, key=lambda u: u.client)
+        for u in updates:
+            check_payload(dict(global_state), u.state)
+        sums = plain_sums(dict(global_state), [(u.client, u.state, u.samples) for u in updates])
+        return replace(got, updates=[replace(u, state={}) for u in updates], sums=sums)
