@@ -26,7 +26,7 @@ import torch
 
 from feast_edge.dashboard.state import DashboardState
 from feast_edge.route.plans import ClientPlan
-from feast_edge.run.collect import Collected, Collector
+from feast_edge.run.collect import Collected, Collector, Wrapped
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
 from feast_edge.server.collect import DeviceCollector, RoundTerms
@@ -344,17 +344,12 @@ class FederationServer(RunHost):
             self.pump(0.2)
 
 
-class _ThreadedCollector:
+class _ThreadedCollector(Wrapped):
     """A collector whose round ends by choosing the server's threads for what it computes next (aggregation, validation)."""
 
     def __init__(self, inner: Collector, threads: Threads) -> None:
-        self.inner, self.threads = inner, threads
-
-    def clients(self, needed: int) -> list[str]:
-        return self.inner.clients(needed)
-
-    def budget(self, client: str) -> float:
-        return self.inner.budget(client)
+        super().__init__(inner)
+        self.threads = threads
 
     def collect(
         self,

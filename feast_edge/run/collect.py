@@ -49,6 +49,19 @@ class Collected:
     sums: SegmentSums | None = None
 
 
+class Wrapped:
+    """A collector around ``inner``: the same clients and budgets; a subclass gives its own ``collect``."""
+
+    def __init__(self, inner: Collector) -> None:
+        self.inner = inner
+
+    def clients(self, needed: int) -> list[str]:
+        return self.inner.clients(needed)
+
+    def budget(self, client: str) -> float:
+        return self.inner.budget(client)
+
+
 class Collector(Protocol):
     """How a cohort's updates are collected: in process (simulation) or over MQTT (deployment)."""
 

@@ -12,20 +12,11 @@ import torch
 from feast_edge.aggregate.checks import check_payload
 from feast_edge.aggregate.segments import plain_sums
 from feast_edge.route.plans import ClientPlan
-from feast_edge.run.collect import Collected, Collector
+from feast_edge.run.collect import Collected, Wrapped
 
 
-class PlainSums:
+class PlainSums(Wrapped):
     """``inner``'s rounds, each as its valid updates' per-segment sums; the updates keep only what was reported."""
-
-    def __init__(self, inner: Collector) -> None:
-        self.inner = inner
-
-    def clients(self, needed: int) -> list[str]:
-        return self.inner.clients(needed)
-
-    def budget(self, client: str) -> float:
-        return self.inner.budget(client)
 
     def collect(
         self,

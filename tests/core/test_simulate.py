@@ -128,9 +128,9 @@ def test_a_damaged_checkpoint_stops_the_resume_and_names_the_previous_one(uninte
         Simulation(TINY_RUN, out).run(resume=True)
     # Told to, the run loop resumes from the previous checkpoint and keeps the damaged file for inspection.
     loop = Simulation(TINY_RUN, out).loop
-    assert loop.resume("hint", fall_back=True) == TINY_RUN.rounds - 1
+    assert loop.resume("hint", fall_back=True) == TINY_RUN.training.rounds - 1
     assert loop.recovered is not None and "resumed from the previous checkpoint" in loop.recovered
     assert len(list(out.glob("checkpoint.damaged-*.safetensors"))) == 1
     assert (
-        Simulation(TINY_RUN, out).loop.resume("hint") == TINY_RUN.rounds - 1
+        Simulation(TINY_RUN, out).loop.resume("hint") == TINY_RUN.training.rounds - 1
     )  # the last checkpoint is a good one again
