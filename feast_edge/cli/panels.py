@@ -35,6 +35,11 @@ PANELS = {
 }
 
 
+def help_of(option: Any) -> str:
+    """The help of an option type commands share (``Annotated[type, typer.Option(...)]``)."""
+    return typing.get_args(option)[1].help
+
+
 def option_type(kind: Any) -> Any:
     """A setting's type as typer takes it: ``X | None`` as ``Optional[X]``; a bool-or-str setting as a string."""
     args = typing.get_args(kind)

@@ -1,13 +1,7 @@
-"""The differential-privacy options of ``feast-edge simulate`` and ``feast-server run`` (feast_edge.privacy)."""
+"""The help of the differential-privacy options of ``feast-edge simulate`` and ``feast-server run``
+(feast_edge.privacy; the options themselves are built from the settings: feast_edge.cli.panels)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Optional
-
-import typer
-
-from feast_edge.cli.common import F, option_group
 
 # The help of each --dp-* setting (feast_edge.settings.Privacy), for every command that takes them.
 DP_HELP = {
@@ -26,13 +20,3 @@ DP_HELP = {
     "dp_clip_count_std": "Adaptive clipping: noise std on the count of unclipped updates (default: a tenth of the "
     "privacy, 1.58 z; the updates' noise grows so ε stays that of --dp-noise).",
 }
-_TYPES = {"dp_seed": (Optional[int], None), "dp_mode": (str, "central"), "dp_clip_lr": (float, 0.2)}
-
-
-def dp_options() -> Callable[[F], F]:
-    """Give a command the ``--dp-*`` options; it receives them as ``dp: dict`` of config keywords (``dp_clip``, ...)."""
-    options = {
-        key: (*_TYPES.get(key, (Optional[float], None)), typer.Option(f"--{key.replace('_', '-')}", help=text))
-        for key, text in DP_HELP.items()
-    }
-    return option_group("dp", options, dict)

@@ -13,17 +13,16 @@ from feast_edge.cli.common import (
     DashboardTokenOpt,
     DeterministicOpt,
     DeviceOpt,
-    PayloadDtypeOpt,
     TensorBoardOpt,
     check_dashboard,
     make_console,
     millions,
 )
-from feast_edge.cli.panels import by_concern
+from feast_edge.cli.panels import by_concern, settings_options
 from feast_edge.cli.population import population_options
-from feast_edge.cli.privacy import dp_options
 from feast_edge.cli.progress import Stage
-from feast_edge.cli.server_opt import server_opt_options
+from feast_edge.cli.server_opt import betas
+from feast_edge.cli.simulate_options import FLAGS, HELP
 from feast_edge.errors import FeastError
 from feast_edge.sim.config import SimulationConfig
 from feast_edge.space.arch import Arch
@@ -40,15 +39,11 @@ def _say(text: str) -> None:
 
 @by_concern(SimulationConfig, renamed=RENAMED, rest="Process and output")
 @population_options
-@server_opt_options()
-@dp_options()
+@settings_options(SimulationConfig, HELP, flags=FLAGS, cli_types={"server_betas": str}, parse={"server_betas": betas})
 def simulate(
     population: dict[str, Any],
-    server_opt: dict[str, Any],
-    dp: dict[str, Any],
+    settings: dict[str, Any],
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: checkpoints and results.")],
-    per_round: Annotated[int, typer.Option(help="Clients sampled per round m.")] = 5,
-    rounds: Annotated[int, typer.Option(help="Federation rounds (also the cosine-decay horizon).")] = 30,
     method: Annotated[
         str,
         typer.Option(
@@ -62,31 +57,6 @@ def simulate(
             "--method-option", help="KEY=VALUE option of the method (repeatable; e.g. tiers=1,0.5,0.25 for heterofl)."
         ),
     ] = None,
-    variants: Annotated[
-        str,
-        typer.Option(
-            "--variants",
-            help="FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations).",
-        ),
-    ] = "full",
-    lr: Annotated[
-        Optional[float], typer.Option(help="Initial SGD learning rate (default: the preset's recipe).")
-    ] = None,
-    lr_schedule: Annotated[
-        Optional[str],
-        typer.Option("--lr-schedule", help="cosine or constant over the rounds (default: the preset's recipe)."),
-    ] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Local batch size (default: the preset's recipe).")] = None,
-    local_epochs: Annotated[
-        Optional[int], typer.Option("--local-epochs", help="Local epochs per round (default: the preset's recipe).")
-    ] = None,
-    augment: Annotated[
-        Optional[str],
-        typer.Option(
-            "--augment",
-            help="Augmentation policy: randaugment+mix (method §7), crop-flip+mix, crop-flip, randaugment or none (default: the preset's recipe).",
-        ),
-    ] = None,
     recipe: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -94,31 +64,6 @@ def simulate(
             help="KEY=VALUE override of any [train] recipe key (repeatable; e.g. mixup_alpha=0.2, randaugment=[2,9]).",
         ),
     ] = None,
-    eval_every: Annotated[int, typer.Option(help="Validate every k rounds.")] = 5,
-    test_limit: Annotated[Optional[int], typer.Option(help="Test on only the first N test examples.")] = None,
-    aggregation: Annotated[
-        str,
-        typer.Option(
-            "--aggregation",
-            help="mean (method §6), clip (norm clipping), trimmed-mean or median over the clients covering each position.",
-        ),
-    ] = "mean",
-    trim: Annotated[
-        float,
-        typer.Option("--trim", help="trimmed-mean: share of the covering values dropped at each end, in [0, 0.5)."),
-    ] = 0.1,
-    clip_norm: Annotated[
-        Optional[float],
-        typer.Option("--clip-norm", help="clip: L2 bound of an update (default: the cohort's median update norm)."),
-    ] = None,
-    max_weight_ratio: Annotated[
-        float,
-        typer.Option(
-            "--max-weight-ratio",
-            help="Treat the shard sizes as self-reported and cap each at this many times the round's median "
-            "(what feast-server run does to devices' own counts; 0: the paper's weights).",
-        ),
-    ] = 0.0,
     device: DeviceOpt = "auto",
     amp: Annotated[
         str,
@@ -138,7 +83,6 @@ def simulate(
             "a baseline matched to FEAST, as the paper's matched-compute experiment).",
         ),
     ] = None,
-    payload_dtype: PayloadDtypeOpt = "float32",
     nproc: Annotated[
         int,
         typer.Option(
@@ -181,15 +125,6 @@ def simulate(
             "run without them.",
         ),
     ] = None,
-    validate_on: Annotated[
-        str,
-        typer.Option(
-            "--validate-on",
-            help="server: validate on the server's held split (the best round is served); devices: each cohort "
-            "client tests the model on its own held-out split, as devices do for a server without data, and the "
-            "served round is the newest without a regression on their served variants (needs --holdout).",
-        ),
-    ] = "server",
     dashboard: DashboardOpt = None,
     dashboard_token: DashboardTokenOpt = None,
     tensorboard: TensorBoardOpt = False,
@@ -206,36 +141,20 @@ def simulate(
 
     if method in VARIANT_MODES:
         raise FeastError(f"--method {method} is an ablation of FEAST; use --method feast --variants {method}")
+    validate_on = settings["validate_on"]
     config = SimulationConfig.of(
         **population,
-        per_round=per_round,
-        rounds=rounds,
+        **settings,
         method=method,
         method_options=parse_pairs(method_option, "--method-option"),
-        variants=variants,
-        lr=lr,
-        lr_schedule=lr_schedule,
-        batch_size=batch_size,
-        epochs=local_epochs,
-        augment=augment,
         recipe=tuple((k, _recipe_value(v)) for k, v in parse_pairs(recipe, "--recipe")),
-        eval_every=eval_every,
-        test_limit=test_limit,
-        aggregation=aggregation,
-        trim=trim,
-        clip_norm=clip_norm,
-        max_weight_ratio=max_weight_ratio,
-        **server_opt,
-        **dp,
         device=device,
-        payload_dtype=payload_dtype,
         amp=precision.mode,
         deterministic=deterministic,
         personalize=personalize.strip(),
         holdout=holdout
         if holdout is not None
         else (0.0 if personalize.strip() == "off" and validate_on != "devices" else DEFAULT_HOLDOUT),
-        validate_on=validate_on,
     )
     config.train_config()  # validates the method, its options and the recipe before any data is read
     setup, matched = None, None
@@ -245,12 +164,12 @@ def simulate(
 
         setup = build_setup(config)
         config, matched = matched_config(config, setup, match_compute)
-        rounds = config.training.rounds
         _say(
             f"matched compute: {matched.rounds} rounds of {config.method} spend {matched.predicted_train_macs / 1e12:.2f} "
             f"TMAC, {matched.run_method}'s {matched.run_rounds} rounds in {match_compute} spent "
             f"{matched.target_train_macs / 1e12:.2f} TMAC"
         )
+    rounds = config.training.rounds
     from feast_edge.cli.worker import COMMAND
     from feast_edge.sim.distributed import Spread
 

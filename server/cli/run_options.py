@@ -3,19 +3,11 @@ names and bounds; type, default and ``--help`` panel come from the settings them
 
 from __future__ import annotations
 
-import typing
-from typing import Any
-
 from feast_edge.cli import common
+from feast_edge.cli.panels import help_of
 from feast_edge.cli.privacy import DP_HELP
 from feast_edge.cli.server_opt import server_opt_help
 from feast_edge.server.cli.shared import PrecisionOpt, ServingRuleOpt
-
-
-def _help(option: Any) -> str:
-    """The help of an option type other commands share (``Annotated[type, typer.Option(...)]``)."""
-    return typing.get_args(option)[1].help
-
 
 _OWN = {
     "preset": "Preset name or .toml file.",
@@ -48,14 +40,14 @@ _OWN = {
 }
 HELP = {
     **_OWN,
-    "payload_dtype": _help(common.PayloadDtypeOpt),
+    "payload_dtype": help_of(common.PayloadDtypeOpt),
     **server_opt_help(),
     **DP_HELP,
-    "serving_rule": _help(ServingRuleOpt),
-    "precision": _help(PrecisionOpt),
-    "int8_samples": _help(common.Int8SamplesOpt),
-    "int8_tolerance": _help(common.Int8ToleranceOpt),
-    "chunk_size": _help(common.ChunkOpt),
+    "serving_rule": help_of(ServingRuleOpt),
+    "precision": help_of(PrecisionOpt),
+    "int8_samples": help_of(common.Int8SamplesOpt),
+    "int8_tolerance": help_of(common.Int8ToleranceOpt),
+    "chunk_size": help_of(common.ChunkOpt),
 }
 FLAGS = {"preset": ("--preset", "-p"), "epochs": ("--local-epochs",)}
 BOUNDS = {

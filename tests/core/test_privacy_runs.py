@@ -36,7 +36,9 @@ def test_every_round_has_uniform_weights_and_its_epsilon_in_the_csv_and_the_resu
     )
     eps = [r["dp"]["epsilon"] for r in rounds]
     assert eps == sorted(eps) and eps[0] > 0
-    assert eps[-1] == pytest.approx(planned_epsilon(3, DP_RUN.population.clients, DP_RUN.population.per_round, 0.8, 1e-5))
+    assert eps[-1] == pytest.approx(
+        planned_epsilon(3, DP_RUN.population.clients, DP_RUN.population.per_round, 0.8, 1e-5)
+    )
     assert [float(row["epsilon"]) for row in csv.DictReader((out / "rounds.csv").open())] == pytest.approx(eps, 1e-4)
     block = results["privacy"]
     assert block["epsilon"] == eps[-1] and block["delta"] == 1e-5 and block["weights"] == "uniform"
@@ -70,7 +72,9 @@ def test_noise_changes_the_model_and_a_resume_with_other_dp_settings_is_refused(
 @pytest.mark.slow
 def test_the_run_stops_before_the_round_that_would_pass_the_budget(fashion_mnist_dir, tmp_path):
     sim = Simulation(DP_RUN, tmp_path)
-    budget = planned_epsilon(1, DP_RUN.population.clients, DP_RUN.population.per_round, 0.8, 1e-5) * 1.01  # round 1 fits, round 2 does not
+    budget = (
+        planned_epsilon(1, DP_RUN.population.clients, DP_RUN.population.per_round, 0.8, 1e-5) * 1.01
+    )  # round 1 fits, round 2 does not
     [stage] = [s for s in sim.loop.release.stages if isinstance(s, PrivacyStage)]
     stage.rounds = PrivateRounds(replace(DP_RUN.dp_settings(), epsilon=budget), stage.rounds.params)
     results = sim.run()
@@ -148,7 +152,9 @@ def test_adaptive_clipping_moves_the_bound_in_the_csv_and_a_resume_continues_it_
     rows = list(csv.DictReader((tmp_path / "full" / "rounds.csv").open()))
     assert [float(row["clip"]) for row in rows] == pytest.approx(clips, 1e-5)
     # The count costs no ε: the same accounting as a fixed bound of the same --dp-noise.
-    assert full["privacy"]["epsilon"] == pytest.approx(planned_epsilon(3, DP_RUN.population.clients, DP_RUN.population.per_round, 0.8, 1e-5))
+    assert full["privacy"]["epsilon"] == pytest.approx(
+        planned_epsilon(3, DP_RUN.population.clients, DP_RUN.population.per_round, 0.8, 1e-5)
+    )
     assert full["privacy"]["adaptive_clip"]["last"] == clips[-1]
     assert Simulation(ADAPTIVE_RUN, tmp_path / "resumed").run(stop_after=2) is None
     resumed = Simulation(ADAPTIVE_RUN, tmp_path / "resumed").run(resume=True)

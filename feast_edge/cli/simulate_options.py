@@ -1,0 +1,32 @@
+"""The settings ``feast-edge simulate`` takes as options beside its population's (feast_edge.cli.population) and
+those it reads itself: their help; type, default and ``--help`` panel come from the settings
+(feast_edge.sim.config.SimulationConfig, feast_edge.cli.panels)."""
+
+from __future__ import annotations
+
+from feast_edge.cli import common
+from feast_edge.cli.panels import help_of
+from feast_edge.cli.privacy import DP_HELP
+from feast_edge.cli.server_opt import server_opt_help
+
+HELP = {
+    "per_round": "Clients sampled per round m.",
+    "rounds": "Federation rounds (also the cosine-decay horizon).",
+    "variants": "FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations).",
+    "lr": "Initial SGD learning rate (default: the preset's recipe).",
+    "lr_schedule": "cosine or constant over the rounds (default: the preset's recipe).",
+    "batch_size": "Local batch size (default: the preset's recipe).",
+    "epochs": "Local epochs per round (default: the preset's recipe).",
+    "augment": "Augmentation policy: randaugment+mix (method §7), crop-flip+mix, crop-flip, randaugment or none (default: the preset's recipe).",
+    "eval_every": "Validate every k rounds.",
+    "test_limit": "Test on only the first N test examples.",
+    "aggregation": "mean (method §6), clip (norm clipping), trimmed-mean or median over the clients covering each position.",
+    "trim": "trimmed-mean: share of the covering values dropped at each end, in [0, 0.5).",
+    "clip_norm": "clip: L2 bound of an update (default: the cohort's median update norm).",
+    "max_weight_ratio": "Treat the shard sizes as self-reported and cap each at this many times the round's median (what feast-server run does to devices' own counts; 0: the paper's weights).",
+    "payload_dtype": help_of(common.PayloadDtypeOpt),
+    "validate_on": "server: validate on the server's held split (the best round is served); devices: each cohort client tests the model on its own held-out split, as devices do for a server without data, and the served round is the newest without a regression on their served variants (needs --holdout).",
+    **server_opt_help(),
+    **DP_HELP,
+}
+FLAGS = {"epochs": ("--local-epochs",)}
