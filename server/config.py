@@ -20,7 +20,7 @@ from feast_edge.run.loop import CHECKPOINT
 from feast_edge.run.settings import RunSettings
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
 from feast_edge.settings.concerns import loop_settings
-from feast_edge.settings.nested import changed, flat_types, of
+from feast_edge.settings.nested import changed, check, flat_types, of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 KIND = "federation"
@@ -37,12 +37,6 @@ SERVED_PRECISIONS = ("auto", "fp32", "int8")  # --precision: auto = the precisio
 BN_CALIBRATIONS = ("federated", "device")  # where a server without data has its served variants' BN calibrated
 
 
-def _check(checks: list[tuple[bool, str]]) -> None:
-    for ok, message in checks:
-        if not ok:
-            raise SettingsError(message)
-
-
 @dataclass(frozen=True)
 class Fleet(Population):
     """The devices: how many a round needs and samples, and what the registry takes."""
@@ -54,7 +48,7 @@ class Fleet(Population):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(
+        check(
             [
                 (self.min_clients >= 1, f"--min-clients {self.min_clients} must be at least 1"),
                 (
@@ -82,7 +76,7 @@ class DeviceAggregation(Aggregation):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check([(self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)")])
+        check([(self.max_update_norm >= 0, f"--max-update-norm {self.max_update_norm} must be >= 0 (0: no bound)")])
 
 
 def _deployment_aggregation() -> DeviceAggregation:
@@ -102,7 +96,7 @@ class FederatedChecks(Validation):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(
+        check(
             [
                 (self.bn_rule in BN_RULES, f"--bn-rule {self.bn_rule!r} must be one of {', '.join(BN_RULES)}"),
                 (self.val_rule in VAL_RULES, f"--val-rule {self.val_rule!r} must be one of {', '.join(VAL_RULES)}"),
@@ -130,7 +124,7 @@ class Serving(Concern):
     int8_tolerance: float = 0.01  # accuracy an int8 file may lose against float32 on held-out data before it is refused
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             [
                 (
                     self.serving_rule in SERVING_RULES,
@@ -162,7 +156,7 @@ class Network(Concern):
     chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             [
                 (self.round_timeout > 0, f"--round-timeout {self.round_timeout} must be > 0 seconds"),
                 (self.wait_timeout >= 0, f"--wait-timeout {self.wait_timeout} must be >= 0 seconds (0: wait forever)"),

@@ -11,14 +11,7 @@ from feast_edge.aggregate.weights import ratio_problem
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.privacy.settings import DpSettings, PrivacyError, dp_of
 from feast_edge.run.settings import RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
-from feast_edge.settings.nested import Concern, SettingsError, setting
-
-
-def _check(checks: list[tuple[bool, str]]) -> None:
-    """A SettingsError with the message of the first check that fails."""
-    for ok, message in checks:
-        if not ok:
-            raise SettingsError(message)
+from feast_edge.settings.nested import Concern, SettingsError, check, setting
 
 
 @dataclass(frozen=True)
@@ -28,7 +21,7 @@ class Population(Concern):
     per_round: int = 5  # devices (clients) sampled per round
 
     def __post_init__(self) -> None:
-        _check([(self.per_round >= 1, f"--per-round {self.per_round} must be at least 1")])
+        check([(self.per_round >= 1, f"--per-round {self.per_round} must be at least 1")])
 
 
 @dataclass(frozen=True)
@@ -47,7 +40,7 @@ class Training(Concern):
     def __post_init__(self) -> None:
         recipe = tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in dict(self.recipe).items()))
         object.__setattr__(self, "recipe", recipe)
-        _check([(self.rounds >= 1, f"--rounds {self.rounds} must be at least 1")])
+        check([(self.rounds >= 1, f"--rounds {self.rounds} must be at least 1")])
 
     def recipe_of(self, preset: str) -> tuple[TrainConfig, str]:
         """The training recipe: ``preset``'s [train] table, then --recipe, then the explicit options (and the lr
@@ -88,7 +81,7 @@ class Aggregation(Concern):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "server_betas", tuple(float(b) for b in self.server_betas))
-        _check([(not ratio_problem(self.max_weight_ratio), ratio_problem(self.max_weight_ratio))])
+        check([(not ratio_problem(self.max_weight_ratio), ratio_problem(self.max_weight_ratio))])
         try:
             check_run_options(self.payload_dtype, self.rule, self.trim, self.clip_norm)
             self.optimizer()
@@ -150,7 +143,7 @@ class Validation(Concern):
     probe_variants: int = 3  # cached variants, evenly spaced by rank, averaged for checkpoint selection
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             [
                 (self.eval_every >= 1, f"--eval-every {self.eval_every} must be at least 1"),
                 (

@@ -30,6 +30,13 @@ class SettingsError(FeastError, ValueError):
     """A setting's value does not fit (the message names its option and what to give)."""
 
 
+def check(checks: list[tuple[bool, str]]) -> None:
+    """A SettingsError with the message of the first check that fails (a concern's ``__post_init__``)."""
+    for ok, message in checks:
+        if not ok:
+            raise SettingsError(message)
+
+
 @dataclass(frozen=True)
 class Concern:
     """One concern's settings (frozen; each setting's key unique across a configuration)."""
@@ -100,9 +107,10 @@ def _grouped(cls: type, values: dict[str, Any]) -> dict[str | None, dict[str, An
     return grouped
 
 
-def _defaults(cls: type) -> dict[str, Any]:
+def _default_concerns(cls: type) -> dict[str, Any]:
     """The concern instances ``cls`` gives by default (each concern field has a default factory)."""
-    return {name: f.default_factory() for f in dataclasses.fields(cls) if (name := f.name) in concern_fields(cls)}  # type: ignore[misc]
+    concerns = concern_fields(cls)
+    return {f.name: f.default_factory() for f in dataclasses.fields(cls) if f.name in concerns}  # type: ignore[misc]
 
 
 def of(cls: Callable[..., C], **values: Any) -> C:
@@ -110,7 +118,7 @@ def of(cls: Callable[..., C], **values: Any) -> C:
     grouped = _grouped(cls, values)  # type: ignore[arg-type]
     concerns = {
         name: dataclasses.replace(default, **grouped.get(name, {}))
-        for name, default in _defaults(cls).items()  # type: ignore[arg-type]
+        for name, default in _default_concerns(cls).items()  # type: ignore[arg-type]
     }
     return cls(**grouped.get(None, {}), **concerns)
 

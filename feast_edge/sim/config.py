@@ -18,7 +18,7 @@ from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.privacy.private_rounds import check_plan
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
-from feast_edge.settings.nested import changed, flat_types, key_of, of
+from feast_edge.settings.nested import changed, check, flat_types, key_of, of
 from feast_edge.sim.registry import method_class
 
 VALIDATE_ON = ("server", "devices")  # --validate-on
@@ -60,9 +60,7 @@ class ClientPopulation(Population):
                 f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise SettingsError(message)
+        check(checks)
 
 
 @dataclass(frozen=True)
