@@ -60,6 +60,7 @@ from feast_edge.cache.variants import load_cache
 from feast_edge.evaluate.evaluation import accuracy
 from feast_edge.evaluate.federated import calibrated_static
 from feast_edge.evaluate.served_round import figures_of, served_round
+from feast_edge.run.checkpoint import load_supernet
 from feast_edge.sim.setup import SimulationConfig, build_setup
 from feast_edge.sim.simulate import Simulation
 from feast_edge.space.extract import extract
@@ -306,6 +307,15 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
     last = config.training.rounds
     window = list(range(max(1, last - LAST + 1), last + 1))
     snapshots["average"] = averaged([snapshots[r] for r in window])
+    # What the run serves: best.safetensors (the last round's candidate is the mean of the last rounds' weights,
+    # --serve-average, where the rule chose the last round)
+    snapshots["served"] = load_supernet(sim.loop.selected_checkpoint(), preset)[0].state_dict()
+    span = sim.history[-1].average_of
+
+    def weights_of(round_: int | None) -> int | str:
+        """The weights served when the rule chooses ``round_``: the mean where the last round's candidate was one."""
+        return "average" if span and round_ == last else round_
+
     rows = {}
     for device in DEVICES:
         mean5 = statistics.mean(score(device, r) for r in window)
@@ -313,8 +323,10 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
             "budget": budgets[device],
             "served_macs": served[device].macs,
             "shard": sizes[device],
-            "served_round": honest.round,
-            "served": score(device, honest.round),
+            "served_round": honest.round
+            if weights_of(honest.round) != "average"
+            else f"{last} (mean of {span[0]}-{span[1]})",
+            "served": score(device, "served"),
             "mean_last": mean5,
             "last": score(device, last),
             "window": {r: score(device, r) for r in window},
@@ -342,7 +354,7 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
                 "kind": kind,
                 "served_round": choice.round,
                 "reason": choice.reason,
-                "honest": {d: (score(d, choice.round), rows[d]["served"]) for d in honest_devices},
+                "honest": {d: (score(d, weights_of(choice.round)), rows[d]["served"]) for d in honest_devices},
                 "distrusted": {devices[c]: named_round(why) for c, why in choice.distrusted.items()},
                 "liar_flagged": [r for r, d in flagged if d == liar],
                 "honest_flagged": [(r, d) for r, d in flagged if d != liar],

@@ -70,7 +70,11 @@ def served_round_words(manifest: dict[str, Any]) -> str:
     ):
         return ""
     reason = served.get("reason")
-    words = f"; the weights of round {served['round']} of {served['of']}"
+    span = served.get("average_of")
+    if isinstance(span, list) and len(span) == 2 and all(isinstance(r, int) for r in span):
+        words = f"; the mean of the weights of rounds {span[0]}-{span[1]} of {served['of']}"
+    else:
+        words = f"; the weights of round {served['round']} of {served['of']}"
     return words + (f" ({reason[:300]})" if isinstance(reason, str) and reason else "")
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from rich.table import Table
 
 from feast_edge.errors import FeastError
-from feast_edge.evaluate.served_round import served_record
+from feast_edge.evaluate.served_round import served_record, weights_words
 from feast_edge.privacy.private_rounds import privacy_line, stored_privacy
 from feast_edge.report.model_words import (
     FleetAccuracy,
@@ -175,7 +175,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     best_line = (
         "served: no round completed yet"
         if served is None
-        else f"served: weights of round {served['round']} of {served['of']}"
+        else f"served: {weights_words(served)}"
         + ("" if best is None else f", validation {_pct(best['val_accuracy'])}")
         + f" ({served['reason']})"
     )

@@ -166,8 +166,9 @@ def best_after(validated: Sequence[tuple[int, dict[str, Any], float | None]]) ->
 
 
 def served_record(rounds: int, best: Mapping[str, Any]) -> dict[str, Any]:
-    """What a manifest, a table or status says of the served weights: {"round", "of", "reason"} from a checkpoint's
-    completed ``rounds`` and its ``best`` record (empty where no validation chose: the last round is served)."""
+    """What a manifest, a table or status says of the served weights: {"round", "of", "reason"} and, where they are
+    the mean of several rounds' weights, "average_of": [first, last], from a checkpoint's completed ``rounds`` and its
+    ``best`` record (empty where no validation chose: the last round is served)."""
     if best.get("round") is None:
         return {
             "round": rounds,
@@ -175,7 +176,16 @@ def served_record(rounds: int, best: Mapping[str, Any]) -> dict[str, Any]:
             "reason": f"round {rounds}: the last round (no validation chose another)",
         }
     reason = best.get("reason") or f"round {best['round']}: the best validation accuracy"
-    return {"round": int(best["round"]), "of": rounds, "reason": str(reason)}
+    averaged = {"average_of": [int(r) for r in best["average_of"]]} if best.get("average_of") else {}
+    return {"round": int(best["round"]), "of": rounds, "reason": str(reason), **averaged}
+
+
+def weights_words(served: Mapping[str, Any]) -> str:
+    """``weights of round 8 of 20``, or ``the mean of the weights of rounds 16-20 of 20``, from a :func:`served_record`."""
+    span = served.get("average_of")
+    if isinstance(span, list) and len(span) == 2 and all(isinstance(r, int) for r in span):
+        return f"the mean of the weights of rounds {span[0]}-{span[1]} of {served.get('of')}"
+    return f"weights of round {served.get('round')} of {served.get('of')}"
 
 
 def serve_after(best: Mapping[str, Any], history: Sequence[Any], record: Any) -> tuple[dict[str, Any], bool]:
@@ -183,15 +193,30 @@ def serve_after(best: Mapping[str, Any], history: Sequence[Any], record: Any) ->
     whether its weights became the served ones.
 
     Validated by the devices (a server without data): the newest round unless its devices' served variants regressed
-    (:func:`best_after`); on server-held data: the best validation accuracy.
+    (:func:`best_after`); on server-held data: the best validation accuracy. Where the round's candidate was the mean
+    of the last rounds' weights (``record.average_of``, feast_edge.run.average), ``best`` says so.
     """
     if record.validation.get("source") == "devices":
         chosen = best_after([(h.round, h.validation, h.val_accuracy) for h in history if h.validation])
-        return (chosen or dict(best)), chosen.get("round") == record.round
-    if record.val_accuracy is None or record.val_accuracy <= best.get("val_accuracy", -1.0):
+        if chosen and chosen["round"] == best.get("round") and "average_of" in best:
+            return dict(best), False  # the incumbent, a mean of an earlier horizon (a finished run given more rounds)
+        now = bool(chosen) and chosen["round"] == record.round
+        chosen = chosen or dict(best)
+    elif record.val_accuracy is None or record.val_accuracy <= best.get("val_accuracy", -1.0):
         return dict(best), False
-    return {
-        "round": record.round,
-        "val_accuracy": record.val_accuracy,
-        "reason": f"round {record.round}: the best validation accuracy on the server's data so far",
-    }, True
+    else:
+        now, chosen = (
+            True,
+            {
+                "round": record.round,
+                "val_accuracy": record.val_accuracy,
+                "reason": f"round {record.round}: the best validation accuracy on the server's data so far",
+            },
+        )
+    span = getattr(record, "average_of", None)
+    if now and span:
+        chosen["average_of"] = list(span)
+        chosen["reason"] = f"{chosen['reason']}; served as the mean of rounds {span[0]}-{span[1]}'s weights"
+        if record.validation:  # what the round's record says it served (feast_edge.report.model_words.served_so_far)
+            record.validation["served_reason"], record.validation["served_average_of"] = chosen["reason"], list(span)
+    return chosen, now

@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from feast_edge.evaluate.served_round import weights_words
 from feast_edge.personalize.fleet import FleetAccuracy, fleet_accuracy_of
 from feast_edge.personalize.select import MAX_STRENGTH, METHODS, STRENGTH_NAME
 from feast_edge.personalize.tuned import Tuned, TunedError
@@ -187,7 +188,7 @@ def served_words(manifests: Iterable[Mapping[str, Any]]) -> str:
     served = next((m["served_round"] for m in manifests if isinstance(m.get("served_round"), Mapping)), None)
     if not served or "of" not in served:
         return ""
-    return f"weights of round {served.get('round')} of {served['of']}: {served.get('reason', '')}"
+    return f"{weights_words(served)}: {served.get('reason', '')}"
 
 
 def served_so_far(validation: Mapping[str, Any]) -> str:
@@ -196,6 +197,9 @@ def served_so_far(validation: Mapping[str, Any]) -> str:
     served = validation.get("served_round")
     if not isinstance(served, int) or isinstance(served, bool):
         return ""
+    span = validation.get("served_average_of")
+    if isinstance(span, list) and len(span) == 2 and all(isinstance(r, int) for r in span):
+        return f"the mean of the weights of rounds {span[0]}-{span[1]} so far: {validation.get('served_reason') or ''}"
     return f"weights of round {served} so far: {validation.get('served_reason') or ''}"
 
 

@@ -10,7 +10,8 @@
         the release policy (feast_edge.run.policy; by default >= min_clients contributors): the release
             (feast_edge.run.release), its stages around the method's aggregation, in place; else unchanged
         every eval_every rounds: validate (BN-recalibrated, method §8); best.safetensors holds the served round's
-            weights: on server data the best validation, validated by devices the newest without a regression
+            weights: on server data the best validation, validated by devices the newest without a regression; the
+            last round's candidate is the mean of the last --serve-average rounds' weights (feast_edge.run.average)
         checkpoint.safetensors (atomic; feast_edge.run.store): weights, round, history, best, the caller's extra fields
 
 Only the :class:`Collector` differs between simulation and deployment, so the
@@ -34,6 +35,7 @@ from feast_edge.cache.variants import VariantCache
 from feast_edge.evaluate.evaluation import Validation
 from feast_edge.evaluate.served_round import serve_after
 from feast_edge.route.payload import bytes_per_param
+from feast_edge.run.average import TailAverage, serve_average_of, split_extra
 from feast_edge.run.collect import Collector
 from feast_edge.run.policy import EveryRound, ReleasePolicy
 from feast_edge.run.release import RunStops
@@ -108,6 +110,8 @@ class RunLoop:
         self.stopped: str | None = None  # why the run ended before its last round (a stage refused it)
         self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
         self.best: dict[str, Any] = {}
+        by_devices = validation is None and validator is not None
+        self.average = TailAverage(settings.rounds, serve_average_of(settings.serve_average, by_devices))
         self.stop = threading.Event()
 
     # ------------------------------------------------------------------ checkpoints
@@ -120,9 +124,10 @@ class RunLoop:
                 history=[asdict(h) for h in self.history],
                 history_format=HISTORY_FORMAT,
                 best=self.best,
+                average=self.average.fields,
                 **self.extra_fields(),
             ),
-            self.release.state or None,
+            {**self.release.state, **self.average.state} or None,
         )
 
     def load(self, path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -140,7 +145,9 @@ class RunLoop:
         if resumed is None:
             return 0
         self.recovered = resumed.recovered
-        self.release.load(resumed.extra, resumed.path)
+        released, averaged = split_extra(resumed.extra)
+        self.release.load(released, resumed.path)
+        self.average.load(averaged, resumed.fields.get("average") or {}, resumed.path)
         zero_based = resumed.fields.get("history_format", 1) < HISTORY_FORMAT
         self.history = [RoundRecord.from_dict(h, zero_based) for h in resumed.fields["history"]]
         self.best = dict(resumed.fields.get("best", {}))
@@ -209,14 +216,17 @@ class RunLoop:
             except RunStops as exc:
                 self.stopped = str(exc)
                 break
-            if (t + 1) % s.eval_every == 0 or t + 1 == s.rounds:
-                if self.validation is not None:
+            validated = (t + 1) % s.eval_every == 0 or t + 1 == s.rounds
+            self.average.add(record.round, self.model.state_dict())
+            with self.average.standing_in(self.model, record.round, validated) as span:
+                record.average_of = None if span is None else list(span)
+                if validated and self.validation is not None:
                     record.val_accuracy = self.validate()
-                elif self.validator is not None:
+                elif validated and self.validator is not None:
                     record.val_accuracy = self.validator(t, record)
-            self.history.append(record)
-            if self.choose_served(record):
-                self.save(BEST)
+                self.history.append(record)
+                if self.choose_served(record):
+                    self.save(BEST)  # inside: the mean, where it stands in
             self.save(CHECKPOINT)
             if on_round is not None:
                 on_round(record)

@@ -42,6 +42,9 @@ class RoundRecord:
     aggregate_seconds: float = 0.0
     seconds: float = 0.0  # the whole round, from cohort sampling to the aggregated model
     val_accuracy: float | None = None
+    # [first, last]: the mean of these rounds' weights was validated, and served if chosen, in this round's stead
+    # (feast_edge.run.average); None: the round's own weights
+    average_of: list[int] | None = None
     # Federated validation (a server without data): {"source": "devices", "devices": [...], "samples": n,
     # "points": {label: accuracy}, "flagged": {device: why}, "served": {device: [variant, correct, total]},
     # "served_round", "served_reason"} (feast_edge.evaluate.device_validation, .served_round); empty where the validation split is server-held (or there was none).

@@ -29,6 +29,8 @@ class RunSettings:
     lr: float
     eval_every: int = 5
     probe_variants: int = 3
+    serve_average: int | None = None  # the last round's candidate: the mean of this many rounds' weights (None: 5
+    # where devices validate, 1 on server-held data; feast_edge.run.average)
     device: str = "cpu"
     aggregation: str = "mean"  # mean (method §6), clip, trimmed-mean or median (feast_edge.aggregate.robust)
     trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position

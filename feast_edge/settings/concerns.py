@@ -141,6 +141,9 @@ class Validation(Concern):
     val_samples: int = 5000  # validation examples of server-held data
     calib_samples: int = 500  # BN-calibration examples of server-held data (method §8)
     probe_variants: int = 3  # cached variants, evenly spaced by rank, averaged for checkpoint selection
+    serve_average: int | None = (
+        None  # last round's candidate: mean of this many rounds' weights (feast_edge.run.average)
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -151,6 +154,10 @@ class Validation(Concern):
                     "--val-samples and --calib-samples must be at least 1",
                 ),
                 (self.probe_variants >= 1, f"--probe-variants {self.probe_variants} must be at least 1"),
+                (
+                    self.serve_average is None or self.serve_average >= 1,
+                    f"--serve-average {self.serve_average} must be at least 1 (1: serve the round's own weights)",
+                ),
             ]
         )
 
@@ -170,6 +177,7 @@ def loop_settings(
         lr=train.lr,
         eval_every=check.eval_every,
         probe_variants=check.probe_variants,
+        serve_average=check.serve_average,
         device=device,
         aggregation=rule.rule,
         trim=rule.trim,

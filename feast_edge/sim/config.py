@@ -228,6 +228,7 @@ class SimulationConfig:
         skip |= {"personalize"}  # what happens after the last round: the weights and the selection are the same
         skip |= {"holdout"} if not self.serving.holdout else set()  # a held-out split changes the training data
         skip |= {"validate_on"} if self.validation.validate_on == "server" else set()
+        skip |= {"serve_average"} if self.validation.serve_average is None else set()  # recorded where set
         capped = {"max_weight_ratio": values["max_weight_ratio"]} if values["max_weight_ratio"] else {}
         train, schedule = self.recipe_settings()
         recorded = self.aggregation.recorded(train, schedule, self.dp_settings(), method_class(self.method).averaging)

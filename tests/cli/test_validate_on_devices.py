@@ -34,7 +34,14 @@ def test_each_client_votes_with_its_served_variant_and_the_run_names_the_served_
     # The run's choice is the rule's over its own records, and is said with its reason.
     choice = served_round(history)
     assert results["best"]["round"] == results["served_round"]["round"] == choice.round
-    assert results["served_round"]["reason"] == choice.reason == history[-1][1]["served_reason"]
+    served, last = results["served_round"], len(history)
+    if choice.round == last:  # the last round's candidate: the mean of the last 5 rounds' weights (by default)
+        first = max(1, last - 4)
+        assert served["average_of"] == results["rounds"][-1]["average_of"] == [first, last]
+        assert served["reason"] == f"{choice.reason}; served as the mean of rounds {first}-{last}'s weights"
+        assert served["reason"] == history[-1][1]["served_reason"]
+    else:
+        assert "average_of" not in served and served["reason"] == choice.reason == history[-1][1]["served_reason"]
     words = " ".join(result.stdout.split())
     assert f"(served round, round {choice.round})" in words and " ".join(choice.reason.split()) in words
     assert f"served round {choice.round}" in result.stdout

@@ -22,7 +22,7 @@ from feast_edge.evaluate.served_round import served_round
 from feast_edge.flower import clientapp, records, validation_records
 from feast_edge.protocol import MAX_PROBES, Evaluated
 from feast_edge.run.checkpoint import load_supernet
-from feast_edge.run.loop import BEST, CHECKPOINT
+from feast_edge.run.loop import BEST, CHECKPOINT, PREVIOUS
 from flowerkit import LoopbackGrid, loopback_federation, set_flower_identity
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -68,10 +68,12 @@ def test_every_validated_round_is_validated_by_every_cohort_node_on_its_held_out
 
 
 def test_the_counts_are_held_out_counts_on_each_nodes_own_split(validated: dict, partition: Path) -> None:
-    """The last round's record equals device_record over held_out_counts called directly on each node's data with
-    the last checkpoint's model: the routed slice, the targets and the class-balanced calibration are the agent's."""
-    federation, last = validated["federation"], validated["history"][-1]
-    model = load_supernet(federation.out / CHECKPOINT, federation.preset)[0]
+    """Round 2's record equals device_record over held_out_counts called directly on each node's data with round 2's
+    checkpoint (the previous one: round 3 validated the mean of rounds 1-3's weights): the routed slice, the targets
+    and the class-balanced calibration are the agent's."""
+    federation, last = validated["federation"], validated["history"][-2]
+    assert last.average_of is None and validated["history"][-1].average_of == [1, 3]
+    model = load_supernet(federation.out / PREVIOUS, federation.preset)[0]
     cache, validation = federation.cache, federation.validation
     devices = {d.device_id: d for d in federation.registry.devices()}
     targets = validation_targets(cache, validation.probes, [d.budget_macs for d in devices.values()], MAX_PROBES)
@@ -112,14 +114,17 @@ def test_the_served_round_is_the_rules_choice_and_every_manifest_names_it(valida
     federation, history = validated["federation"], validated["history"]
     choice = served_round([(h.round, h.validation) for h in history])
     assert choice.round is not None
+    # Chosen, round 3's candidate is the mean of the last rounds' weights (5 by default without data: rounds 1-3).
+    reason = f"{choice.reason}; served as the mean of rounds 1-3's weights" if choice.round == 3 else choice.reason
     assert history[-1].validation["served_round"] == choice.round
-    assert history[-1].validation["served_reason"] == choice.reason
+    assert history[-1].validation["served_reason"] == reason
     assert federation.loop.best["round"] == choice.round and (federation.out / BEST).is_file()
     manifests = validated["manifests"]
     assert sorted(m["device"] for m in manifests) == sorted(history[-1].cohort)
     for manifest in manifests:
         assert manifest["served_round"]["round"] == choice.round and manifest["served_round"]["of"] == 3
-        assert manifest["served_round"]["reason"] == choice.reason and manifest["checkpoint"] == BEST
+        assert manifest["served_round"]["reason"] == reason and manifest["checkpoint"] == BEST
+        assert manifest["served_round"].get("average_of") == ([1, 3] if choice.round == 3 else None)
 
 
 def _inflated(message: Message, context: Context) -> Message:
