@@ -32,6 +32,8 @@ PANELS = {
     "validation": "Validation",
     "serving": "Serving",
     "network": "Network",
+    "schedule": "Rounds: synchronous or buffered asynchronous",
+    "timing": "Virtual clock",
 }
 
 

@@ -29,5 +29,18 @@ HELP = {
     "validate_on": "server: validate on the server's held split (the best round is served); devices: each cohort client tests the model on its own held-out split, as devices do for a server without data, and the served round is the newest without a regression on their served variants (needs --holdout).",
     **server_opt_help(),
     **DP_HELP,
+    "mode": 'sync: the paper\'s rounds, each waiting for its cohort; async: buffered asynchronous rounds, released every --buffer updates, never waiting for the slowest client (docs/simulation.md, "Asynchronous rounds").',
+    "buffer": "async: updates per release (K); --rounds counts releases.",
+    "concurrency": "async: clients training at once (M); a freed slot is refilled by a seeded uniform draw from the idle clients.",
+    "max_staleness": "async: an update trained from a model more than this many releases old is refused and counted.",
+    "staleness": "async: the discount of a stale update's weight: sqrt (1/sqrt(1+tau)), hinge (none up to 2, then 1/(tau-1)) or constant.",
+    "clock": "tiers: each job's virtual time from its reported training MACs over a throughput proportional to the client's budget, plus its payloads over --link-mbps; uniform: every job takes 1 s.",
+    "clock_rate": "Training MAC/s of the strongest client on the virtual clock.",
+    "link_mbps": "Every client's link on the virtual clock, Mbit/s both ways.",
+    "stragglers": "Share of the clients (seeded) that are --straggler-factor times slower.",
+    "straggler_factor": "How many times slower a straggler is.",
+    "jitter": "Sigma of each job's log-normal slowdown on the virtual clock (0: none).",
+    "dropout": "Probability that a job is lost (the device slept or lost its link), after its whole time.",
+    "round_timeout": "sync: virtual seconds a round waits; later updates are dropped as a server's deadline drops them (0: wait for the slowest).",
 }
 FLAGS = {"epochs": ("--local-epochs",)}

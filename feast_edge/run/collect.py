@@ -47,6 +47,8 @@ class Collected:
     ignored: list[str] = field(default_factory=list)
     send_seconds: float = 0.0
     sums: SegmentSums | None = None
+    clock: float | None = None  # seconds since the run began when this input was complete (a virtual clock's)
+    staleness: dict[str, int] = field(default_factory=dict)  # client -> releases since the version it trained from
 
 
 class Wrapped:

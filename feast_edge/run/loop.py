@@ -180,6 +180,8 @@ class RunLoop:
             dropped=got.dropped,
             ignored=got.ignored,
             send_seconds=got.send_seconds,
+            clock=got.clock,
+            staleness=dict(got.staleness),
             routed_params=sum(self.method.payload_params(plans[c]) for c in cohort),
             full_params=len(cohort) * self.full_params,
         )

@@ -41,6 +41,8 @@ class RoundRecord:
     send_seconds: float = 0.0  # routing, encoding and sending every routed payload
     aggregate_seconds: float = 0.0
     seconds: float = 0.0  # the whole round, from cohort sampling to the aggregated model
+    clock: float | None = None  # a virtual clock's seconds since the run began at the end of this step (simulation)
+    staleness: dict[str, int] = field(default_factory=dict)  # asynchronous rounds: client -> releases behind
     val_accuracy: float | None = None
     # [first, last]: the mean of these rounds' weights was validated, and served if chosen, in this round's stead
     # (feast_edge.run.average); None: the round's own weights

@@ -41,6 +41,9 @@ COLUMNS = [
     "incomplete",
     "epsilon",  # DP runs: ε after the round at the run's δ (feast_edge.privacy); empty otherwise
     "clip",  # adaptive clipping: the round's L2 bound on each update; empty otherwise
+    "clock",  # simulation: the virtual clock's seconds at the end of the step (feast_edge.sim.clock)
+    "staleness_mean",  # asynchronous rounds: the released updates' mean staleness (releases); empty otherwise
+    "staleness_max",
 ]
 
 
@@ -70,6 +73,9 @@ def round_row(h: RoundRecord) -> list[Any]:
         len(h.incomplete),
         f"{h.dp['epsilon']:.4f}" if h.dp else "",
         f"{h.dp['clip']:.6g}" if "clip" in h.dp else "",
+        "" if h.clock is None else f"{h.clock:.2f}",
+        f"{sum(h.staleness.values()) / len(h.staleness):.3f}" if h.staleness else "",
+        max(h.staleness.values()) if h.staleness else "",
     ]
 
 

@@ -10,6 +10,7 @@ from feast_edge.aggregate.server_opt import ServerOpt
 from feast_edge.aggregate.weights import ratio_problem
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.privacy.settings import DpSettings, PrivacyError, dp_of
+from feast_edge.run.asynchronous import AsyncSettings
 from feast_edge.run.settings import RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
 from feast_edge.settings.nested import Concern, SettingsError, check, setting
 
@@ -160,6 +161,34 @@ class Validation(Concern):
                 ),
             ]
         )
+
+
+MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class Schedule(Concern):
+    """Synchronous rounds (method §4, the default) or buffered asynchronous ones (feast_edge.run.asynchronous):
+    K updates per release, M devices training at once, S releases of staleness at most, the discount s(τ)."""
+
+    mode: str = "sync"
+    buffer: int = 5  # K (async)
+    concurrency: int = 10  # M (async)
+    max_staleness: int = 10  # S (async)
+    staleness: str = "sqrt"  # s(τ) (async): sqrt, constant or hinge
+
+    def __post_init__(self) -> None:
+        check([(self.mode in MODES, f"--mode {self.mode!r} is unknown; choose sync or async")])
+        try:
+            self.rules()
+        except RunError as exc:
+            raise SettingsError(str(exc)) from None
+
+    def rules(self) -> AsyncSettings | None:
+        """The validated asynchronous settings (None: synchronous rounds)."""
+        if self.mode != "async":
+            return None
+        return AsyncSettings(self.buffer, self.concurrency, self.max_staleness, self.staleness)
 
 
 def loop_settings(

@@ -17,8 +17,19 @@ from feast_edge.local.recipe import TrainConfig
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.privacy.private_rounds import check_plan
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
-from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
+from feast_edge.settings import (
+    Aggregation,
+    Concern,
+    Population,
+    Privacy,
+    Schedule,
+    SettingsError,
+    Training,
+    Validation,
+    flat,
+)
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of
+from feast_edge.sim.clock import CLOCKS, RATE, ClockModel
 from feast_edge.sim.registry import method_class
 
 VALIDATE_ON = ("server", "devices")  # --validate-on
@@ -98,6 +109,49 @@ class Personalization(Concern):
 
 
 @dataclass(frozen=True)
+class Timing(Concern):
+    """The virtual clock the clients' jobs run on (feast_edge.sim.clock) and a synchronous round's deadline on it."""
+
+    clock: str = "tiers"  # tiers (durations from budgets, reported compute and payloads) or uniform (1 s each)
+    clock_rate: float = RATE  # MAC/s of the strongest client's training
+    link_mbps: float = 20.0  # every client's link, both ways
+    stragglers: float = 0.0  # share of the clients that are --straggler-factor times slower
+    straggler_factor: float = 10.0
+    jitter: float = 0.0  # σ of each job's log-normal slowdown
+    dropout: float = 0.0  # probability that a job is lost
+    round_timeout: float = 0.0  # virtual seconds a synchronous round waits (0: for its slowest member)
+
+    def __post_init__(self) -> None:
+        check(
+            [
+                (self.clock in CLOCKS, f"--clock {self.clock!r} is unknown; choose one of {', '.join(CLOCKS)}"),
+                (self.clock_rate > 0 and self.link_mbps > 0, "--clock-rate and --link-mbps must be > 0"),
+                (0 <= self.stragglers <= 1, f"--stragglers {self.stragglers} must be a share between 0 and 1"),
+                (self.straggler_factor >= 1, f"--straggler-factor {self.straggler_factor} must be at least 1"),
+                (self.jitter >= 0, f"--jitter {self.jitter} must be >= 0"),
+                (0 <= self.dropout < 1, f"--dropout {self.dropout} must be in [0, 1)"),
+                (self.round_timeout >= 0, f"--round-timeout {self.round_timeout} must be >= 0 (0: no deadline)"),
+            ]
+        )
+
+    def model(self) -> ClockModel:
+        return ClockModel(
+            self.clock,
+            self.clock_rate,
+            self.link_mbps,
+            self.stragglers,
+            self.straggler_factor,
+            self.jitter,
+            self.dropout,
+        )
+
+    @property
+    def decides(self) -> bool:
+        """Whether the clock changes the trained weights of synchronous rounds (a deadline or lost jobs)."""
+        return self.round_timeout > 0 or self.dropout > 0
+
+
+@dataclass(frozen=True)
 class SimulationConfig:
     """Everything that decides a simulation's result (``device`` aside), by concern. ``SimulationConfig.of(...)``
     takes the settings flat, by their keys (``per_round=3, dp_clip=1.0``), as the command line and stored runs give
@@ -120,6 +174,8 @@ class SimulationConfig:
     privacy: Privacy = field(default_factory=Privacy)
     validation: ClientValidation = field(default_factory=ClientValidation)
     serving: Personalization = field(default_factory=Personalization)
+    schedule: Schedule = field(default_factory=Schedule)
+    timing: Timing = field(default_factory=Timing)
 
     @classmethod
     def of(cls, **settings: Any) -> SimulationConfig:
@@ -171,6 +227,33 @@ class SimulationConfig:
         )  # unknown method or option: one line, before any data is read
         self._check_personalize()
         self._check_privacy()
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """Buffered asynchronous rounds train FEAST without DP, from as many clients as they draw."""
+        if self.schedule.mode != "async":
+            return
+        pop, rules = self.population, self.schedule
+        checks = [
+            (
+                self.method == "feast",
+                f"--mode async trains FEAST's routed slices; {self.method} runs synchronous rounds",
+            ),
+            (
+                self.dp_settings() is None,
+                (
+                    "--mode async with --dp-noise: a release over buffered updates is not a sampled round, and its "
+                    "accounting is not offered yet; run synchronous rounds (--mode sync) for DP"
+                ),
+            ),
+            (
+                rules.concurrency <= pop.clients,
+                f"--concurrency {rules.concurrency} is more than --clients {pop.clients}: each slot trains one client",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SimulationError(message)
 
     def dp_settings(self) -> DpSettings | None:
         """The run's validated DP settings (None: no DP)."""
@@ -229,6 +312,8 @@ class SimulationConfig:
         skip |= {"holdout"} if not self.serving.holdout else set()  # a held-out split changes the training data
         skip |= {"validate_on"} if self.validation.validate_on == "server" else set()
         skip |= {"serve_average"} if self.validation.serve_average is None else set()  # recorded where set
+        skip |= set(_fields_of(self.schedule)) if self.schedule.mode == "sync" else set()  # recorded where async
+        skip |= set(_fields_of(self.timing)) if self.schedule.mode == "sync" and not self.timing.decides else set()
         capped = {"max_weight_ratio": values["max_weight_ratio"]} if values["max_weight_ratio"] else {}
         train, schedule = self.recipe_settings()
         recorded = self.aggregation.recorded(train, schedule, self.dp_settings(), method_class(self.method).averaging)

@@ -27,10 +27,12 @@ from typing import Any
 from feast_edge.evaluate.evaluation import Validation, population_accuracy
 from feast_edge.evaluate.served_round import served_record
 from feast_edge.privacy.private_rounds import privacy_summary
+from feast_edge.run.asynchronous import AsyncSlots, Buffered
 from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.settings import SettingsError, flat
 from feast_edge.settings.concerns import loop_settings
+from feast_edge.sim.clock import TimedRounds, VirtualClock, timeline
 from feast_edge.sim.collect import InProcessCollector
 from feast_edge.sim.device_validation import InProcessValidation
 from feast_edge.sim.population import Population
@@ -96,6 +98,14 @@ class Simulation:
             validator=None if not on_devices else self._device_validation(),
         )
         self.collector = InProcessCollector(s, self.method, self_reported=config.aggregation.max_weight_ratio > 0)
+        budgets = {cid: float(b) for cid, b in zip(s.client_ids, s.population.budgets)}
+        self.clock = VirtualClock(
+            config.timing.model(), budgets, config.seed, self.method.payload_params, settings.payload_dtype
+        )
+        rules = config.schedule.rules()
+        if rules is not None:  # buffered asynchronous rounds (feast_edge.run.asynchronous)
+            self.loop.scheduler = AsyncSlots(settings, self.method, self.model, rules, self.clock)
+            self.loop.policy = Buffered(self.loop.release, rules.staleness)
 
     def _device_validation(self) -> InProcessValidation:
         """--validate-on devices: each round's cohort tests the model on its held-out splits (a server without data)."""
@@ -172,8 +182,14 @@ class Simulation:
                     )
                 )
 
+        now = (self.history[-1].clock or 0.0) if self.history else 0.0
+        if isinstance(self.loop.scheduler, AsyncSlots):
+            self.loop.scheduler.resume(now)
+            collector = self.collector
+        else:
+            collector = TimedRounds(self.collector, self.clock, self.config.timing.round_timeout, now)
         try:
-            self.loop.run(self.collector, on_round=progress, stop_after=stop_after)
+            self.loop.run(collector, on_round=progress, stop_after=stop_after)
         finally:
             log.close()
         if not self.loop.finished:
@@ -234,6 +250,7 @@ class Simulation:
                 else {}
             ),
             **({"privacy": privacy_summary(dp, [h.dp for h in self.history], self.loop.stopped)} if dp else {}),
+            "timeline": timeline(self.history, cfg.schedule.mode),
             "rounds": [asdict(h) for h in self.history],
             "seconds_total": sum(h.seconds for h in self.history),
         }

@@ -1,0 +1,215 @@
+"""Buffered asynchronous rounds (feast_edge.run.asynchronous) and the virtual clock (feast_edge.sim.clock): the
+per-coordinate staleness weights on hand-built deltas from different versions, stale updates refused and counted, the
+idle-device draw, and simulations that are reproducible and, with K = M = the cohort and no delays, synchronous."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from feast_edge.aggregate.sparse import aggregate
+from feast_edge.run.asynchronous import AsyncSettings, AsyncSlots, Buffered, discount
+from feast_edge.run.checkpoint import load_supernet
+from feast_edge.run.collect import ClientUpdate, Collected
+from feast_edge.run.release import Release
+from feast_edge.run.round_record import RoundRecord
+from feast_edge.run.settings import RunError, RunSettings
+from feast_edge.run.store import CHECKPOINT
+from feast_edge.sim.setup import SimulationError
+from feast_edge.sim.simulate import Simulation
+from simconfigs import tiny_config
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, size: int = 4) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(size), requires_grad=False)
+
+
+class _Method:
+    """Each client routes a leading slice of ``w`` of its own length."""
+
+    def __init__(self, lengths: Mapping[str, int]) -> None:
+        self.lengths = dict(lengths)
+
+    def plans(self, t: int, cohort: Sequence[str], budget: Any) -> dict[str, int]:
+        return {c: self.lengths[c] for c in cohort}
+
+    def aggregate(self, t: int, global_state: Any, updates: Sequence[ClientUpdate], plans: Any) -> None:
+        aggregate(global_state, [(u.state, u.samples) for u in updates], inplace=True)
+
+
+class _Collector:
+    """Client c returns its routed slice of the version it was sent, plus ``step[c]``; ``sent`` logs (client, w)."""
+
+    def __init__(self, step: Mapping[str, float]) -> None:
+        self.step = dict(step)
+        self.sent: list[tuple[str, list[float]]] = []
+
+    def clients(self, needed: int) -> list[str]:
+        return sorted(self.step)
+
+    def budget(self, client: str) -> float:
+        return 1.0
+
+    def collect(self, t: int, cohort: Sequence[str], plans: Any, global_state: Any, lr: float) -> Collected:
+        self.sent += [(c, global_state["w"].tolist()) for c in cohort]
+        return Collected([ClientUpdate(c, {"w": global_state["w"][: plans[c]] + self.step[c]}, 1) for c in cohort])
+
+
+class _Clock:
+    """Job k takes ``seconds[k]`` (1 s where not given); ``lost`` jobs never arrive."""
+
+    def __init__(self, seconds: Mapping[int, float], lost: Sequence[int] = ()) -> None:
+        self.seconds, self.lost = dict(seconds), set(lost)
+
+    def duration(self, client: str, update: ClientUpdate, plan: Any, job: int) -> float:
+        return self.seconds.get(job, 1.0)
+
+    def drops(self, client: str, job: int) -> bool:
+        return job in self.lost
+
+
+def _release(model: torch.nn.Module, slots: AsyncSlots, policy: Buffered, collector: Any, t: int) -> RoundRecord:
+    """What the run loop does with one step: gather, then the policy's release."""
+    step = slots.gather(t, collector, 1, lambda ctx: None, [])
+    record = RoundRecord(round=t + 1, lr=step.lr, cohort=step.ctx.cohort, staleness=dict(step.got.staleness))
+    record.rejected, record.dropped = step.got.rejected, step.got.dropped
+    step.ctx.record = record
+    policy.release(step.ctx, model.state_dict(), step.got.updates, step.plans, None)
+    return record
+
+
+def _slots(model, lengths, rules, clock, rounds=10) -> tuple[AsyncSlots, Buffered]:
+    settings = RunSettings(rounds=rounds, per_round=len(lengths), min_clients=1, seed=0, lr=0.1)
+    method = _Method(lengths)
+    return AsyncSlots(settings, method, model, rules, clock), Buffered(Release(method, []), rules.staleness)
+
+
+def test_a_stale_update_is_rebased_on_the_current_model_and_discounted_coordinate_by_coordinate() -> None:
+    model = _Model()
+    # Jobs: 0 a (1 s), 1 b (5 s), 2 c (1 s) from version 0; then 3 a (1 s), 4 c (10 s) from version 1.
+    slots, policy = _slots(model, {"a": 4, "b": 2, "c": 4}, AsyncSettings(2, 3, 5, "sqrt"), _Clock({1: 5.0, 4: 10.0}))
+    collector = _Collector({"a": 1.0, "b": 2.0, "c": 3.0})
+    first = _release(model, slots, policy, collector, 0)
+    assert first.cohort == ["a", "c"] and first.staleness == {"a": 0, "c": 0}
+    assert model.w.tolist() == [2.0, 2.0, 2.0, 2.0]  # (1 + 3) / 2: fresh updates, the synchronous mean
+    second = _release(model, slots, policy, collector, 1)
+    # a trained from version 1 (Δ = 1, fresh); b from version 0 (Δ = 2 on its 2 coordinates, 1 release stale).
+    assert second.cohort == ["a", "b"] and second.staleness == {"a": 0, "b": 1}
+    s = discount("sqrt", 1)
+    assert s == pytest.approx(1 / math.sqrt(2))
+    head = 2.0 + (1.0 * 1.0 + s * 2.0) / (1.0 + s)  # θ[u] + Σ n s Δ[u] / Σ n s over the updates covering u
+    assert model.w.tolist() == pytest.approx([head, head, 3.0, 3.0])
+    assert slots.now == 5.0 and dict(slots.participation) == {"a": 2, "b": 1, "c": 1}
+    # Each device was sent the version current when its slot was filled.
+    assert collector.sent == [
+        ("a", [0.0] * 4),
+        ("b", [0.0] * 4),
+        ("c", [0.0] * 4),
+        ("a", [2.0] * 4),
+        ("c", [2.0] * 4),
+    ]
+
+
+def test_an_update_staler_than_the_bound_is_refused_with_the_reason_and_counted() -> None:
+    model = _Model()
+    slots, policy = _slots(model, {"a": 4, "b": 2, "c": 4}, AsyncSettings(2, 3, 0, "sqrt"), _Clock({1: 5.0, 4: 10.0}))
+    collector = _Collector({"a": 1.0, "b": 2.0, "c": 3.0})
+    _release(model, slots, policy, collector, 0)
+    second = _release(model, slots, policy, collector, 1)
+    assert second.rejected == {"b": "stale: trained from release 0 of 1, 1 behind (--max-staleness 0)"}
+    assert slots.refused == {"b": 1}
+    # b was drawn again at once, from version 1, and its fresh update made the release.
+    assert second.cohort == ["a", "b"] and second.staleness == {"a": 0, "b": 0}
+    assert ("b", [2.0] * 4) in collector.sent
+
+
+def test_a_lost_job_costs_only_its_own_update() -> None:
+    model = _Model()
+    slots, policy = _slots(model, {"a": 4, "b": 4, "c": 4}, AsyncSettings(2, 3, 5, "sqrt"), _Clock({}, lost=[0]))
+    record = _release(model, slots, policy, _Collector({"a": 1.0, "b": 2.0, "c": 3.0}), 0)
+    assert record.dropped == ["a"] and record.cohort == ["b", "c"] and slots.dropped == {"a": 1}
+    assert model.w.tolist() == [2.5] * 4
+
+
+def test_the_discounts_and_the_settings_checks() -> None:
+    assert [discount("sqrt", t) for t in (0, 3)] == [1.0, 0.5]
+    assert [discount("hinge", t) for t in (0, 2, 3, 5)] == [1.0, 1.0, 0.5, 0.25]
+    assert discount("constant", 9) == 1.0
+    with pytest.raises(RunError, match="--staleness 'cubic' is not a staleness discount"):
+        AsyncSettings(2, 3, 5, "cubic")
+    with pytest.raises(RunError, match="--concurrency 1 must be at least --buffer 2"):
+        AsyncSettings(2, 1, 5)
+
+
+def test_no_device_starves_when_fast_devices_could_fill_every_slot() -> None:
+    # Four fast devices (1 s) and two slow ones (20 s), 3 slots, releases of 2: a freed slot draws among the idle
+    # devices only, so the slow ones keep being drawn and released.
+    clients = {c: 4 for c in ("f1", "f2", "f3", "f4", "s1", "s2")}
+
+    class Slow(_Clock):
+        def duration(self, client, update, plan, job):
+            return 20.0 if client.startswith("s") else 1.0
+
+    model = _Model()
+    slots, policy = _slots(model, clients, AsyncSettings(2, 3, 100, "sqrt"), Slow({}), rounds=120)
+    collector = _Collector(dict.fromkeys(clients, 0.5))
+    for t in range(120):
+        _release(model, slots, policy, collector, t)
+    counts = dict(slots.participation)
+    assert set(counts) == set(clients) and min(counts["s1"], counts["s2"]) >= 5, counts
+
+
+# ------------------------------------------------------------------------------------- simulations
+
+
+def _weights(path):
+    return load_supernet(path)[0].state_dict()
+
+
+@pytest.mark.slow
+def test_k_equal_m_equal_the_cohort_without_delays_is_the_synchronous_run(tmp_path, fashion_mnist_dir) -> None:
+    sync = tiny_config(fashion_mnist_dir, rounds=2, seed=5)
+    same = sync.changed(mode="async", buffer=2, concurrency=2, clock="uniform")
+    a = Simulation(sync, tmp_path / "sync").run()
+    b = Simulation(same, tmp_path / "async").run()
+    wa, wb = _weights(tmp_path / "sync" / CHECKPOINT), _weights(tmp_path / "async" / CHECKPOINT)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [r["cohort"] for r in a["rounds"]] == [r["cohort"] for r in b["rounds"]]
+    assert b["timeline"]["staleness"] == {"mean": 0.0, "max": 0, "refused": 0}
+    assert b["timeline"]["virtual_seconds"] == 2.0 and b["timeline"]["releases"] == 2
+
+
+@pytest.mark.slow
+def test_an_asynchronous_simulation_is_reproducible_from_its_seed(tmp_path, fashion_mnist_dir) -> None:
+    config = tiny_config(
+        fashion_mnist_dir, rounds=3, seed=2, mode="async", buffer=2, concurrency=3, stragglers=0.5, jitter=0.3
+    )
+    first = Simulation(config, tmp_path / "a").run()
+    again = Simulation(config, tmp_path / "b").run()
+    wa, wb = _weights(tmp_path / "a" / CHECKPOINT), _weights(tmp_path / "b" / CHECKPOINT)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert first["timeline"] == again["timeline"]
+    timeline = first["timeline"]
+    assert timeline["mode"] == "async" and timeline["releases"] == 3 and timeline["virtual_seconds"] > 0
+    assert sum(timeline["participation"].values()) == 6  # K updates per release
+    rows = (tmp_path / "a" / "rounds.csv").read_text().splitlines()
+    assert rows[0].endswith("clock,staleness_mean,staleness_max") and len(rows) == 4
+    assert json.loads((tmp_path / "a" / "results.json").read_text())["timeline"] == timeline
+
+
+def test_what_async_rounds_do_not_offer_is_refused_with_the_reason() -> None:
+    with pytest.raises(SimulationError, match="--mode async trains FEAST's routed slices; heterofl"):
+        tiny_config(mode="async", method="heterofl")
+    with pytest.raises(SimulationError, match="--mode async with --dp-noise"):
+        tiny_config(mode="async", dp_noise=1.0, dp_clip=1.0, clients=10)
+    with pytest.raises(SimulationError, match="--concurrency 10 is more than --clients 4"):
+        tiny_config(mode="async", buffer=2, concurrency=10)
+    with pytest.raises(SimulationError, match="--mode 'later' is unknown"):
+        tiny_config(mode="later")
