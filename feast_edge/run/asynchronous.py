@@ -9,8 +9,10 @@ K updates, never waiting for the slowest device (FedBuff, Nguyen et al. 2022, pe
              only the in-flight and buffered updates (M routed slices at most, each twice in a simulation, which
              computes them when sent: as sent, and as a delta)
     stale    τ_i = t - v_i (releases since its start); τ_i > S (--max-staleness) is refused with the reason, counted
+    buffer   an update that arrives between releases t-1 and t is rebased on the current model at once,
+                 w'_i = θ_t[routed] + Δ_i (τ_i = 0: w_i as sent), in place of its delta; the buffer is released
+                 whole, so the model stays θ_t until then and the rebasing is off the release's path
     release  once K (--buffer) updates are buffered, at release t (ties: every update arriving at the same instant):
-                 each buffered update rebased on the current model, w'_i = θ_t[routed] + Δ_i (τ_i = 0: w_i as sent)
                  its weight n_i · s(τ_i),  s(τ) = 1/sqrt(1 + τ)  (--staleness sqrt; constant: 1; hinge: 1 up to
                  τ = 2, then 1/(1 + τ - 2))
                  then the release pipeline as in a synchronous round (stages, method §6 per coordinate), so
@@ -103,6 +105,7 @@ class _Job:
     version: int = field(compare=False)
     plan: Any = field(compare=False)
     update: ClientUpdate | None = field(compare=False)  # as sent (None: lost)
+    seconds: float = field(compare=False, default=0.0)  # its duration on the clock
     delta: dict[str, torch.Tensor] = field(compare=False, default_factory=dict)  # Δ_i = w_i - θ_{v_i}[routed]
 
 
@@ -156,7 +159,9 @@ class AsyncSlots:
             lost = update is None or self.clock.drops(client, self.seq)
             duration = 0.0 if update is None else self.clock.duration(client, update, plans[client], self.seq)
             delta = {} if lost else {k: v - leading(global_state[k], v.shape) for k, v in update.state.items()}
-            job = _Job(self.now + duration, self.seq, client, t, plans[client], None if lost else update, delta)
+            job = _Job(
+                self.now + duration, self.seq, client, t, plans[client], None if lost else update, duration, delta
+            )
             heapq.heappush(self.jobs, job)
             self.seq += 1
 
@@ -194,18 +199,22 @@ class AsyncSlots:
                         f"stale: trained from release {job.version} of {t}, {tau} behind (--max-staleness "
                         f"{self.rules.max_staleness})"
                     )
-                else:
+                else:  # rebased on arrival: the buffer is released whole, so the model stays θ_t until then
+                    job.update = self._rebased(job, self.model.state_dict(), t)
+                    job.delta = {}
                     self.buffered.append(job)
         released, self.buffered = sorted(self.buffered, key=lambda j: j.client), []
         ctx = RoundContext(t, len(clients), [j.client for j in released], history)
         admit(ctx)
-        global_state = self.model.state_dict()
         staleness = {j.client: t - j.version for j in released}
-        updates = [self._rebased(j, global_state, t) for j in released]
+        updates = [j.update for j in released if j.update is not None]
         self.participation.update(j.client for j in released)
         plans = {j.client: j.plan for j in released}
         lr = scheduled_lr(self.settings.lr_schedule, self.settings.lr, t, self.settings.rounds)
-        got = Collected(updates, rejected=refused, dropped=lost, clock=self.now, staleness=staleness)
+        durations = {j.client: round(j.seconds, 6) for j in released}
+        got = Collected(
+            updates, rejected=refused, dropped=lost, clock=self.now, staleness=staleness, durations=durations
+        )
         return Gathered(ctx, plans, lr, got)
 
     def _rebased(self, job: _Job, global_state: StateDict, t: int) -> ClientUpdate:
@@ -213,7 +222,7 @@ class AsyncSlots:
         assert job.update is not None
         if job.version == t:
             return job.update
-        state = {k: leading(global_state[k], d.shape) + d for k, d in job.delta.items()}
+        state = {k: d.add_(leading(global_state[k], d.shape)) for k, d in job.delta.items()}  # Δ becomes w', in place
         return replace(job.update, state=state)
 
 

@@ -49,6 +49,7 @@ class Collected:
     sums: SegmentSums | None = None
     clock: float | None = None  # seconds since the run began when this input was complete (a virtual clock's)
     staleness: dict[str, int] = field(default_factory=dict)  # client -> releases since the version it trained from
+    durations: dict[str, float] = field(default_factory=dict)  # client -> its job's seconds on the clock
 
 
 class Wrapped:

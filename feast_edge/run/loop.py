@@ -182,6 +182,7 @@ class RunLoop:
             send_seconds=got.send_seconds,
             clock=got.clock,
             staleness=dict(got.staleness),
+            durations=dict(got.durations),
             routed_params=sum(self.method.payload_params(plans[c]) for c in cohort),
             full_params=len(cohort) * self.full_params,
         )

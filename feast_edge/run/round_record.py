@@ -43,6 +43,7 @@ class RoundRecord:
     seconds: float = 0.0  # the whole round, from cohort sampling to the aggregated model
     clock: float | None = None  # a virtual clock's seconds since the run began at the end of this step (simulation)
     staleness: dict[str, int] = field(default_factory=dict)  # asynchronous rounds: client -> releases behind
+    durations: dict[str, float] = field(default_factory=dict)  # simulation: client -> its job's virtual seconds
     val_accuracy: float | None = None
     # [first, last]: the mean of these rounds' weights was validated, and served if chosen, in this round's stead
     # (feast_edge.run.average); None: the round's own weights

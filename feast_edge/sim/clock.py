@@ -104,18 +104,18 @@ class TimedRounds(Wrapped):
         lr: float,
     ) -> Collected:
         got = self.inner.collect(t, cohort, plans, global_state, lr)
-        kept, late, lost, took = [], [], [], []
+        kept, late, lost, took = [], [], [], {}
         for k, u in enumerate(got.updates):
             job = t * JOBS_PER_ROUND + k
             seconds = self.clock.duration(u.client, u, plans[u.client], job)
-            took.append(seconds)
+            took[u.client] = seconds
             if self.clock.drops(u.client, job):
                 lost.append(u.client)
             elif self.timeout and seconds > self.timeout:
                 late.append(u.client)
             else:
                 kept.append(u)
-        waited = max(took, default=0.0)
+        waited = max(took.values(), default=0.0)
         self.now += min(waited, self.timeout) if self.timeout else waited
         return replace(
             got,
@@ -123,6 +123,7 @@ class TimedRounds(Wrapped):
             missing=sorted([*got.missing, *late]),
             dropped=sorted([*got.dropped, *lost]),
             clock=self.now,
+            durations={c: round(s, 6) for c, s in took.items()},
         )
 
 

@@ -1,0 +1,176 @@
+"""Synchronous against buffered asynchronous rounds on the virtual clock: time to accuracy, accuracy per tier.
+
+    python bench/bench_async.py [--rounds 30] [--clients 20] [--per-round 5] [--train-limit 4000] [--seed 0]
+                                [--sweep 5x10,5x20,10x20,3x10] [--jobs 2] [--work DIR]
+
+Two fleets of ``--clients`` Zipf clients (fmnist-small, data proportional to budget), their speeds following their
+budgets on the virtual clock (feast_edge.sim.clock): ``tiers``, and ``stragglers`` (a seeded 20 % of the clients
+10 times slower). On each fleet, with the same total client updates (``--rounds`` x ``--per-round``):
+
+    sync          synchronous rounds of --per-round clients, each waiting for its slowest member
+    sync-p80      the same with --round-timeout at the 80th percentile of the sync run's job times (late
+                  updates dropped, as a server's deadline drops them)
+    async KxM     buffered asynchronous rounds, K updates per release, M clients training at once
+                  (--rounds x --per-round / K releases)
+
+Each run validates every release on the server's split (--val-samples 1000). Printed per fleet: the virtual time
+each run needed to reach the sync run's final validation accuracy (and its ratio to sync's), the final accuracy of
+the served variants on the test set over all clients and per budget tier (quartiles of the budgets: the top tier
+alone trains the top slices), the staleness and the participation of the slowest tier. Runs go ``--jobs`` at a time,
+one PyTorch thread each, as ``feast-edge simulate`` subprocesses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+FLEETS = {"tiers": [], "stragglers": ["--stragglers", "0.2", "--straggler-factor", "10"]}
+TIERS = 4
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def cpu() -> str:
+    try:
+        info = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        return " ".join(
+            fields.get(k, "").strip() for k in ("Model name", "CPU family", "Model") if fields.get(k, "").strip()
+        )
+    except OSError:
+        return platform.processor()
+
+
+def simulate(name: str, options: list[str], out: Path) -> dict:
+    """One ``feast-edge simulate`` run (one thread); its results.json."""
+    began = time.monotonic()
+    command = [sys.executable, "-m", "feast_edge.cli.main", "simulate", "--out", str(out), "--threads", "1", *options]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    results = json.loads((out / "results.json").read_text())
+    say(f"  {name}: {time.monotonic() - began:.0f} s, virtual {results['timeline']['virtual_seconds']:.0f} s")
+    return results
+
+
+def reached(results: dict, target: float) -> float | None:
+    """The virtual time of the first validation at or above ``target`` (None: never)."""
+    return next((t for t, a in results["timeline"]["accuracy_vs_time"] if a >= target - 1e-12), None)
+
+
+def tiers(results: dict) -> tuple[list[float], list[list[int]]]:
+    """Per budget quartile (lowest first): the mean test accuracy of the clients' served variants, and the clients."""
+    budgets = results["population"]["budgets"]
+    accuracy = {v["index"]: v["test_accuracy"] for v in results["variants"]}
+    served = results["served"]
+    order = sorted(range(len(budgets)), key=lambda i: budgets[i])
+    groups = [order[k * len(order) // TIERS : (k + 1) * len(order) // TIERS] for k in range(TIERS)]
+    return [statistics.mean(accuracy[served[i]] for i in g) for g in groups], groups
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--per-round", type=int, default=5)
+    parser.add_argument("--train-limit", type=int, default=4000)
+    parser.add_argument("--test-limit", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", default="5x10,5x20,10x20,3x10", help="async K x M pairs")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--fleets", default=",".join(FLEETS))
+    parser.add_argument("--work", type=Path, default=None)
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-async-"))
+    pairs = [tuple(int(x) for x in p.split("x")) for p in args.sweep.split(",") if p]
+    updates = args.rounds * args.per_round
+    base = [
+        "--preset", "fmnist-small", "--clients", str(args.clients), "--per-round", str(args.per_round),
+        "--train-limit", str(args.train_limit), "--test-limit", str(args.test_limit), "--seed", str(args.seed),
+        "--eval-every", "1", "--val-samples", "1000", "--calib-samples", "200",
+    ]  # fmt: skip
+    say(f"CPU: {cpu()}; {os.cpu_count()} cores; {args.jobs} runs at a time, one thread each; work in {work}")
+    summary = {}
+    for fleet in args.fleets.split(","):
+        say(f"fleet {fleet}")
+        runs: dict[str, dict] = {}
+        sync_options = [*base, *FLEETS[fleet], "--rounds", str(args.rounds)]
+        runs["sync"] = simulate(f"{fleet} sync", sync_options, work / fleet / "sync")
+        times = sorted(t for r in runs["sync"]["rounds"] for t in r["durations"].values())
+        p80 = times[min(len(times) - 1, math.ceil(0.8 * len(times)) - 1)]
+        jobs = {"sync-p80": [*sync_options, "--round-timeout", f"{p80:.3f}"]}
+        for k, m in pairs:
+            releases = max(1, round(updates / k))
+            jobs[f"async {k}x{m}"] = [
+                *base, *FLEETS[fleet], "--mode", "async", "--buffer", str(k), "--concurrency", str(m),
+                "--rounds", str(releases),
+            ]  # fmt: skip
+        with ThreadPoolExecutor(args.jobs) as pool:
+            done = {
+                name: pool.submit(simulate, f"{fleet} {name}", options, work / fleet / name.replace(" ", "-"))
+                for name, options in jobs.items()
+            }
+            runs.update({name: future.result() for name, future in done.items()})
+        target = runs["sync"]["rounds"][-1]["val_accuracy"]
+        sync_time = reached(runs["sync"], target)
+        rows = []
+        for name, r in runs.items():
+            at = reached(r, target)
+            by_tier, groups = tiers(r)
+            t = r["timeline"]
+            rows.append(
+                {
+                    "run": name,
+                    "virtual_seconds": t["virtual_seconds"],
+                    "to_sync_final": at,
+                    "ratio": None if at is None or not sync_time else at / sync_time,
+                    "final_val": r["rounds"][-1]["val_accuracy"],
+                    "population_accuracy": r["population_accuracy"],
+                    "tiers": by_tier,
+                    "staleness": t["staleness"],
+                    "late": t["late"],
+                    "updates": sum(t["participation"].values()),
+                    "tier_updates": [sum(t["participation"].get(f"client-{i:03d}", 0) for i in g) for g in groups],
+                }
+            )
+        summary[fleet] = {"p80": p80, "target": target, "rows": rows}
+        print(
+            f"\nfleet {fleet}: target = sync's final validation accuracy {100 * target:.2f} % "
+            f"(sync-p80 timeout {p80:.1f} virtual s)"
+        )
+        print(
+            "| run | virtual time | time to target | / sync | final val | test, all clients | test per tier "
+            "(lowest budget quartile first) | staleness mean / max / refused | late | updates per tier |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---|---|---:|---|")
+        for row in rows:
+            to = "never" if row["to_sync_final"] is None else f"{row['to_sync_final']:.0f} s"
+            ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
+            st = row["staleness"]
+            print(
+                f"| {row['run']} | {row['virtual_seconds']:.0f} s | {to} | {ratio} | {100 * row['final_val']:.2f} % "
+                f"| {100 * row['population_accuracy']:.2f} % | "
+                + " / ".join(f"{100 * a:.1f}" for a in row["tiers"])
+                + f" | {st['mean']:.2f} / {st['max']} / {st['refused']} | {row['late']} | "
+                + " / ".join(str(n) for n in row["tier_updates"])
+                + " |"
+            )
+    (work / "summary.json").write_text(json.dumps(summary, indent=2))
+    say(f"figures in {work / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    main()
