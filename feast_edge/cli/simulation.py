@@ -198,7 +198,8 @@ def simulate(
     done = _completed_rounds(out) if resume else 0
     if done:
         _say(f"resuming after round {done}/{rounds} from {out / 'checkpoint.safetensors'}")
-    display = _SimulationDisplay(rounds, done, len(sim.setup.cache.entries))
+    label = "release" if config.schedule.mode == "async" else "round"  # async: --rounds counts releases
+    display = _SimulationDisplay(rounds, done, len(sim.setup.cache.entries), label)
     live, web = _simulation_dashboard(sim, dashboard, dashboard_token, out)
     try:
         results = sim.run(
@@ -331,15 +332,17 @@ def _completed_rounds(out: Path) -> int:
 class _SimulationDisplay:
     """``simulate``'s progress: the rounds, then the final test of every cached variant, each a labelled :class:`Stage`."""
 
-    def __init__(self, rounds: int, done: int, variants: int) -> None:
+    def __init__(self, rounds: int, done: int, variants: int, label: str = "round") -> None:
         self.variants = variants
-        self.stage = Stage(console, "round", rounds, done=done).start()
+        self.stage = Stage(console, label, rounds, done=done).start()
         self.testing = False
 
     def on_round(self, p: Any) -> None:
         pct = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
         chosen = f"best {pct(p.best_val)}" if p.served_round is None else f"served round {p.served_round}"
-        self.stage.update(p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  {chosen}", line=True)
+        clock = "" if p.clock is None else f"  clock {p.clock:.0f} s"
+        stale = "" if p.staleness is None else f"  staleness <= {p.staleness}"
+        self.stage.update(p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  {chosen}{clock}{stale}", line=True)
         if p.round == p.rounds:
             self._start_testing()  # say so at once: the first variant takes a while
 

@@ -53,6 +53,8 @@ class RoundProgress:
     val_accuracy: float | None
     best_val: float | None
     served_round: int | None = None  # --validate-on devices: the round served so far (feast_edge.evaluate.served_round)
+    clock: float | None = None  # the virtual clock's seconds at the end of the round (feast_edge.sim.clock)
+    staleness: int | None = None  # --mode async: the largest staleness among the release's updates
 
 
 class Simulation:
@@ -179,6 +181,8 @@ class Simulation:
                         record.val_accuracy,
                         self.best.get("val_accuracy"),
                         self.best.get("round") if self.config.validation.validate_on == "devices" else None,
+                        record.clock,
+                        max(record.staleness.values(), default=0) if self.config.schedule.mode == "async" else None,
                     )
                 )
 

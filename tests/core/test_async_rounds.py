@@ -213,3 +213,28 @@ def test_what_async_rounds_do_not_offer_is_refused_with_the_reason() -> None:
         tiny_config(mode="async", buffer=2, concurrency=10)
     with pytest.raises(SimulationError, match="--mode 'later' is unknown"):
         tiny_config(mode="later")
+
+
+@pytest.mark.slow
+def test_robust_rules_and_server_optimizers_release_the_buffer(tmp_path, fashion_mnist_dir) -> None:
+    base = tiny_config(fashion_mnist_dir, rounds=2, seed=4, mode="async", buffer=2, concurrency=3, stragglers=0.5)
+    plain = Simulation(base, tmp_path / "mean").run()
+    for name, changes in {
+        "trimmed": {"aggregation": "trimmed-mean", "trim": 0.25},
+        "adam": {"server_opt": "adam"},
+    }.items():
+        other = Simulation(base.changed(**changes), tmp_path / name).run()
+        assert [r["cohort"] for r in other["rounds"]] == [r["cohort"] for r in plain["rounds"]]  # the same draws
+        a, b = _weights(tmp_path / "mean" / CHECKPOINT), _weights(tmp_path / name / CHECKPOINT)
+        assert all(torch.isfinite(b[k]).all() for k in b if b[k].is_floating_point())
+        assert any(not torch.equal(a[k], b[k]) for k in a), name
+
+
+@pytest.mark.slow
+def test_a_resumed_asynchronous_run_drops_what_was_in_flight_and_keeps_the_clock(tmp_path, fashion_mnist_dir) -> None:
+    config = tiny_config(fashion_mnist_dir, rounds=3, seed=2, mode="async", buffer=2, concurrency=3, stragglers=0.5)
+    assert Simulation(config, tmp_path).run(stop_after=2) is None
+    resumed = Simulation(config, tmp_path).run(resume=True)
+    clocks = [r["clock"] for r in resumed["rounds"]]
+    assert len(clocks) == 3 and clocks == sorted(clocks) and clocks[2] > clocks[1]
+    assert resumed["timeline"]["releases"] == 3
