@@ -59,6 +59,8 @@ class Run:
     extraction: dict[str, Any] | None = None  # extraction.json: post-hoc extraction of uncached variants
     personalization: dict[str, Any] | None = None  # simulate --personalize: the summary of its "personalization" block
     privacy: dict[str, Any] | None = None  # simulate --dp-*: its "privacy" block (ε at δ, the settings)
+    schedule: str = ""  # "async K=5 M=10 S=10 sqrt" for buffered asynchronous rounds (--mode async)
+    virtual_seconds: float | None = None  # the virtual clock at the end (results.json's timeline)
 
     @property
     def group(self) -> str:
@@ -70,6 +72,7 @@ class Run:
         parts += ["matched compute"] if self.matched is not None else []
         parts += [f"γ={self.gamma:g}"] if self.gamma != 1 else []
         parts += [dp_words(self.privacy)] if self.privacy else []
+        parts += [self.schedule] if self.schedule else []
         return f"{self.method} ({', '.join(parts)})" if parts else self.method
 
     @property
@@ -155,7 +158,25 @@ def _parse(directory: Path, record: Any) -> Run:
         extraction=_extraction(directory),
         personalization=_personalization(record),
         privacy=record.get("privacy") if isinstance(record.get("privacy"), dict) else None,
+        schedule=_schedule(config),
+        virtual_seconds=_virtual_seconds(record),
     )
+
+
+def _schedule(config: dict[str, Any]) -> str:
+    """``async K=5 M=10 S=10 sqrt`` for buffered asynchronous rounds; '' for synchronous ones."""
+    if config.get("mode") != "async":
+        return ""
+    return (
+        f"async K={config.get('buffer')} M={config.get('concurrency')} S={config.get('max_staleness')} "
+        f"{config.get('staleness')}"
+    )
+
+
+def _virtual_seconds(record: dict[str, Any]) -> float | None:
+    timeline = record.get("timeline")
+    value = timeline.get("virtual_seconds") if isinstance(timeline, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def dp_words(privacy: dict[str, Any]) -> str:

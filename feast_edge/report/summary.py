@@ -96,11 +96,21 @@ def build_document(runs: Sequence[Run], title: str, warnings: Sequence[str], plo
             _percent(r.population_accuracy),
             _percent(r.best_val),
             f"{r.seconds:.1f}",
+            "—" if r.virtual_seconds is None else f"{r.virtual_seconds:,.0f}",
         )
         for g in groups
         for r in g.runs
     )
-    header = ("directory", "method", "seed", "rounds", "population acc. (%)", "best val. acc. (%)", "seconds")
+    header = (
+        "directory",
+        "method",
+        "seed",
+        "rounds",
+        "population acc. (%)",
+        "best val. acc. (%)",
+        "seconds",
+        "virtual seconds",
+    )
     return [*blocks, Heading(2, "Runs"), Table(header, runs_read, left=2)]
 
 

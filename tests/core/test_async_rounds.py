@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from feast_edge.aggregate.sparse import aggregate
+from feast_edge.report.runs import load_run
 from feast_edge.run.asynchronous import AsyncSettings, AsyncSlots, Buffered, discount
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.collect import ClientUpdate, Collected
@@ -202,6 +203,8 @@ def test_an_asynchronous_simulation_is_reproducible_from_its_seed(tmp_path, fash
     rows = (tmp_path / "a" / "rounds.csv").read_text().splitlines()
     assert rows[0].endswith("clock,staleness_mean,staleness_max") and len(rows) == 4
     assert json.loads((tmp_path / "a" / "results.json").read_text())["timeline"] == timeline
+    run = load_run(tmp_path / "a")  # feast-edge report: its own group, and the virtual time
+    assert run.group == "feast (async K=2 M=3 S=10 sqrt)" and run.virtual_seconds == timeline["virtual_seconds"]
 
 
 def test_what_async_rounds_do_not_offer_is_refused_with_the_reason() -> None:
