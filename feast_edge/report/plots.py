@@ -51,7 +51,38 @@ def draw_plots(groups: Sequence[Group], reference: Group | None, out: Path) -> l
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
         drawn.append((name, title))
+    if any(r.validation_in_time for g in groups for r in g.runs if r.schedule):  # an asynchronous run among them
+        name, title = "accuracy_vs_time.png", "Validation accuracy vs virtual time (each run)"
+        fig = _validation_in_time(plt, groups, colors)
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        drawn.append((name, title))
     return drawn + draw_experiment_plots(plt, groups, [r for g in groups for r in g.runs], out)
+
+
+def _validation_in_time(plt: Any, groups: Sequence[Group], colors: dict[str, str]) -> Any:
+    """Synchronous and asynchronous runs on one virtual clock (feast_edge.sim.clock)."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = ("-", "--", ":", "-.")
+    for g in groups:
+        for k, run in enumerate(g.runs):
+            if run.validation_in_time:
+                clock, accuracy = zip(*run.validation_in_time)
+                ax.plot(
+                    clock,
+                    [100 * a for a in accuracy],
+                    marker=".",
+                    color=colors[g.name],
+                    linestyle=styles[k % len(styles)],
+                    label=_plain(f"{g.name}, seed {run.seed}"),
+                )
+    ax.legend(fontsize="small")
+    ax.set_xlabel("virtual seconds")
+    ax.set_ylabel("validation accuracy (%)")
+    ax.grid(True, alpha=0.3)
+    return fig
 
 
 def _accuracy_vs_macs(plt: Any, groups: Sequence[Group], reference: Group | None, colors: dict[str, str]) -> Any:

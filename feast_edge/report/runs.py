@@ -61,6 +61,7 @@ class Run:
     privacy: dict[str, Any] | None = None  # simulate --dp-*: its "privacy" block (ε at δ, the settings)
     schedule: str = ""  # "async K=5 M=10 S=10 sqrt" for buffered asynchronous rounds (--mode async)
     virtual_seconds: float | None = None  # the virtual clock at the end (results.json's timeline)
+    validation_in_time: tuple[tuple[float, float], ...] = ()  # (virtual seconds, val accuracy) where validated
 
     @property
     def group(self) -> str:
@@ -160,6 +161,11 @@ def _parse(directory: Path, record: Any) -> Run:
         privacy=record.get("privacy") if isinstance(record.get("privacy"), dict) else None,
         schedule=_schedule(config),
         virtual_seconds=_virtual_seconds(record),
+        validation_in_time=tuple(
+            (float(r["clock"]), float(r["val_accuracy"]))
+            for r in rounds
+            if r.get("val_accuracy") is not None and isinstance(r.get("clock"), (int, float))
+        ),
     )
 
 

@@ -14,6 +14,7 @@ import torch
 
 from feast_edge.aggregate.sparse import aggregate
 from feast_edge.report.runs import load_run
+from feast_edge.report.summary import write_report
 from feast_edge.run.asynchronous import AsyncSettings, AsyncSlots, Buffered, discount
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.collect import ClientUpdate, Collected
@@ -205,6 +206,10 @@ def test_an_asynchronous_simulation_is_reproducible_from_its_seed(tmp_path, fash
     assert json.loads((tmp_path / "a" / "results.json").read_text())["timeline"] == timeline
     run = load_run(tmp_path / "a")  # feast-edge report: its own group, and the virtual time
     assert run.group == "feast (async K=2 M=3 S=10 sqrt)" and run.virtual_seconds == timeline["virtual_seconds"]
+    assert [c for c, _ in run.validation_in_time] == [t for t, _ in timeline["accuracy_vs_time"]]
+    written = write_report([tmp_path / "a"], tmp_path / "report")
+    assert tmp_path / "report" / "accuracy_vs_time.png" in written.plots
+    assert "feast (async K=2 M=3 S=10 sqrt)" in written.report.read_text(encoding="utf-8")
 
 
 def test_what_async_rounds_do_not_offer_is_refused_with_the_reason() -> None:
