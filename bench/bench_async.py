@@ -1,19 +1,21 @@
 """Synchronous against buffered asynchronous rounds on the virtual clock: time to accuracy, accuracy per tier.
 
     python bench/bench_async.py [--rounds 30] [--clients 20] [--per-round 5] [--train-limit 4000] [--seed 0]
-                                [--sweep 5x10,5x20,10x20,3x10] [--jobs 2] [--work DIR]
+                                [--sweep 5x10,10x20] [--jobs 2] [--work DIR]
 
 Two fleets of ``--clients`` Zipf clients (fmnist-small, data proportional to budget), their speeds following their
 budgets on the virtual clock (feast_edge.sim.clock): ``tiers``, and ``stragglers`` (a seeded 20 % of the clients
-10 times slower). On each fleet, with the same total client updates (``--rounds`` x ``--per-round``):
+10 times slower). On each fleet, at the same total client compute (the sync run's training MACs, given to the others
+as ``--compute-budget``: an asynchronous release of fast devices' updates is far cheaper than a round):
 
-    sync          synchronous rounds of --per-round clients, each waiting for its slowest member
+    sync          --rounds synchronous rounds of --per-round clients, each waiting for its slowest member
     sync-p80      the same with --round-timeout at the 80th percentile of the sync run's job times (late
-                  updates dropped, as a server's deadline drops them)
-    async KxM     buffered asynchronous rounds, K updates per release, M clients training at once
-                  (--rounds x --per-round / K releases)
+                  updates dropped, as a server's deadline drops them), until the compute budget
+    async KxM     buffered asynchronous rounds, K updates per release, M clients training at once, until the
+                  compute budget
 
-Each run validates every release on the server's split (--val-samples 1000). Printed per fleet: the virtual time
+The sync runs validate every 2 rounds, the asynchronous ones every 4 releases, on the server's split
+(--val-samples 1000). Printed per fleet: the virtual time
 each run needed to reach the sync run's final validation accuracy (and its ratio to sync's), the final accuracy of
 the served variants on the test set over all clients and per budget tier (quartiles of the budgets: the top tier
 alone trains the top slices), the staleness and the participation of the slowest tier. Runs go ``--jobs`` at a time,
@@ -89,7 +91,7 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=4000)
     parser.add_argument("--test-limit", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sweep", default="5x10,5x20,10x20,3x10", help="async K x M pairs")
+    parser.add_argument("--sweep", default="5x10,10x20", help="async K x M pairs")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--fleets", default=",".join(FLEETS))
     parser.add_argument("--work", type=Path, default=None)
@@ -100,23 +102,26 @@ def main() -> None:
     base = [
         "--preset", "fmnist-small", "--clients", str(args.clients), "--per-round", str(args.per_round),
         "--train-limit", str(args.train_limit), "--test-limit", str(args.test_limit), "--seed", str(args.seed),
-        "--eval-every", "1", "--val-samples", "1000", "--calib-samples", "200",
+        "--val-samples", "1000", "--calib-samples", "200",
     ]  # fmt: skip
     say(f"CPU: {cpu()}; {os.cpu_count()} cores; {args.jobs} runs at a time, one thread each; work in {work}")
     summary = {}
     for fleet in args.fleets.split(","):
         say(f"fleet {fleet}")
         runs: dict[str, dict] = {}
-        sync_options = [*base, *FLEETS[fleet], "--rounds", str(args.rounds)]
-        runs["sync"] = simulate(f"{fleet} sync", sync_options, work / fleet / "sync")
+        sync_options = [*base, *FLEETS[fleet], "--eval-every", "2"]
+        runs["sync"] = simulate(f"{fleet} sync", [*sync_options, "--rounds", str(args.rounds)], work / fleet / "sync")
         times = sorted(t for r in runs["sync"]["rounds"] for t in r["durations"].values())
         p80 = times[min(len(times) - 1, math.ceil(0.8 * len(times)) - 1)]
-        jobs = {"sync-p80": [*sync_options, "--round-timeout", f"{p80:.3f}"]}
+        budget = f"{runs['sync']['compute']['train_macs_total']:.6g}"
+        say(f"  compute budget {float(budget) / 1e12:.2f} TMAC; sync-p80 timeout {p80:.1f} virtual s")
+        limit = ["--compute-budget", budget]
+        jobs = {"sync-p80": [*sync_options, "--round-timeout", f"{p80:.3f}", "--rounds", str(4 * args.rounds), *limit]}
         for k, m in pairs:
-            releases = max(1, round(updates / k))
+            releases = 40 * max(1, round(updates / k))  # the compute budget ends it
             jobs[f"async {k}x{m}"] = [
-                *base, *FLEETS[fleet], "--mode", "async", "--buffer", str(k), "--concurrency", str(m),
-                "--rounds", str(releases),
+                *base, *FLEETS[fleet], "--eval-every", "4", "--mode", "async", "--buffer", str(k),
+                "--concurrency", str(m), "--rounds", str(releases), *limit,
             ]  # fmt: skip
         with ThreadPoolExecutor(args.jobs) as pool:
             done = {
@@ -124,7 +129,7 @@ def main() -> None:
                 for name, options in jobs.items()
             }
             runs.update({name: future.result() for name, future in done.items()})
-        target = runs["sync"]["rounds"][-1]["val_accuracy"]
+        target = next(x["val_accuracy"] for x in reversed(runs["sync"]["rounds"]) if x["val_accuracy"] is not None)
         sync_time = reached(runs["sync"], target)
         rows = []
         for name, r in runs.items():
@@ -134,10 +139,14 @@ def main() -> None:
             rows.append(
                 {
                     "run": name,
+                    "steps": len(r["rounds"]),
+                    "train_macs": r["compute"]["train_macs_total"],
                     "virtual_seconds": t["virtual_seconds"],
                     "to_sync_final": at,
                     "ratio": None if at is None or not sync_time else at / sync_time,
-                    "final_val": r["rounds"][-1]["val_accuracy"],
+                    "final_val": next(
+                        x["val_accuracy"] for x in reversed(r["rounds"]) if x["val_accuracy"] is not None
+                    ),
                     "population_accuracy": r["population_accuracy"],
                     "tiers": by_tier,
                     "staleness": t["staleness"],
@@ -152,16 +161,16 @@ def main() -> None:
             f"(sync-p80 timeout {p80:.1f} virtual s)"
         )
         print(
-            "| run | virtual time | time to target | / sync | final val | test, all clients | test per tier "
+            "| run | steps | TMAC | virtual time | time to target | / sync | final val | test, all clients | test per tier "
             "(lowest budget quartile first) | staleness mean / max / refused | late | updates per tier |"
         )
-        print("|---|---:|---:|---:|---:|---:|---|---|---:|---|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|")
         for row in rows:
             to = "never" if row["to_sync_final"] is None else f"{row['to_sync_final']:.0f} s"
             ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
             st = row["staleness"]
             print(
-                f"| {row['run']} | {row['virtual_seconds']:.0f} s | {to} | {ratio} | {100 * row['final_val']:.2f} % "
+                f"| {row['run']} | {row['steps']} | {row['train_macs'] / 1e12:.2f} | {row['virtual_seconds']:.0f} s | {to} | {ratio} | {100 * row['final_val']:.2f} % "
                 f"| {100 * row['population_accuracy']:.2f} % | "
                 + " / ".join(f"{100 * a:.1f}" for a in row["tiers"])
                 + f" | {st['mean']:.2f} / {st['max']} / {st['refused']} | {row['late']} | "

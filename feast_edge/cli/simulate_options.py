@@ -41,6 +41,7 @@ HELP = {
     "straggler_factor": "How many times slower a straggler is.",
     "jitter": "Sigma of each job's log-normal slowdown on the virtual clock (0: none).",
     "dropout": "Probability that a job is lost (the device slept or lost its link), after its whole time.",
+    "compute_budget": "End the run once its released updates' training MACs reach this, e.g. 5e13 (0: --rounds only); compares synchronous and asynchronous rounds at equal client compute.",
     "round_timeout": "sync: virtual seconds a round waits; later updates are dropped as a server's deadline drops them (0: wait for the slowest).",
 }
 FLAGS = {"epochs": ("--local-epochs",)}

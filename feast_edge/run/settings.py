@@ -45,6 +45,7 @@ class RunSettings:
     )  # the step from the aggregate (feast_edge.aggregate.server_opt); avg: method §6
     dp: DpSettings | None = None  # client-level differential privacy (feast_edge.privacy); None: none
     dp_on_devices: bool = False  # local DP applied by real devices (a server): their updates arrive noised
+    compute_budget: float = 0.0  # end the run once the released updates' training MACs reach this (0: no budget)
 
     def __post_init__(self) -> None:
         check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)

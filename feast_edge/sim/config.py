@@ -120,6 +120,7 @@ class Timing(Concern):
     jitter: float = 0.0  # σ of each job's log-normal slowdown
     dropout: float = 0.0  # probability that a job is lost
     round_timeout: float = 0.0  # virtual seconds a synchronous round waits (0: for its slowest member)
+    compute_budget: float = 0.0  # end once the released updates' training MACs reach this (0: --rounds only)
 
     def __post_init__(self) -> None:
         check(
@@ -131,6 +132,7 @@ class Timing(Concern):
                 (self.jitter >= 0, f"--jitter {self.jitter} must be >= 0"),
                 (0 <= self.dropout < 1, f"--dropout {self.dropout} must be in [0, 1)"),
                 (self.round_timeout >= 0, f"--round-timeout {self.round_timeout} must be >= 0 (0: no deadline)"),
+                (self.compute_budget >= 0, f"--compute-budget {self.compute_budget} must be >= 0 (0: no budget)"),
             ]
         )
 
@@ -148,7 +150,7 @@ class Timing(Concern):
     @property
     def decides(self) -> bool:
         """Whether the clock changes the trained weights of synchronous rounds (a deadline or lost jobs)."""
-        return self.round_timeout > 0 or self.dropout > 0
+        return self.round_timeout > 0 or self.dropout > 0 or self.compute_budget > 0
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import csv
 import io
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ class Simulation:
         on_devices = config.validation.validate_on == "devices"
         try:
             settings = loop_settings(config, min_clients=1, averaging=self.method.averaging, device=config.device)
+            settings = replace(settings, compute_budget=config.timing.compute_budget)
         except SettingsError as exc:
             raise SimulationError(str(exc)) from None
         self.loop = RunLoop(

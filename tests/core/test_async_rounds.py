@@ -246,3 +246,19 @@ def test_a_resumed_asynchronous_run_drops_what_was_in_flight_and_keeps_the_clock
     clocks = [r["clock"] for r in resumed["rounds"]]
     assert len(clocks) == 3 and clocks == sorted(clocks) and clocks[2] > clocks[1]
     assert resumed["timeline"]["releases"] == 3
+
+
+@pytest.mark.slow
+def test_a_compute_budget_ends_either_mode_at_the_same_training_work(tmp_path, fashion_mnist_dir) -> None:
+    sync = tiny_config(fashion_mnist_dir, rounds=3, seed=6)
+    full = Simulation(sync, tmp_path / "full").run()
+    first = full["rounds"][0]["train_macs"]
+    # Asynchronous releases of two clients' updates are cheaper than a round: room for many more.
+    modes = {"sync": sync, "async": sync.changed(mode="async", buffer=2, concurrency=3, rounds=200)}
+    for name, config in modes.items():
+        run = Simulation(config.changed(compute_budget=first), tmp_path / name)
+        results = run.run()
+        spent = [r["train_macs"] for r in results["rounds"]]
+        # It stops before the step after the one that reached the budget, and says why.
+        assert sum(spent[:-1]) < first <= sum(spent) and len(spent) < config.training.rounds, (name, spent)
+        assert "the compute budget is spent" in run.loop.stopped

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from feast_edge.run.release import Release, Stage
+from feast_edge.run.stages.compute_budget import ComputeBudgetStage
 from feast_edge.run.stages.privacy_noise import PrivacyStage
 from feast_edge.run.stages.server_step import ServerStepStage
 from feast_edge.run.stages.weight_cap import WeightCapStage
@@ -18,10 +19,12 @@ if TYPE_CHECKING:
 
 
 def release_of(settings: RunSettings, model: torch.nn.Module, method: RoundMethod) -> Release:
-    """The stages ``settings`` ask for, in their fixed order: privacy (clip; noise after the aggregate), the cap on
+    """The stages ``settings`` ask for, in their fixed order: a compute budget (it only refuses steps), privacy (clip; noise after the aggregate), the cap on
     self-reported weights, the server optimizer (its step from the noised aggregate: post-processing)."""
     params = [name for name, _ in model.named_parameters()]
     stages: list[Stage] = []
+    if settings.compute_budget:
+        stages.append(ComputeBudgetStage(settings.compute_budget))
     if settings.dp is not None:
         stages.append(PrivacyStage(settings.dp, params, settings.rounds, clients_noise=settings.dp_on_devices))
     if settings.max_weight_ratio:
