@@ -64,24 +64,8 @@ def draw_plots(groups: Sequence[Group], reference: Group | None, out: Path) -> l
 
 def _validation_in_time(plt: Any, groups: Sequence[Group], colors: dict[str, str]) -> Any:
     """Synchronous and asynchronous runs on one virtual clock (feast_edge.sim.clock)."""
-    fig, ax = plt.subplots(figsize=(8, 5))
-    styles = ("-", "--", ":", "-.")
-    for g in groups:
-        for k, run in enumerate(g.runs):
-            if run.validation_in_time:
-                clock, accuracy = zip(*run.validation_in_time)
-                ax.plot(
-                    clock,
-                    [100 * a for a in accuracy],
-                    marker=".",
-                    color=colors[g.name],
-                    linestyle=styles[k % len(styles)],
-                    label=_plain(f"{g.name}, seed {run.seed}"),
-                )
-    ax.legend(fontsize="small")
+    fig, ax = _run_curves(plt, groups, colors, lambda run: run.validation_in_time)
     ax.set_xlabel("virtual seconds")
-    ax.set_ylabel("validation accuracy (%)")
-    ax.grid(True, alpha=0.3)
     return fig
 
 
@@ -102,15 +86,23 @@ def _accuracy_vs_macs(plt: Any, groups: Sequence[Group], reference: Group | None
 
 
 def _validation(plt: Any, groups: Sequence[Group], reference: Group | None, colors: dict[str, str]) -> Any:
+    fig, ax = _run_curves(plt, groups, colors, lambda run: run.validation)
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    return fig
+
+
+def _run_curves(plt: Any, groups: Sequence[Group], colors: dict[str, str], points: Any) -> tuple[Any, Any]:
+    """One validation curve per run, ``points(run)`` its (x, accuracy) pairs: the figure and its axes."""
     fig, ax = plt.subplots(figsize=(8, 5))
     styles = ("-", "--", ":", "-.")
     curves = 0
     for g in groups:
         for k, run in enumerate(g.runs):
-            if run.validation:
-                rounds, accuracy = zip(*run.validation)
+            if points(run):
+                xs, accuracy = zip(*points(run))
                 ax.plot(
-                    rounds,
+                    xs,
                     [100 * a for a in accuracy],
                     marker=".",
                     color=colors[g.name],
@@ -122,11 +114,9 @@ def _validation(plt: Any, groups: Sequence[Group], reference: Group | None, colo
         ax.legend(fontsize="small")
     else:
         ax.text(0.5, 0.5, "no run validated", ha="center", va="center", transform=ax.transAxes)
-    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-    ax.set_xlabel("round")
     ax.set_ylabel("validation accuracy (%)")
     ax.grid(True, alpha=0.3)
-    return fig
+    return fig, ax
 
 
 def _population(plt: Any, groups: Sequence[Group], reference: Group | None, colors: dict[str, str]) -> Any:
