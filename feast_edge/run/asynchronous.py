@@ -19,8 +19,9 @@ K updates, never waiting for the slowest device (FedBuff, Nguyen et al. 2022, pe
                  θ[u] <- Σ n_i s(τ_i) w'_i[u] / Σ n_i s(τ_i) over the updates that trained coordinate u,
                  that is θ[u] + Σ n_i s(τ_i) Δ_i[u] / Σ n_i s(τ_i)
 
-``--rounds`` counts releases, and the learning-rate schedule runs over them: a device trains with the lr of the
-version it was sent. With K = M = the cohort size, every device taking the same time and the synchronous cohort
+``--rounds`` counts releases, and the learning-rate schedule runs over them (under ``--compute-budget``, over the
+share of the budget spent: feast_edge.run.schedule.step_lr): a device trains with the lr of the version it was sent.
+With K = M = the cohort size, every device taking the same time and the synchronous cohort
 draw (a fill of M slots at version t draws as round t does), each release is exactly the synchronous round t
 (tests/core/test_async_rounds.py). How long a device takes comes from a clock: virtual in a simulation
 (feast_edge.sim.clock), measured over MQTT.
@@ -37,11 +38,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from feast_edge.local.recipe import scheduled_lr
 from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import ClientUpdate, Collected, Collector
 from feast_edge.run.release import Release, RoundContext, StateDict
-from feast_edge.run.schedule import Gathered
+from feast_edge.run.schedule import Gathered, step_lr
 from feast_edge.run.settings import RunError
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class AsyncSlots:
     def busy(self) -> set[str]:
         return {j.client for j in self.jobs} | {j.client for j in self.buffered}
 
-    def _fill(self, t: int, clients: list[str], collector: Collector) -> None:
+    def _fill(self, t: int, clients: list[str], collector: Collector, history: list[RoundRecord]) -> None:
         """Refill the free slots at version ``t``: a seeded uniform draw from the idle clients, trained from now."""
         free = self.rules.concurrency - len(self.jobs)
         idle = sorted(set(clients) - self.busy())
@@ -148,8 +148,7 @@ class AsyncSlots:
             return
         drawn = sample_round_cohort(idle, min(free, len(idle)), self.settings.seed, self.fills)
         self.fills += 1
-        s = self.settings
-        lr = scheduled_lr(s.lr_schedule, s.lr, t, s.rounds)
+        lr = step_lr(self.settings, t, history)
         plans = self.method.plans(t, drawn, collector.budget)
         global_state = self.model.state_dict()
         got = collector.collect(t, drawn, plans, global_state, lr)
@@ -177,7 +176,7 @@ class AsyncSlots:
         refused: dict[str, str] = {}
         lost: list[str] = []
         while len(self.buffered) < self.rules.buffer:
-            self._fill(t, clients, collector)
+            self._fill(t, clients, collector, history)
             if not self.jobs:
                 raise RunError(
                     f"release {t + 1}: no device can train ({len(clients)} online, {len(self.buffered)} buffered); "
@@ -210,7 +209,7 @@ class AsyncSlots:
         updates = [j.update for j in released if j.update is not None]
         self.participation.update(j.client for j in released)
         plans = {j.client: j.plan for j in released}
-        lr = scheduled_lr(self.settings.lr_schedule, self.settings.lr, t, self.settings.rounds)
+        lr = step_lr(self.settings, t, history)
         durations = {j.client: round(j.seconds, 6) for j in released}
         got = Collected(
             updates, rejected=refused, dropped=lost, clock=self.now, staleness=staleness, durations=durations

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from feast_edge.local.recipe import scheduled_lr
+from feast_edge.local.recipe import cosine_lr, scheduled_lr
 from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import Collected, Collector
 from feast_edge.run.release import RoundContext
@@ -51,6 +51,16 @@ class Scheduler(Protocol):
     ) -> Gathered: ...
 
 
+def step_lr(settings: RunSettings, t: int, history: list[RoundRecord]) -> float:
+    """Step ``t``'s learning rate: the schedule over ``--rounds``, or, under ``--compute-budget``, over the share of
+    the budget the released updates spent (an asynchronous run's number of releases is not known in advance)."""
+    s = settings
+    if s.compute_budget > 0 and s.lr_schedule != "constant":
+        spent = min(sum(h.train_macs for h in history), s.compute_budget)
+        return cosine_lr(s.lr, round(1000 * spent / s.compute_budget), 1001)
+    return scheduled_lr(s.lr_schedule, s.lr, t, s.rounds)
+
+
 class SyncRounds:
     """Synchronous rounds: a seeded uniform cohort of ``per_round`` from the clients online, collected together."""
 
@@ -72,7 +82,7 @@ class SyncRounds:
         cohort = sample_round_cohort(clients, min(s.per_round, len(clients)), s.seed, t)
         ctx = RoundContext(t, len(clients), list(cohort), history)
         admit(ctx)
-        lr = scheduled_lr(s.lr_schedule, s.lr, t, s.rounds)
+        lr = step_lr(s, t, history)
         plans = self.method.plans(t, cohort, collector.budget)
         global_state = self.model.state_dict()  # aliases the model's tensors: the release writes into the model
         return Gathered(ctx, plans, lr, collector.collect(t, cohort, plans, global_state, lr))
