@@ -72,8 +72,9 @@ class VirtualClock:
         m = self.model
         if m.kind == "uniform":
             return 1.0
-        train = update.train_macs / self.throughput[client]
-        transfer = 2 * self.payload_params(plan) * self.bytes / (m.link_mbps * 1e6 / 8)
+        # a trainer that is no client (the centralized reference's pooled data) trains at the top rate, sends nothing
+        train = update.train_macs / self.throughput.get(client, m.rate)
+        transfer = 0.0 if plan is None else 2 * self.payload_params(plan) * self.bytes / (m.link_mbps * 1e6 / 8)
         seconds = (train + transfer) * (m.straggler_factor if client in self.slow else 1.0)
         if m.jitter > 0:
             seconds *= math.exp(m.jitter * float(np.random.default_rng([self.seed, _JITTER, job]).standard_normal()))
@@ -107,7 +108,7 @@ class TimedRounds(Wrapped):
         kept, late, lost, took = [], [], [], {}
         for k, u in enumerate(got.updates):
             job = t * JOBS_PER_ROUND + k
-            seconds = self.clock.duration(u.client, u, plans[u.client], job)
+            seconds = self.clock.duration(u.client, u, plans.get(u.client), job)
             took[u.client] = seconds
             if self.clock.drops(u.client, job):
                 lost.append(u.client)

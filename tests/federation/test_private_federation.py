@@ -55,7 +55,7 @@ def test_a_private_federation_equals_the_private_simulation(kit, tmp_path: Path,
     assert all(torch.equal(got[k], want[k]) for k in got), f"differ by {kit.max_abs_diff(got, want)}"
     assert [h.dp for h in history] == [r["dp"] for r in simulated["rounds"]]
     assert all(h.samples == len(h.updated) for h in history)  # uniform weights, whatever the devices registered
-    assert (out / "rounds.csv").read_text().splitlines()[0].endswith(",epsilon,clip")
+    assert ",epsilon,clip," in (out / "rounds.csv").read_text().splitlines()[0]
     if mode == "local":  # each device counted what it sent, in its own ledger
         sent = {cid: sum(cid in h.updated for h in history) for cid in agents}
         for cid, n in sent.items():
