@@ -1,7 +1,7 @@
 """Synchronous against buffered asynchronous rounds on the virtual clock: time to accuracy, accuracy per tier.
 
     python bench/bench_async.py [--rounds 30] [--clients 20] [--per-round 5] [--train-limit 4000] [--seed 0]
-                                [--sweep 5x10,10x20] [--jobs 2] [--work DIR]
+                                [--sweep 5x10,10x20:0.5,5x10:0.25:constant] [--jobs 2] [--work DIR [--reuse]]
 
 Two fleets of ``--clients`` Zipf clients (fmnist-small, data proportional to budget), their speeds following their
 budgets on the virtual clock (feast_edge.sim.clock): ``tiers``, and ``stragglers`` (a seeded 20 % of the clients
@@ -56,14 +56,20 @@ def cpu() -> str:
         return platform.processor()
 
 
-def simulate(name: str, options: list[str], out: Path) -> dict:
-    """One ``feast-edge simulate`` run (one thread); its results.json."""
+def simulate(name: str, options: list[str], out: Path, reuse: bool = False) -> dict:
+    """One ``feast-edge simulate`` run (one thread); its results.json (``reuse``: a finished run's in ``out`` with the
+    same options, without running it again)."""
     began = time.monotonic()
+    asked = out / "bench-options.json"
+    if reuse and (out / "results.json").is_file() and asked.is_file() and json.loads(asked.read_text()) == options:
+        say(f"  {name}: reused from {out}")
+        return json.loads((out / "results.json").read_text())
     command = [sys.executable, "-m", "feast_edge.cli.main", "simulate", "--out", str(out), "--threads", "1", *options]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     results = json.loads((out / "results.json").read_text())
+    asked.write_text(json.dumps(options))
     say(f"  {name}: {time.monotonic() - began:.0f} s, virtual {results['timeline']['virtual_seconds']:.0f} s")
     return results
 
@@ -83,6 +89,14 @@ def tiers(results: dict) -> tuple[list[float], list[list[int]]]:
     return [statistics.mean(accuracy[served[i]] for i in g) for g in groups], groups
 
 
+def async_run(text: str) -> tuple[int, int, float | None, str | None]:
+    """``KxM[:η[:discount]]`` of --sweep: a server step η (--server-lr) and a staleness discount (--staleness); none
+    given: the mode's defaults."""
+    pair, eta, discount, *_ = [*text.split(":"), "", ""]
+    k, m = (int(x) for x in pair.split("x"))
+    return k, m, float(eta) if eta else None, discount or None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30)
@@ -91,13 +105,18 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=4000)
     parser.add_argument("--test-limit", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sweep", default="5x10,10x20", help="async K x M pairs")
+    parser.add_argument(
+        "--sweep", default="5x10,10x20", help="async runs: KxM[:η[:discount]] (--server-lr, --staleness)"
+    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--fleets", default=",".join(FLEETS))
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument(
+        "--reuse", action="store_true", help="reuse the finished runs in --work that had the same options"
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-async-"))
-    pairs = [tuple(int(x) for x in p.split("x")) for p in args.sweep.split(",") if p]
+    pairs = [async_run(p) for p in args.sweep.split(",") if p]
     updates = args.rounds * args.per_round
     base = [
         "--preset", "fmnist-small", "--clients", str(args.clients), "--per-round", str(args.per_round),
@@ -110,22 +129,31 @@ def main() -> None:
         say(f"fleet {fleet}")
         runs: dict[str, dict] = {}
         sync_options = [*base, *FLEETS[fleet], "--eval-every", "2"]
-        runs["sync"] = simulate(f"{fleet} sync", [*sync_options, "--rounds", str(args.rounds)], work / fleet / "sync")
+        runs["sync"] = simulate(
+            f"{fleet} sync", [*sync_options, "--rounds", str(args.rounds)], work / fleet / "sync", args.reuse
+        )
         times = sorted(t for r in runs["sync"]["rounds"] for t in r["durations"].values())
         p80 = times[min(len(times) - 1, math.ceil(0.8 * len(times)) - 1)]
         budget = f"{runs['sync']['compute']['train_macs_total']:.6g}"
         say(f"  compute budget {float(budget) / 1e12:.2f} TMAC; sync-p80 timeout {p80:.1f} virtual s")
         limit = ["--compute-budget", budget]
         jobs = {"sync-p80": [*sync_options, "--round-timeout", f"{p80:.3f}", "--rounds", str(4 * args.rounds), *limit]}
-        for k, m in pairs:
+        for k, m, eta, discount in pairs:
             releases = 40 * max(1, round(updates / k))  # the compute budget ends it
-            jobs[f"async {k}x{m}"] = [
+            step = [] if eta is None else ["--server-lr", str(eta)]
+            step += [] if discount is None else ["--staleness", discount]
+            name = (
+                f"async {k}x{m}" + ("" if eta is None else f" η={eta}") + ("" if discount is None else f" {discount}")
+            )
+            jobs[name] = [
                 *base, *FLEETS[fleet], "--eval-every", "4", "--mode", "async", "--buffer", str(k),
-                "--concurrency", str(m), "--rounds", str(releases), *limit,
+                "--concurrency", str(m), "--rounds", str(releases), *step, *limit,
             ]  # fmt: skip
         with ThreadPoolExecutor(args.jobs) as pool:
             done = {
-                name: pool.submit(simulate, f"{fleet} {name}", options, work / fleet / name.replace(" ", "-"))
+                name: pool.submit(
+                    simulate, f"{fleet} {name}", options, work / fleet / name.replace(" ", "-"), args.reuse
+                )
                 for name, options in jobs.items()
             }
             runs.update({name: future.result() for name, future in done.items()})

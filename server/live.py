@@ -28,6 +28,7 @@ from feast_edge.route.payload import bytes_per_param
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RoundRecord
 from feast_edge.server.registry import Device, Registry
+from feast_edge.sim.clock import clock_entry
 from feast_edge.space.preset import Preset
 from feast_edge.transport.chunks import Reassembler
 
@@ -241,6 +242,7 @@ class LiveView:
                 "devices": {d: dict(t) for d, t in self._traffic.items()},
                 "validated_on": self._validated_on(record),
                 **privacy_entry(record.dp),
+                **clock_entry(record.clock, record.staleness),
             }
         )
         if probes:

@@ -36,6 +36,7 @@ from feast_edge.report.run_files import MODELS, read_manifests, read_registry
 from feast_edge.report.runs import load_run
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
+from feast_edge.sim.clock import clock_entry
 
 RESULTS = "results.json"
 BYTES_PER_PARAM = 4
@@ -146,6 +147,7 @@ def history_entry(record: dict[str, Any], shift: int = 0) -> dict[str, Any]:
         "seconds": record.get("seconds"),
         "validated_on": validated_on(record.get("val_accuracy"), record.get("validation")),
         **privacy_entry(record.get("dp") or {}),
+        **clock_entry(record.get("clock"), record.get("staleness") or {}),
     }
 
 

@@ -86,27 +86,33 @@ class PrivateRounds:
         std = self.dp.update_noise() * record.get("clip", self.dp.clip)
         add_sum_noise(global_state, counts, std, noise_generator(self.dp.seed, t))
 
-    def epsilon(self, rounds: Sequence[tuple[int, int]], cohorts: Sequence[Sequence[str]], delta: float) -> Epsilon:
-        """ε at ``delta`` after ``rounds`` (population, cohort size), the smaller of RDP and PLD (named); local DP: the
-        client in most ``cohorts``."""
-        if self.dp.mode == "local":
+    def epsilon(
+        self, rounds: Sequence[tuple[int, int]], cohorts: Sequence[Sequence[str]], delta: float, sampled: bool = True
+    ) -> Epsilon:
+        """ε at ``delta`` after ``rounds`` (population, cohort size), the smaller of RDP and PLD (named). Without
+        amplification by sampling (local DP; central DP over cohorts that were not sampled, such as asynchronous
+        releases): one Gaussian mechanism (q = 1) per cohort the client in most ``cohorts`` was in. Who is in which
+        cohort is public (the server sees who sends), and a device outside a release adds nothing to it."""
+        if self.dp.mode == "local" or not sampled:
             most = max(Counter(c for cohort in cohorts for c in cohort).values(), default=0)
-            return accounted([(1, 1)] * most, self.dp.noise, delta, "local")
+            return accounted([(1, 1)] * most, self.dp.noise, delta, self.dp.mode)
         return accounted(rounds, self.dp.noise, delta)
 
     def check_next(self, history: Sequence[Mapping[str, Any]], cohorts: Sequence[Sequence[str]], round_no: int,
-                   population: int, cohort: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+                   population: int, cohort: Sequence[str], sampled: bool = True) -> dict[str, Any]:  # fmt: skip
         """Round ``round_no``'s DP record, or :class:`BudgetReached` when it would exceed ``--dp-epsilon``.
 
-        ``history``: the earlier rounds' records (their δ is kept: the first round fixes it from its population)."""
+        ``history``: the earlier rounds' records (their δ is kept: the first round fixes it from its population).
+        ``sampled``: the cohorts are uniform samples of the population (amplification by sampling); an asynchronous
+        release's buffer is not, and each device is accounted over the releases it was in (:meth:`epsilon`)."""
         if not history and self.rounds is not None:  # the whole plan, before the first round sends anything
             try:
-                check_plan(self.dp, self.rounds, population, len(cohort))
+                check_plan(self.dp, self.rounds, population, len(cohort), sampled)
             except PrivacyError as exc:
                 raise BudgetReached(f"{exc}; nothing was sent") from None
         delta = history[0]["delta"] if history else self.dp.resolved_delta(population)
         rounds = [(h["population"], h["cohort"]) for h in history] + [(population, len(cohort))]
-        accounted_eps = self.epsilon(rounds, [*cohorts, cohort], delta)
+        accounted_eps = self.epsilon(rounds, [*cohorts, cohort], delta, sampled)
         eps = accounted_eps.value
         if self.dp.epsilon is not None and eps > self.dp.epsilon:
             before = history[-1]["epsilon"] if history else 0.0
@@ -121,27 +127,32 @@ class PrivateRounds:
             "delta": delta,
             "accountant": accounted_eps.accountant,
         }
+        if not sampled:
+            entry["sampled"] = False
         if self.dp.adaptive:  # this round's bound: the one the last round chose (resume continues it)
             entry["clip"] = history[-1]["next_clip"] if history else self.dp.clip
         return entry
 
 
-def check_plan(dp: DpSettings, rounds: int, population: int, cohort: int) -> float:
-    """ε the planned ``rounds`` reach (population and cohort size as planned); refuses a plan past ``--dp-epsilon``."""
+def check_plan(dp: DpSettings, rounds: int, population: int, cohort: int, sampled: bool = True) -> float:
+    """ε the planned ``rounds`` reach (population and cohort size as planned); refuses a plan past ``--dp-epsilon``.
+    ``sampled=False`` (asynchronous releases): planned as if one device were in every release, q = 1."""
     delta = dp.resolved_delta(population)
     cohort = min(cohort, population)
-    planned = planned_epsilon(rounds, population, cohort, dp.noise, delta, dp.mode)
+    drawn_from = population if sampled else cohort
+    planned = planned_epsilon(rounds, drawn_from, cohort, dp.noise, delta, dp.mode)
     if dp.epsilon is None or planned <= dp.epsilon:
         return planned
     fits, above = 0, rounds  # ε grows with the rounds: the most that fit, by bisection
     while above - fits > 1:
         middle = (fits + above) // 2
-        if planned_epsilon(middle, population, cohort, dp.noise, delta, dp.mode) <= dp.epsilon:
+        if planned_epsilon(middle, drawn_from, cohort, dp.noise, delta, dp.mode) <= dp.epsilon:
             fits = middle
         else:
             above = middle
     raise PrivacyError(
-        f"--dp-epsilon {dp.epsilon:g}: the planned {rounds} rounds ({cohort} of {population} clients each, "
+        f"--dp-epsilon {dp.epsilon:g}: the planned {rounds} rounds ({cohort} of {population} clients each"
+        f"{'' if sampled else ', unsampled: accounted as if one device were in every release'}, "
         f"--dp-noise {dp.noise:g}) reach ε = {planned:.3g} at δ = {delta:.2g}; {fits} rounds fit the budget: lower "
         "--rounds, raise --dp-noise or raise --dp-epsilon"
     )
@@ -162,11 +173,12 @@ def accountant_words(records: Sequence[Mapping[str, Any]]) -> str:
 def privacy_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]], stopped: str | None) -> dict[str, Any]:
     """A run's privacy block (results.json, the run record): settings, ε at δ after its last round, and how."""
     last = records[-1] if records else {}
+    sampled = all(r.get("sampled", True) for r in records)  # asynchronous releases: accounted without sampling
     exposed = None  # central DP against whoever sees the cohorts: every round at q = 1 (no amplification by sampling)
     if dp.mode == "central" and records:
         exposed = accounted([(r["cohort"], r["cohort"]) for r in records], dp.noise, last["delta"]).value
     both = None  # the last ε by each accountant, recomputed from the recorded rounds (local DP: its stored figure)
-    if dp.mode == "central" and records:
+    if dp.mode == "central" and records and sampled:
         figures = accounted([(r["population"], r["cohort"]) for r in records], dp.noise, last["delta"])
         both = {"rdp": figures.rdp, "pld": figures.pld}
     return {
@@ -182,6 +194,7 @@ def privacy_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]], stoppe
         "stopped": stopped,
         "noise_seed": dp.seed,  # None: drawn from the OS every round, so the run cannot be replayed
         "weights": "uniform",
+        "sampling": "uniform cohorts" if sampled else "none: each device over the releases it was in, at q = 1",
         "accountant": accountant_words(records),
         **({"adaptive_clip": adaptive_summary(dp, records)} if dp.adaptive else {}),
     }

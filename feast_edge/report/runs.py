@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.errors import FeastError
+from feast_edge.run.asynchronous import SERVER_LR
 
 METHOD_ORDER = ("feast", "centralized", "heterofl", "scalefl", "fiarse", "sfn", "dfn")
 REFERENCE = "centralized"
@@ -170,12 +171,14 @@ def _parse(directory: Path, record: Any) -> Run:
 
 
 def _schedule(config: dict[str, Any]) -> str:
-    """``async K=5 M=10 S=10 sqrt`` for buffered asynchronous rounds; '' for synchronous ones."""
+    """``async K=5 M=10 S=10 sqrt η=0.25`` for buffered asynchronous rounds (η: the step of plain averaging without
+    --server-lr, feast_edge.run.asynchronous.SERVER_LR); '' for synchronous ones."""
     if config.get("mode") != "async":
         return ""
+    step = config.get("server_opt", "avg") == "avg" and config.get("server_lr") is None
     return (
         f"async K={config.get('buffer')} M={config.get('concurrency')} S={config.get('max_staleness')} "
-        f"{config.get('staleness')}"
+        f"{config.get('staleness')}" + (f" η={SERVER_LR:g}" if step else "")
     )
 
 

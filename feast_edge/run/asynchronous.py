@@ -11,7 +11,9 @@ K updates, never waiting for the slowest device (FedBuff, Nguyen et al. 2022, pe
     stale    τ_i = t - v_i (releases since its start); τ_i > S (--max-staleness) is refused with the reason, counted
     buffer   an update that arrives between releases t-1 and t is rebased on the current model at once,
                  w'_i = θ_t[routed] + Δ_i (τ_i = 0: w_i as sent), in place of its delta; the buffer is released
-                 whole, so the model stays θ_t until then and the rebasing is off the release's path
+                 whole, so the model stays θ_t until then and the rebasing is off the release's path. Only the
+                 parameters are steps: buffers (BatchNorm running statistics, counters) describe the device's data
+                 and enter as sent (rebased, a running variance could turn negative)
     release  once K (--buffer) updates are buffered, at release t (ties: every update arriving at the same instant):
                  its weight n_i · s(τ_i),  s(τ) = 1/sqrt(1 + τ)  (--staleness sqrt; constant: 1; hinge: 1 up to
                  τ = 2, then 1/(1 + τ - 2))
@@ -51,6 +53,9 @@ if TYPE_CHECKING:
 
 DISCOUNTS = ("sqrt", "constant", "hinge")
 HINGE = 2  # hinge: no discount up to this staleness
+# η of a release by plain averaging unless --server-lr says otherwise: θ[u] += η · (the buffer's weighted mean - θ[u]).
+# η = 1 left the straggler fleet near chance; 0.25 trained it (docs/benchmarks.md, "Asynchronous rounds").
+SERVER_LR = 0.25
 RESUMED = 1 << 40  # the draws and jobs of a resumed run count from here (seeds no uninterrupted run uses)
 
 
@@ -130,6 +135,7 @@ class AsyncSlots:
         self.participation: Counter[str] = Counter()  # device -> updates released
         self.refused: Counter[str] = Counter()  # device -> updates refused as too stale
         self.dropped: Counter[str] = Counter()  # device -> jobs lost (it went away)
+        self.steps = {name for name, _ in model.named_parameters()}  # rebased; buffers are taken as sent
 
     def resume(self, now: float) -> None:
         """Continue a resumed run from the clock of its last release: the updates in flight or buffered when it
@@ -157,7 +163,11 @@ class AsyncSlots:
             update = by_client.get(client)  # None: the collector refused or got nothing
             lost = update is None or self.clock.drops(client, self.seq)
             duration = 0.0 if update is None else self.clock.duration(client, update, plans[client], self.seq)
-            delta = {} if lost else {k: v - leading(global_state[k], v.shape) for k, v in update.state.items()}
+            delta = (
+                {}
+                if lost
+                else {k: v - leading(global_state[k], v.shape) for k, v in update.state.items() if k in self.steps}
+            )
             job = _Job(
                 self.now + duration, self.seq, client, t, plans[client], None if lost else update, duration, delta
             )
@@ -203,7 +213,7 @@ class AsyncSlots:
                     job.delta = {}
                     self.buffered.append(job)
         released, self.buffered = sorted(self.buffered, key=lambda j: j.client), []
-        ctx = RoundContext(t, len(clients), [j.client for j in released], history)
+        ctx = RoundContext(t, len(clients), [j.client for j in released], history, sampled=False)
         admit(ctx)
         staleness = {j.client: t - j.version for j in released}
         updates = [j.update for j in released if j.update is not None]
@@ -221,8 +231,8 @@ class AsyncSlots:
         assert job.update is not None
         if job.version == t:
             return job.update
-        state = {k: d.add_(leading(global_state[k], d.shape)) for k, d in job.delta.items()}  # Δ becomes w', in place
-        return replace(job.update, state=state)
+        rebased = {k: d.add_(leading(global_state[k], d.shape)) for k, d in job.delta.items()}  # Δ becomes w', in place
+        return replace(job.update, state={**job.update.state, **rebased})
 
 
 class Buffered:

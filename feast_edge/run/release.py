@@ -51,6 +51,7 @@ class RoundContext:
     history: Sequence[RoundRecord]  # the rounds before this one
     record: RoundRecord | None = None  # this round's, once its updates are collected (stages note what they did)
     notes: dict[str, Any] = field(default_factory=dict)  # what one stage's steps pass to its later ones
+    sampled: bool = True  # the cohort is a uniform sample of the population (an asynchronous release's is not)
 
 
 class Stage(Protocol):

@@ -3,14 +3,14 @@ become the model, the privacy of those updates, and how rounds are validated (ea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from feast_edge.aggregate.server_opt import ServerOpt
 from feast_edge.aggregate.weights import ratio_problem
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.privacy.settings import DpSettings, PrivacyError, dp_of
-from feast_edge.run.asynchronous import AsyncSettings
+from feast_edge.run.asynchronous import SERVER_LR, AsyncSettings
 from feast_edge.run.settings import RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
 from feast_edge.settings.nested import Concern, SettingsError, check, setting
 
@@ -190,6 +190,20 @@ class Schedule(Concern):
             return None
         return AsyncSettings(self.buffer, self.concurrency, self.max_staleness, self.staleness)
 
+    def release_step(self, opt: ServerOpt, lr_given: bool) -> ServerOpt:
+        """The server's step: asynchronous releases by plain averaging without --server-lr move the model
+        feast_edge.run.asynchronous.SERVER_LR of the way to the buffer's mean; otherwise ``opt`` as given."""
+        if self.mode != "async" or lr_given or opt.name != "avg":
+            return opt
+        return replace(opt, lr=SERVER_LR)
+
+
+def server_step(config: Any, averaging: bool = True) -> ServerOpt:
+    """The validated server step of a run's configuration: its --server-opt, as its schedule takes it."""
+    opt = config.aggregation.optimizer(averaging)
+    schedule = getattr(config, "schedule", None)  # a ServerConfig runs synchronous rounds only
+    return opt if schedule is None else schedule.release_step(opt, config.aggregation.server_lr is not None)
+
 
 def loop_settings(
     config: Any, *, min_clients: int, averaging: bool = True, device: str = "cpu", dp_on_devices: bool = False
@@ -214,7 +228,7 @@ def loop_settings(
         lr_schedule=schedule,
         payload_dtype=rule.payload_dtype,
         max_weight_ratio=rule.max_weight_ratio,
-        server_opt=rule.optimizer(averaging),
+        server_opt=server_step(config, averaging),
         dp=config.privacy.settings(),
         dp_on_devices=dp_on_devices,
     )

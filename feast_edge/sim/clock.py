@@ -9,8 +9,9 @@
     jitter       each job × exp(σ · N(0, 1)), seeded by (seed, job) (--jitter σ)
     dropouts     each job is lost with probability --dropout (seeded), after its whole duration
 
-``--clock uniform`` makes every job take one second (no delays: what makes buffered asynchronous rounds with
-K = M = the cohort equal synchronous ones). Synchronous rounds (``TimedRounds``, a collector wrapper) last as long as
+``--clock uniform`` makes every job take one second before stragglers and jitter (without them, what makes buffered
+asynchronous rounds with K = M = the cohort equal synchronous ones; with jitter, staleness without a device's speed
+deciding how often it trains). Synchronous rounds (``TimedRounds``, a collector wrapper) last as long as
 their slowest member, or ``--round-timeout`` virtual seconds, after which the late updates are dropped as a server's
 deadline drops them; asynchronous ones read the clock directly (feast_edge.run.asynchronous).
 """
@@ -70,15 +71,18 @@ class VirtualClock:
     def duration(self, client: str, update: ClientUpdate, plan: Any, job: int) -> float:
         """Seconds from sending ``client`` its slice to its update arriving (job ``job``: the jitter's seed)."""
         m = self.model
-        if m.kind == "uniform":
-            return 1.0
-        # a trainer that is no client (the centralized reference's pooled data) trains at the top rate, sends nothing
-        train = update.train_macs / self.throughput.get(client, m.rate)
-        transfer = 0.0 if plan is None else 2 * self.payload_params(plan) * self.bytes / (m.link_mbps * 1e6 / 8)
-        seconds = (train + transfer) * (m.straggler_factor if client in self.slow else 1.0)
+        seconds = 1.0 if m.kind == "uniform" else self._work(client, update, plan)
+        seconds *= m.straggler_factor if client in self.slow else 1.0
         if m.jitter > 0:
             seconds *= math.exp(m.jitter * float(np.random.default_rng([self.seed, _JITTER, job]).standard_normal()))
         return seconds
+
+    def _work(self, client: str, update: ClientUpdate, plan: Any) -> float:
+        """Training and transfer seconds on the tiers clock; a trainer that is no client (the centralized reference's
+        pooled data) trains at the top rate and sends nothing."""
+        m = self.model
+        train = update.train_macs / self.throughput.get(client, m.rate)
+        return train + (0.0 if plan is None else 2 * self.payload_params(plan) * self.bytes / (m.link_mbps * 1e6 / 8))
 
     def drops(self, client: str, job: int) -> bool:
         """Whether job ``job`` is lost (the device slept or lost its link), seeded."""
@@ -149,4 +153,17 @@ def timeline(history: Sequence[RoundRecord], mode: str) -> dict[str, Any]:
         "late": sum(len(h.missing) for h in history),
         "participation": dict(sorted(participation.items())),
         "accuracy_vs_time": [[h.clock, h.val_accuracy] for h in history if h.val_accuracy is not None],
+    }
+
+
+def clock_entry(clock: float | None, staleness: Mapping[str, int]) -> dict[str, Any]:
+    """A step's virtual clock and its released updates' staleness (mean, max) for a dashboard history entry; {} for a
+    run without a clock (a federation measures real time)."""
+    if clock is None:
+        return {}
+    taus = list(staleness.values())
+    return {
+        "clock": clock,
+        "staleness_mean": sum(taus) / len(taus) if taus else None,
+        "staleness_max": max(taus, default=None),
     }

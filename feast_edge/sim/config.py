@@ -28,6 +28,7 @@ from feast_edge.settings import (
     Validation,
     flat,
 )
+from feast_edge.settings.concerns import server_step
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of
 from feast_edge.sim.clock import CLOCKS, RATE, ClockModel
 from feast_edge.sim.registry import method_class
@@ -232,7 +233,8 @@ class SimulationConfig:
         self._check_schedule()
 
     def _check_schedule(self) -> None:
-        """Buffered asynchronous rounds train FEAST without DP, from as many clients as they draw."""
+        """Buffered asynchronous rounds train FEAST from as many clients as they draw; central DP weighs the buffered
+        updates alike."""
         if self.schedule.mode != "async":
             return
         pop, rules = self.population, self.schedule
@@ -242,10 +244,10 @@ class SimulationConfig:
                 f"--mode async trains FEAST's routed slices; {self.method} runs synchronous rounds",
             ),
             (
-                self.dp_settings() is None,
+                self.privacy.dp_mode != "central" or self.dp_settings() is None or rules.staleness == "constant",
                 (
-                    "--mode async with --dp-noise: a release over buffered updates is not a sampled round, and its "
-                    "accounting is not offered yet; run synchronous rounds (--mode sync) for DP"
+                    f"--mode async with central DP weighs every buffered update alike (the noise is calibrated to "
+                    f"uniform weights), not by --staleness {rules.staleness}: add --staleness constant"
                 ),
             ),
             (
@@ -273,9 +275,16 @@ class SimulationConfig:
             )
         try:
             check_composes(self.aggregation.rule, method_class(self.method).private_aggregation, self.method)
-            check_plan(dp, self.training.rounds, self.population.clients, self.population.per_round)
+            check_plan(dp, *self._accounted_plan())
         except PrivacyError as exc:
             raise SimulationError(str(exc)) from None
+
+    def _accounted_plan(self) -> tuple[int, int, int, bool]:
+        """What --dp-epsilon checks before the run: its rounds (releases), the population, the cohort (the buffer)
+        and whether cohorts are sampled (asynchronous releases are not)."""
+        if self.schedule.mode == "async":
+            return self.training.rounds, self.population.clients, self.schedule.buffer, False
+        return self.training.rounds, self.population.clients, self.population.per_round, True
 
     def _check_personalize(self) -> None:
         """--personalize and --holdout: FEAST's served variants, and a held-out split exactly when asked."""
@@ -323,7 +332,7 @@ class SimulationConfig:
 
     def server_optimizer(self) -> ServerOpt:
         """The validated server optimizer of ``--server-opt`` and its settings (for a method that averages)."""
-        return self.aggregation.optimizer(method_class(self.method).averaging)
+        return server_step(self, method_class(self.method).averaging)
 
     def fingerprint(self) -> str:
         """Digest of :meth:`decisive`."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,15 +14,18 @@ import pytest
 import torch
 
 from feast_edge.aggregate.sparse import aggregate
+from feast_edge.dashboard.runs import load_runs
+from feast_edge.privacy.accountant import accounted
 from feast_edge.report.runs import load_run
 from feast_edge.report.summary import write_report
-from feast_edge.run.asynchronous import AsyncSettings, AsyncSlots, Buffered, discount
+from feast_edge.run.asynchronous import SERVER_LR, AsyncSettings, AsyncSlots, Buffered, discount
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.collect import ClientUpdate, Collected
 from feast_edge.run.release import Release
 from feast_edge.run.round_record import RoundRecord
 from feast_edge.run.settings import RunError, RunSettings
 from feast_edge.run.store import CHECKPOINT
+from feast_edge.sim.clock import ClockModel, VirtualClock
 from feast_edge.sim.setup import SimulationError
 from feast_edge.sim.simulate import Simulation
 from simconfigs import tiny_config
@@ -119,6 +123,43 @@ def test_a_stale_update_is_rebased_on_the_current_model_and_discounted_coordinat
     ]
 
 
+class _NormModel(_Model):
+    """``w`` and a running variance (a buffer), as a BatchNorm layer holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("var", torch.full((4,), 4.0))
+
+
+class _NormCollector(_Collector):
+    """As _Collector, each client also sending its own running variance ``var[c]`` (its data's, not a step)."""
+
+    def __init__(self, step: Mapping[str, float], var: Mapping[str, float]) -> None:
+        super().__init__(step)
+        self.var = dict(var)
+
+    def collect(self, t: int, cohort: Sequence[str], plans: Any, global_state: Any, lr: float) -> Collected:
+        got = super().collect(t, cohort, plans, global_state, lr)
+        for u in got.updates:
+            u.state["var"] = torch.full((plans[u.client],), self.var[u.client])
+        return got
+
+
+def test_a_stale_update_rebases_its_parameters_but_its_running_statistics_are_taken_as_sent() -> None:
+    model = _NormModel()
+    slots, policy = _slots(model, {"a": 4, "b": 2, "c": 4}, AsyncSettings(2, 3, 5, "sqrt"), _Clock({1: 5.0, 4: 10.0}))
+    collector = _NormCollector({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 1.0, "b": 0.5, "c": 3.0})
+    _release(model, slots, policy, collector, 0)
+    assert model.var.tolist() == [2.0] * 4  # a's and c's, fresh
+    _release(model, slots, policy, collector, 1)
+    # b sent a variance of 0.5 from version 0, whose variance was 4.0: rebased as a step it would be
+    # 2.0 + (0.5 - 4.0) = -1.5 and drag the mean below zero; a statistic of b's data, it enters as sent.
+    s = discount("sqrt", 1)
+    assert model.var.tolist() == pytest.approx([(1.0 + s * 0.5) / (1 + s)] * 2 + [1.0, 1.0])
+    head = 2.0 + (1.0 + s * 2.0) / (1.0 + s)  # the parameters still take b's step on the current model
+    assert model.w.tolist() == pytest.approx([head, head, 3.0, 3.0])
+
+
 def test_an_update_staler_than_the_bound_is_refused_with_the_reason_and_counted() -> None:
     model = _Model()
     slots, policy = _slots(model, {"a": 4, "b": 2, "c": 4}, AsyncSettings(2, 3, 0, "sqrt"), _Clock({1: 5.0, 4: 10.0}))
@@ -168,6 +209,33 @@ def test_no_device_starves_when_fast_devices_could_fill_every_slot() -> None:
     assert set(counts) == set(clients) and min(counts["s1"], counts["s2"]) >= 5, counts
 
 
+def _clock(**settings: Any) -> VirtualClock:
+    budgets = {f"c{i}": b for i, b in enumerate((1e6, 2e6, 4e6, 8e6))}
+    return VirtualClock(ClockModel(**settings), budgets, seed=3, payload_params=lambda plan: plan)
+
+
+def test_the_virtual_clock_times_training_on_the_tier_and_transfers_on_the_link() -> None:
+    update = ClientUpdate("c1", {}, 10, train_macs=5_000_000_000)
+    clock = _clock(rate=1e10, link_mbps=8.0)
+    # c1 holds a quarter of the top budget: 1e10 / 4 MAC/s; 1 M float32 parameters down and up at 1 MB/s.
+    assert clock.duration("c1", update, 1_000_000, job=0) == pytest.approx(5e9 / 2.5e9 + 2 * 4e6 / 1e6)
+    assert clock.duration("c1", update, None, job=0) == pytest.approx(2.0)  # nothing routed: training alone
+    slowed = _clock(rate=1e10, link_mbps=8.0, stragglers=1.0, straggler_factor=10.0)
+    assert slowed.duration("c1", update, None, job=0) == pytest.approx(20.0)
+
+
+def test_the_uniform_clock_takes_one_second_and_its_jitter_is_seeded_per_job() -> None:
+    update = ClientUpdate("c0", {}, 10, train_macs=1)
+    assert {_clock(kind="uniform").duration("c0", update, 5, job=j) for j in range(20)} == {1.0}
+    jittered = [_clock(kind="uniform", jitter=0.5).duration("c0", update, 5, job=j) for j in range(200)]
+    again = [_clock(kind="uniform", jitter=0.5).duration("c3", update, 5, job=j) for j in range(200)]
+    assert jittered == again  # the job's seed decides it, not the client or a hidden state
+    logs = torch.tensor([math.log(x) for x in jittered])
+    assert abs(float(logs.mean())) < 0.1 and 0.4 < float(logs.std()) < 0.6  # exp(0.5 · N(0, 1))
+    lost = [_clock(dropout=0.25).drops("c0", j) for j in range(400)]
+    assert lost == [_clock(dropout=0.25).drops("c2", j) for j in range(400)] and 60 < sum(lost) < 140
+
+
 # ------------------------------------------------------------------------------------- simulations
 
 
@@ -178,7 +246,7 @@ def _weights(path):
 @pytest.mark.slow
 def test_k_equal_m_equal_the_cohort_without_delays_is_the_synchronous_run(tmp_path, fashion_mnist_dir) -> None:
     sync = tiny_config(fashion_mnist_dir, rounds=2, seed=5)
-    same = sync.changed(mode="async", buffer=2, concurrency=2, clock="uniform")
+    same = sync.changed(mode="async", buffer=2, concurrency=2, clock="uniform", server_lr=1.0)
     a = Simulation(sync, tmp_path / "sync").run()
     b = Simulation(same, tmp_path / "async").run()
     wa, wb = _weights(tmp_path / "sync" / CHECKPOINT), _weights(tmp_path / "async" / CHECKPOINT)
@@ -186,6 +254,23 @@ def test_k_equal_m_equal_the_cohort_without_delays_is_the_synchronous_run(tmp_pa
     assert [r["cohort"] for r in a["rounds"]] == [r["cohort"] for r in b["rounds"]]
     assert b["timeline"]["staleness"] == {"mean": 0.0, "max": 0, "refused": 0}
     assert b["timeline"]["virtual_seconds"] == 2.0 and b["timeline"]["releases"] == 2
+
+
+@pytest.mark.slow
+def test_without_a_server_lr_an_asynchronous_release_moves_a_quarter_of_the_way(tmp_path, fashion_mnist_dir) -> None:
+    sync = tiny_config(fashion_mnist_dir, rounds=1, seed=5)
+    stepped = sync.changed(mode="async", buffer=2, concurrency=2, clock="uniform")
+    assert stepped.server_optimizer().lr == SERVER_LR == 0.25 and sync.server_optimizer().identity
+    first = Simulation(stepped, tmp_path / "async")
+    start = {k: v.clone() for k, v in first.model.state_dict().items()}
+    first.run()
+    Simulation(sync, tmp_path / "sync").run()
+    mean, moved = _weights(tmp_path / "sync" / CHECKPOINT), _weights(tmp_path / "async" / CHECKPOINT)
+    params = {n for n, _ in first.model.named_parameters()}
+    for k in params:  # θ + η (the release's mean - θ); buffers (BN statistics) keep the mean itself
+        torch.testing.assert_close(moved[k], start[k] + SERVER_LR * (mean[k] - start[k]), rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(mean[k], start[k]) for k in params)
+    assert all(torch.equal(moved[k], mean[k]) for k in mean if k not in params)
 
 
 @pytest.mark.slow
@@ -205,18 +290,25 @@ def test_an_asynchronous_simulation_is_reproducible_from_its_seed(tmp_path, fash
     assert rows[0].endswith("clock,staleness_mean,staleness_max") and len(rows) == 4
     assert json.loads((tmp_path / "a" / "results.json").read_text())["timeline"] == timeline
     run = load_run(tmp_path / "a")  # feast-edge report: its own group, and the virtual time
-    assert run.group == "feast (async K=2 M=3 S=10 sqrt)" and run.virtual_seconds == timeline["virtual_seconds"]
+    assert run.group == "feast (async K=2 M=3 S=10 sqrt η=0.25)" and run.virtual_seconds == timeline["virtual_seconds"]
     assert [c for c, _ in run.validation_in_time] == [t for t, _ in timeline["accuracy_vs_time"]]
     written = write_report([tmp_path / "a"], tmp_path / "report")
     assert tmp_path / "report" / "accuracy_vs_time.png" in written.plots
-    assert "feast (async K=2 M=3 S=10 sqrt)" in written.report.read_text(encoding="utf-8")
+    assert "feast (async K=2 M=3 S=10 sqrt η=0.25)" in written.report.read_text(encoding="utf-8")
+    history = load_runs([tmp_path / "a"]).snapshot()["history"]  # feast-edge dashboard: time and staleness per release
+    for entry, record in zip(history, first["rounds"], strict=True):
+        taus = list(record["staleness"].values())
+        assert entry["clock"] == record["clock"] and entry["staleness_max"] == max(taus)
+        assert entry["staleness_mean"] == pytest.approx(sum(taus) / len(taus))
 
 
 def test_what_async_rounds_do_not_offer_is_refused_with_the_reason() -> None:
     with pytest.raises(SimulationError, match="--mode async trains FEAST's routed slices; heterofl"):
         tiny_config(mode="async", method="heterofl")
-    with pytest.raises(SimulationError, match="--mode async with --dp-noise"):
+    with pytest.raises(SimulationError, match="central DP weighs every buffered update alike .* --staleness constant"):
         tiny_config(mode="async", dp_noise=1.0, dp_clip=1.0, clients=10)
+    with pytest.raises(SimulationError, match="unsampled: accounted as if one device were in every release"):
+        tiny_config(mode="async", staleness="constant", dp_noise=1.0, dp_clip=1.0, dp_epsilon=1.0, rounds=50)
     with pytest.raises(SimulationError, match="--concurrency 10 is more than --clients 4"):
         tiny_config(mode="async", buffer=2, concurrency=10)
     with pytest.raises(SimulationError, match="--mode 'later' is unknown"):
@@ -262,3 +354,32 @@ def test_a_compute_budget_ends_either_mode_at_the_same_training_work(tmp_path, f
         # It stops before the step after the one that reached the budget, and says why.
         assert sum(spent[:-1]) < first <= sum(spent) and len(spent) < config.training.rounds, (name, spent)
         assert "the compute budget is spent" in run.loop.stopped
+
+
+@pytest.mark.slow
+def test_central_dp_accounts_each_release_without_sampling_over_the_releases_a_device_was_in(
+    tmp_path, fashion_mnist_dir
+) -> None:
+    dp = dict(dp_clip=0.5, dp_noise=0.8, dp_seed=11, rounds=4, eval_every=4, clients=6, per_round=2)
+    released = Simulation(
+        tiny_config(fashion_mnist_dir, mode="async", buffer=2, concurrency=4, staleness="constant", **dp),
+        tmp_path / "async",
+    ).run()
+    sampled = Simulation(tiny_config(fashion_mnist_dir, **dp), tmp_path / "sync").run()
+    seen: Counter[str] = Counter()
+    for r in released["rounds"]:
+        seen.update(r["cohort"])
+        record = r["dp"]
+        assert record["sampled"] is False and record["population"] == 6 and record["cohort"] == 2
+        # one Gaussian mechanism (q = 1) per release the most frequent device was in
+        want = accounted([(1, 1)] * max(seen.values()), 0.8, record["delta"])
+        assert record["epsilon"] == pytest.approx(want.value)
+        assert r["samples"] == len(r["updated"])  # uniform weights, no staleness discount
+    assert max(seen.values()) < len(released["rounds"])  # counting a device's own releases is tighter than all
+    block = released["privacy"]
+    assert block["sampling"].startswith("none") and block["epsilon_by"] is None
+    assert block["epsilon"] == released["rounds"][-1]["dp"]["epsilon"]
+    # the same noise over sampled synchronous rounds of the same size: amplification makes its ε smaller
+    assert sampled["privacy"]["sampling"] == "uniform cohorts"
+    assert "sampled" not in sampled["rounds"][-1]["dp"]
+    assert sampled["privacy"]["epsilon"] < block["epsilon"]

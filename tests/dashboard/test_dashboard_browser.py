@@ -62,6 +62,7 @@ def test_a_filled_state_renders_and_updates_live(
     )
 
     assert not driver.find_element("id", "privacy").is_displayed()  # no round under DP yet
+    assert not driver.find_element("id", "timing").is_displayed()  # a federation runs in real time
 
     driver.execute_script("window.notReloaded = true;")
     filled.member("pi-5", "aggregated")
@@ -75,10 +76,18 @@ def test_a_filled_state_renders_and_updates_live(
             "train_macs": 5,
             "epsilon": 4.591,
             "delta": 1e-5,
+            "clock": 42.4,
+            "staleness_mean": 0.5,
+            "staleness_max": 2,
         }  # fmt: skip
     )
     wait_until(driver, lambda d: d.find_element("id", "privacy").is_displayed(), message="ε was never shown")
     assert driver.find_element("id", "privacy-epsilon").text == "ε = 4.59 at δ = 1e-5 after round 3"
+    # A simulated step on the virtual clock: the time, the staleness, accuracy against time.
+    assert driver.find_element("id", "timing").text.startswith(
+        "Virtual clock: 42 s after step 3 · staleness of released updates: mean 0.50, max 2"
+    )
+    assert points(driver, "chart-time") == 1
     filled.set_device("jetson", online=True)
     wait_until(
         driver,

@@ -58,6 +58,9 @@ def test_a_simulation_run_fills_the_page(finished_run) -> None:
             and entry["broadcast_bytes"] == BYTES_PER_PARAM * record["full_params"]
         )
         assert record["cohort"] == ["client-000", "client-001"]
+        # synchronous rounds on the virtual clock: its time, and no staleness
+        assert entry["clock"] == record["clock"] > 0 and entry["staleness_max"] is None
+    assert snapshot["history"][0]["clock"] < snapshot["history"][1]["clock"]
     assert [d["name"] for d in snapshot["devices"]] == ["client-000", "client-001"]
     for device, budget, served in zip(snapshot["devices"], results["population"]["budgets"], results["served"]):
         assert device["budget_macs"] == budget and device["variant"]["macs"] == results["variants"][served]["macs"]

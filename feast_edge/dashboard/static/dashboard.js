@@ -253,6 +253,30 @@
     }
     renderRunsTable(s.runs);
     renderPrivacy(s.history);
+    renderTiming(s);
+  }
+
+  // The virtual clock of a simulation (both modes) and, for asynchronous releases, their updates' staleness;
+  // hidden for a federation, which runs in real time.
+  function renderTiming(s) {
+    const runs = s.runs.length ? s.runs : [{ name: "", history: s.history }];
+    const timed = runs.filter((run) => (run.history || []).some((h) => isNumber(h.clock)));
+    byId("timing").hidden = timed.length === 0;
+    byId("figure-time").hidden = timed.length === 0;
+    if (!timed.length) return;
+    const history = timed[0].history;
+    const last = history.filter((h) => isNumber(h.clock)).pop();
+    const taus = history.filter((h) => isNumber(h.staleness_max));
+    text(byId("timing-clock"), Math.round(last.clock) + " s after step " + last.round);
+    const mean = taus.length ? taus.reduce((sum, h) => sum + h.staleness_mean, 0) / taus.length : null;
+    const most = taus.length ? Math.max.apply(null, taus.map((h) => h.staleness_max)) : null;
+    byId("timing-staleness").textContent = taus.length
+      ? "· staleness of released updates: mean " + mean.toFixed(2) + ", max " + most
+      : "";
+    drawChart("chart-time", "virtual seconds", "val. accuracy (%)", timed.map((run) => ({
+      label: run.name ? runLabel(run) : "validation accuracy",
+      points: series(run.history || [], "clock", "val_accuracy").map(([t, a]) => [t, 100 * a]),
+    })));
   }
 
   // Client-level DP (feast-server run / simulate --dp-*): the last round's ε at δ; hidden for a run without DP.
