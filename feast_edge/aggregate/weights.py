@@ -53,9 +53,13 @@ def weight_cap(samples: Sequence[int], ratio: float) -> int | None:
     return max(1, math.floor(ratio * lower_median(samples)))
 
 
-def bounded_weights(samples: Sequence[int], self_reported: Sequence[bool], ratio: float) -> list[int]:
-    """Each update's aggregation weight: its count, or the round's :func:`weight_cap` where the count is self-reported and above it."""
+def bounded_weights(
+    samples: Sequence[int], self_reported: Sequence[bool], ratio: float, reference: Sequence[int] = ()
+) -> list[int]:
+    """Each update's aggregation weight: its count, or the :func:`weight_cap` of ``reference`` (default: the round's own
+    counts) where the count is self-reported and above it. An asynchronous release of K updates takes the latest
+    count of every device heard from as ``reference``: the lower median of two or three counts is one device's."""
     if len(samples) != len(self_reported):
         raise ValueError(f"{len(samples)} counts but {len(self_reported)} self-reported flags")
-    cap = weight_cap(samples, ratio)
+    cap = weight_cap(reference or samples, ratio)
     return [n if cap is None or not reported else min(n, cap) for n, reported in zip(samples, self_reported)]

@@ -45,6 +45,7 @@ from feast_edge.run.collect import ClientUpdate, Collected, Collector
 from feast_edge.run.release import Release, RoundContext, StateDict
 from feast_edge.run.schedule import Gathered, step_lr
 from feast_edge.run.settings import RunError
+from feast_edge.run.stages.weight_cap import FLEET_COUNTS
 
 if TYPE_CHECKING:
     from feast_edge.aggregate.segments import SegmentSums
@@ -136,6 +137,7 @@ class AsyncSlots:
         self.refused: Counter[str] = Counter()  # device -> updates refused as too stale
         self.dropped: Counter[str] = Counter()  # device -> jobs lost (it went away)
         self.steps = {name for name, _ in model.named_parameters()}  # rebased; buffers are taken as sent
+        self.counts: dict[str, float] = {}  # device -> its latest example count (what weight caps are measured by)
 
     def resume(self, now: float) -> None:
         """Continue a resumed run from the clock of its last release: the updates in flight or buffered when it
@@ -209,11 +211,13 @@ class AsyncSlots:
                         f"{self.rules.max_staleness})"
                     )
                 else:  # rebased on arrival: the buffer is released whole, so the model stays θ_t until then
+                    self.counts[job.client] = job.update.samples
                     job.update = self._rebased(job, self.model.state_dict(), t)
                     job.delta = {}
                     self.buffered.append(job)
         released, self.buffered = sorted(self.buffered, key=lambda j: j.client), []
         ctx = RoundContext(t, len(clients), [j.client for j in released], history, sampled=False)
+        ctx.notes[FLEET_COUNTS] = [self.counts[c] for c in sorted(self.counts)]
         admit(ctx)
         staleness = {j.client: t - j.version for j in released}
         updates = [j.update for j in released if j.update is not None]

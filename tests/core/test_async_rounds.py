@@ -8,12 +8,14 @@ import json
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
 from feast_edge.aggregate.sparse import aggregate
+from feast_edge.aggregate.weights import bounded_weights
 from feast_edge.dashboard.runs import load_runs
 from feast_edge.privacy.accountant import accounted
 from feast_edge.report.runs import load_run
@@ -24,6 +26,7 @@ from feast_edge.run.collect import ClientUpdate, Collected
 from feast_edge.run.release import Release
 from feast_edge.run.round_record import RoundRecord
 from feast_edge.run.settings import RunError, RunSettings
+from feast_edge.run.stages.weight_cap import WeightCapStage
 from feast_edge.run.store import CHECKPOINT
 from feast_edge.sim.clock import ClockModel, VirtualClock
 from feast_edge.sim.setup import SimulationError
@@ -158,6 +161,43 @@ def test_a_stale_update_rebases_its_parameters_but_its_running_statistics_are_ta
     assert model.var.tolist() == pytest.approx([(1.0 + s * 0.5) / (1 + s)] * 2 + [1.0, 1.0])
     head = 2.0 + (1.0 + s * 2.0) / (1.0 + s)  # the parameters still take b's step on the current model
     assert model.w.tolist() == pytest.approx([head, head, 3.0, 3.0])
+
+
+def test_self_reported_counts_are_capped_against_every_device_heard_from_not_the_release_alone() -> None:
+    counts = {"a": 10, "b": 300, "c": 300, "d": 300}
+
+    class Claims(_Collector):
+        def collect(self, t, cohort, plans, global_state, lr):
+            got = super().collect(t, cohort, plans, global_state, lr)
+            return Collected([replace(u, samples=counts[u.client], self_reported=True) for u in got.updates])
+
+    class Speeds(_Clock):  # everyone takes 1 s from version 0; from version 1 on, c and d take 10 s
+        def duration(self, client, update, plan, job):
+            return 10.0 if job >= 4 and client in "cd" else 1.0
+
+    model = _Model()
+    settings = RunSettings(rounds=5, per_round=4, min_clients=1, seed=0, lr=0.1)
+    method = _Method(dict.fromkeys(counts, 4))
+    slots = AsyncSlots(settings, method, model, AsyncSettings(2, 4, 5, "constant"), Speeds({}))
+    release = Release(method, [WeightCapStage(2.0)])
+    policy, collector = Buffered(release, "constant"), Claims({"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0})
+
+    def step(t: int) -> RoundRecord:
+        got = slots.gather(t, collector, 1, lambda ctx: None, [])
+        got.ctx.record = record = RoundRecord(round=t + 1, lr=got.lr, cohort=got.ctx.cohort)
+        valid = release.prepare(got.ctx, model.state_dict(), got.got.updates)
+        policy.release(got.ctx, model.state_dict(), valid, got.plans, None)
+        return record
+
+    assert step(0).cohort == ["a", "b", "c", "d"]  # all four arrive at once
+    second = step(1)
+    assert second.cohort == ["a", "b"]
+    # The release's own lower median is a's 10: b would count for 20. Against every device heard from (10, 300,
+    # 300, 300) the cap is 600, and b keeps its 300.
+    assert bounded_weights([10, 300], [True, True], 2.0) == [10, 20]
+    assert second.capped == {}
+    before = (10 * 1 + 300 * 2 + 300 * 3 + 300 * 4) / 910
+    assert model.w.tolist() == pytest.approx([before + (10 * 1 + 300 * 2) / 310] * 4)
 
 
 def test_an_update_staler_than_the_bound_is_refused_with_the_reason_and_counted() -> None:
