@@ -32,6 +32,8 @@ NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", 
 # node-data, node-holdout: the simulated nodes' partition and held-out share (ClientApp)
 EXTRA = {"out-dir": str, "export": bool, "personalize": str, "node-data": str, "node-holdout": float}
 EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
+# feast-edge simulate's asynchronous schedule (feast_edge.settings.Schedule): refused with the reason
+ASYNC_KEYS = {"mode", "buffer", "concurrency", "max-staleness", "staleness"}
 
 
 def run_config_keys() -> dict[str, Any]:
@@ -64,6 +66,13 @@ def _value(key: str, value: Any, kind: Any) -> Any:
 def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
     """The ServerConfig of a Flower run and whether to export the models after it; ServerError naming a bad key."""
     keys = run_config_keys()
+    asynchronous = sorted(k for k in run_config if k in ASYNC_KEYS)
+    if asynchronous:
+        raise ServerError(
+            f"run config {', '.join(asynchronous)}: buffered asynchronous rounds run in feast-edge simulate --mode "
+            "async (docs/simulation.md §12); a Flower ServerApp drives synchronous rounds of its Grid (Flower has no "
+            "asynchronous strategy): drop these keys"
+        )
     unknown = sorted(k for k in run_config if k not in keys)
     if unknown:
         raise ServerError(
