@@ -423,3 +423,21 @@ def test_central_dp_accounts_each_release_without_sampling_over_the_releases_a_d
     assert sampled["privacy"]["sampling"] == "uniform cohorts"
     assert "sampled" not in sampled["rounds"][-1]["dp"]
     assert sampled["privacy"]["epsilon"] < block["epsilon"]
+
+
+@pytest.mark.slow
+def test_federated_validation_personalization_and_local_dp_run_in_async_mode(tmp_path, fashion_mnist_dir) -> None:
+    base = dict(mode="async", buffer=2, concurrency=3, rounds=3, eval_every=3, seed=1)
+    checked = Simulation(
+        tiny_config(fashion_mnist_dir, validate_on="devices", holdout=0.2, personalize="auto", **base),
+        tmp_path / "devices",
+    ).run()
+    assert checked["rounds"][-1]["val_accuracy"] is not None  # validated on the clients' held-out splits
+    assert checked["rounds"][-1]["validation"]["devices"]
+    assert len(checked["personalization"]["clients"]) == 4  # every client's own step after the last release
+    private = Simulation(
+        tiny_config(fashion_mnist_dir, dp_mode="local", dp_clip=0.5, dp_noise=0.5, **base), tmp_path / "local"
+    ).run()
+    most = max(Counter(c for r in private["rounds"] for c in r["cohort"]).values())
+    delta = private["rounds"][-1]["dp"]["delta"]
+    assert private["privacy"]["epsilon"] == pytest.approx(accounted([(1, 1)] * most, 0.5, delta, "local").value)
