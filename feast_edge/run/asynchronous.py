@@ -42,10 +42,9 @@ import torch
 
 from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import ClientUpdate, Collected, Collector
-from feast_edge.run.release import Release, RoundContext, StateDict
+from feast_edge.run.release import FLEET_COUNTS, Release, RoundContext, StateDict
 from feast_edge.run.schedule import Gathered, step_lr
 from feast_edge.run.settings import RunError
-from feast_edge.run.stages.weight_cap import FLEET_COUNTS
 
 if TYPE_CHECKING:
     from feast_edge.aggregate.segments import SegmentSums

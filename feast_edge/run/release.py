@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from feast_edge.run.round_record import RoundMethod, RoundRecord
 
 StateDict = dict[str, torch.Tensor]
+FLEET_COUNTS = "fleet_counts"  # RoundContext.notes: the latest example count of every device heard from (async)
 
 
 class RunStops(FeastError):

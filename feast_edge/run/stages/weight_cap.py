@@ -9,10 +9,7 @@ from dataclasses import replace
 
 from feast_edge.aggregate.weights import bounded_weights
 from feast_edge.run.collect import ClientUpdate
-from feast_edge.run.release import BaseStage, RoundContext, StateDict
-
-
-FLEET_COUNTS = "fleet_counts"  # RoundContext.notes: the latest count of every device heard from
+from feast_edge.run.release import FLEET_COUNTS, BaseStage, RoundContext, StateDict
 
 
 class WeightCapStage(BaseStage):
