@@ -24,12 +24,13 @@ import statistics
 import time
 
 import torch
-
 from _timing import machine
 from bench_aggregate import routed_cohort
+
 from feast_edge.aggregate.sparse import aggregate
-from feast_edge.run.asynchronous import Buffered, leading
+from feast_edge.run.asynchronous import Buffered
 from feast_edge.run.collect import ClientUpdate
+from feast_edge.run.jobs import leading
 from feast_edge.run.release import Release, RoundContext
 from feast_edge.run.round_record import RoundRecord
 

@@ -26,6 +26,7 @@ import torch
 
 from feast_edge.dashboard.state import DashboardState
 from feast_edge.route.plans import ClientPlan
+from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
 from feast_edge.run.collect import Collected, Collector, Wrapped
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
@@ -33,12 +34,14 @@ from feast_edge.server.collect import DeviceCollector, RoundTerms
 from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.events import Events
-from feast_edge.server.exchange import ExchangeSettings, RoundExchange, WaitTimeout
+from feast_edge.server.exchange import ExchangeSettings
 from feast_edge.server.host import REGISTRY, RunHost
+from feast_edge.server.jobs import DeviceJobs, JobExchange, write_jobs
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Device
 from feast_edge.server.serving import ModelServer
 from feast_edge.server.validation import FederatedValidation
+from feast_edge.server.waiting import WaitTimeout
 from feast_edge.space.arch import Arch
 from feast_edge.space.extract import extract
 from feast_edge.space.supernet import Supernet
@@ -152,7 +155,7 @@ class FederationServer(RunHost):
             send_timeout=cfg.network.send_timeout,
             wait_timeout=cfg.network.wait_timeout or None,
         )
-        events.exchange = RoundExchange(t, sender, receiver, events, waits)
+        events.exchange = JobExchange(t, sender, receiver, events, waits)
         terms = RoundTerms(
             self.preset,
             cfg.train_config(),
@@ -230,15 +233,22 @@ class FederationServer(RunHost):
                 else "calibrated on each device's own data",
             )
 
+        jobs = self._asynchronous()
+
         def resumed(done: int) -> None:
             self.events.filter.advance(done)
+            slots = self.loop.scheduler
+            if isinstance(slots, AsyncSlots) and self.history:
+                slots.resume(self.history[-1].clock or 0.0)
             if self.live is not None:
                 self.live.resumed(self.history)
 
         def finished_round(record: RoundRecord) -> None:
             if self.live is not None:
                 self.live.round_finished(record, self._validated_points() if record.val_accuracy is not None else None)
-            self.events.filter.advance(record.round)
+            # Messages of older rounds are stale, except the answers of asynchronous jobs still in flight.
+            oldest = None if jobs is None else jobs.oldest()
+            self.events.filter.advance(record.round if oldest is None else min(oldest, record.round))
             self.pump(0)
 
         collector: Collector = (
@@ -246,6 +256,8 @@ class FederationServer(RunHost):
         )
         try:
             self.run_rounds(collector, resume_previous, tensorboard, resumed=resumed, finished_round=finished_round)
+            if jobs is not None:
+                jobs.close()
         except WaitTimeout as exc:
             if self.live is not None:
                 self.live.finished("failed", str(exc))
@@ -255,6 +267,26 @@ class FederationServer(RunHost):
             ) from None
         self.devices.finished = self.loop.finished
         return self.history
+
+    def _asynchronous(self) -> DeviceJobs | None:
+        """With --mode async, the loop's scheduler and release policy become buffered asynchronous rounds whose jobs
+        run on the devices (feast_edge.server.jobs); their jobs, or None."""
+        rules = self.config.schedule.rules()
+        if rules is None:
+            return None
+        assert self.collector is not None, "start() first"
+        loop = self.loop
+
+        def changed() -> None:  # the buffer and the jobs in flight, for the dashboard and feast-server status
+            held, in_flight = len(slots.buffered), jobs.in_flight()
+            if self.live is not None:
+                self.live.buffer(held, rules.buffer, {d: int(j["version"]) for d, j in in_flight.items()})
+            write_jobs(self.out, len(self.history) + 1, held, rules.buffer, in_flight)
+
+        jobs = DeviceJobs(self.collector, parameter_names(self.model), changed)
+        slots = AsyncSlots(loop.settings, loop.method, self.model, rules, jobs)
+        loop.scheduler, loop.policy = slots, Buffered(loop.release, rules.staleness)
+        return jobs
 
     # ------------------------------------------------------------------ models
     def export(self, federated_bn: bool | None = None) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -107,6 +108,13 @@ class _Slices:
         return routed
 
 
+class Routed(NamedTuple):
+    """What one device was sent: the manifest of its payload and the routed slice it encodes (copies)."""
+
+    manifest: Manifest
+    state: dict[str, torch.Tensor]
+
+
 def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
@@ -146,17 +154,17 @@ class DeviceCollector:
         self.exchange.open(t)
         if self.live is not None:
             self.live.round_started(t, cohort, self.exchange.settings.round_timeout)
-        routed = self._send(t, cohort, plans, global_state, lr)
+        routed = self.send(t, cohort, plans, global_state, lr)
         got = Collected([], send_seconds=time.monotonic() - start)
         log.debug("round %d: routed payloads sent to %s", t + 1, ", ".join(cohort))
         valid: dict[str, ClientUpdate] = {}
         for reply in self.exchange.replies():
             if reply.error and reply.outcome != REJECTED:
-                self._unsettled(got, t, reply)
+                self.unsettled(got, t, reply)
                 continue
-            checked = reply.error or self._check(reply, routed[reply.device], global_state)
+            checked = reply.error or self.check(reply, routed[reply.device].manifest, global_state)
             if isinstance(checked, str):
-                self._reject(got, t, reply.device, checked)
+                self.reject(got, t, reply.device, checked)
                 continue
             valid[reply.device] = checked
             if self.live is not None:
@@ -168,21 +176,23 @@ class DeviceCollector:
         return got
 
     # ------------------------------------------------------------------ the two directions
-    def _send(
+    def send(
         self,
         t: int,
         cohort: Sequence[str],
         plans: Mapping[str, ClientPlan],
         global_state: Mapping[str, torch.Tensor],
         lr: float,
-    ) -> dict[str, Manifest]:
-        """Route, encode and send each device its slice with the RoundStart that announces it; the manifests sent."""
+    ) -> dict[str, Routed]:
+        """Route, encode and send each device its slice with the RoundStart that announces it; what each was sent."""
         terms, exchange = self.terms, self.exchange
         classes, slices, routed = terms.preset.classes, _Slices(global_state, terms.preset), {}
         for device in cohort:
             plan = plans[device]
-            manifest = routed[device] = plan.manifest(terms.preset, classes, t, "routed", device, terms.payload_dtype)
-            blob = encode(slices.routed(plan.layout(terms.preset, classes)), manifest)
+            manifest = plan.manifest(terms.preset, classes, t, "routed", device, terms.payload_dtype)
+            state = slices.routed(plan.layout(terms.preset, classes))
+            routed[device] = Routed(manifest, state)
+            blob = encode(state, manifest)
             info = exchange.describe(device, blob)
             registered = self.devices.registry.get(device)
             message = terms.round_start(
@@ -195,8 +205,9 @@ class DeviceCollector:
                 self.live.routed(device, len(blob), info.count, plan.envelope.params(terms.preset, classes))
         return routed
 
-    def _check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor]) -> ClientUpdate | str:
-        """``reply``'s upload decoded against the manifest routed to it and held to the update-norm bound, or why it is refused."""
+    def check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor]) -> ClientUpdate | str:
+        """``reply``'s upload decoded against the manifest routed to it and held to the update-norm bound (its change
+        of ``global_state``, the model it was sent), or why it is refused."""
         assert reply.update is not None and reply.payload is not None
         try:
             manifest, state = decode(reply.payload, self.terms.preset, expected=routed)
@@ -216,14 +227,14 @@ class DeviceCollector:
             local_dp=self.terms.local_dp,
         )
 
-    def _unsettled(self, got: Collected, t: int, reply: Reply) -> None:
+    def unsettled(self, got: Collected, t: int, reply: Reply) -> None:
         """``reply``'s device declined the round, or its payload or upload did not get through: no update of it counts."""
         (got.declined if reply.outcome == DECLINED else got.incomplete)[reply.device] = reply.error
         if self.live is not None:
             self.live.member(reply.device, reply.outcome, reason=reply.error)
         log.warning("round %d: no update from %s (%s): %s", t + 1, reply.device, reply.outcome, reply.error)
 
-    def _reject(self, got: Collected, t: int, device: str, reason: str) -> None:
+    def reject(self, got: Collected, t: int, device: str, reason: str) -> None:
         """Refuse ``device``'s update of round ``t``; the global model is untouched by it."""
         got.rejected[device] = reason
         if self.live is not None:

@@ -19,7 +19,7 @@ from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.run.settings import RunSettings
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
-from feast_edge.settings.concerns import loop_settings
+from feast_edge.settings.concerns import Schedule, loop_settings
 from feast_edge.settings.nested import changed, check, flat_types, of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
@@ -183,6 +183,7 @@ class ServerConfig:
     validation: FederatedChecks = field(default_factory=FederatedChecks)
     serving: Serving = field(default_factory=Serving)
     network: Network = field(default_factory=Network)
+    schedule: Schedule = field(default_factory=Schedule)
 
     @classmethod
     def of(cls, **settings: Any) -> ServerConfig:
@@ -205,6 +206,32 @@ class ServerConfig:
                 check_composes(self.aggregation.rule, True, "feast")
         except PrivacyError as exc:
             raise ServerError(str(exc)) from None
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """Buffered asynchronous rounds (server.jobs): what needs the devices between releases is refused."""
+        rules, dp = self.schedule, self.dp_settings()
+        if rules.mode != "async":
+            return
+        checks = [
+            (
+                dp is None or dp.mode != "central" or rules.staleness == "constant",
+                f"--mode async with central DP weighs every buffered update alike (the noise is calibrated to uniform "
+                f"weights), not by --staleness {rules.staleness}: add --staleness constant",
+            ),
+            (
+                self.data is not None
+                or not self.federated_statistics
+                or self.validation.eval_every >= self.training.rounds,
+                f"--mode async without --data: the devices would validate the model every {self.validation.eval_every} "
+                "releases, but in asynchronous rounds they are training (a validation would wait for them all, the "
+                "barrier async mode removes): give --data to validate on the server, or --eval-every "
+                f"{self.training.rounds} to validate once, after the last release",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ServerError(message)
 
     def dp_settings(self) -> DpSettings | None:
         """The run's DP settings (None: no DP)."""
@@ -258,7 +285,8 @@ class ServerConfig:
         recorded = self.aggregation.recorded(train, schedule, self.dp_settings())
         ratio = self.aggregation.max_weight_ratio
         capped = {"max_weight_ratio": ratio} if ratio else {}
-        return {**{STORED_AS.get(name, name): values[name] for name in names}, **recorded, **capped}
+        asynchronous = {k: values[k] for k in flat_types(Schedule)} if self.schedule.mode == "async" else {}
+        return {**{STORED_AS.get(name, name): values[name] for name in names}, **recorded, **capped, **asynchronous}
 
     @classmethod
     def stored(cls, out: str | Path, **overrides: Any) -> ServerConfig:

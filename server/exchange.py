@@ -6,6 +6,11 @@
                   until every device settled or went offline, or the deadline
     close()    -> who never replied, who went offline, what was ignored
 
+Asynchronous rounds (feast_edge.server.jobs) keep it open: ``open(t, keep=True)`` before each refill of the slots
+leaves the requests in flight open, each until its own deadline (``--round-timeout`` from when it was sent), and
+each device's reply is matched against the version it was sent; ``arrivals(wait)`` hands over what settled, each
+device's request closing as its reply, deadline or departure settles it.
+
 It knows messages, transfers and devices, nothing of what the payloads hold:
 ``collect.DeviceCollector`` builds them and checks what comes back. Every wait
 runs the server's event loop (``events.Events.pump``), which hands this
@@ -16,14 +21,13 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from feast_edge.protocol import Declined, Evaluated, Update
+from feast_edge.server.waiting import Pump, Roster, wait_online
 from feast_edge.transport.chunks import Progress, Status
 from feast_edge.transport.errors import ChunkError, LinkError, ProtocolError
 from feast_edge.transport.frames import TransferInfo
@@ -40,27 +44,7 @@ POLL_EVERY = 0.5  # seconds between nacks of stalled uploads
 UNCLAIMED = 64  # finished uploads kept while their announcement is on its way
 MAX_IGNORED = 100  # ignored messages a round keeps the description of (the rest are counted)
 REJECTED, DECLINED, INCOMPLETE = "rejected", "declined", "incomplete"  # why a device's reply does not count
-
-
-class WaitTimeout(Exception):
-    """Not enough devices came online within ``wait_timeout``."""
-
-
-class Pump(Protocol):
-    """The server's event loop, as far as a wait needs it."""
-
-    stop: threading.Event
-
-    def pump(self, seconds: float) -> None:
-        """Handle incoming messages for ``seconds`` (0: only what is queued now)."""
-
-
-class Roster(Protocol):
-    """Who may be in a cohort (``devices.DeviceBook``)."""
-
-    def online(self) -> list[str]: ...
-
-    def offline(self) -> list[str]: ...
+MISSING, DROPPED = "missing", "dropped"  # asynchronous rounds: no reply by its deadline; its host went offline
 
 
 @dataclass(frozen=True)
@@ -91,7 +75,8 @@ class Reply:
     chunks: int = 0  # the upload's
     error: str = ""
     outcome: str = ""  # with ``error``: "rejected" (what it sent is refused), "declined" (it said no update will come)
-    # or "incomplete" (its routed payload or its announced upload did not get through)
+    # or "incomplete" (its routed payload or its announced upload did not get through); asynchronous rounds also
+    # settle "missing" (nothing by its deadline) and "dropped" (its host went offline)
     evaluation: Evaluated | None = None  # the answer to an evaluation request (no upload)
 
     @property
@@ -114,6 +99,8 @@ class _Pending:
 
     routed: str  # transfer id of the payload sent to it
     expect: Expect
+    t: int  # the round (version) it was sent
+    deadline: float
     update: Update | None = None
     error: str | None = None
     finished: bool = False  # its upload was handed over
@@ -154,39 +141,23 @@ class RoundExchange:
         self._dropped = Throttle(log)
         self._last_poll = 0.0
 
-    # ------------------------------------------------------------------ waits
     def wait_online(self, needed: int, roster: Roster) -> list[str]:
-        """Block until ``needed`` devices of ``roster`` are online, saying who is missing at least every 10 s."""
-        start, wait_timeout = time.monotonic(), self.settings.wait_timeout
-        last_note, last_online = float("-inf"), None
-        while not self.events.stop.is_set():
-            online = roster.online()
-            if len(online) >= needed:
-                return online
-            now = time.monotonic()
-            if online != last_online or now - last_note >= HEARTBEAT:
-                offline = roster.offline()
-                log.info(
-                    "waiting for devices: %d of %d online (%s)%s; %.0f s",
-                    len(online),
-                    needed,
-                    ", ".join(online) or "none yet",
-                    f"; registered but offline: {', '.join(offline)}" if offline else "",
-                    now - start,
-                )
-                last_note, last_online = now, online
-            if wait_timeout is not None and now - start > wait_timeout:
-                raise WaitTimeout(
-                    f"only {len(online)} of the {needed} devices needed were online after {wait_timeout:g} s"
-                )
-            self.events.pump(0.2)
-        raise KeyboardInterrupt
+        """Block until ``needed`` devices of ``roster`` are online (feast_edge.server.waiting)."""
+        return wait_online(self.events, roster, needed, self.settings.wait_timeout)
 
     # ------------------------------------------------------------------ one round
-    def open(self, t: int) -> None:
-        """Start round ``t``: its deadline is ``round_timeout`` from now; uploads of earlier rounds are no longer taken."""
+    def open(self, t: int, keep: bool = False) -> None:
+        """Start round ``t``: its deadline is ``round_timeout`` from now; uploads of earlier rounds are no longer taken.
+
+        ``keep`` (asynchronous rounds): the requests in flight stay open until their own deadlines, and uploads of
+        the versions they were sent are still taken."""
+        deadline, current = time.monotonic() + self.settings.round_timeout, self.current
+        if keep and current is not None:
+            self.receiver.reassembler.advance(min([t, *(p.t for p in current.pending.values())]))
+            current.t, current.deadline = t, deadline
+            return
         self.receiver.reassembler.advance(t)
-        self.current = _Round(t, time.monotonic() + self.settings.round_timeout)
+        self.current = _Round(t, deadline)
         self._unclaimed.clear()
         self.claimed = {}
 
@@ -204,8 +175,9 @@ class RoundExchange:
         """``message`` on the device's control topic, then the chunks of ``payload``; False (and a failed reply) if the link failed."""
         current = self.current
         assert current is not None, "open() first"
-        current.pending[device] = _Pending(info.transfer, expect)
+        current.pending[device] = _Pending(info.transfer, expect, current.t, current.deadline)
         self.announced[device] = (current.t, info.transfer, expect.max_bytes)
+        self.claimed.pop(device, None)  # a device sent again (asynchronous rounds) may upload anew
         try:
             self.sender.announce_and_send(
                 self.topics.ctrl(device), message.encode(), payload, info, timeout=self.settings.send_timeout
@@ -226,8 +198,11 @@ class RoundExchange:
         while True:
             while current.settled:
                 yield current.settled.popleft()
-            waiting = [d for d, p in current.pending.items() if not p.settled and d not in current.dropped]
-            if not waiting or time.monotonic() >= current.deadline or self.events.stop.is_set():
+            now = time.monotonic()
+            waiting = [
+                d for d, p in current.pending.items() if not p.settled and d not in current.dropped and now < p.deadline
+            ]
+            if not waiting or self.events.stop.is_set():
                 break
             now = time.monotonic()
             if now - last_note >= HEARTBEAT:
@@ -315,8 +290,14 @@ class RoundExchange:
     def on_declined(self, message: Declined) -> None:
         """A cohort device says no update will come (training diverged or failed): stop waiting for it."""
         current = self.current
-        pending = None if current is None or message.round != current.t else current.pending.get(message.device)
-        if pending is None or message.routed != pending.routed or pending.settled or pending.update is not None:
+        pending = None if current is None else current.pending.get(message.device)
+        if (
+            pending is None
+            or message.round != pending.t
+            or message.routed != pending.routed
+            or pending.settled
+            or pending.update is not None
+        ):
             self.ignore(f"declined from {message.device}: it does not answer an open request of the round in flight")
             return
         self._fail(message.device, f"the device sent no update: {message.reason}", DECLINED)
@@ -324,8 +305,14 @@ class RoundExchange:
     def on_evaluated(self, message: Evaluated) -> None:
         """A cohort device's answer to an evaluation request: counts only, no upload."""
         current = self.current
-        pending = None if current is None or message.round != current.t else current.pending.get(message.device)
-        if pending is None or message.routed != pending.routed or pending.settled or pending.expect.max_bytes:
+        pending = None if current is None else current.pending.get(message.device)
+        if (
+            pending is None
+            or message.round != pending.t
+            or message.routed != pending.routed
+            or pending.settled
+            or pending.expect.max_bytes
+        ):
             self.ignore(f"evaluated from {message.device}: it does not answer an open evaluation request")
             return
         pending.finished = True
@@ -333,10 +320,10 @@ class RoundExchange:
 
     def on_update(self, message: Update) -> None:
         device, current = message.device, self.current
-        if current is None or message.round != current.t:
+        pending = None if current is None else current.pending.get(device)
+        if current is None or message.round != (current.t if pending is None else pending.t):
             self.ignore(f"update from {device}: round {message.round + 1} is not the round in flight")
             return
-        pending = current.pending.get(device)
         if pending is None:
             self.ignore(f"update from {device}: not in round {current.t + 1}'s cohort")
             return
@@ -395,7 +382,7 @@ class RoundExchange:
                 return
             info, current = progress.info, self.current
             pending = current.pending.get(info.device) if current is not None else None
-            if current is None or info.round != current.t or pending is None:
+            if current is None or pending is None or info.round != pending.t:
                 self._dropped.log(
                     logging.INFO,
                     f"upload {info.device}",

@@ -52,6 +52,9 @@ def hardware_of(profile: Mapping[str, Any]) -> str | None:
     return None
 
 
+SETTLED = ("aggregated", "rejected", "declined", "incomplete", "late", "dropped")  # a member's outcome in a step
+
+
 class LiveView:
     """Feeds a dashboard from the server's run thread (see the module docstring)."""
 
@@ -150,6 +153,28 @@ class LiveView:
         self.state.set_run(status="running")
         self.state.start_round(t + 1, list(cohort), time.time() + timeout)
 
+    def jobs_started(self, t: int, devices: Sequence[str], timeout: float) -> None:
+        """Asynchronous rounds: ``devices`` were drawn into free slots at version ``t``; the step in flight shows every
+        job since the last release (the earlier ones keep their state)."""
+        kept = {d: m for d, m in self._members.items() if self._round is not None or m not in SETTLED}  # a release
+        members = {**kept, **dict.fromkeys(devices, "routed")}
+        traffic = {
+            **{d: self._traffic.get(d, {"down": 0, "up": 0}) for d in kept},
+            **{d: {"down": 0, "up": 0} for d in devices},
+        }
+        self.round_started(t, list(members), timeout)
+        self._members, self._traffic = members, traffic
+        for device, state in members.items():
+            if state != "routed":
+                self.state.member(device, state)
+        for device in devices:
+            self.state.set_device(device, job={"version": t, "since": time.time()})
+
+    def buffer(self, held: int, size: int, in_flight: Mapping[str, int]) -> None:
+        """Asynchronous rounds: ``held`` of the ``size`` updates a release needs are buffered; the jobs in flight
+        (device -> the version it trains from)."""
+        self.state.set_run(buffer={"held": held, "size": size, "in_flight": dict(sorted(in_flight.items()))})
+
     def routed(self, device: str, size: int, chunks: int, params: int) -> None:
         """``device``'s routed payload (``size`` bytes in ``chunks`` chunks) was announced and sent."""
         self._traffic.setdefault(device, {"down": 0, "up": 0})["down"] = size
@@ -161,7 +186,7 @@ class LiveView:
     ) -> None:
         if device not in self._members:
             return
-        final = self._members[device] in ("aggregated", "rejected", "declined", "incomplete", "late", "dropped")
+        final = self._members[device] in SETTLED
         if final and state not in ("aggregated",):
             return  # a settled member keeps its outcome (e.g. a late progress report after a rejection)
         self._members[device] = state

@@ -48,8 +48,12 @@ def print_round(record: RoundRecord, rounds: int) -> None:
     val = _pct(record.val_accuracy)
     if record.validation.get("source") == "devices":
         val += f" (on {len(record.validation.get('devices', []))} devices)"
+    step = "round"
+    if record.staleness:  # an asynchronous release: how stale each buffered update was
+        step = "release"
+        replies += "  staleness " + ", ".join(f"{d} {tau}" for d, tau in sorted(record.staleness.items()))
     log.info(
-        f"round {record.round}/{rounds}  replies {replies}  {state}  loss {loss}  val {val}  "
+        f"{step} {record.round}/{rounds}  replies {replies}  {state}  loss {loss}  val {val}  "
         f"{record.seconds:.1f} s" + (f"  ({'; '.join(extra)})" if extra else "")
     )
 

@@ -36,6 +36,7 @@ from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 from feast_edge.server.app import REGISTRY
 from feast_edge.server.coverage import holders
+from feast_edge.server.jobs import read_jobs
 from feast_edge.server.output import OWN_CAPTION, add_fleet_rows, personal_cell, served_cell
 from feast_edge.server.registry import Device, Registry
 from feast_edge.util.text import duration
@@ -113,6 +114,7 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
         # The weights a device would be served now: their round and why (feast_edge.evaluate.served_round).
         "served": served_record(int(fields["round"]), chosen or {}) if fields.get("round") else None,
         "own_accuracy": fleet_accuracy(models.items()).to_dict() if models else None,
+        "asynchronous": asynchronous_status(out, config, history, now),
         "online": sum(d.status == "online" for d in devices),
         "devices": [
             {
@@ -131,6 +133,50 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
             for d in devices
         ],
     }
+
+
+def asynchronous_status(
+    out: Path, config: dict[str, Any], history: list[dict[str, Any]], now: float
+) -> dict[str, Any] | None:
+    """An asynchronous run's K, M, S, its buffer and jobs in flight (JOBS, as the server last wrote it), and each
+    device's released updates and the staleness of its last one (None: synchronous rounds)."""
+    if config.get("mode") != "async":
+        return None
+    jobs = read_jobs(out) or {}
+    devices: dict[str, dict[str, Any]] = {}
+    for h in history:
+        for device, tau in (h.get("staleness") or {}).items():
+            entry = devices.setdefault(device, {"released": 0, "staleness": None})
+            entry["released"] += 1
+            entry["staleness"] = tau
+    in_flight = jobs.get("in_flight") if isinstance(jobs.get("in_flight"), dict) else {}
+    return {
+        "buffer": config.get("buffer"),
+        "concurrency": config.get("concurrency"),
+        "max_staleness": config.get("max_staleness"),
+        "discount": config.get("staleness"),
+        "held": (jobs.get("buffer") or {}).get("held"),
+        "in_flight": {
+            d: {"version": j.get("version"), "seconds": max(0.0, now - float(j.get("since", now)))}
+            for d, j in sorted(in_flight.items())
+            if isinstance(j, dict)
+        },
+        "refused_stale": sum(
+            str(reason).startswith("stale:") for h in history for reason in (h.get("rejected") or {}).values()
+        ),
+        "devices": devices,
+    }
+
+
+def asynchronous_line(state: dict[str, Any]) -> str:
+    """The buffer and the jobs in flight of an asynchronous run, in one line."""
+    held = "?" if state["held"] is None else state["held"]
+    jobs = ", ".join(f"{d} (version {j['version']}, {duration(j['seconds'])})" for d, j in state["in_flight"].items())
+    return (
+        f"asynchronous: {state['buffer']} updates per release, {state['concurrency']} devices training at once, "
+        f"staleness at most {state['max_staleness']} ({state['discount']}); buffer {held}/{state['buffer']}; "
+        f"in flight: {jobs or 'none'}; refused as stale: {state['refused_stale']}"
+    )
 
 
 def _coverage_warnings(devices: list[Device], manifests: list[dict[str, Any]], classes: Any, preset: Any) -> list[str]:
@@ -154,6 +200,14 @@ def _coverage_warnings(devices: list[Device], manifests: list[dict[str, Any]], c
 def ago(seconds: float) -> str:
     """``12 s ago``, ``3 min ago``, ``5 h ago``, ``2 d ago``."""
     return f"{duration(seconds)} ago"
+
+
+def _staleness_cell(jobs: dict[str, Any], device: str) -> str:
+    """An asynchronous run's device: the staleness of its last released update, and the version it trains now."""
+    last = (jobs["devices"].get(device) or {}).get("staleness")
+    job = jobs["in_flight"].get(device)
+    words = "-" if last is None else f"last {last}"
+    return words + ("" if job is None else f"; training from {job['version']}")
 
 
 def _pct(value: float | None) -> str:
@@ -186,6 +240,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         progress,
         best_line,
         *([words] if words else []),
+        *([asynchronous_line(status["asynchronous"])] if status.get("asynchronous") else []),
         f"devices: {status['online']} of {len(status['devices'])} online",
         *([FleetAccuracy(**own).words()] if own else []),
         *([privacy_line(status["privacy"])] if status.get("privacy") else []),
@@ -199,6 +254,8 @@ def status_table(status: dict[str, Any]) -> Table:
     own = any(d.get("model") is not None for d in status["devices"])
     table = Table(title=f"devices registered in {status['out']}", caption=OWN_CAPTION if own else None)
     columns = ["device", "host", "status", "last seen", "budget", "precision", "samples", "rounds", "profile"]
+    jobs = status.get("asynchronous")
+    columns += ["staleness"] if jobs else []
     for col in columns + (["own acc, served", "own acc, personal"] if own else []):
         table.add_column(
             col,
@@ -217,6 +274,7 @@ def status_table(status: dict[str, Any]) -> Table:
             str(d["samples"]),
             str(d["rounds"]),
             d["profile"] or "-",
+            *([] if not jobs else [_staleness_cell(jobs, d["device"])]),
             *([] if not own else ["-", "-"] if model is None else [served_cell(model), personal_cell(model)]),
             end_section=own and i == len(status["devices"]) - 1,
         )

@@ -6,8 +6,9 @@ K updates, never waiting for the slowest device (FedBuff, Nguyen et al. 2022, pe
              out the slow strong ones that alone train the top slices
     start    device i is sent the routed slice of the current version v_i (its plan, the lr of version v_i)
     arrive   its update is kept with its delta Δ_i = w_i - θ_{v_i}[routed]; the server keeps no old model versions,
-             only the in-flight and buffered updates (M routed slices at most, each twice in a simulation, which
-             computes them when sent: as sent, and as a delta)
+             only what each job in flight needs to take its delta (feast_edge.run.jobs: in a simulation, which
+             trains when it sends, the update as sent and its delta; over MQTT, the routed slice sent), that is
+             M routed slices at most, and the buffered updates
     stale    τ_i = t - v_i (releases since its start); τ_i > S (--max-staleness) is refused with the reason, counted
     buffer   an update that arrives between releases t-1 and t is rebased on the current model at once,
                  w'_i = θ_t[routed] + Δ_i (τ_i = 0: w_i as sent), in place of its delta; the buffer is released
@@ -25,23 +26,23 @@ K updates, never waiting for the slowest device (FedBuff, Nguyen et al. 2022, pe
 share of the budget spent: feast_edge.run.schedule.step_lr): a device trains with the lr of the version it was sent.
 With K = M = the cohort size, every device taking the same time and the synchronous cohort
 draw (a fill of M slots at version t draws as round t does), each release is exactly the synchronous round t
-(tests/core/test_async_rounds.py). How long a device takes comes from a clock: virtual in a simulation
-(feast_edge.sim.clock), measured over MQTT.
+(tests/core/test_async_rounds.py). Where the jobs run is feast_edge.run.jobs: in process on a virtual clock
+(feast_edge.sim.clock), or on the devices over MQTT (feast_edge.server.jobs), timed by the server's clock.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import ClientUpdate, Collected, Collector
+from feast_edge.run.jobs import DECLINED, INCOMPLETE, LOST, MISSING, REJECTED, Arrival, Jobs, leading
 from feast_edge.run.release import FLEET_COUNTS, Release, RoundContext, StateDict
 from feast_edge.run.schedule import Gathered, step_lr
 from feast_edge.run.settings import RunError
@@ -94,86 +95,48 @@ class AsyncSettings:
         discount(self.staleness, 0)
 
 
-class Clock(Protocol):
-    """How long a device's job takes, from being sent its slice to its update arriving, and whether it is lost."""
-
-    def duration(self, client: str, update: ClientUpdate, plan: Any, job: int) -> float: ...
-
-    def drops(self, client: str, job: int) -> bool: ...
-
-
-@dataclass(order=True)
-class _Job:
-    finish: float
-    seq: int
-    client: str = field(compare=False)
-    version: int = field(compare=False)
-    plan: Any = field(compare=False)
-    update: ClientUpdate | None = field(compare=False)  # as sent (None: lost)
-    seconds: float = field(compare=False, default=0.0)  # its duration on the clock
-    delta: dict[str, torch.Tensor] = field(compare=False, default_factory=dict)  # Δ_i = w_i - θ_{v_i}[routed]
-
-
-def leading(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The leading slice of ``tensor`` of ``shape`` (a routed slice, method §5)."""
-    return tensor[tuple(slice(0, d) for d in shape)]
-
-
 class AsyncSlots:
-    """The scheduler of buffered asynchronous rounds (see the module docstring): each ``gather`` runs the clock until
-    K updates are buffered and returns them, rebased on the current model, as release ``t``'s input."""
+    """The scheduler of buffered asynchronous rounds (see the module docstring): each ``gather`` fills the free
+    slots and takes the jobs' arrivals (feast_edge.run.jobs) until K updates are buffered, and returns them, rebased
+    on the current model, as release ``t``'s input."""
 
     def __init__(
-        self, settings: RunSettings, method: RoundMethod, model: torch.nn.Module, rules: AsyncSettings, clock: Clock
+        self, settings: RunSettings, method: RoundMethod, model: torch.nn.Module, rules: AsyncSettings, jobs: Jobs
     ) -> None:
-        self.settings, self.method, self.model, self.rules, self.clock = settings, method, model, rules, clock
+        self.settings, self.method, self.model, self.rules, self.jobs = settings, method, model, rules, jobs
         self.now = 0.0  # the clock at the last release
-        self.jobs: list[_Job] = []  # in flight, by finish time
-        self.buffered: list[_Job] = []
+        self.buffered: list[Arrival] = []
         self.fills = 0  # slot refills so far (each draws with its own seed)
-        self.seq = 0
         self.participation: Counter[str] = Counter()  # device -> updates released
         self.refused: Counter[str] = Counter()  # device -> updates refused as too stale
         self.dropped: Counter[str] = Counter()  # device -> jobs lost (it went away)
-        self.steps = {name for name, _ in model.named_parameters()}  # rebased; buffers are taken as sent
+        self.steps = parameter_names(model)  # rebased; buffers are taken as sent
         self.counts: dict[str, float] = {}  # device -> its latest example count (what weight caps are measured by)
 
     def resume(self, now: float) -> None:
         """Continue a resumed run from the clock of its last release: the updates in flight or buffered when it
         stopped are dropped (as devices that went away), and the draws continue on seeds of their own."""
-        if self.seq == 0 and now > 0:
-            self.now, self.fills, self.seq = now, RESUMED, RESUMED
+        if self.fills == 0 and now > 0:
+            self.now, self.fills = now, RESUMED
+            resume = getattr(self.jobs, "resume", None)
+            if resume is not None:
+                resume(now, RESUMED)
 
     def busy(self) -> set[str]:
-        return {j.client for j in self.jobs} | {j.client for j in self.buffered}
+        return self.jobs.busy() | {a.client for a in self.buffered}
 
     def _fill(self, t: int, clients: list[str], collector: Collector, history: list[RoundRecord]) -> None:
         """Refill the free slots at version ``t``: a seeded uniform draw from the idle clients, trained from now."""
-        free = self.rules.concurrency - len(self.jobs)
-        idle = sorted(set(clients) - self.busy())
+        busy = self.busy()
+        free = self.rules.concurrency - len(self.jobs.busy())
+        idle = sorted(set(clients) - busy)
         if free <= 0 or not idle:
             return
         drawn = sample_round_cohort(idle, min(free, len(idle)), self.settings.seed, self.fills)
         self.fills += 1
         lr = step_lr(self.settings, t, history)
         plans = self.method.plans(t, drawn, collector.budget)
-        global_state = self.model.state_dict()
-        got = collector.collect(t, drawn, plans, global_state, lr)
-        by_client = {u.client: u for u in got.updates}
-        for client in drawn:
-            update = by_client.get(client)  # None: the collector refused or got nothing
-            lost = update is None or self.clock.drops(client, self.seq)
-            duration = 0.0 if update is None else self.clock.duration(client, update, plans[client], self.seq)
-            delta = (
-                {}
-                if lost
-                else {k: v - leading(global_state[k], v.shape) for k, v in update.state.items() if k in self.steps}
-            )
-            job = _Job(
-                self.now + duration, self.seq, client, t, plans[client], None if lost else update, duration, delta
-            )
-            heapq.heappush(self.jobs, job)
-            self.seq += 1
+        self.jobs.start(t, collector, drawn, plans, self.model.state_dict(), lr)
 
     def gather(
         self,
@@ -183,59 +146,72 @@ class AsyncSlots:
         admit: Callable[[RoundContext], None],
         history: list[RoundRecord],
     ) -> Gathered:
-        clients = collector.clients(needed)
-        refused: dict[str, str] = {}
-        lost: list[str] = []
+        got = Collected([])
+        clients: list[str] = []
         while len(self.buffered) < self.rules.buffer:
+            # ``needed`` devices start the run; then the slots go on with whoever is online (over MQTT the jobs wait
+            # for one more device when every online one is buffered)
+            clients = collector.clients(needed if self.fills == 0 else 0)
             self._fill(t, clients, collector, history)
-            if not self.jobs:
+            arrived = self.jobs.arrive()
+            if arrived is None:
                 raise RunError(
                     f"release {t + 1}: no device can train ({len(clients)} online, {len(self.buffered)} buffered); "
                     f"--buffer {self.rules.buffer} needs at least that many devices"
                 )
-            first = heapq.heappop(self.jobs)
-            arrived = [first]
-            while self.jobs and self.jobs[0].finish == first.finish:  # ties arrive together
-                arrived.append(heapq.heappop(self.jobs))
-            self.now = first.finish
-            for job in arrived:
-                tau = t - job.version
-                if job.update is None:
-                    lost.append(job.client)
-                    self.dropped[job.client] += 1
-                elif tau > self.rules.max_staleness:
-                    self.refused[job.client] += 1
-                    refused[job.client] = (
-                        f"stale: trained from release {job.version} of {t}, {tau} behind (--max-staleness "
-                        f"{self.rules.max_staleness})"
-                    )
-                else:  # rebased on arrival: the buffer is released whole, so the model stays θ_t until then
-                    self.counts[job.client] = job.update.samples
-                    job.update = self._rebased(job, self.model.state_dict(), t)
-                    job.delta = {}
-                    self.buffered.append(job)
-        released, self.buffered = sorted(self.buffered, key=lambda j: j.client), []
-        ctx = RoundContext(t, len(clients), [j.client for j in released], history, sampled=False)
+            now, arrivals = arrived
+            self.now = max(self.now, now)
+            for arrival in arrivals:
+                self._arrived(t, arrival, got)
+        got.ignored = self.jobs.ignored()
+        released, self.buffered = sorted(self.buffered, key=lambda a: a.client), []
+        ctx = RoundContext(t, len(clients), [a.client for a in released], history, sampled=False)
         ctx.notes[FLEET_COUNTS] = [self.counts[c] for c in sorted(self.counts)]
         admit(ctx)
-        staleness = {j.client: t - j.version for j in released}
-        updates = [j.update for j in released if j.update is not None]
-        self.participation.update(j.client for j in released)
-        plans = {j.client: j.plan for j in released}
-        lr = step_lr(self.settings, t, history)
-        durations = {j.client: round(j.seconds, 6) for j in released}
-        got = Collected(
-            updates, rejected=refused, dropped=lost, clock=self.now, staleness=staleness, durations=durations
-        )
-        return Gathered(ctx, plans, lr, got)
+        got.updates = [a.update for a in released if a.update is not None]
+        got.clock = self.now
+        got.staleness = {a.client: t - a.version for a in released}
+        got.durations = {a.client: round(a.seconds, 6) for a in released}
+        self.participation.update(a.client for a in released)
+        plans = {a.client: a.plan for a in released}
+        return Gathered(ctx, plans, step_lr(self.settings, t, history), got)
 
-    def _rebased(self, job: _Job, global_state: StateDict, t: int) -> ClientUpdate:
-        """``job``'s update on the current model: as sent where it is fresh, else w' = θ_t[routed] + Δ."""
-        assert job.update is not None
-        if job.version == t:
-            return job.update
-        rebased = {k: d.add_(leading(global_state[k], d.shape)) for k, d in job.delta.items()}  # Δ becomes w', in place
-        return replace(job.update, state={**job.update.state, **rebased})
+    def _arrived(self, t: int, arrival: Arrival, got: Collected) -> None:
+        """Buffer ``arrival`` (rebased on the current model), or say in ``got`` why it does not count."""
+        client, tau = arrival.client, t - arrival.version
+        if arrival.update is None:
+            if arrival.outcome == LOST:
+                got.dropped.append(client)
+                self.dropped[client] += 1
+            elif arrival.outcome == MISSING:
+                got.missing.append(client)
+            else:
+                outcomes = {REJECTED: got.rejected, DECLINED: got.declined, INCOMPLETE: got.incomplete}
+                outcomes.get(arrival.outcome, got.incomplete)[client] = arrival.reason
+        elif tau > self.rules.max_staleness:
+            self.refused[client] += 1
+            got.rejected[client] = (
+                f"stale: trained from release {arrival.version} of {t}, {tau} behind (--max-staleness "
+                f"{self.rules.max_staleness})"
+            )
+        else:  # rebased on arrival: the buffer is released whole, so the model stays θ_t until then
+            self.counts[client] = arrival.update.samples
+            arrival.update = self._rebased(arrival, self.model.state_dict(), t)
+            arrival.delta = {}
+            self.buffered.append(arrival)
+
+    def _rebased(self, arrival: Arrival, global_state: StateDict, t: int) -> ClientUpdate:
+        """``arrival``'s update on the current model: as sent where it is fresh, else w' = θ_t[routed] + Δ."""
+        assert arrival.update is not None
+        if arrival.version == t:
+            return arrival.update
+        rebased = {k: d.add_(leading(global_state[k], d.shape)) for k, d in arrival.delta.items()}  # Δ becomes w'
+        return replace(arrival.update, state={**arrival.update.state, **rebased})
+
+
+def parameter_names(model: torch.nn.Module) -> set[str]:
+    """The state entries that are steps of training (rebased), not statistics of the data (taken as sent)."""
+    return {name for name, _ in model.named_parameters()}
 
 
 class Buffered:

@@ -27,7 +27,8 @@ from typing import Any
 from feast_edge.evaluate.evaluation import Validation, population_accuracy
 from feast_edge.evaluate.served_round import served_record
 from feast_edge.privacy.private_rounds import privacy_summary
-from feast_edge.run.asynchronous import AsyncSlots, Buffered
+from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
+from feast_edge.run.jobs import ClockJobs
 from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.settings import SettingsError, flat
@@ -107,7 +108,8 @@ class Simulation:
         )
         rules = config.schedule.rules()
         if rules is not None:  # buffered asynchronous rounds (feast_edge.run.asynchronous)
-            self.loop.scheduler = AsyncSlots(settings, self.method, self.model, rules, self.clock)
+            jobs = ClockJobs(self.clock, parameter_names(self.model))
+            self.loop.scheduler = AsyncSlots(settings, self.method, self.model, rules, jobs)
             self.loop.policy = Buffered(self.loop.release, rules.staleness)
 
     def _device_validation(self) -> InProcessValidation:

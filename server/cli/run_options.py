@@ -37,6 +37,11 @@ _OWN = {
     "bn_rule": "How the devices' BN statistics are combined: screened (refuse reports far from the median of all, mix the rest; a lone pair that disagrees is not used), median (per-channel weighted median) or mixture (every report as sent: one lying device steers it). docs/security.md §9.",
     "val_rule": "How the devices' held-out accuracies are combined: median (each device one vote; chooses the served round only with 3 or more devices) or pooled (all counts summed, each capped by --max-weight-ratio).",
     "round_timeout": "Seconds a round waits for updates (stragglers never block).",
+    "mode": 'sync: rounds, each waiting for its cohort up to --round-timeout; async: buffered asynchronous rounds, released every --buffer updates, never waiting for the slowest device (docs/protocol.md, "Asynchronous rounds").',
+    "buffer": "async: updates per release (K); --rounds counts releases.",
+    "concurrency": "async: devices training at once (M); a device that finishes frees its slot, refilled at once by a seeded uniform draw from the idle online devices.",
+    "max_staleness": "async: an update trained from a model more than this many releases old is refused and counted.",
+    "staleness": "async: the discount of a stale update's weight: sqrt (1/sqrt(1+tau)), hinge (none up to 2, then 1/(tau-1)) or constant (central DP needs constant).",
     "wait_timeout": "Idle limit: end the run (last round checkpointed) when a round waited this long for enough devices (0: wait forever).",
 }
 HELP = {
@@ -67,6 +72,9 @@ BOUNDS = {
     "max_update_norm": {"min": 0.0},
     "max_samples": {"min": 1},
     "max_devices": {"min": 1},
+    "buffer": {"min": 1},
+    "concurrency": {"min": 1},
+    "max_staleness": {"min": 0},
     "int8_samples": {"min": 1},
     "chunk_size": {"min": 1024, "max": 16 * 1024 * 1024},
 }

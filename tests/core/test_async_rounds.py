@@ -20,9 +20,10 @@ from feast_edge.dashboard.runs import load_runs
 from feast_edge.privacy.accountant import accounted
 from feast_edge.report.runs import load_run
 from feast_edge.report.summary import write_report
-from feast_edge.run.asynchronous import SERVER_LR, AsyncSettings, AsyncSlots, Buffered, discount
+from feast_edge.run.asynchronous import SERVER_LR, AsyncSettings, AsyncSlots, Buffered, discount, parameter_names
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.collect import ClientUpdate, Collected
+from feast_edge.run.jobs import ClockJobs
 from feast_edge.run.release import Release
 from feast_edge.run.round_record import RoundRecord
 from feast_edge.run.settings import RunError, RunSettings
@@ -97,7 +98,9 @@ def _release(model: torch.nn.Module, slots: AsyncSlots, policy: Buffered, collec
 def _slots(model, lengths, rules, clock, rounds=10) -> tuple[AsyncSlots, Buffered]:
     settings = RunSettings(rounds=rounds, per_round=len(lengths), min_clients=1, seed=0, lr=0.1)
     method = _Method(lengths)
-    return AsyncSlots(settings, method, model, rules, clock), Buffered(Release(method, []), rules.staleness)
+    return AsyncSlots(settings, method, model, rules, ClockJobs(clock, parameter_names(model))), Buffered(
+        Release(method, []), rules.staleness
+    )
 
 
 def test_a_stale_update_is_rebased_on_the_current_model_and_discounted_coordinate_by_coordinate() -> None:
@@ -178,7 +181,9 @@ def test_self_reported_counts_are_capped_against_every_device_heard_from_not_the
     model = _Model()
     settings = RunSettings(rounds=5, per_round=4, min_clients=1, seed=0, lr=0.1)
     method = _Method(dict.fromkeys(counts, 4))
-    slots = AsyncSlots(settings, method, model, AsyncSettings(2, 4, 5, "constant"), Speeds({}))
+    slots = AsyncSlots(
+        settings, method, model, AsyncSettings(2, 4, 5, "constant"), ClockJobs(Speeds({}), parameter_names(model))
+    )
     release = Release(method, [WeightCapStage(2.0)])
     policy, collector = Buffered(release, "constant"), Claims({"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0})
 

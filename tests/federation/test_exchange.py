@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from feast_edge.protocol import Declined, Update
 from feast_edge.server.exchange import ExchangeSettings, Expect, RoundExchange
+from feast_edge.server.jobs import JobExchange
 from feast_edge.transport.chunks import Progress, Reassembler, Status
 from feast_edge.transport.errors import LinkError
 from feast_edge.transport.frames import TransferInfo, describe
@@ -210,3 +211,60 @@ def test_an_evaluation_request_settles_on_its_counts_and_nothing_else() -> None:
     unsettled = exchange.close()
     assert unsettled.missing == ["b"]
     assert len(unsettled.ignored) == 2 and all("does not answer an open evaluation" in i for i in unsettled.ignored)
+
+
+# --------------------------------------------------------------------------- asynchronous rounds (server.jobs)
+
+
+def _jobs(timeout: float = 2.0) -> tuple[JobExchange, Receiver, Script]:
+    sender, receiver, script = Sender(), Receiver(), Script()
+    exchange = JobExchange(Topics(FED), sender, receiver, script, ExchangeSettings(rounds=3, round_timeout=timeout))  # type: ignore[arg-type]
+    script.exchange = exchange
+    return exchange, receiver, script
+
+
+def test_requests_of_several_versions_stay_open_and_each_reply_is_matched_to_the_version_its_device_was_sent() -> None:
+    exchange, receiver, script = _jobs()
+    exchange.open(0, keep=True)
+    first = _send(exchange, ["slow", "a"])
+    a, a_done = _upload("a", first["a"], b"a at 0")
+    script.steps = [lambda: (exchange.on_update(a), receiver.results.put(a_done))]
+    assert [(r.device, r.payload) for r in exchange.arrivals(1.0)] == [("a", b"a at 0")]
+    # Version 1: a is sent again; slow still trains from version 0, and its request stays open.
+    exchange.open(1, keep=True)
+    second = _send(exchange, ["a"])
+    slow, slow_done = _upload("slow", first["slow"], b"slow at 0")
+    a_again, a_again_done = _upload("a", second["a"], b"a at 1")
+    replayed, _ = _upload("a", first["a"], b"a at 0, replayed")  # its answer to version 0, sent again
+    forged = dataclasses.replace(slow, round=1)  # slow claims the version it was not sent
+    script.steps = [
+        lambda: exchange.on_update(replayed),
+        lambda: exchange.on_update(forged),
+        lambda: (exchange.on_update(slow), receiver.results.put(slow_done)),
+        lambda: (exchange.on_update(a_again), receiver.results.put(a_again_done)),
+    ]
+    got = []
+    while len(got) < 2:
+        got += [(r.device, r.payload) for r in exchange.arrivals(1.0)]
+    assert sorted(got) == [("a", b"a at 1"), ("slow", b"slow at 0")]
+    ignored = exchange.take_ignored()
+    assert len(ignored) == 2, ignored
+    assert "update from a: round 1 is not the round in flight" in ignored[0]  # version 0 answered, 1 expected
+    assert "update from slow: round 2 is not the round in flight" in ignored[1]
+    assert exchange.take_ignored() == [] and exchange.current is not None and exchange.current.pending == {}
+
+
+def test_a_request_past_its_own_deadline_or_of_a_departed_device_settles_and_frees_its_device() -> None:
+    exchange, _, script = _jobs(timeout=0.3)
+    exchange.open(0, keep=True)
+    _send(exchange, ["silent", "gone"])
+    script.steps = [lambda: exchange.on_offline(["gone"])]
+    first = exchange.arrivals(0.2)
+    assert [(r.device, r.outcome, r.error) for r in first] == [("gone", "dropped", "its host went offline")]
+    exchange.open(1, keep=True)  # a later request: its own deadline, 0.3 s from now
+    _send(exchange, ["late"])
+    settled = []
+    while len(settled) < 2:
+        settled += [(r.device, r.outcome) for r in exchange.arrivals(0.5)]
+    assert settled == [("silent", "missing"), ("late", "missing")]
+    assert exchange.current is not None and exchange.current.pending == {}

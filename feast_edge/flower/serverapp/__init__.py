@@ -35,8 +35,8 @@ from feast_edge.run.loop import RoundRecord
 from feast_edge.server.collect import RoundTerms
 from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.devices import DeviceBook
-from feast_edge.server.exchange import WaitTimeout
 from feast_edge.server.host import RunHost
+from feast_edge.server.waiting import WaitTimeout
 
 log = logging.getLogger(__name__)
 

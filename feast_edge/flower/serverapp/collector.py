@@ -27,7 +27,7 @@ from feast_edge.run.collect import ClientUpdate, Collected
 from feast_edge.server.collect import RoundTerms, registered_budget, update_of
 from feast_edge.server.config import ServerConfig
 from feast_edge.server.devices import DeviceBook
-from feast_edge.server.exchange import WaitTimeout
+from feast_edge.server.waiting import WaitTimeout
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.messages import Presence
 

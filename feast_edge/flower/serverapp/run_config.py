@@ -23,12 +23,13 @@ from feast_edge.flower.records import check_flower_dtype
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.settings import flat_types
+from feast_edge.settings.concerns import Schedule
 
 # ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid, and the
 # devices' BN statistics (with their combination rule) are the MQTT server's. (The nodes' validation without data is
 # the Flower run's too: val-rule combines it.)
 # --recipe KEY=VALUE pairs have no run-config form (a TOML table would need its own check).
-NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", "recipe"}
+NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", "recipe", *flat_types(Schedule)}
 # node-data, node-holdout: the simulated nodes' partition and held-out share (ClientApp)
 EXTRA = {"out-dir": str, "export": bool, "personalize": str, "node-data": str, "node-holdout": float}
 EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
@@ -70,7 +71,7 @@ def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
     if asynchronous:
         raise ServerError(
             f"run config {', '.join(asynchronous)}: buffered asynchronous rounds run in feast-edge simulate --mode "
-            "async (docs/simulation.md §12); a Flower ServerApp drives synchronous rounds of its Grid (Flower has no "
+            "async (docs/simulation.md §12) and feast-server run --mode async; a Flower ServerApp drives synchronous rounds of its Grid (Flower has no "
             "asynchronous strategy): drop these keys"
         )
     unknown = sorted(k for k in run_config if k not in keys)

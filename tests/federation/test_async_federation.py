@@ -1,0 +1,240 @@
+"""Buffered asynchronous rounds over MQTT (feast-server run --mode async; feast_edge.server.jobs), against a real
+Mosquitto: devices scripted with the transport itself send exactly the deltas the test chooses, from the versions
+they were sent, late, forged, replayed or not at all."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_federation_failures import PRESET, ScriptedDevice, scripted_server, shifted
+
+from feast_edge.agent.agent import Agent, AgentConfig
+from feast_edge.agent.local_data import load_clients
+from feast_edge.run.asynchronous import SERVER_LR, discount
+from feast_edge.server.status import asynchronous_line, read_status
+from feast_edge.space.supernet import Supernet
+from feast_edge.transport.broker import LinkConfig
+
+pytestmark = [pytest.mark.broker]
+
+PARAMETERS = {name for name, _ in Supernet(PRESET, seed=0).named_parameters()}
+
+
+def _params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if k in PARAMETERS}
+
+
+def _leading(full: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: full[k][tuple(slice(0, d) for d in v.shape)] for k, v in like.items()}
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def _async_server(kit, tmp_path: Path, federation: str, **changes: object):
+    settings = dict(mode="async", buffer=2, concurrency=3, max_staleness=5, per_round=3, min_clients=3)
+    return scripted_server(kit, tmp_path, federation, 2, start_clients=3, eval_every=2, **{**settings, **changes})
+
+
+def test_a_late_device_is_rebased_and_discounted_while_the_others_release_and_forged_or_replayed_answers_are_ignored(
+    kit, tmp_path: Path, federation: str
+) -> None:
+    server = _async_server(kit, tmp_path, federation)
+    devices = {name: ScriptedDevice(federation, name) for name in ("a", "b", "slow")}
+    try:
+        for device in devices.values():
+            assert device.register(samples=50).accepted
+        sent = {name: device.next_round() for name, device in devices.items()}  # all three from version 0
+        assert {start.round for start, _, _ in sent.values()} == {0}
+        for name, delta in (("a", 0.5), ("b", 1.5)):
+            start, manifest, state = sent[name]
+            devices[name].send(*devices[name].update(start, shifted(state, delta), manifest))
+        # Release 1 is out without waiting for slow: a and b are sent version 1.
+        again = {name: devices[name].next_round() for name in ("a", "b")}
+        assert {start.round for start, _, _ in again.values()} == {1}
+        theta0, theta1 = _params(sent["a"][2]), _params(again["a"][2])
+        assert _close(theta1, {k: v + SERVER_LR * (0.5 + 1.5) / 2 for k, v in theta0.items()}) < 1e-5
+        devices["b"].close()  # b goes away with its job of version 1: only that update is lost
+        assert kit.wait_for(lambda: "b" not in server.server.online_devices(), timeout=10)
+        start, manifest, state = sent["slow"]
+        forged, blob = devices["slow"].update(start, shifted(state, 9.0), manifest, round=1)  # not the version it had
+        devices["slow"].send(forged, blob)
+        devices["slow"].send(*devices["slow"].update(start, shifted(state, 2.0), manifest))  # version 0, one late
+        start, manifest, state = sent["a"]
+        devices["a"].send(*devices["a"].update(start, shifted(state, 7.0), manifest))  # its answer to version 0 again
+        start, manifest, state = again["a"]
+        devices["a"].send(*devices["a"].update(start, shifted(state, -1.0), manifest))
+        history = server.join(60)
+    finally:
+        for device in devices.values():
+            device.close()
+        server.close()
+    first, second = history
+    assert first.cohort == ["a", "b"] and first.staleness == {"a": 0, "b": 0} and first.applied
+    assert second.cohort == ["a", "slow"] and second.staleness == {"a": 0, "slow": 1} and second.applied
+    assert second.dropped == ["b"] and not second.rejected and not second.missing
+    assert len(second.ignored) == 2, second.ignored  # the forged version and the replay
+    assert second.clock > first.clock and second.durations["slow"] > first.durations["a"]
+    # θ2[u] = θ1[u] + η (1·(-1) + s(1)·2) / (1 + s(1)): slow's change, rebased on θ1, weighs 1/sqrt(2).
+    s = discount("sqrt", 1)
+    assert s == pytest.approx(1 / math.sqrt(2))
+    theta2 = _leading(kit.weights(tmp_path / "checkpoint.safetensors"), theta1)
+    expected = {k: v + SERVER_LR * (-1.0 + s * 2.0) / (1 + s) for k, v in theta1.items()}
+    assert _close(theta2, expected) < 1e-5
+    # feast-server status: each device's released updates and last staleness; the run over, nothing in flight.
+    state = read_status(tmp_path)["asynchronous"]
+    assert state["devices"] == {
+        "a": {"released": 2, "staleness": 0},
+        "b": {"released": 1, "staleness": 0},
+        "slow": {"released": 1, "staleness": 1},
+    }
+    assert state["in_flight"] == {} and state["held"] == 0 and (state["buffer"], state["concurrency"]) == (2, 3)
+    assert "buffer 0/2; in flight: none; refused as stale: 0" in asynchronous_line(state)
+
+
+def test_an_update_staler_than_the_bound_is_refused_with_the_reason_and_its_device_sent_the_current_version(
+    kit, tmp_path: Path, federation: str
+) -> None:
+    server = _async_server(kit, tmp_path, federation, max_staleness=0)
+    devices = {name: ScriptedDevice(federation, name) for name in ("a", "b", "slow")}
+    try:
+        for device in devices.values():
+            assert device.register(samples=50).accepted
+        sent = {name: device.next_round() for name, device in devices.items()}
+        for name in ("a", "b"):
+            start, manifest, state = sent[name]
+            devices[name].send(*devices[name].update(start, shifted(state, 0.5), manifest))
+        again = {name: devices[name].next_round() for name in ("a", "b")}
+        start, manifest, state = sent["slow"]
+        devices["slow"].send(*devices["slow"].update(start, shifted(state, 2.0), manifest))
+        fresh = devices["slow"].next_round()  # refused, and drawn again at once: version 1
+        assert fresh[0].round == 1
+        for name, (start, manifest, state) in (("slow", fresh), ("a", again["a"])):
+            devices[name].send(*devices[name].update(start, shifted(state, 0.25), manifest))
+        history = server.join(60)
+    finally:
+        for device in devices.values():
+            device.close()
+        server.close()
+    second = history[1]
+    assert second.rejected == {"slow": "stale: trained from release 0 of 1, 1 behind (--max-staleness 0)"}
+    assert second.cohort == ["a", "slow"] and second.staleness == {"a": 0, "slow": 0}
+
+
+def _slowed(agent: Agent, factor: float) -> None:
+    """Make ``agent`` train ``factor`` times slower: after each training step it sleeps (factor - 1) times the step."""
+    last = [time.monotonic()]
+    run, between = agent.rounds.run, agent.rounds.between_steps
+
+    def job(client, incoming):  # type: ignore[no-untyped-def]
+        last[0] = time.monotonic()
+        return run(client, incoming)
+
+    def step() -> None:
+        time.sleep((factor - 1) * (time.monotonic() - last[0]))
+        last[0] = time.monotonic()
+        if between is not None:
+            between()
+
+    agent.rounds.run, agent.rounds.between_steps = job, step  # type: ignore[method-assign]
+
+
+def test_real_agents_keep_releasing_while_a_five_times_slower_one_trains_and_none_of_its_updates_is_lost(
+    kit, tmp_path: Path, partition: Path, federation: str
+) -> None:
+    names = [f"client-{i:03d}" for i in range(3)]
+    slow = names[-1]
+    config = kit.server_config(
+        kit.CONFIG, tmp_path / "run", partition, federation, mode="async", buffer=2, concurrency=3, rounds=8,
+        max_staleness=20, eval_every=4,
+    )  # fmt: skip
+    server = kit.ServerThread(config).start()
+    agents, threads = [], []
+    try:
+        for name in names:
+            agent = Agent(
+                AgentConfig(host=name, federation=federation, preset=kit.CONFIG.preset, threads=1, amp="off"),
+                LinkConfig(broker=kit.LOCAL),
+                load_clients(partition / f"{name}.safetensors", name),
+            )
+            if name == slow:
+                _slowed(agent, 5.0)
+            agent.start(timeout=10)
+            agents.append(agent)
+            threads.append(threading.Thread(target=lambda a=agent: (a.register(), a.run()), daemon=True))
+            threads[-1].start()
+        history = server.join(300)
+    finally:
+        for agent in agents:
+            agent.stop.set()
+        for thread in threads:
+            thread.join(30)
+        for agent in agents:
+            agent.close()
+        server.close()
+    assert len(history) == 8 and all(h.applied for h in history)
+    released = {n: sum(n in h.cohort for h in history) for n in names}
+    slow_taus = [h.staleness[slow] for h in history if slow in h.staleness]
+    # Releases went on while the slow device trained: its updates arrive several releases late, and count.
+    assert slow_taus and max(slow_taus) >= 2, slow_taus
+    assert min(released[n] for n in names[:-1]) > released[slow], released
+    for h in history:
+        assert slow not in {*h.rejected, *h.incomplete, *h.missing, *h.dropped, *h.declined}, h
+    # Every job it finished before the run ended was released; at most the one in flight at the end is abandoned.
+    trained = agents[-1].rounds_trained
+    assert released[slow] >= trained - 1, (released[slow], trained)
+
+
+def test_a_resumed_run_drops_the_buffer_and_the_jobs_in_flight_and_refills_every_slot_from_its_last_release(
+    kit, tmp_path: Path, federation: str
+) -> None:
+    settings = dict(mode="async", buffer=2, concurrency=3, max_staleness=5, per_round=3, min_clients=3)
+    server = scripted_server(kit, tmp_path, federation, 3, start_clients=3, eval_every=3, **settings)
+    devices = {name: ScriptedDevice(federation, name) for name in ("a", "b", "slow")}
+    try:
+        for device in devices.values():
+            assert device.register(samples=50).accepted
+        sent = {name: device.next_round() for name, device in devices.items()}
+        for name in ("a", "b"):
+            start, manifest, state = sent[name]
+            devices[name].send(*devices[name].update(start, shifted(state, 0.5), manifest))
+        again = {name: devices[name].next_round() for name in ("a", "b")}
+        start, manifest, state = again["a"]
+        devices["a"].send(*devices["a"].update(start, shifted(state, 0.5), manifest))  # buffered: 1 of 2
+        held = lambda: (read_status(tmp_path)["asynchronous"] or {}).get("held") == 1  # noqa: E731
+        assert kit.wait_for(held, timeout=20)
+        # feast-server status while it runs: the buffer, and who trains from which version.
+        state = read_status(tmp_path)["asynchronous"]
+        assert {d: j["version"] for d, j in state["in_flight"].items()} == {"b": 1, "slow": 0}
+        server.close()  # stopped mid-buffer, after release 1
+        assert server.error is not None  # the run did not finish
+        server = scripted_server(kit, tmp_path, federation, 3, start_clients=3, eval_every=3, **settings)
+        for device in devices.values():  # as an agent does when the server comes back
+            assert device.register(samples=50).accepted
+        # The old jobs' answers name transfers this server never sent: ignored. Every slot is refilled at version 1.
+        fresh = {name: device.next_round() for name, device in devices.items()}
+        assert {start.round for start, _, _ in fresh.values()} == {1}
+        start, manifest, state = sent["slow"]
+        devices["slow"].send(*devices["slow"].update(start, shifted(state, 2.0), manifest))
+        for name in ("a", "b"):
+            start, manifest, state = fresh[name]
+            devices[name].send(*devices[name].update(start, shifted(state, 0.25), manifest))
+        last = {name: devices[name].next_round() for name in ("a", "b")}
+        for name in ("a", "b"):
+            start, manifest, state = last[name]
+            devices[name].send(*devices[name].update(start, shifted(state, 0.25), manifest))
+        history = server.join(60)
+    finally:
+        for device in devices.values():
+            device.close()
+        server.close()
+    assert [h.round for h in history] == [1, 2, 3]
+    assert history[1].cohort == ["a", "b"] and history[1].staleness == {"a": 0, "b": 0}
+    assert history[2].clock > history[1].clock > history[0].clock  # the clock goes on from the last release
+    assert any("slow" in what for what in history[1].ignored), history[1].ignored
