@@ -113,6 +113,7 @@ class Routed(NamedTuple):
 
     manifest: Manifest
     state: dict[str, torch.Tensor]
+    at: float  # monotonic: when its round message went out
 
 
 def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
@@ -191,8 +192,8 @@ class DeviceCollector:
             plan = plans[device]
             manifest = plan.manifest(terms.preset, classes, t, "routed", device, terms.payload_dtype)
             state = slices.routed(plan.layout(terms.preset, classes))
-            routed[device] = Routed(manifest, state)
             blob = encode(state, manifest)
+            routed[device] = Routed(manifest, state, time.monotonic())
             info = exchange.describe(device, blob)
             registered = self.devices.registry.get(device)
             message = terms.round_start(

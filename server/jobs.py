@@ -177,9 +177,8 @@ class DeviceJobs:
         if live is not None:
             live.jobs_started(t, clients, self.exchange.settings.round_timeout)
         routed = self.collector.send(t, clients, plans, global_state, lr)
-        now = time.monotonic()
         for device, sent in routed.items():
-            self.sent[device] = _Sent(t, plans[device], sent.manifest, sent.state, now)
+            self.sent[device] = _Sent(t, plans[device], sent.manifest, sent.state, sent.at)
         log.info("release %d: sent %s their slices of version %d", t + 1, ", ".join(clients), t)
 
     def arrive(self) -> tuple[float, list[Arrival]] | None:

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from slowagents import slow_down
 from test_federation_failures import PRESET, ScriptedDevice, scripted_server, shifted
 
 from feast_edge.agent.agent import Agent, AgentConfig
 from feast_edge.agent.local_data import load_clients
 from feast_edge.run.asynchronous import SERVER_LR, discount
 from feast_edge.server.status import asynchronous_line, read_status
+from feast_edge.sim.shards import read_shard
 from feast_edge.space.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig
 
@@ -127,24 +128,6 @@ def test_an_update_staler_than_the_bound_is_refused_with_the_reason_and_its_devi
     assert second.cohort == ["a", "slow"] and second.staleness == {"a": 0, "slow": 0}
 
 
-def _slowed(agent: Agent, factor: float) -> None:
-    """Make ``agent`` train ``factor`` times slower: after each training step it sleeps (factor - 1) times the step."""
-    last = [time.monotonic()]
-    run, between = agent.rounds.run, agent.rounds.between_steps
-
-    def job(client, incoming):  # type: ignore[no-untyped-def]
-        last[0] = time.monotonic()
-        return run(client, incoming)
-
-    def step() -> None:
-        time.sleep((factor - 1) * (time.monotonic() - last[0]))
-        last[0] = time.monotonic()
-        if between is not None:
-            between()
-
-    agent.rounds.run, agent.rounds.between_steps = job, step  # type: ignore[method-assign]
-
-
 def test_real_agents_keep_releasing_while_a_five_times_slower_one_trains_and_none_of_its_updates_is_lost(
     kit, tmp_path: Path, partition: Path, federation: str
 ) -> None:
@@ -154,17 +137,20 @@ def test_real_agents_keep_releasing_while_a_five_times_slower_one_trains_and_non
         kit.CONFIG, tmp_path / "run", partition, federation, mode="async", buffer=2, concurrency=3, rounds=8,
         max_staleness=20, eval_every=4,
     )  # fmt: skip
+    budget = max(read_shard(partition / f"{name}.safetensors").budget_macs for name in names)  # alike but for speed
     server = kit.ServerThread(config).start()
     agents, threads = [], []
     try:
         for name in names:
             agent = Agent(
-                AgentConfig(host=name, federation=federation, preset=kit.CONFIG.preset, threads=1, amp="off"),
+                AgentConfig(
+                    host=name, federation=federation, preset=kit.CONFIG.preset, threads=1, amp="off", budget_macs=budget
+                ),
                 LinkConfig(broker=kit.LOCAL),
                 load_clients(partition / f"{name}.safetensors", name),
             )
             if name == slow:
-                _slowed(agent, 5.0)
+                slow_down(agent, 5.0)
             agent.start(timeout=10)
             agents.append(agent)
             threads.append(threading.Thread(target=lambda a=agent: (a.register(), a.run()), daemon=True))
@@ -178,6 +164,9 @@ def test_real_agents_keep_releasing_while_a_five_times_slower_one_trains_and_non
         for agent in agents:
             agent.close()
         server.close()
+    print(
+        "DEBUG", [(h.cohort, h.staleness, round(h.clock, 2), h.durations) for h in history], agents[-1].rounds_trained
+    )
     assert len(history) == 8 and all(h.applied for h in history)
     released = {n: sum(n in h.cohort for h in history) for n in names}
     slow_taus = [h.staleness[slow] for h in history if slow in h.staleness]
