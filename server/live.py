@@ -248,9 +248,10 @@ class LiveView:
                 else next(((k, r[device]) for k, r in unsettled.items() if device in r), None)
                 or (("dropped", "went offline") if device in record.dropped else ("late", "no update by the deadline"))
             )
-            self.state.set_device(
-                device, last_upload={"round": record.round, "status": outcome[0], "reason": outcome[1]}
-            )
+            upload = {"round": record.round, "status": outcome[0], "reason": outcome[1]}
+            if device in record.staleness:  # an asynchronous release: how many releases its update lagged
+                upload["staleness"] = record.staleness[device]
+            self.state.set_device(device, last_upload=upload)
         down = sum(t["down"] for t in self._traffic.values())
         up = sum(t["up"] for t in self._traffic.values())
         self.state.end_round(

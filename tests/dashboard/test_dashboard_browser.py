@@ -88,6 +88,17 @@ def test_a_filled_state_renders_and_updates_live(
         "Virtual clock: 42 s after step 3 · staleness of released updates: mean 0.50, max 2"
     )
     assert points(driver, "chart-time") == 1
+    # An asynchronous federation: the buffer, who trains from which version, and each update's staleness.
+    assert not driver.find_element("id", "round-buffer").is_displayed()
+    filled.set_run(buffer={"held": 1, "size": 2, "in_flight": {"jetson": 1, "pi-5": 3}})
+    filled.set_device("jetson", last_upload={"round": 3, "status": "accepted", "reason": None, "staleness": 2})
+    wait_until(driver, lambda d: d.find_element("id", "round-buffer").is_displayed(), message="no buffer line")
+    assert driver.find_element("id", "round-buffer").text == (
+        "buffer 1/2 updates · training: jetson (version 1), pi-5 (version 3)"
+    )
+    wait_until(
+        driver, lambda d: "staleness 2" in d.find_element("css selector", '#fleet tr[data-device="jetson"]').text
+    )
     filled.set_device("jetson", online=True)
     wait_until(
         driver,

@@ -5,19 +5,20 @@ they were sent, late, forged, replayed or not at all."""
 from __future__ import annotations
 
 import math
-import threading
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from slowagents import slow_down
+from slowagents import agents_running, slow_down
 from test_federation_failures import PRESET, ScriptedDevice, scripted_server, shifted
 
 from feast_edge.agent.agent import Agent, AgentConfig
 from feast_edge.agent.local_data import load_clients
 from feast_edge.run.asynchronous import SERVER_LR, discount
 from feast_edge.server.status import asynchronous_line, read_status
-from feast_edge.sim.shards import read_shard
+from feast_edge.sim.shards import read_index, read_shard
 from feast_edge.space.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig
 
@@ -43,22 +44,27 @@ def _async_server(kit, tmp_path: Path, federation: str, **changes: object):
     return scripted_server(kit, tmp_path, federation, 2, start_clients=3, eval_every=2, **{**settings, **changes})
 
 
+def _first_release(devices: dict[str, ScriptedDevice]) -> tuple[dict, dict]:
+    """Every device registers and is sent version 0; a and b answer it (release 1) and are sent version 1."""
+    for device in devices.values():
+        assert device.register(samples=50).accepted
+    sent = {name: device.next_round() for name, device in devices.items()}
+    assert {start.round for start, _, _ in sent.values()} == {0}
+    for name, delta in (("a", 0.5), ("b", 1.5)):
+        start, manifest, state = sent[name]
+        devices[name].send(*devices[name].update(start, shifted(state, delta), manifest))
+    again = {name: devices[name].next_round() for name in ("a", "b")}
+    assert {start.round for start, _, _ in again.values()} == {1}
+    return sent, again
+
+
 def test_a_late_device_is_rebased_and_discounted_while_the_others_release_and_forged_or_replayed_answers_are_ignored(
     kit, tmp_path: Path, federation: str
 ) -> None:
     server = _async_server(kit, tmp_path, federation)
     devices = {name: ScriptedDevice(federation, name) for name in ("a", "b", "slow")}
     try:
-        for device in devices.values():
-            assert device.register(samples=50).accepted
-        sent = {name: device.next_round() for name, device in devices.items()}  # all three from version 0
-        assert {start.round for start, _, _ in sent.values()} == {0}
-        for name, delta in (("a", 0.5), ("b", 1.5)):
-            start, manifest, state = sent[name]
-            devices[name].send(*devices[name].update(start, shifted(state, delta), manifest))
-        # Release 1 is out without waiting for slow: a and b are sent version 1.
-        again = {name: devices[name].next_round() for name in ("a", "b")}
-        assert {start.round for start, _, _ in again.values()} == {1}
+        sent, again = _first_release(devices)  # release 1 is out without waiting for slow
         theta0, theta1 = _params(sent["a"][2]), _params(again["a"][2])
         assert _close(theta1, {k: v + SERVER_LR * (0.5 + 1.5) / 2 for k, v in theta0.items()}) < 1e-5
         devices["b"].close()  # b goes away with its job of version 1: only that update is lost
@@ -105,13 +111,7 @@ def test_an_update_staler_than_the_bound_is_refused_with_the_reason_and_its_devi
     server = _async_server(kit, tmp_path, federation, max_staleness=0)
     devices = {name: ScriptedDevice(federation, name) for name in ("a", "b", "slow")}
     try:
-        for device in devices.values():
-            assert device.register(samples=50).accepted
-        sent = {name: device.next_round() for name, device in devices.items()}
-        for name in ("a", "b"):
-            start, manifest, state = sent[name]
-            devices[name].send(*devices[name].update(start, shifted(state, 0.5), manifest))
-        again = {name: devices[name].next_round() for name in ("a", "b")}
+        sent, again = _first_release(devices)
         start, manifest, state = sent["slow"]
         devices["slow"].send(*devices["slow"].update(start, shifted(state, 2.0), manifest))
         fresh = devices["slow"].next_round()  # refused, and drawn again at once: version 1
@@ -138,35 +138,23 @@ def test_real_agents_keep_releasing_while_a_five_times_slower_one_trains_and_non
         max_staleness=20, eval_every=4,
     )  # fmt: skip
     budget = max(read_shard(partition / f"{name}.safetensors").budget_macs for name in names)  # alike but for speed
+    agents = [
+        Agent(
+            AgentConfig(
+                host=n, federation=federation, preset=kit.CONFIG.preset, threads=1, amp="off", budget_macs=budget
+            ),
+            LinkConfig(broker=kit.LOCAL),
+            load_clients(partition / f"{n}.safetensors", n),
+        )
+        for n in names
+    ]
+    slow_down(agents[-1], 5.0)
     server = kit.ServerThread(config).start()
-    agents, threads = [], []
     try:
-        for name in names:
-            agent = Agent(
-                AgentConfig(
-                    host=name, federation=federation, preset=kit.CONFIG.preset, threads=1, amp="off", budget_macs=budget
-                ),
-                LinkConfig(broker=kit.LOCAL),
-                load_clients(partition / f"{name}.safetensors", name),
-            )
-            if name == slow:
-                slow_down(agent, 5.0)
-            agent.start(timeout=10)
-            agents.append(agent)
-            threads.append(threading.Thread(target=lambda a=agent: (a.register(), a.run()), daemon=True))
-            threads[-1].start()
-        history = server.join(300)
+        with agents_running(agents):
+            history = server.join(300)
     finally:
-        for agent in agents:
-            agent.stop.set()
-        for thread in threads:
-            thread.join(30)
-        for agent in agents:
-            agent.close()
         server.close()
-    print(
-        "DEBUG", [(h.cohort, h.staleness, round(h.clock, 2), h.durations) for h in history], agents[-1].rounds_trained
-    )
     assert len(history) == 8 and all(h.applied for h in history)
     released = {n: sum(n in h.cohort for h in history) for n in names}
     slow_taus = [h.staleness[slow] for h in history if slow in h.staleness]
@@ -187,13 +175,7 @@ def test_a_resumed_run_drops_the_buffer_and_the_jobs_in_flight_and_refills_every
     server = scripted_server(kit, tmp_path, federation, 3, start_clients=3, eval_every=3, **settings)
     devices = {name: ScriptedDevice(federation, name) for name in ("a", "b", "slow")}
     try:
-        for device in devices.values():
-            assert device.register(samples=50).accepted
-        sent = {name: device.next_round() for name, device in devices.items()}
-        for name in ("a", "b"):
-            start, manifest, state = sent[name]
-            devices[name].send(*devices[name].update(start, shifted(state, 0.5), manifest))
-        again = {name: devices[name].next_round() for name in ("a", "b")}
+        sent, again = _first_release(devices)
         start, manifest, state = again["a"]
         devices["a"].send(*devices["a"].update(start, shifted(state, 0.5), manifest))  # buffered: 1 of 2
         held = lambda: (read_status(tmp_path)["asynchronous"] or {}).get("held") == 1  # noqa: E731
@@ -227,3 +209,50 @@ def test_a_resumed_run_drops_the_buffer_and_the_jobs_in_flight_and_refills_every
     assert history[1].cohort == ["a", "b"] and history[1].staleness == {"a": 0, "b": 0}
     assert history[2].clock > history[1].clock > history[0].clock  # the clock goes on from the last release
     assert any("slow" in what for what in history[1].ignored), history[1].ignored
+
+
+def test_feast_server_run_mode_async_with_real_agent_processes_serves_every_device_and_status_shows_the_jobs(
+    kit, tmp_path: Path, federation: str, partition: Path, server_cli
+) -> None:
+    clients = read_index(partition)["clients"]
+    out, log = tmp_path / "run", tmp_path / "server.log"
+    command = kit.server_command(
+        kit.CONFIG.changed(rounds=4), out, federation, partition,
+        mode="async", buffer=2, concurrency=3, max_staleness=8, wait_timeout=120,
+    )  # fmt: skip
+    with open(log, "w") as sink:
+        server = subprocess.Popen(command, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    agents = [
+        kit.spawn_agent(tmp_path, c["client_id"], partition / c["file"], federation, "--model-dir", str(tmp_path / "m"))
+        for c in clients
+    ]
+    try:
+        assert server.wait(300) == 0, log.read_text()[-4000:]
+        assert all(agent.wait(120) == 0 for agent in agents), [kit.log_text(a)[-2000:] for a in agents]
+    finally:
+        for process in (*agents, server):
+            kit.stop(process)
+    text = log.read_text()
+    assert re.search(r"release 4/4  replies 2/2  staleness client-\d+ \d+, client-\d+ \d+  aggregated", text), text
+    assert not re.search(r"^\d\d:\d\d:\d\d (error|critical):|ERROR|Traceback", text, flags=re.M), text
+    assert {p.name for p in (tmp_path / "m").glob("*.onnx")} == {f"{c['client_id']}.onnx" for c in clients}
+    status = server_cli.invoke("status", "--out", str(out))
+    assert status.returncode == 0 and "asynchronous: 2 updates per release, 3 devices training at once" in status.stdout
+
+
+def test_federated_validation_between_asynchronous_releases_is_refused_with_the_fix(tmp_path: Path, server_cli) -> None:
+    result = server_cli.invoke(
+        "run",
+        "--out",
+        str(tmp_path / "run"),
+        "--mode",
+        "async",
+        "--rounds",
+        "10",
+        "--eval-every",
+        "2",
+        "--insecure",
+        "--broker",
+        "mqtt://127.0.0.1:1883",
+    )
+    server_cli.assert_user_error(result, "give --data to validate on the server, or --eval-every 10")

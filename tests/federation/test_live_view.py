@@ -126,6 +126,29 @@ def test_a_round_moves_each_member_through_its_states_to_its_outcome(view: LiveV
     assert snap["variants"][0]["val_accuracy"] == 0.5 and snap["run"]["rounds_done"] == 1
 
 
+def test_asynchronous_jobs_join_the_step_in_flight_and_a_release_clears_the_released_ones(view: LiveView) -> None:
+    view.jobs_started(0, ["nano", "desk"], timeout=60)
+    view.device_progress("desk", {"phase": "training", "round": 0})
+    view.upload_done("nano", 300, 3)
+    view.buffer(1, 2, {"desk": 0})
+    view.jobs_started(0, ["pi"], timeout=60)  # nano is buffered; pi joins; desk keeps training
+    assert {m["device"]: m["state"] for m in view.state.snapshot()["round"]["members"]} == {
+        "nano": "uploading",
+        "desk": "training",
+        "pi": "routed",
+    }
+    assert view.state.snapshot()["run"]["buffer"] == {"held": 1, "size": 2, "in_flight": {"desk": 0}}
+    record = RoundRecord(
+        round=1, lr=0.05, cohort=["nano", "pi"], updated=["nano", "pi"], applied=True, staleness={"nano": 0, "pi": 0}
+    )
+    view.round_finished(record)
+    view.jobs_started(1, ["nano"], timeout=60)  # the released ones leave the step; desk, still training, stays
+    members = {m["device"]: m["state"] for m in view.state.snapshot()["round"]["members"]}
+    assert members == {"desk": "training", "nano": "routed"}
+    devices = {d["name"]: d for d in view.state.snapshot()["devices"]}
+    assert devices["pi"]["last_upload"]["staleness"] == 0 and devices["nano"]["job"]["version"] == 1
+
+
 @pytest.mark.parametrize("outcome", ["declined", "incomplete"])
 def test_a_device_that_declined_or_whose_upload_did_not_complete_shows_that_outcome_and_its_reason(
     view: LiveView, outcome: str

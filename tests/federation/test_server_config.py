@@ -91,3 +91,22 @@ def test_the_server_runs_the_optimizer_it_is_given_and_records_it(tmp_path: Path
     assert "server_optimizer" not in plain.decisive() and plain.settings().server_opt.identity
     with pytest.raises(ServerError, match="--server-tau"):
         ServerConfig.of(out=str(tmp_path), server_opt="adam", server_tau=0.0)
+
+
+def test_asynchronous_rounds_refuse_what_needs_the_devices_between_releases_and_record_their_settings(
+    tmp_path: Path,
+) -> None:
+    base = dict(out=str(tmp_path), mode="async", buffer=2, concurrency=4, rounds=10)
+    with pytest.raises(ServerError, match="without --data: the devices would validate the model every 1 releases"):
+        ServerConfig.of(**base, eval_every=1)
+    assert ServerConfig.of(**base, eval_every=10).schedule.rules() is not None  # validated once, after the last
+    central = dict(dp_mode="central", dp_clip=1.0, dp_noise=1.0, dp_epsilon=1000.0, eval_every=10)
+    with pytest.raises(ServerError, match="central DP weighs every buffered update alike.*add --staleness constant"):
+        ServerConfig.of(**base, **central)
+    config = ServerConfig.of(**base, **central, staleness="constant")
+    assert config.settings().server_opt.lr == pytest.approx(0.25)  # a release moves a quarter of the way
+    decisive = config.decisive()
+    assert (decisive["mode"], decisive["buffer"], decisive["concurrency"], decisive["staleness"]) == (
+        "async", 2, 4, "constant"
+    )
+    assert "mode" not in ServerConfig.of(out=str(tmp_path)).decisive()  # synchronous runs keep their fingerprint

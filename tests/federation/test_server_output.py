@@ -83,3 +83,20 @@ def test_a_personal_model_tuned_to_fewer_classes_names_them_in_the_table_and_an_
     assert f"100.00% (prior τ=1; {TUNED_WORDS})" in row["jetson-shirts"]
     assert f"{100 * PERSONAL_ACCURACY:.2f}% (prior τ=1) " in row["pi-5"]  # a report from before the classes
     assert "invalid report (personal_classes)" in row["liar-classes"] and "tuned to" not in row["liar-classes"]
+
+
+def test_an_asynchronous_release_line_names_each_update_s_staleness(caplog) -> None:
+    import logging
+
+    from feast_edge.run.loop import RoundRecord
+    from feast_edge.server.output import print_round
+
+    caplog.set_level(logging.INFO, logger="feast_edge")
+    record = RoundRecord(
+        round=12, lr=0.1, cohort=["a", "pi"], updated=["a", "pi"], applied=True, staleness={"pi": 3, "a": 0}
+    )
+    print_round(record, 60)
+    print_round(RoundRecord(round=2, lr=0.1, cohort=["a"], updated=["a"], applied=True), 5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("release 12/60  replies 2/2  staleness a 0, pi 3  aggregated")
+    assert lines[1].startswith("round 2/5  replies 1/1  aggregated")

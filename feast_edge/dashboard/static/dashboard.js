@@ -118,7 +118,8 @@
       if (isNumber(d.last_seen)) seen.setAttribute("data-seen", String(d.last_seen));
       cell(tr, isNumber(d.rounds) ? d.rounds : null, "num");
       const u = d.last_upload;
-      const upload = u ? [u.status, u.reason ? "(" + u.reason + ")" : null, isNumber(u.round) ? "round " + u.round : null].filter(Boolean).join(" ") : null;
+      const upload = u ? [u.status, u.reason ? "(" + u.reason + ")" : null, isNumber(u.round) ? "round " + u.round : null,
+        isNumber(u.staleness) ? "staleness " + u.staleness : null].filter(Boolean).join(" ") : null;
       cell(tr, upload, u ? "upload upload-" + String(u.status).replace(/[^a-z]/g, "") : "upload");
       return tr;
     });
@@ -140,6 +141,7 @@
       deadline.textContent = "";
       deadline.removeAttribute("data-deadline");
     }
+    renderBuffer(s.run.buffer);
     const rows = (r ? r.members : []).map(function (m) {
       const tr = document.createElement("tr");
       tr.setAttribute("data-device", m.device);
@@ -158,6 +160,16 @@
       return tr;
     });
     replaceRows(document.querySelector("#round-members tbody"), rows);
+  }
+
+  // Buffered asynchronous rounds (feast-server run --mode async): the updates waiting for the next release, and the
+  // version each device in flight trains from; hidden for synchronous rounds.
+  function renderBuffer(b) {
+    const line = byId("round-buffer");
+    line.hidden = !b;
+    if (!b) return;
+    const jobs = Object.entries(b.in_flight || {}).map(([device, version]) => device + " (version " + version + ")");
+    line.textContent = "buffer " + b.held + "/" + b.size + " updates · training: " + (jobs.join(", ") || "none");
   }
 
   // ------------------------------------------------------------------ charts
