@@ -1,7 +1,8 @@
 """Synchronous against buffered asynchronous rounds on the virtual clock: time to accuracy, accuracy per tier.
 
     python bench/bench_async.py [--rounds 30] [--clients 20] [--per-round 5] [--train-limit 4000] [--seed 0]
-                                [--sweep 5x10,10x20:0.5,5x10:0.25:constant] [--jobs 2] [--work DIR [--reuse]]
+                                [--sweep 5x10,10x20:0.5,5x10:0.25:constant] [--compute-factor 1] [--jobs 2]
+                                [--work DIR [--reuse]]
 
 Two fleets of ``--clients`` Zipf clients (fmnist-small, data proportional to budget), their speeds following their
 budgets on the virtual clock (feast_edge.sim.clock): ``tiers``, and ``stragglers`` (a seeded 20 % of the clients
@@ -14,7 +15,8 @@ as ``--compute-budget``: an asynchronous release of fast devices' updates is far
     async KxM     buffered asynchronous rounds, K updates per release, M clients training at once, until the
                   compute budget
 
-The sync runs validate every 2 rounds, the asynchronous ones every 4 releases, on the server's split
+``--compute-factor F`` gives the asynchronous runs F times the sync run's compute: how soon they reach its final
+accuracy when they may train past it. The sync runs validate every 2 rounds, the asynchronous ones every 4 releases, on the server's split
 (--val-samples 1000). Printed per fleet: the virtual time
 each run needed to reach the sync run's final validation accuracy (and its ratio to sync's), the final accuracy of
 the served variants on the test set over all clients and per budget tier (quartiles of the budgets: the top tier
@@ -108,6 +110,9 @@ def main() -> None:
     parser.add_argument(
         "--sweep", default="5x10,10x20", help="async runs: KxM[:η[:discount]] (--server-lr, --staleness)"
     )
+    parser.add_argument(
+        "--compute-factor", type=float, default=1.0, help="the async runs' compute, in multiples of the sync run's"
+    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--fleets", default=",".join(FLEETS))
     parser.add_argument("--work", type=Path, default=None)
@@ -137,17 +142,18 @@ def main() -> None:
         budget = f"{runs['sync']['compute']['train_macs_total']:.6g}"
         say(f"  compute budget {float(budget) / 1e12:.2f} TMAC; sync-p80 timeout {p80:.1f} virtual s")
         limit = ["--compute-budget", budget]
+        more = ["--compute-budget", f"{args.compute_factor * float(budget):.6g}"]
         jobs = {"sync-p80": [*sync_options, "--round-timeout", f"{p80:.3f}", "--rounds", str(4 * args.rounds), *limit]}
         for k, m, eta, discount in pairs:
-            releases = 40 * max(1, round(updates / k))  # the compute budget ends it
+            releases = math.ceil(40 * args.compute_factor) * max(1, round(updates / k))  # the compute budget ends it
             step = [] if eta is None else ["--server-lr", str(eta)]
             step += [] if discount is None else ["--staleness", discount]
             name = (
                 f"async {k}x{m}" + ("" if eta is None else f" η={eta}") + ("" if discount is None else f" {discount}")
-            )
+            ) + ("" if args.compute_factor == 1 else f" x{args.compute_factor:g} compute")
             jobs[name] = [
                 *base, *FLEETS[fleet], "--eval-every", "4", "--mode", "async", "--buffer", str(k),
-                "--concurrency", str(m), "--rounds", str(releases), *step, *limit,
+                "--concurrency", str(m), "--rounds", str(releases), *step, *more,
             ]  # fmt: skip
         with ThreadPoolExecutor(args.jobs) as pool:
             done = {

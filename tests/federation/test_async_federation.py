@@ -17,6 +17,7 @@ from test_federation_failures import PRESET, ScriptedDevice, scripted_server, sh
 from feast_edge.agent.agent import Agent, AgentConfig
 from feast_edge.agent.local_data import load_clients
 from feast_edge.run.asynchronous import SERVER_LR, discount
+from feast_edge.server.app import FederationServer, ServerConfig
 from feast_edge.server.status import asynchronous_line, read_status
 from feast_edge.sim.shards import read_index, read_shard
 from feast_edge.space.supernet import Supernet
@@ -256,3 +257,39 @@ def test_federated_validation_between_asynchronous_releases_is_refused_with_the_
         "mqtt://127.0.0.1:1883",
     )
     server_cli.assert_user_error(result, "give --data to validate on the server, or --eval-every 10")
+
+
+def test_without_server_data_an_asynchronous_run_validates_calibrates_and_serves_on_the_devices_after_its_last_release(
+    kit, tmp_path: Path, federation: str, partition: Path
+) -> None:
+    clients = read_index(partition)["clients"]
+    config = ServerConfig.of(
+        out=str(tmp_path / "run"), federation=federation, preset=kit.CONFIG.preset, rounds=3, mode="async", buffer=2,
+        concurrency=3, eval_every=3, per_round=3, min_clients=3, start_clients=3, round_timeout=120.0,
+        wait_timeout=120.0, batch_size=32, calib_samples=50,
+    )  # fmt: skip
+    server = FederationServer(config, LinkConfig(broker=kit.LOCAL))
+
+    def start_agents() -> dict:
+        return {
+            c["client_id"]: kit.spawn_agent(
+                tmp_path / "logs",
+                c["client_id"],
+                partition / c["file"],
+                federation,
+                "--holdout",
+                "0.2",
+                "--model-dir",
+                str(tmp_path / "models"),
+            )  # fmt: skip
+            for c in clients
+        }
+
+    (tmp_path / "logs").mkdir()
+    outcome = kit.own_data_federation(server, start_agents)
+    history = outcome["history"]
+    assert [h.round for h in history] == [1, 2, 3] and all(h.staleness for h in history)
+    assert history[-1].val_accuracy is not None and history[-1].validation["source"] == "devices"
+    assert {m["device"] for m in outcome["manifests"]} == {c["client_id"] for c in clients}
+    assert all(m["calibration"] == "federated" for m in outcome["manifests"])
+    assert set(outcome["reports"]) == {c["client_id"] for c in clients}
