@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument(
         "--compute-factor", type=float, default=1.0, help="the async runs' compute, in multiples of the sync run's"
     )
+    parser.add_argument("--no-p80", action="store_true", help="leave out the sync-p80 baseline")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--fleets", default=",".join(FLEETS))
     parser.add_argument("--work", type=Path, default=None)
@@ -144,6 +145,8 @@ def main() -> None:
         limit = ["--compute-budget", budget]
         more = ["--compute-budget", f"{args.compute_factor * float(budget):.6g}"]
         jobs = {"sync-p80": [*sync_options, "--round-timeout", f"{p80:.3f}", "--rounds", str(4 * args.rounds), *limit]}
+        if args.no_p80:
+            del jobs["sync-p80"]
         for k, m, eta, discount in pairs:
             releases = math.ceil(40 * args.compute_factor) * max(1, round(updates / k))  # the compute budget ends it
             step = [] if eta is None else ["--server-lr", str(eta)]

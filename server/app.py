@@ -140,13 +140,14 @@ class FederationServer(RunHost):
         sender = ChunkSender(self.link, t, "down", chunk_size=cfg.network.chunk_size)
         # Uploads are taken only when announced by a cohort device's update (which also bounds their size): nothing a
         # stranger sends on xfer/up allocates anything here.
-        # Every cohort device may upload at once (one announced upload each): the reassembler's transfer cap grows with the cohort.
+        # Every cohort device (asynchronous rounds: every slot) may upload at once, one announced upload each: the
+        # reassembler's transfer cap grows with them.
         reassembler = Reassembler(
             federation=cfg.federation,
             max_chunk_size=cfg.network.chunk_size,
             min_chunk_size=MIN_CHUNK_SIZE,
             expected_only=True,
-            max_transfers=max(32, cfg.population.per_round),
+            max_transfers=max(32, cfg.population.per_round, cfg.schedule.concurrency),
         )
         receiver = ChunkReceiver(self.link, t, "up", reassembler=reassembler)
         waits = ExchangeSettings(

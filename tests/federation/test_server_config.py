@@ -107,6 +107,9 @@ def test_asynchronous_rounds_refuse_what_needs_the_devices_between_releases_and_
     assert config.settings().server_opt.lr == pytest.approx(0.25)  # a release moves a quarter of the way
     decisive = config.decisive()
     assert (decisive["mode"], decisive["buffer"], decisive["concurrency"], decisive["staleness"]) == (
-        "async", 2, 4, "constant"
+        "async",
+        2,
+        4,
+        "constant",
     )
     assert "mode" not in ServerConfig.of(out=str(tmp_path)).decisive()  # synchronous runs keep their fingerprint
