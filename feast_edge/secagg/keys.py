@@ -1,0 +1,91 @@
+"""The cryptography of secure aggregation, all from maintained libraries: X25519 key agreement and HKDF-SHA256
+(``cryptography``), masks as ChaCha20 keystreams (``cryptography``), shares sealed with ChaCha20-Poly1305
+(``cryptography``), and Shamir secret sharing of 32-byte seeds over GF(2^128) (PyCryptodome, two 16-byte halves).
+
+Every derived key names what it is for (``purpose``) and where (federation, round, segment), so no two masks of a
+run share a keystream.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from Crypto.Protocol.SecretSharing import Shamir
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+SEED_BYTES = 32
+NONCE_BYTES = 12
+
+
+class ShareError(ValueError):
+    """A share that cannot be used: it does not open, or too few came to rebuild a seed."""
+
+
+def new_key() -> X25519PrivateKey:
+    return X25519PrivateKey.generate()
+
+
+def public_bytes(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def derive(secret: bytes, purpose: str, context: str) -> bytes:
+    """A 32-byte key for ``purpose`` at ``context`` from ``secret`` (HKDF-SHA256)."""
+    info = f"feast-edge secagg v1 {purpose} {context}".encode()
+    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None, info=info).derive(secret)
+
+
+def agree(private: X25519PrivateKey, peer_public: bytes, purpose: str, context: str) -> bytes:
+    """The key two parties share for ``purpose`` at ``context``: X25519, then HKDF."""
+    try:
+        peer = X25519PublicKey.from_public_bytes(peer_public)
+    except ValueError as exc:
+        raise ShareError(f"not an X25519 public key: {exc}") from None
+    return derive(private.exchange(peer), purpose, context)
+
+
+def expand(seed: bytes, count: int, context: str) -> np.ndarray:
+    """``count`` uint32 values of the ChaCha20 keystream of ``seed`` at ``context``: a mask."""
+    key = derive(seed, "mask", context)
+    stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+    return np.frombuffer(stream.update(bytes(4 * count)), dtype=np.uint32).copy()
+
+
+def new_seed() -> bytes:
+    return os.urandom(SEED_BYTES)
+
+
+def split_seed(seed: bytes, threshold: int, holders: int) -> list[tuple[int, bytes]]:
+    """``holders`` Shamir shares of a 32-byte ``seed``, any ``threshold`` of which rebuild it: (index, 32 bytes)."""
+    low = Shamir.split(threshold, holders, seed[:16], ssss=False)
+    high = Shamir.split(threshold, holders, seed[16:], ssss=False)
+    return [(i, a + b) for (i, a), (_, b) in zip(low, high)]
+
+
+def join_seed(shares: list[tuple[int, bytes]], threshold: int) -> bytes:
+    """The seed of ``shares`` (at least ``threshold`` of them); ShareError below."""
+    if len({i for i, _ in shares}) < threshold:
+        raise ShareError(f"{len(shares)} shares of a seed that needs {threshold}")
+    chosen = shares[:threshold]
+    return Shamir.combine([(i, s[:16]) for i, s in chosen], ssss=False) + Shamir.combine(
+        [(i, s[16:]) for i, s in chosen], ssss=False
+    )
+
+
+def seal(key: bytes, plaintext: bytes, aad: bytes) -> bytes:
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, aad)
+
+
+def unseal(key: bytes, sealed: bytes, aad: bytes) -> bytes:
+    try:
+        return ChaCha20Poly1305(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad)
+    except (InvalidTag, ValueError):
+        raise ShareError("a sealed share does not open (forged, altered or not for this device)") from None

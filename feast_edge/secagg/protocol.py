@@ -1,0 +1,211 @@
+"""Secure aggregation of one round, per routed segment (SecAgg, Bonawitz et al. 2017, over the segments of
+feast_edge.aggregate.segments): the server learns each segment's sum over at least ``min_members`` devices and no
+single device's update.
+
+Stages (each device is a :class:`Device`; the server only routes what they send and adds what comes back):
+
+    1 advertise   every device: two X25519 public keys, c (to seal shares) and s (to agree pair masks)
+    2 share       every device: a fresh self-mask seed b[s] per segment s it is routed; the Shamir shares
+                  (threshold t over the devices that advertised) of its s private key and of each b[s], one per
+                  device (its own kept), sealed (ChaCha20-Poly1305) under the key it agrees with that device's c key
+    3 mask        every device that shared (U2), per segment s whose members in U2 number at least min_members:
+                  y = x + PRG(b[s]) + Σ_{v in s∩U2, v≠u} ±PRG(s_uv)  mod 2^32   (+ for u < v, - for u > v)
+    4 unmask      every device that masked (U3) reveals, for each v in U2: its share of v's s key if v did not mask
+                  (dropped after sharing: the server removes the pair masks the others added with v), else its
+                  share of v's b[s] for each segment s with at least min_members members in U3. Never both for the
+                  same device: a device asked for both refuses
+    server        per segment with at least min_members members in U3: Σ y - Σ PRG(b[s]) ∓ the pair masks of dropped
+                  members = Σ x over U3 (mod 2^32, exact); fewer: not revealed, the segment keeps its global value
+
+The pair masks of two members cancel in the sum; a self-mask hides a device's y until t devices agree it masked.
+Fewer than t devices (c colluders and the server among them, c < t) cannot rebuild a seed; a segment of fewer than
+``min_members`` (c + 2) surviving members is never unmasked, so its sum is never one honest device's update beside c
+colluders'. Shares that do not open (forged, altered) are dropped with their sender's contribution.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from feast_edge.secagg.keys import (
+    ShareError,
+    agree,
+    expand,
+    join_seed,
+    new_key,
+    new_seed,
+    public_bytes,
+    seal,
+    split_seed,
+    unseal,
+)
+
+
+class SecAggError(ValueError):
+    """A stage cannot go on: too few devices, or a request that would reveal a device's update."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every party of a round knows: the segments (id -> members, length in values), t and min_members."""
+
+    context: str  # federation and round: every key and mask is bound to it
+    segments: Mapping[str, tuple[tuple[str, ...], int]]
+    threshold: int
+    min_members: int
+
+    def members(self, segment: str) -> tuple[str, ...]:
+        return self.segments[segment][0]
+
+    def routed(self, device: str) -> list[str]:
+        return sorted(s for s, (members, _) in self.segments.items() if device in members)
+
+
+def threshold_for(devices: int, colluders: int) -> int:
+    """t: a majority of the devices, and more than the ``colluders``."""
+    return max(devices // 2 + 1, colluders + 1)
+
+
+@dataclass
+class Device:
+    """One device's side of a round (see the module docstring)."""
+
+    name: str
+    setup: Setup
+    inputs: Mapping[str, np.ndarray]  # segment -> its encoded values (uint32)
+    c_key: object = field(default_factory=new_key)
+    s_key: object = field(default_factory=new_key)
+    self_seeds: dict[str, bytes] = field(default_factory=dict)
+    roster: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # device -> (c public, s public)
+    held: dict[str, dict] = field(default_factory=dict)  # sender -> its opened shares for this device
+    masked_with: tuple[str, ...] = ()  # U2, as this device masked
+
+    def advertise(self) -> tuple[bytes, bytes]:
+        return public_bytes(self.c_key), public_bytes(self.s_key)  # type: ignore[arg-type]
+
+    def share(self, roster: Mapping[str, tuple[bytes, bytes]]) -> dict[str, bytes]:
+        """Stage 2: sealed shares for every other device of ``roster`` (the devices that advertised, U1)."""
+        if len(roster) < self.setup.threshold:
+            raise SecAggError(
+                f"{len(roster)} devices advertised keys; the round needs at least t = {self.setup.threshold}"
+            )
+        self.roster = dict(roster)
+        order = sorted(roster)
+        self.self_seeds = {s: new_seed() for s in self.setup.routed(self.name)}
+        s_private = self.s_key.private_bytes_raw()  # type: ignore[attr-defined]
+        s_shares = split_seed(s_private, self.setup.threshold, len(order))
+        b_shares = {s: split_seed(b, self.setup.threshold, len(order)) for s, b in self.self_seeds.items()}
+        sealed = {}
+        for k, device in enumerate(order):
+            if device == self.name:  # its own share stays here (it reveals it like the others' when it survives)
+                held = {"index": s_shares[k][0], "s": s_shares[k][1], "b": {s: sh[k][1] for s, sh in b_shares.items()}}
+                self.held[self.name] = held
+                continue
+            payload = {
+                "index": s_shares[k][0],
+                "s": s_shares[k][1].hex(),
+                "b": {s: shares[k][1].hex() for s, shares in b_shares.items()},
+            }
+            key = agree(self.c_key, roster[device][0], "share", self.setup.context)  # type: ignore[arg-type]
+            sealed[device] = seal(key, json.dumps(payload).encode(), self._aad(self.name, device))
+        return sealed
+
+    def receive(self, sealed: Mapping[str, bytes]) -> list[str]:
+        """Open the shares addressed to this device (sender -> sealed); the senders whose shares do not open."""
+        bad = []
+        for sender, blob in sealed.items():
+            try:
+                key = agree(self.c_key, self.roster[sender][0], "share", self.setup.context)  # type: ignore[arg-type]
+                opened = json.loads(unseal(key, blob, self._aad(sender, self.name)))
+                self.held[sender] = {
+                    "index": int(opened["index"]),
+                    "s": bytes.fromhex(opened["s"]),
+                    "b": {s: bytes.fromhex(v) for s, v in opened["b"].items()},
+                }
+            except (ShareError, KeyError, ValueError, TypeError):
+                bad.append(sender)
+        return bad
+
+    def mask(self, shared: Sequence[str]) -> dict[str, np.ndarray]:
+        """Stage 3: the masked input of each segment with at least min_members members in U2 = ``shared``."""
+        self.masked_with = tuple(sorted(shared))
+        out = {}
+        for s in self.setup.routed(self.name):
+            members = [m for m in self.setup.members(s) if m in shared]
+            if len(members) < self.setup.min_members or s not in self.inputs:
+                continue
+            context = f"{self.setup.context}/{s}"
+            y = self.inputs[s].astype(np.uint32) + expand(self.self_seeds[s], len(self.inputs[s]), context)
+            for v in members:
+                if v != self.name:
+                    pair = agree(self.s_key, self.roster[v][1], "pair", context)  # type: ignore[arg-type]
+                    mask = expand(pair, len(y), context)
+                    y = y + mask if self.name < v else y - mask
+            out[s] = y
+        return out
+
+    def unmask(self, masked: Sequence[str]) -> dict[str, dict]:
+        """Stage 4: for each device of U2, its share of the s key (it did not mask) or of the b seeds of the segments
+        with at least min_members members in U3 = ``masked`` (it did)."""
+        dropped = set(self.masked_with) - set(masked)
+        if not set(masked) <= set(self.masked_with):
+            raise SecAggError("the server names devices that masked but had not shared keys: refused")
+        revealed: dict[str, dict] = {}
+        for owner, held in self.held.items():
+            if owner not in self.masked_with:
+                continue
+            if owner in dropped:
+                revealed[owner] = {"index": held["index"], "s": held["s"]}
+            else:
+                big = {
+                    s: b
+                    for s, b in held["b"].items()
+                    if sum(m in masked for m in self.setup.members(s)) >= self.setup.min_members
+                }
+                revealed[owner] = {"index": held["index"], "b": big}
+        return revealed
+
+    def _aad(self, sender: str, receiver: str) -> bytes:
+        return f"{self.setup.context} share {sender} -> {receiver}".encode()
+
+
+def unmasked_sums(
+    setup: Setup,
+    roster: Mapping[str, tuple[bytes, bytes]],
+    shared: Sequence[str],
+    masked: Mapping[str, Mapping[str, np.ndarray]],
+    revealed: Mapping[str, Mapping[str, dict]],
+) -> dict[str, np.ndarray | str]:
+    """The server's stage 4: each segment's Σ x over the devices that masked it (uint32), or why it stays masked.
+
+    ``roster``: the public keys of U1; ``shared``: U2; ``masked``: device -> segment -> y (U3); ``revealed``:
+    device of U3 -> owner -> its share of the owner's s key or b seeds."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    dropped = sorted(set(shared) - set(masked))
+    s_keys: dict[str, X25519PrivateKey] = {}
+    for owner in dropped:
+        shares = [(r[owner]["index"], r[owner]["s"]) for r in revealed.values() if "s" in r.get(owner, {})]
+        s_keys[owner] = X25519PrivateKey.from_private_bytes(join_seed(shares, setup.threshold))
+    sums: dict[str, np.ndarray | str] = {}
+    for s, (members, length) in setup.segments.items():
+        contributors = [m for m in members if m in masked and s in masked[m]]
+        if len(contributors) < setup.min_members:
+            sums[s] = f"{len(contributors)} of its devices masked it; at least {setup.min_members} must"
+            continue
+        context = f"{setup.context}/{s}"
+        total = np.zeros(length, dtype=np.uint32)
+        for u in contributors:
+            total += masked[u][s]
+            shares = [(r[u]["index"], r[u]["b"][s]) for r in revealed.values() if s in r.get(u, {}).get("b", {})]
+            total -= expand(join_seed(shares, setup.threshold), length, context)
+        for v in (m for m in members if m in s_keys):
+            for u in contributors:  # u added ±PRG(s_uv) with v, which masked nothing: take it out
+                pair = expand(agree(s_keys[v], roster[u][1], "pair", context), length, context)
+                total = total - pair if u < v else total + pair
+        sums[s] = total
+    return sums

@@ -1,0 +1,147 @@
+"""Secure aggregation per routed segment (feast_edge.secagg): fixed point, masks that cancel, Shamir thresholds,
+dropouts at each stage, forged shares, and sums equal to the plain per-segment sums of the same encoded inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from feast_edge.aggregate.segments import _index, plain_sums, segments_of
+from feast_edge.secagg.fixed import FixedPoint, FixedPointError
+from feast_edge.secagg.keys import ShareError, join_seed, new_seed, split_seed
+from feast_edge.secagg.protocol import Device, SecAggError, Setup, threshold_for, unmasked_sums
+
+
+def _round(setup: Setup, inputs: dict, drop_after_sharing=(), drop_after_masking=(), tamper=None):
+    """The four stages over in-process devices; the server's unmasked sums and the devices."""
+    devices = {
+        name: Device(name, setup, inputs.get(name, {}))
+        for name in sorted({m for ms, _ in setup.segments.values() for m in ms})
+    }
+    roster = {name: d.advertise() for name, d in devices.items()}
+    sealed = {name: d.share(roster) for name, d in devices.items()}
+    shared = [n for n in devices if n not in drop_after_sharing]
+    for name in shared:
+        inbox = {sender: sealed[sender][name] for sender in shared if sender != name}
+        if tamper is not None:
+            inbox = tamper(name, inbox)
+        assert devices[name].receive(inbox) == []
+    masked = {n: devices[n].mask(shared) for n in shared if n not in drop_after_masking}
+    revealed = {n: devices[n].unmask(sorted(masked)) for n in masked}
+    return unmasked_sums(setup, roster, shared, masked, revealed), devices
+
+
+def test_fixed_point_sums_exactly_within_its_range_and_refuses_a_range_it_cannot_hold() -> None:
+    code = FixedPoint.for_sum(10, 64.0)
+    values = np.random.default_rng(0).uniform(-64, 64, size=(10, 1000))
+    total = np.zeros(1000, dtype=np.uint32)
+    for row in values:
+        total += code.encode(row)
+    assert np.abs(code.decode(total) - values.sum(0)).max() <= 10 * code.resolution / 2 + 1e-12
+    assert code.decode(code.encode(np.array([1e9])))[0] == 64.0  # clipped to the bound before encoding
+    with pytest.raises(FixedPointError, match="lower the clipping bound"):
+        FixedPoint.for_sum(1000, 1e6)
+
+
+def test_shamir_shares_rebuild_a_seed_at_the_threshold_and_not_below() -> None:
+    seed = new_seed()
+    shares = split_seed(seed, 3, 5)
+    assert join_seed(shares[2:], 3) == seed and join_seed([shares[0], shares[4], shares[2]], 3) == seed
+    with pytest.raises(ShareError, match="2 shares of a seed that needs 3"):
+        join_seed(shares[:2], 3)
+    assert threshold_for(5, 1) == 3 and threshold_for(2, 1) == 2
+
+
+def test_pair_masks_cancel_and_the_sum_is_exact_while_each_masked_input_hides_its_device() -> None:
+    names = ("a", "b", "c", "d")
+    setup = Setup("lab/r0", {"all": (names, 6)}, threshold=3, min_members=3)
+    rng = np.random.default_rng(1)
+    inputs = {n: {"all": rng.integers(0, 2**32, size=6, dtype=np.uint32)} for n in names}
+    sums, devices = _round(setup, inputs)
+    expected = np.zeros(6, dtype=np.uint32)
+    for n in names:
+        expected += inputs[n]["all"]
+    assert np.array_equal(sums["all"], expected)
+    y = devices["a"].mask(list(names))["all"]  # what the server and the broker see of a
+    assert not np.array_equal(y, inputs["a"]["all"])
+    # The server and one colluder (c = 1) hold one share of a's self-mask seed: below t, it cannot be rebuilt.
+    colluder = devices["b"].held["a"]
+    with pytest.raises(ShareError, match="1 shares of a seed that needs 3"):
+        join_seed([(colluder["index"], colluder["b"]["all"])], setup.threshold)
+
+
+def test_a_device_that_drops_after_sharing_or_after_masking_costs_only_its_own_input() -> None:
+    names = ("a", "b", "c", "d", "e")
+    setup = Setup("lab/r1", {"all": (names, 4)}, threshold=3, min_members=3)
+    inputs = {n: {"all": np.full(4, i + 1, dtype=np.uint32)} for i, n in enumerate(names)}
+    sums, _ = _round(setup, inputs, drop_after_sharing=("e",))  # its pair masks never entered
+    assert sums["all"].tolist() == [1 + 2 + 3 + 4] * 4
+    sums, _ = _round(setup, inputs, drop_after_masking=("d", "e"))  # their pair masks are rebuilt and removed
+    assert sums["all"].tolist() == [1 + 2 + 3] * 4
+    with pytest.raises(ShareError, match="shares of a seed that needs 3"):
+        _round(setup, inputs, drop_after_masking=("c", "d", "e"))  # 2 survivors: below t, nothing can be rebuilt
+
+
+def test_a_segment_with_fewer_than_c_plus_2_surviving_members_is_never_unmasked() -> None:
+    setup = Setup("lab/r2", {"small": (("a", "b"), 3), "big": (("a", "b", "c"), 3)}, threshold=2, min_members=3)
+    inputs = {n: {"small": np.ones(3, dtype=np.uint32), "big": np.ones(3, dtype=np.uint32)} for n in "ab"}
+    inputs["c"] = {"big": np.ones(3, dtype=np.uint32)}
+    sums, devices = _round(setup, inputs)
+    assert sums["small"] == "0 of its devices masked it; at least 3 must"  # a and b never even masked it
+    assert sums["big"].tolist() == [3, 3, 3]
+    assert "small" not in devices["a"].mask(["a", "b", "c"])
+    # One of big's members drops after masking: big falls below 3 survivors and its self-mask shares stay hidden.
+    sums, _ = _round(setup, inputs, drop_after_masking=("c",))
+    assert sums["big"] == "2 of its devices masked it; at least 3 must"
+
+
+def test_a_forged_share_is_named_and_a_request_that_would_unmask_a_device_twice_is_refused() -> None:
+    names = ("a", "b", "c")
+    setup = Setup("lab/r3", {"all": (names, 2)}, threshold=2, min_members=3)
+    devices = {n: Device(n, setup, {"all": np.zeros(2, dtype=np.uint32)}) for n in names}
+    roster = {n: d.advertise() for n, d in devices.items()}
+    sealed = {n: d.share(roster) for n, d in devices.items()}
+    forged = bytearray(sealed["b"]["a"])
+    forged[-1] ^= 1
+    assert devices["a"].receive({"b": bytes(forged), "c": sealed["c"]["a"]}) == ["b"]
+    devices["a"].mask(["a", "c"])
+    with pytest.raises(SecAggError, match="had not shared keys"):
+        devices["a"].unmask(["a", "b", "c"])  # b never shared: the server cannot ask for its shares
+
+
+def test_secure_sums_equal_the_plain_per_segment_sums_of_the_same_encoded_inputs() -> None:
+    # Three devices of nested budgets over one 4x6 weight and a bias: the segments of method §6.
+    torch.manual_seed(0)
+    global_state = {"w": torch.zeros(4, 6), "b": torch.zeros(4)}
+    boxes = {"big": (4, 6), "mid": (3, 4), "small": (2, 2)}
+    states = {c: {"w": torch.randn(*box), "b": torch.randn(box[0])} for c, box in boxes.items()}
+    weights = {"big": 3.0, "mid": 2.0, "small": 1.0}
+    reference = plain_sums(global_state, [(c, states[c], weights[c]) for c in sorted(states)])
+    code = FixedPoint.for_sum(3, 16.0)
+    segments = segments_of(global_state, {c: {n: tuple(t.shape) for n, t in s.items()} for c, s in states.items()})
+    layout = {}
+    inputs: dict[str, dict[str, np.ndarray]] = {c: {} for c in states}
+    for k, segment in enumerate(segments):
+        sid = f"s{k}"
+        parts = [(name, cell) for name, cells in segment.cells.items() for cell in cells]
+        layout[sid] = (segment, parts)
+        for c in segment.members:
+            flat = np.concatenate([(weights[c] * states[c][n][_index(cell)]).flatten().numpy() for n, cell in parts])
+            inputs[c][sid] = code.encode(flat)
+    lengths = {
+        sid: sum(int(np.prod([b - a for a, b in cell])) for _, cell in parts) for sid, (_, parts) in layout.items()
+    }
+    setup = Setup("lab/r4", {sid: (seg.members, lengths[sid]) for sid, (seg, _) in layout.items()}, 2, 1)
+    sums, _ = _round(setup, inputs)
+    for sid, (segment, parts) in layout.items():
+        exact = np.zeros(lengths[sid], dtype=np.uint32)
+        for c in segment.members:
+            exact += inputs[c][sid]
+        assert np.array_equal(sums[sid], exact)  # the secure sum is the plain sum of the encoded inputs
+        want = next(r for r in reference.sums if r.segment.members == segment.members)
+        flat = np.concatenate([v.flatten().numpy() for name in want.values for v in want.values[name]])
+        ours = code.decode(sums[sid])
+        order = np.concatenate([want.values[n][segment.cells[n].index(cell)].flatten().numpy() for n, cell in parts])
+        assert np.abs(ours - order).max() <= len(segment.members) * code.resolution + 1e-6  # float32 products
+        assert flat.size == ours.size
