@@ -234,7 +234,9 @@ def test_feast_server_run_mode_async_with_real_agent_processes_serves_every_devi
         for process in (*agents, server):
             kit.stop(process)
     text = log.read_text()
-    assert re.search(r"release 4/4  replies (\d)/\1  staleness client-\d+ \d+, client-\d+ \d+.*  aggregated", text), text
+    assert re.search(r"release 4/4  replies (\d)/\1  staleness client-\d+ \d+, client-\d+ \d+.*  aggregated", text), (
+        text
+    )
     assert not re.search(r"^\d\d:\d\d:\d\d (error|critical):|ERROR|Traceback", text, flags=re.M), text
     assert {p.name for p in (tmp_path / "m").glob("*.onnx")} == {f"{c['client_id']}.onnx" for c in clients}
     status = server_cli.invoke("status", "--out", str(out))
