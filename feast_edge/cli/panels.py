@@ -34,6 +34,7 @@ PANELS = {
     "network": "Network",
     "schedule": "Rounds: synchronous or buffered asynchronous",
     "timing": "Virtual clock",
+    "secure": "Secure aggregation",
 }
 
 

@@ -50,6 +50,7 @@ class Collected:
     clock: float | None = None  # seconds since the run began when this input was complete (a virtual clock's)
     staleness: dict[str, int] = field(default_factory=dict)  # client -> releases since the version it trained from
     durations: dict[str, float] = field(default_factory=dict)  # client -> its job's seconds on the clock
+    withheld: dict[str, str] = field(default_factory=dict)  # secure sums: segment members -> why it kept θ_t
 
 
 class Wrapped:

@@ -183,6 +183,7 @@ class RunLoop:
             clock=got.clock,
             staleness=dict(got.staleness),
             durations=dict(got.durations),
+            withheld=dict(got.withheld),
             routed_params=sum(self.method.payload_params(plans[c]) for c in cohort),
             full_params=len(cohort) * self.full_params,
         )

@@ -44,6 +44,7 @@ class RoundRecord:
     clock: float | None = None  # a virtual clock's seconds since the run began at the end of this step (simulation)
     staleness: dict[str, int] = field(default_factory=dict)  # asynchronous rounds: client -> releases behind
     durations: dict[str, float] = field(default_factory=dict)  # simulation: client -> its job's virtual seconds
+    withheld: dict[str, str] = field(default_factory=dict)  # secure sums: segment members -> why it kept its value
     val_accuracy: float | None = None
     # [first, last]: the mean of these rounds' weights was validated, and served if chosen, in this round's stead
     # (feast_edge.run.average); None: the round's own weights

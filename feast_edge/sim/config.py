@@ -17,6 +17,7 @@ from feast_edge.local.recipe import TrainConfig
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.privacy.private_rounds import check_plan
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
+from feast_edge.secagg.sums import DEFAULT_BOUND
 from feast_edge.settings import (
     Aggregation,
     Concern,
@@ -110,6 +111,24 @@ class Personalization(Concern):
 
 
 @dataclass(frozen=True)
+class SecureAggregation(Concern):
+    """Secure aggregation per routed segment (feast_edge.secagg): the server sees each segment's sum over at least
+    c + 2 devices, never one device's update."""
+
+    secure_agg: bool = False
+    colluders: int = 1  # c: devices besides the server that may collude
+    secagg_bound: float = DEFAULT_BOUND  # |w · (θ' - θ_t)| per value, clipped before encoding
+
+    def __post_init__(self) -> None:
+        check(
+            [
+                (self.colluders >= 0, f"--colluders {self.colluders} must be >= 0"),
+                (self.secagg_bound > 0, f"--secagg-bound {self.secagg_bound} must be > 0"),
+            ]
+        )
+
+
+@dataclass(frozen=True)
 class Timing(Concern):
     """The virtual clock the clients' jobs run on (feast_edge.sim.clock) and a synchronous round's deadline on it."""
 
@@ -179,6 +198,7 @@ class SimulationConfig:
     serving: Personalization = field(default_factory=Personalization)
     schedule: Schedule = field(default_factory=Schedule)
     timing: Timing = field(default_factory=Timing)
+    secure: SecureAggregation = field(default_factory=SecureAggregation)
 
     @classmethod
     def of(cls, **settings: Any) -> SimulationConfig:
@@ -231,6 +251,7 @@ class SimulationConfig:
         self._check_personalize()
         self._check_privacy()
         self._check_schedule()
+        self._check_secure()
 
     def _check_schedule(self) -> None:
         """Buffered asynchronous rounds train FEAST from as many clients as they draw; central DP weighs the buffered
@@ -255,6 +276,28 @@ class SimulationConfig:
                 f"--concurrency {rules.concurrency} is more than --clients {pop.clients}: each slot trains one client",
             ),
         ]
+        for ok, message in checks:
+            if not ok:
+                raise SimulationError(message)
+
+    def _check_secure(self) -> None:
+        """Secure sums release method §6 from per-segment sums: what needs each client's update is refused."""
+        if not self.secure.secure_agg:
+            return
+        dp = self.dp_settings()
+        checks = [
+            (self.method == "feast", f"--secure-agg sums FEAST's routed segments; {self.method} is not offered"),
+            (self.schedule.mode == "sync", "--secure-agg with --mode async: each update's staleness weight is known "
+             "only when it arrives, and a masked update cannot be weighted alone; use synchronous rounds"),
+            (self.aggregation.rule == "mean", f"--secure-agg with --aggregation {self.aggregation.rule}: a robust "
+             "rule needs each client's update, and the server sees only sums; use --aggregation mean"),
+            (not self.aggregation.max_weight_ratio, "--secure-agg with --max-weight-ratio: the cap needs each "
+             "client's count beside its update; registered counts are capped before masking instead"),
+            (self.server_optimizer().identity, f"--secure-agg with --server-opt {self.aggregation.server_opt}: the "
+             "server optimizer's step needs each update; use --server-opt avg"),
+            (dp is None or dp.mode == "local", "--secure-agg with central DP: its clipping needs each update before "
+             "the sum; use --dp-mode local (each client clips and noises before masking)"),
+        ]  # fmt: skip
         for ok, message in checks:
             if not ok:
                 raise SimulationError(message)
@@ -324,6 +367,7 @@ class SimulationConfig:
         skip |= {"validate_on"} if self.validation.validate_on == "server" else set()
         skip |= {"serve_average"} if self.validation.serve_average is None else set()  # recorded where set
         skip |= set(_fields_of(self.schedule)) if self.schedule.mode == "sync" else set()  # recorded where async
+        skip |= set(_fields_of(self.secure)) if not self.secure.secure_agg else set()  # recorded where on
         skip |= set(_fields_of(self.timing)) if self.schedule.mode == "sync" and not self.timing.decides else set()
         capped = {"max_weight_ratio": values["max_weight_ratio"]} if values["max_weight_ratio"] else {}
         train, schedule = self.recipe_settings()

@@ -31,6 +31,7 @@ from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
 from feast_edge.run.jobs import ClockJobs
 from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
+from feast_edge.secagg.collector import SecureSums
 from feast_edge.settings import SettingsError, flat
 from feast_edge.settings.concerns import loop_settings
 from feast_edge.sim.clock import TimedRounds, VirtualClock, timeline
@@ -102,6 +103,10 @@ class Simulation:
             validator=None if not on_devices else self._device_validation(),
         )
         self.collector = InProcessCollector(s, self.method, self_reported=config.aggregation.max_weight_ratio > 0)
+        if config.secure.secure_agg:  # per-segment sums through secure aggregation (feast_edge.secagg)
+            self.collector = SecureSums(
+                self.collector, config.secure.colluders, config.secure.secagg_bound, "simulation"
+            )
         budgets = {cid: float(b) for cid, b in zip(s.client_ids, s.population.budgets)}
         self.clock = VirtualClock(
             config.timing.model(), budgets, config.seed, self.method.payload_params, settings.payload_dtype

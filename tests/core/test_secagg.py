@@ -7,10 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from feast_edge.aggregate.segments import _index, plain_sums, segments_of
+from feast_edge.aggregate.segments import _index, apply_sums, plain_sums, segments_of
+from feast_edge.secagg.collector import SecureSums
 from feast_edge.secagg.fixed import FixedPoint, FixedPointError
 from feast_edge.secagg.keys import ShareError, join_seed, new_seed, split_seed
 from feast_edge.secagg.protocol import Device, SecAggError, Setup, threshold_for, unmasked_sums
+from feast_edge.secagg.sums import plain_values, secure_sums
+from feast_edge.sim.simulate import Simulation
+from simconfigs import tiny_config
 
 
 def _round(setup: Setup, inputs: dict, drop_after_sharing=(), drop_after_masking=(), tamper=None):
@@ -145,3 +149,67 @@ def test_secure_sums_equal_the_plain_per_segment_sums_of_the_same_encoded_inputs
         order = np.concatenate([want.values[n][segment.cells[n].index(cell)].flatten().numpy() for n, cell in parts])
         assert np.abs(ours - order).max() <= len(segment.members) * code.resolution + 1e-6  # float32 products
         assert flat.size == ours.size
+
+
+def test_a_secure_round_releases_the_model_the_plain_round_does_within_the_fixed_point_resolution(
+    fashion_mnist_dir, tmp_path
+) -> None:
+    # One round of 3 clients; c = 0: every segment of at least 2 clients is revealed, so they match but for rounding.
+    config = tiny_config(fashion_mnist_dir, rounds=1, seed=5, per_round=3, clients=3)
+    plain = Simulation(config, tmp_path / "plain")
+    plain.run()
+    secure = Simulation(config.changed(secure_agg=True, colluders=0), tmp_path / "secure")
+    secure.run()
+    [ours], [theirs] = secure.loop.history, plain.loop.history
+    assert (
+        ours.applied and ours.updated == theirs.updated and (ours.samples, ours.loss) == (theirs.samples, theirs.loss)
+    )
+    single = {members for members in ours.withheld}  # segments routed to one client only: withheld even at c = 0
+    assert all("," not in members for members in single), ours.withheld
+    for members, reason in ours.withheld.items():
+        assert reason == "1 of its devices masked it; at least 2 must", (members, reason)
+    assert isinstance(secure.collector, SecureSums) and secure.collector.clipped == 0
+    released, reference = secure.model.state_dict(), plain.model.state_dict()
+    before = Simulation(config, tmp_path / "init").model.state_dict()
+    # Every value equals the plain round's (to the fixed-point resolution) or, in a withheld segment, its initial one.
+    for name, tensor in reference.items():
+        if tensor.is_floating_point():
+            as_plain = torch.isclose(released[name], tensor, rtol=0, atol=1e-5)
+            assert torch.equal(released[name][~as_plain], before[name][~as_plain]), name
+    assert any(
+        not torch.equal(released[n], before[n]) for n in released if released[n].is_floating_point()
+    )  # and the round did move the model
+
+
+def test_each_client_uploads_its_masked_segments_plus_one_weight_each_and_nothing_of_a_withheld_one() -> None:
+    global_state = {"w": torch.zeros(4, 6), "b": torch.zeros(4)}
+    boxes = {"big": (4, 6), "mid": (3, 4), "small": (2, 2)}
+    states = {c: {"w": torch.full(box, 0.5), "b": torch.full((box[0],), 0.5)} for c, box in boxes.items()}
+    updates = [(c, states[c], 10.0) for c in sorted(states)]
+    done = secure_sums(global_state, updates, colluders=0)
+    assert set(done.withheld) == {"big"}  # the positions only big trains: one device, never revealed
+    plain = plain_values(updates)
+    only_big = 4 * 6 - 3 * 4 + 4 - 3  # w and b values routed to big alone
+    assert done.upload_values == {
+        "big": plain["big"] - only_big + 2,
+        "mid": plain["mid"] + 2,
+        "small": plain["small"] + 1,
+    }
+    # θ_t + mean change on every revealed value; the withheld ones keep θ_t = 0.
+    released = {n: t.clone() for n, t in global_state.items()}
+    apply_sums(released, done.sums)
+    assert torch.allclose(released["w"][:3, :4], torch.full((3, 4), 0.5), atol=1e-6)
+    assert torch.equal(released["w"][3], torch.zeros(6)) and torch.equal(released["w"][:, 4:], torch.zeros(4, 2))
+
+
+def test_secure_aggregation_refuses_what_needs_each_client_s_update(fashion_mnist_dir) -> None:
+    from feast_edge.sim.setup import SimulationError
+
+    for changes, named in (
+        ({"mode": "async", "buffer": 2, "concurrency": 2}, "--mode async"),
+        ({"aggregation": "median"}, "--aggregation median"),
+        ({"server_opt": "adam"}, "--server-opt adam"),
+        ({"max_weight_ratio": 4.0}, "--max-weight-ratio"),
+    ):
+        with pytest.raises(SimulationError, match=named):
+            tiny_config(fashion_mnist_dir, secure_agg=True, **changes)
