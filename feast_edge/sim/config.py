@@ -295,8 +295,9 @@ class SimulationConfig:
              "client's count beside its update; registered counts are capped before masking instead"),
             (self.server_optimizer().identity, f"--secure-agg with --server-opt {self.aggregation.server_opt}: the "
              "server optimizer's step needs each update; use --server-opt avg"),
-            (dp is None or dp.mode == "local", "--secure-agg with central DP: its clipping needs each update before "
-             "the sum; use --dp-mode local (each client clips and noises before masking)"),
+            (dp is None, f"--secure-agg with --dp-mode {dp.mode if dp else ''}: the privacy stage clips, weighs and "
+             "keeps BN statistics per update, which masked sums do not show; distributed DP on masked sums is not "
+             "built yet: drop --dp-*"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
