@@ -342,7 +342,10 @@ class _SimulationDisplay:
         chosen = f"best {pct(p.best_val)}" if p.served_round is None else f"served round {p.served_round}"
         clock = "" if p.clock is None else f"  clock {p.clock:.0f} s"
         stale = "" if p.staleness is None else f"  staleness <= {p.staleness}"
-        self.stage.update(p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  {chosen}{clock}{stale}", line=True)
+        withheld = f"  {p.withheld} segment{'s' * (p.withheld != 1)} withheld" if p.withheld else ""
+        self.stage.update(
+            p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  {chosen}{clock}{stale}{withheld}", line=True
+        )
         if p.round == p.rounds:
             self._start_testing()  # say so at once: the first variant takes a while
 

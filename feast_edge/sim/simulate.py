@@ -57,6 +57,7 @@ class RoundProgress:
     served_round: int | None = None  # --validate-on devices: the round served so far (feast_edge.evaluate.served_round)
     clock: float | None = None  # the virtual clock's seconds at the end of the round (feast_edge.sim.clock)
     staleness: int | None = None  # --mode async: the largest staleness among the release's updates
+    withheld: int = 0  # --secure-agg: segments that kept their global value (fewer than c + 2 contributors)
 
 
 class Simulation:
@@ -191,6 +192,7 @@ class Simulation:
                         self.best.get("round") if self.config.validation.validate_on == "devices" else None,
                         record.clock,
                         max(record.staleness.values(), default=0) if self.config.schedule.mode == "async" else None,
+                        len(record.withheld),
                     )
                 )
 
