@@ -70,8 +70,10 @@ def cost(n: int) -> None:
     secure_seconds = time.perf_counter() - began
     plain = plain_values(updates)
     order = sorted(range(n), key=lambda i: budgets[i])
-    print(f"\n{n} clients: one round's secure sums {secure_seconds:.1f} s against plain sums {plain_seconds:.2f} s "
-          f"(every device's stages included); {len(done.withheld)} segments withheld")  # fmt: skip
+    print(f"\n{n} clients: one round's secure sums {secure_seconds:.1f} s (the server's part {done.seconds['server']:.2f} s, "
+          f"the devices' {done.seconds['devices'] / n:.2f} s each on average) against plain sums {plain_seconds:.2f} s; "
+          f"{len(done.withheld)} segments withheld; key material (sealed shares) sent per client "
+          f"{statistics.mean(done.share_bytes.values()) / 1024:.1f} KiB")  # fmt: skip
     print(
         "| budget quartile | clients | plain upload (fp32 values) | masked upload | / fp32 | / fp16 | withheld values |"
     )

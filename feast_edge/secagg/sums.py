@@ -11,6 +11,7 @@ A segment masked by fewer than c + 2 devices is withheld and keeps θ_t, with th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ class SecureRound:
     withheld: dict[str, str] = field(default_factory=dict)  # members (comma-joined) -> why their segment kept θ_t
     clipped: int = 0  # values beyond ±bound, clipped before encoding
     upload_values: dict[str, int] = field(default_factory=dict)  # device -> 32-bit values it uploaded
+    share_bytes: dict[str, int] = field(default_factory=dict)  # device -> sealed key shares it sent (key material)
+    seconds: dict[str, float] = field(default_factory=dict)  # "devices" (all of them, in turn) and "server"
 
 
 def _parts(segment: Segment) -> list[tuple[str, tuple]]:
@@ -76,6 +79,7 @@ def secure_sums(
         threshold_for(len(states), colluders),
         colluders + 2,
     )
+    began = time.perf_counter()
     devices = {c: Device(c, setup, inputs[c]) for c in sorted(states)}
     roster = {c: d.advertise() for c, d in devices.items()}
     sealed = {c: d.share(roster) for c, d in devices.items()}
@@ -84,7 +88,9 @@ def secure_sums(
     shared = sorted(devices)
     masked = {c: d.mask(shared) for c, d in devices.items()}
     revealed = {c: d.unmask(sorted(masked)) for c, d in devices.items()}
+    on_devices = time.perf_counter() - began
     unmasked = unmasked_sums(setup, roster, shared, masked, revealed)
+    on_server = time.perf_counter() - began - on_devices
     released, withheld = [], {}
     for sid, segment in segments.items():
         result = unmasked[sid]
@@ -102,7 +108,9 @@ def secure_sums(
         released.append(SegmentSum(segment, weight, values))
     integers = [{n: t for n, t in s.items() if not torch.is_floating_point(t)} for s in states.values()]
     upload = {c: sum(len(v) for v in masked[c].values()) for c in masked}
-    return SecureRound(SegmentSums(released, [i for i in integers if i]), withheld, clipped, upload)
+    shares = {c: sum(len(b) for b in boxes.values()) for c, boxes in sealed.items()}
+    seconds = {"devices": on_devices, "server": on_server}
+    return SecureRound(SegmentSums(released, [i for i in integers if i]), withheld, clipped, upload, shares, seconds)
 
 
 def plain_values(updates: Sequence[tuple[str, Mapping[str, torch.Tensor], float]]) -> dict[str, int]:
