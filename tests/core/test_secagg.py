@@ -214,3 +214,34 @@ def test_secure_aggregation_refuses_what_needs_each_client_s_update(fashion_mnis
     ):
         with pytest.raises(SimulationError, match=named):
             tiny_config(fashion_mnist_dir, secure_agg=True, **changes)
+
+
+def test_what_the_server_and_one_colluder_see_of_a_round_does_not_give_a_single_device_s_input() -> None:
+    """Everything the server (and the broker) saw of a round — public keys, sealed shares, masked inputs, the revealed
+    shares — plus everything colluder c holds: the best reconstruction of an honest device's input fails at c + 2 = 3
+    members, and succeeds when the segment is let through with 2 (why segments of fewer than c + 2 stay masked)."""
+    from feast_edge.secagg.keys import agree, expand
+
+    def attack(min_members: int) -> bool:
+        names = ("a", "b", "c")  # c colludes with the server; a is the target
+        setup = Setup("lab/r5", {"all": (names, 5)}, threshold=2, min_members=min_members)
+        rng = np.random.default_rng(7)
+        inputs = {n: {"all": rng.integers(0, 2**32, size=5, dtype=np.uint32)} for n in names}
+        devices = {n: Device(n, setup, inputs[n]) for n in names}
+        roster = {n: d.advertise() for n, d in devices.items()}
+        sealed = {n: d.share(roster) for n, d in devices.items()}
+        for n, d in devices.items():
+            d.receive({s: boxes[n] for s, boxes in sealed.items() if s != n})
+        shared = list(names) if min_members == 3 else ["a", "c"]  # with 2: b dropped before masking
+        masked = {n: devices[n].mask(shared) for n in shared}
+        revealed = {n: devices[n].unmask(sorted(masked)) for n in masked}
+        # The server's view: y_a, the revealed shares of a's self-mask seed; the colluder's: its s key.
+        shares = [(r["a"]["index"], r["a"]["b"]["all"]) for r in revealed.values() if "all" in r["a"].get("b", {})]
+        guess = masked["a"]["all"] - expand(join_seed(shares, setup.threshold), 5, "lab/r5/all")
+        colluder = devices["c"]
+        pair = expand(agree(colluder.s_key, roster["a"][1], "pair", "lab/r5/all"), 5, "lab/r5/all")
+        guess = guess - pair  # a added +PRG(s_ac) (a < c): the colluder knows it
+        return np.array_equal(guess, inputs["a"]["all"])
+
+    assert not attack(min_members=3)  # b's pair mask with a stays: a's input is hidden
+    assert attack(min_members=2)  # a segment of a and the colluder alone would give a away
