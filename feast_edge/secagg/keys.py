@@ -1,6 +1,6 @@
 """The cryptography of secure aggregation, all from maintained libraries: X25519 key agreement and HKDF-SHA256
 (``cryptography``), masks as ChaCha20 keystreams (``cryptography``), shares sealed with ChaCha20-Poly1305
-(``cryptography``), and Shamir secret sharing of 32-byte seeds over GF(2^128) (PyCryptodome, two 16-byte halves).
+(``cryptography``), and Shamir secret sharing of seeds over GF(2^128) (PyCryptodome, one sharing per 16 bytes).
 
 Every derived key names what it is for (``purpose``) and where (federation, round, segment), so no two masks of a
 run share a keystream.
@@ -21,6 +21,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 SEED_BYTES = 32
+SELF_SEED_BYTES = 16  # a self-mask seed: 128 bits, one Shamir sharing (a mask key is 32 bytes: two)
+BLOCK = 16  # bytes per Shamir sharing (GF(2^128))
 NONCE_BYTES = 12
 
 
@@ -58,15 +60,15 @@ def expand(seed: bytes, count: int, context: str) -> np.ndarray:
     return np.frombuffer(stream.update(bytes(4 * count)), dtype=np.uint32).copy()
 
 
-def new_seed() -> bytes:
-    return os.urandom(SEED_BYTES)
+def new_seed(size: int = SEED_BYTES) -> bytes:
+    return os.urandom(size)
 
 
 def split_seed(seed: bytes, threshold: int, holders: int) -> list[tuple[int, bytes]]:
-    """``holders`` Shamir shares of a 32-byte ``seed``, any ``threshold`` of which rebuild it: (index, 32 bytes)."""
-    low = Shamir.split(threshold, holders, seed[:16], ssss=False)
-    high = Shamir.split(threshold, holders, seed[16:], ssss=False)
-    return [(i, a + b) for (i, a), (_, b) in zip(low, high)]
+    """``holders`` Shamir shares of ``seed`` (a multiple of 16 bytes), any ``threshold`` of which rebuild it:
+    (index, as many bytes as the seed)."""
+    blocks = [Shamir.split(threshold, holders, seed[k : k + BLOCK], ssss=False) for k in range(0, len(seed), BLOCK)]
+    return [(shares[0][0], b"".join(share for _, share in shares)) for shares in zip(*blocks)]
 
 
 def join_seed(shares: list[tuple[int, bytes]], threshold: int) -> bytes:
@@ -74,8 +76,9 @@ def join_seed(shares: list[tuple[int, bytes]], threshold: int) -> bytes:
     if len({i for i, _ in shares}) < threshold:
         raise ShareError(f"{len(shares)} shares of a seed that needs {threshold}")
     chosen = shares[:threshold]
-    return Shamir.combine([(i, s[:16]) for i, s in chosen], ssss=False) + Shamir.combine(
-        [(i, s[16:]) for i, s in chosen], ssss=False
+    size = len(chosen[0][1])
+    return b"".join(
+        Shamir.combine([(i, s[k : k + BLOCK]) for i, s in chosen], ssss=False) for k in range(0, size, BLOCK)
     )
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from feast_edge.secagg.keys import (
+    SELF_SEED_BYTES,
     ShareError,
     agree,
     expand,
@@ -95,7 +96,7 @@ class Device:
             )
         self.roster = dict(roster)
         order = sorted(roster)
-        self.self_seeds = {s: new_seed() for s in self.setup.routed(self.name)}
+        self.self_seeds = {s: new_seed(SELF_SEED_BYTES) for s in self.setup.routed(self.name)}
         s_private = self.s_key.private_bytes_raw()  # type: ignore[attr-defined]
         s_shares = split_seed(s_private, self.setup.threshold, len(order))
         b_shares = {s: split_seed(b, self.setup.threshold, len(order)) for s, b in self.self_seeds.items()}
