@@ -4,7 +4,7 @@ server sees it.
 ``slow_down(agent, 5)`` makes an in-process :class:`feast_edge.agent.agent.Agent` take five times as long over each
 round it is sent: before it uploads, it sleeps four times what the round took so far (download and training).
 ``agents_running(agents)`` starts, registers and runs each agent in a thread, and stops them after. Used by
-tests/federation/test_async_federation.py and bench/bench_async_mqtt.py.
+tests/federation/test_async_federation.py, test_lying_device.py and bench/bench_async_mqtt.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A collector whose rounds come back as per-segment sums (feast_edge.aggregate.segments) computed in the clear from
-another collector's updates: the reference a collector that never reveals single updates (secure aggregation) must
-equal, and the way to run the release's sums path on any collector."""
+another collector's updates: the reference a collector that never reveals single updates (secure aggregation,
+feast_edge.secagg.collector) must equal, and the way to run the release's sums path on any collector."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import torch
 
-from feast_edge.aggregate.checks import check_payload
+from feast_edge.aggregate.checks import StateDict, check_payload
 from feast_edge.aggregate.segments import plain_sums
 from feast_edge.route.plans import ClientPlan
-from feast_edge.run.collect import Collected, Wrapped
+from feast_edge.run.collect import ClientUpdate, Collected, Wrapped
 
 
 class PlainSums(Wrapped):
@@ -30,5 +30,9 @@ class PlainSums(Wrapped):
         updates = sorted(got.updates, key=lambda u: u.client)
         for u in updates:
             check_payload(dict(global_state), u.state)
-        sums = plain_sums(dict(global_state), [(u.client, u.state, u.samples) for u in updates])
-        return replace(got, updates=[replace(u, state={}) for u in updates], sums=sums)
+        summed = self.summed(t, got, dict(global_state), updates)
+        return replace(summed, updates=[replace(u, state={}) for u in updates])
+
+    def summed(self, t: int, got: Collected, global_state: StateDict, updates: list[ClientUpdate]) -> Collected:
+        """``got`` with the sums of its (checked, sorted) ``updates``: here in the clear."""
+        return replace(got, sums=plain_sums(global_state, [(u.client, u.state, u.samples) for u in updates]))

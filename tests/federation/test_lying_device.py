@@ -11,12 +11,12 @@ link and its signing key.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load, save
+from slowagents import agents_running
 from test_provision import start_provisioned
 
 from feast_edge.agent.agent import Agent
@@ -100,7 +100,7 @@ def test_a_provisioned_liar_is_outvoted_refused_and_named(
     caplog.set_level(logging.INFO, logger="feast_edge")
     _lying(monkeypatch, kind)
     running = start_provisioned(tmp_path / "provision", "certificate", list(BUDGETS), federation=FED)
-    agents, threads, server = [], [], None
+    server = None
     try:
         config = kit.server_config(
             kit.CONFIG,
@@ -119,8 +119,8 @@ def test_a_provisioned_liar_is_outvoted_refused_and_named(
             serving_rule="validated" if kind == "shifted" else "largest",
         )
         server = kit.ServerThread(config, export=True, link=load_credentials(running.done.server).link_config()).start()
-        for name, client in _clients(fashion_mnist_dir).items():
-            agent = Agent(
+        agents = [
+            Agent(
                 AgentConfig(
                     host=name,
                     federation=FED,
@@ -134,19 +134,12 @@ def test_a_provisioned_liar_is_outvoted_refused_and_named(
                 load_credentials(running.done.devices[name]).link_config(),
                 [client],
             )
-            agent.start(timeout=10)
-            agents.append(agent)
-            threads.append(threading.Thread(target=lambda a=agent: (a.register(), a.run()), daemon=True))
-            threads[-1].start()
-        history = server.join(300)
+            for name, client in _clients(fashion_mnist_dir).items()
+        ]
+        with agents_running(agents):
+            history = server.join(300)
         manifests = {m["device"]: m for m in server.manifests}
     finally:
-        for agent in agents:
-            agent.stop.set()
-        for thread in threads:
-            thread.join(30)
-        for agent in agents:
-            agent.close()
         if server is not None:
             server.close()  # its link too: left open, it would keep reconnecting to the stopped broker
         running.broker.stop()
