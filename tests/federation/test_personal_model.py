@@ -245,11 +245,13 @@ def test_feast_agent_run_refuses_an_unknown_personalize_setting_in_one_line(agen
     agent_cli.assert_user_error(result, needle)
 
 
-# A federation over the local Mosquitto: one device holds every class evenly and most of the images, the other a few,
-# nine in ten of them shirts (as the demo's Jetson's are). Budgets in fmnist-tiny's range.
+# A federation over the local Mosquitto: one device holds every class evenly and most of the images, the other fewer,
+# nine in ten of them shirts (as the demo's Jetson's are). Budgets in fmnist-tiny's range. The skewed device holds
+# enough (33 held out, 60 to select on) that its personal model's margin is several images, not one: with 15 held
+# out, one CPU's arithmetic gave a tie (12 of 15 both).
 FLEET = {
     "cam-even": (dict.fromkeys(range(10), 50), 1_500_000),
-    "jetson-shirts": ({SHIRT: 120, 0: 5, 2: 5, 4: 5}, 220_000),
+    "jetson-shirts": ({SHIRT: 300, 0: 10, 2: 10, 4: 10}, 220_000),
 }
 
 
