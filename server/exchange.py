@@ -287,36 +287,31 @@ class RoundExchange:
             except ChunkError:
                 pass  # on_update, in the run thread, refuses the device's update with the reason
 
-    def on_declined(self, message: Declined) -> None:
-        """A cohort device says no update will come (training diverged or failed): stop waiting for it."""
+    def _answering(self, message: Declined | Evaluated) -> _Pending | None:
+        """The open request ``message`` answers (its device's, of the version and routed transfer it was sent)."""
         current = self.current
         pending = None if current is None else current.pending.get(message.device)
-        if (
-            pending is None
-            or message.round != pending.t
-            or message.routed != pending.routed
-            or pending.settled
-            or pending.update is not None
-        ):
+        if pending is None or message.round != pending.t or message.routed != pending.routed or pending.settled:
+            return None
+        return pending
+
+    def on_declined(self, message: Declined) -> None:
+        """A cohort device says no update will come (training diverged or failed): stop waiting for it."""
+        pending = self._answering(message)
+        if pending is None or pending.update is not None:
             self.ignore(f"declined from {message.device}: it does not answer an open request of the round in flight")
             return
         self._fail(message.device, f"the device sent no update: {message.reason}", DECLINED)
 
     def on_evaluated(self, message: Evaluated) -> None:
         """A cohort device's answer to an evaluation request: counts only, no upload."""
-        current = self.current
-        pending = None if current is None else current.pending.get(message.device)
-        if (
-            pending is None
-            or message.round != pending.t
-            or message.routed != pending.routed
-            or pending.settled
-            or pending.expect.max_bytes
-        ):
+        pending = self._answering(message)
+        if pending is None or pending.expect.max_bytes:
             self.ignore(f"evaluated from {message.device}: it does not answer an open evaluation request")
             return
+        assert self.current is not None
         pending.finished = True
-        current.settled.append(Reply(message.device, evaluation=message))
+        self.current.settled.append(Reply(message.device, evaluation=message))
 
     def on_update(self, message: Update) -> None:
         device, current = message.device, self.current

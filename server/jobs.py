@@ -179,7 +179,7 @@ class DeviceJobs:
         routed = self.collector.send(t, clients, plans, global_state, lr)
         for device, sent in routed.items():
             self.sent[device] = _Sent(t, plans[device], sent.manifest, sent.state, sent.at)
-        log.info("release %d: sent %s their slices of version %d", t + 1, ", ".join(clients), t)
+        log.debug("version %d sent to %s", t, ", ".join(clients))
 
     def arrive(self) -> tuple[float, list[Arrival]] | None:
         if not self.sent:  # every online device waits in the buffer: wait for one more to come online

@@ -118,9 +118,7 @@ class AsyncSlots:
         stopped are dropped (as devices that went away), and the draws continue on seeds of their own."""
         if self.fills == 0 and now > 0:
             self.now, self.fills = now, RESUMED
-            resume = getattr(self.jobs, "resume", None)
-            if resume is not None:
-                resume(now, RESUMED)
+            self.jobs.resume(now, RESUMED)
 
     def busy(self) -> set[str]:
         return self.jobs.busy() | {a.client for a in self.buffered}

@@ -6,6 +6,7 @@ slice of the version current when its slot was filled, and its update arrives la
                   settled yet, None when nothing is in flight and nothing will ever arrive
     busy()     -> the clients with a job in flight
     ignored()  -> what was ignored since the last call (messages of nobody's job, over MQTT)
+    resume(now, seq)   a resumed run's clock and job count go on from its last release
 
 ``ClockJobs`` runs them in process: the collector trains each client at once and the clock (the simulation's
 virtual one, feast_edge.sim.clock) says when its update arrives, or that it is lost. Over MQTT the devices train
@@ -68,6 +69,9 @@ class Jobs(Protocol):
     def busy(self) -> set[str]: ...
 
     def ignored(self) -> list[str]: ...
+
+    def resume(self, now: float, seq: int) -> None:
+        """A resumed run goes on from the clock ``now`` of its last release, its jobs counted from ``seq``."""
 
 
 def leading(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
