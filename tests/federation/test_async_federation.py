@@ -88,7 +88,7 @@ def test_a_late_device_is_rebased_and_discounted_while_the_others_release_and_fo
     assert second.cohort == ["a", "slow"] and second.staleness == {"a": 0, "slow": 1} and second.applied
     assert second.dropped == ["b"] and not second.rejected and not second.missing
     assert len(second.ignored) == 2, second.ignored  # the forged version and the replay
-    assert second.clock > first.clock and second.durations["slow"] > first.durations["a"]
+    assert second.clock > first.clock and set(second.durations) == {"a", "slow"}  # each job timed, send to arrival
     # θ2[u] = θ1[u] + η (1·(-1) + s(1)·2) / (1 + s(1)): slow's change, rebased on θ1, weighs 1/sqrt(2).
     s = discount("sqrt", 1)
     assert s == pytest.approx(1 / math.sqrt(2))
