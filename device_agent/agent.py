@@ -36,6 +36,7 @@ from feast_edge.agent.inbox import Inbox, Incoming
 from feast_edge.agent.local_data import LocalClient, client_budgets
 from feast_edge.agent.profiling import evaluation_macs
 from feast_edge.agent.registration import HEARTBEAT, AgentError, Registration
+from feast_edge.agent.secure_round import SecureRounds
 from feast_edge.agent.step import largest_payload
 from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError
@@ -87,7 +88,8 @@ class Agent:
         # --threads N fixes PyTorch's threads; 0 chooses them from the free cores before each step (feast_edge.util.cores).
         self.threads = Threads(config.threads, logger=log)
         self.current_round = 0
-        self.inbox = Inbox(self.topics, self._expect_announced)
+        self.secure = SecureRounds(self.preset, self.link, self.topics, self.stop)
+        self.inbox = Inbox(self.topics, self._expect_announced, on_secure=self.secure.offer)
         self.inbox.instance = self.instance
         self.registration = Registration(
             config, self.preset, self.instance, self.link, self.topics, self.clients, evaluate
@@ -96,6 +98,7 @@ class Agent:
         self.rounds = RoundRunner(
             config, self.preset, self.link, self.topics, self.inbox, self._receipts, self._metrics, self.stop
         )
+        self.rounds.secure = self.secure
         self.rounds.between_steps = lambda: self.threads.refresh("training")
         self._filter = MessageFilter(config.federation)
         self._pending: dict[str, Incoming] = {}  # device -> its latest round message

@@ -20,7 +20,8 @@ from feast_edge import protocol
 from feast_edge.agent.config import AgentConfig
 from feast_edge.agent.hosted import Hosted
 from feast_edge.agent.inbox import Inbox, Incoming
-from feast_edge.agent.step import Assignment, Declined, Job, Trained, train
+from feast_edge.agent.secure_round import SecureRounds
+from feast_edge.agent.step import Assignment, Declined, Job, Trained, train, train_state
 from feast_edge.errors import FeastError
 from feast_edge.privacy.local import DeviceLedger, stricter
 from feast_edge.protocol import MAX_REASON, Calibrate, Evaluate, RoundStart, RoutedRequest
@@ -53,6 +54,7 @@ class RoundRunner:
         self.training = False  # True while a client trains (a stop signal then interrupts it at once)
         self.between_steps: Callable[[], None] | None = None  # called after every training step (the agent's threads)
         self.ledger = DeviceLedger(None if config.dp_ledger is None else Path(config.dp_ledger), config.dp_delta)
+        self.secure: SecureRounds | None = None  # the agent's secure-aggregation stages (rounds with ``secure`` terms)
 
     def run(self, client: Hosted, incoming: Incoming) -> bool:
         """Round ``incoming.message`` of ``client``; True when its update was sent."""
@@ -105,7 +107,7 @@ class RoundRunner:
         )
         self.training = True
         try:
-            outcome = train(job, self.between_steps)
+            outcome = train(job, self.between_steps) if not start.secure else self._masked(job, incoming, deadline)
         finally:
             self.training = False
         if isinstance(outcome, Declined):
@@ -130,6 +132,26 @@ class RoundRunner:
             late = time.monotonic() - deadline
             log.warning("%s: %s finished %.1f s after the server's deadline; sending anyway", shown, device_id, late)
         return self._upload(client, assignment, outcome, deadline)
+
+    def _masked(self, job: Job, incoming: Incoming, deadline: float) -> Trained | Declined:
+        """A secure round's step: train, then mask the change per segment once the share box came (secure_round)."""
+        start = incoming.message
+        assert isinstance(start, RoundStart) and self.secure is not None
+        trained = train_state(job, self.between_steps)
+        if isinstance(trained, Declined):
+            return trained
+        self.report(start.device, {"phase": "masking", "round": start.round})
+        upload = self.secure.masked_upload(
+            start,
+            job.routed,
+            trained.state,
+            deadline,
+            abandon=lambda: self.stop.is_set() or self.inbox.overtaken(start.device, incoming.number),
+        )
+        if isinstance(upload, str):
+            log.warning("%s: no masked update from %s: %s", job.shown, start.device, upload)
+            return Declined(f"secure aggregation: {upload}")
+        return Trained(upload, trained.result, trained.compute_seconds)
 
     def answer(self, client: Hosted, incoming: Incoming) -> bool:
         """Answer a request about the routed model of ``client`` (evaluate or calibrate); True when answered."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from feast_edge.protocol import Finished, ModelReady, RoundStart, RoutedRequest
+from feast_edge.protocol import Finished, ModelReady, RoundStart, RoutedRequest, SecAggBox, SecAggRoster, SecAggUnmask
 from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.link import Link, Received
 from feast_edge.transport.messages import Message, Presence, parse
@@ -46,10 +46,13 @@ class Inbox:
         topics: Topics,
         on_announce: Callable[[str, RoundStart | ModelReady | RoutedRequest], None],
         size: int = 10_000,
+        on_secure: Callable[[Message], None] | None = None,
     ):
-        """``on_announce(device_id, message)`` runs in paho's thread for a round or model message, before it queues."""
+        """``on_announce(device_id, message)`` runs in paho's thread for a round or model message, before it queues;
+        ``on_secure(message)`` takes a secure round's start (which queues too) and its stage messages (which do not)."""
         self.topics = topics
         self._on_announce = on_announce
+        self._on_secure = on_secure
         self._queue: queue.Queue[Incoming] = queue.Queue(maxsize=size)
         self._dropped = Throttle(log)  # bad input is logged, at most a few lines a minute per kind
         self._numbers = itertools.count(1)
@@ -114,8 +117,15 @@ class Inbox:
                     self.instance,
                 )
                 return
+            if isinstance(message, (SecAggRoster, SecAggBox, SecAggUnmask)):
+                if self._on_secure is not None and message.federation == self.topics.federation:
+                    self._on_secure(message)  # answered at once by the secure-aggregation worker, never queued
+                return
             if isinstance(message, (RoundStart, ModelReady, RoutedRequest)):
                 self._on_announce(device_id, message)
+            if isinstance(message, RoundStart) and message.secure and self._on_secure is not None:
+                if message.federation == self.topics.federation:
+                    self._on_secure(message)  # its keys go out now, while the round waits its turn to train
             self._put("ctrl", message)
 
         return handle

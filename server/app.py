@@ -29,6 +29,7 @@ from feast_edge.route.plans import ClientPlan
 from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
 from feast_edge.run.collect import Collected, Collector, Wrapped
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
+from feast_edge.secagg.sums import SecureTerms
 from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
 from feast_edge.server.collect import DeviceCollector, RoundTerms
 from feast_edge.server.config import ServerConfig, ServerError
@@ -39,6 +40,7 @@ from feast_edge.server.host import REGISTRY, RunHost
 from feast_edge.server.jobs import DeviceJobs, JobExchange, write_jobs
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Device
+from feast_edge.server.secure import SecureCollector
 from feast_edge.server.serving import ModelServer
 from feast_edge.server.validation import FederatedValidation
 from feast_edge.server.waiting import WaitTimeout
@@ -166,7 +168,21 @@ class FederationServer(RunHost):
             max_update_norm=cfg.aggregation.max_update_norm,
             local_dp=cfg.local_dp(),
         )
-        self.collector = DeviceCollector(events.exchange, self.devices, terms, self.live)
+        if cfg.secure.secure_agg:  # the cohort's masked updates, released as per-segment sums (server.secure)
+            self.collector = SecureCollector(
+                events.exchange,
+                self.devices,
+                terms,
+                self.live,
+                secure=SecureTerms(cfg.secure.colluders, cfg.secure.secagg_bound),
+                timeout=cfg.secure.secagg_timeout,
+                publish=self.link.publish,
+                events=events,
+                out=self.out,
+                weight_ratio=cfg.aggregation.max_weight_ratio,
+            )
+        else:
+            self.collector = DeviceCollector(events.exchange, self.devices, terms, self.live)
         self.models = events.models = ModelServer(self.out, self.link, t, sender, cfg.network.send_timeout)
         self.federated = FederatedValidation(
             events.exchange,

@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,8 +71,10 @@ class RoundTerms:
         transfer: TransferInfo,
         timeout: float,
         lr: float,
+        **extra: Any,
     ) -> RoundStart:
-        """Round ``t`` of ``device``: its plan, routed transfer, lr, client seed and these terms' training settings."""
+        """Round ``t`` of ``device``: its plan, routed transfer, lr, client seed and these terms' training settings
+        (``extra``: further RoundStart.from_plan arguments, e.g. a secure round's terms)."""
         return RoundStart.from_plan(
             plan,
             federation=federation,
@@ -88,6 +90,7 @@ class RoundTerms:
             train=self.train,
             payload_dtype=self.payload_dtype,
             dp=self.local_dp,
+            **extra,
         )
 
 
@@ -197,14 +200,21 @@ class DeviceCollector:
             info = exchange.describe(device, blob)
             registered = self.devices.registry.get(device)
             message = terms.round_start(
-                plan, exchange.topics.federation, t, device, registered, info, exchange.time_left(), lr
-            )
-            expect = Expect(
-                max_bytes=len(blob) + UPLOAD_SLACK, max_samples=registered.samples if registered is not None else 0
-            )
+                plan, exchange.topics.federation, t, device, registered, info, exchange.time_left(), lr,
+                **self.round_extra(),
+            )  # fmt: skip
+            expect = self.expect(device, blob, plan, registered.samples if registered is not None else 0)
             if exchange.send(device, message, blob, info, expect) and self.live is not None:
                 self.live.routed(device, len(blob), info.count, plan.envelope.params(terms.preset, classes))
         return routed
+
+    def round_extra(self) -> dict[str, Any]:
+        """What the round messages carry beyond the plain round's (a subclass's terms)."""
+        return {}
+
+    def expect(self, device: str, blob: bytes, plan: ClientPlan, registered_samples: int) -> Expect:
+        """What ``device``'s reply may announce: an update of the size of its routed ``blob``."""
+        return Expect(max_bytes=len(blob) + UPLOAD_SLACK, max_samples=registered_samples)
 
     def check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor]) -> ClientUpdate | str:
         """``reply``'s upload decoded against the manifest routed to it and held to the update-norm bound (its change

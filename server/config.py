@@ -15,11 +15,12 @@ from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, VAL_RULES
 from feast_edge.local.recipe import TrainConfig
 from feast_edge.privacy.local import LocalDp
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
+from feast_edge.protocol.secure import MAX_SECURE_COHORT
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.run.settings import RunSettings
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
-from feast_edge.settings.concerns import Schedule, loop_settings
+from feast_edge.settings.concerns import Schedule, SecureAggregation, loop_settings
 from feast_edge.settings.nested import changed, check, flat_types, of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
@@ -165,6 +166,17 @@ class Network(Concern):
 
 
 @dataclass(frozen=True)
+class SecureRounds(SecureAggregation):
+    """Secure aggregation over MQTT: its concern's terms, and how long each key stage waits for the devices."""
+
+    secagg_timeout: float = 60.0  # seconds each stage (keys, shares, unmasking) waits for the devices still in it
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check([(self.secagg_timeout > 0, f"--secagg-timeout {self.secagg_timeout} must be > 0 seconds")])
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Everything that decides the federation's result, by concern, plus where it lives (``out``) and how it waits.
     ``ServerConfig.of(out=..., per_round=3, ...)`` takes the settings flat, by their keys, as the command line, stored
@@ -184,6 +196,7 @@ class ServerConfig:
     serving: Serving = field(default_factory=Serving)
     network: Network = field(default_factory=Network)
     schedule: Schedule = field(default_factory=Schedule)
+    secure: SecureRounds = field(default_factory=SecureRounds)
 
     @classmethod
     def of(cls, **settings: Any) -> ServerConfig:
@@ -207,6 +220,33 @@ class ServerConfig:
         except PrivacyError as exc:
             raise ServerError(str(exc)) from None
         self._check_schedule()
+        self._check_secure()
+
+    def _check_secure(self) -> None:
+        """Secure sums over MQTT: what needs each device's update, or a cohort the stages cannot carry, is refused."""
+        if not self.secure.secure_agg:
+            return
+        dp, agg = self.dp_settings(), self.aggregation
+        checks = [
+            (self.schedule.mode == "sync", "--secure-agg with --mode async: each update's staleness weight is known "
+             "only when it arrives, and a masked update cannot be weighted alone; use synchronous rounds"),
+            (agg.rule == "mean", f"--secure-agg with --aggregation {agg.rule}: a robust rule needs each device's "
+             "update, and the server sees only sums; use --aggregation mean"),
+            (self.server_optimizer().identity, f"--secure-agg with --server-opt {agg.server_opt}: the server "
+             "optimizer's step needs each update; use --server-opt avg"),
+            (dp is None, f"--secure-agg with --dp-mode {dp.mode if dp else ''}: the privacy stage clips, weighs and "
+             "keeps BN statistics per update, which masked sums do not show; distributed DP on masked sums is not "
+             "built yet: drop --dp-*"),
+            (self.population.per_round <= MAX_SECURE_COHORT, f"--secure-agg with --per-round "
+             f"{self.population.per_round}: a device's sealed shares for its cohort travel in one message, which "
+             f"holds at most {MAX_SECURE_COHORT} devices' (SecAgg+'s sparse graph is not built)"),
+            (self.population.per_round >= self.secure.colluders + 2, f"--secure-agg with --per-round "
+             f"{self.population.per_round}: a segment is revealed only over --colluders + 2 = "
+             f"{self.secure.colluders + 2} devices; sample at least that many"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ServerError(message)
 
     def _check_schedule(self) -> None:
         """Buffered asynchronous rounds (server.jobs): what needs the devices between releases is refused."""
@@ -286,7 +326,16 @@ class ServerConfig:
         ratio = self.aggregation.max_weight_ratio
         capped = {"max_weight_ratio": ratio} if ratio else {}
         asynchronous = {k: values[k] for k in flat_types(Schedule)} if self.schedule.mode == "async" else {}
-        return {**{STORED_AS.get(name, name): values[name] for name in names}, **recorded, **capped, **asynchronous}
+        secure = (
+            {k: values[k] for k in ("secure_agg", "colluders", "secagg_bound")} if self.secure.secure_agg else {}
+        )  # what is withheld and how values are encoded
+        return {
+            **{STORED_AS.get(name, name): values[name] for name in names},
+            **recorded,
+            **capped,
+            **asynchronous,
+            **secure,
+        }
 
     @classmethod
     def stored(cls, out: str | Path, **overrides: Any) -> ServerConfig:

@@ -4,6 +4,7 @@
     the run thread: pump(seconds) -> each message to the piece whose job it is:
         status, register  -> devices.DeviceBook (offline hosts -> the round exchange)
         update, declined, evaluated -> exchange.RoundExchange
+        secagg_keys, _shares, _reveal -> secure.SecureStages (a secure round's stages)
         metrics           -> the registry (and the dashboard)
         model_request     -> serving.ModelServer
 
@@ -24,6 +25,7 @@ from feast_edge.server.devices import DeviceBook
 from feast_edge.server.exchange import RoundExchange
 from feast_edge.server.inbox import Inbox
 from feast_edge.server.live import LiveView
+from feast_edge.server.secure import SECURE_KINDS, SecureStages
 from feast_edge.server.serving import ModelServer
 from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.link import Received
@@ -45,6 +47,7 @@ class Events:
         self.stop = threading.Event()  # set: every wait ends (KeyboardInterrupt in a round)
         self.exchange: RoundExchange | None = None
         self.models: ModelServer | None = None
+        self.secure: SecureStages | None = None  # the secure round in flight (--secure-agg), while its stages run
         self.filter = MessageFilter(topics.federation)  # stale rounds and foreign federations
         self._dropped = Throttle(log)  # bad input is logged, a few lines a minute per kind and sender
 
@@ -94,6 +97,8 @@ class Events:
             try:
                 if self.exchange is not None:
                     self.exchange.tick()
+                if self.secure is not None:
+                    self.secure.tick()  # a key stage whose deadline passed
                 if self.models is not None:
                     self.models.tick()  # model requests that waited for their device's interval
                 if self.live is not None:
@@ -142,6 +147,11 @@ class Events:
             exchange.on_declined(message)
         elif channel == "events" and isinstance(message, Evaluated) and exchange is not None:
             exchange.on_evaluated(message)
+        elif channel == "events" and isinstance(message, SECURE_KINDS):
+            if self.secure is None:
+                self.ignore(f"{message.kind} from {message.device}: no secure round is in flight")
+            else:
+                self.secure.on_message(message)
         elif channel == "events" and isinstance(message, Metrics):
             if self.registry.get(message.device) is not None:
                 self.registry.touch(message.device, metrics=message.values)

@@ -190,6 +190,15 @@ class RoundExchange:
         self.events.pump(0)
         return sent
 
+    def routed_of(self, device: str) -> str | None:
+        """The routed transfer ``device`` was sent in the round in flight (None: it is not in it)."""
+        pending = None if self.current is None else self.current.pending.get(device)
+        return None if pending is None else pending.routed
+
+    def give_up(self, device: str, reason: str) -> None:
+        """Stop waiting for ``device``'s reply in the round in flight: none of it will count, because of ``reason``."""
+        self._fail(device, reason, INCOMPLETE)
+
     def replies(self) -> Iterator[Reply]:
         """Each settled reply as it comes, until every device settled or went offline, or the deadline (KeyboardInterrupt on stop)."""
         current, rounds = self.current, self.settings.rounds

@@ -175,6 +175,11 @@ class LiveView:
         (device -> the version it trains from)."""
         self.state.set_run(buffer={"held": held, "size": size, "in_flight": dict(sorted(in_flight.items()))})
 
+    def secure_stage(self, stage: str, detail: str) -> None:
+        """Secure aggregation's stage in the round in flight (keys, shares, masking, unmask, done or failed)."""
+        self.state.set_run(secure={"round": None if self._round is None else self._round + 1, "stage": stage,
+                                   "detail": detail})  # fmt: skip
+
     def routed(self, device: str, size: int, chunks: int, params: int) -> None:
         """``device``'s routed payload (``size`` bytes in ``chunks`` chunks) was announced and sent."""
         self._traffic.setdefault(device, {"down": 0, "up": 0})["down"] = size
@@ -196,7 +201,7 @@ class LiveView:
         """A cohort device's own report of where it is (``phase`` downloading/training/uploading, ``done``/``total`` chunks)."""
         phase, current = values.get("phase"), self._members.get(device)
         if (
-            phase not in ("downloading", "training", "uploading")
+            phase not in ("downloading", "training", "masking", "uploading")
             or current is None
             or values.get("round") != self._round
         ):

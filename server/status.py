@@ -39,6 +39,7 @@ from feast_edge.server.coverage import holders
 from feast_edge.server.jobs import read_jobs
 from feast_edge.server.output import OWN_CAPTION, add_fleet_rows, personal_cell, served_cell
 from feast_edge.server.registry import Device, Registry
+from feast_edge.server.secure import read_stage, stage_line
 from feast_edge.util.text import duration
 
 
@@ -115,6 +116,7 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
         "served": served_record(int(fields["round"]), chosen or {}) if fields.get("round") else None,
         "own_accuracy": fleet_accuracy(models.items()).to_dict() if models else None,
         "asynchronous": asynchronous_status(out, config, history, now),
+        "secure": read_stage(out) if config.get("secure_agg") else None,  # the stage of the last secure round
         "online": sum(d.status == "online" for d in devices),
         "devices": [
             {
@@ -241,6 +243,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         best_line,
         *([words] if words else []),
         *([asynchronous_line(status["asynchronous"])] if status.get("asynchronous") else []),
+        *([stage_line(status["secure"])] if status.get("secure") else []),
         f"devices: {status['online']} of {len(status['devices'])} online",
         *([FleetAccuracy(**own).words()] if own else []),
         *([privacy_line(status["privacy"])] if status.get("privacy") else []),

@@ -18,6 +18,7 @@ otherwise the cells are those of the grid of distinct box edges.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,16 +104,37 @@ def _tensor_cells(boxes: Mapping[str, Box]) -> dict[tuple[str, ...], list[Cell]]
 def segments_of(global_state: StateDict, routed: Mapping[str, Mapping[str, Box]]) -> list[Segment]:
     """The segments of a round whose clients were routed ``routed`` (client -> tensor name -> box), over the floating
     tensors of ``global_state``; by members, sorted."""
+    return segments_over([name for name, t in global_state.items() if torch.is_floating_point(t)], routed)
+
+
+def segments_over(names: Iterable[str], routed: Mapping[str, Mapping[str, Box]]) -> list[Segment]:
+    """The segments over the floating tensors ``names`` (in sorted order: a device that holds only some of them finds
+    the same cells, in the same order, for every segment it is a member of); by members, sorted."""
     cells: dict[tuple[str, ...], dict[str, list[Cell]]] = {}
-    for name, tensor in global_state.items():
-        if not torch.is_floating_point(tensor):
-            continue
+    for name in sorted(names):
         boxes = {c: tuple(b[name]) for c, b in routed.items() if name in b and all(b[name])}
         if not boxes:
             continue
         for members, found in _tensor_cells(boxes).items():
             cells.setdefault(members, {})[name] = found
     return [Segment(members, cells[members]) for members in sorted(cells)]
+
+
+def segment_id(members: Sequence[str]) -> str:
+    """A segment's name, the same for every party that knows its members (16 hex characters)."""
+    return hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()[:16]
+
+
+def segment_values(segment: Segment) -> int:
+    """The positions of ``segment`` (its cells' sizes, summed)."""
+    return sum(_size(cell) for cells in segment.cells.values() for cell in cells)
+
+
+def _size(cell: Cell) -> int:
+    size = 1
+    for a, b in cell:
+        size *= b - a
+    return size
 
 
 def plain_sums(global_state: StateDict, updates: Iterable[tuple[str, StateDict, float]]) -> SegmentSums:

@@ -43,6 +43,7 @@ MEMBER_STATES = (
     "routed",
     "downloading",
     "training",
+    "masking",
     "uploading",
     "aggregated",
     "late",

@@ -16,6 +16,7 @@ chunked payloads; this module says what a federation says with them
     device -> server  ModelRequest  send me my exported model
     server -> device  ModelReady    the model follows as a transfer, or is not available
     server -> device  Finished      the federation is over: rounds done, whether a model was exported
+    both ways         SecAgg*       secure aggregation's stages around a round's masked update (protocol.secure)
 
 Neither side packs or unpacks a dict by hand: the server builds a
 ``RoundStart`` from the ``ClientPlan`` the core computed and the agent gets the
@@ -27,6 +28,15 @@ from feast_edge.protocol.limits import MAX_EXAMPLES, MAX_PROBES, MAX_REASON
 from feast_edge.protocol.models import Finished, Metrics, ModelReady, ModelRequest
 from feast_edge.protocol.registration import Register, Registered
 from feast_edge.protocol.round_messages import Declined, RoundStart, Update
+from feast_edge.protocol.secure import (
+    SecAggBox,
+    SecAggKeys,
+    SecAggReveal,
+    SecAggRoster,
+    SecAggShares,
+    SecAggUnmask,
+    SecureBlock,
+)
 
 __all__ = [
     "MAX_EXAMPLES",
@@ -44,5 +54,12 @@ __all__ = [
     "Registered",
     "RoutedRequest",
     "RoundStart",
+    "SecAggBox",
+    "SecAggKeys",
+    "SecAggReveal",
+    "SecAggRoster",
+    "SecAggShares",
+    "SecAggUnmask",
+    "SecureBlock",
     "Update",
 ]

@@ -11,6 +11,7 @@ from feast_edge.local.recipe import TrainConfig
 from feast_edge.privacy.local import LocalDp
 from feast_edge.protocol.limits import MAX_REASON
 from feast_edge.protocol.plans import check_plan, client_plan, plan_dict
+from feast_edge.protocol.secure import SecureBlock
 from feast_edge.route.payload import PAYLOAD_DTYPES
 from feast_edge.route.plans import ClientPlan
 from feast_edge.space.preset import Preset
@@ -44,10 +45,14 @@ class RoundStart(Message):
     train: dict[str, Any] = field(default_factory=dict)
     payload_dtype: str = "float32"  # of the routed payload, and of the update the device must send back
     dp: dict[str, Any] = field(default_factory=dict)  # local DP the device must apply ({}: none; LocalDp.wire)
+    secure: dict[str, Any] = field(default_factory=dict)  # secure aggregation's terms ({}: a plain round; SecureBlock)
 
     def check(self) -> None:
         check_ids(self, "instance")
         check_local_dp(self.dp)
+        block = self.secure_block()
+        if block is not None and self.device not in block.cohort:
+            raise ProtocolError("field 'secure' names a cohort without this device")
         check_transfer(self.transfer)
         if self.payload_dtype not in PAYLOAD_DTYPES:
             raise ProtocolError(
@@ -81,6 +86,7 @@ class RoundStart(Message):
         train: TrainConfig,
         payload_dtype: str = "float32",
         dp: LocalDp | None = None,
+        secure: SecureBlock | None = None,
     ) -> RoundStart:
         """Round ``round`` of ``device``: its plan, the routed transfer, the lr, its client seed and the training settings."""
         settings = train.settings()
@@ -100,11 +106,16 @@ class RoundStart(Message):
             payload_dtype=payload_dtype,
             plan=plan_dict(plan),
             dp={} if dp is None else dp.wire(),
+            secure={} if secure is None else secure.wire(),
         )
 
     def local_dp(self) -> LocalDp | None:
         """The local DP this round asks the device for (None: none)."""
         return LocalDp.of_wire(self.dp)
+
+    def secure_block(self) -> SecureBlock | None:
+        """The secure-aggregation terms of this round (None: a plain round; ProtocolError when malformed)."""
+        return SecureBlock.of_wire(self.secure) if self.secure else None
 
     def client_plan(self, preset: Preset) -> ClientPlan:
         """The plan this message carries, every arch validated against ``preset`` (ArchError / ProtocolError when it does not fit)."""

@@ -159,6 +159,12 @@ def expected_shapes(preset: Preset, classes: int, envelope: Envelope) -> dict[st
     return state_shapes(preset, envelope.layout(preset, classes))
 
 
+def integer_shapes(preset: Preset, envelope: Envelope) -> dict[str, tuple[int, ...]]:
+    """The integer buffers (BN batch counters) of the sub-supernet an envelope routes: name -> shape."""
+    shapes = expected_shapes(preset, preset.classes, envelope)
+    return {n: s for n, s in shapes.items() if n.endswith("num_batches_tracked")}
+
+
 def encode(state: Mapping[str, torch.Tensor], manifest: Manifest) -> bytes:
     """Serialize a (sub-)supernet state and its manifest, floating tensors in ``manifest.dtype``.
 

@@ -18,6 +18,7 @@ import numpy as np
 BITS = 32
 MODULUS = 1 << BITS
 HALF = 1 << (BITS - 1)
+DEFAULT_BOUND = 8.0  # |w · (θ' - θ_t)| per value before encoding; a local training run's change stays far below
 
 
 class FixedPointError(ValueError):

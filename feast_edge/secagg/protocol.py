@@ -17,6 +17,11 @@ Stages (each device is a :class:`Device`; the server only routes what they send 
     server        per segment with at least min_members members in U3: Σ y - Σ PRG(b[s]) ∓ the pair masks of dropped
                   members = Σ x over U3 (mod 2^32, exact); fewer: not revealed, the segment keeps its global value
 
+Every rebuilt secret is checked before use: an s key against the public key its owner advertised, a b seed against
+the commitment (SHA-256) its owner sent with its shares. A wrong share (a lying device, at stage 2 or 4) fails the
+check; the server then tries the other subsets of t shares, so up to (revealers - t) wrong shares are outvoted, and a
+secret no subset rebuilds withholds the segments that need it, with the reason (never a wrong sum, never a crash).
+
 The pair masks of two members cancel in the sum; a self-mask hides a device's y until t devices agree it masked.
 Fewer than t devices (c colluders and the server among them, c < t) cannot rebuild a seed; a segment of fewer than
 ``min_members`` (c + 2) surviving members is never unmasked, so its sum is never one honest device's update beside c
@@ -25,8 +30,10 @@ colluders'. Shares that do not open (forged, altered) are dropped with their sen
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +73,31 @@ class Setup:
         return sorted(s for s, (members, _) in self.segments.items() if device in members)
 
 
+def commitment(seed: bytes, context: str, segment: str) -> str:
+    """What a device publishes of its self-mask seed of ``segment``: a SHA-256 (hex) that checks the rebuilt seed and,
+    the seed being 128 random bits, reveals nothing of it."""
+    return hashlib.sha256(f"feast-edge secagg v1 commit {context}/{segment} ".encode() + seed).hexdigest()
+
+
+MAX_TRIES = 256  # subsets of t shares tried to rebuild one secret when the first does not check
+
+
+def rebuild(shares: Sequence[tuple[int, bytes]], threshold: int, good: Callable[[bytes], bool]) -> bytes | None:
+    """The secret of ``shares`` that passes ``good``: the first t shares, else other subsets of t (at most MAX_TRIES);
+    None when none does (too few shares, or too many wrong ones)."""
+    unique = list({i: (i, b) for i, b in shares}.values())
+    if len(unique) < threshold:
+        return None
+    for chosen in itertools.islice(itertools.combinations(unique, threshold), MAX_TRIES):
+        try:
+            secret = join_seed(list(chosen), threshold)
+        except (ShareError, ValueError):
+            continue
+        if good(secret):
+            return secret
+    return None
+
+
 def threshold_for(devices: int, colluders: int) -> int:
     """t: a majority of the devices, and more than the ``colluders``."""
     return max(devices // 2 + 1, colluders + 1)
@@ -87,6 +119,10 @@ class Device:
 
     def advertise(self) -> tuple[bytes, bytes]:
         return public_bytes(self.c_key), public_bytes(self.s_key)  # type: ignore[arg-type]
+
+    def commitments(self) -> dict[str, str]:
+        """After :meth:`share`: the commitment of each self-mask seed (segment -> hex), sent with the shares."""
+        return {s: commitment(b, self.setup.context, s) for s, b in self.self_seeds.items()}
 
     def share(self, roster: Mapping[str, tuple[bytes, bytes]]) -> dict[str, bytes]:
         """Stage 2: sealed shares for every other device of ``roster`` (the devices that advertised, U1)."""
@@ -155,6 +191,11 @@ class Device:
         dropped = set(self.masked_with) - set(masked)
         if not set(masked) <= set(self.masked_with):
             raise SecAggError("the server names devices that masked but had not shared keys: refused")
+        if len(set(masked)) < self.setup.threshold:
+            raise SecAggError(
+                f"the server names {len(set(masked))} devices that masked; fewer than t = {self.setup.threshold} "
+                "would let it rebuild seeds with the shares of too few: refused"
+            )
         revealed: dict[str, dict] = {}
         for owner, held in self.held.items():
             if owner not in self.masked_with:
@@ -180,33 +221,52 @@ def unmasked_sums(
     shared: Sequence[str],
     masked: Mapping[str, Mapping[str, np.ndarray]],
     revealed: Mapping[str, Mapping[str, dict]],
+    commitments: Mapping[str, Mapping[str, str]],
 ) -> dict[str, np.ndarray | str]:
     """The server's stage 4: each segment's Σ x over the devices that masked it (uint32), or why it stays masked.
 
     ``roster``: the public keys of U1; ``shared``: U2; ``masked``: device -> segment -> y (U3); ``revealed``:
-    device of U3 -> owner -> its share of the owner's s key or b seeds."""
+    device of U3 -> owner -> its share of the owner's s key or b seeds; ``commitments``: owner -> segment -> the
+    commitment of its b seed (every rebuilt secret is checked, see the module docstring)."""
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-    dropped = sorted(set(shared) - set(masked))
-    s_keys: dict[str, X25519PrivateKey] = {}
-    for owner in dropped:
+    def s_key_of(owner: str) -> X25519PrivateKey | None:
         shares = [(r[owner]["index"], r[owner]["s"]) for r in revealed.values() if "s" in r.get(owner, {})]
-        s_keys[owner] = X25519PrivateKey.from_private_bytes(join_seed(shares, setup.threshold))
+
+        def good(secret: bytes) -> bool:
+            key = X25519PrivateKey.from_private_bytes(secret)
+            return public_bytes(key) == roster[owner][1]
+
+        secret = rebuild(shares, setup.threshold, good)
+        return None if secret is None else X25519PrivateKey.from_private_bytes(secret)
+
+    s_keys = {owner: s_key_of(owner) for owner in sorted(set(shared) - set(masked))}
     sums: dict[str, np.ndarray | str] = {}
     for s, (members, length) in setup.segments.items():
         contributors = [m for m in members if m in masked and s in masked[m]]
         if len(contributors) < setup.min_members:
             sums[s] = f"{len(contributors)} of its devices masked it; at least {setup.min_members} must"
             continue
+        lost = [v for v in members if v in s_keys and s_keys[v] is None]
+        if lost:
+            sums[s] = f"the shares of {', '.join(lost)}'s key (it dropped after sharing) do not rebuild it"
+            continue
         context = f"{setup.context}/{s}"
         total = np.zeros(length, dtype=np.uint32)
         for u in contributors:
             total += masked[u][s]
             shares = [(r[u]["index"], r[u]["b"][s]) for r in revealed.values() if s in r.get(u, {}).get("b", {})]
-            total -= expand(join_seed(shares, setup.threshold), length, context)
-        for v in (m for m in members if m in s_keys):
-            for u in contributors:  # u added ±PRG(s_uv) with v, which masked nothing: take it out
-                pair = expand(agree(s_keys[v], roster[u][1], "pair", context), length, context)
-                total = total - pair if u < v else total + pair
-        sums[s] = total
+            expected = commitments.get(u, {}).get(s)
+            seed = rebuild(shares, setup.threshold, lambda b, u=u: commitment(b, setup.context, s) == expected)
+            if seed is None:
+                break
+            total -= expand(seed, length, context)
+        else:
+            for v in (m for m in members if m in s_keys):
+                for u in contributors:  # u added ±PRG(s_uv) with v, which masked nothing: take it out
+                    pair = expand(agree(s_keys[v], roster[u][1], "pair", context), length, context)  # type: ignore[arg-type]
+                    total = total - pair if u < v else total + pair
+            sums[s] = total
+            continue
+        sums[s] = f"the shares of {u}'s self-mask seed do not rebuild the seed it committed to"
     return sums

@@ -1,11 +1,11 @@
-"""A round's per-segment sums through secure aggregation (feast_edge.secagg.protocol), in process: what
-``feast-edge simulate --secure-agg`` releases, and what the plain sums (feast_edge.aggregate.segments.plain_sums)
-are compared with.
+"""A round's per-segment sums through secure aggregation (feast_edge.secagg.protocol): the encoding every device
+applies, the release the server makes of the unmasked sums, and both in one process (:func:`secure_sums`, what
+``feast-edge simulate --secure-agg`` releases; the MQTT stages, feast_edge.server.secure, use the same pieces).
 
 Each device encodes, per segment it is routed, its weighted change w · (θ' - θ_t) on the segment's cells and its
-weight w = n / n_max (the cohort's largest count is public: the registry), clipped to ±``bound`` per value, in 32-bit
-fixed point; the weight rides as the last value, so W = Σ w is summed securely too. The server unmasks
-S = Σ w(θ' - θ_t) and W, and releases θ_t + S / W on the segment (as S_s / W_s over n_i θ'_i: the same mean).
+weight w = n / n_max (the cohort's largest registered count is public: the registry), clipped to ±``bound`` per
+value, in 32-bit fixed point; the weight rides as the last value, so W = Σ w is summed securely too. The server
+unmasks S = Σ w(θ' - θ_t) and W, and releases θ_t + S / W on the segment (as S_s / W_s over n_i θ'_i: the same mean).
 A segment masked by fewer than c + 2 devices is withheld and keeps θ_t, with the reason.
 """
 
@@ -19,11 +19,109 @@ import numpy as np
 import torch
 
 from feast_edge.aggregate.checks import StateDict
-from feast_edge.aggregate.segments import Segment, SegmentSum, SegmentSums, _index, segments_of
-from feast_edge.secagg.fixed import FixedPoint
+from feast_edge.aggregate.segments import (
+    Segment,
+    SegmentSum,
+    SegmentSums,
+    _index,
+    segment_id,
+    segment_values,
+    segments_of,
+    segments_over,
+)
+from feast_edge.route.envelope import Envelope
+from feast_edge.route.payload import expected_shapes
+from feast_edge.secagg.fixed import DEFAULT_BOUND, FixedPoint
 from feast_edge.secagg.protocol import Device, Setup, threshold_for, unmasked_sums
+from feast_edge.space.preset import Preset
 
-DEFAULT_BOUND = 8.0  # |w · (θ' - θ_t)| per value before encoding; a local training run's change stays far below
+
+@dataclass(frozen=True)
+class SecureTerms:
+    """What every party of a secure round agrees on: c, the clipping bound, and from them t, the smallest revealed
+    segment and the fixed-point encoding of a cohort."""
+
+    colluders: int = 1
+    bound: float = DEFAULT_BOUND
+
+    @property
+    def min_members(self) -> int:
+        return self.colluders + 2
+
+    def setup(self, context: str, segments: Mapping[str, Segment], cohort: int) -> Setup:
+        lengths = {sid: segment_values(seg) + 1 for sid, seg in segments.items()}  # + the weight
+        return Setup(
+            context,
+            {sid: (seg.members, lengths[sid]) for sid, seg in segments.items()},
+            threshold_for(cohort, self.colluders),
+            self.min_members,
+        )
+
+    def code(self, cohort: int) -> FixedPoint:
+        return FixedPoint.for_sum(cohort, self.bound)
+
+
+def named(segments: Sequence[Segment]) -> dict[str, Segment]:
+    """The segments by their ids (feast_edge.aggregate.segments.segment_id)."""
+    return {segment_id(s.members): s for s in segments}
+
+
+def cohort_segments(preset: Preset, cohort: Mapping[str, Envelope]) -> dict[str, Segment]:
+    """The segments of a cohort routed these envelopes (device -> envelope), by id: what the server and every device
+    of a secure round derive alike from the round's public terms (feast_edge.protocol.secure.SecureBlock)."""
+    routed = {d: expected_shapes(preset, preset.classes, e) for d, e in cohort.items()}
+    names = {n for shapes in routed.values() for n in shapes if not n.endswith("num_batches_tracked")}
+    return named(segments_over(names, routed))
+
+
+def _parts(segment: Segment) -> list[tuple[str, tuple]]:
+    return [(name, cell) for name, cells in segment.cells.items() for cell in cells]
+
+
+def encode_change(
+    segment: Segment,
+    base: Mapping[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
+    weight: float,
+    code: FixedPoint,
+) -> tuple[np.ndarray, int]:
+    """One device's input to ``segment``: w · (θ' - θ_t) on its cells, then w, encoded; and how many values were
+    clipped. ``base`` (θ_t) and ``state`` (θ') may be the routed slice or the global state: cells are leading-slice
+    coordinates, the same in both."""
+    change = [
+        (weight * (state[n][_index(cell)].double() - base[n][_index(cell)].double())).flatten().numpy()
+        for n, cell in _parts(segment)
+    ]
+    values = np.concatenate([*change, [weight]])
+    return code.encode(values), int(np.count_nonzero(np.abs(values) > code.bound))
+
+
+def release(
+    segments: Mapping[str, Segment],
+    unmasked: Mapping[str, np.ndarray | str],
+    global_state: Mapping[str, torch.Tensor],
+    code: FixedPoint,
+) -> tuple[list[SegmentSum], dict[str, str]]:
+    """The sums S_s = Σ w θ' and W_s of each unmasked segment, and why each other one is withheld (members -> reason)."""
+    released, withheld = [], {}
+    for sid, segment in segments.items():
+        result = unmasked.get(sid, "no device masked it")
+        if isinstance(result, str):
+            withheld[", ".join(segment.members)] = result
+            continue
+        decoded = code.decode(result)
+        weight, offset, values = float(decoded[-1]), 0, {}
+        if not weight > 0:
+            withheld[", ".join(segment.members)] = f"its summed weight is {weight:g}; weights must be > 0"
+            continue
+        for n, cell in _parts(segment):
+            base = global_state[n][_index(cell)].double()
+            size = base.numel()
+            change = torch.from_numpy(decoded[offset : offset + size].copy()).reshape(base.shape)
+            values.setdefault(n, []).append(change + weight * base)  # S = Σ w θ' = Σ w (θ' - θ_t) + W θ_t
+            offset += size
+        released.append(SegmentSum(segment, weight, values))
+    return released, withheld
 
 
 @dataclass
@@ -38,10 +136,6 @@ class SecureRound:
     seconds: dict[str, float] = field(default_factory=dict)  # "devices" (all of them, in turn) and "server"
 
 
-def _parts(segment: Segment) -> list[tuple[str, tuple]]:
-    return [(name, cell) for name, cells in segment.cells.items() for cell in cells]
-
-
 def secure_sums(
     global_state: StateDict,
     updates: Sequence[tuple[str, StateDict, float]],
@@ -52,60 +146,34 @@ def secure_sums(
 ) -> SecureRound:
     """The per-segment sums of ``updates`` (client, routed state, n_i) as the server unmasks them (see the module
     docstring); every device of ``updates`` takes part in every stage."""
+    terms = SecureTerms(colluders, bound)
     states = {c: s for c, s, _ in updates}
     n_max = max(float(n) for _, _, n in updates)
     weights = {c: float(n) / n_max for c, _, n in updates}
     routed = {c: {name: tuple(t.shape) for name, t in s.items()} for c, s in states.items()}
-    segments = {f"s{k}": seg for k, seg in enumerate(segments_of(global_state, routed))}
-    code = FixedPoint.for_sum(len(states), bound)
+    segments = named(segments_of(global_state, routed))
+    code = terms.code(len(states))
     inputs: dict[str, dict[str, np.ndarray]] = {c: {} for c in states}
-    lengths, clipped = {}, 0
+    clipped = 0
     for sid, segment in segments.items():
-        parts = _parts(segment)
         for c in segment.members:
-            change = [
-                (weights[c] * (states[c][n][_index(cell)].double() - global_state[n][_index(cell)].double()))
-                .flatten()
-                .numpy()
-                for n, cell in parts
-            ]
-            values = np.concatenate([*change, [weights[c]]])
-            clipped += int(np.count_nonzero(np.abs(values) > bound))
-            inputs[c][sid] = code.encode(values)
-            lengths[sid] = len(values)
-    setup = Setup(
-        context,
-        {sid: (seg.members, lengths[sid]) for sid, seg in segments.items()},
-        threshold_for(len(states), colluders),
-        colluders + 2,
-    )
+            inputs[c][sid], over = encode_change(segment, global_state, states[c], weights[c], code)
+            clipped += over
+    setup = terms.setup(context, segments, len(states))
     began = time.perf_counter()
     devices = {c: Device(c, setup, inputs[c]) for c in sorted(states)}
     roster = {c: d.advertise() for c, d in devices.items()}
     sealed = {c: d.share(roster) for c, d in devices.items()}
+    commitments = {c: d.commitments() for c, d in devices.items()}
     for c, d in devices.items():
         d.receive({sender: boxes[c] for sender, boxes in sealed.items() if sender != c})
     shared = sorted(devices)
     masked = {c: d.mask(shared) for c, d in devices.items()}
     revealed = {c: d.unmask(sorted(masked)) for c, d in devices.items()}
     on_devices = time.perf_counter() - began
-    unmasked = unmasked_sums(setup, roster, shared, masked, revealed)
+    unmasked = unmasked_sums(setup, roster, shared, masked, revealed, commitments)
     on_server = time.perf_counter() - began - on_devices
-    released, withheld = [], {}
-    for sid, segment in segments.items():
-        result = unmasked[sid]
-        if isinstance(result, str):
-            withheld[", ".join(segment.members)] = result
-            continue
-        decoded = code.decode(result)
-        weight, offset, values = float(decoded[-1]), 0, {}
-        for n, cell in _parts(segment):
-            base = global_state[n][_index(cell)].double()
-            size = base.numel()
-            change = torch.from_numpy(decoded[offset : offset + size].copy()).reshape(base.shape)
-            values.setdefault(n, []).append(change + weight * base)  # S = Σ w θ' = Σ w (θ' - θ_t) + W θ_t
-            offset += size
-        released.append(SegmentSum(segment, weight, values))
+    released, withheld = release(segments, unmasked, global_state, code)
     integers = [{n: t for n, t in s.items() if not torch.is_floating_point(t)} for s in states.values()]
     upload = {c: sum(len(v) for v in masked[c].values()) for c in masked}
     shares = {c: sum(len(b) for b in boxes.values()) for c, boxes in sealed.items()}

@@ -12,6 +12,7 @@ from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.privacy.settings import DpSettings, PrivacyError, dp_of
 from feast_edge.run.asynchronous import SERVER_LR, AsyncSettings
 from feast_edge.run.settings import RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
+from feast_edge.secagg.fixed import DEFAULT_BOUND
 from feast_edge.settings.nested import Concern, SettingsError, check, setting
 
 
@@ -163,6 +164,24 @@ class Validation(Concern):
         )
 
 
+@dataclass(frozen=True)
+class SecureAggregation(Concern):
+    """Secure aggregation per routed segment (feast_edge.secagg): the server sees each segment's sum over at least
+    c + 2 devices, never one device's update."""
+
+    secure_agg: bool = False
+    colluders: int = 1  # c: devices besides the server that may collude
+    secagg_bound: float = DEFAULT_BOUND  # |w · (θ' - θ_t)| per value, clipped before encoding
+
+    def __post_init__(self) -> None:
+        check(
+            [
+                (self.colluders >= 0, f"--colluders {self.colluders} must be >= 0"),
+                (self.secagg_bound > 0, f"--secagg-bound {self.secagg_bound} must be > 0"),
+            ]
+        )
+
+
 MODES = ("sync", "async")
 
 
@@ -227,7 +246,9 @@ def loop_settings(
         clip_norm=rule.clip_norm,
         lr_schedule=schedule,
         payload_dtype=rule.payload_dtype,
-        max_weight_ratio=rule.max_weight_ratio,
+        # Secure sums weigh each device by its capped registered count before masking (feast_edge.server.secure):
+        # the loop's own cap, which needs each update, is then not run.
+        max_weight_ratio=0.0 if getattr(config, "secure", None) and config.secure.secure_agg else rule.max_weight_ratio,
         server_opt=server_step(config, averaging),
         dp=config.privacy.settings(),
         dp_on_devices=dp_on_devices,

@@ -17,7 +17,6 @@ from feast_edge.local.recipe import TrainConfig
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.privacy.private_rounds import check_plan
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
-from feast_edge.secagg.sums import DEFAULT_BOUND
 from feast_edge.settings import (
     Aggregation,
     Concern,
@@ -29,7 +28,7 @@ from feast_edge.settings import (
     Validation,
     flat,
 )
-from feast_edge.settings.concerns import server_step
+from feast_edge.settings.concerns import SecureAggregation, server_step
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of
 from feast_edge.sim.clock import CLOCKS, RATE, ClockModel
 from feast_edge.sim.registry import method_class
@@ -108,24 +107,6 @@ class Personalization(Concern):
             raise SettingsError(
                 f"--holdout {self.holdout!r} must be a fraction between 0 and {MAX_HOLDOUT}, e.g. --holdout 0.1"
             )
-
-
-@dataclass(frozen=True)
-class SecureAggregation(Concern):
-    """Secure aggregation per routed segment (feast_edge.secagg): the server sees each segment's sum over at least
-    c + 2 devices, never one device's update."""
-
-    secure_agg: bool = False
-    colluders: int = 1  # c: devices besides the server that may collude
-    secagg_bound: float = DEFAULT_BOUND  # |w · (θ' - θ_t)| per value, clipped before encoding
-
-    def __post_init__(self) -> None:
-        check(
-            [
-                (self.colluders >= 0, f"--colluders {self.colluders} must be >= 0"),
-                (self.secagg_bound > 0, f"--secagg-bound {self.secagg_bound} must be > 0"),
-            ]
-        )
 
 
 @dataclass(frozen=True)

@@ -85,9 +85,11 @@ def _check_value(name: str, value: Any, annotation: Any) -> Any:
             raise ProtocolError(f"field {name!r} must be a JSON object, got {type(value).__name__}")
         return value
     if typing.get_origin(annotation) is tuple:
+        item = (typing.get_args(annotation) or (int,))[0]
         if not isinstance(value, (list, tuple)):
-            raise ProtocolError(f"field {name!r} must be a list of integers, got {type(value).__name__}")
-        return tuple(_check_value(f"{name}[{i}]", v, int) for i, v in enumerate(value))
+            what = "integers" if item is int else "strings"
+            raise ProtocolError(f"field {name!r} must be a list of {what}, got {type(value).__name__}")
+        return tuple(_check_value(f"{name}[{i}]", v, item) for i, v in enumerate(value))
     raise TypeError(f"unsupported message field type {annotation!r} for {name!r}")
 
 

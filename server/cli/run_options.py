@@ -42,6 +42,10 @@ _OWN = {
     "concurrency": "async: devices training at once (M); a device that finishes frees its slot, refilled at once by a seeded uniform draw from the idle online devices.",
     "max_staleness": "async: an update trained from a model more than this many releases old is refused and counted.",
     "staleness": "async: the discount of a stale update's weight: sqrt (1/sqrt(1+tau)), hinge (none up to 2, then 1/(tau-1)) or constant (central DP needs constant).",
+    "secure_agg": "Secure aggregation per routed segment: the devices mask their updates and the server unmasks only each segment's sum over at least --colluders + 2 devices, never one device's update; a segment with fewer keeps its global value (docs/security.md §10, docs/protocol.md §8).",
+    "colluders": "--secure-agg: c, the devices besides the server that may collude; a segment's sum is revealed only over at least c + 2 devices.",
+    "secagg_bound": "--secure-agg: each device's weighted change per value is clipped to +-this before 32-bit fixed-point encoding (what one device can add to a sum the server cannot check).",
+    "secagg_timeout": "--secure-agg: seconds each key stage (keys, sealed shares, unmasking) waits for the devices still in the round; a device that misses one is out of the round.",
     "wait_timeout": "Idle limit: end the run (last round checkpointed) when a round waited this long for enough devices (0: wait forever).",
 }
 HELP = {

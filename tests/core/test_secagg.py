@@ -17,7 +17,7 @@ from feast_edge.sim.simulate import Simulation
 from simconfigs import tiny_config
 
 
-def _round(setup: Setup, inputs: dict, drop_after_sharing=(), drop_after_masking=(), tamper=None):
+def _round(setup: Setup, inputs: dict, drop_after_sharing=(), drop_after_masking=(), tamper=None, lie=None):
     """The four stages over in-process devices; the server's unmasked sums and the devices."""
     devices = {
         name: Device(name, setup, inputs.get(name, {}))
@@ -25,6 +25,7 @@ def _round(setup: Setup, inputs: dict, drop_after_sharing=(), drop_after_masking
     }
     roster = {name: d.advertise() for name, d in devices.items()}
     sealed = {name: d.share(roster) for name, d in devices.items()}
+    commitments = {name: d.commitments() for name, d in devices.items()}
     shared = [n for n in devices if n not in drop_after_sharing]
     for name in shared:
         inbox = {sender: sealed[sender][name] for sender in shared if sender != name}
@@ -33,7 +34,9 @@ def _round(setup: Setup, inputs: dict, drop_after_sharing=(), drop_after_masking
         assert devices[name].receive(inbox) == []
     masked = {n: devices[n].mask(shared) for n in shared if n not in drop_after_masking}
     revealed = {n: devices[n].unmask(sorted(masked)) for n in masked}
-    return unmasked_sums(setup, roster, shared, masked, revealed), devices
+    if lie is not None:
+        revealed = lie(revealed)
+    return unmasked_sums(setup, roster, shared, masked, revealed, commitments), devices
 
 
 def test_fixed_point_sums_exactly_within_its_range_and_refuses_a_range_it_cannot_hold() -> None:
@@ -83,8 +86,33 @@ def test_a_device_that_drops_after_sharing_or_after_masking_costs_only_its_own_i
     assert sums["all"].tolist() == [1 + 2 + 3 + 4] * 4
     sums, _ = _round(setup, inputs, drop_after_masking=("d", "e"))  # their pair masks are rebuilt and removed
     assert sums["all"].tolist() == [1 + 2 + 3] * 4
-    with pytest.raises(ShareError, match="shares of a seed that needs 3"):
-        _round(setup, inputs, drop_after_masking=("c", "d", "e"))  # 2 survivors: below t, nothing can be rebuilt
+    with pytest.raises(SecAggError, match="fewer than t = 3"):
+        _round(setup, inputs, drop_after_masking=("c", "d", "e"))  # 2 survivors: below t, no device reveals a share
+
+
+def test_a_lying_revealer_is_outvoted_and_a_seed_no_subset_rebuilds_withholds_its_segment_with_the_reason() -> None:
+    names = ("a", "b", "c", "d", "e")
+    setup = Setup("lab/r6", {"all": (names, 4)}, threshold=3, min_members=3)
+    inputs = {n: {"all": np.full(4, i + 1, dtype=np.uint32)} for i, n in enumerate(names)}
+
+    def flip(share: bytes) -> bytes:
+        return bytes([share[0] ^ 1]) + share[1:]
+
+    def one_liar(revealed):  # e reveals a wrong share of a's self-mask seed and of d's key (d dropped)
+        revealed["e"]["a"]["b"]["all"] = flip(revealed["e"]["a"]["b"]["all"])
+        revealed["e"]["d"]["s"] = flip(revealed["e"]["d"]["s"])
+        return revealed
+
+    sums, _ = _round(setup, inputs, drop_after_masking=("d",), lie=one_liar)
+    assert sums["all"].tolist() == [1 + 2 + 3 + 5] * 4  # the commitment and d's public key name the wrong shares
+
+    def two_liars(revealed):  # of the four revealers, b and e lie about a's seed: no 3 honest shares remain
+        for liar in ("b", "e"):
+            revealed[liar]["a"]["b"]["all"] = flip(revealed[liar]["a"]["b"]["all"])
+        return revealed
+
+    sums, _ = _round(setup, inputs, drop_after_masking=("d",), lie=two_liars)
+    assert sums["all"] == "the shares of a's self-mask seed do not rebuild the seed it committed to"
 
 
 def test_a_segment_with_fewer_than_c_plus_2_surviving_members_is_never_unmasked() -> None:

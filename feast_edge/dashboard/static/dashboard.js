@@ -142,6 +142,7 @@
       deadline.removeAttribute("data-deadline");
     }
     renderBuffer(s.run.buffer);
+    renderSecure(s.run.secure);
     const rows = (r ? r.members : []).map(function (m) {
       const tr = document.createElement("tr");
       tr.setAttribute("data-device", m.device);
@@ -170,6 +171,14 @@
     if (!b) return;
     const jobs = Object.entries(b.in_flight || {}).map(([device, version]) => device + " (version " + version + ")");
     line.textContent = "buffer " + b.held + "/" + b.size + " updates · training: " + (jobs.join(", ") || "none");
+  }
+
+  // Secure aggregation (feast-server run --secure-agg): the stage of the round in flight; hidden otherwise.
+  function renderSecure(s) {
+    const line = byId("round-secure");
+    line.hidden = !s;
+    if (!s) return;
+    line.textContent = "secure aggregation, round " + s.round + ": " + s.stage + " · " + s.detail;
   }
 
   // ------------------------------------------------------------------ charts
