@@ -45,6 +45,8 @@ def print_round(record: RoundRecord, rounds: int) -> None:
         extra.append(f"offline {', '.join(record.dropped)}")
     if record.missing:
         extra.append(f"no reply {', '.join(record.missing)}")
+    if record.withheld:  # secure aggregation: segments of fewer than c + 2 devices kept their global value
+        extra.append(f"{len(record.withheld)} segment{'s' * (len(record.withheld) != 1)} withheld")
     val = _pct(record.val_accuracy)
     if record.validation.get("source") == "devices":
         val += f" (on {len(record.validation.get('devices', []))} devices)"

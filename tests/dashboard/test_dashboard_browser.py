@@ -99,6 +99,13 @@ def test_a_filled_state_renders_and_updates_live(
     wait_until(
         driver, lambda d: "staleness 2" in d.find_element("css selector", '#fleet tr[data-device="jetson"]').text
     )
+    # Secure aggregation: the stage of the round in flight, through LiveView.secure_stage's state.
+    assert not driver.find_element("id", "round-secure").is_displayed()
+    filled.set_run(secure={"round": 3, "stage": "unmask", "detail": "5 masked updates in"})
+    wait_until(driver, lambda d: d.find_element("id", "round-secure").is_displayed(), message="no secure stage")
+    assert driver.find_element("id", "round-secure").text == (
+        "secure aggregation, round 3: unmask · 5 masked updates in"
+    )
     filled.set_device("jetson", online=True)
     wait_until(
         driver,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -21,6 +22,12 @@ from feast_edge.protocol import (
     Register,
     Registered,
     RoundStart,
+    SecAggBox,
+    SecAggKeys,
+    SecAggReveal,
+    SecAggRoster,
+    SecAggShares,
+    SecAggUnmask,
     Update,
 )
 from feast_edge.transport.errors import ProtocolError
@@ -69,6 +76,16 @@ EXAMPLES = [
     ModelRequest(**COMMON),
     ModelReady(**COMMON, transfer=INFO, manifest={"macs": 24957968}),
     Finished(**COMMON, rounds=10, completed=10, instance="a1b2", model=True),
+    SecAggKeys(**COMMON, routed="t0", c_key="ab" * 32, s_key="cd" * 32),
+    SecAggRoster(**COMMON, routed="t0", keys={"dev-1": ["ab" * 32, "cd" * 32], "dev-2": ["01" * 32, "23" * 32]}),
+    SecAggShares(**COMMON, routed="t0", shares={"dev-2": "AAEC"}, commitments={"0123456789abcdef": "ef" * 32}),
+    SecAggBox(**COMMON, routed="t0", shared=("dev-1", "dev-2"), shares={"dev-2": "AAEC"}),
+    SecAggUnmask(**COMMON, routed="t0", masked=("dev-1", "dev-2")),
+    SecAggReveal(
+        **COMMON,
+        routed="t0",
+        shares={"dev-1": {"index": 1, "b": {"0123456789abcdef": "00" * 16}}, "dev-2": {"index": 2, "s": "11" * 32}},
+    ),
 ]
 
 
@@ -446,3 +463,45 @@ def test_a_declined_message_needs_a_bounded_reason() -> None:
     for reason in ("", "x" * (MAX_REASON + 1)):
         with pytest.raises(ProtocolError, match="needs a reason"):
             Declined(**COMMON, routed="t1", reason=reason)
+
+
+SECAGG = {"v": 1, **COMMON, "msg_id": "m1", "routed": "t0"}
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"kind": "secagg_keys", "c_key": "AB" * 32, "s_key": "cd" * 32}, "64 lowercase hex"),
+        ({"kind": "secagg_keys", "c_key": "ab" * 31, "s_key": "cd" * 32}, "64 lowercase hex"),
+        ({"kind": "secagg_roster", "keys": {f"d{i}": ["ab" * 32, "cd" * 32] for i in range(65)}}, "1 to 64 distinct"),
+        ({"kind": "secagg_roster", "keys": {"d1": ["ab" * 32]}}, "two public keys"),
+        ({"kind": "secagg_shares", "shares": {"d2": "not base64!"}, "commitments": {}}, "not base64"),
+        ({"kind": "secagg_shares", "shares": {"d2": "A" * 6000}, "commitments": {}}, "at most 4096 bytes"),
+        ({"kind": "secagg_shares", "shares": {}, "commitments": {"short": "ef" * 32}}, "16 lowercase hex"),
+        ({"kind": "secagg_box", "shared": ["d1"], "shares": {"d2": "AAEC"}}, "not in 'shared'"),
+        ({"kind": "secagg_unmask", "masked": ["d1", "d1"]}, "distinct devices"),
+        ({"kind": "secagg_reveal", "shares": {"d1": {"index": 0, "s": "11" * 32}}}, "index of d1 must be 1-255"),
+        ({"kind": "secagg_reveal", "shares": {"d1": {"index": 1, "s": "11" * 32, "b": {}}}}, "either 's' or 'b'"),
+        ({"kind": "secagg_reveal", "shares": {"d1": {"index": 1, "b": {"0123456789abcdef": "11" * 32}}}}, "32 lowercase"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else v["kind"],
+)
+def test_secure_aggregation_stages_refuse_malformed_input_at_the_wire(body: dict, named: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(named)):
+        parse(json.dumps({**SECAGG, **body}).encode())
+
+
+def test_a_round_with_malformed_secure_terms_is_refused_at_the_wire() -> None:
+    envelope = {"stem_w": 0, "depths": [0, 0, 0, 0], "stage_w": [0, 0, 0, 0]}
+    good = {"colluders": 1, "threshold": 2, "bound": 8.0, "frac": 20, "cohort": {"jetson-1": envelope, "pi-2": envelope},
+            "counts": {"jetson-1": 50, "pi-2": 40}}  # fmt: skip
+    start = RoundStart(**COMMON, **ROUND, transfer=INFO, deadline=1.0, secure=good)
+    assert parse(start.encode()).secure_block().weight("pi-2") == 40 / 50
+    for bad, named in (
+        ({**good, "threshold": 3}, "threshold or frac outside its range"),
+        ({**good, "counts": {"jetson-1": 50}}, "a count for each cohort device"),
+        ({**good, "threshold": 1, "cohort": {"pi-2": envelope}, "counts": {"pi-2": 40}}, "cohort without this device"),
+        ({**good, "extra": 1}, "must hold colluders"),
+    ):
+        with pytest.raises(ProtocolError, match=named):
+            RoundStart(**COMMON, **ROUND, transfer=INFO, deadline=1.0, secure=bad)

@@ -4,19 +4,30 @@ when devices drop after masking, and the server never holds one device's update.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from slowagents import agents_running
+from test_federation_failures import PRESET, ScriptedDevice, scripted_server, shifted
 
 import feast_edge.agent.secure_round as agent_side
 import feast_edge.server.secure as server_side
 from feast_edge.agent.agent import Agent, AgentConfig
 from feast_edge.agent.local_data import load_clients
+from feast_edge.protocol import SecAggBox, SecAggKeys, SecAggReveal, SecAggRoster, SecAggShares, SecAggUnmask, Update
+from feast_edge.protocol.secure import sealed_wire
+from feast_edge.secagg.fixed import FixedPoint
+from feast_edge.secagg.keys import ShareError, agree, expand, join_seed
+from feast_edge.secagg.masked import encode_masked
+from feast_edge.secagg.protocol import Device
+from feast_edge.secagg.sums import SecureTerms, cohort_segments, encode_change
 from feast_edge.server.status import read_status
 from feast_edge.sim.shards import write_partition
 from feast_edge.transport.broker import LinkConfig
+from feast_edge.transport.frames import describe
 from simconfigs import tiny_config
 
 pytestmark = [pytest.mark.broker]
@@ -55,9 +66,11 @@ def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_
         server_side.unmasked_sums,
     )
 
+    parties: dict = {}
+
     def upload(self, start, base, state, deadline, abandon):
         blob = real_upload(self, start, base, state, deadline, abandon)
-        party = self._parties[start.transfer["transfer"]]
+        parties[start.device] = party = self._parties[start.transfer["transfer"]]
         encoded[start.device] = dict(party.device.inputs)
         return blob
 
@@ -67,7 +80,10 @@ def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_
             return
         real_reveal(self, party, request)
 
+    seen: list[tuple] = []  # everything the server held when it unmasked: keys, U2, masked uploads, shares
+
     def sums(*args):
+        seen.append(args)
         unmasked.append(real_sums(*args))
         return unmasked[-1]
 
@@ -100,6 +116,143 @@ def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_
     withheld = {s: v for s, v in sums.items() if isinstance(v, str)}
     assert all("at least 3 must" in why for why in withheld.values()), withheld
     assert len(record.withheld) == len(withheld)
+    _no_single_update_from_what_the_server_saw(seen[0], parties, encoded, dropping)
     stage = read_status(tmp_path)["secure"]
     assert stage["stage"] == "done" and stage["round"] == 1, stage
     assert "4 of 6 devices revealed shares" in stage["detail"], stage
+
+
+class SecureScripted(ScriptedDevice):
+    """A device that runs the secure stages by hand (feast_edge.secagg.protocol.Device), and may lie at each."""
+
+    def take_round(self) -> None:
+        self.start, _, self.routed = self.next_round()
+        block = self.start.secure_block()
+        assert block is not None
+        self.block, self.segments = block, cohort_segments(PRESET, block.cohort)
+        setup = SecureTerms(block.colluders, block.bound).setup(f"{self.fed}/round {self.start.round}", self.segments,
+                                                                len(block.cohort))  # fmt: skip
+        self.party, self.code = Device(self.device_id, setup, {}), FixedPoint(block.bound, block.frac)
+
+    def say(self, kind: type, *, routed: str | None = None, **fields: object) -> None:
+        message = kind(federation=self.fed, round=self.start.round, device=self.device_id,
+                       routed=routed or self.start.transfer["transfer"], **fields)  # fmt: skip
+        self.link.publish(self.topics.events(self.device_id), message.encode(), timeout=5)
+
+    def advertise(self) -> None:
+        c_key, s_key = self.party.advertise()
+        self.say(SecAggKeys, c_key=c_key.hex(), s_key=s_key.hex())
+
+    def share(self, tamper=None) -> None:
+        sealed = self.party.share(self._next(SecAggRoster).roster())
+        self.say(SecAggShares, shares=sealed_wire(tamper(sealed) if tamper else sealed),
+                 commitments=self.party.commitments())  # fmt: skip
+
+    def open_box(self) -> list[str]:
+        box = self._next(SecAggBox)
+        self.shared = box.shared
+        return self.party.receive(box.sealed())
+
+    def masked_update(self, delta: float) -> None:
+        state, me = shifted(self.routed, delta), self.device_id
+        self.party.inputs = {
+            s: encode_change(self.segments[s], self.routed, state, self.block.weight(me), self.code)[0]
+            for s in self.party.setup.routed(me)
+        }
+        integers = {n: t for n, t in state.items() if not t.is_floating_point()}
+        blob = encode_masked(self.party.mask(self.shared), integers, self.start.round, me)
+        info = describe(blob, federation=self.fed, round=self.start.round, device=me, chunk_size=64 * 1024)
+        update = Update(federation=self.fed, round=self.start.round, device=me, transfer=info.to_dict(),
+                        routed=self.start.transfer["transfer"], samples=50, metrics={"loss": 1.0})  # fmt: skip
+        self.send(update, blob)
+
+    def reveal(self, lie=None) -> None:
+        revealed = self.party.unmask(self._next(SecAggUnmask).masked)
+        self.say(SecAggReveal, shares=SecAggReveal.wire(lie(revealed) if lie else revealed))
+
+
+def test_a_lying_device_s_forged_share_wrong_reveals_and_malformed_stage_messages_never_change_the_exact_sum(
+    kit, tmp_path: Path, federation: str
+) -> None:
+    """Four provisioned devices of one budget (one segment, c = 1, t = 3); d lies at every stage. The round releases
+    θ_t + the mean of the four changes, exactly as encoded: d's lies are refused or outvoted, never a crash."""
+    server = scripted_server(
+        kit, tmp_path, federation, 1, per_round=4, min_clients=4, start_clients=4, secure_agg=True,
+        secagg_timeout=15, server_opt="avg", round_timeout=30,
+    )  # fmt: skip
+    names = ["a", "b", "c", "d"]
+    devices = {n: SecureScripted(federation, n) for n in names}
+    deltas = {"a": 0.125, "b": 0.25, "c": 0.375, "d": 0.5}
+    try:
+        for device in devices.values():
+            assert device.register(samples=50).accepted
+        for device in devices.values():
+            device.take_round()
+        liar = devices["d"]
+        liar.say(SecAggKeys, routed="not-its-round", c_key="00" * 32, s_key="00" * 32)  # another round's: ignored
+        for device in devices.values():
+            device.advertise()
+        raw = json.dumps({"v": 1, "kind": "secagg_shares", "federation": federation, "round": 0, "device": "d",
+                          "msg_id": "f" * 32, "routed": liar.start.transfer["transfer"], "commitments": {},
+                          "shares": {f"x{i}": "AA==" for i in range(65)}}).encode()  # fmt: skip
+        liar.link.publish(liar.topics.events("d"), raw, timeout=5)  # 65 recipients: refused at parse
+
+        def forge_for_a(sealed: dict) -> dict:
+            sealed["a"] = bytes([sealed["a"][0] ^ 1]) + sealed["a"][1:]
+            return sealed
+
+        for name, device in devices.items():
+            device.share(forge_for_a if name == "d" else None)
+        assert devices["a"].open_box() == ["d"]  # a names the share it cannot open
+        for name in "bcd":
+            assert devices[name].open_box() == []
+        for name, device in devices.items():
+            device.masked_update(deltas[name])
+
+        def lie(revealed: dict) -> dict:
+            for owner in ("a", "b"):  # wrong shares of two honest devices' self-mask seeds
+                seeds = revealed[owner]["b"]
+                for s in seeds:
+                    seeds[s] = bytes([seeds[s][0] ^ 1]) + seeds[s][1:]
+            return revealed
+
+        for name in "abc":
+            devices[name].reveal()
+        liar.reveal(lie)
+        history = server.join(60)
+        final = server.server.model.state_dict()
+    finally:
+        for device in devices.values():
+            device.close()
+        server.close()
+    assert history[0].applied and not history[0].withheld and not history[0].rejected, history[0]
+    routed, mean = devices["a"].routed, sum(deltas.values()) / 4
+    for name, value in routed.items():
+        if value.is_floating_point():
+            got = final[name][tuple(slice(0, n) for n in value.shape)]
+            assert torch.allclose(got, value + mean, atol=1e-4), name
+
+
+def _no_single_update_from_what_the_server_saw(seen: tuple, parties: dict, encoded: dict, dropping: set) -> None:
+    """The named reconstructions, from every key, masked upload and revealed share the server held, alone and with
+    one colluding device (c = 1): each leaves an honest device's input hidden behind another honest member's mask."""
+    setup, roster, shared, masked, revealed, _ = seen
+    for segment, (members, length) in setup.segments.items():
+        contributors = [m for m in members if segment in masked.get(m, {})]
+        if len(contributors) < 3:
+            continue
+        context = f"{setup.context}/{segment}"
+        for target in contributors:
+            colluder = next(m for m in contributors if m != target)
+            shares = [(r[target]["index"], r[target]["b"][segment]) for r in revealed.values()
+                      if segment in r.get(target, {}).get("b", {})]  # fmt: skip
+            guess = masked[target][segment] - expand(join_seed(shares, setup.threshold), length, context)
+            assert not np.array_equal(guess, encoded[target][segment])  # masked upload and its self-mask off
+            pair = expand(agree(parties[colluder].device.s_key, roster[target][1], "pair", context), length, context)
+            guess = guess - pair if target < colluder else guess + pair
+            assert not np.array_equal(guess, encoded[target][segment])  # and the colluder's pair mask off
+            # The colluder's share of the target's s key and the revealed ones stay below t: the key stays hidden.
+            s_shares = [(parties[colluder].device.held[target]["index"], parties[colluder].device.held[target]["s"])]
+            s_shares += [(r[target]["index"], r[target]["s"]) for r in revealed.values() if "s" in r.get(target, {})]
+            with pytest.raises(ShareError):
+                join_seed(s_shares, setup.threshold)
