@@ -169,6 +169,12 @@ class FederationServer(RunHost):
             local_dp=cfg.local_dp(),
         )
         if cfg.secure.secure_agg:  # the cohort's masked updates, released as per-segment sums (server.secure)
+            log.info(
+                "--secure-agg: the server sees per-segment sums of at least %d devices, never one update; "
+                "--max-update-norm is not applied (each device clips its weighted change to ±%g per value)",
+                cfg.secure.colluders + 2,
+                cfg.secure.secagg_bound,
+            )
             self.collector = SecureCollector(
                 events.exchange,
                 self.devices,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from feast_edge.run.collect import Collected
+from feast_edge.run.collect import Collected, Wrapped
 from feast_edge.settings import flat
 from feast_edge.sim.collect import InProcessCollector
 from feast_edge.sim.methods import Method, method_class
@@ -288,10 +288,17 @@ class Spread:
         except BaseException:
             self.close(ok=False)
             raise
+        # The in-process collector trains the cohort; wrappers around it (secure sums) stay, around the spread one.
+        outer, inner = None, sim.collector
+        while isinstance(inner, Wrapped):
+            outer, inner = inner, inner.inner
         self.collector = SpreadCollector(
-            sim.setup, sim.method, channel, self.config.training.rounds, self_reported=sim.collector.self_reported
+            sim.setup, sim.method, channel, self.config.training.rounds, self_reported=inner.self_reported
         )
-        sim.collector = self.collector
+        if outer is None:
+            sim.collector = self.collector
+        else:
+            outer.inner = self.collector
 
     def close(self, ok: bool = True) -> None:
         """Stop the other ranks (at once when rank 0 failed) and leave the process group."""

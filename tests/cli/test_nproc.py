@@ -158,3 +158,24 @@ def test_a_spread_run_resumes_to_the_weights_of_an_uninterrupted_one(fashion_mni
         finally:
             spread.close()
     _assert_same_tensors(tmp_path / "whole" / CHECKPOINT, tmp_path / "resumed" / CHECKPOINT)
+
+
+@pytest.mark.slow
+def test_secure_sums_release_the_same_weights_whatever_the_number_of_processes(fashion_mnist_dir, tmp_path, one_thread):
+    """--secure-agg over a cohort spread over 2 processes: fresh random masks every run, the same released weights
+    (the masks cancel exactly and the fixed-point sum is exact)."""
+    config = tiny_config(fashion_mnist_dir, per_round=3, clients=3, rounds=2, seed=3, batch_size=64).changed(
+        secure_agg=True, colluders=0
+    )
+    whole = Simulation(config, tmp_path / "whole")
+    whole.run()
+    assert all(h.applied for h in whole.loop.history)
+    sim = Simulation(config, tmp_path / "spread")
+    spread = Spread(config, nproc=2, threads=1, command=COMMAND)
+    spread.attach(sim)
+    try:
+        sim.run()
+    finally:
+        spread.close()
+    assert [h.withheld for h in sim.loop.history] == [h.withheld for h in whole.loop.history]
+    _assert_same_tensors(tmp_path / "whole" / CHECKPOINT, tmp_path / "spread" / CHECKPOINT)

@@ -93,6 +93,33 @@ def test_the_server_runs_the_optimizer_it_is_given_and_records_it(tmp_path: Path
         ServerConfig.of(out=str(tmp_path), server_opt="adam", server_tau=0.0)
 
 
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        (dict(mode="async", eval_every=10), "--secure-agg with --mode async: each update's staleness weight"),
+        (dict(aggregation="median"), "--secure-agg with --aggregation median: a robust rule needs each device's"),
+        (dict(server_opt="adam"), "--secure-agg with --server-opt adam: the server optimizer's step"),
+        (dict(dp_mode="local", dp_clip=1.0, dp_noise=1.0), "--secure-agg with --dp-mode local"),
+        (dict(per_round=65), "--per-round 65: a device's sealed shares for its cohort travel in one message"),
+        (dict(per_round=2, min_clients=2), "--per-round 2: a segment is revealed only over --colluders \\+ 2 = 3"),
+    ],
+)
+def test_secure_aggregation_refuses_what_needs_single_updates_or_a_cohort_the_stages_cannot_carry(
+    tmp_path: Path, changes: dict, named: str
+) -> None:
+    with pytest.raises(ServerError, match=named):
+        ServerConfig.of(out=str(tmp_path), secure_agg=True, rounds=10, **changes)
+
+
+def test_secure_aggregation_is_in_the_fingerprint_and_runs_without_the_loop_s_weight_cap(tmp_path: Path) -> None:
+    config = ServerConfig.of(out=str(tmp_path), secure_agg=True, colluders=2, secagg_bound=4.0)
+    decisive = config.decisive()
+    assert (decisive["secure_agg"], decisive["colluders"], decisive["secagg_bound"]) == (True, 2, 4.0)
+    assert config.aggregation.max_weight_ratio > 0  # the counts that weigh each device are capped by the collector
+    assert config.settings().max_weight_ratio == 0.0  # the loop's own cap would need each update
+    assert "secure_agg" not in ServerConfig.of(out=str(tmp_path)).decisive()
+
+
 def test_asynchronous_rounds_refuse_what_needs_the_devices_between_releases_and_record_their_settings(
     tmp_path: Path,
 ) -> None:

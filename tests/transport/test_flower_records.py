@@ -179,6 +179,10 @@ def test_the_query_names_this_version_the_federation_and_the_preset() -> None:
             {"out-dir": "/tmp/x", "mode": "async", "buffer": 5},
             "run config buffer, mode: buffered asynchronous rounds run in feast-edge simulate --mode async",
         ),
+        (
+            {"out-dir": "/tmp/x", "secure-agg": True, "colluders": 1},
+            "run config colluders, secure-agg: secure aggregation per routed segment runs in feast-server run",
+        ),
         ({"out-dir": "/tmp/x", "rounds": "two"}, "rounds = 'two' must be a int"),
         ({"out-dir": "/tmp/x", "rounds": 0}, "--rounds 0 must be at least 1"),
         ({"out-dir": "/tmp/x", "server-betas": "0.9"}, "betas"),

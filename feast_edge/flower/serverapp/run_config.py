@@ -23,18 +23,21 @@ from feast_edge.flower.records import check_flower_dtype
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.settings import flat_types
-from feast_edge.settings.concerns import Schedule
+from feast_edge.settings.concerns import Schedule, SecureAggregation
 
 # ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid, and the
 # devices' BN statistics (with their combination rule) are the MQTT server's. (The nodes' validation without data is
 # the Flower run's too: val-rule combines it.)
 # --recipe KEY=VALUE pairs have no run-config form (a TOML table would need its own check).
-NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", "recipe", *flat_types(Schedule)}
+NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", "recipe", *flat_types(Schedule),
+              *flat_types(SecureAggregation), "secagg_timeout"}  # fmt: skip
 # node-data, node-holdout: the simulated nodes' partition and held-out share (ClientApp)
 EXTRA = {"out-dir": str, "export": bool, "personalize": str, "node-data": str, "node-holdout": float}
 EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
 # feast-edge simulate's asynchronous schedule (feast_edge.settings.Schedule): refused with the reason
 ASYNC_KEYS = {"mode", "buffer", "concurrency", "max-staleness", "staleness"}
+# feast-server's secure aggregation per routed segment: refused with the reason
+SECURE_KEYS = {"secure-agg", "colluders", "secagg-bound", "secagg-timeout"}
 
 
 def run_config_keys() -> dict[str, Any]:
@@ -73,6 +76,14 @@ def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
             f"run config {', '.join(asynchronous)}: buffered asynchronous rounds run in feast-edge simulate --mode "
             "async (docs/simulation.md §12) and feast-server run --mode async; a Flower ServerApp drives synchronous rounds of its Grid (Flower has no "
             "asynchronous strategy): drop these keys"
+        )
+    secure = sorted(k for k in run_config if k in SECURE_KEYS)
+    if secure:
+        raise ServerError(
+            f"run config {', '.join(secure)}: secure aggregation per routed segment runs in feast-server run "
+            "--secure-agg and feast-edge simulate --secure-agg (docs/security.md §10); its four stages are not built "
+            "as Flower messages, and Flower's own SecAgg+ masks the full parameter vector, so routed slices would be "
+            "zero-padded (4-64x the upload): drop these keys"
         )
     unknown = sorted(k for k in run_config if k not in keys)
     if unknown:
