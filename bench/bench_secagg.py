@@ -8,7 +8,9 @@ Cost (in this process, one thread): a cohort of N clients with Zipf budgets over
 quartile: the masked upload in 32-bit values (one weight per masked segment included) against the plain sparse
 upload of the same tensors in float32 (same bytes per value) and in float16; the sealed key shares each client
 sends (key material, reported apart); the server's and the devices' time for one round's secure sums (all four
-stages, every device in process) against the plain sums of the same updates.
+stages, every device in process) against the plain sums of the same updates; each with every pair of a segment's
+members masking (``--secagg-neighbours`` N - 1) and with SecAgg+'s neighbour graph (``--secagg-neighbours 0``:
+k = 2⌈log2 N⌉, at least 8; every pair up to 16 clients), side by side.
 
 Accuracy (``--accuracy``, ``feast-edge simulate`` subprocesses, one thread each): one Zipf fleet (20 clients, 5 per
 round, ``--rounds`` rounds, 4,000 training images), plain sums against secure sums with c = 0 (a segment revealed
@@ -38,6 +40,7 @@ from feast_edge.aggregate.segments import plain_sums  # noqa: E402
 from feast_edge.cache.variants import load_cache  # noqa: E402
 from feast_edge.route.envelope import route_state  # noqa: E402
 from feast_edge.route.plans import plan_client  # noqa: E402
+from feast_edge.secagg.protocol import degree_for  # noqa: E402
 from feast_edge.secagg.sums import plain_values, secure_sums  # noqa: E402
 from feast_edge.sim.population import zipf_budgets  # noqa: E402
 from feast_edge.space.preset import load_preset  # noqa: E402
@@ -65,15 +68,17 @@ def cost(n: int) -> None:
     began = time.perf_counter()
     plain_sums(global_state, updates)
     plain_seconds = time.perf_counter() - began
-    began = time.perf_counter()
-    done = secure_sums(global_state, updates, colluders=1)
-    secure_seconds = time.perf_counter() - began
+    graphs = {"every pair": n - 1, f"SecAgg+ graph, k = {degree_for(n) or n - 1}": 0}  # --secagg-neighbours
+    for name, neighbours in graphs.items():
+        began = time.perf_counter()
+        done = secure_sums(global_state, updates, colluders=1, neighbours=neighbours)
+        secure_seconds = time.perf_counter() - began
+        print(f"\n{n} clients, {name}: one round's secure sums {secure_seconds:.1f} s (the server's part "
+              f"{done.seconds['server']:.2f} s, the devices' {done.seconds['devices'] / n:.2f} s each on average) "
+              f"against plain sums {plain_seconds:.2f} s; {len(done.withheld)} segments withheld; key material "
+              f"(sealed shares) sent per client {statistics.mean(done.share_bytes.values()) / 1024:.1f} KiB")  # fmt: skip
     plain = plain_values(updates)
     order = sorted(range(n), key=lambda i: budgets[i])
-    print(f"\n{n} clients: one round's secure sums {secure_seconds:.1f} s (the server's part {done.seconds['server']:.2f} s, "
-          f"the devices' {done.seconds['devices'] / n:.2f} s each on average) against plain sums {plain_seconds:.2f} s; "
-          f"{len(done.withheld)} segments withheld; key material (sealed shares) sent per client "
-          f"{statistics.mean(done.share_bytes.values()) / 1024:.1f} KiB")  # fmt: skip
     print(
         "| budget quartile | clients | plain upload (fp32 values) | masked upload | / fp32 | / fp16 | withheld values |"
     )

@@ -119,12 +119,12 @@ class SecureRounds:
     def _advertise(self, start: RoundStart) -> None:
         block = start.secure_block()
         assert block is not None
-        terms = SecureTerms(block.colluders, block.bound)
+        terms = SecureTerms(block.colluders, block.bound, block.degree)
         try:
             segments = cohort_segments(self.preset, block.cohort)
         except (FeastError, ValueError, KeyError, IndexError) as exc:
             raise ProtocolError(f"its cohort's envelopes do not fit preset {self.preset.name}: {exc}") from None
-        setup = terms.setup(f"{start.federation}/round {start.round}", segments, len(block.cohort))
+        setup = terms.setup(f"{start.federation}/round {start.round}", segments, len(block.cohort), block.degree)
         if setup.threshold != block.threshold:
             raise ProtocolError(f"threshold {block.threshold} is not t = {setup.threshold} for this cohort and c")
         party = Party(start, block, Device(start.device, setup, {}), segments, FixedPoint(block.bound, block.frac))

@@ -180,7 +180,7 @@ class FederationServer(RunHost):
                 self.devices,
                 terms,
                 self.live,
-                secure=SecureTerms(cfg.secure.colluders, cfg.secure.secagg_bound),
+                secure=SecureTerms(cfg.secure.colluders, cfg.secure.secagg_bound, cfg.secure.secagg_neighbours),
                 timeout=cfg.secure.secagg_timeout,
                 publish=self.link.publish,
                 events=events,

@@ -15,7 +15,8 @@ from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, VAL_RULES
 from feast_edge.local.recipe import TrainConfig
 from feast_edge.privacy.local import LocalDp
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
-from feast_edge.protocol.secure import MAX_SECURE_COHORT
+from feast_edge.protocol.secure import MAX_HOLDERS, MAX_SECURE_COHORT
+from feast_edge.secagg.protocol import degree_for
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.run.settings import RunSettings
@@ -226,7 +227,9 @@ class ServerConfig:
         """Secure sums over MQTT: what needs each device's update, or a cohort the stages cannot carry, is refused."""
         if not self.secure.secure_agg:
             return
-        dp, agg = self.dp_settings(), self.aggregation
+        dp, agg, n = self.dp_settings(), self.aggregation, self.population.per_round
+        degree = degree_for(n, self.secure.secagg_neighbours)
+        holders = n - 1 if not degree else min(n - 1, 2 * ((degree + 1) // 2))  # the devices one device's shares go to
         checks = [
             (self.schedule.mode == "sync", "--secure-agg with --mode async: each update's staleness weight is known "
              "only when it arrives, and a masked update cannot be weighted alone; use synchronous rounds"),
@@ -238,8 +241,12 @@ class ServerConfig:
              "keeps BN statistics per update, which masked sums do not show; distributed DP on masked sums is not "
              "built yet: drop --dp-*"),
             (self.population.per_round <= MAX_SECURE_COHORT, f"--secure-agg with --per-round "
-             f"{self.population.per_round}: a device's sealed shares for its cohort travel in one message, which "
-             f"holds at most {MAX_SECURE_COHORT} devices' (SecAgg+'s sparse graph is not built)"),
+             f"{self.population.per_round}: a round's roster of keys travels in one message, which holds at most "
+             f"{MAX_SECURE_COHORT} devices'"),
+            (holders <= MAX_HOLDERS, f"--secure-agg with --per-round {self.population.per_round} and "
+             f"--secagg-neighbours {self.secure.secagg_neighbours}: each device's sealed shares for its {holders} "
+             f"neighbours travel in one message, which holds at most {MAX_HOLDERS}: give --secagg-neighbours "
+             f"{MAX_HOLDERS} or fewer (0 chooses 2⌈log2 n⌉)"),
             (self.population.per_round >= self.secure.colluders + 2, f"--secure-agg with --per-round "
              f"{self.population.per_round}: a segment is revealed only over --colluders + 2 = "
              f"{self.secure.colluders + 2} devices; sample at least that many"),

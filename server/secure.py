@@ -124,10 +124,11 @@ class SecureStages:
             self._ignore(message, f"shares are taken once from a device of the roster (now: {self.stage})")
             return
         sealed = message.sealed()
-        expected = set(self.keys) - {sender}
+        holders = self.setup.holders(sender)
+        expected = (set(self.keys) if holders is None else set(holders) & set(self.keys)) - {sender}
         if set(sealed) != expected or set(message.commitments) != set(self.setup.routed(sender)):
-            self._ignore(message, "it must seal one share for each other device of the roster and commit to a seed "
-                         "for each segment it is routed")  # fmt: skip
+            self._ignore(message, "it must seal one share for each other device of the roster that holds its shares "
+                         "and commit to a seed for each segment it is routed")  # fmt: skip
             return
         self.sealed[sender], self.commitments[sender] = sealed, dict(message.commitments)
         if len(self.sealed) == len(self.keys):
@@ -189,7 +190,7 @@ class SecureStages:
         self._out(late, f"it sent no sealed shares within {self.timeout:g} s")
         self.shared = tuple(sorted(self.sealed))
         for device in self.shared:
-            mine = {sender: boxes[device] for sender, boxes in self.sealed.items() if sender != device}
+            mine = {sender: boxes[device] for sender, boxes in self.sealed.items() if device in boxes}
             box = SecAggBox(federation=self.federation, round=self.t, device=device, routed=self.routed[device],
                             shared=self.shared, shares=sealed_wire(mine))  # fmt: skip
             self.send(device, box)
@@ -280,7 +281,9 @@ class SecureCollector(DeviceCollector):
         setup = terms.setup(f"{federation}/round {t}", segments, len(cohort))
         code = terms.code(len(cohort))
         counts = self.counts(cohort, self.weight_ratio)
-        self._block = SecureBlock(terms.colluders, setup.threshold, terms.bound, code.frac, envelopes, counts)
+        self._block = SecureBlock(
+            terms.colluders, setup.threshold, terms.bound, code.frac, envelopes, counts, setup.degree
+        )
         self._masked, self._integers, self._t = {}, {}, t
         self.stages = stages = SecureStages(
             setup,

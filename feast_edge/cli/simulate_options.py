@@ -32,6 +32,7 @@ HELP = {
     "secure_agg": "Secure aggregation per routed segment: the server unmasks each segment's sum over at least --colluders + 2 clients, never one client's update; a segment with fewer keeps its global value (docs/security.md §10).",
     "colluders": "--secure-agg: c, the clients besides the server that may collude; a segment's sum is revealed only over at least c + 2 clients.",
     "secagg_bound": "--secure-agg: each client's weighted change per value is clipped to +-this before 32-bit fixed-point encoding.",
+    "secagg_neighbours": "--secure-agg: k, how many others each device masks with in each segment and seals its shares for (SecAgg+'s neighbour graph; 0: every other device up to 16 per round, 2*ceil(log2 n) beyond).",
     "mode": 'sync: the paper\'s rounds, each waiting for its cohort; async: buffered asynchronous rounds, released every --buffer updates, never waiting for the slowest client (docs/simulation.md, "Asynchronous rounds").',
     "buffer": "async: updates per release (K); --rounds counts releases.",
     "concurrency": "async: clients training at once (M); a freed slot is refilled by a seeded uniform draw from the idle clients.",

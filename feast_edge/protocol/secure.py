@@ -31,7 +31,8 @@ from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.messages import MAX_INT, Message, check_ids, message_kind
 from feast_edge.transport.topics import validate_id
 
-MAX_SECURE_COHORT = 64  # devices of one secure round: every device's sealed shares travel in one 64 KiB message
+MAX_SECURE_COHORT = 256  # devices of one secure round (a roster of 256 key pairs is about 36 KiB)
+MAX_HOLDERS = 64  # devices one device's shares go to: its sealed shares travel in one 64 KiB message
 MAX_SEGMENTS = 64  # segments one device is routed (one self-mask seed each)
 MAX_SEALED = 4096  # bytes of one sealed share (12 nonce + 16 tag + its JSON: an s-key share and a b share per segment)
 KEY_HEX = 64  # an X25519 public key, or an s-key share, in hex
@@ -75,6 +76,7 @@ class SecureBlock:
     frac: int
     cohort: dict[str, Envelope]  # every cohort device's routed envelope: the segments follow from them
     counts: dict[str, int]  # every cohort device's aggregation count (registered, capped): weight = count / max
+    degree: int = 0  # k of the neighbour graph (0: every member masks with every other; Setup.graph)
 
     def weight(self, device: str) -> float:
         return self.counts[device] / max(self.counts.values())
@@ -87,14 +89,15 @@ class SecureBlock:
             "frac": self.frac,
             "cohort": {d: e.to_dict() for d, e in sorted(self.cohort.items())},
             "counts": dict(sorted(self.counts.items())),
+            "degree": self.degree,
         }
 
     @classmethod
     def of_wire(cls, value: dict[str, Any]) -> SecureBlock:
         """The terms of a ``secure`` field (ProtocolError when malformed)."""
-        if set(value) != {"colluders", "threshold", "bound", "frac", "cohort", "counts"}:
-            raise ProtocolError("field 'secure' must hold colluders, threshold, bound, frac, cohort and counts")
-        ints = {k: value[k] for k in ("colluders", "threshold", "frac")}
+        if set(value) != {"colluders", "threshold", "bound", "frac", "cohort", "counts", "degree"}:
+            raise ProtocolError("field 'secure' must hold colluders, threshold, bound, frac, cohort, counts and degree")
+        ints = {k: value[k] for k in ("colluders", "threshold", "frac", "degree")}
         for k, v in ints.items():
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_INT:
                 raise ProtocolError(f"field 'secure.{k}' must be a non-negative integer")
@@ -119,7 +122,11 @@ class SecureBlock:
                 envelopes[device] = Envelope.from_dict(data)
             except (KeyError, TypeError, ValueError):
                 raise ProtocolError(f"field 'secure.cohort' has a malformed envelope for {device}") from None
-        return cls(ints["colluders"], ints["threshold"], float(bound), ints["frac"], envelopes, dict(counts))
+        if ints["degree"] >= len(cohort):
+            raise ProtocolError("field 'secure.degree' must be below the cohort's size (0: every other device)")
+        return cls(
+            ints["colluders"], ints["threshold"], float(bound), ints["frac"], envelopes, dict(counts), ints["degree"]
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +208,8 @@ class SecAggShares(_Stage):
     def check(self) -> None:
         super().check()
         _sealed("shares", self.shares)
+        if len(self.shares) > MAX_HOLDERS:
+            raise ProtocolError(f"field 'shares' seals shares for more than {MAX_HOLDERS} devices")
         if len(self.commitments) > MAX_SEGMENTS:
             raise ProtocolError(f"field 'commitments' names more than {MAX_SEGMENTS} segments")
         for segment, digest in self.commitments.items():

@@ -20,9 +20,11 @@ class SecureSums(PlainSums):
     """``inner``'s rounds, each as the securely aggregated sums of its valid updates; the updates keep only what was
     reported, the withheld segments (fewer than c + 2 contributors) their reason."""
 
-    def __init__(self, inner: Collector, colluders: int = 1, bound: float = DEFAULT_BOUND, context: str = "") -> None:
+    def __init__(
+        self, inner: Collector, colluders: int = 1, bound: float = DEFAULT_BOUND, context: str = "", neighbours: int = 0
+    ) -> None:
         super().__init__(inner)
-        self.colluders, self.bound, self.context = colluders, bound, context
+        self.colluders, self.bound, self.context, self.neighbours = colluders, bound, context, neighbours
         self.clipped = 0  # values clipped to ±bound before encoding, over the run
         self.upload_values: dict[str, int] = {}  # the last round's masked upload of each client, in 32-bit values
 
@@ -35,6 +37,7 @@ class SecureSums(PlainSums):
             colluders=self.colluders,
             bound=self.bound,
             context=f"{self.context}/round {t}",
+            neighbours=self.neighbours,
         )
         self.clipped += done.clipped
         self.upload_values = done.upload_values

@@ -30,9 +30,12 @@ colluders'. Shares that do not open (forged, altered) are dropped with their sen
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
+import math
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,18 +62,74 @@ class SecAggError(ValueError):
 
 @dataclass(frozen=True)
 class Setup:
-    """What every party of a round knows: the segments (id -> members, length in values), t and min_members."""
+    """What every party of a round knows: the segments (id -> members, length in values), t and min_members, and the
+    neighbour graph's degree k (0: every member masks with every other one; SecAgg+ otherwise, see :meth:`graph`)."""
 
     context: str  # federation and round: every key and mask is bound to it
     segments: Mapping[str, tuple[tuple[str, ...], int]]
     threshold: int
     min_members: int
+    degree: int = 0
 
     def members(self, segment: str) -> tuple[str, ...]:
         return self.segments[segment][0]
 
     def routed(self, device: str) -> list[str]:
         return sorted(s for s, (members, _) in self.segments.items() if device in members)
+
+    @functools.cached_property
+    def graph(self) -> dict[str, dict[str, frozenset[str]]]:
+        """segment -> member -> the members it masks with (SecAgg+, Bell et al. 2020): each segment's
+        :func:`circulant` graph of degree k over its members."""
+        return {
+            segment: circulant(members, self.degree, f"{self.context}/{segment}")
+            for segment, (members, _) in self.segments.items()
+        }
+
+    @functools.cached_property
+    def _holders(self) -> dict[str, frozenset[str]]:
+        cohort = sorted({m for members, _ in self.segments.values() for m in members})
+        return circulant(cohort, self.degree, f"{self.context}/holders")
+
+    def neighbours(self, device: str, segment: str) -> frozenset[str]:
+        return self.graph[segment].get(device, frozenset())
+
+    def holders(self, device: str) -> tuple[str, ...] | None:
+        """Who holds ``device``'s shares, itself included: its k neighbours in one circulant graph over the whole
+        cohort (None with k = 0: every device of the round). Any t of them rebuild its secrets; they need not be the
+        devices it masks with."""
+        if not self.degree:
+            return None
+        return tuple(sorted(self._holders.get(device, frozenset()) | {device}))
+
+    def threshold_of(self, device: str) -> int:
+        """t for ``device``'s secrets: a majority of its holders, and more than c (the round's t with k = 0)."""
+        holders = self.holders(device)
+        return self.threshold if holders is None else threshold_for(len(holders), self.min_members - 2)
+
+
+def circulant(members: Sequence[str], degree: int, context: str) -> dict[str, frozenset[str]]:
+    """member -> its neighbours: everyone else when there are at most k + 1 members (or k = 0), else a circulant
+    graph over the members in a random order drawn from ``context`` (public: every party derives it alike), each
+    joined to the ⌈k/2⌉ before and after it."""
+    half = (degree + 1) // 2
+    if not degree or len(members) <= 2 * half + 1:
+        return {m: frozenset(members) - {m} for m in members}
+    order = sorted(members)
+    random.Random(hashlib.sha256(f"feast-edge secagg v1 graph {context}".encode()).digest()).shuffle(order)
+    n = len(order)
+    return {m: frozenset(order[(i + d) % n] for d in range(-half, half + 1) if d) for i, m in enumerate(order)}
+
+
+def degree_for(devices: int, asked: int = 0) -> int:
+    """The neighbour graph's degree k for a round of ``devices``: ``asked`` when given, else 0 (every other member)
+    up to AUTO_COMPLETE devices, 2⌈log2 n⌉ (at least 8) beyond: SecAgg+'s O(log n)."""
+    if asked:
+        return 0 if asked >= devices - 1 else asked
+    return 0 if devices <= AUTO_COMPLETE else min(devices - 1, max(8, 2 * math.ceil(math.log2(devices))))
+
+
+AUTO_COMPLETE = 16  # devices of a round up to which every member masks with every other
 
 
 def commitment(seed: bytes, context: str, segment: str) -> str:
@@ -126,16 +185,15 @@ class Device:
 
     def share(self, roster: Mapping[str, tuple[bytes, bytes]]) -> dict[str, bytes]:
         """Stage 2: sealed shares for every other device of ``roster`` (the devices that advertised, U1)."""
-        if len(roster) < self.setup.threshold:
-            raise SecAggError(
-                f"{len(roster)} devices advertised keys; the round needs at least t = {self.setup.threshold}"
-            )
+        holders, t = self.setup.holders(self.name), self.setup.threshold_of(self.name)
+        order = sorted(roster) if holders is None else [h for h in holders if h in roster]
+        if len(order) < t:
+            raise SecAggError(f"{len(order)} of the devices that hold this device's shares advertised keys; t = {t}")
         self.roster = dict(roster)
-        order = sorted(roster)
         self.self_seeds = {s: new_seed(SELF_SEED_BYTES) for s in self.setup.routed(self.name)}
         s_private = self.s_key.private_bytes_raw()  # type: ignore[attr-defined]
-        s_shares = split_seed(s_private, self.setup.threshold, len(order))
-        b_shares = {s: split_seed(b, self.setup.threshold, len(order)) for s, b in self.self_seeds.items()}
+        s_shares = split_seed(s_private, t, len(order))
+        b_shares = {s: split_seed(b, t, len(order)) for s, b in self.self_seeds.items()}
         sealed = {}
         for k, device in enumerate(order):
             if device == self.name:  # its own share stays here (it reveals it like the others' when it survives)
@@ -177,8 +235,9 @@ class Device:
                 continue
             context = f"{self.setup.context}/{s}"
             y = self.inputs[s].astype(np.uint32) + expand(self.self_seeds[s], len(self.inputs[s]), context)
+            near = self.setup.neighbours(self.name, s)
             for v in members:
-                if v != self.name:
+                if v in near:
                     pair = agree(self.s_key, self.roster[v][1], "pair", context)  # type: ignore[arg-type]
                     mask = expand(pair, len(y), context)
                     y = y + mask if self.name < v else y - mask
@@ -191,9 +250,10 @@ class Device:
         dropped = set(self.masked_with) - set(masked)
         if not set(masked) <= set(self.masked_with):
             raise SecAggError("the server names devices that masked but had not shared keys: refused")
-        if len(set(masked)) < self.setup.threshold:
+        if len(set(masked)) < self.setup.threshold_of(self.name):
             raise SecAggError(
-                f"the server names {len(set(masked))} devices that masked; fewer than t = {self.setup.threshold} "
+                f"the server names {len(set(masked))} devices that masked; fewer than t = "
+                f"{self.setup.threshold_of(self.name)} "
                 "would let it rebuild seeds with the shares of too few: refused"
             )
         revealed: dict[str, dict] = {}
@@ -237,7 +297,7 @@ def unmasked_sums(
             key = X25519PrivateKey.from_private_bytes(secret)
             return public_bytes(key) == roster[owner][1]
 
-        secret = rebuild(shares, setup.threshold, good)
+        secret = rebuild(shares, setup.threshold_of(owner), good)
         return None if secret is None else X25519PrivateKey.from_private_bytes(secret)
 
     s_keys = {owner: s_key_of(owner) for owner in sorted(set(shared) - set(masked))}
@@ -257,13 +317,14 @@ def unmasked_sums(
             total += masked[u][s]
             shares = [(r[u]["index"], r[u]["b"][s]) for r in revealed.values() if s in r.get(u, {}).get("b", {})]
             expected = commitments.get(u, {}).get(s)
-            seed = rebuild(shares, setup.threshold, lambda b, u=u: commitment(b, setup.context, s) == expected)
+            seed = rebuild(shares, setup.threshold_of(u), lambda b, u=u: commitment(b, setup.context, s) == expected)
             if seed is None:
                 break
             total -= expand(seed, length, context)
         else:
             for v in (m for m in members if m in s_keys):
-                for u in contributors:  # u added ±PRG(s_uv) with v, which masked nothing: take it out
+                for u in (c for c in contributors if v in setup.neighbours(c, s)):  # u added ±PRG(s_uv) with v,
+                    # which masked nothing: take it out
                     pair = expand(agree(s_keys[v], roster[u][1], "pair", context), length, context)  # type: ignore[arg-type]
                     total = total - pair if u < v else total + pair
             sums[s] = total

@@ -32,29 +32,37 @@ from feast_edge.aggregate.segments import (
 from feast_edge.route.envelope import Envelope
 from feast_edge.route.payload import expected_shapes
 from feast_edge.secagg.fixed import DEFAULT_BOUND, FixedPoint
-from feast_edge.secagg.protocol import Device, Setup, threshold_for, unmasked_sums
+from feast_edge.secagg.protocol import Device, Setup, degree_for, threshold_for, unmasked_sums
 from feast_edge.space.preset import Preset
 
 
 @dataclass(frozen=True)
 class SecureTerms:
-    """What every party of a secure round agrees on: c, the clipping bound, and from them t, the smallest revealed
+    """What every party of a secure round agrees on: c, the clipping bound and the neighbour graph's degree asked for
+    (0: chosen from the cohort's size, feast_edge.secagg.protocol.degree_for), and from them t, the smallest revealed
     segment and the fixed-point encoding of a cohort."""
 
     colluders: int = 1
     bound: float = DEFAULT_BOUND
+    neighbours: int = 0
 
     @property
     def min_members(self) -> int:
         return self.colluders + 2
 
-    def setup(self, context: str, segments: Mapping[str, Segment], cohort: int) -> Setup:
+    def setup(self, context: str, segments: Mapping[str, Segment], cohort: int, degree: int | None = None) -> Setup:
+        """The round's setup; ``degree``: the graph's, as the server resolved it (a device takes the round's)."""
         lengths = {sid: segment_values(seg) + 1 for sid, seg in segments.items()}  # + the weight
+        degree = degree_for(cohort, self.neighbours) if degree is None else degree
+        # t: a majority of the cohort with every device holding every other's shares; with a sparse graph each
+        # device's own (Setup.threshold_of), and a round needs at least c + 2 devices at every stage.
+        threshold = threshold_for(cohort, self.colluders) if not degree else self.min_members
         return Setup(
             context,
             {sid: (seg.members, lengths[sid]) for sid, seg in segments.items()},
-            threshold_for(cohort, self.colluders),
+            threshold,
             self.min_members,
+            degree,
         )
 
     def code(self, cohort: int) -> FixedPoint:
@@ -143,10 +151,11 @@ def secure_sums(
     colluders: int = 1,
     bound: float = DEFAULT_BOUND,
     context: str = "simulation",
+    neighbours: int = 0,
 ) -> SecureRound:
     """The per-segment sums of ``updates`` (client, routed state, n_i) as the server unmasks them (see the module
     docstring); every device of ``updates`` takes part in every stage."""
-    terms = SecureTerms(colluders, bound)
+    terms = SecureTerms(colluders, bound, neighbours)
     states = {c: s for c, s, _ in updates}
     n_max = max(float(n) for _, _, n in updates)
     weights = {c: float(n) / n_max for c, _, n in updates}
@@ -166,7 +175,7 @@ def secure_sums(
     sealed = {c: d.share(roster) for c, d in devices.items()}
     commitments = {c: d.commitments() for c, d in devices.items()}
     for c, d in devices.items():
-        d.receive({sender: boxes[c] for sender, boxes in sealed.items() if sender != c})
+        d.receive({sender: boxes[c] for sender, boxes in sealed.items() if c in boxes})
     shared = sorted(devices)
     masked = {c: d.mask(shared) for c, d in devices.items()}
     revealed = {c: d.unmask(sorted(masked)) for c, d in devices.items()}

@@ -172,12 +172,19 @@ class SecureAggregation(Concern):
     secure_agg: bool = False
     colluders: int = 1  # c: devices besides the server that may collude
     secagg_bound: float = DEFAULT_BOUND  # |w · (θ' - θ_t)| per value, clipped before encoding
+    secagg_neighbours: int = 0  # k of the SecAgg+ graph (0: every other member up to 16 devices, 2⌈log2 n⌉ beyond)
 
     def __post_init__(self) -> None:
         check(
             [
                 (self.colluders >= 0, f"--colluders {self.colluders} must be >= 0"),
                 (self.secagg_bound > 0, f"--secagg-bound {self.secagg_bound} must be > 0"),
+                (
+                    self.secagg_neighbours == 0 or self.secagg_neighbours >= 2 * self.colluders + 2,
+                    f"--secagg-neighbours {self.secagg_neighbours} must be 0 (chosen from the cohort's size) or at "
+                    f"least 2 · --colluders + 2 = {2 * self.colluders + 2}: each member must mask with more honest "
+                    "neighbours than colluders",
+                ),
             ]
         )
 

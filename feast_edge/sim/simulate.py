@@ -106,7 +106,11 @@ class Simulation:
         self.collector = InProcessCollector(s, self.method, self_reported=config.aggregation.max_weight_ratio > 0)
         if config.secure.secure_agg:  # per-segment sums through secure aggregation (feast_edge.secagg)
             self.collector = SecureSums(
-                self.collector, config.secure.colluders, config.secure.secagg_bound, "simulation"
+                self.collector,
+                config.secure.colluders,
+                config.secure.secagg_bound,
+                "simulation",
+                config.secure.secagg_neighbours,
             )
         budgets = {cid: float(b) for cid, b in zip(s.client_ids, s.population.budgets)}
         self.clock = VirtualClock(

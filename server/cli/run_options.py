@@ -46,6 +46,7 @@ _OWN = {
     "colluders": "--secure-agg: c, the devices besides the server that may collude; a segment's sum is revealed only over at least c + 2 devices.",
     "secagg_bound": "--secure-agg: each device's weighted change per value is clipped to +-this before 32-bit fixed-point encoding (what one device can add to a sum the server cannot check).",
     "secagg_timeout": "--secure-agg: seconds each key stage (keys, sealed shares, unmasking) waits for the devices still in the round; a device that misses one is out of the round.",
+    "secagg_neighbours": "--secure-agg: k, how many others each device masks with in each segment and seals its shares for (SecAgg+'s neighbour graph; 0: every other device up to 16 per round, 2*ceil(log2 n) beyond).",
     "wait_timeout": "Idle limit: end the run (last round checkpointed) when a round waited this long for enough devices (0: wait forever).",
 }
 HELP = {

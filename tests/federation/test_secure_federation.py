@@ -53,8 +53,9 @@ def _agents(kit, partition: Path, federation: str, names: list[str]) -> list[Age
     ]
 
 
+@pytest.mark.parametrize("neighbours", [0, 4], ids=["every-pair", "secagg-plus-k4"])
 def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_sums_and_never_one_update(
-    kit, tmp_path: Path, six: Path, federation: str, monkeypatch: pytest.MonkeyPatch
+    kit, tmp_path: Path, six: Path, federation: str, monkeypatch: pytest.MonkeyPatch, neighbours: int
 ) -> None:
     names = [f"client-{i:03d}" for i in range(6)]
     dropping = set(names[1:3])  # 2 of 6 (33 %) mask, upload, and go away before the unmask request
@@ -92,7 +93,7 @@ def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_
     monkeypatch.setattr(server_side, "unmasked_sums", sums)
     config = kit.server_config(
         SIX, tmp_path, six, federation, secure_agg=True, colluders=1, secagg_timeout=20, rounds=1, per_round=6,
-        min_clients=4, start_clients=6, eval_every=1, round_timeout=240,
+        min_clients=4, start_clients=6, eval_every=1, round_timeout=240, secagg_neighbours=neighbours,
     )  # fmt: skip
     server = kit.ServerThread(config).start()
     try:
@@ -116,6 +117,8 @@ def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_
     withheld = {s: v for s, v in sums.items() if isinstance(v, str)}
     assert all("at least 3 must" in why for why in withheld.values()), withheld
     assert len(record.withheld) == len(withheld)
+    setup = seen[0][0]
+    assert setup.degree == neighbours and all(len(setup.holders(d) or names) == (5 if neighbours else 6) for d in names)
     _no_single_update_from_what_the_server_saw(seen[0], parties, encoded, dropping)
     stage = read_status(tmp_path)["secure"]
     assert stage["stage"] == "done" and stage["round"] == 1, stage
@@ -243,16 +246,19 @@ def _no_single_update_from_what_the_server_saw(seen: tuple, parties: dict, encod
             continue
         context = f"{setup.context}/{segment}"
         for target in contributors:
-            colluder = next(m for m in contributors if m != target)
+            near = setup.neighbours(target, segment)
+            colluder = next(m for m in contributors if m in near)  # the colluder that masks with the target
             shares = [(r[target]["index"], r[target]["b"][segment]) for r in revealed.values()
                       if segment in r.get(target, {}).get("b", {})]  # fmt: skip
-            guess = masked[target][segment] - expand(join_seed(shares, setup.threshold), length, context)
+            t = setup.threshold_of(target)
+            guess = masked[target][segment] - expand(join_seed(shares, t), length, context)
             assert not np.array_equal(guess, encoded[target][segment])  # masked upload and its self-mask off
             pair = expand(agree(parties[colluder].device.s_key, roster[target][1], "pair", context), length, context)
             guess = guess - pair if target < colluder else guess + pair
             assert not np.array_equal(guess, encoded[target][segment])  # and the colluder's pair mask off
             # The colluder's share of the target's s key and the revealed ones stay below t: the key stays hidden.
-            s_shares = [(parties[colluder].device.held[target]["index"], parties[colluder].device.held[target]["s"])]
+            held = parties[colluder].device.held.get(target)  # with a graph it may hold none of the target's
+            s_shares = [] if held is None else [(held["index"], held["s"])]
             s_shares += [(r[target]["index"], r[target]["s"]) for r in revealed.values() if "s" in r.get(target, {})]
             with pytest.raises(ShareError):
-                join_seed(s_shares, setup.threshold)
+                join_seed(s_shares, t)
