@@ -68,7 +68,8 @@ def cost(n: int) -> None:
     began = time.perf_counter()
     plain_sums(global_state, updates)
     plain_seconds = time.perf_counter() - began
-    graphs = {"every pair": n - 1, f"SecAgg+ graph, k = {degree_for(n) or n - 1}": 0}  # --secagg-neighbours
+    auto = degree_for(n)
+    graphs = {"every pair": n - 1, f"SecAgg+ graph, k = {auto}" if auto else "default (every pair up to 16)": 0}
     for name, neighbours in graphs.items():
         began = time.perf_counter()
         done = secure_sums(global_state, updates, colluders=1, neighbours=neighbours)

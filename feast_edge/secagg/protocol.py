@@ -6,8 +6,8 @@ Stages (each device is a :class:`Device`; the server only routes what they send 
 
     1 advertise   every device: two X25519 public keys, c (to seal shares) and s (to agree pair masks)
     2 share       every device: a fresh self-mask seed b[s] per segment s it is routed; the Shamir shares
-                  (threshold t over the devices that advertised) of its s private key and of each b[s], one per
-                  device (its own kept), sealed (ChaCha20-Poly1305) under the key it agrees with that device's c key
+                  (threshold t) of its s private key and of each b[s], one per holder that advertised (its own
+                  kept), sealed (ChaCha20-Poly1305) under the key it agrees with that holder's c key
     3 mask        every device that shared (U2), per segment s whose members in U2 number at least min_members:
                   y = x + PRG(b[s]) + Σ_{v in s∩U2, v≠u} ±PRG(s_uv)  mod 2^32   (+ for u < v, - for u > v)
     4 unmask      every device that masked (U3) reveals, for each v in U2: its share of v's s key if v did not mask
@@ -21,6 +21,11 @@ Every rebuilt secret is checked before use: an s key against the public key its 
 the commitment (SHA-256) its owner sent with its shares. A wrong share (a lying device, at stage 2 or 4) fails the
 check; the server then tries the other subsets of t shares, so up to (revealers - t) wrong shares are outvoted, and a
 secret no subset rebuilds withholds the segments that need it, with the reason (never a wrong sum, never a crash).
+
+With k = 0 every member of a segment masks with every other one and every device of the round holds every other's
+shares (t: a majority of the round). With a neighbour graph of degree k (SecAgg+, Bell et al. 2020; Setup.graph) a
+member masks with its k neighbours in each segment and its shares go to its k neighbours in one graph over the round
+(t: a majority of them, and more than c): key material and the server's rebuilding grow with k, not with the round.
 
 The pair masks of two members cancel in the sum; a self-mask hides a device's y until t devices agree it masked.
 Fewer than t devices (c colluders and the server among them, c < t) cannot rebuild a seed; a segment of fewer than
