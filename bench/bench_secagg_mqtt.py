@@ -176,7 +176,9 @@ def main() -> None:
         unmask = statistics.mean(s.get("done", s["start"]) - s.get("unmask", s["start"]) for s in stages)
         print(f"stage latency (mean of {len(stages)} rounds): keys {keys:.3f} s, sealed shares {shares:.3f} s "
               f"(both overlap training), unmask {unmask:.3f} s (after the uploads)")  # fmt: skip
-    print(f"{'device':12} {'budget':>7} {'plain up (KiB)':>15} {'masked up (KiB)':>16} {'ratio':>6} {'key material (KiB)':>19}")
+    print(
+        f"{'device':12} {'budget':>7} {'plain up (KiB)':>15} {'masked up (KiB)':>16} {'ratio':>6} {'key material (KiB)':>19}"
+    )
     for name, budget in zip(names, budgets):
         up_plain = statistics.mean(plain["meter"].uploads[name]) / 1024
         up_safe = statistics.mean(safe["meter"].uploads[name]) / 1024

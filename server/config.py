@@ -16,10 +16,10 @@ from feast_edge.local.recipe import TrainConfig
 from feast_edge.privacy.local import LocalDp
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
 from feast_edge.protocol.secure import MAX_HOLDERS, MAX_SECURE_COHORT
-from feast_edge.secagg.protocol import degree_for
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.run.settings import RunSettings
+from feast_edge.secagg.protocol import degree_for
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
 from feast_edge.settings.concerns import Schedule, SecureAggregation, loop_settings
 from feast_edge.settings.nested import changed, check, flat_types, of

@@ -239,6 +239,7 @@ def test_secure_aggregation_refuses_what_needs_each_client_s_update(fashion_mnis
         ({"server_opt": "adam"}, "--server-opt adam"),
         ({"max_weight_ratio": 4.0}, "--max-weight-ratio"),
         ({"dp_mode": "local", "dp_clip": 1.0, "dp_noise": 0.5, "dp_epsilon": 1e9}, "--dp-mode local"),
+        ({"colluders": 2, "secagg_neighbours": 4}, "--secagg-neighbours 4 must be 0 .* or at least 2 · --colluders"),
     ):
         with pytest.raises(SimulationError, match=named):
             tiny_config(fashion_mnist_dir, secure_agg=True, **changes)

@@ -473,7 +473,8 @@ SECAGG = {"v": 1, **COMMON, "msg_id": "m1", "routed": "t0"}
     [
         ({"kind": "secagg_keys", "c_key": "AB" * 32, "s_key": "cd" * 32}, "64 lowercase hex"),
         ({"kind": "secagg_keys", "c_key": "ab" * 31, "s_key": "cd" * 32}, "64 lowercase hex"),
-        ({"kind": "secagg_roster", "keys": {f"d{i}": ["ab" * 32, "cd" * 32] for i in range(65)}}, "1 to 64 distinct"),
+        ({"kind": "secagg_roster", "keys": {f"d{i}": ["ab" * 32, "cd" * 32] for i in range(257)}}, "1 to 256 distinct"),
+        ({"kind": "secagg_shares", "shares": {f"d{i}": "AAEC" for i in range(65)}, "commitments": {}}, "more than 64"),
         ({"kind": "secagg_roster", "keys": {"d1": ["ab" * 32]}}, "two public keys"),
         ({"kind": "secagg_shares", "shares": {"d2": "not base64!"}, "commitments": {}}, "not base64"),
         ({"kind": "secagg_shares", "shares": {"d2": "A" * 6000}, "commitments": {}}, "at most 4096 bytes"),
@@ -482,7 +483,10 @@ SECAGG = {"v": 1, **COMMON, "msg_id": "m1", "routed": "t0"}
         ({"kind": "secagg_unmask", "masked": ["d1", "d1"]}, "distinct devices"),
         ({"kind": "secagg_reveal", "shares": {"d1": {"index": 0, "s": "11" * 32}}}, "index of d1 must be 1-255"),
         ({"kind": "secagg_reveal", "shares": {"d1": {"index": 1, "s": "11" * 32, "b": {}}}}, "either 's' or 'b'"),
-        ({"kind": "secagg_reveal", "shares": {"d1": {"index": 1, "b": {"0123456789abcdef": "11" * 32}}}}, "32 lowercase"),
+        (
+            {"kind": "secagg_reveal", "shares": {"d1": {"index": 1, "b": {"0123456789abcdef": "11" * 32}}}},
+            "32 lowercase",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else v["kind"],
 )
@@ -494,7 +498,7 @@ def test_secure_aggregation_stages_refuse_malformed_input_at_the_wire(body: dict
 def test_a_round_with_malformed_secure_terms_is_refused_at_the_wire() -> None:
     envelope = {"stem_w": 0, "depths": [0, 0, 0, 0], "stage_w": [0, 0, 0, 0]}
     good = {"colluders": 1, "threshold": 2, "bound": 8.0, "frac": 20, "cohort": {"jetson-1": envelope, "pi-2": envelope},
-            "counts": {"jetson-1": 50, "pi-2": 40}}  # fmt: skip
+            "counts": {"jetson-1": 50, "pi-2": 40}, "degree": 0}  # fmt: skip
     start = RoundStart(**COMMON, **ROUND, transfer=INFO, deadline=1.0, secure=good)
     assert parse(start.encode()).secure_block().weight("pi-2") == 40 / 50
     for bad, named in (
@@ -502,6 +506,7 @@ def test_a_round_with_malformed_secure_terms_is_refused_at_the_wire() -> None:
         ({**good, "counts": {"jetson-1": 50}}, "a count for each cohort device"),
         ({**good, "threshold": 1, "cohort": {"pi-2": envelope}, "counts": {"pi-2": 40}}, "cohort without this device"),
         ({**good, "extra": 1}, "must hold colluders"),
+        ({**good, "degree": 2}, "degree' must be below the cohort's size"),
     ):
         with pytest.raises(ProtocolError, match=named):
             RoundStart(**COMMON, **ROUND, transfer=INFO, deadline=1.0, secure=bad)

@@ -100,7 +100,8 @@ def test_the_server_runs_the_optimizer_it_is_given_and_records_it(tmp_path: Path
         (dict(aggregation="median"), "--secure-agg with --aggregation median: a robust rule needs each device's"),
         (dict(server_opt="adam"), "--secure-agg with --server-opt adam: the server optimizer's step"),
         (dict(dp_mode="local", dp_clip=1.0, dp_noise=1.0), "--secure-agg with --dp-mode local"),
-        (dict(per_round=65), "--per-round 65: a device's sealed shares for its cohort travel in one message"),
+        (dict(per_round=257), "--per-round 257: a round's roster of keys travels in one message"),
+        (dict(per_round=80, secagg_neighbours=70), "sealed shares for its 70 neighbours travel in one message"),
         (dict(per_round=2, min_clients=2), "--per-round 2: a segment is revealed only over --colluders \\+ 2 = 3"),
     ],
 )
