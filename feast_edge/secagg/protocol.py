@@ -310,7 +310,13 @@ def unmasked_sums(
     for s, (members, length) in setup.segments.items():
         contributors = [m for m in members if m in masked and s in masked[m]]
         if len(contributors) < setup.min_members:
-            sums[s] = f"{len(contributors)} of its devices masked it; at least {setup.min_members} must"
+            sums[s] = (
+                f"only {len(members)} {'device of the round trains' if len(members) == 1 else 'devices of the round train'}"
+                " it; a sum is revealed over "
+                f"at least {setup.min_members}"
+                if len(members) < setup.min_members
+                else f"{len(contributors)} of its {len(members)} devices masked it; at least {setup.min_members} must"
+            )
             continue
         lost = [v for v in members if v in s_keys and s_keys[v] is None]
         if lost:

@@ -120,12 +120,12 @@ def test_a_segment_with_fewer_than_c_plus_2_surviving_members_is_never_unmasked(
     inputs = {n: {"small": np.ones(3, dtype=np.uint32), "big": np.ones(3, dtype=np.uint32)} for n in "ab"}
     inputs["c"] = {"big": np.ones(3, dtype=np.uint32)}
     sums, devices = _round(setup, inputs)
-    assert sums["small"] == "0 of its devices masked it; at least 3 must"  # a and b never even masked it
+    assert sums["small"] == "only 2 devices of the round train it; a sum is revealed over at least 3"  # never masked
     assert sums["big"].tolist() == [3, 3, 3]
     assert "small" not in devices["a"].mask(["a", "b", "c"])
     # One of big's members drops after masking: big falls below 3 survivors and its self-mask shares stay hidden.
     sums, _ = _round(setup, inputs, drop_after_masking=("c",))
-    assert sums["big"] == "2 of its devices masked it; at least 3 must"
+    assert sums["big"] == "2 of its 3 devices masked it; at least 3 must"
 
 
 def test_a_forged_share_is_named_and_a_request_that_would_unmask_a_device_twice_is_refused() -> None:
@@ -195,7 +195,7 @@ def test_a_secure_round_releases_the_model_the_plain_round_does_within_the_fixed
     single = {members for members in ours.withheld}  # segments routed to one client only: withheld even at c = 0
     assert all("," not in members for members in single), ours.withheld
     for members, reason in ours.withheld.items():
-        assert reason == "1 of its devices masked it; at least 2 must", (members, reason)
+        assert reason == "only 1 device of the round trains it; a sum is revealed over at least 2", (members, reason)
     assert isinstance(secure.collector, SecureSums) and secure.collector.clipped == 0
     released, reference = secure.model.state_dict(), plain.model.state_dict()
     before = Simulation(config, tmp_path / "init").model.state_dict()

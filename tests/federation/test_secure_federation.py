@@ -115,7 +115,7 @@ def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_
             expected += encoded[d][segment]
         assert np.array_equal(total, expected), segment  # exact: the pair masks cancel, the self-masks came off
     withheld = {s: v for s, v in sums.items() if isinstance(v, str)}
-    assert all("at least 3 must" in why for why in withheld.values()), withheld
+    assert all("a sum is revealed over at least 3" in why for why in withheld.values()), withheld
     assert len(record.withheld) == len(withheld)
     setup = seen[0][0]
     assert setup.degree == neighbours and all(len(setup.holders(d) or names) == (5 if neighbours else 6) for d in names)
