@@ -70,6 +70,9 @@ def cost(n: int) -> None:
     plain_seconds = time.perf_counter() - began
     auto = degree_for(n)
     graphs = {"every pair": n - 1, f"SecAgg+ graph, k = {auto}" if auto else "default (every pair up to 16)": 0}
+    held = 4 * sum(t.numel() for _, s, _ in updates for t in s.values() if t.is_floating_point()) / 2**20
+    print(f"\n{n} clients: the server holds the round's updates, {held:.0f} MiB in float32 (plain) or as masked "
+          "32-bit values (secure), beside the global model")  # fmt: skip
     for name, neighbours in graphs.items():
         began = time.perf_counter()
         done = secure_sums(global_state, updates, colluders=1, neighbours=neighbours)
@@ -78,6 +81,11 @@ def cost(n: int) -> None:
               f"{done.seconds['server']:.2f} s, the devices' {done.seconds['devices'] / n:.2f} s each on average) "
               f"against plain sums {plain_seconds:.2f} s; {len(done.withheld)} segments withheld; key material "
               f"(sealed shares) sent per client {statistics.mean(done.share_bytes.values()) / 1024:.1f} KiB")  # fmt: skip
+    # The server's memory, traced in a run of its own (tracing slows the server's part several times): the default
+    # graph's; every pair allocates the same arrays (one segment's sum and one mask at a time), only more often.
+    traced = secure_sums(global_state, updates, colluders=1, trace_memory=True)
+    print(f"the server's unmasking and release allocated at most {traced.server_peak / 2**20:.1f} MiB beyond the "
+          "masked uploads it held")  # fmt: skip
     plain = plain_values(updates)
     order = sorted(range(n), key=lambda i: budgets[i])
     print(

@@ -12,6 +12,7 @@ A segment masked by fewer than c + 2 devices is withheld and keeps θ_t, with th
 from __future__ import annotations
 
 import time
+import tracemalloc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -142,6 +143,7 @@ class SecureRound:
     upload_values: dict[str, int] = field(default_factory=dict)  # device -> 32-bit values it uploaded
     share_bytes: dict[str, int] = field(default_factory=dict)  # device -> sealed key shares it sent (key material)
     seconds: dict[str, float] = field(default_factory=dict)  # "devices" (all of them, in turn) and "server"
+    server_peak: int = 0  # bytes the server's unmasking and release allocated at most (``trace_memory``)
 
 
 def secure_sums(
@@ -152,9 +154,11 @@ def secure_sums(
     bound: float = DEFAULT_BOUND,
     context: str = "simulation",
     neighbours: int = 0,
+    trace_memory: bool = False,
 ) -> SecureRound:
     """The per-segment sums of ``updates`` (client, routed state, n_i) as the server unmasks them (see the module
-    docstring); every device of ``updates`` takes part in every stage."""
+    docstring); every device of ``updates`` takes part in every stage. ``trace_memory``: measure the server's peak
+    allocation (tracemalloc, which slows the server's part several times)."""
     terms = SecureTerms(colluders, bound, neighbours)
     states = {c: s for c, s, _ in updates}
     n_max = max(float(n) for _, _, n in updates)
@@ -180,14 +184,21 @@ def secure_sums(
     masked = {c: d.mask(shared) for c, d in devices.items()}
     revealed = {c: d.unmask(sorted(masked)) for c, d in devices.items()}
     on_devices = time.perf_counter() - began
+    if trace_memory:
+        tracemalloc.start()
     unmasked = unmasked_sums(setup, roster, shared, masked, revealed, commitments)
-    on_server = time.perf_counter() - began - on_devices
     released, withheld = release(segments, unmasked, global_state, code)
+    on_server = time.perf_counter() - began - on_devices
+    peak = tracemalloc.get_traced_memory()[1] if trace_memory else 0
+    if trace_memory:
+        tracemalloc.stop()
     integers = [{n: t for n, t in s.items() if not torch.is_floating_point(t)} for s in states.values()]
     upload = {c: sum(len(v) for v in masked[c].values()) for c in masked}
     shares = {c: sum(len(b) for b in boxes.values()) for c, boxes in sealed.items()}
     seconds = {"devices": on_devices, "server": on_server}
-    return SecureRound(SegmentSums(released, [i for i in integers if i]), withheld, clipped, upload, shares, seconds)
+    return SecureRound(
+        SegmentSums(released, [i for i in integers if i]), withheld, clipped, upload, shares, seconds, peak
+    )
 
 
 def plain_values(updates: Sequence[tuple[str, Mapping[str, torch.Tensor], float]]) -> dict[str, int]:

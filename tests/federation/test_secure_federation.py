@@ -262,3 +262,45 @@ def _no_single_update_from_what_the_server_saw(seen: tuple, parties: dict, encod
             s_shares += [(r[target]["index"], r[target]["s"]) for r in revealed.values() if "s" in r.get(target, {})]
             with pytest.raises(ShareError):
                 join_seed(s_shares, t)
+
+
+def test_a_device_that_misses_the_share_stage_is_out_of_the_round_and_the_others_release_their_exact_sum(
+    kit, tmp_path: Path, federation: str
+) -> None:
+    """Four devices of one budget, c = 1 (t = 3): d advertises its keys and never seals its shares. At the stage's
+    timeout the server takes it out of the round (its update is no longer waited for) and a, b, c go on without it."""
+    server = scripted_server(
+        kit, tmp_path, federation, 1, per_round=4, min_clients=3, start_clients=4, secure_agg=True,
+        secagg_timeout=3, server_opt="avg", round_timeout=60,
+    )  # fmt: skip
+    devices = {n: SecureScripted(federation, n) for n in "abcd"}
+    deltas = {"a": 0.125, "b": 0.25, "c": 0.5}
+    try:
+        for device in devices.values():
+            assert device.register(samples=50).accepted
+        for device in devices.values():
+            device.take_round()
+            device.advertise()
+        for name in "abc":
+            devices[name].share()
+        for name in "abc":
+            assert devices[name].open_box() == []
+            assert devices[name].shared == ("a", "b", "c")  # U2: d is not in it
+        for name in "abc":
+            devices[name].masked_update(deltas[name])
+        for name in "abc":
+            devices[name].reveal()
+        history = server.join(60)
+        final = server.server.model.state_dict()
+    finally:
+        for device in devices.values():
+            device.close()
+        server.close()
+    record = history[0]
+    assert record.applied and sorted(record.updated) == ["a", "b", "c"], record
+    assert "secure aggregation: it sent no sealed shares within 3 s" in record.incomplete["d"], record.incomplete
+    routed, mean = devices["a"].routed, sum(deltas.values()) / 3
+    for name, value in routed.items():
+        if value.is_floating_point():
+            got = final[name][tuple(slice(0, n) for n in value.shape)]
+            assert torch.allclose(got, value + mean, atol=1e-4), name
