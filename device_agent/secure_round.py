@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from feast_edge.errors import FeastError
+from feast_edge.privacy.local import parameter_names
 from feast_edge.protocol import (
     RoundStart,
     SecAggBox,
@@ -38,7 +39,7 @@ from feast_edge.protocol.secure import sealed_wire
 from feast_edge.secagg.fixed import FixedPoint
 from feast_edge.secagg.masked import encode_masked
 from feast_edge.secagg.protocol import Device, SecAggError
-from feast_edge.secagg.sums import SecureTerms, cohort_segments, encode_change
+from feast_edge.secagg.sums import SecureTerms, cohort_segments, dp_input, encode_change
 from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.link import Link
@@ -194,6 +195,8 @@ class SecureRounds:
         while not party.boxed.wait(0.2):
             if time.monotonic() > deadline or abandon():
                 return "the server sent no share box before the round's deadline (this device shared too late?)"
+        if party.block.clip:  # central DP: the parameters' change clipped, the rest global, before it is masked
+            state = dp_input(base, state, parameter_names(self.preset), party.block.clip)
         weight, inputs, clipped = party.block.weight(start.device), {}, 0
         for sid in party.device.setup.routed(start.device):
             inputs[sid], over = encode_change(party.segments[sid], base, state, weight, party.code)

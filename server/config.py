@@ -237,9 +237,11 @@ class ServerConfig:
              "update, and the server sees only sums; use --aggregation mean"),
             (self.server_optimizer().identity, f"--secure-agg with --server-opt {agg.server_opt}: the server "
              "optimizer's step needs each update; use --server-opt avg"),
-            (dp is None, f"--secure-agg with --dp-mode {dp.mode if dp else ''}: the privacy stage clips, weighs and "
-             "keeps BN statistics per update, which masked sums do not show; distributed DP on masked sums is not "
-             "built yet: drop --dp-*"),
+            (dp is None or dp.mode == "central", f"--secure-agg with --dp-mode {dp.mode if dp else ''}: local DP's "
+             "noise and secure sums are not combined (distributed DP on masked sums is not built): use --dp-mode "
+             "central, whose noise the server adds to the unmasked sums"),
+            (dp is None or not dp.adaptive, "--secure-agg with --dp-clip-quantile: the adaptive bound needs each "
+             "update's clipped-or-not bit at the server; use a fixed --dp-clip"),
             (self.population.per_round <= MAX_SECURE_COHORT, f"--secure-agg with --per-round "
              f"{self.population.per_round}: a round's roster of keys travels in one message, which holds at most "
              f"{MAX_SECURE_COHORT} devices'"),

@@ -248,11 +248,13 @@ class SecureCollector(DeviceCollector):
         events: Any,
         out: Path,
         weight_ratio: float = 0.0,
+        dp_clip: float = 0.0,
         **kw: Any,
     ) -> None:
         super().__init__(*args, **kw)
         self.secure_terms, self.timeout, self.publish, self.events, self.out = secure, timeout, publish, events, out
         self.weight_ratio = weight_ratio  # --max-weight-ratio: self-reported counts are capped before they weigh
+        self.dp_clip = dp_clip  # central DP: each device clips before masking, the release stage noises the sums
         self._t = 0
         self.stages: SecureStages | None = None
         self._block: SecureBlock | None = None
@@ -282,7 +284,7 @@ class SecureCollector(DeviceCollector):
         code = terms.code(len(cohort))
         counts = self.counts(cohort, self.weight_ratio)
         self._block = SecureBlock(
-            terms.colluders, setup.threshold, terms.bound, code.frac, envelopes, counts, setup.degree
+            terms.colluders, setup.threshold, terms.bound, code.frac, envelopes, counts, setup.degree, self.dp_clip
         )
         self._masked, self._integers, self._t = {}, {}, t
         self.stages = stages = SecureStages(
@@ -341,7 +343,11 @@ class SecureCollector(DeviceCollector):
         return ClientUpdate(
             reply.device,
             {},
-            self._block.counts[reply.device] if self._block else update.samples,
+            1
+            if self._block and self._block.clip
+            else self._block.counts[reply.device]
+            if self._block
+            else update.samples,
             loss=update.loss,
             samples_seen=update.samples_seen,
             train_macs=update.train_macs,

@@ -82,8 +82,16 @@ class PrivateRounds:
         if self.dp.mode != "central" or not states:
             return
         names = sorted(n for n in self.params if n in global_state and global_state[n].is_floating_point())
-        counts = routed_counts(global_state, states, names)
+        self.noise_counts(global_state, routed_counts(global_state, states, names), t, record)
+
+    def noise_counts(
+        self, global_state: StateDict, counts: Mapping[str, torch.Tensor], t: int, record: Mapping[str, Any]
+    ) -> None:
+        """Central DP: the noise of the sums of ``counts`` (tensor -> updates per position), in place."""
+        if self.dp.mode != "central":
+            return
         std = self.dp.update_noise() * record.get("clip", self.dp.clip)
+        counts = {n: counts[n] for n in sorted(counts)}  # the noise streams' order, as routed_counts gives it
         add_sum_noise(global_state, counts, std, noise_generator(self.dp.seed, t))
 
     def epsilon(

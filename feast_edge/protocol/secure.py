@@ -77,9 +77,10 @@ class SecureBlock:
     cohort: dict[str, Envelope]  # every cohort device's routed envelope: the segments follow from them
     counts: dict[str, int]  # every cohort device's aggregation count (registered, capped): weight = count / max
     degree: int = 0  # k of the neighbour graph (0: every member masks with every other; Setup.graph)
+    clip: float = 0.0  # central DP: the L2 bound each device clips its parameters' change to, weight 1 (0: no DP)
 
     def weight(self, device: str) -> float:
-        return self.counts[device] / max(self.counts.values())
+        return 1.0 if self.clip else self.counts[device] / max(self.counts.values())
 
     def wire(self) -> dict[str, Any]:
         return {
@@ -90,13 +91,19 @@ class SecureBlock:
             "cohort": {d: e.to_dict() for d, e in sorted(self.cohort.items())},
             "counts": dict(sorted(self.counts.items())),
             "degree": self.degree,
+            "clip": self.clip,
         }
 
     @classmethod
     def of_wire(cls, value: dict[str, Any]) -> SecureBlock:
         """The terms of a ``secure`` field (ProtocolError when malformed)."""
-        if set(value) != {"colluders", "threshold", "bound", "frac", "cohort", "counts", "degree"}:
-            raise ProtocolError("field 'secure' must hold colluders, threshold, bound, frac, cohort, counts and degree")
+        if set(value) != {"colluders", "threshold", "bound", "frac", "cohort", "counts", "degree", "clip"}:
+            raise ProtocolError(
+                "field 'secure' must hold colluders, threshold, bound, frac, cohort, counts, degree and clip"
+            )
+        clip = value["clip"]
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 <= clip < 2**20:
+            raise ProtocolError("field 'secure.clip' must be a number in [0, 2^20) (0: no DP)")
         ints = {k: value[k] for k in ("colluders", "threshold", "frac", "degree")}
         for k, v in ints.items():
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_INT:
@@ -125,7 +132,14 @@ class SecureBlock:
         if ints["degree"] >= len(cohort):
             raise ProtocolError("field 'secure.degree' must be below the cohort's size (0: every other device)")
         return cls(
-            ints["colluders"], ints["threshold"], float(bound), ints["frac"], envelopes, dict(counts), ints["degree"]
+            ints["colluders"],
+            ints["threshold"],
+            float(bound),
+            ints["frac"],
+            envelopes,
+            dict(counts),
+            ints["degree"],
+            float(clip),
         )
 
 

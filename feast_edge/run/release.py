@@ -148,7 +148,11 @@ class Release:
             stage.begin(ctx, global_state)
         aggregate_sums(ctx.t, global_state, sums)
         for stage in self.stages:
-            stage.finish(ctx, global_state, [], {})
+            finish_sums = getattr(stage, "finish_sums", None)  # a stage that needs the sums' shape (DP's counts)
+            if finish_sums is not None:
+                finish_sums(ctx, global_state, sums)
+            else:
+                stage.finish(ctx, global_state, [], {})
 
     @property
     def state(self) -> dict[str, torch.Tensor]:

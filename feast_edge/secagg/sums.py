@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import tracemalloc
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +30,7 @@ from feast_edge.aggregate.segments import (
     segments_of,
     segments_over,
 )
+from feast_edge.privacy.mechanism import private_update
 from feast_edge.route.envelope import Envelope
 from feast_edge.route.payload import expected_shapes
 from feast_edge.secagg.fixed import DEFAULT_BOUND, FixedPoint
@@ -155,14 +156,20 @@ def secure_sums(
     context: str = "simulation",
     neighbours: int = 0,
     trace_memory: bool = False,
+    clip: float | None = None,
+    params: Collection[str] = (),
 ) -> SecureRound:
     """The per-segment sums of ``updates`` (client, routed state, n_i) as the server unmasks them (see the module
     docstring); every device of ``updates`` takes part in every stage. ``trace_memory``: measure the server's peak
-    allocation (tracemalloc, which slows the server's part several times)."""
+    allocation (tracemalloc, which slows the server's part several times). ``clip`` (central DP): each device clips
+    its change of ``params`` to L2 norm ``clip`` and keeps the other tensors global before masking, with weight 1."""
     terms = SecureTerms(colluders, bound, neighbours)
     states = {c: s for c, s, _ in updates}
     n_max = max(float(n) for _, _, n in updates)
     weights = {c: float(n) / n_max for c, _, n in updates}
+    if clip is not None:
+        states = {c: dp_input(global_state, s, params, clip) for c, s in states.items()}
+        weights = dict.fromkeys(states, 1.0)
     routed = {c: {name: tuple(t.shape) for name, t in s.items()} for c, s in states.items()}
     segments = named(segments_of(global_state, routed))
     code = terms.code(len(states))
@@ -199,6 +206,14 @@ def secure_sums(
     return SecureRound(
         SegmentSums(released, [i for i in integers if i]), withheld, clipped, upload, shares, seconds, peak
     )
+
+
+def dp_input(
+    base: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], params: Collection[str], clip: float
+) -> dict[str, torch.Tensor]:
+    """What a device masks under central DP (feast_edge.privacy.mechanism): its parameters' change clipped to L2 norm
+    ``clip``, every other tensor (BN statistics, counters) back at ``base``: the sum's sensitivity stays ``clip``."""
+    return private_update(base, state, params, clip)[0]
 
 
 def plain_values(updates: Sequence[tuple[str, Mapping[str, torch.Tensor], float]]) -> dict[str, int]:

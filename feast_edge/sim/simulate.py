@@ -31,7 +31,7 @@ from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
 from feast_edge.run.jobs import ClockJobs
 from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
-from feast_edge.secagg.collector import SecureSums
+from feast_edge.secagg.collector import SecureSums, secure_dp_clip
 from feast_edge.settings import SettingsError, flat
 from feast_edge.settings.concerns import loop_settings
 from feast_edge.sim.clock import TimedRounds, VirtualClock, timeline
@@ -111,6 +111,7 @@ class Simulation:
                 config.secure.secagg_bound,
                 "simulation",
                 config.secure.secagg_neighbours,
+                dp_clip=secure_dp_clip(config.dp_settings(), parameter_names(self.model)),
             )
         budgets = {cid: float(b) for cid, b in zip(s.client_ids, s.population.budgets)}
         self.clock = VirtualClock(

@@ -239,6 +239,7 @@ def test_secure_aggregation_refuses_what_needs_each_client_s_update(fashion_mnis
         ({"server_opt": "adam"}, "--server-opt adam"),
         ({"max_weight_ratio": 4.0}, "--max-weight-ratio"),
         ({"dp_mode": "local", "dp_clip": 1.0, "dp_noise": 0.5, "dp_epsilon": 1e9}, "--dp-mode local"),
+        ({"dp_clip": 1.0, "dp_noise": 1.0, "dp_clip_quantile": 0.5, "dp_epsilon": 1e9}, "--dp-clip-quantile"),
         ({"colluders": 2, "secagg_neighbours": 4}, "--secagg-neighbours 4 must be 0 .* or at least 2 · --colluders"),
     ):
         with pytest.raises(SimulationError, match=named):
@@ -298,3 +299,29 @@ def test_with_a_neighbour_graph_each_device_shares_with_k_others_and_the_sums_st
     assert sums["all"].tolist() == [sum(range(1, 13)) - 4 - 8] * 3
     assert sums["top"].tolist() == [400] * 2
     assert degree_for(10) == 0 and degree_for(100) == 14 and degree_for(100, 6) == 6 and degree_for(7, 6) == 0
+
+
+def test_central_dp_on_secure_sums_releases_the_plain_dp_round_within_the_fixed_point_resolution(
+    fashion_mnist_dir, tmp_path
+) -> None:
+    """--dp-mode central with --secure-agg: each device clips its parameters' change before masking (weight 1) and
+    the server adds the noise to the unmasked sums. With the same noise seed the released model is the plain DP
+    round's, but for rounding, on every segment of at least c + 2 = 2 clients; a withheld segment keeps θ_t (and no
+    noise: no data touched it)."""
+    dp = dict(dp_mode="central", dp_clip=0.5, dp_noise=0.8, dp_seed=11, dp_epsilon=1e9)
+    config = tiny_config(fashion_mnist_dir, rounds=1, seed=5, per_round=3, clients=3, **dp)
+    plain = Simulation(config, tmp_path / "plain")
+    plain.run()
+    secure = Simulation(config.changed(secure_agg=True, colluders=0), tmp_path / "secure")
+    secure.run()
+    [ours], [theirs] = secure.loop.history, plain.loop.history
+    assert ours.applied and ours.dp == theirs.dp  # the same accounting: the same ε after the round
+    released, reference = secure.model.state_dict(), plain.model.state_dict()
+    before = Simulation(config, tmp_path / "init").model.state_dict()
+    moved = 0
+    for name, tensor in reference.items():
+        if tensor.is_floating_point():
+            as_plain = torch.isclose(released[name], tensor, rtol=0, atol=1e-5)
+            assert torch.equal(released[name][~as_plain], before[name][~as_plain]), name
+            moved += int((as_plain & (tensor != before[name])).sum())
+    assert moved > 0  # the round moved the model, noise included, as the plain DP round did

@@ -498,7 +498,7 @@ def test_secure_aggregation_stages_refuse_malformed_input_at_the_wire(body: dict
 def test_a_round_with_malformed_secure_terms_is_refused_at_the_wire() -> None:
     envelope = {"stem_w": 0, "depths": [0, 0, 0, 0], "stage_w": [0, 0, 0, 0]}
     good = {"colluders": 1, "threshold": 2, "bound": 8.0, "frac": 20, "cohort": {"jetson-1": envelope, "pi-2": envelope},
-            "counts": {"jetson-1": 50, "pi-2": 40}, "degree": 0}  # fmt: skip
+            "counts": {"jetson-1": 50, "pi-2": 40}, "degree": 0, "clip": 0.0}  # fmt: skip
     start = RoundStart(**COMMON, **ROUND, transfer=INFO, deadline=1.0, secure=good)
     assert parse(start.encode()).secure_block().weight("pi-2") == 40 / 50
     for bad, named in (
@@ -507,6 +507,7 @@ def test_a_round_with_malformed_secure_terms_is_refused_at_the_wire() -> None:
         ({**good, "threshold": 1, "cohort": {"pi-2": envelope}, "counts": {"pi-2": 40}}, "cohort without this device"),
         ({**good, "extra": 1}, "must hold colluders"),
         ({**good, "degree": 2}, "degree' must be below the cohort's size"),
+        ({**good, "clip": -1.0}, "secure.clip' must be a number"),
     ):
         with pytest.raises(ProtocolError, match=named):
             RoundStart(**COMMON, **ROUND, transfer=INFO, deadline=1.0, secure=bad)

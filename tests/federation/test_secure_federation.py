@@ -17,15 +17,18 @@ import feast_edge.agent.secure_round as agent_side
 import feast_edge.server.secure as server_side
 from feast_edge.agent.agent import Agent, AgentConfig
 from feast_edge.agent.local_data import load_clients
+from feast_edge.privacy.local import parameter_names
+from feast_edge.privacy.mechanism import add_sum_noise, noise_generator
 from feast_edge.protocol import SecAggBox, SecAggKeys, SecAggReveal, SecAggRoster, SecAggShares, SecAggUnmask, Update
 from feast_edge.protocol.secure import sealed_wire
 from feast_edge.secagg.fixed import FixedPoint
 from feast_edge.secagg.keys import ShareError, agree, expand, join_seed
 from feast_edge.secagg.masked import encode_masked
 from feast_edge.secagg.protocol import Device
-from feast_edge.secagg.sums import SecureTerms, cohort_segments, encode_change
+from feast_edge.secagg.sums import SecureTerms, cohort_segments, dp_input, encode_change
 from feast_edge.server.status import read_status
 from feast_edge.sim.shards import write_partition
+from feast_edge.space.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.frames import describe
 from simconfigs import tiny_config
@@ -158,6 +161,8 @@ class SecureScripted(ScriptedDevice):
 
     def masked_update(self, delta: float) -> None:
         state, me = shifted(self.routed, delta), self.device_id
+        if self.block.clip:  # central DP, as an honest agent does: clip the parameters' change, the rest global
+            state = dp_input(self.routed, state, parameter_names(PRESET), self.block.clip)
         self.party.inputs = {
             s: encode_change(self.segments[s], self.routed, state, self.block.weight(me), self.code)[0]
             for s in self.party.setup.routed(me)
@@ -304,3 +309,55 @@ def test_a_device_that_misses_the_share_stage_is_out_of_the_round_and_the_others
         if value.is_floating_point():
             got = final[name][tuple(slice(0, n) for n in value.shape)]
             assert torch.allclose(got, value + mean, atol=1e-4), name
+
+
+def test_central_dp_over_mqtt_noises_the_unmasked_sum_of_the_clipped_changes(
+    kit, tmp_path: Path, federation: str
+) -> None:
+    """--secure-agg --dp-mode central: each device clips its parameters' change to C before masking (weight 1); the
+    server unmasks the sum and adds N(0, z²C²) per coordinate, divided by the count: with a fixed noise seed the
+    released model is exactly θ_t + (Σ clip(Δ_i) + noise) / 4, computed here from the devices' own changes."""
+    server = scripted_server(
+        kit, tmp_path, federation, 1, per_round=4, min_clients=4, start_clients=4, secure_agg=True,
+        secagg_timeout=15, server_opt="avg", round_timeout=30, dp_clip=0.5, dp_noise=0.8, dp_seed=3, dp_epsilon=1e9,
+    )  # fmt: skip
+    devices = {n: SecureScripted(federation, n) for n in "abcd"}
+    deltas = {"a": 0.001, "b": -0.002, "c": 0.003, "d": 0.0005}
+    try:
+        for device in devices.values():
+            assert device.register(samples=50).accepted
+        for device in devices.values():
+            device.take_round()
+            device.advertise()
+        assert devices["a"].block.clip == 0.5 and devices["a"].block.weight("a") == 1.0
+        for device in devices.values():
+            device.share()
+        for device in devices.values():
+            assert device.open_box() == []
+        for name, device in devices.items():
+            device.masked_update(deltas[name])
+        for device in devices.values():
+            device.reveal()
+        history = server.join(60)
+        final = server.server.model.state_dict()
+    finally:
+        for device in devices.values():
+            device.close()
+        server.close()
+    assert history[0].applied and history[0].dp["cohort"] == 4, history[0]
+    initial = Supernet(PRESET, seed=0).state_dict()  # the model every device was routed (round 0's)
+    params = sorted(n for n in parameter_names(PRESET) if n in initial)
+    routed = devices["a"].routed
+    clipped = [dp_input(routed, shifted(routed, deltas[n]), parameter_names(PRESET), 0.5) for n in "abcd"]
+    expected = {n: t.clone().double() for n, t in initial.items() if n in params}
+    for name in params:
+        if name in routed:
+            box = tuple(slice(0, k) for k in routed[name].shape)
+            expected[name][box] = sum(c[name].double() for c in clipped) / 4
+    counts = {n: torch.zeros(initial[n].shape, dtype=torch.float64) for n in params}
+    for name in params:
+        if name in routed:
+            counts[name][tuple(slice(0, k) for k in routed[name].shape)] = 4
+    add_sum_noise(expected, counts, 0.8 * 0.5, noise_generator(3, 0))
+    for name in params:
+        assert torch.allclose(final[name].double(), expected[name], atol=1e-5), name
