@@ -21,7 +21,7 @@ from feast_edge.run.loop import CHECKPOINT
 from feast_edge.run.settings import RunSettings
 from feast_edge.secagg.protocol import degree_for
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
-from feast_edge.settings.concerns import Schedule, SecureAggregation, loop_settings
+from feast_edge.settings.concerns import Schedule, SecureAggregation, loop_settings, secure_refusals
 from feast_edge.settings.nested import changed, check, flat_types, of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
@@ -227,21 +227,11 @@ class ServerConfig:
         """Secure sums over MQTT: what needs each device's update, or a cohort the stages cannot carry, is refused."""
         if not self.secure.secure_agg:
             return
-        dp, agg, n = self.dp_settings(), self.aggregation, self.population.per_round
+        n = self.population.per_round
         degree = degree_for(n, self.secure.secagg_neighbours)
         holders = n - 1 if not degree else min(n - 1, 2 * ((degree + 1) // 2))  # the devices one device's shares go to
         checks = [
-            (self.schedule.mode == "sync", "--secure-agg with --mode async: each update's staleness weight is known "
-             "only when it arrives, and a masked update cannot be weighted alone; use synchronous rounds"),
-            (agg.rule == "mean", f"--secure-agg with --aggregation {agg.rule}: a robust rule needs each device's "
-             "update, and the server sees only sums; use --aggregation mean"),
-            (self.server_optimizer().identity, f"--secure-agg with --server-opt {agg.server_opt}: the server "
-             "optimizer's step needs each update; use --server-opt avg"),
-            (dp is None or dp.mode == "central", f"--secure-agg with --dp-mode {dp.mode if dp else ''}: local DP's "
-             "noise and secure sums are not combined (distributed DP on masked sums is not built): use --dp-mode "
-             "central, whose noise the server adds to the unmasked sums"),
-            (dp is None or not dp.adaptive, "--secure-agg with --dp-clip-quantile: the adaptive bound needs each "
-             "update's clipped-or-not bit at the server; use a fixed --dp-clip"),
+            *secure_refusals(self),
             (self.population.per_round <= MAX_SECURE_COHORT, f"--secure-agg with --per-round "
              f"{self.population.per_round}: a round's roster of keys travels in one message, which holds at most "
              f"{MAX_SECURE_COHORT} devices'"),

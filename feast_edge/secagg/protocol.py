@@ -295,8 +295,20 @@ def unmasked_sums(
     commitment of its b seed (every rebuilt secret is checked, see the module docstring)."""
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+    def held_by(owner: str) -> list[tuple[int, Mapping[str, dict]]]:
+        """The revealers of ``owner``'s shares, each with the index it was dealt (its place among the owner's holders
+        that advertised, as Device.share deals them): a share revealed under another index is not used."""
+        holders = setup.holders(owner)
+        order = sorted(roster) if holders is None else [h for h in holders if h in roster]
+        index = {h: k + 1 for k, h in enumerate(order)}
+        return [
+            (index[r], shares)
+            for r, shares in revealed.items()
+            if owner in shares and r in index and shares[owner].get("index") == index[r]
+        ]
+
     def s_key_of(owner: str) -> X25519PrivateKey | None:
-        shares = [(r[owner]["index"], r[owner]["s"]) for r in revealed.values() if "s" in r.get(owner, {})]
+        shares = [(i, r[owner]["s"]) for i, r in held_by(owner) if "s" in r[owner]]
 
         def good(secret: bytes) -> bool:
             key = X25519PrivateKey.from_private_bytes(secret)
@@ -326,7 +338,7 @@ def unmasked_sums(
         total = np.zeros(length, dtype=np.uint32)
         for u in contributors:
             total += masked[u][s]
-            shares = [(r[u]["index"], r[u]["b"][s]) for r in revealed.values() if s in r.get(u, {}).get("b", {})]
+            shares = [(i, r[u]["b"][s]) for i, r in held_by(u) if s in r[u].get("b", {})]
             expected = commitments.get(u, {}).get(s)
             seed = rebuild(shares, setup.threshold_of(u), lambda b, u=u: commitment(b, setup.context, s) == expected)
             if seed is None:

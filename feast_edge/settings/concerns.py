@@ -189,6 +189,25 @@ class SecureAggregation(Concern):
         )
 
 
+def secure_refusals(config: Any, devices: str = "device") -> list[tuple[bool, str]]:
+    """What ``--secure-agg`` refuses in a run configuration (a ``SimulationConfig`` or ``ServerConfig``), as
+    (allowed, why) pairs: what needs each update's value, weight or clipped-or-not bit at the server."""
+    dp, agg = config.dp_settings(), config.aggregation
+    return [
+        (config.schedule.mode == "sync", "--secure-agg with --mode async: each update's staleness weight is known "
+         "only when it arrives, and a masked update cannot be weighted alone; use synchronous rounds"),
+        (agg.rule == "mean", f"--secure-agg with --aggregation {agg.rule}: a robust rule needs each {devices}'s "
+         "update, and the server sees only sums; use --aggregation mean"),
+        (config.server_optimizer().identity, f"--secure-agg with --server-opt {agg.server_opt}: the server "
+         "optimizer's step needs each update; use --server-opt avg"),
+        (dp is None or dp.mode == "central", f"--secure-agg with --dp-mode {dp.mode if dp else ''}: local DP's "
+         "noise and secure sums are not combined (distributed DP on masked sums is not built): use --dp-mode "
+         "central, whose noise the server adds to the unmasked sums"),
+        (dp is None or not dp.adaptive, "--secure-agg with --dp-clip-quantile: the adaptive bound needs each "
+         "update's clipped-or-not bit at the server; use a fixed --dp-clip"),
+    ]  # fmt: skip
+
+
 MODES = ("sync", "async")
 
 

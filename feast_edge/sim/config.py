@@ -28,7 +28,7 @@ from feast_edge.settings import (
     Validation,
     flat,
 )
-from feast_edge.settings.concerns import SecureAggregation, server_step
+from feast_edge.settings.concerns import SecureAggregation, secure_refusals, server_step
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of
 from feast_edge.sim.clock import CLOCKS, RATE, ClockModel
 from feast_edge.sim.registry import method_class
@@ -265,22 +265,11 @@ class SimulationConfig:
         """Secure sums release method §6 from per-segment sums: what needs each client's update is refused."""
         if not self.secure.secure_agg:
             return
-        dp = self.dp_settings()
         checks = [
             (self.method == "feast", f"--secure-agg sums FEAST's routed segments; {self.method} is not offered"),
-            (self.schedule.mode == "sync", "--secure-agg with --mode async: each update's staleness weight is known "
-             "only when it arrives, and a masked update cannot be weighted alone; use synchronous rounds"),
-            (self.aggregation.rule == "mean", f"--secure-agg with --aggregation {self.aggregation.rule}: a robust "
-             "rule needs each client's update, and the server sees only sums; use --aggregation mean"),
+            *secure_refusals(self, "client"),
             (not self.aggregation.max_weight_ratio, "--secure-agg with --max-weight-ratio: the cap needs each "
              "client's count beside its update; registered counts are capped before masking instead"),
-            (self.server_optimizer().identity, f"--secure-agg with --server-opt {self.aggregation.server_opt}: the "
-             "server optimizer's step needs each update; use --server-opt avg"),
-            (dp is None or dp.mode == "central", f"--secure-agg with --dp-mode {dp.mode if dp else ''}: local DP's "
-             "noise and secure sums are not combined (distributed DP on masked sums is not built): use --dp-mode "
-             "central, whose noise the server adds to the unmasked sums"),
-            (dp is None or not dp.adaptive, "--secure-agg with --dp-clip-quantile: the adaptive bound needs each "
-             "update's clipped-or-not bit at the server; use a fixed --dp-clip"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:

@@ -114,6 +114,13 @@ def test_a_lying_revealer_is_outvoted_and_a_seed_no_subset_rebuilds_withholds_it
     sums, _ = _round(setup, inputs, drop_after_masking=("d",), lie=two_liars)
     assert sums["all"] == "the shares of a's self-mask seed do not rebuild the seed it committed to"
 
+    def borrowed_index(revealed):  # e reveals its share of a's seed under b's index, to crowd b's out: not used
+        revealed["e"]["a"]["index"] = revealed["b"]["a"]["index"]
+        return revealed
+
+    sums, _ = _round(setup, inputs, drop_after_masking=("d",), lie=borrowed_index)
+    assert sums["all"].tolist() == [1 + 2 + 3 + 5] * 4
+
 
 def test_a_segment_with_fewer_than_c_plus_2_surviving_members_is_never_unmasked() -> None:
     setup = Setup("lab/r2", {"small": (("a", "b"), 3), "big": (("a", "b", "c"), 3)}, threshold=2, min_members=3)

@@ -128,6 +128,14 @@ def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_
     assert "4 of 6 devices revealed shares" in stage["detail"], stage
 
 
+def _assert_moved_by(final: dict, routed: dict, mean: float) -> None:
+    """Every routed floating value of the released model is the routed one plus ``mean`` (to the encoding's rounding)."""
+    for name, value in routed.items():
+        if value.is_floating_point():
+            got = final[name][tuple(slice(0, n) for n in value.shape)]
+            assert torch.allclose(got, value + mean, atol=1e-4), name
+
+
 class SecureScripted(ScriptedDevice):
     """A device that runs the secure stages by hand (feast_edge.secagg.protocol.Device), and may lie at each."""
 
@@ -234,11 +242,7 @@ def test_a_lying_device_s_forged_share_wrong_reveals_and_malformed_stage_message
             device.close()
         server.close()
     assert history[0].applied and not history[0].withheld and not history[0].rejected, history[0]
-    routed, mean = devices["a"].routed, sum(deltas.values()) / 4
-    for name, value in routed.items():
-        if value.is_floating_point():
-            got = final[name][tuple(slice(0, n) for n in value.shape)]
-            assert torch.allclose(got, value + mean, atol=1e-4), name
+    _assert_moved_by(final, devices["a"].routed, sum(deltas.values()) / 4)
 
 
 def _no_single_update_from_what_the_server_saw(seen: tuple, parties: dict, encoded: dict, dropping: set) -> None:
@@ -304,11 +308,7 @@ def test_a_device_that_misses_the_share_stage_is_out_of_the_round_and_the_others
     record = history[0]
     assert record.applied and sorted(record.updated) == ["a", "b", "c"], record
     assert "secure aggregation: it sent no sealed shares within 3 s" in record.incomplete["d"], record.incomplete
-    routed, mean = devices["a"].routed, sum(deltas.values()) / 3
-    for name, value in routed.items():
-        if value.is_floating_point():
-            got = final[name][tuple(slice(0, n) for n in value.shape)]
-            assert torch.allclose(got, value + mean, atol=1e-4), name
+    _assert_moved_by(final, devices["a"].routed, sum(deltas.values()) / 3)
 
 
 def test_central_dp_over_mqtt_noises_the_unmasked_sum_of_the_clipped_changes(
