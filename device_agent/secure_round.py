@@ -37,6 +37,7 @@ from feast_edge.protocol import (
 )
 from feast_edge.protocol.secure import sealed_wire
 from feast_edge.secagg.fixed import FixedPoint
+from feast_edge.secagg.keys import shamir
 from feast_edge.secagg.masked import encode_masked
 from feast_edge.secagg.protocol import Device, SecAggError
 from feast_edge.secagg.sums import SecureTerms, cohort_segments, dp_input, encode_change
@@ -120,6 +121,7 @@ class SecureRounds:
     def _advertise(self, start: RoundStart) -> None:
         block = start.secure_block()
         assert block is not None
+        shamir()  # without PyCryptodome: no keys (the server leaves this device out), and the fix in the log
         terms = SecureTerms(block.colluders, block.bound, block.degree)
         try:
             segments = cohort_segments(self.preset, block.cohort)

@@ -9,9 +9,9 @@ run share a keystream.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
-from Crypto.Protocol.SecretSharing import Shamir
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -19,6 +19,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from feast_edge.errors import FeastError
 
 SEED_BYTES = 32
 SELF_SEED_BYTES = 16  # a self-mask seed: 128 bits, one Shamir sharing (a mask key is 32 bytes: two)
@@ -28,6 +30,19 @@ NONCE_BYTES = 12
 
 class ShareError(ValueError):
     """A share that cannot be used: it does not open, or too few came to rebuild a seed."""
+
+
+def shamir() -> Any:
+    """PyCryptodome's Shamir sharing, imported when a secure round needs it: an agent without PyCryptodome runs every
+    other round, and says how to install it when a federation asks for secure aggregation."""
+    try:
+        from Crypto.Protocol.SecretSharing import Shamir
+    except ImportError:
+        raise FeastError(
+            "this federation runs secure aggregation (feast-server run --secure-agg), which needs PyCryptodome for "
+            "Shamir secret sharing: pip install pycryptodome"
+        ) from None
+    return Shamir
 
 
 def new_key() -> X25519PrivateKey:
@@ -67,7 +82,8 @@ def new_seed(size: int = SEED_BYTES) -> bytes:
 def split_seed(seed: bytes, threshold: int, holders: int) -> list[tuple[int, bytes]]:
     """``holders`` Shamir shares of ``seed`` (a multiple of 16 bytes), any ``threshold`` of which rebuild it:
     (index, as many bytes as the seed)."""
-    blocks = [Shamir.split(threshold, holders, seed[k : k + BLOCK], ssss=False) for k in range(0, len(seed), BLOCK)]
+    split = shamir().split
+    blocks = [split(threshold, holders, seed[k : k + BLOCK], ssss=False) for k in range(0, len(seed), BLOCK)]
     return [(shares[0][0], b"".join(share for _, share in shares)) for shares in zip(*blocks)]
 
 
@@ -77,9 +93,8 @@ def join_seed(shares: list[tuple[int, bytes]], threshold: int) -> bytes:
         raise ShareError(f"{len(shares)} shares of a seed that needs {threshold}")
     chosen = shares[:threshold]
     size = len(chosen[0][1])
-    return b"".join(
-        Shamir.combine([(i, s[k : k + BLOCK]) for i, s in chosen], ssss=False) for k in range(0, size, BLOCK)
-    )
+    combine = shamir().combine
+    return b"".join(combine([(i, s[k : k + BLOCK]) for i, s in chosen], ssss=False) for k in range(0, size, BLOCK))
 
 
 def seal(key: bytes, plaintext: bytes, aad: bytes) -> bytes:

@@ -332,3 +332,22 @@ def test_central_dp_on_secure_sums_releases_the_plain_dp_round_within_the_fixed_
             assert torch.equal(released[name][~as_plain], before[name][~as_plain]), name
             moved += int((as_plain & (tensor != before[name])).sum())
     assert moved > 0  # the round moved the model, noise included, as the plain DP round did
+
+
+def test_without_pycryptodome_only_secure_rounds_stop_and_they_name_the_fix() -> None:
+    """An agent installed without PyCryptodome still imports (its secure-aggregation side included) and runs plain
+    rounds; sharing a seed, the first thing a secure round needs of it, says what to install. In a fresh interpreter
+    where PyCryptodome cannot be imported."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['Crypto'] = None; sys.modules['Crypto.Protocol.SecretSharing'] = None\n"
+        "import feast_edge.agent.agent, feast_edge.agent.secure_round\n"
+        "from feast_edge.errors import FeastError\n"
+        "from feast_edge.secagg.keys import split_seed\n"
+        "try:\n    split_seed(bytes(16), 2, 3)\nexcept FeastError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "needs PyCryptodome for Shamir secret sharing: pip install pycryptodome" in done.stdout
