@@ -41,7 +41,6 @@ from feast_edge.util.atomic import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
-STAGES = ("keys", "shares", "masking", "unmask", "done")
 SECURE = "secure.json"  # the stage of the secure round in flight, for feast-server status
 
 
@@ -328,7 +327,8 @@ class SecureCollector(DeviceCollector):
         return Expect(max_bytes=upload_bound(lengths, ints), max_samples=registered_samples)
 
     def check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor]) -> ClientUpdate | str:
-        assert reply.update is not None and reply.payload is not None and self.stages is not None
+        assert reply.update is not None and reply.payload is not None
+        assert self.stages is not None and self._block is not None, "collect() sets up the round first"
         if reply.device not in self.stages.shared:
             return "it uploaded a masked update but is not among the devices that shared their keys"
         try:
@@ -343,11 +343,7 @@ class SecureCollector(DeviceCollector):
         return ClientUpdate(
             reply.device,
             {},
-            1
-            if self._block and self._block.clip
-            else self._block.counts[reply.device]
-            if self._block
-            else update.samples,
+            1 if self._block.clip else self._block.counts[reply.device],  # what weighs it (central DP: 1 each)
             loss=update.loss,
             samples_seen=update.samples_seen,
             train_macs=update.train_macs,
