@@ -41,7 +41,7 @@ from feast_edge.agent.step import largest_payload
 from feast_edge.cache.variants import load_cache
 from feast_edge.errors import FeastError
 from feast_edge.personalize.select import Choice
-from feast_edge.protocol import Finished, Metrics, ModelReady, Registered, RoundStart, RoutedRequest
+from feast_edge.protocol import Evaluate, Finished, Metrics, ModelReady, Registered, RoundStart, RoutedRequest
 from feast_edge.space.preset import load_preset
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.errors import ProtocolError
@@ -300,9 +300,12 @@ class Agent:
     def _expect_announced(self, device_id: str, message: RoundStart | ModelReady | RoutedRequest) -> None:
         """Paho's thread: take the chunks of an announced transfer from the first one on (they follow at once)."""
         try:  # a bad description (or one over the receiver's limits) is refused, with its reason, by the agent's thread
-            info = TransferInfo.from_dict(message.transfer)
-            if info.device == device_id and info.round == message.round:
-                self.clients[device_id].receiver.expect(info)
+            infos = [TransferInfo.from_dict(message.transfer)]
+            if isinstance(message, Evaluate):  # its further candidate models follow the first
+                infos += message.candidate_infos()
+            for info in infos:
+                if info.device == device_id and info.round == message.round:
+                    self.clients[device_id].receiver.expect(info)
         except ProtocolError:
             pass
 

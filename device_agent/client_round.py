@@ -179,25 +179,40 @@ class RoundRunner:
         if isinstance(message, Calibrate):
             return self._calibrate(client, message, blob)
         assert isinstance(message, Evaluate)
-        return self._evaluate(client, message, blob)
+        others = []
+        for info in message.candidate_infos():  # further candidate models, sent after the first
+            other = client.downloads.wait(
+                info,
+                incoming.at + message.timeout,
+                abandon=lambda: self.stop.is_set() or self.inbox.overtaken(device_id, incoming.number),
+            )
+            if other is None:
+                log.warning("%s: a candidate model of the evaluate request did not reach %s in time", shown, device_id)
+                return False
+            others.append(other)
+        return self._evaluate(client, message, blob, others)
 
-    def _evaluate(self, client: Hosted, message: Evaluate, blob: bytes) -> bool:
-        """Federated validation: test the routed model's probes on the held-out data; publish the counts."""
+    def _evaluate(self, client: Hosted, message: Evaluate, blob: bytes, others: list[bytes]) -> bool:
+        """Federated validation: test the routed model's probes (and those of each further candidate, on the same
+        examples) on the held-out data; publish the counts."""
         from feast_edge.agent.on_device import answer_evaluation
 
         began, device_id, shown = time.perf_counter(), client.device_id, f"round {message.round + 1}"
         try:
-            answer = answer_evaluation(message, blob, client.data, self.preset, str(self.config.torch_device))
+            answer = answer_evaluation(message, blob, client.data, self.preset, str(self.config.torch_device), others)
         except FeastError as exc:
             log.error("%s: could not validate the model for %s: %s", shown, device_id, exc)
             return False
         self.link.publish(self.topics.events(device_id), answer.encode())
-        shown_counts = ", ".join(f"{c}/{n}" for c, n in answer.counts())
+        shown_counts = "; ".join(
+            ", ".join(f"{c}/{n}" for c, n in counts) for counts in [answer.counts(), *answer.candidate_counts()]
+        )
         log.info(
-            "%s: %s validated %d variant(s) on its %d held-out examples (correct: %s) in %.1f s",
+            "%s: %s validated %d variant(s)%s on its %d held-out examples (correct: %s) in %.1f s",
             shown,
             device_id,
             len(message.probes),
+            f" of {1 + len(others)} candidate models" if others else "",
             client.data.holdout,
             shown_counts,
             time.perf_counter() - began,

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,22 +90,36 @@ def _routed_model(message: RoutedRequest, payload: bytes, preset: Preset) -> tup
 
 
 def answer_evaluation(
-    message: Evaluate, payload: bytes, data: LocalClient, preset: Preset, torch_device: str = "cpu"
+    message: Evaluate,
+    payload: bytes,
+    data: LocalClient,
+    preset: Preset,
+    torch_device: str = "cpu",
+    candidates: Sequence[bytes] = (),
 ) -> Evaluated:
-    """The counts answering ``message`` (its routed ``payload`` decoded and checked against the plan it names)."""
+    """The counts answering ``message`` (its routed ``payload`` decoded and checked against the plan it names) and, per
+    further candidate it carries (``candidates``: their payloads, in its order), the same probes' counts on the same
+    held-out examples."""
     plan, model = _routed_model(message, payload, preset)
     probes = message.probe_archs(plan)
-    counts = held_out_counts(
-        model,
-        probes,
-        data.images,
-        data.holdout_images,
-        data.holdout_labels,
-        message.calibration,
-        torch_device,
-        train_labels=data.labels,
-    )
-    return Evaluated.of(message, counts, min(message.calibration, data.samples) if data.holdout else 0)
+
+    def counts_of(supernet: Supernet) -> list[tuple[int, int]]:
+        return held_out_counts(
+            supernet,
+            probes,
+            data.images,
+            data.holdout_images,
+            data.holdout_labels,
+            message.calibration,
+            torch_device,
+            train_labels=data.labels,
+        )
+
+    counts = counts_of(model)
+    del model  # one routed model in memory at a time: the device evaluates up to its memory limit
+    others = [counts_of(_routed_model(message, blob, preset)[1]) for blob in candidates]
+    calibrated = min(message.calibration, data.samples) if data.holdout else 0
+    return Evaluated.of(message, counts, calibrated, others)
 
 
 def answer_calibration(

@@ -120,9 +120,11 @@ class FederationServer(RunHost):
         self.federated: FederatedValidation | None = None
         self.calibration: FederatedCalibration | None = None
 
-    def _validate_on_devices(self, t: int, record: RoundRecord) -> float | None:
+    def _validate_on_devices(
+        self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None
+    ) -> float | None:
         assert self.federated is not None, "start() first"
-        return self.federated(t, record)
+        return self.federated(t, record, alternative)
 
     def _validated_points(self) -> list[dict[str, Any]] | None:
         """The last validation's probe points (label, macs, params, val_accuracy): the devices' or the server's."""

@@ -222,6 +222,19 @@ class ServerConfig:
             raise ServerError(str(exc)) from None
         self._check_schedule()
         self._check_secure()
+        self._check_serve_average()
+
+    def _check_serve_average(self) -> None:
+        """--serve-average K > 1 only where rounds are validated: the mean is served only once it beats the round's
+        own weights on held-out data, and without --data under DP no device sends held-out counts."""
+        k = self.validation.serve_average
+        if k is not None and k > 1 and self.data is None and not self.federated_statistics:
+            raise ServerError(
+                f"--serve-average {k}: this run validates no round (under DP without --data the devices send no "
+                "held-out counts: they would leave them unnoised), so the mean of the last rounds' weights could never "
+                "be compared with the last round's own, which is what is served; drop --serve-average, or give the "
+                "server a validation split with --data"
+            )
 
     def _check_secure(self) -> None:
         """Secure sums over MQTT: what needs each device's update, or a cohort the stages cannot carry, is refused."""

@@ -215,6 +215,7 @@ class DeviceBook:
                     "class_counts": list(message.class_counts),
                     "holdout_counts": list(message.holdout_counts),
                     "evaluate_macs": max(message.evaluate_macs, message.budget_macs),
+                    "features": list(message.features),  # the protocol features its agent implements
                 },
                 status=status,
                 precision=message.precision,

@@ -23,7 +23,7 @@ import logging
 import queue
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from feast_edge.protocol import Declined, Evaluated, Update
@@ -171,8 +171,17 @@ class RoundExchange:
         assert self.current is not None, "open() first"
         return self.sender.describe(payload, round=self.current.t, device=device)
 
-    def send(self, device: str, message: Message, payload: bytes, info: TransferInfo, expect: Expect) -> bool:
-        """``message`` on the device's control topic, then the chunks of ``payload``; False (and a failed reply) if the link failed."""
+    def send(
+        self,
+        device: str,
+        message: Message,
+        payload: bytes,
+        info: TransferInfo,
+        expect: Expect,
+        also: Sequence[tuple[bytes, TransferInfo]] = (),
+    ) -> bool:
+        """``message`` on the device's control topic, then the chunks of ``payload`` and of each further payload the
+        message names (``also``: an evaluation's further candidates); False (and a failed reply) if the link failed."""
         current = self.current
         assert current is not None, "open() first"
         current.pending[device] = _Pending(info.transfer, expect, current.t, current.deadline)
@@ -182,6 +191,10 @@ class RoundExchange:
             self.sender.announce_and_send(
                 self.topics.ctrl(device), message.encode(), payload, info, timeout=self.settings.send_timeout
             )
+            for blob, more in also:
+                self.sender.send(
+                    blob, round=more.round, device=device, transfer=more.transfer, timeout=self.settings.send_timeout
+                )
         except LinkError as exc:
             self._fail(device, f"could not send its routed payload: {exc}", INCOMPLETE)
             sent = False

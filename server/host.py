@@ -22,7 +22,7 @@ from feast_edge.evaluate.evaluation import Validation
 from feast_edge.evaluate.served_round import served_record
 from feast_edge.run.checkpoint import load_supernet, read_record
 from feast_edge.run.collect import Collector
-from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop
+from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop, Validator
 from feast_edge.run.roundlog import RoundLog
 from feast_edge.server.bn_calibration import Calibrated
 from feast_edge.server.config import KIND, ServerConfig, ServerError
@@ -50,9 +50,10 @@ class RunHost:
         config: ServerConfig,
         *,
         on_round: Callable[[RoundRecord, int], None] | None = None,
-        validator: Callable[[int, RoundRecord], float | None] | None = None,
+        validator: Validator | None = None,
     ) -> None:
-        """``validator(t, record)`` validates the model where the server holds no data (else it validates itself)."""
+        """``validator(t, record, alternative)`` validates the model where the server holds no data (else it validates
+        itself; feast_edge.run.loop.Validator)."""
         self.config = config
         self.out = Path(config.out)
         self.preset = load_preset(config.preset)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from feast_edge.evaluate.device_validation import device_record, validation_targ
 from feast_edge.evaluate.evaluation import probe_indices
 from feast_edge.evaluate.federated import CALIBRATION, DEFAULT_VAL_RULE, Validated
 from feast_edge.protocol import MAX_PROBES, Evaluate, RoutedRequest
+from feast_edge.protocol.features import EVALUATE_CANDIDATES
 from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import encode
 from feast_edge.route.plans import ClientPlan, plan_client
@@ -56,12 +58,19 @@ def send_routed_request(
     calibration: int,
     payload_dtype: str,
     expect: Expect,
+    candidates: Sequence[Mapping[str, torch.Tensor]] = (),
 ) -> bool:
-    """Send ``device`` its routed slice of ``global_state`` and a ``kind`` request (evaluate, calibrate) about ``archs``."""
+    """Send ``device`` its routed slice of ``global_state`` and a ``kind`` request (evaluate, calibrate) about ``archs``;
+    an evaluation's further ``candidates`` (other global states) go out as routed slices of the same plan after it."""
     classes = preset.classes
     manifest = plan.manifest(preset, classes, t, "routed", device, payload_dtype)
-    blob = encode(route_state(global_state, plan.layout(preset, classes), preset), manifest)
+    layout = plan.layout(preset, classes)
+    blob = encode(route_state(global_state, layout, preset), manifest)
     info = exchange.describe(device, blob)
+    also = []
+    for state in candidates:
+        more = encode(route_state(state, layout, preset), manifest)
+        also.append((more, exchange.describe(device, more)))
     message = kind.for_plan(
         plan,
         archs,
@@ -74,7 +83,24 @@ def send_routed_request(
         calibration=calibration,
         payload_dtype=payload_dtype,
     )
-    return exchange.send(device, message, blob, info, expect)
+    if also:
+        message = replace(message, candidates=tuple(more.to_dict() for _, more in also))
+    return exchange.send(device, message, blob, info, expect, also)
+
+
+def in_order(
+    targets: Sequence[CacheEntry], asked: Sequence[Arch], counts: Sequence[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """A device's counts for the targets it was ``asked`` about (in that order), in the order of ``targets``."""
+    by_probe = dict(zip(asked, counts))
+    return [by_probe.get(e.arch, (0, 0)) for e in targets]
+
+
+def supports(devices: DeviceBook, device: str, feature: str) -> bool:
+    """Whether ``device``'s agent registered the protocol ``feature`` (feast_edge.protocol.features)."""
+    registered = devices.registry.get(device)
+    features = registered.profile.get("features") if registered is not None else None
+    return isinstance(features, list) and feature in features
 
 
 def evaluation_budget(devices: DeviceBook, device: str) -> int:
@@ -102,9 +128,10 @@ def registered_record(
     rule: str,
     max_weight_ratio: float,
     t: int,
+    say: bool = True,
 ) -> tuple[Validated, dict[str, Any]]:
     """``device_record`` of the devices' ``reports`` with what they registered (each one's budget: the variant it is
-    served; its held-out class mix), its disagreements logged; MQTT's and Flower's validation share it."""
+    served; its held-out class mix), its disagreements logged (``say``); MQTT's and Flower's validation share it."""
     served, mixes = {}, {}
     for device in reports:
         registered = devices.registry.get(device)
@@ -113,9 +140,9 @@ def registered_record(
         counts = registered.profile.get("holdout_counts") if registered is not None else None
         mixes[device] = [int(n) for n in counts] if isinstance(counts, list) else []
     result, record = device_record(reports, targets, probes, cache, served, mixes, rule, max_weight_ratio)
-    for device, why in sorted(result.flagged.items()):
+    for device, why in sorted(result.flagged.items()) if say else ():
         log.warning("round %d: %s's validation disagrees with the other devices: %s", t + 1, device, why)
-    for device, why in sorted(result.differs.items()):
+    for device, why in sorted(result.differs.items()) if say else ():
         log.info("round %d: %s's validation differs from the other devices': %s", t + 1, device, why)
     return result, record
 
@@ -152,9 +179,14 @@ class FederatedValidation:
             self.cache, self.probes, (d.budget_macs for d in self.devices.registry.devices()), MAX_PROBES
         )
 
-    def __call__(self, t: int, record: RoundRecord) -> float | None:
+    def __call__(
+        self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None
+    ) -> float | None:
         """Ask the online cohort devices that hold out examples to test the round's model, gather their counts, and
-        fill ``record.validation`` (the round's figure, per target, whose data, the served variants' votes)."""
+        fill ``record.validation`` (the round's figure, per target, whose data, the served variants' votes). With
+        ``alternative`` (the tail mean), devices whose agent implements ``evaluate-candidates`` test it too in the
+        same request, on the same examples (``record.candidates["mean"]``); the others test the round's own weights
+        only, and the log says so."""
         online = set(self.devices.online())
         asked = [d for d in record.cohort if d in online and _holds_out(self.devices, d)]
         if not asked:
@@ -167,8 +199,19 @@ class FederatedValidation:
         began = time.monotonic()
         self.exchange.open(t)
         targets = self.targets()
-        sent = {device: self._ask(t, device, targets) for device in asked}
-        reports = self._gather(t, sent, targets)
+        paired = [] if alternative is None else [d for d in asked if supports(self.devices, d, EVALUATE_CANDIDATES)]
+        if alternative is not None and len(paired) < len(asked):
+            log.warning(
+                "round %d: %s validate(s) only the round's own weights, not the mean of the last rounds beside them: "
+                "their agents do not implement %s (an older feast-agent; upgrade it to let them compare the two)",
+                t + 1,
+                ", ".join(d for d in asked if d not in paired),
+                EVALUATE_CANDIDATES,
+            )
+        sent = {
+            d: self._ask(t, d, targets, [alternative] if d in paired and alternative is not None else []) for d in asked
+        }
+        reports, others = self._gather(t, sent, targets, set(paired))
         unsettled = self.exchange.close()
         result, record.validation = registered_record(
             self.devices, self.cache, reports, targets, self.probes, self.rule, self.max_weight_ratio, t
@@ -176,20 +219,35 @@ class FederatedValidation:
         self._keep(targets, record.validation["points"])
         record.validation["missing"] = sorted(set(asked) - set(reports))
         record.validation["seconds"] = round(time.monotonic() - began, 3)
+        if alternative is not None:
+            mean: dict[str, Any] = {"val_accuracy": None, "validation": {}}
+            if others:
+                theirs, mean["validation"] = registered_record(
+                    self.devices, self.cache, others, targets, self.probes, self.rule, self.max_weight_ratio, t, False
+                )
+                mean["val_accuracy"] = theirs.accuracy
+                mean["validation"]["missing"] = sorted(set(asked) - set(others))
+            record.candidates = {"mean": mean}
         shown = "none" if result.accuracy is None else f"{100 * result.accuracy:.2f}%"
         log.info(
-            "round %d: federated validation (%s of %d device(s), %s held-out examples): %s%s",
+            "round %d: federated validation (%s of %d device(s), %s held-out examples): %s%s%s",
             t + 1,
             self.rule,
             len(reports),
             record.validation["samples"],
             shown,
+            f"; the mean of the last rounds tested beside it by {len(others)} device(s)"
+            if alternative is not None
+            else "",
             f"; no answer from {', '.join(unsettled.missing)}" if unsettled.missing else "",
         )
         return result.accuracy
 
-    def _ask(self, t: int, device: str, targets: list[CacheEntry]) -> list[Arch]:
-        """Send ``device`` its routed slice of the model and the targets it may evaluate; returns those targets.
+    def _ask(
+        self, t: int, device: str, targets: list[CacheEntry], candidates: Sequence[Mapping[str, torch.Tensor]]
+    ) -> list[Arch]:
+        """Send ``device`` its routed slice of the model (and of each further candidate) and the targets it may
+        evaluate; returns those targets.
 
         A device evaluates every target it may (its registered evaluation limit, at least its budget): the served
         variants above its budget are validated on its classes too (evaluation is a one-off, not serving)."""
@@ -210,15 +268,20 @@ class FederatedValidation:
             calibration=self.calibration,
             payload_dtype=self.payload_dtype,
             expect=Expect(max_bytes=0, max_samples=0),
+            candidates=candidates,
         )
         return probes
 
     def _gather(
-        self, t: int, sent: Mapping[str, list[Arch]], targets: list[CacheEntry]
-    ) -> dict[str, list[tuple[int, int]]]:
-        """Each answering device's (correct, total) per target, in the server's order of targets; an answer that does
-        not fit what was asked (another number of results, more examples than the device registered) is ignored."""
+        self, t: int, sent: Mapping[str, list[Arch]], targets: list[CacheEntry], paired: set[str]
+    ) -> tuple[dict[str, list[tuple[int, int]]], dict[str, list[tuple[int, int]]]]:
+        """Each answering device's (correct, total) per target, in the server's order of targets, and the same of the
+        further candidate where it tested one on the same examples; an answer that does not fit what was asked
+        (another number of results, more examples than the device registered) is ignored, and a further
+        candidate's counts from a device not sent one (in ``paired``), or on other examples than the first's, are
+        left out."""
         reports: dict[str, list[tuple[int, int]]] = {}
+        others: dict[str, list[tuple[int, int]]] = {}
         for reply in self.exchange.replies():
             if reply.evaluation is None:
                 log.warning("round %d: %s did not validate the model: %s", t + 1, reply.device, reply.error)
@@ -246,9 +309,18 @@ class FederatedValidation:
                 )
                 continue
             # Back to the server's order of targets: a device answers only for those it may evaluate.
-            by_probe = {arch: c for arch, c in zip(affordable, counts)}
-            reports[reply.device] = [by_probe.get(e.arch, (0, 0)) for e in targets]
-        return reports
+            reports[reply.device] = in_order(targets, affordable, counts)
+            for other in reply.evaluation.candidate_counts()[:1] if reply.device in paired else ():
+                if [n for _, n in other] != [n for _, n in counts]:
+                    log.warning(
+                        "round %d: %s tested the second candidate on other examples than the first; left out of the "
+                        "comparison",
+                        t + 1,
+                        reply.device,
+                    )
+                    continue
+                others[reply.device] = in_order(targets, affordable, other)
+        return reports, others
 
     def _keep(self, targets: list[CacheEntry], points: dict[str, float]) -> None:
         """The last validation's points, also as the dashboard's accuracy-vs-MACs entries."""

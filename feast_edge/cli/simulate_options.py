@@ -19,7 +19,7 @@ HELP = {
     "epochs": "Local epochs per round (default: the preset's recipe).",
     "augment": "Augmentation policy: randaugment+mix (method §7), crop-flip+mix, crop-flip, randaugment or none (default: the preset's recipe).",
     "eval_every": "Validate every k rounds.",
-    "serve_average": "The last round's candidate is the mean of the last K rounds' weights, validated and served like a round (1: the round's own weights; default: 5 with --validate-on devices, 1 on the server's split, the paper's selection).",
+    "serve_average": "The last round's second candidate: the mean of the last K rounds' weights, validated beside the round's own weights on the same held-out examples, the better offered to the served-round rule (1: the rounds' own weights; default: min(5, ⌈rounds/4⌉) with --validate-on devices, 1 on the server's split, the paper's selection).",
     "test_limit": "Test on only the first N test examples.",
     "aggregation": "mean (method §6), clip (norm clipping), trimmed-mean or median over the clients covering each position.",
     "trim": "trimmed-mean: share of the covering values dropped at each end, in [0, 0.5).",

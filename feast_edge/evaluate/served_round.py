@@ -64,7 +64,7 @@ def figures_of(validation: Mapping[str, Any]) -> dict[str, Figure]:
     return out
 
 
-def _distrusted(validations: Sequence[tuple[int, Mapping[str, Any]]]) -> dict[str, str]:
+def distrusted_in(validations: Sequence[tuple[int, Mapping[str, Any]]]) -> dict[str, str]:
     """Devices flagged as disagreeing (what their class mix cannot explain) whose change between two validations
     differed from the other devices' median change by more than INCONSISTENT, the flag and the move in either order;
     the round where both are first known names them."""
@@ -103,7 +103,7 @@ def _distrusted(validations: Sequence[tuple[int, Mapping[str, Any]]]) -> dict[st
 def served_round(history: Sequence[tuple[int, Mapping[str, Any]]], margin: float = SERVE_MARGIN) -> ServedRound:
     """The served round after the validations in ``history``: (1-based round, its ``validation`` record) in order,
     only rounds validated by devices (see the module docstring)."""
-    distrusted = _distrusted(history)
+    distrusted = distrusted_in(history)
     incumbent: tuple[int, dict[str, Figure]] | None = None
     reason, regressed = "", ()
     for round_, validation in history:
@@ -193,8 +193,9 @@ def serve_after(best: Mapping[str, Any], history: Sequence[Any], record: Any) ->
     whether its weights became the served ones.
 
     Validated by the devices (a server without data): the newest round unless its devices' served variants regressed
-    (:func:`best_after`); on server-held data: the best validation accuracy. Where the round's candidate was the mean
-    of the last rounds' weights (``record.average_of``, feast_edge.run.average), ``best`` says so.
+    (:func:`best_after`); on server-held data: the best validation accuracy. Where the round had two candidates (its
+    own weights and the tail mean, feast_edge.evaluate.candidates), the one it offers was chosen first
+    (``record.candidates``); ``best`` says which (``average_of`` where it is the mean) and the reason gives both steps.
     """
     if record.validation.get("source") == "devices":
         chosen = best_after([(h.round, h.validation, h.val_accuracy) for h in history if h.validation])
@@ -203,7 +204,7 @@ def serve_after(best: Mapping[str, Any], history: Sequence[Any], record: Any) ->
         now = bool(chosen) and chosen["round"] == record.round
         chosen = chosen or dict(best)
     elif record.val_accuracy is None or record.val_accuracy <= best.get("val_accuracy", -1.0):
-        return dict(best), False
+        return dict(best), False  # the round's candidate (record.candidates says which) did not beat the best
     else:
         now, chosen = (
             True,
@@ -213,10 +214,17 @@ def serve_after(best: Mapping[str, Any], history: Sequence[Any], record: Any) ->
                 "reason": f"round {record.round}: the best validation accuracy on the server's data so far",
             },
         )
+    step = (getattr(record, "candidates", None) or {}).get("reason")
+    if step:  # the round's two candidates: which one was judged, and why
+        if now:
+            chosen["reason"] = f"{step}; {chosen['reason']}"
+        else:
+            chosen["reason"] = f"{chosen['reason']} (round {record.round}'s candidate: {step})"
+        if record.validation.get("source") == "devices":
+            record.validation["served_reason"] = chosen["reason"]
     span = getattr(record, "average_of", None)
     if now and span:
         chosen["average_of"] = list(span)
-        chosen["reason"] = f"{chosen['reason']}; served as the mean of rounds {span[0]}-{span[1]}'s weights"
         if record.validation:  # what the round's record says it served (feast_edge.report.model_words.served_so_far)
             record.validation["served_reason"], record.validation["served_average_of"] = chosen["reason"], list(span)
     return chosen, now

@@ -319,25 +319,29 @@ def validate(message: Message, context: Context) -> Message:
         return _declined(message, **where, reason=reason)
     began = time.perf_counter()
     examples = min(asked.request.calibration, MAX_CALIBRATION)
-    counts = held_out_counts(
-        routed_supernet(node.preset, asked.plan, asked.routed),
-        asked.targets,
-        client.images,
-        client.holdout_images,
-        client.holdout_labels,
-        examples,
-        node.torch_device,
-        train_labels=client.labels,
-    )
+    counted = [
+        held_out_counts(
+            routed_supernet(node.preset, asked.plan, routed),
+            asked.targets,
+            client.images,
+            client.holdout_images,
+            client.holdout_labels,
+            examples,
+            node.torch_device,
+            train_labels=client.labels,
+        )
+        for routed in [asked.routed, *asked.candidates]  # the round's model, then each further candidate
+    ]
     log.info(
-        "round %d: %s validated %d variant(s) on its %d held-out examples (%.1f s)",
+        "round %d: %s validated %d variant(s) of %d candidate model(s) on its %d held-out examples (%.1f s)",
         asked.request.round + 1,
         client.device_id,
-        len(counts),
+        len(counted[0]),
+        len(counted),
         client.holdout,
         time.perf_counter() - began,
     )
-    return Message(asked.answer(counts, min(examples, client.samples)), reply_to=message)
+    return Message(asked.answer(counted[0], min(examples, client.samples), counted[1:]), reply_to=message)
 
 
 @app.evaluate()

@@ -5,9 +5,11 @@ their own held-out splits (method §8 on the devices), as ``feast-server run`` w
            ServerApp -> node   ConfigRecord "feast": {"request": "validate", "feast_edge": version, "message": an
                                Evaluate (feast_edge.protocol: the plan, the targets as indices into its affordable
                                variants, the training examples BN is recalibrated on, the transfer describing the
-                               routed slice)}; ArrayRecord "routed": the routed sub-supernet in the run's payload dtype
+                               routed slice)}; ArrayRecord "routed": the routed sub-supernet in the run's payload
+                               dtype; at the last round also "candidate-1": the tail mean's routed slice (described in
+                               the Evaluate's ``candidates``), tested on the same examples
            node -> ServerApp   ConfigRecord "feast": {"message": an Evaluated: (correct, total) per target, in the
-                               request's order}; or {"message": a Declined} with the reason
+                               request's order, and per further candidate the same}; or {"message": a Declined}
 
 The personalization "evaluate" Message (``records.ServedVariant``, after the last round) carries no "request" key:
 ``is_validation`` tells the two apart, so a ClientApp reads personalization messages as before. The request's arrays
@@ -19,8 +21,8 @@ examples the node registered.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from flwr.app import RecordDict
@@ -44,22 +46,36 @@ class ValidationRequest:
     request: Evaluate
     plan: ClientPlan
     routed: dict[str, torch.Tensor]
+    candidates: list[dict[str, torch.Tensor]] = field(default_factory=list)  # further candidates' routed slices
 
     @property
     def targets(self) -> list[Arch]:
         """The variants to test, in the request's order (the answer's order)."""
         return self.request.probe_archs(self.plan)
 
-    def answer(self, counts: list[tuple[int, int]], calibrated_on: int) -> RecordDict:
-        """The node's answer: (correct, total) per target and the training examples BN was recalibrated on."""
-        return counts_content(Evaluated.of(self.request, counts, calibrated_on))
+    def answer(
+        self, counts: list[tuple[int, int]], calibrated_on: int, others: list[list[tuple[int, int]]] | None = None
+    ) -> RecordDict:
+        """The node's answer: (correct, total) per target, per further candidate the same, and the training examples
+        BN was recalibrated on."""
+        return counts_content(Evaluated.of(self.request, counts, calibrated_on, others))
 
 
-def validation_content(request: Evaluate, routed: Mapping[str, torch.Tensor]) -> RecordDict:
-    """A validation request for one node: ``request`` and its routed slice (already in the request's payload dtype)."""
+def candidate_key(i: int) -> str:
+    """The ArrayRecord of the request's ``i``-th further candidate (1-based)."""
+    return f"candidate-{i}"
+
+
+def validation_content(
+    request: Evaluate, routed: Mapping[str, torch.Tensor], candidates: Sequence[Mapping[str, torch.Tensor]] = ()
+) -> RecordDict:
+    """A validation request for one node: ``request``, its routed slice and those of its further ``candidates`` (each
+    described in ``request.candidates``; already in the request's payload dtype)."""
     config = message_record(request, feast_edge=__version__)
     config[REQUEST] = VALIDATE
-    return RecordDict({FEAST: config, ROUTED: array_record(routed)})
+    arrays = {ROUTED: array_record(routed)}
+    arrays.update({candidate_key(i): array_record(c) for i, c in enumerate(candidates, start=1)})
+    return RecordDict({FEAST: config, **arrays})
 
 
 def is_validation(content: RecordDict) -> bool:
@@ -78,7 +94,14 @@ def read_validation(content: RecordDict, preset: Preset) -> ValidationRequest:
     if arrays is None:
         raise ProtocolError('the validation request carries no routed slice (ArrayRecord "routed")')
     routed = read_arrays(arrays, preset, plan.envelope, message.payload_dtype, message.transfer_info())
-    return ValidationRequest(message, plan, routed)
+    candidates = []
+    for i, info in enumerate(message.candidate_infos(), start=1):
+        more = content.array_records.get(candidate_key(i))
+        if more is None:
+            raise ProtocolError(f'the validation request names {len(message.candidates)} further candidate(s) but '
+                                f'carries no ArrayRecord "{candidate_key(i)}"')  # fmt: skip
+        candidates.append(read_arrays(more, preset, plan.envelope, message.payload_dtype, info))
+    return ValidationRequest(message, plan, routed, candidates)
 
 
 def counts_content(answer: Evaluated | Declined) -> RecordDict:
@@ -86,10 +109,11 @@ def counts_content(answer: Evaluated | Declined) -> RecordDict:
     return RecordDict({FEAST: message_record(answer)})
 
 
-def read_counts(content: RecordDict, request: Evaluate, holdout: int) -> list[tuple[int, int]] | Declined:
-    """A node's (correct, total) per target of ``request`` (the server's order), or its Declined; ProtocolError when
-    the answer is not possible for a node that registered ``holdout`` held-out examples: malformed, for another
-    device, round or slice, more or fewer results than targets, a total above ``holdout``."""
+def read_counts(content: RecordDict, request: Evaluate, holdout: int) -> Evaluated | Declined:
+    """A node's answer to ``request``: its Evaluated ((correct, total) per target in the request's order, per further
+    candidate the same on the same examples), or its Declined; ProtocolError when the answer is not possible for a
+    node that registered ``holdout`` held-out examples: malformed, for another device, round or slice, more or fewer
+    results than targets or candidates, a total above ``holdout``, a candidate tested on other examples."""
     answer = read_message(content, Evaluated, Declined)
     if isinstance(answer, Declined):
         return answer
@@ -108,4 +132,11 @@ def read_counts(content: RecordDict, request: Evaluate, holdout: int) -> list[tu
     # The counts weigh the round's figure: no node may weigh more than the held-out split it registered.
     if any(total > holdout for _, total in counts):
         raise ProtocolError(f"it counts more examples than the {holdout} it registered as held out")
-    return counts
+    others = answer.candidate_counts()
+    if len(others) != len(request.candidates):
+        raise ProtocolError(
+            f"it answers for {len(others)} further candidate(s); the request carried {len(request.candidates)}"
+        )
+    if any([n for _, n in other] != [n for _, n in counts] for other in others):
+        raise ProtocolError("it tested a further candidate on other examples than the first")
+    return answer

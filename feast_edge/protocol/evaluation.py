@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from feast_edge.protocol.limits import MAX_EXAMPLES, MAX_PROBES
+from typing_extensions import Self
+
+from feast_edge.protocol.limits import MAX_CANDIDATES, MAX_EXAMPLES, MAX_PROBES
 from feast_edge.protocol.plans import check_plan, client_plan, plan_dict
 from feast_edge.route.payload import PAYLOAD_DTYPES
 from feast_edge.route.plans import ClientPlan
@@ -55,7 +57,7 @@ class RoutedRequest(Message):
 
     @classmethod
     def for_plan(
-        cls: type[R],
+        cls,
         plan: ClientPlan,
         archs: list[Arch],
         *,
@@ -67,7 +69,7 @@ class RoutedRequest(Message):
         timeout: float,
         calibration: int,
         payload_dtype: str = "float32",
-    ) -> R:
+    ) -> Self:
         """The request about ``archs`` (variants of ``plan``) of the routed ``transfer`` to ``device``."""
         return cls(
             federation=federation,
@@ -101,14 +103,28 @@ class Evaluate(RoutedRequest):
 
     The device recalibrates each of ``probes`` (indices into the plan's affordable set) on up to ``calibration``
     of its training examples, tests it on its held-out split and answers ``evaluated`` within ``timeout`` seconds.
+
+    ``candidates`` (only to a device that registered the ``evaluate-candidates`` feature): transfers of further
+    candidate models under the same plan (the tail mean beside the round's own weights), each sent after
+    ``transfer``; the device tests the same probes of each on the same held-out examples.
     """
 
     INDICES: ClassVar[str] = "probes"
     probes: tuple[int, ...]
+    candidates: tuple[dict[str, Any], ...] = ()
 
     def check(self) -> None:
         super().check()
         self.check_indices("probes", self.probes, self.plan)
+        if len(self.candidates) > MAX_CANDIDATES - 1:
+            raise ProtocolError(f"field 'candidates' must name at most {MAX_CANDIDATES - 1} further models")
+        for info in self.candidate_infos():
+            if info.device != self.device or info.round != self.round:
+                raise ProtocolError("field 'candidates' must name transfers of this device and round")
+
+    def candidate_infos(self) -> list[TransferInfo]:
+        """The further candidates' transfers (ChunkError, a ProtocolError, when one is malformed)."""
+        return [check_transfer(value) for value in self.candidates]
 
     def probe_archs(self, plan: ClientPlan) -> list[Arch]:
         """The probes, as architectures of ``plan`` (the plan this message carries)."""
@@ -146,21 +162,40 @@ class Evaluated(Message):
     routed: str
     results: tuple[int, ...]  # correct_0, total_0, correct_1, total_1, ... in the order of the request's probes
     calibrated_on: int = 0
+    # Per further candidate of the request (Evaluate.candidates), in its order: the same pairs as ``results``, on
+    # the same held-out examples; () where the request had one candidate
+    candidates: tuple[int, ...] = ()
 
     def check(self) -> None:
         check_ids(self, "routed")
         if len(self.results) % 2 or len(self.results) > 2 * MAX_PROBES:
             raise ProtocolError(f"field 'results' must hold at most {MAX_PROBES} (correct, total) pairs")
-        pairs = zip(self.results[::2], self.results[1::2])
-        if not all(c <= n <= MAX_EXAMPLES for c, n in pairs):
+        if self.candidates and (
+            not self.results
+            or len(self.candidates) % len(self.results)
+            or len(self.candidates) // len(self.results) > MAX_CANDIDATES - 1
+        ):
             raise ProtocolError(
-                f"field 'results' must hold (correct, total) pairs with correct <= total <= {MAX_EXAMPLES}"
+                f"field 'candidates' must hold as many pairs as 'results' for each of at most {MAX_CANDIDATES - 1} "
+                "further candidates"
             )
+        for name, values in (("results", self.results), ("candidates", self.candidates)):
+            if not all(c <= n <= MAX_EXAMPLES for c, n in zip(values[::2], values[1::2])):
+                raise ProtocolError(
+                    f"field {name!r} must hold (correct, total) pairs with correct <= total <= {MAX_EXAMPLES}"
+                )
         if self.calibrated_on > MAX_EXAMPLES:
             raise ProtocolError("field 'calibrated_on' is out of range")
 
     @classmethod
-    def of(cls, request: Evaluate, counts: list[tuple[int, int]], calibrated_on: int) -> Evaluated:
+    def of(
+        cls,
+        request: Evaluate,
+        counts: list[tuple[int, int]],
+        calibrated_on: int,
+        candidates: list[list[tuple[int, int]]] | None = None,
+    ) -> Evaluated:
+        """The answer to ``request``: ``counts`` per probe and, per further candidate it carried, its counts."""
         return cls(
             federation=request.federation,
             round=request.round,
@@ -168,7 +203,14 @@ class Evaluated(Message):
             routed=request.transfer_info().transfer,
             results=tuple(v for pair in counts for v in pair),
             calibrated_on=calibrated_on,
+            candidates=tuple(v for each in candidates or [] for pair in each for v in pair),
         )
 
     def counts(self) -> list[tuple[int, int]]:
         return list(zip(self.results[::2], self.results[1::2]))
+
+    def candidate_counts(self) -> list[list[tuple[int, int]]]:
+        """Per further candidate, its (correct, total) per probe (empty where the request had one candidate)."""
+        pairs = list(zip(self.candidates[::2], self.candidates[1::2]))
+        size = len(self.results) // 2
+        return [pairs[i : i + size] for i in range(0, len(pairs), size)] if size else []

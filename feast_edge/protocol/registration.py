@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from feast_edge.evaluate.precisions import PRECISIONS
+from feast_edge.protocol.features import AGENT_FEATURES, check_features
 from feast_edge.protocol.limits import MAX_CLASSES, MAX_EXAMPLES
 from feast_edge.space.preset import Preset
 from feast_edge.transport.errors import ProtocolError
@@ -41,9 +42,13 @@ class Register(Message):
     class_counts: tuple[int, ...] = ()
     holdout_counts: tuple[int, ...] = ()
     evaluate_macs: int = 0  # the largest variant it may evaluate and calibrate (memory allowing); 0: its budget
+    features: tuple[
+        str, ...
+    ] = ()  # protocol features it implements (feast_edge.protocol.features); () from older agents
 
     def check(self) -> None:
         check_ids(self, "host", "instance")
+        check_features(self.features)
         if self.task_digest and not (
             len(self.task_digest) == 64 and all(c in "0123456789abcdef" for c in self.task_digest)
         ):
@@ -77,6 +82,7 @@ class Register(Message):
         class_counts: tuple[int, ...] = (),
         holdout_counts: tuple[int, ...] = (),
         evaluate_macs: int = 0,
+        features: tuple[str, ...] = AGENT_FEATURES,
     ) -> Register:
         """The registration of hosted client ``device_id`` training ``preset`` (its data checked against ``preset.task``)."""
         return cls(
@@ -96,6 +102,7 @@ class Register(Message):
             class_counts=tuple(int(n) for n in class_counts),
             holdout_counts=tuple(int(n) for n in holdout_counts),
             evaluate_macs=int(evaluate_macs),
+            features=tuple(features),
         )
 
 

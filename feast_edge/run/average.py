@@ -1,23 +1,27 @@
-"""The last round's served candidate: the mean of the last K rounds' global weights (tail averaging).
+"""The tail mean: the mean of the last K rounds' global weights, a second candidate beside the last round's own.
 
     window   = rounds max(1, R - K + 1) .. R, R the run's last round (settings.rounds), K = serve_average
     after each completed round r of the window:  mean += (w_r - mean) / n   (n: the rounds averaged so far;
                                                   floating tensors; integer ones, such as BN's batch count, the last's)
-    at round R, where it is validated: the mean stands in the model for the validation, the served-round choice and
-    best.safetensors; checkpoint.safetensors keeps round R's own weights (training and resume never see the mean)
+    at round R, where it is validated: the mean is validated beside the round's own weights, on the same held-out
+    examples (feast_edge.evaluate.candidates chooses between them); checkpoint.safetensors keeps round R's own
+    weights (training and resume never see the mean), best.safetensors the chosen one where the round is served
 
 One round's weights carry that round's cohort and its sampling noise; the mean of the last rounds' does not, and on
-label-skewed fleets it scores level with the mean of those rounds' scores where one round may miss it by more than a
-point (docs/benchmarks.md, "The served round on a label-skewed fleet without server data"). The mean is a candidate like any round: the
-served-round rule (feast_edge.evaluate.served_round) serves it only where its validation shows no regression.
+label-skewed fleets it often scores above the last round (docs/benchmarks.md, "The served round on a label-skewed
+fleet without server data"). But early in a short run the window reaches back to weights far from the last round's
+(a 6-round run averaging rounds 2-6 loses 2 points): so the window fits the run, and the mean is served only where
+it beats the round's own weights on the devices' held-out data.
 
-``K`` defaults to 5 where devices validate (a server without data: the mean is what they test) and to 1 (the round's
-own weights, the paper's checkpoint selection, method §8) on server-held data; ``--serve-average K`` sets it for both.
-The running mean is kept in each checkpoint (tensors named ``average.*``), so a resumed run serves the same mean.
+``K`` defaults to min(5, max(1, ⌈R/4⌉)) where devices validate (a server without data: 2 for a 6-round run, 5 from
+17 rounds) and to 1 (the round's own weights, the paper's checkpoint selection, method §8) on server-held data;
+``--serve-average K`` sets it for both. The running mean is kept in each checkpoint (tensors named ``average.*``), so
+a resumed run validates the same mean; one written with another window is dropped, and the resume says so.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,14 +32,20 @@ import torch
 from feast_edge.run.settings import RunError
 
 PREFIX = "average."
-DEVICE_DEFAULT = 5  # rounds averaged where devices validate (no --serve-average)
+WINDOW_MAX = 5  # rounds averaged at most by default where devices validate
 
 
-def serve_average_of(setting: int | None, validated_by_devices: bool) -> int:
-    """The rounds averaged into the last round's candidate: the setting, else 5 where devices validate, else 1."""
+def default_window(rounds: int) -> int:
+    """The rounds averaged by default where devices validate: min(5, max(1, ⌈R/4⌉)) for an R-round run."""
+    return min(WINDOW_MAX, max(1, math.ceil(rounds / 4)))
+
+
+def serve_average_of(setting: int | None, validated_by_devices: bool, rounds: int) -> int:
+    """The rounds averaged into the last round's second candidate: the setting, else :func:`default_window` where
+    devices validate, else 1 (server-held data: the paper's selection)."""
     if setting is not None:
         return setting
-    return DEVICE_DEFAULT if validated_by_devices else 1
+    return default_window(rounds) if validated_by_devices else 1
 
 
 class TailAverage:
@@ -71,23 +81,15 @@ class TailAverage:
         self.span = (self.span[0], round_)
 
     def stands_in(self, round_: int) -> bool:
-        """Whether the mean is round ``round_``'s candidate: the run's last round, with at least two rounds averaged."""
+        """Whether the mean is a candidate of round ``round_``: the run's last round, with at least two rounds averaged."""
         return round_ == self.rounds and self.span is not None and self.span[1] == round_ and self.count >= 2
 
-    @contextmanager
-    def standing_in(self, model: torch.nn.Module, round_: int, validated: bool) -> Iterator[tuple[int, int] | None]:
-        """While inside: the model holds the mean where it is round ``round_``'s candidate and the round is
-        ``validated`` (yields its span), else its own weights (yields None); its own weights are back afterwards.
-        Copies in place, so aliases of the model's tensors see the mean."""
-        if not (validated and self.stands_in(round_)):
-            yield None
-            return
-        own = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-        model.load_state_dict(self.mean)
-        try:
-            yield self.span
-        finally:
-            model.load_state_dict(own)
+    def candidate(self, round_: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]] | None:
+        """(span, the mean's tensors) where the mean is round ``round_``'s second candidate, else None."""
+        if not self.stands_in(round_):
+            return None
+        assert self.span is not None
+        return self.span, self.mean
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -97,24 +99,53 @@ class TailAverage:
 
     @property
     def fields(self) -> dict[str, Any]:
-        """The record a checkpoint keeps beside the tensors: {"span": [first, last]}, or {} while none."""
-        return {} if self.span is None else {"span": list(self.span)}
+        """The record a checkpoint keeps beside the tensors: {"span": [first, last], "k": K}, or {} while none."""
+        return {} if self.span is None else {"span": list(self.span), "k": self.k}
 
-    def load(self, tensors: Mapping[str, torch.Tensor], fields: Mapping[str, Any], path: Path) -> None:
-        """The mean from a checkpoint (its ``average.*`` tensors and record); a mean of another window or without
-        its record is dropped, and the window starts again at the next round."""
+    def load(self, tensors: Mapping[str, torch.Tensor], fields: Mapping[str, Any], path: Path | None) -> str | None:
+        """The mean from a checkpoint (its ``average.*`` tensors and record). A mean of another window (the run's
+        --rounds or --serve-average changed) or without its record is dropped, and the window starts again at the
+        next round in it; returns what a resume should say of a dropped mean (None: none was dropped)."""
         mean = {name[len(PREFIX) :]: tensor.clone() for name, tensor in tensors.items() if name.startswith(PREFIX)}
         span = fields.get("span")
         self.mean, self.span = {}, None
-        if self.k == 1 or not mean or not isinstance(span, list) or len(span) != 2:
-            return
-        first, last = int(span[0]), int(span[1])
-        if first < self.first or last < first:  # another window (the run's --rounds changed)
-            return
-        self.mean, self.span = mean, (first, last)
+        if not mean:
+            return None
+        if self.k > 1 and isinstance(span, list) and len(span) == 2:
+            first, last = int(span[0]), int(span[1])
+            if self.first <= first <= last and fields.get("k", self.k) == self.k:
+                self.mean, self.span = mean, (first, last)
+                return None
+            shown = f"rounds {first}-{last}"
+        else:
+            shown = "an earlier window"
+        now = (
+            f"averages rounds {self.first}-{self.rounds} (the last {self.k}), starting again at its next round in them"
+            if self.k > 1
+            else "serves the rounds' own weights (--serve-average 1)"
+        )
+        return (
+            f"{path}: the stored mean of {shown}'s weights was dropped: it was written with another window "
+            f"(--serve-average or --rounds); this run {now}"
+        )
 
 
 def split_extra(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A checkpoint's extra tensors as (the release's, the tail average's)."""
     ours = {name: tensor for name, tensor in tensors.items() if name.startswith(PREFIX)}
     return {name: tensor for name, tensor in tensors.items() if name not in ours}, ours
+
+
+@contextmanager
+def loaded(model: torch.nn.Module, state: Mapping[str, torch.Tensor] | None) -> Iterator[None]:
+    """While inside, ``model`` holds ``state`` (nothing changes for None); its own weights are back afterwards, even
+    after an error. Copies in place, so aliases of the model's tensors (a validator's global state) see it."""
+    if state is None:
+        yield
+        return
+    own = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    model.load_state_dict(state)
+    try:
+        yield
+    finally:
+        model.load_state_dict(own)

@@ -9,9 +9,10 @@
         the release's stages prepare the valid updates (client-id order)
         the release policy (feast_edge.run.policy; by default >= min_clients contributors): the release
             (feast_edge.run.release), its stages around the method's aggregation, in place; else unchanged
-        every eval_every rounds: validate (BN-recalibrated, method §8); best.safetensors holds the served round's
-            weights: on server data the best validation, validated by devices the newest without a regression; the
-            last round's candidate is the mean of the last --serve-average rounds' weights (feast_edge.run.average)
+        every eval_every rounds: validate (BN-recalibrated, method §8); at the last round its own weights and the
+            mean of the last --serve-average rounds' weights (feast_edge.run.average) both, on the same examples, the
+            better offered (feast_edge.evaluate.candidates); best.safetensors holds the served round's weights: on
+            server data the best validation, validated by devices the newest without a regression
         checkpoint.safetensors (atomic; feast_edge.run.store): weights, round, history, best, the caller's extra fields
 
 Only the :class:`Collector` differs between simulation and deployment, so the
@@ -27,15 +28,16 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from feast_edge.cache.variants import VariantCache
+from feast_edge.evaluate.candidates import choose_candidate
 from feast_edge.evaluate.evaluation import Validation
 from feast_edge.evaluate.served_round import serve_after
 from feast_edge.route.payload import bytes_per_param
-from feast_edge.run.average import TailAverage, serve_average_of, split_extra
+from feast_edge.run.average import TailAverage, loaded, serve_average_of, split_extra
 from feast_edge.run.collect import Collector
 from feast_edge.run.policy import EveryRound, ReleasePolicy
 from feast_edge.run.release import RunStops
@@ -55,6 +57,14 @@ from feast_edge.run.strategy import FeastStrategy
 from feast_edge.space.supernet import Supernet
 
 
+class Validator(Protocol):
+    """Validation where the server holds no split: round ``t``'s model by the devices (or clients) that hold data."""
+
+    def __call__(
+        self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None
+    ) -> float | None: ...
+
+
 class RunLoop:
     """Rounds of one federation over a ``Collector``, checkpointed in ``out`` (see the module docstring)."""
 
@@ -72,7 +82,7 @@ class RunLoop:
         extra_fields: Callable[[], Mapping[str, Any]] = dict,
         method: RoundMethod | None = None,
         model_record: Mapping[str, Any] | None = None,
-        validator: Callable[[int, RoundRecord], float | None] | None = None,
+        validator: Validator | None = None,
         scheduler: Scheduler | None = None,
         policy: ReleasePolicy | None = None,
     ) -> None:
@@ -80,8 +90,10 @@ class RunLoop:
         ``scheduler`` (who trains next) and ``policy`` (when collected input becomes a model) default to synchronous
         rounds (feast_edge.run.schedule.SyncRounds, feast_edge.run.policy.EveryRound).
 
-        ``validator(t, record)`` validates round ``t``'s aggregated model where no ``validation`` split is held
-        (federated validation: the devices test it and report counts); it may fill ``record.validation``.
+        ``validator(t, record, alternative)`` validates round ``t``'s aggregated model where no ``validation`` split is
+        held (federated validation: the devices test it and report counts); it may fill ``record.validation``, and
+        where ``alternative`` (the tail mean's tensors) is given it tests that too on the same held-out examples and
+        fills ``record.candidates["mean"]`` (``{"val_accuracy", "validation"}``).
         """
         self.model = model
         self.preset = model.preset if isinstance(model, Supernet) else None
@@ -109,9 +121,12 @@ class RunLoop:
         self.history: list[RoundRecord] = []
         self.stopped: str | None = None  # why the run ended before its last round (a stage refused it)
         self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
+        self.notes: list[str] = []  # what a resume changed that the run should say (a dropped tail mean)
         self.best: dict[str, Any] = {}
         by_devices = validation is None and validator is not None
-        self.average = TailAverage(settings.rounds, serve_average_of(settings.serve_average, by_devices))
+        self.average = TailAverage(
+            settings.rounds, serve_average_of(settings.serve_average, by_devices, settings.rounds)
+        )
         self.stop = threading.Event()
 
     # ------------------------------------------------------------------ checkpoints
@@ -147,7 +162,8 @@ class RunLoop:
         self.recovered = resumed.recovered
         released, averaged = split_extra(resumed.extra)
         self.release.load(released, resumed.path)
-        self.average.load(averaged, resumed.fields.get("average") or {}, resumed.path)
+        dropped = self.average.load(averaged, resumed.fields.get("average") or {}, resumed.path)
+        self.notes = [dropped] if dropped else []
         zero_based = resumed.fields.get("history_format", 1) < HISTORY_FORMAT
         self.history = [RoundRecord.from_dict(h, zero_based) for h in resumed.fields["history"]]
         self.best = dict(resumed.fields.get("best", {}))
@@ -222,15 +238,12 @@ class RunLoop:
                 break
             validated = (t + 1) % s.eval_every == 0 or t + 1 == s.rounds
             self.average.add(record.round, self.model.state_dict())
-            with self.average.standing_in(self.model, record.round, validated) as span:
-                record.average_of = None if span is None else list(span)
-                if validated and self.validation is not None:
-                    record.val_accuracy = self.validate()
-                elif validated and self.validator is not None:
-                    record.val_accuracy = self.validator(t, record)
-                self.history.append(record)
-                if self.choose_served(record):
-                    self.save(BEST)  # inside: the mean, where it stands in
+            if validated:
+                self.validate_round(t, record)
+            self.history.append(record)
+            if self.choose_served(record):
+                with loaded(self.model, self.average.mean if record.average_of else None):
+                    self.save(BEST)  # the chosen candidate's weights: the mean, where it was chosen
             self.save(CHECKPOINT)
             if on_round is not None:
                 on_round(record)
@@ -238,9 +251,26 @@ class RunLoop:
                 break
         return self.history
 
+    def validate_round(self, t: int, record: RoundRecord) -> None:
+        """Validate round ``t``'s weights into ``record`` and, where the tail mean is a candidate of the round, the mean
+        too, on the same examples (the server's split, or each device's held-out split)."""
+        candidate = self.average.candidate(record.round)
+        span, mean = (None, None) if candidate is None else candidate
+        if self.validation is not None:
+            record.val_accuracy = self.validate()
+            if mean is not None:
+                with loaded(self.model, mean):
+                    record.candidates = {"mean": {"val_accuracy": self.validate()}}
+        elif self.validator is not None:
+            record.val_accuracy = self.validator(t, record, mean)
+        if span is not None and record.candidates:
+            record.candidates["of"] = list(span)
+
     def choose_served(self, record: RoundRecord) -> bool:
-        """Update ``best`` (the served round and why) after ``record``; True when its weights became the served ones
-        (feast_edge.evaluate.served_round.serve_after)."""
+        """Update ``best`` (the served round and why) after ``record``: first the candidate the round offers (its own
+        weights or the tail mean, feast_edge.evaluate.candidates), then the served-round rule against the incumbent
+        (feast_edge.evaluate.served_round.serve_after); True when the round's weights became the served ones."""
+        choose_candidate(self.history, record)
         self.best, chosen = serve_after(self.best, self.history, record)
         return chosen
 

@@ -53,6 +53,10 @@ class RoundRecord:
     # "points": {label: accuracy}, "flagged": {device: why}, "served": {device: [variant, correct, total]},
     # "served_round", "served_reason"} (feast_edge.evaluate.device_validation, .served_round); empty where the validation split is server-held (or there was none).
     validation: dict[str, Any] = field(default_factory=dict)
+    # A round with two candidates (its own weights and the mean of the last rounds', feast_edge.evaluate.candidates):
+    # {"of": [first, last], "own": {"val_accuracy", "validation"}, "mean": {...}, "choice": "own" | "mean",
+    # "reason", "voters"}; val_accuracy and validation above are then the chosen candidate's. {} otherwise.
+    candidates: dict[str, Any] = field(default_factory=dict)
     dp: dict[str, Any] = field(default_factory=dict)  # DP runs: population, cohort (sizes), epsilon after it, delta
 
     def tally(self, updates: Sequence[ClientUpdate]) -> None:

@@ -6,12 +6,16 @@ as a server without data has its devices do (server/validation.py), through the 
     -> device_record(...): the round's figure, the flags and each client's figure on its served variant, which vote on
        the served round (feast_edge.evaluate.served_round)
 
+Where the round has two candidates (its own weights and the tail mean, feast_edge.evaluate.candidates), each client
+tests both on the same held-out examples, as an agent answering a two-candidate request does.
+
 A client evaluates the variants its budget affords (an agent's ``--evaluate-up-to serving``); the routed slice it
 would receive holds exactly those variants' weights, so testing them on the global model gives the same counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,6 +24,7 @@ from feast_edge.cache.variants import VariantCache
 from feast_edge.evaluate.device_validation import device_record, validation_targets
 from feast_edge.evaluate.evaluation import probe_indices
 from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, Validated, held_out_counts
+from feast_edge.run.average import loaded
 from feast_edge.run.loop import RoundRecord
 from feast_edge.sim.setup import Setup
 from feast_edge.space.supernet import Supernet
@@ -45,14 +50,35 @@ class InProcessValidation:
         self.targets = validation_targets(cache, self.probes, budgets.values())
         self.calibration, self.device, self.rule = calibration, device, rule
         self.reports: dict[int, dict[str, list[tuple[int, int]]]] = {}  # 1-based round -> the clients' counts
+        self.candidate_reports: dict[int, dict[str, list[tuple[int, int]]]] = {}  # the same of the tail mean
         self.mixes: dict[str, list[int]] = {}  # client -> its held-out examples per class
 
-    def __call__(self, t: int, record: RoundRecord) -> float | None:
+    def __call__(
+        self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None
+    ) -> float | None:
+        """Each cohort client's counts on the model's weights and, with ``alternative`` (the tail mean), on those
+        too, on the same held-out examples; fills ``record.validation`` (and ``record.candidates["mean"]``)."""
+        reports = self._counts(record.cohort)
+        if not reports:
+            return None
+        self.reports[record.round] = reports
+        result, record.validation = self.record(reports)
+        record.validation["missing"] = []
+        if alternative is not None:
+            with loaded(self.model, alternative):
+                others = self._counts(record.cohort)
+            self.candidate_reports[record.round] = others
+            theirs, validation = self.record(others)
+            validation["missing"] = []
+            record.candidates = {"mean": {"val_accuracy": theirs.accuracy, "validation": validation}}
+        return result.accuracy
+
+    def _counts(self, cohort: list[str]) -> dict[str, list[tuple[int, int]]]:
+        """Per cohort client holding examples out: (correct, total) per target on the model as it is."""
         reports: dict[str, list[tuple[int, int]]] = {}
-        mixes: dict[str, list[int]] = {}
         classes = self.setup.preset.classes
         self.model.eval()
-        for client in record.cohort:
+        for client in cohort:
             held_images, held_labels = self.setup.client_holdout(client)
             if held_labels.numel() == 0:
                 continue
@@ -70,14 +96,8 @@ class InProcessValidation:
             )
             by_target = dict(zip(affordable, counts))
             reports[client] = [by_target.get(e, (0, 0)) for e in self.targets]
-            mixes[client] = torch.bincount(held_labels, minlength=classes).tolist()
-        if not reports:
-            return None
-        self.reports[record.round] = reports
-        self.mixes.update(mixes)
-        result, record.validation = self.record(reports)
-        record.validation["missing"] = []
-        return result.accuracy
+            self.mixes[client] = torch.bincount(held_labels, minlength=classes).tolist()
+        return reports
 
     def record(self, reports: dict[str, list[tuple[int, int]]]) -> tuple[Validated, dict[str, Any]]:
         """The round's figure and validation record from the clients' counts (a benchmark may replay altered ones)."""

@@ -31,7 +31,7 @@ _OWN = {
     "max_update_norm": "Reject an update that changes its routed slice by more than this L2 norm (0: no bound).",
     "eval_every": "Validate the model every k rounds and after the last, keeping the best round's: on --data, or without it on the held-out examples of the round's devices (feast-agent run --holdout).",
     "val_samples": "Validation examples taken from --data (server-held data).",
-    "serve_average": "The last round's candidate is the mean of the last K rounds' weights, validated and served like a round (1: the round's own weights; default: 5 without --data, where the devices validate, 1 on --data).",
+    "serve_average": "The last round's second candidate: the mean of the last K rounds' weights, validated beside the round's own weights on the same held-out examples, the better offered to the served-round rule (1: the rounds' own weights; default: min(5, ⌈rounds/4⌉) without --data, where the devices validate, 1 on --data).",
     "calib_samples": "BN-calibration examples: taken from --data, or, without it, what each device recalibrates on.",
     "bn_calibration": "Without --data, where each served variant's BN statistics come from: federated (every device that can run it reports per-channel moments of its data, the server combines them) or device (each device recalibrates on its own data only).",
     "bn_rule": "How the devices' BN statistics are combined: screened (refuse reports far from the median of all, mix the rest; a lone pair that disagrees is not used), median (per-channel weighted median) or mixture (every report as sent: one lying device steers it). docs/security.md §9.",

@@ -18,7 +18,8 @@ def test_each_client_votes_with_its_served_variant_and_the_run_names_the_served_
 ) -> None:
     config = tiny_config(fashion_mnist_dir, clients=3, per_round=3, rounds=3, eval_every=1, train_limit=600)
     out = tmp_path / "sim"
-    result = cli.run("simulate", "--out", str(out), *cli_options(config), "--validate-on", "devices", timeout=600)
+    command = [*cli_options(config), "--validate-on", "devices", "--serve-average", "2"]
+    result = cli.run("simulate", "--out", str(out), *command, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     cache = load_cache(load_preset(config.preset))
@@ -31,17 +32,22 @@ def test_each_client_votes_with_its_served_variant_and_the_run_names_the_served_
             label, correct, total = validation["served"][client]
             assert label == f"variant {cache.entries.index(cache.largest_affordable(budgets[k]))}"
             assert 0 <= correct <= total and total > 0
-    # The run's choice is the rule's over its own records, and is said with its reason.
+    # Round 3 offered its own weights or the mean of rounds 2-3's, whichever its clients' paired figures favoured.
+    candidates = results["rounds"][-1]["candidates"]
+    assert candidates["of"] == [2, 3] and sorted(candidates["voters"]) == ["client-000", "client-001", "client-002"]
+    assert history[-1][1] == candidates[candidates["choice"]]["validation"] | {
+        k: v for k, v in history[-1][1].items() if k.startswith("served_")
+    }
+    # The run's choice is the rule's over its own records, and is said with both steps' reasons.
     choice = served_round(history)
     assert results["best"]["round"] == results["served_round"]["round"] == choice.round
     served, last = results["served_round"], len(history)
-    if choice.round == last:  # the last round's candidate: the mean of the last 5 rounds' weights (by default)
-        first = max(1, last - 4)
-        assert served["average_of"] == results["rounds"][-1]["average_of"] == [first, last]
-        assert served["reason"] == f"{choice.reason}; served as the mean of rounds {first}-{last}'s weights"
-        assert served["reason"] == history[-1][1]["served_reason"]
+    if choice.round == last:
+        assert served["reason"] == f"{candidates['reason']}; {choice.reason}" == history[-1][1]["served_reason"]
+        mean = candidates["choice"] == "mean"
+        assert served.get("average_of") == results["rounds"][-1]["average_of"] == ([2, 3] if mean else None)
     else:
-        assert "average_of" not in served and served["reason"] == choice.reason == history[-1][1]["served_reason"]
+        assert "average_of" not in served and served["reason"].startswith(choice.reason)
     words = " ".join(result.stdout.split())
     assert f"(served round, round {choice.round})" in words and " ".join(choice.reason.split()) in words
     assert f"served round {choice.round}" in result.stdout

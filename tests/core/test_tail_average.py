@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from feast_edge.run.average import TailAverage, serve_average_of, split_extra
+from feast_edge.run.average import TailAverage, default_window, loaded, serve_average_of, split_extra
 from feast_edge.run.checkpoint import load_supernet
 from feast_edge.run.settings import RunError
 from feast_edge.run.store import BEST, CHECKPOINT, PREVIOUS
@@ -47,10 +47,16 @@ def test_one_round_or_a_window_of_one_is_the_rounds_own_weights() -> None:
         TailAverage(rounds=5, k=0)
 
 
-def test_the_default_averages_where_devices_validate_and_keeps_the_papers_selection_on_server_data() -> None:
-    assert serve_average_of(None, validated_by_devices=True) == 5
-    assert serve_average_of(None, validated_by_devices=False) == 1
-    assert serve_average_of(3, validated_by_devices=False) == 3
+def test_the_window_fits_the_run_where_devices_validate_and_the_papers_selection_stays_on_server_data() -> None:
+    # min(5, max(1, ceil(R / 4))): a 6-round demo averages rounds 5-6, a 20- or 100-round run the last 5.
+    assert [default_window(r) for r in (1, 4, 5, 6, 8, 9, 16, 17, 20, 100)] == [1, 1, 2, 2, 2, 3, 4, 5, 5, 5]
+    assert serve_average_of(None, validated_by_devices=True, rounds=6) == 2
+    assert serve_average_of(None, validated_by_devices=True, rounds=20) == 5
+    assert serve_average_of(None, validated_by_devices=True, rounds=100) == 5
+    assert serve_average_of(None, validated_by_devices=False, rounds=20) == 1
+    assert serve_average_of(3, validated_by_devices=False, rounds=20) == 3
+    windows = {r: TailAverage(r, serve_average_of(None, True, r)) for r in (6, 20, 100)}
+    assert {r: (w.first, w.rounds) for r, w in windows.items()} == {6: (5, 6), 20: (16, 20), 100: (96, 100)}
 
 
 def test_a_gap_in_the_rounds_starts_the_mean_again() -> None:
@@ -63,19 +69,22 @@ def test_a_gap_in_the_rounds_starts_the_mean_again() -> None:
     assert torch.allclose(average.mean["w"], (states[4]["w"] + states[5]["w"]) / 2, atol=1e-6)
 
 
-def test_the_mean_stands_in_the_model_in_place_only_while_validated_and_its_own_weights_come_back() -> None:
+def test_the_mean_is_a_candidate_of_the_last_round_only_and_loads_in_place_until_its_own_weights_come_back() -> None:
     model = torch.nn.Linear(3, 2)
     alias = model.state_dict()["weight"]  # what a validator holding the global state sees
     own = {k: v.clone() for k, v in model.state_dict().items()}
     average = TailAverage(rounds=2, k=2)
     average.add(1, {k: v + 1 for k, v in own.items()})
+    assert average.candidate(1) is None  # not the last round, and one round averaged
     average.add(2, {k: v + 3 for k, v in own.items()})
-    with average.standing_in(model, 2, validated=False) as span:
-        assert span is None and torch.equal(alias, own["weight"])
-    with average.standing_in(model, 2, validated=True) as span:
-        assert span == (1, 2) and torch.allclose(alias, own["weight"] + 2)
+    span, mean = average.candidate(2)
+    assert span == (1, 2)
+    with loaded(model, None):
+        assert torch.equal(alias, own["weight"])
+    with loaded(model, mean):
+        assert torch.allclose(alias, own["weight"] + 2)
     assert torch.equal(alias, own["weight"]) and torch.equal(model.bias, own["bias"])
-    with pytest.raises(KeyError), average.standing_in(model, 2, validated=True):
+    with pytest.raises(KeyError), loaded(model, mean):
         raise KeyError("a validation that failed")
     assert torch.equal(alias, own["weight"])
 
@@ -94,26 +103,42 @@ def test_a_checkpoint_keeps_the_mean_and_a_run_of_other_rounds_drops_it() -> Non
     average.add(5, states[4])
     assert resumed.span == average.span == (3, 5)
     assert all(torch.equal(resumed.mean[k], average.mean[k]) for k in average.mean)
+    assert resumed.load(ours, average.fields, path=None) is None  # the same window: nothing to say
     longer = TailAverage(rounds=8, k=3)  # the run was given more rounds: its window starts at round 6
-    longer.load(ours, average.fields, path=None)
+    said = longer.load(ours, average.fields, path="run/checkpoint.safetensors")
     assert longer.span is None and not longer.mean
+    assert said is not None and "the stored mean of rounds 3-5's weights was dropped" in said
+    assert "this run averages rounds 6-8 (the last 3)" in said
+    other_k = TailAverage(rounds=5, k=2)  # resumed with another --serve-average: rounds 4-5, not 3-5
+    assert "dropped" in other_k.load(ours, average.fields, path=None) and other_k.span is None
+    assert "serves the rounds' own weights" in TailAverage(rounds=5, k=1).load(ours, average.fields, path=None)
 
 
 @pytest.mark.slow
-def test_a_run_serves_the_mean_of_its_last_rounds_and_a_resumed_run_the_same_mean(tmp_path, fashion_mnist_dir) -> None:
-    # Validated only after the last round, so the mean of rounds 2-3 is the one candidate and is served.
+def test_a_run_validates_its_own_weights_and_the_mean_on_the_same_split_serves_the_better_and_resumes_the_same(
+    tmp_path, fashion_mnist_dir
+) -> None:
+    # Validated only after the last round: round 3's own weights and the mean of rounds 2-3 are its two candidates.
     config = tiny_config(fashion_mnist_dir, rounds=3, seed=3, eval_every=3, serve_average=2)
     full = Simulation(config, tmp_path / "full").run()
-    assert full["served_round"]["average_of"] == [2, 3] and full["rounds"][-1]["average_of"] == [2, 3]
-    assert "served as the mean of rounds 2-3's weights" in full["served_round"]["reason"]
-    best, last, before = (load_supernet(tmp_path / "full" / f)[0].state_dict() for f in (BEST, CHECKPOINT, PREVIOUS))
+    last = full["rounds"][-1]
+    candidates = last["candidates"]
+    own, mean = candidates["own"]["val_accuracy"], candidates["mean"]["val_accuracy"]
+    assert candidates["of"] == [2, 3] and own is not None and mean is not None
+    chosen = "mean" if mean > own else "own"
+    assert candidates["choice"] == chosen and last["val_accuracy"] == max(own, mean)
+    words = "the mean of rounds 2-3's weights" if chosen == "mean" else "round 3's own weights"
+    assert full["served_round"]["reason"].startswith(f"{words}: own {100 * own:.2f}% vs the mean of rounds 2-3 ")
+    best, final, before = (load_supernet(tmp_path / "full" / f)[0].state_dict() for f in (BEST, CHECKPOINT, PREVIOUS))
     for name, tensor in best.items():
         if tensor.is_floating_point():
-            assert torch.allclose(tensor, (before[name] + last[name]) / 2, atol=1e-6), name
-    assert any(not torch.equal(best[k], last[k]) for k in best if best[k].is_floating_point())
+            expected = (before[name] + final[name]) / 2 if chosen == "mean" else final[name]
+            assert torch.allclose(tensor, expected, atol=1e-6), name
+    assert (full["served_round"].get("average_of") == [2, 3]) == (chosen == "mean")
 
     assert Simulation(config, tmp_path / "resumed").run(stop_after=2) is None  # "killed" after round 2
     resumed = Simulation(config, tmp_path / "resumed").run(resume=True)
     again = load_supernet(tmp_path / "resumed" / BEST)[0].state_dict()
     assert all(torch.equal(best[k], again[k]) for k in best)
     assert resumed["served_round"] == full["served_round"]
+    assert resumed["rounds"][-1]["candidates"] == candidates

@@ -55,9 +55,9 @@ def _calibration(tmp_path: Path, devices: dict[str, tuple[int, int]]):
     sent: dict[str, tuple[Calibrate, bytes]] = {}
     original = exchange.send
 
-    def send(device, message, payload, info, expect):
+    def send(device, message, payload, info, expect, also=()):
         sent[device] = (parse(message.encode()), payload)
-        return original(device, message, payload, info, expect)
+        return original(device, message, payload, info, expect, also)
 
     exchange.send = send  # type: ignore[method-assign]
     return FederatedCalibration(exchange, book, PRESET, CACHE, calibration=40), sent, receiver, script

@@ -57,9 +57,9 @@ def _answering(validator: FederatedValidation) -> tuple[dict[str, Evaluate], obj
     sent: dict[str, Evaluate] = {}
     original = validator.exchange.send
 
-    def send(device, message, payload, info, expect):
+    def send(device, message, payload, info, expect, also=()):
         sent[device] = parse(message.encode())
-        return original(device, message, payload, info, expect)
+        return original(device, message, payload, info, expect, also)
 
     validator.exchange.send = send  # type: ignore[method-assign]
 

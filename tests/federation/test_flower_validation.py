@@ -18,7 +18,8 @@ from flwr.app import Context, Message
 from feast_edge.agent.local_data import load_clients
 from feast_edge.evaluate.device_validation import device_record, validation_targets
 from feast_edge.evaluate.federated import held_out_counts
-from feast_edge.evaluate.served_round import served_round
+from feast_edge.evaluate.candidates import on_devices
+from feast_edge.evaluate.served_round import figures_of, served_round
 from feast_edge.flower import clientapp, records, validation_records
 from feast_edge.protocol import MAX_PROBES, Evaluated
 from feast_edge.run.checkpoint import load_supernet
@@ -44,11 +45,12 @@ def _nodes(grid: LoopbackGrid, count: int = 3, **handlers) -> None:
 @pytest.fixture(scope="module")
 def validated(kit, partition: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Three rounds of three honest simulated nodes holding out 0.2 of their shards, a server without data, each
-    round validated; then the export."""
+    round validated (the last one's own weights and the mean of rounds 1-3's, --serve-average 3); then the export."""
     set_flower_identity()
     grid = LoopbackGrid(run_config={"node-data": str(partition), "node-holdout": HOLDOUT})
     _nodes(grid)
-    federation = loopback_federation(kit, tmp_path_factory.mktemp("flower-validation") / "run", "", grid, rounds=3)
+    out = tmp_path_factory.mktemp("flower-validation") / "run"
+    federation = loopback_federation(kit, out, "", grid, rounds=3, serve_average=3)
     history = federation.run()
     return {"federation": federation, "history": history, "manifests": federation.export_models()}
 
@@ -69,10 +71,9 @@ def test_every_validated_round_is_validated_by_every_cohort_node_on_its_held_out
 
 def test_the_counts_are_held_out_counts_on_each_nodes_own_split(validated: dict, partition: Path) -> None:
     """Round 2's record equals device_record over held_out_counts called directly on each node's data with round 2's
-    checkpoint (the previous one: round 3 validated the mean of rounds 1-3's weights): the routed slice, the targets
-    and the class-balanced calibration are the agent's."""
+    checkpoint (the previous one): the routed slice, the targets and the class-balanced calibration are the agent's."""
     federation, last = validated["federation"], validated["history"][-2]
-    assert last.average_of is None and validated["history"][-1].average_of == [1, 3]
+    assert last.average_of is None and last.candidates == {} and validated["history"][-1].candidates["of"] == [1, 3]
     model = load_supernet(federation.out / PREVIOUS, federation.preset)[0]
     cache, validation = federation.cache, federation.validation
     devices = {d.device_id: d for d in federation.registry.devices()}
@@ -114,8 +115,16 @@ def test_the_served_round_is_the_rules_choice_and_every_manifest_names_it(valida
     federation, history = validated["federation"], validated["history"]
     choice = served_round([(h.round, h.validation) for h in history])
     assert choice.round is not None
-    # Chosen, round 3's candidate is the mean of the last rounds' weights (5 by default without data: rounds 1-3).
-    reason = f"{choice.reason}; served as the mean of rounds 1-3's weights" if choice.round == 3 else choice.reason
+    # Round 3 offered the better of its own weights and the mean of rounds 1-3's, on the same examples of each node.
+    candidates = history[-1].candidates
+    assert sorted(candidates["voters"]) == sorted(history[-1].cohort)  # every node tested both
+    own, mean = (candidates[c]["validation"]["served"] for c in ("own", "mean"))
+    assert all(own[d][0] == mean[d][0] and own[d][2] == mean[d][2] for d in own)  # same variant, same examples
+    offered = on_devices(3, [1, 3], figures_of({"served": own}), figures_of({"served": mean})).candidate
+    assert candidates["choice"] == offered and history[-1].validation["served"] == {
+        **(mean if offered == "mean" else own)
+    }
+    reason = f"{candidates['reason']}; {choice.reason}" if choice.round == 3 else choice.reason
     assert history[-1].validation["served_round"] == choice.round
     assert history[-1].validation["served_reason"] == reason
     assert federation.loop.best["round"] == choice.round and (federation.out / BEST).is_file()
@@ -124,7 +133,8 @@ def test_the_served_round_is_the_rules_choice_and_every_manifest_names_it(valida
     for manifest in manifests:
         assert manifest["served_round"]["round"] == choice.round and manifest["served_round"]["of"] == 3
         assert manifest["served_round"]["reason"] == reason and manifest["checkpoint"] == BEST
-        assert manifest["served_round"].get("average_of") == ([1, 3] if choice.round == 3 else None)
+        averaged = choice.round == 3 and offered == "mean"
+        assert manifest["served_round"].get("average_of") == ([1, 3] if averaged else None)
 
 
 def _inflated(message: Message, context: Context) -> Message:

@@ -53,11 +53,21 @@ EXAMPLES = [
         samples=600,
         profile={"cores": 4},
         precision="int8",
+        features=("evaluate-candidates", "a-later-feature"),
     ),
     Registered(**COMMON, instance="a1", accepted=False, reason="device id jetson-1 is already online"),
-    Evaluate(**COMMON, instance="a1", transfer=INFO, timeout=60.0, plan=PLAN, probes=(0,), calibration=500),
+    Evaluate(
+        **COMMON,
+        instance="a1",
+        transfer=INFO,
+        timeout=60.0,
+        plan=PLAN,
+        probes=(0,),
+        calibration=500,
+        candidates=(INFO,),
+    ),
     Calibrate(**COMMON, instance="a1", transfer=INFO, timeout=60.0, plan=PLAN, variants=(0,), calibration=200),
-    Evaluated(**COMMON, routed="t1", results=(41, 50), calibrated_on=500),
+    Evaluated(**COMMON, routed="t1", results=(41, 50), calibrated_on=500, candidates=(43, 50)),
     RoundStart(
         **COMMON,
         instance="a1",
@@ -107,6 +117,8 @@ def test_every_registered_kind_has_an_example() -> None:
 
 
 EVALUATE = {"instance": "a1", "transfer": INFO, "timeout": 60.0, "plan": PLAN, "probes": [0]}
+OTHER_ROUND = describe(b"payload", federation="lab", round=2, device="jetson-1").to_dict()
+REGISTER = {"host": "h", "instance": "a", "preset": "p", "preset_digest": "d", "budget_macs": 1, "samples": 1}
 CALIBRATE = {"instance": "a1", "transfer": INFO, "timeout": 60.0, "plan": PLAN, "variants": [0]}
 
 
@@ -136,6 +148,19 @@ CALIBRATE = {"instance": "a1", "transfer": INFO, "timeout": 60.0, "plan": PLAN, 
         ("evaluated", {"routed": "t1", "results": [1, 2] * 17}, "at most 16"),
         ("evaluated", {"routed": "t1", "results": [[1, 2]]}, "must be an integer"),
         ("evaluated", {"routed": "t1", "results": [1, 2], "calibrated_on": 2**45}, "out of range"),
+        ("evaluate", {**EVALUATE, "candidates": [INFO] * 4}, "at most 3 further models"),
+        ("evaluate", {**EVALUATE, "candidates": [OTHER_ROUND]}, "transfers of this device and round"),
+        ("evaluate", {**EVALUATE, "candidates": [{"transfer": "t2"}]}, "transfer"),
+        ("evaluate", {**EVALUATE, "candidates": ["t2"]}, "must be a JSON object"),
+        ("evaluated", {"routed": "t1", "results": [1, 2], "candidates": [1, 2, 3, 4, 5, 6, 7, 8]}, "at most 3"),
+        ("evaluated", {"routed": "t1", "results": [1, 2, 1, 2], "candidates": [1, 2]}, "as many pairs as 'results'"),
+        ("evaluated", {"routed": "t1", "results": [], "candidates": [1, 2]}, "as many pairs as 'results'"),
+        ("evaluated", {"routed": "t1", "results": [1, 2], "candidates": [3, 2]}, "correct <= total"),
+        ("register", {**REGISTER, "features": ["Evaluate"]}, "lower-case letters, digits and '-'"),
+        ("register", {**REGISTER, "features": ["x" * 65]}, "lower-case letters"),
+        ("register", {**REGISTER, "features": ["a", "a"]}, "must not repeat"),
+        ("register", {**REGISTER, "features": [f"f{i}" for i in range(65)]}, "at most 64 names"),
+        ("register", {**REGISTER, "features": "evaluate-candidates"}, "must be a list of strings"),
         (
             "register",
             {

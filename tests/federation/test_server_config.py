@@ -142,3 +142,12 @@ def test_asynchronous_rounds_refuse_what_needs_the_devices_between_releases_and_
         "constant",
     )
     assert "mode" not in ServerConfig.of(out=str(tmp_path)).decisive()  # synchronous runs keep their fingerprint
+
+
+def test_serve_average_is_refused_where_no_round_is_validated_and_taken_where_one_is(tmp_path: Path) -> None:
+    dp = dict(dp_clip=1.0, dp_noise=1.0, dp_epsilon=1000.0)
+    with pytest.raises(ServerError, match="--serve-average 3: this run validates no round .*drop --serve-average, or"):
+        ServerConfig.of(out=str(tmp_path), serve_average=3, **dp)
+    assert ServerConfig.of(out=str(tmp_path), serve_average=1, **dp).validation.serve_average == 1  # own weights
+    assert ServerConfig.of(out=str(tmp_path), **dp).validation.serve_average is None
+    assert ServerConfig.of(out=str(tmp_path), serve_average=3).validation.serve_average == 3  # devices validate

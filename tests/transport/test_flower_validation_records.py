@@ -8,6 +8,7 @@ the node registered, negative or non-integer numbers, oversized lists, answers f
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,7 +94,36 @@ def test_the_counts_round_trip_in_the_requests_order(asked: dict) -> None:
         validation_records.validation_content(asked["request"], asked["state"]), PRESET
     )
     answer = got.answer([(3, HOLDOUT), (17, HOLDOUT)], 50)
-    assert validation_records.read_counts(answer, asked["request"], HOLDOUT) == [(3, HOLDOUT), (17, HOLDOUT)]
+    read = validation_records.read_counts(answer, asked["request"], HOLDOUT)
+    assert read.counts() == [(3, HOLDOUT), (17, HOLDOUT)] and read.candidate_counts() == []
+
+
+def _with_candidate(asked: dict) -> tuple[Evaluate, dict[str, torch.Tensor]]:
+    """The request with a second candidate model (another supernet's routed slice, as the tail mean would be)."""
+    other = route_state(Supernet(PRESET, seed=1).state_dict(), asked["plan"].layout(PRESET, PRESET.classes), PRESET)
+    info = records.describe(other, federation="feast", round=4, device="client-000", kind="routed")
+    return replace(asked["request"], candidates=(info.to_dict(),)), other
+
+
+def test_a_second_candidate_travels_beside_the_first_and_its_counts_come_back_paired(asked: dict) -> None:
+    request, other = _with_candidate(asked)
+    got = validation_records.read_validation(
+        validation_records.validation_content(request, asked["state"], [other]), PRESET
+    )
+    assert len(got.candidates) == 1 and all(torch.equal(got.candidates[0][k], other[k]) for k in other)
+    answer = got.answer([(3, HOLDOUT), (17, HOLDOUT)], 50, [[(4, HOLDOUT), (16, HOLDOUT)]])
+    read = validation_records.read_counts(answer, request, HOLDOUT)
+    assert read.candidate_counts() == [[(4, HOLDOUT), (16, HOLDOUT)]]
+    with pytest.raises(ProtocolError, match='carries no ArrayRecord "candidate-1"'):
+        validation_records.read_validation(validation_records.validation_content(request, asked["state"]), PRESET)
+    swapped = validation_records.validation_content(request, asked["state"], [asked["state"]])
+    with pytest.raises(PayloadError, match="do not match their transfer"):
+        validation_records.read_validation(swapped, PRESET)  # the arrays are not the candidate it describes
+    unpaired = got.answer([(3, HOLDOUT), (17, HOLDOUT)], 50, [[(4, HOLDOUT - 1), (16, HOLDOUT)]])
+    with pytest.raises(ProtocolError, match="tested a further candidate on other examples than the first"):
+        validation_records.read_counts(unpaired, request, HOLDOUT)
+    with pytest.raises(ProtocolError, match="it answers for 0 further candidate"):
+        validation_records.read_counts(got.answer([(3, HOLDOUT), (17, HOLDOUT)], 50), request, HOLDOUT)
 
 
 def test_a_declined_answer_is_read_as_such(asked: dict) -> None:

@@ -22,7 +22,9 @@ Cohorts, plans, aggregation, server optimizer, checkpoints, resume and validatio
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
+import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -82,8 +84,10 @@ class FlowerFederation(RunHost):
             timeout=config.network.round_timeout,
         )
 
-    def _validate_on_nodes(self, t: int, record: RoundRecord) -> float | None:
-        return self.validation(t, record)
+    def _validate_on_nodes(
+        self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None
+    ) -> float | None:
+        return self.validation(t, record, alternative)
 
     def run(self) -> list[RoundRecord]:
         """Resume if possible and run the remaining rounds; ServerError when too few nodes join."""

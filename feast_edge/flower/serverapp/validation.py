@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 from flwr.app import Message, RecordDict
@@ -29,12 +31,12 @@ from feast_edge.evaluate.evaluation import probe_indices
 from feast_edge.evaluate.federated import CALIBRATION, DEFAULT_VAL_RULE
 from feast_edge.flower import records, validation_records
 from feast_edge.flower.serverapp.collector import NodeBook
-from feast_edge.protocol import MAX_PROBES, Declined, Evaluate
+from feast_edge.protocol import MAX_PROBES, Declined, Evaluate, Evaluated
 from feast_edge.route.envelope import route_state
 from feast_edge.route.plans import plan_client
 from feast_edge.run.loop import RoundRecord
 from feast_edge.server.devices import DeviceBook
-from feast_edge.server.validation import evaluation_budget, registered_record
+from feast_edge.server.validation import evaluation_budget, in_order, registered_record
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import Preset
 from feast_edge.space.supernet import Supernet
@@ -82,7 +84,11 @@ class FlowerValidation:
         held = registered.profile.get("holdout", 0) if registered is not None else 0
         return held if isinstance(held, int) and not isinstance(held, bool) and held > 0 else 0
 
-    def __call__(self, t: int, record: RoundRecord) -> float | None:
+    def __call__(
+        self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None
+    ) -> float | None:
+        """The cohort nodes' counts on round ``t``'s model and, with ``alternative`` (the tail mean), on that too in
+        the same message, on the same examples (the ClientApp ships with this ServerApp, so every node can)."""
         asked = [d for d in record.cohort if self.nodes.node(d) is not None and self.holdout(d)]
         if not asked:
             log.warning(
@@ -96,11 +102,12 @@ class FlowerValidation:
         state = self.model.state_dict()
         messages, sent = [], {}
         for device in asked:
-            content, request, archs = self._request(t, device, targets, state)
+            content, request, archs = self._request(t, device, targets, state, alternative)
             node = self.nodes.node(device)
             messages.append(Message(content, dst_node_id=node, message_type="evaluate", group_id=str(t)))
             sent[node] = (device, request, archs)
         reports: dict[str, list[tuple[int, int]]] = {}
+        others: dict[str, list[tuple[int, int]]] = {}
         refused: dict[str, str] = {}
         for reply in self.nodes.grid.send_and_receive(messages, timeout=self.timeout):
             node = reply.metadata.src_node_id
@@ -112,14 +119,23 @@ class FlowerValidation:
                 refused[device] = outcome
                 log.warning("round %d: %s did not validate the model: %s", t + 1, device, outcome)
                 continue
-            by_target = dict(zip(archs, outcome))  # back to the ServerApp's order of targets
-            reports[device] = [by_target.get(e.arch, (0, 0)) for e in targets]
+            reports[device] = in_order(targets, archs, outcome.counts())  # back to the ServerApp's order of targets
+            for other in outcome.candidate_counts()[:1]:
+                others[device] = in_order(targets, archs, other)
         unanswered = [d for d in asked if d not in reports and d not in refused]
         result, record.validation = registered_record(
             self.devices, self.cache, reports, targets, self.probes, self.rule, self.max_weight_ratio, t
         )
         record.validation["missing"] = sorted(set(asked) - set(reports))
         record.validation["seconds"] = round(time.monotonic() - began, 3)
+        if alternative is not None:
+            theirs, validation = registered_record(
+                self.devices, self.cache, others, targets, self.probes, self.rule, self.max_weight_ratio, t, False
+            )
+            validation["missing"] = sorted(set(asked) - set(others))
+            record.candidates = {
+                "mean": {"val_accuracy": theirs.accuracy if others else None, "validation": validation}
+            }
         accuracy = result.accuracy
         log.info(
             "round %d: federated validation (%s of %d node(s), %s held-out examples): %s%s",
@@ -133,15 +149,25 @@ class FlowerValidation:
         return accuracy
 
     def _request(
-        self, t: int, device: str, targets: list[CacheEntry], state: dict[str, torch.Tensor]
+        self,
+        t: int,
+        device: str,
+        targets: list[CacheEntry],
+        state: Mapping[str, torch.Tensor],
+        alternative: Mapping[str, torch.Tensor] | None,
     ) -> tuple[RecordDict, Evaluate, list[Arch]]:
         """The validation content for ``device``, its request and the targets it names: those its registered
-        evaluation limit (at least its budget) affords, with its routed slice of ``state``."""
+        evaluation limit (at least its budget) affords, with its routed slice of ``state`` (and of ``alternative``,
+        a further candidate)."""
         plan = plan_client(self.cache, evaluation_budget(self.devices, device))
         archs = [e.arch for e in targets if e.arch in plan.affordable]
-        routed = records.wire(route_state(state, plan.layout(self.preset, self.preset.classes), self.preset),
-                              self.payload_dtype)  # fmt: skip
-        info = records.describe(routed, federation=self.nodes.federation, round=t, device=device, kind="routed")
+        layout = plan.layout(self.preset, self.preset.classes)
+        routed, *extra = (
+            records.wire(route_state(s, layout, self.preset), self.payload_dtype)
+            for s in [state, *([alternative] if alternative is not None else [])]
+        )
+        describe = dict(federation=self.nodes.federation, round=t, device=device, kind="routed")
+        info = records.describe(routed, **describe)
         registered = self.devices.registry.get(device)
         assert registered is not None
         request = Evaluate.for_plan(
@@ -156,11 +182,13 @@ class FlowerValidation:
             calibration=self.calibration,
             payload_dtype=self.payload_dtype,
         )
-        return validation_records.validation_content(request, routed), request, archs
+        if extra:
+            request = replace(request, candidates=tuple(records.describe(m, **describe).to_dict() for m in extra))
+        return validation_records.validation_content(request, routed, extra), request, archs
 
     @staticmethod
-    def _counts(reply: Message, request: Evaluate, holdout: int) -> list[tuple[int, int]] | str:
-        """A node's counts, or why there are none (its ClientApp failed, it declined, its counts were refused)."""
+    def _counts(reply: Message, request: Evaluate, holdout: int) -> Evaluated | str:
+        """A node's answer, or why there is none (its ClientApp failed, it declined, its counts were refused)."""
         if reply.has_error():
             return f"the ClientApp failed: {reply.error.reason[:300]}"
         try:
