@@ -69,14 +69,15 @@ TUNED = {
     },
 }
 # What every summary of a federated run with add_personal_fleet shows (feast_edge.report.model_words.FleetAccuracy): the means
-# over pi-5 and cam-1 alone (a liar counts for nothing, not even its served accuracy), cam-1 the worst device.
+# over pi-5 and cam-1 alone (a liar counts for nothing, not even its served accuracy), cam-1 the worst of both columns.
 FLEET_OWN_ACCURACY = {
     "devices": 5,
     "counted": 2,
     "served": (HOLDOUT_ACCURACY + KEPT_ACCURACY) / 2,
     "personal": (PERSONAL_ACCURACY + KEPT_ACCURACY) / 2,
-    "worst": "cam-1",
+    "worst_served_device": "cam-1",
     "worst_served": KEPT_ACCURACY,
+    "worst_personal_device": "cam-1",
     "worst_personal": KEPT_ACCURACY,
     # the mean of the lowest tenth (at least one device) of each: of two devices, the lower
     "served_worst_decile": min(HOLDOUT_ACCURACY, KEPT_ACCURACY),

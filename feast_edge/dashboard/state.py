@@ -268,7 +268,7 @@ class DashboardState:
         A model calibrated on its device (``"calibration": "device"``) shows the held-out accuracy the device reported
         (``metrics``: device -> its registry metrics), served model -> its personal model, and no link: its ONNX file is
         on the device, and the weights the server sent it never reach the page. Over those models, ``own_accuracy``:
-        the means and the worst device (``feast_edge.report.model_words.fleet_accuracy``). Manifests that name the served round
+        the means and the worst of each column (``feast_edge.report.model_words.fleet_accuracy``). Manifests that name the served round
         set ``served`` (:meth:`set_served`)."""
         models, paths, own = [], {}, []
         for manifest in list(manifests)[:MAX_DEVICES]:

@@ -139,12 +139,14 @@ def test_a_filled_state_renders_and_updates_live(
         "personal_task_classes": 10,
     }
     liar = {**jetson_model, "device": "liar"}  # its personal accuracy is a lie: shown as such, kept out of the means
+    pi = {**jetson_model, "device": "pi-5"}  # the lowest served accuracy, and a personal model above jetson's
     filled.set_models(
-        [jetson_model, liar],
+        [jetson_model, liar, pi],
         tmp_path / "models",
         {
             "jetson": {"holdout_accuracy": 0.8125, "model_round": 3, **personal},
             "liar": {"holdout_accuracy": 0.5, "model_round": 3, **personal, "personal_accuracy": 7.5},
+            "pi-5": {"holdout_accuracy": 0.5625, "model_round": 3, **personal, "personal_accuracy": 0.9375},
         },
     )
     wait_until(driver, lambda d: "federated" in d.find_element("id", "validation-source").text)
@@ -164,18 +166,19 @@ def test_a_filled_state_renders_and_updates_live(
     liar_row = driver.find_element("css selector", '#models tr[data-device="liar"]')
     assert liar_row.find_element("css selector", "td.personal").text == "–"
     assert liar_row.find_element("css selector", "td.personal-note").text == "invalid report (personal_accuracy)"
-    # Below the models: the mean over the devices that reported both (the liar is not one) and the worst device.
+    # Below the models: the mean over the devices that reported both (the liar is not one), and the worst of each
+    # column with its own device: pi-5's served model, jetson's personal one.
     mean = driver.find_element("css selector", "#own-accuracy tr.own-mean")
     assert [mean.find_element("css selector", f"td.{c}").text for c in ("variant", "accuracy", "personal")] == [
-        "1 of 2 devices",
-        "81.25",
-        "87.50",
+        "2 of 3 devices",
+        "68.75",
+        "90.63",
     ]
     worst = driver.find_element("css selector", "#own-accuracy tr.own-worst")
-    assert [worst.find_element("css selector", f"td.{c}").text for c in ("variant", "accuracy", "personal")] == [
-        "jetson",
-        "81.25",
-        "87.50",
+    assert [worst.find_element("css selector", f"td.{c}").text for c in ("accuracy", "measured", "personal")] == [
+        "pi-5 56.25",
+        "the lowest of each column, with its device",
+        "jetson 87.50",
     ]
     assert model.find_element("css selector", "td.chosen-by").text == (
         "smaller: better on validation: 91.0% vs 68.8% for the 7.06M variant"

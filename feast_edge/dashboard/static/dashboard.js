@@ -417,15 +417,18 @@
     renderOwnAccuracy(s.own_accuracy);
   }
 
-  // Over the models the devices calibrated: the means of their own accuracy, served and personal, and the worst device.
+  // Over the models the devices calibrated: the means of their own accuracy, served and personal, and the worst of
+  // each column with its own device (the lowest served accuracy and the lowest personal one are often two devices).
   function renderOwnAccuracy(own) {
     const foot = byId("own-accuracy");
     const rows = [];
     if (own && isNumber(own.devices)) {
       const counted = own.counted + " of " + plural(own.devices, "device");
-      rows.push(["mean", counted, own.served, own.personal, "own held-out accuracy, mean over the devices"]);
-      if (typeof own.worst === "string") {
-        rows.push(["worst", own.worst, own.worst_served, own.worst_personal, "the device with the lowest personal"]);
+      rows.push(["mean", counted, percent(own.served), percent(own.personal), "own held-out accuracy, mean over the devices"]);
+      if (own.counted > 0) {
+        const worst = (device, value) => (typeof device === "string" && isNumber(value) ? device + " " + percent(value) : null);
+        rows.push(["worst", null, worst(own.worst_served_device, own.worst_served),
+          worst(own.worst_personal_device, own.worst_personal), "the lowest of each column, with its device"]);
       }
     }
     replaceRows(
@@ -434,12 +437,13 @@
         const tr = document.createElement("tr");
         tr.className = "own-" + kind;
         cell(tr, kind, "device");
-        cell(tr, who, "variant");
+        if (who === null) tr.append(document.createElement("td"));
+        else cell(tr, who, "variant");
         tr.append(document.createElement("td"), document.createElement("td"), document.createElement("td"));
         tr.append(document.createElement("td"));
-        cell(tr, percent(served), "num accuracy");
+        cell(tr, served, "num accuracy");
         cell(tr, words, "measured");
-        cell(tr, percent(personal), "num personal");
+        cell(tr, personal, "num personal");
         tr.append(document.createElement("td"), document.createElement("td"), document.createElement("td"));
         return tr;
       })
