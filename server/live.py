@@ -93,6 +93,7 @@ class LiveView:
             status="waiting",
             started=time.time(),
             validation=None if validation is None else validation_words({"source": validation}),
+            server_data=None if validation is None else validation != "devices",
         )
 
     # ------------------------------------------------------------------ fleet

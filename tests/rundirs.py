@@ -122,11 +122,17 @@ PI_SERVING_AND_COVERAGE = {
 
 
 def federation_run(
-    out: Path, preset: Preset, *, federated: bool, preset_name: str | None = None, classes: bool = False
+    out: Path,
+    preset: Preset,
+    *,
+    federated: bool,
+    preset_name: str | None = None,
+    classes: bool = False,
+    rounds: int = 3,
 ) -> Path:
-    """A checkpoint with 2 of 3 rounds (both validated), the registry of cam-1 and pi-5, pi-5's exported model.
-    ``preset_name``: the preset the run's settings name (default: ``preset``'s); ``classes``: the checkpoint records
-    the task's class names, as feast-server run does."""
+    """A checkpoint with 2 of ``rounds`` rounds (both validated; ``rounds=2``: a finished run), the registry of cam-1
+    and pi-5, pi-5's exported model. ``preset_name``: the preset the run's settings name (default: ``preset``'s);
+    ``classes``: the checkpoint records the task's class names, as feast-server run does."""
     out.mkdir()
     history = [
         {
@@ -154,7 +160,7 @@ def federation_run(
         }
         for r in (1, 2)
     ]
-    config = {"federation": "lab", "preset": preset_name or preset.name, "rounds": 3, "method": "feast", "seed": 7}
+    config = {"federation": "lab", "preset": preset_name or preset.name, "rounds": rounds, "method": "feast", "seed": 7}
     save_supernet(
         out / CHECKPOINT,
         Supernet(preset, seed=0),

@@ -17,8 +17,11 @@ from typing import Any
 
 from browser import Browser, console_errors, points, wait_until
 from filled import fill
+from rundirs import federation_run
 
 from feast_edge.dashboard import Dashboard, DashboardState, start_dashboard
+from feast_edge.dashboard.runs import load_runs
+from feast_edge.space.preset import Preset
 
 CHARTS = ("chart-accuracy-macs", "chart-validation", "chart-traffic", "chart-compute")
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><script>document.title='pwned'</script>"
@@ -274,6 +277,45 @@ def test_hostile_strings_stay_text(tmp_path: Path, browser: Browser) -> None:
         assert HOSTILE in driver.find_element("css selector", "#chart-accuracy-macs").text  # the chart legend
         assert len(driver.find_elements("css selector", "script")) == 2  # uPlot and dashboard.js, nothing injected
         assert driver.find_element("id", "run-message").text == HOSTILE
+        assert console_errors(driver) == []
+        browser.screenshot()
+
+
+def test_a_finished_run_without_server_data_says_it_finished_why_it_has_no_points_and_its_whole_served_reason(
+    tmp_path: Path, tiny: Preset, browser: Browser
+) -> None:
+    out = federation_run(tmp_path / "fed", tiny, federated=True, rounds=2)  # 2 of 2 rounds: finished
+    falls = ", ".join(f"camera-{i:02d} 91.2% -> 88.7%" for i in range(4))
+    reason = (
+        "round 2: the newest validated round, no significant regression against round 1 on the served variants of "
+        f"40 device(s); regressed on 4 of 40 only ({falls})"
+    )
+    index = json.loads((out / "models" / "index.json").read_text())
+    index["models"][0]["served_round"] = {"round": 2, "of": 2, "reason": reason}
+    (out / "models" / "index.json").write_text(json.dumps(index))
+    with start_dashboard(load_runs([out]), "127.0.0.1:0") as dashboard:
+        driver = browser.open(dashboard.url)
+        wait_until(driver, lambda d: points(d, "chart-validation") == 2, message="the rounds never reached the chart")
+        # Nothing is in flight because the run is over, and the page says so with its last round.
+        assert driver.find_element("id", "round-title").text == (
+            "The run finished after round 2 of 2: no round in flight."
+        )
+        # No accuracy-vs-MACs points: the server held no data; the page says why and where the devices' figures are.
+        empty = driver.find_element("css selector", "#chart-accuracy-macs .chart-empty").text
+        assert empty.startswith(
+            "The server holds no data, so it tested no variant: the devices validated on their own held-out data."
+        ), empty
+        assert "validation accuracy per round is in the chart beside" in empty and "Models table below" in empty
+        # The served reason, longer than the header's line: cut between words, whole in the tooltip.
+        served = driver.find_element("id", "served-round")
+        whole, shown = f"served: weights of round 2 of 2: {reason}", served.text
+        assert len(whole) > 200 and served.get_attribute("title") == whole
+        assert shown.endswith("…") and len(shown) <= 160 and whole.startswith(shown[:-1])
+        assert whole[len(shown) - 1] in " ,;:", shown  # the cut falls between two words
+        # Round axes count whole rounds.
+        for chart in ("chart-validation", "chart-traffic", "chart-compute"):
+            ticks = (driver.find_element("id", chart).get_attribute("data-x-ticks") or "").split()
+            assert ticks and all(t.isdigit() for t in ticks) and {"1", "2"} <= set(ticks), (chart, ticks)
         assert console_errors(driver) == []
         browser.screenshot()
 
