@@ -7,8 +7,9 @@ and the masked upload built by the agent's thread after training.
                     SecAggBox: open the shares addressed here  SecAggUnmask: the shares that unmask the sum out
     agent thread    after training: wait for the box, encode w · (θ' - θ_t) per segment, mask it: the upload
 
-A device never reveals both shares of one device (Device.unmask refuses), never answers for a round it holds no keys
-of, and keeps the parties of its last few rounds only.
+A device never reveals both shares of one device (Device.unmask refuses), answers one unmask request a round (a
+second one is refused, and the log says so), never answers for a round it holds no keys of or sent no masked update
+in, and keeps the parties of its last few rounds only.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class Party:
     boxed: threading.Event = field(default_factory=threading.Event)
     shared: tuple[str, ...] = ()
     bad: list[str] = field(default_factory=list)  # senders whose shares did not open
-    masked: bool = False
+    masked: bool = False  # this device sent its masked update
+    answered: bool = False  # this device revealed its shares for the round (it never does twice)
 
 
 class SecureRounds:
@@ -168,11 +170,18 @@ class SecureRounds:
         party.boxed.set()
 
     def _reveal(self, party: Party, request: SecAggUnmask) -> None:
+        # One answer per round: two answers to requests naming different devices could give the server both shares
+        # of one device, the s key's and the b seed's, and with them its update.
+        if party.answered:
+            raise ProtocolError(
+                f"a second unmask request for round {party.start.round + 1}: this device already revealed its shares "
+                "for that round and never reveals twice"
+            )
         if not party.masked:
             raise ProtocolError("an unmask request for a round this device sent no masked update in")
         revealed = party.device.unmask(request.masked)
         self._send(party.start.device, SecAggReveal, party.start, shares=SecAggReveal.wire(revealed))
-        party.masked = False  # one answer per round: a second request is refused
+        party.answered = True
 
     def _send(self, device: str, kind: type, start: RoundStart, **fields: object) -> None:
         message = kind(

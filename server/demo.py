@@ -17,7 +17,7 @@
    split; a summary table with the accuracy each device measured itself, of the
    served model and of the personal model it made after the last round
    (``feast-agent run --personalize auto``, the default), their means and the
-   worst device.
+   worst of each, with its own device.
 
 ``--server-data`` runs the paper's server-held protocol instead (the agents train
 their shard files, the server validates and calibrates on its held-out split).
@@ -403,7 +403,7 @@ def own_accuracy(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 def summary_table(rows: list[dict[str, Any]], title: str, server_data: bool) -> Table:
     """One row per device (:func:`_device_rows`): its model, own accuracy served -> personal, its test accuracy and
-    latency; then the means over the devices and the worst device."""
+    latency; then the means over the devices and the worst of each column."""
     smaller = [f"* {r['device']}: {r['chosen_by']}" for r in rows if r.get("chosen_by", "").startswith("smaller")]
     folder = str(Path(rows[0]["onnx"]).parent)
     captions = [f"ONNX files: {folder}/DEVICE.onnx" + ("" if server_data else ", DEVICE.personal.onnx beside it")]

@@ -93,6 +93,7 @@ class LiveView:
             status="waiting",
             started=time.time(),
             validation=None if validation is None else validation_words({"source": validation}),
+            server_data=None if validation is None else validation != "devices",
         )
 
     # ------------------------------------------------------------------ fleet
@@ -323,7 +324,7 @@ class LiveView:
     ) -> None:
         """The exported ONNX models (served for download), or without server data the models each device calibrates
         (``reports``: what each device reported of its model, its held-out accuracy and its personal model's, which
-        the state sums up as the means and the worst device). Their accuracy gives the population accuracy (the mean
+        the state sums up as the means and the worst of each). Their accuracy gives the population accuracy (the mean
         over devices of the model each is served); a server-validated one also joins the accuracy-vs-MACs points."""
         self.state.set_models([dict(m) for m in manifests], model_dir, reports)
         accuracies = [model_accuracy(m, (reports or {}).get(str(m.get("device"))))["accuracy"] for m in manifests]

@@ -142,18 +142,19 @@ def personal_cell(accuracy: dict[str, Any]) -> Text:
 
 def add_fleet_rows(table: Table, fleet: FleetAccuracy, served_column: int) -> None:
     """Below a table's rows, the means over the devices of their own accuracy, served and personal (in the columns
-    ``served_column`` and the next), and the worst device's."""
-    rows = [(f"mean ({fleet.counted_words})", fleet.served, fleet.personal)]
-    if fleet.worst is not None:
-        rows.append((f"worst: {fleet.worst}", fleet.worst_served, fleet.worst_personal))
-    for label, served, personal in rows:
-        table.add_row(Text(label), *[""] * (served_column - 1), _pct(served), _pct(personal))
+    ``served_column`` and the next), and the worst of each column with its own device (``jetson-nano 8.45%`` under
+    served, ``laptop-cpu 88.44%`` under personal: the lowest of one column is not always the lowest of the other)."""
+    table.add_row(
+        Text(f"mean ({fleet.counted_words})"), *[""] * (served_column - 1), _pct(fleet.served), _pct(fleet.personal)
+    )
+    if fleet.counted:
+        table.add_row(Text("worst (each column)"), *[""] * (served_column - 1), *map(Text, fleet.worst_words()))
 
 
 def device_models_table(manifests: list[dict[str, Any]], reports: dict[str, dict[str, Any]], title: str) -> Table:
     """The devices' own models: where BN was calibrated, on how many examples, the accuracy each device measured on
     its held-out split, of the served model and of its personal one (what a server without data learns of its
-    models); then the means over the devices and the worst device."""
+    models); then the means over the devices and the worst of each column."""
     table = Table(title=title, caption="\n".join(filter(None, [served_words(manifests), OWN_CAPTION])))
     for col in (
         "device",

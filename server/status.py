@@ -253,7 +253,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
 
 def status_table(status: dict[str, Any]) -> Table:
     """One row per registered device; where devices calibrated their models, their own held-out accuracy (served ->
-    personal) and, below, the means and the worst device."""
+    personal) and, below, the means and the worst of each column."""
     own = any(d.get("model") is not None for d in status["devices"])
     table = Table(title=f"devices registered in {status['out']}", caption=OWN_CAPTION if own else None)
     columns = ["device", "host", "status", "last seen", "budget", "precision", "samples", "rounds", "profile"]

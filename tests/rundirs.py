@@ -69,14 +69,15 @@ TUNED = {
     },
 }
 # What every summary of a federated run with add_personal_fleet shows (feast_edge.report.model_words.FleetAccuracy): the means
-# over pi-5 and cam-1 alone (a liar counts for nothing, not even its served accuracy), cam-1 the worst device.
+# over pi-5 and cam-1 alone (a liar counts for nothing, not even its served accuracy), cam-1 the worst of both columns.
 FLEET_OWN_ACCURACY = {
     "devices": 5,
     "counted": 2,
     "served": (HOLDOUT_ACCURACY + KEPT_ACCURACY) / 2,
     "personal": (PERSONAL_ACCURACY + KEPT_ACCURACY) / 2,
-    "worst": "cam-1",
+    "worst_served_device": "cam-1",
     "worst_served": KEPT_ACCURACY,
+    "worst_personal_device": "cam-1",
     "worst_personal": KEPT_ACCURACY,
     # the mean of the lowest tenth (at least one device) of each: of two devices, the lower
     "served_worst_decile": min(HOLDOUT_ACCURACY, KEPT_ACCURACY),
@@ -121,11 +122,17 @@ PI_SERVING_AND_COVERAGE = {
 
 
 def federation_run(
-    out: Path, preset: Preset, *, federated: bool, preset_name: str | None = None, classes: bool = False
+    out: Path,
+    preset: Preset,
+    *,
+    federated: bool,
+    preset_name: str | None = None,
+    classes: bool = False,
+    rounds: int = 3,
 ) -> Path:
-    """A checkpoint with 2 of 3 rounds (both validated), the registry of cam-1 and pi-5, pi-5's exported model.
-    ``preset_name``: the preset the run's settings name (default: ``preset``'s); ``classes``: the checkpoint records
-    the task's class names, as feast-server run does."""
+    """A checkpoint with 2 of ``rounds`` rounds (both validated; ``rounds=2``: a finished run), the registry of cam-1
+    and pi-5, pi-5's exported model. ``preset_name``: the preset the run's settings name (default: ``preset``'s);
+    ``classes``: the checkpoint records the task's class names, as feast-server run does."""
     out.mkdir()
     history = [
         {
@@ -153,7 +160,7 @@ def federation_run(
         }
         for r in (1, 2)
     ]
-    config = {"federation": "lab", "preset": preset_name or preset.name, "rounds": 3, "method": "feast", "seed": 7}
+    config = {"federation": "lab", "preset": preset_name or preset.name, "rounds": rounds, "method": "feast", "seed": 7}
     save_supernet(
         out / CHECKPOINT,
         Supernet(preset, seed=0),

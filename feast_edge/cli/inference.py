@@ -105,11 +105,21 @@ def evaluate(
             help="Labelled data: an image folder <folder>/<class name>/<files>, a manifest CSV (path,label), CIFAR binary or Fashion-MNIST IDX.",
         ),
     ],
+    split: Annotated[
+        str | None,
+        typer.Option(
+            "--split",
+            help="The split to score, train, val or test, where the data holds splits (a Fashion-MNIST or CIFAR "
+            "folder, an image folder laid out as train/, test/); default: its test split. Data without splits is "
+            "scored whole.",
+            show_default=False,
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     batch_size: BatchOpt = 64,
     threads: int = 0,  # --threads: feast-agent registers these commands with its one threads option (threaded)
 ) -> None:
-    """Accuracy of the ONNX model on an image folder labelled by class name: overall and per class."""
+    """Accuracy of the ONNX model on labelled images (by default a data set's test split): overall and per class."""
     from feast_edge.cli.progress import lazy_stage
     from feast_edge.data.sources import load_data
     from feast_edge.evaluate.predict import evaluate as run_evaluate
@@ -117,9 +127,10 @@ def evaluate(
 
     loaded = load_model(model, threads=threads or None)
     personal, tuned = _personal(loaded)
+    chosen = _split_to_score(data, loaded.task, split)
     # The agent's own loader (decoded once, cached), with the model's task: labels by class name.
     with lazy_stage(common.make_console(stderr=True), "reading images") as update:
-        labelled = load_data(data, loaded.task, progress=update)
+        labelled = load_data(data, loaded.task, split=chosen or "train", progress=update)
     skipped = sum(labelled.skipped.values())
     if skipped:
         reasons = ", ".join(f"{n} {why}" for why, n in sorted(labelled.skipped.items()))
@@ -134,7 +145,7 @@ def evaluate(
             for row in report["classes"]:
                 row["tuned"] = row["class"] in tuned.classes
     if as_json:
-        typer.echo(json.dumps({"model": str(model), "data": str(data), **report}, indent=2))
+        typer.echo(json.dumps({"model": str(model), "data": str(data), "split": chosen, **report}, indent=2))
         return
     console = common.make_console()
     console.print(
@@ -151,14 +162,47 @@ def evaluate(
     table.add_section()
     table.add_row("all", "", f"{scores.examples:,}", f"{scores.correct:,}", f"{100 * scores.accuracy:.2f}%")
     console.print(table)
+    scored = f"the {chosen} split" if chosen else f"all of {data}, which has no train/test split"
     console.print(
-        f"accuracy {100 * scores.accuracy:.2f}% ({scores.correct:,} of {scores.examples:,} images, "
+        f"accuracy {100 * scores.accuracy:.2f}% on {escape(scored)} ({scores.correct:,} of {scores.examples:,} images, "
         f"{len(scores.classes)} of the model's {len(loaded.task.classes)} classes), {scores.skipped} file(s) skipped",
         soft_wrap=True,
         highlight=False,
     )
     if personal:
         console.print(escape(_personal_line(report["personal"])), soft_wrap=True, highlight=False)
+
+
+def _split_to_score(data: Path, task: Any, asked: str | None) -> str | None:
+    """The split ``evaluate`` scores: ``asked``, else the test split (then val, then train) of data that holds splits;
+    None for data without splits (scored whole). FeastError where ``asked`` is not a split ``data`` holds."""
+    from feast_edge.data.releases import RELEASES
+    from feast_edge.data.scan import SPLITS
+    from feast_edge.data.sources import detect_kind, splits_of
+    from feast_edge.errors import FeastError
+
+    if asked is not None and asked not in SPLITS:
+        raise FeastError(f"--split {asked!r} is not a split; use one of {', '.join(SPLITS)}")
+    held = splits_of(data, task)
+    if asked is None:
+        chosen = next((s for s in ("test", "val", "train") if s in held), None)
+        if chosen not in (None, "test"):
+            common.make_console(stderr=True).print(
+                f"{escape(str(data))} holds no test split: scoring its {chosen} split", soft_wrap=True, highlight=False
+            )
+        return chosen
+    if asked not in held:
+        kind = RELEASES.get(detect_kind(data), detect_kind(data))
+        if not held:
+            raise FeastError(
+                f"--split {asked}: {kind} {data} has no splits (it is scored whole); leave out --split, or pass a "
+                f"folder laid out as {data}/{asked}/<class name>/<file>"
+            )
+        raise FeastError(
+            f"--split {asked}: {kind} {data} holds no {asked} split (it holds {' and '.join(held)}); "
+            f"pass --split {held[-1]}, or a folder that holds the {asked} split"
+        )
+    return asked
 
 
 def _personal_report(tuned: Any, scores: Any, names: tuple[str, ...]) -> dict[str, Any]:

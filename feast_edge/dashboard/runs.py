@@ -32,7 +32,7 @@ from feast_edge.report.model_words import (
     validated_on,
     validation_words,
 )
-from feast_edge.report.run_files import MODELS, read_manifests, read_registry
+from feast_edge.report.run_files import DEVICES, MODELS, read_manifests, read_registry
 from feast_edge.report.runs import load_run
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
@@ -270,6 +270,7 @@ def _checkpointed(path: Path) -> RunData:
     done, total = int(fields.get("round", len(rounds))), config.get("rounds")
     finished = total is not None and done >= int(total)
     described = f"federation {config['federation']!r}" if config.get("federation") else kind
+    where = run_validated_on(fields)
     return RunData(
         name=path.name,
         title=f"{path.name}: {described}, {config.get('preset', '?')}",
@@ -282,7 +283,9 @@ def _checkpointed(path: Path) -> RunData:
             "rounds_done": done,
             "status": "finished" if finished else "waiting",
             "message": None if finished else f"stopped after round {done} of {total or '?'} (or still running)",
-            "validation": validation_words(run_validated_on(fields)),
+            "validation": validation_words(where),
+            # Without data of its own the server tests no variant: the page says so where the points would be.
+            "server_data": None if where is None else where["source"] != DEVICES,
         },
         history=[history_entry(r) for r in rounds],
         variants=sorted(variants.values(), key=lambda v: (v["macs"] is None, v["macs"] or 0)),

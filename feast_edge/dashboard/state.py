@@ -34,6 +34,7 @@ from feast_edge.report.model_words import (
     served_words,
 )
 from feast_edge.space.arch import Arch
+from feast_edge.util.text import shortened
 
 KINDS = ("federation", "simulation", "runs")
 # What the page knows how to show. Other values are shown as given, never refused: the dashboard watches a run
@@ -53,6 +54,7 @@ MEMBER_STATES = (
     "dropped",
 )
 MAX_STRING = 200
+MAX_TEXT = 4000  # a sentence the page shows whole (the served round's reason names devices and their accuracies)
 MAX_DEVICES = 10_000
 MAX_HISTORY = 100_000
 MAX_MEMBERS = 10_000
@@ -191,7 +193,8 @@ class DashboardState:
         self._changed.notify_all()
 
     def set_run(self, **fields: Any) -> None:
-        """Merge ``fields`` (federation, preset, method, rounds_total, rounds_done, status, started, message) into the run."""
+        """Merge ``fields`` (federation, preset, method, rounds_total, rounds_done, status, started, message, validation,
+        server_data: whether the server holds data to test variants on, False where the devices validate) into the run."""
         fields = clean(fields)
         with self._changed:
             self._run.update(fields)
@@ -268,7 +271,7 @@ class DashboardState:
         A model calibrated on its device (``"calibration": "device"``) shows the held-out accuracy the device reported
         (``metrics``: device -> its registry metrics), served model -> its personal model, and no link: its ONNX file is
         on the device, and the weights the server sent it never reach the page. Over those models, ``own_accuracy``:
-        the means and the worst device (``feast_edge.report.model_words.fleet_accuracy``). Manifests that name the served round
+        the means and the worst of each column (``feast_edge.report.model_words.fleet_accuracy``). Manifests that name the served round
         set ``served`` (:meth:`set_served`)."""
         models, paths, own = [], {}, []
         for manifest in list(manifests)[:MAX_DEVICES]:
@@ -310,11 +313,12 @@ class DashboardState:
 
     def set_served(self, words: str) -> None:
         """The round whose weights are served and why the rule chose it: ``weights of round 8 of 20: <reason>``
-        (:func:`feast_edge.report.model_words.served_words`); ``''`` keeps what the page shows."""
+        (:func:`feast_edge.report.model_words.served_words`), whole up to ``MAX_TEXT`` characters, else cut between
+        words; ``''`` keeps what the page shows."""
         if not words:
             return
         with self._changed:
-            self._served = clean(str(words))
+            self._served = shortened(str(words), MAX_TEXT)
             self._bump()
 
     def add_run(self, run: dict[str, Any]) -> None:

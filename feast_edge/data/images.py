@@ -170,6 +170,26 @@ def load_cifar(root: str | os.PathLike[str], name: str, split: str = "train") ->
     return ImageSet(images, labels, cifar_class_names(base, name, classes))
 
 
+def published_splits(root: str | os.PathLike[str], name: str) -> tuple[str, ...]:
+    """The splits (``train``, ``test``) of the Fashion-MNIST, CIFAR-10 or CIFAR-100 release ``name`` whose files
+    ``root`` holds: its images file (Fashion-MNIST) or any of its batch files (CIFAR); reading a split whose other
+    files are missing names them."""
+    root = Path(root)
+    if name == "fashion-mnist":
+        present = {
+            s for s, (images, _) in _FILES.items() if (root / images).is_file() or (root / f"{images}.gz").is_file()
+        }
+    elif name in _CIFAR:
+        folder, train_files, test_files, *_ = _CIFAR[name]
+        base = root / folder if (root / folder).is_dir() else root
+        present = {
+            s for s, files in (("train", train_files), ("test", test_files)) if any((base / f).is_file() for f in files)
+        }
+    else:
+        raise DataError(f"unknown release {name!r}; use 'fashion-mnist', 'cifar10' or 'cifar100'")
+    return tuple(s for s in ("train", "test") if s in present)
+
+
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 _NAME_FILES = {"cifar10": "batches.meta.txt", "cifar100": "fine_label_names.txt"}
 

@@ -84,14 +84,12 @@ def _entries(folder: str) -> list[os.DirEntry[str]]:
         return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
 
 
-def split_folder(root: Path, split: str, task: Task) -> tuple[Path, str]:
-    """The folder holding the class folders: ``root/<split>`` when ``root`` is laid out by split, else ``root`` itself.
+def folder_splits(root: Path, task: Task) -> tuple[str, ...]:
+    """The splits an image folder is laid out by (its sub-folders, in ``SPLITS`` order), () for a root that is one split.
 
     A root is laid out by split when its visible sub-folders are all split names
-    (``SPLITS``) and are not all class names of the task.
+    and are not all class names of the task.
     """
-    if split not in SPLITS:
-        raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     try:
         folders = [e.name for e in _entries(str(root)) if e.is_dir()]
     except PermissionError:
@@ -101,11 +99,20 @@ def split_folder(root: Path, split: str, task: Task) -> tuple[Path, str]:
     except OSError as exc:
         raise DataError(f"cannot read image folder {root} ({exc.strerror or exc}); check the path") from None
     by_split = bool(folders) and all(f in SPLITS for f in folders) and not all(f in task.classes for f in folders)
-    if not by_split:
+    return tuple(s for s in SPLITS if s in folders) if by_split else ()
+
+
+def split_folder(root: Path, split: str, task: Task) -> tuple[Path, str]:
+    """The folder holding the class folders: ``root/<split>`` when ``root`` is laid out by split (:func:`folder_splits`),
+    else ``root`` itself."""
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    folders = folder_splits(root, task)
+    if not folders:
         return root, ""
     if split not in folders:
         raise DataError(
-            f"image folder {root} is laid out by split ({', '.join(f + '/' for f in folders)}) but has no {split}/; "
+            f"image folder {root} is laid out by split ({', '.join(f + '/' for f in sorted(folders))}) but has no {split}/; "
             f"add {root}/{split}/<class name>/<file> or pass the folder of that split"
         )
     return root / split, f"{split}/"

@@ -50,10 +50,10 @@ import os
 from pathlib import Path
 
 from feast_edge.data.decode import Progress, open_file
-from feast_edge.data.images import DataError, ImageSet, load_cifar, load_fashion_mnist
+from feast_edge.data.images import DataError, ImageSet, load_cifar, load_fashion_mnist, published_splits
 from feast_edge.data.loaded import LoadedData, decode_cached
-from feast_edge.data.releases import detect_release, load_release
-from feast_edge.data.scan import SPLITS, FileList, scan_folder, scan_manifest, split_folder
+from feast_edge.data.releases import RELEASES, detect_release, load_release
+from feast_edge.data.scan import SPLITS, FileList, folder_splits, scan_folder, scan_manifest, split_folder
 from feast_edge.data.task import Task
 
 log = logging.getLogger("feast_edge.data")
@@ -65,7 +65,7 @@ _LAYOUTS = (
     "or a CIFAR binary or Fashion-MNIST IDX folder"
 )
 
-__all__ = ["DATASETS", "KINDS", "LoadedData", "detect_kind", "load_data", "load_dataset"]
+__all__ = ["DATASETS", "KINDS", "LoadedData", "detect_kind", "load_data", "load_dataset", "splits_of"]
 
 
 def detect_kind(path: str | os.PathLike[str]) -> str:
@@ -87,6 +87,17 @@ def detect_kind(path: str | os.PathLike[str]) -> str:
     if not os.access(path, os.R_OK | os.X_OK):
         raise DataError(f"cannot read {path}: permission denied; fix its permissions (chmod a+rx)")
     return detect_release(path) or "image folder"
+
+
+def splits_of(path: str | os.PathLike[str], task: Task) -> tuple[str, ...]:
+    """The splits ``path`` holds, in ``SPLITS`` order: those of a release whose files are there (``train``, ``test``),
+    the split sub-folders of an image folder laid out by split; () for a source that is one split (a manifest, an image
+    folder of class folders), which :func:`load_data` reads whole."""
+    kind = detect_kind(path)
+    resolved = Path(path).expanduser().resolve()
+    if kind in RELEASES:
+        return published_splits(resolved, kind)
+    return () if kind == "manifest" else folder_splits(resolved, task)
 
 
 def load_data(

@@ -78,16 +78,18 @@ class OwnRow:
 @dataclass(frozen=True)
 class FleetAccuracy:
     """Own held-out accuracy over the devices, served model -> personal model: the means over the devices with both
-    (``counted`` of ``devices``), the worst decile of each (the mean of the lowest tenth), and the worst device, the
-    one with the lowest personal accuracy. The one fleet summary: of a simulation's or a Flower run's rows
-    (:func:`fleet_summary`) and of what a federation's devices reported (feast_edge.report.model_words)."""
+    (``counted`` of ``devices``), the worst decile of each (the mean of the lowest tenth), and the worst of each, with
+    its device: the lowest served accuracy and the lowest personal one, often of two devices. The one fleet summary: of
+    a simulation's or a Flower run's rows (:func:`fleet_summary`) and of what a federation's devices reported
+    (feast_edge.report.model_words)."""
 
     devices: int
     counted: int
     served: float | None
     personal: float | None
-    worst: str | None
+    worst_served_device: str | None
     worst_served: float | None
+    worst_personal_device: str | None
     worst_personal: float | None
     served_worst_decile: float | None = None
     personal_worst_decile: float | None = None
@@ -100,15 +102,24 @@ class FleetAccuracy:
         """``2 of 5 devices``: how many devices the means are over."""
         return f"{self.counted} of {self.devices} device" + ("" if self.devices == 1 else "s")
 
+    def worst_words(self, separator: str = " ") -> tuple[str, str]:
+        """``("jetson-nano 8.45%", "laptop-cpu 88.44%")``: the worst served and the worst personal accuracy, each
+        with its own device (``separator`` between them), for a table's two columns."""
+        return (
+            f"{self.worst_served_device}{separator}{_percent(self.worst_served)}",
+            f"{self.worst_personal_device}{separator}{_percent(self.worst_personal)}",
+        )
+
     def words(self) -> str:
-        """``own held-out accuracy, served -> personal: mean 78.75% -> 82.20% over 2 of 3 devices; worst device cam-1:
-        70.00% -> 70.00%`` (or that no device reported both)."""
+        """``own held-out accuracy, served -> personal: mean 78.75% -> 82.20% over 2 of 3 devices; worst served
+        jetson-nano 8.45%, worst personal laptop-cpu 88.44%`` (or that no device reported both)."""
         said = "own held-out accuracy, served -> personal: "
         if not self.counted:
             return said + f"no device reported both (of {self.devices})"
+        served, personal = self.worst_words()
         return (
             said + f"mean {_percent(self.served)} -> {_percent(self.personal)} over {self.counted_words}; "
-            f"worst device {self.worst}: {_percent(self.worst_served)} -> {_percent(self.worst_personal)}"
+            f"worst served {served}, worst personal {personal}"
         )
 
 
@@ -120,21 +131,24 @@ def fleet_accuracy_of(pairs: Iterable[tuple[str, float | None, float | None]]) -
     """Summarize ``(device, served accuracy, personal accuracy)`` triples (None: not measured or not believed)."""
     pairs = list(pairs)
     both = [
-        (personal, served, device) for device, served, personal in pairs if served is not None and personal is not None
+        (device, served, personal) for device, served, personal in pairs if served is not None and personal is not None
     ]
     if not both:
-        return FleetAccuracy(len(pairs), 0, None, None, None, None, None)
-    worst = min(both)  # the lowest personal accuracy; among equals the lowest served, then the first name
+        return FleetAccuracy(len(pairs), 0, None, None, None, None, None, None)
+    # The lowest of each column; among equals the lower other column, then the first name.
+    served = min(both, key=lambda b: (b[1], b[2], b[0]))
+    personal = min(both, key=lambda b: (b[2], b[1], b[0]))
     return FleetAccuracy(
         devices=len(pairs),
         counted=len(both),
         served=statistics.fmean(b[1] for b in both),
-        personal=statistics.fmean(b[0] for b in both),
-        worst=worst[2],
-        worst_served=worst[1],
-        worst_personal=worst[0],
+        personal=statistics.fmean(b[2] for b in both),
+        worst_served_device=served[0],
+        worst_served=served[1],
+        worst_personal_device=personal[0],
+        worst_personal=personal[2],
         served_worst_decile=worst_decile([b[1] for b in both]),
-        personal_worst_decile=worst_decile([b[0] for b in both]),
+        personal_worst_decile=worst_decile([b[2] for b in both]),
     )
 
 
@@ -153,7 +167,8 @@ def fleet_summary(rows: Sequence[OwnRow], choice: str) -> dict[str, Any]:
         "personal_mean": fleet.personal,
         "served_worst_decile": fleet.served_worst_decile,
         "personal_worst_decile": fleet.personal_worst_decile,
-        "worst": fleet.worst,
+        "worst_served_device": fleet.worst_served_device,
+        "worst_personal_device": fleet.worst_personal_device,
         "device_seconds_total": round(seconds, 3),
         "device_seconds_mean": round(seconds / len(rows), 3) if rows else None,
     }

@@ -3,7 +3,7 @@
 A federation leaves no ``results.json`` (no test split is held anywhere): the report reads the record of its
 ``checkpoint.safetensors``, its device registry and its exported models' manifests
 (:mod:`feast_edge.report.model_words`), and says in the dashboard's words where it validated and calibrated, and for the models
-the devices calibrated, their own held-out accuracy, served model -> personal model, the means and the worst device,
+the devices calibrated, their own held-out accuracy, served model -> personal model, the means and the worst of each column,
 and per served variant the rule that chose it and the classes it was trained, validated and calibrated on.
 """
 
@@ -56,7 +56,7 @@ class FederationRun:
     served_reason: str | None  # why those weights are served (feast_edge.evaluate.served_round); None in older runs
     validation: str | None  # where it validated, in words (:func:`feast_edge.report.model_words.validation_words`)
     models: tuple[ServedModel, ...]
-    own: FleetAccuracy | None = None  # over the models the devices calibrated: the means and the worst device
+    own: FleetAccuracy | None = None  # over the models the devices calibrated: the means and each column's worst
     # Per served variant: whom it serves, the rules that chose it, the classes it was trained, validated and
     # BN-calibrated on (:func:`feast_edge.report.model_words.served_variants`).
     coverage: tuple[dict, ...] = ()

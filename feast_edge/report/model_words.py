@@ -9,7 +9,7 @@ status`` read a run directory here and describe it in the same words:
   itself (``"calibration": "device"``): then the accuracy is the one the device reported on its own held-out split
   (the registry's ``metrics`` of that device, for the exported round);
 * beside it, the device's own held-out accuracy of its *personal* model (``feast_edge.personalize``) and how it was
-  made, and over the devices (:func:`fleet_accuracy`) the mean served -> personal and the worst device.
+  made, and over the devices (:func:`fleet_accuracy`) the mean served -> personal and the worst of each, with its device.
 
 What a device reported came over the network: every value is checked here (an accuracy in [0, 1], a method this
 toolkit knows, text cut and made printable) so that no reader has to trust it.

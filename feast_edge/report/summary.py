@@ -237,13 +237,16 @@ def federation_blocks(runs: Sequence[FederationRun]) -> list[Block]:
 
 
 def _own_rows(own: FleetAccuracy | None) -> tuple[tuple[str, ...], ...]:
-    """The mean over the devices of their own accuracy, served and personal, and the worst device's, as table rows."""
+    """The mean over the devices of their own accuracy, served and personal, and the worst of each column with its own
+    device (often two devices), as table rows."""
     if own is None:
         return ()
-    rows = [("mean", f"own held-out, {own.counted_words}", "", own.served, own.personal)]
-    if own.worst is not None:
-        rows.append((f"worst: {own.worst}", "own held-out, lowest personal", "", own.worst_served, own.worst_personal))
-    return tuple((*words, _percent(served), _percent(personal), "") for *words, served, personal in rows)
+    rows = [("mean", f"own held-out, {own.counted_words}", "", _percent(own.served), _percent(own.personal), "")]
+    if own.counted:
+        served = f"{own.worst_served_device} {_percent(own.worst_served)}"
+        personal = f"{own.worst_personal_device} {_percent(own.worst_personal)}"
+        rows.append(("worst (each column)", "own held-out, lowest of each column", "", served, personal, ""))
+    return tuple(rows)
 
 
 # ------------------------------------------------------------------ rendering

@@ -1,5 +1,5 @@
 """Text for one log line: outside text (a device's message, a file name) made safe (``printable``), a duration in words
-(``duration``)."""
+(``duration``), long text cut between words (``shortened``)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,13 @@ def duration(seconds: float) -> str:
         if seconds >= 1.5 * size:
             return f"{seconds / size:.0f} {unit}"
     return f"{max(0.0, seconds):.0f} s"
+
+
+def shortened(text: str, limit: int) -> str:
+    """``text`` whole where it fits in ``limit`` characters, else cut after its last whole word that fits, with ``…``
+    (mid-word only where cutting between words would drop more than a quarter of ``limit``: a very long word)."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space >= 3 * limit // 4 else cut).rstrip(" ,;:") + "…"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from feast_edge.data.images import load_fashion_mnist
 from feast_edge.evaluate.onnx_export import export_onnx
 from feast_edge.evaluate.predict import evaluate, image_files, load_model, predict, read_image_folder
 from feast_edge.space.arch import Arch
@@ -97,18 +99,85 @@ def test_evaluate_prints_accuracy_per_class(agent_cli, model, images):
             == [c.name, str(c.index), str(c.examples), str(c.correct), f"{100 * c.accuracy:.2f}%"]
             for line in result.stdout.splitlines()
         ), result.stdout
+    said = " ".join(result.stdout.split())  # a long path may wrap
     assert (
-        f"accuracy {100 * want.accuracy:.2f}% ({want.correct} of 6 images, 2 of the model's 10 classes), 0 file(s) skipped"
-        in result.stdout
+        f"accuracy {100 * want.accuracy:.2f}% on all of {images}, which has no train/test split "
+        f"({want.correct} of 6 images, 2 of the model's 10 classes), 0 file(s) skipped" in said
     )
     as_json = agent_cli.invoke("evaluate", "--model", str(model), "--data", str(images), "--json")
     document = json.loads(as_json.stdout)
-    assert document == {"model": str(model), "data": str(images), **want.to_dict()}
+    assert document == {"model": str(model), "data": str(images), "split": None, **want.to_dict()}
     assert [(c["class"], c["examples"]) for c in document["classes"]] == [("Coat", 3), ("Sneaker", 3)]
     batched = agent_cli.invoke("evaluate", "--model", str(model), "--data", str(images), "--json", "--batch-size", "2")
     assert json.loads(batched.stdout) == document
     # The images were decoded (and cached) by the first call: this one reads the cache, only evaluating shows progress.
     assert "evaluating 6/6" in batched.stderr, batched.stderr
+
+
+def _idx_files(folder: Path, prefix: str, labels: list[int], seed: int) -> None:
+    """Fashion-MNIST's IDX pair ``{prefix}-images-idx3-ubyte`` and ``{prefix}-labels-idx1-ubyte``: 28x28 noise images."""
+    n = len(labels)
+    pixels = np.random.default_rng(seed).integers(0, 256, (n, 28, 28), dtype=np.uint8)
+    (folder / f"{prefix}-images-idx3-ubyte").write_bytes(
+        b"\x00\x00\x08\x03" + np.array([n, 28, 28], dtype=">u4").tobytes() + pixels.tobytes()
+    )
+    (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(
+        b"\x00\x00\x08\x01" + np.array([n], dtype=">u4").tobytes() + np.array(labels, dtype=np.uint8).tobytes()
+    )
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> Path:
+    """A Fashion-MNIST folder as published, small: 12 training images (all T-shirt_top) and 7 test images (7 classes)."""
+    folder = tmp_path_factory.mktemp("fashion-mnist")
+    _idx_files(folder, "train", [0] * 12, seed=1)
+    _idx_files(folder, "t10k", list(range(7)), seed=2)
+    return folder
+
+
+def test_evaluate_scores_a_release_s_test_split_and_names_it(agent_cli, model, release):
+    loaded = load_model(model)
+    for split, count in (("test", 7), ("train", 12)):
+        data = load_fashion_mnist(release, split)
+        want = evaluate(loaded, data.images, data.labels)
+        args = ("evaluate", "--model", str(model), "--data", str(release))
+        result = agent_cli.invoke(*args, *(["--split", split] if split == "train" else []))
+        assert result.returncode == 0, result.stderr
+        said = " ".join(result.stdout.split())
+        assert f"Fashion-MNIST {release} ({split} split): {count} images in" in said, said
+        assert f"accuracy {100 * want.accuracy:.2f}% on the {split} split ({want.correct} of {count} images" in said
+        document = json.loads(
+            agent_cli.invoke(*args, "--json", *(["--split", split] if split == "train" else [])).stdout
+        )
+        assert document["split"] == split and document["examples"] == count
+        assert document["correct"] == want.correct
+
+
+def test_evaluate_scores_the_test_folder_of_an_image_folder_laid_out_by_split(agent_cli, model, images, tmp_path):
+    shutil.copytree(images, tmp_path / "train")
+    shutil.copytree(images / "Coat", tmp_path / "test" / "Coat")  # 3 images, against 6 in train/
+    result = agent_cli.invoke("evaluate", "--model", str(model), "--data", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stdout.split())
+    assert f"image folder {tmp_path / 'test'}: 3 images in 1 class" in said and "on the test split (" in said, said
+    assert " of 3 images, 1 of the model's 10 classes)" in said, said
+
+
+def test_evaluate_refuses_a_split_the_data_does_not_hold(agent_cli, model, images, tmp_path):
+    _idx_files(tmp_path, "train", [0, 1, 2], seed=3)  # a release folder with the training files only
+    result = agent_cli.invoke("evaluate", "--model", str(model), "--data", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"{tmp_path} holds no test split: scoring its train split" in " ".join(result.stderr.split())
+    assert "on the train split (" in " ".join(result.stdout.split())
+    cases = [
+        (tmp_path, "test", f"--split test: Fashion-MNIST {tmp_path} holds no test split (it holds train)"),
+        (images, "test", f"--split test: image folder {images} has no splits (it is scored whole); leave out --split"),
+        (images, "validation", "--split 'validation' is not a split; use one of train, val, test"),
+    ]
+    for data, split, fragment in cases:
+        result = agent_cli.invoke("evaluate", "--model", str(model), "--data", str(data), "--split", split)
+        assert result.returncode == 2 and result.stdout == "", result.stdout
+        agent_cli.assert_user_error(result, fragment)
 
 
 def test_bad_input_is_one_line_and_exit_2(agent_cli, model, images, tmp_path):

@@ -198,10 +198,10 @@ def test_a_federation_report_shows_each_devices_own_accuracy_served_and_personal
         f"{100 * served:.2f}",
         f"{100 * personal:.2f}",
     ]
-    assert _row(mine, "worst: cam-1")[3:5] == ["70.00", "70.00"]
+    assert _row(mine, "worst (each column)")[3:5] == ["cam-1 70.00", "cam-1 70.00"]
     assert (
         f"own held-out accuracy, served -> personal: mean {100 * served:.2f}% -> {100 * personal:.2f}% over 2 of 5 "
-        "devices; worst device cam-1: 70.00% -> 70.00%"
+        "devices; worst served cam-1 70.00%, worst personal cam-1 70.00%"
     ) in mine
 
 

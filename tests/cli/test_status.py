@@ -220,10 +220,10 @@ def test_status_shows_each_devices_own_accuracy_served_and_personal_the_mean_and
         assert _row(result.stdout, liar)[9:] == ["95.00%", f"invalid report ({field})"], liar
     served, personal = FLEET_OWN_ACCURACY["served"], FLEET_OWN_ACCURACY["personal"]
     assert _row(result.stdout, "mean (2 of 5 devices)")[9:] == [f"{100 * served:.2f}%", f"{100 * personal:.2f}%"]
-    assert _row(result.stdout, "worst: cam-1")[9:] == ["70.00%", "70.00%"]
+    assert _row(result.stdout, "worst (each column)")[9:] == ["cam-1 70.00%", "cam-1 70.00%"]
     assert (
         f"own held-out accuracy, served -> personal: mean {100 * served:.2f}% -> {100 * personal:.2f}% over 2 of 5 "
-        "devices; worst device cam-1: 70.00% -> 70.00%"
+        "devices; worst served cam-1 70.00%, worst personal cam-1 70.00%"
     ) in result.stdout.splitlines()
 
     status = json.loads(server_cli.invoke("status", "--out", str(out), "--json").stdout)
@@ -287,8 +287,8 @@ def test_status_names_the_coverage_warnings_classes_where_the_runs_preset_file_d
     status = json.loads(server_cli.invoke("status", "--out", str(out), "--json", cwd=tmp_path).stdout)
     solo = [w for w in status["coverage_warnings"] if "solo" in w]
     # The names the run recorded; a run written before they were recorded has none to give.
-    assert solo == (["solo holds one class only (T-shirt_top): its updates teach the model to answer T-shirt_top "
-                     "whatever it sees"] if recorded else [])  # fmt: skip
+    assert solo == ([("solo holds one class only (T-shirt_top): its updates teach the model to answer T-shirt_top "
+                      "whatever it sees")] if recorded else [])  # fmt: skip
 
 
 def _cell(stdout: str, device: str, column: int) -> str:

@@ -135,7 +135,7 @@ def test_a_server_calibrated_model_has_no_own_accuracy_to_set_a_personal_one_bes
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(JSON, JSON), max_size=8))
-def test_the_means_are_over_the_devices_with_both_accuracies_and_the_worst_is_the_lowest_personal(
+def test_the_means_are_over_the_devices_with_both_accuracies_and_each_worst_is_its_column_s_lowest(
     pairs: list[tuple],
 ) -> None:
     models = [
@@ -152,11 +152,29 @@ def test_the_means_are_over_the_devices_with_both_accuracies_and_the_worst_is_th
     ]
     assert (fleet.devices, fleet.counted) == (len(models), len(valid))
     if not valid:
-        assert fleet.served is fleet.personal is fleet.worst is None
+        assert fleet.served is fleet.personal is fleet.worst_served_device is fleet.worst_personal_device is None
         return
     assert fleet.served == pytest.approx(sum(v[0] for v in valid) / len(valid))
     assert fleet.personal == pytest.approx(sum(v[1] for v in valid) / len(valid))
+    assert fleet.worst_served == min(v[0] for v in valid) <= fleet.served
     assert fleet.worst_personal == min(v[1] for v in valid) <= fleet.personal
+    # Each worst is its own column's, with the device that has it.
+    named = {d: (m["accuracy"], m["personal_accuracy"]) for d, m in models}
+    assert named[fleet.worst_served_device][0] == fleet.worst_served
+    assert named[fleet.worst_personal_device][1] == fleet.worst_personal
+
+
+def test_the_worst_served_and_the_worst_personal_accuracy_each_name_their_own_device() -> None:
+    fleet = fleet_accuracy(
+        [
+            ("jetson-nano", {"accuracy": 0.0845, "personal_accuracy": 0.95}),
+            ("laptop-cpu", {"accuracy": 0.9, "personal_accuracy": 0.8844}),
+        ]
+    )
+    assert (fleet.worst_served_device, fleet.worst_served) == ("jetson-nano", 0.0845)
+    assert (fleet.worst_personal_device, fleet.worst_personal) == ("laptop-cpu", 0.8844)
+    assert fleet.worst_words() == ("jetson-nano 8.45%", "laptop-cpu 88.44%")
+    assert fleet.words().endswith("; worst served jetson-nano 8.45%, worst personal laptop-cpu 88.44%")
 
 
 def test_a_simulations_rows_and_a_federations_reports_give_one_and_the_same_fleet_summary() -> None:
@@ -169,4 +187,5 @@ def test_a_simulations_rows_and_a_federations_reports_give_one_and_the_same_flee
     assert (summary["served_mean"], summary["personal_mean"]) == (fleet.served, fleet.personal)
     assert (summary["served_worst_decile"], summary["personal_worst_decile"]) == (10 / examples, 12 / examples)
     assert (fleet.served_worst_decile, fleet.personal_worst_decile) == (10 / examples, 12 / examples)
-    assert summary["worst"] == fleet.worst == "d00" and summary["measured"] == fleet.counted == 12
+    assert summary["worst_served_device"] == fleet.worst_served_device == "d00"
+    assert summary["worst_personal_device"] == fleet.worst_personal_device == "d00" and summary["measured"] == 12

@@ -14,7 +14,7 @@ from PIL import Image
 
 from feast_edge.data.images import DataError, load_cifar, load_fashion_mnist
 from feast_edge.data.skips import CLASS_NOT_IN_TASK
-from feast_edge.data.sources import detect_kind, load_data
+from feast_edge.data.sources import detect_kind, load_data, splits_of
 from feast_edge.data.task import Task, TaskError
 from feast_edge.space.preset import load_preset
 
@@ -162,6 +162,21 @@ def test_cifar_is_named_and_passes_through(tmp_path: Path) -> None:
     subset, test = load_data(tmp_path, shuffled, split="test"), load_cifar(tmp_path, "cifar10", "test").labels.tolist()
     assert subset.labels.tolist() == [0 if y == 9 else 1 for y in test if y in (0, 9)]
     assert subset.skipped == {CLASS_NOT_IN_TASK: sum(y not in (0, 9) for y in test)}
+
+
+def test_the_splits_a_source_holds_are_the_ones_its_files_or_folders_hold(tmp_path: Path) -> None:
+    cifar = tmp_path / "cifar" / "cifar-10-batches-bin"
+    cifar.mkdir(parents=True)
+    (cifar / "test_batch.bin").write_bytes(bytes(3073))
+    assert splits_of(tmp_path / "cifar", RGB) == ("test",)  # the test batch alone: no train split
+    (cifar / "data_batch_1.bin").write_bytes(bytes(3073))
+    assert splits_of(tmp_path / "cifar", RGB) == ("train", "test")
+    for split in ("test", "train"):
+        _save(tmp_path / "by-split" / split / RGB.classes[0] / "a.png", _flat(5, (8, 8, 3)))
+    assert splits_of(tmp_path / "by-split", RGB) == ("train", "test")
+    assert splits_of(tmp_path / "by-split" / "test", RGB) == ()  # class folders: one split, read whole
+    (tmp_path / "m.csv").write_text(f"by-split/test/{RGB.classes[0]}/a.png,{RGB.classes[0]}\n")
+    assert splits_of(tmp_path / "m.csv", RGB) == ()
 
 
 def test_decoding_in_threads_equals_decoding_in_one(tmp_path: Path) -> None:

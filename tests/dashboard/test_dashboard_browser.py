@@ -17,8 +17,11 @@ from typing import Any
 
 from browser import Browser, console_errors, points, wait_until
 from filled import fill
+from rundirs import federation_run
 
 from feast_edge.dashboard import Dashboard, DashboardState, start_dashboard
+from feast_edge.dashboard.runs import load_runs
+from feast_edge.space.preset import Preset
 
 CHARTS = ("chart-accuracy-macs", "chart-validation", "chart-traffic", "chart-compute")
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><script>document.title='pwned'</script>"
@@ -139,12 +142,14 @@ def test_a_filled_state_renders_and_updates_live(
         "personal_task_classes": 10,
     }
     liar = {**jetson_model, "device": "liar"}  # its personal accuracy is a lie: shown as such, kept out of the means
+    pi = {**jetson_model, "device": "pi-5"}  # the lowest served accuracy, and a personal model above jetson's
     filled.set_models(
-        [jetson_model, liar],
+        [jetson_model, liar, pi],
         tmp_path / "models",
         {
             "jetson": {"holdout_accuracy": 0.8125, "model_round": 3, **personal},
             "liar": {"holdout_accuracy": 0.5, "model_round": 3, **personal, "personal_accuracy": 7.5},
+            "pi-5": {"holdout_accuracy": 0.5625, "model_round": 3, **personal, "personal_accuracy": 0.9375},
         },
     )
     wait_until(driver, lambda d: "federated" in d.find_element("id", "validation-source").text)
@@ -164,18 +169,19 @@ def test_a_filled_state_renders_and_updates_live(
     liar_row = driver.find_element("css selector", '#models tr[data-device="liar"]')
     assert liar_row.find_element("css selector", "td.personal").text == "–"
     assert liar_row.find_element("css selector", "td.personal-note").text == "invalid report (personal_accuracy)"
-    # Below the models: the mean over the devices that reported both (the liar is not one) and the worst device.
+    # Below the models: the mean over the devices that reported both (the liar is not one), and the worst of each
+    # column with its own device: pi-5's served model, jetson's personal one.
     mean = driver.find_element("css selector", "#own-accuracy tr.own-mean")
     assert [mean.find_element("css selector", f"td.{c}").text for c in ("variant", "accuracy", "personal")] == [
-        "1 of 2 devices",
-        "81.25",
-        "87.50",
+        "2 of 3 devices",
+        "68.75",
+        "90.63",
     ]
     worst = driver.find_element("css selector", "#own-accuracy tr.own-worst")
-    assert [worst.find_element("css selector", f"td.{c}").text for c in ("variant", "accuracy", "personal")] == [
-        "jetson",
-        "81.25",
-        "87.50",
+    assert [worst.find_element("css selector", f"td.{c}").text for c in ("accuracy", "measured", "personal")] == [
+        "pi-5 56.25",
+        "the lowest of each column, with its device",
+        "jetson 87.50",
     ]
     assert model.find_element("css selector", "td.chosen-by").text == (
         "smaller: better on validation: 91.0% vs 68.8% for the 7.06M variant"
@@ -271,6 +277,45 @@ def test_hostile_strings_stay_text(tmp_path: Path, browser: Browser) -> None:
         assert HOSTILE in driver.find_element("css selector", "#chart-accuracy-macs").text  # the chart legend
         assert len(driver.find_elements("css selector", "script")) == 2  # uPlot and dashboard.js, nothing injected
         assert driver.find_element("id", "run-message").text == HOSTILE
+        assert console_errors(driver) == []
+        browser.screenshot()
+
+
+def test_a_finished_run_without_server_data_says_it_finished_why_it_has_no_points_and_its_whole_served_reason(
+    tmp_path: Path, tiny: Preset, browser: Browser
+) -> None:
+    out = federation_run(tmp_path / "fed", tiny, federated=True, rounds=2)  # 2 of 2 rounds: finished
+    falls = ", ".join(f"camera-{i:02d} 91.2% -> 88.7%" for i in range(4))
+    reason = (
+        "round 2: the newest validated round, no significant regression against round 1 on the served variants of "
+        f"40 device(s); regressed on 4 of 40 only ({falls})"
+    )
+    index = json.loads((out / "models" / "index.json").read_text())
+    index["models"][0]["served_round"] = {"round": 2, "of": 2, "reason": reason}
+    (out / "models" / "index.json").write_text(json.dumps(index))
+    with start_dashboard(load_runs([out]), "127.0.0.1:0") as dashboard:
+        driver = browser.open(dashboard.url)
+        wait_until(driver, lambda d: points(d, "chart-validation") == 2, message="the rounds never reached the chart")
+        # Nothing is in flight because the run is over, and the page says so with its last round.
+        assert driver.find_element("id", "round-title").text == (
+            "The run finished after round 2 of 2: no round in flight."
+        )
+        # No accuracy-vs-MACs points: the server held no data; the page says why and where the devices' figures are.
+        empty = driver.find_element("css selector", "#chart-accuracy-macs .chart-empty").text
+        assert empty.startswith(
+            "The server holds no data, so it tested no variant: the devices validated on their own held-out data."
+        ), empty
+        assert "validation accuracy per round is in the chart beside" in empty and "Models table below" in empty
+        # The served reason, longer than the header's line: cut between words, whole in the tooltip.
+        served = driver.find_element("id", "served-round")
+        whole, shown = f"served: weights of round 2 of 2: {reason}", served.text
+        assert len(whole) > 200 and served.get_attribute("title") == whole
+        assert shown.endswith("…") and len(shown) <= 160 and whole.startswith(shown[:-1])
+        assert whole[len(shown) - 1] in " ,;:", shown  # the cut falls between two words
+        # Round axes count whole rounds.
+        for chart in ("chart-validation", "chart-traffic", "chart-compute"):
+            ticks = (driver.find_element("id", chart).get_attribute("data-x-ticks") or "").split()
+            assert ticks and all(t.isdigit() for t in ticks) and {"1", "2"} <= set(ticks), (chart, ticks)
         assert console_errors(driver) == []
         browser.screenshot()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from feast_edge.dashboard import DashboardState
-from feast_edge.dashboard.state import MAX_DEVICES, MAX_STRING
+from feast_edge.dashboard.state import MAX_DEVICES, MAX_STRING, MAX_TEXT
 
 
 def test_set_device_creates_then_merges() -> None:
@@ -224,9 +224,21 @@ def test_the_served_round_is_named_from_the_manifests_bounded_and_kept_when_none
     assert state.snapshot()["served"] == ""
     state.set_served("weights of round 4 so far: round 4: the newest validated round")
     assert state.snapshot()["served"] == "weights of round 4 so far: round 4: the newest validated round"
-    manifest = {"device": "pi", "file": "pi.onnx", "served_round": {"round": 3, "of": 5, "reason": "x" * 10_000}}
-    state.set_models([manifest], Path("models"))
-    served = state.snapshot()["served"]
-    assert served.startswith("weights of round 3 of 5: xxx") and len(served) == MAX_STRING
+
+    def served_for(reason: str) -> str:
+        manifest = {"device": "pi", "file": "pi.onnx", "served_round": {"round": 3, "of": 5, "reason": reason}}
+        state.set_models([manifest], Path("models"))
+        return state.snapshot()["served"]
+
+    # A reason that names its devices is longer than a label, and kept whole (the page cuts it between words).
+    falls = "regressed on 9 of 40 only (" + ", ".join(f"camera-{i:02d} 91.2% -> 88.7%" for i in range(9)) + ")"
+    assert served_for(falls) == f"weights of round 3 of 5: {falls}" and len(falls) > MAX_STRING
+    # Beyond MAX_TEXT it is cut between words, and ends in an ellipsis.
+    endless = ", ".join(f"camera-{i:03d} 91.2% -> 88.7%" for i in range(400))
+    served, whole = served_for(endless), f"weights of round 3 of 5: {endless}"
+    assert len(served) <= MAX_TEXT and served.endswith("…") and whole.startswith(served[:-1])
+    assert whole[len(served) - 1] in " ,", served[-20:]
+    one_word = served_for("x" * 10_000)  # no space to cut at: cut at the bound
+    assert one_word.startswith("weights of round 3 of 5: xxx") and len(one_word) == MAX_TEXT
     state.set_models([{"device": "pi", "file": "pi.onnx"}], Path("models"))  # an older manifest: no served round
-    assert state.snapshot()["served"] == served
+    assert state.snapshot()["served"] == one_word

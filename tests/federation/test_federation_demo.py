@@ -89,13 +89,17 @@ def _kept_model(folder: Path, device: str, accuracy: float, personal: dict | Non
     }
 
 
-def test_the_demo_summary_shows_own_accuracy_served_and_personal_the_mean_and_the_worst(tmp_path: Path) -> None:
+def test_the_demo_summary_shows_own_accuracy_served_and_personal_the_mean_and_the_worst_of_each(
+    tmp_path: Path,
+) -> None:
     personal = {"personal_method": "bn", "personal_strength": 1, "holdout_accuracy_personal": 0.85}
     stale = {**personal, "served_sha256": "an earlier served file"}
     rows = [
         _kept_model(tmp_path, "pi", 0.8, personal),
         _kept_model(tmp_path, "nano", 0.75),  # kept the served model: no .personal.json
         _kept_model(tmp_path, "desk", 0.9, stale),  # a personal model of another served file is not this one's
+        # The lowest served accuracy, and a personal model far above it: the worst of one column only.
+        _kept_model(tmp_path, "jetson", 0.0845, {**personal, "holdout_accuracy_personal": 0.8844}),
     ]
     console = Console(width=250, record=True)
     console.print(summary_table(rows, "demo", server_data=False))
@@ -106,8 +110,9 @@ def test_the_demo_summary_shows_own_accuracy_served_and_personal_the_mean_and_th
     assert cells["pi"][5:7] == ["80.00%", "85.00% (bn 1 epoch)"]
     assert cells["nano"][5:7] == ["75.00%", "75.00% (served model kept)"]
     assert cells["desk"][5:7] == ["90.00%", "90.00% (served model kept)"]
-    assert cells["mean (3 of 3 devices)"][5:7] == ["81.67%", "83.33%"]
-    assert cells["worst: nano"][5:7] == ["75.00%", "75.00%"]
+    assert cells["mean (4 of 4 devices)"][5:7] == ["63.36%", "84.61%"]
+    # Each column's worst with its own device: jetson's served model, nano's (kept) personal one.
+    assert cells["worst (each column)"][5:7] == ["jetson 8.45%", "nano 75.00%"]
     assert any("personalization on (feast-agent run --personalize auto, the default)" in line for line in lines)
 
 
@@ -138,8 +143,12 @@ def test_the_demo_summary_cuts_nothing_in_a_narrow_terminal_and_names_the_model_
     narrow.print(summary_table(rows, "demo", server_data=False))
     text = narrow.export_text()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 90
-    first_column = "".join(line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│"))
-    assert first_column.startswith("raspberry-pi-5desktop-gpu") and first_column.endswith("worst:raspberry-pi-5")
+    first_column, served = (
+        "".join(line.split("│")[column].strip() for line in text.splitlines() if line.startswith("│"))
+        for column in (1, 6)
+    )
+    assert first_column.startswith("raspberry-pi-5desktop-gpu") and first_column.endswith("worst(eachcolumn)")
+    assert served.endswith("raspberry-pi-580.00%")  # the worst served device's name whole, folded over lines
 
 
 def test_with_server_data_the_summary_has_no_personal_column(tmp_path: Path) -> None:

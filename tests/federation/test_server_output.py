@@ -48,7 +48,7 @@ def test_the_devices_models_show_own_accuracy_served_and_personal_the_mean_and_t
     assert rows["silent"][4:6] == ["no report", "no report"]
     served, personal = FLEET_OWN_ACCURACY["served"], FLEET_OWN_ACCURACY["personal"]  # the silent device adds nothing
     assert rows["mean (2 of 6 devices)"][4:6] == [f"{100 * served:.2f}%", f"{100 * personal:.2f}%"]
-    assert rows["worst: cam-1"][4:6] == ["70.00%", "70.00%"]
+    assert rows["worst (each column)"][4:6] == ["cam-1 70.00%", "cam-1 70.00%"]
 
 
 def test_before_any_report_the_mean_is_empty_and_no_device_is_the_worst() -> None:

@@ -7,6 +7,10 @@
 (function () {
   const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
   const POLL_MS = 2000;
+  const SERVED_CHARS = 160; // the header's served line; longer reasons are cut between words, whole in its tooltip
+  // Tick steps of a round axis: whole rounds only (uPlot's defaults also step by 0.5 or 0.2 between them).
+  const ROUND_STEPS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 2500, 5000, 10000, 20000, 50000, 100000];
+  const ENDED = ["finished", "failed", "stopped"];
   const charts = {}; // chart id -> {plot, layout, data}
   let current = null; // the last snapshot
   let clockOffset = 0; // server clock minus this browser's clock, in seconds
@@ -68,6 +72,26 @@
 
   function plural(n, noun) {
     return n + " " + noun + (n === 1 ? "" : "s");
+  }
+
+  // words whole where they fit in limit characters, else cut after the last whole word that fits, with "…" (mid-word
+  // only where that would drop more than a quarter of limit: a very long word); feast_edge.util.text.shortened.
+  function shortened(words, limit) {
+    if (words.length <= limit) return words;
+    const cut = words.slice(0, limit - 1);
+    const space = cut.lastIndexOf(" ");
+    return (space >= Math.floor((3 * limit) / 4) ? cut.slice(0, space) : cut).replace(/[ ,;:]+$/, "") + "…";
+  }
+
+  function ended(s) {
+    return Boolean(s.run) && ENDED.includes(s.run.status);
+  }
+
+  // The last round the run completed: its record's count, else its history's last round (null before any).
+  function lastRound(s) {
+    const run = s.run || {};
+    if (isNumber(run.rounds_done) && run.rounds_done > 0) return run.rounds_done;
+    return s.history.length && isNumber(s.history[s.history.length - 1].round) ? s.history[s.history.length - 1].round : null;
   }
 
   // ------------------------------------------------------------------ header
@@ -132,7 +156,7 @@
   // ------------------------------------------------------------------ round in flight
   function renderRound(s) {
     const r = s.round;
-    text(byId("round-title"), r ? "round " + r.round + (r.finished ? " (finished)" : "") + ": " + plural(r.members.length, "member") : "No round yet.");
+    text(byId("round-title"), r ? "round " + r.round + (r.finished ? " (finished)" : "") + ": " + plural(r.members.length, "member") : idleWords(s));
     const deadline = byId("round-deadline");
     if (r && isNumber(r.deadline)) {
       deadline.textContent = "deadline " + new Date((r.deadline - clockOffset) * 1000).toLocaleTimeString();
@@ -161,6 +185,17 @@
       return tr;
     });
     replaceRows(document.querySelector("#round-members tbody"), rows);
+    byId("round-members").hidden = rows.length === 0; // no round: no empty table under the words above
+  }
+
+  // No round is in flight: the run ended (a finished run directory), is between rounds, or has not begun.
+  function idleWords(s) {
+    const last = lastRound(s);
+    const total = s.run && isNumber(s.run.rounds_total) ? " of " + s.run.rounds_total : "";
+    if (ended(s)) {
+      return "The run " + s.run.status + (last ? " after round " + last + total : "") + ": no round in flight.";
+    }
+    return last ? "No round in flight; the last was round " + last + total + "." : "No round yet.";
   }
 
   // Buffered asynchronous rounds (feast-server run --mode async): the updates waiting for the next release, and the
@@ -199,7 +234,20 @@
     return rows.filter((r) => isNumber(r[x]) && isNumber(r[y])).map((r) => [r[x], r[y]]);
   }
 
-  function drawChart(id, xLabel, yLabel, named) {
+  // A round axis shows whole rounds: its ticks step by ROUND_STEPS (kept in data-x-ticks), each labelled as an integer.
+  function roundAxis(box, label) {
+    return {
+      label: label,
+      incrs: ROUND_STEPS,
+      values: function (u, splits) {
+        box.setAttribute("data-x-ticks", splits.join(" "));
+        return splits.map((v) => (Number.isInteger(v) ? String(v) : ""));
+      },
+    };
+  }
+
+  // empty: what an empty chart says (default: no data yet, or none in a run that ended).
+  function drawChart(id, xLabel, yLabel, named, empty) {
     const box = byId(id);
     const kept = named.filter((n) => n.points.length > 0);
     const points = kept.reduce((sum, n) => sum + n.points.length, 0);
@@ -217,18 +265,19 @@
     if (known) known.plot.destroy();
     delete charts[id];
     box.replaceChildren();
+    box.removeAttribute("data-x-ticks");
     if (points === 0 || typeof uPlot === "undefined") {
-      const empty = document.createElement("p");
-      empty.className = "chart-empty";
-      empty.textContent = typeof uPlot === "undefined" ? "charts unavailable (uPlot did not load)" : "no data yet";
-      box.appendChild(empty);
+      const note = document.createElement("p");
+      note.className = "chart-empty";
+      note.textContent = typeof uPlot === "undefined" ? "charts unavailable (uPlot did not load)" : empty || (ended(current) ? "no data in this run" : "no data yet");
+      box.appendChild(note);
       return;
     }
     const options = {
       width: Math.max(320, box.clientWidth || 560),
       height: 260,
       scales: { x: { time: false } },
-      axes: [{ label: xLabel }, { label: yLabel }],
+      axes: [xLabel === "round" ? roundAxis(box, xLabel) : { label: xLabel }, { label: yLabel }],
       series: [{ label: xLabel }].concat(kept.map((n, i) => ({
         label: n.label,
         stroke: COLORS[i % COLORS.length],
@@ -267,7 +316,7 @@
       drawChart("chart-accuracy-macs", "M MACs", "accuracy (%)", [
         { label: "test accuracy", points: macs("test_accuracy") },
         { label: "validation accuracy", points: macs("val_accuracy") },
-      ]);
+      ], s.run && s.run.server_data === false ? noServerData(s) : null);
       drawChart("chart-validation", "round", "val. accuracy (%)", [
         { label: "validation accuracy", points: series(s.history, "round", "val_accuracy").map(([r, a]) => [r, 100 * a]) },
       ]);
@@ -275,6 +324,14 @@
     renderRunsTable(s.runs);
     renderPrivacy(s.history);
     renderTiming(s);
+  }
+
+  // Why a federation whose server holds no data has no accuracy-vs-MACs points, and where its figures are instead.
+  function noServerData(s) {
+    const why = "The server holds no data, so it tested no variant: the devices validated on their own held-out data";
+    return ended(s)
+      ? why + ". Their validation accuracy per round is in the chart beside; each device's own accuracy of its model is in the Models table below."
+      : why + ". Points appear here once they validate the variants; until then see the validation accuracy per round beside.";
   }
 
   // The virtual clock of a simulation (both modes) and, for asynchronous releases, their updates' staleness;
@@ -412,20 +469,26 @@
     document.querySelector("#models .empty").hidden = s.models.length > 0;
     // The round whose weights the models are, and why the serving rule chose it (not always the last round).
     const served = byId("served-round");
-    served.textContent = typeof s.served === "string" && s.served ? "served: " + s.served : "";
-    served.hidden = !served.textContent;
+    const words = typeof s.served === "string" && s.served ? "served: " + s.served : "";
+    served.textContent = shortened(words, SERVED_CHARS);
+    if (served.textContent !== words) served.setAttribute("title", words);
+    else served.removeAttribute("title");
+    served.hidden = !words;
     renderOwnAccuracy(s.own_accuracy);
   }
 
-  // Over the models the devices calibrated: the means of their own accuracy, served and personal, and the worst device.
+  // Over the models the devices calibrated: the means of their own accuracy, served and personal, and the worst of
+  // each column with its own device (the lowest served accuracy and the lowest personal one are often two devices).
   function renderOwnAccuracy(own) {
     const foot = byId("own-accuracy");
     const rows = [];
     if (own && isNumber(own.devices)) {
       const counted = own.counted + " of " + plural(own.devices, "device");
-      rows.push(["mean", counted, own.served, own.personal, "own held-out accuracy, mean over the devices"]);
-      if (typeof own.worst === "string") {
-        rows.push(["worst", own.worst, own.worst_served, own.worst_personal, "the device with the lowest personal"]);
+      rows.push(["mean", counted, percent(own.served), percent(own.personal), "own held-out accuracy, mean over the devices"]);
+      if (own.counted > 0) {
+        const worst = (device, value) => (typeof device === "string" && isNumber(value) ? device + " " + percent(value) : null);
+        rows.push(["worst", null, worst(own.worst_served_device, own.worst_served),
+          worst(own.worst_personal_device, own.worst_personal), "the lowest of each column, with its device"]);
       }
     }
     replaceRows(
@@ -434,12 +497,13 @@
         const tr = document.createElement("tr");
         tr.className = "own-" + kind;
         cell(tr, kind, "device");
-        cell(tr, who, "variant");
+        if (who === null) tr.append(document.createElement("td"));
+        else cell(tr, who, "variant");
         tr.append(document.createElement("td"), document.createElement("td"), document.createElement("td"));
         tr.append(document.createElement("td"));
-        cell(tr, percent(served), "num accuracy");
+        cell(tr, served, "num accuracy");
         cell(tr, words, "measured");
-        cell(tr, percent(personal), "num personal");
+        cell(tr, personal, "num personal");
         tr.append(document.createElement("td"), document.createElement("td"), document.createElement("td"));
         return tr;
       })
