@@ -157,3 +157,21 @@ def test_a_simulation_serves_the_candidate_its_devices_figures_favour_and_a_resu
     assert resumed["served_round"] == full["served_round"]
     again = load_supernet(tmp_path / "resumed" / BEST)[0].state_dict()
     assert all(torch.equal(best[k], again[k]) for k in best)
+
+
+@pytest.mark.slow
+def test_asynchronous_releases_offer_the_last_release_or_the_mean_of_the_last_releases_alike(
+    tmp_path, fashion_mnist_dir
+) -> None:
+    config = tiny_config(
+        fashion_mnist_dir, rounds=4, eval_every=4, validate_on="devices", holdout=0.2, mode="async", buffer=2,
+        concurrency=3, serve_average=2,
+    )  # fmt: skip
+    results = Simulation(config, tmp_path / "async").run()
+    last = results["rounds"][-1]
+    candidates = last["candidates"]
+    assert candidates["of"] == [3, 4] and candidates["voters"] and candidates["choice"] in (MEAN, OWN)
+    own, mean = (candidates[c]["validation"]["served"] for c in (OWN, MEAN))
+    assert own.keys() == mean.keys() and all(own[d][2] == mean[d][2] for d in own)  # the same examples
+    assert results["served_round"]["reason"].startswith(candidates["reason"])
+    assert (results["served_round"].get("average_of") == [3, 4]) == (candidates["choice"] == MEAN)

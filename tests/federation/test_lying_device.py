@@ -66,8 +66,8 @@ def _lying(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
         lied = {k: _lie(k, v, kind, tensors) for k, v in tensors.items()}
         return save(lied, metadata={"format": STATISTICS_FORMAT, "examples": str(examples)}), examples
 
-    def answer_evaluation(message, payload, data, preset, torch_device="cpu"):
-        answer = evaluation(message, payload, data, preset, torch_device)
+    def answer_evaluation(message, payload, data, preset, torch_device="cpu", candidates=()):
+        answer = evaluation(message, payload, data, preset, torch_device, candidates)
         if data.device_id != "mallory":
             return answer
         right = data.holdout if message.round == 0 else 0
