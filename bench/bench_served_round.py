@@ -32,9 +32,18 @@ run's): one client's recorded (correct, total) counts are altered, each round's 
     plausible   in range, favouring an early round: at the first 3 validations, per target, its true figure raised to
                 the best other device's; afterwards its true figure less 15 points, never below the worst other's
 
+    candidate   honest in every round but the last, where it reports the candidate the honest devices score
+                lower (the round's own weights or the mean of the last rounds') all right and the other all wrong:
+                the lie aimed at the choice between the two (feast_edge.evaluate.candidates)
+
 Per liar (dev-b, then dev-c) and kind: the round the fleet is served, the honest devices' test accuracy there against
 the honest run's (target: within 3 points), the device distrusted and from which round (target: the 100-then-0 liar),
-and any honest device flagged as possibly false (target: none). Prints progress lines, a table per seed and a summary.
+and any honest device flagged as possibly false (target: none).
+
+The last round's two candidates (its own weights and the mean of the last 5 rounds', validated on the same held-out
+examples; the better offered to the served-round rule) against the rule before them, which validated the mean alone in
+the round's stead ("before"): which weights each serves per device and seed, and their test accuracy in test images.
+Prints progress lines, a table per seed and a summary; writes a record to bench/results/ (bench/_records.py).
 """
 
 from __future__ import annotations
@@ -57,16 +66,20 @@ import numpy as np
 import torch
 
 from feast_edge.cache.variants import load_cache
+from feast_edge.evaluate.candidates import MEAN, choose_candidate
 from feast_edge.evaluate.evaluation import accuracy
 from feast_edge.evaluate.federated import calibrated_static
 from feast_edge.evaluate.served_round import figures_of, served_round
 from feast_edge.run.checkpoint import load_supernet
+from feast_edge.run.round_record import RoundRecord
 from feast_edge.sim.setup import SimulationConfig, build_setup
 from feast_edge.sim.simulate import Simulation
 from feast_edge.space.extract import extract
 from feast_edge.space.preset import load_preset
 
-sys.path.insert(0, str(Path(__file__).parent))  # bench_label_skew, for --data digits
+sys.path.insert(0, str(Path(__file__).parent))  # bench_label_skew, for --data digits; _records
+from _records import write_record  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 # device -> the class indices it holds (bench_label_skew.py's DEVICES), in budget order: smallest, middle, largest
 DEVICES = {
@@ -75,7 +88,7 @@ DEVICES = {
     "dev-c": (0, 1, 5, 6, 7, 8, 9),
 }
 LIARS = ("dev-b", "dev-c")
-KINDS = ("100-then-0", "plausible")
+KINDS = ("100-then-0", "plausible", "candidate")
 LAST = 5  # the last rounds the served round is compared with
 EARLY = 3  # validations the plausible liar favours
 DROP = 0.15  # how far below its true figure the plausible liar reports afterwards
@@ -192,18 +205,40 @@ def class_names(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def altered(
-    reports: dict[int, dict[str, list[tuple[int, int]]]], liar: str, kind: str, served_index: dict[str, int]
-) -> dict[int, dict[str, list[tuple[int, int]]]]:
-    """The recorded reports with ``liar``'s counts replaced as ``kind`` lies (see the module docstring)."""
-    out = {}
+    reports: dict[int, dict[str, list[tuple[int, int]]]],
+    liar: str,
+    kind: str,
+    served_index: dict[str, int],
+    candidates: dict[int, dict[str, list[tuple[int, int]]]] | None = None,
+) -> tuple[dict[int, dict[str, list[tuple[int, int]]]], dict[int, dict[str, list[tuple[int, int]]]]]:
+    """The recorded reports (and those of the last round's second candidate) with ``liar``'s counts replaced as
+    ``kind`` lies (see the module docstring)."""
+    candidates = candidates or {}
+    out, others = {}, {r: {d: list(c) for d, c in rep.items()} for r, rep in candidates.items()}
     for position, round_ in enumerate(sorted(reports)):
         round_reports = {d: list(c) for d, c in reports[round_].items()}
         if liar not in round_reports:
             out[round_] = round_reports
             continue
-        others = {d: c for d, c in round_reports.items() if d != liar}
+        if kind == "candidate":
+            if round_ in others and liar in others[round_]:
+                honest = [d for d in round_reports if d != liar and d in others[round_]]
+                gain = sum(
+                    others[round_][d][served_index[d]][0] / others[round_][d][served_index[d]][1]
+                    - round_reports[d][served_index[d]][0] / round_reports[d][served_index[d]][1]
+                    for d in honest
+                )
+                worse_is_mean = gain <= 0  # the honest devices favour the round's own weights (or tie)
+                right = [(n, n) for _, n in round_reports[liar]]
+                wrong = [(0, n) for _, n in round_reports[liar]]
+                round_reports[liar], others[round_][liar] = (wrong, right) if worse_is_mean else (right, wrong)
+            out[round_] = round_reports
+            continue
+        others_now = {d: c for d, c in round_reports.items() if d != liar}
         # the others' figures on their own served variants, where nobody else tested one of the liar's targets
-        fallback = [c[served_index[d]][0] / c[served_index[d]][1] for d, c in others.items() if c[served_index[d]][1]]
+        fallback = [
+            c[served_index[d]][0] / c[served_index[d]][1] for d, c in others_now.items() if c[served_index[d]][1]
+        ]
         lied = []
         for k, (correct, total) in enumerate(round_reports[liar]):
             if total == 0:
@@ -212,13 +247,40 @@ def altered(
             if kind == "100-then-0":
                 lied.append((total if position == 0 else 0, total))
                 continue
-            theirs = [c[k][0] / c[k][1] for c in others.values() if c[k][1] > 0] or fallback
+            theirs = [c[k][0] / c[k][1] for c in others_now.values() if c[k][1] > 0] or fallback
             true = correct / total
             rate = max(true, max(theirs)) if position < EARLY else max(true - DROP, min(theirs))
             lied.append((min(total, max(0, round(rate * total))), total))
         round_reports[liar] = lied
+        if round_ in others and liar in others[round_]:
+            others[round_][liar] = list(lied)  # the same lie about the mean: its paired difference is 0
         out[round_] = round_reports
-    return out
+    return out, others
+
+
+def replay(validator, reports: dict, candidates: dict, span: list[int]) -> tuple[object, bool]:
+    """The served-round choice over recorded (or altered) counts: each round's record rebuilt as the run builds it,
+    the last round's two candidates chosen between first; (the choice, whether the mean was the offered candidate)."""
+    history = []
+    for round_ in sorted(reports):
+        result, validation = validator.record(reports[round_])
+        record = RoundRecord(round=round_, lr=0.0, cohort=[], validation=validation, val_accuracy=result.accuracy)
+        if round_ in candidates:
+            theirs, other = validator.record(candidates[round_])
+            record.candidates = {"of": span, "mean": {"val_accuracy": theirs.accuracy, "validation": other}}
+        history.append(record)
+        choose_candidate(history, record)
+    choice = served_round([(h.round, h.validation) for h in history])
+    return choice, history[-1].candidates.get("choice") == MEAN
+
+
+def before_candidates(validator, span: list[int]):
+    """The choice of the rule before the two candidates: the last round validated as the mean alone, in its stead."""
+    records = [(r, validator.record(validator.reports[r])[1]) for r in sorted(validator.reports)]
+    last = records[-1][0]
+    if last in validator.candidate_reports:
+        records[-1] = (last, validator.record(validator.candidate_reports[last])[1])
+    return served_round(records)
 
 
 def averaged(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -275,7 +337,9 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
     trained = time.monotonic() - began
     history = [(h.round, h.validation) for h in sim.history if h.validation.get("source") == "devices"]
     honest = served_round(history)
-    replayed = served_round([(r, validator.record(validator.reports[r])[1]) for r in sorted(validator.reports)])
+    span = sim.history[-1].candidates.get("of") or sim.history[-1].average_of
+    replayed, _ = replay(validator, validator.reports, validator.candidate_reports, span)
+    before = before_candidates(validator, span)
     if honest.round != sim.best.get("round") or replayed.round != honest.round:
         say(
             f"  WARNING: served round {honest.round} from the history, {replayed.round} replayed, "
@@ -307,14 +371,14 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
     last = config.training.rounds
     window = list(range(max(1, last - LAST + 1), last + 1))
     snapshots["average"] = averaged([snapshots[r] for r in window])
-    # What the run serves: best.safetensors (the last round's candidate is the mean of the last rounds' weights,
-    # --serve-average, where the rule chose the last round)
+    # What the run serves: best.safetensors (the last round's own weights or the mean of the last rounds', whichever
+    # its devices' paired figures favoured, where the rule chose the last round)
     snapshots["served"] = load_supernet(sim.loop.selected_checkpoint(), preset)[0].state_dict()
-    span = sim.history[-1].average_of
+    offered_mean = sim.history[-1].candidates.get("choice") == MEAN
 
-    def weights_of(round_: int | None) -> int | str:
-        """The weights served when the rule chooses ``round_``: the mean where the last round's candidate was one."""
-        return "average" if span and round_ == last else round_
+    def weights_of(round_: int | None, mean: bool = offered_mean) -> int | str:
+        """The weights served when the rule chooses ``round_``: the mean where the last round offered it."""
+        return "average" if mean and round_ == last else round_
 
     rows = {}
     for device in DEVICES:
@@ -326,11 +390,15 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
             "served_round": honest.round
             if weights_of(honest.round) != "average"
             else f"{last} (mean of {span[0]}-{span[1]})",
+            "candidates": sim.history[-1].candidates.get("reason"),
             "served": score(device, "served"),
             "mean_last": mean5,
             "last": score(device, last),
             "window": {r: score(device, r) for r in window},
             "average": score(device, "average"),
+            "before": score(device, weights_of(before.round, mean=True)),
+            "before_weights": str(weights_of(before.round, mean=True)),
+            "served_weights": str(weights_of(honest.round)),
         }
         r = rows[device]
         say(
@@ -344,9 +412,9 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
     liars = []
     for liar in LIARS:
         for kind in KINDS:
-            reports = altered(validator.reports, clients[liar], kind, served_index)
+            reports, others = altered(validator.reports, clients[liar], kind, served_index, validator.candidate_reports)
             records = [(r, validator.record(reports[r])[1]) for r in sorted(reports)]
-            choice = served_round(records)
+            choice, mean = replay(validator, reports, others, span)
             flagged = sorted({(r, devices[c]) for r, v in records for c in v.get("flagged", {})})
             honest_devices = [d for d in DEVICES if d != liar]
             case = {
@@ -354,7 +422,8 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
                 "kind": kind,
                 "served_round": choice.round,
                 "reason": choice.reason,
-                "honest": {d: (score(d, weights_of(choice.round)), rows[d]["served"]) for d in honest_devices},
+                "honest": {d: (score(d, weights_of(choice.round, mean)), rows[d]["served"]) for d in honest_devices},
+                "offered_mean": mean,
                 "distrusted": {devices[c]: named_round(why) for c, why in choice.distrusted.items()},
                 "liar_flagged": [r for r, d in flagged if d == liar],
                 "honest_flagged": [(r, d) for r, d in flagged if d != liar],
@@ -383,6 +452,11 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
         "validation": {r: {devices[c]: list(f) for c, f in v.get("served", {}).items()} for r, v in history},
         "targets_macs": [e.macs for e in validator.targets],
         "reports": {r: {devices[c]: counts for c, counts in rep.items()} for r, rep in validator.reports.items()},
+        "candidate_reports": {
+            r: {devices[c]: counts for c, counts in rep.items()} for r, rep in validator.candidate_reports.items()
+        },
+        "before_round": before.round,
+        "candidates": sim.history[-1].candidates.get("reason"),
         "mixes": {devices[c]: mix for c, mix in validator.mixes.items()},
     }
 
@@ -488,6 +562,39 @@ def summary(results: list[dict], tolerance: float, liar_tolerance: float) -> Non
             )
     honest_flagged = sum(bool(r["honest_flagged"]) for r in results)
     print(f"\nhonest runs with a device flagged as possibly false: {honest_flagged} of {len(results)}")
+    candidates_table(results)
+
+
+def candidates_table(results: list[dict]) -> None:
+    """The last round's two candidates against the rule before them (the mean alone in the round's stead)."""
+    print(
+        "\nthe served weights with two candidates (after) against the mean alone (before), per device and seed "
+        "(test accuracy; difference in test images):"
+    )
+    print("| seed | device | before | after | same weights | after - before |")
+    print("|---:|---|---|---|---|---:|")
+    same, moved = 0, []
+    for r in results:
+        for device, row in r["devices"].items():
+            images = round((row["served"] - row["before"]) * r["test_images"])
+            alike = row["before_weights"] == row["served_weights"]
+            same += alike
+            moved += [] if alike else [images]
+            print(
+                f"| {r['seed']} | {device} | {_weights(row['before_weights'])} {pct(row['before'])} | "
+                f"{_weights(row['served_weights'])} {pct(row['served'])} | {'yes' if alike else 'no'} | {images:+d} |"
+            )
+    total = sum(len(r["devices"]) for r in results)
+    print(
+        f"\nsame weights in {same} of {total} device-seeds; where they differ, after - before: "
+        + (", ".join(f"{m:+d}" for m in moved) + " test images" if moved else "none")
+    )
+    for r in results:
+        print(f"seed {r['seed']}: {r['candidates']}")
+
+
+def _weights(name: str) -> str:
+    return "the mean" if name == "average" else f"round {name}"
 
 
 def main() -> None:
@@ -532,6 +639,12 @@ def main() -> None:
         seed_tables(result, tolerance, liar_tolerance)
     summary(results, tolerance, liar_tolerance)
     print(f"\nfigures in {work / 'results.json'}")
+    kept = ("seed", "rounds", "test_images", "served_round", "reason", "before_round", "candidates", "devices", "liars")
+    record = write_record(
+        f"served-round-{args.data}",
+        {"seeds": seeds, "rounds": args.rounds, "results": [{k: r[k] for k in kept} for r in results]},
+    )
+    print(f"record: {record.relative_to(REPO)}")
 
 
 if __name__ == "__main__":

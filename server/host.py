@@ -113,6 +113,8 @@ class RunHost:
             raise ServerError(str(exc)) from None
         if self.loop.recovered:
             log.warning("%s", self.loop.recovered)
+        for note in self.loop.notes:  # what the resume changed (a tail mean of another window dropped)
+            log.warning("%s", note)
         return done
 
     def saved(self) -> str:

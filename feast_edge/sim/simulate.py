@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -43,6 +44,7 @@ from feast_edge.sim.setup import Setup, SimulationConfig, SimulationError, build
 from feast_edge.util.atomic import atomic_write_bytes
 
 KIND = "simulation"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -153,9 +155,12 @@ class Simulation:
                 f"--resume: no checkpoint at {path}; run without --resume to start, or point --out at the run to resume"
             )
         try:
-            return self.loop.resume("rerun with the same options, or use a new --out without --resume")
+            done = self.loop.resume("rerun with the same options, or use a new --out without --resume")
         except RunError as exc:
             raise SimulationError(f"--resume: {exc}") from None
+        for note in self.loop.notes:  # what the resume changed (a tail mean of another window dropped)
+            log.warning("%s", note)
+        return done
 
     def run_round(self, t: int) -> RoundRecord:
         """Round ``t`` alone (no checkpoint): cohort -> route -> local co-training -> sparse aggregation."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from feast_edge.run.average import TailAverage, default_window, loaded, serve_average_of, split_extra
-from feast_edge.run.checkpoint import load_supernet
+from feast_edge.run.checkpoint import load_supernet, save_supernet
 from feast_edge.run.settings import RunError
 from feast_edge.run.store import BEST, CHECKPOINT, PREVIOUS
 from feast_edge.sim.simulate import Simulation
@@ -142,3 +142,23 @@ def test_a_run_validates_its_own_weights_and_the_mean_on_the_same_split_serves_t
     assert all(torch.equal(best[k], again[k]) for k in best)
     assert resumed["served_round"] == full["served_round"]
     assert resumed["rounds"][-1]["candidates"] == candidates
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_a_checkpoint_of_another_window_says_its_stored_mean_was_dropped(
+    tmp_path, fashion_mnist_dir, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A 6-round run validated by its clients averages rounds 5-6 by default; its checkpoint after round 4 is made to
+    # hold the mean of rounds 2-4 that a release averaging 5 rounds (the earlier default) kept there.
+    config = tiny_config(fashion_mnist_dir, rounds=6, eval_every=6, validate_on="devices", holdout=0.2)
+    out = tmp_path / "run"
+    assert Simulation(config, out).run(stop_after=4) is None
+    model, record = load_supernet(out / CHECKPOINT)
+    fields = dict(record["fields"], average={"span": [2, 4], "k": 5})
+    mean = {f"average.{name}": tensor for name, tensor in model.state_dict().items()}
+    save_supernet(out / CHECKPOINT, model, mean, **fields)
+    with caplog.at_level("WARNING", logger="feast_edge"):
+        results = Simulation(config, out).run(resume=True)
+    assert "the stored mean of rounds 2-4's weights was dropped" in caplog.text
+    assert "this run averages rounds 5-6 (the last 2)" in caplog.text
+    assert results["rounds"][-1]["candidates"]["of"] == [5, 6]  # the window started again at round 5
