@@ -8,14 +8,17 @@ off``) and keeps every round's global weights as the server checkpoints them (a 
 architecture) is extracted from:
 
     own        the last round's own weights (checkpoint.safetensors)
+    mean K     the tail mean the devices validated beside them (the window that fits the run: rounds 5-6 of 6)
     mean 5     the mean of the last 5 rounds' weights: what the served model was before the window fit the run
                (--serve-average 5 by default; a 6-round demo served the mean of rounds 2-6)
     served     best.safetensors: what the run serves now (its reason is printed)
 
 each BN-recalibrated on the same 800 Fashion-MNIST training images (the first 800, every class) and tested on the
 10,000-image test split; "served - own" is the target's figure (at least -0.3 points). The cost of the second
-candidate per device: the bytes of one more routed payload of its evaluation plan, and the seconds of its last
-validation (two candidates) against its earlier ones (one), from the agents' logs. A record of the run is written to
+candidate per device: the bytes of one more routed payload of its evaluation plan, and the seconds of one more
+evaluation of its targets on its own data (timed here, the median of 3, beside the first candidate's); the agents'
+logs' validation times (two candidates at the last round, one before) are printed too, but the demo's agents share
+the machine with each other's training, so they vary with what else runs. A record of the run is written to
 bench/results/ (bench/_records.py).
 """
 
@@ -39,12 +42,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _records import cpu, write_record  # noqa: E402
 
+from feast_edge.agent.local_data import load_clients  # noqa: E402
 from feast_edge.cache.variants import load_cache  # noqa: E402
 from feast_edge.data.images import load_fashion_mnist  # noqa: E402
 from feast_edge.errors import FeastError  # noqa: E402
 from feast_edge.evaluate.evaluation import accuracy  # noqa: E402
-from feast_edge.evaluate.federated import calibrated_static  # noqa: E402
+from feast_edge.evaluate.federated import calibrated_static, held_out_counts  # noqa: E402
 from feast_edge.route.plans import plan_client  # noqa: E402
+from feast_edge.run.average import default_window  # noqa: E402
 from feast_edge.run.checkpoint import load_supernet, read_record  # noqa: E402
 from feast_edge.server.registry import Registry  # noqa: E402
 from feast_edge.space.arch import Arch  # noqa: E402
@@ -105,6 +110,24 @@ def averaged(paths: list[Path]) -> dict[str, torch.Tensor]:
     }
 
 
+def timed_evaluation(args, device, preset, limit, targets, scratch, candidates, repeats: int = 3) -> float:
+    """Median seconds of one candidate's evaluation on ``device``'s own data, as its agent runs it (the targets it may
+    evaluate, each BN-recalibrated on its training split, tested on its held-out split): what a second candidate adds."""
+    data = load_clients(args.out / "demo" / "devices" / device, device, task=preset.task, holdout=0.1)[0]
+    affordable = [e.arch for e in targets if e.macs <= limit]
+    seconds = []
+    for _ in range(repeats):
+        for state in list(candidates.values())[:2]:
+            scratch.load_state_dict(state)
+            began = time.perf_counter()
+            held_out_counts(
+                scratch, affordable, data.images, data.holdout_images, data.holdout_labels, 500,
+                train_labels=data.labels,
+            )  # fmt: skip
+            seconds.append(time.perf_counter() - began)
+    return statistics.median(seconds)
+
+
 def validation_seconds(log: str, device: str) -> tuple[list[float], list[float]]:
     """The seconds of each of ``device``'s validations in its agent log: (one candidate, two candidates)."""
     one, two = [], []
@@ -141,8 +164,10 @@ def main() -> None:
     if missing:
         sys.exit(f"rounds {missing} were not kept (the watcher missed them); run again")
     window = list(range(max(1, last - OLD_WINDOW + 1), last + 1))
+    fit = list(range(last - default_window(last) + 1, last + 1))  # the window that fits the run (its tail mean)
     candidates = {
         "own": load_supernet(rounds[last])[0].state_dict(),
+        **({f"mean {fit[0]}-{last}": averaged([rounds[r] for r in fit])} if len(fit) > 1 else {}),
         f"mean {window[0]}-{last}": averaged([rounds[r] for r in window]),
         "served": load_supernet(server / "best.safetensors")[0].state_dict()
         if (server / "best.safetensors").is_file()
@@ -159,6 +184,9 @@ def main() -> None:
     say(f"served: {reason}")
     scratch = load_supernet(rounds[last])[0]
     registry = Registry(server / "devices.sqlite", readonly=True)
+    history = read_record(server / "checkpoint.safetensors")["fields"]["history"]
+    points = next((h["validation"].get("points") for h in reversed(history) if h.get("validation")), {}) or {}
+    targets = [cache.entries[int(label.split()[1])] for label in points]  # what the last validation tested
     rows = {}
     for manifest in manifests:
         device, arch = manifest["device"], Arch.from_dict(manifest["arch"])
@@ -171,6 +199,7 @@ def main() -> None:
         registered = registry.get(device)
         limit = max(registered.budget_macs, int(registered.profile.get("evaluate_macs") or 0))
         payload = 4 * count_params(plan_client(cache, limit).layout(preset, preset.classes))
+        evaluation = timed_evaluation(args, device, preset, limit, targets, scratch, candidates)
         log = next((args.out / "demo" / "logs").glob(f"agent-{device}*.log"), None)
         one, two = validation_seconds(log.read_text(errors="replace"), device) if log else ([], [])
         rows[device] = {
@@ -180,11 +209,13 @@ def main() -> None:
             "second_candidate_bytes": payload,
             "validation_seconds_one": one,
             "validation_seconds_two": two,
+            "evaluation_seconds": evaluation,
         }
         say(
             f"{device}: " + ", ".join(f"{n} {100 * a:.2f}%" for n, a in scores.items())
             + f"; served - own {100 * rows[device]['served_minus_own']:+.2f} points; second candidate "
-            f"{payload / 1e6:.2f} MB; validation {statistics.median(one) if one else float('nan'):.2f} s with one, "
+            f"{payload / 1e6:.2f} MB; one candidate's evaluation {evaluation:.2f} s (median of 3); validation in the "
+            f"run {statistics.median(one) if one else float('nan'):.2f} s with one, "
             f"{statistics.median(two) if two else float('nan'):.2f} s with two"
         )  # fmt: skip
     names = list(candidates)
@@ -192,15 +223,16 @@ def main() -> None:
           f"training images; {machine['model_name']} (family {machine['family']}, model {machine['model']})")  # fmt: skip
     print(f"served: {reason}\n")
     print(
-        "| device | " + " | ".join(names) + " | served - own | >= -0.3 | 2nd candidate | validation 1 / 2 candidates |"
+        "| device | " + " | ".join(names) + " | served - own | >= -0.3 | 2nd candidate: bytes | its evaluation "
+        "| validation in the run, 1 / 2 candidates |"
     )
-    print("|---|" + "---:|" * len(names) + "---:|---|---:|---:|")
+    print("|---|" + "---:|" * len(names) + "---:|---|---:|---:|---:|")
     for device, r in rows.items():
         one, two = r["validation_seconds_one"], r["validation_seconds_two"]
         print(
             f"| {device} | " + " | ".join(f"{100 * r['test'][n]:.2f}%" for n in names)
             + f" | {100 * r['served_minus_own']:+.2f} | {'yes' if r['served_minus_own'] >= -0.003 else '**no**'} "
-            f"| {r['second_candidate_bytes'] / 1e6:.2f} MB "
+            f"| {r['second_candidate_bytes'] / 1e6:.2f} MB | {r['evaluation_seconds']:.2f} s "
             f"| {statistics.median(one) if one else float('nan'):.2f} / {statistics.median(two) if two else float('nan'):.2f} s |"
         )  # fmt: skip
     record = write_record(

@@ -40,9 +40,11 @@ Per liar (dev-b, then dev-c) and kind: the round the fleet is served, the honest
 the honest run's (target: within 3 points), the device distrusted and from which round (target: the 100-then-0 liar),
 and any honest device flagged as possibly false (target: none).
 
-The last round's two candidates (its own weights and the mean of the last 5 rounds', validated on the same held-out
+The last round's two candidates (its own weights and the mean of the last rounds', validated on the same held-out
 examples; the better offered to the served-round rule) against the rule before them, which validated the mean alone in
 the round's stead ("before"): which weights each serves per device and seed, and their test accuracy in test images.
+Both use the run's window (--serve-average's default: rounds 16-20 of the default 20, which the rule before the
+window fit the run averaged too; for fewer rounds the window is shorter than that rule's 5).
 Prints progress lines, a table per seed and a summary; writes a record to bench/results/ (bench/_records.py).
 """
 
@@ -376,9 +378,13 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
     snapshots["served"] = load_supernet(sim.loop.selected_checkpoint(), preset)[0].state_dict()
     offered_mean = sim.history[-1].candidates.get("choice") == MEAN
 
+    # The run's tail mean (its window: --serve-average's default, rounds 16-20 of 20, the window before it fit the
+    # run too): what the devices validated beside the last round's own weights
+    snapshots["candidate"] = averaged([snapshots[r] for r in range(span[0], span[1] + 1)]) if span else snapshots[last]
+
     def weights_of(round_: int | None, mean: bool = offered_mean) -> int | str:
-        """The weights served when the rule chooses ``round_``: the mean where the last round offered it."""
-        return "average" if mean and round_ == last else round_
+        """The weights served when the rule chooses ``round_``: the tail mean where the last round offered it."""
+        return "candidate" if mean and round_ == last else round_
 
     rows = {}
     for device in DEVICES:
@@ -388,7 +394,7 @@ def run_seed(args: argparse.Namespace, seed: int, preset_ref: str, data_dir: Pat
             "served_macs": served[device].macs,
             "shard": sizes[device],
             "served_round": honest.round
-            if weights_of(honest.round) != "average"
+            if weights_of(honest.round) != "candidate"
             else f"{last} (mean of {span[0]}-{span[1]})",
             "candidates": sim.history[-1].candidates.get("reason"),
             "served": score(device, "served"),
@@ -594,7 +600,7 @@ def candidates_table(results: list[dict]) -> None:
 
 
 def _weights(name: str) -> str:
-    return "the mean" if name == "average" else f"round {name}"
+    return "the mean" if name == "candidate" else f"round {name}"
 
 
 def main() -> None:
