@@ -81,6 +81,12 @@ class DeviceBook:
         """Registered devices whose host is online and whose agent registered with this server process, sorted."""
         return sorted(d.device_id for d in self.registry.devices() if self._reachable(d.device_id, d.host))
 
+    def supports(self, device: str, feature: str) -> bool:
+        """Whether ``device``'s agent listed the protocol ``feature`` when it registered (feast_edge.protocol.features)."""
+        registered = self.registry.get(device)
+        features = registered.profile.get("features") if registered is not None else None
+        return isinstance(features, list) and feature in features
+
     def offline(self) -> list[str]:
         """Registered devices whose host is not online (or has not registered again since this server started), sorted."""
         return sorted(d.device_id for d in self.registry.devices() if not self._reachable(d.device_id, d.host))

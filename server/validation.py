@@ -96,13 +96,6 @@ def in_order(
     return [by_probe.get(e.arch, (0, 0)) for e in targets]
 
 
-def supports(devices: DeviceBook, device: str, feature: str) -> bool:
-    """Whether ``device``'s agent registered the protocol ``feature`` (feast_edge.protocol.features)."""
-    registered = devices.registry.get(device)
-    features = registered.profile.get("features") if registered is not None else None
-    return isinstance(features, list) and feature in features
-
-
 def evaluation_budget(devices: DeviceBook, device: str) -> int:
     """The largest variant (MACs) ``device`` may evaluate and calibrate: what it registered, at least its budget."""
     registered = devices.registry.get(device)
@@ -199,7 +192,7 @@ class FederatedValidation:
         began = time.monotonic()
         self.exchange.open(t)
         targets = self.targets()
-        paired = [] if alternative is None else [d for d in asked if supports(self.devices, d, EVALUATE_CANDIDATES)]
+        paired = [] if alternative is None else [d for d in asked if self.devices.supports(d, EVALUATE_CANDIDATES)]
         if alternative is not None and len(paired) < len(asked):
             log.warning(
                 "round %d: %s validate(s) only the round's own weights, not the mean of the last rounds beside them: "

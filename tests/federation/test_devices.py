@@ -41,6 +41,7 @@ def _register(
     samples: int = 50,
     precision: str = "fp32",
     holdout: int = 0,
+    **more: object,
 ) -> None:
     book.on_register(
         Register.for_client(
@@ -54,8 +55,27 @@ def _register(
             profile={},
             precision=precision,
             holdout=holdout,
+            **more,
         )
     )
+
+
+def test_the_protocol_features_an_agent_lists_are_kept_and_one_that_lists_none_has_none(registry: Registry) -> None:
+    book = _book(registry, [])
+    _register(book, "new", "i1")  # this version's agent: its features by default
+    _register(book, "newer", "i2", features=("evaluate-candidates", "a-feature-of-later-agents"))
+    _register(book, "old", "i3", features=())  # an agent from before protocol features
+    _register(book, "liar", "i4", features=())
+    assert book.supports("new", "evaluate-candidates") and book.supports("newer", "evaluate-candidates")
+    assert not book.supports("old", "evaluate-candidates") and not book.supports("unregistered", "evaluate-candidates")
+    # A registration's free-form profile cannot claim a feature: the registered list is the message's own field.
+    book.on_register(
+        Register.for_client(
+            federation="lab", device_id="liar", host="liar", instance="i4", preset=PRESET, budget_macs=6_000_000,
+            samples=50, profile={"features": ["evaluate-candidates"]}, features=(),
+        )
+    )  # fmt: skip
+    assert not book.supports("liar", "evaluate-candidates")
 
 
 def _online(book: DeviceBook, host: str) -> None:
