@@ -54,11 +54,9 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,7 +78,7 @@ from feast_edge.space.extract import extract
 from feast_edge.space.preset import load_preset
 
 sys.path.insert(0, str(Path(__file__).parent))  # bench_label_skew, for --data digits; _records
-from _records import write_record  # noqa: E402
+from _records import cpu, write_record  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # device -> the class indices it holds (bench_label_skew.py's DEVICES), in budget order: smallest, middle, largest
@@ -103,20 +101,10 @@ def say(text: str) -> None:
 
 def cpu_line() -> str:
     """Vendor, model name, family and model (lscpu), the cores and torch's version."""
-    fields = {}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    name = fields.get("Model name") or platform.processor() or "?"
-    vendor = fields.get("Vendor ID", "?")
-    family, model = fields.get("CPU family", "?"), fields.get("Model", "?")
+    c = cpu()
     return (
-        f"{vendor} {name} (family {family}, model {model}), {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} intra-op thread(s)"
+        f"{c['vendor']} {c['model_name']} (family {c['family']}, model {c['model']}), {c['cores']} cores, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} intra-op thread(s)"
     )
 
 
