@@ -258,7 +258,8 @@ class Simulation:
         accs = self.method.evaluate(points, calib, test_images, test_labels, cfg.device, on_test)
         budgets = [float(b) for b in s.population.budgets]
         served = [self.method.served(b) for b in budgets]
-        if trained is not None:  # --secure-agg: the largest affordable variant whose every slice trained
+        if trained:  # --secure-agg: the largest affordable variant whose every slice trained (none, where no round
+            # was released: the run stopped before its first, each variant marked untrained below)
             served = [s.cache.entries.index(s.cache.largest_servable(b, trained)) for b in budgets]
         variants = []
         for i, (p, a) in enumerate(zip(points, accs)):
