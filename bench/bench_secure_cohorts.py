@@ -193,7 +193,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     say(f"CPU: {cpu()}; torch {torch.__version__}, one thread")
-    began = time.perf_counter()
+    began, code = time.perf_counter(), commit()  # the commit whose code runs (read before anything can change it)
     with tempfile.TemporaryDirectory() as work:
         six = six_fleet(args, Path(work))
         zipf = zipf_fleet(args, Path(work))
@@ -204,7 +204,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": 1,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "commit": commit(),
+        "commit": code,
         "seconds": time.perf_counter() - began,
         "six_devices": six,
         "zipf": zipf,
