@@ -204,6 +204,7 @@ class FederationServer(RunHost):
             payload_dtype=cfg.aggregation.payload_dtype,
             rule=cfg.validation.val_rule,
             max_weight_ratio=cfg.aggregation.max_weight_ratio,
+            trained=self.trained_so_far,
         )
         self.calibration = FederatedCalibration(
             events.exchange,
@@ -332,7 +333,7 @@ class FederationServer(RunHost):
     def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:
         """The online devices' BN statistics of every served variant (method §8 on the federation's data)."""
         assert self.calibration is not None, "start() first"
-        served = {self.cache.entries[s.index].arch for s in self.serving(devices).values()}
+        served = {self.cache.entries[s.index].arch for s in self.serving(devices, self.trained()).values()}
         variants = {arch: extract(model, arch) for arch in sorted(served, key=str)}
         t = max(rounds, self.events.filter.current_round)  # after the last round: its messages are not stale
         return self.calibration.calibrate(t, model.state_dict(), variants)

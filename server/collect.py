@@ -142,6 +142,10 @@ class DeviceCollector:
         """Block until ``needed`` registered devices are online."""
         return self.exchange.wait_online(needed, self.devices)
 
+    def fleet(self) -> list[str]:
+        """Every registered device, online or not."""
+        return [d.device_id for d in self.devices.registry.devices()]
+
     def budget(self, client: str) -> float:
         return registered_budget(self.devices.registry, client)
 

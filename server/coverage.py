@@ -8,7 +8,8 @@ and gives each served variant's coverage for the manifests that ``status``, the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from feast_edge.cache.variants import VariantCache
 from feast_edge.evaluate.coverage import (
@@ -23,6 +24,8 @@ from feast_edge.evaluate.coverage import (
 from feast_edge.server.registry import Device, Registry
 
 log = logging.getLogger(__name__)
+
+TRAINED = "--secure-agg withholds a slice fewer than --colluders + 2 devices trained"
 
 
 def holders(devices: Iterable[Device]) -> list[Holder]:
@@ -83,15 +86,25 @@ def serving_plan(
     points: Mapping[int, float],
     examples: Mapping[int, int] | None = None,
     rule: str = "validated",
+    trained: Collection[int] | None = None,
 ) -> dict[str, Serving]:
     """Each device's served variant by the serving ``rule``: "validated" (feast_edge.evaluate.coverage.serving_choice
-    over the validation ``points``, cache index -> accuracy, on ``examples`` held-out examples each) or "largest"."""
+    over the validation ``points``, cache index -> accuracy, on ``examples`` held-out examples each) or "largest";
+    given ``trained`` (--secure-agg: the variants whose every slice a release moved), among those only."""
     plans = {}
     for d in devices:
-        affordable = [(i, e.macs) for i, e in enumerate(cache.affordable(d.budget_macs))]
+        servable = cache.servable(d.budget_macs, trained)
+        if not servable:
+            cache.largest_servable(d.budget_macs, trained)  # raises the error that names the fix
+        affordable = [(cache.entries.index(e), e.macs) for e in servable]
         if rule == "largest":
             index, macs = affordable[-1]
-            plans[d.device_id] = Serving(index, macs, LARGEST_BY_SETTING, macs, points.get(index))
+            chosen = Serving(index, macs, LARGEST_BY_SETTING, macs, points.get(index))
         else:
-            plans[d.device_id] = serving_choice(affordable, points, examples)
+            chosen = serving_choice(affordable, points, examples)
+        top = cache.largest_affordable(d.budget_macs).macs
+        if top != affordable[-1][1]:  # its largest affordable variant holds slices no release moved
+            chosen = replace(chosen, rule=f"{chosen.rule}, of the variants whose every slice trained ({TRAINED})",
+                             largest_macs=top)  # fmt: skip
+        plans[d.device_id] = chosen
     return plans

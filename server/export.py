@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,11 +128,13 @@ def export_device_models(
     int8: Int8Settings = Int8Settings(),
     rule: str = "validated",
     served: Mapping[str, Any] | None = None,
+    trained: Collection[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Export every device's model into ``out/models``; returns the manifests (sorted by device id).
 
     The serving rule compares, on the server's validation split, every variant the largest-affordable rule serves
     some device: a device gets a smaller one of those it can afford when it is better (feast_edge.evaluate.coverage).
+    ``trained`` (--secure-agg): the variants whose every slice a release moved, the only ones served.
     """
     directory = Path(out) / MODELS
     directory.mkdir(parents=True, exist_ok=True)
@@ -140,11 +142,11 @@ def export_device_models(
     variants: dict[tuple[Arch, str], tuple[bytes, dict[str, str], float, str]] = {}
     manifests = []
     extra = {"bn_recalibrated": True, "federation": federation, "rounds": rounds_done}
-    candidates = sorted({cache.entries.index(cache.largest_affordable(d.budget_macs)) for d in devices})
+    candidates = sorted({cache.entries.index(cache.largest_servable(d.budget_macs, trained)) for d in devices})
     validated = {i: _validated_variant(supernet, cache.entries[i].arch, data) for i in candidates}
     held = int(data.validation_labels.shape[0])
     points = {i: acc for i, (_, acc) in validated.items()}
-    serving = serving_plan(cache, devices, points, dict.fromkeys(points, held), rule)
+    serving = serving_plan(cache, devices, points, dict.fromkeys(points, held), rule, trained)
     for device in sorted(devices, key=lambda d: d.device_id):
         chosen = serving[device.device_id]
         entry = cache.entries[chosen.index]

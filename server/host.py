@@ -12,18 +12,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from feast_edge.aggregate.released import recorded_variants, trained_variants
 from feast_edge.cache.variants import load_cache
 from feast_edge.evaluate.coverage import Serving
 from feast_edge.evaluate.evaluation import Validation
 from feast_edge.evaluate.served_round import served_record
+from feast_edge.route.reveal import Reveal
 from feast_edge.run.checkpoint import load_supernet, read_record
 from feast_edge.run.collect import Collector
 from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop, Validator
 from feast_edge.run.roundlog import RoundLog
+from feast_edge.run.stages.released import released_of
+from feast_edge.run.stratified import StratifiedRounds
 from feast_edge.server.bn_calibration import Calibrated
 from feast_edge.server.config import KIND, ServerConfig, ServerError
 from feast_edge.server.coverage import serving_plan, validation_points
@@ -89,6 +93,9 @@ class RunHost:
             # Under DP the devices' held-out counts stay on the devices: no federated validation (config.federated_statistics).
             validator=None if self.data is not None or not config.federated_statistics else validator,
         )
+        if config.secure.secure_agg:  # a stratified cohort, plans capped at what the round reveals
+            reveal = Reveal(self.preset, self.cache, config.secure.colluders + 2)
+            self.loop.scheduler = StratifiedRounds(self.loop.settings, self.loop.method, self.model, reveal)
 
     @property
     def validation_source(self) -> str:
@@ -185,11 +192,31 @@ class RunHost:
         examples = {i: int(n) for i, n in validation_points(validation.get("examples") or {}, self.cache).items()}
         return points, examples
 
-    def serving(self, devices: list[Device]) -> dict[str, Serving]:
-        """Each device's served variant: its largest affordable, unless the federated validation of the served round
-        found a smaller affordable one clearly better (--serving-rule validated; feast_edge.evaluate.coverage)."""
+    def serving(self, devices: list[Device], trained: Collection[int] | None = None) -> dict[str, Serving]:
+        """Each device's served variant: its largest affordable (of the ``trained`` ones where given: --secure-agg),
+        unless the federated validation of the served round found a smaller one clearly better (--serving-rule
+        validated; feast_edge.evaluate.coverage)."""
         points, examples = self.selected_validation()
-        return serving_plan(self.cache, devices, points, examples, self.config.serving.serving_rule)
+        rule = self.config.serving.serving_rule
+        return serving_plan(self.cache, devices, points, examples, rule, trained)
+
+    def trained_so_far(self) -> frozenset[int] | None:
+        """Under --secure-agg, the variants whose every slice a release moved, as the model stands (None: every)."""
+        released = released_of(self.loop.release)
+        return None if released is None else trained_variants(self.preset, self.cache, released)
+
+    def trained(self, checkpoint: Path | None = None) -> frozenset[int] | None:
+        """Under --secure-agg, the cache indices of the variants whose every slice a release moved: as ``checkpoint``
+        (the served one by default) records it, or, before any checkpoint, as the model stands; None without
+        --secure-agg (a plain release moves every routed position)."""
+        released = released_of(self.loop.release)
+        if released is None:
+            return None
+        source = self.loop.selected_checkpoint() if checkpoint is None else checkpoint
+        if not source.is_file():
+            return self.trained_so_far()
+        model, record = load_supernet(source, self.preset)
+        return recorded_variants(self.preset, self.cache, model.state_dict(), record.get("extra_tensors", {}))
 
     def export_models(self, statistics: Statistics | None = None) -> list[dict[str, Any]]:
         """Every registered device's model (from the best checkpoint if validated, else the last): an ONNX file
@@ -200,7 +227,10 @@ class RunHost:
             raise ServerError(
                 f"no checkpoint in {self.out}; run the federation first (feast-server run --out {self.out})"
             )
-        model = load_supernet(source, self.preset)[0]
+        model, record = load_supernet(source, self.preset)
+        trained = None
+        if released_of(self.loop.release) is not None:  # --secure-agg: serve only variants whose slices all trained
+            trained = recorded_variants(self.preset, self.cache, model.state_dict(), record.get("extra_tensors", {}))
         rounds = int(read_record(source).get("fields", {}).get("round", 0))
         devices = self.registry.devices()
         if not devices:
@@ -221,9 +251,9 @@ class RunHost:
                 calibration=self.config.validation.calib_samples,
                 statistics=None if statistics is None else statistics(model, devices, rounds),
                 int8=int8,
-                serving=self.serving(devices),
+                serving=self.serving(devices, trained),
                 **where,
             )
-        return export_device_models(
-            model, self.cache, devices, self.data, self.out, int8=int8, rule=self.config.serving.serving_rule, **where
-        )
+        rule = self.config.serving.serving_rule
+        return export_device_models(model, self.cache, devices, self.data, self.out, int8=int8, rule=rule,
+                                    trained=trained, **where)  # fmt: skip

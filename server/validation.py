@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -121,15 +121,19 @@ def registered_record(
     rule: str,
     max_weight_ratio: float,
     t: int,
+    trained: Collection[int] | None = None,
     say: bool = True,
 ) -> tuple[Validated, dict[str, Any]]:
     """``device_record`` of the devices' ``reports`` with what they registered (each one's budget: the variant it is
-    served; its held-out class mix), its disagreements logged (``say``); MQTT's and Flower's validation share it."""
+    served, its largest affordable, of the ``trained`` ones where given; its held-out class mix), its disagreements
+    logged (``say``); MQTT's and Flower's validation share it."""
     served, mixes = {}, {}
     for device in reports:
         registered = devices.registry.get(device)
         if registered is not None and cache.affordable(registered.budget_macs):
-            served[device] = cache.largest_affordable(registered.budget_macs)
+            servable = cache.servable(registered.budget_macs, trained)
+            if servable:
+                served[device] = servable[-1]
         counts = registered.profile.get("holdout_counts") if registered is not None else None
         mixes[device] = [int(n) for n in counts] if isinstance(counts, list) else []
     result, record = device_record(reports, targets, probes, cache, served, mixes, rule, max_weight_ratio)
@@ -156,8 +160,12 @@ class FederatedValidation:
         payload_dtype: str = "float32",
         rule: str = DEFAULT_VAL_RULE,
         max_weight_ratio: float = 8.0,
+        trained: Callable[[], Collection[int] | None] = lambda: None,
     ) -> None:
+        """``trained``: the cache indices of the variants every slice of which a release moved so far (secure
+        aggregation: a device is served the largest of those it affords); None: every variant."""
         self.exchange, self.devices, self.preset, self.cache = exchange, devices, preset, cache
+        self.trained = trained
         self.rule, self.max_weight_ratio = rule, max_weight_ratio
         self.global_state = global_state  # aliases the model's tensors: always the current global model
         self.probes = [cache.entries[i] for i in probe_indices(len(cache), probes)]
@@ -166,10 +174,10 @@ class FederatedValidation:
         # The same as points (label, macs, params, val_accuracy), for the dashboard's accuracy-vs-MACs chart.
         self.validated: list[dict[str, Any]] = []
 
-    def targets(self) -> list[CacheEntry]:
+    def targets(self, trained: Collection[int] | None = None) -> list[CacheEntry]:
         """What a validation tests: the probes and the variants the registered devices are served, by MACs."""
         return validation_targets(
-            self.cache, self.probes, (d.budget_macs for d in self.devices.registry.devices()), MAX_PROBES
+            self.cache, self.probes, (d.budget_macs for d in self.devices.registry.devices()), MAX_PROBES, trained
         )
 
     def __call__(
@@ -191,7 +199,8 @@ class FederatedValidation:
             return None
         began = time.monotonic()
         self.exchange.open(t)
-        targets = self.targets()
+        trained = self.trained()
+        targets = self.targets(trained)
         paired = [] if alternative is None else [d for d in asked if self.devices.supports(d, EVALUATE_CANDIDATES)]
         if alternative is not None and len(paired) < len(asked):
             log.warning(
@@ -207,7 +216,7 @@ class FederatedValidation:
         reports, others = self._gather(t, sent, targets, set(paired))
         unsettled = self.exchange.close()
         result, record.validation = registered_record(
-            self.devices, self.cache, reports, targets, self.probes, self.rule, self.max_weight_ratio, t
+            self.devices, self.cache, reports, targets, self.probes, self.rule, self.max_weight_ratio, t, trained
         )
         self._keep(targets, record.validation["points"])
         record.validation["missing"] = sorted(set(asked) - set(reports))
@@ -216,7 +225,16 @@ class FederatedValidation:
             mean: dict[str, Any] = {"val_accuracy": None, "validation": {}}
             if others:
                 theirs, mean["validation"] = registered_record(
-                    self.devices, self.cache, others, targets, self.probes, self.rule, self.max_weight_ratio, t, False
+                    self.devices,
+                    self.cache,
+                    others,
+                    targets,
+                    self.probes,
+                    self.rule,
+                    self.max_weight_ratio,
+                    t,
+                    trained,
+                    say=False,
                 )
                 mean["val_accuracy"] = theirs.accuracy
                 mean["validation"]["missing"] = sorted(set(asked) - set(others))

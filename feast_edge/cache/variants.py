@@ -34,7 +34,7 @@ import bisect
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -162,6 +162,27 @@ class VariantCache:
         if not affordable:
             raise CacheError(self.below_smallest(budget))
         return affordable[-1]
+
+    def servable(self, budget: float, trained: Collection[int] | None = None) -> tuple[CacheEntry, ...]:
+        """The variants a device of ``budget`` may be served, sorted by MACs: its affordable ones (method §8), or, given
+        ``trained`` (the cache indices of the variants whose every slice some release moved: secure aggregation
+        withholds slices, docs/security.md §10), those of them that trained; possibly none. CacheError below the
+        smallest variant."""
+        affordable = self.affordable(budget)
+        if not affordable:
+            raise CacheError(self.below_smallest(budget))
+        return affordable if trained is None else tuple(e for i, e in enumerate(affordable) if i in trained)
+
+    def largest_servable(self, budget: float, trained: Collection[int] | None = None) -> CacheEntry:
+        """The largest of :meth:`servable`; a CacheError naming the fix when no variant is."""
+        servable = self.servable(budget, trained)
+        if not servable:
+            raise CacheError(
+                f"no variant a budget of {budget / 1e6:.2f}M MACs affords has been trained by a release yet (under "
+                "--secure-agg a slice moves only once at least --colluders + 2 devices trained it in one round); run "
+                "more rounds before serving"
+            )
+        return servable[-1]
 
     def below_smallest(self, budget: float, fix: str = "raise the budget or use a smaller preset") -> str:
         """The message for a budget that affords no cached variant, ending in ``fix``."""

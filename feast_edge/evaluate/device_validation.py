@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from feast_edge.cache.variants import CacheEntry, VariantCache
@@ -18,11 +18,17 @@ from feast_edge.evaluate.federated import Validated, combine_counts, robust_vali
 
 
 def validation_targets(
-    cache: VariantCache, probes: Sequence[CacheEntry], budgets: Iterable[float], limit: int | None = None
+    cache: VariantCache,
+    probes: Sequence[CacheEntry],
+    budgets: Iterable[float],
+    limit: int | None = None,
+    trained: Collection[int] | None = None,
 ) -> list[CacheEntry]:
-    """The probes and the variants served at ``budgets`` (each device's largest affordable), by MACs; the served ones
-    beyond ``limit`` targets in all (a request's bound on the wire) are left out, the largest kept."""
-    served = {cache.largest_affordable(b) for b in budgets if cache.affordable(b)}
+    """The probes and the variants served at ``budgets`` (each device's largest affordable, or, given ``trained``,
+    its largest affordable whose every slice a release moved: secure aggregation), by MACs; the served ones beyond
+    ``limit`` targets in all (a request's bound on the wire) are left out, the largest kept."""
+    servable = [cache.servable(b, trained) for b in budgets if cache.affordable(b)]
+    served = {entries[-1] for entries in servable if entries}
     extra = sorted(served - set(probes), key=lambda e: e.macs, reverse=True)
     kept = extra if limit is None else extra[: max(0, limit - len(probes))]
     return sorted([*probes, *kept], key=lambda e: e.macs)

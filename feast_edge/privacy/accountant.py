@@ -10,6 +10,9 @@ the noised sum by at most 2C, so the Gaussian's noise multiplier relative to tha
 * central DP: one subsampled Gaussian event per round, ``q = m/N`` of that round (the population a round draws from
   may change in a deployment: each round is accounted with its own ``N`` and ``m``). Amplification by sampling
   assumes the cohort stays secret from the adversary (docs/privacy.md says who sees it).
+* a stratified draw (``--secure-agg``, feast_edge.run.cohort.stratified_cohort) gives devices of different budget
+  tiers different inclusion probabilities; its rounds carry the largest, ``rate``, and are accounted as a uniform
+  draw at that rate: PLD at ``q = rate`` exactly, RDP as ``ceil(rate · N)`` of ``N`` (docs/privacy.md says why).
 * local DP: the server sees who is in each cohort, so there is no amplification: a client's ε composes the Gaussian
   mechanism over the rounds it took part in, and the run reports the client that took part most.
 
@@ -30,6 +33,7 @@ the noised sum by at most 2C, so the Gaussian's noise multiplier relative to tha
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -70,42 +74,65 @@ def round_rdp(population: int, cohort: int, noise: float) -> tuple[float, ...]:
     return tuple(float(v) for v in accountant.rdp)
 
 
-def pld_epsilon(events: Iterable[tuple[int, int, float]], delta: float, scale: float = 1.0) -> float:
-    """ε at ``delta`` of ``(population, cohort, noise)`` rounds through the PLD of each round's dominating pair
-    (``scale``: the discretisation interval's multiple of :data:`PLD_INTERVAL`)."""
-    return _pld_epsilon(tuple(sorted(Counter(events).items())), delta, scale)
+# A round: (population, cohort, noise), or (population, cohort, noise, rate) where the draw is not uniform and
+# ``rate`` is the largest probability that one device is in its cohort (None: m / N).
+Event = tuple[int, int, float] | tuple[int, int, float, float | None]
+
+
+def sampling_rate(event: Event) -> float:
+    """The round's inclusion probability: its ``rate``, or ``m / N`` for a uniform draw (at least that: a draw of m
+    has a device whose inclusion is at least the mean, m / N)."""
+    population, cohort = event[0], event[1]
+    uniform = min(cohort, population) / population
+    rate = event[3] if len(event) > 3 else None
+    return uniform if rate is None else min(1.0, max(uniform, float(rate)))
+
+
+def _rdp_of(event: Event) -> tuple[float, ...]:
+    """RDP of one round: m of N without replacement, m raised to ceil(rate · N) where the draw is not uniform."""
+    population, _, noise = event[0], event[1], event[2]
+    drawn = min(population, math.ceil(sampling_rate(event) * population - 1e-9))
+    return round_rdp(population, drawn, noise)
+
+
+def pld_epsilon(events: Iterable[Event], delta: float, scale: float = 1.0) -> float:
+    """ε at ``delta`` of rounds (:data:`Event`) through the PLD of each round's dominating pair (``scale``: the
+    discretisation interval's multiple of :data:`PLD_INTERVAL`)."""
+    counted = Counter((sampling_rate(e), e[2]) for e in events)
+    return _pld_epsilon(tuple(sorted(counted.items())), delta, scale)
 
 
 @functools.lru_cache(maxsize=1024)
-def _pld_epsilon(counted: tuple[tuple[tuple[int, int, float], int], ...], delta: float, scale: float) -> float:
+def _pld_epsilon(counted: tuple[tuple[tuple[float, float], int], ...], delta: float, scale: float) -> float:
     if not counted:
         return 0.0
     accountant = pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, PLD_INTERVAL * scale)
-    for (population, cohort, noise), count in counted:
+    for (q, noise), count in counted:
         gaussian = dp_accounting.GaussianDpEvent(noise / 2)  # sensitivity 2C under replace-one
-        q = min(cohort, population) / population
         accountant.compose(gaussian if q >= 1 else dp_accounting.PoissonSampledDpEvent(q, gaussian), count)
     return float(accountant.get_epsilon(delta))
 
 
-def account(events: Iterable[tuple[int, int, float]], delta: float) -> Epsilon:
-    """ε at ``delta`` of ``(population, cohort, noise)`` rounds: the smaller of RDP and PLD, naming which."""
+def account(events: Iterable[Event], delta: float) -> Epsilon:
+    """ε at ``delta`` of rounds (:data:`Event`): the smaller of RDP and PLD, naming which."""
     events = list(events)
-    by_rdp = _epsilon([round_rdp(population, cohort, noise) for population, cohort, noise in events], delta)
+    by_rdp = _epsilon([_rdp_of(e) for e in events], delta)
     by_pld = pld_epsilon(events, delta, round(max(1.0, by_rdp / PLD_SCALE_FROM), 1))
     return Epsilon(min(by_rdp, by_pld), "pld" if by_pld < by_rdp else "rdp", by_rdp, by_pld)
 
 
-def epsilon_of(rounds: Iterable[tuple[int, int]], noise: float, delta: float, mode: str = "central") -> float:
-    """ε at ``delta`` after ``rounds`` of ``(population, cohort)`` with noise multiplier ``noise`` (0 rounds: 0): the
-    smaller of RDP and PLD (:func:`account` names which)."""
+def epsilon_of(rounds: Iterable[tuple], noise: float, delta: float, mode: str = "central") -> float:
+    """ε at ``delta`` after ``rounds`` of ``(population, cohort)`` or ``(population, cohort, rate)`` with noise
+    multiplier ``noise`` (0 rounds: 0): the smaller of RDP and PLD (:func:`account` names which)."""
     return accounted(rounds, noise, delta, mode).value
 
 
-def accounted(rounds: Iterable[tuple[int, int]], noise: float, delta: float, mode: str = "central") -> Epsilon:
+def accounted(rounds: Iterable[tuple], noise: float, delta: float, mode: str = "central") -> Epsilon:
     """:func:`epsilon_of` with both accountants' figures and the name of the one reported."""
     # local DP: no amplification (the server knows the cohort): the Gaussian mechanism itself, q = 1
-    return account([(p, c, noise) if mode == "central" else (1, 1, noise) for p, c in rounds], delta)
+    if mode != "central":
+        return account([(1, 1, noise) for _ in rounds], delta)
+    return account([(r[0], r[1], noise, r[2] if len(r) > 2 else None) for r in rounds], delta)
 
 
 def local_epsilon(noises: Iterable[float], delta: float) -> float:
@@ -124,7 +151,14 @@ def _epsilon(curves: Iterable[tuple[float, ...]], delta: float) -> float:
 
 
 def planned_epsilon(
-    rounds: int, population: int, cohort: int, noise: float, delta: float, mode: str = "central"
+    rounds: int,
+    population: int,
+    cohort: int,
+    noise: float,
+    delta: float,
+    mode: str = "central",
+    rate: float | None = None,
 ) -> float:
-    """ε after ``rounds`` rounds of the same population and cohort size (what ``--dp-epsilon`` checks at start)."""
-    return epsilon_of([(population, cohort)] * rounds, noise, delta, mode)
+    """ε after ``rounds`` rounds of the same population and cohort size (what ``--dp-epsilon`` checks at start);
+    ``rate``: each round's largest inclusion probability where the draw is not uniform."""
+    return epsilon_of([(population, cohort, rate)] * rounds, noise, delta, mode)

@@ -95,9 +95,10 @@ class PrivateRounds:
         add_sum_noise(global_state, counts, std, noise_generator(self.dp.seed, t))
 
     def epsilon(
-        self, rounds: Sequence[tuple[int, int]], cohorts: Sequence[Sequence[str]], delta: float, sampled: bool = True
+        self, rounds: Sequence[tuple], cohorts: Sequence[Sequence[str]], delta: float, sampled: bool = True
     ) -> Epsilon:
-        """ε at ``delta`` after ``rounds`` (population, cohort size), the smaller of RDP and PLD (named). Without
+        """ε at ``delta`` after ``rounds`` (population, cohort size[, the largest inclusion probability of a draw that
+        is not uniform]), the smaller of RDP and PLD (named). Without
         amplification by sampling (local DP; central DP over cohorts that were not sampled, such as asynchronous
         releases): one Gaussian mechanism (q = 1) per cohort the client in most ``cohorts`` was in. Who is in which
         cohort is public (the server sees who sends), and a device outside a release adds nothing to it."""
@@ -107,19 +108,23 @@ class PrivateRounds:
         return accounted(rounds, self.dp.noise, delta)
 
     def check_next(self, history: Sequence[Mapping[str, Any]], cohorts: Sequence[Sequence[str]], round_no: int,
-                   population: int, cohort: Sequence[str], sampled: bool = True) -> dict[str, Any]:  # fmt: skip
+                   population: int, cohort: Sequence[str], sampled: bool = True,
+                   inclusion: float | None = None) -> dict[str, Any]:  # fmt: skip
         """Round ``round_no``'s DP record, or :class:`BudgetReached` when it would exceed ``--dp-epsilon``.
 
         ``history``: the earlier rounds' records (their δ is kept: the first round fixes it from its population).
         ``sampled``: the cohorts are uniform samples of the population (amplification by sampling); an asynchronous
-        release's buffer is not, and each device is accounted over the releases it was in (:meth:`epsilon`)."""
+        release's buffer is not, and each device is accounted over the releases it was in (:meth:`epsilon`).
+        ``inclusion``: the largest probability that one device is in this cohort, where the draw is not uniform (a
+        stratified secure cohort, feast_edge.run.cohort.inclusion): the round is accounted at that rate."""
         if not history and self.rounds is not None:  # the whole plan, before the first round sends anything
             try:
-                check_plan(self.dp, self.rounds, population, len(cohort), sampled)
+                check_plan(self.dp, self.rounds, population, len(cohort), sampled, inclusion)
             except PrivacyError as exc:
                 raise BudgetReached(f"{exc}; nothing was sent") from None
         delta = history[0]["delta"] if history else self.dp.resolved_delta(population)
-        rounds = [(h["population"], h["cohort"]) for h in history] + [(population, len(cohort))]
+        rounds = [(h["population"], h["cohort"], h.get("inclusion")) for h in history]
+        rounds.append((population, len(cohort), inclusion))
         accounted_eps = self.epsilon(rounds, [*cohorts, cohort], delta, sampled)
         eps = accounted_eps.value
         if self.dp.epsilon is not None and eps > self.dp.epsilon:
@@ -137,30 +142,37 @@ class PrivateRounds:
         }
         if not sampled:
             entry["sampled"] = False
+        if inclusion is not None:
+            entry["inclusion"] = inclusion
         if self.dp.adaptive:  # this round's bound: the one the last round chose (resume continues it)
             entry["clip"] = history[-1]["next_clip"] if history else self.dp.clip
         return entry
 
 
-def check_plan(dp: DpSettings, rounds: int, population: int, cohort: int, sampled: bool = True) -> float:
+def check_plan(
+    dp: DpSettings, rounds: int, population: int, cohort: int, sampled: bool = True, rate: float | None = None
+) -> float:
     """ε the planned ``rounds`` reach (population and cohort size as planned); refuses a plan past ``--dp-epsilon``.
-    ``sampled=False`` (asynchronous releases): planned as if one device were in every release, q = 1."""
+    ``sampled=False`` (asynchronous releases): planned as if one device were in every release, q = 1. ``rate``: the
+    largest inclusion probability of a draw that is not uniform, planned for every round."""
     delta = dp.resolved_delta(population)
     cohort = min(cohort, population)
     drawn_from = population if sampled else cohort
-    planned = planned_epsilon(rounds, drawn_from, cohort, dp.noise, delta, dp.mode)
+    rate = rate if sampled else None
+    planned = planned_epsilon(rounds, drawn_from, cohort, dp.noise, delta, dp.mode, rate)
     if dp.epsilon is None or planned <= dp.epsilon:
         return planned
     fits, above = 0, rounds  # ε grows with the rounds: the most that fit, by bisection
     while above - fits > 1:
         middle = (fits + above) // 2
-        if planned_epsilon(middle, drawn_from, cohort, dp.noise, delta, dp.mode) <= dp.epsilon:
+        if planned_epsilon(middle, drawn_from, cohort, dp.noise, delta, dp.mode, rate) <= dp.epsilon:
             fits = middle
         else:
             above = middle
     raise PrivacyError(
         f"--dp-epsilon {dp.epsilon:g}: the planned {rounds} rounds ({cohort} of {population} clients each"
-        f"{'' if sampled else ', unsampled: accounted as if one device were in every release'}, "
+        f"{'' if sampled else ', unsampled: accounted as if one device were in every release'}"
+        f"{'' if rate is None else f', stratified: a device in a cohort with probability up to {rate:.3g}'}, "
         f"--dp-noise {dp.noise:g}) reach ε = {planned:.3g} at δ = {delta:.2g}; {fits} rounds fit the budget: lower "
         "--rounds, raise --dp-noise or raise --dp-epsilon"
     )
@@ -186,9 +198,14 @@ def privacy_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]], stoppe
     if dp.mode == "central" and records:
         exposed = accounted([(r["cohort"], r["cohort"]) for r in records], dp.noise, last["delta"]).value
     both = None  # the last ε by each accountant, recomputed from the recorded rounds (local DP: its stored figure)
+    stratified = any(r.get("inclusion") is not None for r in records)  # secure cohorts: accounted at their largest rate
     if dp.mode == "central" and records and sampled:
-        figures = accounted([(r["population"], r["cohort"]) for r in records], dp.noise, last["delta"])
+        rounds = [(r["population"], r["cohort"], r.get("inclusion")) for r in records]
+        figures = accounted(rounds, dp.noise, last["delta"])
         both = {"rdp": figures.rdp, "pld": figures.pld}
+    sampling = "uniform cohorts" if sampled else "none: each device over the releases it was in, at q = 1"
+    if sampled and stratified:
+        sampling = "stratified cohorts (--secure-agg): each round at its largest per-device inclusion probability"
     return {
         "mode": dp.mode,
         "clip": dp.clip,
@@ -202,7 +219,7 @@ def privacy_summary(dp: DpSettings, records: Sequence[Mapping[str, Any]], stoppe
         "stopped": stopped,
         "noise_seed": dp.seed,  # None: drawn from the OS every round, so the run cannot be replayed
         "weights": "uniform",
-        "sampling": "uniform cohorts" if sampled else "none: each device over the releases it was in, at q = 1",
+        "sampling": sampling,
         "accountant": accountant_words(records),
         **({"adaptive_clip": adaptive_summary(dp, records)} if dp.adaptive else {}),
     }

@@ -62,6 +62,9 @@ class Wrapped:
     def clients(self, needed: int) -> list[str]:
         return self.inner.clients(needed)
 
+    def fleet(self) -> list[str]:
+        return self.inner.fleet()
+
     def budget(self, client: str) -> float:
         return self.inner.budget(client)
 
@@ -71,6 +74,9 @@ class Collector(Protocol):
 
     def clients(self, needed: int) -> list[str]:
         """The clients a cohort may be drawn from, once at least ``needed`` are available."""
+
+    def fleet(self) -> list[str]:
+        """Every client of the federation, available or not (a server's registered devices)."""
 
     def budget(self, client: str) -> float:
         """The client's MAC budget."""

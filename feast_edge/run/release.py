@@ -53,6 +53,9 @@ class RoundContext:
     record: RoundRecord | None = None  # this round's, once its updates are collected (stages note what they did)
     notes: dict[str, Any] = field(default_factory=dict)  # what one stage's steps pass to its later ones
     sampled: bool = True  # the cohort is a uniform sample of the population (an asynchronous release's is not)
+    # a sample that is not uniform (a stratified secure cohort, feast_edge.run.cohort): the largest probability that
+    # one client is in it, the rate DP accounts the round at; None: m / population
+    inclusion: float | None = None
 
 
 class Stage(Protocol):

@@ -46,6 +46,9 @@ class RunSettings:
     dp: DpSettings | None = None  # client-level differential privacy (feast_edge.privacy); None: none
     dp_on_devices: bool = False  # local DP applied by real devices (a server): their updates arrive noised
     compute_budget: float = 0.0  # end the run once the released updates' training MACs reach this (0: no budget)
+    # secure aggregation (--secure-agg): a segment's sum is revealed only over at least this many devices, c + 2
+    # (feast_edge.run.stratified); 0: plain sums
+    reveal_over: int = 0
 
     def __post_init__(self) -> None:
         check_run_options(self.payload_dtype, self.aggregation, self.trim, self.clip_norm)

@@ -278,4 +278,5 @@ def loop_settings(
         server_opt=server_step(config, averaging),
         dp=config.privacy.settings(),
         dp_on_devices=dp_on_devices,
+        reveal_over=secure.colluders + 2 if (secure := getattr(config, "secure", None)) and secure.secure_agg else 0,
     )

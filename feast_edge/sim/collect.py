@@ -28,6 +28,9 @@ class InProcessCollector:
     def clients(self, needed: int) -> list[str]:
         return list(self.setup.client_ids)
 
+    def fleet(self) -> list[str]:
+        return list(self.setup.client_ids)
+
     def budget(self, client: str) -> float:
         return self.budgets[client]
 

@@ -270,6 +270,9 @@ class SimulationConfig:
             *secure_refusals(self, "client"),
             (not self.aggregation.max_weight_ratio, "--secure-agg with --max-weight-ratio: the cap needs each "
              "client's count beside its update; registered counts are capped before masking instead"),
+            (self.population.per_round >= self.secure.colluders + 2, (f"--secure-agg with --per-round "
+             f"{self.population.per_round}: a segment is revealed only over --colluders + 2 = "
+             f"{self.secure.colluders + 2} clients; sample at least that many")),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:

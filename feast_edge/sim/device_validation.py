@@ -15,7 +15,7 @@ would receive holds exactly those variants' weights, so testing them on the glob
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -44,9 +44,14 @@ class InProcessValidation:
         calibration: int = 500,
         device: str = "cpu",
         rule: str = DEFAULT_VAL_RULE,
+        trained: Callable[[], Collection[int] | None] = lambda: None,
     ) -> None:
+        """``trained``: the cache indices of the variants every slice of which a release moved so far (secure
+        aggregation: a client is served the largest of those it affords); None: every variant."""
         self.setup, self.model, self.cache, self.budgets = setup, model, cache, budgets
         self.probes = [cache.entries[i] for i in probe_indices(len(cache), probes)]
+        self.trained = trained
+        self.servable: Collection[int] | None = None  # the trained variants of the round validated last
         self.targets = validation_targets(cache, self.probes, budgets.values())
         self.calibration, self.device, self.rule = calibration, device, rule
         self.reports: dict[int, dict[str, list[tuple[int, int]]]] = {}  # 1-based round -> the clients' counts
@@ -77,6 +82,8 @@ class InProcessValidation:
         """Per cohort client holding examples out: (correct, total) per target on the model as it is."""
         reports: dict[str, list[tuple[int, int]]] = {}
         classes = self.setup.preset.classes
+        self.servable = self.trained()
+        self.targets = validation_targets(self.cache, self.probes, self.budgets.values(), trained=self.servable)
         self.model.eval()
         for client in cohort:
             held_images, held_labels = self.setup.client_holdout(client)
@@ -101,6 +108,7 @@ class InProcessValidation:
 
     def record(self, reports: dict[str, list[tuple[int, int]]]) -> tuple[Validated, dict[str, Any]]:
         """The round's figure and validation record from the clients' counts (a benchmark may replay altered ones)."""
-        served = {c: self.cache.largest_affordable(self.budgets[c]) for c in reports}
+        servable = {c: self.cache.servable(self.budgets[c], self.servable) for c in reports}
+        served = {c: entries[-1] for c, entries in servable.items() if entries}
         mixes = {c: self.mixes[c] for c in reports}
         return device_record(reports, self.targets, self.probes, self.cache, served, mixes, self.rule, 0.0)

@@ -25,13 +25,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from feast_edge.aggregate.released import recorded_variants, trained_variants
 from feast_edge.evaluate.evaluation import Validation, population_accuracy
 from feast_edge.evaluate.served_round import served_record
 from feast_edge.privacy.private_rounds import privacy_summary
+from feast_edge.route.reveal import Reveal
 from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
 from feast_edge.run.jobs import ClockJobs
 from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
+from feast_edge.run.stages.released import released_of
+from feast_edge.run.stratified import StratifiedRounds
 from feast_edge.secagg.collector import SecureSums, secure_dp_clip
 from feast_edge.settings import SettingsError, flat
 from feast_edge.settings.concerns import loop_settings
@@ -107,6 +111,9 @@ class Simulation:
         )
         self.collector = InProcessCollector(s, self.method, self_reported=config.aggregation.max_weight_ratio > 0)
         if config.secure.secure_agg:  # per-segment sums through secure aggregation (feast_edge.secagg)
+            # a stratified cohort, plans capped at what the round reveals (feast_edge.run.stratified)
+            reveal = Reveal(self.preset, s.cache, config.secure.colluders + 2)
+            self.loop.scheduler = StratifiedRounds(settings, self.method, self.model, reveal)
             self.collector = SecureSums(
                 self.collector,
                 config.secure.colluders,
@@ -137,7 +144,18 @@ class Simulation:
             probes=c.validation.probe_variants,
             calibration=c.validation.calib_samples,
             device=c.device,
+            trained=lambda: self.trained(),
         )
+
+    def trained(self, extra: Mapping[str, Any] | None = None) -> frozenset[int] | None:
+        """Under --secure-agg, the cache indices of the variants whose every slice a release moved: as the model
+        stands, or as the checkpoint whose extra tensors are ``extra`` recorded it; None without (every variant)."""
+        released = released_of(self.loop.release)
+        if released is None:
+            return None
+        if extra is not None:
+            return recorded_variants(self.preset, self.setup.cache, self.model.state_dict(), extra)
+        return trained_variants(self.preset, self.setup.cache, released)
 
     @property
     def history(self) -> list[RoundRecord]:
@@ -231,10 +249,12 @@ class Simulation:
         s, cfg = self.setup, self.config
         dp = cfg.dp_settings()
         best_path = self.out / BEST
+        trained = self.trained()  # under --secure-agg: of the served checkpoint
         if best_path.is_file():
-            model = self.loop.load(best_path)[0]
+            model, record = self.loop.load(best_path)
             if model is not self.model:
                 self.model.load_state_dict(model.state_dict())
+            trained = self.trained(record.get("extra_tensors", {})) if trained is not None else None
         test_images, test_labels = s.test_set.images, s.test_set.labels
         if cfg.test_limit is not None:
             test_images, test_labels = test_images[: cfg.test_limit], test_labels[: cfg.test_limit]
@@ -243,6 +263,9 @@ class Simulation:
         accs = self.method.evaluate(points, calib, test_images, test_labels, cfg.device, on_test)
         budgets = [float(b) for b in s.population.budgets]
         served = [self.method.served(b) for b in budgets]
+        if trained:  # --secure-agg: the largest affordable variant whose every slice trained (none, where no round
+            # was released: the run stopped before its first, each variant marked untrained below)
+            served = [s.cache.entries.index(s.cache.largest_servable(b, trained)) for b in budgets]
         variants = []
         for i, (p, a) in enumerate(zip(points, accs)):
             variants.append(
@@ -251,6 +274,7 @@ class Simulation:
                     **p.to_dict(),
                     "test_accuracy": a,
                     **({"arch": dict(p.detail)} if {"d", "e", "w"} <= set(p.detail) else {}),
+                    **({} if trained is None else {"trained": i in trained}),
                 }
             )
         results = {

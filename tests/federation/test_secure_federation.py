@@ -5,9 +5,11 @@ when devices drop after masking, and the server never holds one device's update.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 from slowagents import agents_running
@@ -17,15 +19,20 @@ import feast_edge.agent.secure_round as agent_side
 import feast_edge.server.secure as server_side
 from feast_edge.agent.agent import Agent, AgentConfig
 from feast_edge.agent.local_data import load_clients
+from feast_edge.aggregate.released import variant_shapes
 from feast_edge.privacy.local import parameter_names
 from feast_edge.privacy.mechanism import add_sum_noise, noise_generator
 from feast_edge.protocol import SecAggBox, SecAggKeys, SecAggReveal, SecAggRoster, SecAggShares, SecAggUnmask, Update
 from feast_edge.protocol.secure import sealed_wire
+from feast_edge.route.payload import expected_shapes
+from feast_edge.route.plans import ClientPlan, plan_client
+from feast_edge.run.checkpoint import load_supernet
 from feast_edge.secagg.fixed import FixedPoint
 from feast_edge.secagg.keys import ShareError, agree, expand, join_seed
 from feast_edge.secagg.masked import encode_masked
 from feast_edge.secagg.protocol import Device
 from feast_edge.secagg.sums import SecureTerms, cohort_segments, dp_input, encode_change
+from feast_edge.server.collect import RoundTerms
 from feast_edge.server.status import read_status
 from feast_edge.sim.shards import write_partition
 from feast_edge.space.supernet import Supernet
@@ -126,6 +133,94 @@ def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_
     stage = read_status(tmp_path)["secure"]
     assert stage["stage"] == "done" and stage["round"] == 1, stage
     assert "4 of 6 devices revealed shares" in stage["detail"], stage
+
+
+TIERED = tiny_config(clients=6, per_round=6, train_limit=360, test_limit=60, probe_variants=2, seed=5,
+                     budgets=(0.2e6, 0.2e6, 0.2e6, 0.8e6, 1.5e6, 1.5e6))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("tiered")
+    write_partition(TIERED, out)
+    return out
+
+
+def test_a_top_tier_of_two_is_routed_only_what_three_devices_reveal_and_served_a_variant_whose_every_slice_trained(
+    kit,
+    tmp_path: Path,
+    tiered: Path,
+    federation: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Six real agents (budgets 0.2M x3, 0.8M, 1.5M x2 on fmnist-tiny), c = 1, two rounds of all six: the start line
+    names variants 9-13 (only the two 1.5M devices afford them); the plans sent to those two hold variants 0-8 only,
+    the middle device's envelope; no segment is withheld; their ONNX model (onnxruntime) is variant 8, whose every
+    weight moved, where variant 13, their largest affordable, still holds a slice at its initial value."""
+    sent: list[tuple[int, str, ClientPlan]] = []
+    real = RoundTerms.round_start
+
+    def round_start(self, plan, federation, t, device, *args, **kw):
+        sent.append((t, device, plan))
+        return real(self, plan, federation, t, device, *args, **kw)
+
+    monkeypatch.setattr(RoundTerms, "round_start", round_start)
+    names = [f"client-{i:03d}" for i in range(6)]
+    top = names[4:]
+    config = kit.server_config(
+        TIERED, tmp_path, tiered, federation, secure_agg=True, colluders=1, secagg_timeout=20, rounds=2, per_round=6,
+        min_clients=6, start_clients=6, eval_every=2, round_timeout=240,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="feast_edge.run.stratified"):
+        server = kit.ServerThread(config, export=True).start()
+        try:
+            with agents_running(_agents(kit, tiered, federation, names)):
+                history = server.join(300)
+        finally:
+            server.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "feast_edge.run.stratified"]
+    assert len(lines) == 1 and "variants 9-13 (0.94M-1.40M MACs) cannot be revealed: only 2 devices afford" in lines[0]
+    cache, preset = server.server.cache, server.server.preset
+    middle = plan_client(cache, 0.8e6)
+    for t, device, plan in sent:
+        assert plan.envelope == (
+            middle.envelope
+            if device in top
+            else plan_client(cache, TIERED.population.budgets[names.index(device)]).envelope
+        )
+    assert {(t, d) for t, d, _ in sent if d in top} == {(0, top[0]), (0, top[1]), (1, top[0]), (1, top[1])}
+    assert all(set(p.affordable) == {e.arch for e in cache.entries[:9]} for _, d, p in sent if d in top)
+    assert all(r.applied and not r.withheld and sorted(r.updated) == names for r in history), history
+    manifests = {m["device"]: m for m in server.manifests}
+    assert all(manifests[d]["arch"] == cache.entries[8].arch.to_dict() for d in top)
+    assert all(manifests[d]["largest_affordable_macs"] == cache.entries[13].macs for d in top)
+    assert 8 in server.server.trained() and 13 not in server.server.trained()
+    final = load_supernet(server.server.loop.selected_checkpoint(), preset)[0].state_dict()
+    initial = Supernet(preset, seed=TIERED.seed).state_dict()
+
+    def at_initial(index: int, inside: dict | None = None) -> tuple[int, int]:
+        """(the variant's weights still at their initial value, its weights), outside the leading slices ``inside``."""
+        same = total = 0
+        for name, shape in variant_shapes(preset, cache, index).items():
+            if name.endswith("weight"):
+                box = tuple(slice(0, k) for k in shape)
+                outside = torch.ones(shape, dtype=torch.bool)
+                if inside is not None and name in inside:
+                    outside[tuple(slice(0, k) for k in inside[name])] = False
+                same += int((final[name][box] == initial[name][box])[outside].sum())
+                total += int(outside.sum())
+        return same, total
+
+    routed_middle = expected_shapes(preset, preset.classes, middle.envelope)
+    same, weights = at_initial(8)
+    assert same <= weights // 1000  # the served variant's weights moved (but for a stray one that got no gradient)
+    same, shell = at_initial(13, routed_middle)
+    assert shell > 0 and same == shell  # its largest affordable holds a shell no release moved
+    session = ort.InferenceSession(str(tmp_path / "models" / f"{top[0]}.onnx"), providers=["CPUExecutionProvider"])
+    feed = session.get_inputs()[0]
+    logits = session.run(None, {feed.name: np.zeros((2, 1, 28, 28), dtype=np.float32)})[0]
+    assert logits.shape == (2, 10) and np.isfinite(logits).all()
 
 
 def _assert_moved_by(final: dict, routed: dict, mean: float) -> None:

@@ -124,6 +124,10 @@ class FlowerCollector:
                 raise WaitTimeout(f"{len(online)} of the {needed} nodes a round needs joined within {limit:.0f} s")
             time.sleep(POLL_SECONDS)
 
+    def fleet(self) -> list[str]:
+        """Every accepted node, connected or not."""
+        return [d.device_id for d in self.nodes.devices.registry.devices()]
+
     def budget(self, client: str) -> float:
         return registered_budget(self.nodes.devices.registry, client)
 

@@ -130,7 +130,7 @@ class FlowerValidation:
         record.validation["seconds"] = round(time.monotonic() - began, 3)
         if alternative is not None:
             theirs, validation = registered_record(
-                self.devices, self.cache, others, targets, self.probes, self.rule, self.max_weight_ratio, t, False
+                self.devices, self.cache, others, targets, self.probes, self.rule, self.max_weight_ratio, t, say=False
             )
             validation["missing"] = sorted(set(asked) - set(others))
             record.candidates = {

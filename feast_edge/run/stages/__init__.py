@@ -10,6 +10,7 @@ import torch
 from feast_edge.run.release import Release, Stage
 from feast_edge.run.stages.compute_budget import ComputeBudgetStage
 from feast_edge.run.stages.privacy_noise import PrivacyStage
+from feast_edge.run.stages.released import ReleasedStage
 from feast_edge.run.stages.server_step import ServerStepStage
 from feast_edge.run.stages.weight_cap import WeightCapStage
 
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 
 def release_of(settings: RunSettings, model: torch.nn.Module, method: RoundMethod) -> Release:
     """The stages ``settings`` ask for, in their fixed order: a compute budget (it only refuses steps), privacy (clip; noise after the aggregate), the cap on
-    self-reported weights, the server optimizer (its step from the noised aggregate: post-processing)."""
+    self-reported weights, the server optimizer (its step from the noised aggregate: post-processing), and, under
+    secure aggregation, the record of which positions the releases moved."""
     params = [name for name, _ in model.named_parameters()]
     stages: list[Stage] = []
     if settings.compute_budget:
@@ -32,4 +34,6 @@ def release_of(settings: RunSettings, model: torch.nn.Module, method: RoundMetho
     if not settings.server_opt.identity:
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         stages.append(ServerStepStage(settings.server_opt, shapes, method))
+    if settings.reveal_over:  # secure sums: which positions the releases moved (after the noise: it only watches)
+        stages.append(ReleasedStage(model))
     return Release(method, stages)

@@ -33,7 +33,9 @@ class PrivacyStage(BaseStage):
     def admit(self, ctx: RoundContext) -> None:
         earlier = [h.dp for h in ctx.history], [h.cohort for h in ctx.history]
         try:
-            ctx.notes["dp"] = self.rounds.check_next(*earlier, ctx.t + 1, ctx.population, ctx.cohort, ctx.sampled)
+            ctx.notes["dp"] = self.rounds.check_next(
+                *earlier, ctx.t + 1, ctx.population, ctx.cohort, ctx.sampled, ctx.inclusion
+            )
         except BudgetReached as exc:
             raise RunStops(str(exc)) from None
 
