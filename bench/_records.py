@@ -55,8 +55,12 @@ def commit() -> str:
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
+STARTED_ON = commit()  # the code a bench script runs: read when it imports this module, before anything can change
+
+
 def write_record(name: str, figures: dict[str, Any]) -> Path:
-    """``figures`` with the command, CPU, date and commit, as ``bench/results/<name>-<date>-<commit>.json``."""
+    """``figures`` with the command, CPU, date and the commit the run started on, as
+    ``bench/results/<name>-<date>-<commit>.json``."""
     import torch
 
     today = datetime.date.today().isoformat()
@@ -64,7 +68,7 @@ def write_record(name: str, figures: dict[str, Any]) -> Path:
         "benchmark": name,
         "command": " ".join(shlex.quote(a) for a in ["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
         "date": today,
-        "commit": commit(),
+        "commit": STARTED_ON,
         "cpu": cpu(),
         "torch": torch.__version__,
         "figures": figures,

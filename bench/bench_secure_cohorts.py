@@ -2,7 +2,6 @@
 
     PYTHONPATH=. python bench/bench_secure_cohorts.py [--rounds 8] [--zipf-rounds 30] [--train-limit 1200]
                                                       [--zipf-train-limit 600] [--test-limit 1000]
-                                                      [--out bench/results/bench_secure_cohorts.json]
 
 ``feast-edge simulate --secure-agg`` (c = 1: a segment's sum is revealed over at least 3 clients), in this process,
 one PyTorch thread, the same seed for both sides:
@@ -23,15 +22,14 @@ rounds, ``--zipf-train-limit`` training images spread near-IID and alike (``alph
 here, and few images keep the rounds short): the withheld segments per round before vs after, and the members the
 round's cap routed less than their affordable set.
 
-The figures are printed and written as JSON (``--out``) with the command, the CPU (lscpu), the date and the commit.
+The figures are printed and written as a record in bench/results/ (bench/_records.py): the command, the CPU
+(lscpu), the date, the commit and the figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _records import REPO, write_record  # noqa: E402
 from bench_async import cpu, say  # noqa: E402
 
 from feast_edge.route.plans import plan_client  # noqa: E402
@@ -177,11 +176,6 @@ def report(six: dict, zipf: dict) -> None:
           f"{zipf['uniform_inclusion']:.2f} for a uniform draw")  # fmt: skip
 
 
-def commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
-    return done.stdout.strip()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=8, help="rounds of the six-device fleet")
@@ -189,29 +183,16 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=1200, help="Fashion-MNIST training images, all clients")
     parser.add_argument("--zipf-train-limit", type=int, default=600, help="training images of the Zipf fleet")
     parser.add_argument("--test-limit", type=int, default=1000, help="test images the six-device fleet is tested on")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/bench_secure_cohorts.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     say(f"CPU: {cpu()}; torch {torch.__version__}, one thread")
-    began, code = time.perf_counter(), commit()  # the commit whose code runs (read before anything can change it)
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
         six = six_fleet(args, Path(work))
         zipf = zipf_fleet(args, Path(work))
     report(six, zipf)
-    record = {
-        "command": "PYTHONPATH=. python " + " ".join(sys.argv),
-        "cpu": cpu(),
-        "torch": torch.__version__,
-        "threads": 1,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "commit": code,
-        "seconds": time.perf_counter() - began,
-        "six_devices": six,
-        "zipf": zipf,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    say(f"wrote {args.out}")
+    figures = {"threads": 1, "seconds": time.perf_counter() - began, "six_devices": six, "zipf": zipf}
+    say(f"wrote {write_record('secure-cohorts', figures).relative_to(REPO)}")
 
 
 if __name__ == "__main__":
