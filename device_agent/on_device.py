@@ -51,6 +51,7 @@ from feast_edge.space.preset import Preset
 from feast_edge.space.static import StaticResNet
 from feast_edge.space.supernet import Supernet
 from feast_edge.util.atomic import atomic_write_bytes, check_writable
+from feast_edge.util.text import printable, shortened
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ MAX_CALIBRATION = 100_000  # training examples a served variant is calibrated on
 
 class OnDeviceError(FeastError):
     """What the server sent cannot be evaluated or calibrated here."""
+
+
+MAX_REASON_SHOWN = 1000  # characters of the server's served-round reason in the agent's model line
 
 
 def served_round_words(manifest: dict[str, Any]) -> str:
@@ -76,7 +80,12 @@ def served_round_words(manifest: dict[str, Any]) -> str:
         words = f"; the mean of the weights of rounds {span[0]}-{span[1]} of {served['of']}"
     else:
         words = f"; the weights of round {served['round']} of {served['of']}"
-    return words + (f" ({reason[:300]})" if isinstance(reason, str) and reason else "")
+    # The server's reason names both steps of its choice (feast_edge.evaluate.candidates): whole, one line
+    return words + (
+        f" ({printable(shortened(reason, MAX_REASON_SHOWN), MAX_REASON_SHOWN)})"
+        if isinstance(reason, str) and reason
+        else ""
+    )
 
 
 def _routed_model(message: RoutedRequest, payload: bytes, preset: Preset) -> tuple[ClientPlan, Supernet]:

@@ -39,8 +39,10 @@ from feast_edge.sim.ranks import (
     Channel,
     DistributedError,
     World,
+    affordable_indices,
     channel_device,
     connect,
+    cut_to,
     pack_updates,
     pick_backend,
     plans_digest,
@@ -107,7 +109,14 @@ class SpreadCollector(InProcessCollector):
         parts = assign(
             cohort, [self.method.train_cost(plans[c]) * self.sizes[c] for c in cohort], self.channel.world.size
         )
-        header = {"round": t, "lr": lr, "cohort": cohort, "parts": parts, "plans": plans_digest(plans, cohort)}
+        header = {
+            "round": t,
+            "lr": lr,
+            "cohort": cohort,
+            "parts": parts,
+            "plans": plans_digest(plans, cohort),
+            "affordable": affordable_indices(plans, cohort, self.setup.cache),
+        }
         self.channel.broadcast(json.dumps(header).encode())
         self.channel.broadcast(save_tensors({k: v.detach().cpu().contiguous() for k, v in global_state.items()}))
         delivered = self.method.delivered(global_state)
@@ -140,6 +149,8 @@ def serve(setup: Setup, method: Method, channel: Channel) -> int:
         state = load_tensors(channel.broadcast())
         t, cohort = int(header["round"]), list(header["cohort"])
         plans = method.plans(t, cohort, budgets.__getitem__)
+        if header.get("affordable"):  # a secure round's plans, cut to what it reveals
+            plans = cut_to(plans, header["affordable"], setup.cache)
         if plans_digest(plans, cohort) != header["plans"]:
             raise DistributedError(
                 f"rank {channel.world.rank} planned round {t + 1} differently from rank 0; every process must run the same feast-edge version and options"

@@ -23,7 +23,10 @@ import torch.distributed as dist
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from feast_edge.cache.variants import VariantCache
 from feast_edge.errors import FeastError
+from feast_edge.route.envelope import Envelope
+from feast_edge.route.plans import ClientPlan
 from feast_edge.run.collect import ClientUpdate
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -92,6 +95,30 @@ def worker_device(device: str, world: World) -> str:
 def plans_digest(plans: Mapping[str, Any], cohort: Sequence[str]) -> str:
     """A digest of the cohort's plans, so every rank can check it planned the round as rank 0 did."""
     return hashlib.sha256(repr([(c, plans[c]) for c in cohort]).encode()).hexdigest()
+
+
+def affordable_indices(
+    plans: Mapping[str, Any], cohort: Sequence[str], cache: VariantCache
+) -> dict[str, list[int]] | None:
+    """Each member's routed variants as cache indices (FEAST's plans), for the other ranks: a secure round's plans are
+    cut to what it reveals (feast_edge.run.stratified), which the method's own plans do not know; None for other
+    methods' plans."""
+    if not all(isinstance(plans[c], ClientPlan) for c in cohort):
+        return None
+    index = {e.arch: i for i, e in enumerate(cache.entries)}
+    return {c: [index[a] for a in plans[c].affordable] for c in cohort}
+
+
+def cut_to(plans: Mapping[str, Any], affordable: Mapping[str, Sequence[int]], cache: VariantCache) -> dict[str, Any]:
+    """The method's ``plans`` cut to the variants rank 0 routed (``affordable``: cache indices); a plan that rank 0's
+    does not narrow stays as it is, and the digest check then says where the ranks differ."""
+    out = dict(plans)
+    for c, indices in affordable.items():
+        plan = plans.get(c)
+        kept = tuple(cache.entries[i].arch for i in indices)
+        if isinstance(plan, ClientPlan) and kept != plan.affordable and set(kept) <= set(plan.affordable):
+            out[c] = ClientPlan(kept, plan.global_min, Envelope.of(kept))
+    return out
 
 
 def pack_updates(updates: Sequence[ClientUpdate]) -> bytes:

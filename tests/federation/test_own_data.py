@@ -66,6 +66,7 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
         wait_timeout=180.0,
         batch_size=32,
         calib_samples=100,
+        serve_average=2,  # round 2 has two candidates: its own weights and the mean of rounds 1-2's
     )
     live = DashboardState("federation", "own data")
     server = FederationServer(config, LinkConfig(broker=kit.LOCAL), dashboard=live)
@@ -95,9 +96,13 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
     # false: they differ by their classes only.
     history = outcome["history"]
     choice = served_round([(h.round, h.validation) for h in history])
-    # Chosen, the last round's candidate is the mean of the last rounds' weights (5 by default without data: 1-2).
-    averaged = choice.round == 2
-    reason = f"{choice.reason}; served as the mean of rounds 1-2's weights" if averaged else choice.reason
+    # Round 2 offered its own weights or the mean of rounds 1-2's, whichever the three agents' paired figures favour
+    # (each tested both in one request); then the rule judged it against round 1.
+    candidates = history[-1].candidates
+    assert candidates["of"] == [1, 2] and candidates["voters"] == sorted(DEVICES)
+    averaged = choice.round == 2 and candidates["choice"] == "mean"
+    step = candidates["reason"]
+    reason = f"{step}; {choice.reason}" if choice.round == 2 else f"{choice.reason} (round 2's candidate: {step})"
     served = {"round": choice.round, "of": 2, "reason": reason, **({"average_of": [1, 2]} if averaged else {})}
     weights = "the mean of the weights of rounds 1-2 of 2" if averaged else f"the weights of round {choice.round} of 2"
     for m in outcome["manifests"]:
