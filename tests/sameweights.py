@@ -16,10 +16,13 @@ on a newer one.
 ``digest(run)`` hashes the model tensors of a run's last checkpoint (names, dtypes, shapes and bytes), leaving out
 what is not weights (a server optimizer's state, the records' timing fields). Floating-point results depend on the
 CPU's instruction set, so digests are kept per machine (``machine()``: CPU model, the flags that pick PyTorch's
-kernels, torch's version) in tests/data/same-weights.json, beside the commit they were made from.
+kernels, torch's version) in tests/data/same-weights.json, beside the commit they were made from: the record's
+``commit``, or, for a case added later, the commit its ``since`` names (the cases a change adds are recorded on the
+code before the change).
 
     python tests/sameweights.py record           # add this machine's digests, made by the code in this checkout
     python tests/sameweights.py record --commit C   # ... made by commit C's code (built from git into a temp folder)
+    python tests/sameweights.py record --commit C --cases async,secure-sums   # new cases, made by commit C's code
 """
 
 from __future__ import annotations
@@ -84,6 +87,10 @@ SIMULATIONS: dict[str, list[str]] = {
     "server-adam": ["--server-opt", "adam", "--server-lr", "0.01"],
     "server-yogi": ["--server-opt", "yogi", "--server-lr", "0.01"],
     "nproc-2": ["--nproc", "2"],
+    # recorded on a later commit than the rest (the record's "since"): buffered asynchronous releases on the virtual
+    # clock, and per-segment secure sums over a cohort of four (c = 1: every segment over at least 3 clients)
+    "async": ["--mode", "async", "--buffer", "2", "--concurrency", "3", "--max-staleness", "4"],
+    "secure-sums": ["--per-round", "4", "--secure-agg", "--colluders", "1"],
 }
 
 
@@ -368,13 +375,19 @@ def build_commit(commit: str, into: Path) -> Path:
 
 
 def read_record() -> dict:
-    return json.loads(RECORD.read_text()) if RECORD.is_file() else {"commit": None, "machines": {}}
+    return json.loads(RECORD.read_text()) if RECORD.is_file() else {"commit": None, "machines": {}, "since": {}}
+
+
+def commit_of(record: dict, case: str) -> str:
+    """The commit whose code made ``case``'s digests: the record's, or the later one its ``since`` names."""
+    return record.get("since", {}).get(case, record["commit"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("record", "show"))
     parser.add_argument("--commit", help="make the digests with this commit's code (default: this checkout's)")
+    parser.add_argument("--cases", help="only these cases, comma-separated, recorded as made by --commit (new cases)")
     parser.add_argument("--data", default=os.environ.get("FEAST_FMNIST_DIR", "/usr/share/datasets/fashion-mnist"))
     args = parser.parse_args()
     record = read_record()
@@ -388,13 +401,22 @@ def main() -> None:
             ["git", "-C", str(REPO), "rev-parse", args.commit or "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
         site = build_commit(commit, work) if args.commit else None
-        if record["commit"] and record["commit"] != commit:
-            sys.exit(f"{RECORD} holds digests of commit {record['commit']}, not {commit}: record with --commit it")
-        digests = run_cases(CASES, work, args.data, str(site) if site else None)
+        if args.cases:  # cases added after the record's commit, made by this commit's code
+            cases = args.cases.split(",")
+            unknown = sorted(set(cases) - set(CASES))
+            if unknown:
+                sys.exit(f"unknown case(s) {', '.join(unknown)}; the cases are {', '.join(CASES)}")
+        else:
+            if record["commit"] and record["commit"] != commit:
+                sys.exit(f"{RECORD} holds digests of commit {record['commit']}, not {commit}: record with --commit it")
+            cases = [c for c in CASES if not record["commit"] or commit_of(record, c) == commit]
+        digests = run_cases(cases, work, args.data, str(site) if site else None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    record["commit"] = commit
-    record["machines"][key] = digests
+    record["commit"] = record["commit"] or commit
+    if args.cases and commit != record["commit"]:
+        record.setdefault("since", {}).update(dict.fromkeys(cases, commit))
+    record["machines"][key] = {**record["machines"].get(key, {}), **digests}
     RECORD.parent.mkdir(parents=True, exist_ok=True)
     RECORD.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     print(f"{len(digests)} digests of commit {commit[:12]} on {key} -> {RECORD}")

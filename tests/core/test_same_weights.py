@@ -15,36 +15,41 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sameweights import CASES, build_commit, command, digest, machine, read_record, run_cases
+from sameweights import CASES, build_commit, command, commit_of, digest, machine, read_record, run_cases
 
 pytestmark = pytest.mark.slow
 
 
 class Recorded:
-    """The record's commit and this machine's digests; the commit's build, made the first time a case needs it (a
-    machine the record does not know, or a case recorded after the machine was)."""
+    """The record (its commits) and this machine's digests; each commit's build, made the first time a case needs it
+    (a machine the record does not know, or a case recorded after the machine was)."""
 
-    def __init__(self, commit: str, digests: dict[str, str], folder: pytest.TempPathFactory) -> None:
-        self.commit, self.digests, self.folder = commit, digests, folder
-        self.site: Path | None = None
+    def __init__(self, record: dict, digests: dict[str, str], folder: pytest.TempPathFactory) -> None:
+        self.record, self.digests, self.folder = record, digests, folder
+        self.commit = record["commit"]
+        self.sites: dict[str, Path] = {}
 
-    def build(self) -> Path:
-        if self.site is None:
+    def commit_of(self, case: str) -> str:
+        return commit_of(self.record, case)
+
+    def build(self, commit: str | None = None) -> Path:
+        commit = commit or self.commit
+        if commit not in self.sites:
             try:
-                self.site = build_commit(self.commit, self.folder.mktemp("same-weights-build"))
+                self.sites[commit] = build_commit(commit, self.folder.mktemp("same-weights-build"))
             except subprocess.CalledProcessError as exc:
                 pytest.fail(
-                    f"this machine ({machine()}) lacks recorded digests and commit {self.commit[:12]} could not be "
+                    f"this machine ({machine()}) lacks recorded digests and commit {commit[:12]} could not be "
                     f"built to make them ({exc.stderr!r:.400}); a full clone of the repository is needed"
                 )
-        return self.site
+        return self.sites[commit]
 
 
 @pytest.fixture(scope="session")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
     record = read_record()
     assert record["commit"], "tests/data/same-weights.json records no commit: run 'python tests/sameweights.py record'"
-    return Recorded(record["commit"], record["machines"].get(machine(), {}), tmp_path_factory)
+    return Recorded(record, record["machines"].get(machine(), {}), tmp_path_factory)
 
 
 # A federation runs a few processes for half a minute or more, twice where the recorded commit makes its digest.
@@ -60,10 +65,10 @@ def test_a_fixed_seed_run_ends_on_the_recorded_weights(
     case: str, recorded: Recorded, fashion_mnist_dir: Path, tmp_path: Path
 ) -> None:
     [now] = run_cases([case], tmp_path / "now", str(fashion_mnist_dir)).values()
-    then = recorded.digests.get(case)
+    then, commit = recorded.digests.get(case), recorded.commit_of(case)
     if then is None:
-        [then] = run_cases([case], tmp_path / "then", str(fashion_mnist_dir), str(recorded.build())).values()
-    assert now == then, f"{case}: the final weights differ from commit {recorded.commit[:12]}'s"
+        [then] = run_cases([case], tmp_path / "then", str(fashion_mnist_dir), str(recorded.build(commit))).values()
+    assert now == then, f"{case}: the final weights differ from commit {commit[:12]}'s"
 
 
 def test_a_run_directory_the_recorded_commit_wrote_resumes_here(
