@@ -5,7 +5,7 @@
                                 [--work DIR [--reuse]]
 
 Two fleets of ``--clients`` Zipf clients (fmnist-small, data proportional to budget), their speeds following their
-budgets on the virtual clock (feast_edge.sim.clock): ``tiers``, and ``stragglers`` (a seeded 20 % of the clients
+budgets on the virtual clock (feast_edge.run.clock): ``tiers``, and ``stragglers`` (a seeded 20 % of the clients
 10 times slower). On each fleet, at the same total client compute (the sync run's training MACs, given to the others
 as ``--compute-budget``: an asynchronous release of fast devices' updates is far cheaper than a round):
 

@@ -19,28 +19,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from feast_edge.dashboard.state import DashboardState
-from feast_edge.route.plans import ClientPlan
-from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
-from feast_edge.run.collect import Collected, Collector, Wrapped
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
-from feast_edge.secagg.sums import SecureTerms
 from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
 from feast_edge.server.collect import DeviceCollector, RoundTerms
+from feast_edge.server.environment import ServerEnvironment
 from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.events import Events
 from feast_edge.server.exchange import ExchangeSettings
 from feast_edge.server.host import REGISTRY, RunHost
-from feast_edge.server.jobs import DeviceJobs, JobExchange, write_jobs
+from feast_edge.server.jobs import JobExchange
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Device
-from feast_edge.server.secure import SecureCollector
 from feast_edge.server.serving import ModelServer
 from feast_edge.server.validation import FederatedValidation
 from feast_edge.server.waiting import WaitTimeout
@@ -81,7 +77,7 @@ class FederationServer(RunHost):
     ) -> None:
         """``threads``: PyTorch's threads for the server's own computing (aggregation, validation, export), chosen
         before each step (``feast-server run --threads``; None leaves them as they are)."""
-        super().__init__(config, on_round=on_round, validator=self._validate_on_devices)
+        super().__init__(config, on_round=on_round)
         self.threads = threads
         self.topics = Topics(config.federation)
         presence = Presence(federation=config.federation, round=0, device=SERVER_ID, state="online", role="server")
@@ -115,32 +111,13 @@ class FederationServer(RunHost):
         )
         self.events = Events(self.topics, self.devices, self.live)
         self.inbox, self.stop = self.events.inbox, self.events.stop
-        self.collector: DeviceCollector | None = None
-        self.models: ModelServer | None = None
-        self.federated: FederatedValidation | None = None
-        self.calibration: FederatedCalibration | None = None
+        self._wire()
+        self.compose_loop(self.environment)
 
-    def _validate_on_devices(
-        self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None
-    ) -> float | None:
-        assert self.federated is not None, "start() first"
-        return self.federated(t, record, alternative)
-
-    def _validated_points(self) -> list[dict[str, Any]] | None:
-        """The last validation's probe points (label, macs, params, val_accuracy): the devices' or the server's."""
-        if self.data is None:
-            return None if self.federated is None else self.federated.validated
-        return getattr(self.loop.method, "validated", None)
-
-    # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 10.0) -> None:
-        """Connect to the broker and subscribe; raises a LinkError that says how to fix the connection."""
+    def _wire(self) -> None:
+        """The exchange and what talks through it (model pushes, federated validation and BN statistics), and the
+        environment the run loop is composed with (server.environment)."""
         cfg, t, events = self.config, self.topics, self.events
-        self.link.connect(timeout=timeout)
-        # Presence first: retained statuses then arrive before any registration that follows.
-        self.link.subscribe(t.status("+"), events.on_message("status"))
-        self.link.subscribe(t.register("+"), events.on_message("register"))
-        self.link.subscribe(t.events("+"), events.on_message("events"))
         sender = ChunkSender(self.link, t, "down", chunk_size=cfg.network.chunk_size)
         # Uploads are taken only when announced by a cohort device's update (which also bounds their size): nothing a
         # stranger sends on xfer/up allocates anything here.
@@ -170,28 +147,7 @@ class FederationServer(RunHost):
             max_update_norm=cfg.aggregation.max_update_norm,
             local_dp=cfg.local_dp(),
         )
-        if cfg.secure.secure_agg:  # the cohort's masked updates, released as per-segment sums (server.secure)
-            log.info(
-                "--secure-agg: the server sees per-segment sums of at least %d devices, never one update; "
-                "--max-update-norm is not applied (each device clips its weighted change to ±%g per value)",
-                cfg.secure.colluders + 2,
-                cfg.secure.secagg_bound,
-            )
-            self.collector = SecureCollector(
-                events.exchange,
-                self.devices,
-                terms,
-                self.live,
-                secure=SecureTerms(cfg.secure.colluders, cfg.secure.secagg_bound, cfg.secure.secagg_neighbours),
-                timeout=cfg.secure.secagg_timeout,
-                publish=self.link.publish,
-                events=events,
-                out=self.out,
-                weight_ratio=cfg.aggregation.max_weight_ratio,
-                dp_clip=dp.clip if (dp := cfg.dp_settings()) is not None and dp.mode == "central" else 0.0,
-            )
-        else:
-            self.collector = DeviceCollector(events.exchange, self.devices, terms, self.live)
+        self.environment = ServerEnvironment(self, terms)
         self.models = events.models = ModelServer(self.out, self.link, t, sender, cfg.network.send_timeout)
         self.federated = FederatedValidation(
             events.exchange,
@@ -216,13 +172,40 @@ class FederationServer(RunHost):
             rule=cfg.validation.bn_rule,
             max_weight_ratio=cfg.aggregation.max_weight_ratio,
         )
+
+    @property
+    def collector(self) -> DeviceCollector | None:
+        """The device collector the environment built (a secure one under --secure-agg)."""
+        return self.environment.device_collector
+
+    def validate_on_devices(
+        self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None
+    ) -> float | None:
+        """Round ``t``'s model validated by the devices on their held-out data (server.validation)."""
+        return self.federated(t, record, alternative)
+
+    def _validated_points(self) -> list[dict[str, Any]] | None:
+        """The last validation's probe points (label, macs, params, val_accuracy): the devices' or the server's."""
+        if self.data is None:
+            return None if self.federated is None else self.federated.validated
+        return getattr(self.loop.method, "validated", None)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 10.0) -> None:
+        """Connect to the broker and subscribe; raises a LinkError that says how to fix the connection."""
+        cfg, t, events = self.config, self.topics, self.events
+        self.link.connect(timeout=timeout)
+        # Presence first: retained statuses then arrive before any registration that follows.
+        self.link.subscribe(t.status("+"), events.on_message("status"))
+        self.link.subscribe(t.register("+"), events.on_message("register"))
+        self.link.subscribe(t.events("+"), events.on_message("events"))
         log.info(
             "connected to %s as federation %r; preset %s, %d cached variants; server optimizer %s",
             self.link.address,
             cfg.federation,
             self.preset.name,
             len(self.cache),
-            cfg.server_optimizer().describe(),
+            self.loop.settings.server_opt.describe(),
         )
 
     def close(self) -> None:
@@ -241,7 +224,6 @@ class FederationServer(RunHost):
     # ------------------------------------------------------------------ the whole run
     def run(self, resume_previous: bool = False, tensorboard: bool = False) -> list[RoundRecord]:
         """Resume if possible, run the remaining rounds, checkpoint each (and ``rounds.csv``, TensorBoard scalars); returns the history."""
-        assert self.collector is not None, "start() first"
         cfg = self.config
         if self.data is None and not cfg.federated_statistics:
             log.info(
@@ -260,15 +242,7 @@ class FederationServer(RunHost):
                 else "calibrated on each device's own data",
             )
 
-        jobs = self._asynchronous()
-
-        def resumed(done: int) -> None:
-            self.events.filter.advance(done)
-            slots = self.loop.scheduler
-            if isinstance(slots, AsyncSlots) and self.history:
-                slots.resume(self.history[-1].clock or 0.0)
-            if self.live is not None:
-                self.live.resumed(self.history)
+        jobs = self.environment.async_jobs
 
         def finished_round(record: RoundRecord) -> None:
             if self.live is not None:
@@ -278,11 +252,8 @@ class FederationServer(RunHost):
             self.events.filter.advance(record.round if oldest is None else min(oldest, record.round))
             self.pump(0)
 
-        collector: Collector = (
-            self.collector if self.threads is None else _ThreadedCollector(self.collector, self.threads)
-        )
         try:
-            self.run_rounds(collector, resume_previous, tensorboard, resumed=resumed, finished_round=finished_round)
+            self.run_rounds(resume_previous, tensorboard, finished_round=finished_round)
             if jobs is not None:
                 jobs.close()
         except WaitTimeout as exc:
@@ -295,26 +266,6 @@ class FederationServer(RunHost):
         self.devices.finished = self.loop.finished
         return self.history
 
-    def _asynchronous(self) -> DeviceJobs | None:
-        """With --mode async, the loop's scheduler and release policy become buffered asynchronous rounds whose jobs
-        run on the devices (feast_edge.server.jobs); their jobs, or None."""
-        rules = self.config.schedule.rules()
-        if rules is None:
-            return None
-        assert self.collector is not None, "start() first"
-        loop = self.loop
-
-        def changed() -> None:  # the buffer and the jobs in flight, for the dashboard and feast-server status
-            held, in_flight = len(slots.buffered), jobs.in_flight()
-            if self.live is not None:
-                self.live.buffer(held, rules.buffer, {d: int(j["version"]) for d, j in in_flight.items()})
-            write_jobs(self.out, len(self.history) + 1, held, rules.buffer, in_flight)
-
-        jobs = DeviceJobs(self.collector, parameter_names(self.model), changed)
-        slots = AsyncSlots(loop.settings, loop.method, self.model, rules, jobs)
-        loop.scheduler, loop.policy = slots, Buffered(loop.release, rules.staleness)
-        return jobs
-
     # ------------------------------------------------------------------ models
     def export(self, federated_bn: bool | None = None) -> list[dict[str, Any]]:
         """Every registered device's model (see :meth:`RunHost.export_models`); without --data, with the online devices'
@@ -322,7 +273,7 @@ class FederationServer(RunHost):
         device to calibrate on its own data."""
         if federated_bn is None:
             federated_bn = (
-                self.calibration is not None
+                self.link.connected
                 and self.config.validation.bn_calibration == "federated"
                 and self.config.federated_statistics
             )
@@ -332,7 +283,6 @@ class FederationServer(RunHost):
 
     def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:
         """The online devices' BN statistics of every served variant (method §8 on the federation's data)."""
-        assert self.calibration is not None, "start() first"
         served = {self.cache.entries[s.index].arch for s in self.serving(devices, self.trained()).values()}
         variants = {arch: extract(model, arch) for arch in sorted(served, key=str)}
         t = max(rounds, self.events.filter.current_round)  # after the last round: its messages are not stale
@@ -340,7 +290,6 @@ class FederationServer(RunHost):
 
     def announce_models(self, manifests: list[dict[str, Any]]) -> list[str]:
         """Push each online device its model (ModelReady + chunks); returns the devices served."""
-        assert self.models is not None, "start() first"
         return self.models.push(manifests, self.online_devices())
 
     def await_device_models(
@@ -391,7 +340,6 @@ class FederationServer(RunHost):
 
     def finish(self, manifests: list[dict[str, Any]]) -> None:
         """Tell every registered device that the federation is over."""
-        assert self.models is not None, "start() first"
         self.devices.finished = True
         devices = [(d.device_id, d.instance) for d in self.registry.devices()]
         self.models.finish(devices, self.config.training.rounds, len(self.history), [m["device"] for m in manifests])
@@ -401,23 +349,3 @@ class FederationServer(RunHost):
         end = None if seconds is None else time.monotonic() + seconds
         while not self.stop.is_set() and (end is None or time.monotonic() < end):
             self.pump(0.2)
-
-
-class _ThreadedCollector(Wrapped):
-    """A collector whose round ends by choosing the server's threads for what it computes next (aggregation, validation)."""
-
-    def __init__(self, inner: Collector, threads: Threads) -> None:
-        super().__init__(inner)
-        self.threads = threads
-
-    def collect(
-        self,
-        t: int,
-        cohort: Sequence[str],
-        plans: Mapping[str, ClientPlan],
-        global_state: Mapping[str, torch.Tensor],
-        lr: float,
-    ) -> Collected:
-        collected = self.inner.collect(t, cohort, plans, global_state, lr)
-        self.threads.use("aggregating")
-        return collected

@@ -21,7 +21,7 @@ from feast_edge.run.loop import CHECKPOINT
 from feast_edge.run.settings import RunSettings
 from feast_edge.secagg.protocol import degree_for
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
-from feast_edge.settings.concerns import Schedule, SecureAggregation, loop_settings, secure_refusals
+from feast_edge.settings.concerns import Schedule, SecureAggregation, loop_settings, secure_refusals, server_step
 from feast_edge.settings.nested import changed, check, flat_types, of
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
@@ -304,8 +304,9 @@ class ServerConfig:
         return self.dp_settings() is None
 
     def server_optimizer(self) -> ServerOpt:
-        """The validated server optimizer of ``--server-opt`` and its settings."""
-        return self.aggregation.optimizer()
+        """The validated server step of ``--server-opt`` as this run's rounds take it (asynchronous releases by plain
+        averaging step feast_edge.run.asynchronous.SERVER_LR of the way; feast_edge.settings.concerns.server_step)."""
+        return server_step(self)
 
     def recipe(self) -> tuple[TrainConfig, str]:
         """The local-training settings every device receives and the lr schedule: the preset's recipe, then these options."""

@@ -21,13 +21,12 @@ from feast_edge.cache.variants import load_cache
 from feast_edge.evaluate.coverage import Serving
 from feast_edge.evaluate.evaluation import Validation
 from feast_edge.evaluate.served_round import served_record
-from feast_edge.route.reveal import Reveal
 from feast_edge.run.checkpoint import load_supernet, read_record
-from feast_edge.run.collect import Collector
-from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop, Validator
+from feast_edge.run.compose import HostParts, compose
+from feast_edge.run.environment import Environment
+from feast_edge.run.loop import CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import RoundLog
 from feast_edge.run.stages.released import released_of
-from feast_edge.run.stratified import StratifiedRounds
 from feast_edge.server.bn_calibration import Calibrated
 from feast_edge.server.config import KIND, ServerConfig, ServerError
 from feast_edge.server.coverage import serving_plan, validation_points
@@ -49,15 +48,8 @@ Statistics = Callable[[Supernet, list[Device], int], dict[Arch, Calibrated]]
 class RunHost:
     """Settings, preset, cache, held data, supernet, registry and run loop of one federation run in ``config.out``."""
 
-    def __init__(
-        self,
-        config: ServerConfig,
-        *,
-        on_round: Callable[[RoundRecord, int], None] | None = None,
-        validator: Validator | None = None,
-    ) -> None:
-        """``validator(t, record, alternative)`` validates the model where the server holds no data (else it validates
-        itself; feast_edge.run.loop.Validator)."""
+    def __init__(self, config: ServerConfig, *, on_round: Callable[[RoundRecord, int], None] | None = None) -> None:
+        """The host's parts; a transport composes the run loop with its environment (:meth:`compose_loop`)."""
         self.config = config
         self.out = Path(config.out)
         self.preset = load_preset(config.preset)
@@ -71,10 +63,16 @@ class RunHost:
         self.model = Supernet(self.preset, seed=config.seed)
         self.out.mkdir(parents=True, exist_ok=True)
         self.registry = Registry(self.out / REGISTRY)
-        self.loop = RunLoop(
+        self.loop: RunLoop
+
+    def compose_loop(self, environment: Environment) -> None:
+        """The run loop of this host's settings in ``environment`` (feast_edge.run.compose); a ServerError saying why
+        where the environment cannot run them."""
+        config = self.config
+        host = HostParts(
             self.model,
             self.cache,
-            config.settings(),
+            self.preset,
             self.out,
             kind=KIND,
             fingerprint=self.fingerprint(),
@@ -90,12 +88,11 @@ class RunHost:
                 "registry": self.registry.snapshot(),
                 "classes": list(self.preset.task.classes),
             },
-            # Under DP the devices' held-out counts stay on the devices: no federated validation (config.federated_statistics).
-            validator=None if self.data is not None or not config.federated_statistics else validator,
         )
-        if config.secure.secure_agg:  # a stratified cohort, plans capped at what the round reveals
-            reveal = Reveal(self.preset, self.cache, config.secure.colluders + 2)
-            self.loop.scheduler = StratifiedRounds(self.loop.settings, self.loop.method, self.model, reveal)
+        try:
+            self.loop = compose(host, environment, config, config.settings())
+        except RunError as exc:
+            raise ServerError(str(exc)) from None
 
     @property
     def validation_source(self) -> str:
@@ -131,21 +128,18 @@ class RunHost:
 
     def run_rounds(
         self,
-        collector: Collector,
         resume_previous: bool = False,
         tensorboard: bool = False,
         *,
-        resumed: Callable[[int], None] | None = None,
         finished_round: Callable[[RoundRecord], None] | None = None,
     ) -> list[RoundRecord]:
-        """Resume if possible, then the remaining rounds through ``collector``, each checkpointed and logged (``rounds.csv``,
-        TensorBoard scalars); ``resumed(done)`` and ``finished_round(record)`` are the transport's hooks."""
+        """Resume if possible, then the remaining rounds through the composed loop, each checkpointed and logged
+        (``rounds.csv``, TensorBoard scalars); ``finished_round(record)`` is the transport's hook (a resume is the
+        environment's, feast_edge.run.environment)."""
         cfg = self.config
         done = self.resume(previous=resume_previous)
         if done:
             log.info("resuming from %s: %d of %d rounds completed", self.out / CHECKPOINT, done, cfg.training.rounds)
-        if resumed is not None:
-            resumed(done)
         roundlog = RoundLog(self.out, tensorboard=tensorboard, first_round=done + 1)
 
         def after(record: RoundRecord) -> None:
@@ -171,7 +165,7 @@ class RunHost:
                 finished_round(record)
 
         try:
-            self.loop.run(collector, start_clients=cfg.population.start_clients, on_round=after)
+            self.loop.run(start_clients=cfg.population.start_clients, on_round=after)
         finally:
             roundlog.close()
         if self.loop.stopped is not None:  # the privacy budget: refused before round 1, or ended the run

@@ -33,7 +33,9 @@ from feast_edge.report.model_words import (
 )
 from feast_edge.report.run_files import read_manifests
 from feast_edge.run.checkpoint import read_record
+from feast_edge.run.collect import STALE
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
+from feast_edge.run.round_record import refusal_kinds
 from feast_edge.server.app import REGISTRY
 from feast_edge.server.coverage import holders
 from feast_edge.server.jobs import read_jobs
@@ -163,9 +165,7 @@ def asynchronous_status(
             for d, j in sorted(in_flight.items())
             if isinstance(j, dict)
         },
-        "refused_stale": sum(
-            str(reason).startswith("stale:") for h in history for reason in (h.get("rejected") or {}).values()
-        ),
+        "refused_stale": sum(kind == STALE for h in history for kind in refusal_kinds(h).values()),
         "devices": devices,
     }
 

@@ -16,6 +16,7 @@ from typing import Any
 from feast_edge.privacy.private_rounds import privacy_entry
 from feast_edge.report.model_words import served_so_far, served_words
 from feast_edge.route.payload import bytes_per_param
+from feast_edge.run.clock import clock_entry
 from feast_edge.run.loop import RoundRecord
 
 
@@ -87,6 +88,7 @@ class SimulationLive:
                 "seconds": record.seconds,
                 "devices": {c: {"down": b, "up": b} for c, b in self._down.items()},
                 **privacy_entry(record.dp),
+                **clock_entry(record.clock, record.staleness),
             }
         )
         if record.val_accuracy is not None and self.sim.method.validated:

@@ -36,7 +36,7 @@ from feast_edge.report.run_files import DEVICES, MODELS, read_manifests, read_re
 from feast_edge.report.runs import load_run
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
-from feast_edge.sim.clock import clock_entry
+from feast_edge.run.clock import clock_entry
 
 RESULTS = "results.json"
 BYTES_PER_PARAM = 4

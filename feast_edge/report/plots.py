@@ -63,7 +63,7 @@ def draw_plots(groups: Sequence[Group], reference: Group | None, out: Path) -> l
 
 
 def _validation_in_time(plt: Any, groups: Sequence[Group], colors: dict[str, str]) -> Any:
-    """Synchronous and asynchronous runs on one virtual clock (feast_edge.sim.clock)."""
+    """Synchronous and asynchronous runs on one virtual clock (feast_edge.run.clock)."""
     fig, ax = _run_curves(plt, groups, colors, lambda run: run.validation_in_time)
     ax.set_xlabel("virtual seconds")
     return fig

@@ -27,7 +27,7 @@ share of the budget spent: feast_edge.run.schedule.step_lr): a device trains wit
 With K = M = the cohort size, every device taking the same time and the synchronous cohort
 draw (a fill of M slots at version t draws as round t does), each release is exactly the synchronous round t
 (tests/core/test_async_rounds.py). Where the jobs run is feast_edge.run.jobs: in process on a virtual clock
-(feast_edge.sim.clock), or on the devices over MQTT (feast_edge.server.jobs), timed by the server's clock.
+(feast_edge.run.clock), or on the devices over MQTT (feast_edge.server.jobs), timed by the server's clock.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from feast_edge.run.cohort import sample_round_cohort
-from feast_edge.run.collect import ClientUpdate, Collected, Collector
+from feast_edge.run.collect import STALE, ClientUpdate, Collected, Collector
 from feast_edge.run.jobs import DECLINED, INCOMPLETE, LOST, MISSING, REJECTED, Arrival, Jobs, leading
 from feast_edge.run.release import FLEET_COUNTS, Release, RoundContext, StateDict
 from feast_edge.run.schedule import Gathered, step_lr
@@ -113,9 +113,10 @@ class AsyncSlots:
         self.steps = parameter_names(model)  # rebased; buffers are taken as sent
         self.counts: dict[str, float] = {}  # device -> its latest example count (what weight caps are measured by)
 
-    def resume(self, now: float) -> None:
+    def resume(self, history: list[RoundRecord]) -> None:
         """Continue a resumed run from the clock of its last release: the updates in flight or buffered when it
         stopped are dropped (as devices that went away), and the draws continue on seeds of their own."""
+        now = (history[-1].clock or 0.0) if history else 0.0
         if self.fills == 0 and now > 0:
             self.now, self.fills = now, RESUMED
             self.jobs.resume(now, RESUMED)
@@ -192,6 +193,7 @@ class AsyncSlots:
                 f"stale: trained from release {arrival.version} of {t}, {tau} behind (--max-staleness "
                 f"{self.rules.max_staleness})"
             )
+            got.refusals[client] = STALE
         else:  # rebased on arrival: the buffer is released whole, so the model stays θ_t until then
             self.counts[client] = arrival.update.samples
             arrival.update = self._rebased(arrival, self.model.state_dict(), t)

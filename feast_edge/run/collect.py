@@ -16,6 +16,10 @@ import torch
 from feast_edge.aggregate.segments import SegmentSums
 from feast_edge.route.plans import ClientPlan
 
+# The kinds of a refused update a run counts (Collected.refusals, RoundRecord.refusals): too stale to release
+# (asynchronous rounds, --max-staleness); any other refusal is counted as REFUSED.
+STALE, REFUSED = "stale", "refused"
+
 
 @dataclass
 class ClientUpdate:
@@ -51,6 +55,7 @@ class Collected:
     staleness: dict[str, int] = field(default_factory=dict)  # client -> releases since the version it trained from
     durations: dict[str, float] = field(default_factory=dict)  # client -> its job's seconds on the clock
     withheld: dict[str, str] = field(default_factory=dict)  # secure sums: segment members -> why it kept θ_t
+    refusals: dict[str, str] = field(default_factory=dict)  # client in ``rejected`` -> the refusal's kind (STALE)
 
 
 class Wrapped:

@@ -9,7 +9,7 @@ slice of the version current when its slot was filled, and its update arrives la
     resume(now, seq)   a resumed run's clock and job count go on from its last release
 
 ``ClockJobs`` runs them in process: the collector trains each client at once and the clock (the simulation's
-virtual one, feast_edge.sim.clock) says when its update arrives, or that it is lost. Over MQTT the devices train
+virtual one, feast_edge.run.clock) says when its update arrives, or that it is lost. Over MQTT the devices train
 and the clock is the server's (feast_edge.server.jobs). Either way an arrival carries its update as sent and its
 change of the parameters, Δ = w - θ_v[routed], against the version v it was sent; the scheduler rebases it.
 """
@@ -118,10 +118,13 @@ class ClockJobs:
     ) -> None:
         got = collector.collect(t, clients, plans, global_state, lr)
         by_client = {u.client: u for u in got.updates}
+        why = {REJECTED: got.rejected, DECLINED: got.declined, INCOMPLETE: got.incomplete}
         for client in clients:
-            update = by_client.get(client)  # None: the collector refused or got nothing
+            update = by_client.get(client)  # None: the collector refused it (its reason kept) or got nothing
+            refused = next(((kind, reasons[client]) for kind, reasons in why.items() if client in reasons), None)
             lost = update is None or self.clock.drops(client, self.seq)
             seconds = 0.0 if update is None else self.clock.duration(client, update, plans[client], self.seq)
+            outcome, reason = refused if refused is not None else (LOST if lost else "", "")
             arrival = Arrival(
                 client,
                 t,
@@ -129,7 +132,8 @@ class ClockJobs:
                 None if lost else update,
                 {} if lost else change(update.state, global_state, self.steps),
                 seconds,
-                outcome=LOST if lost else "",
+                outcome=outcome,
+                reason=reason,
             )
             heapq.heappush(self.jobs, _Job(self.now + seconds, self.seq, arrival))
             self.seq += 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,7 +40,7 @@ from feast_edge.route.payload import bytes_per_param
 from feast_edge.run.average import TailAverage, loaded, serve_average_of, split_extra
 from feast_edge.run.collect import Collector
 from feast_edge.run.policy import EveryRound, ReleasePolicy
-from feast_edge.run.release import RunStops
+from feast_edge.run.release import Release, RunStops
 from feast_edge.run.round_record import RoundMethod, RoundRecord
 from feast_edge.run.schedule import Scheduler, SyncRounds
 from feast_edge.run.settings import RunError, RunSettings  # noqa: F401 (re-exported)
@@ -65,8 +65,18 @@ class Validator(Protocol):
     ) -> float | None: ...
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """What an environment does around the loop's steps (feast_edge.run.environment): ``before_release`` before every
+    release, synchronous or asynchronous (e.g. choose the server's threads); ``resumed(history)`` after a resume."""
+
+    before_release: Callable[[], None] = lambda: None
+    resumed: Callable[[list[RoundRecord]], None] = lambda history: None
+
+
 class RunLoop:
-    """Rounds of one federation over a ``Collector``, checkpointed in ``out`` (see the module docstring)."""
+    """Rounds of one federation over a ``Collector``, checkpointed in ``out`` (see the module docstring); built by
+    feast_edge.run.compose.compose."""
 
     def __init__(
         self,
@@ -83,12 +93,17 @@ class RunLoop:
         method: RoundMethod | None = None,
         model_record: Mapping[str, Any] | None = None,
         validator: Validator | None = None,
+        release: Release | None = None,
         scheduler: Scheduler | None = None,
         policy: ReleasePolicy | None = None,
+        collector: Collector | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
         """``method`` defaults to FEAST's steps; a model that is not a full Supernet needs ``model_record`` (its checkpoint header).
-        ``scheduler`` (who trains next) and ``policy`` (when collected input becomes a model) default to synchronous
-        rounds (feast_edge.run.schedule.SyncRounds, feast_edge.run.policy.EveryRound).
+        ``release`` (the aggregation and its stages) defaults to the stages ``settings`` ask for; ``scheduler`` (who
+        trains next) and ``policy`` (when collected input becomes a model) default to synchronous rounds
+        (feast_edge.run.schedule.SyncRounds, feast_edge.run.policy.EveryRound); ``collector`` is how a cohort's
+        updates come back (:meth:`run` may be given another); ``hooks`` what the environment does around the steps.
 
         ``validator(t, record, alternative)`` validates round ``t``'s aggregated model where no ``validation`` split is
         held (federated validation: the devices test it and report counts); it may fill ``record.validation``, and
@@ -115,9 +130,12 @@ class RunLoop:
         self.validator = validator
         self.extra_fields = extra_fields
         self.full_params = self.method.full_params()
-        self.release = release_of(settings, model, self.method)  # aggregation and its stages (feast_edge.run.release)
+        # aggregation and its stages (feast_edge.run.release)
+        self.release = release if release is not None else release_of(settings, model, self.method)
         self.scheduler = scheduler if scheduler is not None else SyncRounds(settings, self.method, model)
         self.policy = policy if policy is not None else EveryRound(self.release, settings.min_clients)
+        self.collector = collector
+        self.hooks = hooks if hooks is not None else Hooks()
         self.history: list[RoundRecord] = []
         self.stopped: str | None = None  # why the run ended before its last round (a stage refused it)
         self.recovered: str | None = None  # set when resume fell back to the previous checkpoint, saying why
@@ -158,6 +176,7 @@ class RunLoop:
         """
         resumed = self.store.resume(hint, fall_back=fall_back)
         if resumed is None:
+            self.hooks.resumed(self.history)
             return 0
         self.recovered = resumed.recovered
         released, averaged = split_extra(resumed.extra)
@@ -169,6 +188,8 @@ class RunLoop:
         self.best = dict(resumed.fields.get("best", {}))
         if zero_based and "round" in self.best:
             self.best["round"] += 1
+        self.scheduler.resume(self.history)
+        self.hooks.resumed(self.history)
         return len(self.history)
 
     # ------------------------------------------------------------------ rounds
@@ -177,10 +198,12 @@ class RunLoop:
         assert self.validation is not None
         return self.method.validate(self.validation, self.settings.probe_variants, self.settings.device)
 
-    def run_round(self, t: int, collector: Collector, needed: int) -> RoundRecord:
+    def run_round(self, t: int, collector: Collector | None, needed: int) -> RoundRecord:
         """The scheduler's step ``t`` (cohort -> plans -> collection), then the release policy (sparse aggregation, or
         the model unchanged)."""
         s = self.settings
+        collector = collector if collector is not None else self.collector
+        assert collector is not None, "a collector: compose the loop with an environment, or give one"
         start = time.monotonic()
         # admit: before anything is sent, a stage may refuse the round (RunStops)
         step = self.scheduler.gather(t, collector, needed, self.release.admit, self.history)
@@ -190,6 +213,7 @@ class RunLoop:
             lr=step.lr,
             cohort=list(cohort),
             rejected=got.rejected,
+            refusals=dict(got.refusals),
             declined=got.declined,
             incomplete=got.incomplete,
             missing=got.missing,
@@ -210,6 +234,7 @@ class RunLoop:
         valid = sorted(got.updates, key=lambda u: u.client)
         valid = valid if got.sums is not None else self.release.prepare(ctx, global_state, valid)
         record.tally(valid)
+        self.hooks.before_release()
         began = time.monotonic()
         if self.policy.release(ctx, global_state, valid, plans, got.sums):
             record.aggregate_seconds = time.monotonic() - began
@@ -219,13 +244,16 @@ class RunLoop:
 
     def run(
         self,
-        collector: Collector,
+        collector: Collector | None = None,
         *,
         start_clients: int | None = None,
         on_round: Callable[[RoundRecord], None] | None = None,
         stop_after: int | None = None,
     ) -> list[RoundRecord]:
-        """Run the remaining rounds, checkpointing each; ``stop_after`` completed rounds ends early."""
+        """Run the remaining rounds through ``collector`` (default: the composed one), checkpointing each;
+        ``stop_after`` completed rounds ends early."""
+        collector = collector if collector is not None else self.collector
+        assert collector is not None, "a collector: compose the loop with an environment, or give one"
         self.out.mkdir(parents=True, exist_ok=True)
         s = self.settings
         first = len(self.history)

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from feast_edge.evaluate.evaluation import Validation
-from feast_edge.run.collect import ClientUpdate
+from feast_edge.run.collect import REFUSED, STALE, ClientUpdate
 
 
 @dataclass
@@ -22,6 +22,9 @@ class RoundRecord:
     cohort: list[str]
     updated: list[str] = field(default_factory=list)  # clients whose valid update entered the aggregate
     rejected: dict[str, str] = field(default_factory=dict)  # client -> why its update was refused
+    # client in ``rejected`` -> the kind of refusal where the run knows it (feast_edge.run.collect.STALE); counted
+    # by kind, never by its message's words
+    refusals: dict[str, str] = field(default_factory=dict)
     declined: dict[str, str] = field(default_factory=dict)  # client -> why it sent no update (its own reason)
     incomplete: dict[str, str] = field(default_factory=dict)  # client -> its payload or upload did not get through
     capped: dict[str, list[int]] = field(default_factory=dict)  # client -> [its self-reported count, the weight it got]
@@ -111,3 +114,13 @@ class RoundMethod(Protocol):
         self, global_state: Mapping[str, torch.Tensor], updates: Sequence[ClientUpdate], names: Sequence[str]
     ) -> dict[str, torch.Tensor]:
         """Per tensor of ``names``: the positions the valid updates covered (a server optimizer steps only there)."""
+
+
+def refusal_kinds(stored: Mapping[str, Any]) -> dict[str, str]:
+    """A stored record's refused clients by kind (feast_edge.run.collect.STALE, REFUSED). A record written before
+    kinds were kept (no ``refusals``) said staleness only in its reason's first word: read there, for old runs."""
+    rejected = stored.get("rejected") or {}
+    kinds = stored.get("refusals")
+    if kinds is None:
+        return {c: STALE if str(why).startswith("stale:") else REFUSED for c, why in rejected.items()}
+    return {c: kinds.get(c, REFUSED) for c in rejected}

@@ -41,7 +41,7 @@ COLUMNS = [
     "incomplete",
     "epsilon",  # DP runs: ε after the round at the run's δ (feast_edge.privacy); empty otherwise
     "clip",  # adaptive clipping: the round's L2 bound on each update; empty otherwise
-    "clock",  # simulation: the virtual clock's seconds at the end of the step (feast_edge.sim.clock)
+    "clock",  # simulation: the virtual clock's seconds at the end of the step (feast_edge.run.clock)
     "staleness_mean",  # asynchronous rounds: the released updates' mean staleness (releases); empty otherwise
     "staleness_max",
 ]

@@ -50,6 +50,9 @@ class Scheduler(Protocol):
         history: list[RoundRecord],
     ) -> Gathered: ...
 
+    def resume(self, history: list[RoundRecord]) -> None:
+        """A resumed run goes on after ``history`` (its clock, its draws)."""
+
 
 def step_lr(settings: RunSettings, t: int, history: list[RoundRecord]) -> float:
     """Step ``t``'s learning rate: the schedule over ``--rounds``, or, under ``--compute-budget``, over the share of
@@ -68,6 +71,9 @@ class SyncRounds:
         self.settings = settings
         self.method = method
         self.model = model
+
+    def resume(self, history: list[RoundRecord]) -> None:
+        """Nothing to restore: round t's cohort is drawn with the seed of (seed, t)."""
 
     def gather(
         self,

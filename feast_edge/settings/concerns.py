@@ -246,8 +246,7 @@ class Schedule(Concern):
 def server_step(config: Any, averaging: bool = True) -> ServerOpt:
     """The validated server step of a run's configuration: its --server-opt, as its schedule takes it."""
     opt = config.aggregation.optimizer(averaging)
-    schedule = getattr(config, "schedule", None)  # a ServerConfig runs synchronous rounds only
-    return opt if schedule is None else schedule.release_step(opt, config.aggregation.server_lr is not None)
+    return config.schedule.release_step(opt, config.aggregation.server_lr is not None)
 
 
 def loop_settings(

@@ -30,7 +30,7 @@ from feast_edge.settings import (
 )
 from feast_edge.settings.concerns import SecureAggregation, secure_refusals, server_step
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of
-from feast_edge.sim.clock import CLOCKS, RATE, ClockModel
+from feast_edge.run.clock import CLOCKS, RATE, ClockModel
 from feast_edge.sim.registry import method_class
 
 VALIDATE_ON = ("server", "devices")  # --validate-on
@@ -111,7 +111,7 @@ class Personalization(Concern):
 
 @dataclass(frozen=True)
 class Timing(Concern):
-    """The virtual clock the clients' jobs run on (feast_edge.sim.clock) and a synchronous round's deadline on it."""
+    """The virtual clock the clients' jobs run on (feast_edge.run.clock) and a synchronous round's deadline on it."""
 
     clock: str = "tiers"  # tiers (durations from budgets, reported compute and payloads) or uniform (1 s each)
     clock_rate: float = RATE  # MAC/s of the strongest client's training

@@ -29,19 +29,17 @@ from feast_edge.aggregate.released import recorded_variants, trained_variants
 from feast_edge.evaluate.evaluation import Validation, population_accuracy
 from feast_edge.evaluate.served_round import served_record
 from feast_edge.privacy.private_rounds import privacy_summary
-from feast_edge.route.reveal import Reveal
-from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
-from feast_edge.run.jobs import ClockJobs
-from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop
+from feast_edge.run.asynchronous import parameter_names
+from feast_edge.run.clock import VirtualClock, timeline
+from feast_edge.run.collect import Collector
+from feast_edge.run.compose import HostParts, compose
+from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.run.stages.released import released_of
-from feast_edge.run.stratified import StratifiedRounds
-from feast_edge.secagg.collector import SecureSums, secure_dp_clip
 from feast_edge.settings import SettingsError, flat
 from feast_edge.settings.concerns import loop_settings
-from feast_edge.sim.clock import TimedRounds, VirtualClock, timeline
-from feast_edge.sim.collect import InProcessCollector
 from feast_edge.sim.device_validation import InProcessValidation
+from feast_edge.sim.environment import SimulationEnvironment
 from feast_edge.sim.population import Population
 from feast_edge.sim.registry import method_class
 from feast_edge.sim.setup import Setup, SimulationConfig, SimulationError, build_setup
@@ -61,7 +59,7 @@ class RoundProgress:
     val_accuracy: float | None
     best_val: float | None
     served_round: int | None = None  # --validate-on devices: the round served so far (feast_edge.evaluate.served_round)
-    clock: float | None = None  # the virtual clock's seconds at the end of the round (feast_edge.sim.clock)
+    clock: float | None = None  # the virtual clock's seconds at the end of the round (feast_edge.run.clock)
     staleness: int | None = None  # --mode async: the largest staleness among the release's updates
     withheld: int = 0  # --secure-agg: segments that kept their global value (fewer than c + 2 contributors)
 
@@ -96,41 +94,40 @@ class Simulation:
             settings = replace(settings, compute_budget=config.timing.compute_budget)
         except SettingsError as exc:
             raise SimulationError(str(exc)) from None
-        self.loop = RunLoop(
-            self.model,
-            s.cache,
-            settings,
-            self.out,
-            kind=KIND,
-            fingerprint=config.fingerprint(),
-            config=config.decisive(),
-            validation=None if on_devices else Validation(s.calibration_images(), *s.validation_data()),
-            method=self.method,
-            model_record=None if self.method.supernet else self.method.model_record(),
-            validator=None if not on_devices else self._device_validation(),
-        )
-        self.collector = InProcessCollector(s, self.method, self_reported=config.aggregation.max_weight_ratio > 0)
-        if config.secure.secure_agg:  # per-segment sums through secure aggregation (feast_edge.secagg)
-            # a stratified cohort, plans capped at what the round reveals (feast_edge.run.stratified)
-            reveal = Reveal(self.preset, s.cache, config.secure.colluders + 2)
-            self.loop.scheduler = StratifiedRounds(settings, self.method, self.model, reveal)
-            self.collector = SecureSums(
-                self.collector,
-                config.secure.colluders,
-                config.secure.secagg_bound,
-                "simulation",
-                config.secure.secagg_neighbours,
-                dp_clip=secure_dp_clip(config.dp_settings(), parameter_names(self.model)),
-            )
         budgets = {cid: float(b) for cid, b in zip(s.client_ids, s.population.budgets)}
         self.clock = VirtualClock(
             config.timing.model(), budgets, config.seed, self.method.payload_params, settings.payload_dtype
         )
-        rules = config.schedule.rules()
-        if rules is not None:  # buffered asynchronous rounds (feast_edge.run.asynchronous)
-            jobs = ClockJobs(self.clock, parameter_names(self.model))
-            self.loop.scheduler = AsyncSlots(settings, self.method, self.model, rules, jobs)
-            self.loop.policy = Buffered(self.loop.release, rules.staleness)
+        self.environment = SimulationEnvironment(
+            s,
+            self.method,
+            config,
+            self.clock,
+            parameter_names(self.model),
+            validator=self._device_validation() if on_devices else None,
+        )
+        host = HostParts(
+            self.model,
+            s.cache,
+            self.preset,
+            self.out,
+            kind=KIND,
+            fingerprint=config.fingerprint(),
+            config=config.decisive(),
+            method=self.method,
+            model_record=None if self.method.supernet else self.method.model_record(),
+            validation=None if on_devices else Validation(s.calibration_images(), *s.validation_data()),
+        )
+        try:
+            self.loop = compose(host, self.environment, config, settings)
+        except RunError as exc:
+            raise SimulationError(str(exc)) from None
+
+    @property
+    def collector(self) -> Collector:
+        """How one round's cohort trains, before the virtual clock (:meth:`run_round`)."""
+        assert self.environment.untimed is not None
+        return self.environment.untimed
 
     def _device_validation(self) -> InProcessValidation:
         """--validate-on devices: each round's cohort tests the model on its held-out splits (a server without data)."""
@@ -224,14 +221,8 @@ class Simulation:
                     )
                 )
 
-        now = (self.history[-1].clock or 0.0) if self.history else 0.0
-        if isinstance(self.loop.scheduler, AsyncSlots):
-            self.loop.scheduler.resume(now)
-            collector = self.collector
-        else:
-            collector = TimedRounds(self.collector, self.clock, self.config.timing.round_timeout, now)
         try:
-            self.loop.run(collector, on_round=progress, stop_after=stop_after)
+            self.loop.run(on_round=progress, stop_after=stop_after)
         finally:
             log.close()
         if not self.loop.finished:

@@ -1,4 +1,4 @@
-"""Buffered asynchronous rounds (feast_edge.run.asynchronous) and the virtual clock (feast_edge.sim.clock): the
+"""Buffered asynchronous rounds (feast_edge.run.asynchronous) and the virtual clock (feast_edge.run.clock): the
 per-coordinate staleness weights on hand-built deltas from different versions, stale updates refused and counted, the
 idle-device draw, and simulations that are reproducible and, with K = M = the cohort and no delays, synchronous."""
 
@@ -29,7 +29,7 @@ from feast_edge.run.round_record import RoundRecord
 from feast_edge.run.settings import RunError, RunSettings
 from feast_edge.run.stages.weight_cap import WeightCapStage
 from feast_edge.run.store import CHECKPOINT
-from feast_edge.sim.clock import ClockModel, VirtualClock
+from feast_edge.run.clock import ClockModel, VirtualClock
 from feast_edge.sim.setup import SimulationError
 from feast_edge.sim.simulate import Simulation
 from simconfigs import tiny_config

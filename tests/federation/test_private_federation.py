@@ -18,7 +18,8 @@ import torch
 from feast_edge.privacy.accountant import local_epsilon
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.server.config import ServerConfig, ServerError
-from feast_edge.server.host import RunHost
+from feast_edge.server.app import FederationServer
+from feast_edge.transport.broker import LinkConfig
 from feast_edge.server.status import read_status, status_lines
 from feast_edge.sim.shards import read_index
 from feast_edge.sim.simulate import Simulation
@@ -71,9 +72,10 @@ def test_a_private_federation_equals_the_private_simulation(kit, tmp_path: Path,
 def test_a_server_without_data_keeps_the_devices_statistics_on_the_devices_under_dp(tmp_path: Path) -> None:
     private = ServerConfig.of(out=str(tmp_path / "dp"), preset="fmnist-small", **DP)
     assert not private.federated_statistics
-    assert RunHost(private, validator=lambda t, record: 1.0).loop.validator is None
+    # the server's environment offers no validator under DP (server.environment), unconnected
+    assert FederationServer(private, LinkConfig()).loop.validator is None
     plain = ServerConfig.of(out=str(tmp_path / "plain"), preset="fmnist-small")
-    assert plain.federated_statistics and RunHost(plain, validator=lambda t, record: 1.0).loop.validator is not None
+    assert plain.federated_statistics and FederationServer(plain, LinkConfig()).loop.validator is not None
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from feast_edge.flower import log_to_stderr, records
 from feast_edge.flower.serverapp.collector import FlowerCollector, NodeBook
+from feast_edge.flower.serverapp.environment import FlowerEnvironment
 from feast_edge.flower.serverapp.personalize_nodes import personalize_nodes
 from feast_edge.flower.serverapp.run_config import personalize_choice, server_config
 from feast_edge.flower.serverapp.validation import FlowerValidation
@@ -47,7 +48,7 @@ class FlowerFederation(RunHost):
     """A federation run whose devices are Flower SuperNodes (see the module docstring)."""
 
     def __init__(self, config: ServerConfig, grid: Grid) -> None:
-        super().__init__(config, on_round=_print_round, validator=self._validate_on_nodes)
+        super().__init__(config, on_round=_print_round)
         self.devices = DeviceBook(
             self.registry,
             self.preset,
@@ -83,6 +84,7 @@ class FlowerFederation(RunHost):
             max_weight_ratio=config.aggregation.max_weight_ratio,
             timeout=config.network.round_timeout,
         )
+        self.compose_loop(FlowerEnvironment(self.collector, self._validate_on_nodes))
 
     def _validate_on_nodes(
         self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None
@@ -105,7 +107,7 @@ class FlowerFederation(RunHost):
                 self.config.validation.eval_every,
             )
         try:
-            history = self.run_rounds(self.collector)
+            history = self.run_rounds()
         except WaitTimeout as exc:
             raise ServerError(
                 f"{exc}; stopping: {self.saved()}. Start more SuperNodes, then run again to resume"
@@ -151,7 +153,7 @@ def main(grid: Grid, context: Context) -> None:
         len(federation.cache),
         config.training.rounds,
         config.population.per_round,
-        config.server_optimizer().describe(),
+        federation.loop.settings.server_opt.describe(),
         config.out,
     )
     federation.run()

@@ -19,6 +19,7 @@ deadline drops them; asynchronous ones read the clock directly (feast_edge.run.a
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from feast_edge.route.payload import bytes_per_param
-from feast_edge.run.collect import ClientUpdate, Collected, Collector, Wrapped
+from feast_edge.run.collect import REFUSED, STALE, ClientUpdate, Collected, Collector, Wrapped
 from feast_edge.run.round_record import RoundRecord
 
 RATE = 1.3e10  # MAC/s of FEAST training on one Zen 3 EPYC core (docs/simulation.md, "The virtual clock")
@@ -147,8 +148,12 @@ def timeline(history: Sequence[RoundRecord], mode: str) -> dict[str, Any]:
         "staleness": {
             "mean": sum(taus) / len(taus) if taus else 0.0,
             "max": max(taus, default=0),
-            "refused": sum(why.startswith("stale") for h in history for why in h.rejected.values()),
+            "refused": sum(kind == STALE for h in history for kind in h.refusals.values()),
         },
+        # every refused update by its kind (a refusal without one: REFUSED): staleness, a bound, a bad payload
+        "refused_by_kind": dict(
+            sorted(Counter(h.refusals.get(c, REFUSED) for h in history for c in h.rejected).items())
+        ),
         "dropped": sum(len(h.dropped) for h in history),
         "late": sum(len(h.missing) for h in history),
         "participation": dict(sorted(participation.items())),

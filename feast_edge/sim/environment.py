@@ -1,0 +1,73 @@
+"""The simulation's environment (feast_edge.run.environment): every client trains in process, its jobs take the time
+the virtual clock says (feast_edge.run.clock), secure sums are masked and unmasked in process, and the clients'
+held-out splits validate where ``--validate-on devices``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from feast_edge.run.clock import TimedRounds, VirtualClock
+from feast_edge.run.collect import Collector
+from feast_edge.run.environment import EVERYTHING, Plain
+from feast_edge.run.jobs import ClockJobs, Jobs
+from feast_edge.secagg.collector import SecureSums, secure_dp_clip
+from feast_edge.sim.collect import InProcessCollector
+
+if TYPE_CHECKING:
+    from feast_edge.run.loop import Validator
+    from feast_edge.run.round_record import RoundRecord
+    from feast_edge.sim.config import SimulationConfig
+    from feast_edge.sim.setup import Setup
+
+
+class SimulationEnvironment(Plain):
+    """Clients in process on a virtual clock (see the module docstring)."""
+
+    capabilities = EVERYTHING
+
+    def __init__(
+        self,
+        setup: Setup,
+        method: Any,
+        config: SimulationConfig,
+        clock: VirtualClock,
+        steps: set[str],
+        validator: Validator | None = None,
+    ) -> None:
+        """``steps``: the model's parameters (what a device clips under central DP before masking)."""
+        self.setup, self.method, self.config, self.clock, self.steps = setup, method, config, clock, steps
+        self._validator = validator
+        self.untimed: Collector | None = None  # the collector before the clock (one round alone: Simulation.run_round)
+        self.rounds: TimedRounds | None = None
+
+    def collector(self) -> Collector:
+        self_reported = self.config.aggregation.max_weight_ratio > 0
+        self.untimed = InProcessCollector(self.setup, self.method, self_reported=self_reported)
+        return self.untimed
+
+    def secure_sums(self, inner: Collector) -> Collector:
+        secure = self.config.secure
+        self.untimed = SecureSums(
+            inner,
+            secure.colluders,
+            secure.secagg_bound,
+            "simulation",
+            secure.secagg_neighbours,
+            dp_clip=secure_dp_clip(self.config.dp_settings(), self.steps),
+        )
+        return self.untimed
+
+    def jobs(self, collector: Collector, steps: set[str]) -> Jobs:
+        return ClockJobs(self.clock, steps)
+
+    def timed(self, collector: Collector) -> Collector:
+        self.rounds = TimedRounds(collector, self.clock, self.config.timing.round_timeout)
+        return self.rounds
+
+    def validator(self) -> Validator | None:
+        return self._validator
+
+    def resumed(self, history: Sequence[RoundRecord]) -> None:
+        if self.rounds is not None:  # synchronous rounds go on from the clock of the last one
+            self.rounds.now = (history[-1].clock or 0.0) if history else 0.0
