@@ -80,6 +80,19 @@ def _rows(markdown: str) -> dict[str, list[str]]:
     return rows
 
 
+def test_the_docs_tables_are_what_the_records_render() -> None:
+    step = STEP_MODULE
+    specs = step.Specs.load()
+    page = REPO / "docs" / "benchmarks.md"
+    text = page.read_text(encoding="utf-8")
+    addresses = step.MARKERS.findall(text)
+    assert len(addresses) >= 7, "docs/benchmarks.md lost its bench-table markers"
+    stale = {p.name: step.render_page(p.read_text(encoding="utf-8"), specs)[1] for p in (REPO / "docs").glob("*.md")}
+    assert {name: changed for name, changed in stale.items() if changed} == {}, (
+        "tables differ from what their records render; run `python -m docs_hooks.bench_tables` and commit the pages"
+    )
+
+
 def test_a_record_becomes_a_formatted_table_and_a_line_without_a_machine_path(tmp_path: Path) -> None:
     _record(tmp_path, "toy", "2026-01-02", "0123456789ab", FIGURES, torch="2.14.1")
     specs = STEP_MODULE.Specs({"toy": {"devices": TOY}})
