@@ -4,7 +4,7 @@
 #   make test    system packages + .venv + the package + a broker on 127.0.0.1:1883, then pytest (every test)
 #   make test-fast  the same set-up, then pytest -m "not slow" (the loop while developing; docs/development.md)
 #   Both run pytest-xdist on every core (-n auto --dist loadgroup); WORKERS=N changes that, WORKERS=0 runs in one process.
-#   make docs    .venv + the package, then the documentation site into site/ (mkdocs build --strict)
+#   make docs    .venv + the package, the benchmark tables from bench/results/, then the site into site/ (strict)
 #
 # Every step is idempotent: a second run only checks and goes straight to the command.
 # Variables (make VAR=value):
@@ -57,7 +57,7 @@ help:
 	@echo "  make demo             set everything up, then run 'feast-edge demo' (DEMO_ARGS=...)"
 	@echo "  make test             set everything up, start a broker if needed, then run every test (PYTEST_ARGS=...)"
 	@echo "  make test-fast        the same, but only the tests not marked slow: pytest -m 'not slow'"
-	@echo "  make docs             the documentation site into site/ (mkdocs build --strict: a broken link fails it)"
+	@echo "  make docs             the benchmark tables from bench/results/, then the site into site/ (mkdocs build --strict)"
 	@echo "  both run on every core (pytest-xdist -n auto); WORKERS=N sets the number, WORKERS=0 runs in one process"
 	@echo "  costs on 2 cores and how to run a marker or a file: docs/development.md"
 	@echo
@@ -158,8 +158,10 @@ demo: setup
 # The documentation site (mkdocs.yml; docs/development.md, "Documentation"): strict, so a broken link, a missing
 # anchor or a page left out of the nav fails it. The command-line reference is generated from the programs, so the
 # package must be importable: the venv, not the system packages. Open site/index.html, or serve it with
-# `$(VENV)/bin/python -m mkdocs serve`.
+# `$(VENV)/bin/python -m mkdocs serve`. The benchmark tables between bench-table markers are first rewritten from
+# the records in bench/results/ (docs/development.md, "Benchmark records"); commit what that changes.
 docs: venv
+	cd "$(CURDIR)" && $(VPY) -m docs_hooks.bench_tables
 	cd "$(CURDIR)" && NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict --site-dir site
 
 clean:

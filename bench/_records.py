@@ -3,7 +3,8 @@
     write_record("served-demo", figures)  ->  bench/results/served-demo-2026-12-07-<commit>.json
 
 The docs show what a record means; the record keeps what was measured, where and on which code, so a figure in the
-docs can always be traced to the run that made it.
+docs can always be traced to the run that made it. Its tables are declared in bench/tables/ (bench/_tables.py) and
+rendered into docs/benchmarks.md by ``python -m docs_hooks.bench_tables``.
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ def cpu() -> dict[str, Any]:
 def commit() -> str:
     """The checked-out commit (with ``+changes`` when the tree differs from it)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], check=False, cwd=REPO, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], check=False, cwd=REPO, capture_output=True
+        )
     except OSError:
         return "?"
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
@@ -63,11 +68,13 @@ def write_record(name: str, figures: dict[str, Any]) -> Path:
     ``bench/results/<name>-<date>-<commit>.json``."""
     import torch
 
-    today = datetime.date.today().isoformat()
+    now = datetime.datetime.now()
+    today = now.date().isoformat()
     record = {
         "benchmark": name,
         "command": " ".join(shlex.quote(a) for a in ["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
         "date": today,
+        "time": now.strftime("%H:%M:%S"),  # the newest of a day's records is the one the docs' tables show
         "commit": STARTED_ON,
         "cpu": cpu(),
         "torch": torch.__version__,

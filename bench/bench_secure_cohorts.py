@@ -23,7 +23,7 @@ here, and few images keep the rounds short): the withheld segments per round bef
 round's cap routed less than their affordable set.
 
 The figures are printed and written as a record in bench/results/ (bench/_records.py): the command, the CPU
-(lscpu), the date, the commit and the figures.
+(lscpu), the date, the commit and the figures. Its tables in docs/benchmarks.md: bench/tables/secure_cohorts.py.
 """
 
 from __future__ import annotations

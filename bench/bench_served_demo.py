@@ -19,7 +19,7 @@ candidate per device: the bytes of one more routed payload of its evaluation pla
 evaluation of its targets on its own data (timed here, the median of 3, beside the first candidate's); the agents'
 logs' validation times (two candidates at the last round, one before) are printed too, but the demo's agents share
 the machine with each other's training, so they vary with what else runs. A record of the run is written to
-bench/results/ (bench/_records.py).
+bench/results/ (bench/_records.py); its tables in docs/benchmarks.md are declared in bench/tables/served_demo.py.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ examples; the better offered to the served-round rule) against the rule before t
 the round's stead ("before"): which weights each serves per device and seed, and their test accuracy in test images.
 Both use the run's window (--serve-average's default: rounds 16-20 of the default 20, which the rule before the
 window fit the run averaged too; for fewer rounds the window is shorter than that rule's 5).
-Prints progress lines, a table per seed and a summary; writes a record to bench/results/ (bench/_records.py).
+Prints progress lines, a table per seed and a summary; writes a record to bench/results/ (bench/_records.py), whose
+tables in docs/benchmarks.md are declared in bench/tables/served_round.py.
 """
 
 from __future__ import annotations
