@@ -63,9 +63,6 @@ def stage_line(state: dict[str, Any]) -> str:
     return f"secure aggregation: round {state.get('round')}: {state.get('stage')} ({state.get('detail')})"
 
 
-SECURE_KINDS = (SecAggKeys, SecAggShares, SecAggReveal)
-
-
 class SecureStages:
     """One secure round's stages at the server: what each device advertised, shared and revealed."""
 
@@ -296,13 +293,10 @@ class SecureCollector(DeviceCollector):
             self.timeout,
             show=self._show,
         )
-        self.events.secure = stages
-        try:
+        with self.events.secure_round(stages):  # the events route the stage messages to this round while it runs
             got = super().collect(t, cohort, plans, global_state, lr)
             masked = {d: m for d, m in self._masked.items() if d in {u.client for u in got.updates}}
             unmasked = stages.unmask(masked, self.events.pump)
-        finally:
-            self.events.secure = None
         released, withheld = release(segments, unmasked, global_state, code)
         for members, reason in withheld.items():
             log.info("round %d: the segment of %s keeps its global value: %s", t + 1, members, reason)
