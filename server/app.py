@@ -188,7 +188,7 @@ class FederationServer(RunHost):
                 events=events,
                 out=self.out,
                 weight_ratio=cfg.aggregation.max_weight_ratio,
-                dp_clip=dp.clip if (dp := cfg.dp_settings()) is not None and dp.mode == "central" else 0.0,
+                dp_clip=dp.clip if (dp := cfg.dp_settings()) is not None and dp.mode == "central" else None,
             )
         else:
             self.collector = DeviceCollector(events.exchange, self.devices, terms, self.live)

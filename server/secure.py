@@ -244,13 +244,13 @@ class SecureCollector(DeviceCollector):
         events: Any,
         out: Path,
         weight_ratio: float = 0.0,
-        dp_clip: float = 0.0,
+        dp_clip: float | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(*args, **kw)
         self.secure_terms, self.timeout, self.publish, self.events, self.out = secure, timeout, publish, events, out
         self.weight_ratio = weight_ratio  # --max-weight-ratio: self-reported counts are capped before they weigh
-        self.dp_clip = dp_clip  # central DP: each device clips before masking, the release stage noises the sums
+        self.dp_clip = dp_clip  # central DP (None: none): clipped before masking, the release stage noises the sums
         self._t = 0
         self.stages: SecureStages | None = None
         self._block: SecureBlock | None = None
@@ -337,7 +337,7 @@ class SecureCollector(DeviceCollector):
         return ClientUpdate(
             reply.device,
             {},
-            1 if self._block.clip else self._block.counts[reply.device],  # what weighs it (central DP: 1 each)
+            1 if self._block.clip is not None else self._block.counts[reply.device],  # central DP: 1 each
             loss=update.loss,
             samples_seen=update.samples_seen,
             train_macs=update.train_macs,
