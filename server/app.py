@@ -29,7 +29,6 @@ from feast_edge.route.plans import ClientPlan
 from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
 from feast_edge.run.collect import Collected, Collector, Wrapped
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
-from feast_edge.secagg.sums import SecureTerms
 from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
 from feast_edge.server.collect import DeviceCollector, RoundTerms
 from feast_edge.server.config import ServerConfig, ServerError
@@ -40,7 +39,7 @@ from feast_edge.server.host import REGISTRY, RunHost
 from feast_edge.server.jobs import DeviceJobs, JobExchange, write_jobs
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Device
-from feast_edge.server.secure import SecureCollector
+from feast_edge.server.secure import mqtt_secure_sums
 from feast_edge.server.serving import ModelServer
 from feast_edge.server.validation import FederatedValidation
 from feast_edge.server.waiting import WaitTimeout
@@ -177,18 +176,14 @@ class FederationServer(RunHost):
                 cfg.secure.colluders + 2,
                 cfg.secure.secagg_bound,
             )
-            self.collector = SecureCollector(
-                events.exchange,
-                self.devices,
-                terms,
-                self.live,
-                secure=SecureTerms(cfg.secure.colluders, cfg.secure.secagg_bound, cfg.secure.secagg_neighbours),
-                timeout=cfg.secure.secagg_timeout,
+            self.collector = mqtt_secure_sums(
+                DeviceCollector(events.exchange, self.devices, terms, self.live),
+                cfg.secure,
+                cfg.dp_settings(),
                 publish=self.link.publish,
                 events=events,
                 out=self.out,
                 weight_ratio=cfg.aggregation.max_weight_ratio,
-                dp_clip=dp.clip if (dp := cfg.dp_settings()) is not None and dp.mode == "central" else None,
             )
         else:
             self.collector = DeviceCollector(events.exchange, self.devices, terms, self.live)

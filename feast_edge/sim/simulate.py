@@ -36,7 +36,7 @@ from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError, RunLoop
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.run.stages.released import released_of
 from feast_edge.run.stratified import StratifiedRounds
-from feast_edge.secagg.collector import SecureSums, secure_dp_clip
+from feast_edge.secagg.collector import in_process_secure_sums
 from feast_edge.settings import SettingsError, flat
 from feast_edge.settings.concerns import loop_settings
 from feast_edge.sim.clock import TimedRounds, VirtualClock, timeline
@@ -114,13 +114,8 @@ class Simulation:
             # a stratified cohort, plans capped at what the round reveals (feast_edge.run.stratified)
             reveal = Reveal(self.preset, s.cache, config.secure.colluders + 2)
             self.loop.scheduler = StratifiedRounds(settings, self.method, self.model, reveal)
-            self.collector = SecureSums(
-                self.collector,
-                config.secure.colluders,
-                config.secure.secagg_bound,
-                "simulation",
-                config.secure.secagg_neighbours,
-                dp_clip=secure_dp_clip(config.dp_settings(), parameter_names(self.model)),
+            self.collector = in_process_secure_sums(
+                self.collector, config.secure, config.dp_settings(), parameter_names(self.model)
             )
         budgets = {cid: float(b) for cid, b in zip(s.client_ids, s.population.budgets)}
         self.clock = VirtualClock(
