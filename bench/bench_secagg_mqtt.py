@@ -34,7 +34,7 @@ import feast_edge.server.secure as secure  # noqa: E402
 from feast_edge.agent.agent import Agent, AgentConfig  # noqa: E402
 from feast_edge.agent.local_data import load_clients  # noqa: E402
 from feast_edge.server.app import FederationServer, ServerConfig  # noqa: E402
-from feast_edge.server.collect import DeviceCollector  # noqa: E402
+from feast_edge.server.collect import PlainUploads  # noqa: E402
 from feast_edge.sim.setup import SimulationConfig  # noqa: E402
 from feast_edge.sim.shards import write_partition  # noqa: E402
 from feast_edge.transport.broker import LinkConfig  # noqa: E402
@@ -88,10 +88,10 @@ class Meter:
 
             return wrapped
 
-        wrap(DeviceCollector, "check", check)
-        wrap(secure.SecureCollector, "check", check)
+        wrap(PlainUploads, "check", check)
+        wrap(secure.MaskedUploads, "check", check)
         wrap(secure.SecureStages, "on_message", on_message)
-        wrap(secure.SecureCollector, "_show", show)
+        wrap(secure.MqttSecureSums, "_show", show)
         return saved
 
 

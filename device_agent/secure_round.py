@@ -206,7 +206,7 @@ class SecureRounds:
         while not party.boxed.wait(0.2):
             if time.monotonic() > deadline or abandon():
                 return "the server sent no share box before the round's deadline (this device shared too late?)"
-        if party.block.clip:  # central DP: the parameters' change clipped, the rest global, before it is masked
+        if party.block.clip is not None:  # central DP: the parameters' change clipped, the rest global, then masked
             state = dp_input(base, state, parameter_names(self.preset), party.block.clip)
         weight, inputs, clipped = party.block.weight(start.device), {}, 0
         for sid in party.device.setup.routed(start.device):

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from feast_edge.dashboard.state import DashboardState
+from feast_edge.run.collect import Collector
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
-from feast_edge.server.collect import DeviceCollector, RoundTerms
-from feast_edge.server.environment import ServerEnvironment
+from feast_edge.server.collect import RoundTerms
 from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.devices import DeviceBook
+from feast_edge.server.environment import ServerEnvironment
 from feast_edge.server.events import Events
 from feast_edge.server.exchange import ExchangeSettings
 from feast_edge.server.host import REGISTRY, RunHost
@@ -174,9 +175,9 @@ class FederationServer(RunHost):
         )
 
     @property
-    def collector(self) -> DeviceCollector | None:
-        """The device collector the environment built (a secure one under --secure-agg)."""
-        return self.environment.device_collector
+    def collector(self) -> Collector | None:
+        """How a cohort's updates come back: the devices' collector, wrapped in secure sums under --secure-agg."""
+        return self.loop.collector
 
     def validate_on_devices(
         self, t: int, record: RoundRecord, alternative: Mapping[str, torch.Tensor] | None = None

@@ -8,7 +8,10 @@ round's updates, exactly as the simulation asks its in-process one:
     -> Collected(valid updates, rejected with reasons, missing, dropped, ignored)
 
 Messages, chunks and waiting are ``exchange.RoundExchange``'s; devices that
-never reply do not block the round past its ``round_timeout``.
+never reply do not block the round past its ``round_timeout``. What a round
+message carries beyond the plain round's, and how an upload is decoded, is the
+collector's upload codec: :class:`PlainUploads` (routed slices back as updates),
+or a secure round's masked uploads (``secure.MaskedUploads``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -123,14 +126,73 @@ def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
+class Uploads(Protocol):
+    """A round's upload codec: what the round messages carry beyond the plain round's, and what comes back."""
+
+    def round_extra(self) -> dict[str, Any]:
+        """Further RoundStart.from_plan arguments (a secure round's terms)."""
+
+    def expect(self, device: str, blob: bytes, plan: ClientPlan, registered_samples: int) -> Expect:
+        """What ``device``'s reply may announce, its routed payload being ``blob``."""
+
+    def check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor]) -> ClientUpdate | str:
+        """``reply``'s upload decoded against the manifest routed to it, or why it is refused."""
+
+
+class PlainUploads:
+    """Each device's routed slice comes back as its update, checked against what it was sent."""
+
+    def __init__(self, terms: RoundTerms, devices: DeviceBook) -> None:
+        self.terms, self.devices = terms, devices
+
+    def round_extra(self) -> dict[str, Any]:
+        return {}
+
+    def expect(self, device: str, blob: bytes, plan: ClientPlan, registered_samples: int) -> Expect:
+        """An update of the size of the routed ``blob``."""
+        return Expect(max_bytes=len(blob) + UPLOAD_SLACK, max_samples=registered_samples)
+
+    def check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor]) -> ClientUpdate | str:
+        """``reply``'s upload decoded against the manifest routed to it and held to the update-norm bound (its change
+        of ``global_state``, the model it was sent), or why it is refused."""
+        assert reply.update is not None and reply.payload is not None
+        try:
+            manifest, state = decode(reply.payload, self.terms.preset, expected=routed)
+        except FeastError as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever an upload holds, it is the upload's fault: refuse it, never stop
+            return f"undecodable payload ({type(exc).__name__})"
+        if manifest.kind != "update":
+            return f"payload kind {manifest.kind!r} is not 'update'"
+        return update_of(
+            reply.device,
+            state,
+            reply.update,
+            global_state,
+            self.terms.max_update_norm,
+            self_reported=reply.device not in self.devices.shard_samples,
+            local_dp=self.terms.local_dp,
+        )
+
+
 class DeviceCollector:
     """Cohorts among online devices; their slices out and their updates back over a :class:`RoundExchange`."""
 
     def __init__(
-        self, exchange: RoundExchange, devices: DeviceBook, terms: RoundTerms, live: LiveView | None = None
+        self,
+        exchange: RoundExchange,
+        devices: DeviceBook,
+        terms: RoundTerms,
+        live: LiveView | None = None,
+        uploads: Uploads | None = None,
     ) -> None:
         self.exchange, self.devices, self.terms = exchange, devices, terms
         self.live = live  # the dashboard's view of the round in flight (feast-server run --dashboard)
+        self.uploads = PlainUploads(terms, devices) if uploads is None else uploads
+
+    def with_uploads(self, uploads: Uploads) -> DeviceCollector:
+        """This collector with ``uploads`` as its upload codec (a secure round's masked uploads)."""
+        return DeviceCollector(self.exchange, self.devices, self.terms, self.live, uploads)
 
     @property
     def receiver(self) -> ChunkReceiver:
@@ -170,7 +232,7 @@ class DeviceCollector:
             if reply.error and reply.outcome != REJECTED:
                 self.unsettled(got, t, reply)
                 continue
-            checked = reply.error or self.check(reply, routed[reply.device].manifest, global_state)
+            checked = reply.error or self.uploads.check(reply, routed[reply.device].manifest, global_state)
             if isinstance(checked, str):
                 self.reject(got, t, reply.device, checked)
                 continue
@@ -205,42 +267,12 @@ class DeviceCollector:
             registered = self.devices.registry.get(device)
             message = terms.round_start(
                 plan, exchange.topics.federation, t, device, registered, info, exchange.time_left(), lr,
-                **self.round_extra(),
+                **self.uploads.round_extra(),
             )  # fmt: skip
-            expect = self.expect(device, blob, plan, registered.samples if registered is not None else 0)
+            expect = self.uploads.expect(device, blob, plan, registered.samples if registered is not None else 0)
             if exchange.send(device, message, blob, info, expect) and self.live is not None:
                 self.live.routed(device, len(blob), info.count, plan.envelope.params(terms.preset, classes))
         return routed
-
-    def round_extra(self) -> dict[str, Any]:
-        """What the round messages carry beyond the plain round's (a subclass's terms)."""
-        return {}
-
-    def expect(self, device: str, blob: bytes, plan: ClientPlan, registered_samples: int) -> Expect:
-        """What ``device``'s reply may announce: an update of the size of its routed ``blob``."""
-        return Expect(max_bytes=len(blob) + UPLOAD_SLACK, max_samples=registered_samples)
-
-    def check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor]) -> ClientUpdate | str:
-        """``reply``'s upload decoded against the manifest routed to it and held to the update-norm bound (its change
-        of ``global_state``, the model it was sent), or why it is refused."""
-        assert reply.update is not None and reply.payload is not None
-        try:
-            manifest, state = decode(reply.payload, self.terms.preset, expected=routed)
-        except FeastError as exc:
-            return str(exc)
-        except Exception as exc:  # noqa: BLE001 - whatever an upload holds, it is the upload's fault: refuse it, never stop
-            return f"undecodable payload ({type(exc).__name__})"
-        if manifest.kind != "update":
-            return f"payload kind {manifest.kind!r} is not 'update'"
-        return update_of(
-            reply.device,
-            state,
-            reply.update,
-            global_state,
-            self.terms.max_update_norm,
-            self_reported=reply.device not in self.devices.shard_samples,
-            local_dp=self.terms.local_dp,
-        )
 
     def unsettled(self, got: Collected, t: int, reply: Reply) -> None:
         """``reply``'s device declined the round, or its payload or upload did not get through: no update of it counts."""

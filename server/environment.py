@@ -6,20 +6,41 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from feast_edge.run.collect import Collector
 from feast_edge.run.environment import EVERYTHING, Plain
 from feast_edge.run.jobs import Jobs
-from feast_edge.secagg.sums import SecureTerms
 from feast_edge.server.collect import DeviceCollector, RoundTerms
 from feast_edge.server.jobs import DeviceJobs, write_jobs
-from feast_edge.server.secure import SecureCollector
+from feast_edge.server.secure import mqtt_secure_sums
 
 if TYPE_CHECKING:
-    from feast_edge.run.loop import Validator
+    from feast_edge.run.loop import RunLoop, Validator
     from feast_edge.run.round_record import RoundRecord
-    from feast_edge.server.app import FederationServer
+    from feast_edge.server.config import ServerConfig
+    from feast_edge.server.devices import DeviceBook
+    from feast_edge.server.events import Events
+    from feast_edge.server.live import LiveView
+    from feast_edge.transport.link import Link
+    from feast_edge.util.cores import Threads
+
+
+class Hosting(Protocol):
+    """What the environment reaches of the server that hosts it (server.app.FederationServer)."""
+
+    config: ServerConfig
+    out: Path
+    events: Events
+    devices: DeviceBook
+    live: LiveView | None
+    link: Link
+    threads: Threads | None
+    loop: RunLoop
+    history: list[RoundRecord]
+    validate_on_devices: Validator
+
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +50,13 @@ class ServerEnvironment(Plain):
 
     capabilities = EVERYTHING
 
-    def __init__(self, server: FederationServer, terms: RoundTerms) -> None:
+    def __init__(self, server: Hosting, terms: RoundTerms) -> None:
         self.server, self.terms = server, terms
         self.async_jobs: DeviceJobs | None = None  # --mode async: the jobs on the devices
-        self.device_collector: DeviceCollector | None = None
 
     def collector(self) -> Collector:
         s = self.server
-        self.device_collector = DeviceCollector(s.events.exchange, s.devices, self.terms, s.live)
-        return self.device_collector
+        return DeviceCollector(s.events.exchange, s.devices, self.terms, s.live)
 
     def secure_sums(self, inner: Collector) -> Collector:
         s, cfg = self.server, self.server.config
@@ -47,21 +66,16 @@ class ServerEnvironment(Plain):
             cfg.secure.colluders + 2,
             cfg.secure.secagg_bound,
         )
-        dp = cfg.dp_settings()
-        self.device_collector = SecureCollector(
-            s.events.exchange,
-            s.devices,
-            self.terms,
-            s.live,
-            secure=SecureTerms(cfg.secure.colluders, cfg.secure.secagg_bound, cfg.secure.secagg_neighbours),
-            timeout=cfg.secure.secagg_timeout,
+        assert isinstance(inner, DeviceCollector)
+        return mqtt_secure_sums(
+            inner,
+            cfg.secure,
+            cfg.dp_settings(),
             publish=s.link.publish,
             events=s.events,
             out=s.out,
             weight_ratio=cfg.aggregation.max_weight_ratio,
-            dp_clip=dp.clip if dp is not None and dp.mode == "central" else 0.0,
         )
-        return self.device_collector
 
     def jobs(self, collector: Collector, steps: set[str]) -> Jobs:
         s = self.server

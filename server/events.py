@@ -4,7 +4,7 @@
     the run thread: pump(seconds) -> each message to the piece whose job it is:
         status, register  -> devices.DeviceBook (offline hosts -> the round exchange)
         update, declined, evaluated -> exchange.RoundExchange
-        secagg_keys, _shares, _reveal -> secure.SecureStages (a secure round's stages)
+        secagg_keys, _shares, _reveal -> the secure round in flight (secure_round: secure.SecureStages)
         metrics           -> the registry (and the dashboard)
         model_request     -> serving.ModelServer
 
@@ -17,15 +17,26 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Protocol
 
 from feast_edge.errors import FeastError
-from feast_edge.protocol import Declined, Evaluated, Metrics, ModelRequest, Register, Update
+from feast_edge.protocol import (
+    Declined,
+    Evaluated,
+    Metrics,
+    ModelRequest,
+    Register,
+    SecAggKeys,
+    SecAggReveal,
+    SecAggShares,
+    Update,
+)
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.exchange import RoundExchange
 from feast_edge.server.inbox import Inbox
 from feast_edge.server.live import LiveView
-from feast_edge.server.secure import SECURE_KINDS, SecureStages
 from feast_edge.server.serving import ModelServer
 from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.link import Received
@@ -35,6 +46,18 @@ from feast_edge.transport.topics import Topics
 from feast_edge.util.text import printable
 
 log = logging.getLogger(__name__)
+
+SECURE_KINDS = (SecAggKeys, SecAggShares, SecAggReveal)  # a secure round's stage messages, device to server
+
+
+class SecureRound(Protocol):
+    """A secure round's stages in flight (feast_edge.server.secure.SecureStages): its messages and its deadlines."""
+
+    def on_message(self, message: Message) -> None:
+        """A stage message of a device (one of SECURE_KINDS)."""
+
+    def tick(self) -> None:
+        """End a stage whose deadline passed."""
 
 
 class Events:
@@ -47,7 +70,7 @@ class Events:
         self.stop = threading.Event()  # set: every wait ends (KeyboardInterrupt in a round)
         self.exchange: RoundExchange | None = None
         self.models: ModelServer | None = None
-        self.secure: SecureStages | None = None  # the secure round in flight (--secure-agg), while its stages run
+        self._secure: SecureRound | None = None  # the secure round in flight (--secure-agg), while its stages run
         self.filter = MessageFilter(topics.federation)  # stale rounds and foreign federations
         self._dropped = Throttle(log)  # bad input is logged, a few lines a minute per kind and sender
 
@@ -90,6 +113,17 @@ class Events:
         return handle
 
     # ------------------------------------------------------------------ the run thread
+    @contextmanager
+    def secure_round(self, stages: SecureRound) -> Iterator[None]:
+        """Route the secure-stage messages to ``stages`` while the block runs; outside it they are ignored."""
+        if self._secure is not None:
+            raise RuntimeError("a secure round is already in flight: one at a time")
+        self._secure = stages
+        try:
+            yield
+        finally:
+            self._secure = None
+
     def pump(self, seconds: float) -> None:
         """Handle incoming messages and finished transfers for ``seconds`` (0: only what is queued now)."""
         end = time.monotonic() + seconds
@@ -97,8 +131,8 @@ class Events:
             try:
                 if self.exchange is not None:
                     self.exchange.tick()
-                if self.secure is not None:
-                    self.secure.tick()  # a key stage whose deadline passed
+                if self._secure is not None:
+                    self._secure.tick()  # a key stage whose deadline passed
                 if self.models is not None:
                     self.models.tick()  # model requests that waited for their device's interval
                 if self.live is not None:
@@ -148,10 +182,10 @@ class Events:
         elif channel == "events" and isinstance(message, Evaluated) and exchange is not None:
             exchange.on_evaluated(message)
         elif channel == "events" and isinstance(message, SECURE_KINDS):
-            if self.secure is None:
+            if self._secure is None:
                 self.ignore(f"{message.kind} from {message.device}: no secure round is in flight")
             else:
-                self.secure.on_message(message)
+                self._secure.on_message(message)
         elif channel == "events" and isinstance(message, Metrics):
             if self.registry.get(message.device) is not None:
                 self.registry.touch(message.device, metrics=message.values)

@@ -219,7 +219,7 @@ class DeviceJobs:
             return Arrival(
                 reply.device, sent.version, sent.plan, None, {}, seconds, OUTCOMES[reply.outcome], reply.error
             )
-        checked = reply.error or self.collector.check(reply, sent.manifest, sent.state)
+        checked = reply.error or self.collector.uploads.check(reply, sent.manifest, sent.state)
         if isinstance(checked, str):
             self.collector.reject(got, sent.version, reply.device, checked)
             return Arrival(reply.device, sent.version, sent.plan, None, {}, seconds, REJECTED, checked)

@@ -26,9 +26,9 @@ from feast_edge.report.model_words import (
 )
 from feast_edge.route.payload import bytes_per_param
 from feast_edge.route.plans import plan_client
+from feast_edge.run.clock import clock_entry
 from feast_edge.run.loop import RoundRecord
 from feast_edge.server.registry import Device, Registry
-from feast_edge.run.clock import clock_entry
 from feast_edge.space.preset import Preset
 from feast_edge.transport.chunks import Reassembler
 

@@ -5,6 +5,11 @@ feast_edge.secagg.protocol between the cohort devices and unmasks only per-segme
     sealed shares (stage 2)    ->  each device's box (U2)     ... the devices train, mask, upload (the round's wait)
     the masked uploads (U3)    ->  unmask request to U3       ->  revealed shares (stage 4)  ->  the segments' sums
 
+:class:`SecureStages` holds one round's stages (the events route its messages while the round is open);
+:class:`MaskedUploads` is the device collector's upload codec for the masked uploads; :class:`MqttSecureSums` is the
+sums transport of feast_edge.run.sums.Summed that opens the stages, unmasks and releases (``mqtt_secure_sums``
+builds it; its in-process twin is feast_edge.secagg.collector).
+
 Each key stage ends when every device still in the round answered or ``--secagg-timeout`` passed; a device that
 misses a stage is out of the round (the exchange stops waiting for it), and the survivors go on as SecAgg allows:
 fewer than t devices at a stage withholds the round, with the reason. The round's wait for the masked uploads is the
@@ -18,24 +23,33 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from feast_edge.aggregate.segments import SegmentSums
+from feast_edge.aggregate.checks import StateDict
+from feast_edge.aggregate.segments import Segment, SegmentSums
 from feast_edge.aggregate.weights import weight_cap
 from feast_edge.errors import FeastError
+from feast_edge.privacy.settings import DpSettings
 from feast_edge.protocol import SecAggBox, SecAggKeys, SecAggReveal, SecAggRoster, SecAggShares, SecAggUnmask
 from feast_edge.protocol.secure import SecureBlock, sealed_wire
 from feast_edge.route.payload import Manifest, integer_shapes
 from feast_edge.route.plans import ClientPlan
 from feast_edge.run.collect import ClientUpdate, Collected
+from feast_edge.run.sums import Summed
+from feast_edge.secagg.fixed import FixedPoint
 from feast_edge.secagg.masked import decode_masked, upload_bound
 from feast_edge.secagg.protocol import Setup, unmasked_sums
-from feast_edge.secagg.sums import SecureTerms, cohort_segments, release
+from feast_edge.secagg.sums import SecureTerms, cohort_segments, masked_clip, release
 from feast_edge.server.collect import DeviceCollector
+from feast_edge.server.config import SecureRounds
+from feast_edge.server.events import Events
 from feast_edge.server.exchange import Expect, Reply
+from feast_edge.space.preset import Preset
 from feast_edge.transport.messages import Message
 from feast_edge.util.atomic import atomic_write_bytes
 
@@ -61,9 +75,6 @@ def read_stage(out: Path) -> dict[str, Any] | None:
 
 def stage_line(state: dict[str, Any]) -> str:
     return f"secure aggregation: round {state.get('round')}: {state.get('stage')} ({state.get('detail')})"
-
-
-SECURE_KINDS = (SecAggKeys, SecAggShares, SecAggReveal)
 
 
 class SecureStages:
@@ -235,117 +246,164 @@ class SecureStages:
         return sums
 
 
-class SecureCollector(DeviceCollector):
-    """The deployment's collector under --secure-agg: the cohort's masked updates, released as per-segment sums."""
+class MaskedUploads:
+    """DeviceCollector's upload codec in a secure round: the round's terms go out with each round message, and each
+    upload is a masked update (feast_edge.secagg.masked), decoded and kept for the unmask stage."""
 
-    def __init__(
-        self,
-        *args: Any,
-        secure: SecureTerms,
-        timeout: float,
-        publish: Callable,
-        events: Any,
-        out: Path,
-        weight_ratio: float = 0.0,
-        dp_clip: float = 0.0,
-        **kw: Any,
-    ) -> None:
-        super().__init__(*args, **kw)
-        self.secure_terms, self.timeout, self.publish, self.events, self.out = secure, timeout, publish, events, out
-        self.weight_ratio = weight_ratio  # --max-weight-ratio: self-reported counts are capped before they weigh
-        self.dp_clip = dp_clip  # central DP: each device clips before masking, the release stage noises the sums
-        self._t = 0
+    def __init__(self, preset: Preset) -> None:
+        self.preset = preset
+        self.block: SecureBlock | None = None
         self.stages: SecureStages | None = None
-        self._block: SecureBlock | None = None
-        self._masked: dict[str, dict[str, Any]] = {}
-        self._integers: dict[str, dict[str, torch.Tensor]] = {}
+        self.masked: dict[str, dict[str, Any]] = {}  # device -> segment -> its masked values
+        self.integers: dict[str, dict[str, torch.Tensor]] = {}  # device -> its integer tensors (BN counters)
 
-    def counts(self, cohort: Sequence[str], ratio: float) -> dict[str, int]:
-        """Each device's aggregation count: registered, capped like a plain round's self-reported counts."""
-        registry, shards = self.devices.registry, self.devices.shard_samples
-        counts = {d: max(1, registry.get(d).samples) for d in cohort}  # type: ignore[union-attr]
-        cap = weight_cap(list(counts.values()), ratio)
-        return {d: n if cap is None or d in shards else min(n, cap) for d, n in counts.items()}
+    def begin(self, block: SecureBlock, stages: SecureStages) -> None:
+        """A new round's terms and stages; nothing uploaded yet."""
+        self.block, self.stages, self.masked, self.integers = block, stages, {}, {}
 
-    def collect(
-        self,
-        t: int,
-        cohort: Sequence[str],
-        plans: Mapping[str, ClientPlan],
-        global_state: Mapping[str, torch.Tensor],
-        lr: float,
-    ) -> Collected:
-        preset, terms = self.terms.preset, self.secure_terms
-        envelopes = {d: plans[d].envelope for d in cohort}
-        segments = cohort_segments(preset, envelopes)
-        federation = self.exchange.topics.federation
-        setup = terms.setup(f"{federation}/round {t}", segments, len(cohort))
-        code = terms.code(len(cohort))
-        counts = self.counts(cohort, self.weight_ratio)
-        self._block = SecureBlock(
-            terms.colluders, setup.threshold, terms.bound, code.frac, envelopes, counts, setup.degree, self.dp_clip
-        )
-        self._masked, self._integers, self._t = {}, {}, t
-        self.stages = stages = SecureStages(
-            setup,
-            federation,
-            t,
-            self.exchange.routed_of,
-            lambda device, message: self.publish(self.exchange.topics.ctrl(device), message.encode()),
-            self.exchange.give_up,
-            self.timeout,
-            show=self._show,
-        )
-        self.events.secure = stages
-        try:
-            got = super().collect(t, cohort, plans, global_state, lr)
-            masked = {d: m for d, m in self._masked.items() if d in {u.client for u in got.updates}}
-            unmasked = stages.unmask(masked, self.events.pump)
-        finally:
-            self.events.secure = None
-        released, withheld = release(segments, unmasked, global_state, code)
-        for members, reason in withheld.items():
-            log.info("round %d: the segment of %s keeps its global value: %s", t + 1, members, reason)
-        integers = [self._integers[d] for d in sorted(masked) if self._integers.get(d)]
-        got.sums, got.withheld = SegmentSums(released, integers), withheld
-        return got
-
-    def _show(self, stage: str, detail: str) -> None:
-        log.info("round %d: secure aggregation: %s: %s", self._t + 1, stage, detail)
-        write_stage(self.out, self._t, stage, detail)
-        if self.live is not None:
-            self.live.secure_stage(stage, detail)
-
-    # ------------------------------------------------------------------ DeviceCollector's hooks
     def round_extra(self) -> dict[str, Any]:
-        return {"secure": self._block}
+        return {"secure": self.block}
 
     def expect(self, device: str, blob: bytes, plan: ClientPlan, registered_samples: int) -> Expect:
-        assert self.stages is not None
+        """A masked upload of the segments ``device`` is routed, and its integer tensors."""
+        assert self.stages is not None, "begin() sets up the round first"
         lengths = {s: self.stages.setup.segments[s][1] for s in self.stages.setup.routed(device)}
-        ints = integer_shapes(self.terms.preset, plan.envelope)
+        ints = integer_shapes(self.preset, plan.envelope)
         return Expect(max_bytes=upload_bound(lengths, ints), max_samples=registered_samples)
 
     def check(self, reply: Reply, routed: Manifest, global_state: Mapping[str, torch.Tensor]) -> ClientUpdate | str:
+        """What ``reply`` reported (its state stays masked, kept here), or why its masked upload is refused."""
         assert reply.update is not None and reply.payload is not None
-        assert self.stages is not None and self._block is not None, "collect() sets up the round first"
+        assert self.stages is not None and self.block is not None, "begin() sets up the round first"
         if reply.device not in self.stages.shared:
             return "it uploaded a masked update but is not among the devices that shared their keys"
         try:
-            ints = integer_shapes(self.terms.preset, routed.envelope)
+            ints = integer_shapes(self.preset, routed.envelope)
             masked, integers = decode_masked(
                 reply.payload, self.stages.expected(reply.device), ints, reply.update.round, reply.device
             )
         except FeastError as exc:
             return str(exc)
-        self._masked[reply.device], self._integers[reply.device] = masked, integers
+        self.masked[reply.device], self.integers[reply.device] = masked, integers
         update = reply.update
         return ClientUpdate(
             reply.device,
             {},
-            1 if self._block.clip else self._block.counts[reply.device],  # what weighs it (central DP: 1 each)
+            1 if self.block.clip is not None else self.block.counts[reply.device],  # central DP: 1 each
             loss=update.loss,
             samples_seen=update.samples_seen,
             train_macs=update.train_macs,
             compute_seconds=update.compute_seconds,
         )
+
+
+class MqttSecureSums:
+    """Sums transport over MQTT: the key stages run while the cohort trains, the masked uploads come back through
+    ``uploads`` (the device collector's codec), and the unmask stage releases the per-segment sums."""
+
+    def __init__(
+        self,
+        collector: DeviceCollector,
+        uploads: MaskedUploads,
+        terms: SecureTerms,
+        timeout: float,
+        publish: Callable[[str, bytes], object],
+        events: Events,
+        out: Path,
+        weight_ratio: float = 0.0,
+        clip: float | None = None,
+    ) -> None:
+        """``weight_ratio`` (--max-weight-ratio): self-reported counts are capped before they weigh; ``clip``
+        (central DP; None: no DP): each device clips before masking, the release stage noises the sums."""
+        self.collector, self.uploads, self.terms, self.timeout = collector, uploads, terms, timeout
+        self.publish, self.events, self.out, self.weight_ratio, self.clip = publish, events, out, weight_ratio, clip
+        self._t = 0
+        self._round: tuple[SecureStages, dict[str, Segment], FixedPoint] | None = None
+        self._routing = ExitStack()  # the events' routing of the stage messages, while a round is open
+
+    def counts(self, cohort: Sequence[str]) -> dict[str, int]:
+        """Each device's aggregation count: registered, capped like a plain round's self-reported counts."""
+        registry, shards = self.collector.devices.registry, self.collector.devices.shard_samples
+        counts = {d: max(1, registry.get(d).samples) for d in cohort}  # type: ignore[union-attr]
+        cap = weight_cap(list(counts.values()), self.weight_ratio)
+        return {d: n if cap is None or d in shards else min(n, cap) for d, n in counts.items()}
+
+    def open(
+        self, t: int, cohort: Sequence[str], plans: Mapping[str, ClientPlan], global_state: Mapping[str, torch.Tensor]
+    ) -> None:
+        exchange, terms = self.collector.exchange, self.terms
+        envelopes = {d: plans[d].envelope for d in cohort}
+        segments = cohort_segments(self.collector.terms.preset, envelopes)
+        federation = exchange.topics.federation
+        setup = terms.setup(f"{federation}/round {t}", segments, len(cohort))
+        code = terms.code(len(cohort))
+        block = SecureBlock(
+            terms.colluders, setup.threshold, terms.bound, code.frac, envelopes, self.counts(cohort), setup.degree,
+            self.clip,
+        )  # fmt: skip
+        self._t = t
+        stages = SecureStages(
+            setup,
+            federation,
+            t,
+            exchange.routed_of,
+            lambda device, message: self.publish(exchange.topics.ctrl(device), message.encode()),
+            exchange.give_up,
+            self.timeout,
+            show=self._show,
+        )
+        self.uploads.begin(block, stages)
+        self._round = stages, segments, code
+        self._routing.enter_context(self.events.secure_round(stages))
+
+    def sums(self, t: int, got: Collected, global_state: StateDict) -> Collected:
+        assert self._round is not None, "open() starts the round first"
+        stages, segments, code = self._round
+        contributors = {u.client for u in got.updates}
+        masked = {d: m for d, m in self.uploads.masked.items() if d in contributors}
+        unmasked = stages.unmask(masked, self.events.pump)
+        released, withheld = release(segments, unmasked, global_state, code)
+        for members, reason in withheld.items():
+            log.info("round %d: the segment of %s keeps its global value: %s", t + 1, members, reason)
+        integers = [self.uploads.integers[d] for d in sorted(masked) if self.uploads.integers.get(d)]
+        return replace(got, sums=SegmentSums(released, integers), withheld=withheld)
+
+    def close(self) -> None:
+        self._routing.close()
+        self._round = None
+
+    def _show(self, stage: str, detail: str) -> None:
+        log.info("round %d: secure aggregation: %s: %s", self._t + 1, stage, detail)
+        write_stage(self.out, self._t, stage, detail)
+        if self.collector.live is not None:
+            self.collector.live.secure_stage(stage, detail)
+
+
+def mqtt_secure_sums(
+    inner: DeviceCollector,
+    secure: SecureRounds,
+    dp: DpSettings | None,
+    *,
+    publish: Callable[[str, bytes], object],
+    events: Events,
+    out: Path,
+    weight_ratio: float = 0.0,
+) -> Summed:
+    """``inner``'s rounds as securely aggregated per-segment sums, masked by the devices over MQTT.
+
+    Args:
+        inner: the device collector whose cohort trains; its uploads become masked ones.
+        secure: c, the clipping bound B, the neighbour graph's degree and each key stage's wait (``--secagg-*``).
+        dp: the run's DP settings: under central DP every device clips its parameters' change before masking.
+        publish: sends a stage message to a device's control topic.
+        events: the server's event loop, which routes the stage messages to the round in flight and pumps.
+        out: the run directory (the stage in flight, for ``feast-server status``).
+        weight_ratio: ``--max-weight-ratio``: registered counts are capped like a plain round's self-reported ones.
+    """
+    uploads = MaskedUploads(inner.terms.preset)
+    collector = inner.with_uploads(uploads)
+    terms = SecureTerms(secure.colluders, secure.secagg_bound, secure.secagg_neighbours)
+    transport = MqttSecureSums(
+        collector, uploads, terms, secure.secagg_timeout, publish, events, out, weight_ratio, masked_clip(dp)
+    )
+    return Summed(collector, transport)

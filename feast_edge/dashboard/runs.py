@@ -35,8 +35,8 @@ from feast_edge.report.model_words import (
 from feast_edge.report.run_files import DEVICES, MODELS, read_manifests, read_registry
 from feast_edge.report.runs import load_run
 from feast_edge.run.checkpoint import read_record
-from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 from feast_edge.run.clock import clock_entry
+from feast_edge.run.loop import CHECKPOINT, HISTORY_FORMAT
 
 RESULTS = "results.json"
 BYTES_PER_PARAM = 4

@@ -68,7 +68,8 @@ def _segment(value: Any) -> str:
 
 @dataclass(frozen=True)
 class SecureBlock:
-    """A secure round's terms, as RoundStart's ``secure`` field carries them."""
+    """A secure round's terms, as RoundStart's ``secure`` field carries them (on the wire, a ``clip`` of 0 means no
+    DP, as the first agents read it)."""
 
     colluders: int
     threshold: int
@@ -77,10 +78,10 @@ class SecureBlock:
     cohort: dict[str, Envelope]  # every cohort device's routed envelope: the segments follow from them
     counts: dict[str, int]  # every cohort device's aggregation count (registered, capped): weight = count / max
     degree: int = 0  # k of the neighbour graph (0: every member masks with every other; Setup.graph)
-    clip: float = 0.0  # central DP: the L2 bound each device clips its parameters' change to, weight 1 (0: no DP)
+    clip: float | None = None  # central DP: the L2 bound each device clips its parameters' change to, weight 1
 
     def weight(self, device: str) -> float:
-        return 1.0 if self.clip else self.counts[device] / max(self.counts.values())
+        return 1.0 if self.clip is not None else self.counts[device] / max(self.counts.values())
 
     def wire(self) -> dict[str, Any]:
         return {
@@ -91,7 +92,7 @@ class SecureBlock:
             "cohort": {d: e.to_dict() for d, e in sorted(self.cohort.items())},
             "counts": dict(sorted(self.counts.items())),
             "degree": self.degree,
-            "clip": self.clip,
+            "clip": 0.0 if self.clip is None else self.clip,
         }
 
     @classmethod
@@ -139,7 +140,7 @@ class SecureBlock:
             envelopes,
             dict(counts),
             ints["degree"],
-            float(clip),
+            None if clip == 0 else float(clip),
         )
 
 

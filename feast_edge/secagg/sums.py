@@ -31,6 +31,7 @@ from feast_edge.aggregate.segments import (
     segments_over,
 )
 from feast_edge.privacy.mechanism import private_update
+from feast_edge.privacy.settings import DpSettings
 from feast_edge.route.envelope import Envelope
 from feast_edge.route.payload import expected_shapes
 from feast_edge.secagg.fixed import DEFAULT_BOUND, FixedPoint
@@ -206,6 +207,11 @@ def secure_sums(
     return SecureRound(
         SegmentSums(released, [i for i in integers if i]), withheld, clipped, upload, shares, seconds, peak
     )
+
+
+def masked_clip(dp: DpSettings | None) -> float | None:
+    """Under central DP, the L2 bound every device clips its parameters' change to before masking; else None."""
+    return dp.clip if dp is not None and dp.mode == "central" else None
 
 
 def dp_input(

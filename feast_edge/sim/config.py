@@ -17,6 +17,7 @@ from feast_edge.local.recipe import TrainConfig
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.privacy.private_rounds import check_plan
 from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
+from feast_edge.run.clock import CLOCKS, RATE, ClockModel
 from feast_edge.settings import (
     Aggregation,
     Concern,
@@ -30,7 +31,6 @@ from feast_edge.settings import (
 )
 from feast_edge.settings.concerns import SecureAggregation, secure_refusals, server_step
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of
-from feast_edge.run.clock import CLOCKS, RATE, ClockModel
 from feast_edge.sim.registry import method_class
 
 VALIDATE_ON = ("server", "devices")  # --validate-on

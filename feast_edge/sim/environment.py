@@ -11,7 +11,7 @@ from feast_edge.run.clock import TimedRounds, VirtualClock
 from feast_edge.run.collect import Collector
 from feast_edge.run.environment import EVERYTHING, Plain
 from feast_edge.run.jobs import ClockJobs, Jobs
-from feast_edge.secagg.collector import SecureSums, secure_dp_clip
+from feast_edge.secagg.collector import in_process_secure_sums
 from feast_edge.sim.collect import InProcessCollector
 
 if TYPE_CHECKING:
@@ -47,15 +47,7 @@ class SimulationEnvironment(Plain):
         return self.untimed
 
     def secure_sums(self, inner: Collector) -> Collector:
-        secure = self.config.secure
-        self.untimed = SecureSums(
-            inner,
-            secure.colluders,
-            secure.secagg_bound,
-            "simulation",
-            secure.secagg_neighbours,
-            dp_clip=secure_dp_clip(self.config.dp_settings(), self.steps),
-        )
+        self.untimed = in_process_secure_sums(inner, self.config.secure, self.config.dp_settings(), self.steps)
         return self.untimed
 
     def jobs(self, collector: Collector, steps: set[str]) -> Jobs:

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 from combinations import ENVIRONMENTS, RECORD, combinations, outcome, server_fingerprint
-from simconfigs import tiny_config
 
 from feast_edge.flower.serverapp.environment import FLOWER
 from feast_edge.run.asynchronous import AsyncSettings, AsyncSlots, Buffered, parameter_names
@@ -40,6 +39,7 @@ from feast_edge.server.environment import ServerEnvironment
 from feast_edge.sim.environment import SimulationEnvironment
 from feast_edge.sim.simulate import Simulation
 from feast_edge.transport.broker import LinkConfig
+from simconfigs import tiny_config
 
 # --------------------------------------------------------------------------- what compose chooses
 

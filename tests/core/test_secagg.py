@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from feast_edge.aggregate.segments import _index, apply_sums, plain_sums, segments_of
-from feast_edge.secagg.collector import SecureSums
+from feast_edge.privacy.settings import DpSettings
+from feast_edge.run.sums import Summed
+from feast_edge.secagg.collector import InProcessSecureSums, in_process_secure_sums
 from feast_edge.secagg.fixed import FixedPoint, FixedPointError
 from feast_edge.secagg.keys import ShareError, join_seed, new_seed, split_seed
 from feast_edge.secagg.protocol import Device, SecAggError, Setup, threshold_for, unmasked_sums
 from feast_edge.secagg.sums import plain_values, secure_sums
+from feast_edge.settings.concerns import SecureAggregation
 from feast_edge.sim.simulate import Simulation
 from simconfigs import tiny_config
 
@@ -203,7 +206,9 @@ def test_a_secure_round_releases_the_model_the_plain_round_does_within_the_fixed
     assert all("," not in members for members in single), ours.withheld
     for members, reason in ours.withheld.items():
         assert reason == "only 1 device of the round trains it; a sum is revealed over at least 2", (members, reason)
-    assert isinstance(secure.collector, SecureSums) and secure.collector.clipped == 0
+    transport = secure.collector.transport
+    assert isinstance(secure.collector, Summed) and isinstance(transport, InProcessSecureSums)
+    assert transport.clipped == 0 and transport.clip is None  # no DP: nothing clipped before masking
     released, reference = secure.model.state_dict(), plain.model.state_dict()
     before = Simulation(config, tmp_path / "init").model.state_dict()
     # Every value equals the plain round's (to the fixed-point resolution) or, in a withheld segment, its initial one.
@@ -323,6 +328,7 @@ def test_central_dp_on_secure_sums_releases_the_plain_dp_round_within_the_fixed_
     secure.run()
     [ours], [theirs] = secure.loop.history, plain.loop.history
     assert ours.applied and ours.dp == theirs.dp  # the same accounting: the same ε after the round
+    assert secure.collector.transport.clip == 0.5  # every device clipped to --dp-clip before masking
     released, reference = secure.model.state_dict(), plain.model.state_dict()
     before = Simulation(config, tmp_path / "init").model.state_dict()
     moved = 0
@@ -332,6 +338,20 @@ def test_central_dp_on_secure_sums_releases_the_plain_dp_round_within_the_fixed_
             assert torch.equal(released[name][~as_plain], before[name][~as_plain]), name
             moved += int((as_plain & (tensor != before[name])).sum())
     assert moved > 0  # the round moved the model, noise included, as the plain DP round did
+
+
+@pytest.mark.parametrize(
+    ("dp", "clip"),
+    [(None, None), (DpSettings(0.5, 0.8, mode="local"), None), (DpSettings(0.5, 0.8), 0.5)],
+    ids=["no-dp", "local-dp", "central-dp"],
+)
+def test_devices_clip_before_masking_only_under_central_dp_and_no_clip_is_none(dp, clip) -> None:
+    secure = SecureAggregation(secure_agg=True, colluders=2, secagg_bound=4.0, secagg_neighbours=6)
+    summed = in_process_secure_sums(object(), secure, dp, {"w"})  # type: ignore[arg-type]  # any inner collector
+    transport = summed.transport
+    assert type(summed) is Summed and isinstance(transport, InProcessSecureSums)
+    assert transport.clip == clip  # None, never 0.0, without central DP
+    assert (transport.terms.colluders, transport.terms.bound, transport.terms.neighbours) == (2, 4.0, 6)
 
 
 def test_without_pycryptodome_only_secure_rounds_stop_and_they_name_the_fix() -> None:

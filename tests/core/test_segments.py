@@ -8,13 +8,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from simconfigs import tiny_config
 
 from feast_edge.aggregate.segments import apply_sums, plain_sums, segments_of
 from feast_edge.aggregate.sparse import aggregate
+from feast_edge.errors import PayloadError
+from feast_edge.run.collect import ClientUpdate, Collected
 from feast_edge.run.settings import RunError
-from feast_edge.run.sums import PlainSums
+from feast_edge.run.sums import ClearSums, Summed
 from feast_edge.sim.simulate import Simulation
+from simconfigs import tiny_config
 
 SHAPES = {"w": (6, 5, 3), "b": (6,), "n": ()}
 
@@ -92,6 +94,58 @@ def test_positions_no_client_routed_keep_their_bytes() -> None:
     assert torch.equal(released["w"][2:], global_state["w"][2:]) and torch.equal(released["b"], global_state["b"])
 
 
+class _Fixed:
+    """A collector whose every round returns ``updates`` as given (the order included)."""
+
+    def __init__(self, updates: list[ClientUpdate]) -> None:
+        self.updates = updates
+
+    def collect(self, t, cohort, plans, global_state, lr) -> Collected:
+        return Collected(list(self.updates), missing=["gone"])
+
+
+class _Recorded(ClearSums):
+    """Sums in the clear that record the transport calls the wrapper makes."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def open(self, t, cohort, plans, global_state) -> None:
+        self.calls.append("open")
+
+    def sums(self, t, got, global_state) -> Collected:
+        self.calls.append("sums")
+        return super().sums(t, got, global_state)
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_a_round_summed_in_the_clear_is_the_plain_sums_of_its_updates_in_client_order_keeping_what_they_reported():
+    global_state = _state(0)
+    b, a = _routed(global_state, {"w": (3, 2, 1), "b": (3,)}, 1), _routed(global_state, {"w": (6, 5, 3)}, 2)
+    updates = [ClientUpdate("b", b, 3, loss=0.5), ClientUpdate("a", a, 5, loss=0.25)]
+    transport = _Recorded()
+    got = Summed(_Fixed(updates), transport).collect(0, ["a", "b"], {}, global_state, 0.1)
+    assert transport.calls == ["open", "sums", "close"]
+    assert [(u.client, u.samples, u.loss, u.state) for u in got.updates] == [("a", 5, 0.25, {}), ("b", 3, 0.5, {})]
+    assert got.missing == ["gone"] and got.withheld == {}
+    released, expected = ({n: t.clone() for n, t in global_state.items()} for _ in range(2))
+    apply_sums(released, got.sums)
+    apply_sums(expected, plain_sums(global_state, [("a", a, 5), ("b", b, 3)]))  # what the sums in the clear are
+    for name, tensor in expected.items():
+        assert torch.equal(released[name], tensor), name
+
+
+def test_a_summed_round_checks_every_payload_and_closes_its_transport_however_it_ends() -> None:
+    global_state = _state(0)
+    transport = _Recorded()
+    wrong = ClientUpdate("a", {"w": torch.zeros(7, 1, 1, dtype=torch.float64)}, 1)  # not a leading slice of (6, 5, 3)
+    with pytest.raises(PayloadError, match="not a leading slice"):
+        Summed(_Fixed([wrong]), transport).collect(0, ["a"], {}, global_state, 0.1)
+    assert transport.calls == ["open", "close"]
+
+
 def test_a_round_fed_sums_releases_the_model_the_round_fed_updates_does(fashion_mnist_dir, tmp_path) -> None:
     # One round: the same updates, released from their sums (float64, then float32) or folded one by one (float32).
     # (Over more rounds the tiny preset's training amplifies a last-bit difference, so rounds are compared one at a
@@ -100,8 +154,7 @@ def test_a_round_fed_sums_releases_the_model_the_round_fed_updates_does(fashion_
     plain = Simulation(config, tmp_path / "updates")
     plain.run()
     summed = Simulation(config, tmp_path / "sums")
-    summed.collector = PlainSums(summed.collector)
-    summed.run()
+    summed.loop.run(Summed(summed.collector, ClearSums()))  # the loop, through sums in the clear
     [ours_record], [their_record] = summed.loop.history, plain.loop.history
     assert ours_record.applied and ours_record.updated == their_record.updated == ours_record.cohort
     assert (ours_record.samples, ours_record.loss) == (their_record.samples, their_record.loss)
@@ -116,6 +169,5 @@ def test_a_round_fed_sums_releases_the_model_the_round_fed_updates_does(fashion_
 )
 def test_a_release_that_needs_single_updates_refuses_sums(fashion_mnist_dir, tmp_path, changes, named) -> None:
     sim = Simulation(tiny_config(fashion_mnist_dir, rounds=1, **changes), tmp_path)
-    sim.collector = PlainSums(sim.collector)
     with pytest.raises(RunError, match=named):
-        sim.run()
+        sim.loop.run(Summed(sim.collector, ClearSums()))
