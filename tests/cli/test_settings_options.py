@@ -8,6 +8,7 @@ import sys
 import pytest
 from typer.main import get_command
 
+from cli_parameters import parameters, recorded
 from feast_edge.cli.main import app as feast_edge_app
 from feast_edge.cli.panels import PANELS
 from feast_edge.server.cli import app as server_app
@@ -39,6 +40,17 @@ def test_every_setting_option_sits_in_its_concerns_panel(app, command, config, r
         assert params[name].rich_help_panel == PANELS[concerns[key]], name
     others = {p.rich_help_panel for name, p in params.items() if name not in settings and name != "help"}
     assert others <= {"Process and output", "Broker", None}
+
+
+def test_the_commands_keep_the_parameters_recorded_before_their_options_came_from_declarations() -> None:
+    # tests/data/cli-parameters.json: names, types, defaults, bounds and panels (python tests/cli_parameters.py record).
+    now, before = parameters(), recorded()
+    assert now.keys() == before.keys()
+    for command in now:
+        was = {p["name"]: p for p in before[command]}
+        moved = {p["name"]: (was.get(p["name"]), p) for p in now[command] if was.get(p["name"]) != p}
+        assert not moved, f"{command}: {moved}"
+        assert [p["name"] for p in now[command]] == list(was), command  # none added, none removed
 
 
 def test_the_servers_option_defaults_are_its_settings_defaults() -> None:
