@@ -11,6 +11,8 @@ import typer
 
 from feast_edge.cli import common
 from feast_edge.errors import FeastError
+from feast_edge.server.config import ServerConfig
+from feast_edge.settings.nested import help_of
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.credentials import credentials_of
 
@@ -40,20 +42,7 @@ def check_server_bundle(link: Optional[LinkConfig]) -> None:
         )
 
 
-ServingRuleOpt = Annotated[
-    str,
-    typer.Option(
-        "--serving-rule",
-        help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
-        "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
-        "(method §8's largest affordable, whatever validation says).",
-    ),
-]
-PrecisionOpt = Annotated[
-    str,
-    typer.Option(
-        "--precision",
-        help="Precision of the served ONNX files: auto (each device's, as its profile was measured), fp32, or int8 "
-        "(onnxruntime static quantization on the server's calibration split, or on each device's own data).",
-    ),
-]
+# feast-server export's options for the run's serving settings: their help is the settings' declaration.
+_HELP = help_of(ServerConfig, "server")
+ServingRuleOpt = Annotated[str, typer.Option("--serving-rule", help=_HELP["serving_rule"])]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help=_HELP["precision"])]
