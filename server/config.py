@@ -21,7 +21,7 @@ from feast_edge.run.loop import CHECKPOINT
 from feast_edge.run.settings import RunSettings
 from feast_edge.secagg.protocol import degree_for
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
-from feast_edge.settings.concerns import Schedule, SecureAggregation, loop_settings, secure_refusals
+from feast_edge.settings.concerns import Schedule, SecureAggregation, async_refusals, loop_settings, secure_refusals
 from feast_edge.settings.nested import changed, check, flat_types, of, setting
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
@@ -319,15 +319,11 @@ class ServerConfig:
 
     def _check_schedule(self) -> None:
         """Buffered asynchronous rounds (server.jobs): what needs the devices between releases is refused."""
-        rules, dp = self.schedule, self.dp_settings()
+        rules = self.schedule
         if rules.mode != "async":
             return
         checks = [
-            (
-                dp is None or dp.mode != "central" or rules.staleness == "constant",
-                f"--mode async with central DP weighs every buffered update alike (the noise is calibrated to uniform "
-                f"weights), not by --staleness {rules.staleness}: add --staleness constant",
-            ),
+            *async_refusals(self),
             (
                 self.data is not None
                 or not self.federated_statistics

@@ -322,6 +322,18 @@ def secure_refusals(config: Any, devices: str = "device") -> list[tuple[bool, st
     ]  # fmt: skip
 
 
+def async_refusals(config: Any) -> list[tuple[bool, str]]:
+    """What ``--mode async`` refuses in a run configuration (a ``SimulationConfig`` or ``ServerConfig``), as
+    (allowed, why) pairs: central DP's noise is calibrated to updates that weigh alike."""
+    rules, dp = config.schedule, config.dp_settings()
+    central = rules.mode == "async" and dp is not None and dp.mode == "central"
+    why = (
+        "--mode async with central DP weighs every buffered update alike (the noise is calibrated to uniform weights), "
+        f"not by --staleness {rules.staleness}: add --staleness constant"
+    )
+    return [(not central or rules.staleness == "constant", why)]
+
+
 MODES = ("sync", "async")
 
 

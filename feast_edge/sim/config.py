@@ -28,7 +28,7 @@ from feast_edge.settings import (
     Validation,
     flat,
 )
-from feast_edge.settings.concerns import SecureAggregation, secure_refusals, server_step
+from feast_edge.settings.concerns import SecureAggregation, async_refusals, secure_refusals, server_step
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of, setting
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
 from feast_edge.sim.clock import CLOCKS, RATE, ClockModel
@@ -265,13 +265,7 @@ class SimulationConfig:
                 self.method == "feast",
                 f"--mode async trains FEAST's routed slices; {self.method} runs synchronous rounds",
             ),
-            (
-                self.privacy.dp_mode != "central" or self.dp_settings() is None or rules.staleness == "constant",
-                (
-                    f"--mode async with central DP weighs every buffered update alike (the noise is calibrated to "
-                    f"uniform weights), not by --staleness {rules.staleness}: add --staleness constant"
-                ),
-            ),
+            *async_refusals(self),
             (
                 rules.concurrency <= pop.clients,
                 f"--concurrency {rules.concurrency} is more than --clients {pop.clients}: each slot trains one client",

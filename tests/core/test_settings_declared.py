@@ -1,5 +1,6 @@
 """Each setting declared once (feast_edge.settings.nested.setting): one help for every app that takes it, with an
-app's own words only where the setting means more there, its bounds, and the apps that take it."""
+app's own words only where the setting means more there, its bounds, and one check of what it refuses in
+combination."""
 
 from __future__ import annotations
 
@@ -45,3 +46,16 @@ def test_bounds_and_apps_are_part_of_the_declaration() -> None:
     with pytest.raises(ValueError, match="apps"):
         setting(1, apps=("mqtt",))
     assert set(APPS) == {"simulation", "server", "flower"}
+
+
+def test_async_rounds_with_central_dp_are_refused_by_one_check_in_both_apps() -> None:
+    private = {"mode": "async", "dp_clip": 1.0, "dp_noise": 1.0}
+    with pytest.raises(SimulationError) as simulation:
+        SimulationConfig.of(**private)
+    with pytest.raises(ServerError) as server:
+        ServerConfig.of(out="x", data="/d", **private)
+    assert str(simulation.value) == str(server.value)
+    assert str(server.value).startswith("--mode async with central DP weighs every buffered update alike")
+    SimulationConfig.of(**private, staleness="constant")
+    ServerConfig.of(out="x", data="/d", **private, staleness="constant")
+    ServerConfig.of(out="x", data="/d", **private, dp_mode="local")
