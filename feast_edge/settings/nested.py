@@ -16,7 +16,7 @@ for every app, plus an app's own words where the setting means more there: :clas
 that take it. The commands' options and ``--help`` (feast_edge.cli.panels) and Flower's run config
 (feast_edge.flower.serverapp.run_config) are derived from these declarations.
 
-    help_of(SimulationConfig, "simulation") -> {"per_round": "Clients sampled per round, m.", ...}
+    help_of(SimulationConfig, "simulation") -> {"per_round": "Clients sampled per round (m).", ...}
     bounds_of(ServerConfig)                 -> {"per_round": {"min": 1}, ...}
     accepted_by(ServerConfig, "flower")     -> the keys a Flower run config takes
 """
@@ -96,9 +96,8 @@ def setting(
         "bounds": {name: value for name, value in (("min", min), ("max", max)) if value is not None},
         "apps": apps,
     }
-    return dataclasses.field(
-        default=default, metadata={name: value for name, value in metadata.items() if value}, **factory
-    )
+    given = {name: value for name, value in metadata.items() if value is not None and value != {}}
+    return dataclasses.field(default=default, metadata=given, **factory)
 
 
 def key_of(field: dataclasses.Field) -> str:
