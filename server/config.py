@@ -21,8 +21,16 @@ from feast_edge.run.loop import CHECKPOINT
 from feast_edge.run.settings import RunSettings
 from feast_edge.secagg.protocol import degree_for
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
-from feast_edge.settings.concerns import Schedule, SecureAggregation, loop_settings, secure_refusals, server_step
-from feast_edge.settings.nested import changed, check, flat_types, of
+from feast_edge.settings.concerns import (
+    Schedule,
+    SecureAggregation,
+    async_refusals,
+    loop_settings,
+    secure_refusals,
+    server_step,
+)
+from feast_edge.settings.nested import changed, check, flat_types, of, setting
+from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 KIND = "federation"
@@ -43,10 +51,21 @@ BN_CALIBRATIONS = ("federated", "device")  # where a server without data has its
 class Fleet(Population):
     """The devices: how many a round needs and samples, and what the registry takes."""
 
-    min_clients: int = 2  # devices needed online to start a round, and valid updates needed to change the model
-    start_clients: int | None = None  # devices to wait for before this process's first round (default: min_clients)
-    max_samples: int = 1_000_000  # the most training examples a device may register (its aggregation weight)
-    max_devices: int = 10_000  # the most devices the registry takes
+    min_clients: int = setting(
+        2, min=1, help="K: devices needed online to start a round, and valid updates needed to change the model."
+    )
+    start_clients: int | None = setting(
+        None, min=1, help="Devices to wait for before the first round (default: --min-clients)."
+    )
+    max_samples: int = setting(
+        1_000_000,
+        min=1,
+        help="Refuse a device that registers more training examples than this (its aggregation weight); a "
+        "partition's own counts apply to its clients.",
+    )
+    max_devices: int = setting(
+        10_000, min=1, help="Refuse registrations beyond this many devices (bounds the registry)."
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,8 +91,9 @@ class Fleet(Population):
 class DeviceAggregation(Aggregation):
     """The aggregation of updates from devices, which may lie: each update's change is bounded."""
 
-    max_update_norm: float = (
-        1e4  # L2 bound on an update's change of its routed slice (0: none); honest fmnist-small: 14-62
+    # Honest fmnist-small updates: 14-62.
+    max_update_norm: float = setting(
+        1e4, min=0.0, help="Reject an update that changes its routed slice by more than this L2 norm (0: no bound)."
     )
 
     def __post_init__(self) -> None:
@@ -90,10 +110,26 @@ def _deployment_aggregation() -> DeviceAggregation:
 class FederatedChecks(Validation):
     """How a server without data validates: the devices' BN statistics and held-out accuracies, combined."""
 
-    bn_calibration: str = "federated"  # without data: "federated" (the devices' statistics, combined) or "device"
-    bn_rule: str = DEFAULT_BN_RULE  # how the devices' BN statistics are combined (feast_edge.evaluate.bn_robust)
-    val_rule: str = (
-        DEFAULT_VAL_RULE  # how the devices' held-out accuracies are combined (feast_edge.evaluate.federated)
+    # The devices' BN statistics are the MQTT server's (feast_edge.evaluate.bn_robust).
+    bn_calibration: str = setting(
+        "federated",
+        apps=("server",),
+        help="Without --data, where each served variant's BN statistics come from: federated (every device that can "
+        "run it reports per-channel moments of its data, the server combines them) or device (each device "
+        "recalibrates on its own data only).",
+    )
+    bn_rule: str = setting(
+        DEFAULT_BN_RULE,
+        apps=("server",),
+        help="How the devices' BN statistics are combined: screened (refuse reports far from the median of all, mix "
+        "the rest; a lone pair that disagrees is not used), median (per-channel weighted median) or mixture (every "
+        "report as sent: one lying device steers it). docs/security.md §9.",
+    )
+    # feast_edge.evaluate.federated
+    val_rule: str = setting(
+        DEFAULT_VAL_RULE,
+        help="How the devices' held-out accuracies are combined: median (each device one vote; chooses the served "
+        "round only with 3 or more devices) or pooled (all counts summed, each capped by --max-weight-ratio).",
     )
 
     def __post_init__(self) -> None:
@@ -114,16 +150,24 @@ class FederatedChecks(Validation):
 class Serving(Concern):
     """Which variant each device is served, and in which precision."""
 
-    # "validated" (its largest affordable unless a smaller affordable one is clearly better on the federation's
-    # validation) or "largest" (method §8's largest affordable, whatever validation says).
-    serving_rule: str = "validated"
-    # "auto" serves each device the precision its profile was measured at (the registration's), fp32 / int8 serve
-    # every device that one (feast_edge.evaluate.quantize).
-    precision: str = "auto"
-    int8_samples: int = (
-        256  # images that set the int8 activation ranges (the server's calibration split, or a device's)
+    serving_rule: str = setting(
+        "validated",
+        help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
+        "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
+        "(method §8's largest affordable, whatever validation says).",
     )
-    int8_tolerance: float = 0.01  # accuracy an int8 file may lose against float32 on held-out data before it is refused
+    # auto: the precision of each device's registration (feast_edge.evaluate.quantize).
+    precision: str = setting(
+        "auto",
+        help="Precision of the served ONNX files: auto (each device's, as its profile was measured), fp32, or int8 "
+        "(onnxruntime static quantization on the server's calibration split, or on each device's own data).",
+    )
+    int8_samples: int = setting(256, min=1, help="Images that set an int8 file's activation ranges.")
+    int8_tolerance: float = setting(
+        0.01,
+        help="Accuracy an int8 file may lose against float32 on held-out data (0.01 = 1 point); past it, the float32 "
+        "file is kept.",
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -150,12 +194,22 @@ class Serving(Concern):
 class Network(Concern):
     """How the server waits on the broker and the devices."""
 
-    round_timeout: float = 300.0  # seconds a round waits for updates
-    wait_timeout: float = (
-        1800.0  # idle limit: seconds a round may wait for enough devices before the run ends (0: forever)
+    round_timeout: float = setting(300.0, min=0.1, help=ROUND_TIMEOUT)
+    wait_timeout: float = setting(
+        1800.0,
+        min=0.0,
+        help="Idle limit: end the run (last round checkpointed) when a round waited this long for enough devices "
+        "(0: wait forever).",
     )
-    send_timeout: float = 120.0
-    chunk_size: int = DEFAULT_CHUNK_SIZE
+    # MQTT's: a Flower run's Grid sends its own messages.
+    send_timeout: float = setting(120.0, apps=("server",))
+    chunk_size: int = setting(
+        DEFAULT_CHUNK_SIZE,
+        min=1024,
+        max=16 * 1024 * 1024,
+        apps=("server",),
+        help="Chunk size in bytes for model payloads, and the largest chunk accepted.",
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -170,7 +224,11 @@ class Network(Concern):
 class SecureRounds(SecureAggregation):
     """Secure aggregation over MQTT: its concern's terms, and how long each key stage waits for the devices."""
 
-    secagg_timeout: float = 60.0  # seconds each stage (keys, shares, unmasking) waits for the devices still in it
+    secagg_timeout: float = setting(
+        60.0,
+        help="--secure-agg: seconds each key stage (keys, sealed shares, unmasking) waits for the devices still in the "
+        "round; a device that misses one is out of the round.",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -184,10 +242,16 @@ class ServerConfig:
     runs and Flower's run config give them."""
 
     out: str
-    preset: str = "fmnist-small"
-    seed: int = 0
-    data: str | None = None
-    cache: str | None = None
+    preset: str = setting("fmnist-small", help=PRESET)
+    seed: int = setting(0, help=SEED)
+    data: str | None = setting(
+        None,
+        help="Server-held validation/calibration data: a partition directory (feast-edge partition), a Fashion-MNIST "
+        "or CIFAR directory (its test split), or an image folder or manifest CSV (labelled by the preset's class "
+        "names). Without it the server holds no data: the devices validate on their held-out splits and calibrate "
+        "their own models.",
+    )
+    cache: str | None = setting(None, help=CACHE)
     federation: str = "feast"
     population: Fleet = field(default_factory=Fleet)
     training: Training = field(default_factory=Training)
@@ -262,15 +326,11 @@ class ServerConfig:
 
     def _check_schedule(self) -> None:
         """Buffered asynchronous rounds (server.jobs): what needs the devices between releases is refused."""
-        rules, dp = self.schedule, self.dp_settings()
+        rules = self.schedule
         if rules.mode != "async":
             return
         checks = [
-            (
-                dp is None or dp.mode != "central" or rules.staleness == "constant",
-                f"--mode async with central DP weighs every buffered update alike (the noise is calibrated to uniform "
-                f"weights), not by --staleness {rules.staleness}: add --staleness constant",
-            ),
+            *async_refusals(self),
             (
                 self.data is not None
                 or not self.federated_statistics

@@ -1,8 +1,9 @@
 """A command's options built from a run's settings (feast_edge.settings) and shown in ``--help`` by concern.
 
-:func:`settings_options` gives a command one option per setting of a configuration class (type and default from the
-settings; help, short flags and bounds from the command), and the command receives their values as one dict by key,
-ready for ``Config.of(**settings)``. :func:`by_concern` puts every option of a command in the help panel of the
+:func:`settings_options` gives a command one option per setting of a configuration class that declares its help
+(type, default, help and bounds from the setting's declaration, feast_edge.settings.nested.setting; short flags and
+how a value is read from the command), and the command receives their values as one dict by key, ready for
+``Config.of(**settings)``. :func:`by_concern` puts every option of a command in the help panel of the
 concern its setting belongs to (population, training, aggregation, privacy, validation, serving, network), and the
 rest in the panel named for them.
 """
@@ -14,14 +15,14 @@ import functools
 import inspect
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Annotated, Any, Optional
 
 import typer
 from typer.models import OptionInfo
 
 from feast_edge.cli.common import F, option_group
-from feast_edge.settings.nested import concern_of_keys, defaults, flat_types
+from feast_edge.settings.nested import bounds_of, concern_of_keys, defaults, flat_types, help_of
 
 PANELS = {
     None: "Model and data",
@@ -38,11 +39,6 @@ PANELS = {
 }
 
 
-def help_of(option: Any) -> str:
-    """The help of an option type commands share (``Annotated[type, typer.Option(...)]``)."""
-    return typing.get_args(option)[1].help
-
-
 def option_type(kind: Any) -> Any:
     """A setting's type as typer takes it: ``X | None`` as ``Optional[X]``; a bool-or-str setting as a string."""
     args = typing.get_args(kind)
@@ -55,23 +51,26 @@ def option_type(kind: Any) -> Any:
 
 def settings_options(
     config: Callable[..., Any],
-    help: Mapping[str, str],
+    app: str,
     *,
+    exclude: Collection[str] = (),
     flags: Mapping[str, tuple[str, ...]] = {},
-    bounds: Mapping[str, Mapping[str, Any]] = {},
     parse: Mapping[str, Callable[[Any], Any]] = {},
     cli_types: Mapping[str, Any] = {},
     required: Mapping[str, Any] = {},
 ) -> Callable[[F], F]:
-    """Give a command an option for every setting of ``config`` named in ``help`` (its text), in the order of
-    ``help``; the command receives ``settings: dict`` by key. ``flags``: the option's names where they are not
-    ``--key`` (e.g. ``("--preset", "-p")``); ``bounds``: typer's ``min``/``max``; ``cli_types`` and ``parse``: a
-    setting given as text on the command line and how it is read; ``required``: values for the fields without a
-    default (to read the others' defaults)."""
-    kinds, values = flat_types(config), defaults(config, **required)
+    """Give a command an option for every setting of ``config`` that declares its help, in declaration order, with
+    the help ``app`` shows (feast_edge.settings.nested.Help) and the declared bounds; the command receives ``settings:
+    dict`` by key. ``exclude``: settings the command takes otherwise, or not at all; ``flags``: the option's names
+    where they are not ``--key`` (e.g. ``("--preset", "-p")``); ``cli_types`` and ``parse``: a setting given as text on
+    the command line and how it is read; ``required``: values for the fields without a default (to read the others'
+    defaults)."""
+    kinds, values, bounds = flat_types(config), defaults(config, **required), bounds_of(config)
     panels = {key: PANELS[concern] for key, concern in concern_of_keys(config).items()}
     options = {}
-    for key, text in help.items():
+    for key, text in help_of(config, app).items():
+        if key in exclude:
+            continue
         names = flags.get(key, (f"--{key.replace('_', '-')}",))
         option = typer.Option(*names, help=text, rich_help_panel=panels[key], **bounds.get(key, {}))
         default = values[key]

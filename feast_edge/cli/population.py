@@ -9,6 +9,8 @@ import typer
 
 from feast_edge.cli.common import F, option_group, parse_list, parse_macs
 from feast_edge.errors import FeastError
+from feast_edge.settings.nested import bounds_of, defaults, help_of
+from feast_edge.sim.config import SimulationConfig
 
 
 def cycled_budgets(text: str, clients: int) -> tuple[float, ...]:
@@ -35,23 +37,26 @@ def population_budgets(
     return None
 
 
+_HELP, _BOUNDS, _DEFAULTS = (
+    help_of(SimulationConfig, "simulation"),
+    bounds_of(SimulationConfig),
+    defaults(SimulationConfig),
+)
+
+
+def _setting(key: str, kind: Any, *names: str) -> tuple[Any, Any, Any]:
+    """The option (type, default, typer's option) of setting ``key``, read as ``kind`` (``names``: where not
+    ``--key``): its declared default, help and bounds."""
+    default = Path(_DEFAULTS[key]) if kind is Path else _DEFAULTS[key]
+    option = typer.Option(*(names or (f"--{key.replace('_', '-')}",)), help=_HELP[key], **_BOUNDS.get(key, {}))
+    return kind, default, option
+
+
 _POPULATION_OPTIONS = {
-    "preset": (str, "fmnist-small", typer.Option("--preset", "-p", help="Preset name or .toml file.")),
-    "dataset": (
-        str,
-        "fashion-mnist",
-        typer.Option(
-            "--dataset",
-            help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder (--data/train/<class name>/*, "
-            "--data/test/<class name>/*, labelled by the preset's class names).",
-        ),
-    ),
-    "data": (
-        Path,
-        Path("/usr/share/datasets/fashion-mnist"),
-        typer.Option("--data", help="Local data directory (never downloaded)."),
-    ),
-    "clients": (int, 20, typer.Option("--clients", help="Number of clients N.")),
+    "preset": _setting("preset", str, "--preset", "-p"),
+    "dataset": _setting("dataset", str),
+    "data": _setting("data_dir", Path, "--data"),
+    "clients": _setting("clients", int),
     "budgets": (
         Optional[str],
         None,
@@ -68,50 +73,20 @@ _POPULATION_OPTIONS = {
             help="Client budgets from device profiles instead of Zipf, comma-separated names in profiles/ or .json files; cycled over --clients.",
         ),
     ),
-    "gamma": (
-        float,
-        1.0,
-        typer.Option("--gamma", help="Allocation exponent γ (0: data independent of budget, 1: proportional)."),
-    ),
-    "zipf_s": (float, 1.2, typer.Option("--zipf-s", help="Zipf exponent of the budget ranks.")),
-    "alpha_eff": (float, 0.45, typer.Option("--alpha-eff", help="Effective Dirichlet concentration α_eff.")),
-    "budget_min": (
-        Optional[str],
-        None,
-        typer.Option("--budget-min", help="Smallest Zipf budget (MACs, e.g. 1.5M); default from the preset."),
-    ),
-    "budget_max": (
-        Optional[str],
-        None,
-        typer.Option("--budget-max", help="Largest Zipf budget (MACs); default from the preset."),
-    ),
-    "budget_cap": (
-        Optional[str],
-        None,
-        typer.Option("--budget-cap", help="Allocation cap B_cap (MACs); default from the preset."),
-    ),
-    "seed": (
-        int,
-        0,
-        typer.Option(
-            "--seed", help="Seed of every random choice: split, budgets, partition (and training in simulate)."
-        ),
-    ),
-    "val_samples": (int, 5000, typer.Option("--val-samples", help="Server-held validation samples.")),
-    "calib_samples": (int, 500, typer.Option("--calib-samples", help="Server-held BN-calibration samples.")),
-    "train_limit": (
-        Optional[int],
-        None,
-        typer.Option("--train-limit", help="Use only this many training examples for clients."),
-    ),
-    "cache": (
-        Optional[Path],
-        None,
-        typer.Option(
-            "--cache", help="Variant cache JSON (default: the one beside the preset's file, else the shipped one)."
-        ),
-    ),
+    "gamma": _setting("gamma", float),
+    "zipf_s": _setting("zipf_s", float),
+    "alpha_eff": _setting("alpha_eff", float),
+    "budget_min": _setting("budget_min", Optional[str]),  # MACs as text (parse_macs)
+    "budget_max": _setting("budget_max", Optional[str]),
+    "budget_cap": _setting("budget_cap", Optional[str]),
+    "seed": _setting("seed", int),
+    "val_samples": _setting("val_samples", int),
+    "calib_samples": _setting("calib_samples", int),
+    "train_limit": _setting("train_limit", Optional[int]),
+    "cache": _setting("cache", Optional[Path]),
 }
+# The settings these options give (--data: data_dir; --budgets or --profiles: budgets).
+POPULATION_KEYS = frozenset({*_POPULATION_OPTIONS, "data_dir"} - {"data", "profiles"})
 
 
 def _population(values: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The server-optimizer options of ``feast-edge simulate`` and ``feast-server run`` (feast_edge.aggregate.server_opt)."""
+"""The server-optimizer options of ``feast-edge demo`` (feast_edge.aggregate.server_opt; their help is the settings'
+declaration, feast_edge.settings.Aggregation), and how ``--server-betas`` is read (also by ``simulate`` and ``run``)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,8 @@ import typer
 
 from feast_edge.cli.common import F, option_group
 from feast_edge.errors import FeastError
-
-
-def server_opt_help() -> dict[str, str]:
-    """The help of each --server-* setting (feast_edge.settings.Aggregation), for every command that takes them."""
-    from feast_edge.aggregate.server_opt import DEFAULT_LR
-
-    lrs = ", ".join(f"{name} {lr:g}" for name, lr in DEFAULT_LR.items())
-    return {
-        "server_opt": "The server's step from each round's sparse aggregate: avg (method §6), momentum (FedAvgM), adam "
-        "(FedAdam) or yogi (FedYogi); routed positions only.",
-        "server_lr": f"Server learning rate (default: {lrs}).",
-        "server_momentum": "momentum: its coefficient, in [0, 1).",
-        "server_betas": "adam/yogi: β₁,β₂ of the first and second moments, each in [0, 1).",
-        "server_tau": "adam/yogi: adaptivity τ (> 0).",
-    }
+from feast_edge.settings import Aggregation
+from feast_edge.settings.nested import help_of
 
 
 def betas(text: str) -> tuple[float, ...]:
@@ -46,10 +34,8 @@ def server_opt_options(default: str = "avg") -> Callable[[F], F]:
         "server_betas": (str, "0.9,0.99"),
         "server_tau": (float, 1e-3),
     }
-    options = {
-        key: (*kinds[key], typer.Option(f"--{key.replace('_', '-')}", help=text))
-        for key, text in server_opt_help().items()
-    }
+    helps = help_of(Aggregation, "server")
+    options = {key: (*kind, typer.Option(f"--{key.replace('_', '-')}", help=helps[key])) for key, kind in kinds.items()}
 
     def build(values: dict[str, Any]) -> dict[str, Any]:
         return {**values, "server_betas": betas(values["server_betas"])}

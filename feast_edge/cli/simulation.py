@@ -19,10 +19,9 @@ from feast_edge.cli.common import (
     millions,
 )
 from feast_edge.cli.panels import by_concern, settings_options
-from feast_edge.cli.population import population_options
+from feast_edge.cli.population import POPULATION_KEYS, population_options
 from feast_edge.cli.progress import Stage
 from feast_edge.cli.server_opt import betas
-from feast_edge.cli.simulate_options import FLAGS, HELP
 from feast_edge.errors import FeastError
 from feast_edge.sim.config import SimulationConfig
 from feast_edge.space.arch import Arch
@@ -39,7 +38,14 @@ def _say(text: str) -> None:
 
 @by_concern(SimulationConfig, renamed=RENAMED, rest="Process and output")
 @population_options
-@settings_options(SimulationConfig, HELP, flags=FLAGS, cli_types={"server_betas": str}, parse={"server_betas": betas})
+@settings_options(
+    SimulationConfig,
+    "simulation",
+    exclude=POPULATION_KEYS,
+    flags={"epochs": ("--local-epochs",)},
+    cli_types={"server_betas": str},
+    parse={"server_betas": betas},
+)
 def simulate(
     population: dict[str, Any],
     settings: dict[str, Any],

@@ -4,23 +4,23 @@ become the model, the privacy of those updates, and how rounds are validated (ea
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
-from feast_edge.aggregate.server_opt import ServerOpt
+from feast_edge.aggregate.server_opt import DEFAULT_LR, ServerOpt
 from feast_edge.aggregate.weights import ratio_problem
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.privacy.settings import DpSettings, PrivacyError, dp_of
 from feast_edge.run.asynchronous import SERVER_LR, AsyncSettings
 from feast_edge.run.settings import RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
 from feast_edge.secagg.fixed import DEFAULT_BOUND
-from feast_edge.settings.nested import Concern, SettingsError, check, setting
+from feast_edge.settings.nested import Concern, Help, SettingsError, check, setting
 
 
 @dataclass(frozen=True)
 class Population(Concern):
     """Who trains in a round: the cohort's size (the app adds where its devices come from)."""
 
-    per_round: int = 5  # devices (clients) sampled per round
+    per_round: int = setting(5, min=1, help="Clients sampled per round (m).")
 
     def __post_init__(self) -> None:
         check([(self.per_round >= 1, f"--per-round {self.per_round} must be at least 1")])
@@ -30,14 +30,26 @@ class Population(Concern):
 class Training(Concern):
     """How each device trains: the rounds' horizon and the local recipe (None: the preset's [train] value)."""
 
-    rounds: int = 10  # federation rounds (also the cosine-decay horizon)
-    lr: float | None = None
-    batch_size: int | None = None
-    variants: str = "full"  # FEAST's variants per batch (method §7 ablations)
-    augment: str | bool | None = None  # feast_edge.local.augment.POLICIES (True/False: method §7's policy / none)
-    epochs: int | None = None  # local epochs per round (--local-epochs)
-    lr_schedule: str | None = None  # cosine or constant, over the federation horizon
-    recipe: tuple[tuple[str, Any], ...] = ()  # further [train] keys to override (--recipe KEY=VALUE), sorted
+    rounds: int = setting(10, min=1, help="Federation rounds (also the cosine-decay horizon).")
+    lr: float | None = setting(
+        None, help="Initial SGD learning rate, decayed over --rounds (default: the preset's [train] recipe)."
+    )
+    batch_size: int | None = setting(None, min=1, help="Local batch size (default: the preset's [train] recipe).")
+    variants: str = setting(
+        "full", help="FEAST's variants per batch: full, min, max, min+max or min+max+kd (the paper's ablations)."
+    )
+    # feast_edge.local.augment.POLICIES (True/False: method §7's policy / none)
+    augment: str | bool | None = setting(
+        None,
+        help="Augmentation policy: randaugment+mix (method §7), crop-flip+mix, crop-flip, randaugment or none "
+        "(default: the preset's [train] recipe).",
+    )
+    epochs: int | None = setting(None, min=1, help="Local epochs per round (default: the preset's [train] recipe).")
+    lr_schedule: str | None = setting(
+        None, help="cosine or constant over the rounds (default: the preset's [train] recipe)."
+    )
+    # Further [train] keys to override (--recipe KEY=VALUE), sorted; a Flower run config has no form for them.
+    recipe: tuple[tuple[str, Any], ...] = setting((), apps=("simulation", "server"))
 
     def __post_init__(self) -> None:
         recipe = tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in dict(self.recipe).items()))
@@ -67,19 +79,45 @@ class Aggregation(Concern):
     """How a round's updates become the next model: the rule over the clients covering each position (method §6 or a
     robust one), the weights' cap, the wire's dtype and the server's step."""
 
-    rule: str = setting("mean", key="aggregation")  # mean (method §6), clip, trimmed-mean or median
-    trim: float = 0.1  # trimmed-mean: share of the covering values dropped at each end of a position
-    clip_norm: float | None = None  # clip: L2 bound of an update (None: the cohort's median update norm)
-    # A self-reported sample count weighs at most this many times the round's lower-median count (0: no cap;
-    # feast_edge.aggregate.weights).
-    max_weight_ratio: float = 0.0
-    payload_dtype: str = "float32"  # routed states and updates on the wire are rounded to it (the model stays float32)
-    # The server's step from each round's aggregate (feast_edge.aggregate.server_opt); avg with lr 1 is method §6's.
-    server_opt: str = "avg"
-    server_lr: float | None = None  # None: the rule's default (feast_edge.aggregate.server_opt.DEFAULT_LR)
-    server_momentum: float = 0.9
-    server_betas: tuple[float, ...] = (0.9, 0.99)
-    server_tau: float = 1e-3
+    rule: str = setting(
+        "mean",
+        key="aggregation",
+        help="mean (method §6) or a robust rule over the clients covering each position: clip (norm clipping), "
+        "trimmed-mean or median (docs/security.md §5).",
+    )
+    trim: float = setting(
+        0.1, help="trimmed-mean: share of the values covering a position dropped at each end, in [0, 0.5)."
+    )
+    clip_norm: float | None = setting(
+        None, help="clip: L2 bound of each update's change (default: the median update norm of the round's cohort)."
+    )
+    max_weight_ratio: float = setting(
+        0.0,
+        help=Help(
+            "Cap each client's self-reported sample count, its weight, at this many times the round's lower-median "
+            "count (0: no cap; docs/security.md §5).",
+            simulation="Each shard's size is taken as self-reported, as feast-server run takes a device's count.",
+            server="The counts of a partition given as --data are never capped.",
+        ),
+    )
+    payload_dtype: str = setting(
+        "float32",
+        help="Payloads on the wire, both directions: float32, float16 or bfloat16 (aggregation and the model stay "
+        "float32).",
+    )
+    server_opt: str = setting(
+        "avg",
+        help="The server's step from each round's sparse aggregate: avg (method §6), momentum (FedAvgM), adam "
+        "(FedAdam) or yogi (FedYogi); routed positions only.",
+    )
+    server_lr: float | None = setting(
+        None, help=f"Server learning rate (default: {', '.join(f'{n} {lr:g}' for n, lr in DEFAULT_LR.items())})."
+    )
+    server_momentum: float = setting(0.9, help="momentum: its coefficient, in [0, 1).")
+    server_betas: tuple[float, ...] = setting(
+        (0.9, 0.99), help="adam/yogi: β₁,β₂ of the first and second moments, each in [0, 1)."
+    )
+    server_tau: float = setting(1e-3, help="adam/yogi: adaptivity τ (> 0).")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "server_betas", tuple(float(b) for b in self.server_betas))
@@ -114,15 +152,43 @@ class Privacy(Concern):
     """Client-level differential privacy (feast_edge.privacy, docs/privacy.md): dp_clip and dp_noise together, or
     neither."""
 
-    dp_clip: float | None = None
-    dp_noise: float | None = None
-    dp_delta: float | None = None  # None: 1e-5 or 0.1/population, whichever is smaller
-    dp_epsilon: float | None = None  # the privacy budget; None: no limit
-    dp_seed: int | None = None  # None: noise from the OS (not reproducible)
-    dp_mode: str = "central"
-    dp_clip_quantile: float | None = None  # adaptive clipping toward this quantile of the update norms; None: fixed
-    dp_clip_lr: float = 0.2
-    dp_clip_count_std: float | None = None  # None: a tenth of the privacy on the unclipped count
+    apps: ClassVar[tuple[str, ...]] = ("simulation", "server")  # Flower's ClientApp sends raw updates
+
+    dp_clip: float | None = setting(
+        None,
+        help="Client-level differential privacy: clip each update of a routed slice to this L2 norm C (with "
+        "--dp-noise; docs/privacy.md).",
+    )
+    dp_noise: float | None = setting(
+        None,
+        help="Noise multiplier z: N(0, z²C²) on every coordinate's sum of clipped updates, divided by the number of "
+        "devices routed that coordinate.",
+    )
+    dp_delta: float | None = setting(
+        None, help="δ of the reported ε; below 1/population (default: 1e-5 or 0.1/population)."
+    )
+    dp_epsilon: float | None = setting(
+        None, help="Privacy budget: refuse a run whose planned rounds exceed it; stop before a round that would."
+    )
+    dp_seed: int | None = setting(
+        None, help="Seed the noise (tests only: default noise comes from the OS, never replayed)."
+    )
+    dp_mode: str = setting(
+        "central",
+        help="central (the server adds the noise: trusts the server) or local (each device noises its own clipped "
+        "update: trusts nobody, costs accuracy).",
+    )
+    dp_clip_quantile: float | None = setting(
+        None,
+        help="Adaptive clipping (central DP): start at --dp-clip and move the bound each round toward this quantile "
+        "of the update norms, privately (e.g. 0.5; Andrew et al. 2021).",
+    )
+    dp_clip_lr: float = setting(0.2, help="Adaptive clipping: the geometric step of the bound per round.")
+    dp_clip_count_std: float | None = setting(
+        None,
+        help="Adaptive clipping: noise std on the count of unclipped updates (default: a tenth of the privacy, 1.58 "
+        "z; the updates' noise grows so ε stays that of --dp-noise).",
+    )
 
     def __post_init__(self) -> None:
         self.settings()
@@ -139,12 +205,38 @@ class Privacy(Concern):
 class Validation(Concern):
     """How rounds are validated to choose the served one (the app adds who validates)."""
 
-    eval_every: int = 5  # validate every k rounds and after the last
-    val_samples: int = 5000  # validation examples of server-held data
-    calib_samples: int = 500  # BN-calibration examples of server-held data (method §8)
+    eval_every: int = setting(
+        5,
+        min=1,
+        help=Help(
+            "Validate the model every k rounds and after the last, keeping the best round's.",
+            server="It validates on --data, or without it on the held-out examples of the round's devices (feast-agent run "
+            "--holdout).",
+        ),
+    )
+    val_samples: int = setting(
+        5000, min=1, help=Help("Server-held validation examples.", server="They come from --data.")
+    )
+    calib_samples: int = setting(
+        500,
+        min=1,
+        help=Help(
+            "Server-held BN-calibration examples (method §8).",
+            server="They come from --data, or, without it, are what each device recalibrates on.",
+        ),
+    )
     probe_variants: int = 3  # cached variants, evenly spaced by rank, averaged for checkpoint selection
-    serve_average: int | None = (
-        None  # last round's candidate: mean of this many rounds' weights (feast_edge.run.average)
+    serve_average: int | None = setting(
+        None,
+        min=1,
+        help=Help(
+            "The last round's second candidate: the mean of the last K rounds' weights, validated beside the round's "
+            "own weights on the same held-out examples, the better offered to the served-round rule (1: the rounds' "
+            "own weights).",
+            simulation="Default: min(5, ⌈rounds/4⌉) with --validate-on devices, 1 on the server's split (the paper's "
+            "selection).",
+            server="Default: min(5, ⌈rounds/4⌉) without --data, where the devices validate, 1 on --data.",
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -169,10 +261,32 @@ class SecureAggregation(Concern):
     """Secure aggregation per routed segment (feast_edge.secagg): the server sees each segment's sum over at least
     c + 2 devices, never one device's update."""
 
-    secure_agg: bool = False
-    colluders: int = 1  # c: devices besides the server that may collude
-    secagg_bound: float = DEFAULT_BOUND  # |w · (θ' - θ_t)| per value, clipped before encoding
-    secagg_neighbours: int = 0  # k of the SecAgg+ graph (0: every other member up to 16 devices, 2⌈log2 n⌉ beyond)
+    apps: ClassVar[tuple[str, ...]] = ("simulation", "server")  # its stages are no Flower messages
+
+    secure_agg: bool = setting(
+        False,
+        help=Help(
+            "Secure aggregation per routed segment: the clients mask their updates and the server unmasks only each "
+            "segment's sum over at least --colluders + 2 clients, never one client's update; a segment with fewer "
+            "keeps its global value (docs/security.md §10).",
+            server="Its messages over MQTT: docs/protocol.md §8.",
+        ),
+    )
+    colluders: int = setting(
+        1,
+        help="--secure-agg: c, the clients besides the server that may collude; a segment's sum is revealed only over "
+        "at least c + 2 clients.",
+    )
+    secagg_bound: float = setting(
+        DEFAULT_BOUND,
+        help="--secure-agg: each client's weighted change per value is clipped to +-this before 32-bit fixed-point "
+        "encoding (what one client can add to a sum the server cannot check).",
+    )
+    secagg_neighbours: int = setting(
+        0,
+        help="--secure-agg: k, how many others each client masks with in each segment and seals its shares for "
+        "(SecAgg+'s neighbour graph; 0: every other client up to 16 per round, 2*ceil(log2 n) beyond).",
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -208,6 +322,18 @@ def secure_refusals(config: Any, devices: str = "device") -> list[tuple[bool, st
     ]  # fmt: skip
 
 
+def async_refusals(config: Any) -> list[tuple[bool, str]]:
+    """What ``--mode async`` refuses in a run configuration (a ``SimulationConfig`` or ``ServerConfig``), as
+    (allowed, why) pairs: central DP's noise is calibrated to updates that weigh alike."""
+    rules, dp = config.schedule, config.dp_settings()
+    central = rules.mode == "async" and dp is not None and dp.mode == "central"
+    why = (
+        "--mode async with central DP weighs every buffered update alike (the noise is calibrated to uniform weights), "
+        f"not by --staleness {rules.staleness}: add --staleness constant"
+    )
+    return [(not central or rules.staleness == "constant", why)]
+
+
 MODES = ("sync", "async")
 
 
@@ -216,11 +342,37 @@ class Schedule(Concern):
     """Synchronous rounds (method §4, the default) or buffered asynchronous ones (feast_edge.run.asynchronous):
     K updates per release, M devices training at once, S releases of staleness at most, the discount s(τ)."""
 
-    mode: str = "sync"
-    buffer: int = 5  # K (async)
-    concurrency: int = 10  # M (async)
-    max_staleness: int = 10  # S (async)
-    staleness: str = "sqrt"  # s(τ) (async): sqrt, constant or hinge
+    apps: ClassVar[tuple[str, ...]] = ("simulation", "server")  # Flower has no asynchronous strategy
+
+    mode: str = setting(
+        "sync",
+        help=Help(
+            "sync: the paper's rounds, each waiting for its cohort up to --round-timeout; async: buffered "
+            "asynchronous rounds, released every --buffer updates, never waiting for the slowest client.",
+            simulation='See docs/simulation.md, "Asynchronous rounds".',
+            server='See docs/protocol.md, "Asynchronous rounds".',
+        ),
+    )
+    buffer: int = setting(5, min=1, help="async: updates per release (K); --rounds counts releases.")
+    concurrency: int = setting(
+        10,
+        min=1,
+        help=Help(
+            "async: clients training at once (M); a client that finishes frees its slot, refilled at once by a "
+            "seeded uniform draw from the idle clients.",
+            server="On a server, only online devices are drawn.",
+        ),
+    )
+    max_staleness: int = setting(
+        10,
+        min=0,
+        help="async: an update trained from a model more than this many releases old is refused and counted.",
+    )
+    staleness: str = setting(
+        "sqrt",
+        help="async: the discount of a stale update's weight: sqrt (1/sqrt(1+tau)), hinge (none up to 2, then "
+        "1/(tau-1)) or constant (central DP needs constant).",
+    )
 
     def __post_init__(self) -> None:
         check([(self.mode in MODES, f"--mode {self.mode!r} is unknown; choose sync or async")])

@@ -10,6 +10,15 @@ is the contract the command line, run directories and Flower's run config keep, 
     flat(config)               -> {"preset": ..., "per_round": 5, "lr": None, "dp_clip": None, ...}
     of(SimulationConfig, **kw) -> the configuration with the keys in ``kw`` changed from its defaults
     changed(config, **kw)      -> ``config`` with the keys in ``kw`` changed
+
+Each setting is declared once, as its field: key, type and default, and with :func:`setting` its help (one sentence
+for every app, plus an app's own words where the setting means more there: :class:`Help`), its bounds and the apps
+that take it. The commands' options and ``--help`` (feast_edge.cli.panels) and Flower's run config
+(feast_edge.flower.serverapp.run_config) are derived from these declarations.
+
+    help_of(SimulationConfig, "simulation") -> {"per_round": "Clients sampled per round (m).", ...}
+    bounds_of(ServerConfig)                 -> {"per_round": {"min": 1}, ...}
+    accepted_by(ServerConfig, "flower")     -> the keys a Flower run config takes
 """
 
 from __future__ import annotations
@@ -19,11 +28,13 @@ import functools
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from feast_edge.errors import FeastError
 
 C = TypeVar("C")
+# Where a run is configured: feast-edge simulate, feast-server run, and a Flower run config (feast-server's settings).
+APPS = ("simulation", "server", "flower")
 
 
 class SettingsError(FeastError, ValueError):
@@ -41,11 +52,52 @@ def check(checks: list[tuple[bool, str]]) -> None:
 class Concern:
     """One concern's settings (frozen; each setting's key unique across a configuration)."""
 
+    # The apps that take this concern's settings (a setting's own ``apps`` decides for it).
+    apps: ClassVar[tuple[str, ...]] = APPS
 
-def setting(default: Any = dataclasses.MISSING, *, key: str | None = None, **factory: Any) -> Any:
-    """A concern's field whose key (its option, stored name) differs from its name: ``rule = setting("mean",
-    key="aggregation")`` is ``--aggregation``."""
-    return dataclasses.field(default=default, metadata={"key": key} if key else {}, **factory)
+
+@dataclass(frozen=True)
+class Help:
+    """A setting's help: one sentence every app shows, then the words an app adds where the setting means more there
+    (``simulation``: feast-edge simulate and partition, ``server``: feast-server)."""
+
+    core: str
+    simulation: str = ""
+    server: str = ""
+
+    def text(self, app: str) -> str:
+        """What ``app`` shows: the core sentence, then its own words."""
+        words = getattr(self, app, "")
+        return f"{self.core} {words}" if words else self.core
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str | Help | None = None,
+    key: str | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    apps: tuple[str, ...] | None = None,
+    **factory: Any,
+) -> Any:
+    """A setting's field, declared once: ``per_round: int = setting(5, min=1, help="Clients sampled per round.")``.
+
+    ``help``: its help (a :class:`Help` where an app adds words; without one, no command builds an option from it);
+    ``key``: its option and stored name where they differ from the field's name (``rule = setting("mean",
+    key="aggregation")`` is ``--aggregation``); ``min``, ``max``: its option's bounds; ``apps``: the apps that take
+    it, where they are fewer than its concern's."""
+    unknown = set(apps or ()) - set(APPS)
+    if unknown:
+        raise ValueError(f"apps {sorted(unknown)} are none of {APPS}")
+    metadata = {
+        "key": key,
+        "help": Help(help) if isinstance(help, str) else help,
+        "bounds": {name: value for name, value in (("min", min), ("max", max)) if value is not None},
+        "apps": apps,
+    }
+    given = {name: value for name, value in metadata.items() if value is not None and value != {}}
+    return dataclasses.field(default=default, metadata=given, **factory)
 
 
 def key_of(field: dataclasses.Field) -> str:
@@ -77,6 +129,35 @@ def _settings(cls: type) -> Iterator[tuple[str | None, dataclasses.Field, Any]]:
             yield from ((f.name, g, hints[g.name]) for g in dataclasses.fields(concerns[f.name]))
         else:
             yield None, f, _hints(cls)[f.name]
+
+
+def _declared(cls: type) -> Iterator[tuple[str, dataclasses.Field, tuple[str, ...]]]:
+    """Every setting of ``cls``: (its key, its field, the apps that take it)."""
+    concerns = concern_fields(cls)
+    for concern, f, _ in _settings(cls):
+        owner = concerns[concern] if concern is not None else Concern
+        yield key_of(f), f, f.metadata.get("apps", owner.apps)
+
+
+def declared_help(cls: type) -> dict[str, Help]:
+    """Every key of configuration class ``cls`` that declares its help -> that declaration, in declaration order."""
+    return {key: f.metadata["help"] for key, f, _ in _declared(cls) if "help" in f.metadata}
+
+
+def help_of(cls: type, app: str) -> dict[str, str]:
+    """Every key of configuration class ``cls`` that declares its help -> that help as ``app`` shows it, in declaration
+    order."""
+    return {key: declared.text(app) for key, declared in declared_help(cls).items()}
+
+
+def bounds_of(cls: type) -> dict[str, dict[str, float]]:
+    """Every key of configuration class ``cls`` that declares bounds -> them (``min``, ``max``)."""
+    return {key: f.metadata["bounds"] for key, f, _ in _declared(cls) if "bounds" in f.metadata}
+
+
+def accepted_by(cls: type, app: str) -> list[str]:
+    """The keys of configuration class ``cls`` that ``app`` takes, in declaration order."""
+    return [key for key, _, apps in _declared(cls) if app in apps]
 
 
 def flat_types(cls: type) -> dict[str, Any]:

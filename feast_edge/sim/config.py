@@ -29,8 +29,9 @@ from feast_edge.settings import (
     Validation,
     flat,
 )
-from feast_edge.settings.concerns import SecureAggregation, secure_refusals, server_step
-from feast_edge.settings.nested import changed, check, flat_types, key_of, of
+from feast_edge.settings.concerns import SecureAggregation, async_refusals, secure_refusals, server_step
+from feast_edge.settings.nested import changed, check, flat_types, key_of, of, setting
+from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
 from feast_edge.sim.registry import method_class
 
 VALIDATE_ON = ("server", "devices")  # --validate-on
@@ -45,15 +46,15 @@ class SimulationError(FeastError, ValueError):
 class ClientPopulation(Population):
     """The simulated clients: how many, their MAC budgets (Zipf, method §4.1, or given) and their data (method §4.2)."""
 
-    clients: int = 20
-    gamma: float = 1.0
-    zipf_s: float = 1.2
-    alpha_eff: float = 0.45
-    budget_min: float | None = None  # default: the preset's [population] values
-    budget_max: float | None = None
-    budget_cap: float | None = None
-    budgets: tuple[float, ...] | None = None  # explicit budgets instead of Zipf (e.g. from device profiles)
-    train_limit: int | None = None  # client pool size (None: all remaining training data)
+    clients: int = setting(20, help="Number of clients N.")
+    gamma: float = setting(1.0, help="Allocation exponent γ (0: data independent of budget, 1: proportional).")
+    zipf_s: float = setting(1.2, help="Zipf exponent of the budget ranks.")
+    alpha_eff: float = setting(0.45, help="Effective Dirichlet concentration α_eff.")
+    budget_min: float | None = setting(None, help="Smallest Zipf budget (MACs, e.g. 1.5M); default from the preset.")
+    budget_max: float | None = setting(None, help="Largest Zipf budget (MACs); default from the preset.")
+    budget_cap: float | None = setting(None, help="Allocation cap B_cap (MACs); default from the preset.")
+    budgets: tuple[float, ...] | None = None  # explicit budgets instead of Zipf (--budgets or --profiles)
+    train_limit: int | None = setting(None, help="Use only this many training examples for clients.")
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -80,7 +81,12 @@ class ClientValidation(Validation):
     """Who validates (checkpoint selection): the server's held split, or the cohort's held-out splits (a server
     without data: the served-round rule, feast_edge.evaluate.served_round)."""
 
-    validate_on: str = "server"
+    validate_on: str = setting(
+        "server",
+        help="server: validate on the server's held split (the best round is served); devices: each cohort client "
+        "tests the model on its own held-out split, as devices do for a server without data, and the served round "
+        "is the newest without a regression on their served variants (needs --holdout).",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,15 +119,25 @@ class Personalization(Concern):
 class Timing(Concern):
     """The virtual clock the clients' jobs run on (feast_edge.run.clock) and a synchronous round's deadline on it."""
 
-    clock: str = "tiers"  # tiers (durations from budgets, reported compute and payloads) or uniform (1 s each)
-    clock_rate: float = RATE  # MAC/s of the strongest client's training
-    link_mbps: float = 20.0  # every client's link, both ways
-    stragglers: float = 0.0  # share of the clients that are --straggler-factor times slower
-    straggler_factor: float = 10.0
-    jitter: float = 0.0  # σ of each job's log-normal slowdown
-    dropout: float = 0.0  # probability that a job is lost
-    round_timeout: float = 0.0  # virtual seconds a synchronous round waits (0: for its slowest member)
-    compute_budget: float = 0.0  # end once the released updates' training MACs reach this (0: --rounds only)
+    clock: str = setting(
+        "tiers",
+        help="tiers: each job's virtual time from its reported training MACs over a throughput proportional to the "
+        "client's budget, plus its payloads over --link-mbps; uniform: every job takes 1 s.",
+    )
+    clock_rate: float = setting(RATE, help="Training MAC/s of the strongest client on the virtual clock.")
+    link_mbps: float = setting(20.0, help="Every client's link on the virtual clock, Mbit/s both ways.")
+    stragglers: float = setting(0.0, help="Share of the clients (seeded) that are --straggler-factor times slower.")
+    straggler_factor: float = setting(10.0, help="How many times slower a straggler is.")
+    jitter: float = setting(0.0, help="Sigma of each job's log-normal slowdown on the virtual clock (0: none).")
+    dropout: float = setting(
+        0.0, help="Probability that a job is lost (the device slept or lost its link), after its whole time."
+    )
+    round_timeout: float = setting(0.0, help=ROUND_TIMEOUT)
+    compute_budget: float = setting(
+        0.0,
+        help="End the run once its released updates' training MACs reach this, e.g. 5e13 (0: --rounds only); "
+        "compares synchronous and asynchronous rounds at equal client compute.",
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -160,14 +176,18 @@ class SimulationConfig:
     takes the settings flat, by their keys (``per_round=3, dp_clip=1.0``), as the command line and stored runs give
     them."""
 
-    preset: str = "fmnist-small"
-    dataset: str = "fashion-mnist"
-    data_dir: str = str(FASHION_MNIST_DIR)
-    seed: int = 0
+    preset: str = setting("fmnist-small", help=PRESET)
+    dataset: str = setting(
+        "fashion-mnist",
+        help="fashion-mnist, cifar10, cifar100 (binary release) or imagefolder (--data/train/<class name>/*, "
+        "--data/test/<class name>/*, labelled by the preset's class names).",
+    )
+    data_dir: str = setting(str(FASHION_MNIST_DIR), help="Local data directory (never downloaded).")  # --data
+    seed: int = setting(0, help=SEED)
     method: str = "feast"  # feast_edge.sim.methods.METHODS
     method_options: tuple[tuple[str, str], ...] = ()  # --method-option KEY=VALUE pairs, sorted by key
-    test_limit: int | None = None
-    cache: str | None = None  # cache JSON (None: beside the preset's own file, else the shipped one)
+    test_limit: int | None = setting(None, help="Test on only the first N test examples.")
+    cache: str | None = setting(None, help=CACHE)
     device: str = "cpu"
     amp: str = "off"  # mixed precision of local training (feast_edge.local.precision; as --amp resolved on --device)
     deterministic: bool = False  # deterministic PyTorch kernels in every process of the run (CUDA; the CPU already is)
@@ -245,13 +265,7 @@ class SimulationConfig:
                 self.method == "feast",
                 f"--mode async trains FEAST's routed slices; {self.method} runs synchronous rounds",
             ),
-            (
-                self.privacy.dp_mode != "central" or self.dp_settings() is None or rules.staleness == "constant",
-                (
-                    f"--mode async with central DP weighs every buffered update alike (the noise is calibrated to "
-                    f"uniform weights), not by --staleness {rules.staleness}: add --staleness constant"
-                ),
-            ),
+            *async_refusals(self),
             (
                 rules.concurrency <= pop.clients,
                 f"--concurrency {rules.concurrency} is more than --clients {pop.clients}: each slot trains one client",

@@ -11,7 +11,6 @@ from feast_edge.cli.panels import by_concern, settings_options
 from feast_edge.cli.server_opt import betas
 from feast_edge.errors import FeastError
 from feast_edge.report.model_words import served_variants
-from feast_edge.server.cli.run_options import BOUNDS, FLAGS, HELP
 from feast_edge.server.cli.shared import (
     OutOpt,
     check_server_bundle,
@@ -44,9 +43,10 @@ def _refuse_method(value: Optional[str]) -> None:
 @common.mqtt_options()
 @settings_options(
     ServerConfig,
-    HELP,
-    flags=FLAGS,
-    bounds=BOUNDS,
+    "server",
+    # --out and --federation are options of their own; a server takes the preset's lr schedule and augmentation.
+    exclude=("out", "federation", "lr_schedule", "augment"),
+    flags={"preset": ("--preset", "-p"), "epochs": ("--local-epochs",)},
     cli_types={"server_betas": str},
     parse={"server_betas": betas},
     required={"out": ""},

@@ -10,9 +10,14 @@ import typer
 
 from feast_edge.cli import common
 from feast_edge.server.cli.shared import (
+    CalibSamplesOpt,
+    ChunkOpt,
+    Int8SamplesOpt,
+    Int8ToleranceOpt,
     OutOpt,
     PrecisionOpt,
     ServingRuleOpt,
+    ValSamplesOpt,
     console,
     install_signal_handlers,
     log,
@@ -42,13 +47,13 @@ def export_command(
     federation: Annotated[
         Optional[str], typer.Option("--federation", help="Federation id (default: the run's).")
     ] = None,
-    val_samples: Annotated[int, typer.Option("--val-samples", min=1)] = 5000,
-    calib_samples: Annotated[int, typer.Option("--calib-samples", min=1)] = 500,
+    val_samples: ValSamplesOpt = 5000,
+    calib_samples: CalibSamplesOpt = 500,
     precision: PrecisionOpt = "auto",
-    int8_samples: common.Int8SamplesOpt = 256,
-    int8_tolerance: common.Int8ToleranceOpt = 0.01,
+    int8_samples: Int8SamplesOpt = 256,
+    int8_tolerance: Int8ToleranceOpt = 0.01,
     serving_rule: ServingRuleOpt = "validated",
-    chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,
 ) -> None:
@@ -96,7 +101,7 @@ def serve_command(
     federation: Annotated[
         Optional[str], typer.Option("--federation", help="Federation id (default: the run's).")
     ] = None,
-    chunk_size: common.ChunkOpt = DEFAULT_CHUNK_SIZE,
+    chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,
 ) -> None:

@@ -11,6 +11,8 @@ import typer
 
 from feast_edge.cli import common
 from feast_edge.errors import FeastError
+from feast_edge.server.config import ServerConfig
+from feast_edge.settings.nested import bounds_of, help_of
 from feast_edge.transport.broker import LinkConfig
 from feast_edge.transport.credentials import credentials_of
 
@@ -40,20 +42,19 @@ def check_server_bundle(link: Optional[LinkConfig]) -> None:
         )
 
 
-ServingRuleOpt = Annotated[
-    str,
-    typer.Option(
-        "--serving-rule",
-        help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
-        "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
-        "(method §8's largest affordable, whatever validation says).",
-    ),
-]
-PrecisionOpt = Annotated[
-    str,
-    typer.Option(
-        "--precision",
-        help="Precision of the served ONNX files: auto (each device's, as its profile was measured), fp32, or int8 "
-        "(onnxruntime static quantization on the server's calibration split, or on each device's own data).",
-    ),
-]
+_HELP, _BOUNDS = help_of(ServerConfig, "server"), bounds_of(ServerConfig)
+
+
+def _setting(key: str, kind: type) -> Any:
+    """The option of the run's setting ``key`` for a command on its run directory: its declared help and bounds."""
+    return Annotated[kind, typer.Option(f"--{key.replace('_', '-')}", help=_HELP[key], **_BOUNDS.get(key, {}))]
+
+
+# feast-server export's and serve's options for the run's settings (they change what the run stored).
+ServingRuleOpt = _setting("serving_rule", str)
+PrecisionOpt = _setting("precision", str)
+Int8SamplesOpt = _setting("int8_samples", int)
+Int8ToleranceOpt = _setting("int8_tolerance", float)
+ChunkOpt = _setting("chunk_size", int)
+ValSamplesOpt = _setting("val_samples", int)
+CalibSamplesOpt = _setting("calib_samples", int)

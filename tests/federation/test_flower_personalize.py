@@ -182,5 +182,7 @@ def test_the_run_config_takes_personalize_and_node_holdout_and_names_the_choices
 @pytest.mark.parametrize("mode", ["central", "local"])
 def test_a_flower_run_config_with_dp_is_refused_naming_where_dp_runs(tmp_path: Path, mode: str) -> None:
     private = {"out-dir": str(tmp_path), "dp-clip": 1.0, "dp-noise": 1.0, "dp-mode": mode}
-    with pytest.raises(ServerError, match=r"run config dp-\*: differential privacy runs with feast-server run"):
+    with pytest.raises(
+        ServerError, match=r"run config dp-clip, dp-mode, dp-noise: differential privacy runs with feast-server run"
+    ):
         server_config(private)

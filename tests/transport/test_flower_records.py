@@ -18,13 +18,14 @@ from feast_edge import __version__
 from feast_edge.cache.variants import load_cache
 from feast_edge.errors import PayloadError
 from feast_edge.flower import records
-from feast_edge.flower.serverapp.run_config import server_config
+from feast_edge.flower.serverapp.run_config import FLOWER_REFUSES, RENAMED, refused_keys, run_config_keys, server_config
 from feast_edge.personalize.fleet import OwnRow
 from feast_edge.personalize.tuned import Tuned
 from feast_edge.protocol import Declined, Register, RoundStart, Update
 from feast_edge.route.envelope import route_state
 from feast_edge.route.plans import plan_client
-from feast_edge.server.config import ServerError
+from feast_edge.server.config import ServerConfig, ServerError
+from feast_edge.settings import flat_types
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
 from feast_edge.transport.errors import ProtocolError
@@ -193,6 +194,23 @@ def test_the_query_names_this_version_the_federation_and_the_preset() -> None:
 def test_a_bad_run_config_is_refused_naming_the_key(run_config: dict, message: str) -> None:
     with pytest.raises(ServerError, match=message):
         server_config(run_config)
+
+
+def test_every_server_setting_is_taken_by_a_run_config_or_refused_with_its_concerns_reason() -> None:
+    taken, refused = run_config_keys(), refused_keys()
+    for key in flat_types(ServerConfig):
+        dashed = key.replace("_", "-")
+        assert [dashed in taken, RENAMED.get(key) in taken, dashed in refused].count(True) == 1, key
+    assert set(refused.values()) <= set(FLOWER_REFUSES)
+    assert refused["secagg-neighbours"] == refused["secure-agg"] == "secure"
+    assert {"mode", "dp-clip", "chunk-size", "bn-rule", "recipe"} <= set(refused)
+
+
+@pytest.mark.parametrize("key", sorted(refused_keys()))
+def test_a_refused_key_is_refused_with_its_reason_never_as_an_unknown_one(key: str) -> None:
+    with pytest.raises(ServerError) as refused:
+        server_config({"out-dir": "/tmp/x", key: 1})
+    assert str(refused.value) == f"run config {key}: {FLOWER_REFUSES[refused_keys()[key]]}"
 
 
 def test_a_run_config_becomes_feast_servers_settings() -> None:

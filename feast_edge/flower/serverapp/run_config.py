@@ -5,8 +5,10 @@ Keys are feast-server's option names without the dashes in front (``per-round`` 
 (export each node's model after the last round; default true), ``personalize`` (after the last round, each node's
 personalization step on its served variant: auto, off, METHOD or METHOD:STRENGTH; default off), ``node-data`` and
 ``node-holdout`` (read by the ClientApp on Flower's Simulation Engine: the partition directory the simulated nodes
-take their shards from, and the share of each shard they hold out). An unknown key or a value of the wrong type is
-a ServerError naming the key and what it takes.
+take their shards from, and the share of each shard they hold out). Which of feast-server's settings a run config
+takes is the settings' declaration (``apps``, feast_edge.settings.nested.setting); one it does not take is refused with
+the reason of its concern (``FLOWER_REFUSES``). An unknown key, a refused one or a value of the wrong type is a
+ServerError naming the key and what it takes.
 """
 
 from __future__ import annotations
@@ -22,28 +24,58 @@ from feast_edge.errors import PayloadError
 from feast_edge.flower.records import check_flower_dtype
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.server.config import ServerConfig, ServerError
-from feast_edge.settings import flat_types
-from feast_edge.settings.concerns import Schedule, SecureAggregation
+from feast_edge.settings.nested import accepted_by, concern_of_keys, flat_types
 
-# ServerConfig fields a Flower run does not take: MQTT's chunking and the send wait have no meaning on a Grid, and the
-# devices' BN statistics (with their combination rule) are the MQTT server's. (The nodes' validation without data is
-# the Flower run's too: val-rule combines it.)
-# --recipe KEY=VALUE pairs have no run-config form (a TOML table would need its own check).
-NOT_FLOWER = {"out", "chunk_size", "send_timeout", "bn_calibration", "bn_rule", "recipe", *flat_types(Schedule),
-              *flat_types(SecureAggregation), "secagg_timeout"}  # fmt: skip
+# Why a Flower run refuses the settings of each concern that it does not take (by the settings' declarations).
+FLOWER_REFUSES = {
+    "schedule": "buffered asynchronous rounds run in feast-edge simulate --mode async (docs/simulation.md §12) and "
+    "feast-server run --mode async; a Flower ServerApp drives synchronous rounds of its Grid (Flower has no "
+    "asynchronous strategy): drop these keys",
+    "secure": "secure aggregation per routed segment runs in feast-server run --secure-agg and feast-edge simulate "
+    "--secure-agg (docs/security.md §10); its four stages are not built as Flower messages, and Flower's own SecAgg+ "
+    "masks the full parameter vector, so routed slices would be zero-padded (4-64x the upload): drop these keys",
+    "privacy": "differential privacy runs with feast-server run over MQTT and feast-edge simulate; the Flower apps do "
+    "not offer it yet (the ClientApp sends raw updates, and Flower's own DP wrappers noise a dense average, wrong for "
+    "routed slices: docs/privacy.md)",
+    "network": "MQTT's chunking and the send wait have no meaning on a Grid, which sends its own messages: drop these "
+    "keys",
+    "validation": "the devices' BN statistics for a server without data, and the rule combining them, are feast-server "
+    "run's over MQTT (a Flower run's nodes validate without data too, their counts combined by val-rule): drop these "
+    "keys",
+    "training": "--recipe KEY=VALUE pairs have no run-config form (a TOML table would need its own check): give lr, "
+    "batch-size, epochs, lr-schedule or augment as keys of their own, and other [train] keys in the preset",
+}
+RENAMED = {"out": "out-dir"}  # a ServerConfig key the run config names otherwise
 # node-data, node-holdout: the simulated nodes' partition and held-out share (ClientApp)
 EXTRA = {"out-dir": str, "export": bool, "personalize": str, "node-data": str, "node-holdout": float}
 EXAMPLE = 'e.g. [tool.flwr.app.config] out-dir = "/path/runs/flower-1"'
-# feast-edge simulate's asynchronous schedule (feast_edge.settings.Schedule): refused with the reason
-ASYNC_KEYS = {"mode", "buffer", "concurrency", "max-staleness", "staleness"}
-# feast-server's secure aggregation per routed segment: refused with the reason
-SECURE_KEYS = {"secure-agg", "colluders", "secagg-bound", "secagg-timeout"}
+
+
+def _dashed(key: str) -> str:
+    return key.replace("_", "-")
 
 
 def run_config_keys() -> dict[str, Any]:
     """Every key a run config takes, and its type."""
-    keys = {key.replace("_", "-"): kind for key, kind in flat_types(ServerConfig).items() if key not in NOT_FLOWER}
+    taken = set(accepted_by(ServerConfig, "flower")) - set(RENAMED)
+    keys = {_dashed(key): kind for key, kind in flat_types(ServerConfig).items() if key in taken}
     return {**keys, **EXTRA}
+
+
+def refused_keys() -> dict[str, str | None]:
+    """Every ServerConfig key a run config refuses (dashed) -> its concern, whose reason ``FLOWER_REFUSES`` gives."""
+    taken = set(accepted_by(ServerConfig, "flower"))
+    return {_dashed(key): concern for key, concern in concern_of_keys(ServerConfig).items() if key not in taken}
+
+
+def _refuse(run_config: Mapping[str, Any]) -> None:
+    """A ServerError naming the keys of ``run_config`` that a Flower run refuses, with their concern's reason (the
+    first concern in ``FLOWER_REFUSES`` order that has any)."""
+    refused = refused_keys()
+    for concern, reason in FLOWER_REFUSES.items():
+        given = sorted(key for key in run_config if refused.get(key) == concern)
+        if given:
+            raise ServerError(f"run config {', '.join(given)}: {reason}")
 
 
 def _value(key: str, value: Any, kind: Any) -> Any:
@@ -70,21 +102,7 @@ def _value(key: str, value: Any, kind: Any) -> Any:
 def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
     """The ServerConfig of a Flower run and whether to export the models after it; ServerError naming a bad key."""
     keys = run_config_keys()
-    asynchronous = sorted(k for k in run_config if k in ASYNC_KEYS)
-    if asynchronous:
-        raise ServerError(
-            f"run config {', '.join(asynchronous)}: buffered asynchronous rounds run in feast-edge simulate --mode "
-            "async (docs/simulation.md §12) and feast-server run --mode async; a Flower ServerApp drives synchronous rounds of its Grid (Flower has no "
-            "asynchronous strategy): drop these keys"
-        )
-    secure = sorted(k for k in run_config if k in SECURE_KEYS)
-    if secure:
-        raise ServerError(
-            f"run config {', '.join(secure)}: secure aggregation per routed segment runs in feast-server run "
-            "--secure-agg and feast-edge simulate --secure-agg (docs/security.md §10); its four stages are not built "
-            "as Flower messages, and Flower's own SecAgg+ masks the full parameter vector, so routed slices would be "
-            "zero-padded (4-64x the upload): drop these keys"
-        )
+    _refuse(run_config)
     unknown = sorted(k for k in run_config if k not in keys)
     if unknown:
         raise ServerError(
@@ -112,12 +130,6 @@ def server_config(run_config: Mapping[str, Any]) -> tuple[ServerConfig, bool]:
     ):
         raise ServerError(f"run config node-holdout = {holdout!r} must be a fraction between 0 and {MAX_HOLDOUT}")
     config = ServerConfig.of(out=out, **settings)
-    if config.dp_settings() is not None:
-        raise ServerError(
-            "run config dp-*: differential privacy runs with feast-server run over MQTT and feast-edge simulate; the "
-            "Flower apps do not offer it yet (the ClientApp sends raw updates, and Flower's own DP wrappers noise a "
-            "dense average, wrong for routed slices: docs/privacy.md)"
-        )
     try:
         check_flower_dtype(config.aggregation.payload_dtype)
     except PayloadError as exc:
