@@ -51,7 +51,7 @@ class SimulationLive:
             )
 
     def attach(self) -> None:
-        self.sim.collector.on_start = self.round_started
+        self.sim.environment.in_process.on_start = self.round_started  # under every wrapper (secure sums)
         self.sim.method.on_client = self.client_state
 
     def round_started(self, t: int, cohort: Sequence[str], plans: Mapping[str, Any]) -> None:

@@ -39,11 +39,12 @@ class SimulationEnvironment(Plain):
         self.setup, self.method, self.config, self.clock, self.steps = setup, method, config, clock, steps
         self._validator = validator
         self.untimed: Collector | None = None  # the collector before the clock (one round alone: Simulation.run_round)
+        self.in_process: InProcessCollector | None = None  # the innermost: where each member trains (its on_start)
         self.rounds: TimedRounds | None = None
 
     def collector(self) -> Collector:
         self_reported = self.config.aggregation.max_weight_ratio > 0
-        self.untimed = InProcessCollector(self.setup, self.method, self_reported=self_reported)
+        self.untimed = self.in_process = InProcessCollector(self.setup, self.method, self_reported=self_reported)
         return self.untimed
 
     def secure_sums(self, inner: Collector) -> Collector:

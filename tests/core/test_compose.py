@@ -231,3 +231,17 @@ def test_the_simulations_live_view_shows_the_virtual_clock(tmp_path: Path, fashi
     assert {k: entry[k] for k in clock_entry(record.clock, record.staleness)} == clock_entry(
         record.clock, record.staleness
     )
+
+
+def test_the_simulations_live_view_sees_each_round_start_under_secure_sums(tmp_path: Path, fashion_mnist_dir: Path):
+    # The live view hooks the in-process collector beneath every wrapper (before, under --secure-agg it set the hook
+    # on the secure wrapper, which never called it).
+    from feast_edge.cli.live import SimulationLive
+    from feast_edge.dashboard.state import DashboardState
+
+    config = tiny_config(fashion_mnist_dir, secure_agg=True, clients=4, per_round=3, rounds=1)
+    sim = Simulation(config, tmp_path)
+    live = SimulationLive(DashboardState("simulation", "secure"), sim)
+    live.attach()
+    sim.run(on_record=live.round_finished)
+    assert set(live._down) == set(sim.history[0].cohort) and all(b > 0 for b in live._down.values())

@@ -22,21 +22,17 @@ from feast_edge.aggregate.server_opt import parse_betas
 from feast_edge.data.holdout import MAX_HOLDOUT
 from feast_edge.errors import PayloadError
 from feast_edge.flower.records import check_flower_dtype
+from feast_edge.flower.serverapp.environment import FLOWER
 from feast_edge.personalize.select import Choice, PersonalizeError
 from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.settings.nested import accepted_by, concern_of_keys, flat_types
 
 # Why a Flower run refuses the settings of each concern that it does not take (by the settings' declarations).
 FLOWER_REFUSES = {
-    "schedule": "buffered asynchronous rounds run in feast-edge simulate --mode async (docs/simulation.md §12) and "
-    "feast-server run --mode async; a Flower ServerApp drives synchronous rounds of its Grid (Flower has no "
-    "asynchronous strategy): drop these keys",
-    "secure": "secure aggregation per routed segment runs in feast-server run --secure-agg and feast-edge simulate "
-    "--secure-agg (docs/security.md §10); its four stages are not built as Flower messages, and Flower's own SecAgg+ "
-    "masks the full parameter vector, so routed slices would be zero-padded (4-64x the upload): drop these keys",
-    "privacy": "differential privacy runs with feast-server run over MQTT and feast-edge simulate; the Flower apps do "
-    "not offer it yet (the ClientApp sends raw updates, and Flower's own DP wrappers noise a dense average, wrong for "
-    "routed slices: docs/privacy.md)",
+    # the features the Flower environment cannot run, with its capabilities' reasons (environment.FLOWER)
+    "schedule": f"{FLOWER.asynchronous}: drop these keys",
+    "secure": f"{FLOWER.secure}: drop these keys",
+    "privacy": FLOWER.privacy,
     "network": "MQTT's chunking and the send wait have no meaning on a Grid, which sends its own messages: drop these "
     "keys",
     "validation": "the devices' BN statistics for a server without data, and the rule combining them, are feast-server "
