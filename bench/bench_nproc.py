@@ -49,10 +49,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sims, spreads = {}, {}
         for i, (label, (nproc, threads)) in enumerate(runs.items()):
-            sims[label] = Simulation(config, os.path.join(tmp, str(i)))
             if nproc > 1:
                 spreads[label] = Spread(config, nproc=nproc, threads=threads, command=COMMAND)
-                spreads[label].attach(sims[label])
+            clients = spreads[label].clients if nproc > 1 else None
+            sims[label] = Simulation(config, os.path.join(tmp, str(i)), clients=clients)
         s = next(iter(sims.values())).setup
         sizes = sorted(int(n) for n in s.population.sizes)
         print(

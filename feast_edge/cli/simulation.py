@@ -190,7 +190,16 @@ def simulate(
         f"loading {config.dataset} from {config.data_dir}; drawing the budgets and data shards of {config.population.clients} clients"
     )
     threads = {"intra_op": spread.threads, "chosen": spread.chosen}
-    sim = Simulation(config, out, setup=setup, matched=None if matched is None else matched.to_dict(), threads=threads)
+    if spread.world.size > 1:
+        _say(spread.describe())
+    sim = Simulation(
+        config,
+        out,
+        setup=setup,
+        matched=None if matched is None else matched.to_dict(),
+        threads=threads,
+        clients=spread.clients if spread.world.size > 1 else None,
+    )
     _say(str(sim.setup.population))
     _say(f"{describe_device(device, requested)}, {precision.describe()}")
     if not config.server_optimizer().identity:
@@ -198,9 +207,6 @@ def simulate(
     _say(
         f"{spread.threads} intra-op thread{'s' * (spread.threads != 1)} per process for the whole run: {spread.chosen}"
     )
-    if spread.world.size > 1:
-        _say(spread.describe())
-        spread.attach(sim)
     done = _completed_rounds(out) if resume else 0
     if done:
         _say(f"resuming after round {done}/{rounds} from {out / 'checkpoint.safetensors'}")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from feast_edge.run.collect import Collected, Wrapped
+from feast_edge.run.collect import Collected
 from feast_edge.settings import flat
 from feast_edge.sim.collect import InProcessCollector
 from feast_edge.sim.methods import Method, method_class
@@ -285,10 +285,10 @@ class Spread:
         finally:
             dist.destroy_process_group()
 
-    def attach(self, sim: Any) -> None:
-        """Rank 0: start the local workers (or join torchrun's) and give ``sim`` the spreading collector."""
-        if self.world.size == 1:
-            return
+    def clients(self, setup: Setup, method: Method, *, self_reported: bool = False) -> InProcessCollector:
+        """Rank 0: start the local workers (or join torchrun's) and return the collector that spreads each cohort over
+        the ranks: how the simulation's environment reaches its clients (feast_edge.sim.environment); wrappers (secure
+        sums, the virtual clock) go around it as around the in-process one."""
         try:
             if self.launched is None:
                 self.workers = LocalWorkers(self.config, self.world.size, self.threads, self.backend, self.command)
@@ -299,17 +299,10 @@ class Spread:
         except BaseException:
             self.close(ok=False)
             raise
-        # The in-process collector trains the cohort; wrappers around it (secure sums) stay, around the spread one.
-        outer, inner = None, sim.collector
-        while isinstance(inner, Wrapped):
-            outer, inner = inner, inner.inner
         self.collector = SpreadCollector(
-            sim.setup, sim.method, channel, self.config.training.rounds, self_reported=inner.self_reported
+            setup, method, channel, self.config.training.rounds, self_reported=self_reported
         )
-        if outer is None:
-            sim.collector = self.collector
-        else:
-            outer.inner = self.collector
+        return self.collector
 
     def close(self, ok: bool = True) -> None:
         """Stop the other ranks (at once when rank 0 failed) and leave the process group."""

@@ -5,7 +5,7 @@ held-out splits validate where ``--validate-on devices``."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from feast_edge.run.clock import TimedRounds, VirtualClock
 from feast_edge.run.collect import Collector
@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from feast_edge.sim.setup import Setup
 
 
+class Clients(Protocol):
+    """How a simulation's clients are reached: a collector that trains each cohort member on its shard."""
+
+    def __call__(self, setup: Setup, method: Any, *, self_reported: bool = False) -> InProcessCollector: ...
+
+
 class SimulationEnvironment(Plain):
     """Clients in process on a virtual clock (see the module docstring)."""
 
@@ -34,17 +40,21 @@ class SimulationEnvironment(Plain):
         clock: VirtualClock,
         steps: set[str],
         validator: Validator | None = None,
+        clients: Clients | None = None,
     ) -> None:
-        """``steps``: the model's parameters (what a device clips under central DP before masking)."""
+        """``steps``: the model's parameters (what a device clips under central DP before masking); ``clients``: how
+        the clients are reached (default: each trains in this process; ``--nproc``: spread over processes,
+        feast_edge.sim.distributed)."""
         self.setup, self.method, self.config, self.clock, self.steps = setup, method, config, clock, steps
         self._validator = validator
+        self.clients = clients if clients is not None else InProcessCollector
         self.untimed: Collector | None = None  # the collector before the clock (one round alone: Simulation.run_round)
         self.in_process: InProcessCollector | None = None  # the innermost: where each member trains (its on_start)
         self.rounds: TimedRounds | None = None
 
     def collector(self) -> Collector:
         self_reported = self.config.aggregation.max_weight_ratio > 0
-        self.untimed = self.in_process = InProcessCollector(self.setup, self.method, self_reported=self_reported)
+        self.untimed = self.in_process = self.clients(self.setup, self.method, self_reported=self_reported)
         return self.untimed
 
     def secure_sums(self, inner: Collector) -> Collector:

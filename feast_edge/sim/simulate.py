@@ -39,7 +39,7 @@ from feast_edge.run.stages.released import released_of
 from feast_edge.settings import SettingsError, flat
 from feast_edge.settings.concerns import loop_settings
 from feast_edge.sim.device_validation import InProcessValidation
-from feast_edge.sim.environment import SimulationEnvironment
+from feast_edge.sim.environment import Clients, SimulationEnvironment
 from feast_edge.sim.population import Population
 from feast_edge.sim.registry import method_class
 from feast_edge.sim.setup import Setup, SimulationConfig, SimulationError, build_setup
@@ -75,10 +75,12 @@ class Simulation:
         setup: Setup | None = None,
         matched: Mapping[str, Any] | None = None,
         threads: Mapping[str, Any] | None = None,
+        clients: Clients | None = None,
     ) -> None:
         """``setup``: one already built from ``config`` (its data and population); ``matched``: how its rounds were
         matched to another run's training compute (feast_edge.sim.matched), recorded in results.json; ``threads``: the
-        intra-op threads the run computes on and why (``{"intra_op": 2, "chosen": "..."}``), recorded there too."""
+        intra-op threads the run computes on and why (``{"intra_op": 2, "chosen": "..."}``), recorded there too;
+        ``clients``: how the clients are reached (feast_edge.sim.environment; ``--nproc``: over processes)."""
         self.threads = dict(threads) if threads is not None else None
         self.config = config
         self.out = Path(out_dir)
@@ -105,6 +107,7 @@ class Simulation:
             self.clock,
             parameter_names(self.model),
             validator=self._device_validation() if on_devices else None,
+            clients=clients,
         )
         host = HostParts(
             self.model,

@@ -150,9 +150,8 @@ def test_a_spread_run_resumes_to_the_weights_of_an_uninterrupted_one(fashion_mni
         (1, False),
         (None, True),
     ):  # "killed" after round 1, resumed with the cohort spread over 3 processes
-        sim = Simulation(config, tmp_path / "resumed")
         spread = Spread(config, nproc=2 if stop_after else 3, threads=1, command=COMMAND)
-        spread.attach(sim)
+        sim = Simulation(config, tmp_path / "resumed", clients=spread.clients)
         try:
             sim.run(resume=resume, stop_after=stop_after)
         finally:
@@ -170,9 +169,8 @@ def test_secure_sums_release_the_same_weights_whatever_the_number_of_processes(f
     whole = Simulation(config, tmp_path / "whole")
     whole.run()
     assert all(h.applied for h in whole.loop.history)
-    sim = Simulation(config, tmp_path / "spread")
     spread = Spread(config, nproc=2, threads=1, command=COMMAND)
-    spread.attach(sim)
+    sim = Simulation(config, tmp_path / "spread", clients=spread.clients)
     try:
         sim.run()
     finally:
