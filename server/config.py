@@ -18,18 +18,11 @@ from feast_edge.privacy.settings import DpSettings, PrivacyError, check_composes
 from feast_edge.protocol.secure import MAX_HOLDERS, MAX_SECURE_COHORT
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
-from feast_edge.run.settings import RunSettings
 from feast_edge.secagg.protocol import degree_for
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
-from feast_edge.settings.concerns import (
-    Schedule,
-    SecureAggregation,
-    async_refusals,
-    loop_settings,
-    secure_refusals,
-    server_step,
-)
+from feast_edge.settings.concerns import Schedule, SecureAggregation, async_refusals, secure_refusals, server_step
 from feast_edge.settings.nested import changed, check, flat_types, of, setting
+from feast_edge.settings.run_concerns import RunConcerns
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
@@ -428,10 +421,10 @@ class ServerConfig:
         settings = {**stored, "data": fields.get("data"), **{k: v for k, v in overrides.items() if v is not None}}
         return cls.of(**{**settings, "out": str(out)})
 
-    def settings(self) -> RunSettings:
-        """What the round loop reads of this configuration."""
+    def run_concerns(self) -> RunConcerns:
+        """What the round loop reads of this configuration (feast_edge.settings.run_concerns)."""
         try:
-            return loop_settings(
+            return RunConcerns.of(
                 self, min_clients=self.population.min_clients, dp_on_devices=self.local_dp() is not None
             )
         except SettingsError as exc:

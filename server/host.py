@@ -90,7 +90,7 @@ class RunHost:
             },
         )
         try:
-            self.loop = compose(host, environment, config, config.settings())
+            self.loop = compose(host, environment, config.run_concerns())
         except RunError as exc:
             raise ServerError(str(exc)) from None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from feast_edge.errors import FeastError
-from feast_edge.run.asynchronous import SERVER_LR
+from feast_edge.settings.buffered import SERVER_LR
 
 METHOD_ORDER = ("feast", "centralized", "heterofl", "scalefl", "fiarse", "sfn", "dfn")
 REFERENCE = "centralized"
@@ -172,7 +172,7 @@ def _parse(directory: Path, record: Any) -> Run:
 
 def _schedule(config: dict[str, Any]) -> str:
     """``async K=5 M=10 S=10 sqrt η=0.25`` for buffered asynchronous rounds (η: the step of plain averaging without
-    --server-lr, feast_edge.run.asynchronous.SERVER_LR); '' for synchronous ones."""
+    --server-lr, feast_edge.settings.buffered.SERVER_LR); '' for synchronous ones."""
     if config.get("mode") != "async":
         return ""
     step = config.get("server_opt", "avg") == "avg" and config.get("server_lr") is None

@@ -32,10 +32,9 @@ draw (a fill of M slots at version t draws as round t does), each release is exa
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,54 +44,15 @@ from feast_edge.run.collect import STALE, ClientUpdate, Collected, Collector
 from feast_edge.run.jobs import DECLINED, INCOMPLETE, LOST, MISSING, REJECTED, Arrival, Jobs, leading
 from feast_edge.run.release import FLEET_COUNTS, Release, RoundContext, StateDict
 from feast_edge.run.schedule import Gathered, step_lr
-from feast_edge.run.settings import RunError
+from feast_edge.settings.buffered import AsyncSettings, discount
+from feast_edge.settings.validated import RunError
 
 if TYPE_CHECKING:
     from feast_edge.aggregate.segments import SegmentSums
     from feast_edge.run.round_record import RoundMethod, RoundRecord
-    from feast_edge.run.settings import RunSettings
+    from feast_edge.settings.run_concerns import RunConcerns
 
-DISCOUNTS = ("sqrt", "constant", "hinge")
-HINGE = 2  # hinge: no discount up to this staleness
-# η of a release by plain averaging unless --server-lr says otherwise: θ[u] += η · (the buffer's weighted mean - θ[u]).
-# η = 1 left the straggler fleet near chance; 0.25 trained it (docs/benchmarks.md, "Asynchronous rounds").
-SERVER_LR = 0.25
 RESUMED = 1 << 40  # the draws and jobs of a resumed run count from here (seeds no uninterrupted run uses)
-
-
-def discount(kind: str, tau: int) -> float:
-    """s(τ): the weight of an update ``tau`` releases stale, relative to a fresh one (see the module docstring)."""
-    if kind == "sqrt":
-        return 1.0 / math.sqrt(1.0 + tau)
-    if kind == "constant":
-        return 1.0
-    if kind == "hinge":
-        return 1.0 if tau <= HINGE else 1.0 / (1.0 + tau - HINGE)
-    raise RunError(f"--staleness {kind!r} is not a staleness discount; choose one of {', '.join(DISCOUNTS)}")
-
-
-@dataclass(frozen=True)
-class AsyncSettings:
-    """K, M, S and s(τ) of buffered asynchronous rounds."""
-
-    buffer: int  # K: updates per release
-    concurrency: int  # M: devices training at once
-    max_staleness: int  # S: releases an update may lag behind
-    staleness: str = "sqrt"
-
-    def __post_init__(self) -> None:
-        problems = [
-            f"--buffer {self.buffer} must be at least 1" if self.buffer < 1 else "",
-            f"--concurrency {self.concurrency} must be at least --buffer {self.buffer} (a release needs K updates "
-            "in flight)"
-            if self.concurrency < self.buffer
-            else "",
-            f"--max-staleness {self.max_staleness} must be at least 0" if self.max_staleness < 0 else "",
-        ]
-        problem = next((p for p in problems if p), "")
-        if problem:
-            raise RunError(problem)
-        discount(self.staleness, 0)
 
 
 class AsyncSlots:
@@ -101,7 +61,7 @@ class AsyncSlots:
     on the current model, as release ``t``'s input."""
 
     def __init__(
-        self, settings: RunSettings, method: RoundMethod, model: torch.nn.Module, rules: AsyncSettings, jobs: Jobs
+        self, settings: RunConcerns, method: RoundMethod, model: torch.nn.Module, rules: AsyncSettings, jobs: Jobs
     ) -> None:
         self.settings, self.method, self.model, self.rules, self.jobs = settings, method, model, rules, jobs
         self.now = 0.0  # the clock at the last release

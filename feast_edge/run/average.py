@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from feast_edge.run.settings import RunError
+from feast_edge.settings.validated import RunError
 
 PREFIX = "average."
 WINDOW_MAX = 5  # rounds averaged at most by default where devices validate

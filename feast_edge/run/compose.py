@@ -1,7 +1,8 @@
 """One composition root: every run (``feast-edge simulate``, ``feast-server run``, the Flower ServerApp) is built from
-its settings by :func:`compose`, so a feature is one setting, one module and one hook here.
+its settings (feast_edge.settings.run_concerns.RunConcerns: the configuration's concerns) by :func:`compose`, so a
+feature is one setting, one module and one hook here.
 
-    compose(host, environment, config, settings) -> RunLoop
+    compose(host, environment, settings) -> RunLoop
       1. the host's parts (:class:`HostParts`): model, cache, method, the run store's identity (kind, fingerprint,
          recorded config), the server's held split, the checkpoint's extra fields
       2. the environment (feast_edge.run.environment): first its capabilities refuse what it cannot run, with the
@@ -41,10 +42,11 @@ from feast_edge.run.loop import Hooks, RunLoop
 from feast_edge.run.policy import EveryRound, ReleasePolicy
 from feast_edge.run.round_record import RoundMethod
 from feast_edge.run.schedule import Scheduler, SyncRounds
-from feast_edge.run.settings import RunError, RunSettings
 from feast_edge.run.stages import release_of
 from feast_edge.run.strategy import FeastStrategy
 from feast_edge.run.stratified import StratifiedRounds
+from feast_edge.settings.run_concerns import RunConcerns
+from feast_edge.settings.validated import RunError
 from feast_edge.space.preset import Preset
 
 
@@ -66,24 +68,25 @@ class HostParts:
     extra_fields: Callable[[], Mapping[str, Any]] = field(default=dict)
 
 
-def refuse(environment: Environment, config: Any) -> None:
-    """A RunError with the reason where ``environment`` cannot run ``config``'s features."""
-    why = environment.capabilities.refused(config)
+def refuse(environment: Environment, settings: RunConcerns) -> None:
+    """A RunError with the reason where ``environment`` cannot run the features of ``settings``."""
+    why = environment.capabilities.refused(settings)
     if why:
         raise RunError(why)
 
 
-def compose(host: HostParts, environment: Environment, config: Any, settings: RunSettings) -> RunLoop:
-    """The run loop of ``config`` (a SimulationConfig or ServerConfig) in ``environment`` (see the module docstring)."""
-    refuse(environment, config)
+def compose(host: HostParts, environment: Environment, settings: RunConcerns) -> RunLoop:
+    """The run loop of ``settings`` (a SimulationConfig's or ServerConfig's concerns) in ``environment`` (see the
+    module docstring)."""
+    refuse(environment, settings)
     model = host.model
     method = host.method if host.method is not None else FeastStrategy.of_settings(model, host.cache, settings)
     release = release_of(settings, model, method)
-    secure = getattr(config, "secure", None)
+    secure = settings.secure.secure_agg
     collector = environment.collector()
-    if secure is not None and secure.secure_agg:  # per-segment sums, never one update (feast_edge.secagg)
+    if secure:  # per-segment sums, never one update (feast_edge.secagg)
         collector = environment.secure_sums(collector)
-    rules = config.schedule.rules()
+    rules = settings.schedule.rules()
     scheduler: Scheduler
     policy: ReleasePolicy
     if rules is not None:  # buffered asynchronous rounds (feast_edge.run.asynchronous)
@@ -91,8 +94,10 @@ def compose(host: HostParts, environment: Environment, config: Any, settings: Ru
         scheduler = AsyncSlots(settings, method, model, rules, jobs)
         policy = Buffered(release, rules.staleness)
     else:
-        if secure is not None and secure.secure_agg:  # stratified cohorts, plans capped at what a round reveals
-            scheduler = StratifiedRounds(settings, method, model, Reveal(host.preset, host.cache, secure.colluders + 2))
+        if secure:  # stratified cohorts, plans capped at what a round reveals
+            scheduler = StratifiedRounds(
+                settings, method, model, Reveal(host.preset, host.cache, settings.reveal_over())
+            )
         else:
             scheduler = SyncRounds(settings, method, model)
         policy = EveryRound(release, settings.min_clients)

@@ -33,8 +33,8 @@ class Capabilities:
     privacy: str | None = None  # client-level differential privacy (--dp-*)
 
     def refusals(self, config: Any) -> list[tuple[bool, str]]:
-        """(allowed, why) of ``config``'s features in this environment (``config``: a SimulationConfig or a
-        ServerConfig, by its concerns)."""
+        """(allowed, why) of ``config``'s features in this environment (``config``: a SimulationConfig, a
+        ServerConfig or a run's RunConcerns, by its concerns)."""
         secure = getattr(config, "secure", None)
         return [
             (self.asynchronous is None or config.schedule.mode == "sync", self.asynchronous or ""),

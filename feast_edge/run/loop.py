@@ -43,7 +43,6 @@ from feast_edge.run.policy import EveryRound, ReleasePolicy
 from feast_edge.run.release import Release, RunStops
 from feast_edge.run.round_record import RoundMethod, RoundRecord
 from feast_edge.run.schedule import Scheduler, SyncRounds
-from feast_edge.run.settings import RunError, RunSettings  # noqa: F401 (re-exported)
 from feast_edge.run.stages import release_of
 from feast_edge.run.store import (  # noqa: F401 (re-exported: the run directory's file names)
     BEST,
@@ -54,6 +53,8 @@ from feast_edge.run.store import (  # noqa: F401 (re-exported: the run directory
     RunStore,
 )
 from feast_edge.run.strategy import FeastStrategy
+from feast_edge.settings.run_concerns import RunConcerns
+from feast_edge.settings.validated import RunError  # noqa: F401 (re-exported)
 from feast_edge.space.supernet import Supernet
 
 
@@ -82,7 +83,7 @@ class RunLoop:
         self,
         model: Supernet,
         cache: VariantCache,
-        settings: RunSettings,
+        settings: RunConcerns,
         out: str | Path,
         *,
         kind: str,
@@ -143,7 +144,8 @@ class RunLoop:
         self.best: dict[str, Any] = {}
         by_devices = validation is None and validator is not None
         self.average = TailAverage(
-            settings.rounds, serve_average_of(settings.serve_average, by_devices, settings.rounds)
+            settings.training.rounds,
+            serve_average_of(settings.validation.serve_average, by_devices, settings.training.rounds),
         )
         self.stop = threading.Event()
 
@@ -196,7 +198,7 @@ class RunLoop:
     def validate(self) -> float:
         """Mean validation accuracy of the probe operating points, each BN-recalibrated (method §8)."""
         assert self.validation is not None
-        return self.method.validate(self.validation, self.settings.probe_variants, self.settings.device)
+        return self.method.validate(self.validation, self.settings.validation.probe_variants, self.settings.device)
 
     def run_round(self, t: int, collector: Collector | None, needed: int) -> RoundRecord:
         """The scheduler's step ``t`` (cohort -> plans -> collection), then the release policy (sparse aggregation, or
@@ -227,7 +229,7 @@ class RunLoop:
             routed_params=sum(self.method.payload_params(plans[c]) for c in cohort),
             full_params=len(cohort) * self.full_params,
         )
-        record.routed_bytes = record.routed_params * bytes_per_param(s.payload_dtype)
+        record.routed_bytes = record.routed_params * bytes_per_param(s.aggregation.payload_dtype)
         record.full_bytes = record.full_params * bytes_per_param("float32")
         ctx.record = record
         global_state = self.model.state_dict()  # aliases the model's tensors: the release writes into the model
@@ -257,14 +259,14 @@ class RunLoop:
         self.out.mkdir(parents=True, exist_ok=True)
         s = self.settings
         first = len(self.history)
-        for t in range(first, s.rounds):
+        for t in range(first, s.training.rounds):
             needed = (start_clients or s.min_clients) if t == first else s.min_clients
             try:
                 record = self.run_round(t, collector, needed)
             except RunStops as exc:
                 self.stopped = str(exc)
                 break
-            validated = (t + 1) % s.eval_every == 0 or t + 1 == s.rounds
+            validated = (t + 1) % s.validation.eval_every == 0 or t + 1 == s.training.rounds
             self.average.add(record.round, self.model.state_dict())
             if validated:
                 self.validate_round(t, record)
@@ -305,7 +307,7 @@ class RunLoop:
     @property
     def finished(self) -> bool:
         """Every round ran, or a stage refused the next one (``stopped`` says why)."""
-        return len(self.history) >= self.settings.rounds or self.stopped is not None
+        return len(self.history) >= self.settings.training.rounds or self.stopped is not None
 
     def selected_checkpoint(self) -> Path:
         """``best.safetensors`` when validation chose one, else the last checkpoint."""

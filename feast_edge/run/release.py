@@ -29,7 +29,7 @@ import torch
 from feast_edge.aggregate.segments import SegmentSums
 from feast_edge.errors import FeastError
 from feast_edge.run.collect import ClientUpdate
-from feast_edge.run.settings import RunError
+from feast_edge.settings.validated import RunError
 
 if TYPE_CHECKING:
     from feast_edge.run.round_record import RoundMethod, RoundRecord

@@ -25,7 +25,7 @@ from feast_edge.run.release import RoundContext
 
 if TYPE_CHECKING:
     from feast_edge.run.round_record import RoundMethod, RoundRecord
-    from feast_edge.run.settings import RunSettings
+    from feast_edge.settings.run_concerns import RunConcerns
 
 
 @dataclass
@@ -54,20 +54,20 @@ class Scheduler(Protocol):
         """A resumed run goes on after ``history`` (its clock, its draws)."""
 
 
-def step_lr(settings: RunSettings, t: int, history: list[RoundRecord]) -> float:
+def step_lr(settings: RunConcerns, t: int, history: list[RoundRecord]) -> float:
     """Step ``t``'s learning rate: the schedule over ``--rounds``, or, under ``--compute-budget``, over the share of
     the budget the released updates spent (an asynchronous run's number of releases is not known in advance)."""
     s = settings
     if s.compute_budget > 0 and s.lr_schedule != "constant":
         spent = min(sum(h.train_macs for h in history), s.compute_budget)
         return cosine_lr(s.lr, round(1000 * spent / s.compute_budget), 1001)
-    return scheduled_lr(s.lr_schedule, s.lr, t, s.rounds)
+    return scheduled_lr(s.lr_schedule, s.lr, t, s.training.rounds)
 
 
 class SyncRounds:
     """Synchronous rounds: a seeded uniform cohort of ``per_round`` from the clients online, collected together."""
 
-    def __init__(self, settings: RunSettings, method: RoundMethod, model: torch.nn.Module) -> None:
+    def __init__(self, settings: RunConcerns, method: RoundMethod, model: torch.nn.Module) -> None:
         self.settings = settings
         self.method = method
         self.model = model
@@ -85,7 +85,7 @@ class SyncRounds:
     ) -> Gathered:
         s = self.settings
         clients = collector.clients(needed)
-        cohort = sample_round_cohort(clients, min(s.per_round, len(clients)), s.seed, t)
+        cohort = sample_round_cohort(clients, min(s.population.per_round, len(clients)), s.seed, t)
         ctx = RoundContext(t, len(clients), list(cohort), history)
         admit(ctx)
         lr = step_lr(s, t, history)

@@ -32,7 +32,7 @@ from feast_edge.run.checkpoint import (
     save_module,
     save_supernet,
 )
-from feast_edge.run.settings import RunError
+from feast_edge.settings.validated import RunError
 from feast_edge.space.preset import Preset
 from feast_edge.util.atomic import DiskFullError
 

@@ -25,7 +25,8 @@ from feast_edge.evaluate.evaluation import calibrated_variant
 from feast_edge.evaluate.points import OperatingPoint, ServedPoints
 from feast_edge.route.plans import ClientPlan, plan_client
 from feast_edge.run.collect import ClientUpdate
-from feast_edge.run.settings import RunError, RunSettings
+from feast_edge.settings.run_concerns import RunConcerns
+from feast_edge.settings.validated import RunError
 from feast_edge.space.arch import Arch
 from feast_edge.space.cost import count_params
 from feast_edge.space.geometry import supernet_layout
@@ -37,9 +38,10 @@ class FeastStrategy(ServedPoints):
     """FEAST's plans, payload sizes, aggregation and operating points over one supernet and its variant cache."""
 
     @classmethod
-    def of_settings(cls, model: Supernet, cache: VariantCache, settings: RunSettings) -> FeastStrategy:
+    def of_settings(cls, model: Supernet, cache: VariantCache, settings: RunConcerns) -> FeastStrategy:
         """FEAST's steps with the aggregation rule a run's settings ask for (mean, clip, trimmed-mean or median)."""
-        return cls(model, cache, settings.aggregation, settings.trim, settings.clip_norm)
+        rule = settings.aggregation
+        return cls(model, cache, rule.rule, rule.trim, rule.clip_norm)
 
     def __init__(
         self,

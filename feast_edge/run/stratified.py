@@ -31,7 +31,7 @@ from feast_edge.run.schedule import Gathered, SyncRounds, step_lr
 
 if TYPE_CHECKING:
     from feast_edge.run.round_record import RoundMethod, RoundRecord
-    from feast_edge.run.settings import RunSettings
+    from feast_edge.settings.run_concerns import RunConcerns
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class StratifiedRounds(SyncRounds):
     """Secure rounds: a stratified cohort of ``per_round`` from the clients online, plans capped at what it reveals."""
 
-    def __init__(self, settings: RunSettings, method: RoundMethod, model: torch.nn.Module, reveal: Reveal) -> None:
+    def __init__(self, settings: RunConcerns, method: RoundMethod, model: torch.nn.Module, reveal: Reveal) -> None:
         super().__init__(settings, method, model)
         self.reveal = reveal
         self.said: str | None = None  # the last line said about the fleet's cap
@@ -61,7 +61,7 @@ class StratifiedRounds(SyncRounds):
         fleet_cap = reveal.cap(tiers.values())
         self._say(reveal.words(reveal.unrevealed(budgets.values())))
         drawn = {c: tiers[c] if fleet_cap is None else min(tiers[c], fleet_cap) for c in clients}
-        m = min(s.per_round, len(clients))
+        m = min(s.population.per_round, len(clients))
         cohort = stratified_cohort(clients, drawn, m, reveal.least, s.seed, t)
         ctx = RoundContext(t, len(clients), cohort, history, inclusion=self._inclusion(drawn, m))
         admit(ctx)

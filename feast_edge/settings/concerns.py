@@ -10,10 +10,10 @@ from feast_edge.aggregate.server_opt import DEFAULT_LR, ServerOpt
 from feast_edge.aggregate.weights import ratio_problem
 from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
 from feast_edge.privacy.settings import DpSettings, PrivacyError, dp_of
-from feast_edge.run.asynchronous import SERVER_LR, AsyncSettings
-from feast_edge.run.settings import RunError, RunSettings, check_run_options, recorded_settings, server_opt_of
 from feast_edge.secagg.fixed import DEFAULT_BOUND
+from feast_edge.settings.buffered import SERVER_LR, AsyncSettings
 from feast_edge.settings.nested import Concern, Help, SettingsError, check, setting
+from feast_edge.settings.validated import RunError, check_run_options, recorded_settings, server_opt_of
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class Aggregation(Concern):
         self, train: TrainConfig, schedule: str, dp: DpSettings | None, averaging: bool = True
     ) -> dict[str, Any]:
         """What the run's fingerprint records of its recipe, aggregation, wire and privacy
-        (feast_edge.run.settings.recorded_settings)."""
+        (feast_edge.settings.validated.recorded_settings)."""
         opt = self.optimizer(averaging)
         return recorded_settings(train, schedule, self.rule, self.trim, self.clip_norm, self.payload_dtype, opt, dp)
 
@@ -389,7 +389,7 @@ class Schedule(Concern):
 
     def release_step(self, opt: ServerOpt, lr_given: bool) -> ServerOpt:
         """The server's step: asynchronous releases by plain averaging without --server-lr move the model
-        feast_edge.run.asynchronous.SERVER_LR of the way to the buffer's mean; otherwise ``opt`` as given."""
+        feast_edge.settings.buffered.SERVER_LR of the way to the buffer's mean; otherwise ``opt`` as given."""
         if self.mode != "async" or lr_given or opt.name != "avg":
             return opt
         return replace(opt, lr=SERVER_LR)
@@ -399,35 +399,3 @@ def server_step(config: Any, averaging: bool = True) -> ServerOpt:
     """The validated server step of a run's configuration: its --server-opt, as its schedule takes it."""
     opt = config.aggregation.optimizer(averaging)
     return config.schedule.release_step(opt, config.aggregation.server_lr is not None)
-
-
-def loop_settings(
-    config: Any, *, min_clients: int, averaging: bool = True, device: str = "cpu", dp_on_devices: bool = False
-) -> RunSettings:
-    """What the round loop reads of a run's configuration (a ``SimulationConfig`` or ``ServerConfig``: its preset,
-    seed, population, training, aggregation, privacy and validation)."""
-    train, schedule = config.training.recipe_of(config.preset)
-    rule, check = config.aggregation, config.validation
-    return RunSettings(
-        rounds=config.training.rounds,
-        per_round=config.population.per_round,
-        min_clients=min_clients,
-        seed=config.seed,
-        lr=train.lr,
-        eval_every=check.eval_every,
-        probe_variants=check.probe_variants,
-        serve_average=check.serve_average,
-        device=device,
-        aggregation=rule.rule,
-        trim=rule.trim,
-        clip_norm=rule.clip_norm,
-        lr_schedule=schedule,
-        payload_dtype=rule.payload_dtype,
-        # Secure sums weigh each device by its capped registered count before masking (feast_edge.server.secure):
-        # the loop's own cap, which needs each update, is then not run.
-        max_weight_ratio=0.0 if getattr(config, "secure", None) and config.secure.secure_agg else rule.max_weight_ratio,
-        server_opt=server_step(config, averaging),
-        dp=config.privacy.settings(),
-        dp_on_devices=dp_on_devices,
-        reveal_over=secure.colluders + 2 if (secure := getattr(config, "secure", None)) and secure.secure_agg else 0,
-    )

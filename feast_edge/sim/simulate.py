@@ -21,7 +21,7 @@ import io
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from feast_edge.run.loop import BEST, CHECKPOINT, RoundRecord, RunError
 from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.run.stages.released import released_of
 from feast_edge.settings import SettingsError, flat
-from feast_edge.settings.concerns import loop_settings
+from feast_edge.settings.run_concerns import RunConcerns
 from feast_edge.sim.device_validation import InProcessValidation
 from feast_edge.sim.environment import Clients, SimulationEnvironment
 from feast_edge.sim.population import Population
@@ -92,13 +92,18 @@ class Simulation:
         s = self.setup
         on_devices = config.validation.validate_on == "devices"
         try:
-            settings = loop_settings(config, min_clients=1, averaging=self.method.averaging, device=config.device)
-            settings = replace(settings, compute_budget=config.timing.compute_budget)
+            settings = RunConcerns.of(
+                config,
+                min_clients=1,
+                device=config.device,
+                averaging=self.method.averaging,
+                compute_budget=config.timing.compute_budget,
+            )
         except SettingsError as exc:
             raise SimulationError(str(exc)) from None
         budgets = {cid: float(b) for cid, b in zip(s.client_ids, s.population.budgets)}
         self.clock = VirtualClock(
-            config.timing.model(), budgets, config.seed, self.method.payload_params, settings.payload_dtype
+            config.timing.model(), budgets, config.seed, self.method.payload_params, settings.aggregation.payload_dtype
         )
         self.environment = SimulationEnvironment(
             s,
@@ -122,7 +127,7 @@ class Simulation:
             validation=None if on_devices else Validation(s.calibration_images(), *s.validation_data()),
         )
         try:
-            self.loop = compose(host, self.environment, config, settings)
+            self.loop = compose(host, self.environment, settings)
         except RunError as exc:
             raise SimulationError(str(exc)) from None
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from simconfigs import cli_options, tiny_config
-
 from feast_edge.cache.variants import load_cache
 from feast_edge.evaluate.served_round import served_round
 from feast_edge.space.preset import load_preset
+from simconfigs import cli_options, tiny_config
 
 
 def test_each_client_votes_with_its_served_variant_and_the_run_names_the_served_round(

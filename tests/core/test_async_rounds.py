@@ -20,16 +20,18 @@ from feast_edge.dashboard.runs import load_runs
 from feast_edge.privacy.accountant import accounted
 from feast_edge.report.runs import load_run
 from feast_edge.report.summary import write_report
-from feast_edge.run.asynchronous import SERVER_LR, AsyncSettings, AsyncSlots, Buffered, discount, parameter_names
+from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
 from feast_edge.run.checkpoint import load_supernet
+from feast_edge.run.clock import ClockModel, VirtualClock
 from feast_edge.run.collect import ClientUpdate, Collected
 from feast_edge.run.jobs import ClockJobs
 from feast_edge.run.release import Release
 from feast_edge.run.round_record import RoundRecord
-from feast_edge.run.settings import RunError, RunSettings
 from feast_edge.run.stages.weight_cap import WeightCapStage
 from feast_edge.run.store import CHECKPOINT
-from feast_edge.run.clock import ClockModel, VirtualClock
+from feast_edge.settings.buffered import SERVER_LR, AsyncSettings, discount
+from feast_edge.settings.run_concerns import RunConcerns
+from feast_edge.settings.validated import RunError
 from feast_edge.sim.setup import SimulationError
 from feast_edge.sim.simulate import Simulation
 from simconfigs import tiny_config
@@ -96,7 +98,7 @@ def _release(model: torch.nn.Module, slots: AsyncSlots, policy: Buffered, collec
 
 
 def _slots(model, lengths, rules, clock, rounds=10) -> tuple[AsyncSlots, Buffered]:
-    settings = RunSettings(rounds=rounds, per_round=len(lengths), min_clients=1, seed=0, lr=0.1)
+    settings = RunConcerns.of_keys(rounds=rounds, per_round=len(lengths))
     method = _Method(lengths)
     return AsyncSlots(settings, method, model, rules, ClockJobs(clock, parameter_names(model))), Buffered(
         Release(method, []), rules.staleness
@@ -179,7 +181,7 @@ def test_self_reported_counts_are_capped_against_every_device_heard_from_not_the
             return 10.0 if job >= 4 and client in "cd" else 1.0
 
     model = _Model()
-    settings = RunSettings(rounds=5, per_round=4, min_clients=1, seed=0, lr=0.1)
+    settings = RunConcerns.of_keys(rounds=5, per_round=4)
     method = _Method(dict.fromkeys(counts, 4))
     slots = AsyncSlots(
         settings, method, model, AsyncSettings(2, 4, 5, "constant"), ClockJobs(Speeds({}), parameter_names(model))

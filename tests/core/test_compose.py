@@ -23,7 +23,7 @@ import torch
 from combinations import ENVIRONMENTS, RECORD, combinations, outcome, server_fingerprint
 
 from feast_edge.flower.serverapp.environment import FLOWER
-from feast_edge.run.asynchronous import AsyncSettings, AsyncSlots, Buffered, parameter_names
+from feast_edge.run.asynchronous import AsyncSlots, Buffered, parameter_names
 from feast_edge.run.clock import TimedRounds, clock_entry, timeline
 from feast_edge.run.collect import REFUSED, STALE, ClientUpdate, Collected
 from feast_edge.run.jobs import REJECTED, ClockJobs
@@ -31,11 +31,12 @@ from feast_edge.run.loop import Hooks
 from feast_edge.run.policy import EveryRound
 from feast_edge.run.round_record import RoundRecord, refusal_kinds
 from feast_edge.run.schedule import SyncRounds
-from feast_edge.run.settings import RunSettings
 from feast_edge.run.stratified import StratifiedRounds
 from feast_edge.server.app import FederationServer
 from feast_edge.server.config import ServerConfig
 from feast_edge.server.environment import ServerEnvironment
+from feast_edge.settings.buffered import AsyncSettings
+from feast_edge.settings.run_concerns import RunConcerns
 from feast_edge.sim.environment import SimulationEnvironment
 from feast_edge.sim.simulate import Simulation
 from feast_edge.transport.broker import LinkConfig
@@ -190,7 +191,7 @@ def test_a_refused_update_in_an_asynchronous_simulation_keeps_its_reason() -> No
     _, arrived = jobs.arrive()
     outcome = {a.client: (a.outcome, a.reason) for a in arrived}
     assert outcome["b"] == (REJECTED, "changes its slice by 9.0 (L2), over --max-update-norm 1")
-    settings = RunSettings(rounds=2, per_round=2, min_clients=1, seed=0, lr=0.1)
+    settings = RunConcerns.of_keys(rounds=2, per_round=2)
 
     class Method:
         def plans(self, t, cohort, budget):

@@ -17,11 +17,12 @@ from feast_edge.privacy.settings import DpSettings
 from feast_edge.run.collect import ClientUpdate
 from feast_edge.run.release import BaseStage, Release, RoundContext, RunStops
 from feast_edge.run.schedule import SyncRounds
-from feast_edge.run.settings import RunError, RunSettings
 from feast_edge.run.stages import release_of
 from feast_edge.run.stages.privacy_noise import PrivacyStage
 from feast_edge.run.stages.server_step import ServerStepStage
 from feast_edge.run.stages.weight_cap import WeightCapStage
+from feast_edge.settings.run_concerns import RunConcerns
+from feast_edge.settings.validated import RunError
 from feast_edge.sim.simulate import Simulation
 from simconfigs import tiny_config
 
@@ -90,7 +91,7 @@ def test_a_stage_that_refuses_the_round_ends_the_run_before_anything_is_sent() -
 
 
 def test_stage_state_round_trips_and_a_checkpoint_with_state_no_stage_keeps_is_refused(tmp_path: Path) -> None:
-    settings = RunSettings(rounds=3, per_round=2, min_clients=1, seed=0, lr=0.1, server_opt=ServerOpt("momentum", 1.0))
+    settings = RunConcerns.of_keys(rounds=3, per_round=2, server_opt="momentum", server_lr=1.0)
     model = torch.nn.Linear(2, 1)
     release = release_of(settings, model, Mean([]))
     [step] = [s for s in release.stages if isinstance(s, ServerStepStage)]
@@ -106,20 +107,20 @@ def test_stage_state_round_trips_and_a_checkpoint_with_state_no_stage_keeps_is_r
 
 
 def test_release_of_puts_privacy_first_and_the_server_step_after_its_noise() -> None:
-    dp = DpSettings(clip=1.0, noise=1.0, seed=0)
-    settings = RunSettings(
+    settings = RunConcerns.of_keys(
         rounds=3,
         per_round=2,
-        min_clients=1,
-        seed=0,
-        lr=0.1,
-        dp=dp,
-        server_opt=ServerOpt("adam", 0.01),
+        dp_clip=1.0,
+        dp_noise=1.0,
+        dp_seed=0,
+        server_opt="adam",
+        server_lr=0.01,
         max_weight_ratio=8.0,
     )
+    assert settings.dp == DpSettings(clip=1.0, noise=1.0, seed=0) and settings.server_opt == ServerOpt("adam", 0.01)
     stages = release_of(settings, torch.nn.Linear(2, 1), Mean([])).stages
     assert [type(s) for s in stages] == [PrivacyStage, WeightCapStage, ServerStepStage]
-    plain = RunSettings(rounds=3, per_round=2, min_clients=1, seed=0, lr=0.1)
+    plain = RunConcerns.of_keys(rounds=3, per_round=2)
     assert release_of(plain, torch.nn.Linear(2, 1), Mean([])).stages == []  # the paper's release: §6 alone
 
 

@@ -22,7 +22,8 @@ from feast_edge.aggregate.robust import (
 )
 from feast_edge.aggregate.sparse import PayloadError, aggregate
 from feast_edge.run.checkpoint import load_supernet
-from feast_edge.run.loop import RunError, RunSettings
+from feast_edge.settings.nested import SettingsError
+from feast_edge.settings.run_concerns import RunConcerns
 from feast_edge.sim.setup import SimulationConfig, SimulationError
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
 from feast_edge.space.geometry import envelope_layout
@@ -331,8 +332,8 @@ def test_bad_rule_settings_are_refused_before_anything_runs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         robust_aggregate({"w": torch.zeros(2)}, [({"w": torch.ones(2)}, 1)], **kwargs)
     settings = {"aggregation": kwargs["rule"], **{k: v for k, v in kwargs.items() if k != "rule"}}
-    with pytest.raises(RunError, match=message):
-        RunSettings(rounds=1, per_round=1, min_clients=1, seed=0, lr=0.1, **settings)
+    with pytest.raises(SettingsError, match=message):
+        RunConcerns.of_keys(rounds=1, per_round=1, **settings)
     with pytest.raises(SimulationError, match=message):
         SimulationConfig.of(**settings)
 

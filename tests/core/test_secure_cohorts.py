@@ -23,12 +23,13 @@ from feast_edge.route.reveal import Reveal
 from feast_edge.run.cohort import inclusion, round_rng, sample_cohort, sample_round_cohort, stratified_cohort
 from feast_edge.run.collect import Collected
 from feast_edge.run.schedule import SyncRounds
-from feast_edge.run.settings import RunError, RunSettings
 from feast_edge.run.stages import release_of
 from feast_edge.run.stages.released import ReleasedStage, released_of
 from feast_edge.run.strategy import FeastStrategy
 from feast_edge.run.stratified import StratifiedRounds
 from feast_edge.secagg.sums import cohort_segments
+from feast_edge.settings.run_concerns import RunConcerns
+from feast_edge.settings.validated import RunError
 from feast_edge.sim.simulate import Simulation
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
@@ -63,8 +64,10 @@ class Fleet:
         return Collected([])
 
 
-def _rounds(m: int, least: int, seed: int = 0, dp: DpSettings | None = None) -> StratifiedRounds:
-    settings = RunSettings(rounds=200, per_round=m, min_clients=1, seed=seed, lr=0.05, reveal_over=least, dp=dp)
+def _rounds(m: int, least: int, seed: int = 0, **dp: float) -> StratifiedRounds:
+    secure = {"secure_agg": True, "colluders": least - 2}
+    settings = RunConcerns.of_keys(rounds=200, per_round=m, seed=seed, lr=0.05, **secure, **dp)
+    assert settings.reveal_over() == least
     return StratifiedRounds(settings, FeastStrategy(MODEL, CACHE), MODEL, Reveal(TINY, CACHE, least))
 
 
@@ -150,7 +153,7 @@ def test_the_uniform_draw_is_unchanged_where_no_tier_needs_raising_and_plain_run
     for t in range(30):
         assert stratified_cohort(ids, dict.fromkeys(ids, 0), 5, 3, 7, t) == sample_round_cohort(ids, 5, 7, t)
         assert sample_round_cohort(ids, 5, 7, t) == [ids[i] for i in sample_cohort(20, 5, round_rng(7, t))]
-    plain = RunSettings(rounds=1, per_round=5, min_clients=1, seed=0, lr=0.05)
+    plain = RunConcerns.of_keys(rounds=1, per_round=5, seed=0, lr=0.05)
     assert type(SyncRounds(plain, FeastStrategy(MODEL, CACHE), MODEL)) is SyncRounds
     assert released_of(release_of(plain, MODEL, FeastStrategy(MODEL, CACHE))) is None  # no record without secure
 
@@ -196,7 +199,7 @@ def test_epsilon_under_stratified_cohorts_is_at_least_a_uniform_draw_s_at_their_
     assert accounted([(6, 4, 1.0)], 1.0, 1e-5).value == pytest.approx(accounted([(6, 6)], 1.0, 1e-5).value)
     seen: list = []
     fleet = Fleet([0.2e6] * 3 + [1.5e6] * 3)
-    _gather(_rounds(4, 3, dp=dp), fleet, 0, seen)
+    _gather(_rounds(4, 3, dp_clip=1.0, dp_noise=1.0), fleet, 0, seen)
     assert seen[0].inclusion == pytest.approx(1.0)  # the scheduler's rate is the draw's exact largest
     seen.clear()
     _gather(_rounds(4, 3), fleet, 0, seen)

@@ -13,8 +13,8 @@ from feast_edge.aggregate.segments import apply_sums, plain_sums, segments_of
 from feast_edge.aggregate.sparse import aggregate
 from feast_edge.errors import PayloadError
 from feast_edge.run.collect import ClientUpdate, Collected
-from feast_edge.run.settings import RunError
 from feast_edge.run.sums import ClearSums, Summed
+from feast_edge.settings.validated import RunError
 from feast_edge.sim.simulate import Simulation
 from simconfigs import tiny_config
 

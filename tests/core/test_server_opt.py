@@ -15,7 +15,7 @@ from feast_edge.aggregate.server_opt import (
     parse_betas,
     routed_masks,
 )
-from feast_edge.run.settings import RunError, recorded_settings, server_opt_of
+from feast_edge.settings.validated import RunError, recorded_settings, server_opt_of
 
 SHAPES = {"w": (6, 5), "b": (7,)}
 # Per round, the leading boxes the cohort was routed: overlapping and not nested ((4, 2) sticks out of (3, 4)); rows 4-5

@@ -9,8 +9,8 @@ import torch
 
 from feast_edge.run.average import TailAverage, default_window, loaded, serve_average_of, split_extra
 from feast_edge.run.checkpoint import load_supernet, save_supernet
-from feast_edge.run.settings import RunError
 from feast_edge.run.store import BEST, CHECKPOINT, PREVIOUS
+from feast_edge.settings.validated import RunError
 from feast_edge.sim.simulate import Simulation
 from simconfigs import tiny_config
 

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from feast_edge.aggregate.weights import bounded_weights, lower_median, ratio_problem, weight_cap
-from feast_edge.run.loop import RunError, RunSettings
+from feast_edge.settings.nested import SettingsError
+from feast_edge.settings.run_concerns import RunConcerns
 
 
 def test_the_lower_median_is_a_value_of_the_lower_half() -> None:
@@ -45,6 +46,6 @@ def test_only_self_reported_counts_are_capped_and_zero_turns_the_cap_off() -> No
 @pytest.mark.parametrize("ratio", [-1.0, math.inf, math.nan])
 def test_a_bad_ratio_is_refused_naming_the_option(ratio: float) -> None:
     assert "--max-weight-ratio" in ratio_problem(ratio) and "0: no cap" in ratio_problem(ratio)
-    with pytest.raises(RunError, match="--max-weight-ratio"):
-        RunSettings(rounds=1, per_round=1, min_clients=1, seed=0, lr=0.1, max_weight_ratio=ratio)
+    with pytest.raises(SettingsError, match="--max-weight-ratio"):
+        RunConcerns.of_keys(rounds=1, per_round=1, max_weight_ratio=ratio)
     assert ratio_problem(0.0) == ratio_problem(4) == ""

@@ -16,9 +16,9 @@ from test_federation_failures import PRESET, ScriptedDevice, scripted_server, sh
 
 from feast_edge.agent.agent import Agent, AgentConfig
 from feast_edge.agent.local_data import load_clients
-from feast_edge.run.asynchronous import SERVER_LR, discount
 from feast_edge.server.app import FederationServer, ServerConfig
 from feast_edge.server.status import asynchronous_line, read_status
+from feast_edge.settings.buffered import SERVER_LR, discount
 from feast_edge.sim.shards import read_index, read_shard
 from feast_edge.space.supernet import Supernet
 from feast_edge.transport.broker import LinkConfig

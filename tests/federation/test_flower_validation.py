@@ -16,9 +16,9 @@ import pytest
 from flwr.app import Context, Message
 
 from feast_edge.agent.local_data import load_clients
+from feast_edge.evaluate.candidates import on_devices
 from feast_edge.evaluate.device_validation import device_record, validation_targets
 from feast_edge.evaluate.federated import held_out_counts
-from feast_edge.evaluate.candidates import on_devices
 from feast_edge.evaluate.served_round import figures_of, served_round
 from feast_edge.flower import clientapp, records, validation_records
 from feast_edge.protocol import MAX_PROBES, Evaluated

@@ -150,7 +150,7 @@ def test_a_forged_round_announcing_a_huge_payload_allocates_nothing_and_the_agen
 
 
 def test_robust_aggregation_is_part_of_the_run_settings_and_checked(tmp_path: Path) -> None:
-    assert ServerConfig.of(out=str(tmp_path), aggregation="median").settings().aggregation == "median"
+    assert ServerConfig.of(out=str(tmp_path), aggregation="median").run_concerns().aggregation.rule == "median"
     assert (
         "aggregation" not in ServerConfig.of(out=str(tmp_path)).decisive()
     )  # runs from before the rules existed keep their fingerprint

@@ -17,12 +17,12 @@ import torch
 
 from feast_edge.privacy.accountant import local_epsilon
 from feast_edge.run.loop import CHECKPOINT
-from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.app import FederationServer
-from feast_edge.transport.broker import LinkConfig
+from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.status import read_status, status_lines
 from feast_edge.sim.shards import read_index
 from feast_edge.sim.simulate import Simulation
+from feast_edge.transport.broker import LinkConfig
 
 DP = dict(dp_clip=0.5, dp_noise=0.6, dp_seed=21)
 

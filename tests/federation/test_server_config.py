@@ -84,11 +84,11 @@ def test_a_run_resumes_with_the_same_variants_and_refuses_others(tmp_path: Path)
 
 def test_the_server_runs_the_optimizer_it_is_given_and_records_it(tmp_path: Path) -> None:
     config = ServerConfig.of(out=str(tmp_path), server_opt="yogi", server_lr=0.02, server_betas=(0.8, 0.9))
-    opt = config.settings().server_opt
+    opt = config.run_concerns().server_opt
     assert (opt.name, opt.lr, opt.betas) == ("yogi", 0.02, (0.8, 0.9))
     assert config.decisive()["server_optimizer"] == {"name": "yogi", "lr": 0.02, "betas": (0.8, 0.9), "tau": 1e-3}
     plain = ServerConfig.of(out=str(tmp_path), server_opt="avg", server_lr=1.0)
-    assert "server_optimizer" not in plain.decisive() and plain.settings().server_opt.identity
+    assert "server_optimizer" not in plain.decisive() and plain.run_concerns().server_opt.identity
     with pytest.raises(ServerError, match="--server-tau"):
         ServerConfig.of(out=str(tmp_path), server_opt="adam", server_tau=0.0)
 
@@ -118,7 +118,7 @@ def test_secure_aggregation_is_in_the_fingerprint_and_runs_without_the_loop_s_we
     decisive = config.decisive()
     assert (decisive["secure_agg"], decisive["colluders"], decisive["secagg_bound"]) == (True, 2, 4.0)
     assert config.aggregation.max_weight_ratio > 0  # the counts that weigh each device are capped by the collector
-    assert config.settings().max_weight_ratio == 0.0  # the loop's own cap would need each update
+    assert config.run_concerns().weight_cap() == 0.0  # the loop's own cap would need each update
     assert "secure_agg" not in ServerConfig.of(out=str(tmp_path)).decisive()
 
 
@@ -133,7 +133,7 @@ def test_asynchronous_rounds_refuse_what_needs_the_devices_between_releases_and_
     with pytest.raises(ServerError, match="central DP weighs every buffered update alike.*add --staleness constant"):
         ServerConfig.of(**base, **central)
     config = ServerConfig.of(**base, **central, staleness="constant")
-    assert config.settings().server_opt.lr == pytest.approx(0.25)  # a release moves a quarter of the way
+    assert config.run_concerns().server_opt.lr == pytest.approx(0.25)  # a release moves a quarter of the way
     decisive = config.decisive()
     assert (decisive["mode"], decisive["buffer"], decisive["concurrency"], decisive["staleness"]) == (
         "async",

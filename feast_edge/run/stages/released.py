@@ -15,7 +15,7 @@ from feast_edge.aggregate.released import Released
 from feast_edge.aggregate.segments import SegmentSums
 from feast_edge.run.collect import ClientUpdate
 from feast_edge.run.release import BaseStage, Release, RoundContext, StateDict
-from feast_edge.run.settings import RunError
+from feast_edge.settings.validated import RunError
 
 
 class ReleasedStage(BaseStage):

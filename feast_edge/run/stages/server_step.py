@@ -13,7 +13,7 @@ import torch
 from feast_edge.aggregate.server_opt import ServerOpt, ServerOptimizer
 from feast_edge.run.collect import ClientUpdate
 from feast_edge.run.release import BaseStage, RoundContext, StateDict
-from feast_edge.run.settings import RunError
+from feast_edge.settings.validated import RunError
 
 
 class ServerStepStage(BaseStage):
