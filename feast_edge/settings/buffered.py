@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from feast_edge.settings.validated import RunError
 
-DISCOUNTS = ("sqrt", "constant", "hinge")
+DISCOUNTS = ("sqrt", "constant", "hinge", "inverse")
 HINGE = 2  # hinge: no discount up to this staleness
 # η of a release by plain averaging unless --server-lr says otherwise: θ[u] += η · (the buffer's weighted mean - θ[u]).
 # η = 1 left the straggler fleet near chance; 0.25 trained it (docs/benchmarks.md, "Asynchronous rounds").
@@ -24,6 +24,8 @@ def discount(kind: str, tau: int) -> float:
         return 1.0
     if kind == "hinge":
         return 1.0 if tau <= HINGE else 1.0 / (1.0 + tau - HINGE)
+    if kind == "inverse":  # FedAsync's polynomial discount (1 + τ)^-a with a = 1 (Xie et al., 2019)
+        return 1.0 / (1.0 + tau)
     raise RunError(f"--staleness {kind!r} is not a staleness discount; choose one of {', '.join(DISCOUNTS)}")
 
 

@@ -371,7 +371,7 @@ class Schedule(Concern):
     staleness: str = setting(
         "sqrt",
         help="async: the discount of a stale update's weight: sqrt (1/sqrt(1+tau)), hinge (none up to 2, then "
-        "1/(tau-1)) or constant (central DP needs constant).",
+        "1/(tau-1)), inverse (1/(1+tau)) or constant (central DP needs constant).",
     )
 
     def __post_init__(self) -> None:

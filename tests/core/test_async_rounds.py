@@ -228,10 +228,22 @@ def test_a_lost_job_costs_only_its_own_update() -> None:
     assert model.w.tolist() == [2.5] * 4
 
 
+def test_an_inverse_discount_weighs_a_stale_update_by_one_over_one_plus_its_staleness(
+    tmp_path, fashion_mnist_dir
+) -> None:
+    # From the command line to the release: --staleness inverse is taken, recorded and run.
+    config = tiny_config(fashion_mnist_dir, rounds=2, mode="async", buffer=2, concurrency=3, staleness="inverse")
+    assert config.schedule.rules().staleness == "inverse" and config.decisive()["staleness"] == "inverse"
+    sim = Simulation(config, tmp_path)
+    sim.run()
+    assert sim.loop.policy.staleness == "inverse" and all(h.applied for h in sim.history)
+
+
 def test_the_discounts_and_the_settings_checks() -> None:
     assert [discount("sqrt", t) for t in (0, 3)] == [1.0, 0.5]
     assert [discount("hinge", t) for t in (0, 2, 3, 5)] == [1.0, 1.0, 0.5, 0.25]
     assert discount("constant", 9) == 1.0
+    assert [discount("inverse", t) for t in (0, 1, 3)] == [1.0, 0.5, 0.25]
     with pytest.raises(RunError, match="--staleness 'cubic' is not a staleness discount"):
         AsyncSettings(2, 3, 5, "cubic")
     with pytest.raises(RunError, match="--concurrency 1 must be at least --buffer 2"):
