@@ -58,6 +58,7 @@ def test_every_console_script_has_a_smoke_test_and_invoke_calls_its_entry_functi
     } == scripts  # what cli.invoke calls is what pip installs
 
 
+@pytest.mark.slow  # several seconds (processes, a federation or a real simulation): out of the fast loop
 @pytest.mark.parametrize("script", sorted(USER_ERRORS))
 def test_the_installed_script_starts_and_a_user_error_is_one_line(script: str) -> None:
     found = shutil.which(script, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from feast_edge.flower.serverapp.run_config import server_config
 
 if sys.version_info >= (3, 11):
@@ -51,6 +53,7 @@ def test_existing_files_are_not_overwritten_without_force(cli, tmp_path: Path) -
     assert cli.invoke("flower", "new", str(tmp_path / "app"), "--force").returncode == 0
 
 
+@pytest.mark.slow  # several seconds of fresh interpreters and Flower's commands: out of the fast loop
 def test_without_flwr_one_line_names_the_extra(repo: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "blocker" / "flwr"
     blocker.mkdir(parents=True)
@@ -65,6 +68,7 @@ def test_without_flwr_one_line_names_the_extra(repo: Path, tmp_path: Path) -> No
     assert not (tmp_path / "app").exists()
 
 
+@pytest.mark.slow  # several seconds of fresh interpreters and Flower's commands: out of the fast loop
 def test_flowers_own_commands_run_in_this_environment() -> None:
     """The extra's pins give a working flwr CLI: flwr 1.42 declares typer>=0.13 but needs typer>=0.19 (pyproject.toml),
     which a resolver pulled down to amqtt's typer==0.15.4 once; the Flower tests and the user's `flwr run` need it."""

@@ -98,6 +98,7 @@ def test_the_servers_option_defaults_are_its_settings_defaults() -> None:
     assert params["server_betas"].default == "0.9,0.99"
 
 
+@pytest.mark.slow  # a fresh feast-server process: out of the fast loop
 def test_server_help_lists_options_under_each_concern() -> None:
     shown = subprocess.run(
         [sys.executable, "-m", "feast_edge.server.cli", "run", "--help"],

@@ -11,6 +11,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CONSOLE_MODULES = ("feast_edge.agent.cli", "feast_edge.server.cli", "feast_edge.cli.main")
 
 
@@ -26,6 +28,7 @@ def _torchvision_after(steps: dict[str, str]) -> dict[str, bool]:
     return {name: flags.split()[0] == "True" for name, flags in seen.items()}
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 def test_the_console_scripts_start_without_torchvision_and_its_two_users_import_it_when_they_run(
     fashion_mnist_dir,
 ) -> None:

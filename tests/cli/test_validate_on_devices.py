@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from feast_edge.cache.variants import load_cache
 from feast_edge.evaluate.served_round import served_round
 from feast_edge.space.preset import load_preset
 from simconfigs import cli_options, tiny_config
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 def test_each_client_votes_with_its_served_variant_and_the_run_names_the_served_round(
     cli, tmp_path: Path, fashion_mnist_dir: Path
 ) -> None:

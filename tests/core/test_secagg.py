@@ -189,6 +189,7 @@ def test_secure_sums_equal_the_plain_per_segment_sums_of_the_same_encoded_inputs
         assert flat.size == ours.size
 
 
+@pytest.mark.slow  # several seconds (processes, a federation or a real simulation): out of the fast loop
 def test_a_secure_round_releases_the_model_the_plain_round_does_within_the_fixed_point_resolution(
     fashion_mnist_dir, tmp_path
 ) -> None:
@@ -313,6 +314,7 @@ def test_with_a_neighbour_graph_each_device_shares_with_k_others_and_the_sums_st
     assert degree_for(10) == 0 and degree_for(100) == 14 and degree_for(100, 6) == 6 and degree_for(7, 6) == 0
 
 
+@pytest.mark.slow  # several seconds (processes, a federation or a real simulation): out of the fast loop
 def test_central_dp_on_secure_sums_releases_the_plain_dp_round_within_the_fixed_point_resolution(
     fashion_mnist_dir, tmp_path
 ) -> None:

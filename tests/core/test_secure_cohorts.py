@@ -234,6 +234,7 @@ def test_what_moved_is_the_released_segments_cells_and_the_served_variants_are_t
         stage.load({}, "checkpoint.safetensors")
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 def test_a_secure_simulation_routes_only_what_it_can_reveal_and_serves_variants_whose_every_slice_trained(
     fashion_mnist_dir, tmp_path, caplog
 ) -> None:

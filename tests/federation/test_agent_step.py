@@ -193,6 +193,7 @@ def test_a_transfer_wait_ends_when_abandoned_rejected_or_late_and_reports_progre
     assert rejected.wait(_info("routed"), time.monotonic() + 5, lambda: False) is None
 
 
+@pytest.mark.slow  # several seconds (processes, a federation or a real simulation): out of the fast loop
 def test_a_newer_round_ends_the_wait_for_a_payload_that_never_came(
     federation: str, caplog: pytest.LogCaptureFixture
 ) -> None:

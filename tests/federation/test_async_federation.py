@@ -129,6 +129,7 @@ def test_an_update_staler_than_the_bound_is_refused_with_the_reason_and_its_devi
     assert second.cohort == ["a", "slow"] and second.staleness == {"a": 0, "slow": 0}
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 def test_real_agents_keep_releasing_while_a_five_times_slower_one_trains_and_none_of_its_updates_is_lost(
     kit, tmp_path: Path, partition: Path, federation: str
 ) -> None:
@@ -212,6 +213,7 @@ def test_a_resumed_run_drops_the_buffer_and_the_jobs_in_flight_and_refills_every
     assert any("slow" in what for what in history[1].ignored), history[1].ignored
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 def test_feast_server_run_mode_async_with_real_agent_processes_serves_every_device_and_status_shows_the_jobs(
     kit, tmp_path: Path, federation: str, partition: Path, server_cli
 ) -> None:
@@ -261,6 +263,7 @@ def test_federated_validation_between_asynchronous_releases_is_refused_with_the_
     server_cli.assert_user_error(result, "give --data to validate on the server, or --eval-every 10")
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 def test_without_server_data_an_asynchronous_run_validates_calibrates_and_serves_on_the_devices_after_its_last_release(
     kit, tmp_path: Path, federation: str, partition: Path
 ) -> None:

@@ -134,6 +134,7 @@ def test_profile_command_refuses_a_precision_it_cannot_time_in_one_line(
     assert result.returncode == 2 and not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 def test_partition_command_writes_exactly_the_simulators_shards(kit, tmp_path: Path, fashion_mnist_dir: Path) -> None:
     from feast_edge.sim.setup import SimulationConfig, build_setup
 

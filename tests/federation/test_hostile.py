@@ -159,6 +159,7 @@ def test_robust_aggregation_is_part_of_the_run_settings_and_checked(tmp_path: Pa
         ServerConfig.of(out=str(tmp_path), aggregation="krum")
 
 
+@pytest.mark.slow  # several seconds (processes, a federation or a real simulation): out of the fast loop
 def test_floods_from_a_stranger_cost_the_server_no_memory_and_the_round_still_completes(
     kit, tmp_path: Path, federation: str
 ) -> None:
@@ -257,6 +258,7 @@ def test_one_devices_flood_never_crowds_out_another_devices_update(tmp_path: Pat
         server.close()
 
 
+@pytest.mark.slow  # several seconds (processes, a federation or a real simulation): out of the fast loop
 def test_model_requests_cost_one_copy_and_one_send_per_interval(tmp_path: Path, federation: str) -> None:
     import hashlib
     import json

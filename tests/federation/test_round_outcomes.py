@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.broker]
 COHORT = ("honest", "rejected", "declining", "incomplete", "silent")
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 def test_each_cohort_device_is_in_exactly_one_outcome_with_its_reason(
     kit, tmp_path: Path, federation: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -63,6 +63,7 @@ def _agents(kit, partition: Path, federation: str, names: list[str]) -> list[Age
     ]
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 @pytest.mark.parametrize("neighbours", [0, 4], ids=["every-pair", "secagg-plus-k4"])
 def test_six_agents_with_two_dropping_after_masking_release_the_survivors_exact_sums_and_never_one_update(
     kit, tmp_path: Path, six: Path, federation: str, monkeypatch: pytest.MonkeyPatch, neighbours: int
@@ -146,6 +147,7 @@ def tiered(tmp_path_factory: pytest.TempPathFactory, fashion_mnist_dir: Path) ->
     return out
 
 
+@pytest.mark.slow  # a federation or a real simulation of several seconds: out of the fast loop
 def test_a_top_tier_of_two_is_routed_only_what_three_devices_reveal_and_served_a_variant_whose_every_slice_trained(
     kit,
     tmp_path: Path,
@@ -368,6 +370,7 @@ def _no_single_update_from_what_the_server_saw(seen: tuple, parties: dict, encod
                 join_seed(s_shares, t)
 
 
+@pytest.mark.slow  # several seconds (processes, a federation or a real simulation): out of the fast loop
 def test_a_device_that_misses_the_share_stage_is_out_of_the_round_and_the_others_release_their_exact_sum(
     kit, tmp_path: Path, federation: str
 ) -> None:
