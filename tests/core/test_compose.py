@@ -33,7 +33,7 @@ from feast_edge.run.round_record import RoundRecord, refusal_kinds
 from feast_edge.run.schedule import SyncRounds
 from feast_edge.run.stratified import StratifiedRounds
 from feast_edge.server.app import FederationServer
-from feast_edge.server.config import ServerConfig
+from feast_edge.server.config import ServerConfig, ServerError
 from feast_edge.server.environment import ServerEnvironment
 from feast_edge.settings.buffered import AsyncSettings
 from feast_edge.settings.run_concerns import RunConcerns
@@ -101,7 +101,7 @@ def test_the_flower_environment_refuses_what_it_cannot_run_with_its_declared_rea
     # synchronous, plain and without DP; the server's and the simulation's environments refuse nothing of it.
     try:
         config = ServerConfig.of(out="/runs/x", data="/data/partition", **settings)
-    except Exception:
+    except ServerError:
         return  # refused by the settings themselves (the recorded outcomes above)
     why = FLOWER.refused(config)
     expected = {"async": FLOWER.asynchronous}.get(mode) or {"secure": FLOWER.secure}.get(sums)
