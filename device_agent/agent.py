@@ -193,7 +193,7 @@ class Agent:
     def summary(self) -> str:
         """One line for people: what each hosted client did in this federation."""
         ends = {(f.completed, f.rounds) for f in self.registration.ended.values()}
-        done = ", ".join(f"{done} of {total} rounds" for done, total in sorted(ends))
+        done = ", ".join(f"{done} of {total} rounds" if total else f"{done} rounds" for done, total in sorted(ends))
         parts = [
             f"{device_id} trained in {c.rounds_trained} round{'s' * (c.rounds_trained != 1)}"
             + (f", model saved to {c.model_path}" if c.model_path else ", no model received")
@@ -245,7 +245,7 @@ class Agent:
         elif isinstance(message, Finished):
             self.registration.on_finished(message)
         elif isinstance(message, RoundStart):
-            self._horizon = message.rounds
+            self._horizon = message.rounds or None  # 0: no end
             self._filter.advance(message.round)
             self.current_round = max(self.current_round, message.round)
             previous = self._pending.get(message.device)

@@ -60,7 +60,7 @@ class RoundRunner:
         """Round ``incoming.message`` of ``client``; True when its update was sent."""
         start, device_id = incoming.message, client.device_id
         assert isinstance(start, RoundStart)
-        shown, deadline = f"round {start.round + 1}/{start.rounds}", incoming.at + start.timeout
+        shown, deadline = start.shown, incoming.at + start.timeout
         try:
             assignment = Assignment.parse(start, self.preset)
         except FeastError as exc:
@@ -295,7 +295,7 @@ class RoundRunner:
         )
         topic, announcement = self.topics.events(device_id), update.encode()
         self.report(device_id, {"phase": "uploading", "round": t, "done": 0, "total": up.count})
-        shown = f"round {t + 1}/{assignment.start.rounds}"
+        shown = assignment.start.shown
         try:
             client.sender.announce_and_send(topic, announcement, trained.payload, up, timeout=self.config.send_timeout)
         except LinkError as exc:

@@ -213,10 +213,10 @@ class Registration:
             return
         self.ended[message.device] = message
         log.info(
-            "federation %r finished after %d of %d rounds%s",
+            "federation %r finished after %d%s rounds%s",
             self.config.federation,
             message.completed,
-            message.rounds,
+            f" of {message.rounds}" if message.rounds else "",
             "" if self.config.stay else "; leaving",
         )
 

@@ -24,6 +24,7 @@ from feast_edge.local.recipe import TrainConfig
 from feast_edge.local.update import client_update
 from feast_edge.privacy.local import LocalDp, parameter_names, privatize
 from feast_edge.protocol import RoundStart
+from feast_edge.protocol.round_messages import shown_round
 from feast_edge.route.payload import decode, encode
 from feast_edge.route.plans import ClientPlan
 from feast_edge.space.preset import Preset
@@ -117,7 +118,7 @@ class Job:
     @property
     def shown(self) -> str:
         """The round as people read it (1-based)."""
-        return f"round {self.round + 1}/{self.rounds}"
+        return shown_round(self.round, self.rounds)
 
 
 @dataclass(frozen=True)

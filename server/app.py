@@ -38,7 +38,9 @@ from feast_edge.server.host import REGISTRY, RunHost
 from feast_edge.server.jobs import JobExchange
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Device
+from feast_edge.server.served_now import ServedNow
 from feast_edge.server.serving import ModelServer
+from feast_edge.server.stopping import StopWatch
 from feast_edge.server.validation import FederatedValidation
 from feast_edge.server.waiting import WaitTimeout
 from feast_edge.space.arch import Arch
@@ -88,7 +90,7 @@ class FederationServer(RunHost):
             self.preset,
             self.cache,
             federation=config.federation,
-            rounds=config.training.rounds,
+            rounds=config.training.horizon or 0,
             reply=lambda device, message: self.link.publish(self.topics.ctrl(device), message.encode()),
             authenticated=link_config.credentials is not None,
             max_samples=config.population.max_samples,
@@ -104,13 +106,14 @@ class FederationServer(RunHost):
                 self.preset,
                 self.cache,
                 self.registry,
-                rounds=config.training.rounds,
+                rounds=config.training.horizon or 0,
                 federation=config.federation,
                 payload_dtype=config.aggregation.payload_dtype,
                 validation=self.validation_source,
             )
         )
         self.events = Events(self.topics, self.devices, self.live)
+        self.stopwatch: StopWatch | None = None  # while the rounds run: a stop request ends them (server.stopping)
         self.inbox, self.stop = self.events.inbox, self.events.stop
         self._wire()
         self.compose_loop(self.environment)
@@ -133,7 +136,7 @@ class FederationServer(RunHost):
         )
         receiver = ChunkReceiver(self.link, t, "up", reassembler=reassembler)
         waits = ExchangeSettings(
-            rounds=cfg.training.rounds,
+            rounds=cfg.training.horizon or 0,
             round_timeout=cfg.network.round_timeout,
             send_timeout=cfg.network.send_timeout,
             wait_timeout=cfg.network.wait_timeout or None,
@@ -143,7 +146,7 @@ class FederationServer(RunHost):
             self.preset,
             cfg.train_config(),
             cfg.seed,
-            cfg.training.rounds,
+            cfg.training.horizon or 0,
             payload_dtype=cfg.aggregation.payload_dtype,
             max_update_norm=cfg.aggregation.max_update_norm,
             local_dp=cfg.local_dp(),
@@ -244,8 +247,10 @@ class FederationServer(RunHost):
             )
 
         jobs = self.environment.async_jobs
+        served = ServedNow(self, self.registry.devices, everyone=cfg.training.continuous)
 
         def finished_round(record: RoundRecord) -> None:
+            served.after(self.loop.best.get("round"), record.seconds)
             if self.live is not None:
                 self.live.round_finished(record, self._validated_points() if record.val_accuracy is not None else None)
             # Messages of older rounds are stale, except the answers of asynchronous jobs still in flight.
@@ -253,6 +258,10 @@ class FederationServer(RunHost):
             self.events.filter.advance(record.round if oldest is None else min(oldest, record.round))
             self.pump(0)
 
+        self.stopwatch = StopWatch(self.out, self.loop.stop, self.events.ending)
+        self.stopwatch.start()
+        if self.loop.stop.is_set():  # a SIGTERM before the rounds began
+            self.stopwatch.request("by SIGTERM")
         try:
             self.run_rounds(resume_previous, tensorboard, finished_round=finished_round)
             if jobs is not None:
@@ -264,8 +273,19 @@ class FederationServer(RunHost):
                 f"{exc} (federation {cfg.federation!r}); stopping: {self.saved()}. Start more agents or lower --min-clients, "
                 "then run the same command again to resume (--wait-timeout 0 waits forever)"
             ) from None
-        self.devices.finished = self.loop.finished
+        finally:
+            self.stopwatch.close()
+            self.stopwatch = None
+        self.devices.finished = self.loop.finished or self.loop.ended is not None
         return self.history
+
+    def request_stop(self) -> None:
+        """End the run after the round in progress (SIGTERM; ``feast-server stop`` writes a request file instead)."""
+        if self.stopwatch is not None:
+            self.stopwatch.request("by SIGTERM")
+        else:
+            self.loop.stop.set()
+            self.events.ending.set()
 
     # ------------------------------------------------------------------ models
     def export(self, federated_bn: bool | None = None) -> list[dict[str, Any]]:
@@ -343,7 +363,7 @@ class FederationServer(RunHost):
         """Tell every registered device that the federation is over."""
         self.devices.finished = True
         devices = [(d.device_id, d.instance) for d in self.registry.devices()]
-        self.models.finish(devices, self.config.training.rounds, len(self.history), [m["device"] for m in manifests])
+        self.models.finish(devices, self.config.training.horizon or 0, len(self.history), [m["device"] for m in manifests])
 
     def serve(self, seconds: float | None = None) -> None:
         """Answer model requests (and registrations) until ``stop`` is set or ``seconds`` pass."""

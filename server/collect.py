@@ -30,6 +30,7 @@ from feast_edge.errors import FeastError
 from feast_edge.local.recipe import TrainConfig
 from feast_edge.privacy.local import LocalDp, noised_norm_bound
 from feast_edge.protocol import RoundStart, Update
+from feast_edge.protocol.features import NO_HORIZON
 from feast_edge.route.envelope import route_state
 from feast_edge.route.payload import Manifest, decode, encode
 from feast_edge.route.plans import ClientPlan
@@ -59,7 +60,7 @@ class RoundTerms:
     preset: Preset
     train: TrainConfig
     seed: int
-    rounds: int
+    rounds: int  # the horizon; 0: none (--continuous)
     payload_dtype: str = "float32"  # routed payloads go out in it; updates must come back in it
     max_update_norm: float = 0.0  # L2 bound on an update's change of its routed slice (0: none)
     local_dp: LocalDp | None = None  # --dp-mode local: what each device applies to its own update before it leaves
@@ -87,7 +88,7 @@ class RoundTerms:
             transfer=transfer,
             sent_at=time.time(),
             timeout=timeout,
-            rounds=self.rounds,
+            rounds=self.horizon_of(t, registered),
             lr=lr,
             seed=client_seed(self.seed, t, device),
             train=self.train,
@@ -95,6 +96,15 @@ class RoundTerms:
             dp=self.local_dp,
             **extra,
         )
+
+
+    def horizon_of(self, t: int, registered: Device | None) -> int:
+        """The ``rounds`` round ``t``'s message carries: the horizon, or without one (0) to an agent that does not list
+        the no-horizon feature, t + 1 (its horizon check then accepts the round)."""
+        features = registered.profile.get("features") if registered is not None else None
+        if self.rounds or (isinstance(features, list) and NO_HORIZON in features):
+            return self.rounds
+        return t + 1
 
 
 class _Slices:

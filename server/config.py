@@ -20,7 +20,14 @@ from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.secagg.protocol import degree_for
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
-from feast_edge.settings.concerns import Schedule, SecureAggregation, async_refusals, secure_refusals, server_step
+from feast_edge.settings.concerns import (
+    Schedule,
+    SecureAggregation,
+    async_refusals,
+    continuous_refusals,
+    secure_refusals,
+    server_step,
+)
 from feast_edge.settings.nested import changed, check, flat_types, of, setting
 from feast_edge.settings.run_concerns import RunConcerns
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
@@ -279,6 +286,9 @@ class ServerConfig:
             raise ServerError(str(exc)) from None
         self._check_schedule()
         self._check_secure()
+        for ok, message in continuous_refusals(self):
+            if not ok:
+                raise ServerError(message)
         self._check_serve_average()
 
     def _check_serve_average(self) -> None:
@@ -375,7 +385,6 @@ class ServerConfig:
         """The settings that change the trained weights (a resumed run must keep them), the resolved recipe included."""
         names = (
             "preset",
-            "rounds",
             "per_round",
             "min_clients",
             "seed",
@@ -395,8 +404,11 @@ class ServerConfig:
         secure = (
             {k: values[k] for k in ("secure_agg", "colluders", "secagg_bound")} if self.secure.secure_agg else {}
         )  # what is withheld and how values are encoded
+        # Without a horizon, the rounds decide nothing (feast-server stop ends the run); a run may be extended with
+        # another --rounds or --continuous (feast_edge.run.store.EXTENDABLE).
+        horizon = ("continuous", "lr_period") if self.training.continuous else ("rounds",)
         return {
-            **{STORED_AS.get(name, name): values[name] for name in names},
+            **{STORED_AS.get(name, name): values[name] for name in (*names, *horizon)},
             **recorded,
             **capped,
             **asynchronous,

@@ -68,6 +68,7 @@ class Events:
         self.registry = devices.registry
         self.inbox = Inbox()
         self.stop = threading.Event()  # set: every wait ends (KeyboardInterrupt in a round)
+        self.ending = threading.Event()  # set: a stop was requested (server.stopping): a wait for devices ends
         self.exchange: RoundExchange | None = None
         self.models: ModelServer | None = None
         self._secure: SecureRound | None = None  # the secure round in flight (--secure-agg), while its stages run

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from feast_edge.protocol import Declined, Evaluated, Update
+from feast_edge.protocol.round_messages import shown_round
 from feast_edge.server.waiting import Pump, Roster, wait_online
 from feast_edge.transport.chunks import Progress, Status
 from feast_edge.transport.errors import ChunkError, LinkError, ProtocolError
@@ -229,9 +230,8 @@ class RoundExchange:
             now = time.monotonic()
             if now - last_note >= HEARTBEAT:
                 log.info(
-                    "round %d/%d: %d of %d updates in; waiting for %s (%s left)",
-                    current.t + 1,
-                    rounds,
+                    "%s: %d of %d updates in; waiting for %s (%s left)",
+                    shown_round(current.t, rounds),
                     len(current.pending) - len(waiting),
                     len(current.pending),
                     ", ".join(waiting),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,7 @@ class RunHost:
             kind=KIND,
             fingerprint=self.fingerprint(),
             config=config.decisive(),
+            fingerprint_of=self.fingerprint_of,
             validation=None
             if self.data is None
             else Validation(self.data.calibration_images, self.data.validation_images, self.data.validation_labels),
@@ -104,7 +105,11 @@ class RunHost:
         return self.loop.history
 
     def fingerprint(self) -> str:
-        data = {**self.config.decisive(), "preset_digest": self.preset.digest}
+        return self.fingerprint_of(self.config.decisive())
+
+    def fingerprint_of(self, decisive: Mapping[str, Any]) -> str:
+        """The fingerprint of a run of these decisive settings with this host's preset."""
+        data = {**decisive, "preset_digest": self.preset.digest}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def resume(self, previous: bool = False) -> int:
@@ -139,7 +144,8 @@ class RunHost:
         cfg = self.config
         done = self.resume(previous=resume_previous)
         if done:
-            log.info("resuming from %s: %d of %d rounds completed", self.out / CHECKPOINT, done, cfg.training.rounds)
+            of = "" if cfg.training.continuous else f" of {cfg.training.rounds}"
+            log.info("resuming from %s: %d%s rounds completed", self.out / CHECKPOINT, done, of)
         roundlog = RoundLog(self.out, tensorboard=tensorboard, first_round=done + 1)
 
         def after(record: RoundRecord) -> None:
@@ -160,7 +166,7 @@ class RunHost:
                 if why.startswith(f"round {record.round}:"):  # named once, in the round that found it out
                     log.warning("%s is distrusted since %s", device, why)
             if self.on_round is not None:
-                self.on_round(record, cfg.training.rounds)
+                self.on_round(record, cfg.training.horizon or 0)
             if finished_round is not None:
                 finished_round(record)
 

@@ -88,7 +88,7 @@ class LiveView:
             federation=federation,
             preset=preset.name,
             method="feast",
-            rounds_total=rounds,
+            rounds_total=rounds or None,  # None: no end (--continuous)
             rounds_done=0,
             status="waiting",
             started=time.time(),

@@ -55,7 +55,7 @@ def print_round(record: RoundRecord, rounds: int) -> None:
         step = "release"
         replies += "  staleness " + ", ".join(f"{d} {tau}" for d, tau in sorted(record.staleness.items()))
     log.info(
-        f"{step} {record.round}/{rounds}  replies {replies}  {state}  loss {loss}  val {val}  "
+        f"{step} {record.round}{f'/{rounds}' if rounds else ''}  replies {replies}  {state}  loss {loss}  val {val}  "
         f"{record.seconds:.1f} s" + (f"  ({'; '.join(extra)})" if extra else "")
     )
 

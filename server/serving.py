@@ -69,7 +69,7 @@ class ModelServer:
         except FeastError as exc:
             found, reason = None, str(exc)
         else:
-            reason = f"no model has been exported for device {device!r} yet; models are exported after the last round (or by 'feast-server export')"
+            reason = f"no model has been exported for device {device!r} yet; models are exported once a round is served (or by 'feast-server export')"
         base = {"federation": self.topics.federation, "round": 0, "device": device, "request": request}
         if found is None:
             self.link.publish(self.topics.ctrl(device), ModelReady(**base, available=False, reason=reason).encode())

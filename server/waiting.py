@@ -7,6 +7,8 @@ import threading
 import time
 from typing import Protocol
 
+from feast_edge.run.release import EndRequested
+
 log = logging.getLogger(__name__)
 
 HEARTBEAT = 10.0  # seconds between "waiting for devices" lines
@@ -20,6 +22,7 @@ class Pump(Protocol):
     """The server's event loop, as far as a wait needs it."""
 
     stop: threading.Event
+    ending: threading.Event  # a stop was requested: a wait for devices ends (EndRequested)
 
     def pump(self, seconds: float) -> None:
         """Handle incoming messages for ``seconds`` (0: only what is queued now)."""
@@ -35,10 +38,13 @@ class Roster(Protocol):
 
 def wait_online(events: Pump, roster: Roster, needed: int, wait_timeout: float | None) -> list[str]:
     """Block until ``needed`` devices of ``roster`` are online, saying who is missing at least every 10 s; WaitTimeout
-    past ``wait_timeout`` seconds (None: wait forever), KeyboardInterrupt once ``events.stop`` is set."""
+    past ``wait_timeout`` seconds (None: wait forever), KeyboardInterrupt once ``events.stop`` is set, EndRequested
+    once ``events.ending`` is (the run ends before the step that waited, resumable)."""
     start = time.monotonic()
     last_note, last_online = float("-inf"), None
     while not events.stop.is_set():
+        if events.ending.is_set():
+            raise EndRequested("stopped on request while waiting for devices")
         online = roster.online()
         if len(online) >= needed:
             return online

@@ -128,6 +128,17 @@ def scheduled_lr(schedule: str, base_lr: float, round_index: int, total_rounds: 
     return base_lr if schedule == "constant" else lr
 
 
+CONTINUOUS_PERIOD = 20  # rounds of one cosine cycle of a run without a horizon (docs/benchmarks.md, chosen there)
+
+
+def continuous_lr(base_lr: float, round_index: int, period: int) -> float:
+    """A learning rate without a horizon (``--continuous``): cosine decay over ``period`` rounds, restarted at its
+    peak (SGDR, Loshchilov & Hutter 2017): ``base·(1 + cos(π·(t mod P)/P))/2``; ``period`` 0: ``base`` throughout."""
+    if round_index < 0:
+        raise TrainError(f"round {round_index} is negative")
+    return base_lr if period <= 0 else cosine_lr(base_lr, round_index % period, period)
+
+
 def cosine_lr(base_lr: float, round_index: int, total_rounds: int) -> float:
     """Cosine decay over the federation horizon: ``base·(1 + cos(π·t/T))/2`` for round ``t`` of ``T`` (method §7)."""
     if total_rounds < 1 or not 0 <= round_index < total_rounds:

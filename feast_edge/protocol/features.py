@@ -18,7 +18,11 @@ from feast_edge.transport.topics import MAX_ID_LENGTH
 # round's own weights); the answer gives each candidate's counts on the same held-out examples (``Evaluated.candidates``).
 EVALUATE_CANDIDATES = "evaluate-candidates"
 
-AGENT_FEATURES: tuple[str, ...] = (EVALUATE_CANDIDATES,)  # what this version's agent implements
+# A round message may carry ``rounds`` 0: a federation without an end (feast-server run --continuous). An agent that
+# does not list it is sent ``rounds`` = the round's own number + 1, which its check of the horizon accepts.
+NO_HORIZON = "no-horizon"
+
+AGENT_FEATURES: tuple[str, ...] = (EVALUATE_CANDIDATES, NO_HORIZON)  # what this version's agent implements
 MAX_FEATURES = 64  # names one registration may list
 
 

@@ -20,6 +20,12 @@ from feast_edge.transport.frames import TransferInfo
 from feast_edge.transport.messages import Message, check_ids, check_transfer, message_kind, validate_transfer_id
 
 
+def shown_round(round_: int, rounds: int) -> str:
+    """0-based round ``round_`` of ``rounds`` as people read it: "round 3/20", or "round 3" where ``rounds`` is 0 (a
+    federation without an end, feast-server run --continuous)."""
+    return f"round {round_ + 1}/{rounds}" if rounds else f"round {round_ + 1}"
+
+
 @message_kind("round")
 @dataclass(frozen=True, kw_only=True)
 class RoundStart(Message):
@@ -64,7 +70,7 @@ class RoundStart(Message):
             raise ProtocolError(f"field 'lr' must be > 0, got {self.lr}")
         if not self.timeout > 0:
             raise ProtocolError(f"field 'timeout' must be > 0, got {self.timeout}")
-        if self.round >= self.rounds:
+        if self.rounds < 0 or (self.rounds and self.round >= self.rounds):  # 0: a federation without an end
             raise ProtocolError(f"round {self.round} is outside the horizon of {self.rounds} rounds")
         check_plan(self.plan)
 
@@ -108,6 +114,11 @@ class RoundStart(Message):
             dp={} if dp is None else dp.wire(),
             secure={} if secure is None else secure.wire(),
         )
+
+    @property
+    def shown(self) -> str:
+        """The round as people read it: "round 3/20", or "round 3" where the federation has no end."""
+        return shown_round(self.round, self.rounds)
 
     def local_dp(self) -> LocalDp | None:
         """The local DP this round asks the device for (None: none)."""

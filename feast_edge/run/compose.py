@@ -66,6 +66,9 @@ class HostParts:
     model_record: Mapping[str, Any] | None = None  # a model that is not a Supernet: its checkpoint header
     validation: Validation | None = None  # the server's held split (None: the environment's validator, if any)
     extra_fields: Callable[[], Mapping[str, Any]] = field(default=dict)
+    # The fingerprint of a stored config as this run computes its own: a resume may then extend the run's horizon
+    # (feast_edge.run.store.EXTENDABLE); None: it may not.
+    fingerprint_of: Callable[[Mapping[str, Any]], str] | None = None
 
 
 def refuse(environment: Environment, settings: RunConcerns) -> None:
@@ -120,4 +123,5 @@ def compose(host: HostParts, environment: Environment, settings: RunConcerns) ->
         policy=policy,
         collector=collector,
         hooks=Hooks(before_release=environment.before_release, resumed=environment.resumed),
+        fingerprint_of=host.fingerprint_of,
     )

@@ -40,7 +40,7 @@ from feast_edge.route.payload import bytes_per_param
 from feast_edge.run.average import TailAverage, loaded, serve_average_of, split_extra
 from feast_edge.run.collect import Collector
 from feast_edge.run.policy import EveryRound, ReleasePolicy
-from feast_edge.run.release import Release, RunStops
+from feast_edge.run.release import EndRequested, Release, RunStops
 from feast_edge.run.round_record import RoundMethod, RoundRecord
 from feast_edge.run.schedule import Scheduler, SyncRounds
 from feast_edge.run.stages import release_of
@@ -99,12 +99,15 @@ class RunLoop:
         policy: ReleasePolicy | None = None,
         collector: Collector | None = None,
         hooks: Hooks | None = None,
+        fingerprint_of: Callable[[Mapping[str, Any]], str] | None = None,
     ) -> None:
         """``method`` defaults to FEAST's steps; a model that is not a full Supernet needs ``model_record`` (its checkpoint header).
         ``release`` (the aggregation and its stages) defaults to the stages ``settings`` ask for; ``scheduler`` (who
         trains next) and ``policy`` (when collected input becomes a model) default to synchronous rounds
         (feast_edge.run.schedule.SyncRounds, feast_edge.run.policy.EveryRound); ``collector`` is how a cohort's
-        updates come back (:meth:`run` may be given another); ``hooks`` what the environment does around the steps.
+        updates come back (:meth:`run` may be given another); ``hooks`` what the environment does around the steps;
+        ``fingerprint_of(config)`` the run's fingerprint of a stored config (a resume may then extend the run's horizon,
+        feast_edge.run.store.EXTENDABLE).
 
         ``validator(t, record, alternative)`` validates round ``t``'s aggregated model where no ``validation`` split is
         held (federated validation: the devices test it and report counts); it may fill ``record.validation``, and
@@ -126,6 +129,7 @@ class RunLoop:
             config=config,
             preset=self.preset,
             model_record=self.model_record,
+            fingerprint_of=fingerprint_of,
         )
         self.validation = validation
         self.validator = validator
@@ -143,11 +147,15 @@ class RunLoop:
         self.notes: list[str] = []  # what a resume changed that the run should say (a dropped tail mean)
         self.best: dict[str, Any] = {}
         by_devices = validation is None and validator is not None
+        self.horizon = settings.training.horizon  # None: rounds without an end (--continuous)
+        every = settings.validation.eval_every
         self.average = TailAverage(
-            settings.training.rounds,
-            serve_average_of(settings.validation.serve_average, by_devices, settings.training.rounds),
+            self.horizon,
+            serve_average_of(settings.validation.serve_average, by_devices, self.horizon, every),
+            every,
         )
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # set: the run ends after the round in progress, checkpointed (feast-server stop)
+        self.ended: str | None = None  # why the run ended early on request (it can be resumed)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, name: str) -> None:
@@ -180,11 +188,20 @@ class RunLoop:
         if resumed is None:
             self.hooks.resumed(self.history)
             return 0
+        done = int(resumed.fields.get("round", len(resumed.fields.get("history", []))))
+        if self.horizon is not None and done > self.horizon:
+            raise RunError(
+                f"{resumed.path} has completed {done} rounds, more than --rounds {self.horizon}: give --rounds "
+                f"{done} or more to go on, or --continuous; {hint}"
+            )
         self.recovered = resumed.recovered
         released, averaged = split_extra(resumed.extra)
         self.release.load(released, resumed.path)
         dropped = self.average.load(averaged, resumed.fields.get("average") or {}, resumed.path)
         self.notes = [dropped] if dropped else []
+        if self.store.extended:  # the horizon changed: the run goes on from its last round under the new one
+            changed = ", ".join(f"{k} {was} -> {now}" for k, (was, now) in sorted(self.store.extended.items()))
+            self.notes.append(f"{resumed.path}: the run is extended ({changed}); it goes on from round {done}")
         zero_based = resumed.fields.get("history_format", 1) < HISTORY_FORMAT
         self.history = [RoundRecord.from_dict(h, zero_based) for h in resumed.fields["history"]]
         self.best = dict(resumed.fields.get("best", {}))
@@ -259,14 +276,18 @@ class RunLoop:
         self.out.mkdir(parents=True, exist_ok=True)
         s = self.settings
         first = len(self.history)
-        for t in range(first, s.training.rounds):
+        t = first
+        while (self.horizon is None or t < self.horizon) and not self._end_requested(t):
             needed = (start_clients or s.min_clients) if t == first else s.min_clients
             try:
                 record = self.run_round(t, collector, needed)
             except RunStops as exc:
                 self.stopped = str(exc)
                 break
-            validated = (t + 1) % s.validation.eval_every == 0 or t + 1 == s.training.rounds
+            except EndRequested as exc:
+                self.ended = f"{exc} before round {t + 1}"
+                break
+            validated = (t + 1) % s.validation.eval_every == 0 or t + 1 == self.horizon
             self.average.add(record.round, self.model.state_dict())
             if validated:
                 self.validate_round(t, record)
@@ -279,7 +300,15 @@ class RunLoop:
                 on_round(record)
             if stop_after is not None and t + 1 >= stop_after:
                 break
+            t += 1
         return self.history
+
+    def _end_requested(self, t: int) -> bool:
+        """Whether a stop was requested (``stop``) before round ``t``: then ``ended`` says so and the run ends, its
+        last round checkpointed."""
+        if self.stop.is_set() and self.ended is None:
+            self.ended = f"stopped on request after round {t}" if t else "stopped on request before round 1"
+        return self.stop.is_set()
 
     def validate_round(self, t: int, record: RoundRecord) -> None:
         """Validate round ``t``'s weights into ``record`` and, where the tail mean is a candidate of the round, the mean
@@ -307,7 +336,9 @@ class RunLoop:
     @property
     def finished(self) -> bool:
         """Every round ran, or a stage refused the next one (``stopped`` says why)."""
-        return len(self.history) >= self.settings.training.rounds or self.stopped is not None
+        if self.stopped is not None:
+            return True
+        return self.horizon is not None and len(self.history) >= self.horizon
 
     def selected_checkpoint(self) -> Path:
         """``best.safetensors`` when validation chose one, else the last checkpoint."""

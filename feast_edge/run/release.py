@@ -42,6 +42,11 @@ class RunStops(FeastError):
     """A stage refuses the next round: the run ends before it, saying why (e.g. the privacy budget is spent)."""
 
 
+class EndRequested(Exception):
+    """A stop was requested while a step waited for its clients (feast-server stop): the run ends before that step,
+    its last round checkpointed, and can be resumed."""
+
+
 @dataclass
 class RoundContext:
     """One round as the stages see it."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from feast_edge.local.recipe import cosine_lr, scheduled_lr
+from feast_edge.local.recipe import continuous_lr, cosine_lr, scheduled_lr
 from feast_edge.run.cohort import sample_round_cohort
 from feast_edge.run.collect import Collected, Collector
 from feast_edge.run.release import RoundContext
@@ -55,12 +55,14 @@ class Scheduler(Protocol):
 
 
 def step_lr(settings: RunConcerns, t: int, history: list[RoundRecord]) -> float:
-    """Step ``t``'s learning rate: the schedule over ``--rounds``, or, under ``--compute-budget``, over the share of
+    """Step ``t``'s learning rate: the schedule over ``--rounds``, restarted cycles without a horizon, or, under ``--compute-budget``, over the share of
     the budget the released updates spent (an asynchronous run's number of releases is not known in advance)."""
     s = settings
     if s.compute_budget > 0 and s.lr_schedule != "constant":
         spent = min(sum(h.train_macs for h in history), s.compute_budget)
         return cosine_lr(s.lr, round(1000 * spent / s.compute_budget), 1001)
+    if s.training.continuous:  # no horizon: cosine cycles restarted every --lr-period rounds
+        return continuous_lr(s.lr, t, s.training.lr_period)
     return scheduled_lr(s.lr_schedule, s.lr, t, s.training.rounds)
 
 

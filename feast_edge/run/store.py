@@ -4,8 +4,9 @@
     out/checkpoint.prev.safetensors   the one before it (a hard link, kept before every write)
     out/best.safetensors              the served round's weights, where validation chose one
 
-Resume refuses a checkpoint of another kind or of other settings (naming the options that differ), and a damaged
-one with a message naming the kept previous checkpoint; with ``fall_back`` it resumes from that one instead, keeping
+Resume refuses a checkpoint of another kind or of other settings (naming the options that differ), except the
+horizon's (EXTENDABLE: a run may go on with a larger --rounds, or --continuous, or back to a finite --rounds; the loop
+refuses a horizon below the rounds done), and a damaged one with a message naming the kept previous checkpoint; with ``fall_back`` it resumes from that one instead, keeping
 the damaged file renamed. What the loop does with the rounds it reads back is the loop's (feast_edge.run.loop).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ CHECKPOINT = "checkpoint.safetensors"
 PREVIOUS = "checkpoint.prev.safetensors"  # the last good checkpoint before the current one
 BEST = "best.safetensors"
 OPTIONS_OF = {"server_optimizer": "server_optimizer (--server-opt and its --server-* settings)"}  # in resume errors
+# The settings a run may change when it is resumed (extended): its horizon. Everything else in its fingerprint stays.
+EXTENDABLE = ("rounds", "continuous", "lr_period")
 HISTORY_FORMAT = 2  # 2: RoundRecord with 1-based rounds (1: 0-based RoundLog / server RoundRecord)
 
 
@@ -71,7 +74,12 @@ class RunStore:
         config: Mapping[str, Any],
         preset: Preset | None,
         model_record: Mapping[str, Any] | None,
+        fingerprint_of: Callable[[Mapping[str, Any]], str] | None = None,
     ) -> None:
+        """``fingerprint_of(config)``: the fingerprint of a stored config as this run computes its own (None: a run
+        that cannot be extended)."""
+        self.fingerprint_of = fingerprint_of
+        self.extended: dict[str, tuple[Any, Any]] = {}  # a resumed run's horizon settings that changed: (was, now)
         self.out = Path(out)
         self.model = model
         self.kind = kind
@@ -137,7 +145,7 @@ class RunStore:
             )
         if stored.get("kind") != self.kind:
             raise RunError(f"{path} is not a {self.kind} checkpoint; {hint}")
-        if stored.get("fingerprint") != self.fingerprint:
+        if stored.get("fingerprint") != self.fingerprint and not self._extends(stored):
             theirs = stored.get("config", {})
             differ = sorted(
                 k
@@ -148,6 +156,21 @@ class RunStore:
             raise RunError(
                 f"{path} belongs to a {self.kind} with other settings (differs in: {', '.join(named) or 'the preset'}); {hint}"
             )
+
+    def _extends(self, stored: Mapping[str, Any]) -> bool:
+        """Whether the stored run is this one with another horizon (EXTENDABLE): its fingerprint is ours with its
+        horizon settings; ``extended`` then names what changed."""
+        theirs = stored.get("config")
+        if self.fingerprint_of is None or not isinstance(theirs, dict):
+            return False
+        as_theirs = {k: v for k, v in self.config.items() if k not in EXTENDABLE}
+        as_theirs.update({k: theirs[k] for k in EXTENDABLE if k in theirs})
+        if self.fingerprint_of(as_theirs) != stored.get("fingerprint"):
+            return False
+        self.extended = {
+            k: (theirs.get(k), self.config.get(k)) for k in EXTENDABLE if theirs.get(k) != self.config.get(k)
+        }
+        return True
 
     def _previous(
         self, path: Path, exc: CheckpointError, fall_back: bool

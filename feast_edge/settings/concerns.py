@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from feast_edge.aggregate.server_opt import DEFAULT_LR, ServerOpt
 from feast_edge.aggregate.weights import ratio_problem
-from feast_edge.local.recipe import TrainConfig, TrainError, preset_recipe
+from feast_edge.local.recipe import CONTINUOUS_PERIOD, TrainConfig, TrainError, preset_recipe
 from feast_edge.privacy.settings import DpSettings, PrivacyError, dp_of
 from feast_edge.secagg.fixed import DEFAULT_BOUND
 from feast_edge.settings.buffered import SERVER_LR, AsyncSettings
@@ -30,7 +30,27 @@ class Population(Concern):
 class Training(Concern):
     """How each device trains: the rounds' horizon and the local recipe (None: the preset's [train] value)."""
 
-    rounds: int = setting(10, min=1, help="Federation rounds (also the cosine-decay horizon).")
+    rounds: int = setting(
+        10,
+        min=1,
+        help=Help(
+            "Federation rounds (also the cosine-decay horizon); with --continuous, where this invocation stops.",
+            server="With --continuous it is not used: the run goes on until feast-server stop.",
+        ),
+    )
+    continuous: bool = setting(
+        False,
+        apps=("simulation", "server"),
+        help="Rounds without a horizon: the learning rate restarts its cosine every --lr-period rounds, the served "
+        "round is chosen at every validation (docs/method.md, \"A federation without an end\").",
+    )
+    lr_period: int = setting(
+        CONTINUOUS_PERIOD,
+        min=0,
+        apps=("simulation", "server"),
+        help="With --continuous: rounds of one cosine cycle of the learning rate, restarted at its peak (SGDR); 0: "
+        "the constant learning rate.",
+    )
     lr: float | None = setting(
         None, help="Initial SGD learning rate, decayed over --rounds (default: the preset's [train] recipe)."
     )
@@ -54,7 +74,17 @@ class Training(Concern):
     def __post_init__(self) -> None:
         recipe = tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in dict(self.recipe).items()))
         object.__setattr__(self, "recipe", recipe)
-        check([(self.rounds >= 1, f"--rounds {self.rounds} must be at least 1")])
+        check(
+            [
+                (self.rounds >= 1, f"--rounds {self.rounds} must be at least 1"),
+                (self.lr_period >= 0, f"--lr-period {self.lr_period} must be 0 (constant) or a number of rounds"),
+            ]
+        )
+
+    @property
+    def horizon(self) -> int | None:
+        """The rounds the run's schedules are defined over: ``rounds``, or None with --continuous (no end)."""
+        return None if self.continuous else self.rounds
 
     def recipe_of(self, preset: str) -> tuple[TrainConfig, str]:
         """The training recipe: ``preset``'s [train] table, then --recipe, then the explicit options (and the lr
@@ -332,6 +362,19 @@ def async_refusals(config: Any) -> list[tuple[bool, str]]:
         f"not by --staleness {rules.staleness}: add --staleness constant"
     )
     return [(not central or rules.staleness == "constant", why)]
+
+
+def continuous_refusals(config: Any) -> list[tuple[bool, str]]:
+    """What ``--continuous`` refuses in a run configuration (a ``SimulationConfig`` or ``ServerConfig``), as
+    (allowed, why) pairs: what is defined over a horizon and has no form without one yet."""
+    if not config.training.continuous:
+        return []
+    return [
+        (config.schedule.mode == "sync", "--continuous with --mode async: the served model is chosen at validations "
+         "between rounds, which asynchronous jobs do not pause for yet; use synchronous rounds"),
+        (config.dp_settings() is None, "--continuous with differential privacy: the guarantee is accounted over "
+         "the planned rounds, and a run without an end has none; give --rounds for a finite run"),
+    ]  # fmt: skip
 
 
 MODES = ("sync", "async")

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from feast_edge.aggregate.server_opt import ServerOpt
@@ -29,7 +30,13 @@ from feast_edge.settings import (
     Validation,
     flat,
 )
-from feast_edge.settings.concerns import SecureAggregation, async_refusals, secure_refusals, server_step
+from feast_edge.settings.concerns import (
+    SecureAggregation,
+    async_refusals,
+    continuous_refusals,
+    secure_refusals,
+    server_step,
+)
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of, setting
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
 from feast_edge.sim.registry import method_class
@@ -253,6 +260,14 @@ class SimulationConfig:
         self._check_privacy()
         self._check_schedule()
         self._check_secure()
+        refusals = [
+            *continuous_refusals(self),
+            (not (self.training.continuous and self.timing.compute_budget), "--continuous with --compute-budget: "
+             "the budget is a horizon; drop one of them"),
+        ]  # fmt: skip
+        for ok, message in refusals:
+            if not ok:
+                raise SimulationError(message)
 
     def _check_schedule(self) -> None:
         """Buffered asynchronous rounds train FEAST from as many clients as they draw; central DP weighs the buffered
@@ -353,6 +368,8 @@ class SimulationConfig:
         skip = {"device", "deterministic", *recipe, *_fields_of(self.aggregation), *_fields_of(self.privacy)}
         skip |= {"amp"} if self.amp == "off" else set()
         skip |= {"personalize"}  # what happens after the last round: the weights and the selection are the same
+        # Without a horizon, --rounds is only where an invocation stops (a run may be extended: feast_edge.run.store).
+        skip |= {"rounds"} if self.training.continuous else {"continuous", "lr_period"}
         skip |= {"holdout"} if not self.serving.holdout else set()  # a held-out split changes the training data
         skip |= {"validate_on"} if self.validation.validate_on == "server" else set()
         skip |= {"serve_average"} if self.validation.serve_average is None else set()  # recorded where set
@@ -370,7 +387,7 @@ class SimulationConfig:
 
     def fingerprint(self) -> str:
         """Digest of :meth:`decisive`."""
-        return hashlib.sha256(json.dumps(self.decisive(), sort_keys=True).encode()).hexdigest()
+        return fingerprint_of(self.decisive())
 
     def recipe_settings(self) -> tuple[TrainConfig, str]:
         """The training recipe: the preset's [train] table, then --recipe, then the explicit options (and the lr
@@ -382,6 +399,11 @@ class SimulationConfig:
 
     def train_config(self) -> TrainConfig:
         return self.recipe_settings()[0]
+
+
+def fingerprint_of(decisive: Mapping[str, Any]) -> str:
+    """A simulation's fingerprint: the digest of its decisive settings."""
+    return hashlib.sha256(json.dumps(dict(decisive), sort_keys=True).encode()).hexdigest()
 
 
 def _fields_of(concern: Concern) -> set[str]:

@@ -43,6 +43,7 @@ from feast_edge.sim.environment import Clients, SimulationEnvironment
 from feast_edge.sim.population import Population
 from feast_edge.sim.registry import method_class
 from feast_edge.sim.setup import Setup, SimulationConfig, SimulationError, build_setup
+from feast_edge.sim.config import fingerprint_of
 from feast_edge.util.atomic import atomic_write_bytes
 
 KIND = "simulation"
@@ -122,6 +123,7 @@ class Simulation:
             kind=KIND,
             fingerprint=config.fingerprint(),
             config=config.decisive(),
+            fingerprint_of=fingerprint_of,
             method=self.method,
             model_record=None if self.method.supernet else self.method.model_record(),
             validation=None if on_devices else Validation(s.calibration_images(), *s.validation_data()),
@@ -229,11 +231,15 @@ class Simulation:
                     )
                 )
 
+        # Without a horizon (--continuous) the simulation stops after --rounds, tested as a finished one; it goes on
+        # from there when run again with a larger --rounds (nothing it computed depends on where it stopped).
+        continuous = self.config.training.continuous
+        ends = [n for n in (stop_after, rounds if continuous else None) if n is not None]
         try:
-            self.loop.run(on_round=progress, stop_after=stop_after)
+            self.loop.run(on_round=progress, stop_after=min(ends) if ends else None)
         finally:
             log.close()
-        if not self.loop.finished:
+        if not (self.loop.finished or (continuous and len(self.history) >= rounds)):
             return None
         return self.finish(on_test, on_personal)
 

@@ -89,7 +89,8 @@ def run(
     log_level: common.LogLevelOpt = "info",
     log_file: common.LogFileOpt = None,
 ) -> None:
-    """Run (or resume) a federation: wait for devices, train --rounds rounds, export ONNX per device."""
+    """Run (or resume, or extend) a federation: wait for devices, train --rounds rounds (--continuous: until
+    feast-server stop), export ONNX per device."""
     from feast_edge.dashboard.state import DashboardState
     from feast_edge.server.app import FederationServer
 
@@ -105,17 +106,20 @@ def run(
     # --threads N fixes PyTorch's threads; 0 chooses them from the free cores before each computing step.
     server = FederationServer(config, link, on_round=print_round, dashboard=state, threads=Threads(threads, logger=log))
     web = None if state is None else common.open_dashboard(state, dashboard, dashboard_token, log.info)
-    install_signal_handlers()
+    install_signal_handlers(first=server.request_stop)  # SIGTERM: after the round in progress (a second: at once)
     common.warn_insecure(link)
     try:
         server.start()
         history = server.run(resume_previous=resume_previous, tensorboard=tensorboard)
         applied = sum(r.applied for r in history)
+        ended = server.loop.ended
         log.info(
-            "federation finished: %d rounds (%d aggregated); checkpoint %s",
+            "federation %s: %d rounds (%d aggregated); checkpoint %s%s",
+            ended or "finished",
             len(history),
             applied,
             out / "checkpoint.safetensors",
+            "; run the same command to go on (a finished run: a larger --rounds, or --continuous)" if ended else "",
         )
         manifests: list[dict[str, Any]] = []
         if export:

@@ -1,4 +1,4 @@
-"""The ``feast-server`` commands on a run directory: ``export`` the models, ``serve`` them, ``status``."""
+"""The ``feast-server`` commands on a run directory: ``export`` the models, ``serve`` them, ``status``, ``stop``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from feast_edge.cli import common
+from feast_edge.errors import FeastError
 from feast_edge.server.cli.shared import (
     CalibSamplesOpt,
     ChunkOpt,
@@ -28,10 +29,31 @@ from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``export``, ``serve`` and ``status`` to the ``feast-server`` app."""
+    """Add ``export``, ``serve``, ``status`` and ``stop`` to the ``feast-server`` app."""
     app.command("export")(export_command)
     app.command("serve")(serve_command)
     app.command("status")(status_command)
+    app.command("stop")(stop_command)
+
+
+def stop_command(
+    out: OutOpt,
+    reason: Annotated[str, typer.Option("--reason", help="Words for the server's log (e.g. who stops it and why).")] = "",
+) -> None:
+    """End the run in --out after its round in progress: checkpointed, models exported and pushed, agents told it
+    finished (those without --stay exit). Resume it later with the same command, or extend it (--rounds, --continuous)."""
+    from feast_edge.run.store import CHECKPOINT
+    from feast_edge.server.stopping import request_stop
+
+    if not out.is_dir():
+        raise FeastError(f"--out {out} is not a run directory; give the --out of the feast-server run to stop")
+    if not (out / CHECKPOINT).is_file() and not (out / "devices.sqlite").is_file():
+        raise FeastError(f"--out {out} holds no federation run (no checkpoint, no device registry); give the --out of the feast-server run to stop")
+    path = request_stop(out, reason)
+    console.print(
+        f"stop requested ({path}): the server ends after its round in progress (a wait for devices ends at once); "
+        "its log says when"
+    )
 
 
 @common.mqtt_options(

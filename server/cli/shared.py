@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 from pathlib import Path
+from collections.abc import Callable
 from typing import Annotated, Any, Optional
 
 import typer
@@ -24,12 +25,23 @@ OutOpt = Annotated[
 ]
 
 
-def install_signal_handlers() -> None:
-    """SIGTERM ends the server like Ctrl-C: the current round is abandoned, the link closes with an offline status."""
+def install_signal_handlers(first: Callable[[], None] | None = None) -> None:
+    """SIGTERM ends the server like Ctrl-C: the current round is abandoned, the link closes with an offline status.
+    With ``first`` (feast-server run), the first SIGTERM calls it instead (the run ends after its round in progress,
+    server.stopping) and a second one ends the server like Ctrl-C."""
 
     def stop(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the clean shutdown
         raise KeyboardInterrupt
+
+    def gently(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, stop)
+        assert first is not None
+        first()
+
+    if first is not None:
+        signal.signal(signal.SIGTERM, gently)
+        return
 
     signal.signal(signal.SIGTERM, stop)
 

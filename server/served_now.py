@@ -1,0 +1,73 @@
+"""The served model, exported when it is chosen: late joiners and ``fetch-model`` get it during the run.
+
+    after each round      if the served round changed (feast_edge.evaluate.served_round), every registered device's
+                          model is exported into ``<out>/models`` at once (each device calibrates its variant's BN on
+                          its own data; the export after the last round combines the devices' statistics where
+                          --bn-calibration federated says so), and ``feast-agent fetch-model`` answers with it
+    pushed to             the online devices that registered after this server's first round began and have no model
+                          of the current served round yet (late joiners: within one round of joining, once a round
+                          is served); without an end (--continuous), every online device, each new served round
+
+A device present from the start of a finite run gets its model at the end, as before; one that joins later does not
+wait for the end. An export that fails mid-run is logged and retried after the next round: it never stops the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from feast_edge.errors import FeastError
+from feast_edge.server.registry import Device
+
+log = logging.getLogger(__name__)
+
+
+class Serving(Protocol):
+    """What the served models need of the server."""
+
+    def export(self, federated_bn: bool | None = None) -> list[dict[str, Any]]: ...
+
+    def announce_models(self, manifests: list[dict[str, Any]]) -> list[str]: ...
+
+    def online_devices(self) -> list[str]: ...
+
+
+class ServedNow:
+    """Exports each newly served round and pushes it to who needs it (see the module docstring)."""
+
+    def __init__(self, server: Serving, devices: Callable[[], list[Device]], *, everyone: bool) -> None:
+        """``devices()``: the registered devices; ``everyone``: push each served round to every online device
+        (--continuous), else only to late joiners."""
+        self.server, self.devices, self.everyone = server, devices, everyone
+        self.exported: int | None = None  # the served round models/ holds
+        self.manifests: list[dict[str, Any]] = []
+        self.pushed: set[str] = set()  # devices sent the current export
+        self.began: float | None = None  # when this server's first round began
+
+    def after(self, served: int | None, seconds: float) -> None:
+        """After a round that took ``seconds``, with ``served`` the served round (None: none chosen yet)."""
+        if self.began is None:
+            self.began = time.time() - seconds
+        if served is None:
+            return
+        if served != self.exported:
+            began = time.monotonic()
+            try:
+                manifests = self.server.export(federated_bn=False)
+            except FeastError as exc:
+                log.warning("could not export round %d's models during the run (%s); trying after the next round", served, exc)
+                return
+            log.info("exported the served round %d's models for %d devices (%.1f s)", served, len(manifests), time.monotonic() - began)
+            self.exported, self.manifests, self.pushed = served, manifests, set()
+        wanted = set(self.server.online_devices()) - self.pushed
+        if not self.everyone:
+            wanted &= {d.device_id for d in self.devices() if d.first_seen > self.began}
+        if not wanted:
+            return
+        sent = self.server.announce_models([m for m in self.manifests if m["device"] in wanted])
+        self.pushed |= set(sent)
+        if sent:
+            log.info("sent round %d's models to %s", served, ", ".join(sent))
