@@ -363,7 +363,9 @@ class FederationServer(RunHost):
         """Tell every registered device that the federation is over."""
         self.devices.finished = True
         devices = [(d.device_id, d.instance) for d in self.registry.devices()]
-        self.models.finish(devices, self.config.training.horizon or 0, len(self.history), [m["device"] for m in manifests])
+        self.models.finish(
+            devices, self.config.training.horizon or 0, len(self.history), [m["device"] for m in manifests]
+        )
 
     def serve(self, seconds: float | None = None) -> None:
         """Answer model requests (and registrations) until ``stop`` is set or ``seconds`` pass."""

@@ -97,7 +97,6 @@ class RoundTerms:
             **extra,
         )
 
-
     def horizon_of(self, t: int, registered: Device | None) -> int:
         """The ``rounds`` round ``t``'s message carries: the horizon, or without one (0) to an agent that does not list
         the no-horizon feature, t + 1 (its horizon check then accepts the round)."""

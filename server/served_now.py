@@ -58,9 +58,16 @@ class ServedNow:
             try:
                 manifests = self.server.export(federated_bn=False)
             except FeastError as exc:
-                log.warning("could not export round %d's models during the run (%s); trying after the next round", served, exc)
+                log.warning(
+                    "could not export round %d's models during the run (%s); trying after the next round", served, exc
+                )
                 return
-            log.info("exported the served round %d's models for %d devices (%.1f s)", served, len(manifests), time.monotonic() - began)
+            log.info(
+                "exported the served round %d's models for %d devices (%.1f s)",
+                served,
+                len(manifests),
+                time.monotonic() - began,
+            )
             self.exported, self.manifests, self.pushed = served, manifests, set()
         wanted = set(self.server.online_devices()) - self.pushed
         if not self.everyone:

@@ -147,10 +147,12 @@ class RunStore:
             raise RunError(f"{path} is not a {self.kind} checkpoint; {hint}")
         if stored.get("fingerprint") != self.fingerprint and not self._extends(stored):
             theirs = stored.get("config", {})
+            free = EXTENDABLE if self.fingerprint_of is not None else ()  # may change: not why it is refused
             differ = sorted(
                 k
                 for k in {*self.config, *theirs}
-                if json.dumps(self.config.get(k), sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True)
+                if k not in free
+                and json.dumps(self.config.get(k), sort_keys=True) != json.dumps(theirs.get(k), sort_keys=True)
             )
             named = [OPTIONS_OF.get(k, k) for k in differ]
             raise RunError(

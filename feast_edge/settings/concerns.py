@@ -42,7 +42,7 @@ class Training(Concern):
         False,
         apps=("simulation", "server"),
         help="Rounds without a horizon: the learning rate restarts its cosine every --lr-period rounds, the served "
-        "round is chosen at every validation (docs/method.md, \"A federation without an end\").",
+        'round is chosen at every validation (docs/method.md, "A federation without an end").',
     )
     lr_period: int = setting(
         CONTINUOUS_PERIOD,

@@ -38,7 +38,9 @@ def register(app: typer.Typer) -> None:
 
 def stop_command(
     out: OutOpt,
-    reason: Annotated[str, typer.Option("--reason", help="Words for the server's log (e.g. who stops it and why).")] = "",
+    reason: Annotated[
+        str, typer.Option("--reason", help="Words for the server's log (e.g. who stops it and why).")
+    ] = "",
 ) -> None:
     """End the run in --out after its round in progress: checkpointed, models exported and pushed, agents told it
     finished (those without --stay exit). Resume it later with the same command, or extend it (--rounds, --continuous)."""
@@ -48,7 +50,9 @@ def stop_command(
     if not out.is_dir():
         raise FeastError(f"--out {out} is not a run directory; give the --out of the feast-server run to stop")
     if not (out / CHECKPOINT).is_file() and not (out / "devices.sqlite").is_file():
-        raise FeastError(f"--out {out} holds no federation run (no checkpoint, no device registry); give the --out of the feast-server run to stop")
+        raise FeastError(
+            f"--out {out} holds no federation run (no checkpoint, no device registry); give the --out of the feast-server run to stop"
+        )
     path = request_stop(out, reason)
     console.print(
         f"stop requested ({path}): the server ends after its round in progress (a wait for devices ends at once); "

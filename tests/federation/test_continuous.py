@@ -5,6 +5,7 @@ with a larger --rounds (a smaller one refused), and a device that joins after th
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -69,3 +70,83 @@ def test_a_continuous_federation_runs_until_stopped_then_every_agent_leaves_with
             kit.stop(process)
     # The stopped run goes on from where it ended with the same command (nothing depends on a horizon).
     assert json.loads(_feast_server("status", "--out", str(out), "--json").stdout)["rounds"]["completed"] == done
+
+
+def test_a_finished_run_is_extended_with_more_rounds_and_refused_with_fewer(
+    kit, partition: Path, federation: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    config = kit.CONFIG.changed(rounds=2, per_round=2)
+    clients = read_index(partition)["clients"]
+    agents = {
+        c["client_id"]: kit.spawn_agent(tmp_path, c["client_id"], partition / c["file"], federation, "--stay")
+        for c in clients
+    }
+    try:
+        first = kit.spawn(
+            kit.server_command(config, out, federation, partition, no_export=True), tmp_path / "first.log"
+        )
+        assert first.wait(300) == 0, kit.log_text(first)[-3000:]
+        assert _rounds(out) == 2
+        two = read_record(out / "checkpoint.safetensors")["fields"]["history"]
+        longer = kit.spawn(
+            kit.server_command(config, out, federation, partition, no_export=True, rounds=4), tmp_path / "longer.log"
+        )
+        assert longer.wait(300) == 0, kit.log_text(longer)[-3000:]
+        text = kit.log_text(longer)
+        assert "the run is extended (rounds 2 -> 4); it goes on from round 2" in text
+        assert "resuming from" in text and "2 of 4 rounds completed" in text
+        assert _rounds(out) == 4
+        history = read_record(out / "checkpoint.safetensors")["fields"]["history"]
+        assert [h["round"] for h in history] == [1, 2, 3, 4]
+        assert history[:2] == two  # the rounds done stay as they were
+        # Rounds 3-4 follow the cosine over the new horizon of 4 rounds.
+        assert history[2]["lr"] == pytest.approx(history[0]["lr"] * 0.5 * (1 + math.cos(math.pi * 2 / 4)))
+        shorter = _feast_server(*kit.server_command(config, out, federation, partition, no_export=True, rounds=3)[3:])
+        assert shorter.returncode == 2
+        assert "has completed 4 rounds, more than --rounds 3: give --rounds 4 or more to go on, or --continuous" in (
+            shorter.stderr
+        )
+        assert "Traceback" not in shorter.stderr
+        other = _feast_server(
+            *kit.server_command(config, out, federation, partition, no_export=True, rounds=5, seed=9)[3:]
+        )
+        assert other.returncode == 2 and "differs in: seed" in other.stderr  # only the horizon may change
+    finally:
+        for process in agents.values():
+            kit.stop(process)
+
+
+def test_a_device_that_joins_after_three_rounds_gets_the_served_model_within_one_round(
+    kit, partition: Path, federation: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    config = kit.CONFIG.changed(rounds=8, per_round=2)
+    clients = read_index(partition)["clients"]
+    early, late = clients[:2], clients[2]
+    command = kit.server_command(config, out, federation, partition, start_clients=2, eval_every=1)
+    server = kit.spawn(command, tmp_path / "server.log")
+    agents = [kit.spawn_agent(tmp_path, c["client_id"], partition / c["file"], federation) for c in early]
+    try:
+        assert kit.wait_for(lambda: _rounds(out) >= 3 or server.poll() is not None, 300), kit.log_text(server)[-3000:]
+        joined_after = _rounds(out)
+        assert joined_after < 8
+        models = tmp_path / "late-models"
+        agents.append(kit.spawn_agent(tmp_path, late["client_id"], partition / late["file"], federation,
+                                      "--model-dir", str(models)))  # fmt: skip
+        assert kit.wait_for(lambda: any(models.glob("*.onnx")) or server.poll() is not None, 300)
+        got_at = _rounds(out)
+        assert server.poll() is None and got_at < 8, "the late device's model came only at the end"
+        text = kit.log_text(server)
+        sent = [line for line in text.splitlines() if "models to" in line and late["client_id"] in line]
+        assert sent, text[-3000:]
+        served_round = int(sent[0].split("sent round ")[1].split("'")[0])
+        assert served_round <= got_at
+        assert server.wait(300) == 0, kit.log_text(server)[-3000:]
+        # The devices there from the start got theirs at the end, as in any finite run.
+        assert f"sent round" not in "".join(
+            line for line in text.splitlines() if early[0]["client_id"] in line and "models to" in line
+        )
+    finally:
+        for process in [server, *agents]:
+            kit.stop(process)
