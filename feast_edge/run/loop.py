@@ -15,6 +15,11 @@
             server data the best validation, validated by devices the newest without a regression
         checkpoint.safetensors (atomic; feast_edge.run.store): weights, round, history, best, the caller's extra fields
 
+Without a horizon (``--continuous``) the rounds go on until ``stop`` is set (feast-server stop) or ``stop_after``;
+nothing depends on where they end: the lr restarts its cosine every --lr-period rounds, every validation has its
+tail mean (feast_edge.run.average), and the history keeps its last rounds in full (feast_edge.run.retention). A
+resumed run may change only its horizon (feast_edge.run.store.EXTENDABLE): it goes on from its last round.
+
 Only the :class:`Collector` differs between simulation and deployment, so the
 two cannot drift apart (tests/federation/test_federation_same_math.py checks
 they end bit-identical). Rounds are 0-based inside (``t``, seeds, the wire)
@@ -41,6 +46,7 @@ from feast_edge.run.average import TailAverage, loaded, serve_average_of, split_
 from feast_edge.run.collect import Collector
 from feast_edge.run.policy import EveryRound, ReleasePolicy
 from feast_edge.run.release import EndRequested, Release, RunStops
+from feast_edge.run.retention import retain, retained, written
 from feast_edge.run.round_record import RoundMethod, RoundRecord
 from feast_edge.run.schedule import Scheduler, SyncRounds
 from feast_edge.run.stages import release_of
@@ -164,7 +170,7 @@ class RunLoop:
             name,
             dict(
                 round=len(self.history),
-                history=[asdict(h) for h in self.history],
+                history=written(self.history, endless=self.horizon is None),
                 history_format=HISTORY_FORMAT,
                 best=self.best,
                 average=self.average.fields,
@@ -204,6 +210,8 @@ class RunLoop:
             self.notes.append(f"{resumed.path}: the run is extended ({changed}); it goes on from round {done}")
         zero_based = resumed.fields.get("history_format", 1) < HISTORY_FORMAT
         self.history = [RoundRecord.from_dict(h, zero_based) for h in resumed.fields["history"]]
+        if self.horizon is None:  # a run without an end keeps its last rounds in full (feast_edge.run.retention)
+            self.history = retained(self.history)
         self.best = dict(resumed.fields.get("best", {}))
         if zero_based and "round" in self.best:
             self.best["round"] += 1
@@ -295,6 +303,8 @@ class RunLoop:
             if self.choose_served(record):
                 with loaded(self.model, self.average.mean if record.average_of else None):
                     self.save(BEST)  # the chosen candidate's weights: the mean, where it was chosen
+            if self.horizon is None:  # without an end, older rounds keep their figures only (feast_edge.run.retention)
+                retain(self.history)
             self.save(CHECKPOINT)
             if on_round is not None:
                 on_round(record)
