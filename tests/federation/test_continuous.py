@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -44,9 +45,18 @@ def test_a_continuous_federation_runs_until_stopped_then_every_agent_leaves_with
         for c in clients
     }  # fmt: skip
     try:
+        # A crash mid-run loses no round: the same command goes on from the last checkpoint, the agents stay.
+        assert kit.wait_for(lambda: _rounds(out) >= 2 or server.poll() is not None, 300), kit.log_text(server)[-3000:]
+        server.kill()
+        server.wait(30)
+        crashed_at = _rounds(out)
+        server = kit.spawn(command, tmp_path / "server-again.log")
         # Runs past any horizon --rounds would set (2 here, ignored without an end).
-        assert kit.wait_for(lambda: _rounds(out) >= 4 or server.poll() is not None, 300), kit.log_text(server)[-3000:]
+        assert kit.wait_for(lambda: _rounds(out) >= crashed_at + 2 or server.poll() is not None, 300), kit.log_text(
+            server
+        )[-3000:]
         assert server.poll() is None, kit.log_text(server)[-3000:]
+        assert f"resuming from {out / 'checkpoint.safetensors'}: {crashed_at} rounds completed" in kit.log_text(server)
         asked = _feast_server("stop", "--out", str(out), "--reason", "the test is done")
         assert asked.returncode == 0, asked.stderr
         assert "stop requested" in asked.stdout
@@ -54,7 +64,9 @@ def test_a_continuous_federation_runs_until_stopped_then_every_agent_leaves_with
         text = kit.log_text(server)
         assert "stop requested by" in text and "(the test is done)" in text
         done = _rounds(out)
-        assert done >= 4
+        assert done >= crashed_at + 2
+        history = read_record(out / "checkpoint.safetensors")["fields"]["history"]
+        assert [h["round"] for h in history] == list(range(1, done + 1))  # none lost, none twice
         assert f"federation stopped on request after round {done}" in text
         assert not (out / "stop-request.json").exists()  # acted on, removed
         record = read_record(out / "checkpoint.safetensors")["fields"]
@@ -150,3 +162,38 @@ def test_a_device_that_joins_after_three_rounds_gets_the_served_model_within_one
     finally:
         for process in [server, *agents]:
             kit.stop(process)
+
+
+def test_sigterm_ends_a_run_after_its_round_and_a_stop_ends_a_wait_for_devices_at_once(
+    kit, partition: Path, federation: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    config = kit.CONFIG.changed(rounds=2, per_round=2)
+    command = kit.server_command(config, out, federation, partition, continuous=True, rounds=None, no_export=True)
+    clients = read_index(partition)["clients"]
+    server = kit.spawn(command, tmp_path / "server.log")
+    agents = [kit.spawn_agent(tmp_path, c["client_id"], partition / c["file"], federation) for c in clients]
+    try:
+        assert kit.wait_for(lambda: _rounds(out) >= 1 or server.poll() is not None, 300), kit.log_text(server)[-3000:]
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(240) == 0, kit.log_text(server)[-3000:]
+        text = kit.log_text(server)
+        assert "stop requested by SIGTERM" in text and "federation stopped on request after round" in text
+        for process in agents:
+            assert process.wait(120) == 0, kit.log_text(process)[-2000:]
+    finally:
+        for process in [server, *agents]:
+            kit.stop(process)
+    # No device online: the server waits; a stop ends the wait at once, nothing lost.
+    waiting = kit.spawn(command, tmp_path / "waiting.log")
+    try:
+        assert kit.wait_for(lambda: "waiting for devices" in kit.log_text(waiting), 60), kit.log_text(waiting)
+        asked = time.monotonic()
+        assert _feast_server("stop", "--out", str(out)).returncode == 0
+        assert waiting.wait(60) == 0, kit.log_text(waiting)[-3000:]
+        assert time.monotonic() - asked < 30
+        assert "stopped on request while waiting for devices before round" in kit.log_text(waiting)
+    finally:
+        kit.stop(waiting)
+    refused = _feast_server("stop", "--out", str(tmp_path / "nowhere"))
+    assert refused.returncode == 2 and "is not a run directory" in refused.stderr and "Traceback" not in refused.stderr
