@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from feast_edge.sim.config import OVER_TIME
 from feast_edge.sim.growth import Growth, join_steps
 from feast_edge.sim.setup import SimulationConfig, SimulationError, build_setup
 from feast_edge.sim.simulate import CHECKPOINT, Simulation
-from simconfigs import tiny_config
+from simconfigs import cli_options, tiny_config
 
 IDS = [f"client-{i:03d}" for i in range(10)]
 GROWING = dict(
@@ -139,9 +140,9 @@ def test_a_cohort_holds_only_joined_clients_training_only_what_they_hold_never_t
 
 
 def test_asynchronous_releases_draw_only_clients_that_have_joined(fashion_mnist_dir, tmp_path) -> None:
-    config = tiny_config(rounds=6, mode="async", buffer=2, concurrency=3, clock="uniform", **GROWING)
+    config = tiny_config(rounds=5, mode="async", buffer=2, concurrency=3, clock="uniform", **GROWING)
     sim = Simulation(config, tmp_path)
-    assert sim.run(stop_after=5) is None
+    assert sim.run(stop_after=4) is None
     joined = sim.setup.growth.joined
     for h in sim.history:
         for client in h.updated:  # trained from release round - 1 - staleness, when it had joined
@@ -163,3 +164,18 @@ def test_a_growing_run_resumes_to_the_weights_and_records_of_an_uninterrupted_on
     assert [[getattr(h, k) for k in keys] for h in resumed.history] == [
         [getattr(h, k) for k in keys] for h in full.history
     ]
+
+
+@pytest.mark.slow
+def test_a_growing_population_spread_over_two_processes_trains_the_weights_of_one(cli, fashion_mnist_dir, tmp_path):
+    options = [*cli_options(tiny_config(clients=6, per_round=4, rounds=3)), "--threads", "1"]
+    options += ["--joined-at-start", "0.34", "--join-rounds", "2", "--shard-start", "0.5", "--shard-growth", "0.25"]
+    runs = [tmp_path / "one", tmp_path / "two"]
+    for out, nproc in zip(runs, ("1", "2")):
+        result = cli.run("simulate", *options, "--out", str(out), "--nproc", nproc)
+        assert result.returncode == 0, result.stderr + result.stdout[-2000:]
+        assert re.search(r"round 1/3 .* 3 clients, \d+ examples", result.stdout)  # the round line says them
+    a, b = (load_supernet(out / CHECKPOINT)[0].state_dict() for out in runs)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [[(r["present"], r["visible"]) for r in csv.DictReader((out / "rounds.csv").open())] for out in runs]
+    assert rows[0] == rows[1] and [p for p, _ in rows[0]] == ["3", "4", "6"]
