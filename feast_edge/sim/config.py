@@ -32,7 +32,7 @@ from feast_edge.settings import (
 from feast_edge.settings.concerns import SecureAggregation, async_refusals, secure_refusals, server_step
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of, setting
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
-from feast_edge.sim.growth import over_time_refusals
+from feast_edge.sim.growth import over_time_checks, over_time_refusals
 from feast_edge.sim.registry import method_class
 
 VALIDATE_ON = ("server", "devices")  # --validate-on
@@ -87,22 +87,9 @@ class ClientPopulation(Population):
                 self.budgets is None or len(self.budgets) == self.clients,
                 f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client",
             ),
-            *self._over_time(),
+            *over_time_checks(self),
         ]
         check(checks)
-
-    def _over_time(self) -> list[tuple[bool, str]]:
-        """The population over time: shares in (0, 1], and each option with what makes it do something."""
-        late, grows = self.joined_at_start < 1, self.shard_growth > 0
-        return [
-            (0 < self.joined_at_start <= 1, f"--joined-at-start {self.joined_at_start} must be a share in (0, 1]"),
-            (0 < self.shard_start <= 1, f"--shard-start {self.shard_start} must be a share in (0, 1]"),
-            (self.shard_growth >= 0, f"--shard-growth {self.shard_growth} must be >= 0 (0: shards do not grow)"),
-            (late == (self.join_rounds > 0), ("--joined-at-start below 1 and --join-rounds R go together: the "
-             "clients absent at round 1 join over R rounds (e.g. --joined-at-start 0.25 --join-rounds 20)")),
-            (not grows or self.shard_start < 1, (f"--shard-growth {self.shard_growth} grows shards that start "
-             "partial: give --shard-start below 1 (e.g. 0.2)")),
-        ]  # fmt: skip
 
     @property
     def over_time(self) -> bool:

@@ -128,6 +128,21 @@ class Present(Wrapped):
         return self.inner.collect(t, cohort, plans, global_state, lr)
 
 
+def over_time_checks(population: Any) -> list[tuple[bool, str]]:
+    """(allowed, why) of a simulation's population settings over time (a ClientPopulation): shares in (0, 1], and
+    each option with what makes it do something."""
+    pop, late = population, population.joined_at_start < 1
+    return [
+        (0 < pop.joined_at_start <= 1, f"--joined-at-start {pop.joined_at_start} must be a share in (0, 1]"),
+        (0 < pop.shard_start <= 1, f"--shard-start {pop.shard_start} must be a share in (0, 1]"),
+        (pop.shard_growth >= 0, f"--shard-growth {pop.shard_growth} must be >= 0 (0: shards do not grow)"),
+        (late == (pop.join_rounds > 0), ("--joined-at-start below 1 and --join-rounds R go together: the clients "
+         "absent at round 1 join over R rounds (e.g. --joined-at-start 0.25 --join-rounds 20)")),
+        (not pop.shard_growth or pop.shard_start < 1, (f"--shard-growth {pop.shard_growth} grows shards that start "
+         "partial: give --shard-start below 1 (e.g. 0.2)")),
+    ]  # fmt: skip
+
+
 def over_time_refusals(config: Any) -> list[tuple[bool, str]]:
     """(allowed, why) of a simulation's population over time with its other settings (a SimulationConfig)."""
     pop = config.population
