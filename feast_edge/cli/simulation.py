@@ -355,8 +355,9 @@ class _SimulationDisplay:
         clock = "" if p.clock is None else f"  clock {p.clock:.0f} s"
         stale = "" if p.staleness is None else f"  staleness <= {p.staleness}"
         withheld = f"  {p.withheld} segment{'s' * (p.withheld != 1)} withheld" if p.withheld else ""
+        grown = "" if p.present is None else f"  {p.present} clients, {p.visible} examples"
         self.stage.update(
-            p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  {chosen}{clock}{stale}{withheld}", line=True
+            p.round, f"loss {p.loss:.3f}  val {pct(p.val_accuracy)}  {chosen}{clock}{stale}{withheld}{grown}", line=True
         )
         if p.round == p.rounds:
             self._start_testing()  # say so at once: the first variant takes a while

@@ -61,6 +61,10 @@ class RoundRecord:
     # "reason", "voters"}; val_accuracy and validation above are then the chosen candidate's. {} otherwise.
     candidates: dict[str, Any] = field(default_factory=dict)
     dp: dict[str, Any] = field(default_factory=dict)  # DP runs: population, cohort (sizes), epsilon after it, delta
+    # A simulation whose clients join over time or whose shards grow (feast_edge.sim.growth): the clients present at
+    # the step and the training examples they hold; None elsewhere
+    present: int | None = None
+    visible: int | None = None
 
     def tally(self, updates: Sequence[ClientUpdate]) -> None:
         """What the valid updates (as they enter the aggregate) add up to: who, their weights, their sample-weighted

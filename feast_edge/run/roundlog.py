@@ -44,6 +44,8 @@ COLUMNS = [
     "clock",  # simulation: the virtual clock's seconds at the end of the step (feast_edge.run.clock)
     "staleness_mean",  # asynchronous rounds: the released updates' mean staleness (releases); empty otherwise
     "staleness_max",
+    "present",  # simulation with clients that join over time: the clients the cohort was drawn from; else empty
+    "visible",  # ... and the training examples those clients hold at the step (shards that grow)
 ]
 
 
@@ -76,6 +78,8 @@ def round_row(h: RoundRecord) -> list[Any]:
         "" if h.clock is None else f"{h.clock:.2f}",
         f"{sum(h.staleness.values()) / len(h.staleness):.3f}" if h.staleness else "",
         max(h.staleness.values()) if h.staleness else "",
+        "" if h.present is None else h.present,
+        "" if h.visible is None else h.visible,
     ]
 
 
@@ -117,6 +121,8 @@ class TensorBoardLog:
             "validation/accuracy": h.val_accuracy,
             "privacy/epsilon": h.dp.get("epsilon"),
             "privacy/clip": h.dp.get("clip"),
+            "population/present": h.present,
+            "population/visible": h.visible,
         }
         for tag, value in scalars.items():
             if value is not None:

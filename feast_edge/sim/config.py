@@ -39,9 +39,11 @@ from feast_edge.settings.concerns import (
 )
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of, setting
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
+from feast_edge.sim.growth import over_time_checks, over_time_refusals
 from feast_edge.sim.registry import method_class
 
 VALIDATE_ON = ("server", "devices")  # --validate-on
+OVER_TIME = ("joined_at_start", "join_rounds", "shard_start", "shard_growth")  # feast_edge.sim.growth's settings
 DEFAULT_HOLDOUT = 0.1  # --holdout with --personalize: the device agent's share of its own data
 
 
@@ -62,6 +64,19 @@ class ClientPopulation(Population):
     budget_cap: float | None = setting(None, help="Allocation cap B_cap (MACs); default from the preset.")
     budgets: tuple[float, ...] | None = None  # explicit budgets instead of Zipf (--budgets or --profiles)
     train_limit: int | None = setting(None, help="Use only this many training examples for clients.")
+    # the population over time (feast_edge.sim.growth): at the defaults every client trains its whole shard from round 1
+    joined_at_start: float = setting(
+        1.0, min=0.0, max=1.0, help="Share of the clients present from round 1 (seeded); the others join later."
+    )
+    join_rounds: int = setting(
+        0, min=0, help="The clients absent at round 1 join evenly over this many rounds, in a seeded order."
+    )
+    shard_start: float = setting(
+        1.0, min=0.0, max=1.0, help="Share of its training examples a client holds when it joins (seeded which)."
+    )
+    shard_growth: float = setting(
+        0.0, min=0.0, help="Share of its training examples a client gains each round after it joins, up to all."
+    )
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -79,8 +94,14 @@ class ClientPopulation(Population):
                 self.budgets is None or len(self.budgets) == self.clients,
                 f"{len(self.budgets or ())} budgets given for {self.clients} clients; give one per client",
             ),
+            *over_time_checks(self),
         ]
         check(checks)
+
+    @property
+    def over_time(self) -> bool:
+        """Whether clients join over time or see part of their shards (feast_edge.sim.growth)."""
+        return self.joined_at_start < 1 or self.shard_start < 1
 
 
 @dataclass(frozen=True)
@@ -245,6 +266,7 @@ class SimulationConfig:
                 f"--aggregation {self.aggregation.rule} applies to --method feast only; {self.method} aggregates as "
                 "its paper does",
             ),
+            *over_time_refusals(self),
         ]
         for ok, message in checks:
             if not ok:
@@ -376,6 +398,7 @@ class SimulationConfig:
         skip |= set(_fields_of(self.schedule)) if self.schedule.mode == "sync" else set()  # recorded where async
         skip |= set(_fields_of(self.secure)) if not self.secure.secure_agg else set()  # recorded where on
         skip |= set(_fields_of(self.timing)) if self.schedule.mode == "sync" and not self.timing.decides else set()
+        skip |= set() if self.population.over_time else set(OVER_TIME)  # recorded where clients join or shards grow
         capped = {"max_weight_ratio": values["max_weight_ratio"]} if values["max_weight_ratio"] else {}
         train, schedule = self.recipe_settings()
         recorded = self.aggregation.recorded(train, schedule, self.dp_settings(), method_class(self.method).averaging)

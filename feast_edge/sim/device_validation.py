@@ -63,7 +63,7 @@ class InProcessValidation:
     ) -> float | None:
         """Each cohort client's counts on the model's weights and, with ``alternative`` (the tail mean), on those
         too, on the same held-out examples; fills ``record.validation`` (and ``record.candidates["mean"]``)."""
-        reports = self._counts(record.cohort)
+        reports = self._counts(record.cohort, t)
         if not reports:
             return None
         self.reports[record.round] = reports
@@ -71,15 +71,16 @@ class InProcessValidation:
         record.validation["missing"] = []
         if alternative is not None:
             with loaded(self.model, alternative):
-                others = self._counts(record.cohort)
+                others = self._counts(record.cohort, t)
             self.candidate_reports[record.round] = others
             theirs, validation = self.record(others)
             validation["missing"] = []
             record.candidates = {"mean": {"val_accuracy": theirs.accuracy, "validation": validation}}
         return result.accuracy
 
-    def _counts(self, cohort: list[str]) -> dict[str, list[tuple[int, int]]]:
-        """Per cohort client holding examples out: (correct, total) per target on the model as it is."""
+    def _counts(self, cohort: list[str], t: int) -> dict[str, list[tuple[int, int]]]:
+        """Per cohort client holding examples out: (correct, total) per target on the model as it is (BN recalibrated
+        on the training examples it holds at step ``t``)."""
         reports: dict[str, list[tuple[int, int]]] = {}
         classes = self.setup.preset.classes
         self.servable = self.trained()
@@ -89,7 +90,7 @@ class InProcessValidation:
             held_images, held_labels = self.setup.client_holdout(client)
             if held_labels.numel() == 0:
                 continue
-            images, labels = self.setup.client_data(client)
+            images, labels = self.setup.client_data(client, t)
             affordable = [e for e in self.targets if e.macs <= self.budgets[client]]
             counts = held_out_counts(
                 self.model,

@@ -1,6 +1,7 @@
 """The simulation's environment (feast_edge.run.environment): every client trains in process, its jobs take the time
-the virtual clock says (feast_edge.run.clock), secure sums are masked and unmasked in process, and the clients'
-held-out splits validate where ``--validate-on devices``."""
+the virtual clock says (feast_edge.run.clock), secure sums are masked and unmasked in process, the clients'
+held-out splits validate where ``--validate-on devices``, and a cohort is drawn from the clients that have joined
+where they join over time (feast_edge.sim.growth)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from feast_edge.run.environment import EVERYTHING, Plain
 from feast_edge.run.jobs import ClockJobs, Jobs
 from feast_edge.secagg.collector import in_process_secure_sums
 from feast_edge.sim.collect import InProcessCollector
+from feast_edge.sim.growth import Present
 
 if TYPE_CHECKING:
     from feast_edge.run.loop import Validator
@@ -51,10 +53,14 @@ class SimulationEnvironment(Plain):
         self.untimed: Collector | None = None  # the collector before the clock (one round alone: Simulation.run_round)
         self.in_process: InProcessCollector | None = None  # the innermost: where each member trains (its on_start)
         self.rounds: TimedRounds | None = None
+        self.step = 0  # the step the next cohort is drawn for: the releases so far (clients that join over time)
 
     def collector(self) -> Collector:
         self_reported = self.config.aggregation.max_weight_ratio > 0
         self.untimed = self.in_process = self.clients(self.setup, self.method, self_reported=self_reported)
+        growth = self.setup.growth
+        if growth is not None and self.config.population.joined_at_start < 1:  # a cohort only of who has joined
+            self.untimed = Present(self.in_process, growth, lambda: self.step)
         return self.untimed
 
     def secure_sums(self, inner: Collector) -> Collector:
@@ -71,6 +77,10 @@ class SimulationEnvironment(Plain):
     def validator(self) -> Validator | None:
         return self._validator
 
+    def before_release(self) -> None:
+        self.step += 1  # the step's cohort is drawn: the next one is drawn for the step after
+
     def resumed(self, history: Sequence[RoundRecord]) -> None:
         if self.rounds is not None:  # synchronous rounds go on from the clock of the last one
             self.rounds.now = (history[-1].clock or 0.0) if history else 0.0
+        self.step = history[-1].round if history else 0  # 1-based: the step after the last one

@@ -34,9 +34,11 @@ def personalize_clients(
     seed: int,
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    t: int | None = None,
 ) -> dict[str, Any]:
     """Every client's personalization step on its served variant (``served[i]``: client ``i``'s index into
-    ``method.points()``); the "personalization" block of results.json."""
+    ``method.points()``), on the training examples it holds at step ``t`` (shards that grow; None: all); the
+    "personalization" block of results.json."""
     points = method.points()
     calibration = setup.calibration_images()
     networks: dict[int, StaticResNet] = {}  # one calibrated network per served variant; personal_step only reads it
@@ -44,7 +46,7 @@ def personalize_clients(
     for i, (client, index) in enumerate(zip(setup.client_ids, served)):
         if index not in networks:
             networks[index] = method.point_network(points[index], calibration, device)
-        images, labels = setup.client_data(client)
+        images, labels = setup.client_data(client, t)
         held_images, held_labels = setup.client_holdout(client)
         began = time.perf_counter()
         outcome, own = personal_step(

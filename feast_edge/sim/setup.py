@@ -24,6 +24,7 @@ from feast_edge.data.sources import load_dataset
 from feast_edge.local.precision import set_deterministic
 from feast_edge.route.plans import plan_client
 from feast_edge.sim.config import DEFAULT_HOLDOUT, VALIDATE_ON, SimulationConfig, SimulationError
+from feast_edge.sim.growth import Growth
 from feast_edge.sim.population import Population, build_population, server_split, zipf_population
 from feast_edge.space.preset import Preset, load_preset
 
@@ -53,19 +54,32 @@ class Setup:
     client_ids: list[str]
     plans: dict[str, Any] = field(default_factory=dict)
     holdout: float = 0.0  # each client's held-out share of its shard (config.serving.holdout): never trains
+    growth: Growth | None = None  # clients that join and shards that grow (None: everyone, whole shards, from round 1)
+
+    def _index(self, client_id: str) -> torch.Tensor:
+        shard = self.pool[self.population.partition.shards[self.client_ids.index(client_id)]]
+        return torch.tensor(np.asarray(shard), dtype=torch.long)
 
     def _shard(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        shard = self.pool[self.population.partition.shards[self.client_ids.index(client_id)]]
-        index = torch.tensor(np.asarray(shard), dtype=torch.long)
+        index = self._index(client_id)
         return self.train_set.images[index], self.train_set.labels[index]
 
-    def client_data(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The client's training examples: its shard, less its held-out split when ``holdout`` > 0."""
+    def client_data(self, client_id: str, t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's training examples: its shard, less its held-out split when ``holdout`` > 0; at step ``t``,
+        those it holds then where shards grow (feast_edge.sim.growth; None: all of them)."""
         images, labels = self._shard(client_id)
-        if not self.holdout:
+        if self.holdout:
+            train, _ = holdout_split(labels, self.holdout, HOLDOUT_SEED)
+            images, labels = images[train], labels[train]
+        if t is None or self.growth is None:
             return images, labels
-        train, _ = holdout_split(labels, self.holdout, HOLDOUT_SEED)
-        return images[train], labels[train]
+        shown = self.growth.revealed(client_id, self.client_ids.index(client_id), t)
+        return images[shown], labels[shown]
+
+    def training_size(self, client_id: str) -> int:
+        """How many training examples the client's whole shard holds (its held-out split aside)."""
+        labels = self.train_set.labels[self._index(client_id)]
+        return len(labels) if not self.holdout else len(holdout_split(labels, self.holdout, HOLDOUT_SEED)[0])
 
     def client_holdout(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The client's own held-out examples (none when ``holdout`` is 0): the device agent's split of its shard."""
@@ -164,4 +178,7 @@ def build_setup(config: SimulationConfig) -> Setup:
         holdout=config.serving.holdout,
     )
     setup.plans = {cid: plan_client(cache, float(b)) for cid, b in zip(ids, population.budgets)}
+    if config.population.over_time:
+        sizes = [setup.training_size(cid) for cid in ids]
+        setup.growth = Growth.of(config.population, ids, sizes, config.seed)
     return setup

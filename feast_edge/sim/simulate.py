@@ -63,6 +63,8 @@ class RoundProgress:
     clock: float | None = None  # the virtual clock's seconds at the end of the round (feast_edge.run.clock)
     staleness: int | None = None  # --mode async: the largest staleness among the release's updates
     withheld: int = 0  # --secure-agg: segments that kept their global value (fewer than c + 2 contributors)
+    present: int | None = None  # clients that join over time: those present at the round (feast_edge.sim.growth)
+    visible: int | None = None  # ... and the training examples they hold
 
 
 class Simulation:
@@ -185,11 +187,20 @@ class Simulation:
             raise SimulationError(f"--resume: {exc}") from None
         for note in self.loop.notes:  # what the resume changed (a tail mean of another window dropped)
             log.warning("%s", note)
+        for record in self.history:  # the last round's record was checkpointed before it was counted
+            self.counted(record)
         return done
 
     def run_round(self, t: int) -> RoundRecord:
         """Round ``t`` alone (no checkpoint): cohort -> route -> local co-training -> sparse aggregation."""
-        return self.loop.run_round(t, self.collector, 1)
+        return self.counted(self.loop.run_round(t, self.collector, 1))
+
+    def counted(self, record: RoundRecord) -> RoundRecord:
+        """``record`` with the clients present at its step and the training examples they hold, where clients join
+        or shards grow (feast_edge.sim.growth: a function of the settings and the step)."""
+        if self.setup.growth is not None and record.present is None:
+            record.present, record.visible = self.setup.growth.counts(record.round - 1)
+        return record
 
     def run(
         self,
@@ -213,6 +224,7 @@ class Simulation:
         log = RoundLog(self.out, tensorboard=tensorboard, first_round=len(self.history) + 1)
 
         def progress(record: RoundRecord) -> None:
+            self.counted(record)
             log.write(self.history)
             if on_record is not None:
                 on_record(record)
@@ -228,6 +240,8 @@ class Simulation:
                         record.clock,
                         max(record.staleness.values(), default=0) if self.config.schedule.mode == "async" else None,
                         len(record.withheld),
+                        record.present,
+                        record.visible,
                     )
                 )
 
@@ -290,6 +304,7 @@ class Simulation:
             "best": self.best,
             "served_round": served_record(len(self.history), self.best),
             "population": population_summary(s.population),
+            **({"growth": s.growth.summary()} if s.growth is not None else {}),
             "population_accuracy": population_accuracy(served, accs),
             "variants": variants,
             "served": served,
@@ -333,6 +348,7 @@ class Simulation:
             seed=cfg.seed,
             device=cfg.device,
             progress=progress,
+            t=self.history[-1].round - 1 if self.history else 0,  # what each client holds after the last round
         )
 
 

@@ -183,7 +183,7 @@ class Method(ServedPoints):
         self, t: int, client: str, plan: Any, delivered: Mapping[str, torch.Tensor], lr: float
     ) -> ClientUpdate:
         """One cohort member's :meth:`train_client` on its own shard, its update passed through safetensors as on the wire."""
-        images, labels = self.setup.client_data(client)
+        images, labels = self.setup.client_data(client, t)
         began = time.perf_counter()
         if self.on_client is not None:
             self.on_client(client, "training")
