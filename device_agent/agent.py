@@ -31,6 +31,7 @@ from typing import Any
 
 from feast_edge.agent.client_round import RoundRunner
 from feast_edge.agent.config import AgentConfig
+from feast_edge.agent.growth import FolderWatch, Grown
 from feast_edge.agent.hosted import Hosted
 from feast_edge.agent.inbox import Inbox, Incoming
 from feast_edge.agent.local_data import LocalClient, client_budgets
@@ -94,6 +95,7 @@ class Agent:
         self.registration = Registration(
             config, self.preset, self.instance, self.link, self.topics, self.clients, evaluate
         )
+        self.watch = FolderWatch(self.clients, config.rescan)  # new images between rounds (feast_edge.agent.growth)
         self._receipts = Confirmations()  # uploads awaiting the server's receipt
         self.rounds = RoundRunner(
             config, self.preset, self.link, self.topics, self.inbox, self._receipts, self._metrics, self.stop
@@ -166,6 +168,9 @@ class Agent:
             busy = bool(self._pending or self._models or self._evaluations)
             if self.finished and not busy and not self.config.stay:
                 return  # before the heartbeat: an agent that leaves never says it waits for the next run
+            if not busy and not self.finished:
+                for grown in self.watch.poll(now):
+                    self._grown(grown)
             if not busy and now - last_note >= HEARTBEAT:
                 self._heartbeat(now - idle_since)
                 last_note = now
@@ -201,6 +206,19 @@ class Agent:
         ]
         state = f"finished after {done}" if ends else "did not finish"
         return f"federation {self.config.federation!r} {state}: " + "; ".join(parts)
+
+    def _grown(self, grown: Grown) -> None:
+        """A client's folder changed: train on it from the next round if the server's registered count allows that
+        (an update may not claim more samples than registered), else once it accepts the new counts."""
+        client = self.clients[grown.device_id]
+        if grown.after.samples <= client.data.samples:
+            client.data, client.staged = grown.after, None
+            when = "trains on them from its next round"
+        else:
+            client.staged = grown.after
+            when = "trains on them once the server accepts their counts"
+        log.info("its folder changed: %s; it registers the new counts and %s", grown.describe(), when)
+        self.registration.update(grown.device_id)
 
     def _heartbeat(self, idle: float) -> None:
         server = {None: "not seen yet", True: "online", False: "offline"}[self.registration.server_online]

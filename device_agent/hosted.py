@@ -25,6 +25,14 @@ class Hosted:
     sender: ChunkSender  # its uploads
     rounds_trained: int = 0
     model_path: Path | None = None
+    # Its folder read again with more training images than the server registered: trained on once the server accepts
+    # the registration of its counts (an update may not claim more samples than registered); feast_edge.agent.growth.
+    staged: LocalClient | None = None
+
+    @property
+    def current(self) -> LocalClient:
+        """The newest data read: the staged data, else the data it trains on."""
+        return self.data if self.staged is None else self.staged
 
     @classmethod
     def on(
