@@ -177,12 +177,14 @@ class Agent:
             while self._evaluations and not self.stop.is_set():
                 incoming = self._evaluations.pop(0)
                 with self._guarded(f"the {incoming.message.kind} request of round {incoming.message.round + 1}"):
+                    self._settle(incoming)
                     self.threads.use(STEPS.get(incoming.message.kind, incoming.message.kind))
                     self.rounds.answer(self.clients[incoming.message.device], incoming)
             if self._pending:
                 device_id = min(self._pending, key=lambda d: (self._pending[d].message.round, self._pending[d].at))
                 incoming = self._pending.pop(device_id)
                 with self._guarded(f"round {incoming.message.round + 1} of {device_id}"):
+                    self._settle(incoming)
                     self.threads.use("training")
                     self.rounds.run(self.clients[device_id], incoming)
                 if max_rounds is not None and self.rounds_trained >= max_rounds:
@@ -212,13 +214,23 @@ class Agent:
         (an update may not claim more samples than registered), else once it accepts the new counts."""
         client = self.clients[grown.device_id]
         if grown.after.samples <= client.data.samples:
-            client.data, client.staged = grown.after, None
+            client.data, client.staged, client.accepted_at = grown.after, None, None
             when = "trains on them from its next round"
         else:
-            client.staged = grown.after
+            client.staged, client.accepted_at = grown.after, None
             when = "trains on them once the server accepts their counts"
         log.info("its folder changed: %s; it registers the new counts and %s", grown.describe(), when)
         self.registration.update(grown.device_id)
+
+    def _settle(self, incoming: Incoming) -> None:
+        client = self.clients[incoming.message.device]
+        if client.settle(incoming.number):
+            log.info(
+                "%s trains on its %d images from round %d on",
+                client.device_id,
+                client.data.samples,
+                incoming.message.round + 1,
+            )
 
     def _heartbeat(self, idle: float) -> None:
         server = {None: "not seen yet", True: "online", False: "offline"}[self.registration.server_online]
@@ -259,7 +271,7 @@ class Agent:
         if verdict is not None:
             log.info("ignored %s for %s: %s", message.kind, message.device, verdict)
         elif isinstance(message, Registered):
-            self.registration.on_registered(message)
+            self.registration.on_registered(message, incoming.number)
         elif isinstance(message, Finished):
             self.registration.on_finished(message)
         elif isinstance(message, RoundStart):

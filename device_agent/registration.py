@@ -160,8 +160,9 @@ class Registration:
             log.warning("the server went offline; waiting for it to come back")
         return False
 
-    def on_registered(self, message: Registered) -> None:
-        """The server's answer to a registration: AgentError when it refused this agent's client."""
+    def on_registered(self, message: Registered, number: int = 0) -> None:
+        """The server's answer to a registration (inbox message ``number``): AgentError when it refused this agent's
+        client."""
         if message.instance != self.instance:
             return  # the answer to another agent claiming the same id
         if not message.accepted and message.device in self._updating:
@@ -171,7 +172,7 @@ class Registration:
             self._refused = True
             raise AgentError(f"the server refused device {message.device}: {message.reason}")
         self._check_task(message)
-        self._updated(message.device)
+        self._updated(message.device, number)
         if message.finished:
             log.info(
                 "federation %r has already finished (%d rounds); nothing to train for %s",
@@ -192,17 +193,13 @@ class Registration:
         self.accepted.add(message.device)
         self._ever_accepted = True
 
-    def _updated(self, device: str) -> None:
-        """An accepted registration: a device that registered its staged data's counts trains on that data now."""
+    def _updated(self, device: str, number: int) -> None:
+        """An accepted registration: a device that registered its staged data's counts trains on that data from the
+        rounds that arrive after this answer (:meth:`Hosted.settle`)."""
         self._updating.discard(device)
         client = self.clients.get(device)
         if client is not None and client.staged is not None and self._sent.get(device) is client.staged:
-            client.data, client.staged = client.staged, None
-            log.info(
-                "the server registered %s's new counts: it trains on %d images from its next round",
-                device,
-                client.data.samples,
-            )
+            client.accepted_at = number
 
     def _update_refused(self, message: Registered) -> None:
         """The server refused the new counts of an accepted device (e.g. more than its --max-samples): it keeps its
@@ -214,7 +211,7 @@ class Registration:
         if client.staged is not None:
             growing = client.staged.growing
             client.data = dataclasses.replace(client.data, growing=growing)  # that listing is read: not again
-            client.staged = None
+            client.staged = client.accepted_at = None
         log.warning(
             "the server refused the new counts of %s (%s); it keeps training on its %d registered images",
             device,
