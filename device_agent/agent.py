@@ -165,12 +165,12 @@ class Agent:
             self._receipts.check(cancelled=lambda device_id: device_id in self._pending or self.stop.is_set())
             now = time.monotonic()
             self.registration.retry(now)
+            if not self.finished:  # between two steps, busy or not: a device in every round still grows
+                for grown in self.watch.poll(now):
+                    self._grown(grown)
             busy = bool(self._pending or self._models or self._evaluations)
             if self.finished and not busy and not self.config.stay:
                 return  # before the heartbeat: an agent that leaves never says it waits for the next run
-            if not busy and not self.finished:
-                for grown in self.watch.poll(now):
-                    self._grown(grown)
             if not busy and now - last_note >= HEARTBEAT:
                 self._heartbeat(now - idle_since)
                 last_note = now
