@@ -27,43 +27,27 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _records import REPO, write_record  # noqa: E402
+from bench_decode import CLASSES, write_images  # noqa: E402
 
 from feast_edge.data.decode import default_workers  # noqa: E402
 from feast_edge.data.sources import load_listing, scan_source  # noqa: E402
 from feast_edge.data.task import Task  # noqa: E402
 
-CLASSES = tuple(f"class-{i}" for i in range(10))
 
-
-def write_images(root: Path, start: int, count: int) -> int:
-    """Files ``start .. start + count - 1``: PNG/JPEG of mixed sizes and modes under ``root/<class>/``; the bytes."""
-
-    def one(i: int) -> int:
-        r = np.random.default_rng(i)
-        width, height, grey = int(r.integers(24, 257)), int(r.integers(24, 257)), bool(r.random() < 0.3)
-        y, x = np.mgrid[0:height, 0:width]
-        base = (x * r.uniform(0.2, 2) + y * r.uniform(0.2, 2)) % 256  # a smooth picture with some noise
-        pixels = np.clip(base[..., None] + r.normal(0, 12, (height, width, 1 if grey else 3)), 0, 255).astype(np.uint8)
-        image = Image.fromarray(pixels[..., 0] if grey else pixels)
-        path = root / CLASSES[i % len(CLASSES)] / (f"{i:06d}.png" if i % 2 else f"{i:06d}.jpg")
-        image.save(path, quality=90) if path.suffix == ".jpg" else image.save(path)
-        return path.stat().st_size
-
-    for cls in CLASSES:
-        (root / cls).mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(default_workers()) as pool:
-        return sum(pool.map(one, range(start, start + count)))
+def add_images(root: Path, folder: Path, count: int) -> int:
+    """``count`` more files (bench_decode's pictures, another seed) moved into ``root/<class>/`` as ``new-*``; bytes."""
+    written = write_images(folder, count, seed=1)
+    for file in sorted(folder.rglob("*.*")):
+        file.rename(root / file.parent.name / f"new-{file.name}")
+    return written
 
 
 def timed(run):  # type: ignore[no-untyped-def]
@@ -84,10 +68,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-grow-"))
     root, base = tmp / "images", tmp / "cache-before"
     try:
-        written = write_images(root, 0, args.images)
+        written = write_images(root, args.images)
         first = load_listing(scan_source(root, task), task, cache_dir=base)  # the entry the agent holds
         assert not first.from_cache and len(first) == args.images
-        written_new = write_images(root, args.images, args.new)
+        written_new = add_images(root, tmp / "new", args.new)
         print(
             f"{args.images:,} images ({written / 2**20:.1f} MiB) + {args.new} new ({written_new / 2**10:.0f} KiB): "
             f"half PNG, half JPEG, 24..256 px a side, 30% grey; task {task.describe()}; {workers} decoding threads"
