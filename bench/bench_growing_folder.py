@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/bench_growing_folder.py [--images 5000] [--new 50] [--size 32] [--repeats 3]
 
 Writes ``--images`` PNG and JPEG files of mixed sizes (24..256 px a side, grey and RGB, 10 classes; as
-bench/bench_decode.py) to a temporary folder and decodes them once into a decoded cache (the entry a running agent
+bench/bench_decode.py's pictures) to a temporary folder and decodes them once into a decoded cache (the entry a running agent
 holds), then writes ``--new`` more files (not timed; all in the OS page cache). Then, interleaved ``--repeats`` times,
 each from a fresh copy of that cache:
 
