@@ -79,7 +79,13 @@ class FolderWatch:
         except FeastError as exc:
             self._once(f"{device_id}: could not read {growing.path} again ({exc}); it keeps the images it has")
             return None
-        return Grown(device_id, before, own_client(device_id, data, dataclasses.replace(growing, key=data.key)))
+        after = own_client(device_id, data, dataclasses.replace(growing, key=data.key))
+        if after.samples == 0:  # every image it holds now is held out: nothing to train on, nothing to register
+            self._once(
+                f"{device_id}: {growing.path} holds no training images now (all held out); it keeps the images it has"
+            )
+            return None
+        return Grown(device_id, before, after)
 
     def _refused(self, listing: Listing, classes: tuple[str, ...]) -> None:
         folder = listing.files.kind == "image folder"
