@@ -193,11 +193,12 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
         assert outcome["registry"][device].profile["holdout"] == held
 
     # The dashboard, live and from the run directory, says so: federated validation, federated BN statistics.
-    words = f"validation: federated, on 3 devices' held-out data ({sum(held_out(tmp_path / 'data' / d) for d in DEVICES)} examples)"
+    fleet_held = sum(held_out(tmp_path / "data" / d) for d in DEVICES)
+    words = f"validation: federated, on 3 devices' held-out data ({fleet_held} examples)"
     for snapshot in (live.snapshot(), load_runs([tmp_path / "server"]).snapshot()):
         assert snapshot["run"]["validation"] == words
         assert [h["validated_on"] for h in snapshot["history"]] == [
-            {"source": "devices", "devices": 3, "samples": held_out}
+            {"source": "devices", "devices": 3, "samples": fleet_held}
         ] * 2
         for model in snapshot["models"]:
             assert model["calibration"] == "federated" and model["url"] is None
