@@ -234,8 +234,8 @@ class DeviceBook:
                 and (before.budget_macs, before.precision, before.samples)
                 == (message.budget_macs, message.precision, message.samples)
             )
-            counts = (message.samples, message.holdout, message.class_counts, message.holdout_counts)
-            self._unanswered(device, f"{message.instance} {counts}")
+            counts = hash((message.samples, message.holdout, message.class_counts, message.holdout_counts))
+            self._unanswered(device, f"{message.instance} {counts}")  # bounded: new counts are not a repeat
             log.log(
                 logging.DEBUG if repeat else logging.INFO,
                 "registered %s (host %s): budget %.2fM MACs (%s), %d samples",
