@@ -166,8 +166,9 @@ class Agent:
             now = time.monotonic()
             self.registration.retry(now)
             if not self.finished:  # between two steps, busy or not: a device in every round still grows
-                for grown in self.watch.poll(now):
-                    self._grown(grown)
+                with self._guarded("the rescan of the data folder"):
+                    for grown in self.watch.poll(now):
+                        self._grown(grown)
             busy = bool(self._pending or self._models or self._evaluations)
             if self.finished and not busy and not self.config.stay:
                 return  # before the heartbeat: an agent that leaves never says it waits for the next run

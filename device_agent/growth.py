@@ -23,6 +23,7 @@ from feast_edge.data.sources import Listing, load_listing, scan_source
 from feast_edge.errors import FeastError
 
 log = logging.getLogger(__name__)
+SAID = 1000  # distinct warnings remembered (said once each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +61,10 @@ class FolderWatch:
         """The clients whose folder changed since it was last read (read again), if a rescan is due; else []."""
         if not self.due(now):
             return []
-        grown = [g for d in self.watching if (g := self.rescan(d)) is not None]
-        self.last = time.monotonic()  # a rescan that decoded counts from its end
-        return grown
+        try:
+            return [g for d in self.watching if (g := self.rescan(d)) is not None]
+        finally:
+            self.last = time.monotonic()  # from the rescan's end (one that failed too: not again at once)
 
     def rescan(self, device_id: str) -> Grown | None:
         """List ``device_id``'s folder; read it again if the listing changed (None if it did not, or cannot be read)."""
@@ -76,7 +78,7 @@ class FolderWatch:
             if key == growing.key:
                 return None
             data = load_listing(listing, growing.task)
-        except FeastError as exc:
+        except (FeastError, OSError) as exc:
             self._once(f"{device_id}: could not read {growing.path} again ({exc}); it keeps the images it has")
             return None
         after = own_client(device_id, data, dataclasses.replace(growing, key=data.key))
@@ -100,5 +102,7 @@ class FolderWatch:
 
     def _once(self, line: str) -> None:
         if line not in self._said:
+            if len(self._said) >= SAID:
+                self._said.clear()  # bounded: a line said long ago may be said again
             self._said.add(line)
             log.warning("%s", line)
