@@ -31,6 +31,7 @@ from typing import Any
 
 from feast_edge.agent.client_round import RoundRunner
 from feast_edge.agent.config import AgentConfig
+from feast_edge.agent.growth import FolderWatch, Grown
 from feast_edge.agent.hosted import Hosted
 from feast_edge.agent.inbox import Inbox, Incoming
 from feast_edge.agent.local_data import LocalClient, client_budgets
@@ -94,6 +95,7 @@ class Agent:
         self.registration = Registration(
             config, self.preset, self.instance, self.link, self.topics, self.clients, evaluate
         )
+        self.watch = FolderWatch(self.clients, config.rescan)  # new images between rounds (feast_edge.agent.growth)
         self._receipts = Confirmations()  # uploads awaiting the server's receipt
         self.rounds = RoundRunner(
             config, self.preset, self.link, self.topics, self.inbox, self._receipts, self._metrics, self.stop
@@ -163,6 +165,10 @@ class Agent:
             self._receipts.check(cancelled=lambda device_id: device_id in self._pending or self.stop.is_set())
             now = time.monotonic()
             self.registration.retry(now)
+            if not self.finished:  # between two steps, busy or not: a device in every round still grows
+                with self._guarded("the rescan of the data folder"):
+                    for grown in self.watch.poll(now):
+                        self._grown(grown)
             busy = bool(self._pending or self._models or self._evaluations)
             if self.finished and not busy and not self.config.stay:
                 return  # before the heartbeat: an agent that leaves never says it waits for the next run
@@ -172,12 +178,14 @@ class Agent:
             while self._evaluations and not self.stop.is_set():
                 incoming = self._evaluations.pop(0)
                 with self._guarded(f"the {incoming.message.kind} request of round {incoming.message.round + 1}"):
+                    self._settle(incoming)
                     self.threads.use(STEPS.get(incoming.message.kind, incoming.message.kind))
                     self.rounds.answer(self.clients[incoming.message.device], incoming)
             if self._pending:
                 device_id = min(self._pending, key=lambda d: (self._pending[d].message.round, self._pending[d].at))
                 incoming = self._pending.pop(device_id)
                 with self._guarded(f"round {incoming.message.round + 1} of {device_id}"):
+                    self._settle(incoming)
                     self.threads.use("training")
                     self.rounds.run(self.clients[device_id], incoming)
                 if max_rounds is not None and self.rounds_trained >= max_rounds:
@@ -201,6 +209,29 @@ class Agent:
         ]
         state = f"finished after {done}" if ends else "did not finish"
         return f"federation {self.config.federation!r} {state}: " + "; ".join(parts)
+
+    def _grown(self, grown: Grown) -> None:
+        """A client's folder changed: train on it from the next round if the server's registered count allows that
+        (an update may not claim more samples than registered), else once it accepts the new counts."""
+        client = self.clients[grown.device_id]
+        if grown.after.samples <= client.data.samples:
+            client.data, client.staged, client.accepted_at = grown.after, None, None
+            when = "trains on them from its next round"
+        else:
+            client.staged, client.accepted_at = grown.after, None
+            when = "trains on them once the server accepts their counts"
+        log.info("its folder changed: %s; it registers the new counts and %s", grown.describe(), when)
+        self.registration.update(grown.device_id)
+
+    def _settle(self, incoming: Incoming) -> None:
+        client = self.clients[incoming.message.device]
+        if client.settle(incoming.number):
+            log.info(
+                "%s trains on its %d images from round %d on",
+                client.device_id,
+                client.data.samples,
+                incoming.message.round + 1,
+            )
 
     def _heartbeat(self, idle: float) -> None:
         server = {None: "not seen yet", True: "online", False: "offline"}[self.registration.server_online]
@@ -241,7 +272,7 @@ class Agent:
         if verdict is not None:
             log.info("ignored %s for %s: %s", message.kind, message.device, verdict)
         elif isinstance(message, Registered):
-            self.registration.on_registered(message)
+            self.registration.on_registered(message, incoming.number)
         elif isinstance(message, Finished):
             self.registration.on_finished(message)
         elif isinstance(message, RoundStart):

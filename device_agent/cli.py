@@ -117,6 +117,15 @@ def run(
             "0 of shards and Fashion-MNIST).",
         ),
     ] = None,
+    rescan: Annotated[
+        float,
+        typer.Option(
+            "--rescan",
+            min=0.0,
+            help="Between rounds, list an image folder or manifest again at most every this many seconds and train on "
+            "the images added (0: read it once).",
+        ),
+    ] = 60.0,
     preset: Annotated[
         str | None,
         typer.Option("--preset", "-p", help="Preset (default: the profile's or the shard's, else fmnist-small)."),
@@ -270,6 +279,7 @@ def run(
         personalize=str(choice),
         evaluate_up_to=check_evaluate_up_to(evaluate_up_to),
         stay=stay,
+        rescan=rescan,
         dp_clip=dp_clip,
         dp_noise=dp_noise,
         dp_delta=dp_delta,

@@ -41,6 +41,9 @@ class AgentConfig:
     # --evaluate-up-to: "auto" (memory allowing), "serving" (its budget), or a MAC count as text ("20M"): the largest
     # variant it evaluates and BN-calibrates for the federation (feast_edge.budget.derive.evaluation_limit).
     evaluate_up_to: str = "auto"
+    # --rescan: seconds between two listings of a growing image folder or manifest, at least (0: read it once);
+    # feast_edge.agent.growth
+    rescan: float = 60.0
     stay: bool = False  # after the federation finishes, keep waiting for the next run instead of exiting
     # --dp-clip/--dp-noise: local DP this device requires on every update it sends, whatever the server asks
     # (feast_edge.privacy.local); the ledger keeps what it spent across runs, ε reported at dp_delta.

@@ -25,6 +25,23 @@ class Hosted:
     sender: ChunkSender  # its uploads
     rounds_trained: int = 0
     model_path: Path | None = None
+    # Its folder read again with more training images than the server registered: trained on once the server accepts
+    # the registration of its counts (an update may not claim more samples than registered); feast_edge.agent.growth.
+    staged: LocalClient | None = None
+    accepted_at: int | None = None  # the inbox number of the server's answer that accepted the staged data's counts
+
+    @property
+    def current(self) -> LocalClient:
+        """The newest data read: the staged data, else the data it trains on."""
+        return self.data if self.staged is None else self.staged
+
+    def settle(self, number: int) -> bool:
+        """Before a round or request that arrived as inbox message ``number``: train on the staged data if the server
+        accepted its counts before that message came (one sent before may expect the counts registered before)."""
+        if self.staged is None or self.accepted_at is None or number < self.accepted_at:
+            return False
+        self.data, self.staged, self.accepted_at = self.staged, None, None
+        return True
 
     @classmethod
     def on(

@@ -11,10 +11,15 @@ From an image folder, manifest, CIFAR or Fashion-MNIST folder, ``--shard i/N`` t
 deterministic shards (a permutation seeded with 0, cut into N near-equal parts) and ``--clients K``
 splits that part again into K virtual clients ``ID-0..ID-(K-1)``.
 
-Each client then holds out a deterministic per-class share of its examples that never trains
+Each client then holds out a deterministic share of its examples that never trains
 (``feast_edge.data.holdout``): by default 10% of a device's own data (image folder, manifest, CIFAR), none of
 shard files, partitions and Fashion-MNIST folders (there the server holds the validation data, and the
-federation stays bit-identical to ``feast-edge simulate``).
+federation stays bit-identical to ``feast-edge simulate``). An image folder's or manifest's images are held out by
+their content (``content_split``: an image never changes sides as the folder grows); the others by a per-class
+draw over positions (``holdout_split``, as before).
+
+A client that holds the whole of an image folder or manifest (no ``--shard``, one client) records where it came
+from (:class:`Growing`): the agent picks up the images added to it between rounds (``feast_edge.agent.growth``).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import torch
 
 from feast_edge.cache.variants import VariantCache
 from feast_edge.data.decode import Progress
-from feast_edge.data.holdout import holdout_split
+from feast_edge.data.holdout import content_split, holdout_split
 from feast_edge.data.images import DataError, load_fashion_mnist
-from feast_edge.data.sources import detect_kind, load_data
+from feast_edge.data.loaded import LoadedData
+from feast_edge.data.sources import GROWING, detect_kind, load_data
 from feast_edge.data.task import Task
 from feast_edge.sim.shards import is_partition, read_index, read_shard
 from feast_edge.space.preset import Preset
@@ -39,6 +45,16 @@ from feast_edge.space.preset import Preset
 SHARD_SEED = 0  # the permutation behind --shard i/N; fixed so every agent cuts the same way
 OWN_DATA_HOLDOUT = 0.1  # the default held-out share of a device's own data
 _EMPTY_IMAGES = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class Growing:
+    """The image folder or manifest a client holds whole, as last read: what a rescan compares and reads again."""
+
+    path: str  # --data
+    task: Task
+    fraction: float  # its held-out share (content_split)
+    key: str  # the listing it holds (LoadedData.key): a rescan with another key reads the folder again
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,7 @@ class LocalClient:
     source: str
     holdout_images: torch.Tensor = _EMPTY_IMAGES  # uint8 [H, C, H, W]: held out, never trains (possibly empty)
     holdout_labels: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # int64 [H]
+    growing: Growing | None = None  # the folder it holds whole (None: a shard, a release, a cut of a folder)
 
     @property
     def samples(self) -> int:
@@ -68,9 +85,14 @@ class LocalClient:
         """The task indices of the classes this client holds (training or held out), ascending."""
         return tuple(int(c) for c in torch.unique(torch.cat([self.labels, self.holdout_labels])).tolist())
 
-    def with_holdout(self, fraction: float, seed: int = 0) -> LocalClient:
-        """This client with a per-class ``fraction`` of its examples moved to the held-out split."""
-        train, held = holdout_split(self.labels, fraction, seed)
+    def with_holdout(self, fraction: float, seed: int = 0, *, by_content: bool = False) -> LocalClient:
+        """This client with a per-class ``fraction`` of its examples moved to the held-out split: drawn per class over
+        positions (``holdout_split``), or, ``by_content``, each example by its pixels and class (``content_split``)."""
+        train, held = (
+            content_split(self.images, self.labels, fraction)
+            if by_content
+            else holdout_split(self.labels, fraction, seed)
+        )
         if len(held) == 0:
             return self
         return replace(
@@ -162,6 +184,8 @@ def load_clients(
         if task is None:
             raise ValueError(f"load_clients: --data {path} is a {kind}; pass the federation's task (task=preset.task)")
         own = load_data(path, task, split="train", progress=progress)
+        if kind in GROWING and shard is None and (clients or 1) == 1:
+            return [own_client(device_id, own, Growing(str(path), task, _fraction(holdout, OWN_DATA_HOLDOUT), own.key))]
         images, labels, source, default = own.images, own.labels, own.source, OWN_DATA_HOLDOUT
     i, n = parse_shard(shard) if shard is not None else (0, 1)
     order = np.random.default_rng(SHARD_SEED).permutation(len(labels))
@@ -179,12 +203,23 @@ def load_clients(
             index = torch.from_numpy(piece.astype(np.int64))
             client_images, client_labels = images[index], labels[index]
         hosted.append(LocalClient(cid, client_images, client_labels, None, None, None, where))
-    return _held_out(hosted, holdout, default)
+    return _held_out(hosted, holdout, default, by_content=kind in GROWING)
 
 
-def _held_out(hosted: list[LocalClient], holdout: float | None, default: float) -> list[LocalClient]:
-    fraction = default if holdout is None else holdout
-    return [c.with_holdout(fraction) for c in hosted]
+def own_client(device_id: str, data: LoadedData, growing: Growing) -> LocalClient:
+    """The client holding the whole of an image folder or manifest, its images held out by content."""
+    client = LocalClient(device_id, data.images, data.labels, None, None, None, data.source, growing=growing)
+    return client.with_holdout(growing.fraction, by_content=True)
+
+
+def _fraction(holdout: float | None, default: float) -> float:
+    return default if holdout is None else holdout
+
+
+def _held_out(
+    hosted: list[LocalClient], holdout: float | None, default: float, *, by_content: bool = False
+) -> list[LocalClient]:
+    return [c.with_holdout(_fraction(holdout, default), by_content=by_content) for c in hosted]
 
 
 def client_budgets(

@@ -12,6 +12,7 @@ import torch
 
 from feast_edge.agent.config import AgentConfig
 from feast_edge.agent.hosted import Hosted
+from feast_edge.agent.local_data import LocalClient
 from feast_edge.data.task import Task, TaskError
 from feast_edge.errors import FeastError
 from feast_edge.protocol import Finished, Register, Registered
@@ -60,6 +61,8 @@ class Registration:
         self._refused = False
         self._closing = False
         self._last_sent = float("-inf")  # monotonic time of the last registration sent
+        self._updating: set[str] = set()  # accepted devices registering new counts (their folder changed)
+        self._sent: dict[str, LocalClient] = {}  # device -> the data its last registration counted
 
     @property
     def finished(self) -> bool:
@@ -77,6 +80,7 @@ class Registration:
         for device_id, client in self.clients.items():
             if device_id in self.accepted:
                 continue
+            data = self._sent[device_id] = client.current  # its newest data: trained on once this is accepted
             message = Register.for_client(
                 federation=self.config.federation,
                 device_id=device_id,
@@ -84,16 +88,23 @@ class Registration:
                 instance=self.instance,
                 preset=self.preset,
                 budget_macs=client.budget_macs,
-                samples=client.data.samples,
+                samples=data.samples,
                 profile=self.config.profile,
-                holdout=client.data.holdout,
+                holdout=data.holdout,
                 precision=self.config.precision,
                 # Counts only: how many examples of each class it trains on and holds out (the server's coverage).
-                class_counts=class_counts(client.data.labels, self.preset.classes),
-                holdout_counts=class_counts(client.data.holdout_labels, self.preset.classes),
+                class_counts=class_counts(data.labels, self.preset.classes),
+                holdout_counts=class_counts(data.holdout_labels, self.preset.classes),
                 evaluate_macs=self.evaluate_macs.get(device_id, client.budget_macs),
             )
             self.link.publish(self.topics.register(device_id), message.encode())
+
+    def update(self, device_id: str) -> None:
+        """Register accepted ``device_id`` again, with the counts of its newest data (its folder changed); sent again
+        every REGISTER_RETRY s until the server answers (:meth:`retry`)."""
+        self.accepted.discard(device_id)
+        self._updating.add(device_id)
+        self.send()
 
     def retry(self, now: float) -> None:
         """While serving rounds: register again, every REGISTER_RETRY s, the clients a restarted server has not
@@ -149,14 +160,19 @@ class Registration:
             log.warning("the server went offline; waiting for it to come back")
         return False
 
-    def on_registered(self, message: Registered) -> None:
-        """The server's answer to a registration: AgentError when it refused this agent's client."""
+    def on_registered(self, message: Registered, number: int = 0) -> None:
+        """The server's answer to a registration (inbox message ``number``): AgentError when it refused this agent's
+        client."""
         if message.instance != self.instance:
             return  # the answer to another agent claiming the same id
+        if not message.accepted and message.device in self._updating:
+            self._update_refused(message)
+            return
         if not message.accepted:
             self._refused = True
             raise AgentError(f"the server refused device {message.device}: {message.reason}")
         self._check_task(message)
+        self._updated(message.device, number)
         if message.finished:
             log.info(
                 "federation %r has already finished (%d rounds); nothing to train for %s",
@@ -176,6 +192,32 @@ class Registration:
             log.debug("server accepted %s (preset %s, %d rounds)", message.device, message.preset, message.rounds)
         self.accepted.add(message.device)
         self._ever_accepted = True
+
+    def _updated(self, device: str, number: int) -> None:
+        """An accepted registration: a device that registered its staged data's counts trains on that data from the
+        rounds that arrive after this answer (:meth:`Hosted.settle`)."""
+        self._updating.discard(device)
+        client = self.clients.get(device)
+        if client is not None and client.staged is not None and self._sent.get(device) is client.staged:
+            client.accepted_at = number
+
+    def _update_refused(self, message: Registered) -> None:
+        """The server refused the new counts of an accepted device (e.g. more than its --max-samples): it keeps its
+        registration and the images it trains on, and reads its folder again only once the folder changes again."""
+        device = message.device
+        self._updating.discard(device)
+        self.accepted.add(device)
+        client = self.clients[device]
+        if client.staged is not None:
+            growing = client.staged.growing
+            client.data = dataclasses.replace(client.data, growing=growing)  # that listing is read: not again
+            client.staged = client.accepted_at = None
+        log.warning(
+            "the server refused the new counts of %s (%s); it keeps training on its %d registered images",
+            device,
+            message.reason,
+            client.data.samples,
+        )
 
     def _check_task(self, message: Registered) -> None:
         """The federation's task, as the server announced it, must be the one this agent checked its data against."""

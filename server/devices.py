@@ -185,7 +185,8 @@ class DeviceBook:
         return ""
 
     def _unanswered(self, device: str, instance: str) -> None:
-        """An agent that keeps registering after it was accepted does not receive what this server sends it."""
+        """An agent that keeps registering after it was accepted does not receive what this server sends it (one that
+        registers new counts, its folder having grown, heard the answers: ``instance`` names the counts too)."""
         seen, count = self._repeats.get(device, (instance, 0))
         count = count + 1 if seen == instance else 1
         self._repeats[device] = (instance, count)
@@ -230,9 +231,11 @@ class DeviceBook:
             repeat = (
                 before is not None
                 and before.instance == message.instance
-                and (before.budget_macs, before.precision) == (message.budget_macs, message.precision)
+                and (before.budget_macs, before.precision, before.samples)
+                == (message.budget_macs, message.precision, message.samples)
             )
-            self._unanswered(device, message.instance)
+            counts = hash((message.samples, message.holdout, message.class_counts, message.holdout_counts))
+            self._unanswered(device, f"{message.instance} {counts}")  # bounded: new counts are not a repeat
             log.log(
                 logging.DEBUG if repeat else logging.INFO,
                 "registered %s (host %s): budget %.2fM MACs (%s), %d samples",

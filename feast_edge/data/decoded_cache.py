@@ -1,29 +1,27 @@
 """The decoded cache: a data source's uint8 tensors, decoded once and read back on every later start.
 
-Where: ``$FEAST_EDGE_DATA_CACHE`` (``off`` turns the cache off), else
-``$XDG_CACHE_HOME/feast-edge/data``, else ``~/.cache/feast-edge/data``. An
-unwritable folder is a warning: the data still loads, decoded again next time.
+Where: ``$FEAST_EDGE_DATA_CACHE`` (``off`` turns the cache off), else ``$XDG_CACHE_HOME/feast-edge/data``, else
+``~/.cache/feast-edge/data``. An unwritable folder is a warning: the data still loads, decoded again next time.
 
-What: one safetensors file per source, ``labels`` (int64 ``[N]``) then
-``images`` (uint8 ``[N, C, S, S]``), named by a key: the SHA-256 of the format
-version, the task digest, the kind of source, its resolved path and split, and
-every file's name relative to it, size, mtime_ns and mode. A file added,
-removed, edited, touched or chmod-ed changes the key, so the source is read
-again and a stale cache is never used; the new file replaces the source's old
-one. The format version changes with how files become tensors (2: turned
-upright by their EXIF orientation), so an entry an older version wrote is
-never read, and is replaced the same way. The header's metadata holds the
-SHA-256 of the tensor bytes; a file whose header, size or hash does not match
-(truncated, edited) is logged, deleted and rebuilt. Files are written to a
-temporary name and renamed (never torn).
+What: one safetensors file per source, ``labels`` (int64 ``[N]``) then ``images`` (uint8 ``[N, C, S, S]``), named by a
+key: the SHA-256 of the format version, the task digest, the kind of source, its resolved path and split, and every
+file's name relative to it, size, mtime_ns and mode. A file added, removed, edited, touched or chmod-ed changes the
+key, so the source is read again and a stale cache is never used; the new file replaces the source's old one. The
+format version changes with how files become tensors (2: turned upright by their EXIF orientation), so an entry an
+older version wrote is never read, and is replaced the same way. The header's metadata holds the SHA-256 of the tensor
+bytes; a file whose header, size or hash does not match (truncated, edited) is logged, deleted and rebuilt. Files are
+written to a temporary name and renamed (never torn).
 
-Memory bound: a set of up to ``$FEAST_EDGE_DATA_MEMORY_LIMIT`` bytes of images
-(default 2 GiB; suffixes K, M, G, T, powers of 1024) is held in RAM as uint8,
-``N * C * S * S`` bytes (a 50,000-image 3x32x32 set: 154 MB). A larger set
-is decoded straight into the cache file through a memory map and returned as a
-copy-on-write memory map of that file (``numpy.memmap`` at the tensor's offset;
-writes to it never reach the file): RAM then holds only the pages in use. If the
-cache cannot be written, a larger set is held in RAM after all, with a warning.
+Incremental: an image folder's or manifest's entry also holds ``rows`` (uint8: the JSON list of each row's file,
+name, size, mtime_ns and mode; hashed with the tensors). When the files change, the source's previous entry
+(:meth:`CacheEntry.previous`) gives the rows of those that did not: only new and changed files are decoded, removed
+ones drop out, and the tensors are those a full decode gives (same rows, same order).
+
+Memory bound: a set of up to ``$FEAST_EDGE_DATA_MEMORY_LIMIT`` bytes of images (default 2 GiB; suffixes K, M, G, T,
+powers of 1024) is held in RAM as uint8, ``N * C * S * S`` bytes (a 50,000-image 3x32x32 set: 154 MB). A larger set is
+decoded straight into the cache file through a memory map and returned as a copy-on-write memory map of that file
+(``numpy.memmap`` at the tensor's offset; writes to it never reach the file): RAM then holds only the pages in use. If
+the cache cannot be written, a larger set is held in RAM after all, with a warning.
 """
 
 from __future__ import annotations
@@ -54,6 +52,7 @@ CACHE_ENV = "FEAST_EDGE_DATA_CACHE"
 LIMIT_ENV = "FEAST_EDGE_DATA_MEMORY_LIMIT"
 DEFAULT_LIMIT = 2 * 1024**3
 MAX_HEADER = 1 << 20
+MAX_ROW_BYTES = 4096  # JSON bytes per row of the rows index, at most (a name is at most 4096 bytes on Linux)
 _CHUNK = 64 << 20
 _STALE_TMP_S = 24 * 3600  # a temporary file this old was left by a killed run
 
@@ -92,9 +91,14 @@ class Cached:
     labels: torch.Tensor
     metadata: dict[str, str]
     mapped: bool
+    rows: list[str] | None = None  # each row's file (FileList.row_items), where the entry holds them
 
 
 class _Damaged(Exception):
+    pass
+
+
+class _Stale(_Damaged):  # an entry of an older format: never read, not damaged either (its source's next replaces it)
     pass
 
 
@@ -119,6 +123,24 @@ class CacheEntry:
     def path(self) -> Path | None:
         return None if self.folder is None else self.folder / f"{self.slot}-{self.key}.safetensors"
 
+    def previous(self, shape: tuple[int, ...]) -> Cached | None:
+        """The newest other entry of this source that holds its rows index (memory-mapped, hash-checked): what an
+        incremental decode reuses; None when there is none."""
+        if self.folder is None:
+            return None
+        try:
+            found = sorted(self.folder.glob(f"{self.slot}-*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+        except OSError:
+            return None
+        for path in reversed(found):
+            key = path.name[len(self.slot) + 1 : -len(".safetensors")]
+            if key == self.key or not re.fullmatch(r"[0-9a-f]{64}", key):
+                continue
+            cached = CacheEntry(self.folder, self.slot, key).read(shape, 0)  # limit 0: mapped, never copied into RAM
+            if cached is not None and cached.rows is not None:
+                return cached
+        return None
+
     # ------------------------------------------------------------------ reading
     def read(self, shape: tuple[int, ...], limit: int) -> Cached | None:
         """The cached tensors if the file is whole and matches its hash; None (a miss) otherwise, a damaged file deleted."""
@@ -135,6 +157,8 @@ class CacheEntry:
         with f:
             try:
                 return self._parse(f, path, shape, limit)
+            except _Stale:
+                return None
             except _Damaged as exc:
                 log.warning("decoded cache %s is damaged (%s); decoding the images again", path, exc)
             except OSError as exc:
@@ -161,11 +185,14 @@ class CacheEntry:
         try:
             header = json.loads(raw)
             meta = dict(header["__metadata__"])
-            labels_spec, images_spec = header["labels"], header["images"]
+            labels_spec, images_spec, rows_spec = header["labels"], header["images"], header.get("rows")
             n = int(labels_spec["shape"][0])
+            b = 0 if rows_spec is None else int(rows_spec["shape"][0])
         except (ValueError, KeyError, TypeError, IndexError):
             raise _Damaged("its header is not this cache's") from None
-        if meta.get("format") != str(FORMAT_VERSION) or meta.get("key") != self.key:
+        if meta.get("format") != str(FORMAT_VERSION):
+            raise _Stale
+        if meta.get("key") != self.key:
             raise _Damaged("its metadata names another source")
         try:
             if not isinstance(json.loads(meta.get("skips", "{}")), dict):
@@ -173,13 +200,20 @@ class CacheEntry:
         except ValueError:
             raise _Damaged("its metadata is not JSON") from None
         item = math.prod(shape)
+        pixels = 8 * n + n * item  # where the images end (and the rows index begins)
         if (
             n < 1
             or labels_spec != {"dtype": "I64", "shape": [n], "data_offsets": [0, 8 * n]}
-            or images_spec != {"dtype": "U8", "shape": [n, *shape], "data_offsets": [8 * n, 8 * n + n * item]}
+            or images_spec != {"dtype": "U8", "shape": [n, *shape], "data_offsets": [8 * n, pixels]}
+            or set(header) - {"labels", "images", "rows", "__metadata__"}
         ):
             raise _Damaged("its tensors are not the task's shape")
-        end = 8 * n + n * item
+        if rows_spec is not None and (
+            rows_spec != {"dtype": "U8", "shape": [b], "data_offsets": [pixels, pixels + b]}
+            or not 0 < b <= MAX_ROW_BYTES * n
+        ):
+            raise _Damaged("its rows index is not this cache's")
+        end = pixels + b
         actual = os.fstat(f.fileno()).st_size - 8 - size
         if actual != end:
             raise _Damaged(f"{'truncated' if actual < end else 'longer than its tensors'}: {actual:,} of {end:,} bytes")
@@ -193,16 +227,18 @@ class CacheEntry:
                 raise _Damaged("its tensors do not match their SHA-256")
             labels = torch.frombuffer(buffer, dtype=torch.int64, count=n)
             images = torch.frombuffer(buffer, dtype=torch.uint8, offset=8 * n, count=n * item).view(n, *shape)
-            return Cached(images, labels, meta, mapped=False)
+            return Cached(images, labels, meta, mapped=False, rows=_rows(bytes(buffer[pixels:]), n, b))
         label_bytes = f.read(8 * n)
         digest.update(label_bytes)
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
         if digest.hexdigest() != meta.get("sha256"):
             raise _Damaged("its tensors do not match their SHA-256")
+        f.seek(8 + size + pixels)
+        rows = _rows(f.read(b), n, b)
         labels = torch.from_numpy(np.frombuffer(bytearray(label_bytes), dtype=np.int64))
         mapped = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + size + 8 * n, shape=(n, *shape))
-        return Cached(torch.from_numpy(mapped), labels, meta, mapped=True)
+        return Cached(torch.from_numpy(mapped), labels, meta, mapped=True, rows=rows)
 
     # ------------------------------------------------------------------ writing
     def target(self, count: int, shape: tuple[int, ...], limit: int) -> DecodeTarget:
@@ -210,13 +246,26 @@ class CacheEntry:
         return DecodeTarget(self, count, shape, limit)
 
 
-def _header(n: int, shape: tuple[int, ...], meta: dict[str, str]) -> bytes:
+def _rows(raw: bytes, n: int, b: int) -> list[str] | None:
+    """The rows index (a JSON list of ``n`` strings), None when the entry holds none; _Damaged when it is malformed."""
+    try:
+        rows = json.loads(raw) if b else None
+    except ValueError:  # not UTF-8, not JSON
+        rows = ()
+    if b and not (isinstance(rows, list) and len(rows) == n and all(isinstance(r, str) for r in rows)):
+        raise _Damaged("its rows index is malformed")
+    return rows
+
+
+def _header(n: int, shape: tuple[int, ...], meta: dict[str, str], rows: int = 0) -> bytes:
     item = math.prod(shape)
-    header = {
+    header: dict[str, Any] = {
         "labels": {"dtype": "I64", "shape": [n], "data_offsets": [0, 8 * n]},
         "images": {"dtype": "U8", "shape": [n, *shape], "data_offsets": [8 * n, 8 * n + n * item]},
         "__metadata__": meta,
     }
+    if rows:
+        header["rows"] = {"dtype": "U8", "shape": [rows], "data_offsets": [8 * n + n * item, 8 * n + n * item + rows]}
     return json.dumps(header, separators=(",", ":")).encode()
 
 
@@ -263,7 +312,7 @@ class DecodeTarget:
         return True
 
     def _map(self) -> None:
-        probe = _header(self.count, self.shape, _metadata_bound(self.entry))
+        probe = _header(self.count, self.shape, _metadata_bound(self.entry), rows=10**15)  # the longest offsets
         self.reserve = -(-(len(probe) + 64) // 8) * 8  # 8 + reserve is a multiple of 8
         self.offset = 8 + self.reserve + 8 * self.count  # where the images start, whatever N turns out to be
         self.file = AtomicFile(self.entry.path)  # type: ignore[arg-type]
@@ -283,37 +332,43 @@ class DecodeTarget:
         self._discard()
 
     def finish(
-        self, keep: np.ndarray, labels: np.ndarray, metadata: dict[str, str]
+        self, keep: np.ndarray, labels: np.ndarray, metadata: dict[str, str], rows: list[str] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The kept rows, in order, as tensors (``labels`` are the kept rows' labels), the cache file written if it can be.
 
+        ``rows``: each kept row's file (the rows index an incremental decode reuses), None for a source without files.
         Returns ``(images, labels, mapped)``; ``mapped`` when the images are a memory map of the cache file.
         """
         n = int(keep.sum())
         labels = np.ascontiguousarray(labels, dtype=np.int64)
-        if labels.shape != (n,):
-            raise ValueError("finish: one label per kept image")
+        if labels.shape != (n,) or (rows is not None and len(rows) != n):
+            raise ValueError("finish: one label (and one row name) per kept image")
         _compact(self.array, keep)
         images = self.array[:n]
         meta = {**_bounded(metadata), "format": str(FORMAT_VERSION), "key": self.entry.key}
+        index = b"" if rows is None else json.dumps(rows, separators=(",", ":")).encode()
+        if len(index) > MAX_ROW_BYTES * n:
+            index = b""  # names too long to index: this entry is whole, only the next change decodes everything
         digest = hashlib.sha256(labels.tobytes())
         for start in range(0, n, max(1, _CHUNK // max(1, self.item))):
             digest.update(np.ascontiguousarray(images[start : start + _CHUNK // max(1, self.item)]).reshape(-1).data)
+        digest.update(index)
         meta["sha256"] = digest.hexdigest()
         if self.file is not None:
-            return self._finish_mapped(n, labels, meta)
+            return self._finish_mapped(n, labels, meta, index)
         if self.folder_ok:
-            self._write(n, images, labels, meta)
+            self._write(n, images, labels, meta, index)
         return torch.from_numpy(images), torch.from_numpy(labels), False
 
-    def _write(self, n: int, images: np.ndarray, labels: np.ndarray, meta: dict[str, str]) -> None:
-        header = _header(n, self.shape, meta)
+    def _write(self, n: int, images: np.ndarray, labels: np.ndarray, meta: dict[str, str], index: bytes) -> None:
+        header = _header(n, self.shape, meta, len(index))
         length = -(-(8 + len(header)) // 8) * 8 - 8
         try:
             with AtomicFile(self.entry.path) as out:  # type: ignore[arg-type]
                 out.file.write(length.to_bytes(8, "little") + header + b" " * (length - len(header)))
                 out.file.write(labels.tobytes())
                 out.file.write(np.ascontiguousarray(images).reshape(-1).data)
+                out.file.write(index)
         except OSError as exc:
             log.warning(
                 "cannot write the decoded cache %s (%s); decoded again next start", self.entry.path, exc.strerror or exc
@@ -322,10 +377,10 @@ class DecodeTarget:
         _tidy(self.entry)
 
     def _finish_mapped(
-        self, n: int, labels: np.ndarray, meta: dict[str, str]
+        self, n: int, labels: np.ndarray, meta: dict[str, str], index: bytes
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         assert self.file is not None
-        header = _header(n, self.shape, meta)
+        header = _header(n, self.shape, meta, len(index))
         length = self.offset - 8 * n - 8  # the header absorbs the rows the skipped images leave unused
         if len(header) > length:
             raise ValueError("decoded cache: the header outgrew its reserve")
@@ -336,6 +391,8 @@ class DecodeTarget:
         f.write(length.to_bytes(8, "little") + header + b" " * (length - len(header)))
         f.write(labels.tobytes())
         f.truncate(self.offset + n * self.item)
+        f.seek(self.offset + n * self.item)
+        f.write(index)
         path = self.file.commit()
         self.file = None
         _tidy(self.entry)

@@ -55,6 +55,7 @@ class FileList:
     skips: Skips = field(default_factory=Skips)
     extra_key: tuple[str, ...] = ()  # what else identifies the listing (the manifest file's own stat)
     empty: list[str] = field(default_factory=list)  # class folders that hold no image file
+    unknown: list[str] = field(default_factory=list)  # class folders (manifest labels) the task lacks, left out
 
     def add(self, path: str, name: str, label: int, st: os.stat_result) -> None:
         self.paths.append(path)
@@ -65,9 +66,13 @@ class FileList:
     def label_array(self) -> np.ndarray:
         return np.asarray(self.labels, dtype=np.int64)
 
+    def row_items(self) -> list[str]:
+        """One line per file (name, size, mtime, mode): what identifies its content in the decoded cache."""
+        return [f"{n}\0{s}\0{m}\0{o}" for n, (s, m, o) in zip(self.names, self.stats)]
+
     def key_items(self) -> list[str]:
-        """One line per file (name, size, mtime, mode): what a cache key hashes."""
-        return [*self.extra_key, *(f"{n}\0{s}\0{m}\0{o}" for n, (s, m, o) in zip(self.names, self.stats))]
+        """What a cache key hashes: the listing's own identity, then one line per file (:meth:`row_items`)."""
+        return [*self.extra_key, *self.row_items()]
 
 
 def is_image_name(name: str) -> bool:
@@ -118,8 +123,12 @@ def split_folder(root: Path, split: str, task: Task) -> tuple[Path, str]:
     return root / split, f"{split}/"
 
 
-def scan_folder(root: Path, task: Task) -> FileList:
-    """Every image file under ``root/<class>/``, labelled by the class folder's name (see the module docstring)."""
+def scan_folder(root: Path, task: Task, *, unknown: str = "stop") -> FileList:
+    """Every image file under ``root/<class>/``, labelled by the class folder's name (see the module docstring).
+
+    A class folder the task lacks stops the scan (TaskError naming the closest classes); with ``unknown="skip"`` it
+    is left out and named in ``FileList.unknown`` (a running agent's rescan: it refuses the folder and goes on).
+    """
     listing = FileList("image folder", root)
     try:
         top = _entries(str(root))
@@ -131,14 +140,14 @@ def scan_folder(root: Path, task: Task) -> FileList:
     except OSError as exc:
         raise DataError(f"cannot read image folder {root} ({exc.strerror or exc}); check the path") from None
     classes: list[tuple[os.DirEntry[str], int, tuple[int, int]]] = []
-    unknown: list[str] = []
+    strange: list[str] = []  # class folders the task does not have
     for entry in top:
         kind, st = _kind(entry)
         if kind == "dir":
             if _nfc(entry.name) in task.classes:
                 classes.append((entry, task.classes.index(_nfc(entry.name)), _ident(st)))  # type: ignore[arg-type]
             else:
-                unknown.append(entry.name)
+                strange.append(entry.name)
         elif kind == "broken":
             listing.skips.add(why.BROKEN_LINK, entry.name)
         elif kind == "loop":
@@ -147,13 +156,14 @@ def scan_folder(root: Path, task: Task) -> FileList:
             listing.skips.add(why.UNREADABLE, entry.name)
         else:
             listing.skips.add(why.OUTSIDE_CLASS, entry.name)
-    if unknown:  # every folder the task lacks in one line: the first with the closest names, then the others
-        shown = [printable(f, why.NAME_CHARS) for f in unknown]  # a name may hold a newline: the error stays one line
-        others = f" (nor are {', '.join(f + '/' for f in shown[1:6])}{', ...' if len(unknown) > 6 else ''})"
+    listing.unknown = [printable(f, why.NAME_CHARS) for f in strange]
+    if strange and unknown == "stop":  # every folder the task lacks in one line: the first with the closest names
+        shown = listing.unknown  # a name may hold a newline: the error stays one line
+        others = f" (nor are {', '.join(f + '/' for f in shown[1:6])}{', ...' if len(strange) > 6 else ''})"
         try:
-            task.index_of(_nfc(unknown[0]), where=f"image folder {printable(str(root))}: folder {shown[0]}/")
+            task.index_of(_nfc(strange[0]), where=f"image folder {printable(str(root))}: folder {shown[0]}/")
         except TaskError as exc:
-            raise TaskError(str(exc) + (others if len(unknown) > 1 else "")) from None
+            raise TaskError(str(exc) + (others if len(strange) > 1 else "")) from None
     # Class folders are claimed first, so a link from one class into another counts as reached twice, not as images
     # of the class that links to it.
     visited = {root_id, *(ident for _, _, ident in classes)}
@@ -244,8 +254,9 @@ def _walk(
         stack.extend(reversed(below))  # depth first, in name order
 
 
-def scan_manifest(path: Path, task: Task) -> FileList:
-    """The rows of a manifest CSV (see the module docstring); a missing file or an unknown label stops with its line."""
+def scan_manifest(path: Path, task: Task, *, unknown: str = "stop") -> FileList:
+    """The rows of a manifest CSV (see the module docstring); a missing file or an unknown label stops with its line
+    (with ``unknown="skip"``, a row of a label the task lacks is left out and its label named in ``FileList.unknown``)."""
     listing = FileList("manifest", path)
     try:
         st = os.stat(path)
@@ -280,6 +291,10 @@ def scan_manifest(path: Path, task: Task) -> FileList:
             name, label_name = cells
             if not name:
                 raise DataError(f"{where}: the path is empty; each row is 'path,label'")
+            if unknown == "skip" and _nfc(label_name) not in task.classes:
+                if printable(label_name, why.NAME_CHARS) not in listing.unknown:
+                    listing.unknown.append(printable(label_name, why.NAME_CHARS))
+                continue
             label = task.index_of(_nfc(label_name), where=where)
             file = Path(name) if os.path.isabs(name) else base / name
             try:

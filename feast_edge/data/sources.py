@@ -47,9 +47,11 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from feast_edge.data.decode import Progress, open_file
+from feast_edge.data.decoded_cache import CacheEntry
 from feast_edge.data.images import DataError, ImageSet, load_cifar, load_fashion_mnist, published_splits
 from feast_edge.data.loaded import LoadedData, decode_cached
 from feast_edge.data.releases import RELEASES, detect_release, load_release
@@ -65,7 +67,32 @@ _LAYOUTS = (
     "or a CIFAR binary or Fashion-MNIST IDX folder"
 )
 
-__all__ = ["DATASETS", "KINDS", "LoadedData", "detect_kind", "load_data", "load_dataset", "splits_of"]
+__all__ = [
+    "DATASETS",
+    "KINDS",
+    "Listing",
+    "LoadedData",
+    "detect_kind",
+    "load_data",
+    "load_dataset",
+    "load_listing",
+    "scan_source",
+    "splits_of",
+]
+GROWING = ("image folder", "manifest")  # the kinds a device adds files to: listed, then decoded (scan_source)
+
+
+@dataclass(frozen=True)
+class Listing:
+    """An image folder's or manifest's files, listed (names, sizes, mtimes, modes), not decoded yet."""
+
+    files: FileList
+    label: str  # "image folder /data/cam" or "manifest /data/cam.csv"
+    identity: dict[str, str]  # the decoded cache's name of the source (kind, path, split)
+
+    def key(self, task: Task) -> str:
+        """What :func:`load_listing` would read, as the decoded cache keys it: equal keys, the same tensors."""
+        return CacheEntry.of(None, {"task": task.digest, **self.identity}, self.files.key_items()).key
 
 
 def detect_kind(path: str | os.PathLike[str]) -> str:
@@ -124,42 +151,55 @@ def load_data(
     resolved = Path(path).expanduser().resolve()
     if kind in ("fashion-mnist", "cifar10", "cifar100"):
         return load_release(kind, resolved, task, split, cache_dir=cache_dir, workers=workers, progress=progress)
+    listing = scan_source(resolved, task, split=split)
+    for name in listing.files.empty:
+        log.warning("%s: class folder %s/ holds no images", listing.label, name)
+    return load_listing(listing, task, cache_dir=cache_dir, workers=workers, progress=progress)
+
+
+def scan_source(path: str | os.PathLike[str], task: Task, *, split: str = "train", unknown: str = "stop") -> Listing:
+    """The files of an image folder or manifest (``GROWING``; DataError for another kind), listed without decoding.
+
+    ``unknown``: "stop" (a class folder or manifest label the task lacks stops it, as :func:`load_data` does) or
+    "skip" (left out, and named in ``Listing.files.unknown``: a running agent's rescan refuses them and goes on).
+    """
+    kind = detect_kind(path)
+    resolved = Path(path).expanduser().resolve()
+    if kind not in GROWING:
+        raise DataError(f"{resolved} is a {kind} folder; only an image folder or a manifest is listed file by file")
     if kind == "manifest":
-        listing = scan_manifest(resolved, task)
-        identity = {"kind": kind, "path": str(resolved), "split": ""}
-        label = f"manifest {resolved}"
-    else:
-        folder, _ = split_folder(resolved, split, task)
-        listing = scan_folder(folder, task)
-        for name in listing.empty:
-            log.warning("image folder %s: class folder %s/ holds no images", folder, name)
-        identity = {"kind": kind, "path": str(folder), "split": ""}
-        label = f"image folder {folder}"
-    return _decode(listing, task, label, identity, cache_dir, workers, progress)
+        files = scan_manifest(resolved, task, unknown=unknown)
+        return Listing(files, f"manifest {resolved}", {"kind": kind, "path": str(resolved), "split": ""})
+    folder, _ = split_folder(resolved, split, task)
+    files = scan_folder(folder, task, unknown=unknown)
+    return Listing(files, f"image folder {folder}", {"kind": kind, "path": str(folder), "split": ""})
 
 
-def _decode(
-    listing: FileList,
+def load_listing(
+    listing: Listing,
     task: Task,
-    label: str,
-    identity: dict[str, str],
-    cache_dir: str | os.PathLike[str] | bool | None,
-    workers: int | None,
-    progress: Progress | None,
+    *,
+    cache_dir: str | os.PathLike[str] | bool | None = None,
+    workers: int | None = None,
+    progress: Progress | None = None,
 ) -> LoadedData:
+    """``listing``'s files as the task's tensors: from the decoded cache, else decoded, only the files the source's
+    previous cache entry does not hold (incremental: :mod:`feast_edge.data.decoded_cache`)."""
+    files = listing.files
     return decode_cached(
-        listing.paths,
+        files.paths,
         open_file,
-        listing.label_array(),
-        listing.names,
+        files.label_array(),
+        files.names,
         task=task,
-        label=label,
-        identity=identity,
-        key_items=listing.key_items(),
-        skips=listing.skips,
+        label=listing.label,
+        identity=listing.identity,
+        key_items=files.key_items(),
+        skips=files.skips,
         cache_dir=cache_dir,
         workers=workers,
         progress=progress,
+        row_items=files.row_items(),
     )
 
 

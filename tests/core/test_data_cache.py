@@ -80,7 +80,7 @@ def test_a_second_load_is_a_hit_that_decodes_nothing(folder: Path, cache: Path, 
 
 
 @pytest.mark.parametrize("change", ["add", "remove", "touch", "edit", "chmod", "rename"])
-def test_any_change_to_the_files_misses_and_replaces_the_entry(
+def test_any_change_to_the_files_misses_decodes_only_the_changed_files_and_replaces_the_entry(
     folder: Path, cache: Path, decodes: list[int], change: str
 ) -> None:
     load_data(folder, TASK, cache_dir=cache)
@@ -102,7 +102,11 @@ def test_any_change_to_the_files_misses_and_replaces_the_entry(
         target.rename(folder / "bee" / "1b.jpg")
     again = load_data(folder, TASK, cache_dir=cache)
     expected = {"add": 13, "remove": 11}.get(change, 12)
-    assert not again.from_cache and decodes == [12, expected] and len(again) == expected
+    decoded = 0 if change == "remove" else 1  # the new or changed file only: the others come from the old entry
+    assert not again.from_cache and decodes == [12, decoded] and len(again) == expected
+    assert again.reused == expected - decoded
+    whole = load_data(folder, TASK, cache_dir=False)  # what decoding every file gives: the same rows, in order
+    assert torch.equal(again.images, whole.images) and torch.equal(again.labels, whole.labels)
     assert len(_files(cache)) == 1  # the stale entry is gone
     assert load_data(folder, TASK, cache_dir=cache).from_cache
 

@@ -372,7 +372,7 @@ def test_an_agent_registers_the_precision_of_its_profile() -> None:
     link = SimpleNamespace(publish=lambda topic, data: sent.append(data))
     labels = torch.tensor([3] * 30 + [7] * 20)
     data = SimpleNamespace(samples=50, holdout=2, labels=labels, holdout_labels=torch.tensor([3, 3]))
-    client = SimpleNamespace(budget_macs=6_000_000, data=data)
+    client = SimpleNamespace(budget_macs=6_000_000, data=data, current=data)  # Hosted.current: its newest data
     config = AgentConfig(host="cam", federation="lab", precision="int8")
     Registration(config, PRESET, "inst", link, Topics("lab"), {"cam": client}).send()
     [message] = [parse(data) for data in sent]

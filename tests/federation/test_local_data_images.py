@@ -11,8 +11,9 @@ from PIL import Image
 
 from feast_edge.agent.local_data import client_budgets, load_clients
 from feast_edge.cache.variants import load_cache
-from feast_edge.data.holdout import holdout_split
+from feast_edge.data.holdout import content_split, holdout_split
 from feast_edge.data.images import DataError, load_fashion_mnist
+from feast_edge.data.sources import load_data
 from feast_edge.data.task import TaskError
 from feast_edge.server.held_data import load_server_data
 from feast_edge.space.preset import load_preset
@@ -31,16 +32,24 @@ def _folder(root: Path, counts: dict[str, int], size: tuple[int, int] = (32, 24)
     return root
 
 
-def test_an_image_folder_holds_out_a_tenth_per_class_by_default(tmp_path: Path) -> None:
+def _same_split(client, data, fraction: float) -> None:  # type: ignore[no-untyped-def]
+    """``client`` holds out exactly the images ``content_split`` holds out of ``data``, in the folder's order."""
+    train, held = content_split(data.images, data.labels, fraction)
+    assert torch.equal(client.images, data.images[train]) and torch.equal(client.labels, data.labels[train])
+    assert torch.equal(client.holdout_labels, data.labels[held])
+    assert torch.equal(client.holdout_images.reshape(-1), data.images[held].reshape(-1))  # none held: an empty tensor
+
+
+def test_an_image_folder_holds_out_a_tenth_by_content_by_default(tmp_path: Path) -> None:
     root = _folder(tmp_path / "jetson", {"Bag": 20, "Sneaker": 10, "Coat": 1})
     (client,) = load_clients(root, "jetson-1", task=TASK)
     assert client.device_id == "jetson-1" and client.budget_macs is None
     assert client.images.shape[1:] == (1, 28, 28) and client.holdout_images.shape[1:] == (1, 28, 28)
-    assert client.samples == 28 and len(client.holdout_labels) == 3  # 2 of Bag, 1 of Sneaker, none of the one Coat
-    assert sorted(client.holdout_labels.tolist()) == [7, 8, 8]
+    assert client.samples + client.holdout == 31
+    _same_split(client, load_data(root, TASK), 0.1)
     assert client.classes_present == (4, 7, 8)  # the task's indices, not 0, 1, 2
     assert client.source.startswith(f"image folder {root.resolve()}: 31 images in 3 classes")
-    assert torch.bincount(client.labels, minlength=10)[[4, 7, 8]].tolist() == [1, 9, 18]  # the rest trains
+    assert client.growing is not None and client.growing.fraction == 0.1  # the whole folder: the agent rescans it
     budgets = client_budgets([client], PRESET, load_cache(PRESET), 20e6)
     assert budgets == {"jetson-1": 20_000_000}
 
@@ -51,10 +60,15 @@ def test_holdout_and_shards_of_an_image_folder(tmp_path: Path) -> None:
     assert everything.samples == 24 and everything.holdout_labels.numel() == 0
     assert everything.holdout_images.dtype == torch.uint8
     (half,) = load_clients(root, "lab", task=TASK, holdout=0.5)
-    assert (half.samples, len(half.holdout_labels)) == (12, 12)
+    _same_split(half, load_data(root, TASK), 0.5)
+    assert 0 < half.holdout < 24
     hosted = load_clients(root, "lab", clients=2, shard="1/2", task=TASK, holdout=0)
     assert [c.device_id for c in hosted] == ["lab-0", "lab-1"] and sum(c.samples for c in hosted) == 12
-    assert "shard 1/2" in hosted[0].source
+    assert "shard 1/2" in hosted[0].source and all(c.growing is None for c in hosted)  # a cut is read once
+    cut = load_clients(root, "lab", shard="0/1", task=TASK, holdout=0.5)[0]  # a cut holds out by content too
+    assert sorted(cut.holdout_images.flatten(1).sum(1).tolist()) == sorted(
+        half.holdout_images.flatten(1).sum(1).tolist()
+    )
     with pytest.raises(DataError, match="--holdout 0.95 must be a fraction between 0 and 0.9"):
         load_clients(root, "lab", task=TASK, holdout=0.95)
     with pytest.raises(ValueError, match="pass the federation's task"):
@@ -66,7 +80,8 @@ def test_a_manifest_on_the_agent(tmp_path: Path) -> None:
     (tmp_path / "labels.csv").write_text("".join(f"imgs/Bag/{i}.{('png', 'jpg')[i % 2]},Shirt\n" for i in range(4)))
     (client,) = load_clients(tmp_path / "labels.csv", "pi", task=TASK)
     assert client.classes_present == (6,) and client.samples + len(client.holdout_labels) == 4
-    assert len(client.holdout_labels) == 1 and root.is_dir()
+    _same_split(client, load_data(tmp_path / "labels.csv", TASK), 0.1)
+    assert client.growing is not None and root.is_dir()
 
 
 def test_fashion_mnist_and_shards_stay_as_today_with_no_holdout(fashion_mnist_dir: Path) -> None:

@@ -15,13 +15,16 @@ from pathlib import Path
 
 import pytest
 from imagefolders import write_image_folder
+from strategies import FMNIST_TINY
 
+from feast_edge.agent.local_data import load_clients
 from feast_edge.dashboard import DashboardState, load_runs
 from feast_edge.data.images import FASHION_MNIST_CLASSES, load_fashion_mnist
 from feast_edge.evaluate.coverage import required_gain
 from feast_edge.evaluate.onnx_export import read_metadata
 from feast_edge.evaluate.served_round import served_round
 from feast_edge.server.app import FederationServer, ServerConfig
+from feast_edge.space.preset import load_preset
 from feast_edge.transport.broker import LinkConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
@@ -40,6 +43,11 @@ PER_CLASS = 40
 def write_folder(root: Path, classes: tuple[int, ...], style: str, train, offset: int) -> None:
     """``PER_CLASS`` Fashion-MNIST training images of each class as files ``root/<class name>/*``."""
     write_image_folder(root, dict.fromkeys(classes, PER_CLASS), style, train, FASHION_MNIST_CLASSES, offset)
+
+
+def held_out(root: Path) -> int:
+    """The images an agent holds out of ``root`` by default: a tenth in expectation, each by its content."""
+    return load_clients(root, "any", task=load_preset(str(FMNIST_TINY)).task)[0].holdout
 
 
 def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statistics(
@@ -115,8 +123,8 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
         assert record.applied and sorted(record.updated) == sorted(DEVICES)
         assert record.validation["source"] == "devices" and record.validation["devices"] == sorted(DEVICES)
         assert record.val_accuracy is not None and 0.0 <= record.val_accuracy <= 1.0
-        # 10 % of each class held out on each device (4 of 40), never trained on.
-        assert record.validation["samples"] == sum(4 * len(classes) for classes, _, _ in DEVICES.values())
+        # A tenth of each device's images held out (by content: Binomial(40, 0.1) of a class), never trained on.
+        assert record.validation["samples"] == sum(held_out(tmp_path / "data" / device) for device in DEVICES)
     # The server's export holds weights only, their BN statistics federated: each served variant's come from every
     # device that may evaluate it (here all three: a device evaluates above its budget when memory allows), 100
     # examples each.
@@ -173,24 +181,24 @@ def test_a_server_without_data_validates_on_the_devices_and_federates_bn_statist
         assert f"; {weights} ({reason})" in log  # the served round, said
         manifest = json.loads((models / f"{device}.json").read_text())
         meta = read_metadata(models / f"{device}.onnx")
-        held_out = 4 * len(classes)
+        held = held_out(tmp_path / "data" / device)
         assert meta["bn_calibration"] == "federated"
         assert int(meta["bn_calibration_samples"]) == manifest["calibration_samples"]
-        assert int(meta["holdout_samples"]) == held_out == manifest["holdout_samples"]
+        assert int(meta["holdout_samples"]) == held == manifest["holdout_samples"]
         assert json.loads(meta["task"])["classes"] == list(FASHION_MNIST_CLASSES)
         report = outcome["reports"][device]
-        assert report["holdout_samples"] == held_out and report["calibrated_on"] == manifest["calibration_samples"]
+        assert report["holdout_samples"] == held and report["calibrated_on"] == manifest["calibration_samples"]
         assert report["holdout_accuracy"] == pytest.approx(manifest["holdout_accuracy"])
         assert 0.0 <= report["holdout_accuracy"] <= 1.0
-        assert outcome["registry"][device].profile["holdout"] == held_out
+        assert outcome["registry"][device].profile["holdout"] == held
 
     # The dashboard, live and from the run directory, says so: federated validation, federated BN statistics.
-    held_out = sum(4 * len(classes) for classes, _, _ in DEVICES.values())
-    words = f"validation: federated, on 3 devices' held-out data ({held_out} examples)"
+    fleet_held = sum(held_out(tmp_path / "data" / d) for d in DEVICES)
+    words = f"validation: federated, on 3 devices' held-out data ({fleet_held} examples)"
     for snapshot in (live.snapshot(), load_runs([tmp_path / "server"]).snapshot()):
         assert snapshot["run"]["validation"] == words
         assert [h["validated_on"] for h in snapshot["history"]] == [
-            {"source": "devices", "devices": 3, "samples": held_out}
+            {"source": "devices", "devices": 3, "samples": fleet_held}
         ] * 2
         for model in snapshot["models"]:
             assert model["calibration"] == "federated" and model["url"] is None
@@ -249,7 +257,7 @@ def test_fetch_model_calibrates_a_model_left_for_the_device_on_its_own_data(
     assert fetched.returncode == 0, fetched.stdout + fetched.stderr
     assert "held-out accuracy" in fetched.stdout and "calibrated here on 50 examples" in fetched.stdout
     meta = read_metadata(tmp_path / "m.onnx")
-    assert meta["bn_calibration"] == "device" and int(meta["holdout_samples"]) == 4 * len(classes)
+    assert meta["bn_calibration"] == "device" and int(meta["holdout_samples"]) == held_out(tmp_path / "photos")
 
 
 def test_an_int8_profile_gets_an_int8_model_quantized_on_the_device(
