@@ -250,7 +250,7 @@ class FederationServer(RunHost):
         served = ServedNow(self, self.registry.devices, everyone=cfg.training.continuous)
 
         def finished_round(record: RoundRecord) -> None:
-            served.after(self.loop.best.get("round"), record.seconds)
+            served.after(self.loop.best.get("round"))
             if self.live is not None:
                 self.live.round_finished(record, self._validated_points() if record.val_accuracy is not None else None)
             # Messages of older rounds are stale, except the answers of asynchronous jobs still in flight.

@@ -4,9 +4,9 @@
                           model is exported into ``<out>/models`` at once (each device calibrates its variant's BN on
                           its own data; the export after the last round combines the devices' statistics where
                           --bn-calibration federated says so), and ``feast-agent fetch-model`` answers with it
-    pushed to             the online devices that registered after this server's first round began and have no model
-                          of the current served round yet (late joiners: within one round of joining, once a round
-                          is served); without an end (--continuous), every online device, each new served round
+    pushed to             the online devices that were not registered when this server's first round ended and have
+                          no model of the current served round yet (late joiners: within one round of joining, once a
+                          round is served); without an end (--continuous), every online device, each new served round
 
 A device present from the start of a finite run gets its model at the end, as before; one that joins later does not
 wait for the end. An export that fails mid-run is logged and retried after the next round: it never stops the run.
@@ -45,12 +45,12 @@ class ServedNow:
         self.exported: int | None = None  # the served round models/ holds
         self.manifests: list[dict[str, Any]] = []
         self.pushed: set[str] = set()  # devices sent the current export
-        self.began: float | None = None  # when this server's first round began
+        self.initial: set[str] | None = None  # the devices registered when this server's first round ended
 
-    def after(self, served: int | None, seconds: float) -> None:
-        """After a round that took ``seconds``, with ``served`` the served round (None: none chosen yet)."""
-        if self.began is None:
-            self.began = time.time() - seconds
+    def after(self, served: int | None) -> None:
+        """After a round, with ``served`` the served round (None: none chosen yet)."""
+        if self.initial is None:
+            self.initial = {d.device_id for d in self.devices()}
         if served is None:
             return
         if served != self.exported:
@@ -71,7 +71,7 @@ class ServedNow:
             self.exported, self.manifests, self.pushed = served, manifests, set()
         wanted = set(self.server.online_devices()) - self.pushed
         if not self.everyone:
-            wanted &= {d.device_id for d in self.devices() if d.first_seen > self.began}
+            wanted -= self.initial
         if not wanted:
             return
         sent = self.server.announce_models([m for m in self.manifests if m["device"] in wanted])
