@@ -29,12 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from _records import write_record  # noqa: E402
+from _records import write_record
 
-from feast_edge.data.images import FASHION_MNIST_DIR  # noqa: E402
-from feast_edge.run.checkpoint import read_record  # noqa: E402
-from feast_edge.sim.config import SimulationConfig  # noqa: E402
-from feast_edge.sim.simulate import Simulation  # noqa: E402
+from feast_edge.data.images import FASHION_MNIST_DIR
+from feast_edge.run.checkpoint import read_record
+from feast_edge.sim.config import SimulationConfig
+from feast_edge.sim.simulate import Simulation
 
 
 def sizes(out: Path) -> dict[str, int]:
