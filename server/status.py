@@ -104,7 +104,11 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
         "privacy": stored_privacy(
             config, history
         ),  # None: no DP; else ε at δ after the last round (feast_edge.privacy)
-        "rounds": {"completed": int(fields.get("round", 0)), "total": config.get("rounds")},
+        "rounds": {
+            "completed": int(fields.get("round", 0)),
+            "total": config.get("rounds"),  # None without an end
+            "continuous": bool(config.get("continuous", False)),
+        },
         "last_round": None
         if last is None
         else {
@@ -226,7 +230,11 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         progress = f"rounds: none completed yet (of {rounds['total'] or '?'})"
     else:
         state = "aggregated" if last["applied"] else "unchanged"
-        progress = f"rounds: {rounds['completed']}/{rounds['total'] or '?'} completed; last, round {last['round']}: {state}, val {_pct(last['val_accuracy'])}"
+        done = f"{rounds['completed']}/{rounds['total']}" if rounds["total"] else f"{rounds['completed']}"
+        endless = " (no end: --continuous)" if rounds.get("continuous") else ""
+        progress = (
+            f"rounds: {done} completed{endless}; last, round {last['round']}: {state}, val {_pct(last['val_accuracy'])}"
+        )
     served = status.get("served")
     best_line = (
         "served: no round completed yet"

@@ -117,7 +117,7 @@ def test_status_json_is_one_object_for_scripts(server_cli, run_dir: Path) -> Non
     result = server_cli.invoke("status", "--out", str(run_dir), "--json")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
-    assert status["rounds"] == {"completed": 2, "total": 3}
+    assert status["rounds"] == {"completed": 2, "total": 3, "continuous": False}
     assert status["best"] == {"round": 1, "val_accuracy": 0.4}
     assert status["last_round"]["round"] == 2 and status["last_round"]["applied"] is False
     assert [(d["device"], d["status"], d["rounds"], d["profile"], d["precision"]) for d in status["devices"]] == [
@@ -141,7 +141,7 @@ def test_a_run_before_its_first_round(tmp_path: Path) -> None:
     _register(tmp_path)
     status = read_status(tmp_path)
     assert (
-        status["rounds"] == {"completed": 0, "total": None} and status["last_round"] is None and status["best"] is None
+        status["rounds"] == {"completed": 0, "total": None, "continuous": False} and status["last_round"] is None and status["best"] is None
     )
     assert len(status["devices"]) == 2
 

@@ -81,7 +81,9 @@ def test_a_continuous_federation_runs_until_stopped_then_every_agent_leaves_with
         for process in [server, *agents.values()]:
             kit.stop(process)
     # The stopped run goes on from where it ended with the same command (nothing depends on a horizon).
-    assert json.loads(_feast_server("status", "--out", str(out), "--json").stdout)["rounds"]["completed"] == done
+    status = json.loads(_feast_server("status", "--out", str(out), "--json").stdout)
+    assert status["rounds"] == {"completed": done, "total": None, "continuous": True}
+    assert f"rounds: {done} completed (no end: --continuous)" in _feast_server("status", "--out", str(out)).stdout
 
 
 def test_a_finished_run_is_extended_with_more_rounds_and_refused_with_fewer(
