@@ -141,7 +141,9 @@ def test_a_run_before_its_first_round(tmp_path: Path) -> None:
     _register(tmp_path)
     status = read_status(tmp_path)
     assert (
-        status["rounds"] == {"completed": 0, "total": None, "continuous": False} and status["last_round"] is None and status["best"] is None
+        status["rounds"] == {"completed": 0, "total": None, "continuous": False}
+        and status["last_round"] is None
+        and status["best"] is None
     )
     assert len(status["devices"]) == 2
 

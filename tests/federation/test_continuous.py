@@ -57,6 +57,16 @@ def test_a_continuous_federation_runs_until_stopped_then_every_agent_leaves_with
         )[-3000:]
         assert server.poll() is None, kit.log_text(server)[-3000:]
         assert f"resuming from {out / 'checkpoint.safetensors'}: {crashed_at} rounds completed" in kit.log_text(server)
+        # An agent that crashes comes back with the same command and takes part again.
+        restarted = clients[0]
+        agents[restarted["client_id"]].kill()
+        agents[restarted["client_id"]].wait(30)
+        back = _rounds(out)
+        agents[restarted["client_id"]] = kit.spawn_agent(
+            tmp_path / "again", restarted["client_id"], partition / restarted["file"], federation,
+            "--model-dir", str(tmp_path / "models" / restarted["client_id"]),
+        )  # fmt: skip
+        assert kit.wait_for(lambda: _rounds(out) >= back + 2 or server.poll() is not None, 300)
         asked = _feast_server("stop", "--out", str(out), "--reason", "the test is done")
         assert asked.returncode == 0, asked.stderr
         assert "stop requested" in asked.stdout
