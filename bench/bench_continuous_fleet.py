@@ -61,7 +61,7 @@ def free_port() -> int:
 class Broker:
     def __init__(self, work: Path) -> None:
         self.port, self.conf = free_port(), work / "mosquitto.conf"
-        self.conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\nmax_packet_size 0\n")
+        self.conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\n")
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:

@@ -4,12 +4,15 @@
                           model is exported into ``<out>/models`` at once (each device calibrates its variant's BN on
                           its own data; the export after the last round combines the devices' statistics where
                           --bn-calibration federated says so), and ``feast-agent fetch-model`` answers with it
-    pushed to             the online devices that were not registered when this server's first round ended and have
-                          no model of the current served round yet (late joiners: within one round of joining, once a
-                          round is served); without an end (--continuous), every online device, each new served round
+    pushed to             each online device that has no model of this run yet, once: in a finite run the devices that
+                          were not registered when this server's first round ended (late joiners), without an end
+                          (--continuous) every device; within one round of joining, once a round is served
 
 A device present from the start of a finite run gets its model at the end, as before; one that joins later does not
-wait for the end. An export that fails mid-run is logged and retried after the next round: it never stops the run.
+wait for the end; without an end every device gets the first served model, a newer one on request (feast-agent
+fetch-model) and at the stop. A push is not free on the device (it calibrates, validates and may personalize the
+model before its next round), so newer models are not pushed to every device after each validation: that is for
+versions a device can refuse (canaries, install only if better). An export that fails mid-run is logged and retried after the next round: it never stops the run.
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ class ServedNow:
     """Exports each newly served round and pushes it to who needs it (see the module docstring)."""
 
     def __init__(self, server: Serving, devices: Callable[[], list[Device]], *, everyone: bool) -> None:
-        """``devices()``: the registered devices; ``everyone``: push each served round to every online device
-        (--continuous), else only to late joiners."""
+        """``devices()``: the registered devices; ``everyone``: push the served model to every online device that has
+        none (--continuous), else only to late joiners."""
         self.server, self.devices, self.everyone = server, devices, everyone
         self.exported: int | None = None  # the served round models/ holds
         self.manifests: list[dict[str, Any]] = []
-        self.pushed: set[str] = set()  # devices sent the current export
+        self.pushed: set[str] = set()  # devices sent a model of this run
         self.initial: set[str] | None = None  # the devices registered when this server's first round ended
 
     def after(self, served: int | None) -> None:
@@ -68,7 +71,7 @@ class ServedNow:
                 len(manifests),
                 time.monotonic() - began,
             )
-            self.exported, self.manifests, self.pushed = served, manifests, set()
+            self.exported, self.manifests = served, manifests
         wanted = set(self.server.online_devices()) - self.pushed
         if not self.everyone:
             wanted -= self.initial
