@@ -166,6 +166,15 @@ def test_a_device_that_joins_after_three_rounds_gets_the_served_model_within_one
         assert sent, text[-3000:]
         served_round = int(sent[0].split("sent round ")[1].split("'")[0])
         assert served_round <= got_at
+        # feast-agent fetch-model works during the run: the served round's models were exported when it was chosen.
+        fetched = subprocess.run(
+            [sys.executable, "-m", "feast_edge.agent.cli", "fetch-model", "--broker", kit.LOCAL, "--federation",
+             federation, "--device-id", early[0]["client_id"], "--out", str(tmp_path / "fetched.onnx"), "--timeout",
+             "60", "--repeats", "3"],
+            cwd=kit.REPO, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert fetched.returncode == 0, fetched.stderr[-2000:]
+        assert (tmp_path / "fetched.onnx").is_file() and server.poll() is None
         assert server.wait(300) == 0, kit.log_text(server)[-3000:]
         # The devices there from the start got theirs at the end, as in any finite run.
         assert f"sent round" not in "".join(
