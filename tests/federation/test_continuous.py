@@ -145,7 +145,7 @@ def test_a_device_that_joins_after_three_rounds_gets_the_served_model_within_one
     kit, partition: Path, federation: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    config = kit.CONFIG.changed(rounds=8, per_round=2)
+    config = kit.CONFIG.changed(rounds=200, per_round=2)  # ended by feast-server stop once checked
     clients = read_index(partition)["clients"]
     early, late = clients[:2], clients[2]
     command = kit.server_command(config, out, federation, partition, start_clients=2, eval_every=1)
@@ -154,27 +154,30 @@ def test_a_device_that_joins_after_three_rounds_gets_the_served_model_within_one
     try:
         assert kit.wait_for(lambda: _rounds(out) >= 3 or server.poll() is not None, 300), kit.log_text(server)[-3000:]
         joined_after = _rounds(out)
-        assert joined_after < 8
+        assert joined_after < 200
         models = tmp_path / "late-models"
         agents.append(kit.spawn_agent(tmp_path, late["client_id"], partition / late["file"], federation,
                                       "--model-dir", str(models)))  # fmt: skip
         assert kit.wait_for(lambda: any(models.glob("*.onnx")) or server.poll() is not None, 300)
         got_at = _rounds(out)
-        assert server.poll() is None and got_at < 8, "the late device's model came only at the end"
+        assert server.poll() is None and got_at < 200, "the late device's model came only at the end"
         text = kit.log_text(server)
         sent = [line for line in text.splitlines() if "models to" in line and late["client_id"] in line]
         assert sent, text[-3000:]
         served_round = int(sent[0].split("sent round ")[1].split("'")[0])
         assert served_round <= got_at
         # feast-agent fetch-model works during the run: the served round's models were exported when it was chosen.
+        # The server answers between its steps; a served round's export (every round here) can hold it a while on a
+        # loaded machine, hence the long wait.
         fetched = subprocess.run(
             [sys.executable, "-m", "feast_edge.agent.cli", "fetch-model", "--broker", kit.LOCAL, "--federation",
              federation, "--device-id", early[0]["client_id"], "--out", str(tmp_path / "fetched.onnx"), "--timeout",
-             "60", "--repeats", "3"],
-            cwd=kit.REPO, capture_output=True, text=True, timeout=180,
+             "240", "--repeats", "3"],
+            cwd=kit.REPO, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert fetched.returncode == 0, fetched.stderr[-2000:]
         assert (tmp_path / "fetched.onnx").is_file() and server.poll() is None
+        assert _feast_server("stop", "--out", str(out)).returncode == 0  # a finite run ends on request too
         assert server.wait(300) == 0, kit.log_text(server)[-3000:]
         # The devices there from the start got theirs at the end, as in any finite run.
         assert f"sent round" not in "".join(
