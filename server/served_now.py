@@ -56,7 +56,11 @@ class ServedNow:
             self.initial = {d.device_id for d in self.devices()}
         if served is None:
             return
-        if served != self.exported:
+        wanted = set(self.server.online_devices()) - self.pushed
+        if not self.everyone:
+            wanted -= self.initial
+        # A device that registered after the served round was exported has no model in it yet: export again now.
+        if served != self.exported or wanted - {m["device"] for m in self.manifests}:
             began = time.monotonic()
             try:
                 manifests = self.server.export(federated_bn=False)
@@ -72,9 +76,6 @@ class ServedNow:
                 time.monotonic() - began,
             )
             self.exported, self.manifests = served, manifests
-        wanted = set(self.server.online_devices()) - self.pushed
-        if not self.everyone:
-            wanted -= self.initial
         if not wanted:
             return
         sent = self.server.announce_models([m for m in self.manifests if m["device"] in wanted])
