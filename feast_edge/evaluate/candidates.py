@@ -45,7 +45,7 @@ def _words(candidate: str, round_: int, span: Sequence[int]) -> str:
     return f"round {round_}'s own weights"
 
 
-def _clipped(differences: Mapping[str, float]) -> dict[str, float]:
+def clipped_differences(differences: Mapping[str, float]) -> dict[str, float]:
     """Each difference clipped to the range of the others' (three or more voters; fewer: as they are)."""
     if len(differences) < 3:
         return dict(differences)
@@ -84,7 +84,7 @@ def on_devices(
             f"the same examples{unpaired})",
         )
     differences = {d: mean[d].accuracy - own[d].accuracy for d in voters}
-    clipped = _clipped(differences)
+    clipped = clipped_differences(differences)
     score = statistics.fmean(clipped.values())
     chosen = MEAN if score > 1e-12 else OWN
     own_mean = statistics.fmean(own[d].accuracy for d in voters)

@@ -15,6 +15,7 @@ chunked payloads; this module says what a federation says with them
     device -> server  Metrics       free-form numbers (e.g. the served model's latency and held-out accuracy)
     device -> server  ModelRequest  send me my exported model
     server -> device  ModelReady    the model follows as a transfer, or is not available
+    device -> server  VersionReport what it did with a served model version: installed, refused, rolled back (figures)
     server -> device  Finished      the federation is over: rounds done, whether a model was exported
     both ways         SecAgg*       secure aggregation's stages around a round's masked update (protocol.secure)
 
@@ -25,7 +26,7 @@ same plan back, validated against its preset.
 
 from feast_edge.protocol.evaluation import Calibrate, Evaluate, Evaluated, RoutedRequest
 from feast_edge.protocol.limits import MAX_EXAMPLES, MAX_PROBES, MAX_REASON
-from feast_edge.protocol.models import Finished, Metrics, ModelReady, ModelRequest
+from feast_edge.protocol.models import Finished, Metrics, ModelReady, ModelRequest, VersionReport
 from feast_edge.protocol.registration import Register, Registered
 from feast_edge.protocol.round_messages import Declined, RoundStart, Update
 from feast_edge.protocol.secure import (
@@ -52,8 +53,8 @@ __all__ = [
     "ModelRequest",
     "Register",
     "Registered",
-    "RoutedRequest",
     "RoundStart",
+    "RoutedRequest",
     "SecAggBox",
     "SecAggKeys",
     "SecAggReveal",
@@ -62,4 +63,5 @@ __all__ = [
     "SecAggUnmask",
     "SecureBlock",
     "Update",
+    "VersionReport",
 ]

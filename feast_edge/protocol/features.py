@@ -22,7 +22,16 @@ EVALUATE_CANDIDATES = "evaluate-candidates"
 # does not list it is sent ``rounds`` = the round's own number + 1, which its check of the horizon accepts.
 NO_HORIZON = "no-horizon"
 
-AGENT_FEATURES: tuple[str, ...] = (EVALUATE_CANDIDATES, NO_HORIZON)  # what this version's agent implements
+# Served models are versions (manifest ``version``) the agent compares with the model it runs, on its held-out
+# split, and installs only if not worse, answering ``version_report`` (feast_edge.versions). An agent that does not
+# list it installs what it is sent: the server records those installs as ``ungated`` and says it cannot refuse one.
+MODEL_VERSIONS = "model-versions"
+
+AGENT_FEATURES: tuple[str, ...] = (
+    EVALUATE_CANDIDATES,
+    NO_HORIZON,
+    MODEL_VERSIONS,
+)  # what this version's agent implements
 MAX_FEATURES = 64  # names one registration may list
 
 
