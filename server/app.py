@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from feast_edge.dashboard.state import DashboardState
+from feast_edge.evaluate.served_round import distrusted_in, served_record
+from feast_edge.run.checkpoint import read_record
 from feast_edge.run.collect import Collector
 from feast_edge.run.loop import CHECKPOINT, RoundRecord
 from feast_edge.server.bn_calibration import Calibrated, FederatedCalibration
@@ -38,10 +40,10 @@ from feast_edge.server.host import REGISTRY, RunHost
 from feast_edge.server.jobs import JobExchange
 from feast_edge.server.live import LiveView
 from feast_edge.server.registry import Device
-from feast_edge.server.served_now import ServedNow
 from feast_edge.server.serving import ModelServer
 from feast_edge.server.stopping import StopWatch
 from feast_edge.server.validation import FederatedValidation
+from feast_edge.server.versions import Served, ServedVersions, VersionPolicy
 from feast_edge.server.waiting import WaitTimeout
 from feast_edge.space.arch import Arch
 from feast_edge.space.extract import extract
@@ -54,6 +56,9 @@ from feast_edge.transport.messages import Presence
 from feast_edge.transport.topics import Topics
 from feast_edge.transport.transfer import ChunkReceiver, ChunkSender
 from feast_edge.util.cores import Threads
+from feast_edge.versions.book import FILENAME as VERSIONS
+from feast_edge.versions.book import VersionBook
+from feast_edge.versions.gate import REFUSED
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +158,18 @@ class FederationServer(RunHost):
         )
         self.environment = ServerEnvironment(self, terms)
         self.models = events.models = ModelServer(self.out, self.link, t, sender, cfg.network.send_timeout)
+        self.book = VersionBook(self.out / VERSIONS)
+        policy = VersionPolicy(
+            share=cfg.serving.canary,
+            seed=cfg.seed,
+            wait=cfg.network.round_timeout,
+            figures=cfg.federated_statistics,
+            everyone=cfg.training.continuous,
+        )
+        self.versions = events.versions = ServedVersions(
+            self, self.book, self.registry.devices, self.devices.supports, self._distrusted, policy,
+            lambda: self.served_digest,
+        )  # fmt: skip
         self.federated = FederatedValidation(
             events.exchange,
             self.devices,
@@ -216,6 +233,7 @@ class FederationServer(RunHost):
         """Publish the offline status and disconnect."""
         self.link.close()
         self.registry.close()
+        self.book.close()
 
     def pump(self, seconds: float) -> None:
         """Handle incoming messages and finished transfers for ``seconds`` (0: only what is queued now)."""
@@ -247,10 +265,9 @@ class FederationServer(RunHost):
             )
 
         jobs = self.environment.async_jobs
-        served = ServedNow(self, self.registry.devices, everyone=cfg.training.continuous)
 
         def finished_round(record: RoundRecord) -> None:
-            served.after(self.loop.best.get("round"))
+            self.versions.after(self.served_now())
             if self.live is not None:
                 self.live.round_finished(record, self._validated_points() if record.val_accuracy is not None else None)
             # Messages of older rounds are stale, except the answers of asynchronous jobs still in flight.
@@ -288,10 +305,10 @@ class FederationServer(RunHost):
             self.events.ending.set()
 
     # ------------------------------------------------------------------ models
-    def export(self, federated_bn: bool | None = None) -> list[dict[str, Any]]:
+    def export(self, federated_bn: bool | None = None, model_version: int | None = None) -> list[dict[str, Any]]:
         """Every registered device's model (see :meth:`RunHost.export_models`); without --data, with the online devices'
         federated BN statistics (``federated_bn``; None: when connected and ``--bn-calibration federated``) or for the
-        device to calibrate on its own data."""
+        device to calibrate on its own data. ``model_version``: the version it is (None: the run's final version)."""
         if federated_bn is None:
             federated_bn = (
                 self.link.connected
@@ -300,7 +317,43 @@ class FederationServer(RunHost):
             )
         if self.threads is not None:
             self.threads.use("exporting")
-        return self.export_models(self._federated_statistics if federated_bn else None)
+        if model_version is None:
+            model_version = self.final_version()
+        return self.export_models(self._federated_statistics if federated_bn else None, model_version)
+
+    # ------------------------------------------------------------------ versions
+    def served_now(self) -> Served | None:
+        """What the run serves after its last round (None: no validation chose a round yet)."""
+        best = self.loop.best
+        if best.get("round") is None:
+            return None
+        return self._served(best)
+
+    def final_version(self) -> int:
+        """The version number of what the run's checkpoint serves, as its final export (server.versions)."""
+        fields = read_record(self.out / CHECKPOINT).get("fields", {}) if (self.out / CHECKPOINT).is_file() else {}
+        best = fields.get("best") or {}
+        served = served_record(int(fields.get("round", len(self.history))), best)
+        history = fields.get("history") or []
+        dp = (history[-1].get("dp") if history else None) or {}
+        return self.versions.final(self._served({**served, "val_accuracy": best.get("val_accuracy")}, dp))
+
+    def _served(self, best: Mapping[str, Any], dp: Mapping[str, Any] | None = None) -> Served:
+        span = best.get("average_of")
+        if dp is None:
+            dp = self.history[-1].dp if self.history else {}
+        return Served(
+            round=int(best["round"]),
+            average_of=(int(span[0]), int(span[1])) if span else None,
+            reason=str(best.get("reason") or ""),
+            val_accuracy=best.get("val_accuracy"),
+            epsilon=dp.get("epsilon"),
+        )
+
+    def _distrusted(self) -> set[str]:
+        """The devices the served-round rule no longer trusts (feast_edge.evaluate.served_round)."""
+        validations = [(r.round, r.validation) for r in self.history if r.validation.get("source") == "devices"]
+        return set(distrusted_in(validations))
 
     def _federated_statistics(self, model: Supernet, devices: list[Device], rounds: int) -> dict[Arch, Calibrated]:
         """The online devices' BN statistics of every served variant (method §8 on the federation's data)."""
@@ -310,8 +363,11 @@ class FederationServer(RunHost):
         return self.calibration.calibrate(t, model.state_dict(), variants)
 
     def announce_models(self, manifests: list[dict[str, Any]]) -> list[str]:
-        """Push each online device its model (ModelReady + chunks); returns the devices served."""
-        return self.models.push(manifests, self.online_devices())
+        """Push each online device its model (ModelReady + chunks), recorded as offers of the version it is; returns
+        the devices served."""
+        sent = self.models.push(manifests, self.online_devices())
+        self.versions.record_offers(manifests, sent)
+        return sent
 
     def await_device_models(
         self, manifests: list[dict[str, Any]], devices: list[str], timeout: float
@@ -322,6 +378,7 @@ class FederationServer(RunHost):
         began = time.monotonic()
         end, said = began + timeout, began
         rounds = {m["device"]: m["rounds"] for m in manifests}
+        versions = {m["device"]: m.get("model_version") for m in manifests}
         reports: dict[str, dict[str, Any]] = {}
         offline: dict[str, float] = {}  # device -> since when it is offline
         gone: set[str] = set()
@@ -332,8 +389,12 @@ class FederationServer(RunHost):
                 settled = (
                     "holdout_accuracy" in metrics or metrics.get("model_kept") is False
                 )  # kept none: no --model-dir
+                version = versions.get(device)
+                answer = self.book.answers(version).get(device) if isinstance(version, int) else None
                 if settled and metrics.get("model_round") == rounds.get(device):
                     reports[device] = metrics
+                elif answer is not None and answer.event == REFUSED:  # it keeps the model it runs: nothing to wait for
+                    reports[device] = {**metrics, "version_refused": answer.reason or answer.verdict().words()}
                 elif device in online:
                     offline.pop(device, None)
                 elif now - offline.setdefault(device, now) >= OFFLINE_GRACE:

@@ -32,6 +32,7 @@ from feast_edge.settings.nested import changed, check, flat_types, of, setting
 from feast_edge.settings.run_concerns import RunConcerns
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
+from feast_edge.versions.canary import DEFAULT_SHARE
 
 KIND = "federation"
 # A field's key in the stored config and fingerprint, where it differs from the field's name: runs from before the
@@ -163,6 +164,14 @@ class Serving(Concern):
         "(onnxruntime static quantization on the server's calibration split, or on each device's own data).",
     )
     int8_samples: int = setting(256, min=1, help="Images that set an int8 file's activation ranges.")
+    canary: float = setting(
+        DEFAULT_SHARE,
+        min=0,
+        max=1,
+        help="Share of the devices a new served version goes to first (at least one per budget tier), each comparing "
+        "it with the model it runs; the others get it only if these canaries do not regress (0: every device at once; "
+        'docs/server.md, "Versions").',
+    )
     int8_tolerance: float = setting(
         0.01,
         help="Accuracy an int8 file may lose against float32 on held-out data (0.01 = 1 point); past it, the float32 "
@@ -182,6 +191,7 @@ class Serving(Concern):
                     "device's profile)",
                 ),
                 (self.int8_samples >= 1, f"--int8-samples {self.int8_samples} must be at least 1"),
+                (0 <= self.canary <= 1, f"--canary {self.canary:g} must be a share in [0, 1] (0: no canaries)"),
                 (
                     0 <= self.int8_tolerance <= 1,
                     f"--int8-tolerance {self.int8_tolerance:g} must be a fraction in [0, 1] (0.01 = 1 point)",

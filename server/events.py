@@ -32,12 +32,14 @@ from feast_edge.protocol import (
     SecAggReveal,
     SecAggShares,
     Update,
+    VersionReport,
 )
 from feast_edge.server.devices import DeviceBook
 from feast_edge.server.exchange import RoundExchange
 from feast_edge.server.inbox import Inbox
 from feast_edge.server.live import LiveView
 from feast_edge.server.serving import ModelServer
+from feast_edge.server.versions import ServedVersions
 from feast_edge.transport.errors import ProtocolError, TopicError
 from feast_edge.transport.link import Received
 from feast_edge.transport.messages import Message, MessageFilter, Presence, parse
@@ -71,6 +73,7 @@ class Events:
         self.ending = threading.Event()  # set: a stop was requested (server.stopping): a wait for devices ends
         self.exchange: RoundExchange | None = None
         self.models: ModelServer | None = None
+        self.versions: ServedVersions | None = None  # served versions and the devices' reports of them
         self._secure: SecureRound | None = None  # the secure round in flight (--secure-agg), while its stages run
         self.filter = MessageFilter(topics.federation)  # stale rounds and foreign federations
         self._dropped = Throttle(log)  # bad input is logged, a few lines a minute per kind and sender
@@ -196,6 +199,10 @@ class Events:
                 refused = message.values.get("bn_refused")
                 if isinstance(refused, str) and refused:  # the device's own check of its served model (one line)
                     log.warning("%s refused the federated BN statistics: %s", message.device, printable(refused))
+        elif channel == "events" and isinstance(message, VersionReport) and self.versions is not None:
+            dropped = self.versions.on_report(message, self.registry.get(message.device) is not None)
+            if dropped is not None:
+                self.ignore(f"{message.kind} from {message.device}: {dropped}")
         elif channel == "events" and isinstance(message, ModelRequest) and self.models is not None:
             self.models.request(message.device, message.msg_id)
         else:

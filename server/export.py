@@ -128,6 +128,7 @@ def export_device_models(
     int8: Int8Settings = Int8Settings(),
     rule: str = "validated",
     served: Mapping[str, Any] | None = None,
+    model_version: int | None = None,
     trained: Collection[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Export every device's model into ``out/models``; returns the manifests (sorted by device id).
@@ -191,6 +192,8 @@ def export_device_models(
             "rounds": rounds_done,
             # The served weights' round of the run's rounds, and the rule's reason (feast_edge.evaluate.served_round).
             "served_round": dict(served or {"round": rounds_done}),
+            # The served version this file is of (server.versions): the device compares it with the one it runs.
+            **({"model_version": model_version} if model_version else {}),
             "checkpoint": checkpoint,
             "file": path.name,
             "size": len(blob),
@@ -239,6 +242,7 @@ def export_device_variants(
     int8: Int8Settings = Int8Settings(),
     serving: Mapping[str, Serving] | None = None,
     served: Mapping[str, Any] | None = None,
+    model_version: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every device's served variant as weights for the device to export (in the precision ``int8`` gives it); returns
     the manifests. ``serving``: each device's variant by the serving rule (None: its largest affordable).
@@ -299,6 +303,8 @@ def export_device_variants(
             "rounds": rounds_done,
             # The served weights' round of the run's rounds, and the rule's reason (feast_edge.evaluate.served_round).
             "served_round": dict(served or {"round": rounds_done}),
+            # The served version this file is of (server.versions): the device compares it with the one it runs.
+            **({"model_version": model_version} if model_version else {}),
             "checkpoint": checkpoint,
             "file": path.name,
             "size": len(blob),

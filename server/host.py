@@ -36,6 +36,7 @@ from feast_edge.server.registry import Device, Registry
 from feast_edge.space.arch import Arch
 from feast_edge.space.preset import load_preset
 from feast_edge.space.supernet import Supernet
+from feast_edge.versions.book import weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class RunHost:
         """The host's parts; a transport composes the run loop with its environment (:meth:`compose_loop`)."""
         self.config = config
         self.out = Path(config.out)
+        self.served_digest = ""  # SHA-256 of the supernet weights the last export served (feast_edge.versions)
         self.preset = load_preset(config.preset)
         self.cache = load_cache(self.preset, config.cache)
         self.data: ServerData | None = None
@@ -218,10 +220,13 @@ class RunHost:
         model, record = load_supernet(source, self.preset)
         return recorded_variants(self.preset, self.cache, model.state_dict(), record.get("extra_tensors", {}))
 
-    def export_models(self, statistics: Statistics | None = None) -> list[dict[str, Any]]:
+    def export_models(
+        self, statistics: Statistics | None = None, model_version: int | None = None
+    ) -> list[dict[str, Any]]:
         """Every registered device's model (from the best checkpoint if validated, else the last): an ONNX file
         calibrated on the server's data, or, without --data, the variant's weights for the device to export, with the
-        BN statistics ``statistics`` gathers from the devices or for the device to calibrate on its own data."""
+        BN statistics ``statistics`` gathers from the devices or for the device to calibrate on its own data;
+        ``model_version``: the served version the manifests name (server.versions)."""
         source = self.loop.selected_checkpoint()
         if not source.is_file():
             raise ServerError(
@@ -238,7 +243,14 @@ class RunHost:
         last = read_record(self.out / CHECKPOINT).get("fields", {}) if (self.out / CHECKPOINT).is_file() else {}
         served = served_record(int(last.get("round", rounds)), last.get("best") or {})
         log.info("serving %s (of %d rounds)", served["reason"], served["of"])
-        where = dict(federation=self.config.federation, rounds_done=rounds, checkpoint=source.name, served=served)
+        self.served_digest = weights_digest(model.state_dict())
+        where = dict(
+            federation=self.config.federation,
+            rounds_done=rounds,
+            checkpoint=source.name,
+            served=served,
+            model_version=model_version,
+        )
         int8 = Int8Settings(
             self.config.serving.precision, self.config.serving.int8_samples, self.config.serving.int8_tolerance
         )

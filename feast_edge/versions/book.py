@@ -15,6 +15,7 @@ changed what it runs. The file survives restarts; nothing in it is ever rewritte
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import threading
@@ -283,6 +284,13 @@ class VersionBook:
         with self._lock:
             rows = self._db.execute("SELECT event, COUNT(*) AS n FROM events GROUP BY event").fetchall()
         return {r["event"]: int(r["n"]) for r in rows}
+
+
+def weights_digest(state: Mapping[str, Any]) -> str:
+    """The SHA-256 of a state dict's tensors as safetensors writes them (names sorted): a version's weights."""
+    from safetensors.torch import save
+
+    return hashlib.sha256(save({k: v.detach().contiguous() for k, v in state.items()})).hexdigest()
 
 
 def _version(row: sqlite3.Row) -> Version:

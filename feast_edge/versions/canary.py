@@ -79,22 +79,21 @@ def judge_canaries(reports: Mapping[str, Verdict], distrusted: Collection[str] =
         return Promotion(True, f"no canary compared it with a model it runs ({len(reports)} answered)")
     differences = {d: reports[d].difference or 0.0 for d in voters}
     clipped = clipped_differences(differences)
-    regressed = tuple(d for d in voters if -clipped[d] > reports[d].threshold)
+    regressed = tuple(d for d in voters if -clipped[d] > reports[d].threshold)  # what the decision counts
+    own = [d for d in voters if -differences[d] > reports[d].threshold]  # what each canary's own figures say
     falls = ", ".join(
-        f"{d} {100 * (reports[d].old_accuracy or 0):.1f}% -> {100 * (reports[d].new_accuracy or 0):.1f}%"
-        for d in regressed
+        f"{d} {100 * (reports[d].old_accuracy or 0):.1f}% -> {100 * (reports[d].new_accuracy or 0):.1f}%" for d in own
     )
-    bounded = [d for d in voters if clipped[d] != differences[d] and -differences[d] > reports[d].threshold]
-    held = (
-        f"; {', '.join(bounded)}'s regression bounded by the others' (one device alone cannot hold a version)"
-        if bounded
-        else ""
-    )
+    moved = sorted(d for d in voters if (d in regressed) != (d in own))
+    bounded = f"; {', '.join(moved)}'s figures bounded by the others' (one device alone cannot decide)" if moved else ""
     if 2 * len(regressed) > len(voters):
         return Promotion(
-            False, f"held back: it regressed on {len(regressed)} of {len(voters)} canaries ({falls})", voters, regressed
+            False,
+            f"held back: it regressed on {len(own)} of {len(voters)} canaries ({falls}){bounded}",
+            voters,
+            regressed,
         )
-    some = f"; regressed on {len(regressed)} only ({falls})" if regressed else ""
+    some = f"; regressed on {len(own)} only ({falls})" if own else ""
     return Promotion(
-        True, f"promoted: no significant regression on {len(voters)} canaries{some}{held}", voters, regressed
+        True, f"promoted: no significant regression on {len(voters)} canaries{some}{bounded}", voters, regressed
     )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import signal
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
