@@ -170,6 +170,8 @@ class FederationServer(RunHost):
             self, self.book, self.registry.devices, self.devices.supports, self._distrusted, policy,
             lambda: self.served_digest,
         )  # fmt: skip
+        if self.live is not None:
+            self.live.versions = self.book.running
         self.federated = FederatedValidation(
             events.exchange,
             self.devices,

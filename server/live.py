@@ -10,7 +10,7 @@ Nothing here touches a tensor or a secret: names, sizes, states and numbers.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from feast_edge.run.loop import RoundRecord
 from feast_edge.server.registry import Device, Registry
 from feast_edge.space.preset import Preset
 from feast_edge.transport.chunks import Reassembler
+from feast_edge.versions.book import Running
 
 REFRESH_S = 1.0  # the fleet table is re-read from the registry at most this often
 
@@ -79,6 +80,8 @@ class LiveView:
             int, tuple[dict[str, Any], dict[str, Any]]
         ] = {}  # budget -> (variant, envelope) of that budget
         self._last_refresh = float("-inf")
+        # The served version each device runs (server.versions): set by the server once its registry is open.
+        self.versions: Callable[[], Mapping[str, Running]] | None = None
         self._round: int | None = None
         self._traffic: dict[str, dict[str, int]] = {}  # device -> bytes down/up in the round in flight
         self._members: dict[str, str] = {}  # device -> its state in the round in flight
@@ -134,8 +137,12 @@ class LiveView:
             return
         self._last_refresh = now
         online = set(hosts_online)
+        running = {} if self.versions is None else self.versions()
         for device in self.registry.devices():
-            self.state.set_device(device.device_id, **self._device_fields(device, online))
+            fields = self._device_fields(device, online)
+            if device.device_id in running:
+                fields["version"] = running[device.device_id].to_dict()
+            self.state.set_device(device.device_id, **fields)
 
     def tick(self, hosts_online: Iterable[str], uploads: Reassembler | None) -> None:
         """From the server's pump: the fleet table, and how far the cohort's uploads have come (chunks the server holds)."""

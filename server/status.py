@@ -43,6 +43,9 @@ from feast_edge.server.output import OWN_CAPTION, add_fleet_rows, personal_cell,
 from feast_edge.server.registry import Device, Registry
 from feast_edge.server.secure import read_stage, stage_line
 from feast_edge.util.text import duration
+from feast_edge.versions.book import FILENAME as VERSIONS
+from feast_edge.versions.book import VersionBook
+from feast_edge.versions.gate import FIRST, INSTALLED, REFUSED, ROLLED_BACK, UNGATED
 
 
 class StatusError(FeastError):
@@ -65,6 +68,7 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
     finally:
         registry.close()
     now = time.time() if now is None else now
+    versions = read_versions(out)
     fields = read_record(out / CHECKPOINT).get("fields", {}) if (out / CHECKPOINT).is_file() else {}
     config = fields.get("config", {})
     shift = 1 if fields.get("history_format", 1) < HISTORY_FORMAT else 0  # older checkpoints counted rounds from 0
@@ -137,10 +141,60 @@ def read_status(out: str | Path, now: float | None = None) -> dict[str, Any]:
                 "rounds": d.rounds,
                 "profile": d.profile.get("name"),
                 "model": models.get(d.device_id),  # None: no model it calibrated itself
+                # The served version it runs, since when, and its own held-out accuracy on it (None: none yet).
+                "version": _running((versions or {}).get("running", {}).get(d.device_id), now),
             }
             for d in devices
         ],
+        "versions": None if versions is None else {k: v for k, v in versions.items() if k != "running"},
     }
+
+
+def read_versions(out: Path) -> dict[str, Any] | None:
+    """The versions registry of the run in ``out`` (feast_edge.versions.book): its versions, how many installs,
+    refusals and rollbacks, and what each device runs (None: a run from before versions)."""
+    path = out / VERSIONS
+    if not path.is_file():
+        return None
+    book = VersionBook(path, readonly=True)
+    try:
+        versions, counts, running = book.versions(), book.counts(), book.running()
+    finally:
+        book.close()
+    return {
+        "versions": [v.to_dict() for v in versions],
+        "installs": sum(counts.get(k, 0) for k in (INSTALLED, FIRST, UNGATED)),
+        "refusals": counts.get(REFUSED, 0),
+        "rollbacks": counts.get(ROLLED_BACK, 0),
+        "held": sum(v.state == "held" for v in versions),
+        "running": {d: r.to_dict() for d, r in running.items()},
+    }
+
+
+def _running(version: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
+    return None if version is None else {**version, "seconds_since": max(0.0, now - version["since"])}
+
+
+def versions_line(state: dict[str, Any]) -> str:
+    """``versions: 3; the newest, 3 (round 12): promoted: ...; 10 installs, 2 refusals, 1 rollback, 0 held back``."""
+    newest = state["versions"][-1] if state["versions"] else None
+    about = (
+        ""
+        if newest is None
+        else f"; the newest, {newest['number']} (round {newest['round']}): {newest['state']}"
+        + (f" ({newest['state_reason']})" if newest["state_reason"] else "")
+    )
+    return (
+        f"versions: {len(state['versions'])}{about}; {state['installs']} installs, {state['refusals']} refusals, "
+        f"{state['rollbacks']} rollbacks, {state['held']} held back"
+    )
+
+
+def _version_cell(version: dict[str, Any] | None) -> str:
+    if version is None:
+        return "-"
+    accuracy = "" if version.get("accuracy") is None else f", own {100 * version['accuracy']:.1f}%"
+    return f"{version['version']} (since {ago(version['seconds_since'])}{accuracy})"
 
 
 def asynchronous_status(
@@ -255,6 +309,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         f"devices: {status['online']} of {len(status['devices'])} online",
         *([FleetAccuracy(**own).words()] if own else []),
         *([privacy_line(status["privacy"])] if status.get("privacy") else []),
+        *([versions_line(status["versions"])] if status.get("versions") else []),
         *(f"class coverage: {line}" for line in status.get("coverage_warnings", [])),
     ]
 
@@ -267,6 +322,8 @@ def status_table(status: dict[str, Any]) -> Table:
     columns = ["device", "host", "status", "last seen", "budget", "precision", "samples", "rounds", "profile"]
     jobs = status.get("asynchronous")
     columns += ["staleness"] if jobs else []
+    versions = status.get("versions") is not None
+    columns += ["version"] if versions else []
     for col in columns + (["own acc, served", "own acc, personal"] if own else []):
         table.add_column(
             col,
@@ -286,6 +343,7 @@ def status_table(status: dict[str, Any]) -> Table:
             str(d["rounds"]),
             d["profile"] or "-",
             *([] if not jobs else [_staleness_cell(jobs, d["device"])]),
+            *([] if not versions else [_version_cell(d.get("version"))]),
             *([] if not own else ["-", "-"] if model is None else [served_cell(model), personal_cell(model)]),
             end_section=own and i == len(status["devices"]) - 1,
         )

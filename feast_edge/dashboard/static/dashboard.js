@@ -141,6 +141,12 @@
       const seen = cell(tr, null, "seen");
       if (isNumber(d.last_seen)) seen.setAttribute("data-seen", String(d.last_seen));
       cell(tr, isNumber(d.rounds) ? d.rounds : null, "num");
+      const ver = d.version;
+      const runs = ver && isNumber(ver.version)
+        ? [String(ver.version), isNumber(ver.accuracy) ? "own " + fixed(ver.accuracy, 0.01, 1) + "%" : null].filter(Boolean).join(", ")
+        : null;
+      const vcell = cell(tr, runs, "version");
+      if (ver && isNumber(ver.since)) vcell.setAttribute("title", "since " + new Date(ver.since * 1000).toLocaleString());
       const u = d.last_upload;
       const upload = u ? [u.status, u.reason ? "(" + u.reason + ")" : null, isNumber(u.round) ? "round " + u.round : null,
         isNumber(u.staleness) ? "staleness " + u.staleness : null].filter(Boolean).join(" ") : null;
