@@ -10,7 +10,6 @@ from feast_edge.aggregate.server_opt import DEPLOYMENT_OPT, ServerOpt
 from feast_edge.aggregate.weights import DEFAULT_WEIGHT_RATIO
 from feast_edge.errors import FeastError
 from feast_edge.evaluate.bn_robust import BN_RULES, DEFAULT_BN_RULE
-from feast_edge.evaluate.coverage import SERVING_RULES
 from feast_edge.evaluate.federated import DEFAULT_VAL_RULE, VAL_RULES
 from feast_edge.local.recipe import TrainConfig
 from feast_edge.privacy.local import LocalDp
@@ -19,6 +18,7 @@ from feast_edge.protocol.secure import MAX_HOLDERS, MAX_SECURE_COHORT
 from feast_edge.run.checkpoint import read_record
 from feast_edge.run.loop import CHECKPOINT
 from feast_edge.secagg.protocol import degree_for
+from feast_edge.server.serving_concern import Serving
 from feast_edge.settings import Aggregation, Concern, Population, Privacy, SettingsError, Training, Validation, flat
 from feast_edge.settings.concerns import (
     Schedule,
@@ -32,7 +32,6 @@ from feast_edge.settings.nested import changed, check, flat_types, of, setting
 from feast_edge.settings.run_concerns import RunConcerns
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
 from feast_edge.transport.frames import DEFAULT_CHUNK_SIZE
-from feast_edge.versions.canary import DEFAULT_SHARE
 
 KIND = "federation"
 # A field's key in the stored config and fingerprint, where it differs from the field's name: runs from before the
@@ -44,7 +43,6 @@ class ServerError(FeastError):
     """The server cannot start, resume or continue with the given settings."""
 
 
-SERVED_PRECISIONS = ("auto", "fp32", "int8")  # --precision: auto = the precision each device registered
 BN_CALIBRATIONS = ("federated", "device")  # where a server without data has its served variants' BN calibrated
 
 
@@ -142,59 +140,6 @@ class FederatedChecks(Validation):
                 (
                     self.bn_calibration in BN_CALIBRATIONS,
                     f"--bn-calibration {self.bn_calibration!r} must be one of {', '.join(BN_CALIBRATIONS)}",
-                ),
-            ]
-        )
-
-
-@dataclass(frozen=True)
-class Serving(Concern):
-    """Which variant each device is served, and in which precision."""
-
-    serving_rule: str = setting(
-        "validated",
-        help="Which variant a device is served: validated (its largest affordable, unless a smaller affordable one "
-        "is clearly better on the federation's validation: by 2 points and 2 standard errors) or largest "
-        "(method §8's largest affordable, whatever validation says).",
-    )
-    # auto: the precision of each device's registration (feast_edge.evaluate.quantize).
-    precision: str = setting(
-        "auto",
-        help="Precision of the served ONNX files: auto (each device's, as its profile was measured), fp32, or int8 "
-        "(onnxruntime static quantization on the server's calibration split, or on each device's own data).",
-    )
-    int8_samples: int = setting(256, min=1, help="Images that set an int8 file's activation ranges.")
-    canary: float = setting(
-        DEFAULT_SHARE,
-        min=0,
-        max=1,
-        help="Share of the devices a new served version goes to first (at least one per budget tier), each comparing "
-        "it with the model it runs; the others get it only if these canaries do not regress (0: every device at once; "
-        'docs/server.md, "Versions").',
-    )
-    int8_tolerance: float = setting(
-        0.01,
-        help="Accuracy an int8 file may lose against float32 on held-out data (0.01 = 1 point); past it, the float32 "
-        "file is kept.",
-    )
-
-    def __post_init__(self) -> None:
-        check(
-            [
-                (
-                    self.serving_rule in SERVING_RULES,
-                    f"--serving-rule {self.serving_rule!r} must be one of {', '.join(SERVING_RULES)}",
-                ),
-                (
-                    self.precision in SERVED_PRECISIONS,
-                    f"--precision {self.precision!r} must be one of {', '.join(SERVED_PRECISIONS)} (auto: each "
-                    "device's profile)",
-                ),
-                (self.int8_samples >= 1, f"--int8-samples {self.int8_samples} must be at least 1"),
-                (0 <= self.canary <= 1, f"--canary {self.canary:g} must be a share in [0, 1] (0: no canaries)"),
-                (
-                    0 <= self.int8_tolerance <= 1,
-                    f"--int8-tolerance {self.int8_tolerance:g} must be a fraction in [0, 1] (0.01 = 1 point)",
                 ),
             ]
         )
