@@ -82,28 +82,17 @@ def test_a_corrupt_shard_file_is_refused(partition: Path, tmp_path: Path) -> Non
 @pytest.mark.slow  # a feast-agent process timing ONNX variants
 def test_profile_command_measures_this_device_and_writes_a_usable_profile(kit, tmp_path: Path) -> None:
     out = tmp_path / "here.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "feast_edge.agent.cli",
-            "profile",
-            "--out",
-            str(out),
-            "--variants",
-            "3",
-            "--repeats",
-            "3",
-            "--name",
-            "ci-host",
-            "--latency-target-ms",
-            "100000",
-        ],
-        cwd=kit.REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    for _ in range(3):  # the profiler refuses timings made noisy by other work on these cores, as it should: again
+        result = subprocess.run(
+            [sys.executable, "-m", "feast_edge.agent.cli", "profile", "--out", str(out), "--variants", "3",
+             "--repeats", "3", "--name", "ci-host", "--latency-target-ms", "100000"],
+            cwd=kit.REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )  # fmt: skip
+        if "dominated by noise" not in result.stderr:
+            break
     assert result.returncode == 0, result.stderr
     from feast_edge.budget.profile import load_profile
     from feast_edge.cache.variants import load_cache

@@ -262,15 +262,22 @@ def test_profile_device_on_cpu_is_consistent(fmnist: Preset, cache: VariantCache
     assert "held out" in text and "error" in text and "onnxruntime" in text
 
 
+def _profiled(**settings):
+    """``profile_device`` on this (shared, perhaps loaded) machine: its noise check may refuse timings that other
+    work on the same cores made decrease with MACs, as it should; measured again up to twice then."""
+    for attempt in range(3):
+        try:
+            return profile_device("fmnist-small", "cpu", **settings)
+        except ProfileError as exc:
+            if "dominated by noise" not in str(exc) or attempt == 2:
+                raise
+
+
 def test_profile_device_times_pytorch_eager_on_request(cache: VariantCache) -> None:
-    profile = profile_device(
-        "fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=2, holdout=0, runtime="torch", name="eager"
-    )
+    profile = _profiled(latency_target_ms=1e4, variants=2, repeats=2, holdout=0, runtime="torch", name="eager")
     assert profile.runtime.startswith("PyTorch ") and "eager" in profile.runtime and not profile.holdout
     assert [m for m, _ in profile.measurements] == [cache.smallest.macs, cache.largest.macs]
-    one = profile_device(
-        "fmnist-small", "cpu", latency_target_ms=1e4, variants=2, repeats=1, holdout=1, runtime="torch", name="one"
-    )
+    one = _profiled(latency_target_ms=1e4, variants=2, repeats=1, holdout=1, runtime="torch", name="one")
     assert [m for m, _ in one.holdout] == [
         cache.entries[1 + (len(cache) - 3) // 2].macs
     ]  # one held out: the middle of the rest
