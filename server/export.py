@@ -129,6 +129,7 @@ def export_device_models(
     rule: str = "validated",
     served: Mapping[str, Any] | None = None,
     model_version: int | None = None,
+    version_report: str = "figures",
     trained: Collection[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Export every device's model into ``out/models``; returns the manifests (sorted by device id).
@@ -192,8 +193,9 @@ def export_device_models(
             "rounds": rounds_done,
             # The served weights' round of the run's rounds, and the rule's reason (feast_edge.evaluate.served_round).
             "served_round": dict(served or {"round": rounds_done}),
-            # The served version this file is of (server.versions): the device compares it with the one it runs.
-            **({"model_version": model_version} if model_version else {}),
+            # The served version this file is of (server.versions): the device compares it with the one it runs and
+            # reports its decision with the paired counts ("figures"), or under DP its decision alone ("decision").
+            **({"model_version": model_version, "version_report": version_report} if model_version else {}),
             "checkpoint": checkpoint,
             "file": path.name,
             "size": len(blob),
@@ -243,6 +245,7 @@ def export_device_variants(
     serving: Mapping[str, Serving] | None = None,
     served: Mapping[str, Any] | None = None,
     model_version: int | None = None,
+    version_report: str = "figures",
 ) -> list[dict[str, Any]]:
     """Every device's served variant as weights for the device to export (in the precision ``int8`` gives it); returns
     the manifests. ``serving``: each device's variant by the serving rule (None: its largest affordable).
@@ -303,8 +306,9 @@ def export_device_variants(
             "rounds": rounds_done,
             # The served weights' round of the run's rounds, and the rule's reason (feast_edge.evaluate.served_round).
             "served_round": dict(served or {"round": rounds_done}),
-            # The served version this file is of (server.versions): the device compares it with the one it runs.
-            **({"model_version": model_version} if model_version else {}),
+            # The served version this file is of (server.versions): the device compares it with the one it runs and
+            # reports its decision with the paired counts ("figures"), or under DP its decision alone ("decision").
+            **({"model_version": model_version, "version_report": version_report} if model_version else {}),
             "checkpoint": checkpoint,
             "file": path.name,
             "size": len(blob),

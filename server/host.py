@@ -250,6 +250,7 @@ class RunHost:
             checkpoint=source.name,
             served=served,
             model_version=model_version,
+            version_report="figures" if self.config.federated_statistics else "decision",
         )
         int8 = Int8Settings(
             self.config.serving.precision, self.config.serving.int8_samples, self.config.serving.int8_tolerance

@@ -38,7 +38,7 @@ from feast_edge.server.registry import Device
 from feast_edge.util.text import printable
 from feast_edge.versions.book import OFFERED, Version, VersionBook
 from feast_edge.versions.canary import draw_canaries, judge_canaries
-from feast_edge.versions.gate import FIRST, ROLLED_BACK, UNGATED
+from feast_edge.versions.gate import FIRST, INSTALLED, REFUSED, ROLLED_BACK, UNGATED
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,13 @@ class ServedVersions:
         waiting = [d for d in version.canaries if d not in answers and (d in online or d not in offered)]
         if waiting and time.time() - version.created < self.policy.wait:
             return
-        reports = {d: answers[d].verdict() for d in version.canaries if d in answers}
+        # Only comparisons vote: a canary that ran no model installed it without one (its figures are the version's
+        # accuracy alone).
+        reports = {
+            d: answers[d].verdict()
+            for d in version.canaries
+            if d in answers and answers[d].event in (INSTALLED, REFUSED)
+        }
         promotion = judge_canaries(reports, self.distrusted())
         silent = f"; no answer from {', '.join(waiting)}" if waiting else ""
         state = "promoted" if promotion.promote else "held"

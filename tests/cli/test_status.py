@@ -322,3 +322,42 @@ def test_status_names_the_classes_a_personal_model_was_tuned_to(server_cli, tmp_
     )
     assert models["jetson-shirts"]["personal_tuned"] == TUNED_WORDS
     assert (models["pi-5"]["personal_classes"], models["pi-5"]["personal_tuned"]) == (None, "")
+
+
+def test_status_shows_each_devices_running_version_since_when_and_its_own_accuracy_on_it(
+    server_cli, run_dir: Path
+) -> None:
+    from feast_edge.versions.book import VersionBook
+    from feast_edge.versions.gate import from_counts
+
+    book = VersionBook(run_dir / "versions.sqlite")
+    book.add(round=1, reason="round 1: the first validated round", weights_sha256="a" * 64, state="direct")
+    book.add(round=2, reason="round 2: the newest", weights_sha256="b" * 64, state="canary", canaries=("pi-5",))
+    for device in ("pi-5", "nano"):
+        book.record(device, 1, "offered")
+        book.record(device, 1, "first", running=1, figures={"accuracy": 0.5})
+    book.record("pi-5", 2, "offered")
+    book.record("pi-5", 2, "refused", figures=from_counts(50, 20, 40, 0, 20).figures(), running=1, reason="worse")
+    book.decide(2, "held", "held back: it regressed on 1 of 1 canaries (pi-5 80.0% -> 40.0%)")
+    book.record("nano", 2, "offered")
+    book.record("nano", 2, "installed", figures=from_counts(40, 30, 28, 4, 2).figures(), running=2)
+    book.close()
+    status = json.loads(server_cli.invoke("status", "--out", str(run_dir), "--json").stdout)
+    versions = status["versions"]
+    assert [v["number"] for v in versions["versions"]] == [1, 2] and versions["versions"][1]["state"] == "held"
+    assert (versions["installs"], versions["refusals"], versions["rollbacks"], versions["held"]) == (3, 1, 0, 1)
+    running = {d["device"]: d["version"] for d in status["devices"]}
+    assert running["nano"]["version"] == 2 and running["nano"]["accuracy"] == 0.75  # 30 of its 40 held-out examples
+    assert running["pi-5"]["version"] == 1 and running["pi-5"]["accuracy"] == 0.5  # it kept version 1
+    text = server_cli.invoke("status", "--out", str(run_dir)).stdout
+    assert (
+        "versions: 2; the newest, 2 (round 2): held (held back: it regressed on 1 of 1 canaries (pi-5 80.0% -> "
+        "40.0%)); 3 installs, 1 refusals, 0 rollbacks, 1 held back"
+    ) in " ".join(text.split())
+    assert re.fullmatch(r"2 \(since \d+ s ago, own 75\.0%\)", _row(text, "nano")[-1])
+
+
+def test_status_of_a_run_from_before_versions_has_no_versions(server_cli, run_dir: Path) -> None:
+    status = json.loads(server_cli.invoke("status", "--out", str(run_dir), "--json").stdout)
+    assert status["versions"] is None and all(d["version"] is None for d in status["devices"])
+    assert "versions:" not in server_cli.invoke("status", "--out", str(run_dir)).stdout
