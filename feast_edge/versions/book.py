@@ -271,6 +271,9 @@ class VersionBook:
                 continue
             if e.event != ROLLED_BACK:
                 installed[(e.device, e.version)] = e
+            elif e.running is None:  # back to a model from before this run's versions
+                out.pop(e.device, None)
+                continue
             now = e.running if e.running is not None else e.version
             source = installed.get((e.device, now))
             figures = source.figures if source is not None else {}

@@ -135,3 +135,12 @@ def test_the_weights_digest_is_the_tensors_not_their_order() -> None:
     b = {"y": torch.zeros(2), "x": torch.ones(3)}
     assert weights_digest(a) == weights_digest(b)
     assert weights_digest(a) != weights_digest({"x": torch.ones(3), "y": torch.ones(2)})
+
+
+def test_a_device_rolled_back_to_a_model_from_before_the_runs_versions_runs_none_of_them() -> None:
+    book = VersionBook(":memory:")
+    book.add(round=2, reason="r2", weights_sha256="c" * 64, state="direct")
+    book.record("d", 1, "installed", figures=_verdict(300, 320).figures(), running=1)
+    assert book.running()["d"].version == 1 and book.running()["d"].accuracy == 0.64
+    book.record("d", 1, ROLLED_BACK, running=None)
+    assert "d" not in book.running()
