@@ -12,7 +12,8 @@ each device installs it only if not worse on its own held-out split (feast_edge.
                           (feast_edge.versions.canary: the liar bound, the devices the served-round rule distrusts
                           left out), else held back with the reason
     everyone              a promoted version is offered to every online device that has not been offered it; a held
-                          one only to devices that run no model (nothing to regress from). Each device decides
+                          one, or one whose canaries are still deciding, only to devices that run no model of this
+                          run (nothing to regress from). Each device decides
     no canaries           --canary 0, a finite run (mid-run versions go to late joiners only, as before; the others get
                           the final one), under DP (a canary's paired figures are held-out statistics the DP
                           guarantee does not cover: devices still decide for themselves, and report their decision
@@ -234,11 +235,12 @@ class ServedVersions:
         version = self.book.version(version.number) or version
         offered = self.book.offered(version.number)
         running = self.book.running()
+        # A device that runs no model of this run is offered the newest version at once, whatever its state: it has
+        # nothing to regress from (one that runs a model from elsewhere still compares it with that one).
+        targets = {d for d in eligible if d not in running}
         if version.state == "canary":
-            targets = {d for d in version.canaries if d in set(self.server.online_devices())}
-        elif version.state == "held":
-            targets = {d for d in eligible if d not in running}
-        else:
+            targets |= {d for d in version.canaries if d in set(self.server.online_devices())}
+        elif version.state != "held":
             targets = eligible
         targets = {d for d in targets - offered if running.get(d) is None or running[d].version != version.number}
         if not targets:

@@ -13,8 +13,8 @@ device only if the canaries do not regress.
     promoted     unless more than half of the voters regressed (the served-round rule's majority); no voter: promoted
                  when the canaries have had their time (they installed a first model, or did not answer)
 
-A held-back version is still offered to devices that run no model yet (they have nothing to regress from). Pure
-functions, so a restarted server decides the same from its registry.
+A device that runs no model yet is offered the newest version at once, whatever its state (it has nothing to regress
+from). Pure functions, so a restarted server decides the same from its registry.
 """
 
 from __future__ import annotations
