@@ -34,6 +34,7 @@ def fill(state: DashboardState, model_dir: Path) -> DashboardState:
         last_seen=now - 3,
         rounds=2,
         last_upload={"round": 2, "status": "accepted", "reason": None},
+        version={"version": 3, "since": now - 120, "accuracy": 0.8125, "examples": 64},
     )
     state.set_device(
         "jetson",

@@ -45,6 +45,9 @@ def test_a_filled_state_renders_and_updates_live(
         and jetson.find_element("css selector", "td.budget").text == "2.79"
     )
     assert [row.find_element("css selector", "td.precision").text for row in (pi, jetson)] == ["int8", "fp32"]
+    # The served version each device runs and its own held-out accuracy on it; none yet on the jetson.
+    assert [row.find_element("css selector", "td.version").text for row in (pi, jetson)] == ["3, own 81.3%", "–"]
+    assert pi.find_element("css selector", "td.version").get_attribute("title").startswith("since ")
     assert pi.find_elements("css selector", "td.online") and jetson.find_elements("css selector", "td.offline")
     assert "late (after the deadline)" in jetson.text
     member = driver.find_element("css selector", '#round-members tr[data-device="pi-5"]')
