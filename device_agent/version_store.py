@@ -318,8 +318,9 @@ class VersionStore:
         keep = {held.current, held.previous.seq if held.previous is not None else None}
         dropped = [v for v in held.versions if v.files and v.seq not in keep]
         versions = tuple(v if v.seq in keep or not v.files else replace(v, files={}) for v in held.versions)
-        if len(versions) > KEEP_RECORDS:
-            old = {v.seq for v in versions[: len(versions) - KEEP_RECORDS]} - keep
+        if len(versions) > KEEP_RECORDS:  # the oldest records go, never the current or previous version's
+            rest = [v.seq for v in versions if v.seq not in keep]
+            old = set(rest[: len(versions) - KEEP_RECORDS])
             versions = tuple(v for v in versions if v.seq not in old)
         held = replace(held, versions=versions)
         self._write(held)
