@@ -2,9 +2,8 @@
 version's files, refusals keep a record only, the history is bounded, and a power loss at any point of an install or a
 rollback leaves a complete model once the store is opened again.
 
-The files are real files with the layout the agent writes (an ONNX file and its manifest holding its SHA-256, a
-personal pair naming the served file's hash); their bytes are not models: the store never reads a model, it moves and
-verifies files.
+The files are real files with the layout the agent writes (tests/versionfiles.py); their bytes are not models: the
+store never reads a model, it moves and verifies files.
 """
 
 from __future__ import annotations
@@ -15,12 +14,13 @@ import os
 from pathlib import Path
 
 import pytest
+from versionfiles import receive, write_model
 
 import feast_edge.agent.version_store as store_module
 from feast_edge.agent.held_versions import ADOPTED, FORMAT, HeldVersion, StoreError
 from feast_edge.agent.version_store import VersionStore
 from feast_edge.util.atomic import atomic_write_bytes
-from feast_edge.versions.gate import INSTALLED, REFUSED
+from feast_edge.versions.gate import REFUSED
 
 DEVICE = "jetson"
 
@@ -30,29 +30,11 @@ class PowerLoss(Exception):
 
 
 def _write_model(folder: Path, payload: bytes, version: int | None, personal: bytes | None = None) -> None:
-    """A served model's files as the agent writes them into ``folder`` (and a personal pair when given)."""
-    onnx = folder / f"{DEVICE}.onnx"
-    onnx.write_bytes(payload)
-    served = hashlib.sha256(payload).hexdigest()
-    manifest = {"sha256": served, "federation": "lab", "rounds": 7, **({"model_version": version} if version else {})}
-    (folder / f"{DEVICE}.json").write_text(json.dumps(manifest))
-    if personal is not None:
-        (folder / f"{DEVICE}.personal.onnx").write_bytes(personal)
-        about = {"sha256": hashlib.sha256(personal).hexdigest(), "served_sha256": served}
-        (folder / f"{DEVICE}.personal.json").write_text(json.dumps(about))
-
-
-def _record(version: int | None, decision: str = INSTALLED) -> HeldVersion:
-    return HeldVersion(seq=0, federation="lab", version=version, round=7, rounds=7, decision=decision, at=1.0e9)
+    write_model(folder, DEVICE, payload, version, personal)
 
 
 def _receive(store: VersionStore, payload: bytes, version: int, *, install: bool = True, personal=None) -> HeldVersion:
-    """What install_gate does around its decision: a folder, the prepared files, recover, commit."""
-    folder = store.begin()
-    _write_model(folder, payload, version, personal)
-    with store.locked():
-        store.recover()
-        return store.commit(folder, _record(version, INSTALLED if install else REFUSED), install=install)
+    return receive(store, payload, version, install=install, personal=personal)
 
 
 def _in_place(model_dir: Path) -> bytes:
@@ -223,9 +205,11 @@ def test_a_second_process_waits_for_the_lock_and_is_told_why_it_gave_up(tmp_path
     store = VersionStore(tmp_path, DEVICE)
     with store.locked():
         other = VersionStore(tmp_path, DEVICE)
-        with pytest.raises(StoreError, match="another feast-agent is changing the versions of jetson"):
-            with other.locked(wait=0.3):
-                pass
+        with (
+            pytest.raises(StoreError, match="another feast-agent is changing the versions of jetson"),
+            other.locked(wait=0.3),
+        ):
+            pass
     with VersionStore(tmp_path, DEVICE).locked(wait=0.3):
         pass  # released
 
