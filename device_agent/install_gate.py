@@ -40,7 +40,7 @@ from feast_edge.personalize.select import Choice
 from feast_edge.protocol import ModelReady, VersionReport
 from feast_edge.protocol.limits import MAX_REASON
 from feast_edge.space.preset import Preset
-from feast_edge.versions.gate import FIRST, INSTALLED, Verdict, judge
+from feast_edge.versions.gate import FIRST, INSTALLED, REFUSED, Verdict, judge
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +148,9 @@ def _decide(
     manifest, device = message.manifest, message.device
     version = manifest_version(manifest)
     current = store.in_place()
-    new = correctness(candidate, data.holdout_images, data.holdout_labels, threads) if data.holdout else None
-    verdict, reason = _verdict(version, current, store.served, new, data, threads)
-    tested = correctness(candidate, data.test_images, data.test_labels, threads) if data.test_samples else None
+    new, unusable = _measured(candidate, data.holdout_images, data.holdout_labels, threads)
+    verdict, reason = _verdict(version, current, store.served, new, unusable, data, threads)
+    tested, _ = _measured(candidate, data.test_images, data.test_labels, threads)  # after the decision, apart
     install = verdict is None or verdict.install
     record = store.commit(
         folder,
@@ -195,17 +195,32 @@ def _decide(
     return Outcome(record, verdict, running, values, store.served if now is not None else None)
 
 
+def _measured(
+    path: Path, images: torch.Tensor, labels: torch.Tensor, threads: int | None
+) -> tuple[np.ndarray | None, str]:
+    """The candidate's per-example correctness on ``images`` (None: no examples), or why it cannot run on them."""
+    if not len(labels):
+        return None, ""
+    try:
+        return correctness(path, images, labels, threads), ""
+    except FeastError as exc:
+        return None, str(exc)
+
+
 def _verdict(
     version: int | None,
     current: HeldVersion | None,
     served: Path,
     new: np.ndarray | None,
+    unusable: str,
     data: LocalClient,
     threads: int | None,
 ) -> tuple[Verdict | None, str]:
     """The gate's verdict on the candidate (None: a model without a version, installed as before) and its reason."""
     if version is None:
         return None, NO_VERSION
+    if unusable:  # a model that cannot classify this device's examples is no version it can run
+        return Verdict(False, REFUSED), f"refused: it cannot run on this device's held-out examples ({unusable})"
     if current is None:
         verdict = Verdict(True, FIRST)
         return verdict, verdict.words()

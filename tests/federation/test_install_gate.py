@@ -34,11 +34,14 @@ from feast_edge.evaluate.onnx_export import export_onnx
 from feast_edge.evaluate.predict import evaluate, load_model
 from feast_edge.personalize.select import Choice
 from feast_edge.protocol import Metrics, ModelReady, VersionReport
+from feast_edge.space.arch import Arch
 from feast_edge.space.geometry import arch_layout
+from feast_edge.space.preset import load_preset
 from feast_edge.space.static import StaticResNet
 from feast_edge.transport.frames import describe
 from feast_edge.transport.messages import parse
 from feast_edge.versions.gate import FIRST, INSTALLED, REFUSED, from_counts
+from strategies import TINY_PRESET
 
 DEVICE, FED = "jetson", "lab"
 MACS = load_cache(PRESET).entries[0].macs
@@ -208,6 +211,19 @@ def test_a_server_exported_onnx_file_passes_the_same_gate(lab: Lab, tmp_path) ->
     assert first.metrics["personal_method"] == ""  # no weights to personalize, as before
     refused = _receive(*_onnx(lab.bad, 2, server), models, lab.device)
     assert refused.record.decision == REFUSED and refused.verdict.old_correct > 2 * refused.verdict.new_correct
+    assert _sha(models / f"{DEVICE}.onnx") == _sha(server / "server-1.onnx")
+
+    # A file of another task (1x16x16, 5 classes) cannot classify the device's images: refused, with the reason.
+    other = load_preset(str(TINY_PRESET))
+    arch = Arch.smallest(other)
+    path = server / "other-task.onnx"
+    export_onnx(StaticResNet(arch_layout(other, arch)).eval(), path, other, arch)
+    blob = path.read_bytes()
+    foreign = _receive(
+        blob, _message(blob, {"sha256": _sha(path), "federation": FED, "model_version": 3}), models, lab.device
+    )
+    assert foreign.record.decision == REFUSED and foreign.running == 1
+    assert "cannot run on this device's held-out examples" in foreign.report(FED, 0, DEVICE).reason
     assert _sha(models / f"{DEVICE}.onnx") == _sha(server / "server-1.onnx")
 
 
