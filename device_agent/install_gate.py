@@ -14,6 +14,9 @@ model the device runs on its own held-out split, installed only if not worse.
     tell         a ``version_report`` with the figures, then the metrics of what the device runs (the agent sends both)
 
 A manifest without ``model_version`` (a server before versions) is installed as before: no comparison, no report.
+A manifest whose ``version_report`` is ``"decision"`` (a server under differential privacy: held-out counts would
+leave the device unnoised) gets the decision alone: the report's counts are 0 and its reason names no figure, and the
+metrics add no accuracy the preparation did not already report. The device decides on its figures all the same.
 The int8 file and a server-exported ONNX file pass the same gate: both are ONNX files by then.
 """
 
@@ -48,6 +51,11 @@ COUNTS = ("examples", "new_correct", "old_correct", "new_only", "old_only")  # t
 NO_VERSION = (
     "the server's manifest carries no model_version (a server before versions): installed as before, not compared"
 )
+DECISION_ONLY = "decision"  # manifest version_report: the server asks for the decision without its figures (DP)
+WITHHELD = {
+    INSTALLED: "installed: not worse than the running model on its held-out split",
+    REFUSED: "refused: worse than the running model on its held-out split",
+}
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class Outcome:
     running: int
     metrics: dict[str, Any]
     served: Path | None
+    figures: bool = True  # whether the paired counts go to the server (False: the decision alone, under DP)
 
     def report(self, federation: str, round: int, device: str) -> VersionReport | None:
         """The ``version_report`` the server reads (None for a model without a version)."""
@@ -72,9 +81,16 @@ class Outcome:
             version=self.record.version,
             decision=self.verdict.decision,
             running=self.running,
-            reason=self.record.reason[:MAX_REASON],
-            **{k: int(getattr(self.verdict, k)) for k in COUNTS},
+            reason=told_reason(self.record.reason, self.verdict, self.figures)[:MAX_REASON],
+            **{k: int(getattr(self.verdict, k)) if self.figures else 0 for k in COUNTS},
         )
+
+
+def told_reason(reason: str, verdict: Verdict | None, figures: bool) -> str:
+    """What the server is told of a decision's reason: the whole of it, or without figures under ``figures=False``."""
+    if figures or verdict is None or not verdict.examples:  # nothing compared: the reason holds no figure
+        return reason
+    return f"{WITHHELD[verdict.decision]} (figures withheld: the server asks for the decision alone)"
 
 
 def correctness(
@@ -152,6 +168,7 @@ def _decide(
     verdict, reason = _verdict(version, current, store.served, new, unusable, data, threads)
     tested, _ = _measured(candidate, data.test_images, data.test_labels, threads)  # after the decision, apart
     install = verdict is None or verdict.install
+    figures = manifest.get("version_report") != DECISION_ONLY
     record = store.commit(
         folder,
         HeldVersion(
@@ -180,7 +197,7 @@ def _decide(
     )
     if install:
         log.info("%s installed %s: %s%s", device, describe(record), reason, test_words)
-        values = _installed_metrics(metrics, record, manifest)
+        values = _installed_metrics(metrics, record, manifest, figures)
     else:
         keeps = describe(now) if now is not None else "the model it runs"
         log.info("%s refused %s: %s; it keeps %s%s", device, describe(record), reason, keeps, test_words)
@@ -189,10 +206,10 @@ def _decide(
             "model_round": manifest.get("rounds", 0),
             "model_version": version,
             "model_decision": record.decision,
-            "model_refused": reason[:300],
+            "model_refused": told_reason(reason, verdict, figures)[:300],
             "model_running_version": running,
         }
-    return Outcome(record, verdict, running, values, store.served if now is not None else None)
+    return Outcome(record, verdict, running, values, store.served if now is not None else None, figures)
 
 
 def _measured(
@@ -234,15 +251,19 @@ def _verdict(
     return verdict, verdict.words()
 
 
-def _installed_metrics(metrics: dict[str, Any], record: HeldVersion, manifest: dict[str, Any]) -> dict[str, Any]:
+def _installed_metrics(
+    metrics: dict[str, Any], record: HeldVersion, manifest: dict[str, Any], figures: bool
+) -> dict[str, Any]:
     """What the server learns of an installed version: the prepared model's metrics as before, with its version and
-    decision, its held-out accuracy where the preparation measured none (a server-exported file) and its test
-    accuracy."""
+    decision, and (unless the server asks for the decision alone) its held-out accuracy where the preparation measured
+    none (a server-exported file) and its test accuracy."""
     values = dict(metrics)
     values.setdefault("model_round", manifest.get("rounds", 0))
     values["model_decision"] = record.decision
     if record.version is not None:
         values["model_version"] = record.version
+    if not figures:
+        return values
     if "holdout_accuracy" not in values and record.holdout_accuracy is not None:
         values.update(holdout_accuracy=record.holdout_accuracy, holdout_samples=record.holdout_examples)
     if record.test_accuracy is not None:

@@ -185,6 +185,21 @@ def test_the_test_split_is_apart_from_training_and_the_held_out_split_and_never_
     assert refused.record.decision == REFUSED and refused.record.test_accuracy > 0.5
 
 
+def test_under_dp_the_server_hears_the_decision_alone_and_the_device_decides_on_its_figures_all_the_same(
+    lab: Lab, tmp_path
+) -> None:
+    _receive(*_weights(lab.good, 1, version_report="decision"), tmp_path, lab.device)
+    refused = _receive(*_weights(lab.bad, 2, version_report="decision"), tmp_path, lab.device)
+    installed = _receive(*_weights(lab.good, 3, version_report="decision"), tmp_path, lab.device)
+    for outcome, decision in ((refused, REFUSED), (installed, INSTALLED)):
+        sent = parse(outcome.report(FED, 0, DEVICE).encode())
+        assert sent.decision == decision and (sent.examples, sent.new_correct, sent.old_correct) == (0, 0, 0)
+        assert "%" not in sent.reason and "figures withheld" in sent.reason
+        assert outcome.record.figures["examples"] == lab.device.holdout  # decided on them, kept on the device
+    assert "%" not in refused.metrics["model_refused"] and "test_accuracy" not in installed.metrics
+    assert refused.record.test_accuracy is not None  # measured and recorded on the device, not sent
+
+
 def test_a_manifest_without_model_version_is_installed_as_before_without_a_report(lab: Lab, tmp_path) -> None:
     _receive(*_weights(lab.good, 1), tmp_path, lab.device)
     older = _receive(*_weights(lab.bad, None), tmp_path, lab.device)  # an older server: no model_version
