@@ -7,7 +7,7 @@ reader finds it.
     {model_dir}/versions/{device}/state.json                        what the device holds (written atomically)
 
 ``seq`` numbers what this device received (1, 2, ...); the server's own version number, the round, the decision and
-its figures are in the record. Files are kept for the current version and the previous installed one (what
+its figures are in the record (``held_versions``: the records and what a manifest says of its version). Files are kept for the current version and the previous installed one (what
 ``feast-agent rollback`` goes back to); a refused candidate's files and older versions' are deleted, their records kept
 (the last KEEP_RECORDS).
 
