@@ -90,3 +90,17 @@ def test_shares_that_leave_too_little_to_train_on_are_refused_with_the_fix() -> 
         client.with_holdout(0.5, test=0.5)
     with pytest.raises(DataError, match="--test-split"):
         client.with_holdout(0.1, test=-0.2)
+
+
+def test_feast_agent_run_refuses_shares_that_leave_too_little_to_train_on_before_it_connects(
+    tmp_path: Path, agent_cli
+) -> None:
+    for i, name in enumerate(("Trouser", "Bag") * 3):  # two of fmnist-small's classes, the preset run loads
+        folder = tmp_path / "cam" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (28, 28), np.uint8)).save(folder / f"{i}.png")
+    result = agent_cli.invoke(
+        "run", "--data", str(tmp_path / "cam"), "--budget", "1M", "--device-id", "cam", "--insecure",
+        "--broker", "mqtt://127.0.0.1:1", "--holdout", "0.5", "--test-split", "0.5", "--log-level", "warning",
+    )  # fmt: skip
+    agent_cli.assert_user_error(result, "--holdout 0.5 and --test-split 0.5 leave 0% of the examples to train on")
