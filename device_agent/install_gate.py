@@ -87,9 +87,12 @@ class Outcome:
 
 
 def told_reason(reason: str, verdict: Verdict | None, figures: bool) -> str:
-    """What the server is told of a decision's reason: the whole of it, or without figures under ``figures=False``."""
-    if figures or verdict is None or not verdict.examples:  # nothing compared: the reason holds no figure
+    """What the server is told of a decision's reason: what the figures it receives do not say already ('' when they
+    say it all: it words them itself), and never a figure under ``figures=False``."""
+    if verdict is None or not verdict.examples:  # nothing compared: the reason holds no figure
         return reason
+    if figures:
+        return "" if reason == verdict.words() else reason
     return f"{WITHHELD[verdict.decision]} (figures withheld: the server asks for the decision alone)"
 
 
@@ -206,7 +209,7 @@ def _decide(
             "model_round": manifest.get("rounds", 0),
             "model_version": version,
             "model_decision": record.decision,
-            "model_refused": told_reason(reason, verdict, figures)[:300],
+            "model_refused": (reason if figures else told_reason(reason, verdict, figures))[:300],
             "model_running_version": running,
         }
     return Outcome(record, verdict, running, values, store.served if now is not None else None, figures)
