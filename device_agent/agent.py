@@ -11,7 +11,8 @@ the client seed, the affordable variants and the training settings
 The pieces, one job each: ``inbox.py`` (paho's thread: parse and queue),
 ``registration.py`` (registrations, the server's presence, the federation's
 end), ``client_round.py`` (one client's round around ``step.train``), ``downloads.py``
-(waiting for a transfer), ``model_files.py`` (a pushed model). This module
+(waiting for a transfer), ``model_files.py`` (a pushed model), ``install_gate.py`` (installed only if not worse
+than the one it runs; ``version_store.py`` holds the versions). This module
 wires them and runs the loop: paho's network thread only parses and queues; the
 agent's own thread (the caller of :meth:`Agent.run`) handles the queue, trains
 and uploads, so a long local epoch never stalls acknowledgements, nacks or
@@ -114,10 +115,13 @@ class Agent:
         self.inbox.subscribe(self.link, self.clients, self.config.host, self.registration.say_online)
         if self.config.model_dir is not None:
             Path(self.config.model_dir).mkdir(parents=True, exist_ok=True)
+            self._recover_versions()
         self.link.connect(timeout=timeout)
         classes = len(self.preset.task.classes)
         hosting = ", ".join(
-            f"{d} ({c.data.samples} samples + {c.data.holdout} held out, {len(c.data.classes_present)} of the task's "
+            f"{d} ({c.data.samples} samples + {c.data.holdout} held out"
+            + (f" + {c.data.test_samples} for testing" if c.data.test_samples else "")
+            + f", {len(c.data.classes_present)} of the task's "
             f"{classes} classes, {c.budget_macs / 1e6:.2f}M MACs)"
             for d, c in self.clients.items()
         )
@@ -308,24 +312,44 @@ class Agent:
             self._models.append(message)
 
     def _receive_model(self, message: ModelReady) -> None:
-        from feast_edge.agent.model_files import receive_pushed_model  # onnxruntime only once a model comes
+        """Prepare a pushed model as a version, install it only if not worse (install_gate), tell the server."""
+        from feast_edge.agent.install_gate import receive_version  # onnxruntime only once a model comes
+        from feast_edge.agent.model_files import pushed_blob
 
         assert self.config.model_dir is not None
         client = self.clients[message.device]
-        kept = receive_pushed_model(
+        blob = pushed_blob(message, client.downloads, stop=self.stop.is_set)
+        if blob is None:
+            return
+        outcome = receive_version(
+            blob,
             message,
-            client.downloads,
             self.config.model_dir,
-            stop=self.stop.is_set,
             data=client.data,
             preset=self.preset,
+            federation=self.config.federation,
             personalize=self.personalize,
             torch_device=self.config.torch_device,
             threads=self.config.threads or 0,  # the latency is timed on one thread unless --threads fixes them
         )
-        if kept is not None:
-            client.model_path, values = kept
-            self._metrics(message.device, values)
+        if outcome is None:
+            return
+        client.model_path = outcome.served
+        report = outcome.report(self.config.federation, self.current_round, message.device)
+        if report is not None:
+            self.link.publish(self.topics.events(message.device), report.encode())
+        self._metrics(message.device, outcome.metrics)
+
+    def _recover_versions(self) -> None:
+        """Before anything else: each client's current model complete and its own (version_store.recover)."""
+        from feast_edge.agent.version_store import VersionStore
+
+        assert self.config.model_dir is not None
+        for device in self.clients:
+            with self._guarded(f"the model versions of {device}"):
+                store = VersionStore(self.config.model_dir, device)
+                with store.locked():
+                    store.recover(sweep=True)
 
     # ------------------------------------------------------------------ callbacks of the inbox and the round runner
     def _expect_announced(self, device_id: str, message: RoundStart | ModelReady | RoutedRequest) -> None:

@@ -1,4 +1,5 @@
-"""``feast-agent``: profile this device, take part in a federation, fetch this device's ONNX model and use it.
+"""``feast-agent``: profile this device, take part in a federation, fetch this device's ONNX model and use it, list
+the model versions it holds and roll back one.
 
 User errors (unreachable broker, wrong credentials, refused registration,
 missing data, a budget below the smallest variant, a silent server) print one
@@ -20,6 +21,7 @@ from feast_edge.agent.fetch_cli import fetch_model_command
 from feast_edge.agent.identity import DeviceIdOpt, identity
 from feast_edge.agent.profiles_cli import profiles_command
 from feast_edge.agent.threads import profile_threads, use_threads
+from feast_edge.agent.versions_cli import TestSplitOpt, models_command, rollback_command
 from feast_edge.cli import common, inference
 from feast_edge.errors import FeastError
 from feast_edge.transport.broker import LinkConfig
@@ -117,6 +119,7 @@ def run(
             "0 of shards and Fashion-MNIST).",
         ),
     ] = None,
+    test_split: TestSplitOpt = 0.0,
     rescan: Annotated[
         float,
         typer.Option(
@@ -240,7 +243,17 @@ def run(
 
     task = load_preset(preset or (loaded.preset if loaded is not None else None) or "fmnist-small").task
     with lazy_stage(console, "decoding images") as progress:
-        hosted = load_clients(data, device_id, clients, shard, offset, task=task, holdout=holdout, progress=progress)
+        hosted = load_clients(
+            data,
+            device_id,
+            clients,
+            shard,
+            offset,
+            task=task,
+            holdout=holdout,
+            progress=progress,
+            test_split=test_split,
+        )
     if link.credentials is not None and [c.device_id for c in hosted] != [device_id]:
         raise FeastError(
             f"--credentials make this agent device {device_id!r} alone, but --data/--clients give it {len(hosted)} clients "
@@ -416,6 +429,8 @@ app.command("profiles")(profiles_command)
 app.command("fetch-model")(threaded(fetch_model_command))
 app.command("predict")(threaded(inference.predict))
 app.command("evaluate")(threaded(inference.evaluate))
+app.command("models")(models_command)
+app.command("rollback")(rollback_command)
 
 
 def main() -> None:

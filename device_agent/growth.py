@@ -36,9 +36,11 @@ class Grown:
 
     def describe(self) -> str:
         b, a = self.before, self.after
+        tests = f" + {a.test_samples} test" if a.test_samples or b.test_samples else ""
+        was = f" + {b.test_samples}" if tests else ""
         return (
-            f"{self.device_id}: {a.samples} training + {a.holdout} held-out images "
-            f"(was {b.samples} + {b.holdout}; {len(a.classes_present)} classes)"
+            f"{self.device_id}: {a.samples} training + {a.holdout} held-out{tests} images "
+            f"(was {b.samples} + {b.holdout}{was}; {len(a.classes_present)} classes)"
         )
 
 

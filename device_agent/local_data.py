@@ -18,6 +18,11 @@ federation stays bit-identical to ``feast-edge simulate``). An image folder's or
 their content (``content_split``: an image never changes sides as the folder grows); the others by a per-class
 draw over positions (``holdout_split``, as before).
 
+With ``--test-split`` a further share is kept apart as a test split: never trained on and never used to decide whether
+a served model is installed, only to measure each version the device receives (``feast_edge.agent.install_gate``).
+It is cut after the held-out split, the same way (``content_bands``: the band above the held-out one; else a seeded
+per-class draw from the training examples left). Without it (the default) every split is exactly as before.
+
 A client that holds the whole of an image folder or manifest (no ``--shard``, one client) records where it came
 from (:class:`Growing`): the agent picks up the images added to it between rounds (``feast_edge.agent.growth``).
 """
@@ -34,7 +39,7 @@ import torch
 
 from feast_edge.cache.variants import VariantCache
 from feast_edge.data.decode import Progress
-from feast_edge.data.holdout import content_split, holdout_split
+from feast_edge.data.holdout import TEST_SEED, check_splits, content_bands, content_split, holdout_split
 from feast_edge.data.images import DataError, load_fashion_mnist
 from feast_edge.data.loaded import LoadedData
 from feast_edge.data.sources import GROWING, detect_kind, load_data
@@ -44,6 +49,7 @@ from feast_edge.space.preset import Preset
 
 SHARD_SEED = 0  # the permutation behind --shard i/N; fixed so every agent cuts the same way
 OWN_DATA_HOLDOUT = 0.1  # the default held-out share of a device's own data
+MAX_SHARE = 0.9  # the largest share one per-class draw takes (feast_edge.data.holdout.MAX_HOLDOUT)
 _EMPTY_IMAGES = torch.empty(0, dtype=torch.uint8)
 
 
@@ -55,6 +61,7 @@ class Growing:
     task: Task
     fraction: float  # its held-out share (content_split)
     key: str  # the listing it holds (LoadedData.key): a rescan with another key reads the folder again
+    test: float = 0.0  # its test share (--test-split: content_bands)
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ class LocalClient:
     holdout_images: torch.Tensor = _EMPTY_IMAGES  # uint8 [H, C, H, W]: held out, never trains (possibly empty)
     holdout_labels: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # int64 [H]
     growing: Growing | None = None  # the folder it holds whole (None: a shard, a release, a cut of a folder)
+    test_images: torch.Tensor = _EMPTY_IMAGES  # uint8: the test split (--test-split), never trained, never decides
+    test_labels: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
     @property
     def samples(self) -> int:
@@ -81,13 +90,22 @@ class LocalClient:
         return int(self.holdout_labels.shape[0])
 
     @property
+    def test_samples(self) -> int:
+        return int(self.test_labels.shape[0])
+
+    @property
     def classes_present(self) -> tuple[int, ...]:
         """The task indices of the classes this client holds (training or held out), ascending."""
         return tuple(int(c) for c in torch.unique(torch.cat([self.labels, self.holdout_labels])).tolist())
 
-    def with_holdout(self, fraction: float, seed: int = 0, *, by_content: bool = False) -> LocalClient:
+    def with_holdout(
+        self, fraction: float, seed: int = 0, *, by_content: bool = False, test: float = 0.0
+    ) -> LocalClient:
         """This client with a per-class ``fraction`` of its examples moved to the held-out split: drawn per class over
-        positions (``holdout_split``), or, ``by_content``, each example by its pixels and class (``content_split``)."""
+        positions (``holdout_split``), or, ``by_content``, each example by its pixels and class (``content_split``);
+        ``test``: a further share moved to the test split (see the module docstring)."""
+        if test:
+            return self._with_test(fraction, seed, by_content, test)
         train, held = (
             content_split(self.images, self.labels, fraction)
             if by_content
@@ -101,6 +119,25 @@ class LocalClient:
             labels=self.labels[train],
             holdout_images=self.images[held],
             holdout_labels=self.labels[held],
+        )
+
+    def _with_test(self, fraction: float, seed: int, by_content: bool, test: float) -> LocalClient:
+        check_splits(fraction, test)
+        if by_content:
+            train, held, tested = content_bands(self.images, self.labels, fraction, test)
+        else:
+            train, held = holdout_split(self.labels, fraction, seed)
+            # Of what is left for training, the share that makes ``test`` of all the examples.
+            rest, picked = holdout_split(self.labels[train], min(MAX_SHARE, test / (1 - fraction)), TEST_SEED)
+            train, tested = train[rest], train[picked]
+        return replace(
+            self,
+            images=self.images[train],
+            labels=self.labels[train],
+            holdout_images=self.images[held],
+            holdout_labels=self.labels[held],
+            test_images=self.images[tested],
+            test_labels=self.labels[tested],
         )
 
 
@@ -126,11 +163,13 @@ def load_clients(
     task: Task | None = None,
     holdout: float | None = None,
     progress: Progress | None = None,
+    test_split: float = 0.0,
 ) -> list[LocalClient]:
     """The clients an agent hosts, read from ``data`` (see the module docstring).
 
     ``task``: the federation's task (needed for an image folder, manifest or CIFAR folder);
     ``holdout``: the held-out share of each client's examples (None: 0.1 of the device's own data, else 0);
+    ``test_split``: the share of each client's examples kept apart as its test split (0: none);
     ``progress(done, total)``: called while images are decoded.
     """
     path = Path(data)
@@ -149,7 +188,7 @@ def load_clients(
             )
         s = read_shard(path)
         hosted = [LocalClient(device_id, s.images, s.labels, s.budget_macs, s.preset, s.preset_digest, str(path))]
-        return _held_out(hosted, holdout, 0.0)
+        return _held_out(hosted, holdout, 0.0, test=test_split)
     if is_partition(path):
         if shard is not None:
             raise DataError(
@@ -175,7 +214,7 @@ def load_clients(
                     str(path / str(entry["file"])),
                 )
             )
-        return _held_out(hosted, holdout, 0.0)
+        return _held_out(hosted, holdout, 0.0, test=test_split)
     kind = detect_kind(path)
     if kind == "fashion-mnist":
         train = load_fashion_mnist(path, "train")  # today's tensors exactly: the federation matches simulate
@@ -185,7 +224,8 @@ def load_clients(
             raise ValueError(f"load_clients: --data {path} is a {kind}; pass the federation's task (task=preset.task)")
         own = load_data(path, task, split="train", progress=progress)
         if kind in GROWING and shard is None and (clients or 1) == 1:
-            return [own_client(device_id, own, Growing(str(path), task, _fraction(holdout, OWN_DATA_HOLDOUT), own.key))]
+            fraction = _fraction(holdout, OWN_DATA_HOLDOUT)
+            return [own_client(device_id, own, Growing(str(path), task, fraction, own.key, test_split))]
         images, labels, source, default = own.images, own.labels, own.source, OWN_DATA_HOLDOUT
     i, n = parse_shard(shard) if shard is not None else (0, 1)
     order = np.random.default_rng(SHARD_SEED).permutation(len(labels))
@@ -203,13 +243,13 @@ def load_clients(
             index = torch.from_numpy(piece.astype(np.int64))
             client_images, client_labels = images[index], labels[index]
         hosted.append(LocalClient(cid, client_images, client_labels, None, None, None, where))
-    return _held_out(hosted, holdout, default, by_content=kind in GROWING)
+    return _held_out(hosted, holdout, default, by_content=kind in GROWING, test=test_split)
 
 
 def own_client(device_id: str, data: LoadedData, growing: Growing) -> LocalClient:
     """The client holding the whole of an image folder or manifest, its images held out by content."""
     client = LocalClient(device_id, data.images, data.labels, None, None, None, data.source, growing=growing)
-    return client.with_holdout(growing.fraction, by_content=True)
+    return client.with_holdout(growing.fraction, by_content=True, test=growing.test)
 
 
 def _fraction(holdout: float | None, default: float) -> float:
@@ -217,9 +257,9 @@ def _fraction(holdout: float | None, default: float) -> float:
 
 
 def _held_out(
-    hosted: list[LocalClient], holdout: float | None, default: float, *, by_content: bool = False
+    hosted: list[LocalClient], holdout: float | None, default: float, *, by_content: bool = False, test: float = 0.0
 ) -> list[LocalClient]:
-    return [c.with_holdout(_fraction(holdout, default), by_content=by_content) for c in hosted]
+    return [c.with_holdout(_fraction(holdout, default), by_content=by_content, test=test) for c in hosted]
 
 
 def client_budgets(

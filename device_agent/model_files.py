@@ -87,12 +87,20 @@ def keep_pushed_model(
     }
 
 
-def receive_pushed_model(
+def pushed_blob(
+    message: ModelReady, downloads: Downloads, stop: Callable[[], bool], timeout: float = 120.0
+) -> bytes | None:
+    """Wait for the model announced by ``message``; None (logged) if it did not arrive."""
+    blob = downloads.wait(TransferInfo.from_dict(message.transfer), time.monotonic() + timeout, abandon=stop)
+    if blob is None:
+        log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", message.device)
+    return blob
+
+
+def prepare_pushed_model(
+    blob: bytes,
     message: ModelReady,
-    downloads: Downloads,
-    model_dir: str | os.PathLike[str],
-    stop: Callable[[], bool],
-    timeout: float = 120.0,
+    folder: str | os.PathLike[str],
     *,
     data: LocalClient,
     preset: Preset,
@@ -100,15 +108,12 @@ def receive_pushed_model(
     torch_device: str = "cpu",
     threads: int = 0,
 ) -> tuple[Path, dict[str, Any]] | None:
-    """Wait for the model announced by ``message`` and keep it: an ONNX file as it is (:func:`keep_pushed_model`), a
-    variant's weights calibrated on ``data`` first (``on_device.calibrate_served_variant``, which also writes the
-    personal model when ``personalize`` is given); None (logged) if unusable. ``threads``: --threads."""
-    blob = downloads.wait(TransferInfo.from_dict(message.transfer), time.monotonic() + timeout, abandon=stop)
-    if blob is None:
-        log.error("the model of %s did not arrive; fetch it with feast-agent fetch-model", message.device)
-        return None
+    """Keep a pushed model in ``folder`` (a version's own, feast_edge.agent.version_store): an ONNX file as it is
+    (:func:`keep_pushed_model`), a variant's weights calibrated on ``data`` first (``on_device.calibrate_served_variant``,
+    which also writes the personal model when ``personalize`` is given); its served file's path and the metrics to
+    report, or None (logged) if unusable. ``threads``: --threads."""
     if message.manifest.get("calibration") not in ("device", "federated"):
-        kept = keep_pushed_model(blob, message, model_dir, threads)
+        kept = keep_pushed_model(blob, message, folder, threads)
         if kept is not None and personalize is not None and personalize.method != "off":
             # An ONNX file the server exported (it holds data): the device has no weights to personalize.
             why = "the server exported this model as ONNX (it holds data): personalization needs the variant's weights, which a server without data sends"
@@ -121,7 +126,7 @@ def receive_pushed_model(
             message.manifest,
             data,
             preset,
-            Path(model_dir) / f"{message.device}.onnx",
+            Path(folder) / f"{message.device}.onnx",
             personalize=personalize,
             torch_device=torch_device,
             threads=threads,

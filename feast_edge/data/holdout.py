@@ -4,6 +4,11 @@ Two rules. :func:`content_split` (a device's own image folder or manifest, which
 stable function of its content and class alone, so an image never changes sides as the folder grows. :func:`holdout_split`
 (shard files, partitions, Fashion-MNIST and CIFAR folders, which do not grow): a per-class draw over positions, exactly
 as before, so ``feast-edge simulate`` and the federations that match it stay bit-identical.
+
+A test split (``feast-agent run --test-split``) is cut the same two ways, after the held-out split and apart from it:
+:func:`content_bands` puts an image in it when its draw falls in ``[holdout, holdout + test)`` (the band above the
+held-out one, so a growing folder never moves an image between the three), and a positional source draws it per class
+from the examples left for training, with its own seed (``TEST_SEED``). Without a test split nothing changes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from feast_edge.data.images import DataError
 
 MAX_HOLDOUT = 0.9
+TEST_SEED = 0x7E57  # the per-class draw of a positional source's test split (the held-out draw's seed is 0)
 
 
 def holdout_split(
@@ -78,6 +84,31 @@ def content_split(
     _check(fraction)
     held = content_draws(images, labels) < float(fraction)
     return torch.from_numpy(np.flatnonzero(~held)), torch.from_numpy(np.flatnonzero(held))
+
+
+def content_bands(
+    images: torch.Tensor | np.ndarray, labels: torch.Tensor | np.ndarray, holdout: float, test: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(train_index, holdout_index, test_index)``, sorted int64 positions: an example is held out iff its
+    :func:`content_draws` value is below ``holdout`` (exactly :func:`content_split`), in the test split iff it is in
+    ``[holdout, holdout + test)``; stable as a folder grows, like :func:`content_split`."""
+    check_splits(holdout, test)
+    draws = content_draws(images, labels)
+    held, tested = draws < float(holdout), (draws >= float(holdout)) & (draws < float(holdout) + float(test))
+    train = ~(held | tested)
+    return tuple(torch.from_numpy(np.flatnonzero(m)) for m in (train, held, tested))  # type: ignore[return-value]
+
+
+def check_splits(holdout: float, test: float) -> None:
+    """Both shares valid, and enough left to train on (their sum at most MAX_HOLDOUT)."""
+    _check(holdout)
+    if not isinstance(test, (int, float)) or not 0.0 <= float(test) <= MAX_HOLDOUT:
+        raise DataError(f"--test-split {test!r} must be a fraction between 0 and {MAX_HOLDOUT}, e.g. --test-split 0.1")
+    if float(holdout) + float(test) > MAX_HOLDOUT + 1e-12:
+        raise DataError(
+            f"--holdout {holdout:g} and --test-split {test:g} leave {100 * (1 - holdout - test):.0f}% of the examples "
+            f"to train on; keep their sum at most {MAX_HOLDOUT}"
+        )
 
 
 def _check(fraction: float) -> None:

@@ -4,7 +4,8 @@ Imports run one way (STYLE.md): core (``feast_edge.*``, ``feast_edge.profiles``)
 <- transport (``feast_edge.transport``) <- protocol (``feast_edge.protocol``)
 <- apps (``feast_edge.server``, ``feast_edge.agent``) <- console scripts; Flower's adapter (``feast_edge.flower``)
 has its records at the protocol layer and its ServerApp / ClientApp beside the server and the agent
-(``feast_edge.cli``, ``feast_edge.server.cli``, ``feast_edge.agent.cli`` with ``fetch_cli``, ``profiles_cli`` and ``identity``).
+(``feast_edge.cli``, ``feast_edge.server.cli``, ``feast_edge.agent.cli`` with ``fetch_cli``, ``profiles_cli``, ``versions_cli``
+and ``identity``).
 Every import counts, including those inside functions.
 """
 
@@ -31,6 +32,7 @@ AGENT_CONSOLE = (
     "feast_edge.agent.fetch_cli",
     "feast_edge.agent.profiles_cli",
     "feast_edge.agent.identity",
+    "feast_edge.agent.versions_cli",
 )  # feast-agent's commands beside its cli.py
 FLOWER_APPS = ("feast_edge.flower.serverapp", "feast_edge.flower.clientapp")  # the Flower ServerApp and ClientApp
 MAX_LINES = 450  # "no module much over 400 lines": past 450 a module holds more than one job
