@@ -367,8 +367,10 @@ class FederationServer(RunHost):
     def announce_models(self, manifests: list[dict[str, Any]]) -> list[str]:
         """Push each online device its model (ModelReady + chunks), recorded as offers of the version it is; returns
         the devices served."""
-        sent = self.models.push(manifests, self.online_devices())
-        self.versions.record_offers(manifests, sent)
+        # A device offered this version already (mid-run) is not sent it again: it compared or installed it then.
+        fresh = [m for m in manifests if m["device"] not in self.versions.offered_already(m)]
+        sent = self.models.push(fresh, self.online_devices())
+        self.versions.record_offers(fresh, sent)
         return sent
 
     def await_device_models(

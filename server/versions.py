@@ -121,7 +121,8 @@ class ServedVersions:
             latest = self._export(served, latest, new)
             if latest is None:
                 return
-        self._decide(latest)
+        for waiting in self.book.versions(state="canary"):  # a newer version does not end an older one's canaries
+            self._decide(waiting)
         self._offer(latest, eligible)
 
     def final(self, served: Served) -> int:
@@ -249,6 +250,11 @@ class ServedVersions:
         if sent:
             log.info("offered version %d (round %d) to %s", version.number, version.round, ", ".join(sent))
 
+    def offered_already(self, manifest: dict[str, Any]) -> set[str]:
+        """The devices the version ``manifest`` carries was offered to (empty: a manifest without a version)."""
+        number = manifest.get("model_version")
+        return self.book.offered(number) if isinstance(number, int) else set()
+
     def record_offers(self, manifests: list[dict[str, Any]], sent: list[str]) -> None:
         """Record that ``sent`` were offered the versions their ``manifests`` carry; an agent that cannot refuse one
         installs it as it comes (``ungated``)."""
@@ -274,6 +280,8 @@ class ServedVersions:
         device = message.device
         if not registered:
             return "not a registered device"
+        if not self.supports(device, MODEL_VERSIONS):
+            return "its agent registered without the model-versions feature (it installs what it is sent)"
         version = self.book.version(message.version)
         if version is None:
             return f"no version {message.version} was served"

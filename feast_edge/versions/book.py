@@ -206,9 +206,11 @@ class VersionBook:
             row = self._db.execute("SELECT * FROM versions WHERE number = ?", (number,)).fetchone()
         return None if row is None else _version(row)
 
-    def versions(self) -> list[Version]:
+    def versions(self, state: str | None = None) -> list[Version]:
+        """Every version, or those in ``state``, oldest first."""
+        where, args = ("WHERE state = ?", (state,)) if state is not None else ("", ())
         with self._lock:
-            rows = self._db.execute("SELECT * FROM versions ORDER BY number").fetchall()
+            rows = self._db.execute(f"SELECT * FROM versions {where} ORDER BY number", args).fetchall()
         return [_version(r) for r in rows]
 
     def latest(self) -> Version | None:
