@@ -56,16 +56,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from _records import write_record  # noqa: E402
+from _records import write_record
 
-from feast_edge.data.images import FASHION_MNIST_DIR  # noqa: E402
-from feast_edge.run.checkpoint import load_supernet  # noqa: E402
-from feast_edge.run.loop import BEST  # noqa: E402
-from feast_edge.sim.config import SimulationConfig  # noqa: E402
-from feast_edge.sim.setup import build_setup  # noqa: E402
-from feast_edge.sim.simulate import Simulation  # noqa: E402
-from feast_edge.sim.versions import Installed, SimulatedVersions, measured_accuracy, outcomes, served_network  # noqa: E402
-from feast_edge.versions.gate import FIRST  # noqa: E402
+from feast_edge.data.images import FASHION_MNIST_DIR
+from feast_edge.run.checkpoint import load_supernet
+from feast_edge.run.loop import BEST
+from feast_edge.sim.config import SimulationConfig
+from feast_edge.sim.setup import build_setup
+from feast_edge.sim.simulate import Simulation
+from feast_edge.sim.versions import Installed, SimulatedVersions, measured_accuracy, outcomes, served_network
 
 TIERS = (2e6, 6e6, 15e6, 40e6)
 STRATEGIES = ("gate", "no-gate", "one-shot", "restart")
@@ -78,7 +77,7 @@ def say(text: str) -> None:
 def config(args: argparse.Namespace, **changes: object) -> SimulationConfig:
     rounds = args.days * args.rounds_per_day
     budgets = tuple(TIERS[i * len(TIERS) // args.clients] for i in range(args.clients))
-    base = dict(
+    base = dict(  # noqa: C408 (the settings by key, as SimulationConfig.of takes them)
         data_dir=str(FASHION_MNIST_DIR),
         preset="fmnist-small",
         clients=args.clients,
