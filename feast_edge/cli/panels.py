@@ -36,6 +36,7 @@ PANELS = {
     "schedule": "Rounds: synchronous or buffered asynchronous",
     "timing": "Virtual clock",
     "secure": "Secure aggregation",
+    "versions": "Versions",
 }
 
 

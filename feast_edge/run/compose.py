@@ -19,8 +19,8 @@ feature is one setting, one module and one hook here.
               -> environment.secure_sums(...)   --secure-agg: per-segment sums over the environment's transport
               -> environment.timed(...)         synchronous rounds: the environment's clock (a simulation's virtual one)
 
-The environment's ``before_release`` runs before every release (synchronous or asynchronous) and its ``resumed``
-after a resume. Nothing patches a built loop: a new scheduler, policy or wrapper is one branch here and one module
+The environment's ``before_release`` runs before every release (synchronous or asynchronous), its ``resumed``
+after a resume and its ``served`` when the served round changes (the simulation's versions, feast_edge.sim.versions). Nothing patches a built loop: a new scheduler, policy or wrapper is one branch here and one module
 (CONTRIBUTING.md, "Where a change goes").
 """
 
@@ -122,6 +122,6 @@ def compose(host: HostParts, environment: Environment, settings: RunConcerns) ->
         scheduler=scheduler,
         policy=policy,
         collector=collector,
-        hooks=Hooks(before_release=environment.before_release, resumed=environment.resumed),
+        hooks=Hooks(before_release=environment.before_release, resumed=environment.resumed, served=environment.served),
         fingerprint_of=host.fingerprint_of,
     )

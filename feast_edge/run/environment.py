@@ -76,6 +76,9 @@ class Environment(Protocol):
     def resumed(self, history: Sequence[RoundRecord]) -> None:
         """The run resumed with ``history`` (its clock, the messages it may ignore, its live view)."""
 
+    def served(self, record: RoundRecord) -> None:
+        """The served round changed to ``record``'s (the model holds the served weights while this runs)."""
+
 
 class Plain:
     """An environment's defaults: the collector as it is, no secure transport, no asynchronous jobs, no hooks (a
@@ -99,4 +102,7 @@ class Plain:
         return None
 
     def resumed(self, history: Sequence[RoundRecord]) -> None:
+        return None
+
+    def served(self, record: RoundRecord) -> None:
         return None

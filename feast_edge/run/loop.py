@@ -75,10 +75,13 @@ class Validator(Protocol):
 @dataclass(frozen=True)
 class Hooks:
     """What an environment does around the loop's steps (feast_edge.run.environment): ``before_release`` before every
-    release, synchronous or asynchronous (e.g. choose the server's threads); ``resumed(history)`` after a resume."""
+    release, synchronous or asynchronous (e.g. choose the server's threads); ``resumed(history)`` after a resume;
+    ``served(record)`` when the served round changed to ``record``'s, the model holding the served weights (a new
+    version, feast_edge.sim.versions)."""
 
     before_release: Callable[[], None] = lambda: None
     resumed: Callable[[list[RoundRecord]], None] = lambda history: None
+    served: Callable[[RoundRecord], None] = lambda record: None
 
 
 class RunLoop:
@@ -303,6 +306,7 @@ class RunLoop:
             if self.choose_served(record):
                 with loaded(self.model, self.average.mean if record.average_of else None):
                     self.save(BEST)  # the chosen candidate's weights: the mean, where it was chosen
+                    self.hooks.served(record)
             if self.horizon is None:  # without an end, older rounds keep their figures only (feast_edge.run.retention)
                 retain(self.history)
             self.save(CHECKPOINT)

@@ -39,6 +39,7 @@ from feast_edge.settings.concerns import (
 )
 from feast_edge.settings.nested import changed, check, flat_types, key_of, of, setting
 from feast_edge.settings.shared import CACHE, PRESET, ROUND_TIMEOUT, SEED
+from feast_edge.settings.versions import ModelVersions
 from feast_edge.sim.growth import over_time_checks, over_time_refusals
 from feast_edge.sim.registry import method_class
 
@@ -77,6 +78,13 @@ class ClientPopulation(Population):
     shard_growth: float = setting(
         0.0, min=0.0, help="Share of its training examples a client gains each round after it joins, up to all."
     )
+    drift_clients: int = setting(
+        0,
+        min=0,
+        help="Clients (seeded) whose class mix drifts: the examples their shards grow by come class after class, in a "
+        "seeded order of the classes, and their held-out and test examples are those of the classes they hold so far "
+        "(needs --shard-start below 1).",
+    )
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -107,7 +115,7 @@ class ClientPopulation(Population):
 @dataclass(frozen=True)
 class ClientValidation(Validation):
     """Who validates (checkpoint selection): the server's held split, or the cohort's held-out splits (a server
-    without data: the served-round rule, feast_edge.evaluate.served_round)."""
+    without data: the served-round rule, feast_edge.evaluate.served_round), some of which may lie."""
 
     validate_on: str = setting(
         "server",
@@ -115,12 +123,24 @@ class ClientValidation(Validation):
         "tests the model on its own held-out split, as devices do for a server without data, and the served round "
         "is the newest without a regression on their served variants (needs --holdout).",
     )
+    lying_validators: int = setting(
+        0,
+        min=0,
+        help="With --validate-on devices: clients (seeded) whose reported held-out figures are false: 100 % at their "
+        "first validation, 0 % after, and every new version a regression when they are its canaries "
+        "(feast_edge.sim.device_validation).",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.validate_on not in VALIDATE_ON:
             raise SettingsError(
                 f"--validate-on {self.validate_on!r} is unknown; choose one of {', '.join(VALIDATE_ON)}"
+            )
+        if self.lying_validators and self.validate_on != "devices":
+            raise SettingsError(
+                f"--lying-validators {self.lying_validators}: only devices report validation figures; add "
+                "--validate-on devices"
             )
 
 
@@ -131,6 +151,13 @@ class Personalization(Concern):
     # auto, off, METHOD or METHOD:STRENGTH
     personalize: str = "off"
     holdout: float = 0.0  # each client's held-out share of its shard (never trains), which personalize measures on
+    test_split: float = setting(
+        0.0,
+        min=0.0,
+        max=MAX_HOLDOUT,
+        help="Each client's share of its shard set apart per class before its held-out split: never trained on, "
+        "never validated or gated on; only the installed models are measured on it (--versions).",
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -140,6 +167,11 @@ class Personalization(Concern):
         if isinstance(self.holdout, bool) or not 0.0 <= self.holdout <= MAX_HOLDOUT:
             raise SettingsError(
                 f"--holdout {self.holdout!r} must be a fraction between 0 and {MAX_HOLDOUT}, e.g. --holdout 0.1"
+            )
+        if isinstance(self.test_split, bool) or not 0.0 <= self.test_split <= MAX_HOLDOUT - self.holdout:
+            raise SettingsError(
+                f"--test-split {self.test_split!r} must be a fraction between 0 and {MAX_HOLDOUT} less --holdout "
+                f"({self.holdout:g}), e.g. --test-split 0.1"
             )
 
 
@@ -228,6 +260,7 @@ class SimulationConfig:
     schedule: Schedule = field(default_factory=Schedule)
     timing: Timing = field(default_factory=Timing)
     secure: SecureAggregation = field(default_factory=SecureAggregation)
+    versions: ModelVersions = field(default_factory=ModelVersions)
 
     @classmethod
     def of(cls, **settings: Any) -> SimulationConfig:
@@ -286,6 +319,15 @@ class SimulationConfig:
             *continuous_refusals(self),
             (not (self.training.continuous and self.timing.compute_budget), "--continuous with --compute-budget: "
              "the budget is a horizon; drop one of them"),
+            (not self.versions.versions or self.validation.validate_on == "devices", "--versions: each device gates "
+             "a version on its own held-out split; add --validate-on devices (and --holdout)"),
+            (not self.versions.versions or self.schedule.mode == "sync", "--versions follows the served round of "
+             "synchronous rounds; drop --mode async"),
+            (self.population.drift_clients <= self.population.clients, (f"--drift-clients "
+             f"{self.population.drift_clients} is more than --clients {self.population.clients}")),
+            (self.validation.lying_validators < self.population.clients, (f"--lying-validators "
+             f"{self.validation.lying_validators} must leave an honest client of --clients "
+             f"{self.population.clients}")),
         ]  # fmt: skip
         for ok, message in refusals:
             if not ok:
@@ -399,6 +441,10 @@ class SimulationConfig:
         skip |= set(_fields_of(self.secure)) if not self.secure.secure_agg else set()  # recorded where on
         skip |= set(_fields_of(self.timing)) if self.schedule.mode == "sync" and not self.timing.decides else set()
         skip |= set() if self.population.over_time else set(OVER_TIME)  # recorded where clients join or shards grow
+        skip |= {"drift_clients"} if not self.population.drift_clients else set()  # recorded where some drift
+        skip |= {"test_split"} if not self.serving.test_split else set()  # a test split changes the training data
+        skip |= {"lying_validators"} if not self.validation.lying_validators else set()  # it changes the served round
+        skip |= set(_fields_of(self.versions))  # which versions devices install: never the weights or the selection
         capped = {"max_weight_ratio": values["max_weight_ratio"]} if values["max_weight_ratio"] else {}
         train, schedule = self.recipe_settings()
         recorded = self.aggregation.recorded(train, schedule, self.dp_settings(), method_class(self.method).averaging)

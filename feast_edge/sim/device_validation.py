@@ -11,13 +11,18 @@ tests both on the same held-out examples, as an agent answering a two-candidate 
 
 A client evaluates the variants its budget affords (an agent's ``--evaluate-up-to serving``); the routed slice it
 would receive holds exactly those variants' weights, so testing them on the global model gives the same counts.
+
+``--lying-validators K``: the first K of a permutation of the clients seeded by (seed, 17) report false counts, the
+lie the served-round rule is built to catch (bench/bench_served_round.py's "100-then-0"): every example right at their
+first validation, every one wrong after; their training is honest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from feast_edge.cache.variants import VariantCache
@@ -28,6 +33,19 @@ from feast_edge.run.average import loaded
 from feast_edge.run.loop import RoundRecord
 from feast_edge.sim.setup import Setup
 from feast_edge.space.supernet import Supernet
+
+_LIARS = 17  # seed stream (feast_edge.sim.growth's use 13-16)
+
+
+def lying_clients(client_ids: Sequence[str], count: int, seed: int) -> tuple[str, ...]:
+    """The ``count`` clients whose reported held-out figures are false (see the module docstring), sorted."""
+    order = np.random.default_rng([seed, _LIARS]).permutation(len(client_ids))
+    return tuple(sorted(client_ids[i] for i in order[:count]))
+
+
+def lie(counts: Sequence[tuple[int, int]], first: bool) -> list[tuple[int, int]]:
+    """A lying validator's report in place of its true ``counts``: all right at its ``first`` validation, else none."""
+    return [(n if first else 0, n) for _, n in counts]
 
 
 class InProcessValidation:
@@ -45,9 +63,13 @@ class InProcessValidation:
         device: str = "cpu",
         rule: str = DEFAULT_VAL_RULE,
         trained: Callable[[], Collection[int] | None] = lambda: None,
+        liars: Collection[str] = (),
     ) -> None:
         """``trained``: the cache indices of the variants every slice of which a release moved so far (secure
-        aggregation: a client is served the largest of those it affords); None: every variant."""
+        aggregation: a client is served the largest of those it affords); None: every variant. ``liars``: the clients
+        whose reports are false (see the module docstring)."""
+        self.liars = frozenset(liars)
+        self.first_lie: dict[str, int] = {}  # liar -> the step of its first validation
         self.setup, self.model, self.cache, self.budgets = setup, model, cache, budgets
         self.probes = [cache.entries[i] for i in probe_indices(len(cache), probes)]
         self.trained = trained
@@ -87,7 +109,7 @@ class InProcessValidation:
         self.targets = validation_targets(self.cache, self.probes, self.budgets.values(), trained=self.servable)
         self.model.eval()
         for client in cohort:
-            held_images, held_labels = self.setup.client_holdout(client)
+            held_images, held_labels = self.setup.client_holdout(client, t)
             if held_labels.numel() == 0:
                 continue
             images, labels = self.setup.client_data(client, t)
@@ -102,6 +124,8 @@ class InProcessValidation:
                 self.device,
                 train_labels=labels,
             )
+            if client in self.liars:
+                counts = lie(counts, first=self.first_lie.setdefault(client, t) == t)
             by_target = dict(zip(affordable, counts))
             reports[client] = [by_target.get(e, (0, 0)) for e in self.targets]
             self.mixes[client] = torch.bincount(held_labels, minlength=classes).tolist()

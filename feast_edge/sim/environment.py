@@ -1,11 +1,13 @@
 """The simulation's environment (feast_edge.run.environment): every client trains in process, its jobs take the time
 the virtual clock says (feast_edge.run.clock), secure sums are masked and unmasked in process, the clients'
-held-out splits validate where ``--validate-on devices``, and a cohort is drawn from the clients that have joined
-where they join over time (feast_edge.sim.growth)."""
+held-out splits validate where ``--validate-on devices``, a cohort is drawn from the clients that have joined
+where they join over time (feast_edge.sim.growth), and with ``--versions`` every change of the served round is a
+version the present devices install or refuse (feast_edge.sim.versions)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from feast_edge.run.clock import TimedRounds, VirtualClock
@@ -14,7 +16,9 @@ from feast_edge.run.environment import EVERYTHING, Plain
 from feast_edge.run.jobs import ClockJobs, Jobs
 from feast_edge.secagg.collector import in_process_secure_sums
 from feast_edge.sim.collect import InProcessCollector
+from feast_edge.sim.device_validation import lying_clients
 from feast_edge.sim.growth import Present
+from feast_edge.sim.versions import SimulatedVersions
 
 if TYPE_CHECKING:
     from feast_edge.run.loop import Validator
@@ -43,10 +47,12 @@ class SimulationEnvironment(Plain):
         steps: set[str],
         validator: Validator | None = None,
         clients: Clients | None = None,
+        out: str | Path | None = None,
     ) -> None:
         """``steps``: the model's parameters (what a device clips under central DP before masking); ``clients``: how
         the clients are reached (default: each trains in this process; ``--nproc``: spread over processes,
-        feast_edge.sim.distributed)."""
+        feast_edge.sim.distributed); ``out``: the run directory (--versions keeps versions.sqlite there; None: in
+        memory)."""
         self.setup, self.method, self.config, self.clock, self.steps = setup, method, config, clock, steps
         self._validator = validator
         self.clients = clients if clients is not None else InProcessCollector
@@ -54,6 +60,19 @@ class SimulationEnvironment(Plain):
         self.in_process: InProcessCollector | None = None  # the innermost: where each member trains (its on_start)
         self.rounds: TimedRounds | None = None
         self.step = 0  # the step the next cohort is drawn for: the releases so far (clients that join over time)
+        self.versions: SimulatedVersions | None = None
+        if config.versions.versions:
+            self.versions = SimulatedVersions(
+                setup,
+                method.model,
+                {cid: float(b) for cid, b in zip(setup.client_ids, setup.population.budgets)},
+                canary=config.versions.canary,
+                gated=config.versions.gated,
+                seed=config.seed,
+                calibration=config.validation.calib_samples,
+                out=out,
+                liars=lying_clients(setup.client_ids, config.validation.lying_validators, config.seed),
+            )
 
     def collector(self) -> Collector:
         self_reported = self.config.aggregation.max_weight_ratio > 0
@@ -84,3 +103,9 @@ class SimulationEnvironment(Plain):
         if self.rounds is not None:  # synchronous rounds go on from the clock of the last one
             self.rounds.now = (history[-1].clock or 0.0) if history else 0.0
         self.step = history[-1].round if history else 0  # 1-based: the step after the last one
+        if self.versions is not None:
+            self.versions.resumed()
+
+    def served(self, record: RoundRecord) -> None:
+        if self.versions is not None:
+            self.versions.served(record)

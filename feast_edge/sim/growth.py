@@ -13,12 +13,18 @@ first round.
               of them (--shard-start s0, --shard-growth r): a share s0 when it joins, r more each step after, until the
               whole shard. Which examples: a permutation of its training examples seeded by (seed, 14, i), so each
               step's are the last step's and more; they train in shard order, so a whole shard is exactly the shard.
+    drift     D clients (--drift-clients D), the first D of a permutation of the clients seeded by (seed, 15), reveal
+              their examples class after class: that permutation stably sorted by each example's rank in an order of
+              the classes seeded by (seed, 16, i), so the images a drifting shard grows by come from shifting classes.
+              Their held-out and test examples at step t are those of the classes they hold at t (what a device
+              whose photos change subject holds out of them); everyone else's stay whole.
 
 With everyone present and whole shards (the defaults) nothing here is built, and a run is what it was before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +36,7 @@ import torch
 from feast_edge.run.collect import Collected, Collector, Wrapped
 from feast_edge.settings.validated import RunError
 
-_ARRIVALS, _REVEAL = 13, 14  # seed streams (feast_edge.sim.setup's one-off draws use 11 and 12)
+_ARRIVALS, _REVEAL, _DRIFTING, _CLASS_ORDER = 13, 14, 15, 16  # seed streams (feast_edge.sim.setup's use 11, 12)
 _EPS = 1e-9  # a share times a count that is an integer in exact arithmetic stays that integer (0.3 · 10 is 3)
 
 
@@ -50,6 +56,12 @@ def join_steps(client_ids: Sequence[str], joined_at_start: float, join_rounds: i
     return dict(sorted(steps.items()))
 
 
+def drifting_clients(client_ids: Sequence[str], count: int, seed: int) -> tuple[str, ...]:
+    """The ``count`` clients whose class mix drifts (see the module docstring's drift), sorted."""
+    order = np.random.default_rng([seed, _DRIFTING]).permutation(len(client_ids))
+    return tuple(sorted(client_ids[i] for i in order[:count]))
+
+
 @dataclass(frozen=True)
 class Growth:
     """When each client joins and how much of its shard it sees at step ``t`` (see the module docstring)."""
@@ -59,6 +71,8 @@ class Growth:
     shard_start: float
     shard_growth: float
     seed: int
+    drifting: tuple[str, ...] = ()  # clients whose examples come class after class
+    until: int | None = None  # the population as it stood at this step from then on (None: it goes on changing)
 
     @classmethod
     def of(cls, population: Any, client_ids: Sequence[str], sizes: Sequence[int], seed: int) -> Growth:
@@ -70,23 +84,42 @@ class Growth:
             population.shard_start,
             population.shard_growth,
             seed,
+            drifting_clients(client_ids, population.drift_clients, seed),
         )
+
+    def frozen_at(self, t: int) -> Growth:
+        """This population as it stands at step ``t``, unchanged after it (a model retrained from scratch on the data
+        so far): who has joined and what each holds then."""
+        return dataclasses.replace(self, until=t)
+
+    def _step(self, t: int) -> int:
+        return t if self.until is None else min(t, self.until)
 
     def present(self, clients: Sequence[str], t: int) -> list[str]:
         """The ``clients`` that have joined by step ``t``."""
-        return [c for c in clients if self.joined[c] <= t]
+        return [c for c in clients if self.joined[c] <= self._step(t)]
 
     def visible(self, client: str, t: int) -> int:
         """v_i(t): how many of ``client``'s training examples it holds at step ``t`` (before it joins: its start)."""
         n = self.sizes[client]
-        share = min(1.0, self.shard_start + self.shard_growth * max(0, t - self.joined[client]))
+        share = min(1.0, self.shard_start + self.shard_growth * max(0, self._step(t) - self.joined[client]))
         return min(n, max(1, ceil_share(share, n)))
 
-    def revealed(self, client: str, index: int, t: int) -> torch.Tensor:
+    def revealed(self, client: str, index: int, t: int, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The positions (sorted, into ``client``'s training examples) it holds at step ``t``; ``index``: its place in
-        the population (the permutation's seed)."""
+        the population (the permutation's seed); ``labels``: its training examples' classes (a drifting client
+        reveals them class after class)."""
         order = np.random.default_rng([self.seed, _REVEAL, index]).permutation(self.sizes[client])
+        if client in self.drifting:
+            if labels is None:
+                raise ValueError(f"{client} drifts: its examples' labels say which come first")
+            ranks = np.argsort(self.class_order(index, int(labels.max()) + 1))
+            order = order[np.argsort(ranks[labels.numpy()[order]], kind="stable")]
         return torch.from_numpy(np.sort(order[: self.visible(client, t)]))
+
+    def class_order(self, index: int, classes: int) -> np.ndarray:
+        """The order a drifting client's classes come in (``index``: its place in the population)."""
+        return np.random.default_rng([self.seed, _CLASS_ORDER, index]).permutation(classes)
 
     def counts(self, t: int) -> tuple[int, int]:
         """(clients present, training examples they hold) at step ``t``: what a round's record reports."""
@@ -100,6 +133,7 @@ class Growth:
             "shard_start": self.shard_start,
             "shard_growth": self.shard_growth,
             "training_examples": dict(self.sizes),
+            **({"drifting": list(self.drifting)} if self.drifting else {}),
         }
 
 
@@ -140,6 +174,8 @@ def over_time_checks(population: Any) -> list[tuple[bool, str]]:
          "absent at round 1 join over R rounds (e.g. --joined-at-start 0.25 --join-rounds 20)")),
         (not pop.shard_growth or pop.shard_start < 1, (f"--shard-growth {pop.shard_growth} grows shards that start "
          "partial: give --shard-start below 1 (e.g. 0.2)")),
+        (not pop.drift_clients or pop.shard_start < 1, (f"--drift-clients {pop.drift_clients} drifts the images "
+         "shards grow by: give --shard-start below 1 and --shard-growth (e.g. 0.2 and 0.05)")),
     ]  # fmt: skip
 
 

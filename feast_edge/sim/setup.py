@@ -33,6 +33,7 @@ __all__ = ["DEFAULT_HOLDOUT", "VALIDATE_ON", "Setup", "SimulationConfig", "Simul
 # Stream tags of the one-off random draws (rounds use feast_edge.run.cohort's streams).
 _SPLIT, _POPULATION = 11, 12
 HOLDOUT_SEED = 0  # the seed of each client's held-out split: the device agent's (LocalClient.with_holdout)
+TEST_SEED = 1  # the seed of each client's test split (simulation only: set apart before the held-out split)
 
 
 def _rng(seed: int, tag: int) -> np.random.Generator:
@@ -54,6 +55,7 @@ class Setup:
     client_ids: list[str]
     plans: dict[str, Any] = field(default_factory=dict)
     holdout: float = 0.0  # each client's held-out share of its shard (config.serving.holdout): never trains
+    test_split: float = 0.0  # each client's test share of its shard (config.serving.test_split), set apart first
     growth: Growth | None = None  # clients that join and shards that grow (None: everyone, whole shards, from round 1)
 
     def _index(self, client_id: str) -> torch.Tensor:
@@ -64,28 +66,55 @@ class Setup:
         index = self._index(client_id)
         return self.train_set.images[index], self.train_set.labels[index]
 
+    def _parts(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(training, held-out, test) positions into a shard of ``labels``: the test split first (``test_split``, per
+        class), then the held-out split of the rest (so without a test split, exactly the held-out split it was)."""
+        rest, test = torch.arange(len(labels)), torch.zeros(0, dtype=torch.long)
+        if self.test_split:
+            rest, test = holdout_split(labels, self.test_split, TEST_SEED)
+        train, held = holdout_split(labels[rest], self.holdout, HOLDOUT_SEED)
+        return rest[train], rest[held], test
+
     def client_data(self, client_id: str, t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The client's training examples: its shard, less its held-out split when ``holdout`` > 0; at step ``t``,
-        those it holds then where shards grow (feast_edge.sim.growth; None: all of them)."""
+        """The client's training examples: its shard, less its held-out split when ``holdout`` > 0 (and its test
+        split when ``test_split`` > 0); at step ``t``, those it holds then where shards grow (feast_edge.sim.growth;
+        None: all of them)."""
         images, labels = self._shard(client_id)
-        if self.holdout:
-            train, _ = holdout_split(labels, self.holdout, HOLDOUT_SEED)
+        if self.holdout or self.test_split:
+            train = self._parts(labels)[0]
             images, labels = images[train], labels[train]
         if t is None or self.growth is None:
             return images, labels
-        shown = self.growth.revealed(client_id, self.client_ids.index(client_id), t)
+        shown = self.growth.revealed(client_id, self.client_ids.index(client_id), t, labels)
         return images[shown], labels[shown]
 
     def training_size(self, client_id: str) -> int:
-        """How many training examples the client's whole shard holds (its held-out split aside)."""
+        """How many training examples the client's whole shard holds (its held-out and test splits aside)."""
         labels = self.train_set.labels[self._index(client_id)]
-        return len(labels) if not self.holdout else len(holdout_split(labels, self.holdout, HOLDOUT_SEED)[0])
+        return len(labels) if not (self.holdout or self.test_split) else len(self._parts(labels)[0])
 
-    def client_holdout(self, client_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The client's own held-out examples (none when ``holdout`` is 0): the device agent's split of its shard."""
+    def client_holdout(self, client_id: str, t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's own held-out examples (none when ``holdout`` is 0): the device agent's split of its shard; at
+        step ``t``, of a client whose class mix drifts, those of the classes it holds then."""
         images, labels = self._shard(client_id)
-        _, held = holdout_split(labels, self.holdout, HOLDOUT_SEED)
-        return images[held], labels[held]
+        held = self._parts(labels)[1]
+        return self._of_classes_held(client_id, t, images[held], labels[held])
+
+    def client_test(self, client_id: str, t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's test examples (none when ``test_split`` is 0): never trained, validated or gated on; at step
+        ``t``, of a client whose class mix drifts, those of the classes it holds then."""
+        images, labels = self._shard(client_id)
+        test = self._parts(labels)[2]
+        return self._of_classes_held(client_id, t, images[test], labels[test])
+
+    def _of_classes_held(
+        self, client_id: str, t: int | None, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if t is None or self.growth is None or client_id not in self.growth.drifting:
+            return images, labels
+        held = torch.unique(self.client_data(client_id, t)[1])
+        keep = torch.isin(labels, held)
+        return images[keep], labels[keep]
 
     def calibration_images(self) -> torch.Tensor:
         """The server-held BN-calibration images (method §8), in their fixed order."""
@@ -176,6 +205,7 @@ def build_setup(config: SimulationConfig) -> Setup:
         population,
         ids,
         holdout=config.serving.holdout,
+        test_split=config.serving.test_split,
     )
     setup.plans = {cid: plan_client(cache, float(b)) for cid, b in zip(ids, population.budgets)}
     if config.population.over_time:

@@ -38,7 +38,7 @@ from feast_edge.run.roundlog import ROUNDS_CSV, RoundLog, write_rounds_csv
 from feast_edge.run.stages.released import released_of
 from feast_edge.settings import SettingsError, flat
 from feast_edge.settings.run_concerns import RunConcerns
-from feast_edge.sim.device_validation import InProcessValidation
+from feast_edge.sim.device_validation import InProcessValidation, lying_clients
 from feast_edge.sim.environment import Clients, SimulationEnvironment
 from feast_edge.sim.population import Population
 from feast_edge.sim.registry import method_class
@@ -116,6 +116,7 @@ class Simulation:
             parameter_names(self.model),
             validator=self._device_validation() if on_devices else None,
             clients=clients,
+            out=self.out,
         )
         host = HostParts(
             self.model,
@@ -154,6 +155,7 @@ class Simulation:
             calibration=c.validation.calib_samples,
             device=c.device,
             trained=lambda: self.trained(),
+            liars=lying_clients(s.client_ids, c.validation.lying_validators, c.seed),
         )
 
     def trained(self, extra: Mapping[str, Any] | None = None) -> frozenset[int] | None:
