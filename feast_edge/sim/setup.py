@@ -23,7 +23,8 @@ from feast_edge.data.images import DataError, ImageSet
 from feast_edge.data.sources import load_dataset
 from feast_edge.local.precision import set_deterministic
 from feast_edge.route.plans import plan_client
-from feast_edge.sim.config import DEFAULT_HOLDOUT, VALIDATE_ON, SimulationConfig, SimulationError
+from feast_edge.sim.concerns import DEFAULT_HOLDOUT, VALIDATE_ON
+from feast_edge.sim.config import SimulationConfig, SimulationError
 from feast_edge.sim.growth import Growth
 from feast_edge.sim.population import Population, build_population, server_split, zipf_population
 from feast_edge.space.preset import Preset, load_preset

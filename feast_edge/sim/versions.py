@@ -25,7 +25,6 @@ with them and is refused.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from feast_edge.sim.setup import Setup
 from feast_edge.space.extract import extract
 from feast_edge.space.static import StaticResNet
 from feast_edge.space.supernet import Supernet
-from feast_edge.versions.book import FILENAME, OFFERED, VersionBook
+from feast_edge.versions.book import FILENAME, OFFERED, VersionBook, weights_digest
 from feast_edge.versions.canary import draw_canaries, judge_canaries
 from feast_edge.versions.gate import FIRST, UNGATED, Verdict, from_counts, judge
 
@@ -87,15 +86,6 @@ def measured_accuracy(setup: Setup, network: StaticResNet, device: str, t: int) 
     return float(outcomes(network, images, labels, setup).float().mean()) if labels.numel() else None
 
 
-def weights_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 of the model's tensors in state-dict order."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 class SimulatedVersions:
     """The simulation's devices as version holders (see the module docstring); ``served(record)`` is the loop's
     hook."""
@@ -136,7 +126,7 @@ class SimulatedVersions:
         version = self.book.add(
             round=record.round,
             reason=str(record.validation.get("served_reason") or f"round {record.round} served"),
-            weights_sha256=weights_sha256(self.model),
+            weights_sha256=weights_digest(self.model.state_dict()),
             state="canary" if canaries else "direct",
             canaries=canaries,
             average_of=tuple(record.average_of) if record.average_of else None,  # type: ignore[arg-type]
