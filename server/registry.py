@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from feast_edge.util.sqlite import open_database
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS devices (
     device_id   TEXT PRIMARY KEY,
@@ -34,7 +36,6 @@ CREATE TABLE IF NOT EXISTS devices (
     metrics     TEXT NOT NULL DEFAULT '{}',
     precision   TEXT NOT NULL DEFAULT 'fp32'
 );
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 SCHEMA_VERSION = "1"
 # Columns added since: (name, definition). A registry written before gains them when opened for writing; read-only,
@@ -71,23 +72,14 @@ class Registry:
         """Open (creating it if needed) the registry; ``readonly`` opens an existing one without writing anything."""
         self.path = Path(path)
         self._lock = threading.Lock()
+        self._db = open_database(self.path, SCHEMA, SCHEMA_VERSION, readonly)
         if readonly:
-            self._db = sqlite3.connect(
-                f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=10.0
-            )
-            self._db.row_factory = sqlite3.Row
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10.0)
-        self._db.row_factory = sqlite3.Row
         with self._lock, self._db:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(SCHEMA)
             present = {row["name"] for row in self._db.execute("PRAGMA table_info(devices)")}
             for name, definition in ADDED_COLUMNS:
                 if name not in present:
                     self._db.execute(f"ALTER TABLE devices ADD COLUMN {name} {definition}")
-            self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema', ?)", (SCHEMA_VERSION,))
 
     def close(self) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from feast_edge.util.sqlite import open_database
 from feast_edge.versions.gate import DECISIONS, FIRST, INSTALLED, ROLLED_BACK, UNGATED, Verdict, from_counts
 
 FILENAME = "versions.sqlite"
@@ -60,7 +61,6 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_device ON events (device, id);
 CREATE INDEX IF NOT EXISTS events_version ON events (version, id);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 SCHEMA_VERSION = "1"
 
@@ -126,22 +126,7 @@ class VersionBook:
     def __init__(self, path: str | Path, readonly: bool = False) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
-        if readonly:
-            self._db = sqlite3.connect(
-                f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=10.0
-            )
-        else:
-            if str(path) != ":memory:":
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=10.0)
-        self._db.row_factory = sqlite3.Row
-        if readonly:
-            return
-        with self._lock, self._db:
-            if str(path) != ":memory:":
-                self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(SCHEMA)
-            self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        self._db = open_database(path, SCHEMA, SCHEMA_VERSION, readonly)
 
     def close(self) -> None:
         with self._lock:
