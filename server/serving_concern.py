@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from feast_edge.evaluate.coverage import SERVING_RULES
 from feast_edge.settings import Concern
 from feast_edge.settings.nested import check, setting
+from feast_edge.settings.shared import CANARY
 from feast_edge.versions.canary import DEFAULT_SHARE
 
 SERVED_PRECISIONS = ("auto", "fp32", "int8")  # --precision: auto = the precision each device registered
@@ -39,8 +40,7 @@ class Serving(Concern):
         DEFAULT_SHARE,
         min=0,
         max=1,
-        help="Share of the devices a new version goes to first, one per budget tier at least; the rest get it unless "
-        'they regress (0: all at once; docs/server.md, "Versions, canaries and installs").',
+        help=CANARY,
     )
 
     def __post_init__(self) -> None:

@@ -18,3 +18,9 @@ ROUND_TIMEOUT = Help(
     simulation="In a simulation, virtual seconds on its clock (0: wait for the slowest).",
     server="On a server, wall-clock seconds.",
 )
+CANARY = Help(
+    "Share of the devices a new served version goes to first, at least one per budget tier; the others get it only "
+    "if these canaries do not regress (0: every device at once).",
+    simulation="In a simulation, with --versions.",
+    server='On a server, with --continuous (docs/server.md, "Versions, canaries and installs").',
+)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from feast_edge.settings.nested import Concern, check, setting
+from feast_edge.settings.shared import CANARY
 from feast_edge.versions.canary import DEFAULT_SHARE
 
 INSTALL_GATES = ("on", "off")  # --install-gate
@@ -27,8 +28,7 @@ class ModelVersions(Concern):
         DEFAULT_SHARE,
         min=0.0,
         max=1.0,
-        help="With --versions: the share of the present devices a new version goes to first, at least one per budget "
-        "tier (0: no canaries, every device is offered it at once).",
+        help=CANARY,
     )
     install_gate: str = setting(
         "on",

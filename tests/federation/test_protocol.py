@@ -29,6 +29,7 @@ from feast_edge.protocol import (
     SecAggShares,
     SecAggUnmask,
     Update,
+    VersionReport,
 )
 from feast_edge.transport.errors import ProtocolError
 from feast_edge.transport.frames import describe
@@ -84,6 +85,18 @@ EXAMPLES = [
     Metrics(**COMMON, values={"accuracy": 0.5}),
     Declined(**COMMON, routed="t1", reason="training diverged (loss nan, or non-finite weights)"),
     ModelRequest(**COMMON),
+    VersionReport(
+        **COMMON,
+        version=3,
+        decision="refused",
+        running=2,
+        examples=50,
+        new_correct=30,
+        old_correct=40,
+        new_only=2,
+        old_only=12,
+        reason="",
+    ),  # fmt: skip
     ModelReady(**COMMON, transfer=INFO, manifest={"macs": 24957968}),
     Finished(**COMMON, rounds=10, completed=10, instance="a1b2", model=True),
     SecAggKeys(**COMMON, routed="t0", c_key="ab" * 32, s_key="cd" * 32),
