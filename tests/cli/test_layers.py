@@ -243,3 +243,18 @@ def test_no_module_is_much_over_400_lines(modules: dict[str, Module]) -> None:
     assert not long, f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(
         f"{path}: {n} lines" for n, path in reversed(long)
     )
+
+
+def test_every_package_folder_is_in_the_wheel() -> None:
+    """A folder of modules that pyproject.toml's package list forgets is missing from the wheel (its imports fail only
+    where the package is installed, not in this checkout)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join((PACKAGES[folder.relative_to(REPO).parts[0]], *folder.relative_to(REPO).parts[1:]))
+        for source in PACKAGES
+        for folder in [REPO / source, *(p.parent for p in (REPO / source).rglob("__init__.py"))]
+        if (folder / "__init__.py").is_file() and "__pycache__" not in folder.parts
+    }
+    assert found - listed == set(), f"add them to [tool.setuptools] packages: {sorted(found - listed)}"
