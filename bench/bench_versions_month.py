@@ -9,8 +9,8 @@ on the fmnist-small preset, ``--clients`` devices in four budget tiers (2M, 6M, 
 with a Dirichlet shard of a ``--train-limit`` pool of which 20 % is its test split (``--test-split``: never trained,
 validated or gated on) and 15 % of the rest its held-out split. A virtual day is ``--rounds-per-day`` rounds of
 ``--per-round`` devices; the devices validate once a day (``--eval-every`` = a day's rounds), so the served round and
-with it the version changes at most daily. Population over time (feast_edge.sim.growth): 80 % of the devices present
-on day 1, the others joining one a week (``--join-rounds`` = the month's rounds); each folder holds 20 % of its
+with it the version changes at most daily. Population over time (feast_edge.sim.growth): every device present on day
+1 but one for each later week, which joins at that week's start (days 8, 15 and 22 of 28); each folder holds 20 % of its
 training images when its device joins and grows by 80 % of them over the month (``--shard-growth``), so that a device
 gains about 0.8 n / days images a day (n: its training images, reported); one device drifts (``--drift-clients 1``:
 the images it gains come class after class) and one lies (``--lying-validators 1``: its held-out figures are 100 %
@@ -76,6 +76,9 @@ def say(text: str) -> None:
 
 def config(args: argparse.Namespace, **changes: object) -> SimulationConfig:
     rounds = args.days * args.rounds_per_day
+    # One device joins at the start of each week after the first (days 8, 15, 22 of a 28-day month): the last of
+    # the L late ones at the start of the last week.
+    late = max(1, args.days // args.week - 1)
     budgets = tuple(TIERS[i * len(TIERS) // args.clients] for i in range(args.clients))
     base = dict(  # noqa: C408 (the settings by key, as SimulationConfig.of takes them)
         data_dir=str(FASHION_MNIST_DIR),
@@ -95,8 +98,8 @@ def config(args: argparse.Namespace, **changes: object) -> SimulationConfig:
         eval_every=args.rounds_per_day,
         rounds=rounds,
         continuous=True,
-        joined_at_start=0.8,
-        join_rounds=rounds,
+        joined_at_start=(args.clients - late) / args.clients,
+        join_rounds=late * args.week * args.rounds_per_day,
         shard_start=0.2,
         shard_growth=0.8 / rounds,
         drift_clients=1,
