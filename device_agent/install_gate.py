@@ -241,8 +241,9 @@ def _verdict(
         return None, NO_VERSION
     if unusable:  # a model that cannot classify this device's examples is no version it can run
         return Verdict(False, REFUSED), f"refused: it cannot run on this device's held-out examples ({unusable})"
-    if current is None:
-        verdict = Verdict(True, FIRST)
+    if current is None:  # nothing to compare with: its held-out accuracy alone (what the device runs from now)
+        right = 0 if new is None else int(new.sum())
+        verdict = Verdict(True, FIRST, 0 if new is None else int(new.size), right, 0, right, 0)
         return verdict, verdict.words()
     if new is None:
         return Verdict(True, INSTALLED), "installed: not compared, this device has no held-out split (--holdout)"

@@ -55,6 +55,11 @@ class Verdict:
 
     def words(self) -> str:
         """``installed: 71.2% vs 69.0% running, paired on 500 held-out examples (...)``."""
+        if self.decision == FIRST and self.examples:
+            return (
+                f"installed: the device ran no model ({100 * self.new_correct / self.examples:.1f}% on its "
+                f"{self.examples} held-out examples)"
+            )
         if not self.examples:
             return {
                 FIRST: "installed: the device ran no model",
